@@ -1,0 +1,460 @@
+//! The envelope and the payload of every event in the pipeline.
+//!
+//! On the wire an event is one MessagePack map with field names:
+//!
+//! ```text
+//! { "id": "…", "kind": "ingest.requested", "schema": 1, "occurred_at": "2026-11-29T20:00:00Z",
+//!   "project": "lab-a", "correlation_id": "…", "causation_id": null, "payload": { … } }
+//! ```
+//!
+//! `kind` selects the shape of `payload`. Readers ignore fields they do not know; new fields
+//! are added only as optional (`#[serde(default)]`), never renamed or retyped.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::id::EventId;
+use crate::manifest::FileRef;
+
+/// The schema version this crate writes. Readers accept any version ≤ this one.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One event: the envelope fields and a kind-tagged payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Deterministic id; also the `Nats-Msg-Id` (see [`crate::id`]).
+    pub id: EventId,
+    /// Version of the contract the producer wrote.
+    pub schema: u32,
+    /// When the fact became true (RFC 3339, UTC).
+    #[serde(with = "time::serde::rfc3339")]
+    pub occurred_at: OffsetDateTime,
+    /// The project (tenant) the data belongs to; a subject token.
+    pub project: String,
+    /// The id of the request that started this chain (a request's own id for a request).
+    pub correlation_id: EventId,
+    /// The id of the event that directly caused this one (none for a request).
+    #[serde(default)]
+    pub causation_id: Option<EventId>,
+    /// `kind` and `payload`.
+    #[serde(flatten)]
+    pub body: Body,
+}
+
+/// The kind of an event and its payload. Serialised as two envelope fields, `kind` and
+/// `payload`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "payload")]
+#[non_exhaustive]
+pub enum Body {
+    #[serde(rename = "ingest.requested")]
+    IngestRequested(IngestRequested),
+    #[serde(rename = "dataset.validated")]
+    DatasetValidated(DatasetValidated),
+    #[serde(rename = "dataset.rejected")]
+    DatasetRejected(DatasetRejected),
+    #[serde(rename = "dataset.prepared")]
+    DatasetPrepared(DatasetPrepared),
+    #[serde(rename = "stage.requested")]
+    StageRequested(StageRequested),
+    #[serde(rename = "stage.released")]
+    StageReleased(StageReleased),
+    #[serde(rename = "stage.ready")]
+    StageReady(StageReady),
+    #[serde(rename = "stage.failed")]
+    StageFailed(StageFailed),
+    #[serde(rename = "replica.created")]
+    ReplicaCreated(ReplicaCreated),
+    #[serde(rename = "replica.removed")]
+    ReplicaRemoved(ReplicaRemoved),
+    #[serde(rename = "checkpoint.committed")]
+    CheckpointCommitted(CheckpointCommitted),
+    #[serde(rename = "checkpoint.demoted")]
+    CheckpointDemoted(CheckpointDemoted),
+    #[serde(rename = "checkpoint.expired")]
+    CheckpointExpired(CheckpointExpired),
+    #[serde(rename = "backup.completed")]
+    BackupCompleted(BackupCompleted),
+    #[serde(rename = "restore.verified")]
+    RestoreVerified(RestoreVerified),
+    #[serde(rename = "restore.failed")]
+    RestoreFailed(RestoreFailed),
+    #[serde(rename = "dead.letter")]
+    DeadLetter(DeadLetter),
+}
+
+/// Every kind, in a fixed order, as written on the wire.
+pub const ALL_KINDS: &[&str] = &[
+    "ingest.requested",
+    "dataset.validated",
+    "dataset.rejected",
+    "dataset.prepared",
+    "stage.requested",
+    "stage.released",
+    "stage.ready",
+    "stage.failed",
+    "replica.created",
+    "replica.removed",
+    "checkpoint.committed",
+    "checkpoint.demoted",
+    "checkpoint.expired",
+    "backup.completed",
+    "restore.verified",
+    "restore.failed",
+    "dead.letter",
+];
+
+impl Body {
+    /// The wire name of this kind, e.g. `"dataset.validated"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Body::IngestRequested(_) => "ingest.requested",
+            Body::DatasetValidated(_) => "dataset.validated",
+            Body::DatasetRejected(_) => "dataset.rejected",
+            Body::DatasetPrepared(_) => "dataset.prepared",
+            Body::StageRequested(_) => "stage.requested",
+            Body::StageReleased(_) => "stage.released",
+            Body::StageReady(_) => "stage.ready",
+            Body::StageFailed(_) => "stage.failed",
+            Body::ReplicaCreated(_) => "replica.created",
+            Body::ReplicaRemoved(_) => "replica.removed",
+            Body::CheckpointCommitted(_) => "checkpoint.committed",
+            Body::CheckpointDemoted(_) => "checkpoint.demoted",
+            Body::CheckpointExpired(_) => "checkpoint.expired",
+            Body::BackupCompleted(_) => "backup.completed",
+            Body::RestoreVerified(_) => "restore.verified",
+            Body::RestoreFailed(_) => "restore.failed",
+            Body::DeadLetter(_) => "dead.letter",
+        }
+    }
+
+    /// Whether this kind is a request (asks for work) rather than a fact (says what happened).
+    pub fn is_request(&self) -> bool {
+        matches!(
+            self,
+            Body::IngestRequested(_) | Body::StageRequested(_) | Body::StageReleased(_)
+        )
+    }
+
+    /// The dataset this event concerns, when it concerns one (for spans and subjects).
+    pub fn dataset(&self) -> Option<&str> {
+        match self {
+            Body::IngestRequested(p) => Some(&p.dataset),
+            Body::DatasetValidated(p) => Some(&p.dataset),
+            Body::DatasetRejected(p) => Some(&p.dataset),
+            Body::DatasetPrepared(p) => Some(&p.dataset),
+            Body::StageRequested(p) => Some(&p.dataset),
+            Body::StageReleased(p) => Some(&p.dataset),
+            Body::StageReady(p) => Some(&p.dataset),
+            Body::StageFailed(p) => Some(&p.dataset),
+            Body::ReplicaCreated(p) => Some(&p.dataset),
+            Body::ReplicaRemoved(p) => Some(&p.dataset),
+            Body::BackupCompleted(p) => Some(&p.dataset),
+            Body::RestoreVerified(p) => Some(&p.dataset),
+            Body::RestoreFailed(p) => Some(&p.dataset),
+            Body::CheckpointCommitted(_)
+            | Body::CheckpointDemoted(_)
+            | Body::CheckpointExpired(_)
+            | Body::DeadLetter(_) => None,
+        }
+    }
+}
+
+impl Event {
+    /// A new request: its own correlation id, no cause.
+    pub fn request(id: EventId, project: impl Into<String>, body: Body) -> Self {
+        Self {
+            correlation_id: id.clone(),
+            id,
+            schema: SCHEMA_VERSION,
+            occurred_at: now(),
+            project: project.into(),
+            causation_id: None,
+            body,
+        }
+    }
+
+    /// The fact that `step` of handling `self` produced, with a derived id.
+    pub fn caused(&self, step: &str, body: Body) -> Event {
+        Event {
+            id: EventId::derive(&self.id, step),
+            schema: SCHEMA_VERSION,
+            occurred_at: now(),
+            project: self.project.clone(),
+            correlation_id: self.correlation_id.clone(),
+            causation_id: Some(self.id.clone()),
+            body,
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        self.body.kind()
+    }
+}
+
+/// Now, truncated to whole microseconds so that encode → decode round-trips exactly.
+pub fn now() -> OffsetDateTime {
+    let now = OffsetDateTime::now_utc();
+    now.replace_nanosecond(now.nanosecond() / 1_000 * 1_000)
+        .unwrap_or(now)
+}
+
+/// Where a dataset's bytes are: a tier declared in `policies/` and a prefix beneath its root.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Location {
+    /// Tier name, as declared in the tier policy (`source`, `hot`, `capacity`, …).
+    pub tier: String,
+    /// Relative prefix beneath the tier root under which the manifest paths live; empty for the
+    /// root itself.
+    #[serde(default)]
+    pub prefix: String,
+}
+
+/// A lab uploader asks for a dataset to be validated and recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IngestRequested {
+    /// Dataset name, unique within the project.
+    pub dataset: String,
+    /// Where the uploaded files are.
+    pub source: Location,
+    /// Every file, with size and SHA-256 as the uploader computed them.
+    pub files: Vec<FileRef>,
+    /// Who uploaded (a user or service account name).
+    pub requested_by: String,
+    /// Free-form labels (`modality=image`, `licence=cc-by`).
+    #[serde(default)]
+    pub labels: Vec<(String, String)>,
+}
+
+/// Every byte of an ingest request was read, hashed and found as declared and within policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DatasetValidated {
+    pub dataset: String,
+    /// The version digest ([`crate::manifest::version_digest`]).
+    pub version: String,
+    pub source: Location,
+    pub files: Vec<FileRef>,
+    pub total_bytes: u64,
+    pub requested_by: String,
+    /// The ingest request this validation answers.
+    pub request_id: EventId,
+    #[serde(default)]
+    pub labels: Vec<(String, String)>,
+}
+
+/// One thing wrong with an ingest request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    /// A stable machine code: `path_rule`, `missing`, `size_mismatch`, `checksum_mismatch`,
+    /// `duplicate_path`, `symlink_escape`, `not_a_file`, `too_large`, `too_many_entries`,
+    /// `suffix_denied`, `suffix_not_allowed`, `bad_sha256`, `unreadable`, `unknown_tier`.
+    pub code: String,
+    /// The manifest path concerned, when the problem is about one file.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// What is wrong, for a person.
+    pub detail: String,
+}
+
+/// An ingest request failed validation; `problems` lists every reason, not just the first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DatasetRejected {
+    pub dataset: String,
+    pub source: Location,
+    /// Digest of the manifest as declared (even though it did not verify).
+    pub declared_version: String,
+    pub requested_by: String,
+    pub request_id: EventId,
+    pub problems: Vec<Problem>,
+    /// Where the rejected upload was quarantined or marked; the upload is never deleted.
+    #[serde(default)]
+    pub quarantine: Option<String>,
+}
+
+/// A derived version (resharded into tar shards) was written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DatasetPrepared {
+    pub dataset: String,
+    /// The derived version's digest (over its shard manifest).
+    pub version: String,
+    /// The version it was derived from.
+    pub derived_from: String,
+    pub location: Location,
+    /// The shards and the shard index.
+    pub files: Vec<FileRef>,
+    pub total_bytes: u64,
+    /// Packing layout, e.g. `webdataset`.
+    pub layout: String,
+    /// Number of samples across all shards.
+    pub samples: u64,
+    /// The shuffle seed.
+    pub seed: u64,
+}
+
+/// A scheduler plugin asks for a dataset version on a tier for a job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageRequested {
+    pub dataset: String,
+    /// A version digest, or a unique prefix of one (at least 12 characters).
+    pub version: String,
+    /// Target tier (a `hot` or `local` role tier).
+    pub tier: String,
+    /// The scheduler's job id (Slurm job id, Kubernetes pod uid).
+    pub job_id: String,
+    pub requested_by: String,
+    /// When the job stops waiting; the promoter answers `stage.failed` after it.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub deadline: Option<OffsetDateTime>,
+}
+
+/// A job no longer needs its staged data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageReleased {
+    pub dataset: String,
+    pub version: String,
+    pub tier: String,
+    pub job_id: String,
+}
+
+/// A staged replica is complete and verified; the job may start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageReady {
+    pub dataset: String,
+    pub version: String,
+    pub location: Location,
+    pub job_id: String,
+    /// The stage request this answers.
+    pub request_id: EventId,
+}
+
+/// Staging failed; the job must not start, and this says why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageFailed {
+    pub dataset: String,
+    pub version: String,
+    pub tier: String,
+    pub job_id: String,
+    pub request_id: EventId,
+    pub reason: String,
+    /// Whether asking again later can succeed.
+    pub retryable: bool,
+}
+
+/// A verified copy of a dataset version now exists on a tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaCreated {
+    pub dataset: String,
+    pub version: String,
+    pub location: Location,
+    pub files: u64,
+    pub total_bytes: u64,
+    /// How the copy was proven: `read-back`, `hashed-in-flight`, `s3-checksum`.
+    pub verified_by: String,
+}
+
+/// A replica was removed (demoted, expired, drained).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaRemoved {
+    pub dataset: String,
+    pub version: String,
+    pub location: Location,
+    pub reason: String,
+}
+
+/// A training run wrote a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointCommitted {
+    /// Training run name.
+    pub run: String,
+    pub step: u64,
+    pub location: Location,
+    pub files: Vec<FileRef>,
+    pub total_bytes: u64,
+    /// Tags that retention honours (`keep`, `best`, `release`).
+    #[serde(default)]
+    pub tags: Vec<String>,
+}
+
+/// A checkpoint was moved to a lower tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointDemoted {
+    pub run: String,
+    pub step: u64,
+    pub from: Location,
+    pub to: Location,
+    pub total_bytes: u64,
+}
+
+/// A checkpoint was removed by retention.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointExpired {
+    pub run: String,
+    pub step: u64,
+    pub location: Location,
+    /// The retention rule that allowed it (`keep_last`, `keep_every`, …).
+    pub rule: String,
+}
+
+/// A dataset version was copied to the backup tier and verified.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackupCompleted {
+    pub dataset: String,
+    pub version: String,
+    pub location: Location,
+    pub files: u64,
+    pub total_bytes: u64,
+}
+
+/// A restore drill read back a sample from backup and it verified.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreVerified {
+    pub dataset: String,
+    pub version: String,
+    pub location: Location,
+    pub sampled_files: u64,
+    pub sampled_bytes: u64,
+}
+
+/// A restore drill failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreFailed {
+    pub dataset: String,
+    pub version: String,
+    pub location: Location,
+    pub problems: Vec<Problem>,
+}
+
+/// One failed attempt at handling a message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attempt {
+    /// Delivery count of the attempt (1 for the first).
+    pub delivery: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub at: OffsetDateTime,
+    pub error: String,
+    pub permanent: bool,
+}
+
+/// A message a service gave up on: its original bytes and headers, why, and how often it tried.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    /// The service (consumer) that gave up.
+    pub service: String,
+    pub stream: String,
+    pub consumer: String,
+    pub stream_sequence: u64,
+    pub subject: String,
+    /// Deliveries made before giving up.
+    pub delivered: u64,
+    /// The message body exactly as received.
+    #[serde(with = "serde_bytes")]
+    pub original: Vec<u8>,
+    /// The message headers as received (name, value), in order.
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    /// Every recorded failed attempt, oldest first.
+    pub errors: Vec<Attempt>,
+    /// The original event's id, if it decoded far enough to have one.
+    #[serde(default)]
+    pub original_id: Option<EventId>,
+}

@@ -1,0 +1,36 @@
+//! The Stagehand event contract: event types, their wire format, ids, subjects and streams.
+//!
+//! Every service and every producer outside Rust follows this crate. The JSON Schemas and
+//! examples under `schemas/json/` and `schemas/examples/` are the same contract for Python,
+//! Go or Lua producers; tests keep them in step with these types.
+//!
+//! ```
+//! use stagehand_schemas::{Body, Event, EventId, FileRef, IngestRequested, Location, wire};
+//!
+//! let files = vec![FileRef::new("a.txt", 3, stagehand_schemas::sha256_hex(b"abc"))];
+//! let request = Event::request(
+//!     EventId::new("upload-1").unwrap(),
+//!     "lab-a",
+//!     Body::IngestRequested(IngestRequested {
+//!         dataset: "cats".into(),
+//!         source: Location { tier: "source".into(), prefix: "uploads/cats".into() },
+//!         files,
+//!         requested_by: "alice".into(),
+//!         labels: vec![],
+//!     }),
+//! );
+//! let bytes = wire::encode(&request).unwrap();
+//! assert_eq!(wire::decode(&bytes).unwrap(), request);
+//! ```
+
+pub mod event;
+pub mod id;
+pub mod manifest;
+pub mod path;
+pub mod subject;
+pub mod wire;
+
+pub use event::*;
+pub use id::{BadEventId, EventId};
+pub use manifest::{FileRef, FileRefError, is_sha256_hex, sha256_hex, total_bytes, version_digest};
+pub use path::{PathError, RelPath, check_relative_path};

@@ -1,0 +1,113 @@
+//! Subjects and streams: where each event is published and kept.
+//!
+//! Subjects are `stagehand.<class>.<kind>.<project>` where `class` is `req` for requests,
+//! `fact` for facts and `dlq` for dead letters, e.g. `stagehand.req.ingest.requested.lab-a` and
+//! `stagehand.fact.dataset.validated.lab-a`. The project is the last token so that NATS
+//! permissions can confine an uploader to `stagehand.req.ingest.requested.<its project>`.
+
+use std::time::Duration;
+
+use crate::event::Body;
+
+/// Prefix of every Stagehand subject.
+pub const ROOT: &str = "stagehand";
+
+/// Whether `s` can be a single subject token naming a project or service: 1–64 of `[a-z0-9_-]`.
+pub fn is_subject_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
+}
+
+/// The subject an event of this body and project is published on.
+pub fn subject_for(body: &Body, project: &str) -> String {
+    let class = match body {
+        Body::DeadLetter(_) => "dlq",
+        b if b.is_request() => "req",
+        _ => "fact",
+    };
+    format!("{ROOT}.{class}.{}.{project}", body.kind())
+}
+
+/// The subject filter for one kind across all projects, e.g. `stagehand.req.ingest.requested.*`.
+pub fn kind_filter(class: &str, kind: &str) -> String {
+    format!("{ROOT}.{class}.{kind}.*")
+}
+
+/// How long a stream keeps messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Keep by limits (age, bytes): a replayable log.
+    Limits,
+    /// Remove each message once acked by its one consumer.
+    WorkQueue,
+}
+
+/// A stream Stagehand declares. The bus turns these into JetStream configurations and applies
+/// changes to existing streams.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamSpec {
+    pub name: &'static str,
+    pub subjects: &'static [&'static str],
+    pub retention: Retention,
+    /// Zero means unlimited.
+    pub max_age: Duration,
+    /// Zero means unlimited.
+    pub max_bytes: u64,
+    pub max_msg_size: u32,
+    /// Window in which a repeated `Nats-Msg-Id` is dropped. Longer than any publisher's retry.
+    pub duplicate_window: Duration,
+}
+
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Requests: ingest, stage, release. A replayable log (limits), consumed by durable consumers
+/// with subject filters, kept 30 days so on-call can replay.
+pub const REQUESTS: StreamSpec = StreamSpec {
+    name: "STAGEHAND_REQUESTS",
+    subjects: &["stagehand.req.>"],
+    retention: Retention::Limits,
+    max_age: Duration::from_secs(30 * 24 * 3600),
+    max_bytes: 0,
+    max_msg_size: crate::wire::MAX_EVENT_BYTES as u32,
+    duplicate_window: HOUR,
+};
+
+/// Facts: the event log the catalogue is folded from. Never aged out: it is the source of truth
+/// from which every catalogue is rebuilt.
+pub const FACTS: StreamSpec = StreamSpec {
+    name: "STAGEHAND_FACTS",
+    subjects: &["stagehand.fact.>"],
+    retention: Retention::Limits,
+    max_age: Duration::ZERO,
+    max_bytes: 0,
+    max_msg_size: crate::wire::MAX_EVENT_BYTES as u32,
+    duplicate_window: HOUR,
+};
+
+/// Dead letters, one subject per service: `stagehand.dlq.dead.letter.<service>`. Kept 90 days.
+pub const DEAD_LETTERS: StreamSpec = StreamSpec {
+    name: "STAGEHAND_DEAD_LETTERS",
+    subjects: &["stagehand.dlq.>"],
+    retention: Retention::Limits,
+    max_age: Duration::from_secs(90 * 24 * 3600),
+    max_bytes: 0,
+    // A dead letter carries the original message plus its error history.
+    max_msg_size: (crate::wire::MAX_EVENT_BYTES + 1024 * 1024) as u32,
+    duplicate_window: DAY,
+};
+
+/// Every stream Stagehand declares.
+pub const STREAMS: &[StreamSpec] = &[REQUESTS, FACTS, DEAD_LETTERS];
+
+/// The dead-letter subject of a service.
+pub fn dead_letter_subject(service: &str) -> String {
+    format!("{ROOT}.dlq.dead.letter.{service}")
+}
+
+/// Request/reply subject on which the catalogue recorder answers queries.
+pub const CATALOGUE_QUERY: &str = "stagehand.catalogue.query";
+
