@@ -109,3 +109,84 @@ impl TransferError {
         self.kind.is_retryable()
     }
 }
+
+/// The kind for an OS error number. ELOOP and EXDEV only arise from confined opens
+/// (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`) and mean a
+/// path that tried to leave its tier or follow a link.
+pub fn kind_for_errno(errno: i32) -> ErrorKind {
+    match errno {
+        libc::ENOSPC | libc::EDQUOT => ErrorKind::NoSpace,
+        libc::EACCES | libc::EPERM | libc::EROFS => ErrorKind::PermissionDenied,
+        libc::ENOENT | libc::ENOTDIR => ErrorKind::NotFound,
+        libc::ELOOP | libc::EXDEV => ErrorKind::PathRefused,
+        libc::EEXIST => ErrorKind::DestinationConflict,
+        _ => ErrorKind::Io,
+    }
+}
+
+impl TransferError {
+    /// An OS error on `side`, classified by its errno.
+    pub fn from_io(
+        err: std::io::Error,
+        side: Side,
+        tier: impl Into<String>,
+        path: impl Into<String>,
+        what: &str,
+    ) -> Self {
+        let kind = err.raw_os_error().map_or(ErrorKind::Io, kind_for_errno);
+        let detail = match kind {
+            ErrorKind::PathRefused => {
+                format!(
+                    "{what}: refused, the path leaves the tier root or crosses a symlink ({err})"
+                )
+            }
+            _ => format!("{what}: {err}"),
+        };
+        TransferError::new(kind, side, tier, path, detail).with_source(err)
+    }
+
+    /// A rustix errno on `side`, classified.
+    pub fn from_errno(
+        err: rustix::io::Errno,
+        side: Side,
+        tier: impl Into<String>,
+        path: impl Into<String>,
+        what: &str,
+    ) -> Self {
+        Self::from_io(std::io::Error::from(err), side, tier, path, what)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errno_mapping() {
+        assert_eq!(kind_for_errno(libc::ENOSPC), ErrorKind::NoSpace);
+        assert_eq!(kind_for_errno(libc::EDQUOT), ErrorKind::NoSpace);
+        assert_eq!(kind_for_errno(libc::EACCES), ErrorKind::PermissionDenied);
+        assert_eq!(kind_for_errno(libc::EPERM), ErrorKind::PermissionDenied);
+        assert_eq!(kind_for_errno(libc::ENOENT), ErrorKind::NotFound);
+        assert_eq!(kind_for_errno(libc::ELOOP), ErrorKind::PathRefused);
+        assert_eq!(kind_for_errno(libc::EXDEV), ErrorKind::PathRefused);
+        assert_eq!(kind_for_errno(libc::EIO), ErrorKind::Io);
+    }
+
+    #[test]
+    fn error_names_tier_and_path() {
+        let e = TransferError::from_io(
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+            Side::Destination,
+            "scratch",
+            "a/b.bin",
+            "write",
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("scratch") && text.contains("a/b.bin") && text.contains("NoSpace"),
+            "{text}"
+        );
+        assert!(e.is_retryable());
+    }
+}

@@ -1,1 +1,45 @@
-//! placeholder
+//! Stagehand's mover: verified, crash-safe transfers between posix and S3 tiers.
+//!
+//! A transfer takes a [`FileRef`] (relative path, size, SHA-256) from one [`Tier`] to another
+//! and proves it arrived: every byte is read once, hashed while it flies, written from the
+//! same buffer, and published atomically (temp file → `fdatasync` → rename without replace →
+//! directory `fsync`), so a partial file is never visible under its real name. Paths are
+//! confined beneath each tier's root with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`.
+//!
+//! posix → posix runs on an io_uring engine (its own ring thread with registered buffers and
+//! a hashing thread) or, where io_uring is unavailable, on a `pread`/`pwrite` engine with the
+//! same semantics; [`Mover::engine_name`] says which. Transfers involving S3 go through
+//! [`s3`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), stagehand_mover::TransferError> {
+//! use stagehand_mover::{CopyOptions, FileRef, Mover, MoverConfig, PosixTier, Tier};
+//! let mover = Mover::new(MoverConfig::default())?;
+//! let src = Tier::Posix(PosixTier::open("lab", "/data/lab")?);
+//! let dst = Tier::Posix(PosixTier::open("scratch", "/scratch")?);
+//! let file = FileRef::new("shard-0.tar", 1024, "ab".repeat(32));
+//! let outcome = mover.copy(&src, &dst, &file, &CopyOptions::default()).await?;
+//! println!("{outcome:?} by {}", mover.engine_name());
+//! # Ok(()) }
+//! ```
+
+// pub mod cp;
+mod engine;
+pub mod error;
+mod mover;
+pub mod posix;
+pub mod s3;
+mod sched;
+mod tier;
+pub mod transfer;
+
+pub use engine::EngineChoice;
+pub use error::{ErrorKind, Side, TransferError};
+pub use mover::{BatchReport, FileResult, Mover, MoverConfig};
+pub use posix::{AtomicFile, CommitMode, PendingRename, PosixTier};
+pub use sched::{Permit, RateLimiter, Scheduler};
+pub use tier::Tier;
+pub use transfer::{
+    CopyOptions, CopyOutcome, EMPTY_SHA256, FileDigest, FileRef, Priority, Progress, SkipReason,
+    VerifyDestination,
+};

@@ -1,0 +1,670 @@
+//! The io_uring engine: one ring thread that owns the ring and a set of registered buffers,
+//! and one hashing thread.
+//!
+//! For each block: `ReadFixed` into a free registered buffer; when it completes, the ring
+//! thread submits the `WriteFixed` of that same buffer and hands the buffer to the hashing
+//! thread at once, so hashing block N overlaps reading N+1.. and writing N; a buffer is
+//! reused when both its write and its hash are done. The hashing thread hashes each file's
+//! blocks in offset order (reads may complete out of order). Blocks of several files are in
+//! flight together, so with a multi-file dataset one core hashes while the other reads and
+//! writes. Jobs arrive over a channel; an eventfd read kept pending in the ring wakes the
+//! ring thread for new jobs and for buffers the hasher returns.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::mpsc::{self, TryRecvError};
+
+use io_uring::{IoUring, opcode, types};
+use sha2::{Digest, Sha256};
+
+use super::{EngineError, EngineParams, Job};
+use crate::sched::RateLimiter;
+
+const OP_READ: u64 = 1;
+const OP_WRITE: u64 = 2;
+const OP_WAKE: u64 = 3;
+const BUF_ALIGN: usize = 4096;
+
+/// Checks that a ring can be created and completes a NOP (a seccomp filter or
+/// `kernel.io_uring_disabled` makes one of the two fail).
+pub(crate) fn probe() -> io::Result<()> {
+    let mut ring: IoUring = IoUring::new(2)?;
+    let nop = opcode::Nop::new().build().user_data(42);
+    // SAFETY: a NOP references no memory.
+    unsafe {
+        ring.submission()
+            .push(&nop)
+            .map_err(|_| io::Error::other("submission queue full"))?;
+    }
+    ring.submit_and_wait(1)?;
+    let cqe = ring
+        .completion()
+        .next()
+        .ok_or_else(|| io::Error::other("no completion for the probe NOP"))?;
+    if cqe.user_data() != 42 || cqe.result() < 0 {
+        return Err(io::Error::from_raw_os_error(-cqe.result()));
+    }
+    Ok(())
+}
+
+fn new_eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall; the fd is owned on success.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh, valid descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn wake(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a valid u64 to an eventfd.
+    unsafe {
+        libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8);
+    }
+}
+
+pub(crate) struct UringEngine {
+    tx: Option<mpsc::Sender<Job>>,
+    wake: Arc<OwnedFd>,
+}
+
+impl UringEngine {
+    pub fn start(
+        params: EngineParams,
+        limiter: Option<Arc<RateLimiter>>,
+    ) -> io::Result<UringEngine> {
+        let nbufs = params.buffers.clamp(2, 1024);
+        let entries = (nbufs as u32 + 2).next_power_of_two();
+        let ring: IoUring = IoUring::builder()
+            .setup_single_issuer()
+            .build(entries)
+            .or_else(|_| IoUring::new(entries))?;
+        let bufs = Buffers::new(nbufs, params.block_size)?;
+        // SAFETY: the iovecs point into `bufs`, which lives as long as the ring thread that
+        // owns the ring (it is dropped after the ring).
+        unsafe { ring.submitter().register_buffers(&bufs.iovecs())? };
+        let wake_fd = Arc::new(new_eventfd()?);
+        let (tx, rx) = mpsc::channel::<Job>();
+        let thread_wake = wake_fd.clone();
+        std::thread::Builder::new()
+            .name("stagehand-uring".into())
+            .spawn(move || {
+                let mut ring_thread = RingThread::new(ring, bufs, rx, thread_wake, limiter);
+                ring_thread.run();
+            })?;
+        Ok(UringEngine {
+            tx: Some(tx),
+            wake: wake_fd,
+        })
+    }
+
+    pub fn submit(&self, job: Job) -> Result<(), EngineError> {
+        self.tx
+            .as_ref()
+            .ok_or(EngineError::Stopped)?
+            .send(job)
+            .map_err(|_| EngineError::Stopped)?;
+        wake(&self.wake);
+        Ok(())
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        // Closing the channel and waking the thread lets it finish its jobs and exit.
+        self.tx.take();
+        wake(&self.wake);
+    }
+}
+
+/// One aligned allocation cut into `count` blocks of `size` bytes.
+struct Buffers {
+    ptr: *mut u8,
+    count: usize,
+    size: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the allocation is plain memory; access is coordinated by buffer ownership states.
+unsafe impl Send for Buffers {}
+
+impl Buffers {
+    fn new(count: usize, size: usize) -> io::Result<Buffers> {
+        let size = size.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN);
+        let layout = std::alloc::Layout::from_size_align(count * size, BUF_ALIGN)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+        }
+        Ok(Buffers {
+            ptr,
+            count,
+            size,
+            layout,
+        })
+    }
+
+    fn ptr(&self, i: usize) -> *mut u8 {
+        // SAFETY: i < count, so the offset is within the allocation.
+        unsafe { self.ptr.add(i * self.size) }
+    }
+
+    fn iovecs(&self) -> Vec<libc::iovec> {
+        (0..self.count)
+            .map(|i| libc::iovec {
+                iov_base: self.ptr(i).cast(),
+                iov_len: self.size,
+            })
+            .collect()
+    }
+}
+
+impl Drop for Buffers {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// A block handed to the hashing thread.
+struct BlockPtr(*const u8);
+// SAFETY: the ring thread does not reuse the buffer until the hasher hands it back.
+unsafe impl Send for BlockPtr {}
+
+enum HashMsg {
+    Start {
+        job: u64,
+        size: u64,
+    },
+    Block {
+        job: u64,
+        off: u64,
+        buf: usize,
+        ptr: BlockPtr,
+        len: usize,
+    },
+    Abort {
+        job: u64,
+    },
+}
+
+enum HashDone {
+    Hashed { buf: usize },
+    Digest { job: u64, hex: String },
+}
+
+fn hasher_main(rx: mpsc::Receiver<HashMsg>, tx: mpsc::Sender<HashDone>, wake_fd: Arc<OwnedFd>) {
+    struct State {
+        hasher: Sha256,
+        next: u64,
+        size: u64,
+        pending: BTreeMap<u64, (usize, BlockPtr, usize)>,
+    }
+    let mut jobs: HashMap<u64, State> = HashMap::new();
+    let handle = |msg: HashMsg, jobs: &mut HashMap<u64, State>| match msg {
+        HashMsg::Start { job, size } => {
+            jobs.insert(
+                job,
+                State {
+                    hasher: Sha256::new(),
+                    next: 0,
+                    size,
+                    pending: BTreeMap::new(),
+                },
+            );
+        }
+        HashMsg::Block {
+            job,
+            off,
+            buf,
+            ptr,
+            len,
+        } => {
+            let Some(state) = jobs.get_mut(&job) else {
+                let _ = tx.send(HashDone::Hashed { buf });
+                return;
+            };
+            state.pending.insert(off, (buf, ptr, len));
+            while let Some((buf, ptr, len)) = state.pending.remove(&state.next) {
+                // SAFETY: the ring thread filled `len` bytes at `ptr` and does not touch the
+                // buffer (except the in-flight write, which only reads it) until `Hashed`.
+                let block = unsafe { std::slice::from_raw_parts(ptr.0, len) };
+                state.hasher.update(block);
+                state.next += len as u64;
+                let _ = tx.send(HashDone::Hashed { buf });
+            }
+            if state.next >= state.size
+                && let Some(state) = jobs.remove(&job)
+            {
+                let _ = tx.send(HashDone::Digest {
+                    job,
+                    hex: hex::encode(state.hasher.finalize()),
+                });
+            }
+        }
+        HashMsg::Abort { job } => {
+            if let Some(state) = jobs.remove(&job) {
+                for (_, (buf, _, _)) in state.pending {
+                    let _ = tx.send(HashDone::Hashed { buf });
+                }
+            }
+        }
+    };
+    while let Ok(msg) = rx.recv() {
+        handle(msg, &mut jobs);
+        // Drain what is queued before waking the ring thread: one wake per burst.
+        while let Ok(msg) = rx.try_recv() {
+            handle(msg, &mut jobs);
+        }
+        wake(&wake_fd);
+    }
+}
+
+struct Active {
+    job: Job,
+    next_off: u64,
+    held: usize,
+    error: Option<EngineError>,
+    digest: Option<String>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct BufState {
+    job: u64,
+    off: u64,
+    len: usize,
+    written: usize,
+    write_pending: bool,
+    hash_pending: bool,
+}
+
+struct RingThread {
+    ring: IoUring,
+    bufs: Buffers,
+    states: Vec<BufState>,
+    free: Vec<usize>,
+    jobs_rx: mpsc::Receiver<Job>,
+    jobs_closed: bool,
+    wake_fd: Arc<OwnedFd>,
+    wake_buf: Box<u64>,
+    wake_pending: bool,
+    hash_tx: Option<mpsc::Sender<HashMsg>>,
+    done_rx: mpsc::Receiver<HashDone>,
+    active: HashMap<u64, Active>,
+    order: Vec<u64>,
+    rr: usize,
+    next_id: u64,
+    limiter: Option<Arc<RateLimiter>>,
+}
+
+impl RingThread {
+    fn new(
+        ring: IoUring,
+        bufs: Buffers,
+        jobs_rx: mpsc::Receiver<Job>,
+        wake_fd: Arc<OwnedFd>,
+        limiter: Option<Arc<RateLimiter>>,
+    ) -> RingThread {
+        let (hash_tx, hash_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        let hasher_wake = wake_fd.clone();
+        std::thread::Builder::new()
+            .name("stagehand-hash".into())
+            .spawn(move || hasher_main(hash_rx, done_tx, hasher_wake))
+            .expect("spawning the hashing thread");
+        let count = bufs.count;
+        RingThread {
+            ring,
+            bufs,
+            states: vec![BufState::default(); count],
+            free: (0..count).rev().collect(),
+            jobs_rx,
+            jobs_closed: false,
+            wake_fd,
+            wake_buf: Box::new(0),
+            wake_pending: false,
+            hash_tx: Some(hash_tx),
+            done_rx,
+            active: HashMap::new(),
+            order: Vec::new(),
+            rr: 0,
+            next_id: 1,
+            limiter,
+        }
+    }
+
+    fn hash_send(&self, msg: HashMsg) {
+        if let Some(tx) = &self.hash_tx {
+            let _ = tx.send(msg);
+        }
+    }
+
+    fn run(&mut self) {
+        loop {
+            self.intake();
+            while let Ok(done) = self.done_rx.try_recv() {
+                self.on_hash_done(done);
+            }
+            self.finish_jobs();
+            if self.jobs_closed && self.active.is_empty() {
+                break;
+            }
+            self.schedule_reads();
+            if !self.wake_pending {
+                self.push_wake();
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EINTR)
+                        || e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    self.fail_all(e);
+                    break;
+                }
+            }
+            let cqes: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for (data, res) in cqes {
+                self.on_completion(data, res);
+            }
+        }
+        self.shutdown();
+    }
+
+    /// Lets the pending eventfd read complete before the ring (and `wake_buf`) go away.
+    fn shutdown(&mut self) {
+        self.hash_tx.take();
+        while self.wake_pending {
+            wake(&self.wake_fd);
+            if self.ring.submit_and_wait(1).is_err() {
+                break;
+            }
+            let cqes: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
+            if cqes.iter().any(|d| d >> 32 == OP_WAKE) {
+                self.wake_pending = false;
+            }
+        }
+    }
+
+    fn fail_all(&mut self, e: io::Error) {
+        tracing::error!(error = %e, "io_uring submit failed; failing the engine's jobs");
+        for (_, a) in self.active.drain() {
+            let _ = a.job.reply.send(Err(EngineError::Read(io::Error::new(
+                e.kind(),
+                e.to_string(),
+            ))));
+        }
+    }
+
+    fn intake(&mut self) {
+        loop {
+            match self.jobs_rx.try_recv() {
+                Ok(job) => {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    self.hash_send(HashMsg::Start {
+                        job: id,
+                        size: job.size,
+                    });
+                    self.active.insert(
+                        id,
+                        Active {
+                            job,
+                            next_off: 0,
+                            held: 0,
+                            error: None,
+                            digest: None,
+                        },
+                    );
+                    self.order.push(id);
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.jobs_closed = true;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn push_wake(&mut self) {
+        let sqe = opcode::Read::new(
+            types::Fd(self.wake_fd.as_raw_fd()),
+            (&mut *self.wake_buf as *mut u64).cast(),
+            8,
+        )
+        .build()
+        .user_data(OP_WAKE << 32);
+        // SAFETY: wake_buf lives in self, which outlives the ring's use of it (see shutdown).
+        if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
+            self.wake_pending = true;
+        }
+    }
+
+    fn schedule_reads(&mut self) {
+        let block = self.bufs.size as u64;
+        while !self.free.is_empty() && !self.order.is_empty() {
+            // Round robin over files that still have blocks to read.
+            let mut picked = None;
+            for step in 0..self.order.len() {
+                let idx = (self.rr + step) % self.order.len();
+                let id = self.order[idx];
+                if let Some(a) = self.active.get(&id)
+                    && a.error.is_none()
+                    && a.next_off < a.job.size
+                {
+                    picked = Some((idx, id));
+                    break;
+                }
+            }
+            let Some((idx, id)) = picked else { break };
+            self.rr = idx + 1;
+            let buf = self.free.pop().expect("checked non-empty");
+            let a = self.active.get_mut(&id).expect("picked from active");
+            let len = (a.job.size - a.next_off).min(block) as usize;
+            let off = a.next_off;
+            a.next_off += len as u64;
+            a.held += 1;
+            if let Some(l) = &self.limiter {
+                l.take_blocking(len as u64);
+            }
+            self.states[buf] = BufState {
+                job: id,
+                off,
+                len,
+                written: 0,
+                write_pending: false,
+                hash_pending: false,
+            };
+            let sqe = opcode::ReadFixed::new(
+                types::Fd(a.job.src.as_raw_fd()),
+                self.bufs.ptr(buf),
+                len as u32,
+                buf as u16,
+            )
+            .offset(off)
+            .build()
+            .user_data(OP_READ << 32 | buf as u64);
+            // SAFETY: the buffer is registered, owned by this read until it completes, and
+            // the source fd stays open while its job is active.
+            if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+                // The queue is sized for every buffer plus the wake read; submit and retry.
+                let _ = self.ring.submit();
+                // SAFETY: as above.
+                unsafe { self.ring.submission().push(&sqe) }
+                    .expect("submission queue has room after submit");
+            }
+        }
+        // Drop finished files from the round-robin order.
+        let active = &self.active;
+        self.order.retain(|id| {
+            active
+                .get(id)
+                .is_some_and(|a| a.error.is_none() && a.next_off < a.job.size)
+        });
+        if self.rr > self.order.len() {
+            self.rr = 0;
+        }
+    }
+
+    fn push_write(&mut self, buf: usize) {
+        let st = self.states[buf];
+        let a = &self.active[&st.job];
+        // SAFETY: written < len <= buffer size.
+        let ptr = unsafe { self.bufs.ptr(buf).add(st.written) };
+        let sqe = opcode::WriteFixed::new(
+            types::Fd(a.job.dst.as_raw_fd()),
+            ptr,
+            (st.len - st.written) as u32,
+            buf as u16,
+        )
+        .offset(st.off + st.written as u64)
+        .build()
+        .user_data(OP_WRITE << 32 | buf as u64);
+        // SAFETY: the buffer stays untouched until the write completes; the fd stays open.
+        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+            let _ = self.ring.submit();
+            // SAFETY: as above.
+            unsafe { self.ring.submission().push(&sqe) }
+                .expect("submission queue has room after submit");
+        }
+        self.states[buf].write_pending = true;
+    }
+
+    fn fail(&mut self, id: u64, err: EngineError) {
+        if let Some(a) = self.active.get_mut(&id)
+            && a.error.is_none()
+        {
+            a.error = Some(err);
+            if let Some(tx) = &self.hash_tx {
+                let _ = tx.send(HashMsg::Abort { job: id });
+            }
+        }
+    }
+
+    fn release(&mut self, buf: usize) {
+        let st = self.states[buf];
+        if st.write_pending || st.hash_pending {
+            return;
+        }
+        if let Some(a) = self.active.get_mut(&st.job) {
+            a.held -= 1;
+        }
+        self.free.push(buf);
+    }
+
+    fn on_completion(&mut self, data: u64, res: i32) {
+        let op = data >> 32;
+        let buf = (data & 0xffff_ffff) as usize;
+        match op {
+            OP_WAKE => self.wake_pending = false,
+            OP_READ => {
+                let st = self.states[buf];
+                let errored = self.active.get(&st.job).is_none_or(|a| a.error.is_some());
+                if res < 0 {
+                    self.fail(
+                        st.job,
+                        EngineError::Read(io::Error::from_raw_os_error(-res)),
+                    );
+                    self.release(buf);
+                } else if (res as usize) < st.len {
+                    self.fail(
+                        st.job,
+                        EngineError::SourceShort {
+                            at: st.off + res as u64,
+                        },
+                    );
+                    self.release(buf);
+                } else if errored {
+                    self.release(buf);
+                } else {
+                    self.push_write(buf);
+                    self.states[buf].hash_pending = true;
+                    self.hash_send(HashMsg::Block {
+                        job: st.job,
+                        off: st.off,
+                        buf,
+                        ptr: BlockPtr(self.bufs.ptr(buf)),
+                        len: st.len,
+                    });
+                }
+            }
+            OP_WRITE => {
+                let st = self.states[buf];
+                self.states[buf].write_pending = false;
+                if res < 0 {
+                    self.fail(
+                        st.job,
+                        EngineError::Write(io::Error::from_raw_os_error(-res)),
+                    );
+                } else if res == 0 {
+                    self.fail(
+                        st.job,
+                        EngineError::Write(io::Error::from(io::ErrorKind::WriteZero)),
+                    );
+                } else {
+                    let written = st.written + res as usize;
+                    self.states[buf].written = written;
+                    let errored = self.active.get(&st.job).is_none_or(|a| a.error.is_some());
+                    if written < st.len && !errored {
+                        // A short write is continued from where it stopped, never ignored.
+                        self.push_write(buf);
+                        return;
+                    }
+                    if written == st.len
+                        && let Some(a) = self.active.get(&st.job)
+                    {
+                        a.job.progress.add_bytes(st.len as u64);
+                    }
+                }
+                self.release(buf);
+            }
+            _ => {}
+        }
+    }
+
+    fn on_hash_done(&mut self, done: HashDone) {
+        match done {
+            HashDone::Hashed { buf } => {
+                self.states[buf].hash_pending = false;
+                self.release(buf);
+            }
+            HashDone::Digest { job, hex } => {
+                if let Some(a) = self.active.get_mut(&job) {
+                    a.digest = Some(hex);
+                }
+            }
+        }
+    }
+
+    fn finish_jobs(&mut self) {
+        let done: Vec<u64> = self
+            .active
+            .iter()
+            .filter(|(_, a)| {
+                a.held == 0
+                    && (a.error.is_some() || (a.next_off >= a.job.size && a.digest.is_some()))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            let a = self.active.remove(&id).expect("listed above");
+            let result = match (a.error, a.digest) {
+                (Some(e), _) => Err(e),
+                (None, Some(d)) => Ok(d),
+                (None, None) => Err(EngineError::Stopped),
+            };
+            let _ = a.job.reply.send(result);
+        }
+    }
+}

@@ -1,0 +1,716 @@
+//! The [`Mover`]: picks the path for each pair of tiers, checks what is already there, runs
+//! the engine, proves the result and publishes it atomically.
+//!
+//! What proves the bytes on posix → posix:
+//! - the source is hashed from the very buffers that are written, and the hash must equal the
+//!   [`FileRef`]'s (or, without a recorded hash, becomes the proven hash);
+//! - the source's size, mtime and ctime are compared before and after (a change in between is
+//!   `SourceChanged`: the hash might describe a mix of old and new bytes);
+//! - with [`VerifyDestination::ReadBack`] the temp file is read back and hashed before rename;
+//! - with `trust_recorded_hash` and a recorded hash, the bytes may move by `FICLONE` or
+//!   `copy_file_range` without being read by us: the recorded hash (proven at ingest) and the
+//!   unchanged size and times of the source stand for them.
+
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde::Deserialize;
+
+use crate::engine::{Engine, EngineChoice, EngineError, EngineParams};
+use crate::error::{ErrorKind, Side, TransferError};
+use crate::posix::{AtomicFile, CommitMode, PendingRename, PosixTier};
+use crate::sched::{RateLimiter, Scheduler};
+use crate::tier::Tier;
+use crate::transfer::{
+    CopyOptions, CopyOutcome, EMPTY_SHA256, FileRef, Progress, SkipReason, VerifyDestination,
+};
+
+/// How the mover runs. Every field has a default suited to a small machine.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MoverConfig {
+    /// posix → posix engine: `auto` (io_uring when available), `io_uring` or `pread`.
+    pub engine: EngineChoice,
+    /// Files in flight at once in [`Mover::copy_all`] (and transfer slots of the scheduler).
+    pub concurrency: usize,
+    /// Bytes per read/write block.
+    pub block_size: usize,
+    /// Blocks in flight in the io_uring engine (registered buffers).
+    pub buffers: usize,
+    /// Worker threads of the pread engine.
+    pub pread_threads: usize,
+    /// How a batch's files are made durable (see [`CommitMode`]).
+    pub commit_mode: CommitMode,
+    /// Files published per batch commit in [`CommitMode::Batched`].
+    pub batch_files: usize,
+    /// Optional limit on bytes read per second across all posix → posix transfers.
+    pub bytes_per_second: Option<u64>,
+}
+
+impl Default for MoverConfig {
+    fn default() -> Self {
+        MoverConfig {
+            engine: EngineChoice::Auto,
+            concurrency: 64,
+            block_size: 1 << 20,
+            buffers: 16,
+            pread_threads: 2,
+            commit_mode: CommitMode::Batched,
+            batch_files: 4096,
+            bytes_per_second: None,
+        }
+    }
+}
+
+/// One file's result in a batch.
+#[derive(Debug)]
+pub struct FileResult {
+    pub path: String,
+    pub result: Result<CopyOutcome, TransferError>,
+}
+
+/// What a batch did.
+#[derive(Debug)]
+pub struct BatchReport {
+    /// One entry per file asked for, in the order asked.
+    pub results: Vec<FileResult>,
+    pub files_copied: u64,
+    pub files_skipped: u64,
+    pub files_failed: u64,
+    pub bytes_copied: u64,
+    /// The engine that moved posix → posix bytes (or the S3 path's name).
+    pub engine: &'static str,
+    pub elapsed: Duration,
+}
+
+impl BatchReport {
+    pub fn failures(&self) -> impl Iterator<Item = (&str, &TransferError)> {
+        self.results
+            .iter()
+            .filter_map(|r| r.result.as_ref().err().map(|e| (r.path.as_str(), e)))
+    }
+}
+
+/// Moves files between tiers. Cheap to share by reference; one per process is enough.
+pub struct Mover {
+    engine: Arc<Engine>,
+    sched: Scheduler,
+    config: MoverConfig,
+}
+
+impl std::fmt::Debug for Mover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mover")
+            .field("engine", &self.engine.name())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// A source opened and checked, with its destination temp file ready.
+struct Prepared {
+    src: File,
+    before: SourceStamp,
+    atomic: AtomicFile,
+    size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SourceStamp {
+    size: u64,
+    mtime: (i64, u64),
+    ctime: (i64, u64),
+}
+
+fn stamp(file: &File) -> std::io::Result<SourceStamp> {
+    let st = rustix::fs::fstat(file.as_fd())?;
+    Ok(SourceStamp {
+        size: st.st_size as u64,
+        mtime: (st.st_mtime as i64, st.st_mtime_nsec as u64),
+        ctime: (st.st_ctime as i64, st.st_ctime_nsec as u64),
+    })
+}
+
+enum Step {
+    Done(CopyOutcome),
+    Copy(Box<Prepared>),
+}
+
+impl Mover {
+    /// Starts the engine (probing io_uring for `auto`) and the scheduler.
+    pub fn new(config: MoverConfig) -> Result<Mover, TransferError> {
+        let limiter = config
+            .bytes_per_second
+            .map(|r| Arc::new(RateLimiter::new(r)));
+        let params = EngineParams {
+            block_size: config.block_size.clamp(4096, 64 << 20),
+            buffers: config.buffers.max(2),
+            threads: config.pread_threads.max(1),
+        };
+        let engine = Engine::start(config.engine, params, limiter).map_err(|e| {
+            TransferError::new(
+                ErrorKind::Config,
+                Side::Source,
+                "",
+                "",
+                format!("starting the {:?} engine: {e}", config.engine),
+            )
+            .with_source(e)
+        })?;
+        Ok(Mover {
+            engine: Arc::new(engine),
+            sched: Scheduler::new(config.concurrency.max(1)),
+            config,
+        })
+    }
+
+    /// The posix → posix engine that runs: `io_uring` or `pread`.
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    pub fn config(&self) -> &MoverConfig {
+        &self.config
+    }
+
+    /// The scheduler whose slots every transfer takes (shared with callers that want to
+    /// reserve a slot for their own work).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Copies one file and publishes it durably before returning.
+    pub async fn copy(
+        &self,
+        src: &Tier,
+        dst: &Tier,
+        file: &FileRef,
+        opts: &CopyOptions,
+    ) -> Result<CopyOutcome, TransferError> {
+        let _permit = self.sched.acquire(opts.priority).await;
+        let progress = Progress::new();
+        match (src, dst) {
+            (Tier::Posix(s), Tier::Posix(d)) => {
+                // Durable mode publishes before returning, so there is never a pending rename.
+                let (outcome, _) = self
+                    .copy_posix(s, d, file, opts, &progress, CommitMode::Durable)
+                    .await?;
+                Ok(outcome)
+            }
+            (Tier::S3(s), Tier::Posix(d)) => crate::s3::download(s, d, file, opts, &progress).await,
+            (Tier::Posix(s), Tier::S3(d)) => crate::s3::upload(s, d, file, opts, &progress).await,
+            (Tier::S3(s), Tier::S3(d)) => crate::s3::copy_within(s, d, file, opts, &progress).await,
+        }
+    }
+
+    /// Copies every file, `concurrency` at a time, and reports each result. Files published
+    /// in [`CommitMode::Batched`] are durable when this returns.
+    pub async fn copy_all(
+        &self,
+        src: &Tier,
+        dst: &Tier,
+        files: &[FileRef],
+        opts: &CopyOptions,
+        progress: &Progress,
+    ) -> BatchReport {
+        let started = Instant::now();
+        progress.add_total(files.len() as u64, files.iter().map(|f| f.size).sum());
+        if let Tier::Posix(d) = dst {
+            d.forget_dirs();
+        }
+        let mode = self.config.commit_mode;
+        let mut results: Vec<Option<Result<CopyOutcome, TransferError>>> =
+            (0..files.len()).map(|_| None).collect();
+        for (chunk_no, chunk) in files.chunks(self.config.batch_files.max(1)).enumerate() {
+            let base = chunk_no * self.config.batch_files.max(1);
+            let mut pending: Vec<(usize, CopyOutcome, PendingRename)> = Vec::new();
+            let mut stream = futures::stream::iter(chunk.iter().enumerate())
+                .map(|(i, file)| async move {
+                    let _permit = self.sched.acquire(opts.priority).await;
+                    let r = self.copy_one(src, dst, file, opts, progress, mode).await;
+                    (base + i, r)
+                })
+                .buffer_unordered(self.config.concurrency.max(1));
+            while let Some((i, r)) = stream.next().await {
+                match r {
+                    Ok((outcome, Some(p))) => pending.push((i, outcome, p)),
+                    Ok((outcome, None)) => {
+                        if matches!(outcome, CopyOutcome::Skipped { .. }) {
+                            progress.file_skipped();
+                        } else {
+                            progress.file_done();
+                        }
+                        results[i] = Some(Ok(outcome));
+                    }
+                    Err(e) => {
+                        progress.file_failed();
+                        results[i] = Some(Err(e));
+                    }
+                }
+            }
+            drop(stream);
+            if !pending.is_empty() {
+                let Tier::Posix(d) = dst else {
+                    unreachable!("only posix destinations batch their renames")
+                };
+                let (idx, rest): (Vec<usize>, Vec<(CopyOutcome, PendingRename)>) =
+                    pending.into_iter().map(|(i, o, p)| (i, (o, p))).unzip();
+                let (outcomes, renames): (Vec<CopyOutcome>, Vec<PendingRename>) =
+                    rest.into_iter().unzip();
+                let d = d.clone();
+                let committed = tokio::task::spawn_blocking(move || d.commit_batch(renames)).await;
+                match committed {
+                    Ok(committed) => {
+                        for ((i, outcome), c) in idx.into_iter().zip(outcomes).zip(committed) {
+                            match c {
+                                Ok(()) => {
+                                    progress.file_done();
+                                    results[i] = Some(Ok(outcome));
+                                }
+                                Err(e) => {
+                                    progress.file_failed();
+                                    results[i] = Some(Err(e));
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        for i in idx {
+                            progress.file_failed();
+                            results[i] = Some(Err(TransferError::new(
+                                ErrorKind::Io,
+                                Side::Destination,
+                                dst.name(),
+                                &files[i].path,
+                                format!("batch commit task failed: {e}"),
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        let results: Vec<FileResult> = files
+            .iter()
+            .zip(results)
+            .map(|(f, r)| FileResult {
+                path: f.path.clone(),
+                result: r.unwrap_or_else(|| {
+                    Err(TransferError::new(
+                        ErrorKind::Cancelled,
+                        Side::Source,
+                        src.name(),
+                        &f.path,
+                        "not attempted",
+                    ))
+                }),
+            })
+            .collect();
+        let mut report = BatchReport {
+            files_copied: 0,
+            files_skipped: 0,
+            files_failed: 0,
+            bytes_copied: 0,
+            engine: self.path_name(src, dst),
+            elapsed: started.elapsed(),
+            results,
+        };
+        for r in &report.results {
+            match &r.result {
+                Ok(CopyOutcome::Copied { bytes, .. }) => {
+                    report.files_copied += 1;
+                    report.bytes_copied += bytes;
+                }
+                Ok(CopyOutcome::Skipped { .. }) => report.files_skipped += 1,
+                Err(_) => report.files_failed += 1,
+            }
+        }
+        report
+    }
+
+    /// The name reported for what moves bytes between `src` and `dst`.
+    pub fn path_name(&self, src: &Tier, dst: &Tier) -> &'static str {
+        match (src, dst) {
+            (Tier::Posix(_), Tier::Posix(_)) => self.engine.name(),
+            (Tier::S3(_), Tier::Posix(_)) => "s3-download",
+            (Tier::Posix(_), Tier::S3(_)) => "s3-upload",
+            (Tier::S3(_), Tier::S3(_)) => "s3-copy",
+        }
+    }
+
+    async fn copy_one(
+        &self,
+        src: &Tier,
+        dst: &Tier,
+        file: &FileRef,
+        opts: &CopyOptions,
+        progress: &Progress,
+        mode: CommitMode,
+    ) -> Result<(CopyOutcome, Option<PendingRename>), TransferError> {
+        match (src, dst) {
+            (Tier::Posix(s), Tier::Posix(d)) => {
+                self.copy_posix(s, d, file, opts, progress, mode).await
+            }
+            (Tier::S3(s), Tier::Posix(d)) => {
+                if mode == CommitMode::Batched {
+                    crate::s3::download_pending(s, d, file, opts, progress).await
+                } else {
+                    crate::s3::download(s, d, file, opts, progress)
+                        .await
+                        .map(|o| (o, None))
+                }
+            }
+            (Tier::Posix(s), Tier::S3(d)) => crate::s3::upload(s, d, file, opts, progress)
+                .await
+                .map(|o| (o, None)),
+            (Tier::S3(s), Tier::S3(d)) => crate::s3::copy_within(s, d, file, opts, progress)
+                .await
+                .map(|o| (o, None)),
+        }
+    }
+
+    /// posix → posix. With `CommitMode::Durable` the file is published before returning;
+    /// with `Batched` the pending rename is handed back.
+    async fn copy_posix(
+        &self,
+        src: &PosixTier,
+        dst: &PosixTier,
+        file: &FileRef,
+        opts: &CopyOptions,
+        progress: &Progress,
+        mode: CommitMode,
+    ) -> Result<(CopyOutcome, Option<PendingRename>), TransferError> {
+        let (s, d, f, o) = (src.clone(), dst.clone(), file.clone(), opts.clone());
+        let step = blocking(src, &file.path, move || prepare(&s, &d, &f, &o)).await?;
+        let prep = match step {
+            Step::Done(outcome) => return Ok((outcome, None)),
+            Step::Copy(p) => *p,
+        };
+        let expected = (!opts.expected_hash_unknown).then(|| file.sha256.clone());
+        let (sha, engine_name) = if prep.size == 0 {
+            (EMPTY_SHA256.to_owned(), self.engine.name())
+        } else if opts.trust_recorded_hash && expected.is_some() {
+            let (s_file, d_file) = (
+                dup(&prep.src, src, file, Side::Source)?,
+                dup(prep.atomic.file(), dst, file, Side::Destination)?,
+            );
+            let size = prep.size;
+            match blocking(src, &file.path, move || {
+                Ok(kernel_copy(&s_file, &d_file, size))
+            })
+            .await?
+            {
+                KernelCopy::Done(name) => {
+                    progress.add_bytes(size);
+                    (expected.clone().expect("checked above"), name)
+                }
+                KernelCopy::Unsupported => self.run_engine(&prep, src, dst, file, progress).await?,
+                KernelCopy::Failed(e) => {
+                    return Err(TransferError::from_io(
+                        e,
+                        Side::Destination,
+                        dst.name(),
+                        &file.path,
+                        "copy_file_range",
+                    ));
+                }
+            }
+        } else {
+            self.run_engine(&prep, src, dst, file, progress).await?
+        };
+        let (s, d, f, o) = (src.clone(), dst.clone(), file.clone(), opts.clone());
+        blocking(src, &file.path, move || {
+            finish(&s, &d, &f, &o, prep, sha, engine_name, mode)
+        })
+        .await
+    }
+
+    async fn run_engine(
+        &self,
+        prep: &Prepared,
+        src: &PosixTier,
+        dst: &PosixTier,
+        file: &FileRef,
+        progress: &Progress,
+    ) -> Result<(String, &'static str), TransferError> {
+        let s_file = dup(&prep.src, src, file, Side::Source)?;
+        let d_file = dup(prep.atomic.file(), dst, file, Side::Destination)?;
+        match self
+            .engine
+            .run(s_file, d_file, prep.size, progress.clone())
+            .await
+        {
+            Ok(sha) => Ok((sha, self.engine.name())),
+            Err(EngineError::Read(e)) => Err(TransferError::from_io(
+                e,
+                Side::Source,
+                src.name(),
+                &file.path,
+                "read",
+            )),
+            Err(EngineError::Write(e)) => Err(TransferError::from_io(
+                e,
+                Side::Destination,
+                dst.name(),
+                &file.path,
+                "write",
+            )),
+            Err(EngineError::SourceShort { at }) => Err(TransferError::new(
+                ErrorKind::SourceChanged,
+                Side::Source,
+                src.name(),
+                &file.path,
+                format!(
+                    "the source ended at byte {at}, before the {} bytes it had when the copy started",
+                    prep.size
+                ),
+            )),
+            Err(EngineError::Stopped) => Err(TransferError::new(
+                ErrorKind::Io,
+                Side::Source,
+                src.name(),
+                &file.path,
+                "the copy engine stopped",
+            )),
+        }
+    }
+}
+
+fn dup(f: &File, tier: &PosixTier, file: &FileRef, side: Side) -> Result<File, TransferError> {
+    f.try_clone()
+        .map_err(|e| TransferError::from_io(e, side, tier.name(), &file.path, "dup"))
+}
+
+async fn blocking<T: Send + 'static>(
+    tier: &PosixTier,
+    rel: &str,
+    f: impl FnOnce() -> Result<T, TransferError> + Send + 'static,
+) -> Result<T, TransferError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        TransferError::new(
+            ErrorKind::Io,
+            Side::Source,
+            tier.name(),
+            rel,
+            format!("transfer task failed: {e}"),
+        )
+    })?
+}
+
+/// Opens and checks the source, decides whether the destination already holds the file, and
+/// creates the temp file when a copy is needed.
+fn prepare(
+    src: &PosixTier,
+    dst: &PosixTier,
+    file: &FileRef,
+    opts: &CopyOptions,
+) -> Result<Step, TransferError> {
+    dst.check_path(&file.path, Side::Destination)?;
+    let known = !opts.expected_hash_unknown;
+    if known && !stagehand_schemas::is_sha256_hex(&file.sha256) {
+        return Err(TransferError::new(
+            ErrorKind::Config,
+            Side::Source,
+            src.name(),
+            &file.path,
+            format!(
+                "recorded sha256 {:?} is not 64 lowercase hex characters",
+                file.sha256
+            ),
+        ));
+    }
+    let src_file = src.open_read(&file.path)?;
+    let before = stamp(&src_file)
+        .map_err(|e| TransferError::from_io(e, Side::Source, src.name(), &file.path, "fstat"))?;
+    if known && before.size != file.size {
+        return Err(TransferError::new(
+            ErrorKind::SizeMismatch,
+            Side::Source,
+            src.name(),
+            &file.path,
+            format!(
+                "the source holds {} bytes, the manifest says {}",
+                before.size, file.size
+            ),
+        ));
+    }
+    if let Some(existing) = dst.stat(&file.path)? {
+        if existing != before.size {
+            return Err(TransferError::new(
+                ErrorKind::DestinationConflict,
+                Side::Destination,
+                dst.name(),
+                &file.path,
+                format!(
+                    "a different file is already there ({existing} bytes, the source has {})",
+                    before.size
+                ),
+            ));
+        }
+        if known && opts.trust_recorded_hash {
+            return Ok(Step::Done(CopyOutcome::Skipped {
+                reason: SkipReason::AlreadyPresentTrusted,
+                sha256: file.sha256.clone(),
+            }));
+        }
+        let there = dst.hash_file_side(&file.path, Side::Destination)?;
+        let wanted = if known {
+            file.sha256.clone()
+        } else {
+            crate::posix::hash_open_file(&src_file)
+                .map_err(|e| {
+                    TransferError::from_io(e, Side::Source, src.name(), &file.path, "read")
+                })?
+                .sha256
+        };
+        if there.sha256 == wanted {
+            return Ok(Step::Done(CopyOutcome::Skipped {
+                reason: SkipReason::AlreadyPresentVerified,
+                sha256: wanted,
+            }));
+        }
+        return Err(TransferError::new(
+            ErrorKind::DestinationConflict,
+            Side::Destination,
+            dst.name(),
+            &file.path,
+            format!(
+                "a different file of the same size is already there (sha256 {}, expected {wanted})",
+                there.sha256
+            ),
+        ));
+    }
+    let atomic = dst.create_atomic(&file.path, before.size)?;
+    Ok(Step::Copy(Box::new(Prepared {
+        src: src_file,
+        before,
+        atomic,
+        size: before.size,
+    })))
+}
+
+enum KernelCopy {
+    Done(&'static str),
+    Unsupported,
+    Failed(std::io::Error),
+}
+
+/// `FICLONE` (shares extents on btrfs/XFS), else `copy_file_range` (in-kernel copy, server-side
+/// on NFS), else the caller's engine.
+fn kernel_copy(src: &File, dst: &File, size: u64) -> KernelCopy {
+    match rustix::fs::ioctl_ficlone(dst, src) {
+        Ok(()) => return KernelCopy::Done("reflink"),
+        Err(_) => {}
+    }
+    let mut off_in = 0u64;
+    let mut off_out = 0u64;
+    while off_in < size {
+        let want = (size - off_in).min(1 << 30) as usize;
+        match rustix::fs::copy_file_range(src, Some(&mut off_in), dst, Some(&mut off_out), want) {
+            Ok(0) => {
+                return KernelCopy::Failed(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("source ended at byte {off_in} of {size}"),
+                ));
+            }
+            Ok(_) => {}
+            Err(e)
+                if off_in == 0
+                    && matches!(
+                        e,
+                        rustix::io::Errno::XDEV
+                            | rustix::io::Errno::OPNOTSUPP
+                            | rustix::io::Errno::NOSYS
+                            | rustix::io::Errno::INVAL
+                    ) =>
+            {
+                return KernelCopy::Unsupported;
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return KernelCopy::Failed(e.into()),
+        }
+    }
+    KernelCopy::Done("copy_file_range")
+}
+
+/// Proves the copy (source unchanged, hash as expected, read-back if asked) and publishes it.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    src: &PosixTier,
+    dst: &PosixTier,
+    file: &FileRef,
+    opts: &CopyOptions,
+    prep: Prepared,
+    sha: String,
+    engine: &'static str,
+    mode: CommitMode,
+) -> Result<(CopyOutcome, Option<PendingRename>), TransferError> {
+    let after = stamp(&prep.src)
+        .map_err(|e| TransferError::from_io(e, Side::Source, src.name(), &file.path, "fstat"))?;
+    if after != prep.before {
+        return Err(TransferError::new(
+            ErrorKind::SourceChanged,
+            Side::Source,
+            src.name(),
+            &file.path,
+            format!(
+                "the source changed while it was copied (size {} → {}, mtime or ctime moved); nothing was published",
+                prep.before.size, after.size
+            ),
+        ));
+    }
+    if !opts.expected_hash_unknown && sha != file.sha256 {
+        return Err(TransferError::new(
+            ErrorKind::ChecksumMismatch,
+            Side::Source,
+            src.name(),
+            &file.path,
+            format!(
+                "read bytes hash to {sha}, the manifest says {}; nothing was published",
+                file.sha256
+            ),
+        ));
+    }
+    let landed = stamp(prep.atomic.file()).map_err(|e| {
+        TransferError::from_io(e, Side::Destination, dst.name(), &file.path, "fstat")
+    })?;
+    if landed.size != prep.size {
+        return Err(TransferError::new(
+            ErrorKind::SizeMismatch,
+            Side::Destination,
+            dst.name(),
+            &file.path,
+            format!("{} bytes landed, {} were copied", landed.size, prep.size),
+        ));
+    }
+    if opts.verify_destination == VerifyDestination::ReadBack {
+        let back = prep.atomic.hash_written()?;
+        if back.sha256 != sha {
+            return Err(TransferError::new(
+                ErrorKind::ChecksumMismatch,
+                Side::Destination,
+                dst.name(),
+                &file.path,
+                format!(
+                    "read back as {}, written as {sha}; nothing was published",
+                    back.sha256
+                ),
+            ));
+        }
+    }
+    let outcome = CopyOutcome::Copied {
+        bytes: prep.size,
+        sha256: sha,
+        engine,
+    };
+    drop(prep.src);
+    match mode {
+        CommitMode::Durable => {
+            prep.atomic.commit()?;
+            Ok((outcome, None))
+        }
+        CommitMode::Batched => Ok((outcome, Some(prep.atomic.into_pending()))),
+    }
+}

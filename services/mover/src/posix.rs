@@ -1,0 +1,621 @@
+//! The posix tier: a root directory whose every path is opened confined beneath it, and the
+//! atomic way a file lands there.
+//!
+//! Every path is checked lexically ([`check_relative_path`]) and then opened with `openat2`
+//! relative to the root's directory fd with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+//! RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV`, so neither `..`, an absolute path, nor a symlink
+//! planted on the tier can lead a read or a write outside the root.
+//!
+//! A file lands as: a temp file `.<name>.stagehand-<unique>.tmp` created with `O_EXCL` in the
+//! destination directory → data → `fdatasync` → `renameat2(RENAME_NOREPLACE)` → `fsync` of the
+//! directory ([`CommitMode::Durable`]). For many small files [`CommitMode::Batched`] replaces
+//! the per-file flushes by one `syncfs` before the batch's renames and one after them: the
+//! first makes every temp file's data durable before any name points at it, the second makes
+//! the renames durable, and the caller is told "done" only after the second returns. Since
+//! Linux 5.8 `syncfs` reports writeback errors of the filesystem, so a failed flush fails the
+//! batch instead of going unnoticed. A temp file never committed is unlinked on drop.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustix::fs::{AtFlags, Mode, OFlags, RenameFlags, ResolveFlags};
+use sha2::{Digest, Sha256};
+use stagehand_schemas::check_relative_path;
+
+use crate::error::{ErrorKind, Side, TransferError};
+use crate::transfer::FileDigest;
+
+/// How a written file is made durable before its name appears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommitMode {
+    /// `fdatasync` the file, rename, `fsync` the directory: one file at a time.
+    #[default]
+    Durable,
+    /// `syncfs` once before a batch of renames and once after (see the module docs).
+    Batched,
+}
+
+/// How many directory fds the tier keeps open before it forgets them all.
+const DIR_CACHE_LIMIT: usize = 4096;
+/// Below this size a destination is not preallocated: the extra call costs more than it saves.
+const PREALLOCATE_FROM: u64 = 1 << 20;
+/// Block size of the plain hashing reader.
+const HASH_BLOCK: usize = 1 << 20;
+
+fn resolve() -> ResolveFlags {
+    ResolveFlags::BENEATH
+        | ResolveFlags::NO_SYMLINKS
+        | ResolveFlags::NO_MAGICLINKS
+        | ResolveFlags::NO_XDEV
+}
+
+/// A posix tier: a name and a root directory, held open.
+#[derive(Debug, Clone)]
+pub struct PosixTier {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    name: String,
+    root: PathBuf,
+    root_fd: Arc<OwnedFd>,
+    /// Directories already opened (or created) beneath the root, so a batch of many files
+    /// in few folders creates and opens each folder once.
+    dirs: Mutex<HashMap<String, Arc<OwnedFd>>>,
+}
+
+impl PosixTier {
+    /// Opens the tier rooted at `root`, which must be an existing directory.
+    pub fn open(name: &str, root: impl AsRef<Path>) -> Result<PosixTier, TransferError> {
+        let root = root.as_ref();
+        let fd = rustix::fs::open(
+            root,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| {
+            let mut err =
+                TransferError::from_errno(e, Side::Destination, name, "", "open tier root");
+            err.detail = format!("open tier root {}: {}", root.display(), e);
+            if err.kind == ErrorKind::NotFound {
+                err.kind = ErrorKind::Config;
+            }
+            err
+        })?;
+        Ok(PosixTier {
+            inner: Arc::new(Inner {
+                name: name.to_owned(),
+                root: root.to_owned(),
+                root_fd: Arc::new(fd),
+                dirs: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.inner.root
+    }
+
+    /// The root directory's fd (for `syncfs` and confined opens).
+    pub fn root_fd(&self) -> &OwnedFd {
+        &self.inner.root_fd
+    }
+
+    fn err(
+        &self,
+        kind: ErrorKind,
+        side: Side,
+        rel: &str,
+        detail: impl Into<String>,
+    ) -> TransferError {
+        TransferError::new(kind, side, self.inner.name.clone(), rel, detail)
+    }
+
+    /// Refuses a path that is not relative and normalised, before any system call.
+    pub fn check_path(&self, rel: &str, side: Side) -> Result<(), TransferError> {
+        check_relative_path(rel).map_err(|e| {
+            self.err(
+                ErrorKind::PathRefused,
+                side,
+                &rel.replace('\0', "\\0"),
+                e.to_string(),
+            )
+        })
+    }
+
+    /// Opens a regular file beneath the root for reading.
+    pub fn open_read(&self, rel: &str) -> Result<File, TransferError> {
+        self.open_read_side(rel, Side::Source)
+    }
+
+    pub(crate) fn open_read_side(&self, rel: &str, side: Side) -> Result<File, TransferError> {
+        self.check_path(rel, side)?;
+        let fd = rustix::fs::openat2(
+            &*self.inner.root_fd,
+            rel,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY,
+            Mode::empty(),
+            resolve(),
+        )
+        .map_err(|e| TransferError::from_errno(e, side, self.name(), rel, "open"))?;
+        let st = rustix::fs::fstat(&fd)
+            .map_err(|e| TransferError::from_errno(e, side, self.name(), rel, "fstat"))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(self.err(ErrorKind::NotFound, side, rel, "not a regular file"));
+        }
+        Ok(File::from(fd))
+    }
+
+    /// The size of the regular file at `rel`, or `None` when nothing is there.
+    pub fn stat(&self, rel: &str) -> Result<Option<u64>, TransferError> {
+        self.check_path(rel, Side::Destination)?;
+        let fd = match rustix::fs::openat2(
+            &*self.inner.root_fd,
+            rel,
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            resolve(),
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(e) => {
+                return Err(TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    rel,
+                    "stat",
+                ));
+            }
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| {
+            TransferError::from_errno(e, Side::Destination, self.name(), rel, "fstat")
+        })?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(self.err(
+                ErrorKind::DestinationConflict,
+                Side::Destination,
+                rel,
+                "something other than a regular file is at this path",
+            ));
+        }
+        Ok(Some(st.st_size as u64))
+    }
+
+    /// Reads every byte of the file at `rel` and hashes it.
+    pub fn hash_file(&self, rel: &str) -> Result<FileDigest, TransferError> {
+        self.hash_file_side(rel, Side::Source)
+    }
+
+    pub(crate) fn hash_file_side(
+        &self,
+        rel: &str,
+        side: Side,
+    ) -> Result<FileDigest, TransferError> {
+        let file = self.open_read_side(rel, side)?;
+        hash_open_file(&file).map_err(|e| TransferError::from_io(e, side, self.name(), rel, "read"))
+    }
+
+    /// Forgets the directories opened so far (call between batches, so a directory removed
+    /// behind the tier's back is created again instead of written into while unlinked).
+    pub fn forget_dirs(&self) {
+        self.inner
+            .dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Opens (creating where missing) the directory `rel_dir` beneath the root.
+    fn dir_fd(&self, rel_dir: &str, rel_for_errors: &str) -> Result<Arc<OwnedFd>, TransferError> {
+        if rel_dir.is_empty() {
+            return Ok(self.inner.root_fd.clone());
+        }
+        if let Some(fd) = self
+            .inner
+            .dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(rel_dir)
+        {
+            return Ok(fd.clone());
+        }
+        let (parent_fd, name) = match rel_dir.rsplit_once('/') {
+            Some((parent, name)) => (self.dir_fd(parent, rel_for_errors)?, name),
+            None => (self.inner.root_fd.clone(), rel_dir),
+        };
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let open = || rustix::fs::openat2(&*parent_fd, name, flags, Mode::empty(), resolve());
+        let fd = match open() {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => {
+                match rustix::fs::mkdirat(&*parent_fd, name, Mode::from_raw_mode(0o755)) {
+                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                    Err(e) => {
+                        return Err(TransferError::from_errno(
+                            e,
+                            Side::Destination,
+                            self.name(),
+                            rel_for_errors,
+                            &format!("create directory {rel_dir}"),
+                        ));
+                    }
+                }
+                open().map_err(|e| {
+                    TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        rel_for_errors,
+                        &format!("open directory {rel_dir}"),
+                    )
+                })?
+            }
+            Err(rustix::io::Errno::NOTDIR) => {
+                return Err(self.err(
+                    ErrorKind::DestinationConflict,
+                    Side::Destination,
+                    rel_for_errors,
+                    format!("{rel_dir} exists and is not a directory"),
+                ));
+            }
+            Err(e) => {
+                return Err(TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    rel_for_errors,
+                    &format!("open directory {rel_dir}"),
+                ));
+            }
+        };
+        let fd = Arc::new(fd);
+        let mut dirs = self.inner.dirs.lock().unwrap_or_else(|p| p.into_inner());
+        if dirs.len() >= DIR_CACHE_LIMIT {
+            dirs.clear();
+        }
+        dirs.insert(rel_dir.to_owned(), fd.clone());
+        Ok(fd)
+    }
+
+    /// Creates a temp file beside `rel` (creating parent directories beneath the root) that
+    /// becomes `rel` only when committed.
+    pub fn create_atomic(&self, rel: &str, size_hint: u64) -> Result<AtomicFile, TransferError> {
+        self.check_path(rel, Side::Destination)?;
+        let (parent, name) = match rel.rsplit_once('/') {
+            Some((p, n)) => (p, n),
+            None => ("", rel),
+        };
+        let dir = self.dir_fd(parent, rel)?;
+        let (tmp_name, fd) = loop {
+            let tmp_name = temp_name(name);
+            match rustix::fs::openat(
+                &*dir,
+                tmp_name.as_str(),
+                OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+                Mode::from_raw_mode(0o644),
+            ) {
+                Ok(fd) => break (tmp_name, fd),
+                Err(rustix::io::Errno::EXIST) => continue,
+                Err(e) => {
+                    return Err(TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        rel,
+                        "create temp file",
+                    ));
+                }
+            }
+        };
+        let atomic = AtomicFile {
+            tier: self.clone(),
+            rel: rel.to_owned(),
+            dir,
+            tmp_name,
+            final_name: name.to_owned(),
+            file: File::from(fd),
+            armed: true,
+        };
+        if size_hint >= PREALLOCATE_FROM {
+            // Reserve the space up front so a full filesystem fails now, before any copying,
+            // with a clear ENOSPC; KEEP_SIZE so a short copy never leaves zeros counted as data.
+            match rustix::fs::fallocate(
+                &atomic.file,
+                rustix::fs::FallocateFlags::KEEP_SIZE,
+                0,
+                size_hint,
+            ) {
+                Ok(()) | Err(rustix::io::Errno::OPNOTSUPP) => {}
+                Err(e) => {
+                    return Err(TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        rel,
+                        "preallocate",
+                    ));
+                }
+            }
+        }
+        Ok(atomic)
+    }
+
+    /// Makes a batch of written temp files durable and visible (see [`CommitMode::Batched`]).
+    /// Returns one result per entry, in order.
+    pub fn commit_batch(&self, batch: Vec<PendingRename>) -> Vec<Result<(), TransferError>> {
+        if batch.is_empty() {
+            return Vec::new();
+        }
+        if let Err(e) = rustix::fs::syncfs(&*self.inner.root_fd) {
+            return batch
+                .iter()
+                .map(|p| {
+                    Err(TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        &p.rel,
+                        "syncfs before rename",
+                    ))
+                })
+                .collect();
+        }
+        let mut results: Vec<Result<(), TransferError>> =
+            batch.into_iter().map(|p| p.rename()).collect();
+        if let Err(e) = rustix::fs::syncfs(&*self.inner.root_fd) {
+            for r in results.iter_mut() {
+                if r.is_ok() {
+                    // The rename happened but may not survive a crash; the caller must not ack it.
+                    *r = Err(TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        "",
+                        "syncfs after rename",
+                    ));
+                }
+            }
+        }
+        results
+    }
+}
+
+/// A temp-file name beside `name`, unique within the process and very likely across processes
+/// (`O_EXCL` makes a collision harmless: a new name is tried).
+fn temp_name(name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let unique = (u64::from(std::process::id()) << 32 | u64::from(nanos))
+        ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // Keep the whole name under NAME_MAX (255) whatever the final name's length.
+    let mut cut = name.len().min(200);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!(".{}.stagehand-{unique:016x}.tmp", &name[..cut])
+}
+
+/// Whether `name` (a final path component) is one of Stagehand's temp files.
+pub fn is_temp_name(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(".tmp") && name.contains(".stagehand-")
+}
+
+/// A file being written beside its final name; it appears under that name only on commit.
+#[derive(Debug)]
+pub struct AtomicFile {
+    tier: PosixTier,
+    rel: String,
+    dir: Arc<OwnedFd>,
+    tmp_name: String,
+    final_name: String,
+    file: File,
+    armed: bool,
+}
+
+impl AtomicFile {
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The destination path this file will be committed to.
+    pub fn rel(&self) -> &str {
+        &self.rel
+    }
+
+    /// Writes all of `buf` at `offset`; a short write is continued, never ignored.
+    pub fn write_all_at(&self, buf: &[u8], offset: u64) -> Result<(), TransferError> {
+        self.file.write_all_at(buf, offset).map_err(|e| {
+            TransferError::from_io(e, Side::Destination, self.tier.name(), &self.rel, "write")
+        })
+    }
+
+    /// Reads the temp file back and hashes it (for [`crate::VerifyDestination::ReadBack`]).
+    pub fn hash_written(&self) -> Result<FileDigest, TransferError> {
+        hash_open_file(&self.file).map_err(|e| {
+            TransferError::from_io(
+                e,
+                Side::Destination,
+                self.tier.name(),
+                &self.rel,
+                "read back",
+            )
+        })
+    }
+
+    /// `fdatasync` → `renameat2(RENAME_NOREPLACE)` → `fsync` of the directory.
+    pub fn commit(mut self) -> Result<(), TransferError> {
+        rustix::fs::fdatasync(&self.file).map_err(|e| {
+            TransferError::from_errno(
+                e,
+                Side::Destination,
+                self.tier.name(),
+                &self.rel,
+                "fdatasync",
+            )
+        })?;
+        self.rename_noreplace()?;
+        self.armed = false;
+        rustix::fs::fsync(&*self.dir).map_err(|e| {
+            TransferError::from_errno(
+                e,
+                Side::Destination,
+                self.tier.name(),
+                &self.rel,
+                "fsync directory",
+            )
+        })
+    }
+
+    /// Closes the data file and hands back the rename to do in [`PosixTier::commit_batch`].
+    pub fn into_pending(mut self) -> PendingRename {
+        self.armed = false;
+        PendingRename {
+            tier: self.tier.clone(),
+            rel: std::mem::take(&mut self.rel),
+            dir: self.dir.clone(),
+            tmp_name: std::mem::take(&mut self.tmp_name),
+            final_name: std::mem::take(&mut self.final_name),
+            armed: true,
+        }
+    }
+
+    fn rename_noreplace(&self) -> Result<(), TransferError> {
+        rename_noreplace(
+            &self.tier,
+            &self.dir,
+            &self.tmp_name,
+            &self.final_name,
+            &self.rel,
+        )
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = rustix::fs::unlinkat(&*self.dir, self.tmp_name.as_str(), AtFlags::empty());
+        }
+    }
+}
+
+fn rename_noreplace(
+    tier: &PosixTier,
+    dir: &OwnedFd,
+    tmp: &str,
+    name: &str,
+    rel: &str,
+) -> Result<(), TransferError> {
+    rustix::fs::renameat_with(dir.as_fd(), tmp, dir.as_fd(), name, RenameFlags::NOREPLACE).map_err(
+        |e| {
+            if e == rustix::io::Errno::EXIST {
+                TransferError::new(
+                    ErrorKind::DestinationConflict,
+                    Side::Destination,
+                    tier.name(),
+                    rel,
+                    "another file appeared under this name while copying; it was left untouched",
+                )
+            } else {
+                TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    tier.name(),
+                    rel,
+                    "rename into place",
+                )
+            }
+        },
+    )
+}
+
+/// A written, closed temp file waiting for its batch's rename.
+#[derive(Debug)]
+pub struct PendingRename {
+    tier: PosixTier,
+    rel: String,
+    dir: Arc<OwnedFd>,
+    tmp_name: String,
+    final_name: String,
+    armed: bool,
+}
+
+impl PendingRename {
+    pub fn rel(&self) -> &str {
+        &self.rel
+    }
+
+    fn rename(mut self) -> Result<(), TransferError> {
+        let r = rename_noreplace(
+            &self.tier,
+            &self.dir,
+            &self.tmp_name,
+            &self.final_name,
+            &self.rel,
+        );
+        if r.is_ok() {
+            self.armed = false;
+        }
+        r
+    }
+}
+
+impl Drop for PendingRename {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = rustix::fs::unlinkat(&*self.dir, self.tmp_name.as_str(), AtFlags::empty());
+        }
+    }
+}
+
+/// Hashes a whole open file with positioned reads (the file offset is left alone).
+pub(crate) fn hash_open_file(file: &File) -> io::Result<FileDigest> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; HASH_BLOCK];
+    let mut offset = 0u64;
+    loop {
+        let n = match file.read_at(&mut buf, offset) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        hasher.update(&buf[..n]);
+        offset += n as u64;
+    }
+    Ok(FileDigest {
+        size: offset,
+        sha256: hex::encode(hasher.finalize()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_names_are_recognised_and_bounded() {
+        let long = "x".repeat(255);
+        let t = temp_name(&long);
+        assert!(t.len() <= 255, "{}", t.len());
+        assert!(is_temp_name(&t));
+        assert!(!is_temp_name("data.tmp"));
+        assert_ne!(temp_name("a"), temp_name("a"));
+    }
+}

@@ -1,0 +1,59 @@
+//! A storage tier: a posix root or an S3 bucket prefix, behind one small enum.
+
+use crate::error::{ErrorKind, Side, TransferError};
+use crate::posix::PosixTier;
+use crate::s3::S3Tier;
+use crate::transfer::FileDigest;
+
+/// Where files live. Paths handed to a tier are always relative to its root (or prefix).
+#[derive(Debug, Clone)]
+pub enum Tier {
+    Posix(PosixTier),
+    S3(S3Tier),
+}
+
+impl Tier {
+    /// The tier's name, used in errors and reports.
+    pub fn name(&self) -> &str {
+        match self {
+            Tier::Posix(t) => t.name(),
+            Tier::S3(t) => t.name(),
+        }
+    }
+
+    /// Reads every byte of the file or object at `rel` (confined beneath the tier root) and
+    /// hashes it. A path that leaves the root or crosses a symlink is `PathRefused`; a missing
+    /// one is `NotFound`.
+    pub async fn hash_file(&self, rel: &str) -> Result<FileDigest, TransferError> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                tokio::task::spawn_blocking(move || t.hash_file(&rel_owned))
+                    .await
+                    .map_err(|e| {
+                        TransferError::new(
+                            ErrorKind::Io,
+                            Side::Source,
+                            self.name(),
+                            rel,
+                            format!("hashing task failed: {e}"),
+                        )
+                    })?
+            }
+            Tier::S3(t) => t.hash_file(rel).await,
+        }
+    }
+}
+
+impl From<PosixTier> for Tier {
+    fn from(t: PosixTier) -> Self {
+        Tier::Posix(t)
+    }
+}
+
+impl From<S3Tier> for Tier {
+    fn from(t: S3Tier) -> Self {
+        Tier::S3(t)
+    }
+}
