@@ -1,0 +1,37 @@
+//! Span field and metric names, in one place so logs, traces and dashboards agree.
+//!
+//! Label values must stay bounded: a service, stream, kind or outcome, never an event id or a
+//! path (those go in span fields, which are not aggregated).
+
+/// Span and log field: the event id being handled.
+pub const EVENT_ID: &str = "event_id";
+/// Span and log field: the event kind (`ingest.requested`, …).
+pub const KIND: &str = "kind";
+/// Span and log field: the project (tenant).
+pub const PROJECT: &str = "project";
+/// Span and log field: the dataset, when the event concerns one.
+pub const DATASET: &str = "dataset";
+/// Span and log field: the delivery count of the message (1 for the first).
+pub const DELIVERY: &str = "delivery";
+/// Span and log field: the stream sequence of the message.
+pub const STREAM_SEQUENCE: &str = "stream_sequence";
+/// Span and log field: the service (durable consumer) handling the message.
+pub const SERVICE: &str = "service";
+
+/// Name of the span opened for every consumed message.
+pub const SPAN_HANDLE_MESSAGE: &str = "handle_message";
+
+/// Counter: messages whose handling finished, labelled by `outcome`.
+pub const MESSAGES_TOTAL: &str = "stagehand_messages_total";
+/// Counter: ledger write transactions committed.
+pub const LEDGER_COMMITS_TOTAL: &str = "stagehand_ledger_commits_total";
+/// Counter: messages sent to the dead-letter stream.
+pub const DEAD_LETTERS_TOTAL: &str = "stagehand_dead_letters_total";
+
+/// Outcome label values for [`MESSAGES_TOTAL`].
+pub mod outcome {
+    pub const DONE: &str = "done";
+    pub const REPLAYED: &str = "replayed";
+    pub const RETRIED: &str = "retried";
+    pub const DEAD_LETTERED: &str = "dead_lettered";
+}
