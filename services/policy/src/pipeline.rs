@@ -1,0 +1,379 @@
+//! The policies of the services after validation: packing, promotion, demotion, retention,
+//! backup and priority classes.
+//!
+//! They are parsed and validated at start-up like the others (so a mistake is caught the day it
+//! is written, not the day the service that reads it ships), including their references to
+//! tiers. No service acts on them yet.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::{PolicyError, Source};
+use crate::tiers::{TierRole, Tiers};
+use crate::units::{ByteSize, duration};
+
+/// Checks that `tier` is declared and has one of `roles`.
+fn check_tier_ref(
+    src: &Source<'_>,
+    tiers: &Tiers,
+    key: &str,
+    tier: &str,
+    roles: &[TierRole],
+) -> Result<(), PolicyError> {
+    let Some(found) = tiers.get(tier) else {
+        return Err(src.invalid(
+            key,
+            format!("names tier {tier:?}, which tiers.toml does not declare"),
+        ));
+    };
+    if !roles.contains(&found.role) {
+        let wanted: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
+        return Err(src.invalid(
+            key,
+            format!(
+                "tier {tier:?} has role {:?}; this needs a tier with role {}",
+                found.role.as_str(),
+                wanted.join(" or ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Shard layouts the resharder can write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardLayout {
+    /// Tar shards, samples grouped by basename (WebDataset).
+    Webdataset,
+}
+
+/// `packing.toml`: when and how validated datasets of many small files are packed into shards.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackingPolicy {
+    /// Whether any dataset is packed.
+    pub enabled: bool,
+    /// Pack only datasets with at least this many files.
+    pub min_files: u64,
+    /// Pack only datasets whose mean file size is at most this.
+    pub max_mean_file_size: ByteSize,
+    /// Target size of one shard.
+    pub shard_size: ByteSize,
+    pub layout: ShardLayout,
+    /// Seed of the shuffle of samples across shards.
+    pub seed: u64,
+    /// Tier the shards are written to.
+    pub target_tier: String,
+}
+
+/// How a copy onto a hot or local tier is proven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VerifyMode {
+    /// Read the landed file back and hash it.
+    ReadBack,
+    /// Trust the hash computed while the bytes were copied.
+    HashedInFlight,
+}
+
+/// `promotion.toml`: where stage requests copy data from and to.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionPolicy {
+    /// Tier a stage request without an explicit tier goes to.
+    pub default_tier: String,
+    /// Tiers a replica is copied from, in order of preference.
+    pub sources: Vec<String>,
+    /// Stage requests copied at once.
+    pub max_concurrent: u32,
+    /// Deadline of a stage request that sets none.
+    #[serde(with = "duration")]
+    pub default_deadline: Duration,
+    pub verify: VerifyMode,
+}
+
+/// `demotion.toml`: when released replicas move down.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DemotionPolicy {
+    /// A replica no live stage holds and unused this long is demoted.
+    #[serde(with = "duration")]
+    pub idle_after: Duration,
+    /// How often the demoter checks idle time and watermarks.
+    #[serde(with = "duration")]
+    pub check_every: Duration,
+    /// Where a demoted replica goes when no other verified copy exists.
+    pub target: String,
+}
+
+/// `retention.toml`: which checkpoints are kept, and when unused replicas expire.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionPolicy {
+    pub checkpoints: CheckpointRetention,
+    pub expiry: Expiry,
+}
+
+/// Checkpoint retention of one training run.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointRetention {
+    /// The newest N checkpoints are kept.
+    pub keep_last: u32,
+    /// Every checkpoint whose step is a multiple of this is kept; 0 keeps none this way.
+    pub keep_every: u64,
+    /// Checkpoints carrying any of these tags are kept.
+    pub keep_tagged: Vec<String>,
+    /// Of the kept checkpoints, how many newest stay on the hot tier; older ones are demoted.
+    pub hot_keep_last: u32,
+    /// Tier older checkpoints are demoted to.
+    pub demote_to: String,
+}
+
+/// Expiry of replicas on bounded tiers.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expiry {
+    /// A replica on a hot or local tier not staged for this long is removed (never the last
+    /// verified copy of a version).
+    #[serde(with = "duration")]
+    pub unstaged_replica_after: Duration,
+}
+
+/// Facts a backup policy can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum BackupSelect {
+    #[serde(rename = "dataset.validated")]
+    DatasetValidated,
+    #[serde(rename = "dataset.prepared")]
+    DatasetPrepared,
+    #[serde(rename = "checkpoint.committed")]
+    CheckpointCommitted,
+}
+
+/// `backup.toml`: what is copied to the backup tier, and how often restores are drilled.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackupPolicy {
+    /// The backup tier.
+    pub target: String,
+    /// Facts whose data is backed up.
+    pub select: Vec<BackupSelect>,
+    /// Projects backed up; empty means every project.
+    pub projects: Vec<String>,
+    /// Checkpoints are backed up only with one of these tags; empty means every checkpoint.
+    pub checkpoint_tags: Vec<String>,
+    /// How often a restore drill runs.
+    #[serde(with = "duration")]
+    pub drill_every: Duration,
+    /// Files read back per drill.
+    pub drill_sample_files: u32,
+    /// Upper bound on bytes read back per drill.
+    pub drill_sample_bytes: ByteSize,
+}
+
+/// A bandwidth class of transfers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PriorityClass {
+    Checkpoint,
+    Stage,
+    Ingest,
+    Backup,
+}
+
+impl PriorityClass {
+    pub const ALL: [PriorityClass; 4] = [
+        PriorityClass::Checkpoint,
+        PriorityClass::Stage,
+        PriorityClass::Ingest,
+        PriorityClass::Backup,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PriorityClass::Checkpoint => "checkpoint",
+            PriorityClass::Stage => "stage",
+            PriorityClass::Ingest => "ingest",
+            PriorityClass::Backup => "backup",
+        }
+    }
+}
+
+/// One class's share of bandwidth.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassPolicy {
+    /// Relative weight when classes compete (1-1000).
+    pub weight: u32,
+    /// Bytes per second this class may use; absent means unlimited.
+    #[serde(default)]
+    pub max_bytes_per_sec: Option<ByteSize>,
+}
+
+/// `priorities.toml`: the transfer classes and their weights.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriorityPolicy {
+    pub classes: BTreeMap<PriorityClass, ClassPolicy>,
+}
+
+impl PriorityPolicy {
+    pub fn class(&self, class: PriorityClass) -> &ClassPolicy {
+        // Every class is present: `parse_priorities` refuses a file that misses one.
+        &self.classes[&class]
+    }
+}
+
+pub(crate) fn parse_packing(src: &Source<'_>, tiers: &Tiers) -> Result<PackingPolicy, PolicyError> {
+    let p: PackingPolicy = src.parse()?;
+    if p.shard_size.bytes() < 1 << 20 {
+        return Err(src.invalid(
+            "shard_size",
+            format!("{} is below the minimum of 1 MiB", p.shard_size),
+        ));
+    }
+    if p.max_mean_file_size.bytes() == 0 {
+        return Err(src.invalid("max_mean_file_size", "must be more than 0 bytes"));
+    }
+    check_tier_ref(
+        src,
+        tiers,
+        "target_tier",
+        &p.target_tier,
+        &[TierRole::Capacity, TierRole::Source],
+    )?;
+    Ok(p)
+}
+
+pub(crate) fn parse_promotion(
+    src: &Source<'_>,
+    tiers: &Tiers,
+) -> Result<PromotionPolicy, PolicyError> {
+    let p: PromotionPolicy = src.parse()?;
+    check_tier_ref(
+        src,
+        tiers,
+        "default_tier",
+        &p.default_tier,
+        &[TierRole::Hot, TierRole::Local],
+    )?;
+    if p.sources.is_empty() {
+        return Err(src.invalid("sources", "must name at least one tier to copy from"));
+    }
+    for source in &p.sources {
+        check_tier_ref(
+            src,
+            tiers,
+            "sources",
+            source,
+            &[TierRole::Capacity, TierRole::Source, TierRole::Backup],
+        )?;
+    }
+    if p.max_concurrent == 0 {
+        return Err(src.invalid("max_concurrent", "must be at least 1"));
+    }
+    if p.default_deadline.is_zero() {
+        return Err(src.invalid("default_deadline", "must be longer than 0"));
+    }
+    Ok(p)
+}
+
+pub(crate) fn parse_demotion(
+    src: &Source<'_>,
+    tiers: &Tiers,
+) -> Result<DemotionPolicy, PolicyError> {
+    let p: DemotionPolicy = src.parse()?;
+    if p.check_every.is_zero() {
+        return Err(src.invalid("check_every", "must be longer than 0"));
+    }
+    check_tier_ref(src, tiers, "target", &p.target, &[TierRole::Capacity])?;
+    Ok(p)
+}
+
+pub(crate) fn parse_retention(
+    src: &Source<'_>,
+    tiers: &Tiers,
+) -> Result<RetentionPolicy, PolicyError> {
+    let p: RetentionPolicy = src.parse()?;
+    let c = &p.checkpoints;
+    if c.keep_last == 0 {
+        return Err(src.invalid(
+            "checkpoints.keep_last",
+            "must be at least 1: the newest checkpoint is never expired",
+        ));
+    }
+    if c.hot_keep_last > c.keep_last {
+        return Err(src.invalid(
+            "checkpoints.hot_keep_last",
+            format!(
+                "{} is more than keep_last ({})",
+                c.hot_keep_last, c.keep_last
+            ),
+        ));
+    }
+    check_tier_ref(
+        src,
+        tiers,
+        "checkpoints.demote_to",
+        &c.demote_to,
+        &[TierRole::Capacity],
+    )?;
+    if p.expiry.unstaged_replica_after.is_zero() {
+        return Err(src.invalid("expiry.unstaged_replica_after", "must be longer than 0"));
+    }
+    Ok(p)
+}
+
+pub(crate) fn parse_backup(src: &Source<'_>, tiers: &Tiers) -> Result<BackupPolicy, PolicyError> {
+    let p: BackupPolicy = src.parse()?;
+    check_tier_ref(src, tiers, "target", &p.target, &[TierRole::Backup])?;
+    if p.select.is_empty() {
+        return Err(src.invalid("select", "must select at least one kind of fact"));
+    }
+    if let Some(bad) = p
+        .projects
+        .iter()
+        .find(|p| !stagehand_schemas::subject::is_subject_token(p))
+    {
+        return Err(src.invalid(
+            "projects",
+            format!("{bad:?} is not a project name (1-64 characters of [a-z0-9_-])"),
+        ));
+    }
+    if p.drill_every.is_zero() {
+        return Err(src.invalid("drill_every", "must be longer than 0"));
+    }
+    if p.drill_sample_files == 0 {
+        return Err(src.invalid("drill_sample_files", "must be at least 1"));
+    }
+    Ok(p)
+}
+
+pub(crate) fn parse_priorities(src: &Source<'_>) -> Result<PriorityPolicy, PolicyError> {
+    let p: PriorityPolicy = src.parse()?;
+    for class in PriorityClass::ALL {
+        let Some(policy) = p.classes.get(&class) else {
+            return Err(src.invalid(
+                format!("classes.{}", class.as_str()),
+                "every class (checkpoint, stage, ingest, backup) must be declared",
+            ));
+        };
+        if !(1..=1000).contains(&policy.weight) {
+            return Err(src.invalid(
+                format!("classes.{}.weight", class.as_str()),
+                format!("must be between 1 and 1000, got {}", policy.weight),
+            ));
+        }
+        if policy.max_bytes_per_sec.is_some_and(|b| b.bytes() == 0) {
+            return Err(src.invalid(
+                format!("classes.{}.max_bytes_per_sec", class.as_str()),
+                "must be more than 0; leave it out for no limit",
+            ));
+        }
+    }
+    Ok(p)
+}

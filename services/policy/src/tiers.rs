@@ -1,0 +1,403 @@
+//! `tiers.toml`: the named places data lives, their kind, role, failure domain and limits.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use stagehand_mover::s3::S3Config;
+
+use crate::error::{PolicyError, Source};
+use crate::units::ByteSize;
+
+/// What a tier is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TierRole {
+    /// Where raw uploads land; the ingest validator reads from here.
+    Source,
+    /// Durable, warm storage for validated and prepared versions.
+    Capacity,
+    /// The shared fast tier jobs read from.
+    Hot,
+    /// Node-local NVMe.
+    Local,
+    /// Independent recovery copies.
+    Backup,
+}
+
+impl TierRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TierRole::Source => "source",
+            TierRole::Capacity => "capacity",
+            TierRole::Hot => "hot",
+            TierRole::Local => "local",
+            TierRole::Backup => "backup",
+        }
+    }
+
+    /// Hot and local tiers are bounded: they have a capacity, watermarks and quotas.
+    pub fn is_bounded(self) -> bool {
+        matches!(self, TierRole::Hot | TierRole::Local)
+    }
+}
+
+/// Where a tier's bytes are.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TierKind {
+    /// A directory tree; `root` is absolute (a relative root in the file was resolved against
+    /// `$STAGEHAND_HOME`).
+    Posix { root: PathBuf },
+    /// A bucket and prefix on an S3 endpoint.
+    S3(S3Config),
+}
+
+/// Capacity, watermarks and quotas of a hot or local tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierLimits {
+    /// Bytes Stagehand may place on the tier.
+    pub capacity: u64,
+    /// Fraction of `capacity` above which the demoter starts moving replicas down.
+    pub high_watermark: f64,
+    /// Fraction of `capacity` the demoter brings usage back down to.
+    pub low_watermark: f64,
+    /// Quota of a project not named in `quotas`; `None` means bounded only by capacity.
+    pub default_quota: Option<u64>,
+    /// Bytes each named project may hold on the tier.
+    pub quotas: BTreeMap<String, u64>,
+}
+
+impl TierLimits {
+    /// The quota that applies to `project`, if any.
+    pub fn quota_for(&self, project: &str) -> Option<u64> {
+        self.quotas.get(project).copied().or(self.default_quota)
+    }
+
+    pub fn high_watermark_bytes(&self) -> u64 {
+        (self.capacity as f64 * self.high_watermark) as u64
+    }
+
+    pub fn low_watermark_bytes(&self) -> u64 {
+        (self.capacity as f64 * self.low_watermark) as u64
+    }
+}
+
+/// One tier, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierPolicy {
+    pub name: String,
+    pub kind: TierKind,
+    pub role: TierRole,
+    /// Tiers in the same failure domain can be lost together.
+    pub failure_domain: String,
+    /// Present exactly for hot and local tiers.
+    pub limits: Option<TierLimits>,
+    /// For a backup tier: the tiers it protects. Empty for other roles.
+    pub protects: Vec<String>,
+}
+
+/// All tiers by name.
+pub type Tiers = BTreeMap<String, TierPolicy>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawTiersFile {
+    tiers: BTreeMap<String, RawTier>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum RawKind {
+    Posix,
+    S3,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTier {
+    kind: RawKind,
+    role: TierRole,
+    failure_domain: String,
+    // posix
+    root: Option<PathBuf>,
+    // s3
+    endpoint: Option<String>,
+    bucket: Option<String>,
+    prefix: Option<String>,
+    region: Option<String>,
+    path_style: Option<bool>,
+    profile: Option<String>,
+    part_size: Option<ByteSize>,
+    concurrency: Option<usize>,
+    send_checksums: Option<bool>,
+    // hot / local
+    capacity: Option<ByteSize>,
+    high_watermark: Option<f64>,
+    low_watermark: Option<f64>,
+    quotas: Option<BTreeMap<String, ByteSize>>,
+    // backup
+    protects: Option<Vec<String>>,
+}
+
+/// Default watermarks when a bounded tier does not set them.
+pub const DEFAULT_HIGH_WATERMARK: f64 = 0.85;
+pub const DEFAULT_LOW_WATERMARK: f64 = 0.70;
+
+pub(crate) fn parse(src: &Source<'_>, home: &Path) -> Result<Tiers, PolicyError> {
+    let raw: RawTiersFile = src.parse()?;
+    if raw.tiers.is_empty() {
+        return Err(src.invalid("tiers", "no tier is declared"));
+    }
+    let mut tiers = Tiers::new();
+    for (name, tier) in raw.tiers {
+        let parsed = parse_tier(src, home, &name, tier)?;
+        tiers.insert(name, parsed);
+    }
+    if !tiers.values().any(|t| t.role == TierRole::Source) {
+        return Err(src.invalid(
+            "tiers",
+            "no tier has role \"source\"; ingest needs one to read uploads from",
+        ));
+    }
+    check_roots_disjoint(src, &tiers)?;
+    check_backups(src, &mut tiers)?;
+    Ok(tiers)
+}
+
+fn parse_tier(
+    src: &Source<'_>,
+    home: &Path,
+    name: &str,
+    raw: RawTier,
+) -> Result<TierPolicy, PolicyError> {
+    let key = |field: &str| format!("tiers.{name}.{field}");
+    if !stagehand_schemas::subject::is_subject_token(name) {
+        return Err(src.invalid(
+            format!("tiers.{name}"),
+            format!("tier name {name:?} must be 1-64 characters of [a-z0-9_-]"),
+        ));
+    }
+    if raw.failure_domain.trim().is_empty() {
+        return Err(src.invalid(key("failure_domain"), "must not be empty"));
+    }
+    let refuse = |present: bool, field: &str, applies: &str| {
+        if present {
+            Err(src.invalid(key(field), format!("`{field}` applies only to {applies}")))
+        } else {
+            Ok(())
+        }
+    };
+
+    let kind = match raw.kind {
+        RawKind::Posix => {
+            for (present, field) in [
+                (raw.endpoint.is_some(), "endpoint"),
+                (raw.bucket.is_some(), "bucket"),
+                (raw.prefix.is_some(), "prefix"),
+                (raw.region.is_some(), "region"),
+                (raw.path_style.is_some(), "path_style"),
+                (raw.profile.is_some(), "profile"),
+                (raw.part_size.is_some(), "part_size"),
+                (raw.concurrency.is_some(), "concurrency"),
+                (raw.send_checksums.is_some(), "send_checksums"),
+            ] {
+                refuse(present, field, "s3 tiers")?;
+            }
+            let root = raw
+                .root
+                .ok_or_else(|| src.invalid(key("root"), "a posix tier needs `root`"))?;
+            if root.as_os_str().is_empty() {
+                return Err(src.invalid(key("root"), "must not be empty"));
+            }
+            TierKind::Posix {
+                root: if root.is_absolute() {
+                    root
+                } else {
+                    home.join(root)
+                },
+            }
+        }
+        RawKind::S3 => {
+            refuse(raw.root.is_some(), "root", "posix tiers")?;
+            let bucket = raw
+                .bucket
+                .ok_or_else(|| src.invalid(key("bucket"), "an s3 tier needs `bucket`"))?;
+            let mut config = S3Config::new(bucket, raw.prefix.unwrap_or_default());
+            config.endpoint = raw.endpoint;
+            if let Some(region) = raw.region {
+                config.region = region;
+            }
+            if let Some(path_style) = raw.path_style {
+                config.path_style = path_style;
+            }
+            config.profile = raw.profile;
+            if let Some(part_size) = raw.part_size {
+                config.part_size = part_size.bytes();
+                config.multipart_threshold = part_size.bytes();
+            }
+            if let Some(concurrency) = raw.concurrency {
+                config.concurrency = concurrency;
+            }
+            if let Some(send_checksums) = raw.send_checksums {
+                config.send_checksums = send_checksums;
+            }
+            // The mover's own check names the field in `path`.
+            config
+                .validate(name)
+                .map_err(|err| src.invalid(key(&err.path), err.detail))?;
+            TierKind::S3(config)
+        }
+    };
+
+    let limits = if raw.role.is_bounded() {
+        let capacity = raw.capacity.ok_or_else(|| {
+            src.invalid(
+                key("capacity"),
+                format!("a {} tier needs `capacity`", raw.role.as_str()),
+            )
+        })?;
+        if capacity.bytes() == 0 {
+            return Err(src.invalid(key("capacity"), "must be more than 0 bytes"));
+        }
+        let high = raw.high_watermark.unwrap_or(DEFAULT_HIGH_WATERMARK);
+        let low = raw.low_watermark.unwrap_or(DEFAULT_LOW_WATERMARK);
+        if !(high > 0.0 && high <= 1.0) {
+            return Err(src.invalid(
+                key("high_watermark"),
+                format!("must be a fraction in (0, 1], got {high}"),
+            ));
+        }
+        if !(low > 0.0 && low < high) {
+            return Err(src.invalid(
+                key("low_watermark"),
+                format!("must be a fraction above 0 and below high_watermark ({high}), got {low}"),
+            ));
+        }
+        let mut default_quota = None;
+        let mut quotas = BTreeMap::new();
+        for (project, quota) in raw.quotas.unwrap_or_default() {
+            let quota_key = key(&format!("quotas.{project}"));
+            if quota.bytes() > capacity.bytes() {
+                return Err(src.invalid(
+                    quota_key,
+                    format!("quota {quota} is larger than the tier's capacity {capacity}"),
+                ));
+            }
+            if project == "default" {
+                default_quota = Some(quota.bytes());
+            } else if stagehand_schemas::subject::is_subject_token(&project) {
+                quotas.insert(project, quota.bytes());
+            } else {
+                return Err(src.invalid(
+                    quota_key,
+                    format!("{project:?} is not a project name (1-64 characters of [a-z0-9_-]) nor \"default\""),
+                ));
+            }
+        }
+        Some(TierLimits {
+            capacity: capacity.bytes(),
+            high_watermark: high,
+            low_watermark: low,
+            default_quota,
+            quotas,
+        })
+    } else {
+        let applies = "hot and local tiers";
+        refuse(raw.capacity.is_some(), "capacity", applies)?;
+        refuse(raw.high_watermark.is_some(), "high_watermark", applies)?;
+        refuse(raw.low_watermark.is_some(), "low_watermark", applies)?;
+        refuse(raw.quotas.is_some(), "quotas", applies)?;
+        None
+    };
+
+    if raw.role != TierRole::Backup {
+        refuse(raw.protects.is_some(), "protects", "backup tiers")?;
+    }
+    Ok(TierPolicy {
+        name: name.to_owned(),
+        kind,
+        role: raw.role,
+        failure_domain: raw.failure_domain,
+        limits,
+        // Filled in by `check_backups` (the default needs every tier).
+        protects: raw.protects.unwrap_or_default(),
+    })
+}
+
+/// Two posix tiers must not share or nest their roots: one tier's writes would appear in the
+/// other's namespace.
+fn check_roots_disjoint(src: &Source<'_>, tiers: &Tiers) -> Result<(), PolicyError> {
+    let roots: Vec<(&str, &Path)> = tiers
+        .values()
+        .filter_map(|t| match &t.kind {
+            TierKind::Posix { root } => Some((t.name.as_str(), root.as_path())),
+            TierKind::S3(_) => None,
+        })
+        .collect();
+    for (i, (name, root)) in roots.iter().enumerate() {
+        for (other, other_root) in &roots[i + 1..] {
+            if root.starts_with(other_root) || other_root.starts_with(root) {
+                return Err(src.invalid(
+                    format!("tiers.{other}.root"),
+                    format!(
+                        "{} overlaps the root of tier {name:?} ({}); tier roots must be disjoint",
+                        other_root.display(),
+                        root.display()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A backup tier protects the tiers it names (by default every tier that is not a backup), and
+/// must not share a failure domain with any of them.
+fn check_backups(src: &Source<'_>, tiers: &mut Tiers) -> Result<(), PolicyError> {
+    let all_protectable: Vec<String> = tiers
+        .values()
+        .filter(|t| t.role != TierRole::Backup)
+        .map(|t| t.name.clone())
+        .collect();
+    let backups: Vec<String> = tiers
+        .values()
+        .filter(|t| t.role == TierRole::Backup)
+        .map(|t| t.name.clone())
+        .collect();
+    for backup in backups {
+        let explicit = !tiers[&backup].protects.is_empty();
+        let protects = if explicit {
+            tiers[&backup].protects.clone()
+        } else {
+            all_protectable.clone()
+        };
+        let domain = tiers[&backup].failure_domain.clone();
+        for protected in &protects {
+            let Some(tier) = tiers.get(protected) else {
+                return Err(src.invalid(
+                    format!("tiers.{backup}.protects"),
+                    format!("names tier {protected:?}, which is not declared"),
+                ));
+            };
+            if tier.role == TierRole::Backup {
+                return Err(src.invalid(
+                    format!("tiers.{backup}.protects"),
+                    format!("names {protected:?}, itself a backup tier"),
+                ));
+            }
+            if tier.failure_domain == domain {
+                return Err(src.invalid(
+                    format!("tiers.{backup}.failure_domain"),
+                    format!(
+                        "backup tier {backup:?} shares failure domain {domain:?} with tier {protected:?} it protects; \
+                         a backup must survive the loss of what it protects"
+                    ),
+                ));
+            }
+        }
+        if let Some(tier) = tiers.get_mut(&backup) {
+            tier.protects = protects;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,462 @@
+//! The shipped policies load, and every kind of mistake is refused with an error that names
+//! the file, the key and what is wrong.
+
+use std::path::{Path, PathBuf};
+
+use stagehand_policy::{Policies, PolicyError, SuffixVerdict, TierKind, TierRole};
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn shipped() -> PathBuf {
+    repo_root().join("policies")
+}
+
+/// A copy of the shipped policies in a temp dir, with `edit` applied to one file's text.
+fn with_edit(file: &str, edit: impl FnOnce(String) -> String) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("policies");
+    std::fs::create_dir(&dir).unwrap();
+    for entry in std::fs::read_dir(shipped()).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    std::fs::write(&path, edit(text)).unwrap();
+    (tmp, dir)
+}
+
+/// Loads `dir` expecting an `Invalid` error about `file` and `key` whose message contains
+/// `needle`; returns the error's display form.
+fn expect_invalid(dir: &Path, file: &str, key: &str, needle: &str) -> String {
+    let home = dir.parent().unwrap().join("home");
+    let err = Policies::load_dir_with_home(dir, &home).expect_err("must be refused");
+    let text = err.to_string();
+    match &err {
+        PolicyError::Invalid {
+            file: f,
+            key: k,
+            message,
+            ..
+        } => {
+            assert_eq!(f, &dir.join(file), "{text}");
+            assert_eq!(k, key, "{text}");
+            assert!(
+                message.contains(needle),
+                "message {message:?} lacks {needle:?}"
+            );
+        }
+        other => panic!("expected an Invalid error, got {other:?}"),
+    }
+    assert!(text.contains(file) && text.contains(key), "{text}");
+    assert!(!err.is_retryable());
+    text
+}
+
+#[test]
+fn shipped_policies_load_and_resolve_relative_roots_against_home() {
+    let home = tempfile::tempdir().unwrap();
+    let policies = Policies::load_dir_with_home(shipped(), home.path()).unwrap();
+    let source = policies.tier("source").unwrap();
+    assert_eq!(source.role, TierRole::Source);
+    assert_eq!(
+        source.kind,
+        TierKind::Posix {
+            root: home.path().join("tiers/source")
+        }
+    );
+    let hot = policies.tier("hot").unwrap();
+    let limits = hot.limits.as_ref().unwrap();
+    assert_eq!(limits.capacity, 100 << 30);
+    assert_eq!(limits.quota_for("lab-a"), Some(50 << 30));
+    let backup = policies.tier("backup").unwrap();
+    assert_eq!(
+        backup.protects,
+        vec!["source".to_string(), "capacity".to_string()]
+    );
+    assert!(policies.tier("capacity").unwrap().limits.is_none());
+
+    let validation = policies.validation();
+    assert_eq!(validation.max_entries, 100_000);
+    assert_eq!(
+        validation.suffix_verdict("x/setup.EXE"),
+        SuffixVerdict::Denied(".exe".into())
+    );
+    assert!(!validation.allow_hidden);
+
+    // The later services' policies are parsed and validated too.
+    assert!(policies.packing().unwrap().enabled);
+    assert_eq!(policies.promotion().unwrap().default_tier, "hot");
+    assert_eq!(policies.demotion().unwrap().target, "capacity");
+    assert_eq!(policies.retention().unwrap().checkpoints.keep_last, 5);
+    assert_eq!(policies.backup().unwrap().target, "backup");
+    let priorities = policies.priorities().unwrap();
+    assert!(
+        priorities
+            .class(stagehand_policy::PriorityClass::Checkpoint)
+            .weight
+            > priorities
+                .class(stagehand_policy::PriorityClass::Backup)
+                .weight
+    );
+}
+
+#[test]
+fn every_shipped_policy_file_has_a_comment_on_each_key() {
+    // A key line must directly follow a comment line, or be named in the file's comments
+    // (the header of tiers.toml documents the keys every tier table repeats).
+    for entry in std::fs::read_dir(shipped()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let comments: String = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut previous_is_comment = false;
+        for line in text.lines() {
+            let trimmed = line.trim_start();
+            let is_comment = trimmed.starts_with('#');
+            if let (false, Some((key, _))) = (is_comment, trimmed.split_once('=')) {
+                let key = key.trim();
+                assert!(
+                    previous_is_comment
+                        || comments.contains(&format!("{key} "))
+                        || key == "default",
+                    "{}: key `{key}` is not documented by a comment",
+                    path.display()
+                );
+            }
+            previous_is_comment = is_comment;
+        }
+    }
+}
+
+#[test]
+fn every_toml_under_deploy_parses() {
+    let deploy = repo_root().join("deploy");
+    let mut stack = vec![deploy];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        if dir.join("tiers.toml").exists() {
+            let home = tempfile::tempdir().unwrap();
+            Policies::load_dir_with_home(&dir, home.path())
+                .unwrap_or_else(|e| panic!("policy folder {}: {e}", dir.display()));
+        }
+        for entry in entries {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "toml") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                text.parse::<toml::Table>()
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            }
+        }
+    }
+}
+
+#[test]
+fn unknown_key_is_named_with_its_line() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace(
+            "[tiers.capacity]\n",
+            "[tiers.capacity]\ncolour = \"blue\"\n",
+        )
+    });
+    let text = expect_invalid(&dir, "tiers.toml", "tiers.capacity.colour", "unknown field");
+    assert!(text.contains("tiers.toml:"), "line number missing: {text}");
+}
+
+#[test]
+fn backup_sharing_a_failure_domain_is_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace(
+            "failure_domain = \"backup-site\"",
+            "failure_domain = \"capacity-store\"",
+        )
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.backup.failure_domain",
+        "shares failure domain \"capacity-store\" with tier \"capacity\"",
+    );
+}
+
+#[test]
+fn backup_protecting_an_undeclared_tier_is_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace(
+            "protects = [\"source\", \"capacity\"]",
+            "protects = [\"archive\"]",
+        )
+    });
+    expect_invalid(&dir, "tiers.toml", "tiers.backup.protects", "\"archive\"");
+}
+
+#[test]
+fn default_protection_covers_every_other_tier() {
+    // Without `protects`, the backup protects hot too, so sharing hot's domain is an error.
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace("protects = [\"source\", \"capacity\"]\n", "")
+            .replace(
+                "failure_domain = \"backup-site\"",
+                "failure_domain = \"hot-fs\"",
+            )
+    });
+    expect_invalid(&dir, "tiers.toml", "tiers.backup.failure_domain", "\"hot\"");
+}
+
+#[test]
+fn watermarks_out_of_order_are_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace("low_watermark = 0.70", "low_watermark = 0.95")
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.hot.low_watermark",
+        "below high_watermark",
+    );
+}
+
+#[test]
+fn bounded_tier_without_capacity_is_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| t.replace("capacity = \"100 GiB\"\n", ""));
+    expect_invalid(&dir, "tiers.toml", "tiers.hot.capacity", "needs `capacity`");
+}
+
+#[test]
+fn capacity_on_an_unbounded_tier_is_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace(
+            "root = \"tiers/capacity\"",
+            "root = \"tiers/capacity\"\ncapacity = \"1 TiB\"",
+        )
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.capacity.capacity",
+        "only to hot and local",
+    );
+}
+
+#[test]
+fn quota_over_capacity_is_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace(
+            "default = \"50 GiB\"",
+            "default = \"50 GiB\"\nlab-a = \"1 TiB\"",
+        )
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.hot.quotas.lab-a",
+        "larger than the tier's capacity",
+    );
+}
+
+#[test]
+fn posix_tier_needs_a_root_and_refuses_s3_keys() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| t.replace("root = \"tiers/source\"\n", ""));
+    expect_invalid(&dir, "tiers.toml", "tiers.source.root", "needs `root`");
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace(
+            "root = \"tiers/source\"",
+            "root = \"tiers/source\"\nbucket = \"raw\"",
+        )
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.source.bucket",
+        "only to s3 tiers",
+    );
+}
+
+#[test]
+fn nested_tier_roots_are_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace("root = \"tiers/local\"", "root = \"tiers/hot/local\"")
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.local.root",
+        "overlaps the root of tier \"hot\"",
+    );
+}
+
+#[test]
+fn s3_tiers_are_typed_and_checked_by_the_mover_rules() {
+    let s3 = "\n[tiers.archive]\nkind = \"s3\"\nrole = \"capacity\"\nfailure_domain = \"object-store\"\n\
+              endpoint = \"http://127.0.0.1:8333\"\nbucket = \"stagehand-archive\"\nprefix = \"v1\"\n\
+              region = \"eu-west-1\"\npart_size = \"8 MiB\"\n";
+    let (tmp, dir) = with_edit("tiers.toml", |t| t + s3);
+    let policies = Policies::load_dir_with_home(&dir, tmp.path()).unwrap();
+    let archive = policies.tier("archive").unwrap();
+    let TierKind::S3(config) = &archive.kind else {
+        panic!("not s3: {archive:?}")
+    };
+    assert_eq!(config.bucket, "stagehand-archive");
+    assert_eq!(config.prefix, "v1");
+    assert_eq!(config.region, "eu-west-1");
+    assert_eq!(config.endpoint.as_deref(), Some("http://127.0.0.1:8333"));
+    assert_eq!(config.part_size, 8 << 20);
+    assert_eq!(archive.location(), "s3://stagehand-archive/v1");
+
+    let (_tmp, dir) = with_edit("tiers.toml", |t| t + &s3.replace("stagehand-archive", "ab"));
+    expect_invalid(&dir, "tiers.toml", "tiers.archive.bucket", "bucket");
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t + &s3.replace("kind = \"s3\"", "kind = \"nfs\"")
+    });
+    expect_invalid(&dir, "tiers.toml", "tiers.archive.kind", "unknown variant");
+}
+
+#[test]
+fn bad_tier_name_is_refused() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace("[tiers.local]", "[tiers.Local]")
+    });
+    expect_invalid(&dir, "tiers.toml", "tiers.Local", "[a-z0-9_-]");
+}
+
+#[test]
+fn validation_errors_name_their_key() {
+    let (_tmp, dir) = with_edit("validation.toml", |t| {
+        t.replace("max_file_size = \"64 GiB\"", "max_file_size = \"64 gigs\"")
+    });
+    expect_invalid(&dir, "validation.toml", "max_file_size", "unknown unit");
+    let (_tmp, dir) = with_edit("validation.toml", |t| {
+        t.replace("max_entries = 100000", "max_entries = 0")
+    });
+    expect_invalid(&dir, "validation.toml", "max_entries", "at least 1");
+    let (_tmp, dir) = with_edit("validation.toml", |t| {
+        t.replace("allowed_suffixes = []", "allowed_suffixes = [\"jpg\"]")
+    });
+    expect_invalid(
+        &dir,
+        "validation.toml",
+        "allowed_suffixes",
+        "must start with `.`",
+    );
+    let (_tmp, dir) = with_edit("validation.toml", |t| {
+        t.replace("allowed_suffixes = []", "allowed_suffixes = [\".EXE\"]")
+    });
+    expect_invalid(
+        &dir,
+        "validation.toml",
+        "denied_suffixes",
+        "both allowed and denied",
+    );
+    let (_tmp, dir) = with_edit("validation.toml", |t| {
+        t.replace("allow_hidden = false\n", "")
+    });
+    expect_invalid(
+        &dir,
+        "validation.toml",
+        "(top level)",
+        "missing field `allow_hidden`",
+    );
+}
+
+#[test]
+fn later_policies_check_their_tier_references() {
+    let (_tmp, dir) = with_edit("promotion.toml", |t| {
+        t.replace("default_tier = \"hot\"", "default_tier = \"capacity\"")
+    });
+    expect_invalid(&dir, "promotion.toml", "default_tier", "role \"capacity\"");
+    let (_tmp, dir) = with_edit("backup.toml", |t| {
+        t.replace("target = \"backup\"", "target = \"tape\"")
+    });
+    expect_invalid(&dir, "backup.toml", "target", "does not declare");
+    let (_tmp, dir) = with_edit("retention.toml", |t| {
+        t.replace("hot_keep_last = 2", "hot_keep_last = 9")
+    });
+    expect_invalid(
+        &dir,
+        "retention.toml",
+        "checkpoints.hot_keep_last",
+        "more than keep_last",
+    );
+    let (_tmp, dir) = with_edit("demotion.toml", |t| {
+        t.replace("check_every = \"5m\"", "check_every = \"5 minutes\"")
+    });
+    expect_invalid(&dir, "demotion.toml", "check_every", "unknown unit");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("shard_size = \"1 GiB\"", "shard_size = \"4 KiB\"")
+    });
+    expect_invalid(&dir, "packing.toml", "shard_size", "below the minimum");
+    let (_tmp, dir) = with_edit("priorities.toml", |t| {
+        t.replace("[classes.stage]\nweight = 4\n", "")
+    });
+    expect_invalid(&dir, "priorities.toml", "classes.stage", "every class");
+    let (_tmp, dir) = with_edit("priorities.toml", |t| {
+        t.replace("[classes.ingest]", "[classes.bulk]")
+    });
+    expect_invalid(&dir, "priorities.toml", "classes.bulk", "unknown variant");
+}
+
+#[test]
+fn missing_and_unknown_files_are_named() {
+    let (_tmp, dir) = with_edit("tier.toml", |_| "x = 1\n".into());
+    let err = Policies::load_dir(&dir).unwrap_err();
+    assert!(matches!(err, PolicyError::UnknownFile { .. }), "{err}");
+    assert!(err.to_string().contains("tier.toml"), "{err}");
+
+    let (_tmp, dir) = with_edit("validation.toml", |t| t);
+    std::fs::remove_file(dir.join("validation.toml")).unwrap();
+    let err = Policies::load_dir(&dir).unwrap_err();
+    assert!(matches!(err, PolicyError::Missing { .. }), "{err}");
+    assert_eq!(err.file(), dir.join("validation.toml"));
+
+    // An optional file may be absent: its policy is then unset.
+    let (tmp, dir) = with_edit("backup.toml", |t| t);
+    std::fs::remove_file(dir.join("backup.toml")).unwrap();
+    let policies = Policies::load_dir_with_home(&dir, tmp.path()).unwrap();
+    assert!(policies.backup().is_none());
+
+    let err = Policies::load_dir("/nonexistent/policies").unwrap_err();
+    assert!(matches!(err, PolicyError::ReadDir { .. }), "{err}");
+}
+
+#[test]
+fn toml_syntax_errors_point_at_the_line() {
+    let (_tmp, dir) = with_edit("validation.toml", |t| {
+        t.replace("max_entries = 100000", "max_entries = = 1")
+    });
+    let err = Policies::load_dir(&dir).unwrap_err();
+    let PolicyError::Invalid { line, key, .. } = &err else {
+        panic!("{err:?}")
+    };
+    assert_eq!(key, "max_entries");
+    let expected = std::fs::read_to_string(dir.join("validation.toml"))
+        .unwrap()
+        .lines()
+        .position(|l| l.starts_with("max_entries"))
+        .unwrap()
+        + 1;
+    assert_eq!(*line, Some(expected), "{err}");
+}
+
+#[test]
+fn posix_tiers_open_through_the_mover() {
+    let home = tempfile::tempdir().unwrap();
+    let policies = Policies::load_dir_with_home(shipped(), home.path()).unwrap();
+    let source = policies.tier("source").unwrap();
+    let err = source.open().expect_err("root does not exist yet");
+    assert!(err.to_string().contains("source"), "{err}");
+    source.create_root().unwrap();
+    let tier = source.open().unwrap();
+    assert_eq!(tier.name(), "source");
+}
