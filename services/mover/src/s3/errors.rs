@@ -1,0 +1,135 @@
+//! Turning the SDK's errors into [`TransferError`]s that say what, where and whether a retry can
+//! help. Callers branch on [`ErrorKind`]; the server's code and message go into the detail.
+
+use std::error::Error as StdError;
+
+use aws_sdk_s3::config::http::HttpResponse;
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
+
+use crate::error::{ErrorKind, Side, TransferError};
+
+/// Where an S3 request went: enough to name it in an error.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Site<'a> {
+    pub tier: &'a str,
+    pub endpoint: &'a str,
+    pub bucket: &'a str,
+    pub side: Side,
+    /// The tier-relative path (the key without the tier's prefix).
+    pub path: &'a str,
+}
+
+impl Site<'_> {
+    pub fn error(&self, kind: ErrorKind, detail: impl Into<String>) -> TransferError {
+        TransferError::new(kind, self.side, self.tier, self.path, detail)
+    }
+}
+
+/// Maps an SDK error for `operation` on `site` to a [`TransferError`].
+pub(crate) fn map_sdk_error<E>(
+    operation: &str,
+    site: Site<'_>,
+    err: SdkError<E, HttpResponse>,
+) -> TransferError
+where
+    E: ProvideErrorMetadata + StdError + Send + Sync + 'static,
+{
+    let at = format!("{operation} s3://{}/… at {}", site.bucket, site.endpoint);
+    let (kind, detail) = match &err {
+        SdkError::ServiceError(service) => {
+            let status = service.raw().status().as_u16();
+            let code = service.err().code().unwrap_or("");
+            let message = service.err().message().unwrap_or("");
+            let kind = kind_for_status(status, code);
+            (
+                kind,
+                format!("{at}: HTTP {status} {code} {message}")
+                    .trim_end()
+                    .to_owned(),
+            )
+        }
+        SdkError::TimeoutError(_) => (
+            ErrorKind::Unreachable,
+            format!("{at}: timed out: {}", chain(&err)),
+        ),
+        SdkError::DispatchFailure(_) => (
+            ErrorKind::Unreachable,
+            format!("{at}: could not reach the endpoint: {}", chain(&err)),
+        ),
+        SdkError::ResponseError(response) => {
+            let status = response.raw().status().as_u16();
+            (
+                kind_for_status(status, ""),
+                format!("{at}: unreadable response (HTTP {status}): {}", chain(&err)),
+            )
+        }
+        SdkError::ConstructionFailure(_) => (
+            ErrorKind::Config,
+            format!("{at}: request could not be built: {}", chain(&err)),
+        ),
+        _ => (ErrorKind::ObjectStore, format!("{at}: {}", chain(&err))),
+    };
+    site.error(kind, detail).with_source(err)
+}
+
+/// The kind for an HTTP status and S3 error code.
+pub(crate) fn kind_for_status(status: u16, code: &str) -> ErrorKind {
+    match (status, code) {
+        (_, "NoSuchKey" | "NoSuchBucket" | "NoSuchUpload") | (404, _) => ErrorKind::NotFound,
+        (_, "AccessDenied" | "InvalidAccessKeyId" | "SignatureDoesNotMatch") | (401 | 403, _) => {
+            ErrorKind::PermissionDenied
+        }
+        (_, "SlowDown" | "Throttling" | "ThrottlingException" | "RequestLimitExceeded")
+        | (429 | 503, _) => ErrorKind::Throttled,
+        // If-Match on a ranged GET failed: the object was replaced while we read it.
+        (412, _) | (_, "PreconditionFailed") => ErrorKind::SourceChanged,
+        (_, "BadDigest" | "XAmzContentSHA256Mismatch" | "InvalidDigest") => {
+            ErrorKind::ChecksumMismatch
+        }
+        (_, "EntityTooLarge" | "QuotaExceeded") | (507, _) => ErrorKind::NoSpace,
+        _ => ErrorKind::ObjectStore,
+    }
+}
+
+/// An error and its sources on one line, so the root cause (`Connection refused`) is visible.
+pub(crate) fn chain(err: &dyn StdError) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = cause.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_codes_map_to_kinds() {
+        assert_eq!(kind_for_status(404, ""), ErrorKind::NotFound);
+        assert_eq!(kind_for_status(400, "NoSuchKey"), ErrorKind::NotFound);
+        assert_eq!(
+            kind_for_status(403, "AccessDenied"),
+            ErrorKind::PermissionDenied
+        );
+        assert_eq!(kind_for_status(503, "SlowDown"), ErrorKind::Throttled);
+        assert_eq!(kind_for_status(429, ""), ErrorKind::Throttled);
+        assert_eq!(kind_for_status(412, ""), ErrorKind::SourceChanged);
+        assert_eq!(
+            kind_for_status(400, "BadDigest"),
+            ErrorKind::ChecksumMismatch
+        );
+        assert_eq!(
+            kind_for_status(500, "InternalError"),
+            ErrorKind::ObjectStore
+        );
+        assert!(kind_for_status(503, "").is_retryable());
+        assert!(!kind_for_status(403, "").is_retryable());
+    }
+}

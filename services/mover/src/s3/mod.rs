@@ -1,0 +1,469 @@
+//! The S3 tier: a bucket and a key prefix on an S3-compatible endpoint (AWS, SeaweedFS, MinIO,
+//! Ceph RGW), and the transfers to, from and within it.
+//!
+//! - s3 → posix ([`download`]): parallel ranged GETs (one part per range, a bounded number in
+//!   flight), each streamed chunk by chunk into a temp file at its offset; the file is hashed in
+//!   order from the same chunks as contiguous ranges complete (a reorder window of ranges bounds
+//!   the memory held), size and SHA-256 are checked before the temp file is published. Every GET
+//!   carries `If-Match` with the ETag seen first, so an object replaced mid-download is
+//!   `SourceChanged`, not a mixed file.
+//! - posix → s3 ([`upload`]): one PUT with `x-amz-checksum-sha256` below the multipart threshold,
+//!   otherwise a multipart upload with parallel parts, each with its own SHA-256 checksum. The
+//!   source is read once and hashed on the way; the whole-object SHA-256 is stored in metadata
+//!   (`x-amz-meta-sha256`) because S3 keeps only a composite checksum for multipart objects. A
+//!   multipart upload whose whole-file hash does not match is aborted, never completed.
+//! - s3 → s3 ([`copy_within`]): server-side `CopyObject` (`UploadPartCopy` above 5 GiB) when
+//!   both tiers are on the same endpoint, streamed through otherwise; then verified.
+//!
+//! Keys are `prefix/rel` with `rel` checked by [`check_relative_path`]. Credentials come from the
+//! environment or a named profile, never from events. The SDK retries each request (standard
+//! mode); nothing here retries on top of it.
+
+mod client;
+mod config;
+mod copy;
+mod download;
+mod errors;
+mod upload;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use stagehand_schemas::check_relative_path;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::{ErrorKind, Side, TransferError};
+use crate::transfer::FileDigest;
+
+pub use config::{MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Config};
+pub use copy::copy_within;
+pub use download::{download, download_pending};
+pub use upload::upload;
+
+use errors::{Site, map_sdk_error};
+
+/// The metadata key (sent as `x-amz-meta-sha256`) holding the object's whole SHA-256 in hex.
+pub const SHA256_METADATA_KEY: &str = "sha256";
+
+/// What a HEAD says about an object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub size: u64,
+    /// The SHA-256 recorded in the object's metadata when it was written, if any.
+    pub sha256_meta: Option<String>,
+    /// The ETag, used to detect a replacement while the object is read.
+    pub etag: Option<String>,
+}
+
+/// An S3 tier, cheap to clone (clones share the client and the request limit).
+#[derive(Clone)]
+pub struct S3Tier {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    config: S3Config,
+    client: aws_sdk_s3::Client,
+    /// The endpoint as shown in errors (`default AWS endpoint` when none is set).
+    endpoint: String,
+    /// Requests in flight against this tier, shared by every transfer using it.
+    requests: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for S3Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Tier")
+            .field("name", &self.inner.name)
+            .field("endpoint", &self.inner.endpoint)
+            .field("bucket", &self.inner.config.bucket)
+            .field("prefix", &self.inner.config.prefix)
+            .finish()
+    }
+}
+
+impl S3Tier {
+    /// Builds the tier's client. Credentials are resolved lazily, on the first request, from
+    /// the `AWS_*` environment or from `config.profile`.
+    pub fn connect(name: impl Into<String>, config: S3Config) -> Result<S3Tier, TransferError> {
+        let name = name.into();
+        config.validate(&name)?;
+        let client = client::build(&config, client::Credentials::EnvOrProfile)?;
+        Ok(Self::from_parts(name, config, client))
+    }
+
+    /// Like [`S3Tier::connect`] with explicit static credentials (for embedding the mover where
+    /// credentials come from a secret store rather than the process environment).
+    pub fn connect_with_keys(
+        name: impl Into<String>,
+        config: S3Config,
+        access_key_id: &str,
+        secret_access_key: &str,
+    ) -> Result<S3Tier, TransferError> {
+        let name = name.into();
+        config.validate(&name)?;
+        let client = client::build(
+            &config,
+            client::Credentials::Static {
+                access_key_id: access_key_id.to_owned(),
+                secret_access_key: secret_access_key.to_owned(),
+            },
+        )?;
+        Ok(Self::from_parts(name, config, client))
+    }
+
+    /// A tier on `bucket`/`prefix` with the endpoint from `STAGEHAND_S3_ENDPOINT` or
+    /// `AWS_ENDPOINT_URL` (AWS when neither is set), the region from `AWS_REGION` (default
+    /// `us-east-1`), the profile from `AWS_PROFILE`, and credentials from the environment.
+    pub fn from_env(
+        name: impl Into<String>,
+        bucket: impl Into<String>,
+        prefix: impl Into<String>,
+    ) -> Result<S3Tier, TransferError> {
+        let mut config = S3Config::new(bucket, prefix);
+        config.endpoint = [
+            "STAGEHAND_S3_ENDPOINT",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT_URL",
+        ]
+        .iter()
+        .find_map(|var| std::env::var(var).ok().filter(|v| !v.is_empty()));
+        if let Some(region) = std::env::var("AWS_REGION")
+            .ok()
+            .or_else(|| std::env::var("AWS_DEFAULT_REGION").ok())
+            .filter(|r| !r.is_empty())
+        {
+            config.region = region;
+        }
+        config.profile = std::env::var("AWS_PROFILE").ok().filter(|p| !p.is_empty());
+        Self::connect(name, config)
+    }
+
+    fn from_parts(name: String, config: S3Config, client: aws_sdk_s3::Client) -> S3Tier {
+        let endpoint = config
+            .endpoint
+            .clone()
+            .unwrap_or_else(|| format!("default AWS endpoint ({})", config.region));
+        let requests = Arc::new(Semaphore::new(config.concurrency));
+        S3Tier {
+            inner: Arc::new(Inner {
+                name,
+                config,
+                client,
+                endpoint,
+                requests,
+            }),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub fn bucket(&self) -> &str {
+        &self.inner.config.bucket
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.inner.config.prefix
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.inner.endpoint
+    }
+
+    pub fn config(&self) -> &S3Config {
+        &self.inner.config
+    }
+
+    /// The underlying SDK client (for inspection and administration, e.g. creating buckets).
+    pub fn client(&self) -> &aws_sdk_s3::Client {
+        &self.inner.client
+    }
+
+    /// The object key for the tier-relative path `rel`, refusing `..`, absolute paths, NUL and
+    /// anything else that is not a normalised relative path.
+    pub fn key_for(&self, rel: &str, side: Side) -> Result<String, TransferError> {
+        check_relative_path(rel).map_err(|e| {
+            TransferError::new(
+                ErrorKind::PathRefused,
+                side,
+                self.name(),
+                rel.replace('\0', "\\0"),
+                format!("refused as an S3 key: {e}"),
+            )
+        })?;
+        Ok(self.key_unchecked(rel))
+    }
+
+    fn key_unchecked(&self, rel: &str) -> String {
+        if self.prefix().is_empty() {
+            rel.to_owned()
+        } else {
+            format!("{}/{rel}", self.prefix())
+        }
+    }
+
+    pub(crate) fn site<'a>(&'a self, side: Side, path: &'a str) -> Site<'a> {
+        Site {
+            tier: self.name(),
+            endpoint: self.endpoint(),
+            bucket: self.bucket(),
+            side,
+            path,
+        }
+    }
+
+    /// Waits for a request slot on this tier. Hold it for one request only, never while
+    /// waiting for another, so concurrent transfers cannot deadlock on the limit.
+    pub(crate) async fn request_slot(&self) -> OwnedSemaphorePermit {
+        self.inner
+            .requests
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the request semaphore is never closed")
+    }
+
+    /// The object's size, recorded SHA-256 and ETag, or `None` when no object has that key.
+    pub async fn stat(&self, rel: &str) -> Result<Option<ObjectInfo>, TransferError> {
+        self.stat_side(rel, Side::Destination).await
+    }
+
+    pub(crate) async fn stat_side(
+        &self,
+        rel: &str,
+        side: Side,
+    ) -> Result<Option<ObjectInfo>, TransferError> {
+        let key = self.key_for(rel, side)?;
+        let _slot = self.request_slot().await;
+        match self
+            .client()
+            .head_object()
+            .bucket(self.bucket())
+            .key(&key)
+            .send()
+            .await
+        {
+            Ok(head) => Ok(Some(ObjectInfo {
+                size: head.content_length().unwrap_or(0).max(0) as u64,
+                sha256_meta: head
+                    .metadata()
+                    .and_then(|m| m.get(SHA256_METADATA_KEY))
+                    .map(|s| s.to_ascii_lowercase()),
+                etag: head.e_tag().map(str::to_owned),
+            })),
+            Err(err) => {
+                let err = map_sdk_error("HeadObject", self.site(side, rel), err);
+                if err.kind == ErrorKind::NotFound {
+                    Ok(None)
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+
+    /// Every object beneath `prefix` (tier-relative; empty for the whole tier), as keys relative
+    /// to the tier root with their sizes, sorted by key. Directory markers (`dir/`) are left out;
+    /// a key that is not a valid relative path is an error naming it.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>, TransferError> {
+        let list_prefix = match (self.prefix().is_empty(), prefix.is_empty()) {
+            (true, true) => String::new(),
+            (true, false) => format!("{prefix}/"),
+            (false, true) => format!("{}/", self.prefix()),
+            (false, false) => format!("{}/{prefix}/", self.prefix()),
+        };
+        if !prefix.is_empty() {
+            self.key_for(prefix, Side::Source)?;
+        }
+        let strip = if self.prefix().is_empty() {
+            0
+        } else {
+            self.prefix().len() + 1
+        };
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let page = {
+                let _slot = self.request_slot().await;
+                self.client()
+                    .list_objects_v2()
+                    .bucket(self.bucket())
+                    .prefix(&list_prefix)
+                    .set_continuation_token(token.take())
+                    .send()
+                    .await
+                    .map_err(|e| {
+                        map_sdk_error("ListObjectsV2", self.site(Side::Source, prefix), e)
+                    })?
+            };
+            for object in page.contents() {
+                let Some(key) = object.key() else { continue };
+                let rel = &key[strip.min(key.len())..];
+                if rel.ends_with('/') && object.size().unwrap_or(0) == 0 {
+                    continue;
+                }
+                check_relative_path(rel).map_err(|e| {
+                    TransferError::new(
+                        ErrorKind::PathRefused,
+                        Side::Source,
+                        self.name(),
+                        rel,
+                        format!("listed key {key:?} is not a relative path Stagehand accepts: {e}"),
+                    )
+                })?;
+                out.push((rel.to_owned(), object.size().unwrap_or(0).max(0) as u64));
+            }
+            match page.next_continuation_token() {
+                Some(next) if page.is_truncated().unwrap_or(false) => token = Some(next.to_owned()),
+                _ => break,
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Streams the whole object and hashes it (on a blocking thread, so the runtime keeps
+    /// serving other transfers while SHA-256 runs).
+    pub async fn hash_file(&self, rel: &str) -> Result<FileDigest, TransferError> {
+        self.hash_object(rel, Side::Source, None).await
+    }
+
+    pub(crate) async fn hash_object(
+        &self,
+        rel: &str,
+        side: Side,
+        if_match: Option<&str>,
+    ) -> Result<FileDigest, TransferError> {
+        let key = self.key_for(rel, side)?;
+        let _slot = self.request_slot().await;
+        let response = self
+            .client()
+            .get_object()
+            .bucket(self.bucket())
+            .key(&key)
+            .set_if_match(if_match.map(str::to_owned))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("GetObject", self.site(side, rel), e))?;
+        let mut body = response.body;
+        // Chunks go to a blocking thread for hashing; the bounded channel keeps at most a few
+        // MiB in memory when hashing is slower than the network.
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+        let hasher = tokio::task::spawn_blocking(move || {
+            let mut hasher = Sha256::new();
+            let mut size = 0u64;
+            while let Some(chunk) = rx.blocking_recv() {
+                size += chunk.len() as u64;
+                hasher.update(&chunk);
+            }
+            FileDigest {
+                size,
+                sha256: hex::encode(hasher.finalize()),
+            }
+        });
+        loop {
+            match body.try_next().await {
+                Ok(Some(chunk)) => {
+                    if tx.send(chunk).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(self
+                        .site(side, rel)
+                        .error(
+                            ErrorKind::ObjectStore,
+                            format!(
+                                "reading the body of {key:?} from {}: {}",
+                                self.endpoint(),
+                                errors::chain(&e)
+                            ),
+                        )
+                        .with_source(e));
+                }
+            }
+        }
+        drop(tx);
+        hasher.await.map_err(|e| {
+            self.site(side, rel)
+                .error(ErrorKind::Io, format!("hashing task failed: {e}"))
+        })
+    }
+
+    /// Creates the tier's bucket when it does not exist yet (for setting up a new tier).
+    pub async fn create_bucket_if_missing(&self) -> Result<(), TransferError> {
+        let _slot = self.request_slot().await;
+        match self
+            .client()
+            .head_bucket()
+            .bucket(self.bucket())
+            .send()
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(err) => {
+                let err = map_sdk_error("HeadBucket", self.site(Side::Destination, ""), err);
+                if err.kind != ErrorKind::NotFound {
+                    return Err(err);
+                }
+            }
+        }
+        match self
+            .client()
+            .create_bucket()
+            .bucket(self.bucket())
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(err) => {
+                let owned = err
+                    .as_service_error()
+                    .map(|e| e.is_bucket_already_owned_by_you() || e.is_bucket_already_exists())
+                    .unwrap_or(false);
+                if owned {
+                    Ok(())
+                } else {
+                    Err(map_sdk_error(
+                        "CreateBucket",
+                        self.site(Side::Destination, ""),
+                        err,
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Whether `other` talks to the same endpoint with the same client settings, so a
+    /// server-side copy between the two is possible.
+    pub(crate) fn same_endpoint(&self, other: &S3Tier) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+            || (self.inner.config.endpoint == other.inner.config.endpoint
+                && self.inner.config.region == other.inner.config.region
+                && self.inner.config.profile == other.inner.config.profile)
+    }
+}
+
+/// The SHA-256 the transfer must prove: the FileRef's, unless the caller said it has none.
+pub(crate) fn expected_sha(
+    file: &crate::transfer::FileRef,
+    opts: &crate::transfer::CopyOptions,
+) -> Option<String> {
+    (!opts.expected_hash_unknown).then(|| file.sha256.to_ascii_lowercase())
+}
+
+/// Lowercase hex SHA-256 → the base64 form S3's checksum headers use.
+pub(crate) fn sha256_hex_to_base64(hex_digest: &str) -> Option<String> {
+    use base64::Engine;
+    let raw = hex::decode(hex_digest).ok()?;
+    Some(base64::engine::general_purpose::STANDARD.encode(raw))
+}
+
+pub(crate) fn sha256_base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(Sha256::digest(bytes))
+}
