@@ -1,1 +1,72 @@
-//! placeholder
+//! Real servers for Stagehand's tests: a `nats-server` with JetStream per test (and a
+//! three-node cluster), and a SeaweedFS S3 server, each on dynamic loopback ports with its own
+//! data directory, killed and cleaned up on drop.
+//!
+//! Binaries are found through `STAGEHAND_NATS_SERVER` / `STAGEHAND_WEED`, then the venv that
+//! `deploy/servers.sh install` creates, then `PATH`. Tests wait on real conditions with
+//! [`wait_until`] / [`wait_for`] instead of sleeping.
+//!
+//! ```no_run
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let nats = stagehand_testkit::NatsServer::start();
+//! let client = async_nats::connect(nats.url()).await?;
+//! let js = async_nats::jetstream::new(client);
+//! js.create_stream(async_nats::jetstream::stream::Config {
+//!     name: stagehand_testkit::unique_name("TEST"),
+//!     subjects: vec!["test.>".into()],
+//!     ..Default::default()
+//! })
+//! .await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod nats;
+mod process;
+mod s3;
+mod wait;
+
+pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
+pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
+pub use wait::{WaitTimeout, wait_for, wait_until};
+
+pub(crate) use wait::block_on;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A name no other test of any running process uses: `<prefix>-<pid>-<counter>-<time>`, in
+/// characters valid for stream, consumer, KV and bucket names (`[A-Za-z0-9-]`, lowercase
+/// when `prefix` is).
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{prefix}-{:x}-{n}-{nanos:x}", std::process::id())
+}
+
+/// The repository root, for tests that read files such as `deploy/nats/accounts.conf`.
+pub fn repo_root() -> std::path::PathBuf {
+    process::repo_root()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_names_differ_and_fit_bucket_rules() {
+        let a = unique_name("bkt");
+        let b = unique_name("bkt");
+        assert_ne!(a, b);
+        assert!(a.len() <= 63, "{a}");
+        assert!(
+            a.bytes()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-'),
+            "{a}"
+        );
+    }
+}

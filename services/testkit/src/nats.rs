@@ -1,0 +1,340 @@
+//! A real `nats-server` with JetStream per test, and a three-node JetStream cluster.
+//!
+//! Each server gets its own temporary directory holding the JetStream store, the log and the
+//! ports file. The first start asks the server for a free client port (`-p -1`) and reads the
+//! port it chose from `--ports_file_dir`; a restart reuses that port and store, as a crashed
+//! server coming back would. Dropping the server kills it and removes the directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use tempfile::TempDir;
+
+use crate::process::{self, Binary};
+
+/// How long a server may take to accept connections.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a cluster may take to elect a JetStream meta leader and accept an R3 stream.
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Clustering settings of one node.
+#[derive(Debug, Clone)]
+struct ClusterNode {
+    name: String,
+    cluster_name: String,
+    port: u16,
+    routes: Vec<String>,
+}
+
+/// A running `nats-server` with JetStream on loopback. Killed, and its store removed, on drop.
+#[derive(Debug)]
+pub struct NatsServer {
+    dir: TempDir,
+    config: Option<PathBuf>,
+    env: Vec<(String, String)>,
+    cluster: Option<ClusterNode>,
+    port: u16,
+    child: Option<Child>,
+}
+
+/// Options for a server other than the defaults: a configuration file and environment
+/// variables (a config can read secrets as `$VAR`).
+#[derive(Debug, Default, Clone)]
+pub struct NatsServerBuilder {
+    config: Option<PathBuf>,
+    env: Vec<(String, String)>,
+}
+
+impl NatsServerBuilder {
+    /// Starts the server with `-c path`. Port, address and store dir still come from the testkit.
+    pub fn config_file(mut self, path: impl AsRef<Path>) -> Self {
+        self.config = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// Sets an environment variable for the server process.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Starts the server and waits until it accepts connections. Panics, with the log tail,
+    /// when it does not within 20 s.
+    pub fn start(self) -> NatsServer {
+        NatsServer::launch(self.config, self.env, None)
+    }
+}
+
+impl NatsServer {
+    /// Starts a JetStream server on a free loopback port with its own store.
+    pub fn start() -> NatsServer {
+        Self::builder().start()
+    }
+
+    /// Starts a server with `nats-server -c path` (accounts, permissions, limits).
+    pub fn start_with_config(path: impl AsRef<Path>) -> NatsServer {
+        Self::builder().config_file(path).start()
+    }
+
+    /// Options for a server: a configuration file and environment variables.
+    pub fn builder() -> NatsServerBuilder {
+        NatsServerBuilder::default()
+    }
+
+    fn launch(
+        config: Option<PathBuf>,
+        env: Vec<(String, String)>,
+        cluster: Option<ClusterNode>,
+    ) -> NatsServer {
+        let dir = tempfile::Builder::new()
+            .prefix("stagehand-nats-")
+            .tempdir()
+            .expect("create a temp dir for nats-server");
+        let mut server = NatsServer {
+            dir,
+            config,
+            env,
+            cluster,
+            port: 0,
+            child: None,
+        };
+        server.run();
+        server
+    }
+
+    /// `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The client port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server's store directory (`-sd`); JetStream keeps its data in `jetstream/` below it.
+    pub fn store_dir(&self) -> PathBuf {
+        self.dir.path().join("store")
+    }
+
+    /// The server's log file.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("nats-server.log")
+    }
+
+    /// Whether the server process is running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// Kills the server with SIGKILL, as a crash would. Its store stays for [`restart`](Self::restart).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            process::kill(&mut child);
+        }
+    }
+
+    /// Kills the server (if running) and starts it again on the same port with the same store,
+    /// then waits until it accepts connections.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.run();
+    }
+
+    fn ports_dir(&self) -> PathBuf {
+        self.dir.path().join("ports")
+    }
+
+    fn run(&mut self) {
+        let bin = process::find_binary(Binary::NatsServer);
+        let ports_dir = self.ports_dir();
+        std::fs::create_dir_all(&ports_dir).expect("create the ports dir");
+        std::fs::create_dir_all(self.store_dir()).expect("create the store dir");
+        let mut cmd = Command::new(&bin);
+        if let Some(config) = &self.config {
+            cmd.arg("-c").arg(config);
+        }
+        // `-1` asks the server for a free port; a restart keeps the port clients know.
+        let port = if self.port == 0 {
+            "-1".to_string()
+        } else {
+            self.port.to_string()
+        };
+        cmd.args(["-js", "-a", "127.0.0.1", "-p", &port])
+            .arg("-sd")
+            .arg(self.store_dir())
+            .arg("--ports_file_dir")
+            .arg(&ports_dir);
+        if let Some(c) = &self.cluster {
+            cmd.args(["-n", &c.name, "--cluster_name", &c.cluster_name])
+                .args(["--cluster", &format!("nats://127.0.0.1:{}", c.port)])
+                .args(["--routes", &c.routes.join(",")]);
+        }
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        let log = self.log_path();
+        let mut child = process::spawn(cmd, &log);
+        let ports_file = ports_dir.join(format!("nats-server_{}.ports", child.id()));
+        let ready = process::poll_ready(&mut child, START_TIMEOUT, || {
+            let port = read_client_port(&ports_file)?;
+            process::accepts(port).then_some(port)
+        });
+        match ready {
+            Ok(port) => {
+                self.port = port;
+                self.child = Some(child);
+            }
+            Err(why) => {
+                process::kill(&mut child);
+                panic!(
+                    "nats-server ({}) {why}; log {}:\n{}",
+                    bin.display(),
+                    log.display(),
+                    process::log_tail(&log, 4000)
+                );
+            }
+        }
+    }
+}
+
+/// Reads the client port from a ports file: `{"nats":["nats://127.0.0.1:PORT"],...}`.
+fn read_client_port(path: &Path) -> Option<u16> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let url = v.get("nats")?.get(0)?.as_str()?;
+    url.rsplit(':').next()?.parse().ok()
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A JetStream cluster of nodes on loopback, all in one cluster, each with its own store.
+#[derive(Debug)]
+pub struct NatsCluster {
+    nodes: Vec<NatsServer>,
+}
+
+impl NatsCluster {
+    /// Starts `size` nodes (3 for replicated streams) and waits until the cluster accepts a
+    /// stream with `num_replicas = size`. Panics when it does not within 60 s.
+    pub fn start(size: usize) -> NatsCluster {
+        assert!(size >= 1, "a cluster needs at least one node");
+        // JetStream clustering needs explicit routes on every node, so the route ports are
+        // chosen up front. Another process can take one before the nodes bind it: retry.
+        let mut last_err = String::new();
+        for _attempt in 0..3 {
+            match std::panic::catch_unwind(|| Self::try_start(size)) {
+                Ok(Ok(cluster)) => return cluster,
+                Ok(Err(e)) => last_err = e,
+                Err(panic) => {
+                    last_err = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "node failed to start".into())
+                }
+            }
+        }
+        panic!("NATS cluster of {size} did not start: {last_err}");
+    }
+
+    fn try_start(size: usize) -> Result<NatsCluster, String> {
+        let cluster_name = crate::unique_name("stagehand-c");
+        let route_ports = process::free_ports(size);
+        let routes: Vec<String> = route_ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect();
+        let nodes: Vec<NatsServer> = route_ports
+            .iter()
+            .enumerate()
+            .map(|(i, port)| {
+                let node = ClusterNode {
+                    name: format!("n{}", i + 1),
+                    cluster_name: cluster_name.clone(),
+                    port: *port,
+                    routes: routes.clone(),
+                };
+                NatsServer::launch(None, Vec::new(), Some(node))
+            })
+            .collect();
+        let cluster = NatsCluster { nodes };
+        cluster.wait_for_replicated_stream(size)?;
+        Ok(cluster)
+    }
+
+    /// Creates and deletes an R`size` stream until the meta leader and peers accept it.
+    fn wait_for_replicated_stream(&self, size: usize) -> Result<(), String> {
+        let addrs = self.server_addrs();
+        let probe = crate::unique_name("READY");
+        let run = async move {
+            let client = async_nats::connect(addrs.as_slice())
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let js = async_nats::jetstream::new(client);
+            let last = std::sync::Mutex::new(String::new());
+            let got = crate::wait_for(CLUSTER_TIMEOUT, "a replicated stream to be created", || {
+                let js = js.clone();
+                let probe = probe.clone();
+                let last = &last;
+                async move {
+                    let config = async_nats::jetstream::stream::Config {
+                        name: probe.clone(),
+                        subjects: vec![format!("{probe}.>")],
+                        num_replicas: size,
+                        ..Default::default()
+                    };
+                    match js.create_stream(config).await {
+                        Ok(_) => Some(()),
+                        Err(e) => {
+                            *last.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
+                            None
+                        }
+                    }
+                }
+            })
+            .await;
+            match got {
+                Ok(()) => {
+                    js.delete_stream(&probe)
+                        .await
+                        .map_err(|e| format!("delete probe stream: {e}"))?;
+                    Ok(())
+                }
+                Err(e) => Err(format!(
+                    "{e}; last error: {}",
+                    last.lock().unwrap_or_else(|p| p.into_inner())
+                )),
+            }
+        };
+        crate::block_on(run)
+    }
+
+    /// Client URLs of every node, in node order.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(NatsServer::url).collect()
+    }
+
+    /// Every node's address, for `async_nats::connect(cluster.server_addrs().as_slice())`.
+    pub fn server_addrs(&self) -> Vec<async_nats::ServerAddr> {
+        self.urls()
+            .iter()
+            .map(|u| u.parse().expect("a node URL is a valid server address"))
+            .collect()
+    }
+
+    /// The nodes, to kill or restart one.
+    pub fn nodes(&self) -> &[NatsServer] {
+        &self.nodes
+    }
+
+    /// One node, to kill or restart it.
+    pub fn node_mut(&mut self, i: usize) -> &mut NatsServer {
+        &mut self.nodes[i]
+    }
+}
