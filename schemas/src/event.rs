@@ -201,6 +201,7 @@ pub fn now() -> OffsetDateTime {
 
 /// Where a dataset's bytes are: a tier declared in `policies/` and a prefix beneath its root.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct Location {
     /// Tier name, as declared in the tier policy (`source`, `hot`, `capacity`, …).
     pub tier: String,
@@ -212,6 +213,7 @@ pub struct Location {
 
 /// A lab uploader asks for a dataset to be validated and recorded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct IngestRequested {
     /// Dataset name, unique within the project.
     pub dataset: String,
@@ -228,9 +230,14 @@ pub struct IngestRequested {
 
 /// Every byte of an ingest request was read, hashed and found as declared and within policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct DatasetValidated {
     pub dataset: String,
     /// The version digest ([`crate::manifest::version_digest`]).
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub source: Location,
     pub files: Vec<FileRef>,
@@ -244,6 +251,7 @@ pub struct DatasetValidated {
 
 /// One thing wrong with an ingest request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct Problem {
     /// A stable machine code: `path_rule`, `missing`, `size_mismatch`, `checksum_mismatch`,
     /// `duplicate_path`, `symlink_escape`, `not_a_file`, `too_large`, `too_many_entries`,
@@ -258,10 +266,15 @@ pub struct Problem {
 
 /// An ingest request failed validation; `problems` lists every reason, not just the first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct DatasetRejected {
     pub dataset: String,
     pub source: Location,
     /// Digest of the manifest as declared (even though it did not verify).
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub declared_version: String,
     pub requested_by: String,
     pub request_id: EventId,
@@ -273,11 +286,20 @@ pub struct DatasetRejected {
 
 /// A derived version (resharded into tar shards) was written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct DatasetPrepared {
     pub dataset: String,
     /// The derived version's digest (over its shard manifest).
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     /// The version it was derived from.
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub derived_from: String,
     pub location: Location,
     /// The shards and the shard index.
@@ -293,9 +315,14 @@ pub struct DatasetPrepared {
 
 /// A scheduler plugin asks for a dataset version on a tier for a job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct StageRequested {
     pub dataset: String,
     /// A version digest, or a unique prefix of one (at least 12 characters).
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::VERSION_PREFIX_PATTERN))
+    )]
     pub version: String,
     /// Target tier (a `hot` or `local` role tier).
     pub tier: String,
@@ -304,13 +331,22 @@ pub struct StageRequested {
     pub requested_by: String,
     /// When the job stops waiting; the promoter answers `stage.failed` after it.
     #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(with = "Option<crate::json_schema::Timestamp>")
+    )]
     pub deadline: Option<OffsetDateTime>,
 }
 
 /// A job no longer needs its staged data.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct StageReleased {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::VERSION_PREFIX_PATTERN))
+    )]
     pub version: String,
     pub tier: String,
     pub job_id: String,
@@ -318,8 +354,13 @@ pub struct StageReleased {
 
 /// A staged replica is complete and verified; the job may start.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct StageReady {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub location: Location,
     pub job_id: String,
@@ -329,8 +370,13 @@ pub struct StageReady {
 
 /// Staging failed; the job must not start, and this says why.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct StageFailed {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::VERSION_PREFIX_PATTERN))
+    )]
     pub version: String,
     pub tier: String,
     pub job_id: String,
@@ -342,8 +388,13 @@ pub struct StageFailed {
 
 /// A verified copy of a dataset version now exists on a tier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct ReplicaCreated {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub location: Location,
     pub files: u64,
@@ -354,8 +405,13 @@ pub struct ReplicaCreated {
 
 /// A replica was removed (demoted, expired, drained).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct ReplicaRemoved {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub location: Location,
     pub reason: String,
@@ -363,6 +419,7 @@ pub struct ReplicaRemoved {
 
 /// A training run wrote a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct CheckpointCommitted {
     /// Training run name.
     pub run: String,
@@ -377,6 +434,7 @@ pub struct CheckpointCommitted {
 
 /// A checkpoint was moved to a lower tier.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct CheckpointDemoted {
     pub run: String,
     pub step: u64,
@@ -387,6 +445,7 @@ pub struct CheckpointDemoted {
 
 /// A checkpoint was removed by retention.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct CheckpointExpired {
     pub run: String,
     pub step: u64,
@@ -397,8 +456,13 @@ pub struct CheckpointExpired {
 
 /// A dataset version was copied to the backup tier and verified.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct BackupCompleted {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub location: Location,
     pub files: u64,
@@ -407,8 +471,13 @@ pub struct BackupCompleted {
 
 /// A restore drill read back a sample from backup and it verified.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct RestoreVerified {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub location: Location,
     pub sampled_files: u64,
@@ -417,8 +486,13 @@ pub struct RestoreVerified {
 
 /// A restore drill failed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct RestoreFailed {
     pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub version: String,
     pub location: Location,
     pub problems: Vec<Problem>,
@@ -426,10 +500,15 @@ pub struct RestoreFailed {
 
 /// One failed attempt at handling a message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct Attempt {
     /// Delivery count of the attempt (1 for the first).
     pub delivery: u64,
     #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(with = "crate::json_schema::Timestamp")
+    )]
     pub at: OffsetDateTime,
     pub error: String,
     pub permanent: bool,
@@ -437,6 +516,7 @@ pub struct Attempt {
 
 /// A message a service gave up on: its original bytes and headers, why, and how often it tried.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct DeadLetter {
     /// The service (consumer) that gave up.
     pub service: String,
@@ -446,8 +526,10 @@ pub struct DeadLetter {
     pub subject: String,
     /// Deliveries made before giving up.
     pub delivered: u64,
-    /// The message body exactly as received.
+    /// The message body exactly as received: MessagePack `bin` on the wire, an array of byte
+    /// values in JSON.
     #[serde(with = "serde_bytes")]
+    #[cfg_attr(feature = "json-schema", schemars(with = "Vec<u8>"))]
     pub original: Vec<u8>,
     /// The message headers as received (name, value), in order.
     #[serde(default)]

@@ -4,15 +4,19 @@
 //!
 //! 1. A **request** id is chosen by its producer: any 1–128 characters from `[A-Za-z0-9._:-]`.
 //!    A producer that retries publishes the same id. `stagehand ingest` uses
-//!    [`EventId::for_content`] over (project, dataset, version digest), so re-running the same
-//!    upload is the same request.
-//! 2. A **fact** id is [`EventId::derive`]`(cause, step)`: the first 16 bytes of
-//!    `SHA-256("stagehand/v1" 0x00 cause 0x00 step)` as 32 lowercase hex characters. `step` names
+//!    [`EventId::for_ingest`], i.e. [`EventId::for_content`] over (project, dataset, version
+//!    digest), so re-running the same upload is the same request.
+//! 2. A **fact** id is [`EventId::derive`]`(cause, step)`, which is
+//!    [`EventId::for_content`]`([cause, step])` (defined below). `step` names
 //!    what the service did (`"validated"`, `"rejected"`, `"replica:hot"`). A redelivered cause
 //!    therefore yields the very same fact ids, and JetStream's duplicate window (the
 //!    `Nats-Msg-Id` header is the event id) drops the copies.
-//! 3. A **dead letter**'s id is derived from the stream, consumer and stream sequence of the
-//!    message it carries, so dead-lettering the same delivery twice stores it once.
+//! 3. A **dead letter**'s id is [`EventId::for_dead_letter`]: [`EventId::for_content`] over
+//!    (`"dead-letter"`, stream, consumer, stream sequence as 8 big-endian bytes) of the message
+//!    it carries, so dead-lettering the same delivery twice stores it once.
+//!
+//! [`EventId::for_content`]`(parts)` is the first 16 bytes, as 32 lowercase hex characters, of
+//! `SHA-256("stagehand/v1" ++ for each part: 0x00 ++ u64_be(len(part)) ++ part)`.
 
 use std::fmt;
 
@@ -53,6 +57,23 @@ impl EventId {
         Self::hashed(parts)
     }
 
+    /// The id `stagehand ingest` gives an ingest request: the same upload of the same bytes to
+    /// the same dataset is the same request, however often it is published.
+    pub fn for_ingest(project: &str, dataset: &str, version: &str) -> Self {
+        Self::for_content(&[project.as_bytes(), dataset.as_bytes(), version.as_bytes()])
+    }
+
+    /// The id of the dead letter for the message at `stream_sequence` of `stream` as delivered
+    /// to `consumer`: dead-lettering the same delivery twice yields the same id.
+    pub fn for_dead_letter(stream: &str, consumer: &str, stream_sequence: u64) -> Self {
+        Self::for_content(&[
+            b"dead-letter",
+            stream.as_bytes(),
+            consumer.as_bytes(),
+            &stream_sequence.to_be_bytes(),
+        ])
+    }
+
     /// A fresh random id, for requests that are not content-addressed.
     pub fn random() -> Self {
         Self(uuid::Uuid::new_v4().simple().to_string())
@@ -83,6 +104,21 @@ pub(crate) fn is_valid_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
 }
 
+#[cfg(feature = "json-schema")]
+impl schemars::JsonSchema for EventId {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "EventId".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "type": "string",
+            "pattern": crate::json_schema::ID_PATTERN,
+            "description": "An event id: 1-128 characters of [A-Za-z0-9._:-]. Also the Nats-Msg-Id of the message."
+        })
+    }
+}
+
 impl fmt::Debug for EventId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&self.0, f)
@@ -102,8 +138,14 @@ mod tests {
     #[test]
     fn derive_is_deterministic_and_step_sensitive() {
         let cause = EventId::new("req-1").unwrap();
-        assert_eq!(EventId::derive(&cause, "validated"), EventId::derive(&cause, "validated"));
-        assert_ne!(EventId::derive(&cause, "validated"), EventId::derive(&cause, "rejected"));
+        assert_eq!(
+            EventId::derive(&cause, "validated"),
+            EventId::derive(&cause, "validated")
+        );
+        assert_ne!(
+            EventId::derive(&cause, "validated"),
+            EventId::derive(&cause, "rejected")
+        );
         assert_eq!(EventId::derive(&cause, "validated").as_str().len(), 32);
         // Pinned: changing the derivation would break dedup across upgrades.
         assert_eq!(

@@ -25,6 +25,8 @@
 
 pub mod event;
 pub mod id;
+#[cfg(feature = "json-schema")]
+pub mod json_schema;
 pub mod manifest;
 pub mod path;
 pub mod subject;

@@ -19,12 +19,18 @@ use crate::path::{PathError, check_relative_path};
 
 /// One file: where it is beneath a tier root, how big it is, and what it hashes to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct FileRef {
     /// Relative, normalised path beneath the tier root (see [`crate::path`]).
+    #[cfg_attr(feature = "json-schema", schemars(length(min = 1, max = crate::path::MAX_PATH_BYTES)))]
     pub path: String,
     /// Size in bytes.
     pub size: u64,
     /// SHA-256 of the content, 64 lowercase hex characters.
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
     pub sha256: String,
 }
 
@@ -111,7 +117,11 @@ mod tests {
             .as_bytes(),
         );
         assert_eq!(version_digest(&[a.clone(), b.clone()]), expected);
-        assert_eq!(version_digest(&[b, a]), expected, "order of listing must not matter");
+        assert_eq!(
+            version_digest(&[b, a]),
+            expected,
+            "order of listing must not matter"
+        );
     }
 
     #[test]

@@ -27,11 +27,15 @@ pub enum PathError {
     ParentComponent(String),
     #[error("path {0:?} is not normalised (empty or `.` component, or a trailing slash)")]
     NotNormalised(String),
-    #[error("path {0:?} contains a backslash, which is refused to keep keys identical on posix and S3")]
+    #[error(
+        "path {0:?} contains a backslash, which is refused to keep keys identical on posix and S3"
+    )]
     Backslash(String),
     #[error("path {path:?} is {len} bytes, over the limit of {MAX_PATH_BYTES}")]
     TooLong { path: String, len: usize },
-    #[error("path {path:?} has a component of {len} bytes, over the limit of {MAX_COMPONENT_BYTES}")]
+    #[error(
+        "path {path:?} has a component of {len} bytes, over the limit of {MAX_COMPONENT_BYTES}"
+    )]
     ComponentTooLong { path: String, len: usize },
     #[error("path {0:?} contains a control character")]
     Control(String),
@@ -128,14 +132,24 @@ mod tests {
 
     #[test]
     fn accepts_plain_relative_paths() {
-        for ok in ["a", "a/b.bin", "shards/000001.tar", "with space/ünïcode", "..a/b..", ".hidden"] {
+        for ok in [
+            "a",
+            "a/b.bin",
+            "shards/000001.tar",
+            "with space/ünïcode",
+            "..a/b..",
+            ".hidden",
+        ] {
             assert_eq!(check_relative_path(ok), Ok(()), "{ok}");
         }
     }
 
+    /// A path and a check that the error it gets is the expected one.
+    type Case = (&'static str, fn(&PathError) -> bool);
+
     #[test]
     fn refuses_every_escape_and_unnormalised_form() {
-        let cases: &[(&str, fn(&PathError) -> bool)] = &[
+        let cases: &[Case] = &[
             ("", |e| matches!(e, PathError::Empty)),
             ("/etc/passwd", |e| matches!(e, PathError::Absolute(_))),
             ("../x", |e| matches!(e, PathError::ParentComponent(_))),

@@ -4,6 +4,7 @@
 //! `fact` for facts and `dlq` for dead letters, e.g. `stagehand.req.ingest.requested.lab-a` and
 //! `stagehand.fact.dataset.validated.lab-a`. The project is the last token so that NATS
 //! permissions can confine an uploader to `stagehand.req.ingest.requested.<its project>`.
+//! Dead letters are the exception: `stagehand.dlq.dead.letter.<service>`.
 
 use std::time::Duration;
 
@@ -16,15 +17,18 @@ pub const ROOT: &str = "stagehand";
 pub fn is_subject_token(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
 }
 
 /// The subject an event of this body and project is published on.
+///
+/// A dead letter is the one exception: its last token is the service that gave up
+/// ([`dead_letter_subject`]), since the message it carries may not have decoded far enough to
+/// name a project, and on-call replays dead letters service by service.
 pub fn subject_for(body: &Body, project: &str) -> String {
     let class = match body {
-        Body::DeadLetter(_) => "dlq",
+        Body::DeadLetter(dead) => return dead_letter_subject(&dead.service),
         b if b.is_request() => "req",
         _ => "fact",
     };
@@ -96,7 +100,7 @@ pub const DEAD_LETTERS: StreamSpec = StreamSpec {
     max_age: Duration::from_secs(90 * 24 * 3600),
     max_bytes: 0,
     // A dead letter carries the original message plus its error history.
-    max_msg_size: (crate::wire::MAX_EVENT_BYTES + 1024 * 1024) as u32,
+    max_msg_size: crate::wire::MAX_DEAD_LETTER_BYTES as u32,
     duplicate_window: DAY,
 };
 
@@ -110,4 +114,3 @@ pub fn dead_letter_subject(service: &str) -> String {
 
 /// Request/reply subject on which the catalogue recorder answers queries.
 pub const CATALOGUE_QUERY: &str = "stagehand.catalogue.query";
-

@@ -1,26 +1,58 @@
 //! Encoding and decoding events as MessagePack maps with field names.
 
-use crate::event::{Event, SCHEMA_VERSION};
+use serde::Deserialize;
+
+use crate::event::{ALL_KINDS, Body, Event, SCHEMA_VERSION};
+use crate::id::EventId;
 use crate::id::is_valid_id;
 use crate::subject::is_subject_token;
 
-/// The largest encoded event accepted (and the stream's `max_msg_size`). A manifest larger than
-/// this must be split into several datasets or referenced by an object.
+/// The largest encoded event accepted (and the request and fact streams' `max_msg_size`). A
+/// manifest larger than this must be split into several datasets or referenced by an object.
 pub const MAX_EVENT_BYTES: usize = 8 * 1024 * 1024;
+
+/// The largest encoded `dead.letter` accepted: it carries a message of up to
+/// [`MAX_EVENT_BYTES`] plus its headers and error history, so it gets 1 MiB of headroom.
+pub const MAX_DEAD_LETTER_BYTES: usize = MAX_EVENT_BYTES + 1024 * 1024;
+
+/// The size bound for an encoded event of `kind`.
+pub fn max_bytes_for(kind: &str) -> usize {
+    if kind == DEAD_LETTER {
+        MAX_DEAD_LETTER_BYTES
+    } else {
+        MAX_EVENT_BYTES
+    }
+}
+
+const DEAD_LETTER: &str = "dead.letter";
 
 /// Why bytes are not an event we can handle. Every variant is permanent: redelivering the same
 /// bytes cannot help, so the runtime dead-letters them at once.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
-    #[error("message is {len} bytes, over the limit of {MAX_EVENT_BYTES}")]
+    #[error(
+        "message is {len} bytes, over the limit of {MAX_EVENT_BYTES} ({MAX_DEAD_LETTER_BYTES} for a dead letter)"
+    )]
     TooLarge { len: usize },
     #[error("not a Stagehand event (MessagePack map): {0}")]
     Malformed(#[from] rmp_serde::decode::Error),
-    #[error("event was written with schema version {found}; this reader knows up to {SCHEMA_VERSION}")]
+    #[error(
+        "event was written with schema version {found}; this reader knows up to {SCHEMA_VERSION}"
+    )]
     NewerSchema { found: u32 },
     #[error("event field `{field}` is invalid: {reason}")]
     InvalidField { field: &'static str, reason: String },
+    /// The envelope names a kind this reader does not know (at a schema version it does know).
+    #[error("unknown event kind {kind:?} at schema version {schema}; known kinds: {known}", known = ALL_KINDS.join(", "))]
+    UnknownKind { kind: String, schema: u32 },
+}
+
+impl DecodeError {
+    /// Always false: the same bytes fail the same way on every delivery.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
 }
 
 /// Why an event could not be encoded.
@@ -29,54 +61,134 @@ pub enum DecodeError {
 pub enum EncodeError {
     #[error("could not encode event: {0}")]
     Encode(#[from] rmp_serde::encode::Error),
-    #[error("encoded event is {len} bytes, over the limit of {MAX_EVENT_BYTES}")]
+    #[error(
+        "encoded event is {len} bytes, over the limit of {MAX_EVENT_BYTES} ({MAX_DEAD_LETTER_BYTES} for a dead letter)"
+    )]
     TooLarge { len: usize },
+}
+
+impl EncodeError {
+    /// Always false: encoding the same event fails the same way again.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
 }
 
 /// Encodes an event as a MessagePack map with field names.
 pub fn encode(event: &Event) -> Result<Vec<u8>, EncodeError> {
     let bytes = rmp_serde::to_vec_named(event)?;
-    if bytes.len() > MAX_EVENT_BYTES {
+    if bytes.len() > max_bytes_for(event.kind()) {
         return Err(EncodeError::TooLarge { len: bytes.len() });
     }
     Ok(bytes)
 }
 
-/// Decodes and checks an event: size bound, shape, schema version, id and project form.
+/// The two envelope fields read before anything else, so that a newer producer's event gets
+/// `NewerSchema` (not a shape error) and an unknown kind is named as such.
+#[derive(Deserialize)]
+struct Preamble {
+    #[serde(default)]
+    schema: Option<u32>,
+    #[serde(default)]
+    kind: Option<String>,
+}
+
+/// Decodes and checks an event: size bound, shape, schema version, kind, id and project form.
+///
+/// Payload contents (paths, hashes, sizes) are *not* judged here: a malformed manifest is the
+/// ingest validator's to reject with every reason, not the decoder's to dead-letter.
 ///
 /// Never panics, whatever the input (a property test and a fuzz target hold it to that).
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
-    if bytes.len() > MAX_EVENT_BYTES {
+    if bytes.len() > MAX_DEAD_LETTER_BYTES {
         return Err(DecodeError::TooLarge { len: bytes.len() });
     }
-    let event: Event = rmp_serde::from_slice(bytes)?;
-    if event.schema > SCHEMA_VERSION {
-        return Err(DecodeError::NewerSchema {
-            found: event.schema,
+    // Only a map is an event: struct-as-array would be read by position and a field added
+    // later would shift every other one.
+    match bytes.first() {
+        Some(0x80..=0x8f | 0xde | 0xdf) => {}
+        Some(marker) => {
+            return Err(malformed(format!(
+                "expected a map at the top level, found MessagePack marker 0x{marker:02x}"
+            )));
+        }
+        None => return Err(malformed("empty message".to_owned())),
+    }
+    let preamble: Preamble = rmp_serde::from_slice(bytes)?;
+    let schema = preamble.schema.unwrap_or(0);
+    if schema > SCHEMA_VERSION {
+        return Err(DecodeError::NewerSchema { found: schema });
+    }
+    if preamble.schema == Some(0) {
+        return Err(DecodeError::InvalidField {
+            field: "schema",
+            reason: "0 is not a schema version; the first is 1".to_owned(),
         });
     }
+    if let Some(kind) = &preamble.kind
+        && !ALL_KINDS.contains(&kind.as_str())
+    {
+        return Err(DecodeError::UnknownKind {
+            kind: kind.clone(),
+            schema,
+        });
+    }
+    let event: Event = match rmp_serde::from_slice(bytes) {
+        Ok(event) => event,
+        // Name the kind, so that "invalid type" says which payload it was about.
+        Err(e) => {
+            return Err(match preamble.kind {
+                Some(kind) => malformed(format!("`{kind}` event: {e}")),
+                None => DecodeError::Malformed(e),
+            });
+        }
+    };
+    if bytes.len() > max_bytes_for(event.kind()) {
+        return Err(DecodeError::TooLarge { len: bytes.len() });
+    }
+    check(&event)?;
+    Ok(event)
+}
+
+fn malformed(reason: String) -> DecodeError {
+    DecodeError::Malformed(rmp_serde::decode::Error::Syntax(reason))
+}
+
+/// The checks [`decode`] applies to a decoded event: project and every id.
+pub fn check(event: &Event) -> Result<(), DecodeError> {
     if !is_subject_token(&event.project) {
         return Err(DecodeError::InvalidField {
             field: "project",
-            reason: format!(
-                "{:?} must be 1-64 characters of [a-z0-9_-]",
-                event.project
-            ),
+            reason: format!("{:?} must be 1-64 characters of [a-z0-9_-]", event.project),
         });
     }
+    let payload_ids: [(&'static str, Option<&EventId>); 2] = match &event.body {
+        Body::DatasetValidated(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
+        Body::DatasetRejected(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
+        Body::StageReady(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
+        Body::StageFailed(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
+        Body::DeadLetter(p) => [("payload.original_id", p.original_id.as_ref()), ("", None)],
+        _ => [("", None), ("", None)],
+    };
     for (field, id) in [
         ("id", Some(&event.id)),
         ("correlation_id", Some(&event.correlation_id)),
         ("causation_id", event.causation_id.as_ref()),
-    ] {
+    ]
+    .into_iter()
+    .chain(payload_ids)
+    {
         if let Some(id) = id
             && !is_valid_id(id.as_str())
         {
             return Err(DecodeError::InvalidField {
                 field,
-                reason: format!("{:?} must be 1-128 characters of [A-Za-z0-9._:-]", id.as_str()),
+                reason: format!(
+                    "{:?} must be 1-128 characters of [A-Za-z0-9._:-]",
+                    id.as_str()
+                ),
             });
         }
     }
-    Ok(event)
+    Ok(())
 }
