@@ -75,9 +75,15 @@ impl Claims {
         format!("{}.{}", self.service, hex::encode(id.as_str()))
     }
 
-    pub async fn claim(&self, id: &EventId) -> Result<Claim, BusError> {
+    /// The owner token of one delivery: this instance and the message's stream sequence, so
+    /// that two copies of an event in flight in the same instance also exclude each other.
+    fn token(&self, stream_sequence: u64) -> Bytes {
+        Bytes::from(format!("{}:{stream_sequence}", self.owner))
+    }
+
+    pub async fn claim(&self, id: &EventId, stream_sequence: u64) -> Result<Claim, BusError> {
         let key = self.key(id);
-        let token = Bytes::from(self.owner.clone());
+        let token = self.token(stream_sequence);
         match self.store.create(&key, token.clone()).await {
             Ok(rev) => return Ok(Claim::Owned(rev)),
             Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
@@ -115,9 +121,14 @@ impl Claims {
     }
 
     /// Refreshes an owned claim so that it is not taken for stale; returns the new revision.
-    pub async fn renew(&self, id: &EventId, revision: u64) -> Result<u64, BusError> {
+    pub async fn renew(
+        &self,
+        id: &EventId,
+        stream_sequence: u64,
+        revision: u64,
+    ) -> Result<u64, BusError> {
         self.store
-            .update(self.key(id), Bytes::from(self.owner.clone()), revision)
+            .update(self.key(id), self.token(stream_sequence), revision)
             .await
             .map_err(claim_err)
     }

@@ -54,6 +54,9 @@ pub use bus::{Bus, CLAIMS_BUCKET, CLAIMS_MAX_AGE, MSG_ID_HEADER, PublishAck, str
 pub use config::{BusConfig, RetrySchedule, WorkerConfig, duration_str};
 pub use error::{BusError, HandlerError};
 pub use ledger::{Ledger, LedgerError, Outcome};
-pub use worker::{Handler, WorkContext, WorkerStats, provision_consumer, run_worker};
+pub use worker::{
+    Handler, Hook, WorkContext, WorkerHooks, WorkerStats, provision_consumer, run_worker,
+    run_worker_with_hooks,
+};
 
 pub use tokio_util::sync::CancellationToken;

@@ -114,7 +114,28 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// A hook the runtime awaits at a fixed point of the consume loop.
+pub type Hook = Arc<dyn Fn(&EventId) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// Points in the consume loop where a caller may run code: the seam through which crash tests
+/// stop a worker process at an exact step. Services leave them empty.
+#[derive(Clone, Default)]
+pub struct WorkerHooks {
+    /// Awaited after an event's outcome is committed to the ledger and before its facts are
+    /// published and the message acked.
+    pub after_record: Option<Hook>,
+}
+
+impl std::fmt::Debug for WorkerHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkerHooks")
+            .field("after_record", &self.after_record.is_some())
+            .finish()
+    }
+}
+
 struct Shared<H> {
+    hooks: WorkerHooks,
     bus: Bus,
     cfg: WorkerConfig,
     handler: Arc<H>,
@@ -223,6 +244,17 @@ pub async fn run_worker<H: Handler>(
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, BusError> {
+    run_worker_with_hooks(bus, cfg, handler, shutdown, WorkerHooks::default()).await
+}
+
+/// [`run_worker`] with [`WorkerHooks`].
+pub async fn run_worker_with_hooks<H: Handler>(
+    bus: Bus,
+    cfg: WorkerConfig,
+    handler: Arc<H>,
+    shutdown: CancellationToken,
+    hooks: WorkerHooks,
+) -> Result<WorkerStats, BusError> {
     cfg.validate()?;
     let consumer = provision_consumer(&bus, &cfg).await?;
     let ledger_path = cfg.ledger_path.clone();
@@ -241,6 +273,7 @@ pub async fn run_worker<H: Handler>(
     let (writer, writer_thread) = ledger.spawn_writer();
     let writer_stats = writer.stats.clone();
     let shared = Arc::new(Shared {
+        hooks,
         bus,
         cfg,
         handler,
@@ -492,7 +525,7 @@ impl<H: Handler> Shared<H> {
         // 2. Claim it, so that no other instance works on the same event id.
         let mut claim_rev = None;
         if let Some(claims) = &self.claims {
-            match claims.claim(&event.id).await {
+            match claims.claim(&event.id, info.stream_sequence).await {
                 Ok(Claim::Owned(rev)) => claim_rev = Some(rev),
                 Ok(Claim::Done) => {
                     debug!("another instance finished this event; acking");
@@ -526,7 +559,7 @@ impl<H: Handler> Shared<H> {
                             warn!(error = %e, "progress ack failed");
                         }
                         if let (Some(claims), Some(rev)) = (&self.claims, claim_rev) {
-                            match claims.renew(&event.id, rev).await {
+                            match claims.renew(&event.id, info.stream_sequence, rev).await {
                                 Ok(new) => claim_rev = Some(new),
                                 Err(e) => warn!(error = %e, "claim renewal failed"),
                             }
@@ -585,6 +618,9 @@ impl<H: Handler> Shared<H> {
                 .await;
         }
         // The outcome is durable: from here a crash or error leads to a replay of these facts.
+        if let Some(hook) = &self.hooks.after_record {
+            hook(&event.id).await;
+        }
         let publishes = prepared.into_iter().map(|(subject, headers, payload)| {
             self.bus.publish_prepared(subject, headers, payload)
         });
