@@ -1,0 +1,527 @@
+//! Transfers to, from and within the S3 tier against a real SeaweedFS server (testkit):
+//! round trips with hash verification, empty and multipart-sized objects, many small files,
+//! wrong hashes, server-side copies, missing objects, unreachable endpoints and refused keys.
+
+use std::path::Path;
+
+use futures::StreamExt;
+use sha2::{Digest, Sha256};
+use stagehand_mover::s3::{self, S3Config, S3Tier};
+use stagehand_mover::{
+    CopyOptions, CopyOutcome, ErrorKind, FileRef, PosixTier, Progress, SkipReason,
+};
+use stagehand_testkit::{ACCESS_KEY, S3Server, SECRET_KEY};
+
+const MIB: u64 = 1024 * 1024;
+
+async fn server() -> &'static S3Server {
+    tokio::task::spawn_blocking(S3Server::shared).await.unwrap()
+}
+
+/// A tier on a fresh bucket with small parts, so a few MiB already exercise multipart paths.
+async fn tier(name: &str) -> S3Tier {
+    let server = server().await;
+    let bucket = tokio::task::spawn_blocking(|| server.unique_bucket("mover"))
+        .await
+        .unwrap();
+    let mut config = S3Config::new(bucket, "data/set");
+    config.endpoint = Some(server.endpoint());
+    config.part_size = 5 * MIB;
+    config.multipart_threshold = 5 * MIB;
+    config.concurrency = 8;
+    S3Tier::connect_with_keys(name, config, ACCESS_KEY, SECRET_KEY).unwrap()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), different per seed.
+fn bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn write(root: &Path, rel: &str, data: &[u8]) -> FileRef {
+    let path = root.join(rel);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, data).unwrap();
+    FileRef::new(rel, data.len() as u64, hex::encode(Sha256::digest(data)))
+}
+
+fn posix(name: &str, dir: &tempfile::TempDir) -> PosixTier {
+    PosixTier::open(name, dir.path()).unwrap()
+}
+
+async fn open_uploads(tier: &S3Tier) -> usize {
+    tier.client()
+        .list_multipart_uploads()
+        .bucket(tier.bucket())
+        .send()
+        .await
+        .unwrap()
+        .uploads()
+        .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trip_verifies_small_empty_and_multipart_objects() {
+    let cold = tier("cold").await;
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (src, dst) = (posix("lab", &src_dir), posix("scratch", &dst_dir));
+    let files = [
+        write(src_dir.path(), "a/small.bin", &bytes(70_000, 1)),
+        write(src_dir.path(), "empty", b""),
+        // Larger than the 5 MiB part: a multipart upload and parallel ranged GETs.
+        write(
+            src_dir.path(),
+            "big/shard.tar",
+            &bytes((23 * MIB + 12_345) as usize, 2),
+        ),
+    ];
+    let opts = CopyOptions::default();
+    let progress = Progress::new();
+    for file in &files {
+        let up = s3::upload(&src, &cold, file, &opts, &progress)
+            .await
+            .unwrap();
+        let engine = match &up {
+            CopyOutcome::Copied { sha256, engine, .. } => {
+                assert_eq!(sha256, &file.sha256);
+                *engine
+            }
+            other => panic!("{other:?}"),
+        };
+        let want = if file.size > 5 * MIB {
+            "s3-multipart"
+        } else {
+            "s3-put"
+        };
+        assert_eq!(engine, want, "{}", file.path);
+        let info = cold
+            .stat(&file.path)
+            .await
+            .unwrap()
+            .expect("object visible");
+        assert_eq!(info.size, file.size);
+        assert_eq!(info.sha256_meta.as_deref(), Some(file.sha256.as_str()));
+        assert_eq!(
+            cold.hash_file(&file.path).await.unwrap().sha256,
+            file.sha256
+        );
+
+        let down = s3::download(&cold, &dst, file, &opts, &progress)
+            .await
+            .unwrap();
+        let want = if file.size > 5 * MIB {
+            "s3-ranged-get"
+        } else {
+            "s3-get"
+        };
+        assert!(
+            matches!(down, CopyOutcome::Copied { engine, .. } if engine == want),
+            "{down:?}"
+        );
+        let landed = std::fs::read(dst_dir.path().join(&file.path)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&landed)), file.sha256);
+    }
+    assert_eq!(open_uploads(&cold).await, 0);
+    let total: u64 = files.iter().map(|f| f.size).sum();
+    assert_eq!(progress.bytes_done(), 2 * total);
+
+    // Run again: everything is already there and is verified, not copied.
+    for file in &files {
+        let up = s3::upload(&src, &cold, file, &opts, &progress)
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                up,
+                CopyOutcome::Skipped {
+                    reason: SkipReason::AlreadyPresentVerified,
+                    ..
+                }
+            ),
+            "{up:?}"
+        );
+        let down = s3::download(&cold, &dst, file, &opts, &progress)
+            .await
+            .unwrap();
+        assert!(
+            matches!(
+                down,
+                CopyOutcome::Skipped {
+                    reason: SkipReason::AlreadyPresentVerified,
+                    ..
+                }
+            ),
+            "{down:?}"
+        );
+    }
+    let trusting = CopyOptions {
+        trust_recorded_hash: true,
+        ..CopyOptions::default()
+    };
+    let up = s3::upload(&src, &cold, &files[2], &trusting, &progress)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            up,
+            CopyOutcome::Skipped {
+                reason: SkipReason::AlreadyPresentTrusted,
+                ..
+            }
+        ),
+        "{up:?}"
+    );
+
+    let listed = cold.list("").await.unwrap();
+    let names: Vec<&str> = listed.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(names, ["a/small.bin", "big/shard.tar", "empty"]);
+    assert_eq!(
+        cold.list("big").await.unwrap(),
+        vec![("big/shard.tar".to_owned(), files[2].size)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_small_files_go_up_and_down_concurrently() {
+    let cold = tier("cold").await;
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (src, dst) = (posix("lab", &src_dir), posix("scratch", &dst_dir));
+    let files: Vec<FileRef> = (0..2000)
+        .map(|i| {
+            write(
+                src_dir.path(),
+                &format!("d{}/f{i:05}.bin", i % 17),
+                &bytes(512 + i * 3, i as u64 + 10),
+            )
+        })
+        .collect();
+    let opts = CopyOptions::default();
+    let progress = Progress::new();
+    let results: Vec<_> = futures::stream::iter(&files)
+        .map(|f| s3::upload(&src, &cold, f, &opts, &progress))
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    assert!(
+        results.iter().all(Result::is_ok),
+        "{:?}",
+        results.iter().find(|r| r.is_err())
+    );
+    assert_eq!(cold.list("").await.unwrap().len(), 2000);
+
+    let results: Vec<_> = futures::stream::iter(&files)
+        .map(|f| s3::download(&cold, &dst, f, &opts, &progress))
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    assert!(
+        results.iter().all(Result::is_ok),
+        "{:?}",
+        results.iter().find(|r| r.is_err())
+    );
+    for file in &files {
+        let landed = std::fs::read(dst_dir.path().join(&file.path)).unwrap();
+        assert_eq!(
+            hex::encode(Sha256::digest(&landed)),
+            file.sha256,
+            "{}",
+            file.path
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_hash_fails_that_file_only_and_leaves_no_object() {
+    let cold = tier("cold").await;
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (src, dst) = (posix("lab", &src_dir), posix("scratch", &dst_dir));
+    let good = write(src_dir.path(), "good.bin", &bytes(10_000, 3));
+    let mut bad_small = write(src_dir.path(), "bad-small.bin", &bytes(10_000, 4));
+    let mut bad_big = write(
+        src_dir.path(),
+        "bad-big.bin",
+        &bytes((11 * MIB) as usize, 5),
+    );
+    bad_small.sha256 = "0".repeat(64);
+    bad_big.sha256 = "1".repeat(64);
+    let opts = CopyOptions::default();
+    let progress = Progress::new();
+    let (a, b, c) = tokio::join!(
+        s3::upload(&src, &cold, &good, &opts, &progress),
+        s3::upload(&src, &cold, &bad_small, &opts, &progress),
+        s3::upload(&src, &cold, &bad_big, &opts, &progress),
+    );
+    a.unwrap();
+    for (err, path) in [
+        (b.unwrap_err(), "bad-small.bin"),
+        (c.unwrap_err(), "bad-big.bin"),
+    ] {
+        assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+        assert_eq!(err.path, path);
+        assert!(
+            cold.stat(path).await.unwrap().is_none(),
+            "{path} must not be visible"
+        );
+    }
+    // The failed multipart upload was aborted, not left behind.
+    assert_eq!(open_uploads(&cold).await, 0);
+    assert!(cold.stat("good.bin").await.unwrap().is_some());
+
+    // Downloading against a wrong hash publishes nothing either.
+    let mut wrong = good.clone();
+    wrong.sha256 = "2".repeat(64);
+    let err = s3::download(&cold, &dst, &wrong, &opts, &progress)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+    assert_eq!(
+        std::fs::read_dir(dst_dir.path()).unwrap().count(),
+        0,
+        "no file, no temp file"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_download_hashing_wrong_without_metadata_publishes_nothing() {
+    let cold = tier("cold").await;
+    let dst_dir = tempfile::tempdir().unwrap();
+    let dst = posix("scratch", &dst_dir);
+    // An object written by someone else: no recorded hash, so only streaming can prove it.
+    let data = bytes((12 * MIB) as usize, 6);
+    cold.client()
+        .put_object()
+        .bucket(cold.bucket())
+        .key("data/set/foreign.bin")
+        .body(data.clone().into())
+        .send()
+        .await
+        .unwrap();
+    let mut file = FileRef::new("foreign.bin", data.len() as u64, "3".repeat(64));
+    let err = s3::download(
+        &cold,
+        &dst,
+        &file,
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+    assert_eq!(std::fs::read_dir(dst_dir.path()).unwrap().count(), 0);
+    file.sha256 = hex::encode(Sha256::digest(&data));
+    s3::download(
+        &cold,
+        &dst,
+        &file,
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        std::fs::read(dst_dir.path().join("foreign.bin")).unwrap(),
+        data
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_to_s3_copies_are_verified() {
+    let hot = tier("hot").await;
+    let cold = tier("cold").await;
+    let src_dir = tempfile::tempdir().unwrap();
+    let src = posix("lab", &src_dir);
+    let opts = CopyOptions::default();
+    let progress = Progress::new();
+    let file = write(src_dir.path(), "x/model.bin", &bytes((7 * MIB) as usize, 7));
+    s3::upload(&src, &hot, &file, &opts, &progress)
+        .await
+        .unwrap();
+
+    let out = s3::copy_within(&hot, &cold, &file, &opts, &progress)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            out,
+            CopyOutcome::Copied {
+                engine: "s3-server-copy",
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert_eq!(
+        cold.hash_file(&file.path).await.unwrap().sha256,
+        file.sha256
+    );
+    let again = s3::copy_within(&hot, &cold, &file, &opts, &progress)
+        .await
+        .unwrap();
+    assert!(matches!(again, CopyOutcome::Skipped { .. }), "{again:?}");
+
+    // A source without recorded metadata is hashed once, and the copy records the hash.
+    let data = bytes(300_000, 8);
+    hot.client()
+        .put_object()
+        .bucket(hot.bucket())
+        .key("data/set/plain.bin")
+        .body(data.clone().into())
+        .send()
+        .await
+        .unwrap();
+    let plain = FileRef::new(
+        "plain.bin",
+        data.len() as u64,
+        hex::encode(Sha256::digest(&data)),
+    );
+    s3::copy_within(&hot, &cold, &plain, &opts, &progress)
+        .await
+        .unwrap();
+    assert_eq!(
+        cold.stat("plain.bin").await.unwrap().unwrap().sha256_meta,
+        Some(plain.sha256.clone())
+    );
+    let mut lying = plain.clone();
+    lying.path = "plain.bin".into();
+    lying.sha256 = "4".repeat(64);
+    let err = s3::copy_within(&hot, &cold, &lying, &opts, &progress)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+
+    // Another endpoint (the same server under another name): streamed, not server-side.
+    let mut config = cold.config().clone();
+    config.endpoint = Some(config.endpoint.unwrap().replace("127.0.0.1", "localhost"));
+    config.prefix = "elsewhere".into();
+    let other = S3Tier::connect_with_keys("other", config, ACCESS_KEY, SECRET_KEY).unwrap();
+    let out = s3::copy_within(&hot, &other, &file, &opts, &progress)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            out,
+            CopyOutcome::Copied {
+                engine: "s3-multipart",
+                ..
+            }
+        ),
+        "{out:?}"
+    );
+    assert_eq!(
+        other.hash_file(&file.path).await.unwrap().sha256,
+        file.sha256
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_objects_are_not_found() {
+    let cold = tier("cold").await;
+    let hot = tier("hot").await;
+    let dst_dir = tempfile::tempdir().unwrap();
+    let dst = posix("scratch", &dst_dir);
+    let file = FileRef::new("nope/missing.bin", 5, "5".repeat(64));
+    let opts = CopyOptions::default();
+    let err = s3::download(&cold, &dst, &file, &opts, &Progress::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+    assert_eq!(err.path, "nope/missing.bin");
+    assert!(!err.is_retryable());
+    let err = s3::copy_within(&cold, &hot, &file, &opts, &Progress::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+    let err = cold.hash_file("nope/missing.bin").await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+    assert_eq!(cold.stat("nope/missing.bin").await.unwrap(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_endpoint_is_unreachable_and_named() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let mut config = S3Config::new("data", "");
+    config.endpoint = Some(endpoint.clone());
+    let tier = S3Tier::connect_with_keys("offline", config, "k", "s").unwrap();
+    let err = tier.stat("a.bin").await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unreachable, "{err}");
+    assert!(err.is_retryable());
+    assert!(err.to_string().contains(&endpoint), "{err}");
+    let dst_dir = tempfile::tempdir().unwrap();
+    let file = FileRef::new("a.bin", 1, "6".repeat(64));
+    let err = s3::download(
+        &tier,
+        &posix("scratch", &dst_dir),
+        &file,
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Unreachable, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_that_leave_the_prefix_are_refused() {
+    let cold = tier("cold").await;
+    let src_dir = tempfile::tempdir().unwrap();
+    let src = posix("lab", &src_dir);
+    write(src_dir.path(), "ok.bin", b"abc");
+    for bad in [
+        "../escape.bin",
+        "/etc/passwd",
+        "a/../../b",
+        "a\0b",
+        "a//b",
+        "",
+    ] {
+        let err = cold
+            .key_for(bad, stagehand_mover::Side::Destination)
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::PathRefused, "{bad:?}: {err}");
+        let file = FileRef::new(bad, 3, hex::encode(Sha256::digest(b"abc")));
+        let err = s3::upload(
+            &src,
+            &cold,
+            &file,
+            &CopyOptions::default(),
+            &Progress::new(),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::PathRefused, "{bad:?}: {err}");
+        let err = cold.stat(bad).await.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::PathRefused, "{bad:?}: {err}");
+    }
+    let everything = cold
+        .client()
+        .list_objects_v2()
+        .bucket(cold.bucket())
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        everything.contents().is_empty(),
+        "nothing was written: {:?}",
+        everything.contents()
+    );
+}
+
+#[test]
+fn a_config_with_an_unknown_key_is_refused() {
+    let err = toml::from_str::<S3Config>("bucket = \"data\"\npart_sise = 5").unwrap_err();
+    assert!(err.to_string().contains("part_sise"), "{err}");
+}
