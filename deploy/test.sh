@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Stagehand's test command, the same locally and in CI (.ci/run calls it):
+# installs the servers the tests start (deploy/servers.sh install), then
+#   cargo fmt --check, clippy with warnings as errors, every test of the workspace against real
+#   servers (cargo-nextest when installed, else cargo test), the doctests, and the Python
+#   producer test (deploy/py-tests.sh) when present.
+#
+# Builds go to $CARGO_TARGET_DIR (default ~/.cache/stagehand/target) so that clones share them.
+# Tests start their own nats-server and S3 server on free ports through stagehand-testkit; no
+# server needs to be running beforehand.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+# rustup's cargo reads rust-toolchain.toml; make sure its proxies come first.
+if [ -d "$HOME/.cargo/bin" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+command -v rustup >/dev/null || { echo "test.sh: rustup not found; install it, then rerun" >&2; exit 1; }
+toolchain="$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)"
+if ! rustup run "$toolchain" rustc --version >/dev/null 2>&1; then
+    step "installing Rust $toolchain (rust-toolchain.toml)"
+    rustup toolchain install "$toolchain" --profile minimal --component rustfmt,clippy
+fi
+step "toolchain: $(cargo --version) ($(rustup show active-toolchain | cut -d' ' -f1))"
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/stagehand/target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+step "servers: deploy/servers.sh install"
+deploy/servers.sh install
+eval "$(deploy/servers.sh env)"
+
+step "cargo fmt --all --check"
+cargo fmt --all --check
+
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+if cargo nextest --version >/dev/null 2>&1; then
+    step "cargo nextest run --workspace"
+    cargo nextest run --workspace --no-fail-fast
+    step "cargo test --doc --workspace"
+    cargo test --doc --workspace
+else
+    step "cargo test --workspace (cargo-nextest not installed)"
+    cargo test --workspace --no-fail-fast
+fi
+
+if [ -f deploy/py-tests.sh ]; then
+    step "deploy/py-tests.sh"
+    bash deploy/py-tests.sh
+fi
+
+step "all checks passed"
