@@ -1,0 +1,185 @@
+//! Every example under `schemas/examples/` is valid against its kind's schema and the
+//! envelope schema, decodes in Rust, and survives JSON → Event → MessagePack → Event. The
+//! schemas are also checked to refuse what the decoder refuses, so they are not vacuous.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+use stagehand_schemas::{ALL_KINDS, Body, EventId, total_bytes, version_digest, wire};
+
+#[test]
+fn every_kind_has_exactly_one_example() {
+    let mut found: Vec<String> = std::fs::read_dir(crate_dir().join("examples"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "json"))
+        .map(|path| path.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    let mut expected: Vec<String> = ALL_KINDS.iter().map(|k| k.to_string()).collect();
+    expected.sort();
+    assert_eq!(found, expected);
+}
+
+#[test]
+fn every_example_validates_against_its_schema_and_the_envelope() {
+    for kind in ALL_KINDS {
+        let example = example_json(kind);
+        let errors = schema_errors(kind, &example);
+        assert!(errors.is_empty(), "examples/{kind}.json: {errors:#?}");
+        let errors = schema_errors("envelope", &example);
+        assert!(errors.is_empty(), "examples/{kind}.json vs envelope: {errors:#?}");
+    }
+}
+
+#[test]
+fn no_example_validates_against_another_kinds_schema() {
+    for kind in ALL_KINDS {
+        for other in ALL_KINDS.iter().filter(|o| *o != kind) {
+            assert!(
+                !validator(other).is_valid(&example_json(kind)),
+                "examples/{kind}.json passes json/{other}.json"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_example_decodes_and_round_trips_through_msgpack() {
+    for kind in ALL_KINDS {
+        let event = example_event(kind);
+        assert_eq!(event.kind(), *kind, "examples/{kind}.json has the wrong kind");
+        let bytes = wire::encode(&event).unwrap();
+        let back = wire::decode(&bytes).unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert_eq!(back, event, "{kind}");
+        // And back to JSON: the same document a producer would write, modulo timestamp form.
+        let again: stagehand_schemas::Event =
+            serde_json::from_value(serde_json::to_value(&back).unwrap()).unwrap();
+        assert_eq!(again, event, "{kind} via JSON");
+    }
+}
+
+#[test]
+fn rust_encoded_events_validate_against_the_schemas() {
+    // What the services write (serde's JSON view of the same map) must satisfy the schema
+    // that outside producers read, including `original` as an array of byte values.
+    for kind in ALL_KINDS {
+        let json = serde_json::to_value(example_event(kind)).unwrap();
+        let errors = schema_errors(kind, &json);
+        assert!(errors.is_empty(), "{kind}: {errors:#?}");
+    }
+}
+
+#[test]
+fn examples_follow_the_contract_rules() {
+    // The examples are documentation: their digests and ids follow the rules they illustrate.
+    let ingest = example_event("ingest.requested");
+    let Body::IngestRequested(request) = &ingest.body else {
+        unreachable!()
+    };
+    let version = version_digest(&request.files);
+    assert_eq!(
+        ingest.id,
+        EventId::for_ingest(&ingest.project, &request.dataset, &version)
+    );
+    for file in &request.files {
+        file.check().unwrap();
+    }
+
+    let validated = example_event("dataset.validated");
+    let Body::DatasetValidated(fact) = &validated.body else {
+        unreachable!()
+    };
+    assert_eq!(fact.version, version);
+    assert_eq!(fact.total_bytes, total_bytes(&fact.files));
+    assert_eq!(validated.id, EventId::derive(&ingest.id, "validated"));
+    assert_eq!(validated.causation_id.as_ref(), Some(&ingest.id));
+    assert_eq!(validated.correlation_id, ingest.id);
+
+    let prepared = example_event("dataset.prepared");
+    let Body::DatasetPrepared(derived) = &prepared.body else {
+        unreachable!()
+    };
+    assert_eq!(derived.version, version_digest(&derived.files));
+    assert_eq!(derived.derived_from, version);
+
+    let dead = example_event("dead.letter");
+    let Body::DeadLetter(letter) = &dead.body else {
+        unreachable!()
+    };
+    assert_eq!(
+        dead.id,
+        EventId::for_dead_letter(&letter.stream, &letter.consumer, letter.stream_sequence)
+    );
+    assert!(wire::decode(&letter.original).is_err());
+}
+
+/// Sets `pointer` in a copy of `value`.
+fn with(value: &Value, pointer: &str, new: Value) -> Value {
+    let mut value = value.clone();
+    *value.pointer_mut(pointer).unwrap_or_else(|| panic!("{pointer}")) = new;
+    value
+}
+
+#[test]
+fn schemas_refuse_what_the_contract_refuses() {
+    let ingest = example_json("ingest.requested");
+    let bad: &[(&str, Value)] = &[
+        ("/project", json!("Vision Lab")),
+        ("/project", json!("x".repeat(65))),
+        ("/id", json!("has space")),
+        ("/id", json!("x".repeat(129))),
+        ("/correlation_id", json!("")),
+        ("/schema", json!(0)),
+        ("/schema", json!("1")),
+        ("/occurred_at", json!("yesterday")),
+        ("/kind", json!("dataset.validated")),
+        ("/payload/files/0/sha256", json!("ABC")),
+        ("/payload/files/0/size", json!(-1)),
+        ("/payload/files/0/path", json!("")),
+        ("/payload/labels/0", json!(["modality"])),
+    ];
+    for (pointer, value) in bad {
+        let instance = with(&ingest, pointer, value.clone());
+        assert!(
+            !validator("ingest.requested").is_valid(&instance),
+            "ingest.requested schema accepts {pointer} = {value}"
+        );
+    }
+    let mut missing = ingest.clone();
+    missing["payload"].as_object_mut().unwrap().remove("files");
+    assert!(!validator("ingest.requested").is_valid(&missing));
+
+    let dead = example_json("dead.letter");
+    for value in [json!([256]), json!("bytes"), json!([-1])] {
+        let instance = with(&dead, "/payload/original", value.clone());
+        assert!(
+            !validator("dead.letter").is_valid(&instance),
+            "original = {value}"
+        );
+    }
+    let validated = example_json("dataset.validated");
+    let short = with(&validated, "/payload/version", json!("be7246df1859"));
+    assert!(!validator("dataset.validated").is_valid(&short));
+    let stage = example_json("stage.requested");
+    let prefix = with(&stage, "/payload/version", json!("be7246df185"));
+    assert!(!validator("stage.requested").is_valid(&prefix), "prefix under 12");
+}
+
+#[test]
+fn schemas_accept_unknown_fields_and_omitted_optional_ones() {
+    let mut ingest = example_json("ingest.requested");
+    ingest["added_later"] = json!({"any": "shape"});
+    ingest["payload"]["added_later"] = json!(1);
+    ingest["payload"]["files"][0]["added_later"] = json!(null);
+    ingest["payload"].as_object_mut().unwrap().remove("labels");
+    ingest.as_object_mut().unwrap().remove("causation_id");
+    assert!(schema_errors("ingest.requested", &ingest).is_empty());
+    // The Rust reader agrees with the schema.
+    let event: stagehand_schemas::Event = serde_json::from_value(ingest).unwrap();
+    let Body::IngestRequested(request) = event.body else {
+        unreachable!()
+    };
+    assert!(request.labels.is_empty());
+}
