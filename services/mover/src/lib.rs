@@ -23,7 +23,7 @@
 //! # Ok(()) }
 //! ```
 
-// pub mod cp;
+pub mod cp;
 mod engine;
 pub mod error;
 mod mover;

@@ -196,7 +196,7 @@ impl Mover {
             (Tier::Posix(s), Tier::Posix(d)) => {
                 // Durable mode publishes before returning, so there is never a pending rename.
                 let (outcome, _) = self
-                    .copy_posix(s, d, file, opts, &progress, CommitMode::Durable)
+                    .copy_posix(s, d, file, &file.path, opts, &progress, CommitMode::Durable)
                     .await?;
                 Ok(outcome)
             }
@@ -351,7 +351,8 @@ impl Mover {
     ) -> Result<(CopyOutcome, Option<PendingRename>), TransferError> {
         match (src, dst) {
             (Tier::Posix(s), Tier::Posix(d)) => {
-                self.copy_posix(s, d, file, opts, progress, mode).await
+                self.copy_posix(s, d, file, &file.path, opts, progress, mode)
+                    .await
             }
             (Tier::S3(s), Tier::Posix(d)) => {
                 if mode == CommitMode::Batched {
@@ -378,12 +379,19 @@ impl Mover {
         src: &PosixTier,
         dst: &PosixTier,
         file: &FileRef,
+        dst_rel: &str,
         opts: &CopyOptions,
         progress: &Progress,
         mode: CommitMode,
     ) -> Result<(CopyOutcome, Option<PendingRename>), TransferError> {
-        let (s, d, f, o) = (src.clone(), dst.clone(), file.clone(), opts.clone());
-        let step = blocking(src, &file.path, move || prepare(&s, &d, &f, &o)).await?;
+        let (s, d, f, o, r) = (
+            src.clone(),
+            dst.clone(),
+            file.clone(),
+            opts.clone(),
+            dst_rel.to_owned(),
+        );
+        let step = blocking(src, &file.path, move || prepare(&s, &d, &f, &r, &o)).await?;
         let prep = match step {
             Step::Done(outcome) => return Ok((outcome, None)),
             Step::Copy(p) => *p,
@@ -420,11 +428,34 @@ impl Mover {
         } else {
             self.run_engine(&prep, src, dst, file, progress).await?
         };
-        let (s, d, f, o) = (src.clone(), dst.clone(), file.clone(), opts.clone());
+        let (s, d, f, o, r) = (
+            src.clone(),
+            dst.clone(),
+            file.clone(),
+            opts.clone(),
+            dst_rel.to_owned(),
+        );
         blocking(src, &file.path, move || {
-            finish(&s, &d, &f, &o, prep, sha, engine_name, mode)
+            finish(&s, &d, &f, &r, &o, prep, sha, engine_name, mode)
         })
         .await
+    }
+
+    /// posix → posix under a new name (`cp dir/a other/b`), published durably.
+    pub(crate) async fn copy_posix_renamed(
+        &self,
+        src: &PosixTier,
+        dst: &PosixTier,
+        file: &FileRef,
+        dst_rel: &str,
+        opts: &CopyOptions,
+        progress: &Progress,
+    ) -> Result<CopyOutcome, TransferError> {
+        let _permit = self.sched.acquire(opts.priority).await;
+        let (outcome, _) = self
+            .copy_posix(src, dst, file, dst_rel, opts, progress, CommitMode::Durable)
+            .await?;
+        Ok(outcome)
     }
 
     async fn run_engine(
@@ -505,9 +536,10 @@ fn prepare(
     src: &PosixTier,
     dst: &PosixTier,
     file: &FileRef,
+    dst_rel: &str,
     opts: &CopyOptions,
 ) -> Result<Step, TransferError> {
-    dst.check_path(&file.path, Side::Destination)?;
+    dst.check_path(dst_rel, Side::Destination)?;
     let known = !opts.expected_hash_unknown;
     if known && !stagehand_schemas::is_sha256_hex(&file.sha256) {
         return Err(TransferError::new(
@@ -536,13 +568,13 @@ fn prepare(
             ),
         ));
     }
-    if let Some(existing) = dst.stat(&file.path)? {
+    if let Some(existing) = dst.stat(dst_rel)? {
         if existing != before.size {
             return Err(TransferError::new(
                 ErrorKind::DestinationConflict,
                 Side::Destination,
                 dst.name(),
-                &file.path,
+                dst_rel,
                 format!(
                     "a different file is already there ({existing} bytes, the source has {})",
                     before.size
@@ -555,7 +587,7 @@ fn prepare(
                 sha256: file.sha256.clone(),
             }));
         }
-        let there = dst.hash_file_side(&file.path, Side::Destination)?;
+        let there = dst.hash_file_side(dst_rel, Side::Destination)?;
         let wanted = if known {
             file.sha256.clone()
         } else {
@@ -575,14 +607,14 @@ fn prepare(
             ErrorKind::DestinationConflict,
             Side::Destination,
             dst.name(),
-            &file.path,
+            dst_rel,
             format!(
                 "a different file of the same size is already there (sha256 {}, expected {wanted})",
                 there.sha256
             ),
         ));
     }
-    let atomic = dst.create_atomic(&file.path, before.size)?;
+    let atomic = dst.create_atomic(dst_rel, before.size)?;
     Ok(Step::Copy(Box::new(Prepared {
         src: src_file,
         before,
@@ -641,6 +673,7 @@ fn finish(
     src: &PosixTier,
     dst: &PosixTier,
     file: &FileRef,
+    dst_rel: &str,
     opts: &CopyOptions,
     prep: Prepared,
     sha: String,
@@ -673,15 +706,14 @@ fn finish(
             ),
         ));
     }
-    let landed = stamp(prep.atomic.file()).map_err(|e| {
-        TransferError::from_io(e, Side::Destination, dst.name(), &file.path, "fstat")
-    })?;
+    let landed = stamp(prep.atomic.file())
+        .map_err(|e| TransferError::from_io(e, Side::Destination, dst.name(), dst_rel, "fstat"))?;
     if landed.size != prep.size {
         return Err(TransferError::new(
             ErrorKind::SizeMismatch,
             Side::Destination,
             dst.name(),
-            &file.path,
+            dst_rel,
             format!("{} bytes landed, {} were copied", landed.size, prep.size),
         ));
     }
@@ -692,7 +724,7 @@ fn finish(
                 ErrorKind::ChecksumMismatch,
                 Side::Destination,
                 dst.name(),
-                &file.path,
+                dst_rel,
                 format!(
                     "read back as {}, written as {sha}; nothing was published",
                     back.sha256

@@ -79,10 +79,8 @@ impl UringEngine {
     ) -> io::Result<UringEngine> {
         let nbufs = params.buffers.clamp(2, 1024);
         let entries = (nbufs as u32 + 2).next_power_of_two();
-        let ring: IoUring = IoUring::builder()
-            .setup_single_issuer()
-            .build(entries)
-            .or_else(|_| IoUring::new(entries))?;
+        // Not SINGLE_ISSUER: the ring is created here and driven from the ring thread.
+        let ring: IoUring = IoUring::new(entries)?;
         let bufs = Buffers::new(nbufs, params.block_size)?;
         // SAFETY: the iovecs point into `bufs`, which lives as long as the ring thread that
         // owns the ring (it is dropped after the ring).
