@@ -8,6 +8,7 @@ use std::time::Duration;
 use aws_config::environment::credentials::EnvironmentVariableCredentialsProvider;
 use aws_config::meta::credentials::CredentialsProviderChain;
 use aws_config::profile::ProfileFileCredentialsProvider;
+use aws_config::provider_config::ProviderConfig;
 use aws_sdk_s3::config::retry::RetryConfig;
 use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{
@@ -48,7 +49,7 @@ pub(crate) fn build(
     let mut builder = aws_sdk_s3::Config::builder()
         .behavior_version(BehaviorVersion::v2026_01_12())
         .region(Region::new(config.region.clone()))
-        .http_client(http_client)
+        .http_client(http_client.clone())
         .force_path_style(config.path_style)
         .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
         .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
@@ -82,7 +83,12 @@ pub(crate) fn build(
             "stagehand-static",
         )),
         Credentials::EnvOrProfile => {
-            let mut profile = ProfileFileCredentialsProvider::builder();
+            // The profile provider needs an HTTP client of its own (for roles and SSO profiles);
+            // it gets the same rustls one, and the tier's region.
+            let provider_config = ProviderConfig::without_region()
+                .with_http_client(http_client)
+                .with_region(Some(Region::new(config.region.clone())));
+            let mut profile = ProfileFileCredentialsProvider::builder().configure(&provider_config);
             if let Some(name) = &config.profile {
                 profile = profile.profile_name(name);
             }
@@ -101,4 +107,28 @@ pub(crate) fn build(
         }
     };
     Ok(aws_sdk_s3::Client::from_conf(builder.build()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Regression: the profile provider built an instance-metadata client without an HTTP
+    // client and panicked while the tier was being connected.
+    #[test]
+    fn clients_build_with_every_credential_source() {
+        let mut config = S3Config::new("data", "");
+        config.endpoint = Some("http://127.0.0.1:1".into());
+        build(&config, Credentials::EnvOrProfile).unwrap();
+        config.profile = Some("archive".into());
+        build(&config, Credentials::EnvOrProfile).unwrap();
+        build(
+            &config,
+            Credentials::Static {
+                access_key_id: "k".into(),
+                secret_access_key: "s".into(),
+            },
+        )
+        .unwrap();
+    }
 }

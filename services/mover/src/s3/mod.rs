@@ -115,7 +115,9 @@ impl S3Tier {
 
     /// A tier on `bucket`/`prefix` with the endpoint from `STAGEHAND_S3_ENDPOINT` or
     /// `AWS_ENDPOINT_URL` (AWS when neither is set), the region from `AWS_REGION` (default
-    /// `us-east-1`), the profile from `AWS_PROFILE`, and credentials from the environment.
+    /// `us-east-1`), the profile from `AWS_PROFILE`, credentials from the environment, and
+    /// optionally `STAGEHAND_S3_CONCURRENCY` (requests in flight) and `STAGEHAND_S3_PART_SIZE`
+    /// (bytes per part and multipart threshold).
     pub fn from_env(
         name: impl Into<String>,
         bucket: impl Into<String>,
@@ -137,6 +139,28 @@ impl S3Tier {
             config.region = region;
         }
         config.profile = std::env::var("AWS_PROFILE").ok().filter(|p| !p.is_empty());
+        let name = name.into();
+        let number = |var: &str| -> Result<Option<u64>, TransferError> {
+            match std::env::var(var) {
+                Ok(v) if !v.is_empty() => v.parse().map(Some).map_err(|_| {
+                    TransferError::new(
+                        ErrorKind::Config,
+                        Side::Source,
+                        name.as_str(),
+                        var,
+                        format!("{var}={v:?} is not a whole number"),
+                    )
+                }),
+                _ => Ok(None),
+            }
+        };
+        if let Some(n) = number("STAGEHAND_S3_CONCURRENCY")? {
+            config.concurrency = n as usize;
+        }
+        if let Some(n) = number("STAGEHAND_S3_PART_SIZE")? {
+            config.part_size = n;
+            config.multipart_threshold = n;
+        }
         Self::connect(name, config)
     }
 
