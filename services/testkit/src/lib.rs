@@ -48,6 +48,17 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}-{:x}-{n}-{nanos:x}", std::process::id())
 }
 
+/// The `nats-server` binary the testkit runs (for tests that run it with other flags, such as
+/// `-t` to check a configuration file). Panics, naming the install command, when none is found.
+pub fn nats_server_binary() -> std::path::PathBuf {
+    process::find_binary(process::Binary::NatsServer)
+}
+
+/// The SeaweedFS `weed` binary the testkit runs.
+pub fn weed_binary() -> std::path::PathBuf {
+    process::find_binary(process::Binary::Weed)
+}
+
 /// The repository root, for tests that read files such as `deploy/nats/accounts.conf`.
 pub fn repo_root() -> std::path::PathBuf {
     process::repo_root()

@@ -214,3 +214,114 @@ async fn a_wrong_password_is_refused() {
         .await;
     assert!(refused.is_err(), "a wrong password must not connect");
 }
+
+/// A JetStream context for `user` whose requests give up after 2 s (a refused publish is
+/// dropped by the server, so its ack never comes).
+async fn jetstream_as(
+    server: &NatsServer,
+    user: &str,
+    role: &str,
+) -> Result<(jetstream::Context, mpsc::UnboundedReceiver<String>)> {
+    let (client, errors) = connect(server, user, role).await?;
+    let mut js = jetstream::new(client);
+    js.set_timeout(Duration::from_secs(2));
+    Ok((js, errors))
+}
+
+#[tokio::test]
+async fn a_service_provisions_claims_consumes_acks_and_publishes_its_facts() -> Result<()> {
+    let server = start_server();
+    let (js, _) = jetstream_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    for (name, subjects) in [
+        ("STAGEHAND_REQUESTS", "stagehand.req.>"),
+        ("STAGEHAND_FACTS", "stagehand.fact.>"),
+    ] {
+        js.create_stream(stream::Config {
+            name: name.into(),
+            subjects: vec![subjects.into()],
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("create {name}"))?;
+    }
+    let claims = js
+        .create_key_value(jetstream::kv::Config {
+            bucket: "stagehand_claims".into(),
+            ..Default::default()
+        })
+        .await?;
+    claims.create("event-1", "owner".into()).await?;
+
+    let (uploader, _) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    uploader
+        .publish("stagehand.req.ingest.requested.demo", "req".into())
+        .await?
+        .await?;
+
+    let consumer = js
+        .get_stream("STAGEHAND_REQUESTS")
+        .await?
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("ingest-validator".into()),
+            filter_subject: "stagehand.req.ingest.requested.*".into(),
+            ..Default::default()
+        })
+        .await?;
+    let mut batch = consumer.fetch().max_messages(1).messages().await?;
+    let message = tokio::time::timeout(Duration::from_secs(10), batch.next())
+        .await
+        .context("no request delivered")?
+        .context("batch ended")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert_eq!(
+        message.subject.as_str(),
+        "stagehand.req.ingest.requested.demo"
+    );
+    message
+        .double_ack()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    js.publish("stagehand.fact.dataset.validated.demo", "fact".into())
+        .await?
+        .await?;
+    let refused = js
+        .publish("stagehand.fact.stage.ready.demo", "fact".into())
+        .await?
+        .await;
+    assert!(
+        refused.is_err(),
+        "the validator must not publish stage facts"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_scheduler_reads_readiness_but_cannot_write_it() -> Result<()> {
+    let server = start_server();
+    let (recorder, _) = jetstream_as(&server, "catalogue-recorder", "CATALOGUE_RECORDER").await?;
+    let readiness = recorder
+        .create_key_value(jetstream::kv::Config {
+            bucket: "stagehand_readiness".into(),
+            ..Default::default()
+        })
+        .await?;
+    readiness.put("demo.ds.v1.hot", "ready".into()).await?;
+
+    let (scheduler, _) = jetstream_as(&server, "scheduler", "SCHEDULER").await?;
+    let view = scheduler.get_key_value("stagehand_readiness").await?;
+    let value = view.get("demo.ds.v1.hot").await?;
+    assert_eq!(value.as_deref(), Some(&b"ready"[..]));
+    let mut watch = view.watch_with_history("demo.>").await?;
+    let entry = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .context("no readiness entry")?
+        .context("watch ended")??;
+    assert_eq!(entry.key, "demo.ds.v1.hot");
+
+    assert!(
+        view.put("demo.ds.v1.hot", "forged".into()).await.is_err(),
+        "a scheduler must not write readiness"
+    );
+    Ok(())
+}

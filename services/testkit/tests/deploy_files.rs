@@ -1,0 +1,126 @@
+//! Every configuration file under `deploy/` is checked: the NATS configs parse with the server
+//! that runs them, and the systemd units name binaries this workspace builds.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use stagehand_testkit::{nats_server_binary, repo_root};
+
+fn files(dir: &str, suffix: &str) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(repo_root().join(dir))
+        .unwrap_or_else(|e| panic!("read {dir}: {e}"))
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.to_string_lossy().ends_with(suffix))
+        .collect();
+    found.sort();
+    found
+}
+
+/// The password variables accounts.conf reads.
+fn password_vars() -> Vec<String> {
+    let text = std::fs::read_to_string(repo_root().join("deploy/nats/accounts.conf")).unwrap();
+    let mut vars: Vec<String> = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
+        .filter_map(|t| t.strip_prefix('$'))
+        .filter(|t| t.starts_with("STAGEHAND_NATS_") && t.ends_with("_PASSWORD"))
+        .map(str::to_string)
+        .collect();
+    vars.sort();
+    vars.dedup();
+    vars
+}
+
+fn check_config(path: &PathBuf, vars: &[String]) -> std::process::Output {
+    let mut cmd = Command::new(nats_server_binary());
+    cmd.arg("-t").arg("-c").arg(path);
+    for v in vars {
+        cmd.env(v, "test-password");
+    }
+    cmd.output().expect("run nats-server -t")
+}
+
+#[test]
+fn every_nats_config_is_valid() {
+    let confs = files("deploy/nats", ".conf");
+    let names: Vec<_> = confs
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    for wanted in [
+        "accounts.conf",
+        "single.conf",
+        "cluster-1.conf",
+        "cluster-2.conf",
+        "cluster-3.conf",
+    ] {
+        assert!(
+            names.iter().any(|n| n == wanted),
+            "deploy/nats/{wanted} missing: {names:?}"
+        );
+    }
+    let vars = password_vars();
+    assert_eq!(vars.len(), 10, "{vars:?}");
+    for conf in &confs {
+        let out = check_config(conf, &vars);
+        assert!(
+            out.status.success(),
+            "{}: {}{}",
+            conf.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn a_missing_password_variable_stops_the_server() {
+    let vars = password_vars();
+    let (missing, rest) = vars.split_first().unwrap();
+    let out = check_config(&repo_root().join("deploy/nats/single.conf"), rest);
+    assert!(!out.status.success());
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains(missing.as_str()), "{said}");
+}
+
+#[test]
+fn systemd_units_run_binaries_of_this_workspace() {
+    let units = files("deploy/systemd", ".service");
+    assert!(units.len() >= 3, "{units:?}");
+    for unit in units {
+        let text = std::fs::read_to_string(&unit).unwrap();
+        for section in ["[Unit]", "[Service]", "[Install]"] {
+            assert!(text.contains(section), "{}: no {section}", unit.display());
+        }
+        let exec = text
+            .lines()
+            .find_map(|l| l.strip_prefix("ExecStart="))
+            .unwrap_or_else(|| panic!("{}: no ExecStart", unit.display()));
+        let program = exec.split_whitespace().next().unwrap();
+        let name = program.rsplit('/').next().unwrap();
+        if name == "nats-server" {
+            let conf = exec.split_whitespace().last().unwrap();
+            let conf_name = conf.rsplit('/').next().unwrap();
+            assert!(
+                repo_root().join("deploy/nats").join(conf_name).is_file(),
+                "{}: {conf} is not a shipped config",
+                unit.display()
+            );
+            continue;
+        }
+        let crate_dir = repo_root()
+            .join("services")
+            .join(name.strip_prefix("stagehand-").unwrap_or(name));
+        let manifest = std::fs::read_to_string(crate_dir.join("Cargo.toml"))
+            .unwrap_or_else(|e| panic!("{}: no crate for {name}: {e}", unit.display()));
+        assert!(
+            manifest.contains(&format!("name = \"{name}\""))
+                && crate_dir.join("src/main.rs").is_file(),
+            "{}: {name} is not a binary of services/",
+            unit.display()
+        );
+    }
+}
