@@ -28,6 +28,9 @@ use crate::transfer::{
     CopyOptions, CopyOutcome, EMPTY_SHA256, FileRef, Progress, SkipReason, VerifyDestination,
 };
 
+/// Files at least this large are published individually even in [`CommitMode::Batched`].
+const BATCH_BELOW: u64 = 1 << 20;
+
 /// How the mover runs. Every field has a default suited to a small machine.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -351,6 +354,13 @@ impl Mover {
     ) -> Result<(CopyOutcome, Option<PendingRename>), TransferError> {
         match (src, dst) {
             (Tier::Posix(s), Tier::Posix(d)) => {
+                // Large files are published one by one as they finish: their fdatasync is
+                // small next to their data, and a crash then loses at most the files in flight.
+                let mode = if file.size >= BATCH_BELOW {
+                    CommitMode::Durable
+                } else {
+                    mode
+                };
                 self.copy_posix(s, d, file, &file.path, opts, progress, mode)
                     .await
             }
@@ -374,6 +384,7 @@ impl Mover {
 
     /// posix → posix. With `CommitMode::Durable` the file is published before returning;
     /// with `Batched` the pending rename is handed back.
+    #[allow(clippy::too_many_arguments)]
     async fn copy_posix(
         &self,
         src: &PosixTier,
@@ -632,9 +643,8 @@ enum KernelCopy {
 /// `FICLONE` (shares extents on btrfs/XFS), else `copy_file_range` (in-kernel copy, server-side
 /// on NFS), else the caller's engine.
 fn kernel_copy(src: &File, dst: &File, size: u64) -> KernelCopy {
-    match rustix::fs::ioctl_ficlone(dst, src) {
-        Ok(()) => return KernelCopy::Done("reflink"),
-        Err(_) => {}
+    if rustix::fs::ioctl_ficlone(dst, src).is_ok() {
+        return KernelCopy::Done("reflink");
     }
     let mut off_in = 0u64;
     let mut off_out = 0u64;
