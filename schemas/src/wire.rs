@@ -114,7 +114,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         }
         None => return Err(malformed("empty message".to_owned())),
     }
-    let preamble: Preamble = rmp_serde::from_slice(bytes)?;
+    let preamble: Preamble = from_slice_bounded(bytes)?;
     let schema = preamble.schema.unwrap_or(0);
     if schema > SCHEMA_VERSION {
         return Err(DecodeError::NewerSchema { found: schema });
@@ -133,7 +133,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             schema,
         });
     }
-    let event: Event = match rmp_serde::from_slice(bytes) {
+    let event: Event = match from_slice_bounded(bytes) {
         Ok(event) => event,
         // Name the kind, so that "invalid type" says which payload it was about.
         Err(e) => {
@@ -148,6 +148,19 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     }
     check(&event)?;
     Ok(event)
+}
+
+/// The deepest nesting of maps and arrays accepted. An event needs 5 levels (envelope,
+/// payload, list, entry, tuple); rmp-serde's default of 1024 overflows a 2 MiB thread stack in
+/// a debug build well before it is reached, so a hostile message could abort the process.
+pub const MAX_NESTING: usize = 32;
+
+fn from_slice_bounded<'a, T: Deserialize<'a>>(
+    bytes: &'a [u8],
+) -> Result<T, rmp_serde::decode::Error> {
+    let mut deserializer = rmp_serde::Deserializer::from_read_ref(bytes);
+    deserializer.set_max_depth(MAX_NESTING);
+    T::deserialize(&mut deserializer)
 }
 
 fn malformed(reason: String) -> DecodeError {

@@ -29,7 +29,10 @@ fn every_example_validates_against_its_schema_and_the_envelope() {
         let errors = schema_errors(kind, &example);
         assert!(errors.is_empty(), "examples/{kind}.json: {errors:#?}");
         let errors = schema_errors("envelope", &example);
-        assert!(errors.is_empty(), "examples/{kind}.json vs envelope: {errors:#?}");
+        assert!(
+            errors.is_empty(),
+            "examples/{kind}.json vs envelope: {errors:#?}"
+        );
     }
 }
 
@@ -49,7 +52,11 @@ fn no_example_validates_against_another_kinds_schema() {
 fn every_example_decodes_and_round_trips_through_msgpack() {
     for kind in ALL_KINDS {
         let event = example_event(kind);
-        assert_eq!(event.kind(), *kind, "examples/{kind}.json has the wrong kind");
+        assert_eq!(
+            event.kind(),
+            *kind,
+            "examples/{kind}.json has the wrong kind"
+        );
         let bytes = wire::encode(&event).unwrap();
         let back = wire::decode(&bytes).unwrap_or_else(|e| panic!("{kind}: {e}"));
         assert_eq!(back, event, "{kind}");
@@ -118,7 +125,9 @@ fn examples_follow_the_contract_rules() {
 /// Sets `pointer` in a copy of `value`.
 fn with(value: &Value, pointer: &str, new: Value) -> Value {
     let mut value = value.clone();
-    *value.pointer_mut(pointer).unwrap_or_else(|| panic!("{pointer}")) = new;
+    *value
+        .pointer_mut(pointer)
+        .unwrap_or_else(|| panic!("{pointer}")) = new;
     value
 }
 
@@ -164,7 +173,10 @@ fn schemas_refuse_what_the_contract_refuses() {
     assert!(!validator("dataset.validated").is_valid(&short));
     let stage = example_json("stage.requested");
     let prefix = with(&stage, "/payload/version", json!("be7246df185"));
-    assert!(!validator("stage.requested").is_valid(&prefix), "prefix under 12");
+    assert!(
+        !validator("stage.requested").is_valid(&prefix),
+        "prefix under 12"
+    );
 }
 
 #[test]

@@ -52,8 +52,19 @@ fn golden_bytes_are_maps_with_field_names() {
         assert!(matches!(bytes[0], 0x80..=0x8f | 0xde | 0xdf), "{kind}");
         // Keys only: `dead.letter` holds `bin`, which has no JSON value.
         let generic: BTreeMap<String, IgnoredAny> = rmp_serde::from_slice(&bytes).unwrap();
-        for field in ["id", "kind", "schema", "occurred_at", "project", "correlation_id", "payload"] {
-            assert!(generic.contains_key(field), "fixtures/{kind}.msgpack lacks `{field}`");
+        for field in [
+            "id",
+            "kind",
+            "schema",
+            "occurred_at",
+            "project",
+            "correlation_id",
+            "payload",
+        ] {
+            assert!(
+                generic.contains_key(field),
+                "fixtures/{kind}.msgpack lacks `{field}`"
+            );
         }
     }
 }

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""End-to-end test of the Python producer against the real Stagehand services.
+
+Run by deploy/py-tests.sh, which starts nats-server and the services and sets:
+  PY_TEST_NATS_URL   the server to use
+  PY_TEST_TIER_ROOT  root folder of the posix source tier named "source" in the policies
+  PY_TEST_WORK       a scratch folder
+  PY_TEST_CHECKS_DIR optional folder of extra checks (see below)
+  PY_TEST_PIDS       optional space-separated pids of the services, to fail fast if one dies
+
+Each test publishes with produce_ingest.py and asserts, by consuming the facts stream with
+nats-py, what the services published. It ends with the line "N passed, M failed".
+
+Extra checks: every ``*.py`` file in PY_TEST_CHECKS_DIR defining
+``async def check(nc, js, request: dict, fact: dict) -> None`` is run after the validated
+fact of the first test has been seen, as one more test each; it raises AssertionError to fail.
+This is where checks of later services (the catalogue) plug in, alongside the services
+deploy/py-tests.sh starts for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import msgpack
+import nats
+from nats.js.api import DeliverPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import produce_ingest as producer  # noqa: E402
+
+FACTS_STREAM = "STAGEHAND_FACTS"
+REQUESTS_STREAM = "STAGEHAND_REQUESTS"
+VALIDATOR = "ingest-validator"
+TIMEOUT = float(os.environ.get("PY_TEST_TIMEOUT", "60"))
+
+
+def services_alive() -> None:
+    for pid in os.environ.get("PY_TEST_PIDS", "").split():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            raise AssertionError(f"service process {pid} has exited; see its log") from None
+
+
+async def wait_ready(js) -> None:
+    """Waits until the validator has provisioned the streams and its consumer."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        services_alive()
+        try:
+            await js.consumer_info(REQUESTS_STREAM, VALIDATOR)
+            return
+        except Exception as e:  # not there yet: stream or consumer missing
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the validator's consumer did not appear within {TIMEOUT}s: {e}")
+        await asyncio.sleep(0.1)
+
+
+async def wait_fact(js, request_id: str) -> dict:
+    """Reads the facts stream from its start until a fact caused by ``request_id`` appears."""
+    sub = await js.subscribe("stagehand.fact.>", ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while True:
+            services_alive()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no fact caused by request {request_id} within {TIMEOUT}s")
+            try:
+                msg = await sub.next_msg(timeout=min(remaining, 1.0))
+            except nats.errors.TimeoutError:
+                continue
+            fact = msgpack.unpackb(msg.data, raw=False)
+            if fact.get("causation_id") == request_id:
+                fact["_subject"] = msg.subject
+                fact["_msg_id"] = (msg.headers or {}).get("Nats-Msg-Id")
+                return fact
+    finally:
+        await sub.unsubscribe()
+
+
+def make_folder(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root
+
+
+async def produce(folder: Path, dataset: str, prefix: str) -> dict:
+    args = producer.parse_args(
+        [
+            str(folder),
+            "--tier-root", os.environ["PY_TEST_TIER_ROOT"],
+            "--project", "lab-py",
+            "--dataset", dataset,
+            "--prefix", prefix,
+            "--requested-by", "py-producer",
+            "--label", "source=python",
+            "--nats-url", os.environ["PY_TEST_NATS_URL"],
+        ]
+    )
+    return await producer.produce(args)
+
+
+async def test_python_request_is_validated(ctx) -> None:
+    work = Path(os.environ["PY_TEST_WORK"])
+    folder = make_folder(
+        work / "upload-good",
+        {"train/0001.bin": os.urandom(4096), "train/0002.bin": b"", "labels.csv": b"id,label\n1,cat\n"},
+    )
+    request = await produce(folder, "py-cats", f"py/good-{os.getpid()}")
+    files = producer.hash_folder(folder)
+    expected_version = hashlib.sha256(
+        "".join(f"{f['path']}\t{f['size']}\t{f['sha256']}\n" for f in sorted(files, key=lambda f: f["path"].encode())).encode()
+    ).hexdigest()
+
+    fact = await wait_fact(ctx["js"], request["id"])
+    assert fact["kind"] == "dataset.validated", f"expected dataset.validated, got {fact['kind']}: {fact['payload']}"
+    assert fact["_subject"] == "stagehand.fact.dataset.validated.lab-py", fact["_subject"]
+    assert fact["id"] == producer.derive_id(request["id"], "validated"), "fact id follows the id rules"
+    assert fact["_msg_id"] == fact["id"], "Nats-Msg-Id is the fact id"
+    payload = fact["payload"]
+    assert payload["version"] == expected_version, (payload["version"], expected_version)
+    assert payload["request_id"] == request["id"]
+    assert payload["total_bytes"] == sum(f["size"] for f in files)
+    assert payload["labels"] == [["source", "python"]]
+    assert sorted(f["path"] for f in payload["files"]) == sorted(f["path"] for f in files)
+    ctx["validated"] = (request, fact)
+
+
+async def test_python_request_with_corrupt_file_is_rejected(ctx) -> None:
+    work = Path(os.environ["PY_TEST_WORK"])
+    folder = make_folder(work / "upload-bad", {"a.bin": b"original bytes", "b.bin": b"fine"})
+    prefix = f"py/bad-{os.getpid()}"
+    request = await produce(folder, "py-dogs", prefix)
+    # The bytes on the tier change after the manifest was made: the validator must notice.
+    (Path(os.environ["PY_TEST_TIER_ROOT"]) / prefix / "a.bin").write_bytes(b"tampered bytes")
+
+    fact = await wait_fact(ctx["js"], request["id"])
+    assert fact["kind"] == "dataset.rejected", f"expected dataset.rejected, got {fact['kind']}"
+    problems = [(p["code"], p.get("path")) for p in fact["payload"]["problems"]]
+    assert problems == [("checksum_mismatch", "a.bin")], problems
+    assert fact["payload"]["quarantine"], "a rejected upload is marked"
+    assert (Path(os.environ["PY_TEST_TIER_ROOT"]) / prefix / "a.bin").exists(), "never deleted"
+
+
+async def test_republishing_is_a_duplicate(ctx) -> None:
+    request, _ = ctx["validated"]
+    ack = await producer.publish(ctx["js"], request)
+    assert ack.duplicate, "the same request id is dropped by JetStream's duplicate window"
+
+
+def load_checks() -> list:
+    folder = os.environ.get("PY_TEST_CHECKS_DIR")
+    if not folder or not Path(folder).is_dir():
+        return []
+    checks = []
+    for path in sorted(Path(folder).glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"stagehand_check_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "check"):
+            raise SystemExit(f"{path}: defines no `async def check(nc, js, request, fact)`")
+
+        async def run(ctx, module=module):
+            request, fact = ctx["validated"]
+            await module.check(ctx["nc"], ctx["js"], request, fact)
+
+        run.__name__ = f"check {path.name}"
+        checks.append(run)
+    return checks
+
+
+async def main() -> int:
+    nc = await nats.connect(os.environ["PY_TEST_NATS_URL"], connect_timeout=10)
+    ctx = {"nc": nc, "js": nc.jetstream()}
+    passed = failed = 0
+    try:
+        await wait_ready(ctx["js"])
+        tests = [
+            test_python_request_is_validated,
+            test_python_request_with_corrupt_file_is_rejected,
+            test_republishing_is_a_duplicate,
+        ] + load_checks()
+        for test in tests:
+            name = test.__name__
+            if "validated" not in ctx and test is not test_python_request_is_validated and (
+                test is test_republishing_is_a_duplicate or name.startswith("check ")
+            ):
+                print(f"FAIL {name}: needs the validated request of the first test")
+                failed += 1
+                continue
+            try:
+                await test(ctx)
+                print(f"ok   {name}")
+                passed += 1
+            except Exception:
+                print(f"FAIL {name}")
+                traceback.print_exc()
+                failed += 1
+    finally:
+        await nc.close()
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,420 @@
+//! The wire format: every kind round-trips, readers tolerate what the contract allows
+//! (unknown fields, any field order, compact integers, other producers' encodings) and refuse
+//! the rest with an error that names what is wrong.
+
+mod common;
+
+use common::*;
+use serde::Serialize;
+use serde_json::{Value, json};
+use stagehand_schemas::subject::{STREAMS, dead_letter_subject, subject_for};
+use stagehand_schemas::wire::{
+    self, DecodeError, EncodeError, MAX_DEAD_LETTER_BYTES, MAX_EVENT_BYTES,
+};
+use stagehand_schemas::{
+    ALL_KINDS, Body, DeadLetter, Event, EventId, FileRef, SCHEMA_VERSION, sha256_hex,
+};
+
+/// A msgpack map encoded from a JSON value, as a Python or Go producer would write it.
+fn msgpack(value: &Value) -> Vec<u8> {
+    rmp_serde::to_vec_named(value).unwrap()
+}
+
+/// The example of `kind` as JSON, for a kind whose payload has no byte fields.
+fn plain_kinds() -> impl Iterator<Item = &'static str> {
+    ALL_KINDS.iter().copied().filter(|k| *k != "dead.letter")
+}
+
+#[test]
+fn every_kind_round_trips() {
+    let examples = all_examples();
+    assert_eq!(examples.len(), ALL_KINDS.len());
+    for event in examples {
+        let bytes = wire::encode(&event).unwrap();
+        assert_eq!(wire::decode(&bytes).unwrap(), event, "{}", event.kind());
+    }
+}
+
+#[test]
+fn built_events_round_trip_with_derived_ids() {
+    let request = example_event("ingest.requested");
+    let Body::IngestRequested(ingest) = &request.body else {
+        unreachable!()
+    };
+    let fact = request.caused(
+        "replica:source",
+        Body::ReplicaCreated(stagehand_schemas::ReplicaCreated {
+            dataset: ingest.dataset.clone(),
+            version: stagehand_schemas::version_digest(&ingest.files),
+            location: ingest.source.clone(),
+            files: ingest.files.len() as u64,
+            total_bytes: stagehand_schemas::total_bytes(&ingest.files),
+            verified_by: "read-back".into(),
+        }),
+    );
+    assert_eq!(fact.schema, SCHEMA_VERSION);
+    assert_eq!(fact.id, EventId::derive(&request.id, "replica:source"));
+    assert_eq!(fact.causation_id.as_ref(), Some(&request.id));
+    assert_eq!(fact.correlation_id, request.correlation_id);
+    let bytes = wire::encode(&fact).unwrap();
+    assert_eq!(wire::decode(&bytes).unwrap(), fact);
+}
+
+#[test]
+fn unknown_fields_are_ignored_in_envelope_and_payload() {
+    for kind in plain_kinds() {
+        let mut doc = example_json(kind);
+        doc["added_in_v2"] = json!({"nested": [1, 2, {"deep": null}]});
+        doc["payload"]["added_in_v2"] = json!("text");
+        for nested in ["source", "location", "from", "to"] {
+            if doc["payload"].get(nested).is_some() {
+                doc["payload"][nested]["added_in_v2"] = json!(true);
+            }
+        }
+        for list in ["files", "problems"] {
+            if let Some(items) = doc["payload"].get_mut(list).and_then(Value::as_array_mut) {
+                for item in items {
+                    item["added_in_v2"] = json!(-7);
+                }
+            }
+        }
+        let event = wire::decode(&msgpack(&doc)).unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert_eq!(event, example_event(kind), "{kind}");
+    }
+}
+
+#[test]
+fn unknown_fields_are_ignored_in_a_dead_letter() {
+    let event = example_event("dead.letter");
+    let mut bytes = wire::encode(&event).unwrap();
+    // Append one more key to the top-level fixmap: bump its length and add `"extra": 1`.
+    assert!((0x80..0x8f).contains(&bytes[0]));
+    bytes[0] += 1;
+    bytes.extend_from_slice(&rmp_serde::to_vec(&"extra").unwrap());
+    bytes.push(0x01);
+    assert_eq!(wire::decode(&bytes).unwrap(), event);
+}
+
+#[test]
+fn field_order_does_not_matter() {
+    for kind in plain_kinds() {
+        let doc = example_json(kind);
+        // Payload first, envelope fields reversed: a map's order is the producer's business.
+        let mut reordered = serde_json::Map::new();
+        reordered.insert("payload".into(), doc["payload"].clone());
+        let mut rest: Vec<(&String, &Value)> = doc.as_object().unwrap().iter().collect();
+        rest.reverse();
+        for (key, value) in rest {
+            if key != "payload" {
+                reordered.insert(key.clone(), value.clone());
+            }
+        }
+        // serde_json::Map sorts keys; encode entry by entry to keep this order on the wire.
+        let bytes = encode_ordered(&reordered);
+        assert_eq!(wire::decode(&bytes).unwrap(), example_event(kind), "{kind}");
+    }
+}
+
+fn encode_ordered(map: &serde_json::Map<String, Value>) -> Vec<u8> {
+    assert!(map.len() < 16, "fixmap only");
+    let mut out = vec![0x80 | map.len() as u8];
+    // `payload` first, then the rest in reverse key order.
+    let mut keys: Vec<&String> = map.keys().collect();
+    keys.sort_by_key(|k| (k.as_str() != "payload", std::cmp::Reverse(k.as_str())));
+    for key in keys {
+        out.extend(rmp_serde::to_vec(key).unwrap());
+        out.extend(rmp_serde::to_vec_named(&map[key]).unwrap());
+    }
+    out
+}
+
+#[test]
+fn other_producers_encodings_decode() {
+    // Timestamps with an offset and without fractions; `original` as an array of integers
+    // rather than `bin`; causation_id absent rather than nil.
+    let mut doc = example_json("dead.letter");
+    doc["occurred_at"] = json!("2026-11-29T11:15:00.25+01:00");
+    doc.as_object_mut().unwrap().remove("causation_id");
+    let event = wire::decode(&msgpack(&doc)).unwrap();
+    assert_eq!(event, example_event("dead.letter"));
+
+    let mut doc = example_json("stage.requested");
+    doc["payload"]["deadline"] = json!("2026-11-29T11:30:00.000000000Z");
+    assert_eq!(
+        wire::decode(&msgpack(&doc)).unwrap(),
+        example_event("stage.requested")
+    );
+    doc["payload"].as_object_mut().unwrap().remove("deadline");
+    let event = wire::decode(&msgpack(&doc)).unwrap();
+    let Body::StageRequested(stage) = event.body else {
+        unreachable!()
+    };
+    assert_eq!(stage.deadline, None);
+}
+
+#[test]
+fn unknown_kind_is_named() {
+    let mut doc = example_json("ingest.requested");
+    doc["kind"] = json!("dataset.teleported");
+    let err = wire::decode(&msgpack(&doc)).unwrap_err();
+    assert!(
+        matches!(&err, DecodeError::UnknownKind { kind, schema: 1 } if kind == "dataset.teleported"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("\"dataset.teleported\""), "{err}");
+    assert!(!err.is_retryable());
+}
+
+#[test]
+fn newer_schema_is_refused_before_its_shape_is_judged() {
+    let mut doc = example_json("ingest.requested");
+    doc["schema"] = json!(SCHEMA_VERSION + 1);
+    let err = wire::decode(&msgpack(&doc)).unwrap_err();
+    assert!(matches!(err, DecodeError::NewerSchema { found } if found == SCHEMA_VERSION + 1));
+    // A newer producer may add kinds and reshape payloads; the answer is still NewerSchema.
+    doc["kind"] = json!("dataset.teleported");
+    doc["payload"] = json!([1, 2, 3]);
+    doc["project"] = json!("Not A Token");
+    let err = wire::decode(&msgpack(&doc)).unwrap_err();
+    assert!(matches!(err, DecodeError::NewerSchema { .. }), "{err:?}");
+    assert!(err.to_string().contains("schema version 2"), "{err}");
+}
+
+#[test]
+fn schema_zero_is_invalid() {
+    let mut doc = example_json("stage.released");
+    doc["schema"] = json!(0);
+    let err = wire::decode(&msgpack(&doc)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DecodeError::InvalidField {
+                field: "schema",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn oversize_messages_are_refused_before_parsing() {
+    let junk = vec![0xc1u8; MAX_DEAD_LETTER_BYTES + 1];
+    assert!(matches!(
+        wire::decode(&junk),
+        Err(DecodeError::TooLarge { len }) if len == MAX_DEAD_LETTER_BYTES + 1
+    ));
+}
+
+/// An ingest request whose manifest makes it about `target` bytes encoded.
+fn big_ingest(target: usize) -> Event {
+    let mut event = example_event("ingest.requested");
+    let Body::IngestRequested(request) = &mut event.body else {
+        unreachable!()
+    };
+    let sha = sha256_hex(b"x");
+    let file = |i: usize| FileRef::new(format!("images/{i:012}.jpg"), 1 << 20, sha.clone());
+    let per_file = rmp_serde::to_vec_named(&file(0)).unwrap().len();
+    request.files = (0..target / per_file).map(file).collect();
+    event
+}
+
+#[test]
+fn oversize_events_are_refused_both_ways() {
+    let event = big_ingest(MAX_EVENT_BYTES + 4096);
+    let Err(err) = wire::encode(&event) else {
+        panic!("an oversize event was encoded");
+    };
+    assert!(matches!(err, EncodeError::TooLarge { len } if len > MAX_EVENT_BYTES));
+    assert!(!err.is_retryable());
+    // The same bytes from a producer that does not check: still refused, by size.
+    let bytes = rmp_serde::to_vec_named(&event).unwrap();
+    assert!(
+        bytes.len() <= MAX_DEAD_LETTER_BYTES,
+        "test must exercise the per-kind bound"
+    );
+    assert!(matches!(
+        wire::decode(&bytes),
+        Err(DecodeError::TooLarge { .. })
+    ));
+    // Just under the bound is fine.
+    let event = big_ingest(MAX_EVENT_BYTES - 64 * 1024);
+    let bytes = wire::encode(&event).unwrap();
+    assert_eq!(wire::decode(&bytes).unwrap(), event);
+}
+
+#[test]
+fn a_dead_letter_can_carry_a_message_of_the_largest_size() {
+    let mut event = example_event("dead.letter");
+    let Body::DeadLetter(letter) = &mut event.body else {
+        unreachable!()
+    };
+    letter.original = vec![0xc1; MAX_EVENT_BYTES];
+    let bytes = wire::encode(&event).unwrap();
+    assert!(bytes.len() > MAX_EVENT_BYTES);
+    assert_eq!(wire::decode(&bytes).unwrap(), event);
+    letter_too_big(event);
+}
+
+fn letter_too_big(mut event: Event) {
+    let Body::DeadLetter(DeadLetter { original, .. }) = &mut event.body else {
+        unreachable!()
+    };
+    original.resize(MAX_DEAD_LETTER_BYTES, 0);
+    assert!(matches!(
+        wire::encode(&event),
+        Err(EncodeError::TooLarge { .. })
+    ));
+}
+
+#[test]
+fn invalid_project_and_ids_name_the_field() {
+    let cases: &[(&str, &str, Value)] = &[
+        ("project", "/project", json!("Vision-Lab")),
+        ("project", "/project", json!("vision.lab")),
+        ("project", "/project", json!("")),
+        ("project", "/project", json!("x".repeat(65))),
+        ("id", "/id", json!("two words")),
+        ("id", "/id", json!("x".repeat(129))),
+        ("correlation_id", "/correlation_id", json!("")),
+        ("causation_id", "/causation_id", json!("stagehand.>")),
+        ("payload.request_id", "/payload/request_id", json!("a/b")),
+    ];
+    for (field, pointer, value) in cases {
+        let mut doc = example_json("dataset.validated");
+        *doc.pointer_mut(pointer).unwrap() = value.clone();
+        let err = wire::decode(&msgpack(&doc)).unwrap_err();
+        assert!(
+            matches!(&err, DecodeError::InvalidField { field: f, .. } if f == field),
+            "{pointer} = {value}: {err:?}"
+        );
+        assert!(err.to_string().contains(field), "{err}");
+    }
+}
+
+#[test]
+fn shapes_that_are_not_events_are_malformed_with_a_reason() {
+    let cases: &[(Vec<u8>, &str)] = &[
+        (Vec::new(), "empty"),
+        (vec![0x93, 1, 2, 3], "expected a map"),
+        (vec![0xa3, b'a', b'b', b'c'], "expected a map"),
+        (vec![0x81, 0xa4, b'k', b'i', b'n', b'd'], ""),
+    ];
+    for (bytes, reason) in cases {
+        let err = wire::decode(bytes).unwrap_err();
+        assert!(
+            matches!(err, DecodeError::Malformed(_)),
+            "{bytes:?}: {err:?}"
+        );
+        assert!(err.to_string().contains(reason), "{err}");
+    }
+    // A known kind with a payload of the wrong shape names the kind.
+    let mut doc = example_json("ingest.requested");
+    doc["payload"]["files"][0]["size"] = json!("large");
+    let err = wire::decode(&msgpack(&doc)).unwrap_err();
+    assert!(
+        err.to_string().contains("`ingest.requested` event"),
+        "{err}"
+    );
+    let mut doc = example_json("ingest.requested");
+    doc.as_object_mut().unwrap().remove("payload");
+    let err = wire::decode(&msgpack(&doc)).unwrap_err();
+    assert!(err.to_string().contains("payload"), "{err}");
+    let mut doc = example_json("ingest.requested");
+    doc["occurred_at"] = json!("29/11/2026");
+    assert!(matches!(
+        wire::decode(&msgpack(&doc)),
+        Err(DecodeError::Malformed(_))
+    ));
+}
+
+#[test]
+fn deep_nesting_in_an_unknown_field_is_an_error_not_a_crash() {
+    let event = example_event("stage.released");
+    let mut bytes = wire::encode(&event).unwrap();
+    bytes[0] += 1;
+    bytes.extend_from_slice(&rmp_serde::to_vec(&"extra").unwrap());
+    bytes.extend(std::iter::repeat_n(0x91u8, 100_000));
+    bytes.push(0xc0);
+    assert!(matches!(
+        wire::decode(&bytes),
+        Err(DecodeError::Malformed(_))
+    ));
+}
+
+#[test]
+fn subjects_follow_the_map_and_land_in_exactly_one_stream() {
+    for event in all_examples() {
+        let subject = subject_for(&event.body, &event.project);
+        let expected = match &event.body {
+            Body::DeadLetter(letter) => dead_letter_subject(&letter.service),
+            body if body.is_request() => {
+                format!("stagehand.req.{}.{}", event.kind(), event.project)
+            }
+            _ => format!("stagehand.fact.{}.{}", event.kind(), event.project),
+        };
+        assert_eq!(subject, expected);
+        let streams: Vec<&str> = STREAMS
+            .iter()
+            .filter(|s| s.subjects.iter().any(|f| matches_filter(f, &subject)))
+            .map(|s| s.name)
+            .collect();
+        assert_eq!(streams.len(), 1, "{subject} is in {streams:?}");
+        let stream = STREAMS.iter().find(|s| s.name == streams[0]).unwrap();
+        assert_eq!(
+            stream.max_msg_size as usize,
+            wire::max_bytes_for(event.kind()),
+            "{subject}: the stream and the decoder must agree on the size bound"
+        );
+    }
+}
+
+/// NATS subject filter match: `*` one token, `>` one or more trailing tokens.
+fn matches_filter(filter: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for token in filter.split('.') {
+        match (token, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (t, Some(s)) if t == s => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
+}
+
+#[test]
+fn id_helpers_follow_the_written_rules() {
+    // Pinned values (computed independently with Python's hashlib from the rule in id.rs):
+    // changing them breaks deduplication across an upgrade.
+    let cause = EventId::new("req-1").unwrap();
+    assert_eq!(
+        EventId::derive(&cause, "validated").as_str(),
+        "4ce4af8486a3d2cd4ba27cfc7f2918a8"
+    );
+    assert_eq!(
+        EventId::for_dead_letter("STAGEHAND_REQUESTS", "ingest-validator", 1042),
+        EventId::for_content(&[
+            b"dead-letter",
+            b"STAGEHAND_REQUESTS",
+            b"ingest-validator",
+            &1042u64.to_be_bytes(),
+        ])
+    );
+    assert_eq!(
+        EventId::for_ingest("lab-a", "cats", "abc"),
+        EventId::for_content(&[b"lab-a", b"cats", b"abc"])
+    );
+}
+
+#[derive(Serialize)]
+struct NotAnEvent {
+    id: &'static str,
+}
+
+#[test]
+fn a_map_that_is_not_an_event_says_what_is_missing() {
+    let bytes = rmp_serde::to_vec_named(&NotAnEvent { id: "x" }).unwrap();
+    let err = wire::decode(&bytes).unwrap_err();
+    assert!(err.to_string().contains("missing field"), "{err}");
+}
