@@ -141,9 +141,16 @@ async def test_python_request_with_corrupt_file_is_rejected(ctx) -> None:
     work = Path(os.environ["PY_TEST_WORK"])
     folder = make_folder(work / "upload-bad", {"a.bin": b"original bytes", "b.bin": b"fine"})
     prefix = f"py/bad-{os.getpid()}"
-    request = await produce(folder, "py-dogs", prefix)
-    # The bytes on the tier change after the manifest was made: the validator must notice.
-    (Path(os.environ["PY_TEST_TIER_ROOT"]) / prefix / "a.bin").write_bytes(b"tampered bytes")
+    files = producer.hash_folder(folder)
+    request = producer.build_event(
+        project="lab-py", dataset="py-dogs", tier="source", prefix=prefix, files=files, requested_by="py-producer"
+    )
+    tier_root = Path(os.environ["PY_TEST_TIER_ROOT"])
+    producer.place_files(folder, files, tier_root, prefix)
+    # The bytes on the tier differ from the manifest (damaged after hashing): the validator
+    # must notice.
+    (tier_root / prefix / "a.bin").write_bytes(b"tampered bytes")
+    await producer.publish(ctx["js"], request)
 
     fact = await wait_fact(ctx["js"], request["id"])
     assert fact["kind"] == "dataset.rejected", f"expected dataset.rejected, got {fact['kind']}"

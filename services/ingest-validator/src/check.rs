@@ -428,7 +428,10 @@ mod tests {
             })
             .collect();
         let planned = plan(&request(files), &policy(), SourceTier::Usable);
-        assert_eq!(codes(&planned.problems), vec![("too_large".to_owned(), None)]);
+        assert_eq!(
+            codes(&planned.problems),
+            vec![("too_large".to_owned(), None)]
+        );
         assert!(planned.to_read.is_empty());
     }
 

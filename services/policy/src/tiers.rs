@@ -261,13 +261,13 @@ fn parse_tier(
         }
         let high = raw.high_watermark.unwrap_or(DEFAULT_HIGH_WATERMARK);
         let low = raw.low_watermark.unwrap_or(DEFAULT_LOW_WATERMARK);
-        if !(high > 0.0 && high <= 1.0) {
+        if high.is_nan() || high <= 0.0 || high > 1.0 {
             return Err(src.invalid(
                 key("high_watermark"),
                 format!("must be a fraction in (0, 1], got {high}"),
             ));
         }
-        if !(low > 0.0 && low < high) {
+        if low.is_nan() || low <= 0.0 || low >= high {
             return Err(src.invalid(
                 key("low_watermark"),
                 format!("must be a fraction above 0 and below high_watermark ({high}), got {low}"),

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The Python producer test: a raw ingest request published from Python (nats-py + msgpack,
+# following schemas/) is handled by the real services exactly as one from Rust.
+#
+#   deploy/py-tests.sh
+#
+# It builds the service binaries with cargo, starts a private nats-server with JetStream on a
+# free port (or uses PY_TESTS_NATS_URL when set), writes policies whose posix source tier lives
+# in a temp folder, starts the services, and runs schemas/examples/python/test_ingest_roundtrip.py,
+# which ends with "N passed, M failed". Everything it started is stopped, and its temp folder
+# removed, on exit.
+#
+# Settings (environment): PY_TESTS_NATS_URL (use this server instead of starting one),
+# STAGEHAND_NATS_SERVER (nats-server binary; default from PATH), PYTHON (default: the venv of
+# deploy/servers.sh when present, else python3), CARGO_TARGET_DIR, PY_TEST_TIMEOUT (seconds a
+# test waits for a fact; default 60).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+TARGET="${CARGO_TARGET_DIR:-$REPO/target}"
+STAGEHAND_HOME="${STAGEHAND_HOME:-$REPO/.stagehand}"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$STAGEHAND_HOME/venv/bin/python" ]; then PYTHON="$STAGEHAND_HOME/venv/bin/python"; else PYTHON=python3; fi
+fi
+NATS_SERVER="${STAGEHAND_NATS_SERVER:-nats-server}"
+[ -x "$STAGEHAND_HOME/venv/bin/nats-server" ] && [ -z "${STAGEHAND_NATS_SERVER:-}" ] && NATS_SERVER="$STAGEHAND_HOME/venv/bin/nats-server"
+
+log() { printf 'py-tests.sh: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+"$PYTHON" -c 'import nats, msgpack' 2>/dev/null ||
+    die "$PYTHON lacks nats-py or msgpack; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/stagehand-py-tests.XXXXXX")"
+PIDS=()
+cleanup() {
+    local status=$?
+    for pid in "${PIDS[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    if [ "$status" -ne 0 ]; then
+        for logfile in "$WORK"/*.log; do
+            [ -f "$logfile" ] || continue
+            log "--- last lines of $(basename "$logfile") ---"
+            tail -n 40 "$logfile" >&2 || true
+        done
+    fi
+    rm -rf "$WORK"
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- build -----------------------------------------------------------------------------------
+# Services the test runs; a later service adds its package here and a start_service line below.
+PACKAGES=(stagehand-ingest-validator)
+log "building ${PACKAGES[*]}"
+cargo build --quiet $(printf -- '-p %s ' "${PACKAGES[@]}")
+
+# --- nats-server -----------------------------------------------------------------------------
+free_port() {
+    "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+if [ -n "${PY_TESTS_NATS_URL:-}" ]; then
+    NATS_URL="$PY_TESTS_NATS_URL"
+    log "using nats-server at $NATS_URL"
+else
+    command -v "$NATS_SERVER" >/dev/null || die "nats-server not found; run deploy/servers.sh install"
+    port="$(free_port)"
+    mkdir -p "$WORK/nats"
+    "$NATS_SERVER" -js -a 127.0.0.1 -p "$port" -sd "$WORK/nats" >"$WORK/nats-server.log" 2>&1 &
+    PIDS+=("$!")
+    NATS_URL="nats://127.0.0.1:$port"
+    # Ready when it accepts a connection and JetStream answers.
+    "$PYTHON" - "$NATS_URL" <<'PY' || die "nats-server did not become ready"
+import asyncio, sys, time
+import nats
+
+async def main(url):
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False)
+            await nc.jetstream().account_info()
+            await nc.close()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+asyncio.run(main(sys.argv[1]))
+PY
+    log "nats-server on $NATS_URL"
+fi
+
+# --- policies and tiers ----------------------------------------------------------------------
+# The shipped policies, with every posix tier under this run's folder.
+export STAGEHAND_HOME="$WORK/home"
+TIER_ROOT="$STAGEHAND_HOME/tiers/source"
+mkdir -p "$TIER_ROOT" "$WORK/state"
+cp -r "$REPO/policies" "$WORK/policies"
+
+# --- services --------------------------------------------------------------------------------
+start_service() {
+    local name="$1"
+    shift
+    "$TARGET/debug/$name" "$@" >"$WORK/$name.log" 2>&1 &
+    PIDS+=("$!")
+    log "started $name (pid $!)"
+}
+
+start_service stagehand-ingest-validator \
+    --nats-url "$NATS_URL" --policies "$WORK/policies" --state-dir "$WORK/state/ingest-validator"
+
+# --- the test --------------------------------------------------------------------------------
+mkdir -p "$WORK/scratch"
+service_pids="${PIDS[*]}"
+PY_TEST_NATS_URL="$NATS_URL" \
+    PY_TEST_TIER_ROOT="$TIER_ROOT" \
+    PY_TEST_WORK="$WORK/scratch" \
+    PY_TEST_CHECKS_DIR="$REPO/deploy/py-checks" \
+    PY_TEST_PIDS="$service_pids" \
+    "$PYTHON" "$REPO/schemas/examples/python/test_ingest_roundtrip.py"
