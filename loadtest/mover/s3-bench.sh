@@ -112,17 +112,17 @@ for tool in stagehand rclone; do
     down="$WORK/down-$tool"
     rm -rf "$down" && mkdir -p "$down/big" "$down/small"
     if [ "$tool" = stagehand ]; then
-        run "1 GiB up" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "$WORK/big" "s3://$bucket/big"
-        run "2000x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "$WORK/small" "s3://$bucket/small"
+        run "${BIG_MIB} MiB up" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "$WORK/big" "s3://$bucket/big"
+        run "${SMALL_COUNT}x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "$WORK/small" "s3://$bucket/small"
         sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
-        run "1 GiB down" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "s3://$bucket/big" "$down/big"
-        run "2000x64KiB down" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "s3://$bucket/small" "$down/small"
+        run "${BIG_MIB} MiB down" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "s3://$bucket/big" "$down/big"
+        run "${SMALL_COUNT}x64KiB down" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "s3://$bucket/small" "$down/small"
     else
-        run "1 GiB up" "$tool" "$BIG_BYTES" 1 rclone_s3 "$WORK/big" "bench:$bucket/big"
-        run "2000x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" rclone_s3 "$WORK/small" "bench:$bucket/small"
+        run "${BIG_MIB} MiB up" "$tool" "$BIG_BYTES" 1 rclone_s3 "$WORK/big" "bench:$bucket/big"
+        run "${SMALL_COUNT}x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" rclone_s3 "$WORK/small" "bench:$bucket/small"
         sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
-        run "1 GiB down" "$tool" "$BIG_BYTES" 1 rclone_s3 "bench:$bucket/big" "$down/big"
-        run "2000x64KiB down" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" rclone_s3 "bench:$bucket/small" "$down/small"
+        run "${BIG_MIB} MiB down" "$tool" "$BIG_BYTES" 1 rclone_s3 "bench:$bucket/big" "$down/big"
+        run "${SMALL_COUNT}x64KiB down" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" rclone_s3 "bench:$bucket/small" "$down/small"
     fi
     # Both tools must have moved every byte intact.
     cmp "$WORK/big/big.bin" "$down/big/big.bin"
