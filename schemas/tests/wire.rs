@@ -405,6 +405,15 @@ fn id_helpers_follow_the_written_rules() {
         EventId::for_ingest("lab-a", "cats", "abc"),
         EventId::for_content(&[b"lab-a", b"cats", b"abc"])
     );
+    assert_eq!(
+        EventId::for_ingest(
+            "lab-a",
+            "cats",
+            "62a5d72b12e05973548dc641bb57e6b0b9f73a5aea0c39e7163c4fc0d5af4684"
+        )
+        .as_str(),
+        "2334775aaf50be0e3ac2250046d43240"
+    );
 }
 
 #[derive(Serialize)]
