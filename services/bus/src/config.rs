@@ -226,7 +226,8 @@ impl WorkerConfig {
                 format!("{:?} is under 100ms", self.pull_expires),
             );
         }
-        if !(self.retry.factor >= 1.0) || !(0.0..=1.0).contains(&self.retry.jitter) {
+        let factor_ok = self.retry.factor.is_finite() && self.retry.factor >= 1.0;
+        if !factor_ok || !(0.0..=1.0).contains(&self.retry.jitter) {
             return bad(
                 "retry",
                 "factor must be >= 1 and jitter within 0..=1".into(),

@@ -1,0 +1,298 @@
+//! Measures the worker runtime against raw JetStream on the same server and payload size:
+//!
+//! 1. raw publish: async publishes with pipelined PubAcks;
+//! 2. raw consume + ack and consume + double ack, acks in flight concurrently;
+//! 3. the runtime (`run_worker`) with a no-op handler and the redb ledger on, with and without
+//!    claims, and with one fact published per message.
+//!
+//! `cargo run --release -p stagehand-loadtest --bin runtime-bench -- --messages 100000 --payload 512`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use async_nats::jetstream::{self, consumer::pull, stream};
+use clap::Parser;
+use futures::{StreamExt, stream::FuturesUnordered};
+use stagehand_bus::{
+    Bus, BusConfig, CancellationToken, Handler, HandlerError, WorkContext, WorkerConfig, run_worker,
+};
+use stagehand_schemas::{
+    Body, Event, EventId, Location, StageReady, StageRequested, subject, wire,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "Worker runtime throughput against raw JetStream")]
+struct Args {
+    /// Messages per measurement.
+    #[arg(long, default_value_t = 100_000)]
+    messages: usize,
+    /// Encoded size of each message in bytes.
+    #[arg(long, default_value_t = 512)]
+    payload: usize,
+    /// Runtime concurrency (max messages in flight).
+    #[arg(long, default_value_t = 256)]
+    concurrency: usize,
+    /// Use this server instead of starting one (it must have JetStream; streams are created).
+    #[arg(long)]
+    url: Option<String>,
+}
+
+struct Row {
+    name: &'static str,
+    secs: f64,
+    messages: usize,
+}
+
+impl Row {
+    fn rate(&self) -> f64 {
+        self.messages as f64 / self.secs
+    }
+}
+
+struct NoOp;
+impl Handler for NoOp {
+    async fn handle(&self, _e: &Event, _c: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        Ok(Vec::new())
+    }
+}
+
+struct OneFact;
+impl Handler for OneFact {
+    async fn handle(&self, e: &Event, _c: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        let Body::StageRequested(r) = &e.body else {
+            return Err(HandlerError::permanent("not a stage request"));
+        };
+        Ok(vec![e.caused(
+            "ready",
+            Body::StageReady(StageReady {
+                dataset: r.dataset.clone(),
+                version: r.version.clone(),
+                location: Location {
+                    tier: r.tier.clone(),
+                    prefix: String::new(),
+                },
+                job_id: r.job_id.clone(),
+                request_id: e.id.clone(),
+            }),
+        )])
+    }
+}
+
+fn request(i: usize, pad: usize) -> Event {
+    Event::request(
+        EventId::new(format!("bench-{i:08}")).expect("valid id"),
+        "bench",
+        Body::StageRequested(StageRequested {
+            dataset: "bench".into(),
+            version: "0123456789abcdef0123".into(),
+            tier: "hot".into(),
+            job_id: format!("{i}"),
+            requested_by: "x".repeat(pad),
+            deadline: None,
+        }),
+    )
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let n = args.messages;
+    let _server;
+    let url = match &args.url {
+        Some(u) => u.clone(),
+        None => {
+            let s = stagehand_testkit::NatsServer::start();
+            let u = s.url();
+            _server = s;
+            u
+        }
+    };
+    let client = async_nats::connect(&url).await.context("connecting")?;
+    let js = jetstream::new(client.clone());
+    let mut rows = Vec::new();
+
+    // Raw publish.
+    let raw_name = format!("BENCH_RAW_{}", std::process::id());
+    js.create_stream(stream::Config {
+        name: raw_name.clone(),
+        subjects: vec!["bench.raw.>".into()],
+        storage: stream::StorageType::File,
+        ..Default::default()
+    })
+    .await?;
+    let payload = bytes::Bytes::from(vec![b'x'; args.payload]);
+    let start = Instant::now();
+    let mut acks = FuturesUnordered::new();
+    for i in 0..n {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("raw-{i}").as_str());
+        acks.push(
+            js.publish_with_headers("bench.raw.x", headers, payload.clone())
+                .await?
+                .into_future(),
+        );
+        while acks.len() >= 4096 {
+            acks.next().await.transpose()?;
+        }
+    }
+    while acks.next().await.transpose()?.is_some() {}
+    rows.push(Row {
+        name: "raw publish (pipelined PubAcks)",
+        secs: start.elapsed().as_secs_f64(),
+        messages: n,
+    });
+
+    // Raw consume + ack, then consume + double ack, each on its own durable consumer.
+    let raw = js.get_stream(&raw_name).await?;
+    for (name, double) in [
+        ("raw consume + ack", false),
+        ("raw consume + double ack", true),
+    ] {
+        let durable = if double { "raw-double" } else { "raw-ack" };
+        let consumer = raw
+            .create_consumer(pull::Config {
+                durable_name: Some(durable.into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                max_ack_pending: (args.concurrency * 2) as i64,
+                ..Default::default()
+            })
+            .await?;
+        let start = Instant::now();
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(args.concurrency)
+            .messages()
+            .await?;
+        messages
+            .take(n)
+            .for_each_concurrent(args.concurrency, |m| async move {
+                let m = m.expect("message");
+                if double {
+                    m.double_ack().await.expect("double ack");
+                } else {
+                    m.ack().await.expect("ack");
+                }
+            })
+            .await;
+        if !double {
+            client.flush().await?;
+        }
+        rows.push(Row {
+            name,
+            secs: start.elapsed().as_secs_f64(),
+            messages: n,
+        });
+    }
+
+    // The runtime: the same number of Stagehand requests, of the same encoded size.
+    let bus = Bus::connect(&BusConfig::new(url.clone())).await?;
+    bus.provision().await?;
+    let base = wire::encode(&request(0, 0))?.len();
+    let pad = args.payload.saturating_sub(base);
+    println!(
+        "request events encode to {} bytes",
+        wire::encode(&request(0, pad))?.len()
+    );
+    let mut acks = FuturesUnordered::new();
+    for i in 0..n {
+        let e = request(i, pad);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", e.id.as_str());
+        let subj = subject::subject_for(&e.body, &e.project);
+        acks.push(
+            js.publish_with_headers(subj, headers, wire::encode(&e)?.into())
+                .await?
+                .into_future(),
+        );
+        while acks.len() >= 4096 {
+            acks.next().await.transpose()?;
+        }
+    }
+    while acks.next().await.transpose()?.is_some() {}
+
+    let dir = tempfile::tempdir()?;
+    let cases: [(&'static str, bool, bool); 3] = [
+        ("runtime, no-op handler, ledger, no claims", false, false),
+        ("runtime, no-op handler, ledger, claims", true, false),
+        ("runtime, 1 fact/msg, ledger, claims", true, true),
+    ];
+    for (i, (name, claims, fact)) in cases.into_iter().enumerate() {
+        let service = format!("bench-{i}");
+        let mut cfg = WorkerConfig::new(
+            service.clone(),
+            subject::REQUESTS.name,
+            vec![subject::kind_filter("req", "stage.requested")],
+            dir.path().join(format!("{service}.redb")),
+        );
+        cfg.concurrency = args.concurrency;
+        cfg.claims = claims;
+        let token = CancellationToken::new();
+        let start = Instant::now();
+        let worker = if fact {
+            tokio::spawn(run_worker(
+                bus.clone(),
+                cfg,
+                Arc::new(OneFact),
+                token.clone(),
+            ))
+        } else {
+            tokio::spawn(run_worker(bus.clone(), cfg, Arc::new(NoOp), token.clone()))
+        };
+        let requests = js.get_stream(subject::REQUESTS.name).await?;
+        loop {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if let Ok(info) = requests.consumer_info(&service).await
+                && info.num_pending == 0
+                && info.num_ack_pending == 0
+                && info.ack_floor.stream_sequence > 0
+            {
+                break;
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        token.cancel();
+        let stats = worker.await??;
+        anyhow::ensure!(
+            stats.handled as usize == n,
+            "{name}: handled {} of {n}",
+            stats.handled
+        );
+        println!(
+            "{name}: {} ledger commits for {} writes ({:.0} outcomes per commit)",
+            stats.ledger_commits,
+            stats.ledger_writes,
+            stats.ledger_writes as f64 / stats.ledger_commits.max(1) as f64
+        );
+        rows.push(Row {
+            name,
+            secs,
+            messages: n,
+        });
+    }
+
+    let reference = rows
+        .iter()
+        .find(|r| r.name == "raw consume + double ack")
+        .map(Row::rate)
+        .unwrap_or(1.0);
+    println!();
+    println!(
+        "{} messages of {} bytes, runtime concurrency {}",
+        n, args.payload, args.concurrency
+    );
+    println!(
+        "{:<45} {:>10} {:>12} {:>18}",
+        "measurement", "seconds", "msgs/s", "vs consume+dbl-ack"
+    );
+    for r in &rows {
+        println!(
+            "{:<45} {:>10.2} {:>12.0} {:>17.0}%",
+            r.name,
+            r.secs,
+            r.rate(),
+            100.0 * r.rate() / reference
+        );
+    }
+    Ok(())
+}
