@@ -59,7 +59,7 @@ impl IngestValidator<Tier> {
                 Some(tier.open().map_err(|source| ValidatorError::Tier {
                     tier: name.clone(),
                     location: tier.location(),
-                    source,
+                    source: Box::new(source),
                 })?)
             } else {
                 None

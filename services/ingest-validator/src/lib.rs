@@ -130,7 +130,7 @@ pub enum ValidatorError {
         tier: String,
         location: String,
         #[source]
-        source: TransferError,
+        source: Box<TransferError>,
     },
     #[error("cannot create the state directory {}: {source}", path.display())]
     StateDir {

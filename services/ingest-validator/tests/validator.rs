@@ -496,3 +496,60 @@ async fn a_wrong_policy_stops_the_service_at_start_naming_file_and_key() {
     );
     assert!(!err.is_retryable());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_tier_is_retried_with_backoff_not_rejected() {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let policies_dir = tmp.path().join("policies");
+    write_policies(&policies_dir, &tmp.path().join("unused"));
+    let policies = Policies::load_dir_with_home(&policies_dir, tmp.path()).unwrap();
+    // Nothing listens on port 1: every read fails as unreachable.
+    let mut config = S3Config::new("lake-bucket", "");
+    config.endpoint = Some("http://127.0.0.1:1".into());
+    let tier = S3Tier::connect_with_keys("lake", config, "key", "secret").unwrap();
+    let tiers = HashMap::from([("lake".to_owned(), (TierRole::Source, Some(Tier::S3(tier))))]);
+    let handler = IngestValidator::from_parts(policies.validation().clone(), tiers, 4);
+
+    let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
+    bus.provision().await.unwrap();
+    let js = bus.jetstream().clone();
+    let mut cfg = Config::new(nats.url(), &policies_dir, tmp.path().join("state")).worker_config();
+    cfg.retry.initial = Duration::from_millis(100);
+    let shutdown = CancellationToken::new();
+    let worker = tokio::spawn(run_worker(
+        bus.clone(),
+        cfg,
+        Arc::new(handler),
+        shutdown.clone(),
+    ));
+
+    let mut event = request(
+        "unreachable-1",
+        "",
+        vec![FileRef::new("a", 1, sha256_hex(b"a"))],
+    );
+    let Body::IngestRequested(r) = &mut event.body else {
+        unreachable!()
+    };
+    r.source.tier = "lake".into();
+    bus.publish(&event).await.unwrap();
+
+    wait_until(TIMEOUT, "the request to be delivered again", || async {
+        let stream = js.get_stream(subject::REQUESTS.name).await.unwrap();
+        stream
+            .consumer_info(SERVICE)
+            .await
+            .is_ok_and(|info| info.delivered.stream_sequence >= 1 && info.num_redelivered >= 1)
+    })
+    .await
+    .unwrap();
+    shutdown.cancel();
+    let stats = worker.await.unwrap().unwrap();
+    assert!(stats.retried >= 1, "{stats:?}");
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert!(
+        facts(&js).await.is_empty(),
+        "an unreachable tier decides nothing"
+    );
+}
