@@ -15,6 +15,16 @@ cd "$REPO"
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# Every check runs even when an earlier one failed, so one run shows every problem; the script
+# fails at the end, naming the checks that failed.
+failed=()
+check() {
+    step "$*"
+    if ! "$@"; then
+        failed+=("$*")
+    fi
+}
+
 # rustup's cargo reads rust-toolchain.toml; make sure its proxies come first.
 if [ -d "$HOME/.cargo/bin" ]; then
     export PATH="$HOME/.cargo/bin:$PATH"
@@ -34,25 +44,21 @@ step "servers: deploy/servers.sh install"
 deploy/servers.sh install
 eval "$(deploy/servers.sh env)"
 
-step "cargo fmt --all --check"
-cargo fmt --all --check
-
-step "cargo clippy --workspace --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
-
+check cargo fmt --all --check
+check cargo clippy --workspace --all-targets -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
-    step "cargo nextest run --workspace"
-    cargo nextest run --workspace --no-fail-fast
-    step "cargo test --doc --workspace"
-    cargo test --doc --workspace
+    check cargo nextest run --workspace --no-fail-fast
+    check cargo test --doc --workspace
 else
-    step "cargo test --workspace (cargo-nextest not installed)"
-    cargo test --workspace --no-fail-fast
+    check cargo test --workspace --no-fail-fast
 fi
-
 if [ -f deploy/py-tests.sh ]; then
-    step "deploy/py-tests.sh"
-    bash deploy/py-tests.sh
+    check bash deploy/py-tests.sh
 fi
 
+if [ "${#failed[@]}" -gt 0 ]; then
+    step "FAILED: ${#failed[@]} check(s)"
+    printf '    %s\n' "${failed[@]}"
+    exit 1
+fi
 step "all checks passed"
