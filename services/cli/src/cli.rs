@@ -1,0 +1,291 @@
+//! The command line: clap definitions and the dispatch to each command's module.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use stagehand_bus::{Bus, BusConfig};
+
+use crate::ingest::{IngestOptions, Outcome};
+
+/// Stagehand: datasets between the storage tiers of a GPU cluster, on NATS JetStream events,
+/// with one catalogue.
+#[derive(Debug, Parser)]
+#[command(name = "stagehand", version, about)]
+pub struct Cli {
+    /// NATS server URL.
+    #[arg(
+        long,
+        global = true,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Place a folder on the source tier and ask for it to be validated and catalogued.
+    Ingest(IngestArgs),
+    /// Ask the catalogue.
+    #[command(subcommand)]
+    Catalogue(CatalogueCommand),
+    /// Dead letters: list them, replay one.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+    /// Copy files between local folders and S3, verified (the mover).
+    Cp(stagehand_mover::cp::CpArgs),
+    /// Run Stagehand on this machine: nats-server, policies, posix tiers, the ingest validator
+    /// and the catalogue recorder, until Ctrl-C.
+    Up(UpArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct IngestArgs {
+    /// The folder to ingest.
+    pub folder: PathBuf,
+    /// Project (tenant) the dataset belongs to: [a-z0-9_-].
+    #[arg(long, env = "STAGEHAND_PROJECT")]
+    pub project: String,
+    /// Dataset name.
+    #[arg(long)]
+    pub dataset: String,
+    /// The tier to place the files on (declared in the policies).
+    #[arg(long, default_value = "source")]
+    pub tier: String,
+    /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+    /// Who is uploading; default `$USER`.
+    #[arg(long)]
+    pub by: Option<String>,
+    /// A label `key=value` (repeatable).
+    #[arg(long = "label", value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+    /// Declare the manifest (`path<TAB>size<TAB>sha256` lines) instead of measuring it.
+    #[arg(long)]
+    pub manifest: Option<PathBuf>,
+    /// Wait for the validator's answer and print it; exit 1 when rejected.
+    #[arg(long)]
+    pub wait: bool,
+    /// How long `--wait` waits, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("label {s:?} must be key=value"))
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CatalogueCommand {
+    /// Every dataset (of a project).
+    Datasets {
+        #[arg(long)]
+        project: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A dataset (`D`: versions, replicas, states, rejections) or a version (`D@VERSION`:
+    /// files; VERSION may be a unique prefix of 8 or more characters).
+    Show {
+        target: String,
+        /// Needed only when several projects have a dataset of that name.
+        #[arg(long)]
+        project: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Dead letters counted per service.
+    DeadLetters {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// List dead letters, oldest first.
+    List {
+        /// Only this service's dead letters.
+        #[arg(long)]
+        service: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Republish the message a dead letter carries to its original subject.
+    Replay {
+        /// The dead letter's sequence (from `dlq list`).
+        sequence: u64,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Where data, tiers, policies and state live.
+    #[arg(long, env = "STAGEHAND_HOME", default_value = ".stagehand")]
+    pub home: PathBuf,
+    /// Port of the nats-server `up` starts (ignored with --external-nats).
+    #[arg(long, default_value_t = 4222)]
+    pub port: u16,
+    /// Use the server at --nats instead of starting one.
+    #[arg(long)]
+    pub external_nats: bool,
+    /// Policy folder (default: `<home>/policies`, written with the defaults when missing).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+}
+
+fn default_policies() -> PathBuf {
+    stagehand_policy::stagehand_home().join("policies")
+}
+
+async fn connect(url: &str) -> anyhow::Result<Bus> {
+    let mut cfg = BusConfig::new(url);
+    cfg.connect_timeout = Duration::from_secs(5);
+    Bus::connect(&cfg)
+        .await
+        .with_context(|| format!("connecting to NATS at {url} (is `stagehand up` running?)"))
+}
+
+/// Runs a parsed command; returns the exit code.
+pub async fn run(cli: Cli) -> anyhow::Result<i32> {
+    match cli.command {
+        Command::Up(args) => {
+            let _telemetry = stagehand_telemetry::init("stagehand")?;
+            crate::up::run(crate::up::UpOptions {
+                home: args.home,
+                nats: args.external_nats.then(|| cli.nats.clone()),
+                port: args.port,
+                policies: args.policies,
+            })
+            .await?;
+            Ok(0)
+        }
+        Command::Cp(args) => {
+            quiet_logs();
+            Ok(stagehand_mover::cp::run_cp(args).await?.exit_code())
+        }
+        Command::Ingest(args) => {
+            quiet_logs();
+            let bus = connect(&cli.nats).await?;
+            let opts = IngestOptions {
+                folder: args.folder,
+                project: args.project,
+                dataset: args.dataset,
+                tier: args.tier,
+                policies: args.policies.unwrap_or_else(default_policies),
+                requested_by: args
+                    .by
+                    .or_else(|| std::env::var("USER").ok())
+                    .unwrap_or_else(|| "unknown".into()),
+                labels: args.labels,
+                manifest: args.manifest,
+                wait: args.wait.then(|| Duration::from_secs(args.timeout)),
+                progress: std::io::stderr().is_terminal(),
+            };
+            let report = crate::ingest::ingest(&bus, &opts).await?;
+            let rejected = matches!(report.outcome, Some(Outcome::Rejected(_)));
+            if args.json {
+                let outcome = match &report.outcome {
+                    Some(Outcome::Validated(v)) => serde_json::json!({"validated": v}),
+                    Some(Outcome::Rejected(r)) => serde_json::json!({"rejected": r}),
+                    None => serde_json::Value::Null,
+                };
+                let out = serde_json::json!({
+                    "request_id": report.request.id,
+                    "prefix": report.placed.prefix,
+                    "files": report.placed.files.len(),
+                    "duplicate": !report.published_new,
+                    "outcome": outcome,
+                });
+                println!("{}", serde_json::to_string_pretty(&out)?);
+            } else {
+                println!("{}", report.request.id);
+                eprintln!(
+                    "placed {} files under {} on tier {}{}",
+                    report.placed.files.len(),
+                    report.placed.prefix,
+                    opts.tier,
+                    if report.published_new {
+                        ""
+                    } else {
+                        " (same request as an earlier run)"
+                    }
+                );
+                if let Some(outcome) = &report.outcome {
+                    print!("{}", crate::ingest::outcome_text(outcome));
+                }
+            }
+            Ok(i32::from(rejected))
+        }
+        Command::Catalogue(cmd) => {
+            quiet_logs();
+            let client = async_nats::connect(&cli.nats)
+                .await
+                .with_context(|| format!("connecting to NATS at {}", cli.nats))?;
+            let out = match cmd {
+                CatalogueCommand::Datasets { project, json } => {
+                    crate::catalogue::datasets(&client, project, json).await?
+                }
+                CatalogueCommand::Show {
+                    target,
+                    project,
+                    json,
+                } => crate::catalogue::show(&client, project, &target, json).await?,
+                CatalogueCommand::DeadLetters { json } => {
+                    crate::catalogue::dead_letters(&client, json).await?
+                }
+            };
+            print!("{out}");
+            Ok(0)
+        }
+        Command::Dlq(cmd) => {
+            quiet_logs();
+            let bus = connect(&cli.nats).await?;
+            match cmd {
+                DlqCommand::List { service, json } => {
+                    let items = crate::dlq::list(&bus, service.as_deref()).await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&items)?);
+                    } else {
+                        print!("{}", crate::dlq::list_text(&items));
+                    }
+                }
+                DlqCommand::Replay { sequence, json } => {
+                    let r = crate::dlq::replay(&bus, sequence).await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&r)?);
+                    } else {
+                        println!(
+                            "replayed dead letter {} to {} as {} ({} sequence {})",
+                            r.sequence, r.subject, r.msg_id, r.stream, r.stream_sequence
+                        );
+                    }
+                }
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Warnings and errors only, on stderr: a command's stdout is its answer.
+fn quiet_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

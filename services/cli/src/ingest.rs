@@ -1,0 +1,571 @@
+//! `stagehand ingest`: the lab uploader.
+//!
+//! Walks a folder, copies every file onto the source tier while hashing it (each byte is read
+//! once), publishes an `ingest.requested` event with the manifest, and prints the request id.
+//!
+//! Placement is content-addressed and atomic. Files are written under
+//! `<project>/<dataset>/.incoming-<random>/` on the tier (each through the mover's temp file →
+//! sync → rename), then that folder is renamed to `<project>/<dataset>/<first 16 hex of the
+//! version digest>`. A partial upload is never visible under the version's prefix, and running
+//! the same ingest again finds the prefix present and publishes the same request id
+//! ([`EventId::for_content`] over project, dataset and digest), which JetStream's duplicate
+//! window drops.
+//!
+//! With `--manifest FILE` the uploader declares its own manifest (`path<TAB>size<TAB>sha256`
+//! lines) instead of the one measured here; the folder's files are placed as they are and the
+//! validator judges the declaration against them.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use sha2::{Digest, Sha256};
+use stagehand_bus::Bus;
+use stagehand_mover::{PosixTier, Tier};
+use stagehand_schemas::subject::FACTS;
+use stagehand_schemas::{
+    Body, DatasetRejected, DatasetValidated, Event, EventId, FileRef, IngestRequested, Location,
+    check_relative_path, version_digest,
+};
+
+/// A file found in the folder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalFile {
+    /// Path relative to the folder, `/`-separated.
+    pub rel: String,
+    pub size: u64,
+}
+
+/// Checks that a project or dataset name can be a path component and a subject-safe name.
+pub fn check_name(what: &str, name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if !ok {
+        bail!("{what} {name:?} must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'");
+    }
+    Ok(())
+}
+
+/// Lists the regular files beneath `folder`. A symlink that resolves outside the folder is
+/// refused; one that stays inside is skipped (its target is ingested under its own path).
+/// Anything else that is not a file or a directory (fifo, socket, device) is refused.
+pub fn scan(folder: &Path) -> anyhow::Result<Vec<LocalFile>> {
+    let root = folder
+        .canonicalize()
+        .with_context(|| format!("cannot open folder {}", folder.display()))?;
+    if !root.is_dir() {
+        bail!("{} is not a folder", folder.display());
+    }
+    let mut files = Vec::new();
+    for entry in walkdir::WalkDir::new(&root)
+        .follow_links(false)
+        .sort_by_file_name()
+    {
+        let entry = entry.with_context(|| format!("walking {}", folder.display()))?;
+        if entry.depth() == 0 {
+            continue;
+        }
+        let rel = entry
+            .path()
+            .strip_prefix(&root)
+            .expect("walkdir yields paths beneath its root")
+            .to_str()
+            .with_context(|| format!("{} is not valid UTF-8", entry.path().display()))?
+            .to_owned();
+        let kind = entry.file_type();
+        if kind.is_symlink() {
+            let target = std::fs::canonicalize(entry.path())
+                .with_context(|| format!("symlink {rel} is dangling"))?;
+            if !target.starts_with(&root) {
+                bail!(
+                    "symlink {rel} points to {}, outside {}: refused",
+                    target.display(),
+                    folder.display()
+                );
+            }
+            eprintln!(
+                "note: symlink {rel} stays inside the folder and is skipped; its target is ingested under its own path"
+            );
+            continue;
+        }
+        if kind.is_dir() {
+            continue;
+        }
+        if !kind.is_file() {
+            bail!("{rel} is neither a regular file nor a folder: refused");
+        }
+        check_relative_path(&rel)
+            .with_context(|| format!("file {rel} cannot be a manifest path"))?;
+        let size = entry
+            .metadata()
+            .with_context(|| format!("stat {rel}"))?
+            .len();
+        files.push(LocalFile { rel, size });
+    }
+    if files.is_empty() {
+        bail!("{} holds no files to ingest", folder.display());
+    }
+    Ok(files)
+}
+
+/// Reads a declared manifest: one `path<TAB>size<TAB>sha256` line per file. The entries are
+/// taken as declared (even a bad path): judging them is the validator's job.
+pub fn read_manifest(path: &Path) -> anyhow::Result<Vec<FileRef>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read manifest {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            let mut parts = line.split('\t');
+            let (Some(p), Some(size), Some(sha), None) =
+                (parts.next(), parts.next(), parts.next(), parts.next())
+            else {
+                bail!(
+                    "{}:{}: expected path<TAB>size<TAB>sha256",
+                    path.display(),
+                    i + 1
+                );
+            };
+            let size = size
+                .parse()
+                .with_context(|| format!("{}:{}: size {size:?}", path.display(), i + 1))?;
+            Ok(FileRef::new(p, size, sha))
+        })
+        .collect()
+}
+
+/// Where an upload was placed and what it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    /// Every file placed, measured while copying.
+    pub files: Vec<FileRef>,
+    /// The version prefix on the tier.
+    pub prefix: String,
+    /// Whether the prefix was already there (a re-run of the same upload).
+    pub existed: bool,
+}
+
+/// Copies `files` from `folder` onto `tier` under the content-addressed prefix, hashing each
+/// byte as it is copied. `digest_of` picks the manifest whose digest names the prefix (the
+/// measured one, or a declared one). Blocking: run it off the async runtime.
+pub fn place(
+    tier: &PosixTier,
+    folder: &Path,
+    project: &str,
+    dataset: &str,
+    files: &[LocalFile],
+    declared: Option<&[FileRef]>,
+    bar: &ProgressBar,
+) -> anyhow::Result<Placed> {
+    let upload = PosixTier::open("upload", folder)
+        .with_context(|| format!("cannot open folder {}", folder.display()))?;
+    let incoming = format!("{project}/{dataset}/.incoming-{}", EventId::random());
+    let cleanup = Cleanup(tier.root().join(&incoming));
+    let mut pending = Vec::with_capacity(files.len());
+    let mut measured = Vec::with_capacity(files.len());
+    let mut buf = vec![0u8; 1 << 20];
+    for f in files {
+        // The mover's confined open: a symlink swapped in since the walk is refused here.
+        let mut src = upload
+            .open_read(&f.rel)
+            .with_context(|| format!("cannot read {}", f.rel))?;
+        let dst = tier
+            .create_atomic(&format!("{incoming}/{}", f.rel), f.size)
+            .with_context(|| format!("cannot create {} on tier {}", f.rel, tier.name()))?;
+        let mut hasher = Sha256::new();
+        let mut offset = 0u64;
+        loop {
+            let n = src
+                .read(&mut buf)
+                .with_context(|| format!("reading {}", f.rel))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            dst.write_all_at(&buf[..n], offset)?;
+            offset += n as u64;
+            bar.inc(n as u64);
+        }
+        if offset != f.size {
+            bail!(
+                "{} changed while it was being ingested ({} bytes, then {offset})",
+                f.rel,
+                f.size
+            );
+        }
+        measured.push(FileRef::new(
+            f.rel.clone(),
+            offset,
+            hex::encode(hasher.finalize()),
+        ));
+        pending.push(dst.into_pending());
+    }
+    for result in tier.commit_batch(pending) {
+        result?;
+    }
+    let digest = version_digest(declared.unwrap_or(&measured));
+    let prefix = format!("{project}/{dataset}/{}", &digest[..16]);
+    let target = tier.root().join(&prefix);
+    let existed = match std::fs::rename(tier.root().join(&incoming), &target) {
+        Ok(()) => {
+            if let Some(parent) = target.parent() {
+                std::fs::File::open(parent)
+                    .and_then(|d| d.sync_all())
+                    .with_context(|| format!("syncing {}", parent.display()))?;
+            }
+            std::mem::forget(cleanup);
+            false
+        }
+        // The same content is there already (a re-run): keep it, drop this copy.
+        Err(e) if target.is_dir() => {
+            tracing::debug!(error = %e, %prefix, "version prefix already present");
+            true
+        }
+        Err(e) => {
+            return Err(e)
+                .with_context(|| format!("cannot publish {prefix} on tier {}", tier.name()));
+        }
+    };
+    Ok(Placed {
+        files: measured,
+        prefix,
+        existed,
+    })
+}
+
+/// Removes an unpublished incoming folder when placement fails or finds the version present.
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The ingest request for a placed upload. Its id follows from project, dataset and the
+/// manifest's digest, so the same upload is the same request.
+pub fn request(
+    project: &str,
+    dataset: &str,
+    tier: &str,
+    prefix: &str,
+    files: Vec<FileRef>,
+    requested_by: &str,
+    labels: Vec<(String, String)>,
+) -> Event {
+    let digest = version_digest(&files);
+    let id = EventId::for_content(&[
+        b"ingest",
+        project.as_bytes(),
+        dataset.as_bytes(),
+        digest.as_bytes(),
+    ]);
+    Event::request(
+        id,
+        project,
+        Body::IngestRequested(IngestRequested {
+            dataset: dataset.into(),
+            source: Location {
+                tier: tier.into(),
+                prefix: prefix.into(),
+            },
+            files,
+            requested_by: requested_by.into(),
+            labels,
+        }),
+    )
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Validated(DatasetValidated),
+    Rejected(DatasetRejected),
+}
+
+/// A consumer of the project's validated/rejected facts from the start of the stream: created
+/// before the request is published, so the answer cannot slip past it.
+pub async fn watch_outcomes(
+    bus: &Bus,
+    project: &str,
+) -> anyhow::Result<async_nats::jetstream::consumer::pull::Ordered> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
+    let stream = bus.jetstream().get_stream(FACTS.name).await?;
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subjects: vec![
+                format!("stagehand.fact.dataset.validated.{project}"),
+                format!("stagehand.fact.dataset.rejected.{project}"),
+            ],
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    Ok(consumer.messages().await?)
+}
+
+/// Waits for the fact that answers `request` (matched by correlation id).
+pub async fn wait_outcome(
+    mut facts: async_nats::jetstream::consumer::pull::Ordered,
+    request: &EventId,
+    timeout: Duration,
+) -> anyhow::Result<Outcome> {
+    let wait = async {
+        while let Some(message) = facts.next().await {
+            let message = message?;
+            let Ok(event) = stagehand_schemas::wire::decode(&message.payload) else {
+                continue;
+            };
+            if &event.correlation_id != request {
+                continue;
+            }
+            match event.body {
+                Body::DatasetValidated(v) => return Ok(Outcome::Validated(v)),
+                Body::DatasetRejected(r) => return Ok(Outcome::Rejected(r)),
+                _ => continue,
+            }
+        }
+        bail!("the facts stream ended before request {request} was answered")
+    };
+    tokio::time::timeout(timeout, wait)
+        .await
+        .with_context(|| format!("no validation of request {request} within {timeout:?} (is the ingest validator running?)"))?
+}
+
+/// Options of one ingest.
+#[derive(Debug, Clone)]
+pub struct IngestOptions {
+    pub folder: PathBuf,
+    pub project: String,
+    pub dataset: String,
+    pub tier: String,
+    pub policies: PathBuf,
+    pub requested_by: String,
+    pub labels: Vec<(String, String)>,
+    pub manifest: Option<PathBuf>,
+    /// Wait for the validator's answer this long.
+    pub wait: Option<Duration>,
+    /// Show a progress bar (on a terminal, for large folders).
+    pub progress: bool,
+}
+
+/// What an ingest did.
+#[derive(Debug, Clone)]
+pub struct IngestReport {
+    pub request: Event,
+    pub placed: Placed,
+    /// Whether the request was new to the stream (false: a duplicate of an earlier run).
+    pub published_new: bool,
+    pub outcome: Option<Outcome>,
+}
+
+/// Bars appear only for folders at least this big (bytes), and only on a terminal.
+pub const PROGRESS_FROM: u64 = 64 << 20;
+
+/// Places the folder on the tier, publishes the request and optionally waits for the answer.
+pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestReport> {
+    check_name("project", &opts.project)?;
+    check_name("dataset", &opts.dataset)?;
+    if !stagehand_schemas::subject::is_subject_token(&opts.project) {
+        bail!(
+            "project {:?} must be 1-64 characters of [a-z0-9_-]",
+            opts.project
+        );
+    }
+    let policies = stagehand_policy::Policies::load_dir(&opts.policies)
+        .with_context(|| format!("loading policies from {}", opts.policies.display()))?;
+    let tier_policy = policies.tier(&opts.tier).with_context(|| {
+        format!(
+            "tier {:?} is not declared in {}",
+            opts.tier,
+            opts.policies.display()
+        )
+    })?;
+    let Tier::Posix(tier) = tier_policy.open()? else {
+        bail!(
+            "tier {:?} is not a posix tier; ingest places files on posix tiers",
+            opts.tier
+        );
+    };
+    let declared = opts.manifest.as_deref().map(read_manifest).transpose()?;
+
+    let folder = opts.folder.clone();
+    let files = tokio::task::spawn_blocking(move || scan(&folder)).await??;
+    let total: u64 = files.iter().map(|f| f.size).sum();
+    let bar = if opts.progress && total >= PROGRESS_FROM {
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .expect("a valid progress template"),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    let (project, dataset, folder) = (
+        opts.project.clone(),
+        opts.dataset.clone(),
+        opts.folder.clone(),
+    );
+    let declared_copy = declared.clone();
+    let bar_copy = bar.clone();
+    let placed = tokio::task::spawn_blocking(move || {
+        place(
+            &tier,
+            &folder,
+            &project,
+            &dataset,
+            &files,
+            declared_copy.as_deref(),
+            &bar_copy,
+        )
+    })
+    .await??;
+    bar.finish_and_clear();
+
+    let manifest = declared.unwrap_or_else(|| placed.files.clone());
+    let request = request(
+        &opts.project,
+        &opts.dataset,
+        &opts.tier,
+        &placed.prefix,
+        manifest,
+        &opts.requested_by,
+        opts.labels.clone(),
+    );
+    let watch = match opts.wait {
+        Some(_) => Some(watch_outcomes(bus, &opts.project).await?),
+        None => None,
+    };
+    let ack = bus.publish(&request).await?;
+    let outcome = match (watch, opts.wait) {
+        (Some(watch), Some(timeout)) => Some(wait_outcome(watch, &request.id, timeout).await?),
+        _ => None,
+    };
+    Ok(IngestReport {
+        request,
+        placed,
+        published_new: !ack.duplicate,
+        outcome,
+    })
+}
+
+/// The text `stagehand ingest` prints for an outcome; every problem on its own line.
+pub fn outcome_text(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Validated(v) => format!(
+            "validated: {} version {} ({} files, {} bytes)\n",
+            v.dataset,
+            v.version,
+            v.files.len(),
+            v.total_bytes
+        ),
+        Outcome::Rejected(r) => {
+            let mut out = format!("rejected: {} ({} problems)\n", r.dataset, r.problems.len());
+            for p in &r.problems {
+                out.push_str(&format!(
+                    "  {:<20} {:<30} {}\n",
+                    p.code,
+                    p.path.as_deref().unwrap_or("-"),
+                    p.detail
+                ));
+            }
+            if let Some(q) = &r.quarantine {
+                out.push_str(&format!("  quarantined: {q}\n"));
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scan_refuses_a_symlink_that_leaves_the_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), b"x").unwrap();
+        std::fs::write(dir.path().join("a.txt"), b"a").unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("link")).unwrap();
+        let err = scan(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains("symlink link points to") && err.contains("refused"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn scan_lists_files_and_skips_inner_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("sub/b.bin"), b"bb").unwrap();
+        std::fs::write(dir.path().join("a.txt"), b"a").unwrap();
+        std::os::unix::fs::symlink(dir.path().join("a.txt"), dir.path().join("alias")).unwrap();
+        let files = scan(dir.path()).unwrap();
+        assert_eq!(
+            files,
+            vec![
+                LocalFile {
+                    rel: "a.txt".into(),
+                    size: 1
+                },
+                LocalFile {
+                    rel: "sub/b.bin".into(),
+                    size: 2
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn placing_twice_is_one_version_and_no_partial_prefix() {
+        let folder = tempfile::tempdir().unwrap();
+        let root = tempfile::tempdir().unwrap();
+        for i in 0..20 {
+            std::fs::write(folder.path().join(format!("f{i}")), vec![i as u8; 1000 + i]).unwrap();
+        }
+        let tier = PosixTier::open("source", root.path()).unwrap();
+        let files = scan(folder.path()).unwrap();
+        let bar = ProgressBar::hidden();
+        let a = place(&tier, folder.path(), "p", "d", &files, None, &bar).unwrap();
+        let b = place(&tier, folder.path(), "p", "d", &files, None, &bar).unwrap();
+        assert!(!a.existed && b.existed);
+        assert_eq!(
+            Placed {
+                existed: false,
+                ..b
+            },
+            a
+        );
+        let entries: Vec<_> = std::fs::read_dir(root.path().join("p/d"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(entries.len(), 1, "no incoming folder left: {entries:?}");
+        let f3 = a.files.iter().find(|f| f.path == "f3").unwrap();
+        assert_eq!(f3.sha256, stagehand_schemas::sha256_hex(&[3u8; 1003]));
+        let r1 = request("p", "d", "source", &a.prefix, a.files.clone(), "u", vec![]);
+        let r2 = request("p", "d", "source", &a.prefix, a.files, "u", vec![]);
+        assert_eq!(r1.id, r2.id, "the same upload is the same request");
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("dataset", "imagenet-1k_v2.0").is_ok());
+        for bad in ["", ".hidden", "a/b", "../x", "sp ace"] {
+            assert!(check_name("dataset", bad).is_err(), "{bad:?}");
+        }
+    }
+}
