@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The README's first command: Stagehand end to end on this machine.
+#
+# Installs (if missing) and starts nats-server through deploy/servers.sh, runs `stagehand up` in
+# the background (ingest validator + catalogue recorder, posix tiers under
+# $STAGEHAND_HOME/demo/home), ingests a generated sample dataset of a few hundred files and waits
+# until it is validated, shows the catalogue, then ingests a corrupted upload (a wrong hash, a
+# wrong size, a `../` path, a missing file) and shows it rejected with every reason. Stops
+# everything it started on exit.
+#
+# Settings: STAGEHAND_HOME (default <repo>/.stagehand), STAGEHAND_NATS_PORT (4222),
+# DEMO_FILES (300).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export STAGEHAND_HOME="${STAGEHAND_HOME:-$REPO/.stagehand}"
+export STAGEHAND_NATS_PORT="${STAGEHAND_NATS_PORT:-4222}"
+export NATS_URL="nats://127.0.0.1:$STAGEHAND_NATS_PORT"
+DEMO="$STAGEHAND_HOME/demo"
+FILES="${DEMO_FILES:-300}"
+say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+say "installing and starting nats-server (deploy/servers.sh)"
+"$REPO/deploy/servers.sh" install
+"$REPO/deploy/servers.sh" start nats
+
+say "building stagehand"
+(cd "$REPO" && cargo build --quiet -p stagehand --bin stagehand)
+BIN="${CARGO_TARGET_DIR:-$REPO/target}/debug/stagehand"
+
+rm -rf "$DEMO"
+mkdir -p "$DEMO"
+say "stagehand up (log: $DEMO/up.log)"
+"$BIN" up --external-nats --home "$DEMO/home" >"$DEMO/up.log" 2>&1 &
+UP_PID=$!
+stop_all() {
+    if kill -0 "$UP_PID" 2>/dev/null; then
+        kill -INT "$UP_PID"
+        wait "$UP_PID" || true
+    fi
+    "$REPO/deploy/servers.sh" stop nats || true
+}
+trap stop_all EXIT
+for _ in $(seq 1 600); do
+    grep -q "stagehand is up" "$DEMO/up.log" && break
+    kill -0 "$UP_PID" 2>/dev/null || { cat "$DEMO/up.log"; echo "stagehand up failed" >&2; exit 1; }
+    sleep 0.1
+done
+grep -q "stagehand is up" "$DEMO/up.log" || { cat "$DEMO/up.log"; echo "stagehand up did not start within 60 s" >&2; exit 1; }
+POLICIES="$DEMO/home/policies"
+
+say "generating a sample dataset of $FILES files"
+python3 - "$DEMO/sample" "$FILES" <<'PY'
+import os, random, sys
+root, n = sys.argv[1], int(sys.argv[2])
+rng = random.Random(7)
+for i in range(n):
+    d = os.path.join(root, f"shard-{i % 10:02d}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, f"sample-{i:05d}.bin"), "wb") as f:
+        f.write(rng.randbytes(rng.randint(256, 64 * 1024)))
+with open(os.path.join(root, "labels.csv"), "w") as f:
+    f.write("".join(f"{i},{i % 7}\n" for i in range(n)))
+PY
+
+say "stagehand ingest $DEMO/sample --project demo --dataset sample --wait"
+"$BIN" ingest "$DEMO/sample" --project demo --dataset sample --policies "$POLICIES" --by demo --wait
+
+say "stagehand catalogue datasets"
+"$BIN" catalogue datasets
+say "stagehand catalogue show sample"
+"$BIN" catalogue show sample | head -n 12
+
+say "a corrupted upload: wrong hash, wrong size, a ../ path, a missing file"
+mkdir -p "$DEMO/corrupt"
+printf 'hello\n' >"$DEMO/corrupt/a.txt"
+printf 'world\n' >"$DEMO/corrupt/b.txt"
+sha() { printf '%s' "$1" | sha256sum | cut -d' ' -f1; }
+{
+    printf 'a.txt\t6\t%s\n' "$(sha 'not what is in a.txt')"
+    printf 'b.txt\t7\t%s\n' "$(sha "$(printf 'world\n')")"
+    printf '../escape.txt\t1\t%s\n' "$(sha x)"
+    printf 'missing.txt\t3\t%s\n' "$(sha abc)"
+} >"$DEMO/corrupt.manifest"
+set +e
+"$BIN" ingest "$DEMO/corrupt" --project demo --dataset corrupt --policies "$POLICIES" --by demo \
+    --manifest "$DEMO/corrupt.manifest" --wait
+rc=$?
+set -e
+[ "$rc" -eq 1 ] || { echo "expected the corrupted upload to be rejected (exit 1), got $rc" >&2; exit 1; }
+
+say "stagehand catalogue show corrupt"
+"$BIN" catalogue show corrupt
+
+say "done: stopping stagehand and nats-server"
