@@ -2,7 +2,11 @@
 //!
 //! Every service and every producer outside Rust follows this crate. The JSON Schemas and
 //! examples under `schemas/json/` and `schemas/examples/` are the same contract for Python,
-//! Go or Lua producers; tests keep them in step with these types.
+//! Go or Lua producers; tests keep them in step with these types. `schemas/README.md` is the
+//! contract in prose: subjects, streams, headers, id rules, the version digest, compatibility.
+//!
+//! The `json-schema` feature adds the `json_schema` module, which generates those schemas
+//! from the types.
 //!
 //! ```
 //! use stagehand_schemas::{Body, Event, EventId, FileRef, IngestRequested, Location, wire};
