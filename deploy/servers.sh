@@ -179,8 +179,8 @@ start_nats() {
     fi
     port_open "$NATS_PORT" && die "port $NATS_PORT is taken by another process (set STAGEHAND_NATS_PORT)"
     mkdir -p "$DATA/nats"
-    launch nats-server nats_ready -- "$VENV/bin/nats-server" -js -a 127.0.0.1 -p "$NATS_PORT" \
-        -sd "$DATA/nats"
+    launch nats-server nats_ready -- "$VENV/bin/nats-server" -c "$REPO/deploy/nats/dev.conf" \
+        -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$DATA/nats"
 }
 
 start_s3() {

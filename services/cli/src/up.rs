@@ -103,7 +103,12 @@ fn start_server(home: &Path, port: u16) -> anyhow::Result<Child> {
     std::fs::create_dir_all(&data)?;
     let log = home.join("nats-server.log");
     let binary = nats_server_binary(home);
+    // Raise max_payload above Stagehand's event bound (deploy/nats/dev.conf says why).
+    let conf = home.join("nats-dev.conf");
+    std::fs::write(&conf, include_str!("../../../deploy/nats/dev.conf"))?;
     Command::new(&binary)
+        .arg("-c")
+        .arg(&conf)
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
         .arg(&data)
         .arg("-l")

@@ -27,6 +27,9 @@ struct ClusterNode {
     routes: Vec<String>,
 }
 
+/// The settings every development and test server runs with (deploy/nats/dev.conf).
+const DEV_CONF: &str = include_str!("../../../deploy/nats/dev.conf");
+
 /// A running `nats-server` with JetStream on loopback. Killed, and its store removed, on drop.
 #[derive(Debug)]
 pub struct NatsServer {
@@ -152,9 +155,16 @@ impl NatsServer {
         std::fs::create_dir_all(&ports_dir).expect("create the ports dir");
         std::fs::create_dir_all(self.store_dir()).expect("create the store dir");
         let mut cmd = Command::new(&bin);
-        if let Some(config) = &self.config {
-            cmd.arg("-c").arg(config);
-        }
+        match &self.config {
+            Some(config) => cmd.arg("-c").arg(config),
+            None => {
+                // The default max_payload (1 MB) is under Stagehand's event bound; tests run
+                // with the limits deployments use (deploy/nats/dev.conf).
+                let dev_conf = self.dir.path().join("dev.conf");
+                std::fs::write(&dev_conf, DEV_CONF).expect("write the dev nats config");
+                cmd.arg("-c").arg(dev_conf)
+            }
+        };
         // `-1` asks the server for a free port; a restart keeps the port clients know.
         let port = if self.port == 0 {
             "-1".to_string()

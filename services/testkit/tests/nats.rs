@@ -112,3 +112,24 @@ async fn cluster_of_three_creates_a_replicated_stream() -> Result<()> {
     assert_eq!(info.state.messages, 1);
     Ok(())
 }
+
+/// Regression: the server's default max_payload (1 MB) refused events under Stagehand's own
+/// 8 MiB bound; test servers run with deploy/nats/dev.conf like development servers do.
+#[tokio::test]
+async fn server_accepts_events_up_to_the_stagehand_bound() -> Result<()> {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await?;
+    assert!(client.server_info().max_payload >= stagehand_schemas::wire::MAX_DEAD_LETTER_BYTES);
+    let js = jetstream::new(client);
+    let name = unique_name("BIG");
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec!["big.>".into()],
+        ..Default::default()
+    })
+    .await?;
+    let payload = vec![7u8; stagehand_schemas::wire::MAX_EVENT_BYTES];
+    let ack = js.publish("big.one", payload.into()).await?.await?;
+    assert_eq!(ack.stream, name);
+    Ok(())
+}
