@@ -6,9 +6,11 @@
 #
 # It builds the service binaries with cargo, starts a private nats-server with JetStream on a
 # free port (or uses PY_TESTS_NATS_URL when set), writes policies whose posix source tier lives
-# in a temp folder, starts the services, and runs schemas/examples/python/test_ingest_roundtrip.py,
-# which ends with "N passed, M failed". Everything it started is stopped, and its temp folder
-# removed, on exit.
+# in a temp folder, starts the services (the ingest validator and the catalogue recorder), and
+# runs schemas/examples/python/test_ingest_roundtrip.py with the checks of deploy/py-checks/
+# (the catalogue lists the validated version and the rejection). Its last line on stdout is
+# "N passed, M failed"; the exit status is non-zero when anything failed, set-up included.
+# Everything it started is stopped, and its temp folder removed, on exit.
 #
 # Settings (environment): PY_TESTS_NATS_URL (use this server instead of starting one),
 # STAGEHAND_NATS_SERVER (nats-server binary; default from PATH), PYTHON (default: the venv of
@@ -29,11 +31,9 @@ NATS_SERVER="${STAGEHAND_NATS_SERVER:-nats-server}"
 log() { printf 'py-tests.sh: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-"$PYTHON" -c 'import nats, msgpack' 2>/dev/null ||
-    die "$PYTHON lacks nats-py or msgpack; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
-
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/stagehand-py-tests.XXXXXX")"
 PIDS=()
+SUMMARY_PRINTED=0
 cleanup() {
     local status=$?
     for pid in "${PIDS[@]}"; do
@@ -50,14 +50,22 @@ cleanup() {
         done
     fi
     rm -rf "$WORK"
+    # A failure before the tests ran still ends with the summary line, counted as one failure.
+    if [ "$SUMMARY_PRINTED" -eq 0 ]; then
+        [ "$status" -ne 0 ] || status=1
+        echo "0 passed, 1 failed"
+    fi
     exit "$status"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+"$PYTHON" -c 'import nats, msgpack' 2>/dev/null ||
+    die "$PYTHON lacks nats-py or msgpack; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
+
 # --- build -----------------------------------------------------------------------------------
 # Services the test runs; a later service adds its package here and a start_service line below.
-PACKAGES=(stagehand-ingest-validator)
+PACKAGES=(stagehand-ingest-validator stagehand-catalogue-recorder)
 log "building ${PACKAGES[*]}"
 cargo build --quiet $(printf -- '-p %s ' "${PACKAGES[@]}")
 
@@ -117,10 +125,14 @@ start_service() {
 
 start_service stagehand-ingest-validator \
     --nats-url "$NATS_URL" --policies "$WORK/policies" --state-dir "$WORK/state/ingest-validator"
+start_service stagehand-catalogue-recorder \
+    --nats "$NATS_URL" --dir "$WORK/state/catalogue-recorder" --instance py-tests
 
 # --- the test --------------------------------------------------------------------------------
 mkdir -p "$WORK/scratch"
 service_pids="${PIDS[*]}"
+# The harness prints the summary line itself, also when a test fails.
+SUMMARY_PRINTED=1
 PY_TEST_NATS_URL="$NATS_URL" \
     PY_TEST_TIER_ROOT="$TIER_ROOT" \
     PY_TEST_WORK="$WORK/scratch" \

@@ -12,10 +12,13 @@ Each test publishes with produce_ingest.py and asserts, by consuming the facts s
 nats-py, what the services published. It ends with the line "N passed, M failed".
 
 Extra checks: every ``*.py`` file in PY_TEST_CHECKS_DIR defining
-``async def check(nc, js, request: dict, fact: dict) -> None`` is run after the validated
-fact of the first test has been seen, as one more test each; it raises AssertionError to fail.
-This is where checks of later services (the catalogue) plug in, alongside the services
-deploy/py-tests.sh starts for them.
+``async def check(nc, js, request: dict, fact: dict) -> None`` is run after the tests above,
+as one more test each; it raises AssertionError to fail. ``request`` and ``fact`` are the
+validated request of the first test and its ``dataset.validated`` fact; a check module that
+sets ``AFTER = "rejected"`` gets the damaged request of the second test and its
+``dataset.rejected`` fact instead. A check whose test did not produce its fact fails without
+running. This is where checks of later services (the catalogue) plug in, alongside the
+services deploy/py-tests.sh starts for them.
 """
 
 from __future__ import annotations
@@ -158,6 +161,7 @@ async def test_python_request_with_corrupt_file_is_rejected(ctx) -> None:
     assert problems == [("checksum_mismatch", "a.bin")], problems
     assert fact["payload"]["quarantine"], "a rejected upload is marked"
     assert (Path(os.environ["PY_TEST_TIER_ROOT"]) / prefix / "a.bin").exists(), "never deleted"
+    ctx["rejected"] = (request, fact)
 
 
 async def test_republishing_is_a_duplicate(ctx) -> None:
@@ -177,12 +181,16 @@ def load_checks() -> list:
         spec.loader.exec_module(module)
         if not hasattr(module, "check"):
             raise SystemExit(f"{path}: defines no `async def check(nc, js, request, fact)`")
+        after = getattr(module, "AFTER", "validated")
+        if after not in ("validated", "rejected"):
+            raise SystemExit(f"{path}: AFTER must be \"validated\" or \"rejected\", not {after!r}")
 
-        async def run(ctx, module=module):
-            request, fact = ctx["validated"]
+        async def run(ctx, module=module, after=after):
+            request, fact = ctx[after]
             await module.check(ctx["nc"], ctx["js"], request, fact)
 
         run.__name__ = f"check {path.name}"
+        run.needs = after
         checks.append(run)
     return checks
 
@@ -200,10 +208,9 @@ async def main() -> int:
         ] + load_checks()
         for test in tests:
             name = test.__name__
-            if "validated" not in ctx and test is not test_python_request_is_validated and (
-                test is test_republishing_is_a_duplicate or name.startswith("check ")
-            ):
-                print(f"FAIL {name}: needs the validated request of the first test")
+            needs = getattr(test, "needs", "validated" if test is test_republishing_is_a_duplicate else None)
+            if needs is not None and needs not in ctx:
+                print(f"FAIL {name}: needs the {needs} request of an earlier test")
                 failed += 1
                 continue
             try:
