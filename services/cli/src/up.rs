@@ -6,6 +6,7 @@
 //! roots, and runs the ingest validator and the catalogue recorder in this process. One
 //! cancellation token stops them all; each drains within its deadline, then the server stops.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -116,6 +117,10 @@ fn start_server(home: &Path, port: u16) -> anyhow::Result<Child> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
+        // Its own process group: a Ctrl-C at the terminal goes to the whole foreground group,
+        // and the server must outlive it until the services have drained; `Stack::stop` then
+        // stops it with SIGTERM.
+        .process_group(0)
         .spawn()
         .with_context(|| {
             format!(
@@ -130,6 +135,21 @@ impl Stack {
     pub async fn start(opts: UpOptions) -> anyhow::Result<Stack> {
         let home = std::path::absolute(&opts.home)?;
         std::fs::create_dir_all(&home).with_context(|| format!("creating {}", home.display()))?;
+        // Policies and tier roots first: a mistake there fails before any server is started,
+        // so no nats-server is left behind by a failed start.
+        let policies = match &opts.policies {
+            Some(p) => p.clone(),
+            None => {
+                let dir = home.join("policies");
+                write_default_policies(&dir, &home)?;
+                dir
+            }
+        };
+        let loaded = stagehand_policy::Policies::load_dir_with_home(&policies, &home)?;
+        for tier in loaded.tiers().values() {
+            tier.create_root()
+                .with_context(|| format!("creating the root of tier {}", tier.name))?;
+        }
         let (url, mut server) = match &opts.nats {
             Some(url) => (url.clone(), None),
             None => (
@@ -155,20 +175,6 @@ impl Stack {
                 return Err(e.context(format!("connecting to NATS at {url}")));
             }
         };
-        let policies = match &opts.policies {
-            Some(p) => p.clone(),
-            None => {
-                let dir = home.join("policies");
-                write_default_policies(&dir, &home)?;
-                dir
-            }
-        };
-        let loaded = stagehand_policy::Policies::load_dir_with_home(&policies, &home)?;
-        for tier in loaded.tiers().values() {
-            tier.create_root()
-                .with_context(|| format!("creating the root of tier {}", tier.name))?;
-        }
-
         let shutdown = CancellationToken::new();
         let validator_cfg = stagehand_ingest_validator::Config::new(
             url.clone(),
@@ -259,19 +265,51 @@ impl Stack {
 
 /// Runs `stagehand up` until Ctrl-C or SIGTERM.
 pub async fn run(opts: UpOptions) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
     let stack = Stack::start(opts).await?;
-    stack.ready(Duration::from_secs(60)).await?;
+    // Listen for the stop signals before saying "up", and keep listening on the same streams:
+    // a Ctrl-C that comes right after the line is printed, or between two turns of the loop
+    // below, must stop Stagehand cleanly, not kill it with the default action or be missed.
+    let (mut interrupt, mut term) = match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(i), Ok(t)) => (i, t),
+        (Err(e), _) | (_, Err(e)) => {
+            let _ = stack.stop().await;
+            return Err(
+                anyhow::Error::from(e).context("installing the Ctrl-C and SIGTERM handlers")
+            );
+        }
+    };
+    let started = tokio::select! {
+        r = stack.ready(Duration::from_secs(60)) => r.map(|()| true),
+        _ = interrupt.recv() => Ok(false),
+        _ = term.recv() => Ok(false),
+    };
+    match started {
+        Ok(true) => {}
+        Ok(false) => {
+            println!("stopping…");
+            stack.stop().await?;
+            println!("stopped");
+            return Ok(());
+        }
+        Err(e) => {
+            let _ = stack.stop().await;
+            return Err(e);
+        }
+    }
     println!(
         "stagehand is up: NATS {} · home {} · policies {}\nPress Ctrl-C to stop.",
         stack.url,
         stack.home.display(),
         stack.policies.display()
     );
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut watch = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => break,
+            _ = interrupt.recv() => break,
             _ = term.recv() => break,
             _ = watch.tick() => if stack.failed() { break },
         }
