@@ -332,6 +332,233 @@ async fn a_download_hashing_wrong_without_metadata_publishes_nothing() {
     );
 }
 
+/// Puts `data` under the tier-relative `rel` directly through the client, with `sha256` as the
+/// recorded hash when given (as another writer, or a corrupting one, would).
+async fn put_raw(tier: &S3Tier, rel: &str, data: &[u8], sha256: Option<&str>) {
+    tier.client()
+        .put_object()
+        .bucket(tier.bucket())
+        .key(format!("{}/{rel}", tier.prefix()))
+        .set_metadata(sha256.map(|h| [(s3::SHA256_METADATA_KEY.to_owned(), h.to_owned())].into()))
+        .body(data.to_vec().into())
+        .send()
+        .await
+        .unwrap();
+}
+
+fn sha_hex(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// A ranged download whose object is replaced (same size, other bytes) after its first range
+/// started must fail as `SourceChanged` through `If-Match`, and publish neither the file nor a
+/// temp file; the size and even a hash check cannot be what catches it here, only the ETag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_replaced_between_ranges_fails_as_source_changed_and_publishes_nothing() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let cold = tier("cold").await;
+    let dst_dir = tempfile::tempdir().unwrap();
+    let dst = posix("scratch", &dst_dir);
+    let old = bytes((23 * MIB) as usize, 21);
+    let new = bytes(old.len(), 22);
+    put_raw(&cold, "shard.tar", &old, Some(&sha_hex(&old))).await;
+    let file = FileRef::new("shard.tar", old.len() as u64, sha_hex(&old));
+
+    // The seam runs before each range after the first; the first call replaces the object
+    // and the download only goes on once the replacement is stored.
+    let replaced_before = Arc::new(AtomicU64::new(0));
+    let (client, bucket, key) = (
+        cold.client().clone(),
+        cold.bucket().to_owned(),
+        format!("{}/shard.tar", cold.prefix()),
+    );
+    let (replacement, seen) = (new.clone(), replaced_before.clone());
+    let gated = cold.with_range_hook(Arc::new(move |_rel: &str, offset: u64| {
+        let (client, bucket, key, data, seen) = (
+            client.clone(),
+            bucket.clone(),
+            key.clone(),
+            replacement.clone(),
+            seen.clone(),
+        );
+        Box::pin(async move {
+            if seen.load(Ordering::SeqCst) == 0 {
+                client
+                    .put_object()
+                    .bucket(bucket)
+                    .key(key)
+                    .body(data.into())
+                    .send()
+                    .await
+                    .unwrap();
+                seen.store(offset, Ordering::SeqCst);
+            }
+        })
+    }));
+
+    for opts in [
+        CopyOptions::default(),
+        // Without a hash to prove, only the ETag stands between the caller and a mixed file.
+        CopyOptions {
+            expected_hash_unknown: true,
+            ..CopyOptions::default()
+        },
+    ] {
+        put_raw(&cold, "shard.tar", &old, Some(&sha_hex(&old))).await;
+        replaced_before.store(0, Ordering::SeqCst);
+        let err = s3::download(&gated, &dst, &file, &opts, &Progress::new())
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::SourceChanged, "{err}");
+        assert_eq!(err.path, "shard.tar");
+        assert!(err.is_retryable(), "a changed source is worth another try");
+        assert_eq!(
+            replaced_before.load(Ordering::SeqCst),
+            5 * MIB,
+            "replaced after the first 5 MiB range had started"
+        );
+        assert_eq!(
+            std::fs::read_dir(dst_dir.path()).unwrap().count(),
+            0,
+            "no file, no temp file"
+        );
+    }
+
+    // A retry under the new version's reference goes through the same seam and lands whole.
+    let file = FileRef::new("shard.tar", new.len() as u64, sha_hex(&new));
+    s3::download(
+        &gated,
+        &dst,
+        &file,
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        std::fs::read(dst_dir.path().join("shard.tar")).unwrap(),
+        new
+    );
+}
+
+/// A small object is one GET: what a HEAD would have refused is refused from the GET response
+/// (size, recorded hash), and the bytes are proven against the recorded hash when the caller
+/// has none. Nothing is published on any refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_object_is_proven_from_its_get_response() {
+    let cold = tier("cold").await;
+    let dst_dir = tempfile::tempdir().unwrap();
+    let dst = posix("scratch", &dst_dir);
+    let data = bytes(70_000, 31);
+    let unknown = CopyOptions {
+        expected_hash_unknown: true,
+        ..CopyOptions::default()
+    };
+
+    // The listing said another size: refused before a byte is written.
+    put_raw(&cold, "a/grown.bin", &data, Some(&sha_hex(&data))).await;
+    let err = s3::download(
+        &cold,
+        &dst,
+        &FileRef::new("a/grown.bin", 100, sha_hex(&data)),
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
+
+    // The recorded hash contradicts the reference.
+    let err = s3::download(
+        &cold,
+        &dst,
+        &FileRef::new("a/grown.bin", data.len() as u64, "4".repeat(64)),
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+
+    // No reference hash, and the recorded one is wrong for the bytes: the bytes are refused.
+    put_raw(&cold, "a/rotten.bin", &data, Some(&"5".repeat(64))).await;
+    let err = s3::download(
+        &cold,
+        &dst,
+        &FileRef::new("a/rotten.bin", data.len() as u64, ""),
+        &unknown,
+        &Progress::new(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+    assert!(err.to_string().contains("recorded"), "{err}");
+    assert_eq!(
+        walk_count(dst_dir.path()),
+        0,
+        "no file and no temp file anywhere"
+    );
+
+    // Proven against the recorded hash, the same object lands.
+    let outcome = s3::download(
+        &cold,
+        &dst,
+        &FileRef::new("a/grown.bin", data.len() as u64, ""),
+        &unknown,
+        &Progress::new(),
+    )
+    .await
+    .unwrap();
+    match outcome {
+        CopyOutcome::Copied { sha256, engine, .. } => {
+            assert_eq!(sha256, sha_hex(&data));
+            assert_eq!(engine, "s3-get");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        std::fs::read(dst_dir.path().join("a/grown.bin")).unwrap(),
+        data
+    );
+    // Already there and equal: skipped through the HEAD path.
+    let again = s3::download(
+        &cold,
+        &dst,
+        &FileRef::new("a/grown.bin", data.len() as u64, sha_hex(&data)),
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(
+            again,
+            CopyOutcome::Skipped {
+                reason: SkipReason::AlreadyPresentVerified,
+                ..
+            }
+        ),
+        "{again:?}"
+    );
+}
+
+/// Everything beneath `root` that is not a directory (files, temp files, links), recursively.
+fn walk_count(root: &Path) -> usize {
+    std::fs::read_dir(root)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                walk_count(&e.path())
+            } else {
+                1
+            }
+        })
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_to_s3_copies_are_verified() {
     let hot = tier("hot").await;

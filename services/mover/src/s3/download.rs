@@ -1,11 +1,18 @@
 //! s3 → posix: parallel ranged GETs streamed into a temp file, hashed in order on the way,
 //! proven against the file reference, then published atomically.
 //!
-//! Ranges complete out of order but SHA-256 must see bytes in order. Each range streams its
-//! chunks both to disk (at their offsets) and into its own channel; one hashing thread drains
-//! the channels range by range. A range may only start once a slot of the reorder window is
-//! free, and a slot is freed when the hasher has finished its range, so at most `window` ranges
-//! of data are ever held in memory, and the file is never read back.
+//! An object of at most one part (every small file) costs one request: a plain GET whose
+//! response carries the size, ETag and recorded SHA-256 a HEAD would have given, checked before
+//! any byte is written. The temp file is created, hashed into and written in one blocking step
+//! per megabyte, so a small file costs one hop to the blocking pool.
+//!
+//! Larger objects: a HEAD for the size and ETag, then ranges that complete out of order while
+//! SHA-256 must see bytes in order. Each range streams its chunks both to disk (at their
+//! offsets) and into its own channel; one hashing thread drains the channels range by range. A
+//! range may only start once a slot of the reorder window is free, and a slot is freed when the
+//! hasher has finished its range, so at most `window` ranges of data are ever held in memory,
+//! and the file is never read back. Every ranged GET carries `If-Match` with the HEAD's ETag,
+//! so an object replaced in the middle is `SourceChanged`, never a file of mixed versions.
 
 use std::sync::Arc;
 
@@ -15,7 +22,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 
 use super::errors::{chain, map_sdk_error};
-use super::{ObjectInfo, S3Tier, expected_sha};
+use super::{ObjectInfo, S3Tier, SHA256_METADATA_KEY, expected_sha};
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::{AtomicFile, PendingRename, PosixTier};
 use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress, SkipReason, VerifyDestination};
@@ -82,6 +89,15 @@ async fn fetch(
     dst.check_path(rel, Side::Destination)?;
     let expected = expected_sha(file, opts);
 
+    // An object of at most one part takes one GET and nothing else: its size, ETag and
+    // recorded hash arrive with the response. A destination already there needs the object's
+    // facts before any byte moves (to skip or refuse it), so that rare case takes the HEAD path.
+    let part = src.config().part_size_for(file.size);
+    if file.size <= part && dst.stat(rel)?.is_none() {
+        let (outcome, atomic) = fetch_single(src, dst, file, opts, &expected, progress).await?;
+        return Ok((outcome, Some(atomic)));
+    }
+
     let info = src.stat_side(rel, Side::Source).await?.ok_or_else(|| {
         src.site(Side::Source, rel).error(
             ErrorKind::NotFound,
@@ -93,23 +109,13 @@ async fn fetch(
             ),
         )
     })?;
-    if info.size != file.size {
-        return Err(src.site(Side::Source, rel).error(
-            ErrorKind::SizeMismatch,
-            format!(
-                "object is {} bytes, the file reference says {}",
-                info.size, file.size
-            ),
-        ));
-    }
-    if let (Some(want), Some(recorded)) = (&expected, &info.sha256_meta)
-        && want != recorded
-    {
-        return Err(src.site(Side::Source, rel).error(
-            ErrorKind::ChecksumMismatch,
-            format!("object's recorded sha256 is {recorded}, the file reference says {want}"),
-        ));
-    }
+    check_facts(
+        src,
+        file,
+        Some(info.size),
+        &expected,
+        info.sha256_meta.as_deref(),
+    )?;
 
     if let Some(skip) = existing_destination(src, dst, file, opts, &expected, &info).await? {
         return Ok((skip, None));
@@ -136,55 +142,264 @@ async fn fetch(
             "a range writer outlived its download",
         )
     })?;
-    if got_size != file.size {
+    let received = Received {
+        size: got_size,
+        sha256: got_sha,
+    };
+    let atomic = prove(
+        src,
+        dst,
+        file,
+        opts,
+        &expected,
+        info.sha256_meta.as_deref(),
+        atomic,
+        &received,
+    )
+    .await?;
+    let outcome = CopyOutcome::Copied {
+        bytes: received.size,
+        sha256: received.sha256,
+        engine: if ranged { "s3-ranged-get" } else { "s3-get" },
+    };
+    Ok((outcome, Some(atomic)))
+}
+
+/// Refuses an object whose size or recorded SHA-256 (as far as known before its bytes are
+/// read) contradicts the file reference.
+fn check_facts(
+    src: &S3Tier,
+    file: &FileRef,
+    size: Option<u64>,
+    expected: &Option<String>,
+    recorded: Option<&str>,
+) -> Result<(), TransferError> {
+    let rel = file.path.as_str();
+    if let Some(size) = size
+        && size != file.size
+    {
         return Err(src.site(Side::Source, rel).error(
             ErrorKind::SizeMismatch,
             format!(
-                "read {got_size} bytes, the file reference says {}",
+                "object is {size} bytes, the file reference says {}",
                 file.size
             ),
         ));
     }
-    if let Some(want) = &expected
-        && *want != got_sha
+    if let (Some(want), Some(recorded)) = (expected, recorded)
+        && want != recorded
+    {
+        return Err(src.site(Side::Source, rel).error(
+            ErrorKind::ChecksumMismatch,
+            format!("object's recorded sha256 is {recorded}, the file reference says {want}"),
+        ));
+    }
+    Ok(())
+}
+
+/// What a download received: its size and the SHA-256 of the bytes written.
+struct Received {
+    size: u64,
+    sha256: String,
+}
+
+/// Proves the temp file before it may be published: the size the file reference names, the
+/// SHA-256 it names (or, when the caller has none, the one recorded with the object), and with
+/// [`VerifyDestination::ReadBack`] the bytes read back from disk.
+#[allow(clippy::too_many_arguments)]
+async fn prove(
+    src: &S3Tier,
+    dst: &PosixTier,
+    file: &FileRef,
+    opts: &CopyOptions,
+    expected: &Option<String>,
+    recorded: Option<&str>,
+    atomic: AtomicFile,
+    got: &Received,
+) -> Result<AtomicFile, TransferError> {
+    let rel = file.path.as_str();
+    if got.size != file.size {
+        return Err(src.site(Side::Source, rel).error(
+            ErrorKind::SizeMismatch,
+            format!(
+                "read {} bytes, the file reference says {}",
+                got.size, file.size
+            ),
+        ));
+    }
+    let (want, whose) = match (expected, recorded) {
+        (Some(want), _) => (Some(want.as_str()), "the file reference says"),
+        (None, Some(recorded)) => (Some(recorded), "the object's recorded sha256 is"),
+        (None, None) => (None, ""),
+    };
+    if let Some(want) = want
+        && want != got.sha256
     {
         return Err(src.site(Side::Source, rel).error(
             ErrorKind::ChecksumMismatch,
             format!(
-                "object hashes to {got_sha}, the file reference says {want}; nothing was published"
+                "object hashes to {}, {whose} {want}; nothing was published",
+                got.sha256
             ),
         ));
     }
-    let atomic = if opts.verify_destination == VerifyDestination::ReadBack {
-        let (atomic, written) = tokio::task::spawn_blocking(move || {
-            let written = atomic.hash_written();
-            (atomic, written)
-        })
+    if opts.verify_destination != VerifyDestination::ReadBack {
+        return Ok(atomic);
+    }
+    let (atomic, written) = tokio::task::spawn_blocking(move || {
+        let written = atomic.hash_written();
+        (atomic, written)
+    })
+    .await
+    .map_err(|e| join_error(dst.name(), rel, Side::Destination, e))?;
+    let written = written?;
+    if written.sha256 != got.sha256 || written.size != got.size {
+        return Err(TransferError::new(
+            ErrorKind::ChecksumMismatch,
+            Side::Destination,
+            dst.name(),
+            rel,
+            format!(
+                "read back {} bytes hashing to {}, wrote {}",
+                written.size, written.sha256, got.sha256
+            ),
+        ));
+    }
+    Ok(atomic)
+}
+
+/// The temp file and the hash of what was written to it, moved as one into each blocking
+/// write so the hasher sees the very bytes that are written, in order.
+struct SingleSink {
+    atomic: Option<AtomicFile>,
+    hasher: Sha256,
+    written: u64,
+}
+
+/// An object of at most one part in one GET, without a HEAD: the response's `Content-Length`
+/// and `x-amz-meta-sha256` are checked against the file reference before any byte is written,
+/// and one GET response is one version of the object, so no `If-Match` is needed. The temp
+/// file is created, hashed into and written in one blocking step per [`WRITE_BATCH`] (one
+/// step in all for a small file).
+async fn fetch_single(
+    src: &S3Tier,
+    dst: &PosixTier,
+    file: &FileRef,
+    opts: &CopyOptions,
+    expected: &Option<String>,
+    progress: &Progress,
+) -> Result<(CopyOutcome, AtomicFile), TransferError> {
+    let rel = file.path.as_str();
+    let site = src.site(Side::Source, rel);
+    let key = src.key_unchecked(rel);
+    let slot = src.request_slot().await;
+    let response = src
+        .client()
+        .get_object()
+        .bucket(src.bucket())
+        .key(&key)
+        .send()
         .await
-        .map_err(|e| join_error(dst.name(), rel, Side::Destination, e))?;
-        let written = written?;
-        if written.sha256 != got_sha || written.size != got_size {
-            return Err(TransferError::new(
-                ErrorKind::ChecksumMismatch,
-                Side::Destination,
-                dst.name(),
-                rel,
+        .map_err(|e| map_sdk_error("GetObject", site, e))?;
+    let recorded = response
+        .metadata()
+        .and_then(|m| m.get(SHA256_METADATA_KEY))
+        .map(|s| s.to_ascii_lowercase());
+    let announced = response
+        .content_length()
+        .and_then(|n| u64::try_from(n).ok());
+    check_facts(src, file, announced, expected, recorded.as_deref())?;
+
+    let mut body = response.body;
+    let mut sink = Some(SingleSink {
+        atomic: None,
+        hasher: Sha256::new(),
+        written: 0,
+    });
+    let mut batch: Vec<Bytes> = Vec::new();
+    let mut batch_len = 0usize;
+    loop {
+        let chunk = body.try_next().await.map_err(|e| {
+            site.error(
+                ErrorKind::ObjectStore,
                 format!(
-                    "read back {} bytes hashing to {}, wrote {got_sha}",
-                    written.size, written.sha256
+                    "reading the body of s3://{}/{key} from {}: {}",
+                    src.bucket(),
+                    src.endpoint(),
+                    chain(&e)
                 ),
-            ));
+            )
+            .with_source(e)
+        })?;
+        let end = chunk.is_none();
+        if let Some(chunk) = chunk {
+            let so_far = sink.as_ref().map_or(0, |s| s.written) + (batch_len + chunk.len()) as u64;
+            if so_far > file.size {
+                return Err(site.error(
+                    ErrorKind::SizeMismatch,
+                    format!(
+                        "object returned more than the {} bytes the file reference says",
+                        file.size
+                    ),
+                ));
+            }
+            batch_len += chunk.len();
+            batch.push(chunk);
         }
-        atomic
-    } else {
-        atomic
+        let first = sink.as_ref().is_some_and(|s| s.atomic.is_none());
+        if batch_len >= WRITE_BATCH || (end && (batch_len > 0 || first)) {
+            let mut state = sink.take().expect("the sink is back after every write");
+            let chunks = std::mem::take(&mut batch);
+            let (dst_owned, rel_owned) = (dst.clone(), rel.to_owned());
+            let size = file.size;
+            let state = tokio::task::spawn_blocking(move || {
+                if state.atomic.is_none() {
+                    state.atomic = Some(dst_owned.create_atomic(&rel_owned, size)?);
+                }
+                let atomic = state.atomic.as_ref().expect("created above");
+                for chunk in chunks {
+                    state.hasher.update(&chunk);
+                    atomic.write_all_at(&chunk, state.written)?;
+                    state.written += chunk.len() as u64;
+                }
+                Ok::<SingleSink, TransferError>(state)
+            })
+            .await
+            .map_err(|e| join_error(dst.name(), rel, Side::Destination, e))??;
+            sink = Some(state);
+            progress.add_bytes(batch_len as u64);
+            batch_len = 0;
+        }
+        if end {
+            break;
+        }
+    }
+    drop(slot);
+    let sink = sink.expect("the sink is back after every write");
+    let atomic = sink
+        .atomic
+        .expect("the end of the body creates the temp file");
+    let received = Received {
+        size: sink.written,
+        sha256: hex::encode(sink.hasher.finalize()),
     };
+    let atomic = prove(
+        src,
+        dst,
+        file,
+        opts,
+        expected,
+        recorded.as_deref(),
+        atomic,
+        &received,
+    )
+    .await?;
     let outcome = CopyOutcome::Copied {
-        bytes: got_size,
-        sha256: got_sha,
-        engine: if ranged { "s3-ranged-get" } else { "s3-get" },
+        bytes: received.size,
+        sha256: received.sha256,
+        engine: "s3-get",
     };
-    Ok((outcome, Some(atomic)))
+    Ok((outcome, atomic))
 }
 
 /// Decides what to do about a file already at the destination: skip it when it provably (or,
@@ -307,6 +522,11 @@ async fn fetch_ranges(
         }
         if failure.is_some() {
             break;
+        }
+        if offset > 0
+            && let Some(hook) = src.range_hook()
+        {
+            hook(rel, offset).await;
         }
         let (tx, rx) = mpsc::unbounded_channel();
         if order_tx.send((rx, slot)).is_err() {

@@ -1,12 +1,14 @@
 //! The S3 tier: a bucket and a key prefix on an S3-compatible endpoint (AWS, SeaweedFS, MinIO,
 //! Ceph RGW), and the transfers to, from and within it.
 //!
-//! - s3 → posix ([`download`]): parallel ranged GETs (one part per range, a bounded number in
-//!   flight), each streamed chunk by chunk into a temp file at its offset; the file is hashed in
-//!   order from the same chunks as contiguous ranges complete (a reorder window of ranges bounds
-//!   the memory held), size and SHA-256 are checked before the temp file is published. Every GET
-//!   carries `If-Match` with the ETag seen first, so an object replaced mid-download is
-//!   `SourceChanged`, not a mixed file.
+//! - s3 → posix ([`download`]): an object of at most one part is one GET (size, ETag and
+//!   recorded SHA-256 from its response, no HEAD). A larger one is parallel ranged GETs (one part
+//!   per range, a bounded number in flight), each streamed chunk by chunk into a temp file at its
+//!   offset; the file is hashed in order from the same chunks as contiguous ranges complete (a
+//!   reorder window of ranges bounds the memory held). Size and SHA-256 (the file reference's,
+//!   else the one recorded with the object) are checked before the temp file is published. Every
+//!   ranged GET carries `If-Match` with the ETag seen first, so an object replaced mid-download
+//!   is `SourceChanged`, not a mixed file.
 //! - posix → s3 ([`upload`]): one PUT with `x-amz-checksum-sha256` below the multipart threshold,
 //!   otherwise a multipart upload with parallel parts, each with its own SHA-256 checksum. The
 //!   source is read once and hashed on the way; the whole-object SHA-256 is stored in metadata
@@ -29,6 +31,7 @@ mod upload;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use stagehand_schemas::check_relative_path;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -70,7 +73,13 @@ struct Inner {
     endpoint: String,
     /// Requests in flight against this tier, shared by every transfer using it.
     requests: Arc<Semaphore>,
+    /// The fault-injection seam of [`S3Tier::with_range_hook`]; `None` outside tests.
+    range_hook: Option<RangeHook>,
 }
+
+/// Called with the tier-relative path and the range's offset before each ranged GET of a
+/// download after its first; the download waits for the returned future.
+pub type RangeHook = Arc<dyn Fn(&str, u64) -> BoxFuture<'static, ()> + Send + Sync>;
 
 impl std::fmt::Debug for S3Tier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -177,8 +186,31 @@ impl S3Tier {
                 client,
                 endpoint,
                 requests,
+                range_hook: None,
             }),
         }
+    }
+
+    /// The same tier (same client and request limit) with a seam for fault tests: `hook` runs
+    /// between the ranges of a ranged download, after the first range has started and before
+    /// each later range's GET, so a test can change the object in the middle of a download
+    /// deterministically. Production code never sets it.
+    #[doc(hidden)]
+    pub fn with_range_hook(&self, hook: RangeHook) -> S3Tier {
+        S3Tier {
+            inner: Arc::new(Inner {
+                name: self.inner.name.clone(),
+                config: self.inner.config.clone(),
+                client: self.inner.client.clone(),
+                endpoint: self.inner.endpoint.clone(),
+                requests: self.inner.requests.clone(),
+                range_hook: Some(hook),
+            }),
+        }
+    }
+
+    pub(crate) fn range_hook(&self) -> Option<&RangeHook> {
+        self.inner.range_hook.as_ref()
     }
 
     pub fn name(&self) -> &str {
