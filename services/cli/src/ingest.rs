@@ -340,6 +340,48 @@ pub async fn wait_outcome(
         .with_context(|| format!("no validation of request {request} within {timeout:?} (is the ingest validator running?)"))?
 }
 
+/// Waits until the catalogue shows `outcome`, so that a `stagehand catalogue show` right after
+/// `ingest --wait` sees it: the fact is in the stream before the recorder has folded it. A
+/// catalogue that does not answer by the deadline is only warned about — the outcome itself is
+/// already certain.
+async fn wait_catalogued(
+    client: &async_nats::Client,
+    project: &str,
+    outcome: &Outcome,
+    deadline: tokio::time::Instant,
+) {
+    use stagehand_catalogue_recorder::{Answer, Query};
+    let dataset = match outcome {
+        Outcome::Validated(v) => &v.dataset,
+        Outcome::Rejected(r) => &r.dataset,
+    };
+    let recorded = |d: &stagehand_catalogue_recorder::DatasetDetail| match outcome {
+        Outcome::Validated(v) => d.dataset.versions.contains(&v.version),
+        Outcome::Rejected(r) => d.dataset.rejected_requests.contains(r.request_id.as_str()),
+    };
+    let query = Query::Dataset {
+        project: project.to_owned(),
+        dataset: dataset.to_owned(),
+    };
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            tracing::warn!(%project, %dataset, "the catalogue has not recorded the outcome yet");
+            return;
+        }
+        if let Ok(Answer::Dataset(detail)) =
+            stagehand_catalogue_recorder::ask(client, &query, left.min(Duration::from_secs(2)))
+                .await
+            && recorded(&detail)
+        {
+            return;
+        }
+        tokio::time::sleep(pause.min(left)).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
 /// Options of one ingest.
 #[derive(Debug, Clone)]
 pub struct IngestOptions {
@@ -449,7 +491,12 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
     };
     let ack = bus.publish(&request).await?;
     let outcome = match (watch, opts.wait) {
-        (Some(watch), Some(timeout)) => Some(wait_outcome(watch, &request.id, timeout).await?),
+        (Some(watch), Some(timeout)) => {
+            let deadline = tokio::time::Instant::now() + timeout;
+            let outcome = wait_outcome(watch, &request.id, timeout).await?;
+            wait_catalogued(bus.client(), &opts.project, &outcome, deadline).await;
+            Some(outcome)
+        }
         _ => None,
     };
     Ok(IngestReport {
