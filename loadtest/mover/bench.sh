@@ -6,15 +6,15 @@
 #   loadtest/mover/bench.sh            # 4 GiB file + 20,000 × 4 KiB files
 #   LARGE_MIB=1024 SMALL_FILES=5000 loadtest/mover/bench.sh   # a quicker run
 #
-# Data lives under $BENCH_DIR (default: target/mover-bench beside the repo) on the same
+# Data lives under $BENCH_DIR (default: $CARGO_TARGET_DIR/mover-bench) on the same
 # filesystem for every tool; the destination is removed before each run.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-BENCH_DIR=${BENCH_DIR:-$REPO/target/mover-bench}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
+BENCH_DIR=${BENCH_DIR:-$CARGO_TARGET_DIR/mover-bench}
 LARGE_MIB=${LARGE_MIB:-4096}
 SMALL_FILES=${SMALL_FILES:-20000}
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
 
 need() {
     command -v "$1" >/dev/null 2>&1 && return
@@ -38,7 +38,8 @@ mkdir -p "$SRC_L" "$SRC_S"
 # Data: made once, reused across runs.
 if [ "$(stat -c %s "$SRC_L/large.bin" 2>/dev/null || echo 0)" != "$((LARGE_MIB * 1048576))" ]; then
     echo "creating a ${LARGE_MIB} MiB file ..." >&2
-    openssl enc -aes-128-ctr -pass pass:stagehand -nosalt -pbkdf2 </dev/zero 2>/dev/null |
+    # Incompressible bytes; openssl stops on SIGPIPE when head has enough.
+    { openssl enc -aes-128-ctr -pass pass:stagehand -nosalt -pbkdf2 </dev/zero 2>/dev/null || true; } |
         head -c "$((LARGE_MIB * 1048576))" >"$SRC_L/large.bin"
 fi
 if [ "$(find "$SRC_S" -type f | wc -l)" != "$SMALL_FILES" ]; then
