@@ -2,8 +2,13 @@
 //!
 //! 1. raw publish: async publishes with pipelined PubAcks;
 //! 2. raw consume + ack and consume + double ack, acks in flight concurrently;
-//! 3. the runtime (`run_worker`) with a no-op handler and the redb ledger on, with and without
-//!    claims, and with one fact published per message.
+//! 3. the runtime (`run_worker`) with a no-op handler and the redb ledger on, with claims as
+//!    `WorkerConfig` defaults them (the headline), then with claims toggled, and with one fact
+//!    published per message.
+//!
+//! Each row also gives the CPU time per message of this process and of the nats-server it
+//! started: on a shared machine throughput moves with the neighbours' load, CPU per message
+//! much less.
 //!
 //! `cargo run --release -p stagehand-loadtest --bin runtime-bench -- --messages 100000 --payload 512`
 
@@ -34,14 +39,69 @@ struct Args {
     #[arg(long, default_value_t = 256)]
     concurrency: usize,
     /// Use this server instead of starting one (it must have JetStream; streams are created).
+    /// Its CPU time is then not reported.
     #[arg(long)]
     url: Option<String>,
+    /// Run only the headline runtime case (no-op handler, ledger, claims as configured by
+    /// default), not the variants with claims toggled and with one fact per message.
+    #[arg(long)]
+    headline_only: bool,
 }
 
 struct Row {
-    name: &'static str,
+    name: String,
     secs: f64,
     messages: usize,
+    cpu: Cpu,
+}
+
+/// CPU seconds spent by this process (every thread) and by the nats-server it started.
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    client: f64,
+    server: Option<f64>,
+}
+
+impl Cpu {
+    fn now(server_pid: Option<u32>) -> Cpu {
+        Cpu {
+            client: process_cpu_seconds(std::process::id()).unwrap_or(0.0),
+            server: server_pid.and_then(process_cpu_seconds),
+        }
+    }
+
+    fn since(self, start: Cpu) -> Cpu {
+        Cpu {
+            client: self.client - start.client,
+            server: self.server.zip(start.server).map(|(a, b)| a - b),
+        }
+    }
+}
+
+/// utime + stime of a process from /proc/<pid>/stat.
+fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(ticks / hz)
+}
+
+/// The pid of the nats-server whose command line names `store` (the one the testkit started).
+fn server_pid(store: &std::path::Path) -> Option<u32> {
+    let store = store.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            (cmdline.contains("nats-server") && cmdline.contains(store.as_str())).then_some(pid)
+        })
 }
 
 impl Row {
@@ -99,11 +159,13 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let n = args.messages;
     let _server;
+    let mut spid = None;
     let url = match &args.url {
         Some(u) => u.clone(),
         None => {
             let s = stagehand_testkit::NatsServer::start();
             let u = s.url();
+            spid = server_pid(&s.store_dir());
             _server = s;
             u
         }
@@ -123,6 +185,7 @@ async fn main() -> anyhow::Result<()> {
     .await?;
     let payload = bytes::Bytes::from(vec![b'x'; args.payload]);
     let start = Instant::now();
+    let cpu = Cpu::now(spid);
     let mut acks = FuturesUnordered::new();
     for i in 0..n {
         let mut headers = async_nats::HeaderMap::new();
@@ -138,9 +201,10 @@ async fn main() -> anyhow::Result<()> {
     }
     while acks.next().await.transpose()?.is_some() {}
     rows.push(Row {
-        name: "raw publish (pipelined PubAcks)",
+        name: "raw publish (pipelined PubAcks)".into(),
         secs: start.elapsed().as_secs_f64(),
         messages: n,
+        cpu: Cpu::now(spid).since(cpu),
     });
 
     // Raw consume + ack, then consume + double ack, each on its own durable consumer.
@@ -159,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
             })
             .await?;
         let start = Instant::now();
+        let cpu = Cpu::now(spid);
         let messages = consumer
             .stream()
             .max_messages_per_batch(args.concurrency)
@@ -179,9 +244,10 @@ async fn main() -> anyhow::Result<()> {
             client.flush().await?;
         }
         rows.push(Row {
-            name,
+            name: name.into(),
             secs: start.elapsed().as_secs_f64(),
             messages: n,
+            cpu: Cpu::now(spid).since(cpu),
         });
     }
 
@@ -212,11 +278,36 @@ async fn main() -> anyhow::Result<()> {
     while acks.next().await.transpose()?.is_some() {}
 
     let dir = tempfile::tempdir()?;
-    let cases: [(&'static str, bool, bool); 3] = [
-        ("runtime, no-op handler, ledger, no claims", false, false),
-        ("runtime, no-op handler, ledger, claims", true, false),
-        ("runtime, 1 fact/msg, ledger, claims", true, true),
-    ];
+    let default_claims = WorkerConfig::new("x", "x", vec![], "x").claims;
+    let claims_label = |on: bool| {
+        let default = if on == default_claims {
+            " (default)"
+        } else {
+            ""
+        };
+        format!("claims {}{default}", if on { "on" } else { "off" })
+    };
+    let mut cases = vec![(
+        format!("runtime, no-op, ledger, {}", claims_label(default_claims)),
+        default_claims,
+        false,
+    )];
+    if !args.headline_only {
+        cases.push((
+            format!("runtime, no-op, ledger, {}", claims_label(!default_claims)),
+            !default_claims,
+            false,
+        ));
+        cases.push((
+            format!(
+                "runtime, 1 fact/msg, ledger, {}",
+                claims_label(default_claims)
+            ),
+            default_claims,
+            true,
+        ));
+    }
+    let mut commit_notes = Vec::new();
     for (i, (name, claims, fact)) in cases.into_iter().enumerate() {
         let service = format!("bench-{i}");
         let mut cfg = WorkerConfig::new(
@@ -229,6 +320,7 @@ async fn main() -> anyhow::Result<()> {
         cfg.claims = claims;
         let token = CancellationToken::new();
         let start = Instant::now();
+        let cpu = Cpu::now(spid);
         let worker = if fact {
             tokio::spawn(run_worker(
                 bus.clone(),
@@ -251,6 +343,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         let secs = start.elapsed().as_secs_f64();
+        let cpu = Cpu::now(spid).since(cpu);
         token.cancel();
         let stats = worker.await??;
         anyhow::ensure!(
@@ -258,16 +351,18 @@ async fn main() -> anyhow::Result<()> {
             "{name}: handled {} of {n}",
             stats.handled
         );
-        println!(
-            "{name}: {} ledger commits for {} writes ({:.0} outcomes per commit)",
+        commit_notes.push(format!(
+            "{name}: {} ledger commits for {} writes ({:.0} outcomes per commit, {:.2} ms per commit)",
             stats.ledger_commits,
             stats.ledger_writes,
-            stats.ledger_writes as f64 / stats.ledger_commits.max(1) as f64
-        );
+            stats.ledger_writes as f64 / stats.ledger_commits.max(1) as f64,
+            1000.0 * secs / stats.ledger_commits.max(1) as f64,
+        ));
         rows.push(Row {
             name,
             secs,
             messages: n,
+            cpu,
         });
     }
 
@@ -277,21 +372,34 @@ async fn main() -> anyhow::Result<()> {
         .map(Row::rate)
         .unwrap_or(1.0);
     println!();
+    for note in &commit_notes {
+        println!("{note}");
+    }
+    println!();
     println!(
-        "{} messages of {} bytes, runtime concurrency {}",
-        n, args.payload, args.concurrency
+        "{n} messages of {} bytes; raw consumers and runtime: concurrency {} (runtime: {} handlers, \
+         {} messages in flight = max_ack_pending); ledger fsyncs every commit",
+        args.payload,
+        args.concurrency,
+        args.concurrency,
+        args.concurrency * 2
     );
     println!(
-        "{:<45} {:>10} {:>12} {:>18}",
-        "measurement", "seconds", "msgs/s", "vs consume+dbl-ack"
+        "{:<52} {:>8} {:>10} {:>9} {:>11} {:>11}",
+        "measurement", "seconds", "msgs/s", "vs dbl-ack", "client µs/msg", "server µs/msg"
     );
     for r in &rows {
+        let per_msg = |s: f64| 1e6 * s / r.messages as f64;
         println!(
-            "{:<45} {:>10.2} {:>12.0} {:>17.0}%",
+            "{:<52} {:>8.2} {:>10.0} {:>9.0}% {:>13.1} {:>13}",
             r.name,
             r.secs,
             r.rate(),
-            100.0 * r.rate() / reference
+            100.0 * r.rate() / reference,
+            per_msg(r.cpu.client),
+            r.cpu
+                .server
+                .map_or_else(|| "n/a".to_owned(), |s| format!("{:.1}", per_msg(s))),
         );
     }
     Ok(())

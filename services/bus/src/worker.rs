@@ -16,7 +16,7 @@ use opentelemetry::Context as OtelContext;
 use stagehand_schemas::subject::dead_letter_subject;
 use stagehand_schemas::{Attempt, Body, DeadLetter, Event, EventId, wire};
 use stagehand_telemetry::{extract_context, names, propagation::has_span};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, error, info, info_span, warn};
@@ -215,7 +215,7 @@ fn consumer_config(cfg: &WorkerConfig) -> pull::Config {
         max_deliver: cfg.max_deliver,
         filter_subject,
         filter_subjects,
-        max_ack_pending: i64::try_from(cfg.concurrency.saturating_mul(2)).unwrap_or(i64::MAX),
+        max_ack_pending: i64::try_from(in_flight_window(cfg)).unwrap_or(i64::MAX),
         ..Default::default()
     }
 }
@@ -310,6 +310,82 @@ pub async fn run_worker_with_hooks<H: Handler>(
     Ok(stats)
 }
 
+/// Two kinds of slot bound a worker. A *handler* slot is held while the handler runs
+/// (`concurrency` of them); an *in-flight* slot is held from the pull until the ack (as many as
+/// the consumer's `max_ack_pending`, 2 × `concurrency`). A message that has finished its work
+/// waits for its ledger commit and its acks without keeping a handler from starting, so the
+/// fsync latency of the shared commit does not cap throughput at `concurrency` / latency.
+struct Slots {
+    handlers: Arc<Semaphore>,
+    in_flight: Arc<Semaphore>,
+}
+
+/// The permits one pull holds: as many of each kind as messages asked for.
+struct PullPermits {
+    handlers: OwnedSemaphorePermit,
+    in_flight: OwnedSemaphorePermit,
+}
+
+impl Slots {
+    fn new(cfg: &WorkerConfig) -> Slots {
+        Slots {
+            handlers: Arc::new(Semaphore::new(cfg.concurrency)),
+            in_flight: Arc::new(Semaphore::new(in_flight_window(cfg))),
+        }
+    }
+
+    fn free(&self) -> usize {
+        self.handlers
+            .available_permits()
+            .min(self.in_flight.available_permits())
+    }
+
+    /// Waits until at least one message can be pulled, then takes every free pair of slots.
+    /// While work is in flight it waits up to 2 ms for `low_water` pairs, so that pulls are
+    /// not one message at a time. `None` once the semaphores are closed.
+    async fn acquire(&self, busy: bool, low_water: usize) -> Option<PullPermits> {
+        let mut permits = PullPermits {
+            handlers: self.handlers.clone().acquire_owned().await.ok()?,
+            in_flight: self.in_flight.clone().acquire_owned().await.ok()?,
+        };
+        if busy && 1 + self.free() < low_water {
+            let want = u32::try_from(low_water - 1).unwrap_or(u32::MAX);
+            let more = async {
+                let h = self.handlers.clone().acquire_many_owned(want).await.ok()?;
+                let f = self.in_flight.clone().acquire_many_owned(want).await.ok()?;
+                Some((h, f))
+            };
+            if let Ok(Some((h, f))) = tokio::time::timeout(Duration::from_millis(2), more).await {
+                permits.handlers.merge(h);
+                permits.in_flight.merge(f);
+            }
+        }
+        let free = u32::try_from(self.free()).unwrap_or(u32::MAX);
+        if free > 0
+            && let (Ok(h), Ok(f)) = (
+                self.handlers.clone().try_acquire_many_owned(free),
+                self.in_flight.clone().try_acquire_many_owned(free),
+            )
+        {
+            permits.handlers.merge(h);
+            permits.in_flight.merge(f);
+        }
+        // Give back what the other kind cannot match.
+        let n = permits
+            .handlers
+            .num_permits()
+            .min(permits.in_flight.num_permits());
+        let _ = permits.handlers.split(permits.handlers.num_permits() - n);
+        let _ = permits.in_flight.split(permits.in_flight.num_permits() - n);
+        Some(permits)
+    }
+}
+
+/// Messages pulled and not yet acked: the consumer's `max_ack_pending`.
+fn in_flight_window(cfg: &WorkerConfig) -> usize {
+    cfg.concurrency.saturating_mul(2)
+}
+
 /// Pulls as many messages as there are free slots and runs each in its own task; on shutdown
 /// drains until the deadline. Returns how many tasks were abandoned at the deadline.
 async fn pull_loop<H: Handler>(
@@ -318,7 +394,8 @@ async fn pull_loop<H: Handler>(
     shutdown: &CancellationToken,
 ) -> u64 {
     let cfg = &shared.cfg;
-    let slots = Arc::new(Semaphore::new(cfg.concurrency));
+    let slots = Slots::new(cfg);
+    let low_water = (cfg.concurrency / 4).max(1);
     let mut tasks: JoinSet<()> = JoinSet::new();
     let mut pull_failures: u32 = 0;
     'pull: loop {
@@ -328,32 +405,12 @@ async fn pull_loop<H: Handler>(
         let mut pool = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break 'pull,
-            p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break 'pull,
+            p = slots.acquire(!tasks.is_empty(), low_water) => match p {
+                Some(p) => p,
+                None => break 'pull,
             },
         };
-        // While work is in flight, wait a moment for a quarter of the slots to free up so
-        // that pulls are not one message at a time.
-        let low_water = (cfg.concurrency / 4).max(1);
-        if !tasks.is_empty() && pool.num_permits() + slots.available_permits() < low_water {
-            let want = (low_water - pool.num_permits()) as u32;
-            if let Ok(Ok(more)) = tokio::time::timeout(
-                Duration::from_millis(2),
-                slots.clone().acquire_many_owned(want),
-            )
-            .await
-            {
-                pool.merge(more);
-            }
-        }
-        let free = slots.available_permits();
-        if free > 0
-            && let Ok(more) = slots.clone().try_acquire_many_owned(free as u32)
-        {
-            pool.merge(more);
-        }
-        let wanted = pool.num_permits();
+        let wanted = pool.handlers.num_permits();
         let batch = consumer
             .batch()
             .max_messages(wanted)
@@ -392,16 +449,20 @@ async fn pull_loop<H: Handler>(
                     break;
                 }
                 Some(Ok(msg)) => {
-                    let Some(permit) = pool.split(1) else {
+                    let (Some(handler_slot), Some(in_flight)) =
+                        (pool.handlers.split(1), pool.in_flight.split(1))
+                    else {
                         // The server sent more than asked for; leave it for redelivery.
                         warn!("pull batch delivered more messages than requested");
                         break;
                     };
                     let shared = shared.clone();
-                    tasks.spawn(async move {
-                        process(&shared, msg).await;
-                        drop(permit);
-                    });
+                    // Boxed: the task's future is large, and tokio moves an unboxed future
+                    // several times on its way into the task; a box moves once.
+                    tasks.spawn(Box::pin(async move {
+                        process(&shared, msg, handler_slot).await;
+                        drop(in_flight);
+                    }));
                 }
             }
         }
@@ -449,7 +510,12 @@ fn msg_info(msg: &jetstream::Message) -> Option<MsgInfo> {
     })
 }
 
-async fn process<H: Handler>(shared: &Arc<Shared<H>>, msg: jetstream::Message) {
+/// Handles one message. `handler_slot` is given back as soon as the handler has returned.
+async fn process<H: Handler>(
+    shared: &Arc<Shared<H>>,
+    msg: jetstream::Message,
+    handler_slot: OwnedSemaphorePermit,
+) {
     let Some(info) = msg_info(&msg) else {
         warn!(subject = %msg.subject, "message without JetStream metadata; ignoring");
         return;
@@ -474,10 +540,13 @@ async fn process<H: Handler>(shared: &Arc<Shared<H>>, msg: jetstream::Message) {
                 permanent: true,
             };
             warn!(parent: &span, error = %attempt.error, "dead-lettering undecodable message");
-            shared
-                .dead_letter(&msg, &info, None, vec![attempt], &parent)
-                .instrument(span)
-                .await;
+            drop(handler_slot);
+            Box::pin(
+                shared
+                    .dead_letter(&msg, &info, None, vec![attempt], &parent)
+                    .instrument(span),
+            )
+            .await;
         }
         Ok(event) => {
             let span = info_span!(
@@ -494,7 +563,7 @@ async fn process<H: Handler>(shared: &Arc<Shared<H>>, msg: jetstream::Message) {
                 let _ = span.set_parent(parent.clone());
             }
             shared
-                .process_event(msg, info, event, parent)
+                .process_event(msg, info, event, parent, handler_slot)
                 .instrument(span)
                 .await;
         }
@@ -515,10 +584,12 @@ impl<H: Handler> Shared<H> {
         info: MsgInfo,
         event: Event,
         parent: OtelContext,
+        handler_slot: OwnedSemaphorePermit,
     ) {
         // 1. Finished already? Republish exactly what was recorded.
         match self.ledger.recorded_bytes(event.id.as_str()) {
-            Ok(Some(recorded)) => return self.replay(&msg, recorded, &parent).await,
+            // Boxed, like the other uncommon paths, to keep the per-message future small.
+            Ok(Some(recorded)) => return Box::pin(self.replay(&msg, recorded, &parent)).await,
             Ok(None) => {}
             Err(e) => return self.nak(&msg, &info, &format!("ledger read: {e}")).await,
         }
@@ -576,12 +647,10 @@ impl<H: Handler> Shared<H> {
                 .unwrap_or_else(|| "non-string panic".into());
             Err(HandlerError::retryable(format!("handler panicked: {what}")))
         });
+        drop(handler_slot);
         match result {
             Ok(facts) => self.finish(&msg, &info, &event, facts, &parent).await,
-            Err(e) => {
-                self.failed(&msg, &info, &event, e, claim_rev, &parent)
-                    .await
-            }
+            Err(e) => Box::pin(self.failed(&msg, &info, &event, e, claim_rev, &parent)).await,
         }
     }
 
@@ -629,8 +698,9 @@ impl<H: Handler> Shared<H> {
                 return self.nak(msg, info, &format!("publishing facts: {e}")).await;
             }
         }
-        self.mark_done(&event.id).await;
-        self.ack(msg, AckKind::Ack).await;
+        // The done marker and the ack are independent (either may fail without harm, see
+        // `mark_done`); sending both at once saves a round trip.
+        tokio::join!(self.mark_done(&event.id), self.ack(msg, AckKind::Ack));
         bump(&self.counters.handled);
         debug!(facts = facts.len(), "handled");
     }
