@@ -7,8 +7,15 @@
 #
 # Settings (environment): BENCH_DIR (scratch space, default a temp dir), BENCH_JOBS (files and
 # requests in flight, default 8), BENCH_PART_MIB (part size, default 16), BENCH_BIG_MIB (size of
-# the large file, default 1024), BENCH_SMALL_COUNT (default 2000), STAGEHAND_CP (a prebuilt
-# stagehand-mover-cp; otherwise it is built with the bench-release profile).
+# the large file, default 1024), BENCH_SMALL_COUNT (default 2000), BENCH_ROUNDS (default 3),
+# STAGEHAND_CP (a prebuilt stagehand-mover-cp; otherwise it is built with the bench-release
+# profile).
+#
+# Each round runs every case with both tools, into fresh buckets and fresh directories, the
+# tools' order alternating from round to round; the table shows the median of the rounds, so a
+# neighbour's burst of CPU on a shared machine moves one sample, not the result. Nothing is
+# deleted between runs: on ext4, files deleted just before make the next creates slower
+# (recently deleted inodes are skipped), which would tax whichever tool runs second.
 #
 # Equal concurrency means: rclone --transfers J --checkers J --s3-upload-concurrency J
 # --multi-thread-streams J --s3-chunk-size P, and Stagehand --concurrency J with
@@ -22,6 +29,7 @@ JOBS="${BENCH_JOBS:-8}"
 PART_MIB="${BENCH_PART_MIB:-16}"
 BIG_MIB="${BENCH_BIG_MIB:-1024}"
 SMALL_COUNT="${BENCH_SMALL_COUNT:-2000}"
+ROUNDS="${BENCH_ROUNDS:-3}"
 WORK="${BENCH_DIR:-$(mktemp -d /tmp/stagehand-s3-bench.XXXXXX)}"
 mkdir -p "$WORK"
 
@@ -33,8 +41,13 @@ command -v rclone >/dev/null || { log "rclone is missing: deploy/servers.sh inst
 port_open() { python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1",int(sys.argv[1])),1)' "$1" 2>/dev/null; }
 S3_PORT="${STAGEHAND_S3_PORT:-8333}"
 STARTED=0
+BUCKETS=()
 cleanup() {
-    [ "$STARTED" -eq 0 ] || "$REPO/deploy/servers.sh" stop s3 >/dev/null 2>&1 || true
+    if [ "$STARTED" -eq 0 ]; then # a server that outlives the run keeps no benchmark buckets
+        for b in "${BUCKETS[@]}"; do rclone_env rclone --config /dev/null purge "bench:$b" >/dev/null 2>&1 || true; done
+    else
+        "$REPO/deploy/servers.sh" stop s3 >/dev/null 2>&1 || true
+    fi
     [ -n "${BENCH_DIR:-}" ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -104,13 +117,13 @@ run() { # name tool bytes files command...
     log "$name $tool: $(echo "$t1 - $t0" | bc -l | cut -c1-6) s"
 }
 
-n=0
-for tool in stagehand rclone; do
-    n=$((n + 1))
-    bucket="bench-$tool-$n-$$"
+one_round() { # round tool
+    local r="$1" tool="$2"
+    local bucket="bench-$tool-$r-$$"
     make_bucket "$bucket"
-    down="$WORK/down-$tool"
-    rm -rf "$down" && mkdir -p "$down/big" "$down/small"
+    BUCKETS+=("$bucket")
+    local down="$WORK/down-$tool-$r"
+    mkdir -p "$down/big" "$down/small"
     if [ "$tool" = stagehand ]; then
         run "${BIG_MIB} MiB up" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "$WORK/big" "s3://$bucket/big"
         run "${SMALL_COUNT}x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "$WORK/small" "s3://$bucket/small"
@@ -127,20 +140,40 @@ for tool in stagehand rclone; do
     # Both tools must have moved every byte intact.
     cmp "$WORK/big/big.bin" "$down/big/big.bin"
     diff -r "$WORK/small" "$down/small" >/dev/null
+}
+
+for r in $(seq "$ROUNDS"); do
+    log "round $r of $ROUNDS"
+    if [ $((r % 2)) -eq 1 ]; then order="stagehand rclone"; else order="rclone stagehand"; fi
+    for tool in $order; do one_round "$r" "$tool"; done
 done
 
-python3 - "$RESULTS" "$JOBS" "$PART_MIB" <<'PY'
-import sys, collections
+python3 - "$RESULTS" "$JOBS" "$PART_MIB" "$ROUNDS" <<'PY'
+import sys, collections, statistics
 rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 by = collections.OrderedDict()
 for name, tool, nbytes, files, secs in rows:
-    by.setdefault(name, {})[tool] = (int(nbytes), int(files), float(secs))
-print(f"\nS3 transfers, {sys.argv[2]} in flight, {sys.argv[3]} MiB parts (local SeaweedFS)\n")
-print(f"{'case':<18}{'stagehand':>16}{'rclone':>16}{'ratio':>8}")
+    by.setdefault(name, {}).setdefault(tool, []).append((int(nbytes), int(files), float(secs)))
+print(f"\nS3 transfers, {sys.argv[2]} in flight, {sys.argv[3]} MiB parts (local SeaweedFS), "
+      f"median of {sys.argv[4]} rounds\n")
+print(f"{'case':<18}{'stagehand':>16}{'rclone':>16}{'ratio':>8}   stagehand runs (s) | rclone runs (s)")
 for name, t in by.items():
+    def med(runs):
+        b, f, _ = runs[0]
+        return b, f, statistics.median(s for _, _, s in runs)
     def fmt(v):
         b, f, s = v
         return f"{b / s / 2**20:8.1f} MiB/s" if f == 1 else f"{f / s:7.0f} files/s"
-    s, r = t["stagehand"], t["rclone"]
-    print(f"{name:<18}{fmt(s):>16}{fmt(r):>16}{r[2] / s[2]:7.2f}x")
+    def spread(runs):
+        return " ".join(f"{s:.2f}" for _, _, s in runs)
+    s, r = med(t["stagehand"]), med(t["rclone"])
+    print(f"{name:<18}{fmt(s):>16}{fmt(r):>16}{r[2] / s[2]:7.2f}x   "
+          f"{spread(t['stagehand'])} | {spread(t['rclone'])}")
+print("""
+Notes: Stagehand proves every file's SHA-256 end to end (uploads send x-amz-checksum-sha256 per
+PUT or part and record the whole-file hash; downloads hash what they write and compare it with
+the recorded hash), writes each download to a temp file and renames it into place only after it
+is durable (one syncfs per batch before the renames, one after). rclone checks sizes and
+MD5/ETags where it can, writes in place and does not sync: its downloads may still sit in the
+page cache when it exits. Each tool downloads what it uploaded itself.""")
 PY
