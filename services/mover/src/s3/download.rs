@@ -292,7 +292,7 @@ async fn fetch_single(
     let rel = file.path.as_str();
     let site = src.site(Side::Source, rel);
     let key = src.key_unchecked(rel);
-    let slot = src.request_slot().await;
+    let mut slot = Some(src.request_slot().await);
     let response = src
         .client()
         .get_object()
@@ -332,6 +332,10 @@ async fn fetch_single(
             .with_source(e)
         })?;
         let end = chunk.is_none();
+        if end {
+            // The request is over: its slot serves another file while this one is written.
+            drop(slot.take());
+        }
         if let Some(chunk) = chunk {
             let so_far = sink.as_ref().map_or(0, |s| s.written) + (batch_len + chunk.len()) as u64;
             if so_far > file.size {
@@ -374,7 +378,6 @@ async fn fetch_single(
             break;
         }
     }
-    drop(slot);
     let sink = sink.expect("the sink is back after every write");
     let atomic = sink
         .atomic
