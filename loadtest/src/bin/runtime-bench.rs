@@ -352,7 +352,7 @@ async fn main() -> anyhow::Result<()> {
             stats.handled
         );
         commit_notes.push(format!(
-            "{name}: {} ledger commits for {} writes ({:.0} outcomes per commit, {:.2} ms per commit)",
+            "{name}: {} ledger commits for {} writes ({:.0} outcomes per commit, one commit every {:.2} ms)",
             stats.ledger_commits,
             stats.ledger_writes,
             stats.ledger_writes as f64 / stats.ledger_commits.max(1) as f64,

@@ -620,19 +620,27 @@ impl<H: Handler> Shared<H> {
         let result = {
             let work = AssertUnwindSafe(self.handler.handle(&event, &ctx)).catch_unwind();
             tokio::pin!(work);
-            let period = self.cfg.ack_wait / 3;
-            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-            loop {
-                tokio::select! {
-                    r = &mut work => break r,
-                    _ = ticker.tick() => {
-                        if let Err(e) = msg.ack_with(AckKind::Progress).await {
-                            warn!(error = %e, "progress ack failed");
-                        }
-                        if let (Some(claims), Some(rev)) = (&self.claims, claim_rev) {
-                            match claims.renew(&event.id, info.stream_sequence, rev).await {
-                                Ok(new) => claim_rev = Some(new),
-                                Err(e) => warn!(error = %e, "claim renewal failed"),
+            // A handler that finishes on its first poll needs no progress timer: arming one
+            // per message costs more than a quick handler does.
+            match futures::poll!(&mut work) {
+                std::task::Poll::Ready(r) => r,
+                std::task::Poll::Pending => {
+                    let period = self.cfg.ack_wait / 3;
+                    let mut ticker =
+                        tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+                    loop {
+                        tokio::select! {
+                            r = &mut work => break r,
+                            _ = ticker.tick() => {
+                                if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                                    warn!(error = %e, "progress ack failed");
+                                }
+                                if let (Some(claims), Some(rev)) = (&self.claims, claim_rev) {
+                                    match claims.renew(&event.id, info.stream_sequence, rev).await {
+                                        Ok(new) => claim_rev = Some(new),
+                                        Err(e) => warn!(error = %e, "claim renewal failed"),
+                                    }
+                                }
                             }
                         }
                     }
