@@ -51,6 +51,10 @@ pub struct MoverConfig {
     pub batch_files: usize,
     /// Optional limit on bytes read per second across all posix → posix transfers.
     pub bytes_per_second: Option<u64>,
+    /// Write files of 1 MiB and more with `O_DIRECT` (io_uring engine) where the filesystem
+    /// allows: no second copy through the page cache and no gigabytes of dirty pages for the
+    /// final `fdatasync` to wait on. Off, every write goes through the page cache.
+    pub direct_writes: bool,
 }
 
 impl Default for MoverConfig {
@@ -64,6 +68,7 @@ impl Default for MoverConfig {
             commit_mode: CommitMode::Batched,
             batch_files: 4096,
             bytes_per_second: None,
+            direct_writes: true,
         }
     }
 }
@@ -152,6 +157,7 @@ impl Mover {
             block_size: config.block_size.clamp(4096, 64 << 20),
             buffers: config.buffers.max(2),
             threads: config.pread_threads.max(1),
+            direct_writes: config.direct_writes,
         };
         let engine = Engine::start(config.engine, params, limiter).map_err(|e| {
             TransferError::new(

@@ -35,6 +35,8 @@ pub(crate) struct EngineParams {
     pub block_size: usize,
     pub buffers: usize,
     pub threads: usize,
+    /// Write large files with `O_DIRECT` where the filesystem allows (io_uring engine).
+    pub direct_writes: bool,
 }
 
 /// One file's data to move: `size` bytes from `src` to `dst`, both at offset 0.

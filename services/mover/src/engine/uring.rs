@@ -9,12 +9,33 @@
 //! flight together, so with a multi-file dataset one core hashes while the other reads and
 //! writes. Jobs arrive over a channel; an eventfd read kept pending in the ring wakes the
 //! ring thread for new jobs and for buffers the hasher returns.
+//!
+//! Files of at least [`DIRECT_FROM`] bytes are written with `O_DIRECT` (when
+//! [`EngineParams::direct_writes`] is on and the filesystem accepts it): the registered buffers
+//! go to the device by DMA, so a large copy neither copies every byte a second time into the
+//! page cache nor leaves gigabytes of dirty pages for `fdatasync` (and dirty-page throttling)
+//! to wait on; `fdatasync` at publish then only flushes metadata and the device cache.
+//! Measured on a 4 GiB file, buffered writes cost 3–4× the CPU of the hash (page-cache copy,
+//! writeback, throttled writers); direct writes keep the copy within a few percent of the
+//! single-core hash rate. The destination is sized up front so direct writes overwrite the
+//! preallocated extents instead of extending the file (an extending direct write takes the
+//! inode lock exclusively and runs one at a time). A final block whose length is not a
+//! multiple of [`DIO_ALIGN`] is written through the page cache once every direct write of
+//! the file is done. A direct write the filesystem refuses (`EINVAL`) is retried buffered.
+//!
+//! A byte-rate limit delays the reads of the job that is over budget (a ring timeout wakes
+//! the thread when its time comes); the ring thread never sleeps, so other jobs' writes,
+//! hashes and replies keep flowing.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::mpsc::{self, TryRecvError};
+use std::time::{Duration, Instant};
+
+use rustix::fs::OFlags;
 
 use io_uring::{IoUring, opcode, types};
 use sha2::{Digest, Sha256};
@@ -25,7 +46,42 @@ use crate::sched::RateLimiter;
 const OP_READ: u64 = 1;
 const OP_WRITE: u64 = 2;
 const OP_WAKE: u64 = 3;
+const OP_TIMER: u64 = 4;
 const BUF_ALIGN: usize = 4096;
+/// Files at least this large are written with `O_DIRECT` (see the module docs).
+pub(crate) const DIRECT_FROM: u64 = 1 << 20;
+/// Offset and length alignment of a direct write (the largest logical block size in common
+/// use; buffers and block sizes are multiples of it).
+pub(crate) const DIO_ALIGN: usize = 4096;
+
+/// Turns `O_DIRECT` on or off for the open file description behind `file`.
+fn set_direct(file: &File, on: bool) -> io::Result<()> {
+    let flags = rustix::fs::fcntl_getfl(file)?;
+    let new = if on {
+        flags | OFlags::DIRECT
+    } else {
+        flags - OFlags::DIRECT
+    };
+    if new != flags {
+        rustix::fs::fcntl_setfl(file, new)?;
+    }
+    Ok(())
+}
+
+/// Prepares a job's destination for direct writes; `false` when it stays buffered.
+fn start_direct(job: &Job) -> bool {
+    if set_direct(&job.dst, true).is_err() {
+        return false;
+    }
+    // Sized up front: direct writes then overwrite preallocated space instead of extending
+    // the file. A failed copy never publishes the temp file, so the zeros it may hold beyond
+    // what was written are never seen as data.
+    if rustix::fs::ftruncate(&job.dst, job.size).is_err() {
+        let _ = set_direct(&job.dst, false);
+        return false;
+    }
+    true
+}
 
 /// Checks that a ring can be created and completes a NOP (a seccomp filter or
 /// `kernel.io_uring_disabled` makes one of the two fail).
@@ -78,10 +134,11 @@ impl UringEngine {
         limiter: Option<Arc<RateLimiter>>,
     ) -> io::Result<UringEngine> {
         let nbufs = params.buffers.clamp(2, 1024);
-        let entries = (nbufs as u32 + 2).next_power_of_two();
+        let entries = (nbufs as u32 + 3).next_power_of_two();
         // Not SINGLE_ISSUER: the ring is created here and driven from the ring thread.
         let ring: IoUring = IoUring::new(entries)?;
         let bufs = Buffers::new(nbufs, params.block_size)?;
+        let direct_writes = params.direct_writes;
         // SAFETY: the iovecs point into `bufs`, which lives as long as the ring thread that
         // owns the ring (it is dropped after the ring).
         unsafe { ring.submitter().register_buffers(&bufs.iovecs())? };
@@ -91,7 +148,8 @@ impl UringEngine {
         std::thread::Builder::new()
             .name("stagehand-uring".into())
             .spawn(move || {
-                let mut ring_thread = RingThread::new(ring, bufs, rx, thread_wake, limiter);
+                let mut ring_thread =
+                    RingThread::new(ring, bufs, rx, thread_wake, limiter, direct_writes);
                 ring_thread.run();
             })?;
         Ok(UringEngine {
@@ -132,7 +190,7 @@ unsafe impl Send for Buffers {}
 
 impl Buffers {
     fn new(count: usize, size: usize) -> io::Result<Buffers> {
-        let size = size.max(BUF_ALIGN).next_multiple_of(BUF_ALIGN);
+        let size = size.max(DIO_ALIGN).next_multiple_of(DIO_ALIGN);
         let layout = std::alloc::Layout::from_size_align(count * size, BUF_ALIGN)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         // SAFETY: layout has a non-zero size.
@@ -270,6 +328,14 @@ struct Active {
     held: usize,
     error: Option<EngineError>,
     digest: Option<String>,
+    /// Whether the destination is open with `O_DIRECT` now.
+    direct: bool,
+    /// Writes submitted and not yet completed.
+    writes_pending: usize,
+    /// An unaligned final block waiting for the direct writes to finish.
+    tail: Option<usize>,
+    /// Under a byte-rate limit: the next block is paid for and may be read from this instant.
+    paid_until: Option<Instant>,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -299,6 +365,10 @@ struct RingThread {
     rr: usize,
     next_id: u64,
     limiter: Option<Arc<RateLimiter>>,
+    direct_writes: bool,
+    /// The pending ring timeout that wakes the thread for a rate-limited job, and when.
+    timer: Option<Instant>,
+    timer_spec: Box<types::Timespec>,
 }
 
 impl RingThread {
@@ -308,6 +378,7 @@ impl RingThread {
         jobs_rx: mpsc::Receiver<Job>,
         wake_fd: Arc<OwnedFd>,
         limiter: Option<Arc<RateLimiter>>,
+        direct_writes: bool,
     ) -> RingThread {
         let (hash_tx, hash_rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
@@ -334,6 +405,9 @@ impl RingThread {
             rr: 0,
             next_id: 1,
             limiter,
+            direct_writes,
+            timer: None,
+            timer_spec: Box::new(types::Timespec::new()),
         }
     }
 
@@ -382,14 +456,18 @@ impl RingThread {
     /// Lets the pending eventfd read complete before the ring (and `wake_buf`) go away.
     fn shutdown(&mut self) {
         self.hash_tx.take();
-        while self.wake_pending {
+        while self.wake_pending || self.timer.is_some() {
             wake(&self.wake_fd);
             if self.ring.submit_and_wait(1).is_err() {
                 break;
             }
             let cqes: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
-            if cqes.iter().any(|d| d >> 32 == OP_WAKE) {
-                self.wake_pending = false;
+            for d in cqes {
+                match d >> 32 {
+                    OP_WAKE => self.wake_pending = false,
+                    OP_TIMER => self.timer = None,
+                    _ => {}
+                }
             }
         }
     }
@@ -410,6 +488,8 @@ impl RingThread {
                 Ok(job) => {
                     let id = self.next_id;
                     self.next_id += 1;
+                    let direct =
+                        self.direct_writes && job.size >= DIRECT_FROM && start_direct(&job);
                     self.hash_send(HashMsg::Start {
                         job: id,
                         size: job.size,
@@ -422,6 +502,10 @@ impl RingThread {
                             held: 0,
                             error: None,
                             digest: None,
+                            direct,
+                            writes_pending: 0,
+                            tail: None,
+                            paid_until: None,
                         },
                     );
                     self.order.push(id);
@@ -451,19 +535,38 @@ impl RingThread {
 
     fn schedule_reads(&mut self) {
         let block = self.bufs.size as u64;
+        let now = Instant::now();
+        let mut wake_at: Option<Instant> = None;
         while !self.free.is_empty() && !self.order.is_empty() {
-            // Round robin over files that still have blocks to read.
+            // Round robin over files that still have blocks to read and are within budget.
             let mut picked = None;
             for step in 0..self.order.len() {
                 let idx = (self.rr + step) % self.order.len();
                 let id = self.order[idx];
-                if let Some(a) = self.active.get(&id)
-                    && a.error.is_none()
-                    && a.next_off < a.job.size
-                {
-                    picked = Some((idx, id));
-                    break;
+                let Some(a) = self.active.get_mut(&id) else {
+                    continue;
+                };
+                if a.error.is_some() || a.next_off >= a.job.size {
+                    continue;
                 }
+                if let Some(limiter) = &self.limiter {
+                    let at = match a.paid_until {
+                        Some(at) => at,
+                        None => {
+                            let len = (a.job.size - a.next_off).min(block);
+                            let at = now + limiter.reserve_at(len, now);
+                            a.paid_until = Some(at);
+                            at
+                        }
+                    };
+                    if at > now {
+                        wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+                        continue;
+                    }
+                    a.paid_until = None;
+                }
+                picked = Some((idx, id));
+                break;
             }
             let Some((idx, id)) = picked else { break };
             self.rr = idx + 1;
@@ -473,9 +576,6 @@ impl RingThread {
             let off = a.next_off;
             a.next_off += len as u64;
             a.held += 1;
-            if let Some(l) = &self.limiter {
-                l.take_blocking(len as u64);
-            }
             self.states[buf] = BufState {
                 job: id,
                 off,
@@ -495,13 +595,7 @@ impl RingThread {
             .user_data(OP_READ << 32 | buf as u64);
             // SAFETY: the buffer is registered, owned by this read until it completes, and
             // the source fd stays open while its job is active.
-            if unsafe { self.ring.submission().push(&sqe) }.is_err() {
-                // The queue is sized for every buffer plus the wake read; submit and retry.
-                let _ = self.ring.submit();
-                // SAFETY: as above.
-                unsafe { self.ring.submission().push(&sqe) }
-                    .expect("submission queue has room after submit");
-            }
+            self.push(&sqe);
         }
         // Drop finished files from the round-robin order.
         let active = &self.active;
@@ -513,30 +607,78 @@ impl RingThread {
         if self.rr > self.order.len() {
             self.rr = 0;
         }
+        // One timer at a time: reservations are handed out in time order, so the pending
+        // one is never later than a newer job's; when it fires the loop looks again.
+        if let Some(at) = wake_at
+            && self.timer.is_none()
+        {
+            self.arm_timer(at.saturating_duration_since(now));
+            self.timer = Some(at);
+        }
+    }
+
+    /// Wakes the ring thread after `after` (a rate-limited job's next block).
+    fn arm_timer(&mut self, after: Duration) {
+        *self.timer_spec = types::Timespec::new()
+            .sec(after.as_secs())
+            .nsec(after.subsec_nanos().max(1));
+        let sqe = opcode::Timeout::new(&*self.timer_spec)
+            .build()
+            .user_data(OP_TIMER << 32);
+        // SAFETY: the timespec is read when the timeout is submitted and lives in self.
+        self.push(&sqe);
+    }
+
+    /// Pushes one submission; the queue is sized for every buffer plus the wake read and the
+    /// timer, so after a submit there is always room.
+    fn push(&mut self, sqe: &io_uring::squeue::Entry) {
+        // SAFETY: callers guarantee the memory and fds the entry references outlive it.
+        if unsafe { self.ring.submission().push(sqe) }.is_err() {
+            let _ = self.ring.submit();
+            // SAFETY: as above.
+            unsafe { self.ring.submission().push(sqe) }
+                .expect("submission queue has room after submit");
+        }
     }
 
     fn push_write(&mut self, buf: usize) {
         let st = self.states[buf];
-        let a = &self.active[&st.job];
+        let a = self
+            .active
+            .get_mut(&st.job)
+            .expect("a buffer's job is active");
+        a.writes_pending += 1;
+        let fd = a.job.dst.as_raw_fd();
         // SAFETY: written < len <= buffer size.
         let ptr = unsafe { self.bufs.ptr(buf).add(st.written) };
-        let sqe = opcode::WriteFixed::new(
-            types::Fd(a.job.dst.as_raw_fd()),
-            ptr,
-            (st.len - st.written) as u32,
-            buf as u16,
-        )
-        .offset(st.off + st.written as u64)
-        .build()
-        .user_data(OP_WRITE << 32 | buf as u64);
+        let sqe =
+            opcode::WriteFixed::new(types::Fd(fd), ptr, (st.len - st.written) as u32, buf as u16)
+                .offset(st.off + st.written as u64)
+                .build()
+                .user_data(OP_WRITE << 32 | buf as u64);
         // SAFETY: the buffer stays untouched until the write completes; the fd stays open.
-        if unsafe { self.ring.submission().push(&sqe) }.is_err() {
-            let _ = self.ring.submit();
-            // SAFETY: as above.
-            unsafe { self.ring.submission().push(&sqe) }
-                .expect("submission queue has room after submit");
-        }
+        self.push(&sqe);
         self.states[buf].write_pending = true;
+    }
+
+    /// Writes a direct job's unaligned final block once its direct writes are done, through
+    /// the page cache.
+    fn write_tail_when_ready(&mut self, id: u64) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        if a.writes_pending > 0 || a.error.is_some() {
+            return;
+        }
+        let Some(buf) = a.tail.take() else { return };
+        if let Err(e) = set_direct(&a.job.dst, false) {
+            self.states[buf].write_pending = false;
+            self.fail(id, EngineError::Write(e));
+            self.release(buf);
+            return;
+        }
+        a.direct = false;
+        self.push_write(buf);
     }
 
     fn fail(&mut self, id: u64, err: EngineError) {
@@ -544,8 +686,13 @@ impl RingThread {
             && a.error.is_none()
         {
             a.error = Some(err);
+            let tail = a.tail.take();
             if let Some(tx) = &self.hash_tx {
                 let _ = tx.send(HashMsg::Abort { job: id });
+            }
+            if let Some(buf) = tail {
+                self.states[buf].write_pending = false;
+                self.release(buf);
             }
         }
     }
@@ -586,7 +733,7 @@ impl RingThread {
                 } else if errored {
                     self.release(buf);
                 } else {
-                    self.push_write(buf);
+                    // Handed to the hasher first: a failure below then finds it accounted for.
                     self.states[buf].hash_pending = true;
                     self.hash_send(HashMsg::Block {
                         job: st.job,
@@ -595,11 +742,40 @@ impl RingThread {
                         ptr: BlockPtr(self.bufs.ptr(buf)),
                         len: st.len,
                     });
+                    let direct = self.active.get(&st.job).is_some_and(|a| a.direct);
+                    if direct && !st.len.is_multiple_of(DIO_ALIGN) {
+                        // Held as if writing, so the buffer is not reused before the tail lands.
+                        self.states[buf].write_pending = true;
+                        if let Some(a) = self.active.get_mut(&st.job) {
+                            a.tail = Some(buf);
+                        }
+                        self.write_tail_when_ready(st.job);
+                    } else {
+                        self.push_write(buf);
+                    }
                 }
             }
             OP_WRITE => {
                 let st = self.states[buf];
                 self.states[buf].write_pending = false;
+                let Some(a) = self.active.get_mut(&st.job) else {
+                    self.release(buf);
+                    return;
+                };
+                a.writes_pending -= 1;
+                if res == -libc::EINVAL && a.direct && a.error.is_none() {
+                    // The filesystem or device refuses this direct write (alignment, or no
+                    // direct I/O after all): the rest of the file goes through the page cache.
+                    tracing::debug!("direct write refused; writing this file buffered");
+                    if let Err(e) = set_direct(&a.job.dst, false) {
+                        self.fail(st.job, EngineError::Write(e));
+                        self.release(buf);
+                        return;
+                    }
+                    a.direct = false;
+                    self.push_write(buf);
+                    return;
+                }
                 if res < 0 {
                     self.fail(
                         st.job,
@@ -626,7 +802,9 @@ impl RingThread {
                     }
                 }
                 self.release(buf);
+                self.write_tail_when_ready(st.job);
             }
+            OP_TIMER => self.timer = None,
             _ => {}
         }
     }
@@ -656,7 +834,14 @@ impl RingThread {
             .map(|(id, _)| *id)
             .collect();
         for id in done {
-            let a = self.active.remove(&id).expect("listed above");
+            let mut a = self.active.remove(&id).expect("listed above");
+            if a.direct
+                && let Err(e) = set_direct(&a.job.dst, false)
+                && a.error.is_none()
+            {
+                // The temp file is read back through ordinary buffers after this.
+                a.error = Some(EngineError::Write(e));
+            }
             let result = match (a.error, a.digest) {
                 (Some(e), _) => Err(e),
                 (None, Some(d)) => Ok(d),
