@@ -1,6 +1,8 @@
 //! Transfers to, from and within the S3 tier against a real SeaweedFS server (testkit):
 //! round trips with hash verification, empty and multipart-sized objects, many small files,
-//! wrong hashes, server-side copies, missing objects, unreachable endpoints and refused keys.
+//! wrong hashes, small objects proven from their GET response alone, an object replaced between
+//! the ranges of a download, server-side copies, missing objects, unreachable endpoints and
+//! refused keys.
 
 use std::path::Path;
 
