@@ -7,9 +7,12 @@
 //! confined beneath each tier's root with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`.
 //!
 //! posix → posix runs on an io_uring engine (its own ring thread with registered buffers and
-//! a hashing thread) or, where io_uring is unavailable, on a `pread`/`pwrite` engine with the
-//! same semantics; [`Mover::engine_name`] says which. Transfers involving S3 go through
-//! [`s3`].
+//! a hashing thread; files of 1 MiB and more written with `O_DIRECT`) or, where io_uring is
+//! unavailable, on a `pread`/`pwrite` engine with the same semantics; [`Mover::engine_name`]
+//! says which. In [`Mover::copy_all`] small files skip the engine: a blocking thread copies a
+//! group of them in a row with the same proofs ([`MoverConfig::inline_below`]), because for
+//! a few KiB the hand-offs between threads cost more than the bytes. Transfers involving S3
+//! go through [`s3`].
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), stagehand_mover::TransferError> {

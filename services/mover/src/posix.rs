@@ -161,6 +161,22 @@ impl PosixTier {
     /// The size of the regular file at `rel`, or `None` when nothing is there.
     pub fn stat(&self, rel: &str) -> Result<Option<u64>, TransferError> {
         self.check_path(rel, Side::Destination)?;
+        let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+        if let Some(dir) = self.cached_dir(parent) {
+            // The parent is already open beneath the root: one lookup of one name, which
+            // `SYMLINK_NOFOLLOW` keeps from leaving it (a symlink is reported, not followed).
+            return match rustix::fs::statat(&*dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => self.regular_size(rel, st.st_mode, st.st_size as u64),
+                Err(rustix::io::Errno::NOENT) => Ok(None),
+                Err(e) => Err(TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    rel,
+                    "stat",
+                )),
+            };
+        }
         let fd = match rustix::fs::openat2(
             &*self.inner.root_fd,
             rel,
@@ -183,15 +199,39 @@ impl PosixTier {
         let st = rustix::fs::fstat(&fd).map_err(|e| {
             TransferError::from_errno(e, Side::Destination, self.name(), rel, "fstat")
         })?;
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-            return Err(self.err(
+        self.regular_size(rel, st.st_mode, st.st_size as u64)
+    }
+
+    /// The size of what `stat` found, when it is a regular file.
+    fn regular_size(&self, rel: &str, mode: u32, size: u64) -> Result<Option<u64>, TransferError> {
+        match rustix::fs::FileType::from_raw_mode(mode) {
+            rustix::fs::FileType::RegularFile => Ok(Some(size)),
+            rustix::fs::FileType::Symlink => Err(self.err(
+                ErrorKind::PathRefused,
+                Side::Destination,
+                rel,
+                "a symlink is at this path; tiers never follow symlinks",
+            )),
+            _ => Err(self.err(
                 ErrorKind::DestinationConflict,
                 Side::Destination,
                 rel,
                 "something other than a regular file is at this path",
-            ));
+            )),
         }
-        Ok(Some(st.st_size as u64))
+    }
+
+    /// The directory `rel_dir` if it is already open (the root for `""`).
+    fn cached_dir(&self, rel_dir: &str) -> Option<Arc<OwnedFd>> {
+        if rel_dir.is_empty() {
+            return Some(self.inner.root_fd.clone());
+        }
+        self.inner
+            .dirs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(rel_dir)
+            .cloned()
     }
 
     /// Reads every byte of the file at `rel` and hashes it.

@@ -461,6 +461,62 @@ pub async fn full_destination_is_a_clear_no_space(engine: EngineChoice) {
     }
 }
 
+/// Sizes around the direct-write threshold and the alignment of direct writes, copied with
+/// direct writes on and off (the io_uring engine writes files of 1 MiB and more with
+/// `O_DIRECT`, an unaligned last block through the page cache), and small files copied
+/// inline: every byte lands, the in-flight hash is the file's, a read-back after a direct
+/// copy works, and small files say they were copied inline.
+pub async fn direct_buffered_and_inline_paths_agree(engine: EngineChoice) {
+    let sizes = [
+        4096usize,
+        (1 << 20) - 1,
+        1 << 20,
+        (1 << 20) + 1,
+        (2 << 20) + 4096,
+        (5 << 20) + 4095,
+    ];
+    for direct in [true, false] {
+        let e = env();
+        let files: Vec<FileRef> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| write(&e.src_root, &format!("x/f{i}"), &data(50 + i as u64, n)))
+            .collect();
+        let mover = Mover::new(MoverConfig {
+            direct_writes: direct,
+            ..config(engine)
+        })
+        .unwrap();
+        let opts = CopyOptions {
+            verify_destination: VerifyDestination::ReadBack,
+            ..CopyOptions::default()
+        };
+        let report = mover
+            .copy_all(&e.src, &e.dst, &files, &opts, &Progress::new())
+            .await;
+        assert_eq!(report.files_failed, 0, "{:?}", report.failures().next());
+        for (f, r) in files.iter().zip(&report.results) {
+            let Ok(CopyOutcome::Copied {
+                sha256, engine: by, ..
+            }) = &r.result
+            else {
+                panic!("{r:?}")
+            };
+            assert_eq!(sha256, &f.sha256, "direct {direct}: {}", f.path);
+            let want = if f.size < 128 << 10 {
+                "inline"
+            } else {
+                mover.engine_name()
+            };
+            assert_eq!(*by, want, "{}", f.path);
+            let got = std::fs::read(e.dst_root.join(&f.path)).unwrap();
+            assert_eq!(got.len() as u64, f.size, "direct {direct}: {}", f.path);
+            assert_eq!(sha(&got), f.sha256, "direct {direct}: {}", f.path);
+        }
+        assert_eq!(listing(&e.dst_root).len(), files.len(), "no temp file left");
+    }
+}
+
 macro_rules! engine_tests {
     ($module:ident, $engine:expr) => {
         mod $module {
@@ -499,6 +555,11 @@ macro_rules! engine_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn trusted_hash() {
                 trusted_hash_uses_the_kernel_and_skips_by_size($engine).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn direct_buffered_inline() {
+                direct_buffered_and_inline_paths_agree($engine).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

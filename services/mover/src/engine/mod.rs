@@ -7,6 +7,8 @@
 mod pread;
 mod uring;
 
+pub(crate) use pread::copy_blocks;
+
 use std::fs::File;
 use std::io;
 use std::sync::Arc;
