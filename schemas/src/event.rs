@@ -255,7 +255,9 @@ pub struct DatasetValidated {
 pub struct Problem {
     /// A stable machine code: `path_rule`, `missing`, `size_mismatch`, `checksum_mismatch`,
     /// `duplicate_path`, `symlink_escape`, `not_a_file`, `too_large`, `too_many_entries`,
-    /// `suffix_denied`, `suffix_not_allowed`, `bad_sha256`, `unreadable`, `unknown_tier`.
+    /// `suffix_denied`, `suffix_not_allowed`, `bad_sha256`, `unreadable`, `unknown_tier`, and
+    /// `truncated` (the list was cut to fit the event size bound; the quarantine marker holds
+    /// all of it).
     pub code: String,
     /// The manifest path concerned, when the problem is about one file.
     #[serde(default)]
