@@ -5,6 +5,8 @@
 #
 #   loadtest/mover/bench.sh            # 4 GiB file + 20,000 × 4 KiB files
 #   LARGE_MIB=1024 SMALL_FILES=5000 loadtest/mover/bench.sh   # a quicker run
+#   STAGEHAND_CP=/path/to/stagehand-mover-cp loadtest/mover/bench.sh   # another build
+#   REPS=5 loadtest/mover/bench.sh     # rounds per tool (default 3); medians are reported
 #
 # Data lives under $BENCH_DIR (default: $CARGO_TARGET_DIR/mover-bench) on the same
 # filesystem for every tool. Every small-file run writes into a directory of its own and the
@@ -20,6 +22,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
 BENCH_DIR=${BENCH_DIR:-$CARGO_TARGET_DIR/mover-bench}
 LARGE_MIB=${LARGE_MIB:-4096}
 SMALL_FILES=${SMALL_FILES:-20000}
+REPS=${REPS:-3}
 
 need() {
     command -v "$1" >/dev/null 2>&1 && return
@@ -30,9 +33,14 @@ need rclone rclone
 need rsync rsync
 need openssl openssl
 
-# The optimised binary of `stagehand cp` (the workspace's bench-release profile).
-cargo build --profile bench-release -p stagehand-mover --bin stagehand-mover-cp >&2
-CP="$CARGO_TARGET_DIR/bench-release/stagehand-mover-cp"
+# The optimised binary of `stagehand cp` (the workspace's bench-release profile), or the one
+# STAGEHAND_CP names (to compare two builds on the same data).
+if [ -n "${STAGEHAND_CP:-}" ]; then
+    CP=$STAGEHAND_CP
+else
+    cargo build --profile bench-release -p stagehand-mover --bin stagehand-mover-cp >&2
+    CP="$CARGO_TARGET_DIR/bench-release/stagehand-mover-cp"
+fi
 
 mkdir -p "$BENCH_DIR"
 SRC_L="$BENCH_DIR/large-src"; SRC_S="$BENCH_DIR/small-src"; DST="$BENCH_DIR/dst"
@@ -73,47 +81,54 @@ fresh() { rm -rf "$DST"; mkdir -p "$DST"; sync; }
 RUN=0
 fresh_small() { RUN=$((RUN + 1)); DST="$BENCH_DIR/dst-small-$RUN"; rm -rf "$DST"; mkdir -p "$DST"; sync; }
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+rm -rf "$BENCH_DIR"/dst-small-*
 LARGE_BYTES=$((LARGE_MIB * 1048576))
 declare -A L S
 
-echo "limits ..." >&2
-L[sha256_openssl_before]=$(secs openssl dgst -sha256 "$SRC_L/large.bin")
-L[sha256sum]=$(secs sha256sum "$SRC_L/large.bin")
-fresh; L[pagecache_copy]=$(secs dd if="$SRC_L/large.bin" of="$DST/large.bin" bs=1M)
-fresh; L[odirect_write]=$(secs dd if="$SRC_L/large.bin" of="$DST/large.bin" bs=4M oflag=direct)
-
-echo "large file ..." >&2
-fresh; L[stagehand]=$(secs "$CP" "$SRC_L/large.bin" "$DST/" --quiet)
-L[sha256_openssl_after]=$(secs openssl dgst -sha256 "$SRC_L/large.bin")
-fresh; L[stagehand_pread]=$(secs "$CP" "$SRC_L/large.bin" "$DST/" --quiet --engine pread)
-fresh; L[rclone_checksum]=$(secs rclone copy --checksum "$SRC_L" "$DST")
-fresh; L[rsync]=$(secs rsync -a "$SRC_L/" "$DST/")
-fresh; L[cp]=$(secs cp "$SRC_L/large.bin" "$DST/large.bin")
-fresh; L[cp_sha256sum]=$(secs sh -c "cp '$SRC_L/large.bin' '$DST/large.bin' && sync '$DST/large.bin' && sha256sum '$DST/large.bin'")
-
-rm -rf "$DST"
-echo "small files ..." >&2
-rm -rf "$BENCH_DIR"/dst-small-*; sync
-fresh_small; S[stagehand]=$(secs "$CP" "$SRC_S" "$DST" -r --quiet)
-fresh_small; S[stagehand_pread]=$(secs "$CP" "$SRC_S" "$DST" -r --quiet --engine pread)
-fresh_small; S[rclone_checksum]=$(secs rclone copy --checksum --transfers 64 --checkers 64 "$SRC_S" "$DST")
-fresh_small; S[rclone]=$(secs rclone copy --transfers 64 --checkers 64 "$SRC_S" "$DST")
-fresh_small; S[rsync]=$(secs rsync -a "$SRC_S/" "$DST/")
-fresh_small; S[cp_r]=$(secs cp -r "$SRC_S/." "$DST/")
+add() { # add a measurement: add TABLE KEY SECONDS
+    if [ "$1" = L ]; then L[$2]="${L[$2]:-} $3"; else S[$2]="${S[$2]:-} $3"; fi
+}
+for round in $(seq "$REPS"); do
+    echo "round $round of $REPS: large file ..." >&2
+    add L sha256_openssl_before "$(secs openssl dgst -sha256 "$SRC_L/large.bin")"
+    fresh; add L stagehand "$(secs "$CP" "$SRC_L/large.bin" "$DST/" --quiet)"
+    add L sha256_openssl_after "$(secs openssl dgst -sha256 "$SRC_L/large.bin")"
+    fresh; add L stagehand_pread "$(secs "$CP" "$SRC_L/large.bin" "$DST/" --quiet --engine pread)"
+    fresh; add L rclone_checksum "$(secs rclone copy --checksum "$SRC_L" "$DST")"
+    add L sha256sum "$(secs sha256sum "$SRC_L/large.bin")"
+    fresh; add L pagecache_copy "$(secs dd if="$SRC_L/large.bin" of="$DST/large.bin" bs=1M)"
+    fresh; add L odirect_write "$(secs dd if="$SRC_L/large.bin" of="$DST/large.bin" bs=4M oflag=direct)"
+    fresh; add L rsync "$(secs rsync -a "$SRC_L/" "$DST/")"
+    fresh; add L cp "$(secs cp "$SRC_L/large.bin" "$DST/large.bin")"
+    fresh; add L cp_sha256sum "$(secs sh -c "cp '$SRC_L/large.bin' '$DST/large.bin' && sync '$DST/large.bin' && sha256sum '$DST/large.bin'")"
+    rm -rf "$DST"
+done
+for round in $(seq "$REPS"); do
+    echo "round $round of $REPS: small files ..." >&2
+    fresh_small; add S stagehand "$(secs "$CP" "$SRC_S" "$DST" -r --quiet)"
+    fresh_small; add S rclone_checksum "$(secs rclone copy --checksum --transfers 64 --checkers 64 "$SRC_S" "$DST")"
+    fresh_small; add S stagehand_pread "$(secs "$CP" "$SRC_S" "$DST" -r --quiet --engine pread)"
+    fresh_small; add S rclone "$(secs rclone copy --transfers 64 --checkers 64 "$SRC_S" "$DST")"
+    fresh_small; add S rsync "$(secs rsync -a "$SRC_S/" "$DST/")"
+    fresh_small; add S cp_r "$(secs cp -r "$SRC_S/." "$DST/")"
+done
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 rm -rf "$BENCH_DIR"/dst-small-*
 
-python3 - "$LARGE_BYTES" "$SMALL_FILES" "$LOAD_START" "$LOAD_END" "$(nproc)" <<PY
-import math, sys
-large_bytes, n = int(sys.argv[1]), int(sys.argv[2])
-print(f"\nload average at start {sys.argv[3]}, at end {sys.argv[4]} ({sys.argv[5]} cores)")
-L = {$(for k in "${!L[@]}"; do printf '"%s": %s, ' "$k" "${L[$k]}"; done)}
-L["sha256_openssl"] = (L["sha256_openssl_before"] + L["sha256_openssl_after"]) / 2
-S = {$(for k in "${!S[@]}"; do printf '"%s": %s, ' "$k" "${S[$k]}"; done)}
+python3 - "$LARGE_BYTES" "$SMALL_FILES" "$LOAD_START" "$LOAD_END" "$(nproc)" "$REPS" <<PY
+import math, statistics, sys
+large_bytes, n, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[6])
+print(f"\nload average at start {sys.argv[3]}, at end {sys.argv[4]} ({sys.argv[5]} cores); median of {reps} interleaved rounds, [min-max] seconds")
+RL = {$(for k in "${!L[@]}"; do printf '"%s": [%s], ' "$k" "$(echo ${L[$k]} | tr ' ' ',')"; done)}
+RS = {$(for k in "${!S[@]}"; do printf '"%s": [%s], ' "$k" "$(echo ${S[$k]} | tr ' ' ',')"; done)}
+RL["sha256_openssl"] = [(a + b) / 2 for a, b in zip(RL["sha256_openssl_before"], RL["sha256_openssl_after"])]
+L = {k: statistics.median(v) for k, v in RL.items()}
+S = {k: statistics.median(v) for k, v in RS.items()}
+def spread(v): return f"[{min(v):.2f}-{max(v):.2f}]"
 gib = large_bytes / 2**30
 def rate(s): return gib / s if s and s > 0 else float("nan")
 print(f"\n## one {gib:g} GiB file, posix -> posix (warm page cache)\n")
-print(f"{'tool':<40}{'seconds':>9}{'GiB/s':>9}{'vs rclone --checksum':>22}")
+print(f"{'tool':<44}{'seconds':>9}{'GiB/s':>9}{'vs rclone --checksum':>22}  spread")
 notes = {
   "sha256_openssl_before": "limit: openssl dgst -sha256, before",
   "sha256_openssl_after": "limit: openssl dgst -sha256, after",
@@ -130,17 +145,19 @@ notes = {
 }
 rc = rate(L["rclone_checksum"])
 for k in ["sha256_openssl_before","sha256_openssl_after","sha256_openssl","sha256sum","pagecache_copy","odirect_write","stagehand","stagehand_pread","rclone_checksum","rsync","cp","cp_sha256sum"]:
-    print(f"{notes[k]:<40}{L[k]:>9.2f}{rate(L[k]):>9.2f}{rate(L[k])/rc:>21.2f}x")
+    print(f"{notes[k]:<44}{L[k]:>9.2f}{rate(L[k]):>9.2f}{rate(L[k])/rc:>21.2f}x  {spread(RL[k])}")
 st, sha = rate(L["stagehand"]), rate(L["sha256_openssl"])
-print(f"\ntarget large: >= 3x rclone --checksum -> {st/rc:.2f}x; >= 0.85 of single-core SHA-256 -> {st/sha:.2f}")
+per_round = [b / a for a, b in zip(RL["stagehand"], RL["sha256_openssl"])]
+print(f"\ntarget large: >= 3x rclone --checksum -> {st/rc:.2f}x; >= 0.85 of single-core SHA-256 -> {st/sha:.2f}"
+      f" (per round, against the openssl runs around it: {', '.join(f'{r:.2f}' for r in per_round)})")
 print(f"\n## {n} x 4 KiB files in nested folders, posix -> posix (warm page cache)\n")
-print(f"{'tool':<40}{'seconds':>9}{'files/s':>10}{'vs rclone --checksum':>22}")
+print(f"{'tool':<44}{'seconds':>9}{'files/s':>10}{'vs rclone --checksum':>22}  spread")
 sn = {"stagehand": "stagehand cp -r (verified, durable)", "stagehand_pread": "stagehand cp -r --engine pread",
       "rclone_checksum": "rclone copy --checksum (64 transfers)", "rclone": "rclone copy (64 transfers)",
       "rsync": "rsync -a", "cp_r": "cp -r (unverified, not synced)"}
 def fps(s): return n / s if s and s > 0 else float("nan")
 rs = fps(S["rclone_checksum"])
 for k in ["stagehand","stagehand_pread","rclone_checksum","rclone","rsync","cp_r"]:
-    print(f"{sn[k]:<40}{S[k]:>9.2f}{fps(S[k]):>10.0f}{fps(S[k])/rs:>21.2f}x")
+    print(f"{sn[k]:<44}{S[k]:>9.2f}{fps(S[k]):>10.0f}{fps(S[k])/rs:>21.2f}x  {spread(RS[k])}")
 print(f"\ntarget small: >= 5x rclone files/s -> {fps(S['stagehand'])/rs:.2f}x (vs rclone --checksum), {fps(S['stagehand'])/fps(S['rclone']):.2f}x (vs plain rclone)")
 PY
