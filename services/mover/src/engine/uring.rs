@@ -456,6 +456,14 @@ impl RingThread {
     /// Lets the pending eventfd read complete before the ring (and `wake_buf`) go away.
     fn shutdown(&mut self) {
         self.hash_tx.take();
+        if self.timer.is_some() {
+            // A rate-limited job that failed may leave its timer behind: cancel it rather
+            // than wait for it.
+            let cancel = opcode::TimeoutRemove::new(OP_TIMER << 32)
+                .build()
+                .user_data(OP_TIMER << 32 | 1);
+            self.push(&cancel);
+        }
         while self.wake_pending || self.timer.is_some() {
             wake(&self.wake_fd);
             if self.ring.submit_and_wait(1).is_err() {
@@ -463,9 +471,9 @@ impl RingThread {
             }
             let cqes: Vec<u64> = self.ring.completion().map(|c| c.user_data()).collect();
             for d in cqes {
-                match d >> 32 {
-                    OP_WAKE => self.wake_pending = false,
-                    OP_TIMER => self.timer = None,
+                match (d >> 32, d & 0xffff_ffff) {
+                    (OP_WAKE, _) => self.wake_pending = false,
+                    (OP_TIMER, 0) => self.timer = None,
                     _ => {}
                 }
             }
@@ -804,7 +812,7 @@ impl RingThread {
                 self.release(buf);
                 self.write_tail_when_ready(st.job);
             }
-            OP_TIMER => self.timer = None,
+            OP_TIMER if buf == 0 => self.timer = None,
             _ => {}
         }
     }
