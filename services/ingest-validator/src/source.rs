@@ -85,51 +85,10 @@ impl SourceFiles for Tier {
     }
 
     async fn write_marker(&self, rel: &str, bytes: Vec<u8>) -> Result<(), TransferError> {
-        match self {
-            Tier::Posix(posix) => {
-                let posix = posix.clone();
-                let rel_owned = rel.to_owned();
-                let result = tokio::task::spawn_blocking(move || {
-                    let file = posix.create_atomic(&rel_owned, bytes.len() as u64)?;
-                    file.write_all_at(&bytes, 0)?;
-                    file.commit()
-                })
-                .await
-                .map_err(|e| {
-                    TransferError::new(
-                        ErrorKind::Io,
-                        Side::Destination,
-                        self.name(),
-                        rel,
-                        format!("marker task failed: {e}"),
-                    )
-                })?;
-                match result {
-                    Err(e) if e.kind == ErrorKind::DestinationConflict => Ok(()),
-                    other => other,
-                }
-            }
-            Tier::S3(s3) => {
-                let key = s3.key_for(rel, Side::Destination)?;
-                s3.client()
-                    .put_object()
-                    .bucket(s3.bucket())
-                    .key(&key)
-                    .content_type("application/json")
-                    .body(aws_sdk_s3::primitives::ByteStream::from(bytes))
-                    .send()
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| {
-                        TransferError::new(
-                            ErrorKind::ObjectStore,
-                            Side::Destination,
-                            self.name(),
-                            rel,
-                            format!("writing quarantine marker {key:?}: {}", error_chain(&e)),
-                        )
-                    })
-            }
+        match self.write_small(rel, bytes).await {
+            // A redelivered request marks the same place; the first marker stands.
+            Err(e) if e.kind == ErrorKind::DestinationConflict => Ok(()),
+            other => other,
         }
     }
 
@@ -148,17 +107,6 @@ impl SourceFiles for Tier {
             }
         }
     }
-}
-
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut next = err.source();
-    while let Some(cause) = next {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        next = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -21,6 +21,34 @@ impl Tier {
         }
     }
 
+    /// Writes a small file or object (a marker, an index) at `rel`, atomically: never visible
+    /// partly written. An existing file or object at `rel` is `DestinationConflict` on posix
+    /// (publish without replace) and replaced on S3 (a PUT is all or nothing).
+    pub async fn write_small(&self, rel: &str, bytes: Vec<u8>) -> Result<(), TransferError> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                tokio::task::spawn_blocking(move || {
+                    let file = t.create_atomic(&rel_owned, bytes.len() as u64)?;
+                    file.write_all_at(&bytes, 0)?;
+                    file.commit()
+                })
+                .await
+                .map_err(|e| {
+                    TransferError::new(
+                        ErrorKind::Io,
+                        Side::Destination,
+                        self.name(),
+                        rel,
+                        format!("writing task failed: {e}"),
+                    )
+                })?
+            }
+            Tier::S3(t) => t.put_small(rel, bytes).await,
+        }
+    }
+
     /// Reads every byte of the file or object at `rel` (confined beneath the tier root) and
     /// hashes it. A path that leaves the root or crosses a symlink is `PathRefused`; a missing
     /// one is `NotFound`.

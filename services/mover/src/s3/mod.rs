@@ -450,6 +450,28 @@ impl S3Tier {
         })
     }
 
+    /// Writes a small object (a marker, an index) in one PUT with its SHA-256 checked by the
+    /// server and recorded in metadata. S3 makes it visible only once complete.
+    pub async fn put_small(&self, rel: &str, bytes: Vec<u8>) -> Result<(), TransferError> {
+        let key = self.key_for(rel, Side::Destination)?;
+        let sha_hex = stagehand_schemas::sha256_hex(&bytes);
+        let mut put = self
+            .client()
+            .put_object()
+            .bucket(self.bucket())
+            .key(&key)
+            .metadata(SHA256_METADATA_KEY, &sha_hex);
+        if self.config().send_checksums {
+            put = put.checksum_sha256(sha256_base64(&bytes));
+        }
+        let _slot = self.request_slot().await;
+        put.body(aws_sdk_s3::primitives::ByteStream::from(bytes))
+            .send()
+            .await
+            .map(|_| ())
+            .map_err(|err| map_sdk_error("PutObject", self.site(Side::Destination, rel), err))
+    }
+
     /// Creates the tier's bucket when it does not exist yet (for setting up a new tier).
     pub async fn create_bucket_if_missing(&self) -> Result<(), TransferError> {
         let _slot = self.request_slot().await;
