@@ -252,6 +252,8 @@ impl Mover {
         let mode = self.config.commit_mode;
         let mut results: Vec<Option<Result<CopyOutcome, TransferError>>> =
             (0..files.len()).map(|_| None).collect();
+        // A batch's commit (two `syncfs` and its renames) runs while the next batch copies.
+        let mut committing: Option<Committing> = None;
         for (chunk_no, chunk) in files.chunks(self.config.batch_files.max(1)).enumerate() {
             let base = chunk_no * self.config.batch_files.max(1);
             let mut pending: Vec<(usize, CopyOutcome, PendingRename)> = Vec::new();
@@ -299,6 +301,11 @@ impl Mover {
                 }
             }
             drop(stream);
+            // The previous batch's commit ran while this batch was copied; it is settled
+            // before this batch's starts, so commits stay in order and one at a time.
+            if let Some(c) = committing.take() {
+                settle(c, dst, files, progress, &mut results).await;
+            }
             if !pending.is_empty() {
                 let Tier::Posix(d) = dst else {
                     unreachable!("only posix destinations batch their renames")
@@ -308,36 +315,15 @@ impl Mover {
                 let (outcomes, renames): (Vec<CopyOutcome>, Vec<PendingRename>) =
                     rest.into_iter().unzip();
                 let d = d.clone();
-                let committed = tokio::task::spawn_blocking(move || d.commit_batch(renames)).await;
-                match committed {
-                    Ok(committed) => {
-                        for ((i, outcome), c) in idx.into_iter().zip(outcomes).zip(committed) {
-                            match c {
-                                Ok(()) => {
-                                    progress.file_done();
-                                    results[i] = Some(Ok(outcome));
-                                }
-                                Err(e) => {
-                                    progress.file_failed();
-                                    results[i] = Some(Err(e));
-                                }
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        for i in idx {
-                            progress.file_failed();
-                            results[i] = Some(Err(TransferError::new(
-                                ErrorKind::Io,
-                                Side::Destination,
-                                dst.name(),
-                                &files[i].path,
-                                format!("batch commit task failed: {e}"),
-                            )));
-                        }
-                    }
-                }
+                committing = Some(Committing {
+                    idx,
+                    outcomes,
+                    task: tokio::task::spawn_blocking(move || d.commit_batch(renames)),
+                });
             }
+        }
+        if let Some(c) = committing.take() {
+            settle(c, dst, files, progress, &mut results).await;
         }
         let results: Vec<FileResult> = files
             .iter()
@@ -683,6 +669,51 @@ fn copy_posix_inline(
         }
     };
     finish(src, dst, file, &file.path, opts, prep, sha, engine, mode)
+}
+
+/// A batch whose renames are being made durable on a blocking thread.
+struct Committing {
+    idx: Vec<usize>,
+    outcomes: Vec<CopyOutcome>,
+    task: tokio::task::JoinHandle<Vec<Result<(), TransferError>>>,
+}
+
+/// Waits for a batch's commit and records each file's result.
+async fn settle(
+    c: Committing,
+    dst: &Tier,
+    files: &[FileRef],
+    progress: &Progress,
+    results: &mut [Option<Result<CopyOutcome, TransferError>>],
+) {
+    match c.task.await {
+        Ok(committed) => {
+            for ((i, outcome), r) in c.idx.into_iter().zip(c.outcomes).zip(committed) {
+                match r {
+                    Ok(()) => {
+                        progress.file_done();
+                        results[i] = Some(Ok(outcome));
+                    }
+                    Err(e) => {
+                        progress.file_failed();
+                        results[i] = Some(Err(e));
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            for i in c.idx {
+                progress.file_failed();
+                results[i] = Some(Err(TransferError::new(
+                    ErrorKind::Io,
+                    Side::Destination,
+                    dst.name(),
+                    &files[i].path,
+                    format!("batch commit task failed: {e}"),
+                )));
+            }
+        }
+    }
 }
 
 fn dup(f: &File, tier: &PosixTier, file: &FileRef, side: Side) -> Result<File, TransferError> {
