@@ -8,7 +8,6 @@ use std::process::Stdio;
 
 use common::*;
 use stagehand_bus::Ledger;
-use stagehand_schemas::subject;
 use stagehand_testkit::wait_until;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout, Command};
@@ -96,17 +95,8 @@ async fn run_crash_case(flag: &str, signal: &str) {
     })
     .await
     .unwrap();
-    wait_until(WAIT, "every request acked", || async {
-        let stream = env
-            .bus
-            .jetstream()
-            .get_stream(subject::REQUESTS.name)
-            .await
-            .unwrap();
-        match stream.consumer_info("testworker").await {
-            Ok(i) => i.num_pending == 0 && i.num_ack_pending == 0,
-            Err(_) => false,
-        }
+    wait_until(WAIT, "every request acked", || {
+        env.consumer_drained("testworker")
     })
     .await
     .unwrap();

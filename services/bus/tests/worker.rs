@@ -121,18 +121,7 @@ async fn the_same_request_fifty_times_yields_one_set_of_facts() {
     }
     let handler = Arc::new(Emit::default());
     let (token, handle) = spawn(&env.bus, env.worker("svc"), handler.clone());
-    let consumer_done = || async {
-        let stream = env
-            .bus
-            .jetstream()
-            .get_stream(subject::REQUESTS.name)
-            .await
-            .unwrap();
-        match stream.consumer_info("svc").await {
-            Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
-            Err(_) => false,
-        }
-    };
+    let consumer_done = || env.consumer_drained("svc");
     wait_until(WAIT, "all 51 messages acked", consumer_done)
         .await
         .unwrap();
@@ -395,18 +384,7 @@ async fn shutdown_during_work_loses_nothing_and_records_nothing_twice() {
     wait_until(WAIT, "ten facts", || async { env.fact_count().await == 10 })
         .await
         .unwrap();
-    let consumer_done = || async {
-        let stream = env
-            .bus
-            .jetstream()
-            .get_stream(subject::REQUESTS.name)
-            .await
-            .unwrap();
-        match stream.consumer_info("svc").await {
-            Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
-            Err(_) => false,
-        }
-    };
+    let consumer_done = || env.consumer_drained("svc");
     wait_until(WAIT, "everything acked", consumer_done)
         .await
         .unwrap();
@@ -525,18 +503,7 @@ async fn two_instances_sharing_a_consumer_do_each_event_once() {
             expected += 1;
         }
     }
-    let consumer_done = || async {
-        let stream = env
-            .bus
-            .jetstream()
-            .get_stream(subject::REQUESTS.name)
-            .await
-            .unwrap();
-        match stream.consumer_info("svc").await {
-            Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
-            Err(_) => false,
-        }
-    };
+    let consumer_done = || env.consumer_drained("svc");
     wait_until(WAIT, "all copies acked", consumer_done)
         .await
         .unwrap();

@@ -108,6 +108,21 @@ impl Env {
         stream.info().await.unwrap().state.messages
     }
 
+    /// Whether the durable consumer `name` on the requests stream has nothing pending and
+    /// nothing awaiting an ack: every message was handled to the end.
+    pub async fn consumer_drained(&self, name: &str) -> bool {
+        let stream = self
+            .bus
+            .jetstream()
+            .get_stream(subject::REQUESTS.name)
+            .await
+            .unwrap();
+        match stream.consumer_info(name).await {
+            Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
+            Err(_) => false,
+        }
+    }
+
     pub async fn dead_letter_count(&self) -> u64 {
         let mut stream = self
             .bus
