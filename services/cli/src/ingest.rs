@@ -15,16 +15,16 @@
 //! lines) instead of the one measured here; the folder's files are placed as they are and the
 //! validator judges the declaration against them.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
-use sha2::{Digest, Sha256};
 use stagehand_bus::Bus;
-use stagehand_mover::{PosixTier, Tier};
+use stagehand_mover::{
+    CopyOptions, CopyOutcome, EMPTY_SHA256, Mover, MoverConfig, PosixTier, Priority, Progress, Tier,
+};
 use stagehand_schemas::subject::FACTS;
 use stagehand_schemas::{
     Body, DatasetRejected, DatasetValidated, Event, EventId, FileRef, IngestRequested, Location,
@@ -156,7 +156,7 @@ pub struct Placed {
 /// Copies `files` from `folder` onto `tier` under the content-addressed prefix, hashing each
 /// byte as it is copied. `digest_of` picks the manifest whose digest names the prefix (the
 /// measured one, or a declared one). Blocking: run it off the async runtime.
-pub fn place(
+pub async fn place(
     tier: &PosixTier,
     folder: &Path,
     project: &str,
@@ -165,51 +165,56 @@ pub fn place(
     declared: Option<&[FileRef]>,
     bar: &ProgressBar,
 ) -> anyhow::Result<Placed> {
-    let upload = PosixTier::open("upload", folder)
-        .with_context(|| format!("cannot open folder {}", folder.display()))?;
+    // The mover's confined opens: a symlink swapped in since the walk is refused. It hashes
+    // each file in flight while copying it (read once), publishes atomically, and makes the
+    // whole batch durable before returning.
+    let upload = Tier::Posix(
+        PosixTier::open("upload", folder)
+            .with_context(|| format!("cannot open folder {}", folder.display()))?,
+    );
     let incoming = format!("{project}/{dataset}/.incoming-{}", EventId::random());
-    let cleanup = Cleanup(tier.root().join(&incoming));
-    let mut pending = Vec::with_capacity(files.len());
-    let mut measured = Vec::with_capacity(files.len());
-    let mut buf = vec![0u8; 1 << 20];
-    for f in files {
-        // The mover's confined open: a symlink swapped in since the walk is refused here.
-        let mut src = upload
-            .open_read(&f.rel)
-            .with_context(|| format!("cannot read {}", f.rel))?;
-        let dst = tier
-            .create_atomic(&format!("{incoming}/{}", f.rel), f.size)
-            .with_context(|| format!("cannot create {} on tier {}", f.rel, tier.name()))?;
-        let mut hasher = Sha256::new();
-        let mut offset = 0u64;
-        loop {
-            let n = src
-                .read(&mut buf)
-                .with_context(|| format!("reading {}", f.rel))?;
-            if n == 0 {
-                break;
+    let incoming_root = tier.root().join(&incoming);
+    std::fs::create_dir_all(&incoming_root)
+        .with_context(|| format!("cannot create {incoming} on tier {}", tier.name()))?;
+    let cleanup = Cleanup(incoming_root.clone());
+    let staging = Tier::Posix(PosixTier::open(tier.name(), &incoming_root)?);
+    let wanted: Vec<FileRef> = files
+        .iter()
+        .map(|f| FileRef::new(f.rel.clone(), f.size, EMPTY_SHA256))
+        .collect();
+    let opts = CopyOptions {
+        priority: Priority::Ingest,
+        expected_hash_unknown: true,
+        ..CopyOptions::default()
+    };
+    let mover = Mover::new(MoverConfig::default())?;
+    let progress = Progress::new();
+    let ticker = {
+        let (bar, progress) = (bar.clone(), progress.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                tick.tick().await;
+                bar.set_position(progress.bytes_done());
             }
-            hasher.update(&buf[..n]);
-            dst.write_all_at(&buf[..n], offset)?;
-            offset += n as u64;
-            bar.inc(n as u64);
-        }
-        if offset != f.size {
-            bail!(
-                "{} changed while it was being ingested ({} bytes, then {offset})",
-                f.rel,
-                f.size
-            );
-        }
+        })
+    };
+    let report = mover
+        .copy_all(&upload, &staging, &wanted, &opts, &progress)
+        .await;
+    ticker.abort();
+    let mut measured = Vec::with_capacity(files.len());
+    for (file, result) in files.iter().zip(report.results) {
+        let outcome = result
+            .result
+            .with_context(|| format!("cannot place {} on tier {}", file.rel, tier.name()))?;
         measured.push(FileRef::new(
-            f.rel.clone(),
-            offset,
-            hex::encode(hasher.finalize()),
+            file.rel.clone(),
+            file.size,
+            match outcome {
+                CopyOutcome::Copied { sha256, .. } | CopyOutcome::Skipped { sha256, .. } => sha256,
+            },
         ));
-        pending.push(dst.into_pending());
-    }
-    for result in tier.commit_batch(pending) {
-        result?;
     }
     let digest = version_digest(declared.unwrap_or(&measured));
     let prefix = format!("{project}/{dataset}/{}", &digest[..16]);
@@ -454,25 +459,16 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
     } else {
         ProgressBar::hidden()
     };
-    let (project, dataset, folder) = (
-        opts.project.clone(),
-        opts.dataset.clone(),
-        opts.folder.clone(),
-    );
-    let declared_copy = declared.clone();
-    let bar_copy = bar.clone();
-    let placed = tokio::task::spawn_blocking(move || {
-        place(
-            &tier,
-            &folder,
-            &project,
-            &dataset,
-            &files,
-            declared_copy.as_deref(),
-            &bar_copy,
-        )
-    })
-    .await??;
+    let placed = place(
+        &tier,
+        &opts.folder,
+        &opts.project,
+        &opts.dataset,
+        &files,
+        declared.as_deref(),
+        &bar,
+    )
+    .await?;
     bar.finish_and_clear();
 
     let manifest = declared.unwrap_or_else(|| placed.files.clone());
@@ -576,8 +572,8 @@ mod tests {
         );
     }
 
-    #[test]
-    fn placing_twice_is_one_version_and_no_partial_prefix() {
+    #[tokio::test]
+    async fn placing_twice_is_one_version_and_no_partial_prefix() {
         let folder = tempfile::tempdir().unwrap();
         let root = tempfile::tempdir().unwrap();
         for i in 0..20 {
@@ -586,8 +582,12 @@ mod tests {
         let tier = PosixTier::open("source", root.path()).unwrap();
         let files = scan(folder.path()).unwrap();
         let bar = ProgressBar::hidden();
-        let a = place(&tier, folder.path(), "p", "d", &files, None, &bar).unwrap();
-        let b = place(&tier, folder.path(), "p", "d", &files, None, &bar).unwrap();
+        let a = place(&tier, folder.path(), "p", "d", &files, None, &bar)
+            .await
+            .unwrap();
+        let b = place(&tier, folder.path(), "p", "d", &files, None, &bar)
+            .await
+            .unwrap();
         assert!(!a.existed && b.existed);
         assert_eq!(
             Placed {
