@@ -248,4 +248,5 @@ kinds! {
     "restore.verified" => RestoreVerified,
     "restore.failed" => RestoreFailed,
     "dead.letter" => DeadLetter,
+    "dead.letter.replayed" => DeadLetterReplayed,
 }

@@ -110,6 +110,7 @@ fn request(id: &str, prefix: &str, files: Vec<FileRef>) -> Event {
                 prefix: prefix.into(),
             },
             files,
+            manifest: None,
             requested_by: "alice".into(),
             labels: vec![("modality".into(), "image".into())],
         }),
