@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::BusConfig;
-use crate::error::BusError;
+use crate::error::{BoxError, BusError, BusErrorKind};
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
 pub const CLAIMS_BUCKET: &str = "stagehand_claims";
@@ -54,14 +54,13 @@ impl Bus {
     /// Once connected, the client reconnects by itself after losing the server.
     pub async fn connect(cfg: &BusConfig) -> Result<Bus, BusError> {
         if cfg.replicas == 0 || cfg.replicas > 5 {
-            return Err(BusError::Config {
-                key: "replicas",
-                reason: format!("{} is not in 1..=5", cfg.replicas),
-            });
+            return Err(BusError::config(
+                "replicas",
+                format!("{} is not in 1..=5", cfg.replicas),
+            ));
         }
-        let err = |detail: String| BusError::Connect {
-            url: cfg.url.clone(),
-            detail,
+        let err = |kind, source: BoxError| {
+            BusError::with_source(kind, format!("connecting to NATS at {}", cfg.url), source)
         };
         let attempt = || async {
             let mut opts = async_nats::ConnectOptions::new()
@@ -69,17 +68,24 @@ impl Bus {
                 .require_tls(cfg.tls_required)
                 .connection_timeout(Duration::from_secs(5));
             if let Some(creds) = &cfg.creds_file {
-                opts = opts
-                    .credentials_file(creds)
-                    .await
-                    .map_err(|e| err(format!("credentials file {}: {e}", creds.display())))?;
+                opts = opts.credentials_file(creds).await.map_err(|e| {
+                    let what = format!("reading credentials file {}", creds.display());
+                    BusError::with_source(BusErrorKind::Config, what, e)
+                })?;
             }
             if let Some(ca) = &cfg.tls_ca {
                 opts = opts.add_root_certificates(ca.clone());
             }
-            opts.connect(cfg.url.as_str())
-                .await
-                .map_err(|e| err(e.to_string()))
+            opts.connect(cfg.url.as_str()).await.map_err(|e| {
+                let kind = match e.kind() {
+                    async_nats::ConnectErrorKind::ServerParse
+                    | async_nats::ConnectErrorKind::Authentication
+                    | async_nats::ConnectErrorKind::AuthorizationViolation
+                    | async_nats::ConnectErrorKind::Tls => BusErrorKind::ConnectRefused,
+                    _ => BusErrorKind::Connect,
+                };
+                err(kind, e.into())
+            })
         };
         let started = std::time::Instant::now();
         let client = attempt
@@ -90,7 +96,7 @@ impl Bus {
                     .without_max_times()
                     .with_jitter(),
             )
-            .when(|_| started.elapsed() < cfg.connect_timeout)
+            .when(|e: &BusError| e.is_retryable() && started.elapsed() < cfg.connect_timeout)
             .notify(|e, delay| warn!(error = %e, ?delay, "connecting to NATS failed; retrying"))
             .await?;
         let js = jetstream::new(client.clone());
@@ -121,20 +127,25 @@ impl Bus {
     /// Creates one stream, or updates it where its configuration drifted from `spec`.
     pub async fn provision_stream(&self, spec: &StreamSpec) -> Result<(), BusError> {
         let wanted = stream_config(spec, self.replicas);
-        let perr = |detail: String| BusError::Provision {
-            what: format!("stream {}", spec.name),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("provisioning stream {}", spec.name),
+                e,
+            )
         };
         match self.js.get_stream(spec.name).await {
             Ok(mut existing) => {
-                let info = existing.info().await.map_err(|e| perr(e.to_string()))?;
+                let info = existing.info().await.map_err(|e| perr(e.into()))?;
                 let have = info.config.clone();
                 if have.retention != wanted.retention {
-                    return Err(BusError::RetentionMismatch {
-                        stream: spec.name.to_owned(),
-                        found: format!("{:?}", have.retention),
-                        wanted: format!("{:?}", wanted.retention),
-                    });
+                    return Err(BusError::new(
+                        BusErrorKind::RetentionMismatch,
+                        format!(
+                            "stream {} has retention {:?}, but {:?} is declared; retention is fixed at creation, so the stream must be migrated by hand",
+                            spec.name, have.retention, wanted.retention
+                        ),
+                    ));
                 }
                 let mut updated = have.clone();
                 updated.subjects = wanted.subjects.clone();
@@ -148,7 +159,7 @@ impl Bus {
                     self.js
                         .update_stream(updated)
                         .await
-                        .map_err(|e| perr(e.to_string()))?;
+                        .map_err(|e| perr(e.into()))?;
                 }
                 Ok(())
             }
@@ -158,7 +169,7 @@ impl Bus {
                 {
                     self.create_stream(spec, wanted).await
                 }
-                _ => Err(perr(e.to_string())),
+                _ => Err(perr(e.into())),
             },
         }
     }
@@ -173,9 +184,12 @@ impl Bus {
             .create_stream(config)
             .await
             .map(|_| ())
-            .map_err(|e| BusError::Provision {
-                what: format!("stream {}", spec.name),
-                detail: e.to_string(),
+            .map_err(|e| {
+                BusError::with_source(
+                    BusErrorKind::Provision,
+                    format!("creating stream {}", spec.name),
+                    e,
+                )
             })
     }
 
@@ -195,9 +209,12 @@ impl Bus {
             })
             .await
             .map(|_| ())
-            .map_err(|e| BusError::Provision {
-                what: format!("KV bucket {CLAIMS_BUCKET}"),
-                detail: e.to_string(),
+            .map_err(|e| {
+                BusError::with_source(
+                    BusErrorKind::Provision,
+                    format!("creating KV bucket {CLAIMS_BUCKET}"),
+                    e,
+                )
             })
     }
 
@@ -216,17 +233,16 @@ impl Bus {
         headers: HeaderMap,
         payload: Bytes,
     ) -> Result<PublishAck, BusError> {
-        let perr = |detail: String| BusError::Publish {
-            subject: subject.clone(),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(BusErrorKind::Publish, format!("publishing to {subject}"), e)
         };
         let ack = self
             .js
             .publish_with_headers(subject.clone(), headers, payload)
             .await
-            .map_err(|e| perr(e.to_string()))?
+            .map_err(|e| perr(e.into()))?
             .await
-            .map_err(|e| perr(e.to_string()))?;
+            .map_err(|e| perr(e.into()))?;
         Ok(PublishAck {
             stream: ack.stream,
             sequence: ack.sequence,
@@ -240,9 +256,12 @@ pub(crate) fn prepare(
     event: &Event,
     cx: &opentelemetry::Context,
 ) -> Result<(String, HeaderMap, Bytes), BusError> {
-    let bytes = wire::encode(event).map_err(|e| BusError::Encode {
-        id: event.id.to_string(),
-        detail: e.to_string(),
+    let bytes = wire::encode(event).map_err(|e| {
+        BusError::with_source(
+            BusErrorKind::Encode,
+            format!("encoding event {}", event.id),
+            e,
+        )
     })?;
     let mut headers = HeaderMap::new();
     headers.insert(MSG_ID_HEADER, event.id.as_str());

@@ -52,11 +52,11 @@ mod worker;
 
 pub use bus::{Bus, CLAIMS_BUCKET, CLAIMS_MAX_AGE, MSG_ID_HEADER, PublishAck, stream_config};
 pub use config::{BusConfig, RetrySchedule, WorkerConfig, duration_str};
-pub use error::{BusError, HandlerError};
-pub use ledger::{Ledger, LedgerError, Outcome};
+pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
+pub use ledger::{EventKey, Ledger, LedgerError, LedgerErrorKind, Outcome};
 pub use worker::{
-    Handler, Hook, WorkContext, WorkerHooks, WorkerStats, provision_consumer, run_worker,
-    run_worker_with_hooks,
+    Handler, Hook, REPLAY_HEADER, WorkContext, WorkerHooks, WorkerStats, default_instance_id,
+    provision_consumer, run_worker, run_worker_with_hooks,
 };
 
 pub use tokio_util::sync::CancellationToken;

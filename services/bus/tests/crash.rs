@@ -84,7 +84,7 @@ async fn run_crash_case(flag: &str, signal: &str) {
         let ledger = Ledger::open(env.ledger("testworker")).unwrap();
         let id = stagehand_schemas::EventId::new(victim.clone()).unwrap();
         assert!(
-            ledger.outcome(&id).unwrap().is_some(),
+            ledger.outcome("lab-a", &id).unwrap().is_some(),
             "recorded before the kill"
         );
     }
@@ -119,7 +119,7 @@ async fn run_crash_case(flag: &str, signal: &str) {
     let ledger = Ledger::open(env.ledger("testworker")).unwrap();
     assert_eq!(ledger.len().unwrap(), 3);
     for r in &requests {
-        let outcome = ledger.outcome(&r.id).unwrap().unwrap();
+        let outcome = ledger.outcome("lab-a", &r.id).unwrap().unwrap();
         let published = facts
             .iter()
             .find(|(_, _, f)| f.causation_id.as_ref() == Some(&r.id))

@@ -53,8 +53,15 @@ pub enum RecorderError {
     /// NATS or JetStream refused or failed an operation; `what` says which.
     #[error("{what}: {detail}")]
     Nats { what: &'static str, detail: String },
+    /// The worker runtime failed; its kind says whether restarting can help.
     #[error("catalogue worker: {0}")]
-    Worker(String),
+    Worker(#[from] stagehand_bus::BusError),
+    /// A blocking task of the recorder (store access) panicked or was cancelled.
+    #[error("catalogue store task: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// A readiness entry could not be encoded.
+    #[error("encoding readiness: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 impl RecorderError {
@@ -68,7 +75,9 @@ impl RecorderError {
     pub fn is_retryable(&self) -> bool {
         match self {
             RecorderError::Store(e) => e.is_retryable(),
-            RecorderError::Nats { .. } | RecorderError::Worker(_) => true,
+            RecorderError::Nats { .. } => true,
+            RecorderError::Worker(e) => e.is_retryable(),
+            RecorderError::Task(_) | RecorderError::Encode(_) => false,
         }
     }
 }

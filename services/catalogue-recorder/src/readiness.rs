@@ -69,7 +69,7 @@ pub async fn mirror(bucket: &kv::Store, readiness: &TierReadiness) -> Result<(),
         version: readiness.version.clone(),
         tier: readiness.tier.clone(),
     });
-    let value = serde_json::to_vec(readiness).map_err(|e| RecorderError::Worker(e.to_string()))?;
+    let value = serde_json::to_vec(readiness)?;
     bucket
         .put(&key, value.into())
         .await

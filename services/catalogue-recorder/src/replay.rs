@@ -90,9 +90,7 @@ pub async fn replay(
             let events = std::mem::take(&mut batch);
             out.events += events.len() as u64;
             let store = store.clone();
-            let touched = tokio::task::spawn_blocking(move || store.apply_batch(&events))
-                .await
-                .map_err(|e| RecorderError::Worker(e.to_string()))??;
+            let touched = tokio::task::spawn_blocking(move || store.apply_batch(&events)).await??;
             out.touched.extend(touched);
         }
     }

@@ -105,9 +105,7 @@ async fn mirror_all(
 ) -> Result<(), RecorderError> {
     for tier in touched {
         let s = store.clone();
-        let readiness = tokio::task::spawn_blocking(move || tier_readiness(&s, &tier))
-            .await
-            .map_err(|e| RecorderError::Worker(e.to_string()))??;
+        let readiness = tokio::task::spawn_blocking(move || tier_readiness(&s, &tier)).await??;
         mirror(bucket, &readiness).await?;
     }
     Ok(())
@@ -122,9 +120,7 @@ pub async fn rebuild_if_needed(
     bucket: &async_nats::jetstream::kv::Store,
 ) -> Result<Option<(u64, u64)>, RecorderError> {
     let s = store.clone();
-    let complete = tokio::task::spawn_blocking(move || s.is_complete())
-        .await
-        .map_err(|e| RecorderError::Worker(e.to_string()))??;
+    let complete = tokio::task::spawn_blocking(move || s.is_complete()).await??;
     if complete {
         return Ok(None);
     }
@@ -134,9 +130,7 @@ pub async fn rebuild_if_needed(
     mirror_all(store, bucket, facts.touched.clone()).await?;
     let s = store.clone();
     let through = facts.through;
-    tokio::task::spawn_blocking(move || s.mark_complete(through))
-        .await
-        .map_err(|e| RecorderError::Worker(e.to_string()))??;
+    tokio::task::spawn_blocking(move || s.mark_complete(through)).await??;
     tracing::info!(
         facts = facts.events,
         dead_letters = dead.events,
@@ -158,11 +152,7 @@ pub async fn run(
     // A child: a failing worker stops this recorder, not whoever runs it beside other services.
     let shutdown = shutdown.child_token();
     let path = config.store_path.clone();
-    let store = Arc::new(
-        tokio::task::spawn_blocking(move || Store::open(path))
-            .await
-            .map_err(|e| RecorderError::Worker(e.to_string()))??,
-    );
+    let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(path)).await??);
     let bucket = open_bucket(bus.jetstream()).await?;
     let rebuilt = rebuild_if_needed(&bus, &store, &bucket).await?;
     let (writer, writer_thread) = Writer::start(store.clone());
@@ -216,8 +206,8 @@ pub async fn run(
     {
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
     }
-    let facts = facts.map_err(|e| RecorderError::Worker(e.to_string()))?;
-    let dead_letters = dead_letters.map_err(|e| RecorderError::Worker(e.to_string()))?;
+    let facts = facts?;
+    let dead_letters = dead_letters?;
     Ok(RecorderStats {
         rebuilt,
         facts,
@@ -226,11 +216,14 @@ pub async fn run(
 }
 
 impl From<StoreError> for HandlerError {
+    /// A fact the store cannot fold for a storage failure is not the fact's fault: the recorder
+    /// stops (fatal), its supervisor restarts it, and the fact is redelivered — never
+    /// dead-lettered and terminated, which would leave it out of this catalogue.
     fn from(e: StoreError) -> Self {
-        if e.is_retryable() {
-            HandlerError::retryable(e)
-        } else {
-            HandlerError::permanent(e)
+        match e {
+            StoreError::Redb(_) => HandlerError::fatal(e),
+            StoreError::WriterGone => HandlerError::retryable(e),
+            StoreError::Corrupt { .. } => HandlerError::permanent(e),
         }
     }
 }

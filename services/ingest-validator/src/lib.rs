@@ -58,7 +58,8 @@ pub struct Config {
     /// Files read and hashed at once within one request.
     #[serde(default = "defaults::read_concurrency")]
     pub read_concurrency: usize,
-    /// Deliveries of a request before it is dead-lettered (a tier down that long).
+    /// Failed attempts of a request before it is dead-lettered (a tier down that long). The
+    /// runtime counts failures, not deliveries: waiting for another instance's claim is free.
     #[serde(default = "defaults::max_deliver")]
     pub max_deliver: i64,
     /// How long the server waits for an ack; progress acks restart it while files are hashed.
@@ -113,7 +114,8 @@ impl Config {
             self.state_dir.join(format!("{SERVICE}.redb")),
         );
         cfg.concurrency = self.concurrency.max(1);
-        cfg.max_deliver = self.max_deliver;
+        let most = stagehand_bus::ledger::MAX_ATTEMPTS_KEPT as i64;
+        cfg.max_attempts = u32::try_from(self.max_deliver.clamp(1, most)).unwrap_or(1);
         cfg.ack_wait = self.ack_wait;
         cfg
     }

@@ -34,4 +34,7 @@ pub mod outcome {
     pub const REPLAYED: &str = "replayed";
     pub const RETRIED: &str = "retried";
     pub const DEAD_LETTERED: &str = "dead_lettered";
+    /// Negatively acked without counting an attempt: the claim was held by a live owner or
+    /// lost, or the worker stopped on a fatal error.
+    pub const DEFERRED: &str = "deferred";
 }
