@@ -127,6 +127,9 @@ impl Failure {
     }
 }
 
+/// How long the give-up path waits for the ledger before publishing the dead letter anyway.
+const LEDGER_PATIENCE: Duration = Duration::from_secs(2);
+
 /// Slack added to waits for a claim: a tenth of the claim lifetime, at least 100 ms.
 fn margin(cfg: &WorkerConfig) -> Duration {
     (cfg.claim_lifetime() / 10).max(Duration::from_millis(100))
@@ -228,12 +231,19 @@ impl<H: Handler> Shared<H> {
         };
         // Recorded first, so that a redelivery after a crash republishes this dead letter
         // rather than doing the work again; but a dead letter must not need the ledger.
-        if let Err(e) = self
+        let record = self
             .writer
-            .record_dead_letter(&id, d.key(), bytes.clone(), last_error)
-            .await
-        {
-            warn!(error = %e, "could not record the dead letter in the ledger; publishing it anyway");
+            .record_dead_letter(&id, d.key(), bytes.clone(), last_error);
+        match tokio::time::timeout(LEDGER_PATIENCE, record).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                warn!(error = %e, "could not record the dead letter in the ledger; publishing it anyway");
+            }
+            Err(_) => {
+                warn!(
+                    "the ledger did not record the dead letter in time (it may be reopening); publishing it anyway"
+                );
+            }
         }
         let subject = dead_letter_subject(&self.cfg.service);
         let cx = outgoing_context(&d.parent);

@@ -123,6 +123,8 @@ pub struct WorkerStats {
     pub ledger_writes: u64,
     /// Records the ledger pruned as older than `ledger_retention`.
     pub ledger_pruned: u64,
+    /// Times the ledger was reopened after an I/O failure.
+    pub ledger_reopens: u64,
 }
 
 /// An outcome point: a count for [`WorkerStats`] and a counter of the `metrics` facade.
@@ -418,6 +420,7 @@ pub async fn run_worker_with_hooks<H: Handler>(
         ledger_commits: 0,
         ledger_writes: 0,
         ledger_pruned: c.pruned.load(Ordering::Relaxed),
+        ledger_reopens: shared.ledger.reopens(),
     };
     // The last task is gone, so this drops the last writer handle: the writer commits what is
     // queued and stops.

@@ -1,0 +1,279 @@
+//! Claims that cannot cost a request: waiting for a live owner counts no attempt, a racing
+//! duplicate publishes the first outcome and never its own, and a claim lost while the
+//! handler runs cancels the handler and records nothing.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use stagehand_bus::{
+    BusError, CLAIMS_BUCKET, CancellationToken, Handler, HandlerError, Ledger, WorkContext,
+    WorkerConfig, WorkerStats, run_worker,
+};
+use stagehand_schemas::{Body, Event, StageFailed, subject, wire};
+use stagehand_testkit::wait_until;
+use tokio::task::JoinHandle;
+
+type Worker = (CancellationToken, JoinHandle<Result<WorkerStats, BusError>>);
+
+fn spawn<H: Handler>(env: &Env, cfg: WorkerConfig, handler: Arc<H>) -> Worker {
+    let token = CancellationToken::new();
+    let handle = tokio::spawn(run_worker(env.bus.clone(), cfg, handler, token.clone()));
+    (token, handle)
+}
+
+async fn stop((token, handle): Worker) -> WorkerStats {
+    token.cancel();
+    handle.await.unwrap().unwrap()
+}
+
+/// An instance of `svc` with its own ledger and id, short timers, claims lasting one second.
+fn instance(env: &Env, name: &str) -> WorkerConfig {
+    let mut cfg = env.worker("svc");
+    cfg.instance_id = Some(name.into());
+    cfg.ledger_path = env.ledger(&format!("svc-{name}"));
+    cfg.ack_wait = Duration::from_secs(1);
+    cfg.claim_lifetime = Some(Duration::from_secs(1));
+    cfg
+}
+
+/// Blocks in its handler until released.
+struct Holding {
+    started: AtomicU32,
+    gate: tokio::sync::Semaphore,
+}
+
+impl Holding {
+    fn new() -> Arc<Holding> {
+        Arc::new(Holding {
+            started: AtomicU32::new(0),
+            gate: tokio::sync::Semaphore::new(0),
+        })
+    }
+}
+
+impl Handler for Holding {
+    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        self.gate.acquire().await.expect("gate open").forget();
+        Ok(vec![ready_fact(event)])
+    }
+}
+
+/// A copy that finds the claim held by a live owner waits past the claim's remaining
+/// lifetime, again and again, without spending its single allowed attempt; when the owner
+/// finishes, the copy is answered with the owner's facts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_live_claim_costs_no_attempt() {
+    let env = Env::start().await;
+    let request = stage_request("long-job");
+    let bytes = wire::encode(&request).unwrap();
+    let subj = subject::subject_for(&request.body, &request.project);
+    env.publish_raw(&subj, "copy-1", &[], bytes.clone()).await;
+    let holder = Holding::new();
+    let mut a = instance(&env, "a");
+    a.concurrency = 1;
+    let a = spawn(&env, a, holder.clone());
+    wait_until(WAIT, "the owner working", || async {
+        holder.started.load(Ordering::SeqCst) == 1
+    })
+    .await
+    .unwrap();
+
+    let mut b = instance(&env, "b");
+    b.max_attempts = 1;
+    let waiter = Arc::new(Emit::default());
+    let b = spawn(&env, b, waiter.clone());
+    env.publish_raw(&subj, "copy-2", &[], bytes).await;
+    wait_until(WAIT, "the copy deferred twice", || async {
+        let stream = env
+            .bus
+            .jetstream()
+            .get_stream(subject::REQUESTS.name)
+            .await
+            .unwrap();
+        stream
+            .consumer_info("svc")
+            .await
+            // Deliveries so far: copy-1 once, copy-2 once and twice again.
+            .is_ok_and(|i| i.delivered.consumer_sequence >= 4)
+    })
+    .await
+    .unwrap();
+    holder.gate.add_permits(1);
+    wait_until(WAIT, "both copies done", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let sb = stop(b).await;
+    let sa = stop(a).await;
+    assert!(sb.deferred >= 2, "{sb:?}");
+    assert_eq!(
+        (sb.replayed, sb.dead_lettered, sb.retried),
+        (1, 0, 0),
+        "{sb:?}"
+    );
+    assert_eq!(waiter.total_calls(), 0);
+    assert_eq!(sa.handled, 1, "{sa:?}");
+    let facts = env.facts().await;
+    assert_eq!(facts.len(), 1);
+    assert_eq!(facts[0].2, recorded_fact(&env.ledger("svc-a"), &request));
+}
+
+/// The one fact the ledger at `path` recorded for `request`.
+fn recorded_fact(path: &std::path::Path, request: &Event) -> Event {
+    let ledger = Ledger::open(path).unwrap();
+    let outcome = ledger.outcome("lab-a", &request.id).unwrap().unwrap();
+    assert_eq!(outcome.facts.len(), 1);
+    outcome.facts[0].clone()
+}
+
+/// Two copies of one event in one process with claims off: both handlers run, each with
+/// another verdict. The ledger records the first; the second must publish that one, not its
+/// own.
+struct TwoVerdicts {
+    arrived: AtomicU32,
+    both_in: tokio::sync::Barrier,
+    release_second: tokio::sync::Notify,
+}
+
+impl Handler for TwoVerdicts {
+    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        let n = self.arrived.fetch_add(1, Ordering::SeqCst);
+        self.both_in.wait().await;
+        if n == 0 {
+            return Ok(vec![ready_fact(event)]);
+        }
+        self.release_second.notified().await;
+        let Body::StageRequested(r) = &event.body else {
+            unreachable!()
+        };
+        Ok(vec![event.caused(
+            "failed",
+            Body::StageFailed(StageFailed {
+                dataset: r.dataset.clone(),
+                version: r.version.clone(),
+                tier: r.tier.clone(),
+                job_id: r.job_id.clone(),
+                request_id: event.id.clone(),
+                reason: "a different verdict".into(),
+                retryable: false,
+            }),
+        )])
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_racing_duplicate_publishes_the_first_outcome_not_its_own() {
+    let env = Env::start().await;
+    let request = stage_request("raced");
+    let bytes = wire::encode(&request).unwrap();
+    let subj = subject::subject_for(&request.body, &request.project);
+    env.publish_raw(&subj, "copy-1", &[], bytes.clone()).await;
+    env.publish_raw(&subj, "copy-2", &[], bytes).await;
+    let handler = Arc::new(TwoVerdicts {
+        arrived: AtomicU32::new(0),
+        both_in: tokio::sync::Barrier::new(2),
+        release_second: tokio::sync::Notify::new(),
+    });
+    let mut cfg = env.worker("svc");
+    cfg.claims = false;
+    let worker = spawn(&env, cfg.clone(), handler.clone());
+    wait_until(WAIT, "the first verdict", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    handler.release_second.notify_one();
+    wait_until(WAIT, "both copies acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let stats = stop(worker).await;
+    assert_eq!(stats.handled, 2, "both handlers ran: {stats:?}");
+    let facts = env.facts().await;
+    assert_eq!(facts.len(), 1, "one verdict: {facts:?}");
+    let recorded = recorded_fact(&cfg.ledger_path, &request);
+    assert_eq!(
+        recorded.id,
+        ready_fact(&request).id,
+        "the first verdict was recorded"
+    );
+    assert_eq!(facts[0].2, recorded, "and it is the one published");
+}
+
+/// Never finishes; says when its future is dropped.
+struct Forever {
+    started: AtomicBool,
+    dropped: Arc<AtomicBool>,
+}
+
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Handler for Forever {
+    async fn handle(&self, _event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        let _flag = DropFlag(self.dropped.clone());
+        self.started.store(true, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        unreachable!("never finishes")
+    }
+}
+
+/// Someone else writes the claim while the handler runs: the next renewal finds another
+/// revision, the handler is cancelled (its future dropped) and nothing is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claim_cancels_the_handler_and_records_nothing() {
+    let env = Env::start().await;
+    let dropped = Arc::new(AtomicBool::new(false));
+    let handler = Arc::new(Forever {
+        started: AtomicBool::new(false),
+        dropped: dropped.clone(),
+    });
+    let cfg = instance(&env, "a");
+    let worker = spawn(&env, cfg.clone(), handler.clone());
+    let request = stage_request("stolen");
+    env.bus.publish(&request).await.unwrap();
+    wait_until(WAIT, "the handler running", || async {
+        handler.started.load(Ordering::SeqCst)
+    })
+    .await
+    .unwrap();
+    // The claim key is `<service>.<project>.<hex(event id)>` (claim.rs).
+    let kv = env
+        .bus
+        .jetstream()
+        .get_key_value(CLAIMS_BUCKET)
+        .await
+        .unwrap();
+    let key = format!("svc.lab-a.{}", hex_of(request.id.as_str()));
+    kv.put(&key, Bytes::from_static(b"taken by an operator"))
+        .await
+        .unwrap();
+    wait_until(WAIT, "the handler cancelled", || async {
+        dropped.load(Ordering::SeqCst)
+    })
+    .await
+    .unwrap();
+    let stats = stop(worker).await;
+    assert_eq!(stats.deferred, 1, "{stats:?}");
+    assert_eq!(
+        (stats.handled, stats.retried, stats.dead_lettered),
+        (0, 0, 0)
+    );
+    assert_eq!(env.fact_count().await, 0);
+    let ledger = Ledger::open(&cfg.ledger_path).unwrap();
+    assert!(ledger.outcome("lab-a", &request.id).unwrap().is_none());
+    assert!(ledger.attempts("lab-a", &request.id).unwrap().is_empty());
+}
+
+fn hex_of(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
