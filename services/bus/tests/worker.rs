@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use stagehand_bus::{
-    Bus, BusError, BusErrorKind, CancellationToken, Handler, HandlerError, Ledger, WorkContext,
-    WorkerStats, provision_consumer, run_worker,
+    Bus, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, Handler, HandlerError, Ledger,
+    REPLAY_HEADER, WorkContext, WorkerStats, provision_consumer, run_worker,
 };
 use stagehand_schemas::subject::{self, dead_letter_subject, subject_for};
 use stagehand_schemas::{Body, Event, wire};
@@ -493,10 +493,15 @@ async fn provisioning_applies_changed_configuration() {
 async fn two_instances_sharing_a_consumer_do_each_event_once() {
     let env = Env::start().await;
     let handler = Arc::new(Emit::default());
-    let mut a = env.worker("svc");
-    a.ledger_path = env.ledger("svc-a");
-    let mut b = env.worker("svc");
-    b.ledger_path = env.ledger("svc-b");
+    // A copy that finds the other instance's claim waits out its lifetime: keep it short.
+    let quick = |ledger: &str| {
+        let mut cfg = env.worker("svc");
+        cfg.ledger_path = env.ledger(ledger);
+        cfg.ack_wait = Duration::from_secs(1);
+        cfg.claim_lifetime = Some(Duration::from_secs(1));
+        cfg
+    };
+    let (a, b) = (quick("svc-a"), quick("svc-b"));
     let (ta, ha) = spawn(&env.bus, a, handler.clone());
     let (tb, hb) = spawn(&env.bus, b, handler.clone());
     let mut expected = 0;
@@ -536,4 +541,267 @@ async fn two_instances_sharing_a_consumer_do_each_event_once() {
     );
     assert_eq!(sa.dead_lettered + sb.dead_lettered, 0);
     assert_eq!(env.fact_count().await, 40);
+}
+
+/// Regression: a message the server drops at `max_deliver` leaves nothing pending and nothing
+/// awaiting an ack, so counting pending messages alone called a consumer that lost it
+/// "drained". The helper must see the loss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_drained_does_not_count_a_message_dropped_at_max_deliver_as_drained() {
+    use async_nats::jetstream::{AckKind, consumer::pull};
+    use futures::StreamExt;
+
+    let env = Env::start().await;
+    let stream = env
+        .bus
+        .jetstream()
+        .get_stream(subject::REQUESTS.name)
+        .await
+        .unwrap();
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("raw".into()),
+            max_deliver: 1,
+            filter_subject: subject::kind_filter("req", "stage.requested"),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    publish(&env, &stage_request("dropped")).await;
+    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let msg = batch.next().await.unwrap().unwrap();
+    // The first delivery is the last one allowed: this nak is a silent drop.
+    msg.ack_with(AckKind::Nak(None)).await.unwrap();
+    wait_until(WAIT, "the server to give up on the message", || async {
+        // A pull request gives the server the occasion to try the redelivery it may not make.
+        let _ = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_millis(100))
+            .messages()
+            .await
+            .map(|b| b.count());
+        env.dropped_at_max_deliver("raw") == 1
+    })
+    .await
+    .unwrap();
+    let info = stream.consumer_info("raw").await.unwrap();
+    assert_eq!(
+        (info.num_pending, info.num_ack_pending),
+        (0, 0),
+        "what the old helper took for drained"
+    );
+    assert_eq!(env.consumer_state("raw").await, Drained::Lost(1));
+}
+
+/// The ledger is pruned, on the worker's timer, of outcomes older than `ledger_retention`
+/// (two seconds here): a copy of a pruned event is worked on again, while a copy of an event
+/// recorded within the retention is still answered from the ledger. Claims are off, since a
+/// claim's `done` record (kept by the bucket for a day) would answer the copy too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_is_pruned_of_old_outcomes_on_a_timer_and_keeps_live_ones() {
+    let env = Env::start().await;
+    let mut cfg = env.worker("svc");
+    cfg.claims = false;
+    cfg.ledger_retention = Duration::from_secs(2);
+    cfg.prune_interval = Duration::from_millis(200);
+    let handler = Arc::new(Emit::default());
+    let (token, handle) = spawn(&env.bus, cfg, handler.clone());
+    let old = stage_request("old");
+    let old_bytes = wire::encode(&old).unwrap();
+    let subj = subject_for(&old.body, &old.project);
+    publish(&env, &old).await;
+    wait_until(WAIT, "the old event handled", || async {
+        handler.calls_for("old") == 1
+    })
+    .await
+    .unwrap();
+    let copies = AtomicU32::new(0);
+    wait_until(WAIT, "a copy of the old event worked on again", || async {
+        let n = copies.fetch_add(1, Ordering::SeqCst);
+        env.publish_raw(&subj, &format!("old-copy-{n}"), &[], old_bytes.clone())
+            .await;
+        handler.calls_for("old") >= 2
+    })
+    .await
+    .unwrap();
+
+    let live = stage_request("live");
+    publish(&env, &live).await;
+    wait_until(WAIT, "the live event handled", || async {
+        handler.calls_for("live") == 1
+    })
+    .await
+    .unwrap();
+    env.publish_raw(
+        &subject_for(&live.body, &live.project),
+        "live-copy",
+        &[],
+        wire::encode(&live).unwrap(),
+    )
+    .await;
+    wait_until(WAIT, "everything acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let stats = stop(token, handle).await;
+    assert_eq!(handler.calls_for("live"), 1, "a live outcome is kept");
+    assert!(stats.ledger_pruned >= 1, "{stats:?}");
+    // Every copy was answered from the ledger but the ones that came after the pruning.
+    assert_eq!(
+        stats.handled + stats.replayed,
+        u64::from(copies.load(Ordering::SeqCst)) + 3,
+        "{stats:?}"
+    );
+}
+
+/// Republishes a dead letter's message as `stagehand dlq replay` does: its bytes and headers,
+/// a fresh `Nats-Msg-Id`, and the replay header naming the dead letter.
+async fn replay_dead_letter(env: &Env, dl: &Event) {
+    let Body::DeadLetter(d) = &dl.body else {
+        panic!("not a dead letter")
+    };
+    let mut headers: Vec<(&str, &str)> = d
+        .headers
+        .iter()
+        .filter(|(k, _)| k != "Nats-Msg-Id")
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    headers.push((REPLAY_HEADER, dl.id.as_str()));
+    env.publish_raw(
+        &d.subject,
+        &format!("replay-{}", dl.id),
+        &headers,
+        d.original.clone(),
+    )
+    .await;
+}
+
+/// A dead-lettered event, replayed once its cause is gone, is worked on again: the dead
+/// letter is recorded under its own id, not as the event's outcome, and its claim is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_dead_letter_is_worked_on_again() {
+    let env = Env::start().await;
+    let handler = Arc::new(Flaky::retryable(1));
+    let mut cfg = env.worker("svc");
+    cfg.max_attempts = 1;
+    let (token, handle) = spawn(&env.bus, cfg.clone(), handler.clone());
+    let request = stage_request("replay-me");
+    publish(&env, &request).await;
+    wait_until(WAIT, "a dead letter", || async {
+        env.dead_letter_count().await == 1
+    })
+    .await
+    .unwrap();
+    let (_, dl) = env.dead_letters().await.remove(0);
+    replay_dead_letter(&env, &dl).await;
+    wait_until(WAIT, "the fact of the replay", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    wait_until(WAIT, "drained", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let stats = stop(token, handle).await;
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        2,
+        "the handler ran again"
+    );
+    assert_eq!((stats.dead_lettered, stats.handled), (1, 1), "{stats:?}");
+    let ledger = Ledger::open(&cfg.ledger_path).unwrap();
+    assert!(ledger.dead_letter(&dl.id).unwrap().is_some());
+    let outcome = ledger.outcome("lab-a", &request.id).unwrap().unwrap();
+    assert_eq!(outcome.facts.len(), 1);
+    assert_eq!(outcome.facts[0].id, ready_fact(&request).id);
+}
+
+/// An older runtime marked a dead-lettered event's claim `done` (without facts), which
+/// answers any later copy without work. A replay — it carries the replay header — is not
+/// answered by such a marker; a plain copy still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_not_answered_by_an_old_runtimes_done_marker() {
+    let env = Env::start().await;
+    let request = stage_request("marked-done");
+    let kv = env
+        .bus
+        .jetstream()
+        .get_key_value(CLAIMS_BUCKET)
+        .await
+        .unwrap();
+    let hex: String = request
+        .id
+        .as_str()
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    kv.put(
+        format!("svc.lab-a.{hex}"),
+        bytes::Bytes::from_static(b"done"),
+    )
+    .await
+    .unwrap();
+    let handler = Arc::new(Emit::default());
+    let (token, handle) = spawn(&env.bus, env.worker("svc"), handler.clone());
+    let bytes = wire::encode(&request).unwrap();
+    let subj = subject_for(&request.body, &request.project);
+    env.publish_raw(&subj, "plain-copy", &[], bytes.clone())
+        .await;
+    wait_until(WAIT, "the plain copy acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    assert_eq!(handler.calls_for("marked-done"), 0);
+    env.publish_raw(
+        &subj,
+        "replayed-copy",
+        &[(REPLAY_HEADER, "some-dead-letter")],
+        bytes,
+    )
+    .await;
+    wait_until(WAIT, "the replay's fact", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    let stats = stop(token, handle).await;
+    assert_eq!(handler.calls_for("marked-done"), 1);
+    assert_eq!((stats.replayed, stats.handled), (1, 1), "{stats:?}");
+}
+
+/// Fails fatally: the service's own store is gone.
+struct StoreGone;
+
+impl Handler for StoreGone {
+    async fn handle(&self, _e: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        Err(HandlerError::fatal("the catalogue store failed"))
+    }
+}
+
+/// A fatal handler error is not the event's: the worker stops with it (the service exits
+/// non-zero for its supervisor) and leaves the message for redelivery — no attempt counted,
+/// no dead letter, no Term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_handler_error_stops_the_worker_and_leaves_the_message() {
+    let env = Env::start().await;
+    let mut cfg = env.worker("svc");
+    cfg.max_attempts = 1;
+    let (_token, handle) = spawn(&env.bus, cfg.clone(), Arc::new(StoreGone));
+    let request = stage_request("unfoldable");
+    publish(&env, &request).await;
+    let err = tokio::time::timeout(WAIT, handle)
+        .await
+        .expect("the worker stops")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.kind(), BusErrorKind::HandlerFatal, "{err}");
+    assert!(err.to_string().contains("catalogue store failed"), "{err}");
+    assert_eq!(env.dead_letter_count().await, 0);
+    // Restarted with a working handler, it does the work.
+    let handler = Arc::new(Emit::default());
+    let (token, handle) = spawn(&env.bus, cfg, handler.clone());
+    wait_until(WAIT, "the fact", || async { env.fact_count().await == 1 })
+        .await
+        .unwrap();
+    stop(token, handle).await;
+    assert_eq!(handler.calls_for("unfoldable"), 1);
 }
