@@ -19,8 +19,13 @@
 //!   server's clock* (the entry's timestamp against the timestamp of a write this instance
 //!   just made, both stamped by the server): its owner died; take it over with a
 //!   compare-and-set on the revision;
-//! - **held** by a live owner: [`Claim::HeldElsewhere`] with the claim's remaining lifetime,
-//!   which the runtime waits out without counting an attempt;
+//! - **held for another message** (another stream sequence: a duplicate copy of the event),
+//!   and not expired: [`Claim::InFlightElsewhere`]. That message is in a worker's hands and JetStream keeps
+//!   redelivering it until it is acked or dead-lettered, so the event will get its outcome
+//!   without this copy, which the runtime acks;
+//! - **held for this message** by a live owner (the server redelivered it while its owner was
+//!   cut off, or the owner died and its claim has not expired): [`Claim::HeldElsewhere`] with
+//!   the claim's remaining lifetime, which the runtime waits out without counting an attempt;
 //! - **done**: another delivery finished the event; the record carries the facts it recorded
 //!   (the first outcome), which the runtime republishes — never facts of its own.
 //!
@@ -56,11 +61,15 @@ pub(crate) struct Record {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub(crate) enum State {
-    /// Being worked on by the delivery of `sequence` in instance `instance`, boot `boot`.
+    /// Being worked on by the delivery of `sequence` in instance `instance`, boot `boot`,
+    /// which renews it well within `lifetime_ms` (its own claim lifetime: every reader judges
+    /// the claim by the holder's promise, not by its own configuration).
     Held {
         instance: String,
         boot: String,
         sequence: u64,
+        #[serde(default)]
+        lifetime_ms: Option<u64>,
     },
     /// Released after a retryable failure: anyone may claim it.
     Free,
@@ -87,8 +96,11 @@ pub(crate) struct Lease {
 pub(crate) enum Claim {
     /// Ours.
     Owned(Lease),
-    /// A live owner is working on it; it cannot be taken before `remaining` has passed.
+    /// Another owner holds it for this very message; it cannot be taken before `remaining`
+    /// has passed.
     HeldElsewhere { remaining: Duration },
+    /// Another message carrying the same event is being worked on: this copy is redundant.
+    InFlightElsewhere,
     /// Finished by some delivery: the facts it recorded, if the claim carries them.
     Done(Option<Vec<Vec<u8>>>),
 }
@@ -190,6 +202,7 @@ impl Claims {
                 instance: self.instance.clone(),
                 boot: self.boot.clone(),
                 sequence,
+                lifetime_ms: Some(u64::try_from(self.lifetime.as_millis()).unwrap_or(u64::MAX)),
             },
             attempts,
         })
@@ -276,6 +289,7 @@ impl Claims {
                 instance,
                 boot,
                 sequence: held_for,
+                lifetime_ms,
             } => {
                 let mine = instance == self.instance;
                 if mine && boot != self.boot {
@@ -292,12 +306,19 @@ impl Claims {
                     });
                 }
                 let age = self.server_now().await? - entry.created;
-                let lifetime =
-                    time::Duration::try_from(self.lifetime).unwrap_or(time::Duration::MAX);
+                let promised = lifetime_ms.map_or(self.lifetime, Duration::from_millis);
+                let lifetime = time::Duration::try_from(promised).unwrap_or(time::Duration::MAX);
                 if age > lifetime {
                     return self
                         .take(&key, entry.revision, sequence, record.attempts)
                         .await;
+                }
+                if held_for != sequence && held_for != 0 {
+                    // A copy, and the claim is live: the message it was taken for is pending in
+                    // the same consumer, in a worker's hands or due for redelivery, and ends
+                    // acked or dead-lettered like any other. (0: a holder written by an older
+                    // runtime, whose message is unknown.)
+                    return Ok(Claim::InFlightElsewhere);
                 }
                 let remaining = Duration::try_from(lifetime - age).unwrap_or(Duration::ZERO);
                 Ok(Claim::HeldElsewhere { remaining })
@@ -460,6 +481,7 @@ fn decode(value: &[u8]) -> Record {
                 instance: String::from_utf8_lossy(value).into_owned(),
                 boot: String::new(),
                 sequence: 0,
+                lifetime_ms: None,
             },
             attempts: Vec::new(),
         },

@@ -56,7 +56,7 @@ pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
 pub use ledger::{EventKey, Ledger, LedgerError, LedgerErrorKind, Outcome};
 pub use worker::{
     Handler, Hook, REPLAY_HEADER, WorkContext, WorkerHooks, WorkerStats, default_instance_id,
-    provision_consumer, run_worker, run_worker_with_hooks,
+    host_name, provision_consumer, run_worker, run_worker_with_hooks,
 };
 
 pub use tokio_util::sync::CancellationToken;

@@ -64,11 +64,56 @@ impl Handler for Holding {
     }
 }
 
-/// A copy that finds the claim held by a live owner waits past the claim's remaining
-/// lifetime, again and again, without spending its single allowed attempt; when the owner
-/// finishes, the copy is answered with the owner's facts.
+/// The worker holding a message's claim dies (its task is dropped: no acks, no renewals).
+/// The message comes back to another instance, which finds the claim held, waits past its
+/// remaining lifetime (judged by the server's clock) without spending its single allowed
+/// attempt, then takes the claim over and does the work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiting_for_a_live_claim_costs_no_attempt() {
+async fn a_dead_holders_claim_is_waited_out_without_counting_then_taken_over() {
+    let env = Env::start().await;
+    let request = stage_request("orphaned");
+    let holder = Holding::new();
+    let mut a = instance(&env, "a");
+    a.claim_lifetime = Some(Duration::from_secs(2));
+    let (_, a) = spawn(&env, a, holder.clone());
+    env.bus.publish(&request).await.unwrap();
+    wait_until(WAIT, "the holder working", || async {
+        holder.started.load(Ordering::SeqCst) == 1
+    })
+    .await
+    .unwrap();
+    a.abort();
+    let _ = a.await;
+
+    let mut b = instance(&env, "b");
+    b.max_attempts = 1;
+    let taker = Arc::new(Emit::default());
+    let b = spawn(&env, b, taker.clone());
+    wait_until(WAIT, "the fact", || async { env.fact_count().await == 1 })
+        .await
+        .unwrap();
+    wait_until(WAIT, "acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let sb = stop(b).await;
+    assert!(sb.deferred >= 1, "it waited for the claim: {sb:?}");
+    assert_eq!(
+        (sb.handled, sb.retried, sb.dead_lettered),
+        (1, 0, 0),
+        "{sb:?}"
+    );
+    assert_eq!(taker.calls_for("orphaned"), 1);
+    assert_eq!(
+        env.facts().await[0].2,
+        recorded_fact(&env.ledger("svc-b"), &request)
+    );
+}
+
+/// A second message carrying an event that a live worker is working on is acked at once as
+/// redundant: the first message brings the outcome. It spends no attempt, holds no slot while
+/// it waits, and never runs the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_an_event_in_flight_elsewhere_is_acked_as_redundant() {
     let env = Env::start().await;
     let request = stage_request("long-job");
     let bytes = wire::encode(&request).unwrap();
@@ -83,44 +128,36 @@ async fn waiting_for_a_live_claim_costs_no_attempt() {
     })
     .await
     .unwrap();
-
-    let mut b = instance(&env, "b");
-    b.max_attempts = 1;
-    let waiter = Arc::new(Emit::default());
-    let b = spawn(&env, b, waiter.clone());
+    let b_handler = Arc::new(Emit::default());
+    let b = spawn(&env, instance(&env, "b"), b_handler.clone());
     env.publish_raw(&subj, "copy-2", &[], bytes).await;
-    wait_until(WAIT, "the copy deferred twice", || async {
-        let stream = env
-            .bus
-            .jetstream()
-            .get_stream(subject::REQUESTS.name)
-            .await
-            .unwrap();
-        stream
-            .consumer_info("svc")
-            .await
-            // Deliveries so far: copy-1 once, copy-2 once and twice again.
-            .is_ok_and(|i| i.delivered.consumer_sequence >= 4)
-    })
+    wait_until(
+        WAIT,
+        "the copy acked while the first is in flight",
+        || async {
+            let stream = env
+                .bus
+                .jetstream()
+                .get_stream(subject::REQUESTS.name)
+                .await
+                .unwrap();
+            stream.consumer_info("svc").await.is_ok_and(|i| {
+                i.ack_floor.stream_sequence == 0 && i.num_ack_pending == 1 && i.num_pending == 0
+            }) && holder.started.load(Ordering::SeqCst) == 1
+        },
+    )
     .await
     .unwrap();
     holder.gate.add_permits(1);
-    wait_until(WAIT, "both copies done", || env.consumer_drained("svc"))
+    wait_until(WAIT, "both done", || env.consumer_drained("svc"))
         .await
         .unwrap();
     let sb = stop(b).await;
     let sa = stop(a).await;
-    assert!(sb.deferred >= 2, "{sb:?}");
-    assert_eq!(
-        (sb.replayed, sb.dead_lettered, sb.retried),
-        (1, 0, 0),
-        "{sb:?}"
-    );
-    assert_eq!(waiter.total_calls(), 0);
+    assert_eq!((sb.redundant, sb.deferred, sb.retried), (1, 0, 0), "{sb:?}");
+    assert_eq!(b_handler.total_calls(), 0);
     assert_eq!(sa.handled, 1, "{sa:?}");
-    let facts = env.facts().await;
-    assert_eq!(facts.len(), 1);
-    assert_eq!(facts[0].2, recorded_fact(&env.ledger("svc-a"), &request));
+    assert_eq!(env.fact_count().await, 1);
 }
 
 /// The one fact the ledger at `path` recorded for `request`.

@@ -98,7 +98,8 @@ impl WorkContext {
 }
 
 /// Counts of what a worker did, returned when it stops. Every message pulled ends in exactly
-/// one of `handled`, `replayed`, `retried`, `deferred`, `dead_lettered` or `abandoned`.
+/// one of `handled`, `replayed`, `redundant`, `retried`, `deferred`, `dead_lettered` or
+/// `abandoned`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerStats {
     /// Events handled, committed, their facts published and acked.
@@ -106,6 +107,9 @@ pub struct WorkerStats {
     /// Messages answered with an outcome recorded before (in the ledger or in the claim):
     /// the same facts republished, then acked (or, for a dead letter, terminated).
     pub replayed: u64,
+    /// Copies acked because another message of the same event was being worked on (that
+    /// message brings the outcome).
+    pub redundant: u64,
     /// Failures that counted as an attempt, answered with a delayed negative ack.
     pub retried: u64,
     /// Negative acks that did not count as an attempt: the claim was held by a live owner
@@ -158,6 +162,7 @@ impl Count {
 struct Counters {
     handled: Count,
     replayed: Count,
+    redundant: Count,
     retried: Count,
     deferred: Count,
     dead_lettered: Count,
@@ -171,6 +176,7 @@ impl Counters {
         Counters {
             handled: Count::new(service, names::outcome::DONE),
             replayed: Count::new(service, names::outcome::REPLAYED),
+            redundant: Count::new(service, names::outcome::REDUNDANT),
             retried: Count::new(service, names::outcome::RETRIED),
             deferred: Count::new(service, names::outcome::DEFERRED),
             dead_lettered: Count::new(service, names::outcome::DEAD_LETTERED),
@@ -322,18 +328,21 @@ fn outgoing_context(parent: &OtelContext) -> OtelContext {
 /// the same host, and distinct for two instances on one host (they cannot share a ledger
 /// file, which redb locks to one process).
 pub fn default_instance_id(cfg: &WorkerConfig) -> String {
+    let ledger = cfg.ledger_path.to_string_lossy();
+    let digest = EventId::for_content(&[ledger.as_bytes()]);
+    format!("{}/{}/{}", host_name(), cfg.service, &digest.as_str()[..8])
+}
+
+/// This machine's host name (`unknown-host` when it cannot be read).
+pub fn host_name() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: `buf` is valid for `buf.len()` bytes; gethostname writes at most that many.
     let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let host = if rc == 0 {
-        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "unknown-host".to_owned()
-    };
-    let ledger = cfg.ledger_path.to_string_lossy();
-    let digest = EventId::for_content(&[ledger.as_bytes()]);
-    format!("{host}/{}/{}", cfg.service, &digest.as_str()[..8])
+    if rc != 0 {
+        return "unknown-host".to_owned();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 /// Runs a worker until `shutdown` is cancelled, then drains in-flight work until
@@ -412,6 +421,7 @@ pub async fn run_worker_with_hooks<H: Handler>(
     let stats = WorkerStats {
         handled: c.handled.get(),
         replayed: c.replayed.get(),
+        redundant: c.redundant.get(),
         retried: c.retried.get(),
         deferred: c.deferred.get(),
         dead_lettered: c.dead_lettered.get(),

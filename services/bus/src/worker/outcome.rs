@@ -78,6 +78,21 @@ impl<H: Handler> Shared<H> {
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     return Box::pin(self.adopt(d, key, facts)).await;
                 }
+                Ok(Claim::InFlightElsewhere) if d.replay_of.is_some() => {
+                    // A replay is on-call asking for the work again: never answered by a claim
+                    // that may be a dead letter's, left behind; wait for it instead.
+                    let f = Failure::held_elsewhere(self.cfg.claim_lifetime(), &self.cfg);
+                    return Box::pin(self.failed(d, f, None)).await;
+                }
+                Ok(Claim::InFlightElsewhere) => {
+                    self.counters
+                        .claimed_elsewhere
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    debug!("another message of this event is being worked on; acking this copy");
+                    self.ack(&d.msg, AckKind::Ack).await;
+                    self.counters.redundant.bump();
+                    return;
+                }
                 Ok(Claim::HeldElsewhere { remaining }) => {
                     self.counters
                         .claimed_elsewhere
