@@ -214,26 +214,48 @@ impl Claims {
     pub async fn server_now(&self) -> Result<OffsetDateTime, BusError> {
         let key = self.registration_key();
         let mut rev = self.registration.lock().await;
-        match self
-            .store
-            .update(&key, self.boot.clone().into(), *rev)
-            .await
-        {
-            Ok(new) => *rev = new,
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                return Err(BusError::new(
-                    BusErrorKind::InstanceTaken,
-                    format!(
-                        "another process registered instance id {:?} of service {}; give every instance its own `instance_id`",
-                        self.instance, self.service
-                    ),
-                ));
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self
+                .store
+                .update(&key, self.boot.clone().into(), *rev)
+                .await
+            {
+                Ok(new) => {
+                    *rev = new;
+                    return self.server_now_at(&key, new).await;
+                }
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision && tries < 3 => {
+                    // Either another process wrote it, or an earlier write of ours went
+                    // through although its answer was lost: the value says which.
+                    let entry = self
+                        .store
+                        .entry(&key)
+                        .await
+                        .map_err(|e| kv_err("reading the instance registration", e))?;
+                    match entry {
+                        Some(e) if e.value.as_ref() == self.boot.as_bytes() => *rev = e.revision,
+                        _ => {
+                            return Err(BusError::new(
+                                BusErrorKind::InstanceTaken,
+                                format!(
+                                    "another process registered instance id {:?} of service {}; give every instance its own `instance_id`",
+                                    self.instance, self.service
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Err(e) => return Err(kv_err("probing the server clock", e)),
             }
-            Err(e) => return Err(kv_err("probing the server clock", e)),
         }
+    }
+
+    async fn server_now_at(&self, key: &str, rev: u64) -> Result<OffsetDateTime, BusError> {
         let entry = self
             .store
-            .entry_for_revision(&key, *rev)
+            .entry_for_revision(key, rev)
             .await
             .map_err(|e| kv_err("probing the server clock", e))?
             .ok_or_else(|| BusError::new(BusErrorKind::Claim, "the server-clock probe vanished"))?;

@@ -314,3 +314,34 @@ async fn a_lost_claim_cancels_the_handler_and_records_nothing() {
 fn hex_of(s: &str) -> String {
     s.bytes().map(|b| format!("{b:02x}")).collect()
 }
+
+/// Two workers configured with one instance id would take each other's claims for their own
+/// earlier life's: the one whose registration was overwritten stops, naming the id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_worker_with_the_same_instance_id_stops_the_first() {
+    let env = Env::start().await;
+    let first = instance(&env, "twin");
+    let mut second = instance(&env, "twin");
+    second.ledger_path = env.ledger("svc-twin-2");
+    let (_t1, h1) = spawn(&env, first, Arc::new(Emit::default()));
+    // The first has registered once it handles something.
+    env.bus.publish(&stage_request("warmup")).await.unwrap();
+    wait_until(WAIT, "the first working", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    let second = spawn(&env, second, Arc::new(Emit::default()));
+    let err = tokio::time::timeout(WAIT, h1)
+        .await
+        .expect("the first stops within a heartbeat")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        stagehand_bus::BusErrorKind::InstanceTaken,
+        "{err}"
+    );
+    assert!(err.to_string().contains("\"twin\""), "{err}");
+    stop(second).await;
+}
