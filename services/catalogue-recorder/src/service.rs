@@ -227,3 +227,25 @@ impl From<StoreError> for HandlerError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a fold that failed on the store's I/O was a retryable error, dead-lettered
+    /// and terminated once its attempts ran out — a fact missing from this catalogue for good.
+    /// Now the recorder stops and the fact comes back after the restart.
+    #[test]
+    fn a_store_failure_stops_the_recorder_instead_of_dead_lettering_the_fact() {
+        let io: HandlerError = StoreError::Redb(redb::Error::PreviousIo).into();
+        assert!(io.is_fatal(), "{io:?}");
+        let corrupt: HandlerError = StoreError::Corrupt {
+            key: "k".into(),
+            detail: "truncated".into(),
+        }
+        .into();
+        assert!(corrupt.is_permanent());
+        let gone: HandlerError = StoreError::WriterGone.into();
+        assert!(gone.is_retryable());
+    }
+}
