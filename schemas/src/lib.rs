@@ -35,6 +35,7 @@ pub mod json_schema;
 pub mod manifest;
 pub mod path;
 pub mod problem;
+pub mod progress;
 pub mod subject;
 pub mod wire;
 

@@ -221,6 +221,8 @@ pub fn stage_request(id: &str) -> Event {
             job_id: format!("job-{id}"),
             requested_by: "scheduler".into(),
             deadline: None,
+            node: None,
+            form: None,
         }),
     )
 }
@@ -240,6 +242,8 @@ pub fn ready_fact(event: &Event) -> Event {
             },
             job_id: req.job_id.clone(),
             request_id: event.id.clone(),
+            node: None,
+            path: None,
         }),
     )
 }
