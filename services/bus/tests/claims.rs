@@ -198,6 +198,7 @@ impl Handler for TwoVerdicts {
                 request_id: event.id.clone(),
                 reason: "a different verdict".into(),
                 retryable: false,
+                node: None,
             }),
         )])
     }

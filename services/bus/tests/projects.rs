@@ -82,6 +82,8 @@ impl Handler for PerProject {
                 },
                 job_id: r.job_id.clone(),
                 request_id: event.id.clone(),
+                node: None,
+                path: None,
             }),
         )])
     }
