@@ -785,6 +785,8 @@ enum Reply {
     Done,
     Recorded(Vec<Vec<u8>>),
     Pruned(u64),
+    /// This request alone could not be applied (a damaged record); the others commit.
+    Corrupt(String),
 }
 
 struct Request {
@@ -815,7 +817,7 @@ impl LedgerWriter {
             .await?
         {
             Reply::Recorded(facts) => Ok(facts),
-            Reply::Done | Reply::Pruned(_) => Ok(Vec::new()),
+            Reply::Done | Reply::Pruned(_) | Reply::Corrupt(_) => Ok(Vec::new()),
         }
     }
 
@@ -908,9 +910,17 @@ fn writer_loop(
         match result {
             Ok(replies) => {
                 for (req, reply) in batch.drain(..).zip(replies) {
+                    let reply = match reply {
+                        Reply::Corrupt(what) => Err(LedgerError::new(
+                            LedgerErrorKind::Corrupt,
+                            ledger.path(),
+                            what,
+                        )),
+                        other => Ok(other),
+                    };
                     // The requester may have been cancelled by a shutdown deadline; its write
                     // stands.
-                    let _ = req.done.send(Ok(reply));
+                    let _ = req.done.send(reply);
                 }
             }
             Err(e) => {
@@ -956,9 +966,10 @@ fn apply(db: &Database, batch: &[Request]) -> Result<Vec<Reply>, redb::Error> {
                     } else if let Some(existing) = outcomes.get(key.as_str())? {
                         // The first recorded outcome wins: a racing duplicate must publish the
                         // facts that may already have been published, never its own.
-                        let stored = rmp_serde::from_slice::<StoredOutcome>(existing.value())
-                            .map_err(|e| redb::Error::Corrupted(e.to_string()))?;
-                        Reply::Recorded(RecordedBytes::from(stored).facts)
+                        match rmp_serde::from_slice::<StoredOutcome>(existing.value()) {
+                            Ok(stored) => Reply::Recorded(RecordedBytes::from(stored).facts),
+                            Err(e) => Reply::Corrupt(format!("record {key} does not decode: {e}")),
+                        }
                     } else {
                         let history = take_attempts(&mut attempts, &mut by_time, key.as_str())?;
                         let now = stagehand_schemas::now();
