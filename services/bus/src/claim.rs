@@ -399,24 +399,32 @@ impl Claims {
     /// When another delivery committed first, returns its facts.
     pub async fn commit(&self, lease: &Lease, facts: &[Vec<u8>]) -> Result<Commit, LeaseError> {
         let size: usize = facts.iter().map(Vec::len).sum();
-        let carried = (size <= self.max_facts_bytes).then(|| {
-            facts
-                .iter()
-                .cloned()
-                .map(serde_bytes::ByteBuf::from)
-                .collect()
-        });
+        let carried: Option<Vec<&serde_bytes::Bytes>> = (size <= self.max_facts_bytes)
+            .then(|| facts.iter().map(|f| serde_bytes::Bytes::new(f)).collect());
         if carried.is_none() {
             tracing::warn!(
                 bytes = size,
                 "outcome too large to carry in its claim; only this instance's ledger holds it"
             );
         }
-        let value = encode(&Record {
-            state: State::Done { facts: carried },
-            attempts: Vec::new(),
+        // The `done` record, encoded from borrowed facts: the same map a [`Record`] reads.
+        #[derive(Serialize)]
+        struct DoneRecord<'a> {
+            state: &'static str,
+            facts: Option<Vec<&'a serde_bytes::Bytes>>,
+        }
+        let value = rmp_serde::to_vec_named(&DoneRecord {
+            state: "done",
+            facts: carried,
         })
-        .map_err(LeaseError::Unavailable)?;
+        .map(Bytes::from)
+        .map_err(|e| {
+            LeaseError::Unavailable(BusError::with_source(
+                BusErrorKind::Encode,
+                "encoding a claim",
+                e,
+            ))
+        })?;
         match self.store.update(&lease.key, value, lease.revision).await {
             Ok(_) => Ok(Commit::Ours),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
@@ -524,6 +532,21 @@ mod tests {
         };
         assert_eq!(decode(&encode(&r).unwrap()), r);
         assert_eq!(decode(b"done").state, State::Done { facts: None });
+        #[derive(Serialize)]
+        struct DoneRecord<'a> {
+            state: &'static str,
+            facts: Option<Vec<&'a serde_bytes::Bytes>>,
+        }
+        let borrowed = rmp_serde::to_vec_named(&DoneRecord {
+            state: "done",
+            facts: Some(vec![serde_bytes::Bytes::new(&[1, 2, 3])]),
+        })
+        .unwrap();
+        assert_eq!(
+            decode(&borrowed),
+            r,
+            "what commit writes is what claim reads"
+        );
         assert!(matches!(
             decode(b"svc:abc:17").state,
             State::Held { ref instance, .. } if instance == "svc:abc:17"

@@ -783,6 +783,9 @@ enum Write {
 
 enum Reply {
     Done,
+    /// The outcome sent is the one recorded.
+    Ours,
+    /// An outcome was recorded before: its facts.
     Recorded(Vec<Vec<u8>>),
     Pruned(u64),
     /// This request alone could not be applied (a damaged record); the others commit.
@@ -802,13 +805,13 @@ pub(crate) struct LedgerWriter {
 }
 
 impl LedgerWriter {
-    /// Records `key`'s outcome and returns the facts the ledger holds for it: `facts`, or
-    /// those of an outcome recorded before (which must be published instead).
+    /// Records `key`'s outcome. Returns `None` when `facts` are what the ledger now holds, or
+    /// the facts of an outcome recorded before (which must be published instead).
     pub async fn record_outcome(
         &self,
         key: &EventKey,
         facts: Vec<Vec<u8>>,
-    ) -> Result<Vec<Vec<u8>>, LedgerError> {
+    ) -> Result<Option<Vec<Vec<u8>>>, LedgerError> {
         match self
             .send(Write::Outcome {
                 key: key.clone(),
@@ -816,8 +819,8 @@ impl LedgerWriter {
             })
             .await?
         {
-            Reply::Recorded(facts) => Ok(facts),
-            Reply::Done | Reply::Pruned(_) | Reply::Corrupt(_) => Ok(Vec::new()),
+            Reply::Recorded(facts) => Ok(Some(facts)),
+            Reply::Ours | Reply::Done | Reply::Pruned(_) | Reply::Corrupt(_) => Ok(None),
         }
     }
 
@@ -992,7 +995,7 @@ fn apply(db: &Database, batch: &[Request]) -> Result<Vec<Reply>, redb::Error> {
                             (),
                         )?;
                         fresh.insert(key.as_str(), facts);
-                        Reply::Recorded(facts.clone())
+                        Reply::Ours
                     }
                 }
                 Write::DeadLetter {
@@ -1188,13 +1191,13 @@ mod tests {
                 .record_outcome(&key, vec![bytes.clone()])
                 .await
                 .unwrap();
-            assert_eq!(recorded, vec![bytes.clone()]);
+            assert_eq!(recorded, None, "ours is the outcome");
             // A racing second outcome is told the first one's facts, and must publish those.
             let late = writer
                 .record_outcome(&key, vec![wire::encode(&other).unwrap()])
                 .await
                 .unwrap();
-            assert_eq!(late, vec![bytes]);
+            assert_eq!(late, Some(vec![bytes]));
             drop(writer);
             thread.join().unwrap();
         }

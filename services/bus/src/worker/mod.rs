@@ -215,12 +215,17 @@ impl std::fmt::Debug for WorkerHooks {
 #[derive(Default)]
 struct Memory {
     attempts: Mutex<HashMap<EventKey, Vec<Attempt>>>,
+    /// Entries held, so that the common case — nothing ever failed — takes no lock.
+    len: AtomicU64,
 }
 
 const MEMORY_KEYS: usize = 10_000;
 
 impl Memory {
     fn get(&self, key: &EventKey) -> Vec<Attempt> {
+        if self.len.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
         self.lock().get(key).cloned().unwrap_or_default()
     }
 
@@ -236,10 +241,16 @@ impl Memory {
             }
         }
         map.insert(key.clone(), history);
+        self.len.store(map.len() as u64, Ordering::Release);
     }
 
     fn forget(&self, key: &EventKey) {
-        self.lock().remove(key);
+        if self.len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut map = self.lock();
+        map.remove(key);
+        self.len.store(map.len() as u64, Ordering::Release);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<EventKey, Vec<Attempt>>> {

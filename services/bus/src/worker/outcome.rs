@@ -222,13 +222,18 @@ impl<H: Handler> Shared<H> {
             }
         }
         // 5b. The ledger: the first outcome recorded for the key wins here too.
-        match self.writer.record_outcome(key, bytes.clone()).await {
-            Ok(recorded) => {
-                if recorded != bytes {
-                    debug!("an outcome was recorded before; publishing it instead");
-                    bytes = recorded;
-                    publish = None;
-                }
+        // Our own facts are published from `ours`; only someone else's need their bytes back.
+        let keep = if publish.is_some() {
+            Vec::new()
+        } else {
+            bytes.clone()
+        };
+        match self.writer.record_outcome(key, bytes).await {
+            Ok(None) => bytes = keep,
+            Ok(Some(earlier)) => {
+                debug!("an outcome was recorded before; publishing it instead");
+                bytes = earlier;
+                publish = None;
             }
             Err(e) => return Box::pin(self.failed(d, Failure::ledger_write(e), None)).await,
         }
@@ -264,7 +269,7 @@ impl<H: Handler> Shared<H> {
             return;
         };
         let facts = match self.writer.record_outcome(key, facts.clone()).await {
-            Ok(recorded) => recorded,
+            Ok(recorded) => recorded.unwrap_or(facts),
             Err(e) => {
                 // The claim holds the outcome; publishing it needs no local record.
                 warn!(error = %e, "could not record the claim's outcome in the ledger");
