@@ -196,16 +196,15 @@ impl Claims {
         )
     }
 
-    fn held(&self, sequence: u64, attempts: Vec<Attempt>) -> Result<Bytes, BusError> {
-        encode(&Record {
-            state: State::Held {
-                instance: self.instance.clone(),
-                boot: self.boot.clone(),
-                sequence,
-                lifetime_ms: Some(u64::try_from(self.lifetime.as_millis()).unwrap_or(u64::MAX)),
-            },
+    /// A `held` record for this delivery.
+    fn held(&self, sequence: u64, attempts: &[Attempt]) -> Result<Bytes, BusError> {
+        encode_held(
+            &self.instance,
+            &self.boot,
+            sequence,
+            self.lifetime,
             attempts,
-        })
+        )
     }
 
     /// The server's clock now: the timestamp the server gives a write this instance makes
@@ -269,11 +268,7 @@ impl Claims {
         sequence: u64,
     ) -> Result<Claim, BusError> {
         let key = self.key(project, id);
-        match self
-            .store
-            .create(&key, self.held(sequence, Vec::new())?)
-            .await
-        {
+        match self.store.create(&key, self.held(sequence, &[])?).await {
             Ok(revision) => {
                 return Ok(Claim::Owned(Lease {
                     key,
@@ -358,7 +353,7 @@ impl Claims {
     ) -> Result<Claim, BusError> {
         match self
             .store
-            .update(key, self.held(sequence, attempts.clone())?, revision)
+            .update(key, self.held(sequence, &attempts)?, revision)
             .await
         {
             Ok(revision) => Ok(Claim::Owned(Lease {
@@ -380,7 +375,7 @@ impl Claims {
     /// Refreshes an owned claim, so that it is not taken for stale.
     pub async fn renew(&self, lease: &mut Lease) -> Result<(), LeaseError> {
         let value = self
-            .held(lease.sequence, lease.attempts.clone())
+            .held(lease.sequence, &lease.attempts)
             .map_err(LeaseError::Unavailable)?;
         match self.store.update(&lease.key, value, lease.revision).await {
             Ok(revision) => {
@@ -489,6 +484,36 @@ impl Claims {
             _ => self.claim(project, id, sequence).await,
         }
     }
+}
+
+/// Encodes a `held` record from borrowed fields — the same map a [`Record`] reads. Every
+/// message's claim writes one, and `flatten` is slow to write.
+fn encode_held(
+    instance: &str,
+    boot: &str,
+    sequence: u64,
+    lifetime: Duration,
+    attempts: &[Attempt],
+) -> Result<Bytes, BusError> {
+    #[derive(Serialize)]
+    struct HeldRecord<'a> {
+        state: &'static str,
+        instance: &'a str,
+        boot: &'a str,
+        sequence: u64,
+        lifetime_ms: u64,
+        attempts: &'a [Attempt],
+    }
+    rmp_serde::to_vec_named(&HeldRecord {
+        state: "held",
+        instance,
+        boot,
+        sequence,
+        lifetime_ms: u64::try_from(lifetime.as_millis()).unwrap_or(u64::MAX),
+        attempts,
+    })
+    .map(Bytes::from)
+    .map_err(|e| BusError::with_source(BusErrorKind::Encode, "encoding a claim", e))
 }
 
 fn encode(record: &Record) -> Result<Bytes, BusError> {
