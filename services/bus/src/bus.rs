@@ -57,6 +57,20 @@ pub const CLAIMS: KvSpec = KvSpec {
     max_age: CLAIMS_MAX_AGE,
 };
 
+/// The readiness bucket the catalogue recorder mirrors and schedulers watch.
+pub const READINESS_BUCKET: &str = "stagehand_readiness";
+
+/// The readiness bucket: per (dataset version, tier) state, a few values of history.
+pub const READINESS: KvSpec = KvSpec {
+    bucket: READINESS_BUCKET,
+    description: "Stagehand readiness per (dataset version, tier)",
+    history: 5,
+    max_age: Duration::ZERO,
+};
+
+/// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
+pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS];
+
 /// How many permission violations a connection remembers (see [`Bus::permission_violations`]).
 const VIOLATIONS_KEPT: usize = 16;
 
@@ -203,14 +217,17 @@ impl Bus {
             .any(|v| v.contains(subject))
     }
 
-    /// Creates every stream Stagehand declares and the claims bucket, or brings existing ones
-    /// to the declared configuration. Idempotent. With `provision = false` it only checks that
-    /// they exist (see [`BusConfig::provision`]).
+    /// Creates every stream and KV bucket Stagehand declares ([`STREAMS`], [`KV_BUCKETS`]),
+    /// or brings existing ones to the declared configuration. Idempotent. With
+    /// `provision = false` it only checks that they exist (see [`BusConfig::provision`]).
     pub async fn provision(&self) -> Result<(), BusError> {
         for spec in STREAMS {
             self.provision_stream(spec).await?;
         }
-        self.provision_kv(&CLAIMS).await.map(|_| ())
+        for spec in KV_BUCKETS {
+            self.provision_kv(spec).await?;
+        }
+        Ok(())
     }
 
     /// Creates one stream, or updates it where its configuration drifted from `spec`.

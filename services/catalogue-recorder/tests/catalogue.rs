@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use async_nats::HeaderMap;
+use stagehand_bus::runner;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, MSG_ID_HEADER};
 use stagehand_catalogue_recorder::*;
 use stagehand_schemas::*;
@@ -205,11 +206,12 @@ struct Running {
 
 fn start(bus: &Bus, dir: &std::path::Path) -> Running {
     let shutdown = CancellationToken::new();
-    let task = tokio::spawn(run(
-        bus.clone(),
+    let task = tokio::spawn(serve(runner::Context::new(
+        SERVICE,
         RecorderConfig::under(dir),
+        bus.clone(),
         shutdown.clone(),
-    ));
+    )));
     Running { shutdown, task }
 }
 

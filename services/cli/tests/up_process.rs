@@ -58,7 +58,7 @@ impl Up {
                 "STAGEHAND_NATS_SERVER",
                 stagehand_testkit::nats_server_binary(),
             )
-            .env_remove("NATS_URL")
+            .env_remove("STAGEHAND_NATS_URL")
             .env_remove("STAGEHAND_HOME")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -219,7 +219,7 @@ fn server_processes(home: &Path) -> Vec<(i32, i32)> {
 fn stagehand(url: &str, home: &Path, args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(args)
-        .env("NATS_URL", url)
+        .env("STAGEHAND_NATS_URL", url)
         .env("STAGEHAND_HOME", home)
         .output()?;
     ensure!(
