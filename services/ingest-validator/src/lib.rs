@@ -114,7 +114,10 @@ impl ServiceSettings for Settings {
             ));
         }
         if self.policies_dir.as_os_str().is_empty() {
-            return Err(InvalidKey::new("policies_dir", "must name the policy folder"));
+            return Err(InvalidKey::new(
+                "policies_dir",
+                "must name the policy folder",
+            ));
         }
         Ok(())
     }

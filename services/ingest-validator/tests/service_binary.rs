@@ -164,12 +164,14 @@ fn a_configuration_error_exits_78_naming_the_file_and_key() -> anyhow::Result<()
     let said = std::fs::read_to_string(&stderr)?;
     assert_eq!(status.code(), Some(78), "{said}");
     assert!(
-        said.contains(&format!("{}:7: `service.read_concurency`", config.display())),
+        said.contains(&format!(
+            "{}:7: `service.read_concurency`",
+            config.display()
+        )),
         "{said}"
     );
 
-    let missing = Command::new(env!("CARGO_BIN_EXE_stagehand-ingest-validator"))
-        .output()?;
+    let missing = Command::new(env!("CARGO_BIN_EXE_stagehand-ingest-validator")).output()?;
     assert_eq!(missing.status.code(), Some(78));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("--config FILE is required"));
     Ok(())

@@ -51,7 +51,10 @@ impl Prometheus {
             let port = process::free_ports(1)[0];
             let mut cmd = Command::new(&bin);
             cmd.arg(format!("--config.file={}", config.display()))
-                .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.path().join("data").display()
+                ))
                 .arg(format!("--web.listen-address=127.0.0.1:{port}"))
                 .arg("--log.level=warn");
             let mut child = process::spawn(cmd, &log);
@@ -97,20 +100,29 @@ impl Prometheus {
     pub fn query(&self, expr: &str) -> Result<Vec<serde_json::Value>, String> {
         let path = format!("/api/v1/query?query={}", percent_encode(expr));
         let (status, body) = http_get(self.port, &path).map_err(|e| e.to_string())?;
-        let answer: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|e| format!("HTTP {status}: not JSON ({e}): {}", String::from_utf8_lossy(&body)))?;
+        let answer: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
+            format!(
+                "HTTP {status}: not JSON ({e}): {}",
+                String::from_utf8_lossy(&body)
+            )
+        })?;
         if answer["status"] != "success" {
             return Err(format!("HTTP {status}: {answer}"));
         }
-        Ok(answer["data"]["result"].as_array().cloned().unwrap_or_default())
+        Ok(answer["data"]["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default())
     }
 
     /// Whether every scrape target is up (`up == 1`), per `/api/v1/targets`.
     pub fn targets_up(&self) -> Result<bool, String> {
         let (_, body) = http_get(self.port, "/api/v1/targets").map_err(|e| e.to_string())?;
-        let answer: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        let active = answer["data"]["activeTargets"].as_array().cloned().unwrap_or_default();
+        let answer: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        let active = answer["data"]["activeTargets"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         Ok(!active.is_empty() && active.iter().all(|t| t["health"] == "up"))
     }
 }
