@@ -15,7 +15,7 @@ use stagehand_schemas::{Event, wire};
 use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::config::{BusConfig, redact_text};
+use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials};
 use crate::error::BusError;
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
@@ -133,6 +133,15 @@ impl Bus {
             }
             if let Some(seed) = &nkey_seed {
                 opts = opts.nkey(seed.clone());
+            }
+            // async-nats ignores credentials in the URL: pass them on (the first URL with
+            // credentials gives them; a cluster's nodes share their users).
+            match cfg.servers.iter().find_map(|s| url_credentials(s)) {
+                Some(UrlCredentials::UserPassword(user, password)) => {
+                    opts = opts.user_and_password(user, password);
+                }
+                Some(UrlCredentials::Token(token)) => opts = opts.token(token),
+                None => {}
             }
             if let Some(ca) = &cfg.tls_ca {
                 opts = opts.add_root_certificates(ca.clone());

@@ -238,6 +238,46 @@ mod server_list {
     }
 }
 
+/// Credentials a URL carries: `nats://user:password@host` gives the user and the password,
+/// `nats://token@host` a token (percent-decoded). async-nats does not read them from the URL
+/// itself, so [`crate::Bus::connect`] passes them on.
+pub(crate) fn url_credentials(url: &str) -> Option<UrlCredentials> {
+    let (_, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    Some(match userinfo.split_once(':') {
+        Some((user, password)) => {
+            UrlCredentials::UserPassword(percent_decode(user), percent_decode(password))
+        }
+        None => UrlCredentials::Token(percent_decode(userinfo)),
+    })
+}
+
+/// What the userinfo of a server URL holds.
+pub(crate) enum UrlCredentials {
+    UserPassword(String, String),
+    Token(String),
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(hex) = text.get(i + 1..i + 3)
+            && let Ok(b) = u8::from_str_radix(hex, 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// The user name a URL carries (`nats://user:pass@host`), if any.
 fn url_user(url: &str) -> Option<&str> {
     let (_, rest) = url.split_once("://")?;
@@ -632,6 +672,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains(env::NATS_REPLICAS), "{err}");
+    }
+
+    #[test]
+    fn credentials_come_out_of_the_url_decoded() {
+        match url_credentials("nats://svc%2Done:p%40ss@h:1") {
+            Some(UrlCredentials::UserPassword(u, p)) => {
+                assert_eq!((u.as_str(), p.as_str()), ("svc-one", "p@ss"))
+            }
+            _ => panic!("user and password"),
+        }
+        assert!(
+            matches!(url_credentials("nats://t0k@h:1"), Some(UrlCredentials::Token(t)) if t == "t0k")
+        );
+        assert!(url_credentials("nats://h:1").is_none());
     }
 
     #[test]
