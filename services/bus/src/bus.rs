@@ -71,6 +71,9 @@ pub const READINESS: KvSpec = KvSpec {
 /// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
 pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS];
 
+/// Longest wait for a new or re-replicated stream to have a leader and current replicas.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How many permission violations a connection remembers (see [`Bus::permission_violations`]).
 const VIOLATIONS_KEPT: usize = 16;
 
@@ -287,6 +290,7 @@ impl Bus {
                     .update_stream(updated)
                     .await
                     .map_err(|e| perr(e.to_string()))?;
+                self.settle(spec.name, wanted.num_replicas).await;
                 Ok(())
             }
             Err(e) => match e.kind() {
@@ -317,14 +321,55 @@ impl Bus {
             replicas = config.num_replicas,
             "creating stream"
         );
+        let replicas = config.num_replicas;
         self.js
             .create_stream(config)
             .await
-            .map(|_| ())
             .map_err(|e| BusError::Provision {
                 what: format!("stream {}", spec.name),
                 detail: e.to_string(),
-            })
+            })?;
+        self.settle(spec.name, replicas).await;
+        Ok(())
+    }
+
+    /// Waits (at most [`SETTLE_TIMEOUT`]) until a stream just created or re-replicated has a
+    /// leader and every replica current: until then the cluster refuses consumers on it
+    /// ("insufficient resources") and writes can stall, which a service starting right after
+    /// provisioning would take for a failure. A stream that does not settle in time is only
+    /// warned about: it may still settle, and the next operation says what is wrong.
+    async fn settle(&self, stream: &str, replicas: usize) {
+        if replicas <= 1 {
+            return;
+        }
+        let started = std::time::Instant::now();
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let settled = match self.js.get_stream(stream).await {
+                Ok(mut s) => s.info().await.ok().is_some_and(|info| {
+                    info.config.num_replicas == replicas
+                        && info.cluster.as_ref().is_some_and(|c| {
+                            c.leader.is_some()
+                                && c.replicas.len() + 1 == replicas
+                                && c.replicas.iter().all(|p| p.current && !p.offline)
+                        })
+                }),
+                Err(_) => false,
+            };
+            if settled {
+                return;
+            }
+            if started.elapsed() >= SETTLE_TIMEOUT {
+                warn!(
+                    stream,
+                    replicas, "stream replicas not settled after {SETTLE_TIMEOUT:?}"
+                );
+                return;
+            }
+            // Polling the cluster's view of the stream: JetStream offers no event for it.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
 
     /// Opens the KV bucket of `spec`, creating it when missing and correcting the drift of its
@@ -361,11 +406,14 @@ impl Bus {
                         replicas = wanted.num_replicas,
                         "KV bucket configuration drifted; updating"
                     );
-                    return self
+                    let replicas = wanted.num_replicas;
+                    let store = self
                         .js
                         .update_key_value(wanted)
                         .await
-                        .map_err(|e| perr(e.to_string()));
+                        .map_err(|e| perr(e.to_string()))?;
+                    self.settle(&stream_name, replicas).await;
+                    return Ok(store);
                 }
                 if drifted {
                     warn!(

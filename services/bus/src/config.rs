@@ -89,6 +89,14 @@ impl std::fmt::Debug for BusConfig {
     }
 }
 
+/// The servers (passwords redacted) and the connection name: what a log line says of a
+/// connection.
+impl std::fmt::Display for BusConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} as {}", self.servers_display(), self.client_name)
+    }
+}
+
 /// The environment variables that override the `[bus]` table, one naming scheme for every
 /// binary: services (through the runner) and the `stagehand` CLI.
 pub mod env {
@@ -617,7 +625,7 @@ mod tests {
     fn passwords_never_show_in_debug_display_or_errors() {
         let cfg = BusConfig::new("nats://svc:s3cret@n1:4222, nats://tok3n@n2:4222,nats://n3:4222");
         assert_eq!(cfg.servers.len(), 3);
-        let shown = format!("{cfg:?} {}", cfg.servers_display());
+        let shown = format!("{cfg:?} {cfg} {}", cfg.servers_display());
         assert!(
             !shown.contains("s3cret") && !shown.contains("tok3n"),
             "{shown}"

@@ -53,18 +53,34 @@ async fn all_replicas_current(bus: &Bus, stream: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_test_writer()
+        .try_init();
     let mut cluster = NatsCluster::start(3);
     let servers = cluster.urls().join(",");
     let bus_cfg = BusConfig::new(&servers);
     assert_eq!(bus_cfg.servers.len(), 3);
 
-    // An operator's mistake to correct: the facts log created with one replica.
+    // Mistakes to correct: the facts log and the claims bucket created with one replica.
     let bus = Bus::connect(&bus_cfg).await?;
     assert_eq!(bus.replicas(), 3, "replicas learned from the cluster");
     bus.jetstream()
         .create_stream(stagehand_bus::stream_config(&subject::FACTS, 1))
         .await?;
+    bus.jetstream()
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: stagehand_bus::CLAIMS_BUCKET.into(),
+            history: 1,
+            num_replicas: 1,
+            ..Default::default()
+        })
+        .await?;
     assert_eq!(stream_replicas(&bus, subject::FACTS.name).await?, 1);
+    assert_eq!(stream_replicas(&bus, "KV_stagehand_claims").await?, 1);
 
     let home = tempfile::tempdir()?;
     let stack = Stack::start(UpOptions {
