@@ -589,7 +589,7 @@ fn on_event(event: async_nats::Event, seen: &Mutex<VecDeque<String>>) {
         }
         async_nats::Event::ServerError(e) => warn!(error = %e, "NATS server error"),
         async_nats::Event::Disconnected => warn!("disconnected from NATS; reconnecting"),
-        async_nats::Event::Connected => info!("connected to NATS"),
+        async_nats::Event::Connected => debug!("connected to NATS"),
         async_nats::Event::LameDuckMode => {
             warn!("the NATS server entered lame duck mode; moving to another")
         }

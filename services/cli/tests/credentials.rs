@@ -85,6 +85,11 @@ fn write_folder(dir: &Path) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow::Result<()> {
+    // A permission the services lack shows in the test's output (the bus logs violations).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("warn")
+        .with_test_writer()
+        .try_init();
     let server = start_server();
     let home = tempfile::tempdir()?;
     let policies = home.path().join("policies");
@@ -164,6 +169,50 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     shutdown.cancel();
     let stats = validator.await??;
     ensure!(stats.handled == 1, "{stats:?}");
+
+    // The recorder runs as its own user: it rebuilds its catalogue from the facts log (an
+    // ephemeral consumer), folds live facts, mirrors readiness and answers the operator.
+    let mut config = stagehand_catalogue_recorder::config(
+        &url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"),
+        home.path().join("state/catalogue"),
+    );
+    config.bus.provision = false;
+    let shutdown = stagehand_bus::CancellationToken::new();
+    let recorder = tokio::spawn(stagehand_catalogue_recorder::run(config, shutdown.clone()));
+    let operator = url(&server, "operator", "OPERATOR");
+    let shown =
+        stagehand_testkit::wait_for(Duration::from_secs(60), "the catalogue to answer", || {
+            let operator = operator.clone();
+            async move {
+                let out = stagehand(
+                    &operator,
+                    &[
+                        "catalogue",
+                        "show",
+                        "perm-cats",
+                        "--project",
+                        "demo",
+                        "--json",
+                    ],
+                )
+                .ok()?;
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+            }
+        })
+        .await?;
+    let detail: serde_json::Value = serde_json::from_str(&shown).context(shown.clone())?;
+    ensure!(
+        detail["versions"].as_array().is_some_and(|v| v.len() == 1),
+        "one catalogued version: {detail}"
+    );
+    shutdown.cancel();
+    let stats = recorder.await??;
+    ensure!(
+        stats.rebuilt.is_some_and(|(facts, _)| facts >= 1),
+        "rebuilt from the log: {stats:?}"
+    );
 
     // `stagehand up` on that server says where it runs, without the password.
     let mut up = Command::new(env!("CARGO_BIN_EXE_stagehand"))

@@ -259,9 +259,9 @@ where
             let bound = endpoint.local_addr().unwrap_or(addr);
             tracing::info!(service = name, metrics = %bound, "serving Prometheus metrics on /metrics");
             let stop = shutdown.clone();
-            Some(tokio::spawn(
+            Some(AbortOnDrop(tokio::spawn(
                 endpoint.serve(async move { stop.cancelled().await }),
-            ))
+            )))
         }
         None => None,
     };
@@ -306,11 +306,19 @@ where
         }
     };
     info.set(0.0);
-    if let Some(task) = metrics {
-        // The endpoint stops with the token; a failed service stops it here.
-        task.abort();
-    }
+    // The endpoint stops with the token, or here when the service failed on its own.
+    drop(metrics);
     result.map_err(|e| RunError::Service(e.into()))
+}
+
+/// A task stopped when its handle is dropped: the metrics endpoint of a service that returned
+/// early (a failed connection) must not keep its port.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The whole life of a service binary: reads `--config FILE`, sets up telemetry, runs the
