@@ -133,7 +133,7 @@ impl BusConfig {
             .join(",")
     }
 
-    /// Applies the environment overrides of [`env`], reading variables through `var` (so that
+    /// Applies the environment overrides of [`env`](mod@env), reading variables through `var` (so that
     /// tests need not touch the process environment). A value that does not parse is an error
     /// naming the variable.
     pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), BusError> {

@@ -204,7 +204,7 @@ impl ConfigError {
 
 impl<S: ServiceSettings> ServiceConfig<S> {
     /// Reads and validates `file`, then applies the `STAGEHAND_NATS_*` environment overrides
-    /// (see [`crate::env`]).
+    /// (see [`crate::env`](mod@crate::env)).
     pub fn load(file: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
             file: file.to_owned(),

@@ -5,7 +5,7 @@
 //! 1. **config** — `--config FILE` (TOML, [`ServiceConfig`]: `[bus]`, `[worker]`,
 //!    `[telemetry]` and the service's own `[service]` table), unknown keys refused, every error
 //!    naming the file, the key and its line; then the `STAGEHAND_NATS_*` environment overrides
-//!    ([`crate::env`]);
+//!    ([`crate::env`](mod@crate::env));
 //! 2. **telemetry** — logs (text or JSON), traces (OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
 //!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`;
 //! 3. **connect** (with retries) and **provision** the streams and the claims bucket;
