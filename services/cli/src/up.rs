@@ -92,25 +92,26 @@ impl UpEnv {
 /// Starts one service of the stack.
 type Start = fn(&UpEnv, CancellationToken) -> JoinHandle<anyhow::Result<()>>;
 
-/// Every service `stagehand up` runs, in start order. Adding a service is one line: its name,
-/// its settings for one machine (`dev(home, policies)`) and its `serve` function.
+/// An entry of [`SERVICES`] for the service crate `$krate`, which exports, as every service
+/// crate does, `SERVICE` (its name), a settings type `$settings` with
+/// `dev(home, policies)` (its settings on one machine) and `serve` (what its binary runs).
+macro_rules! service {
+    ($krate:ident, $settings:ident) => {
+        ($krate::SERVICE, |env, stop| {
+            env.spawn(
+                $krate::SERVICE,
+                $krate::$settings::dev(&env.home, &env.policies),
+                $krate::serve,
+                stop,
+            )
+        })
+    };
+}
+
+/// Every service `stagehand up` runs, in start order. Adding a service is one line.
 pub const SERVICES: &[(&str, Start)] = &[
-    (stagehand_ingest_validator::SERVICE, |env, stop| {
-        env.spawn(
-            stagehand_ingest_validator::SERVICE,
-            stagehand_ingest_validator::Settings::dev(&env.home, &env.policies),
-            stagehand_ingest_validator::serve,
-            stop,
-        )
-    }),
-    (stagehand_catalogue_recorder::SERVICE, |env, stop| {
-        env.spawn(
-            stagehand_catalogue_recorder::SERVICE,
-            stagehand_catalogue_recorder::RecorderConfig::dev(&env.home, &env.policies),
-            stagehand_catalogue_recorder::serve,
-            stop,
-        )
-    }),
+    service!(stagehand_ingest_validator, Settings),
+    service!(stagehand_catalogue_recorder, RecorderConfig),
 ];
 
 /// How long services may take to drain after Ctrl-C.

@@ -306,3 +306,20 @@ fn a_failed_connection_names_the_server_without_its_password() -> anyhow::Result
     ensure!(!text.contains("hunter2"), "the password is shown: {text}");
     Ok(())
 }
+
+#[test]
+fn a_comma_separated_server_list_works_in_the_cli() -> anyhow::Result<()> {
+    let server = NatsServer::start();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let list = format!("nats://127.0.0.1:{dead}, {}", server.url());
+    let out = stagehand(&list, &["provision", "--replicas", "1"])?;
+    ensure!(out.status.success(), "{}", said(&out));
+    ensure!(
+        said(&out).contains(&format!("nats://127.0.0.1:{dead},{}", server.url())),
+        "{}",
+        said(&out)
+    );
+    Ok(())
+}

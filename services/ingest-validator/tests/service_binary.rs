@@ -69,7 +69,7 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
     std::fs::write(
         &config,
         format!(
-            "[bus]\nservers = [\"{}\"]\n\n[worker]\nconcurrency = 2\n\n[telemetry]\nmetrics_listen = \"{metrics}\"\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            "[bus]\n# A comma-separated list whose first server is down.\nservers = \"nats://127.0.0.1:1,{}\"\n\n[worker]\nconcurrency = 2\n\n[telemetry]\nmetrics_listen = \"{metrics}\"\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
             nats.url(),
             policies.display(),
             tmp.path().join("state").display()
