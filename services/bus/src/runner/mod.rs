@@ -82,7 +82,7 @@ pub const EXIT_CONFIG: u8 = 78;
 /// Exit status for a service that failed while running; its supervisor restarts it.
 pub const EXIT_FAILED: u8 = 1;
 /// How much longer than the workers' own drain deadline the runner waits for a service.
-const DRAIN_MARGIN: Duration = Duration::from_secs(5);
+const DRAIN_MARGIN: Duration = Duration::from_secs(2);
 /// The drain deadline when the `[worker]` table sets none.
 const DEFAULT_DRAIN: Duration = Duration::from_secs(20);
 
