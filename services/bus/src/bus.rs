@@ -112,6 +112,7 @@ impl Bus {
             url: servers.clone(),
             detail: redact_text(&detail),
         };
+        let servers = &servers;
         let nkey_seed = match &cfg.nkey_seed_file {
             Some(path) => Some(read_seed(path).map_err(|e| err(e.to_string()))?),
             None => None,
@@ -152,12 +153,23 @@ impl Bus {
             if let (Some(cert), Some(key)) = (&cfg.tls_client_cert, &cfg.tls_client_key) {
                 opts = opts.add_client_certificate(cert.clone(), key.clone());
             }
-            opts.connect(cfg.servers.as_slice())
-                .await
-                .map_err(|e| err(e.to_string()))
+            opts.connect(cfg.servers.as_slice()).await.map_err(|e| {
+                let detail = redact_text(&e.to_string());
+                match e.kind() {
+                    // A wrong password or an unknown key does not fix itself: no retries.
+                    async_nats::ConnectErrorKind::AuthorizationViolation
+                    | async_nats::ConnectErrorKind::Authentication => BusError::Unauthorized {
+                        url: servers.clone(),
+                        detail,
+                    },
+                    _ => err(detail),
+                }
+            })
         };
-        let started = std::time::Instant::now();
-        let client = attempt
+        // Retries until `connect_timeout`, counted from the first attempt (a retry's pause is
+        // cut short by it, so the bound is the bound).
+        let last = Mutex::new(String::new());
+        let retried = attempt
             .retry(
                 ExponentialBuilder::default()
                     .with_min_delay(Duration::from_millis(100))
@@ -165,9 +177,26 @@ impl Bus {
                     .without_max_times()
                     .with_jitter(),
             )
-            .when(|_| started.elapsed() < cfg.connect_timeout)
-            .notify(|e, delay| warn!(error = %e, ?delay, "connecting to NATS failed; retrying"))
-            .await?;
+            .when(|e| !matches!(e, BusError::Unauthorized { .. }))
+            .notify(|e, delay| {
+                warn!(error = %e, ?delay, "connecting to NATS failed; retrying");
+                *last.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
+            });
+        let client = match tokio::time::timeout(cfg.connect_timeout, retried).await {
+            Ok(connected) => connected?,
+            Err(_) => {
+                let last = last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                return Err(err(format!(
+                    "no connection within {:?}{}",
+                    cfg.connect_timeout,
+                    if last.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (last: {last})")
+                    }
+                )));
+            }
+        };
         let replicas = match cfg.replicas {
             Some(n) => n,
             None => {
@@ -188,7 +217,7 @@ impl Bus {
             replicas,
             provision: cfg.provision,
             violations,
-            servers,
+            servers: servers.clone(),
         })
     }
 

@@ -542,9 +542,10 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
         (Some(watch), Some(timeout)) => {
             let deadline = tokio::time::Instant::now() + timeout;
             // A duplicate of an earlier run may have been answered before the subscription.
-            let earlier = match ack.duplicate {
-                true => last_verdict(bus, &opts.project, &request.id).await,
-                false => None,
+            let earlier = if ack.duplicate {
+                last_verdict(bus, &opts.project, &request.id).await
+            } else {
+                None
             };
             let outcome = match earlier {
                 Some(outcome) => outcome,
