@@ -272,7 +272,11 @@ async fn nkey_seed_files_work_for_the_cli_and_the_services() -> anyhow::Result<(
     // Without the seed the server refuses the connection, at once (no retries) …
     let out = stagehand(&server.url(), &["provision"])?;
     ensure!(!out.status.success(), "{}", said(&out));
-    ensure!(said(&out).contains("refused the credentials"), "{}", said(&out));
+    ensure!(
+        said(&out).contains("refused the credentials"),
+        "{}",
+        said(&out)
+    );
     // … with it the CLI provisions …
     let out = stagehand(
         &server.url(),

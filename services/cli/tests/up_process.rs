@@ -509,6 +509,11 @@ async fn the_next_up_stops_a_server_left_behind_and_says_so() -> anyhow::Result<
     })
     .await?;
 
+    ensure!(
+        orphan.try_wait()?.is_none(),
+        "the orphan exited before up started (its port taken?)"
+    );
+
     let logs = tempfile::tempdir()?;
     let port = free_port()?;
     let mut up = Up::start(&home, port, logs.path().join("up.stderr"))?;
@@ -519,7 +524,8 @@ async fn the_next_up_stops_a_server_left_behind_and_says_so() -> anyhow::Result<
             "found nats-server (pid {}) left running by an earlier `stagehand up`",
             orphan.id()
         )),
-        "up did not name the orphan it stopped:\n{said}"
+        "up did not name the orphan it stopped (orphan now {:?}):\n{said}",
+        orphan.try_wait()
     );
     let status = orphan.wait()?;
     ensure!(!accepts(old_port), "the orphan's port is free ({status})");
