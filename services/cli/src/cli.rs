@@ -356,5 +356,7 @@ fn quiet_logs() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not in a plugin's captured output.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
