@@ -15,7 +15,7 @@ use stagehand_schemas::{Event, wire};
 use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials};
+use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials, without_credentials};
 use crate::error::BusError;
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
@@ -118,6 +118,8 @@ impl Bus {
             None => None,
         };
         let violations: Arc<Mutex<VecDeque<String>>> = Arc::default();
+        // The client library gets the addresses only; the credentials go through its options.
+        let addrs: Vec<String> = cfg.servers.iter().map(|s| without_credentials(s)).collect();
         let attempt = || async {
             let seen = violations.clone();
             let mut opts = async_nats::ConnectOptions::new()
@@ -153,7 +155,7 @@ impl Bus {
             if let (Some(cert), Some(key)) = (&cfg.tls_client_cert, &cfg.tls_client_key) {
                 opts = opts.add_client_certificate(cert.clone(), key.clone());
             }
-            opts.connect(cfg.servers.as_slice()).await.map_err(|e| {
+            opts.connect(addrs.as_slice()).await.map_err(|e| {
                 let detail = redact_text(&e.to_string());
                 match e.kind() {
                     // A wrong password or an unknown key does not fix itself: no retries.

@@ -261,6 +261,19 @@ pub(crate) fn url_credentials(url: &str) -> Option<UrlCredentials> {
     })
 }
 
+/// `url` without its userinfo (`nats://user:pass@host:4222` → `nats://host:4222`): what is
+/// handed to the client library, so that none of its own logs can carry a secret.
+pub(crate) fn without_credentials(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://{host}{}", &rest[end..]),
+        None => url.to_owned(),
+    }
+}
+
 /// What the userinfo of a server URL holds.
 pub(crate) enum UrlCredentials {
     UserPassword(String, String),
@@ -694,6 +707,9 @@ mod tests {
             matches!(url_credentials("nats://t0k@h:1"), Some(UrlCredentials::Token(t)) if t == "t0k")
         );
         assert!(url_credentials("nats://h:1").is_none());
+        assert_eq!(without_credentials("nats://u:p@h:1"), "nats://h:1");
+        assert_eq!(without_credentials("tls://t@h:1/x"), "tls://h:1/x");
+        assert_eq!(without_credentials("nats://h:1"), "nats://h:1");
     }
 
     #[test]

@@ -55,7 +55,11 @@ fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<Output> {
     for var in stagehand_bus::env::ALL {
         cmd.env_remove(var);
     }
-    Ok(cmd.env("STAGEHAND_NATS_URL", url).output()?)
+    // Debug logs of every crate, the client library's included: none may carry a secret.
+    Ok(cmd
+        .env("STAGEHAND_NATS_URL", url)
+        .env("RUST_LOG", "debug")
+        .output()?)
 }
 
 fn said(out: &Output) -> String {
