@@ -577,3 +577,106 @@ async fn a_scheduler_reads_readiness_but_cannot_write_it() -> Result<()> {
     );
     Ok(())
 }
+
+/// What one service role needs to run a worker: its stream and filter, and one fact it emits.
+struct WorkerGrant {
+    user: &'static str,
+    role: &'static str,
+    stream: &'static str,
+    filter: &'static str,
+    input: &'static str,
+    fact: &'static str,
+}
+
+#[tokio::test]
+async fn every_service_role_runs_its_own_worker() -> Result<()> {
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let grants = [
+        WorkerGrant {
+            user: "ingest-validator",
+            role: "INGEST_VALIDATOR",
+            stream: "STAGEHAND_REQUESTS",
+            filter: "stagehand.req.ingest.requested.*",
+            input: "stagehand.req.ingest.requested.demo",
+            fact: "stagehand.fact.dataset.validated.demo",
+        },
+        WorkerGrant {
+            user: "resharder",
+            role: "RESHARDER",
+            stream: "STAGEHAND_FACTS",
+            filter: "stagehand.fact.dataset.validated.*",
+            input: "stagehand.fact.dataset.validated.demo",
+            fact: "stagehand.fact.dataset.prepared.demo",
+        },
+        WorkerGrant {
+            user: "promoter",
+            role: "PROMOTER",
+            stream: "STAGEHAND_REQUESTS",
+            filter: "stagehand.req.stage.requested.*",
+            input: "stagehand.req.stage.requested.demo",
+            fact: "stagehand.fact.stage.ready.demo",
+        },
+        WorkerGrant {
+            user: "demoter",
+            role: "DEMOTER",
+            stream: "STAGEHAND_REQUESTS",
+            filter: "stagehand.req.stage.released.*",
+            input: "stagehand.req.stage.released.demo",
+            fact: "stagehand.fact.replica.removed.demo",
+        },
+        WorkerGrant {
+            user: "backup-copier",
+            role: "BACKUP_COPIER",
+            stream: "STAGEHAND_FACTS",
+            filter: "stagehand.fact.replica.created.*",
+            input: "stagehand.fact.replica.created.demo",
+            fact: "stagehand.fact.backup.completed.demo",
+        },
+    ];
+    for g in &grants {
+        operator.publish(g.input, "in".into()).await?.await?;
+        let bus = bus_as(&server, g.user, g.role).await?;
+        let mut js = bus.jetstream().clone();
+        js.set_timeout(Duration::from_secs(5));
+        let consumer = js
+            .get_stream(g.stream)
+            .await
+            .with_context(|| format!("{}: stream info", g.user))?
+            .create_consumer(jetstream::consumer::pull::Config {
+                durable_name: Some(g.user.into()),
+                filter_subject: g.filter.into(),
+                ..Default::default()
+            })
+            .await
+            .with_context(|| format!("{}: its durable consumer", g.user))?;
+        let mut batch = consumer.fetch().max_messages(1).messages().await?;
+        let message = tokio::time::timeout(Duration::from_secs(10), batch.next())
+            .await
+            .with_context(|| format!("{}: nothing delivered", g.user))?
+            .context("batch ended")?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        assert_eq!(message.subject.as_str(), g.input, "{}", g.user);
+        message
+            .double_ack()
+            .await
+            .map_err(|e| anyhow::anyhow!("{}: ack: {e}", g.user))?;
+        let claims = js.get_key_value("stagehand_claims").await?;
+        claims
+            .create(&format!("{}.event-1", g.user), "owner".into())
+            .await
+            .with_context(|| format!("{}: its claim", g.user))?;
+        js.publish(g.fact, "fact".into())
+            .await?
+            .await
+            .with_context(|| format!("{}: its fact", g.user))?;
+        assert!(
+            bus.permission_violations().is_empty(),
+            "{}: {:?}",
+            g.user,
+            bus.permission_violations()
+        );
+    }
+    Ok(())
+}
