@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use stagehand_config::{key_at, line_of};
 use stagehand_telemetry::TelemetryConfig;
 
 use crate::config::{BusConfig, RetrySchedule, WorkerConfig, duration_str};
@@ -281,71 +282,6 @@ impl Located<'_> {
             message: message.into(),
         }
     }
-}
-
-/// Each line's dotted key path: the table header it is under plus its own key.
-fn line_keys(text: &str) -> impl Iterator<Item = (usize, usize, String)> + '_ {
-    let mut table = String::new();
-    let mut offset = 0;
-    text.split_inclusive('\n')
-        .enumerate()
-        .map(move |(index, raw)| {
-            let start = offset;
-            offset += raw.len();
-            let line = raw.trim();
-            let key = if let Some(header) = line.strip_prefix('[') {
-                let header = header.trim_start_matches('[');
-                let end = header.find(']').unwrap_or(header.len());
-                table = normalise_key(&header[..end]);
-                table.clone()
-            } else if !line.starts_with('#')
-                && let Some((key, _)) = line.split_once('=')
-            {
-                let key = normalise_key(key);
-                if table.is_empty() {
-                    key
-                } else {
-                    format!("{table}.{key}")
-                }
-            } else {
-                table.clone()
-            };
-            (start, index + 1, key)
-        })
-}
-
-/// `a . "b-c"` → `a.b-c`.
-fn normalise_key(key: &str) -> String {
-    key.split('.')
-        .map(|part| part.trim().trim_matches('"').trim_matches('\''))
-        .collect::<Vec<_>>()
-        .join(".")
-}
-
-/// The key path and line at byte `pos`.
-fn key_at(text: &str, pos: usize) -> (String, Option<usize>) {
-    let mut found = (String::new(), None);
-    for (start, line, key) in line_keys(text) {
-        if start > pos {
-            break;
-        }
-        found = (key, Some(line));
-    }
-    found
-}
-
-/// The line where `key` is written (or its table opens), if anywhere.
-fn line_of(text: &str, key: &str) -> Option<usize> {
-    let mut table_line = None;
-    for (_, line, found) in line_keys(text) {
-        if found == key {
-            return Some(line);
-        }
-        if table_line.is_none() && !found.is_empty() && key.starts_with(&format!("{found}.")) {
-            table_line = Some(line);
-        }
-    }
-    table_line
 }
 
 #[cfg(test)]
