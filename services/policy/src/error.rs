@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use stagehand_config::{key_at, line_of};
+
 /// Why the policies could not be loaded. Every error is permanent: the files must be fixed,
 /// and loading them again unchanged gives the same answer.
 #[derive(Debug, thiserror::Error)]
@@ -66,8 +68,6 @@ pub(crate) struct Source<'a> {
     pub file: &'a Path,
     pub text: &'a str,
 }
-
-use stagehand_config::{key_at, line_of};
 
 impl Source<'_> {
     /// Deserialises the whole file, turning a TOML or type error into [`PolicyError::Invalid`]
