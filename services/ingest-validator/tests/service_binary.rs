@@ -95,6 +95,7 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
                 prefix: "demo/metrics".into(),
             },
             files: vec![FileRef::new("a.txt", 7, sha256_hex(b"scraped"))],
+            manifest: None,
             requested_by: "tester".into(),
             labels: Vec::new(),
         }),
