@@ -30,19 +30,23 @@ pub mod cp;
 mod engine;
 pub mod error;
 mod mover;
+mod owner;
 pub mod posix;
 pub mod s3;
 mod sched;
+mod set;
 mod tier;
 pub mod transfer;
 
 pub use engine::EngineChoice;
 pub use error::{ErrorKind, Side, TransferError};
 pub use mover::{BatchReport, FileResult, Mover, MoverConfig};
-pub use posix::{AtomicFile, CommitMode, PendingRename, PosixTier};
+pub use posix::{AtomicFile, CommitMode, PendingRename, PosixTier, SweepOptions, SweepReport};
 pub use sched::{Permit, RateLimiter, Scheduler};
+pub use set::{SET_COMPLETE_MARKER, SetCopy, SetReport, StagedSet};
 pub use tier::Tier;
+pub use tokio_util::sync::CancellationToken;
 pub use transfer::{
-    CopyOptions, CopyOutcome, EMPTY_SHA256, FileDigest, FileRef, Priority, Progress, SkipReason,
-    VerifyDestination,
+    CopyOptions, CopyOutcome, EMPTY_SHA256, FileDigest, FileRef, Priority, Progress, ReadLimit,
+    SkipReason, VerifyMode,
 };

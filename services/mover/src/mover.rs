@@ -6,7 +6,7 @@
 //!   [`FileRef`]'s (or, without a recorded hash, becomes the proven hash);
 //! - the source's size, mtime and ctime are compared before and after (a change in between is
 //!   `SourceChanged`: the hash might describe a mix of old and new bytes);
-//! - with [`VerifyDestination::ReadBack`] the temp file is read back and hashed before rename;
+//! - with [`VerifyMode::ReadBack`] the temp file is read back and hashed before rename;
 //! - with `trust_recorded_hash` and a recorded hash, the bytes may move by `FICLONE` or
 //!   `copy_file_range` without being read by us: the recorded hash (proven at ingest) and the
 //!   unchanged size and times of the source stand for them.
@@ -25,7 +25,7 @@ use crate::posix::{AtomicFile, CommitMode, PendingRename, PosixTier};
 use crate::sched::{RateLimiter, Scheduler};
 use crate::tier::Tier;
 use crate::transfer::{
-    CopyOptions, CopyOutcome, EMPTY_SHA256, FileRef, Progress, SkipReason, VerifyDestination,
+    CopyOptions, CopyOutcome, EMPTY_SHA256, FileRef, Progress, SkipReason, VerifyMode,
 };
 
 /// Files at least this large are published individually even in [`CommitMode::Batched`].
@@ -244,8 +244,20 @@ impl Mover {
         opts: &CopyOptions,
         progress: &Progress,
     ) -> BatchReport {
-        let started = Instant::now();
         progress.add_total(files.len() as u64, files.iter().map(|f| f.size).sum());
+        self.copy_batch(src, dst, files, opts, progress).await
+    }
+
+    /// [`Mover::copy_all`] without announcing the files to `progress` (the caller did).
+    pub(crate) async fn copy_batch(
+        &self,
+        src: &Tier,
+        dst: &Tier,
+        files: &[FileRef],
+        opts: &CopyOptions,
+        progress: &Progress,
+    ) -> BatchReport {
+        let started = Instant::now();
         if let Tier::Posix(d) = dst {
             d.forget_dirs();
         }
@@ -923,7 +935,7 @@ fn finish(
             format!("{} bytes landed, {} were copied", landed.size, prep.size),
         ));
     }
-    if opts.verify_destination == VerifyDestination::ReadBack {
+    if opts.verify_destination == VerifyMode::ReadBack {
         let back = prep.atomic.hash_written()?;
         if back.sha256 != sha {
             return Err(TransferError::new(

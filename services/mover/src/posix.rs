@@ -15,7 +15,7 @@
 //! Linux 5.8 `syncfs` reports writeback errors of the filesystem, so a failed flush fails the
 //! batch instead of going unnoticed. A temp file never committed is unlinked on drop.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -29,7 +29,8 @@ use sha2::{Digest, Sha256};
 use stagehand_schemas::check_relative_path;
 
 use crate::error::{ErrorKind, Side, TransferError};
-use crate::transfer::FileDigest;
+use crate::owner::{Liveness, Owner};
+use crate::transfer::{FileDigest, ReadLimit};
 
 /// How a written file is made durable before its name appears.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
@@ -42,12 +43,16 @@ pub enum CommitMode {
     Batched,
 }
 
+/// How many directories a tier remembers as already swept for stale temporaries.
+const SWEPT_LIMIT: usize = 1 << 16;
 /// How many directory fds the tier keeps open before it forgets them all.
 const DIR_CACHE_LIMIT: usize = 4096;
 /// Below this size a destination is not preallocated: the extra call costs more than it saves.
 const PREALLOCATE_FROM: u64 = 1 << 20;
 /// Block size of the plain hashing reader.
 const HASH_BLOCK: usize = 1 << 20;
+/// The longest path (with its terminating NUL) the kernel accepts in one call.
+const PATH_MAX: usize = libc::PATH_MAX as usize;
 
 fn resolve() -> ResolveFlags {
     ResolveFlags::BENEATH
@@ -70,6 +75,12 @@ struct Inner {
     /// Directories already opened (or created) beneath the root, so a batch of many files
     /// in few folders creates and opens each folder once.
     dirs: Mutex<HashMap<String, Arc<OwnedFd>>>,
+    /// Directories whose stale temp files were already looked for (or that this tier
+    /// created, so none can be there), so each directory is read once per tier.
+    swept: Mutex<HashSet<String>>,
+    /// Stale temp files removed so far by writes into this tier.
+    stale_files: AtomicU64,
+    stale_bytes: AtomicU64,
 }
 
 impl PosixTier {
@@ -96,8 +107,65 @@ impl PosixTier {
                 root: root.to_owned(),
                 root_fd: Arc::new(fd),
                 dirs: Mutex::new(HashMap::new()),
+                swept: Mutex::new(HashSet::new()),
+                stale_files: AtomicU64::new(0),
+                stale_bytes: AtomicU64::new(0),
             }),
         })
+    }
+
+    /// The directory `rel_dir` beneath the root as a tier of its own (same name), opened
+    /// confined; with `create`, missing directories are made with `mkdirat` on confined
+    /// parents. Paths given to the new tier are relative to `rel_dir`; it can never reach
+    /// above it. `""` is this tier.
+    pub fn beneath(&self, rel_dir: &str, create: bool) -> Result<PosixTier, TransferError> {
+        if rel_dir.is_empty() {
+            return Ok(self.clone());
+        }
+        let side = if create {
+            Side::Destination
+        } else {
+            Side::Source
+        };
+        self.check_path(rel_dir, side)?;
+        let fd = if create {
+            self.dir_fd(rel_dir, rel_dir)?
+        } else {
+            Arc::new(
+                rustix::fs::openat2(
+                    &*self.inner.root_fd,
+                    rel_dir,
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                    resolve(),
+                )
+                .map_err(|e| {
+                    TransferError::from_errno(e, side, self.name(), rel_dir, "open directory")
+                })?,
+            )
+        };
+        Ok(PosixTier {
+            inner: Arc::new(Inner {
+                name: self.inner.name.clone(),
+                root: self.inner.root.join(rel_dir),
+                root_fd: fd,
+                dirs: Mutex::new(HashMap::new()),
+                swept: Mutex::new(HashSet::new()),
+                stale_files: AtomicU64::new(0),
+                stale_bytes: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// Stale temp files (of writers proven dead, see [`crate::owner`]) that writes into this
+    /// tier removed so far: the first write into a directory removes the dead temporaries
+    /// in it, so the rerun of a killed copy leaves none behind.
+    pub fn stale_removed(&self) -> SweepReport {
+        SweepReport {
+            files_removed: self.inner.stale_files.load(Ordering::Relaxed),
+            bytes_removed: self.inner.stale_bytes.load(Ordering::Relaxed),
+            ..SweepReport::default()
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -123,7 +191,8 @@ impl PosixTier {
         TransferError::new(kind, side, self.inner.name.clone(), rel, detail)
     }
 
-    /// Refuses a path that is not relative and normalised, before any system call.
+    /// Refuses a path that is not relative and normalised, or longer than the kernel takes
+    /// (PATH_MAX), before any system call: a problem of that one path, never a retry.
     pub fn check_path(&self, rel: &str, side: Side) -> Result<(), TransferError> {
         check_relative_path(rel).map_err(|e| {
             self.err(
@@ -132,7 +201,19 @@ impl PosixTier {
                 &rel.replace('\0', "\\0"),
                 e.to_string(),
             )
-        })
+        })?;
+        if rel.len() >= PATH_MAX {
+            return Err(self.err(
+                ErrorKind::PathRefused,
+                side,
+                rel,
+                format!(
+                    "the path is {} bytes long; a path on a posix tier must be shorter than PATH_MAX ({PATH_MAX})",
+                    rel.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Opens a regular file beneath the root for reading.
@@ -140,22 +221,85 @@ impl PosixTier {
         self.open_read_side(rel, Side::Source)
     }
 
+    /// Opens `rel` without blocking and without creating it, and refuses anything that is
+    /// not a regular file as [`ErrorKind::NotAFile`] before reading a byte: `O_NONBLOCK` makes
+    /// the open of a FIFO return at once (without it, it waits for a writer for ever), a
+    /// socket fails to open (`ENXIO`), and `fstat` tells a device or directory. The flag is
+    /// cleared once the file is known to be regular (io_uring would otherwise hand back
+    /// `EAGAIN` instead of waiting for a cold page).
     pub(crate) fn open_read_side(&self, rel: &str, side: Side) -> Result<File, TransferError> {
+        self.open_read_stat(rel, side).map(|(file, _)| file)
+    }
+
+    /// [`PosixTier::open_read_side`], also returning the size `fstat` found.
+    pub(crate) fn open_read_stat(
+        &self,
+        rel: &str,
+        side: Side,
+    ) -> Result<(File, u64), TransferError> {
         self.check_path(rel, side)?;
         let fd = rustix::fs::openat2(
             &*self.inner.root_fd,
             rel,
-            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
             Mode::empty(),
             resolve(),
         )
-        .map_err(|e| TransferError::from_errno(e, side, self.name(), rel, "open"))?;
+        .map_err(|e| {
+            // A device on a `nodev` mount or without a driver, or a socket, cannot be opened
+            // at all: say what it is rather than "permission denied".
+            if matches!(
+                e,
+                rustix::io::Errno::ACCESS
+                    | rustix::io::Errno::PERM
+                    | rustix::io::Errno::NXIO
+                    | rustix::io::Errno::NODEV
+                    | rustix::io::Errno::OPNOTSUPP
+            ) && let Some(t) = self.special_type(rel)
+            {
+                return self.err(
+                    ErrorKind::NotAFile,
+                    side,
+                    rel,
+                    format!("{} is not a regular file; not read", describe_type(t)),
+                );
+            }
+            TransferError::from_errno(e, side, self.name(), rel, "open")
+        })?;
         let st = rustix::fs::fstat(&fd)
             .map_err(|e| TransferError::from_errno(e, side, self.name(), rel, "fstat"))?;
-        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
-            return Err(self.err(ErrorKind::NotFound, side, rel, "not a regular file"));
+        let file_type = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        if file_type != rustix::fs::FileType::RegularFile {
+            return Err(self.err(
+                ErrorKind::NotAFile,
+                side,
+                rel,
+                format!(
+                    "{} is not a regular file; not read",
+                    describe_type(file_type)
+                ),
+            ));
         }
-        Ok(File::from(fd))
+        let flags = rustix::fs::fcntl_getfl(&fd)
+            .map_err(|e| TransferError::from_errno(e, side, self.name(), rel, "fcntl"))?;
+        rustix::fs::fcntl_setfl(&fd, flags - OFlags::NONBLOCK)
+            .map_err(|e| TransferError::from_errno(e, side, self.name(), rel, "fcntl"))?;
+        Ok((File::from(fd), st.st_size as u64))
+    }
+
+    /// What is at `rel` when it is not a regular file (looked at through an `O_PATH` handle,
+    /// which opens nothing).
+    fn special_type(&self, rel: &str) -> Option<rustix::fs::FileType> {
+        let fd = rustix::fs::openat2(
+            &*self.inner.root_fd,
+            rel,
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            resolve(),
+        )
+        .ok()?;
+        let t = rustix::fs::FileType::from_raw_mode(rustix::fs::fstat(&fd).ok()?.st_mode);
+        (t != rustix::fs::FileType::RegularFile).then_some(t)
     }
 
     /// The size of the regular file at `rel`, or `None` when nothing is there.
@@ -248,6 +392,26 @@ impl PosixTier {
         hash_open_file(&file).map_err(|e| TransferError::from_io(e, side, self.name(), rel, "read"))
     }
 
+    /// Hashes the file at `rel` within `limit`: not a regular file, too large, or not the
+    /// declared size is an error before any byte is read (from `fstat`), and at most
+    /// `declared_size + 1` bytes are read (a file that grows while read is `SizeMismatch`).
+    pub fn hash_file_bounded(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<FileDigest, TransferError> {
+        let (file, size) = self.open_read_stat(rel, Side::Source)?;
+        limit
+            .check_size(size)
+            .map_err(|(kind, detail)| self.err(kind, Side::Source, rel, detail))?;
+        let digest = hash_open_file_capped(&file, limit.read_cap())
+            .map_err(|e| TransferError::from_io(e, Side::Source, self.name(), rel, "read"))?;
+        limit
+            .check_read(digest.size)
+            .map_err(|(kind, detail)| self.err(kind, Side::Source, rel, detail))?;
+        Ok(digest)
+    }
+
     /// Forgets the directories opened so far (call between batches, so a directory removed
     /// behind the tier's back is created again instead of written into while unlinked).
     pub fn forget_dirs(&self) {
@@ -256,6 +420,392 @@ impl PosixTier {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clear();
+    }
+
+    /// Records that `rel_dir` needs no look for stale temporaries (bounded: past the limit
+    /// directories are simply looked at again).
+    fn mark_swept(&self, rel_dir: &str) {
+        let mut swept = self.inner.swept.lock().unwrap_or_else(|p| p.into_inner());
+        if swept.len() < SWEPT_LIMIT {
+            swept.insert(rel_dir.to_owned());
+        }
+    }
+
+    /// The first time this tier writes into `rel_dir`, removes the temp files in it whose
+    /// writers are provably dead (a killed copy of the same file, or of its neighbours).
+    /// One `readdir` per directory per tier; a directory this tier created is never read.
+    fn sweep_dir_once(&self, rel_dir: &str, dir: &OwnedFd) {
+        {
+            let mut swept = self.inner.swept.lock().unwrap_or_else(|p| p.into_inner());
+            if swept.contains(rel_dir) {
+                return;
+            }
+            if swept.len() < SWEPT_LIMIT {
+                swept.insert(rel_dir.to_owned());
+            }
+        }
+        match self.sweep_dir(dir, rel_dir, None) {
+            Ok(found) => {
+                if found.files_removed > 0 {
+                    tracing::info!(
+                        tier = self.name(),
+                        dir = rel_dir,
+                        files = found.files_removed,
+                        bytes = found.bytes_removed,
+                        "removed temp files of dead copies"
+                    );
+                }
+                self.inner
+                    .stale_files
+                    .fetch_add(found.files_removed, Ordering::Relaxed);
+                self.inner
+                    .stale_bytes
+                    .fetch_add(found.bytes_removed, Ordering::Relaxed);
+            }
+            // Garbage left for the next sweep is no reason to fail a copy.
+            Err(e) => tracing::warn!(error = %e, "looking for stale temp files failed"),
+        }
+    }
+
+    /// Removes every stale temporary beneath `prefix` (tier-relative, `""` for the whole
+    /// tier) whose writer is provably dead — temp files always, staging folders of sets once
+    /// older than [`SweepOptions::keep_sets_for`] — and says what it removed and what it
+    /// left. Every service calls it at start on the tiers it writes, so a tier's usage never
+    /// counts invisible garbage. The walk is confined like every other access: directories
+    /// are opened with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` from their parent and
+    /// symlinks are never followed. A missing `prefix` is an empty report.
+    pub fn sweep_stale(
+        &self,
+        prefix: &str,
+        opts: SweepOptions,
+    ) -> Result<SweepReport, TransferError> {
+        let fd = if prefix.is_empty() {
+            self.inner.root_fd.clone()
+        } else {
+            self.check_path(prefix, Side::Destination)?;
+            match rustix::fs::openat2(
+                &*self.inner.root_fd,
+                prefix,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                resolve(),
+            ) {
+                Ok(fd) => Arc::new(fd),
+                Err(rustix::io::Errno::NOENT) => return Ok(SweepReport::default()),
+                Err(e) => {
+                    return Err(TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        prefix,
+                        "open directory",
+                    ));
+                }
+            }
+        };
+        let report = self.sweep_dir(&fd, prefix, Some(opts))?;
+        tracing::info!(
+            tier = self.name(),
+            prefix,
+            files = report.files_removed,
+            bytes = report.bytes_removed,
+            sets = report.sets_removed,
+            sets_kept = report.sets_kept,
+            live = report.live,
+            unproven = report.unproven,
+            "swept stale temporaries"
+        );
+        Ok(report)
+    }
+
+    /// Looks at the entries of one directory: removes dead writers' temp files; with `sets`,
+    /// also handles staging folders and descends into ordinary subdirectories.
+    fn sweep_dir(
+        &self,
+        dir: &OwnedFd,
+        rel_dir: &str,
+        sets: Option<SweepOptions>,
+    ) -> Result<SweepReport, TransferError> {
+        let io_err = |e: rustix::io::Errno, what: &str| {
+            TransferError::from_errno(e, Side::Destination, self.name(), rel_dir, what)
+        };
+        let mut report = SweepReport::default();
+        let mut entries: Vec<(String, rustix::fs::FileType)> = Vec::new();
+        let mut listing =
+            rustix::fs::Dir::read_from(dir).map_err(|e| io_err(e, "read directory"))?;
+        while let Some(entry) = listing.read() {
+            let entry = entry.map_err(|e| io_err(e, "read directory"))?;
+            let Ok(name) = entry.file_name().to_str() else {
+                continue;
+            };
+            if name == "." || name == ".." {
+                continue;
+            }
+            entries.push((name.to_owned(), entry.file_type()));
+        }
+        drop(listing);
+        let join = |name: &str| {
+            if rel_dir.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{rel_dir}/{name}")
+            }
+        };
+        for (name, file_type) in entries {
+            match parse_temporary(&name) {
+                Some(Temporary::File { owner, .. }) => match owner.liveness() {
+                    Liveness::Dead => {
+                        let size =
+                            match rustix::fs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+                            {
+                                Ok(st) => st.st_size as u64,
+                                Err(_) => 0,
+                            };
+                        match rustix::fs::unlinkat(dir, name.as_str(), AtFlags::empty()) {
+                            Ok(()) => {
+                                report.files_removed += 1;
+                                report.bytes_removed += size;
+                            }
+                            Err(rustix::io::Errno::NOENT) => {}
+                            Err(e) => return Err(io_err(e, &format!("remove {name}"))),
+                        }
+                    }
+                    Liveness::Alive => report.live += 1,
+                    Liveness::Unknown => report.unproven += 1,
+                },
+                Some(Temporary::Set { owner, .. }) => {
+                    let Some(opts) = sets else { continue };
+                    match owner.liveness() {
+                        Liveness::Dead => {
+                            let age =
+                                rustix::fs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+                                    .ok()
+                                    .and_then(|st| {
+                                        let mtime = std::time::UNIX_EPOCH
+                                            + std::time::Duration::new(
+                                                st.st_mtime.max(0) as u64,
+                                                st.st_mtime_nsec as u32,
+                                            );
+                                        std::time::SystemTime::now().duration_since(mtime).ok()
+                                    })
+                                    .unwrap_or_default();
+                            if age >= opts.keep_sets_for {
+                                report.add(self.remove_tree_at(dir, &name, &join(&name))?);
+                                report.sets_removed += 1;
+                            } else {
+                                // Kept for a resume; the file its writer was killed in the
+                                // middle of is garbage either way.
+                                report.sets_kept += 1;
+                                if let Some(fd) = self.open_subdir(dir, &name, &join(&name))? {
+                                    report.add(self.sweep_dir(&fd, &join(&name), None)?);
+                                }
+                            }
+                        }
+                        Liveness::Alive => report.live += 1,
+                        Liveness::Unknown => report.unproven += 1,
+                    }
+                }
+                None if sets.is_some() && file_type == rustix::fs::FileType::Directory => {
+                    if let Some(fd) = self.open_subdir(dir, &name, &join(&name))? {
+                        report.add(self.sweep_dir(&fd, &join(&name), sets)?);
+                    }
+                }
+                None => {}
+            }
+        }
+        Ok(report)
+    }
+
+    /// Opens the subdirectory `name` of `dir` confined (`None` when it vanished).
+    fn open_subdir(
+        &self,
+        dir: &OwnedFd,
+        name: &str,
+        rel: &str,
+    ) -> Result<Option<OwnedFd>, TransferError> {
+        match rustix::fs::openat2(
+            dir,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+            resolve(),
+        ) {
+            Ok(fd) => Ok(Some(fd)),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(TransferError::from_errno(
+                e,
+                Side::Destination,
+                self.name(),
+                rel,
+                "open directory",
+            )),
+        }
+    }
+
+    /// Removes the directory `name` of `dir` and everything in it, confined (a symlink inside
+    /// is removed as a link, never followed). Counts the regular files and their bytes.
+    fn remove_tree_at(
+        &self,
+        dir: &OwnedFd,
+        name: &str,
+        rel: &str,
+    ) -> Result<SweepReport, TransferError> {
+        let io_err = |e: rustix::io::Errno, what: &str| {
+            TransferError::from_errno(e, Side::Destination, self.name(), rel, what)
+        };
+        let mut report = SweepReport::default();
+        let Some(fd) = self.open_subdir(dir, name, rel)? else {
+            return Ok(report);
+        };
+        let mut entries = Vec::new();
+        let mut listing =
+            rustix::fs::Dir::read_from(&fd).map_err(|e| io_err(e, "read directory"))?;
+        while let Some(entry) = listing.read() {
+            let entry = entry.map_err(|e| io_err(e, "read directory"))?;
+            let Ok(child) = entry.file_name().to_str() else {
+                return Err(self.err(
+                    ErrorKind::Io,
+                    Side::Destination,
+                    rel,
+                    "holds a name that is not UTF-8; left in place",
+                ));
+            };
+            if child != "." && child != ".." {
+                entries.push((child.to_owned(), entry.file_type()));
+            }
+        }
+        drop(listing);
+        for (child, file_type) in entries {
+            let child_rel = format!("{rel}/{child}");
+            if file_type == rustix::fs::FileType::Directory {
+                report.add(self.remove_tree_at(&fd, &child, &child_rel)?);
+                continue;
+            }
+            let size = rustix::fs::statat(&fd, child.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+                .ok()
+                .filter(|st| {
+                    rustix::fs::FileType::from_raw_mode(st.st_mode)
+                        == rustix::fs::FileType::RegularFile
+                })
+                .map(|st| st.st_size as u64);
+            match rustix::fs::unlinkat(&fd, child.as_str(), AtFlags::empty()) {
+                Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+                Err(rustix::io::Errno::ISDIR) => {
+                    report.add(self.remove_tree_at(&fd, &child, &child_rel)?);
+                    continue;
+                }
+                Err(e) => return Err(io_err(e, &format!("remove {child}"))),
+            }
+            if let Some(size) = size {
+                report.files_removed += 1;
+                report.bytes_removed += size;
+            }
+        }
+        match rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR) {
+            Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(report),
+            Err(e) => Err(io_err(e, "remove directory")),
+        }
+    }
+
+    /// Removes the directory `rel` and everything beneath it, confined.
+    pub fn remove_tree(&self, rel: &str) -> Result<SweepReport, TransferError> {
+        self.check_path(rel, Side::Destination)?;
+        let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+        let parent_fd = self.dir_fd(parent, rel)?;
+        self.forget_dirs();
+        self.remove_tree_at(&parent_fd, name, rel)
+    }
+
+    /// Renames the directory `from` to `to` (both tier-relative; `to`'s parents are created
+    /// confined) with `renameat2(RENAME_NOREPLACE)` between confined handles of the two
+    /// parents, then `fsync`s both parents. `Ok(false)` when something is already at `to`
+    /// (nothing was moved).
+    pub fn rename_dir_noreplace(&self, from: &str, to: &str) -> Result<bool, TransferError> {
+        self.check_path(from, Side::Destination)?;
+        self.check_path(to, Side::Destination)?;
+        let (from_parent, from_name) = from.rsplit_once('/').unwrap_or(("", from));
+        let (to_parent, to_name) = to.rsplit_once('/').unwrap_or(("", to));
+        let from_dir = self.dir_fd(from_parent, from)?;
+        let to_dir = self.dir_fd(to_parent, to)?;
+        match rustix::fs::renameat_with(
+            from_dir.as_fd(),
+            from_name,
+            to_dir.as_fd(),
+            to_name,
+            RenameFlags::NOREPLACE,
+        ) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => return Ok(false),
+            Err(e) => {
+                return Err(TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    to,
+                    "rename into place",
+                ));
+            }
+        }
+        // Handles opened beneath the old name now point beneath the new one.
+        self.forget_dirs();
+        for dir in [&to_dir, &from_dir] {
+            rustix::fs::fsync(&**dir).map_err(|e| {
+                TransferError::from_errno(e, Side::Destination, self.name(), to, "fsync directory")
+            })?;
+            if from_parent == to_parent {
+                break;
+            }
+        }
+        Ok(true)
+    }
+
+    /// The names in directory `rel_dir` (confined; empty when it does not exist).
+    pub(crate) fn list_dir(&self, rel_dir: &str) -> Result<Vec<String>, TransferError> {
+        let fd = if rel_dir.is_empty() {
+            self.inner.root_fd.clone()
+        } else {
+            match rustix::fs::openat2(
+                &*self.inner.root_fd,
+                rel_dir,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                resolve(),
+            ) {
+                Ok(fd) => Arc::new(fd),
+                Err(rustix::io::Errno::NOENT) => return Ok(Vec::new()),
+                Err(e) => {
+                    return Err(TransferError::from_errno(
+                        e,
+                        Side::Destination,
+                        self.name(),
+                        rel_dir,
+                        "open directory",
+                    ));
+                }
+            }
+        };
+        let mut names = Vec::new();
+        let mut listing = rustix::fs::Dir::read_from(&*fd).map_err(|e| {
+            TransferError::from_errno(e, Side::Destination, self.name(), rel_dir, "read directory")
+        })?;
+        while let Some(entry) = listing.read() {
+            let entry = entry.map_err(|e| {
+                TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    rel_dir,
+                    "read directory",
+                )
+            })?;
+            if let Ok(name) = entry.file_name().to_str()
+                && name != "."
+                && name != ".."
+            {
+                names.push(name.to_owned());
+            }
+        }
+        Ok(names)
     }
 
     /// Opens (creating where missing) the directory `rel_dir` beneath the root.
@@ -282,7 +832,11 @@ impl PosixTier {
             Ok(fd) => fd,
             Err(rustix::io::Errno::NOENT) => {
                 match rustix::fs::mkdirat(&*parent_fd, name, Mode::from_raw_mode(0o755)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                    Ok(()) => {
+                        // Created here: no temporary of anyone else can be inside yet.
+                        self.mark_swept(rel_dir);
+                    }
+                    Err(rustix::io::Errno::EXIST) => {}
                     Err(e) => {
                         return Err(TransferError::from_errno(
                             e,
@@ -339,6 +893,7 @@ impl PosixTier {
             None => ("", rel),
         };
         let dir = self.dir_fd(parent, rel)?;
+        self.sweep_dir_once(parent, &dir);
         let (tmp_name, fd) = loop {
             let tmp_name = temp_name(name);
             match rustix::fs::openat(
@@ -433,28 +988,116 @@ impl PosixTier {
     }
 }
 
-/// A temp-file name beside `name`, unique within the process and very likely across processes
-/// (`O_EXCL` makes a collision harmless: a new name is tried).
-fn temp_name(name: &str) -> String {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let unique = (u64::from(std::process::id()) << 32 | u64::from(nanos))
-        ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    // Keep the whole name under NAME_MAX (255) whatever the final name's length.
-    let mut cut = name.len().min(200);
+/// Keeps a name that gets a temporary's prefix and suffix under NAME_MAX (255).
+fn cut_name(name: &str) -> &str {
+    let mut cut = name.len().min(160);
     while !name.is_char_boundary(cut) {
         cut -= 1;
     }
-    format!(".{}.stagehand-{unique:016x}.tmp", &name[..cut])
+    &name[..cut]
+}
+
+/// A temp-file name beside `name`: `.<name>.stagehand-<owner>-<n>.tmp`, unique within the
+/// process (a counter) and across processes (the owner token; `O_EXCL` makes a collision
+/// harmless anyway), and naming its writer so that it can later be proven stale.
+fn temp_name(name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!(
+        ".{}.stagehand-{}-{n:x}.tmp",
+        cut_name(name),
+        Owner::current().token()
+    )
+}
+
+/// The name of the hidden folder a set bound for `name` is staged in by `owner`:
+/// `.<name>.stagehand-set-<owner>`.
+pub(crate) fn staging_name(name: &str, owner: &Owner) -> String {
+    format!(".{}.stagehand-set-{}", cut_name(name), owner.token())
 }
 
 /// Whether `name` (a final path component) is one of Stagehand's temp files.
 pub fn is_temp_name(name: &str) -> bool {
     name.starts_with('.') && name.ends_with(".tmp") && name.contains(".stagehand-")
+}
+
+/// Whether `name` is a hidden folder a set is staged in.
+pub fn is_staging_name(name: &str) -> bool {
+    name.starts_with('.') && name.contains(".stagehand-set-")
+}
+
+/// A temporary Stagehand left, recognised by its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Temporary {
+    /// A temp file that would have become `final_name`.
+    File { final_name: String, owner: Owner },
+    /// A staging folder of a set bound for `final_name`.
+    Set { final_name: String, owner: Owner },
+}
+
+/// Parses a temporary's name; names of older versions (no owner) are not recognised, so
+/// nothing unprovable is ever removed.
+pub(crate) fn parse_temporary(name: &str) -> Option<Temporary> {
+    let rest = name.strip_prefix('.')?;
+    if let Some((final_name, token)) = rest.rsplit_once(".stagehand-set-") {
+        return Some(Temporary::Set {
+            final_name: final_name.to_owned(),
+            owner: Owner::parse(token)?,
+        });
+    }
+    let (final_name, tail) = rest.strip_suffix(".tmp")?.rsplit_once(".stagehand-")?;
+    let (token, counter) = tail.rsplit_once('-')?;
+    u64::from_str_radix(counter, 16).ok()?;
+    Some(Temporary::File {
+        final_name: final_name.to_owned(),
+        owner: Owner::parse(token)?,
+    })
+}
+
+/// What a sweep for stale temporaries found and did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Temp files of dead writers removed (including those inside removed staging folders).
+    pub files_removed: u64,
+    /// Their bytes (apparent size).
+    pub bytes_removed: u64,
+    /// Staging folders of dead writers removed (older than [`SweepOptions::keep_sets_for`]).
+    pub sets_removed: u64,
+    /// Staging folders of dead writers kept because a rerun may still resume them.
+    pub sets_kept: u64,
+    /// Temporaries of live writers, left alone.
+    pub live: u64,
+    /// Temporaries written on another machine or in another pid namespace: nothing can be
+    /// proven about them from here, so they are left alone.
+    pub unproven: u64,
+}
+
+impl SweepReport {
+    fn add(&mut self, other: SweepReport) {
+        self.files_removed += other.files_removed;
+        self.bytes_removed += other.bytes_removed;
+        self.sets_removed += other.sets_removed;
+        self.sets_kept += other.sets_kept;
+        self.live += other.live;
+        self.unproven += other.unproven;
+    }
+}
+
+/// How [`PosixTier::sweep_stale`] treats staging folders of dead writers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepOptions {
+    /// A dead writer's staging folder younger than this (by its mtime) is kept: the rerun of
+    /// the same set resumes from it instead of copying everything again. Older ones are
+    /// removed. Temp files of dead writers are always removed.
+    pub keep_sets_for: std::time::Duration,
+}
+
+impl Default for SweepOptions {
+    fn default() -> Self {
+        SweepOptions {
+            keep_sets_for: std::time::Duration::from_secs(24 * 3600),
+        }
+    }
 }
 
 /// A file being written beside its final name; it appears under that name only on commit.
@@ -486,7 +1129,7 @@ impl AtomicFile {
         })
     }
 
-    /// Reads the temp file back and hashes it (for [`crate::VerifyDestination::ReadBack`]).
+    /// Reads the temp file back and hashes it (for [`crate::VerifyMode::ReadBack`]).
     pub fn hash_written(&self) -> Result<FileDigest, TransferError> {
         hash_open_file(&self.file).map_err(|e| {
             TransferError::from_io(
@@ -624,13 +1267,33 @@ impl Drop for PendingRename {
     }
 }
 
+/// What `fstat` says a non-regular file is, for errors.
+fn describe_type(t: rustix::fs::FileType) -> &'static str {
+    use rustix::fs::FileType;
+    match t {
+        FileType::Directory => "a directory",
+        FileType::Fifo => "a FIFO",
+        FileType::Socket => "a socket",
+        FileType::CharacterDevice => "a character device",
+        FileType::BlockDevice => "a block device",
+        FileType::Symlink => "a symlink",
+        _ => "something of unknown type",
+    }
+}
+
 /// Hashes a whole open file with positioned reads (the file offset is left alone).
 pub(crate) fn hash_open_file(file: &File) -> io::Result<FileDigest> {
+    hash_open_file_capped(file, u64::MAX)
+}
+
+/// Hashes an open file from offset 0 up to its end or `cap` bytes, whichever comes first.
+fn hash_open_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; HASH_BLOCK];
+    let mut buf = vec![0u8; HASH_BLOCK.min(usize::try_from(cap).unwrap_or(usize::MAX).max(1))];
     let mut offset = 0u64;
-    loop {
-        let n = match file.read_at(&mut buf, offset) {
+    while offset < cap {
+        let want = (cap - offset).min(buf.len() as u64) as usize;
+        let n = match file.read_at(&mut buf[..want], offset) {
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -648,6 +1311,43 @@ pub(crate) fn hash_open_file(file: &File) -> io::Result<FileDigest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capped_hash_reads_no_further_than_its_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"0123456789").unwrap();
+        let file = File::open(&path).unwrap();
+        let d = hash_open_file_capped(&file, 4).unwrap();
+        assert_eq!(d.size, 4);
+        assert_eq!(d.sha256, stagehand_schemas::manifest::sha256_hex(b"0123"));
+        assert_eq!(hash_open_file(&file).unwrap().size, 10);
+    }
+
+    #[test]
+    fn temporaries_name_their_owner() {
+        let me = Owner::current();
+        let t = temp_name("data.bin");
+        assert_eq!(
+            parse_temporary(&t),
+            Some(Temporary::File {
+                final_name: "data.bin".into(),
+                owner: me
+            })
+        );
+        let s = staging_name("v1", &me);
+        assert!(is_staging_name(&s) && !is_temp_name(&s));
+        assert_eq!(
+            parse_temporary(&s),
+            Some(Temporary::Set {
+                final_name: "v1".into(),
+                owner: me
+            })
+        );
+        // Names of older versions carry no owner and are never taken for stale.
+        assert_eq!(parse_temporary(".x.stagehand-0123456789abcdef.tmp"), None);
+        assert_eq!(parse_temporary("plain.tmp"), None);
+    }
 
     #[test]
     fn temp_names_are_recognised_and_bounded() {
