@@ -49,6 +49,11 @@ pub struct MoverConfig {
     pub block_size: usize,
     /// Blocks in flight in the io_uring engine (registered buffers).
     pub buffers: usize,
+    /// Hashing threads of the io_uring engine; 0 means one per CPU. Each file is hashed on
+    /// one of them from start to end (SHA-256 is sequential), and files in flight together
+    /// go to the least busy one, so a multi-file copy hashes on every core while a single
+    /// file runs at one core's SHA-256 rate.
+    pub hash_threads: usize,
     /// Worker threads of the pread engine.
     pub pread_threads: usize,
     /// How a batch's files are made durable (see [`CommitMode`]).
@@ -77,7 +82,8 @@ impl Default for MoverConfig {
             engine: EngineChoice::Auto,
             concurrency: 64,
             block_size: 1 << 20,
-            buffers: 16,
+            buffers: 32,
+            hash_threads: 0,
             pread_threads: 2,
             commit_mode: CommitMode::Batched,
             batch_files: 4096,
@@ -176,6 +182,10 @@ impl Mover {
             buffers: config.buffers.max(2),
             threads: config.pread_threads.max(1),
             direct_writes: config.direct_writes,
+            hash_threads: match config.hash_threads {
+                0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+                n => n,
+            },
         };
         let engine = Engine::start(config.engine, params, limiter.clone()).map_err(|e| {
             TransferError::new(

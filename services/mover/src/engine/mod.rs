@@ -57,6 +57,8 @@ pub(crate) struct EngineParams {
     pub threads: usize,
     /// Write large files with `O_DIRECT` where the filesystem allows (io_uring engine).
     pub direct_writes: bool,
+    /// Hashing threads of the io_uring engine.
+    pub hash_threads: usize,
 }
 
 /// One file's data to move: `size` bytes from `src` to `dst`, both at offset 0.
