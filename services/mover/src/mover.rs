@@ -82,7 +82,7 @@ impl Default for MoverConfig {
             engine: EngineChoice::Auto,
             concurrency: 64,
             block_size: 1 << 20,
-            buffers: 32,
+            buffers: 16,
             hash_threads: 0,
             pread_threads: 2,
             commit_mode: CommitMode::Batched,

@@ -206,6 +206,7 @@ impl Mover {
     /// Copies the set `files` (a stream, read in chunks of [`SetCopy::chunk_files`]) from
     /// `set.src_prefix` on `src` to `set.dst_prefix` on `dst` and publishes it atomically
     /// (see the module docs): [`Mover::stage_set`] then [`StagedSet::publish`].
+    #[allow(clippy::too_many_arguments)]
     pub async fn copy_set<S, F>(
         &self,
         src: &Tier,

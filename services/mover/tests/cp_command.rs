@@ -382,3 +382,71 @@ fn kill_9_mid_atomic_set_then_resume_without_recopying() {
     let again = run_process(&set);
     assert_eq!((again.copied, again.skipped), (0, 8));
 }
+
+/// A dead run's staging folder is kept by `sweep_stale` while it is young enough to be
+/// resumed (only the temp file it was killed in the middle of goes), and removed whole, its
+/// files and bytes counted, once older than `keep_sets_for`.
+#[test]
+fn sweep_keeps_a_dead_runs_staging_folder_for_a_resume_then_removes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let out = dir.path().join("out");
+    for i in 0..6u8 {
+        put(&src, &format!("f{i}.bin"), &data(i, 2 << 20));
+    }
+    let mut child = spawn(&CpOptions {
+        recursive: true,
+        atomic: true,
+        concurrency: 1,
+        bytes_per_second: Some(8 << 20),
+        ..opts(src.to_str().unwrap(), out.join("v1").to_str().unwrap())
+    });
+    wait_while_running(&mut child, "a file was staged", || {
+        std::fs::create_dir_all(&out).unwrap();
+        staging_dirs(&out)
+            .first()
+            .is_some_and(|s| !finished_files(s).is_empty())
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let staging = staging_dirs(&out).remove(0);
+    let finished = finished_files(&staging);
+    let temps = temps_in(&staging).len() as u64;
+    let tier = PosixTier::open("out", &out).unwrap();
+
+    let young = tier
+        .sweep_stale(
+            "",
+            SweepOptions {
+                keep_sets_for: Duration::from_secs(3600),
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        (young.sets_kept, young.sets_removed, young.files_removed),
+        (1, 0, temps),
+        "{young:?}"
+    );
+    assert_eq!(
+        finished_files(&staging),
+        finished,
+        "finished files stay for a resume"
+    );
+    assert_eq!(temps_in(&staging), Vec::<String>::new());
+
+    let old = tier
+        .sweep_stale(
+            "",
+            SweepOptions {
+                keep_sets_for: Duration::ZERO,
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        (old.sets_removed, old.files_removed, old.bytes_removed),
+        (1, finished.len() as u64, finished.len() as u64 * (2 << 20)),
+        "{old:?}"
+    );
+    assert!(!staging.exists());
+    assert!(!out.join("v1").exists());
+}
