@@ -101,6 +101,9 @@ pub struct SetReport {
 #[must_use = "a staged set is invisible until it is published"]
 pub struct StagedSet {
     staging: Staging,
+    /// Where files of the set go before it is published (the staging folder on posix, the
+    /// final prefix on S3).
+    tier: Option<Tier>,
     report: SetReport,
     started: Instant,
 }
@@ -227,9 +230,11 @@ impl Mover {
             .await
     }
 
-    /// Copies every file of the set into its hidden staging area and makes it durable, but
-    /// publishes nothing: the caller then [`StagedSet::publish`]es it (or, when the final
-    /// name is known only now, [`StagedSet::publish_as`]). `on_file` is called once per file
+    /// Copies every file of the set into its hidden staging area, but publishes nothing: the
+    /// caller then [`StagedSet::publish`]es it (or, when the final name is known only now,
+    /// [`StagedSet::publish_as`]), which makes it durable first. With an empty stream this
+    /// only creates the staging area, for a caller that writes the set's files itself
+    /// ([`StagedSet::staging_tier`]). `on_file` is called once per file
     /// in stream order, with its path, size and proven SHA-256, as each chunk completes (an
     /// ingest builds its manifest from these without holding them all).
     ///
@@ -279,6 +284,7 @@ impl Mover {
             report.existed = true;
             return Ok(StagedSet {
                 staging: Staging::Present,
+                tier: None,
                 report,
                 started,
             });
@@ -373,19 +379,10 @@ impl Mover {
                 return Err(e);
             }
         }
-        if let Tier::Posix(t) = &stage_tier {
-            // One flush for the whole set: every file's data and every folder created in the
-            // staging area are durable before the name that makes them visible is.
-            let t2 = t.clone();
-            blocking(t.name(), final_rel, move || {
-                rustix::fs::syncfs(t2.root_fd()).map_err(|e| {
-                    TransferError::from_errno(e, Side::Destination, t2.name(), "", "syncfs")
-                })
-            })
-            .await?;
-        }
+
         Ok(StagedSet {
             staging,
+            tier: Some(stage_tier),
             report,
             started,
         })
@@ -396,6 +393,15 @@ impl StagedSet {
     /// What has been staged so far (published nothing yet).
     pub fn report(&self) -> &SetReport {
         &self.report
+    }
+
+    /// The tier the set's files are staged in — the hidden staging folder on posix (paths
+    /// relative to the set), the final prefix on S3 — for callers that write new files into
+    /// the set rather than copy them (the resharder's shards: [`Tier::write_small`] or
+    /// [`crate::PosixTier::create_atomic`]); they are published with the rest. `None` when
+    /// the set was already present.
+    pub fn staging_tier(&self) -> Option<&Tier> {
+        self.tier.as_ref()
     }
 
     /// The staging folder's tier-relative path (posix), for logs and tests.
@@ -423,6 +429,12 @@ impl StagedSet {
             Staging::Posix { tier, rel } => {
                 let (t, from, to) = (tier.clone(), rel.clone(), prefix.to_owned());
                 let moved = blocking(tier.name(), prefix, move || {
+                    // One flush for the whole set (copied and written files alike): every
+                    // file's data and every folder created in the staging area are durable
+                    // before the name that makes them visible is.
+                    rustix::fs::syncfs(t.root_fd()).map_err(|e| {
+                        TransferError::from_errno(e, Side::Destination, t.name(), &from, "syncfs")
+                    })?;
                     let moved = t.rename_dir_noreplace(&from, &to)?;
                     if !moved {
                         t.remove_tree(&from)?;

@@ -340,3 +340,38 @@ async fn a_symlink_planted_in_the_shared_root_cannot_redirect_a_set() {
     assert_eq!(err.kind, ErrorKind::PathRefused, "{err}");
     assert_eq!(listing(outside.path()), Vec::<String>::new());
 }
+
+/// A writer of new files (the resharder's shards) stages an empty set, writes into its
+/// staging tier, and publishes: nothing is visible until then, everything after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_written_into_a_staged_set_appear_with_it() {
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    std::fs::create_dir_all(src_dir.path().join("lab/v1")).unwrap();
+    let (src, dst, _) = tiers(src_dir.path(), dst_dir.path());
+    let mover = Mover::new(MoverConfig::default()).unwrap();
+    let staged = mover
+        .stage_set(
+            &src,
+            &dst,
+            &set_of("proj/ds/shards", VerifyMode::HashedInFlight),
+            futures::stream::iter(Vec::<FileRef>::new()),
+            &Progress::new(),
+            &CancellationToken::new(),
+            |_| {},
+        )
+        .await
+        .unwrap();
+    let tier = staged.staging_tier().unwrap();
+    for i in 0..3 {
+        tier.write_small(&format!("shard-{i:05}.tar"), data(i, 5000))
+            .await
+            .unwrap();
+    }
+    assert!(!dst_dir.path().join("proj/ds/shards").exists());
+    let report = staged.publish().await.unwrap();
+    assert!(!report.existed);
+    assert_eq!(
+        listing(&dst_dir.path().join("proj/ds/shards")),
+        vec!["shard-00000.tar", "shard-00001.tar", "shard-00002.tar"]
+    );
+}
