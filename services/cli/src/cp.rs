@@ -89,7 +89,8 @@ pub struct CpArgs {
     #[arg(short, long)]
     pub recursive: bool,
     /// Publish the whole tree at once: DST appears complete or not at all, and a rerun after
-    /// a crash resumes where the killed copy stopped. DST must not exist yet.
+    /// a crash resumes where the killed copy stopped. A DST that already exists is left as it
+    /// is and every file reported skipped (the rerun of a copy that finished).
     #[arg(long)]
     pub atomic: bool,
     /// Copy exactly the entries of this manifest (lines `path<TAB>size<TAB>sha256`, paths

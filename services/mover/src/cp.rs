@@ -55,7 +55,8 @@ pub struct CpOptions {
     pub priority: Priority,
     /// Publish the whole tree at once (see [`Mover::copy_set`]): the destination folder
     /// appears complete or not at all (on S3: a completion marker is written last), and a
-    /// rerun after a crash resumes the hidden staging folder. The destination must not exist.
+    /// rerun after a crash resumes the hidden staging folder. A destination that already
+    /// exists is left as it is and every file reported skipped (the rerun of a finished copy).
     pub atomic: bool,
 }
 
