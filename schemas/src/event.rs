@@ -14,10 +14,15 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 use crate::id::EventId;
-use crate::manifest::FileRef;
+use crate::manifest::{FileRef, ManifestRef};
+use crate::problem::Problem;
 
 /// The schema version this crate writes. Readers accept any version ≤ this one.
-pub const SCHEMA_VERSION: u32 = 1;
+///
+/// Version 2 made manifests travel by reference: `files` of `ingest.requested`,
+/// `dataset.validated`, `dataset.prepared` and `checkpoint.committed` became optional (absent or
+/// empty when `manifest` is set), which a version-1 reader would misread as an empty dataset.
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// One event: the envelope fields and a kind-tagged payload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +64,8 @@ pub enum Body {
     StageRequested(StageRequested),
     #[serde(rename = "stage.released")]
     StageReleased(StageReleased),
+    #[serde(rename = "stage.pending")]
+    StagePending(StagePending),
     #[serde(rename = "stage.ready")]
     StageReady(StageReady),
     #[serde(rename = "stage.failed")]
@@ -81,6 +88,8 @@ pub enum Body {
     RestoreFailed(RestoreFailed),
     #[serde(rename = "dead.letter")]
     DeadLetter(DeadLetter),
+    #[serde(rename = "dead.letter.replayed")]
+    DeadLetterReplayed(DeadLetterReplayed),
 }
 
 /// Every kind, in a fixed order, as written on the wire.
@@ -91,6 +100,7 @@ pub const ALL_KINDS: &[&str] = &[
     "dataset.prepared",
     "stage.requested",
     "stage.released",
+    "stage.pending",
     "stage.ready",
     "stage.failed",
     "replica.created",
@@ -102,6 +112,7 @@ pub const ALL_KINDS: &[&str] = &[
     "restore.verified",
     "restore.failed",
     "dead.letter",
+    "dead.letter.replayed",
 ];
 
 impl Body {
@@ -114,6 +125,7 @@ impl Body {
             Body::DatasetPrepared(_) => "dataset.prepared",
             Body::StageRequested(_) => "stage.requested",
             Body::StageReleased(_) => "stage.released",
+            Body::StagePending(_) => "stage.pending",
             Body::StageReady(_) => "stage.ready",
             Body::StageFailed(_) => "stage.failed",
             Body::ReplicaCreated(_) => "replica.created",
@@ -125,6 +137,7 @@ impl Body {
             Body::RestoreVerified(_) => "restore.verified",
             Body::RestoreFailed(_) => "restore.failed",
             Body::DeadLetter(_) => "dead.letter",
+            Body::DeadLetterReplayed(_) => "dead.letter.replayed",
         }
     }
 
@@ -145,6 +158,7 @@ impl Body {
             Body::DatasetPrepared(p) => Some(&p.dataset),
             Body::StageRequested(p) => Some(&p.dataset),
             Body::StageReleased(p) => Some(&p.dataset),
+            Body::StagePending(p) => Some(&p.dataset),
             Body::StageReady(p) => Some(&p.dataset),
             Body::StageFailed(p) => Some(&p.dataset),
             Body::ReplicaCreated(p) => Some(&p.dataset),
@@ -155,7 +169,8 @@ impl Body {
             Body::CheckpointCommitted(_)
             | Body::CheckpointDemoted(_)
             | Body::CheckpointExpired(_)
-            | Body::DeadLetter(_) => None,
+            | Body::DeadLetter(_)
+            | Body::DeadLetterReplayed(_) => None,
         }
     }
 }
@@ -217,10 +232,19 @@ pub struct Location {
 pub struct IngestRequested {
     /// Dataset name, unique within the project.
     pub dataset: String,
-    /// Where the uploaded files are.
+    /// Where the uploaded files are. On a shared tier the prefix lies beneath the project's
+    /// own prefix (`<project>/...`).
     pub source: Location,
-    /// Every file, with size and SHA-256 as the uploader computed them.
+    /// The manifest inline: every file, with size and SHA-256 as the uploader computed them.
+    /// Only for small uploads (at most [`crate::manifest::INLINE_MANIFEST_MAX_BYTES`] of
+    /// manifest lines); empty when `manifest` is set.
+    #[serde(default)]
     pub files: Vec<FileRef>,
+    /// The manifest by reference: an object in the project's upload bucket
+    /// ([`crate::subject::upload_manifest_bucket`]) named by its digest, which is the declared
+    /// version. Set for any manifest too large to travel inline.
+    #[serde(default)]
+    pub manifest: Option<ManifestRef>,
     /// Who uploaded (a user or service account name).
     pub requested_by: String,
     /// Free-form labels (`modality=image`, `licence=cc-by`).
@@ -240,7 +264,13 @@ pub struct DatasetValidated {
     )]
     pub version: String,
     pub source: Location,
+    /// The manifest inline, for a small version; empty when `manifest` is set.
+    #[serde(default)]
     pub files: Vec<FileRef>,
+    /// The manifest by reference, in the catalogue's manifest bucket
+    /// ([`crate::subject::MANIFEST_BUCKET`]); its digest is `version`.
+    #[serde(default)]
+    pub manifest: Option<ManifestRef>,
     pub total_bytes: u64,
     pub requested_by: String,
     /// The ingest request this validation answers.
@@ -249,24 +279,8 @@ pub struct DatasetValidated {
     pub labels: Vec<(String, String)>,
 }
 
-/// One thing wrong with an ingest request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
-pub struct Problem {
-    /// A stable machine code: `path_rule`, `missing`, `size_mismatch`, `checksum_mismatch`,
-    /// `duplicate_path`, `symlink_escape`, `not_a_file`, `too_large`, `too_many_entries`,
-    /// `suffix_denied`, `suffix_not_allowed`, `bad_sha256`, `unreadable`, `unknown_tier`, and
-    /// `truncated` (the list was cut to fit the event size bound; the quarantine marker holds
-    /// all of it).
-    pub code: String,
-    /// The manifest path concerned, when the problem is about one file.
-    #[serde(default)]
-    pub path: Option<String>,
-    /// What is wrong, for a person.
-    pub detail: String,
-}
-
-/// An ingest request failed validation; `problems` lists every reason, not just the first.
+/// An ingest request failed validation. Every problem is counted and reported (in the
+/// quarantine marker); the event carries as many as fit its bound.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct DatasetRejected {
@@ -280,10 +294,21 @@ pub struct DatasetRejected {
     pub declared_version: String,
     pub requested_by: String,
     pub request_id: EventId,
+    /// The problems, in manifest order, cut to fit the event bound
+    /// ([`crate::problem::ProblemTally`]); `quarantine` holds all of them.
     pub problems: Vec<Problem>,
-    /// Where the rejected upload was quarantined or marked; the upload is never deleted.
+    /// Where the rejected upload was quarantined or marked, with the full report of every
+    /// problem; the upload is never deleted.
     #[serde(default)]
     pub quarantine: Option<String>,
+    /// How many problems there were of each code, all of them counted (`[code, count]`
+    /// pairs, sorted by code). Empty in events written before schema 2.
+    #[serde(default)]
+    pub problem_counts: Vec<(String, u64)>,
+    /// How many problems there were in all; absent before schema 2, when `problems` was the
+    /// whole list.
+    #[serde(default)]
+    pub problems_total: Option<u64>,
 }
 
 /// A derived version (resharded into tar shards) was written.
@@ -304,8 +329,14 @@ pub struct DatasetPrepared {
     )]
     pub derived_from: String,
     pub location: Location,
-    /// The shards and the shard index.
+    /// The shards and the shard index, inline for a small version; empty when `manifest` is
+    /// set.
+    #[serde(default)]
     pub files: Vec<FileRef>,
+    /// The shard manifest by reference, in the catalogue's manifest bucket; its digest is
+    /// `version`.
+    #[serde(default)]
+    pub manifest: Option<ManifestRef>,
     pub total_bytes: u64,
     /// Packing layout, e.g. `webdataset`.
     pub layout: String,
@@ -338,6 +369,14 @@ pub struct StageRequested {
         schemars(with = "Option<crate::json_schema::Timestamp>")
     )]
     pub deadline: Option<OffsetDateTime>,
+    /// For a `local` tier: the node whose NVMe the data is staged on (its promoter agent
+    /// consumes the requests addressed to it). Absent for shared tiers.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Which form of the dataset: `raw` (the validated version, the default) or `prepared`
+    /// (the resharded version derived from it, when one exists).
+    #[serde(default)]
+    pub form: Option<String>,
 }
 
 /// A job no longer needs its staged data.
@@ -352,6 +391,34 @@ pub struct StageReleased {
     pub version: String,
     pub tier: String,
     pub job_id: String,
+    /// The node, for a `local` tier.
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+/// A stage request cannot be answered yet, and this says why (the version is not validated or
+/// prepared yet, the tier's quota is full, a copy slot is busy). The request stays open until
+/// it is ready, fails, or its deadline passes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct StagePending {
+    pub dataset: String,
+    /// The version as the request named it (possibly a prefix).
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::VERSION_PREFIX_PATTERN))
+    )]
+    pub version: String,
+    pub tier: String,
+    #[serde(default)]
+    pub node: Option<String>,
+    pub job_id: String,
+    pub request_id: EventId,
+    /// What the request waits for, as a stable word: `validation`, `preparation`, `quota`,
+    /// `copy`.
+    pub waiting_for: String,
+    /// Why, for a person (shown by `stagehand stage status` and in `squeue`).
+    pub reason: String,
 }
 
 /// A staged replica is complete and verified; the job may start.
@@ -368,6 +435,13 @@ pub struct StageReady {
     pub job_id: String,
     /// The stage request this answers.
     pub request_id: EventId,
+    /// The node, for a `local` tier.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Where a job finds the data on a posix tier: the absolute path of the version's folder
+    /// as the tier's mount shows it.
+    #[serde(default)]
+    pub path: Option<String>,
 }
 
 /// Staging failed; the job must not start, and this says why.
@@ -386,6 +460,9 @@ pub struct StageFailed {
     pub reason: String,
     /// Whether asking again later can succeed.
     pub retryable: bool,
+    /// The node, for a `local` tier.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 /// A verified copy of a dataset version now exists on a tier.
@@ -427,7 +504,13 @@ pub struct CheckpointCommitted {
     pub run: String,
     pub step: u64,
     pub location: Location,
+    /// The checkpoint's files inline; empty when `manifest` is set.
+    #[serde(default)]
     pub files: Vec<FileRef>,
+    /// The checkpoint's manifest by reference, in the project's upload bucket (a training job
+    /// publishes this, as an uploader does).
+    #[serde(default)]
+    pub manifest: Option<ManifestRef>,
     pub total_bytes: u64,
     /// Tags that retention honours (`keep`, `best`, `release`).
     #[serde(default)]
@@ -497,8 +580,22 @@ pub struct RestoreFailed {
     )]
     pub version: String,
     pub location: Location,
+    /// The problems found, cut to fit the event bound.
     pub problems: Vec<Problem>,
+    /// How many problems there were of each code (`[code, count]`, sorted by code).
+    #[serde(default)]
+    pub problem_counts: Vec<(String, u64)>,
+    /// How many problems there were in all; absent when `problems` is the whole list.
+    #[serde(default)]
+    pub problems_total: Option<u64>,
 }
+
+/// The most attempts a dead letter's history keeps (the first ones and the last ones), so that
+/// a dead letter stays under [`crate::wire::MAX_DEAD_LETTER_BYTES`].
+pub const MAX_RECORDED_ATTEMPTS: usize = 64;
+
+/// The most bytes of one attempt's error text a dead letter keeps.
+pub const MAX_ATTEMPT_ERROR_BYTES: usize = 4096;
 
 /// One failed attempt at handling a message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -541,4 +638,28 @@ pub struct DeadLetter {
     /// The original event's id, if it decoded far enough to have one.
     #[serde(default)]
     pub original_id: Option<EventId>,
+}
+
+/// An operator republished a dead letter's message to its original subject, to have the work
+/// done again (`stagehand dlq replay`). Published on `stagehand.dlq.replayed.<service>`, so
+/// that on-call can list who replayed what and when beside the dead letters themselves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct DeadLetterReplayed {
+    /// The service whose dead letter was replayed.
+    pub service: String,
+    /// The dead letter's event id.
+    pub dead_letter_id: EventId,
+    /// The dead letter's sequence in `STAGEHAND_DEAD_LETTERS`.
+    pub dead_letter_sequence: u64,
+    /// The subject the message was republished on (a request or fact subject).
+    pub subject: String,
+    /// The replayed event's id, when the message decoded.
+    #[serde(default)]
+    pub original_id: Option<EventId>,
+    /// The `Nats-Msg-Id` the replayed copy was published with (a fresh one: the original id
+    /// would fall in the duplicate window).
+    pub replay_msg_id: String,
+    /// Who replayed it (a user or service account name).
+    pub replayed_by: String,
 }

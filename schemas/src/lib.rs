@@ -17,8 +17,9 @@
 //!     "lab-a",
 //!     Body::IngestRequested(IngestRequested {
 //!         dataset: "cats".into(),
-//!         source: Location { tier: "source".into(), prefix: "uploads/cats".into() },
+//!         source: Location { tier: "source".into(), prefix: "lab-a/cats".into() },
 //!         files,
+//!         manifest: None,
 //!         requested_by: "alice".into(),
 //!         labels: vec![],
 //!     }),
@@ -33,10 +34,16 @@ pub mod id;
 pub mod json_schema;
 pub mod manifest;
 pub mod path;
+pub mod problem;
+pub mod progress;
 pub mod subject;
 pub mod wire;
 
 pub use event::*;
 pub use id::{BadEventId, EventId};
-pub use manifest::{FileRef, FileRefError, is_sha256_hex, sha256_hex, total_bytes, version_digest};
+pub use manifest::{
+    FileRef, FileRefError, INLINE_MANIFEST_MAX_BYTES, ManifestRef, is_sha256_hex, sha256_hex,
+    total_bytes, version_digest,
+};
 pub use path::{PathError, RelPath, check_relative_path};
+pub use problem::Problem;

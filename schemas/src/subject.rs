@@ -29,6 +29,7 @@ pub fn is_subject_token(s: &str) -> bool {
 pub fn subject_for(body: &Body, project: &str) -> String {
     let class = match body {
         Body::DeadLetter(dead) => return dead_letter_subject(&dead.service),
+        Body::DeadLetterReplayed(replay) => return replayed_subject(&replay.service),
         b if b.is_request() => "req",
         _ => "fact",
     };
@@ -110,6 +111,45 @@ pub const STREAMS: &[StreamSpec] = &[REQUESTS, FACTS, DEAD_LETTERS];
 /// The dead-letter subject of a service.
 pub fn dead_letter_subject(service: &str) -> String {
     format!("{ROOT}.dlq.dead.letter.{service}")
+}
+
+/// The subject on which replays of a service's dead letters are recorded.
+pub fn replayed_subject(service: &str) -> String {
+    format!("{ROOT}.dlq.replayed.{service}")
+}
+
+/// The project token of a request or fact subject (`stagehand.req.<kind>.<project>`,
+/// `stagehand.fact.<kind>.<project>`); `None` for other subjects. An event whose envelope
+/// `project` differs from it was published on another project's subject.
+pub fn project_of_subject(subject: &str) -> Option<&str> {
+    let rest = subject
+        .strip_prefix("stagehand.req.")
+        .or_else(|| subject.strip_prefix("stagehand.fact."))?;
+    let (_, project) = rest.rsplit_once('.')?;
+    is_subject_token(project).then_some(project)
+}
+
+/// The JetStream Object Store bucket that holds the manifests of validated and prepared
+/// versions, written only by Stagehand's services (after verifying them), read by every
+/// service and the catalogue. Object name: the version digest.
+pub const MANIFEST_BUCKET: &str = "stagehand_manifests";
+
+/// The Object Store bucket in which a project's uploaders put the manifests their requests
+/// reference (`stagehand_uploads_<project>`). One bucket per project, so that NATS
+/// permissions confine an uploader to its own project's manifests. Object name: the declared
+/// digest.
+pub fn upload_manifest_bucket(project: &str) -> String {
+    format!("stagehand_uploads_{project}")
+}
+
+/// The bucket a manifest reference in `body` (an event of `project`) points into: the
+/// project's upload bucket for what uploaders and training jobs publish (`ingest.requested`,
+/// `checkpoint.committed`), the services' manifest bucket for every other fact.
+pub fn manifest_bucket_for(body: &Body, project: &str) -> String {
+    match body {
+        Body::IngestRequested(_) | Body::CheckpointCommitted(_) => upload_manifest_bucket(project),
+        _ => MANIFEST_BUCKET.to_owned(),
+    }
 }
 
 /// Request/reply subject on which the catalogue recorder answers queries.

@@ -7,17 +7,25 @@ use crate::id::EventId;
 use crate::id::is_valid_id;
 use crate::subject::is_subject_token;
 
-/// The largest encoded event accepted (and the request and fact streams' `max_msg_size`). A
-/// manifest larger than this must be split into several datasets or referenced by an object.
-pub const MAX_EVENT_BYTES: usize = 8 * 1024 * 1024;
+/// The largest event a writer encodes (and the request and fact streams' `max_msg_size`).
+/// Manifests travel by reference, so no event needs more; the bound leaves room for a dead
+/// letter to carry any event under nats-server's default `max_payload` (1 MiB).
+pub const MAX_EVENT_BYTES: usize = 512 * 1024;
 
-/// The largest encoded `dead.letter` accepted: it carries a message of up to
-/// [`MAX_EVENT_BYTES`] plus its headers and error history, so it gets 1 MiB of headroom.
-pub const MAX_DEAD_LETTER_BYTES: usize = MAX_EVENT_BYTES + 1024 * 1024;
+/// The largest encoded `dead.letter` a writer encodes: a message of up to [`MAX_EVENT_BYTES`]
+/// plus its headers and (bounded) error history, and 8 KiB under the default `max_payload`
+/// for the message headers.
+pub const MAX_DEAD_LETTER_BYTES: usize = 1024 * 1024 - 8 * 1024;
 
-/// The size bound for an encoded event of `kind`.
+/// The largest message a reader decodes. Schema-1 writers wrote events of up to 8 MiB (and
+/// dead letters of up to 9 MiB) when manifests travelled inline; they stay readable in the
+/// streams that hold them.
+pub const MAX_DECODE_BYTES: usize = 9 * 1024 * 1024;
+
+/// The size bound a writer keeps for an encoded event of `kind`: the bound of the stream it is
+/// stored in (dead letters and their replay records share the dead-letter stream's).
 pub fn max_bytes_for(kind: &str) -> usize {
-    if kind == DEAD_LETTER {
+    if kind == DEAD_LETTER || kind == DEAD_LETTER_REPLAYED {
         MAX_DEAD_LETTER_BYTES
     } else {
         MAX_EVENT_BYTES
@@ -25,15 +33,14 @@ pub fn max_bytes_for(kind: &str) -> usize {
 }
 
 const DEAD_LETTER: &str = "dead.letter";
+const DEAD_LETTER_REPLAYED: &str = "dead.letter.replayed";
 
 /// Why bytes are not an event we can handle. Every variant is permanent: redelivering the same
 /// bytes cannot help, so the runtime dead-letters them at once.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
-    #[error(
-        "message is {len} bytes, over the limit of {MAX_EVENT_BYTES} ({MAX_DEAD_LETTER_BYTES} for a dead letter)"
-    )]
+    #[error("message is {len} bytes, over the limit of {MAX_DECODE_BYTES}")]
     TooLarge { len: usize },
     #[error("not a Stagehand event (MessagePack map): {0}")]
     Malformed(#[from] rmp_serde::decode::Error),
@@ -100,7 +107,7 @@ struct Preamble {
 ///
 /// Never panics, whatever the input (a property test and a fuzz target hold it to that).
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
-    if bytes.len() > MAX_DEAD_LETTER_BYTES {
+    if bytes.len() > MAX_DECODE_BYTES {
         return Err(DecodeError::TooLarge { len: bytes.len() });
     }
     // Only a map is an event: struct-as-array would be read by position and a field added
@@ -143,9 +150,6 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             });
         }
     };
-    if bytes.len() > max_bytes_for(event.kind()) {
-        return Err(DecodeError::TooLarge { len: bytes.len() });
-    }
     check(&event)?;
     Ok(event)
 }
@@ -178,9 +182,14 @@ pub fn check(event: &Event) -> Result<(), DecodeError> {
     let payload_ids: [(&'static str, Option<&EventId>); 2] = match &event.body {
         Body::DatasetValidated(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::DatasetRejected(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
+        Body::StagePending(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::StageReady(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::StageFailed(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::DeadLetter(p) => [("payload.original_id", p.original_id.as_ref()), ("", None)],
+        Body::DeadLetterReplayed(p) => [
+            ("payload.dead_letter_id", Some(&p.dead_letter_id)),
+            ("payload.original_id", p.original_id.as_ref()),
+        ],
         _ => [("", None), ("", None)],
     };
     for (field, id) in [

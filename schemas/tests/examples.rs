@@ -85,21 +85,34 @@ fn examples_follow_the_contract_rules() {
     let Body::IngestRequested(request) = &ingest.body else {
         unreachable!()
     };
-    let version = version_digest(&request.files);
+    let manifest = request
+        .manifest
+        .as_ref()
+        .expect("the example shows a manifest by reference");
+    assert!(
+        request.files.is_empty(),
+        "inline files and a reference exclude each other"
+    );
+    let version = manifest.digest.clone();
     assert_eq!(
         ingest.id,
         EventId::for_ingest(&ingest.project, &request.dataset, &version)
     );
-    for file in &request.files {
-        file.check().unwrap();
-    }
+    assert!(
+        request
+            .source
+            .prefix
+            .starts_with(&format!("{}/", ingest.project)),
+        "a source prefix lies beneath its project's own"
+    );
 
     let validated = example_event("dataset.validated");
     let Body::DatasetValidated(fact) = &validated.body else {
         unreachable!()
     };
     assert_eq!(fact.version, version);
-    assert_eq!(fact.total_bytes, total_bytes(&fact.files));
+    assert_eq!(fact.manifest.as_ref(), Some(manifest));
+    assert_eq!(fact.total_bytes, manifest.bytes);
     assert_eq!(validated.id, EventId::derive(&ingest.id, "validated"));
     assert_eq!(validated.causation_id.as_ref(), Some(&ingest.id));
     assert_eq!(validated.correlation_id, ingest.id);
@@ -108,8 +121,26 @@ fn examples_follow_the_contract_rules() {
     let Body::DatasetPrepared(derived) = &prepared.body else {
         unreachable!()
     };
-    assert_eq!(derived.version, version_digest(&derived.files));
+    let shards = derived.manifest.as_ref().unwrap();
+    assert_eq!(derived.version, shards.digest);
+    assert_eq!(derived.total_bytes, shards.bytes);
     assert_eq!(derived.derived_from, version);
+
+    let checkpoint = example_event("checkpoint.committed");
+    let Body::CheckpointCommitted(ckpt) = &checkpoint.body else {
+        unreachable!()
+    };
+    assert_eq!(ckpt.total_bytes, total_bytes(&ckpt.files));
+    for file in &ckpt.files {
+        file.check().unwrap();
+    }
+
+    let rejected = example_event("dataset.rejected");
+    let Body::DatasetRejected(rejection) = &rejected.body else {
+        unreachable!()
+    };
+    let counted: u64 = rejection.problem_counts.iter().map(|(_, n)| n).sum();
+    assert_eq!(Some(counted), rejection.problems_total);
 
     let dead = example_event("dead.letter");
     let Body::DeadLetter(letter) = &dead.body else {
@@ -120,6 +151,25 @@ fn examples_follow_the_contract_rules() {
         EventId::for_dead_letter(&letter.stream, &letter.consumer, letter.stream_sequence)
     );
     assert!(wire::decode(&letter.original).is_err());
+
+    let replayed = example_event("dead.letter.replayed");
+    let Body::DeadLetterReplayed(replay) = &replayed.body else {
+        unreachable!()
+    };
+    assert_eq!(replay.dead_letter_id, dead.id);
+    assert_eq!(replay.subject, letter.subject);
+    // A version-1 upload's manifest still travels inline, and its digest is over those lines.
+    let v1: stagehand_schemas::Event = serde_json::from_value(read_json(
+        &crate_dir().join("fixtures/v1/ingest.requested.json"),
+    ))
+    .unwrap();
+    let Body::IngestRequested(old) = &v1.body else {
+        unreachable!()
+    };
+    assert_eq!(
+        v1.id,
+        EventId::for_ingest(&v1.project, &old.dataset, &version_digest(&old.files))
+    );
 }
 
 /// Sets `pointer` in a copy of `value`.
@@ -133,7 +183,14 @@ fn with(value: &Value, pointer: &str, new: Value) -> Value {
 
 #[test]
 fn schemas_refuse_what_the_contract_refuses() {
-    let ingest = example_json("ingest.requested");
+    let mut ingest = example_json("ingest.requested");
+    // An inline manifest, to check its entries' rules too.
+    ingest["payload"]["files"] = json!([{
+        "path": "images/000001.jpg",
+        "size": 180735,
+        "sha256": "18f335e5ca4827f2c1774485396bea1a89bcafdfa370bec70d91542f3a2d6c2f"
+    }]);
+    assert!(schema_errors("ingest.requested", &ingest).is_empty());
     let bad: &[(&str, Value)] = &[
         ("/project", json!("Vision Lab")),
         ("/project", json!("x".repeat(65))),
@@ -148,6 +205,8 @@ fn schemas_refuse_what_the_contract_refuses() {
         ("/payload/files/0/size", json!(-1)),
         ("/payload/files/0/path", json!("")),
         ("/payload/labels/0", json!(["modality"])),
+        ("/payload/manifest/digest", json!("be7246df1859")),
+        ("/payload/manifest/files", json!(-1)),
     ];
     for (pointer, value) in bad {
         let instance = with(&ingest, pointer, value.clone());
@@ -157,7 +216,10 @@ fn schemas_refuse_what_the_contract_refuses() {
         );
     }
     let mut missing = ingest.clone();
-    missing["payload"].as_object_mut().unwrap().remove("files");
+    missing["payload"]
+        .as_object_mut()
+        .unwrap()
+        .remove("dataset");
     assert!(!validator("ingest.requested").is_valid(&missing));
 
     let dead = example_json("dead.letter");
@@ -184,7 +246,7 @@ fn schemas_accept_unknown_fields_and_omitted_optional_ones() {
     let mut ingest = example_json("ingest.requested");
     ingest["added_later"] = json!({"any": "shape"});
     ingest["payload"]["added_later"] = json!(1);
-    ingest["payload"]["files"][0]["added_later"] = json!(null);
+    ingest["payload"]["manifest"]["added_later"] = json!(null);
     ingest["payload"].as_object_mut().unwrap().remove("labels");
     ingest.as_object_mut().unwrap().remove("causation_id");
     assert!(schema_errors("ingest.requested", &ingest).is_empty());

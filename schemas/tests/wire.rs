@@ -7,9 +7,9 @@ mod common;
 use common::*;
 use serde::Serialize;
 use serde_json::{Value, json};
-use stagehand_schemas::subject::{STREAMS, dead_letter_subject, subject_for};
+use stagehand_schemas::subject::{STREAMS, dead_letter_subject, replayed_subject, subject_for};
 use stagehand_schemas::wire::{
-    self, DecodeError, EncodeError, MAX_DEAD_LETTER_BYTES, MAX_EVENT_BYTES,
+    self, DecodeError, EncodeError, MAX_DEAD_LETTER_BYTES, MAX_DECODE_BYTES, MAX_EVENT_BYTES,
 };
 use stagehand_schemas::{
     ALL_KINDS, Body, DeadLetter, Event, EventId, FileRef, SCHEMA_VERSION, sha256_hex,
@@ -158,7 +158,7 @@ fn unknown_kind_is_named() {
     doc["kind"] = json!("dataset.teleported");
     let err = wire::decode(&msgpack(&doc)).unwrap_err();
     assert!(
-        matches!(&err, DecodeError::UnknownKind { kind, schema: 1 } if kind == "dataset.teleported"),
+        matches!(&err, DecodeError::UnknownKind { kind, schema } if kind == "dataset.teleported" && *schema == SCHEMA_VERSION),
         "{err:?}"
     );
     assert!(err.to_string().contains("\"dataset.teleported\""), "{err}");
@@ -177,7 +177,8 @@ fn newer_schema_is_refused_before_its_shape_is_judged() {
     doc["project"] = json!("Not A Token");
     let err = wire::decode(&msgpack(&doc)).unwrap_err();
     assert!(matches!(err, DecodeError::NewerSchema { .. }), "{err:?}");
-    assert!(err.to_string().contains("schema version 2"), "{err}");
+    let version = format!("schema version {}", SCHEMA_VERSION + 1);
+    assert!(err.to_string().contains(&version), "{err}");
 }
 
 #[test]
@@ -199,10 +200,10 @@ fn schema_zero_is_invalid() {
 
 #[test]
 fn oversize_messages_are_refused_before_parsing() {
-    let junk = vec![0xc1u8; MAX_DEAD_LETTER_BYTES + 1];
+    let junk = vec![0xc1u8; MAX_DECODE_BYTES + 1];
     assert!(matches!(
         wire::decode(&junk),
-        Err(DecodeError::TooLarge { len }) if len == MAX_DEAD_LETTER_BYTES + 1
+        Err(DecodeError::TooLarge { len }) if len == MAX_DECODE_BYTES + 1
     ));
 }
 
@@ -220,24 +221,20 @@ fn big_ingest(target: usize) -> Event {
 }
 
 #[test]
-fn oversize_events_are_refused_both_ways() {
+fn oversize_events_are_refused_by_writers_and_read_up_to_the_old_bound() {
     let event = big_ingest(MAX_EVENT_BYTES + 4096);
     let Err(err) = wire::encode(&event) else {
         panic!("an oversize event was encoded");
     };
     assert!(matches!(err, EncodeError::TooLarge { len } if len > MAX_EVENT_BYTES));
     assert!(!err.is_retryable());
-    // The same bytes from a producer that does not check: still refused, by size.
-    let bytes = rmp_serde::to_vec_named(&event).unwrap();
-    assert!(
-        bytes.len() <= MAX_DEAD_LETTER_BYTES,
-        "test must exercise the per-kind bound"
-    );
-    assert!(matches!(
-        wire::decode(&bytes),
-        Err(DecodeError::TooLarge { .. })
-    ));
-    // Just under the bound is fine.
+    // Schema-1 writers put manifests of up to 8 MiB inline; their events stay readable.
+    let mut old = big_ingest(8 * 1024 * 1024 - 4096);
+    old.schema = 1;
+    let bytes = rmp_serde::to_vec_named(&old).unwrap();
+    assert!(bytes.len() > MAX_EVENT_BYTES && bytes.len() <= MAX_DECODE_BYTES);
+    assert_eq!(wire::decode(&bytes).unwrap(), old);
+    // Just under the writers' bound is fine.
     let event = big_ingest(MAX_EVENT_BYTES - 64 * 1024);
     let bytes = wire::encode(&event).unwrap();
     assert_eq!(wire::decode(&bytes).unwrap(), event);
@@ -310,7 +307,7 @@ fn shapes_that_are_not_events_are_malformed_with_a_reason() {
     }
     // A known kind with a payload of the wrong shape names the kind.
     let mut doc = example_json("ingest.requested");
-    doc["payload"]["files"][0]["size"] = json!("large");
+    doc["payload"]["manifest"]["files"] = json!("many");
     let err = wire::decode(&msgpack(&doc)).unwrap_err();
     assert!(
         err.to_string().contains("`ingest.requested` event"),
@@ -348,6 +345,7 @@ fn subjects_follow_the_map_and_land_in_exactly_one_stream() {
         let subject = subject_for(&event.body, &event.project);
         let expected = match &event.body {
             Body::DeadLetter(letter) => dead_letter_subject(&letter.service),
+            Body::DeadLetterReplayed(replay) => replayed_subject(&replay.service),
             body if body.is_request() => {
                 format!("stagehand.req.{}.{}", event.kind(), event.project)
             }
@@ -385,6 +383,49 @@ fn matches_filter(filter: &str, subject: &str) -> bool {
 
 #[test]
 fn id_helpers_follow_the_written_rules() {
+    // A stage hook that runs twice publishes the same request (and the same release).
+    let stage = EventId::for_stage(
+        "vision-lab",
+        "4815162",
+        "street",
+        "9b1113d91ed7",
+        "local",
+        Some("gpu07"),
+    );
+    assert_eq!(
+        stage,
+        EventId::for_content(&[
+            b"stage",
+            b"vision-lab",
+            b"4815162",
+            b"street",
+            b"9b1113d91ed7",
+            b"local",
+            b"gpu07",
+        ])
+    );
+    assert_ne!(
+        stage,
+        EventId::for_stage(
+            "vision-lab",
+            "4815162",
+            "street",
+            "9b1113d91ed7",
+            "local",
+            Some("gpu08")
+        )
+    );
+    assert_eq!(
+        EventId::for_stage_release(
+            "vision-lab",
+            "4815162",
+            "street",
+            "9b1113d91ed7",
+            "local",
+            Some("gpu07")
+        ),
+        EventId::derive(&stage, "release")
+    );
     // Pinned values (computed independently with Python's hashlib from the rule in id.rs):
     // changing them breaks deduplication across an upgrade.
     let cause = EventId::new("req-1").unwrap();
@@ -426,4 +467,108 @@ fn a_map_that_is_not_an_event_says_what_is_missing() {
     let bytes = rmp_serde::to_vec_named(&NotAnEvent { id: "x" }).unwrap();
     let err = wire::decode(&bytes).unwrap_err();
     assert!(err.to_string().contains("missing field"), "{err}");
+}
+
+/// The longest path the path rules allow: 4096 bytes in components of 255.
+fn longest_path(i: usize) -> String {
+    let mut path = format!("{i:012}");
+    while path.len() + 256 <= stagehand_schemas::path::MAX_PATH_BYTES {
+        path.push('/');
+        path.push_str(&"p".repeat(255));
+    }
+    stagehand_schemas::check_relative_path(&path).unwrap();
+    path
+}
+
+/// What nats-server accepts by default (`max_payload`), headers included.
+const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+
+#[test]
+fn the_largest_instance_of_every_kind_fits_a_stock_nats_server() {
+    use stagehand_schemas::problem::{ProblemTally, code};
+    use stagehand_schemas::{MAX_ATTEMPT_ERROR_BYTES, MAX_RECORDED_ATTEMPTS, Problem};
+
+    let mut largest: Vec<(String, usize)> = Vec::new();
+    let mut check = |label: &str, event: &Event| {
+        let bytes = wire::encode(event).unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert!(
+            bytes.len() + 8 * 1024 <= DEFAULT_MAX_PAYLOAD,
+            "{label}: {} bytes",
+            bytes.len()
+        );
+        largest.push((label.to_owned(), bytes.len()));
+    };
+    // Every example as it is.
+    for event in all_examples() {
+        check(event.kind(), &event);
+    }
+    // An inline manifest at the inline bound, of the shortest entries (the most per byte).
+    let mut ingest = example_event("ingest.requested");
+    if let Body::IngestRequested(request) = &mut ingest.body {
+        request.manifest = None;
+        let sha = sha256_hex(b"x");
+        let mut files = Vec::new();
+        let mut len = 0;
+        for i in 0.. {
+            let file = FileRef::new(format!("{i}"), 0, sha.clone());
+            len += file.manifest_line().len() as u64;
+            if len > stagehand_schemas::INLINE_MANIFEST_MAX_BYTES {
+                break;
+            }
+            files.push(file);
+        }
+        request.files = files;
+    }
+    check("ingest.requested at the inline bound", &ingest);
+    // A rejection of a million files, each problem with the longest path and a long detail.
+    let mut tally = ProblemTally::new();
+    let paths: Vec<String> = (0..50).map(longest_path).collect();
+    let detail = format!(
+        "sha256 is {} but the manifest says {}",
+        "a".repeat(64),
+        "b".repeat(64)
+    );
+    for i in 0..1_000_000 {
+        tally.add(Problem::new(
+            code::CHECKSUM_MISMATCH,
+            Some(&paths[i % 50]),
+            detail.clone(),
+        ));
+    }
+    let (problems, problem_counts, total) = tally.finish();
+    let mut rejected = example_event("dataset.rejected");
+    if let Body::DatasetRejected(r) = &mut rejected.body {
+        r.source.prefix = longest_path(0);
+        r.quarantine = Some(longest_path(1));
+        r.problems = problems.clone();
+        r.problem_counts = stagehand_schemas::problem::code::ALL
+            .iter()
+            .map(|c| ((*c).to_owned(), u64::MAX))
+            .collect();
+        r.problems_total = Some(total);
+    }
+    assert_eq!(problem_counts.len(), 1);
+    check("dataset.rejected with 1,000,000 problems", &rejected);
+    let mut failed = example_event("restore.failed");
+    if let Body::RestoreFailed(r) = &mut failed.body {
+        r.problems = problems;
+        r.problems_total = Some(total);
+    }
+    check("restore.failed with 1,000,000 problems", &failed);
+    // A dead letter carrying the largest event, with the longest history kept.
+    let mut dead = example_event("dead.letter");
+    if let Body::DeadLetter(letter) = &mut dead.body {
+        letter.original = vec![0xc1; MAX_EVENT_BYTES];
+        letter.headers = vec![("traceparent".into(), "0".repeat(55)); 16];
+        letter.errors = (0..MAX_RECORDED_ATTEMPTS as u64)
+            .map(|delivery| stagehand_schemas::Attempt {
+                delivery,
+                at: stagehand_schemas::now(),
+                error: "e".repeat(MAX_ATTEMPT_ERROR_BYTES),
+                permanent: false,
+            })
+            .collect();
+    }
+    check("dead.letter of the largest event and history", &dead);
+    assert!(largest.len() > ALL_KINDS.len());
 }

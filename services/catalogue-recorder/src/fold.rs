@@ -648,6 +648,7 @@ pub(crate) mod tests {
                     prefix: "lab-a/cats/x".into(),
                 },
                 files,
+                manifest: None,
                 requested_by: "alice".into(),
                 labels: vec![],
             }),
@@ -666,6 +667,7 @@ pub(crate) mod tests {
                 version: version_digest(&p.files),
                 source: p.source.clone(),
                 files: p.files.clone(),
+                manifest: None,
                 total_bytes: total_bytes(&p.files),
                 requested_by: p.requested_by.clone(),
                 request_id: req.id.clone(),
@@ -700,6 +702,8 @@ pub(crate) mod tests {
                     },
                 ],
                 quarantine: None,
+                problem_counts: vec![],
+                problems_total: None,
             }),
         )
     }

@@ -35,6 +35,7 @@ fn ingest(n: u32, dataset: &str) -> Event {
                 prefix: format!("lab-a/{dataset}/{n}"),
             },
             files: files(n),
+            manifest: None,
             requested_by: "alice".into(),
             labels: vec![],
         }),
@@ -52,6 +53,7 @@ fn validated(req: &Event) -> Event {
             version: version_digest(&p.files),
             source: p.source.clone(),
             files: p.files.clone(),
+            manifest: None,
             total_bytes: total_bytes(&p.files),
             requested_by: p.requested_by.clone(),
             request_id: req.id.clone(),
@@ -105,6 +107,8 @@ fn facts() -> Vec<Event> {
                 },
             ],
             quarantine: Some("quarantine/x".into()),
+            problem_counts: vec![("missing".into(), 1), ("path_rule".into(), 1)],
+            problems_total: Some(2),
         }),
     ));
     out.push(v1.caused(
@@ -126,6 +130,8 @@ fn facts() -> Vec<Event> {
             location: hot.clone(),
             job_id: "job-1".into(),
             request_id: EventId::new("stage-1").unwrap(),
+            node: None,
+            path: None,
         }),
     ));
     out.push(v1.caused(
@@ -138,6 +144,7 @@ fn facts() -> Vec<Event> {
             request_id: EventId::new("stage-2").unwrap(),
             reason: "quota exceeded".into(),
             retryable: false,
+            node: None,
         }),
     ));
     out.push(v1.caused(

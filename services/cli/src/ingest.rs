@@ -283,6 +283,7 @@ pub fn request(
                 prefix: prefix.into(),
             },
             files,
+            manifest: None,
             requested_by: requested_by.into(),
             labels,
         }),

@@ -15,23 +15,8 @@ use stagehand_mover::FileDigest;
 use stagehand_policy::{SuffixVerdict, TierRole, ValidationPolicy};
 use stagehand_schemas::{FileRef, IngestRequested, Problem, check_relative_path, is_sha256_hex};
 
-/// Stable problem codes (the list in `stagehand_schemas::Problem`).
-pub mod code {
-    pub const PATH_RULE: &str = "path_rule";
-    pub const MISSING: &str = "missing";
-    pub const SIZE_MISMATCH: &str = "size_mismatch";
-    pub const CHECKSUM_MISMATCH: &str = "checksum_mismatch";
-    pub const DUPLICATE_PATH: &str = "duplicate_path";
-    pub const SYMLINK_ESCAPE: &str = "symlink_escape";
-    pub const NOT_A_FILE: &str = "not_a_file";
-    pub const TOO_LARGE: &str = "too_large";
-    pub const TOO_MANY_ENTRIES: &str = "too_many_entries";
-    pub const SUFFIX_DENIED: &str = "suffix_denied";
-    pub const SUFFIX_NOT_ALLOWED: &str = "suffix_not_allowed";
-    pub const BAD_SHA256: &str = "bad_sha256";
-    pub const UNREADABLE: &str = "unreadable";
-    pub const UNKNOWN_TIER: &str = "unknown_tier";
-}
+/// Stable problem codes: the contract's (`stagehand_schemas::problem::code`).
+pub use stagehand_schemas::problem::code;
 
 fn problem(code: &str, path: Option<&str>, detail: impl Into<String>) -> Problem {
     Problem {
@@ -279,37 +264,6 @@ pub fn compare(file: &FileRef, observed: &Observed, policy: &ValidationPolicy) -
     }
 }
 
-/// The most bytes of problems a rejection event carries; the quarantine marker has them all.
-/// Keeps the event well under the wire limit whatever the manifest holds.
-pub const MAX_LISTED_PROBLEM_BYTES: usize = 4 * 1024 * 1024;
-
-/// Cuts `problems` to fit in an event, ending with a note of how many were left out and
-/// where the full list is.
-pub fn listable(problems: &[Problem], full_list_at: Option<&str>) -> Vec<Problem> {
-    let mut bytes = 0usize;
-    let mut listed = Vec::new();
-    for (i, p) in problems.iter().enumerate() {
-        // Field names and msgpack framing are a few dozen bytes per problem.
-        bytes += p.code.len() + p.detail.len() + p.path.as_ref().map_or(0, String::len) + 48;
-        if bytes > MAX_LISTED_PROBLEM_BYTES {
-            let rest = problems.len() - i;
-            listed.push(problem(
-                "truncated",
-                None,
-                match full_list_at {
-                    Some(at) => format!(
-                        "{rest} more problems are not listed here; the full list is in {at}"
-                    ),
-                    None => format!("{rest} more problems are not listed here"),
-                },
-            ));
-            break;
-        }
-        listed.push(p.clone());
-    }
-    listed
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -334,6 +288,7 @@ mod tests {
                 prefix: "up/1".into(),
             },
             files,
+            manifest: None,
             requested_by: "alice".into(),
             labels: vec![],
         }
@@ -503,29 +458,5 @@ mod tests {
     fn tier_paths_join_the_prefix() {
         assert_eq!(tier_path("", "a/b"), "a/b");
         assert_eq!(tier_path("up/1", "a/b"), "up/1/a/b");
-    }
-
-    #[test]
-    fn long_problem_lists_are_cut_with_a_pointer_to_the_marker() {
-        let many: Vec<Problem> = (0..50_000)
-            .map(|i| {
-                problem(
-                    code::MISSING,
-                    Some(&format!("{i:0>100}")),
-                    "no file at this path",
-                )
-            })
-            .collect();
-        let listed = listable(&many, Some("source:.stagehand/quarantine/p/r.json"));
-        assert!(listed.len() < many.len());
-        let last = listed.last().unwrap();
-        assert_eq!(last.code, "truncated");
-        assert!(
-            last.detail.contains("quarantine/p/r.json"),
-            "{}",
-            last.detail
-        );
-        let few = &many[..10];
-        assert_eq!(listable(few, None), few.to_vec());
     }
 }

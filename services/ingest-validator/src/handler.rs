@@ -9,6 +9,7 @@ use serde::Serialize;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
 use stagehand_mover::Tier;
 use stagehand_policy::{Policies, TierRole, ValidationPolicy};
+use stagehand_schemas::problem::ProblemTally;
 use stagehand_schemas::{
     Body, DatasetRejected, DatasetValidated, Event, EventId, IngestRequested, Location, Problem,
     total_bytes, version_digest,
@@ -16,7 +17,7 @@ use stagehand_schemas::{
 use tracing::{info, warn};
 
 use crate::ValidatorError;
-use crate::check::{self, SourceTier};
+use crate::check::SourceTier;
 use crate::source::SourceFiles;
 use crate::validate::{ReadProgress, Verdict, validate};
 
@@ -132,7 +133,11 @@ impl<S: SourceFiles> IngestValidator<S> {
             Verdict::Invalid(problems) => {
                 let quarantine = self.mark(event, request, source, &problems).await?;
                 info!(event_id = %event.id, dataset = %request.dataset, problems = problems.len(), "rejected");
-                let listed = check::listable(&problems, quarantine.as_deref());
+                let mut tally = ProblemTally::new();
+                for problem in &problems {
+                    tally.add(problem.clone());
+                }
+                let (listed, problem_counts, problems_total) = tally.finish();
                 Ok(vec![event.caused(
                     STEP_REJECTED,
                     Body::DatasetRejected(DatasetRejected {
@@ -143,6 +148,8 @@ impl<S: SourceFiles> IngestValidator<S> {
                         request_id: event.id.clone(),
                         problems: listed,
                         quarantine,
+                        problem_counts,
+                        problems_total: Some(problems_total),
                     }),
                 )])
             }
@@ -190,6 +197,7 @@ fn validated(event: &Event, request: &IngestRequested, version: String) -> Datas
         version,
         source: request.source.clone(),
         files: request.files.clone(),
+        manifest: None,
         total_bytes: total_bytes(&request.files),
         requested_by: request.requested_by.clone(),
         request_id: event.id.clone(),

@@ -149,6 +149,7 @@ mod tests {
                 prefix: "up".into(),
             },
             files,
+            manifest: None,
             requested_by: "alice".into(),
             labels: vec![],
         }

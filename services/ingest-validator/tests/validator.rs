@@ -110,6 +110,7 @@ fn request(id: &str, prefix: &str, files: Vec<FileRef>) -> Event {
                 prefix: prefix.into(),
             },
             files,
+            manifest: None,
             requested_by: "alice".into(),
             labels: vec![("modality".into(), "image".into())],
         }),
@@ -313,6 +314,7 @@ async fn poison_messages_are_dead_lettered_and_the_next_request_is_validated() {
             version: "v".into(),
             tier: "hot".into(),
             job_id: "1".into(),
+            node: None,
         });
         wire::encode(&event).unwrap()
     };

@@ -1,0 +1,302 @@
+//! Manifests stored in and fetched from a real nats-server's Object Store: round trips of
+//! every size, and what a reader does with an object that is not what it claims to be.
+
+use async_nats::jetstream;
+use futures::StreamExt;
+use stagehand_manifest::{
+    BucketOptions, ManifestBuilder, ManifestErrorKind, ManifestSource, ManifestStore, Spool,
+    inline_or_stored, open_manifest,
+};
+use stagehand_schemas::manifest::{INLINE_MANIFEST_MAX_BYTES, canonical_bytes};
+use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_manifest_bucket};
+use stagehand_schemas::{
+    Body, DatasetValidated, Event, EventId, FileRef, IngestRequested, Location, ManifestRef,
+    sha256_hex, version_digest,
+};
+use stagehand_testkit::NatsServer;
+
+async fn js(nats: &NatsServer) -> jetstream::Context {
+    jetstream::new(async_nats::connect(nats.url()).await.unwrap())
+}
+
+fn files(n: usize) -> Vec<FileRef> {
+    (0..n)
+        .map(|i| {
+            FileRef::new(
+                format!("train/{:03}/{i:08}.jpg", (i * 37) % 101),
+                (i as u64) * 13,
+                sha256_hex(i.to_string().as_bytes()),
+            )
+        })
+        .collect()
+}
+
+fn build(files: &[FileRef], spool: &Spool) -> stagehand_manifest::Manifest {
+    let mut builder = ManifestBuilder::with_run_bytes(spool, 1 << 20);
+    for f in files {
+        builder.push(f).unwrap();
+    }
+    builder.finish().unwrap()
+}
+
+fn ingest(project: &str, files: Vec<FileRef>, manifest: Option<ManifestRef>) -> Event {
+    Event::request(
+        EventId::new("req-1").unwrap(),
+        project,
+        Body::IngestRequested(IngestRequested {
+            dataset: "cats".into(),
+            source: Location {
+                tier: "source".into(),
+                prefix: format!("{project}/cats/1"),
+            },
+            files,
+            manifest,
+            requested_by: "alice".into(),
+            labels: vec![],
+        }),
+    )
+}
+
+#[tokio::test]
+async fn a_large_manifest_round_trips_through_the_store_by_reference() {
+    let nats = NatsServer::start();
+    let js = js(&nats).await;
+    let dir = tempfile::tempdir().unwrap();
+    let spool = Spool {
+        dir: dir.path().to_owned(),
+        in_memory_below: 64 * 1024,
+    };
+    // 60,000 entries: about 5 MB of lines, well over the inline bound and the memory spool.
+    let all = files(60_000);
+    let manifest = build(&all, &spool);
+    assert!(!manifest.fits_inline());
+    let uploads = ManifestStore::uploads(&js, "lab-a", BucketOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(uploads.bucket(), upload_manifest_bucket("lab-a"));
+    let (inline, reference) = inline_or_stored(&manifest, &uploads).await.unwrap();
+    assert!(inline.is_empty());
+    let reference = reference.unwrap();
+    assert_eq!(reference.digest, version_digest(&all));
+    assert_eq!(reference.files, 60_000);
+    // Putting it again is a no-op (content addressing), and the bucket holds one object.
+    uploads.put(&manifest).await.unwrap();
+    assert_eq!(
+        uploads.list().await.unwrap(),
+        vec![reference.digest.clone()]
+    );
+
+    let event = ingest("lab-a", vec![], Some(reference.clone()));
+    let fetched = open_manifest(&js, &event, &spool).await.unwrap().unwrap();
+    assert_eq!(fetched.digest(), reference.digest);
+    let mut sorted = all.clone();
+    sorted.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
+    let mut chunks = std::pin::pin!(fetched.chunks(7000));
+    let mut back = Vec::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.unwrap();
+        assert!(chunk.len() <= 7000);
+        back.extend(chunk);
+    }
+    assert_eq!(back, sorted);
+}
+
+#[tokio::test]
+async fn a_small_manifest_travels_inline_and_opens_without_the_store() {
+    let nats = NatsServer::start();
+    let js = js(&nats).await;
+    let few = files(10);
+    let manifest = build(&few, &Spool::default());
+    assert!(manifest.fits_inline());
+    let store = ManifestStore::catalogue(&js, BucketOptions::default())
+        .await
+        .unwrap();
+    let (inline, reference) = inline_or_stored(&manifest, &store).await.unwrap();
+    assert_eq!(reference, None);
+    assert_eq!(inline.len(), 10);
+    assert!(store.list().await.unwrap().is_empty(), "nothing stored");
+    let event = ingest("lab-a", inline, None);
+    let opened = open_manifest(&js, &event, &Spool::default())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(opened.digest(), version_digest(&few));
+}
+
+#[tokio::test]
+async fn the_inline_bound_is_where_the_contract_puts_it() {
+    // Entries just over the bound must go by reference.
+    let sha = sha256_hex(b"x");
+    let mut entries = Vec::new();
+    let mut len = 0u64;
+    let mut i = 0;
+    while len <= INLINE_MANIFEST_MAX_BYTES {
+        let f = FileRef::new(format!("f{i:07}"), 1, sha.clone());
+        len += f.manifest_line().len() as u64;
+        entries.push(f);
+        i += 1;
+    }
+    let over = stagehand_manifest::Manifest::from_entries(entries.clone());
+    assert!(!over.fits_inline());
+    entries.pop();
+    let under = stagehand_manifest::Manifest::from_entries(entries);
+    assert!(under.fits_inline());
+}
+
+#[tokio::test]
+async fn an_object_that_is_not_its_digest_is_refused_and_a_missing_one_is_retryable() {
+    let nats = NatsServer::start();
+    let js = js(&nats).await;
+    let uploads = ManifestStore::uploads(&js, "lab-a", BucketOptions::default())
+        .await
+        .unwrap();
+    let good = files(100);
+    let digest = version_digest(&good);
+    let reference = ManifestRef {
+        digest: digest.clone(),
+        files: 100,
+        bytes: good.iter().map(|f| f.size).sum(),
+    };
+    // Missing: retryable (the uploader may still be putting it).
+    let err = uploads
+        .fetch(&reference, &Spool::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::NotFound);
+    assert!(err.is_retryable());
+    assert!(err.to_string().contains(&digest), "{err}");
+
+    // A hostile object under the good digest's name: other entries.
+    let mut tampered = good.clone();
+    tampered[5].size += 1;
+    let mut bytes = canonical_bytes(&tampered);
+    uploads
+        .object_store()
+        .put(digest.as_str(), &mut bytes.as_slice())
+        .await
+        .unwrap();
+    let err = uploads
+        .fetch(&reference, &Spool::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Mismatch, "{err}");
+    assert!(!err.is_retryable());
+    assert!(err.to_string().contains("hash to"), "{err}");
+
+    // Garbage under the name: refused as a mismatch (not merely malformed).
+    bytes = b"not\ta manifest\n".to_vec();
+    uploads
+        .object_store()
+        .put(digest.as_str(), &mut bytes.as_slice())
+        .await
+        .unwrap();
+    let err = uploads
+        .fetch(&reference, &Spool::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Mismatch, "{err}");
+
+    // Bytes that are their digest but not canonical (out of order): malformed, with the line.
+    let mut unsorted = canonical_bytes(&good[..3]);
+    let first_line_end = unsorted.iter().position(|&b| b == b'\n').unwrap() + 1;
+    unsorted.rotate_left(first_line_end);
+    let unsorted_digest = sha256_hex(&unsorted);
+    uploads
+        .object_store()
+        .put(unsorted_digest.as_str(), &mut unsorted.as_slice())
+        .await
+        .unwrap();
+    let err = uploads
+        .fetch(
+            &ManifestRef {
+                digest: unsorted_digest,
+                files: 3,
+                bytes: good[..3].iter().map(|f| f.size).sum(),
+            },
+            &Spool::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Malformed, "{err}");
+    assert!(err.line.is_some());
+    assert!(err.to_string().contains("not sorted"), "{err}");
+
+    // The right bytes with the wrong counts in the reference: a mismatch naming both.
+    let mut right = canonical_bytes(&good);
+    uploads
+        .object_store()
+        .put(digest.as_str(), &mut right.as_slice())
+        .await
+        .unwrap();
+    let lying = ManifestRef {
+        files: 99,
+        ..reference.clone()
+    };
+    let err = uploads.fetch(&lying, &Spool::default()).await.unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Mismatch);
+    assert!(err.to_string().contains("99"), "{err}");
+    right.clear();
+    let ok = uploads.fetch(&reference, &Spool::default()).await.unwrap();
+    assert_eq!(ok.files(), 100);
+}
+
+#[tokio::test]
+async fn an_event_cannot_point_a_reader_at_another_projects_manifests() {
+    let nats = NatsServer::start();
+    let js = js(&nats).await;
+    let secret = files(5);
+    let manifest = build(&secret, &Spool::default());
+    let theirs = ManifestStore::uploads(&js, "lab-b", BucketOptions::default())
+        .await
+        .unwrap();
+    let reference = theirs.put(&manifest).await.unwrap();
+    // lab-a's request names lab-b's digest: the reader looks in lab-a's bucket only.
+    let event = ingest("lab-a", vec![], Some(reference.clone()));
+    assert_eq!(
+        ManifestSource::of(&event).unwrap(),
+        Some(ManifestSource::Stored {
+            bucket: upload_manifest_bucket("lab-a"),
+            reference: reference.clone(),
+        })
+    );
+    let err = open_manifest(&js, &event, &Spool::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::NotFound, "{err}");
+
+    // A fact's reference is always into the services' bucket.
+    let fact = event.caused(
+        "validated",
+        Body::DatasetValidated(DatasetValidated {
+            dataset: "cats".into(),
+            version: reference.digest.clone(),
+            source: Location {
+                tier: "source".into(),
+                prefix: "lab-a/cats/1".into(),
+            },
+            files: vec![],
+            manifest: Some(reference.clone()),
+            total_bytes: reference.bytes,
+            requested_by: "alice".into(),
+            request_id: event.id.clone(),
+            labels: vec![],
+        }),
+    );
+    assert!(matches!(
+        ManifestSource::of(&fact).unwrap(),
+        Some(ManifestSource::Stored { bucket, .. }) if bucket == MANIFEST_BUCKET
+    ));
+}
+
+#[test]
+fn an_event_with_both_inline_files_and_a_reference_is_refused() {
+    let few = files(2);
+    let reference = ManifestRef {
+        digest: version_digest(&few),
+        files: 2,
+        bytes: 13,
+    };
+    let event = ingest("lab-a", few, Some(reference));
+    let err = ManifestSource::of(&event).unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Invalid);
+}
