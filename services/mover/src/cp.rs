@@ -208,32 +208,24 @@ fn parse_endpoint(s: &str) -> Result<Endpoint, CpError> {
     }
 }
 
-/// Parses a manifest: one `path\tsize\tsha256` per line; blank lines are ignored.
+/// Reads a manifest: one `path\tsize\tsha256` per line (the contract's one line parser,
+/// [`stagehand_schemas::manifest::parse_line`]); blank lines are ignored. A copy trusts no
+/// entry it cannot act on, so each is also checked ([`FileRef::check`]) and listed once.
 pub fn read_manifest(path: &Path) -> Result<Vec<FileRef>, CpError> {
     let bad = |detail: String| CpError::Manifest {
         path: path.to_owned(),
         detail,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+    let text = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     let mut files = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+    for (n, line) in text.split(|b| *b == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         let line_no = n + 1;
-        let mut parts = line.split('\t');
-        let (Some(p), Some(size), Some(sha), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return Err(bad(format!(
-                "line {line_no}: expected `path<TAB>size<TAB>sha256`, got {line:?}"
-            )));
-        };
-        let size: u64 = size
-            .parse()
-            .map_err(|_| bad(format!("line {line_no}: size {size:?} is not a number")))?;
-        let file = FileRef::new(p, size, sha);
+        let file = stagehand_schemas::manifest::parse_line(line)
+            .map_err(|e| bad(format!("line {line_no}: {e}")))?;
         file.check()
             .map_err(|e| bad(format!("line {line_no}: {e}")))?;
         if !seen.insert(file.path.clone()) {
