@@ -189,8 +189,14 @@ fn prepare_posix_staging(
         // The same final name (as cut to fit NAME_MAX), written by someone else.
         let same_set = staging_name(name, &owner) == entry;
         if same_set && owner.liveness() == Liveness::Dead {
-            // Renamed to our own name first: a second rerun racing for it loses the rename.
-            if tier.rename_dir_noreplace(&join(parent, &entry), &ours)? {
+            // Renamed to our own name first: a second rerun racing for it loses the rename
+            // (the folder is gone from under its old name) and stages afresh.
+            let taken = match tier.rename_dir_noreplace(&join(parent, &entry), &ours) {
+                Ok(moved) => moved,
+                Err(e) if e.kind == ErrorKind::NotFound => false,
+                Err(e) => return Err(e),
+            };
+            if taken {
                 tracing::info!(
                     tier = tier.name(),
                     from = entry,

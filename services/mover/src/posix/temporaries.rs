@@ -133,7 +133,14 @@ impl PosixTier {
             if name == "." || name == ".." {
                 continue;
             }
-            entries.push((name.to_owned(), entry.file_type()));
+            let mut file_type = entry.file_type();
+            if file_type == rustix::fs::FileType::Unknown {
+                // Filesystems without `d_type` in their listings (some network ones).
+                if let Ok(st) = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+                    file_type = rustix::fs::FileType::from_raw_mode(st.st_mode);
+                }
+            }
+            entries.push((name.to_owned(), file_type));
         }
         drop(listing);
         let join = |name: &str| {
