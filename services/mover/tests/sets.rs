@@ -7,8 +7,8 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 use stagehand_mover::{
-    CancellationToken, CopyOptions, ErrorKind, FileRef, Mover, MoverConfig, PosixTier, Progress,
-    SetCopy, Tier, VerifyMode,
+    CancellationToken, CopyOptions, EngineChoice, ErrorKind, FileRef, Mover, MoverConfig,
+    PosixTier, Progress, SetCopy, Tier, VerifyMode,
 };
 
 fn data(seed: u64, len: usize) -> Vec<u8> {
@@ -97,9 +97,18 @@ async fn a_set_appears_whole_under_its_final_name() {
     let files = source(&src_dir.path().join("lab/v1"), 300);
     let (src, dst, _) = tiers(src_dir.path(), dst_dir.path());
     let mover = Mover::new(MoverConfig::default()).unwrap();
+    let pread = Mover::new(MoverConfig {
+        engine: EngineChoice::Pread,
+        ..MoverConfig::default()
+    })
+    .unwrap();
     let progress = Progress::new();
     let mut seen = Vec::new();
-    for verify in [VerifyMode::HashedInFlight, VerifyMode::ReadBack] {
+    // Each engine once, with each verification mode.
+    for (mover, verify) in [
+        (&mover, VerifyMode::HashedInFlight),
+        (&pread, VerifyMode::ReadBack),
+    ] {
         let prefix = format!("proj/ds/{verify}");
         let report = mover
             .copy_set(
