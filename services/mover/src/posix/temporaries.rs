@@ -14,13 +14,15 @@ use crate::error::{ErrorKind, Side, TransferError};
 use crate::owner::{Liveness, Owner};
 
 impl PosixTier {
-    /// Records that `rel_dir` needs no look for stale temporaries (bounded: past the limit
-    /// directories are simply looked at again).
+    /// Records that `rel_dir` needs no look for stale temporaries. The record is bounded: at
+    /// its limit it starts afresh, so a directory is read again at most once per
+    /// [`SWEPT_LIMIT`] other directories written into.
     pub(super) fn mark_swept(&self, rel_dir: &str) {
         let mut swept = self.inner.swept.lock().unwrap_or_else(|p| p.into_inner());
-        if swept.len() < SWEPT_LIMIT {
-            swept.insert(rel_dir.to_owned());
+        if swept.len() >= SWEPT_LIMIT {
+            swept.clear();
         }
+        swept.insert(rel_dir.to_owned());
     }
 
     /// The first time this tier writes into `rel_dir`, removes the temp files in it whose
@@ -32,9 +34,10 @@ impl PosixTier {
             if swept.contains(rel_dir) {
                 return;
             }
-            if swept.len() < SWEPT_LIMIT {
-                swept.insert(rel_dir.to_owned());
+            if swept.len() >= SWEPT_LIMIT {
+                swept.clear();
             }
+            swept.insert(rel_dir.to_owned());
         }
         match self.sweep_dir(dir, rel_dir, None) {
             Ok(found) => {
