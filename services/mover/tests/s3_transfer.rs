@@ -876,3 +876,25 @@ async fn a_set_on_s3_is_present_only_with_its_completion_marker() {
             .any(|(k, _)| k == &format!("ds/v1/{SET_COMPLETE_MARKER}"))
     );
 }
+
+/// A request the real server refuses (HTTP 403 for a wrong secret) is a permanent problem of
+/// that file, never retried as if the server were down; an unknown key is `NotFound`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_is_permanent() {
+    use stagehand_mover::{ReadLimit, Tier};
+    let good = tier("cold").await;
+    put_raw(&good, "a/obj.bin", b"bytes", None).await;
+    let server = server().await;
+    let mut config = S3Config::new(good.bucket(), good.prefix());
+    config.endpoint = Some(server.endpoint());
+    let refused =
+        Tier::S3(S3Tier::connect_with_keys("cold", config, ACCESS_KEY, "not-the-secret").unwrap());
+    let err = refused
+        .hash_file_bounded("a/obj.bin", ReadLimit::declared(5, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::PermissionDenied, "{err}");
+    assert!(err.detail.contains("403"), "{err}");
+    assert!(!err.is_retryable());
+    assert_eq!(err.path, "a/obj.bin");
+}
