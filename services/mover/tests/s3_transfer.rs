@@ -878,7 +878,7 @@ async fn a_set_on_s3_is_present_only_with_its_completion_marker() {
 }
 
 /// A request the real server refuses (HTTP 403 for a wrong secret) is a permanent problem of
-/// that file, never retried as if the server were down; an unknown key is `NotFound`.
+/// that file, never retried as if the server were down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_request_is_permanent() {
     use stagehand_mover::{ReadLimit, Tier};
