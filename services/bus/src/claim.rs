@@ -36,6 +36,7 @@
 //! the ledger or published. A retryable failure sets the claim `free` with the history; a
 //! dead letter deletes it, so that a replayed copy is worked on afresh.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
@@ -136,6 +137,31 @@ pub(crate) struct Claims {
     /// The key this instance registers itself under, and the revision it last wrote: the
     /// server-clock probe, and how a second process with the same instance id is noticed.
     registration: std::sync::Arc<Mutex<u64>>,
+    /// Deliveries this process is working on, by stream sequence (a count: the server may
+    /// redeliver a message whose first delivery is still being worked on).
+    working: std::sync::Arc<std::sync::Mutex<HashMap<u64, usize>>>,
+}
+
+/// A delivery this process is working on, from its pull until it is acked, retried or
+/// dead-lettered; see [`Claims::working_on`].
+pub(crate) struct Working {
+    sequence: u64,
+    working: std::sync::Arc<std::sync::Mutex<HashMap<u64, usize>>>,
+}
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        let mut w = self
+            .working
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = w.get_mut(&self.sequence) {
+            *n -= 1;
+            if *n == 0 {
+                w.remove(&self.sequence);
+            }
+        }
+    }
 }
 
 fn kv_err(what: impl Into<String>, e: impl std::error::Error + Send + Sync + 'static) -> BusError {
@@ -172,6 +198,7 @@ impl Claims {
             lifetime,
             max_facts_bytes: max_payload.saturating_sub(RECORD_HEADROOM),
             registration: std::sync::Arc::new(Mutex::new(0)),
+            working: std::sync::Arc::default(),
         };
         let rev = claims
             .store
@@ -180,6 +207,30 @@ impl Claims {
             .map_err(|e| kv_err("registering the instance", e))?;
         *claims.registration.lock().await = rev;
         Ok(claims)
+    }
+
+    /// Notes that this process works on the delivery of `sequence` until the guard drops.
+    pub fn working_on(&self, sequence: u64) -> Working {
+        *self
+            .working
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(sequence)
+            .or_insert(0) += 1;
+        Working {
+            sequence,
+            working: self.working.clone(),
+        }
+    }
+
+    /// How many deliveries of `sequence` this process is working on.
+    fn deliveries_in_hand(&self, sequence: u64) -> usize {
+        self.working
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&sequence)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Key of an event's claim. Hex keeps every id a valid key (ids may hold ':' and '..');
@@ -316,11 +367,18 @@ impl Claims {
                         .await;
                 }
                 if mine && held_for == sequence {
-                    // This very delivery is already being worked on in this process (the
-                    // server redelivered it while its handler still runs).
-                    return Ok(Claim::HeldElsewhere {
-                        remaining: self.lifetime,
-                    });
+                    if self.deliveries_in_hand(sequence) > 1 {
+                        // This very message is already being worked on in this process (the
+                        // server redelivered it while its first delivery still runs).
+                        return Ok(Claim::HeldElsewhere {
+                            remaining: self.lifetime,
+                        });
+                    }
+                    // A delivery of this process left the claim behind (releasing it failed):
+                    // nobody is working on it.
+                    return self
+                        .take(&key, entry.revision, sequence, record.attempts)
+                        .await;
                 }
                 let age = self.server_now().await? - entry.created;
                 let promised = lifetime_ms.map_or(self.lifetime, Duration::from_millis);
@@ -382,12 +440,40 @@ impl Claims {
                 lease.revision = revision;
                 Ok(())
             }
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(LeaseError::Lost),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                // An earlier renewal of ours may have gone through with its answer lost (a
+                // failover): then the claim is still ours, at a newer revision.
+                match self.still_ours(lease).await? {
+                    Some(revision) => {
+                        lease.revision = revision;
+                        Ok(())
+                    }
+                    None => Err(LeaseError::Lost),
+                }
+            }
             Err(e) => Err(LeaseError::Unavailable(kv_err(
                 format!("renewing claim {}", lease.key),
                 e,
             ))),
         }
+    }
+
+    /// The claim's current revision if it is still held by this very delivery.
+    async fn still_ours(&self, lease: &Lease) -> Result<Option<u64>, LeaseError> {
+        let entry = self.store.entry(&lease.key).await.map_err(|e| {
+            LeaseError::Unavailable(kv_err(format!("reading claim {}", lease.key), e))
+        })?;
+        Ok(entry.and_then(|e| match decode(&e.value).state {
+            State::Held {
+                instance,
+                boot,
+                sequence,
+                ..
+            } if instance == self.instance && boot == self.boot && sequence == lease.sequence => {
+                Some(e.revision)
+            }
+            _ => None,
+        }))
     }
 
     /// Commits the outcome: compare-and-set from the owned revision to `done` with `facts`.
@@ -420,25 +506,50 @@ impl Claims {
                 e,
             ))
         })?;
-        match self.store.update(&lease.key, value, lease.revision).await {
-            Ok(_) => Ok(Commit::Ours),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                let entry = self.store.entry(&lease.key).await.map_err(|e| {
-                    LeaseError::Unavailable(kv_err(format!("reading claim {}", lease.key), e))
-                })?;
-                match entry.map(|e| decode(&e.value).state) {
-                    Some(State::Done { facts }) => {
-                        Ok(Commit::Theirs(facts.map(|f| {
-                            f.into_iter().map(serde_bytes::ByteBuf::into_vec).collect()
-                        })))
+        let mut revision = lease.revision;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.store.update(&lease.key, value.clone(), revision).await {
+                Ok(_) => return Ok(Commit::Ours),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    let entry = self.store.entry(&lease.key).await.map_err(|e| {
+                        LeaseError::Unavailable(kv_err(format!("reading claim {}", lease.key), e))
+                    })?;
+                    let Some(entry) = entry else {
+                        return Err(LeaseError::Lost);
+                    };
+                    match decode(&entry.value).state {
+                        // Someone's commit, or our own whose answer was lost: the facts in the
+                        // claim are the outcome either way.
+                        State::Done { facts } => {
+                            return Ok(Commit::Theirs(facts.map(|f| {
+                                f.into_iter().map(serde_bytes::ByteBuf::into_vec).collect()
+                            })));
+                        }
+                        // Still ours at a newer revision (a renewal's answer was lost).
+                        State::Held {
+                            instance,
+                            boot,
+                            sequence,
+                            ..
+                        } if instance == self.instance
+                            && boot == self.boot
+                            && sequence == lease.sequence
+                            && tries < 3 =>
+                        {
+                            revision = entry.revision;
+                        }
+                        _ => return Err(LeaseError::Lost),
                     }
-                    _ => Err(LeaseError::Lost),
+                }
+                Err(e) => {
+                    return Err(LeaseError::Unavailable(kv_err(
+                        format!("committing claim {}", lease.key),
+                        e,
+                    )));
                 }
             }
-            Err(e) => Err(LeaseError::Unavailable(kv_err(
-                format!("committing claim {}", lease.key),
-                e,
-            ))),
         }
     }
 

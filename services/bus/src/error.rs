@@ -16,9 +16,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub enum BusErrorKind {
     /// NATS could not be reached in time (down, timed out, DNS, I/O).
     Connect,
-    /// The server refused the connection: credentials, authorization, TLS or a server URL
-    /// that does not parse. Retrying unchanged fails again.
-    ConnectRefused,
+    /// The server refused the credentials (a wrong password, an unknown key, an authorization
+    /// violation), or the TLS setup or a server URL is wrong. Retrying unchanged fails again.
+    Unauthorized,
     /// A configuration value is invalid.
     Config,
     /// Creating or updating a stream, consumer or bucket failed.
@@ -52,9 +52,11 @@ impl BusErrorKind {
             | BusErrorKind::Publish
             | BusErrorKind::Consume
             | BusErrorKind::Claim
-            // A supervisor restarting the service is the retry for a fatal handler error.
-            | BusErrorKind::HandlerFatal => true,
-            BusErrorKind::ConnectRefused
+            // A supervisor restarting the service is the retry for a fatal handler error and
+            // for a ledger that could not be reopened: the restart reopens it.
+            | BusErrorKind::HandlerFatal
+            | BusErrorKind::Ledger(crate::ledger::LedgerErrorKind::Failed) => true,
+            BusErrorKind::Unauthorized
             | BusErrorKind::Config
             | BusErrorKind::RetentionMismatch
             | BusErrorKind::Encode
@@ -69,6 +71,8 @@ pub struct BusError {
     kind: BusErrorKind,
     what: String,
     source: Option<BoxError>,
+    /// For a configuration error: the key and what is wrong with it.
+    config: Option<(String, String)>,
 }
 
 impl BusError {
@@ -78,6 +82,7 @@ impl BusError {
             kind,
             what: what.into(),
             source: None,
+            config: None,
         }
     }
 
@@ -91,15 +96,26 @@ impl BusError {
             kind,
             what: what.into(),
             source: Some(source.into()),
+            config: None,
         }
     }
 
     /// An invalid configuration value: names the key and what is wrong with it.
     pub fn config(key: &str, reason: impl fmt::Display) -> Self {
-        Self::new(
-            BusErrorKind::Config,
-            format!("bus configuration is invalid: {key}: {reason}"),
-        )
+        let reason = reason.to_string();
+        Self {
+            config: Some((key.to_owned(), reason.clone())),
+            ..Self::new(
+                BusErrorKind::Config,
+                format!("bus configuration is invalid: {key}: {reason}"),
+            )
+        }
+    }
+
+    /// For a configuration error, the key (`replicas`, `concurrency`, …) and what is wrong
+    /// with it, so that a caller can name the key in its own file.
+    pub fn config_key(&self) -> Option<(&str, &str)> {
+        self.config.as_ref().map(|(k, r)| (k.as_str(), r.as_str()))
     }
 
     pub fn kind(&self) -> BusErrorKind {
@@ -277,5 +293,9 @@ mod tests {
         assert_eq!(e.kind(), BusErrorKind::Config);
         assert!(!e.is_retryable());
         assert!(e.to_string().contains("concurrency"));
+        assert_eq!(
+            e.config_key(),
+            Some(("concurrency", "0 is not in 1..=10000"))
+        );
     }
 }

@@ -346,3 +346,61 @@ async fn a_second_worker_with_the_same_instance_id_stops_the_first() {
     assert!(err.to_string().contains("\"twin\""), "{err}");
     stop(second).await;
 }
+
+/// Fails its first call after rewriting its own claim (the same value, a new revision), so
+/// that the runtime's release of the claim finds another revision and fails — as it does when
+/// the release is lost to a server failover.
+struct LosesItsRelease {
+    kv: async_nats::jetstream::kv::Store,
+    calls: AtomicU32,
+}
+
+impl Handler for LosesItsRelease {
+    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            let key = format!("svc.{}.{}", event.project, hex_of(event.id.as_str()));
+            let held = self.kv.get(&key).await.unwrap().unwrap();
+            self.kv.put(&key, held).await.unwrap();
+            return Err(HandlerError::retryable("tier offline"));
+        }
+        Ok(vec![ready_fact(event)])
+    }
+}
+
+/// Regression: a claim this very process left held (its release was lost) made every later
+/// delivery of the message wait a claim lifetime, again and again, because the claim named
+/// this process. Nobody here works on it, so the redelivery takes it over at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_this_process_left_behind_is_taken_over_on_redelivery() {
+    let env = Env::start().await;
+    let kv = env
+        .bus
+        .jetstream()
+        .get_key_value(CLAIMS_BUCKET)
+        .await
+        .unwrap();
+    let handler = Arc::new(LosesItsRelease {
+        kv,
+        calls: AtomicU32::new(0),
+    });
+    let mut cfg = instance(&env, "a");
+    cfg.claim_lifetime = Some(Duration::from_secs(60));
+    let worker = spawn(&env, cfg, handler.clone());
+    env.bus
+        .publish(&stage_request("left-behind"))
+        .await
+        .unwrap();
+    // Well within the claim lifetime: no waiting it out.
+    wait_until(Duration::from_secs(20), "the fact", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    let stats = stop(worker).await;
+    assert_eq!(handler.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        (stats.retried, stats.deferred, stats.handled),
+        (1, 0, 1),
+        "{stats:?}"
+    );
+}

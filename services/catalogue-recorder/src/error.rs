@@ -53,12 +53,18 @@ pub enum RecorderError {
     /// NATS or JetStream refused or failed an operation; `what` says which.
     #[error("{what}: {detail}")]
     Nats { what: &'static str, detail: String },
-    /// The worker runtime failed; its kind says whether restarting can help.
-    #[error("catalogue worker: {0}")]
-    Worker(#[from] stagehand_bus::BusError),
+    /// The runtime or the connection failed; its kind says whether retrying can help.
+    #[error(transparent)]
+    Bus(#[from] stagehand_bus::BusError),
+    /// One of the recorder's tasks (facts, dead letters, queries) failed.
+    #[error(transparent)]
+    Task(#[from] stagehand_bus::runner::TaskError),
+    /// The service runner could not run the recorder (configuration, telemetry, metrics).
+    #[error(transparent)]
+    Runner(#[from] stagehand_bus::runner::RunError),
     /// A blocking task of the recorder (store access) panicked or was cancelled.
     #[error("catalogue store task: {0}")]
-    Task(#[from] tokio::task::JoinError),
+    Blocking(#[from] tokio::task::JoinError),
     /// A readiness entry could not be encoded.
     #[error("encoding readiness: {0}")]
     Encode(#[from] serde_json::Error),
@@ -76,8 +82,18 @@ impl RecorderError {
         match self {
             RecorderError::Store(e) => e.is_retryable(),
             RecorderError::Nats { .. } => true,
-            RecorderError::Worker(e) => e.is_retryable(),
-            RecorderError::Task(_) | RecorderError::Encode(_) => false,
+            RecorderError::Bus(e) => e.is_retryable(),
+            RecorderError::Task(e) => {
+                if let Some(bus) = e.source.downcast_ref::<stagehand_bus::BusError>() {
+                    bus.is_retryable()
+                } else if let Some(own) = e.source.downcast_ref::<RecorderError>() {
+                    own.is_retryable()
+                } else {
+                    true
+                }
+            }
+            RecorderError::Runner(e) => e.exit_code() != stagehand_bus::runner::EXIT_CONFIG,
+            RecorderError::Blocking(_) | RecorderError::Encode(_) => false,
         }
     }
 }

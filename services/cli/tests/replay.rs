@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use stagehand::dlq;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, run_worker};
-use stagehand_ingest_validator::{Config, IngestValidator, SERVICE};
+use stagehand_ingest_validator::{IngestValidator, SERVICE, Settings};
 use stagehand_mover::Tier;
 use stagehand_mover::s3::{S3Config, S3Tier};
 use stagehand_policy::{Policies, TierRole};
@@ -86,7 +86,7 @@ async fn a_request_dead_lettered_while_its_tier_was_unreachable_is_validated_aft
 
     let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
     bus.provision().await.unwrap();
-    let mut cfg = Config::new(nats.url(), &policies_dir, tmp.path().join("state")).worker_config();
+    let mut cfg = Settings::new(&policies_dir, tmp.path().join("state")).worker_config();
     cfg.max_attempts = 2;
     cfg.retry.initial = Duration::from_millis(100);
     let shutdown = CancellationToken::new();

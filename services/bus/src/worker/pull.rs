@@ -164,6 +164,11 @@ async fn process<H: Handler>(
         warn!(subject = %msg.subject, "message without JetStream metadata; ignoring");
         return;
     };
+    // Held until this delivery is acked, retried or dead-lettered (or abandoned).
+    let _working = shared
+        .claims
+        .as_ref()
+        .map(|c| c.working_on(info.stream_sequence));
     let msg = Arc::new(msg);
     let parent = extract_context(msg.headers.as_ref());
     let replay_of = msg
