@@ -302,12 +302,16 @@ impl Claims {
         }
     }
 
+    /// The timestamp of the registration written at revision `rev` (or of a later write of
+    /// the key, which is later still). Read as the key's last entry: that direct get is what
+    /// `deploy/nats/accounts.conf` grants a service on its own keys, reads by revision are not.
     async fn server_now_at(&self, key: &str, rev: u64) -> Result<OffsetDateTime, BusError> {
         let entry = self
             .store
-            .entry_for_revision(key, rev)
+            .entry(key)
             .await
             .map_err(|e| kv_err("probing the server clock", e))?
+            .filter(|e| e.revision >= rev)
             .ok_or_else(|| BusError::new(BusErrorKind::Claim, "the server-clock probe vanished"))?;
         Ok(entry.created)
     }
