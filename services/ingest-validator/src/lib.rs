@@ -1,16 +1,56 @@
 //! The ingest validator: reads every byte of every upload and says whether it is what its
-//! manifest claims.
+//! manifest claims, at any dataset size.
 //!
-//! For each `ingest.requested` it checks each manifest entry against the path rules and the
-//! validation policy (`policies/validation.toml`), reads and hashes every file on the source
-//! tier (concurrently, with a bound), and publishes one fact: `dataset.validated` with the
-//! version digest, or `dataset.rejected` listing *every* problem with its path and a stable
-//! code. A rejected upload is never deleted: a marker naming the request and its problems is
-//! written beneath the source tier at `.stagehand/quarantine/<project>/<request-id>.json`, and
-//! the rejection's `quarantine` field says where.
+//! For each `ingest.requested` it publishes one fact: `dataset.validated` or
+//! `dataset.rejected`. In order:
 //!
-//! Problems with the data are answers (a rejection); a tier that cannot be reached is not an
-//! answer, and the request is retried later with backoff by the worker runtime.
+//! 1. **The request** ([`check::request_problems`]): the source tier is declared with role
+//!    `source`; the source prefix is a confined relative path *beneath the project's own
+//!    prefix* `<project>/` (else `outside_project`: no request names, hashes or validates
+//!    another project's files); the declared entry count and byte total are within the
+//!    policy's `max_entries` and `max_total_bytes`. A problem here rejects the request before
+//!    its manifest is opened or any file read. An event carrying both inline `files` and a
+//!    `manifest` reference is rejected too (`manifest_malformed`).
+//! 2. **The manifest**, opened through `stagehand-manifest` (the one manifest reader): inline
+//!    entries, or the object the reference names in the project's upload bucket, fetched to a
+//!    local spool and verified (digest, counts, canonical lines) before any entry is used. An
+//!    object whose bytes are not its digest is `manifest_mismatch`; one that is not canonical
+//!    lines is `manifest_malformed` (naming the line). A missing object or bucket is not an
+//!    answer: the request is retried with backoff and dead-lettered with the reason when its
+//!    deliveries run out.
+//! 3. **Every entry, streamed** ([`validate`]): entries arrive in path order a chunk at a time
+//!    and are judged as they pass (path rules, duplicates — adjacent in path order —, hash
+//!    form, size and suffix rules; [`check::EntryChecks`]). Those worth reading are read on
+//!    the source tier, up to `read_concurrency` at once across files, so both cores hash
+//!    whether the files are large or small. Each read is bounded ([`source`]): a confined
+//!    stat (or S3 HEAD) first, so a missing path, a FIFO, socket, device or directory
+//!    (`not_a_file`, without blocking), a size other than the declared one or over
+//!    `max_file_size` is found without reading a byte; a path too long for the tier is that
+//!    file's `path_rule`. Memory does not grow with the file count: no list of entries or set
+//!    of paths is kept, only a bounded window of entries in flight.
+//! 4. **Progress**: about once a second a `WorkProgress` (files and bytes done of the total,
+//!    phase `hashing`, an estimate of the time left) on core NATS at
+//!    `progress_subject("ingest.requested", project, request id)`, for `stagehand ingest
+//!    --wait`; progress acks keep the message while it is worked on.
+//! 5. **The verdict.** Valid: the verified manifest is stored in the services' manifest
+//!    bucket (unless it fits inline in the event) and `dataset.validated` carries the
+//!    reference (or the files) and `version` = the digest *measured* over what was read.
+//!    Rejected: every problem, as it is found, goes into a bounded tally (the first that fit
+//!    the event, a count per code, the total: `problems`, `problem_counts`, `problems_total`)
+//!    and into a JSON-lines quarantine report spooled on local disk and then put with the
+//!    mover beside the upload at `.stagehand/quarantine/<project>/<request-id>.jsonl` on the
+//!    source tier ([`report`]); `quarantine` points at it. No event exceeds
+//!    `wire::MAX_EVENT_BYTES` whatever the dataset. A rejected upload is never moved or
+//!    deleted.
+//!
+//! Problems with the data are answers (a rejection); a tier or a manifest that cannot be
+//! reached is not an answer, and the request is retried later with backoff by the worker
+//! runtime.
+//!
+//! The handler ([`IngestValidator`]) is built from the opened tiers ([`SourceChecks`], no
+//! connection needed, so a policy or tier mistake fails at start) and a JetStream context
+//! (`IngestValidator::new(checks, bus.jetstream().clone(), options)`), through which it reads
+//! and writes manifests and publishes progress.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), stagehand_ingest_validator::ValidatorError> {
@@ -22,6 +62,7 @@
 
 pub mod check;
 mod handler;
+pub mod report;
 pub mod source;
 pub mod validate;
 
@@ -37,7 +78,10 @@ use stagehand_mover::TransferError;
 use stagehand_policy::{Policies, PolicyError};
 use stagehand_schemas::subject;
 
-pub use handler::{IngestValidator, STEP_REJECTED, STEP_VALIDATED, marker_path};
+pub use handler::{
+    IngestValidator, PHASE_HASHING, STEP_REJECTED, STEP_VALIDATED, SourceChecks, ValidatorOptions,
+};
+pub use report::report_path;
 
 /// The service name: its durable consumer, its dead-letter subject, its ledger file.
 pub const SERVICE: &str = "ingest-validator";
@@ -58,6 +102,10 @@ pub struct Config {
     /// Files read and hashed at once within one request.
     #[serde(default = "defaults::read_concurrency")]
     pub read_concurrency: usize,
+    /// A local directory for manifests too large for memory (about 100 bytes per file) and
+    /// quarantine reports while they are written; the state directory when not set.
+    #[serde(default)]
+    pub spool_dir: Option<PathBuf>,
     /// Deliveries of a request before it is dead-lettered (a tier down that long).
     #[serde(default = "defaults::max_deliver")]
     pub max_deliver: i64,
@@ -98,6 +146,7 @@ impl Config {
             state_dir: state_dir.into(),
             concurrency: defaults::concurrency(),
             read_concurrency: defaults::read_concurrency(),
+            spool_dir: None,
             max_deliver: defaults::max_deliver(),
             ack_wait: defaults::ack_wait(),
         }
@@ -116,6 +165,15 @@ impl Config {
         cfg.max_deliver = self.max_deliver;
         cfg.ack_wait = self.ack_wait;
         cfg
+    }
+
+    /// The handler's options: read concurrency, spool (the state directory unless
+    /// `spool_dir` is set), manifest bucket replicas (the bus's).
+    pub fn options(&self) -> ValidatorOptions {
+        let mut options = ValidatorOptions::new(self.spool_dir.as_ref().unwrap_or(&self.state_dir));
+        options.read.concurrency = self.read_concurrency.max(1);
+        options.replicas = self.bus.replicas;
+        options
     }
 }
 
@@ -138,6 +196,12 @@ pub enum ValidatorError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot prepare the spool directory {}: {source}", path.display())]
+    Spool {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Bus(#[from] BusError),
 }
@@ -146,7 +210,9 @@ impl ValidatorError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
     pub fn is_retryable(&self) -> bool {
         match self {
-            ValidatorError::Policy(_) | ValidatorError::StateDir { .. } => false,
+            ValidatorError::Policy(_)
+            | ValidatorError::StateDir { .. }
+            | ValidatorError::Spool { .. } => false,
             ValidatorError::Tier { source, .. } => source.is_retryable(),
             ValidatorError::Bus(e) => e.is_retryable(),
         }
@@ -161,13 +227,14 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, ValidatorError> {
     let policies = Policies::load_dir(&config.policies_dir)?;
-    let handler = IngestValidator::open(&policies, config.read_concurrency)?;
+    let checks = SourceChecks::open(&policies)?;
     std::fs::create_dir_all(&config.state_dir).map_err(|source| ValidatorError::StateDir {
         path: config.state_dir.clone(),
         source,
     })?;
     let bus = Bus::connect(&config.bus).await?;
     bus.provision().await?;
+    let handler = IngestValidator::new(checks, bus.jetstream().clone(), config.options())?;
     tracing::info!(
         policies = %config.policies_dir.display(),
         source_tiers = ?policies.tiers().values().filter(|t| t.role == stagehand_policy::TierRole::Source).map(|t| t.location()).collect::<Vec<_>>(),
