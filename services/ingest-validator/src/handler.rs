@@ -401,7 +401,10 @@ impl<S: SourceFiles + 'static> Handler for IngestValidator<S> {
         let subject = progress_subject(KIND, &event.project, &event.id);
         let client = self.js.client();
         let mut last_ack = tokio::time::Instant::now();
-        self.decide(event, |status| {
+        // Boxed: the whole validation is one heap future, so the runtime's per-message future
+        // stays shallow (its layout is otherwise nested too deep for the compiler's query
+        // limit in release builds).
+        Box::pin(self.decide(event, |status| {
             let ack = last_ack.elapsed() >= ACK_EVERY;
             if ack {
                 last_ack = tokio::time::Instant::now();
@@ -430,7 +433,7 @@ impl<S: SourceFiles + 'static> Handler for IngestValidator<S> {
                     warn!(error = %e, "progress ack failed");
                 }
             }
-        })
+        }))
         .await
     }
 }
