@@ -71,8 +71,8 @@ fn write_policies(dir: &Path, source_root: &Path) -> anyhow::Result<()> {
 /// The child: the validator alone in this process until SIGTERM.
 async fn serve(url: String, work: &Path, read_concurrency: usize) -> anyhow::Result<()> {
     let mut config =
-        stagehand_ingest_validator::Config::new(url, work.join("policies"), work.join("state"));
-    config.read_concurrency = read_concurrency;
+        stagehand_ingest_validator::config(&url, work.join("policies"), work.join("state"));
+    config.service.read_concurrency = read_concurrency;
     let shutdown = CancellationToken::new();
     let on_term = shutdown.clone();
     tokio::spawn(async move {

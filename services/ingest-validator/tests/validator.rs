@@ -17,7 +17,7 @@ use stagehand_bus::{Bus, BusConfig, CancellationToken, run_worker};
 use stagehand_ingest_validator::report::SpooledReport;
 use stagehand_ingest_validator::source::{ReadLimit, SourceFiles};
 use stagehand_ingest_validator::{
-    Config, IngestValidator, SERVICE, SourceChecks, ValidatorOptions, report_path, run,
+    IngestValidator, SERVICE, Settings, SourceChecks, ValidatorOptions, config, report_path, run,
 };
 use stagehand_manifest::{BucketOptions, ManifestStore};
 use stagehand_mover::s3::{S3Config, S3Tier};
@@ -658,7 +658,7 @@ async fn an_s3_source_tier_is_read_and_reported_too() {
     let js = bus.jetstream().clone();
     let state = tmp.path().join("state");
     let handler = IngestValidator::new(checks, js.clone(), ValidatorOptions::new(&state)).unwrap();
-    let cfg = Config::new(nats.url(), &policies_dir, &state).worker_config();
+    let cfg = Settings::new(&policies_dir, &state).worker_config();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run_worker(
         bus.clone(),
@@ -725,7 +725,7 @@ async fn a_wrong_policy_stops_the_service_at_start_naming_file_and_key() {
     )
     .unwrap();
     // No server is needed: the policies are checked before connecting.
-    let config = Config::new("nats://127.0.0.1:1", &policies, tmp.path().join("state"));
+    let config = config("nats://127.0.0.1:1", &policies, tmp.path().join("state"));
     let err = run(config, CancellationToken::new()).await.unwrap_err();
     let text = err.to_string();
     assert!(
@@ -754,7 +754,7 @@ async fn an_unreachable_tier_is_retried_with_backoff_not_rejected() {
     let js = bus.jetstream().clone();
     let state = tmp.path().join("state");
     let handler = IngestValidator::new(checks, js.clone(), ValidatorOptions::new(&state)).unwrap();
-    let mut cfg = Config::new(nats.url(), &policies_dir, &state).worker_config();
+    let mut cfg = Settings::new(&policies_dir, &state).worker_config();
     cfg.retry.initial = Duration::from_millis(100);
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run_worker(

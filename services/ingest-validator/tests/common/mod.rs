@@ -13,7 +13,7 @@ use futures::StreamExt;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, WorkerConfig, WorkerStats, run_worker};
 use stagehand_ingest_validator::source::SourceFiles;
 use stagehand_ingest_validator::{
-    Config, IngestValidator, SERVICE, SourceChecks, ValidatorOptions, run,
+    Config, IngestValidator, SERVICE, Settings, SourceChecks, ValidatorOptions, config, run,
 };
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_policy::{Policies, TierRole};
@@ -71,8 +71,8 @@ impl Harness {
     /// The validator as the service runs it, with `tweak` applied to its configuration.
     pub async fn start_with(tweak: impl FnOnce(&mut Config)) -> Harness {
         let (nats, tmp, source_root, policies_dir) = Self::prepare();
-        let mut config = Config::new(nats.url(), &policies_dir, tmp.path().join("state"));
-        config.read_concurrency = 4;
+        let mut config = config(&nats.url(), &policies_dir, tmp.path().join("state"));
+        config.service.read_concurrency = 4;
         tweak(&mut config);
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(run(config, shutdown.clone()));
@@ -104,7 +104,7 @@ impl Harness {
             ValidatorOptions::new(&state),
         )
         .unwrap();
-        let mut cfg = Config::new(nats.url(), &policies_dir, &state).worker_config();
+        let mut cfg = Settings::new(&policies_dir, &state).worker_config();
         tweak(&mut cfg);
         let shutdown = CancellationToken::new();
         let worker = tokio::spawn(run_worker(bus, cfg, Arc::new(handler), shutdown.clone()));
