@@ -321,10 +321,16 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
                 manifest.digest()
             )));
         }
-        let store = self.catalogue().await.map_err(HandlerError::retryable)?;
-        let (files, reference) = inline_or_stored(&manifest, store)
-            .await
-            .map_err(HandlerError::retryable)?;
+        // A manifest that travels inline needs no bucket (nor the rights to one).
+        let (files, reference) = match manifest.inline_entries().map_err(HandlerError::retryable)? {
+            Some(files) => (files, None),
+            None => {
+                let store = self.catalogue().await.map_err(HandlerError::retryable)?;
+                inline_or_stored(&manifest, store)
+                    .await
+                    .map_err(HandlerError::retryable)?
+            }
+        };
         info!(event_id = %event.id, dataset = %request.dataset, version = %measured.digest, files = measured.files, bytes = measured.bytes, by_reference = reference.is_some(), "validated");
         Ok(vec![event.caused(
             STEP_VALIDATED,
