@@ -25,7 +25,7 @@ use crate::ValidatorError;
 use crate::check::{self, Declared, SourceTier};
 use crate::report::{Findings, ReportHeader, SpooledReport, report_path};
 use crate::source::SourceFiles;
-use crate::validate::{ReadOptions, ReadProgress, ValidateError, validate};
+use crate::validate::{ReadOptions, ReadProgress, validate};
 
 /// The fact-id steps (see `stagehand_schemas::id`).
 pub const STEP_VALIDATED: &str = "validated";
@@ -304,10 +304,7 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
         .await
         .map_err(|e| {
             warn!(event_id = %event.id, error = %e, "reading failed; the request will be retried");
-            match e {
-                ValidateError::Tier(e) => HandlerError::retryable(e),
-                other => HandlerError::retryable(other),
-            }
+            HandlerError::retryable(e)
         })?;
         if !findings.is_empty() {
             return self.reject(event, request, Some(source), findings).await;
