@@ -237,7 +237,7 @@ impl<'a> EntryChecks<'a> {
 /// What reading one file on the source tier showed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observed {
-    /// Read to the end (at most one byte past its declared size): its size and hash.
+    /// Read to the end (never more than one byte past its declared size): its size and hash.
     Digest(FileDigest),
     /// Its size, found before reading, is not the declared one: not read. The detail says
     /// both sizes.
@@ -247,8 +247,8 @@ pub enum Observed {
     /// Nothing at that path.
     Missing,
     /// Something other than a regular file (a directory, FIFO, socket or device), found
-    /// without opening it for reading.
-    NotAFile,
+    /// without reading from it. The detail says what it is.
+    NotAFile(String),
     /// A symlink on the way, or a path that leaves the tier root. The detail says which.
     Escapes(String),
     /// The prefix and path joined are longer than the tier takes (PATH_MAX on posix, 1024
@@ -313,11 +313,7 @@ pub fn compare(file: &FileRef, observed: &Observed, policy: &ValidationPolicy) -
             shown,
             "no file at this path on the source tier",
         )],
-        Observed::NotAFile => vec![problem(
-            code::NOT_A_FILE,
-            shown,
-            "not a regular file (a directory, FIFO, socket or device is at this path); not read",
-        )],
+        Observed::NotAFile(detail) => vec![problem(code::NOT_A_FILE, shown, detail.clone())],
         Observed::Escapes(detail) => vec![problem(
             code::SYMLINK_ESCAPE,
             shown,
@@ -546,7 +542,7 @@ mod tests {
             (Observed::SizeDiffers("4 bytes".into()), "size_mismatch"),
             (Observed::TooLarge("2 GiB".into()), "too_large"),
             (Observed::Missing, "missing"),
-            (Observed::NotAFile, "not_a_file"),
+            (Observed::NotAFile("a FIFO".into()), "not_a_file"),
             (Observed::Escapes("ELOOP".into()), "symlink_escape"),
             (Observed::PathTooLong("4100 bytes".into()), "path_rule"),
             (Observed::Unreadable("EACCES".into()), "unreadable"),

@@ -13,7 +13,7 @@ use stagehand_manifest::{
     BucketOptions, ManifestError, ManifestErrorKind, ManifestSource, ManifestStore, Spool,
     inline_or_stored,
 };
-use stagehand_mover::{EngineChoice, Mover, MoverConfig, Tier};
+use stagehand_mover::{EngineChoice, Mover, MoverConfig, SweepOptions, Tier};
 use stagehand_policy::{Policies, TierRole, ValidationPolicy};
 use stagehand_schemas::problem::code;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 
 use crate::ValidatorError;
 use crate::check::{self, Declared, SourceTier};
-use crate::report::{Findings, ReportHeader, SpooledReport, report_path};
+use crate::report::{Findings, QUARANTINE_DIR, ReportHeader, SpooledReport, report_path};
 use crate::source::SourceFiles;
 use crate::validate::{ReadOptions, ReadProgress, validate};
 
@@ -51,16 +51,25 @@ pub struct SourceChecks<S = Tier> {
 }
 
 impl SourceChecks<Tier> {
-    /// Opens every source tier the policies declare.
+    /// Opens every source tier the policies declare, and removes from each posix one the
+    /// temporaries of report copies a killed run left (only those whose writer is provably
+    /// dead; see `PosixTier::sweep_stale`).
     pub fn open(policies: &Policies) -> Result<Self, ValidatorError> {
         let mut tiers = HashMap::new();
         for (name, tier) in policies.tiers() {
             let opened = if tier.role == TierRole::Source {
-                Some(tier.open().map_err(|source| ValidatorError::Tier {
+                let opened = tier.open().map_err(|source| ValidatorError::Tier {
                     tier: name.clone(),
                     location: tier.location(),
                     source: Box::new(source),
-                })?)
+                })?;
+                if let Tier::Posix(posix) = &opened
+                    && let Err(e) = posix.sweep_stale(QUARANTINE_DIR, SweepOptions::default())
+                {
+                    // Garbage left for the next start is no reason not to validate.
+                    warn!(tier = %name, error = %e, "cannot sweep stale report temporaries");
+                }
+                Some(opened)
             } else {
                 None
             };

@@ -22,12 +22,14 @@
 //!    and are judged as they pass (path rules, duplicates — adjacent in path order —, hash
 //!    form, size and suffix rules; [`check::EntryChecks`]). Those worth reading are read on
 //!    the source tier, up to `read_concurrency` at once across files, so both cores hash
-//!    whether the files are large or small. Each read is bounded ([`source`]): a confined
-//!    stat (or S3 HEAD) first, so a missing path, a FIFO, socket, device or directory
-//!    (`not_a_file`, without blocking), a size other than the declared one or over
-//!    `max_file_size` is found without reading a byte; a path too long for the tier is that
-//!    file's `path_rule`. Memory does not grow with the file count: no list of entries or set
-//!    of paths is kept, only a bounded window of entries in flight.
+//!    whether the files are large or small. Each read is bounded by the mover
+//!    (`Tier::hash_file_bounded`, [`source`]): a FIFO, socket, device or directory is
+//!    `not_a_file` without blocking, a size other than the declared one or over
+//!    `max_file_size` is found from `fstat` or the GET's `Content-Length` before any byte is
+//!    read, and no file is read past its declared size + 1 byte; a path too long for the tier
+//!    and an object store's 4xx about one object are that file's problems, not a retry.
+//!    Memory does not grow with the file count: no list of entries or set of paths is kept,
+//!    only a bounded window of entries in flight.
 //! 4. **Progress**: about once a second a `WorkProgress` (files and bytes done of the total,
 //!    phase `hashing`, an estimate of the time left) on core NATS at
 //!    `progress_subject("ingest.requested", project, request id)`, for `stagehand ingest

@@ -28,9 +28,12 @@ use stagehand_mover::{PosixTier, Tier};
 use stagehand_schemas::problem::ProblemTally;
 use stagehand_schemas::{EventId, FileRef, Location, Problem};
 
+/// The folder beneath a source tier's root that holds the validator's reports.
+pub const QUARANTINE_DIR: &str = ".stagehand/quarantine";
+
 /// Where a rejected request's report goes, beneath the source tier root.
 pub fn report_path(project: &str, request: &EventId) -> String {
-    format!(".stagehand/quarantine/{project}/{request}.jsonl")
+    format!("{QUARANTINE_DIR}/{project}/{request}.jsonl")
 }
 
 /// The request a report is about: its first line.

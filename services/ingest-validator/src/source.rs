@@ -4,62 +4,30 @@
 //! [`ReadLimit`], and put a spooled report on the tier. The real implementation is the
 //! mover's [`Tier`] (posix confined with `openat2`, or S3); tests may use a fake.
 //!
-//! Reads are bounded before any byte is read: a confined `stat` (an `O_PATH` open, which
-//! never blocks, even on a FIFO) or an S3 HEAD tells a missing path, something that is not a
-//! regular file, and a size other than the declared one or over the policy's maximum, and
-//! only a regular file of exactly the declared size is then opened and hashed. A joined
-//! prefix and path longer than the tier takes (PATH_MAX on posix, 1024 bytes for an S3 key)
-//! is that file's problem, found before any request is made.
+//! Reads are bounded by the mover ([`Tier::hash_file_bounded`]) before any byte is read: a
+//! FIFO, socket, device or directory is found without blocking (`O_NONBLOCK` open, `fstat`),
+//! a size other than the declared one or over the policy's maximum from `fstat` or the GET's
+//! `Content-Length`, and no more than the declared size + 1 byte is ever read. Every such
+//! answer, and an object store's 4xx about one object, is that file's problem, never a retry
+//! of the whole request. A joined prefix and path longer than the tier takes (PATH_MAX on
+//! posix, 1024 bytes for an S3 key) is found before any request and reported as `path_rule`.
 
 use std::future::Future;
 
-use stagehand_mover::{CopyOptions, ErrorKind, Mover, Priority, Side, Tier, TransferError};
+use stagehand_mover::{
+    CopyOptions, ErrorKind, Mover, Priority, ReadLimit, Side, Tier, TransferError,
+};
 
 use crate::check::Observed;
 use crate::report::SpooledReport;
 
-/// Linux `PATH_MAX`, counting the terminating NUL: a path handed to a system call holds at
-/// most one byte less.
-pub const PATH_MAX: usize = 4096;
-
-/// The longest S3 object key, in bytes.
-pub const MAX_S3_KEY_BYTES: usize = 1024;
-
-/// Bounds on reading one manifest entry: the size its manifest declares and the policy's
-/// largest file. A file of another size, or a larger one, is judged from its metadata and
-/// never read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReadLimit {
-    /// The size the manifest declares.
-    pub declared_size: u64,
-    /// The policy's `max_file_size`.
-    pub max_size: u64,
-}
-
-impl ReadLimit {
-    /// What a size found before reading says: `None` when the file is to be read.
-    pub fn judge_size(&self, found: u64) -> Option<Observed> {
-        if found > self.max_size {
-            return Some(Observed::TooLarge(format!(
-                "the file holds {found} bytes, over the limit of {} (validation.max_file_size); not read",
-                self.max_size
-            )));
-        }
-        (found != self.declared_size).then(|| {
-            Observed::SizeDiffers(format!(
-                "declared {} bytes, found {found}; not read",
-                self.declared_size
-            ))
-        })
-    }
-}
-
 /// A source tier as the validator uses it.
 pub trait SourceFiles: Send + Sync {
-    /// Observes the file at the tier-relative path `rel` within `limit`: its metadata first,
-    /// then, for a regular file of the declared size, every byte hashed. Data problems
-    /// (absent, not a file, wrong size, a symlink, no permission) are an [`Observed`] value;
-    /// `Err` is left for failures a retry can fix (tier unreachable, I/O error).
+    /// Observes the file at the tier-relative path `rel` within `limit` (the declared size
+    /// and the policy's `max_file_size`): its metadata first, then, for a regular file of the
+    /// declared size, every byte hashed. Data problems (absent, not a file, wrong size, a
+    /// symlink, no permission, an object the store refuses) are an [`Observed`] value; `Err`
+    /// is left for failures a retry can fix (tier unreachable, I/O error).
     fn observe(
         &self,
         rel: &str,
@@ -83,82 +51,43 @@ pub trait SourceFiles: Send + Sync {
 pub fn classify(err: TransferError) -> Result<Observed, TransferError> {
     match err.kind {
         ErrorKind::NotFound => Ok(Observed::Missing),
-        ErrorKind::NotAFile => Ok(Observed::NotAFile),
+        ErrorKind::NotAFile => Ok(Observed::NotAFile(err.detail)),
+        ErrorKind::SizeMismatch => Ok(Observed::SizeDiffers(err.detail)),
+        ErrorKind::TooLarge => Ok(Observed::TooLarge(err.detail)),
         ErrorKind::PathRefused => Ok(Observed::Escapes(err.detail)),
         ErrorKind::PermissionDenied => Ok(Observed::Unreadable(err.detail)),
         _ if err.is_retryable() => Err(err),
-        // Anything else permanent about one file is still about the data, not the service.
+        // Anything else permanent about one file (an object the store refuses) is still about
+        // the data, not the service.
         _ => Ok(Observed::Unreadable(err.to_string())),
     }
 }
 
-/// Why `rel` cannot name a file on `tier` at all: longer than its system calls or keys take.
+/// Whether `rel` is too long to name a file on `tier` at all. `rel` is a prefix and a path
+/// that each passed the path rules, so what the tier's own lexical check still refuses is the
+/// length of the two together (PATH_MAX, an S3 key's 1024 bytes): reported as a path rule,
+/// where the same refusal from a confined open would mean a symlink.
 fn too_long_for(tier: &Tier, rel: &str) -> Option<Observed> {
-    match tier {
-        Tier::Posix(_) if rel.len() >= PATH_MAX => Some(Observed::PathTooLong(format!(
-            "the source prefix and this path together are {} bytes, over the {} a path on a posix tier may hold (PATH_MAX)",
-            rel.len(),
-            PATH_MAX - 1
-        ))),
-        Tier::Posix(_) => None,
-        Tier::S3(s3) => {
-            let key = s3.key_for(rel, Side::Source).ok()?;
-            (key.len() > MAX_S3_KEY_BYTES).then(|| {
-                Observed::PathTooLong(format!(
-                    "the object key for this path is {} bytes, over the {MAX_S3_KEY_BYTES} an S3 key may hold",
-                    key.len()
-                ))
-            })
-        }
-    }
-}
-
-fn task_failed(tier: &str, rel: &str, e: tokio::task::JoinError) -> TransferError {
-    TransferError::new(
-        ErrorKind::Io,
-        Side::Source,
-        tier,
-        rel,
-        format!("reading task failed: {e}"),
-    )
-}
-
-/// The posix read: a confined stat, the size judged, then the open and the hash. Blocking.
-fn observe_posix(
-    posix: &stagehand_mover::PosixTier,
-    rel: &str,
-    limit: ReadLimit,
-) -> Result<Observed, TransferError> {
-    let stat = |rel: &str| match posix.stat(rel) {
-        Ok(None) => Ok(Err(Observed::Missing)),
-        Ok(Some(size)) => Ok(Ok(size)),
-        // The tier's name for "something other than a regular file is at this path".
-        Err(e) if e.kind == ErrorKind::DestinationConflict => Ok(Err(Observed::NotAFile)),
-        Err(e) => classify(e).map(Err),
+    // The tier's own refusal may quote the whole path; the problem names it already.
+    let (refused, limit) = match tier {
+        Tier::Posix(posix) => (
+            posix.check_path(rel, Side::Source).err(),
+            "a path on a posix tier must be shorter than PATH_MAX".to_owned(),
+        ),
+        Tier::S3(s3) => (
+            s3.key_for(rel, Side::Source).err(),
+            format!(
+                "an S3 object key (the tier's prefix, the source prefix and the path) is at most {} bytes",
+                stagehand_mover::s3::MAX_KEY_LEN
+            ),
+        ),
     };
-    let size = match stat(rel)? {
-        Ok(size) => size,
-        Err(observed) => return Ok(observed),
-    };
-    if let Some(observed) = limit.judge_size(size) {
-        return Ok(observed);
-    }
-    match posix.hash_file(rel) {
-        Ok(digest) => Ok(Observed::Digest(digest)),
-        // The open reports "not a regular file" as NotFound too: what is there now?
-        Err(err) if err.kind == ErrorKind::NotFound => match stat(rel)? {
-            Err(observed) => Ok(observed),
-            // A regular file again: it was replaced while we looked.
-            Ok(_) => Err(TransferError::new(
-                ErrorKind::SourceChanged,
-                Side::Source,
-                posix.name(),
-                rel,
-                "the file was replaced while it was being read",
-            )),
-        },
-        Err(err) => classify(err),
-    }
+    refused.filter(|e| e.kind == ErrorKind::PathRefused).map(|_| {
+        Observed::PathTooLong(format!(
+            "the source prefix and this path together are {} bytes, too long for the tier: {limit}",
+            rel.len()
+        ))
+    })
 }
 
 impl SourceFiles for Tier {
@@ -166,28 +95,9 @@ impl SourceFiles for Tier {
         if let Some(observed) = too_long_for(self, rel) {
             return Ok(observed);
         }
-        match self {
-            Tier::Posix(posix) => {
-                let posix = posix.clone();
-                let rel_owned = rel.to_owned();
-                tokio::task::spawn_blocking(move || observe_posix(&posix, &rel_owned, limit))
-                    .await
-                    .map_err(|e| task_failed(self.name(), rel, e))?
-            }
-            Tier::S3(s3) => {
-                let size = match s3.stat(rel).await {
-                    Ok(None) => return Ok(Observed::Missing),
-                    Ok(Some(info)) => info.size,
-                    Err(e) => return classify(e),
-                };
-                if let Some(observed) = limit.judge_size(size) {
-                    return Ok(observed);
-                }
-                match s3.hash_file(rel).await {
-                    Ok(digest) => Ok(Observed::Digest(digest)),
-                    Err(e) => classify(e),
-                }
-            }
+        match self.hash_file_bounded(rel, limit).await {
+            Ok(digest) => Ok(Observed::Digest(digest)),
+            Err(e) => classify(e),
         }
     }
 
@@ -234,17 +144,26 @@ mod tests {
 
     #[test]
     fn data_errors_become_observations_and_transient_ones_stay_errors() {
-        assert_eq!(
-            classify(err(ErrorKind::NotFound)).unwrap(),
-            Observed::Missing
-        );
+        for (kind, observed) in [
+            (ErrorKind::NotFound, Observed::Missing),
+            (ErrorKind::NotAFile, Observed::NotAFile("detail".into())),
+            (
+                ErrorKind::SizeMismatch,
+                Observed::SizeDiffers("detail".into()),
+            ),
+            (ErrorKind::TooLarge, Observed::TooLarge("detail".into())),
+            (ErrorKind::PathRefused, Observed::Escapes("detail".into())),
+            (
+                ErrorKind::PermissionDenied,
+                Observed::Unreadable("detail".into()),
+            ),
+        ] {
+            assert_eq!(classify(err(kind)).unwrap(), observed, "{kind:?}");
+        }
+        // An S3 4xx about one object is that file's problem.
         assert!(matches!(
-            classify(err(ErrorKind::PathRefused)),
-            Ok(Observed::Escapes(_))
-        ));
-        assert!(matches!(
-            classify(err(ErrorKind::PermissionDenied)),
-            Ok(Observed::Unreadable(_))
+            classify(err(ErrorKind::ObjectRefused)),
+            Ok(Observed::Unreadable(d)) if d.contains("ObjectRefused")
         ));
         for transient in [
             ErrorKind::Unreachable,
@@ -257,30 +176,16 @@ mod tests {
     }
 
     #[test]
-    fn sizes_are_judged_before_reading() {
-        let limit = ReadLimit {
-            declared_size: 10,
-            max_size: 100,
-        };
-        assert_eq!(limit.judge_size(10), None);
-        assert!(
-            matches!(limit.judge_size(9), Some(Observed::SizeDiffers(d)) if d.contains("declared 10 bytes, found 9"))
-        );
-        // A sparse terabyte declared as ten bytes is judged from its size alone.
-        assert!(matches!(
-            limit.judge_size(1 << 40),
-            Some(Observed::TooLarge(_))
-        ));
-    }
-
-    #[test]
-    fn paths_too_long_for_a_posix_tier_are_the_files_problem() {
+    fn paths_too_long_for_a_posix_tier_are_a_path_rule_not_an_escape() {
         let dir = tempfile::tempdir().unwrap();
         let tier = Tier::Posix(stagehand_mover::PosixTier::open("t", dir.path()).unwrap());
-        let long = format!("{}/{}", "p".repeat(200), "a/".repeat(2000) + "f");
-        assert!(long.len() >= PATH_MAX);
+        // The path within the path rules (4081 bytes); with the prefix over PATH_MAX.
+        let long = format!("{}/f", vec!["d".repeat(254); 16].join("/"));
+        assert!(stagehand_schemas::check_relative_path(&long).is_ok());
+        let joined = format!("lab-a/up/hostile/{long}");
+        assert!(joined.len() >= 4096);
         assert!(matches!(
-            too_long_for(&tier, &long),
+            too_long_for(&tier, &joined),
             Some(Observed::PathTooLong(_))
         ));
         assert_eq!(too_long_for(&tier, "a/b"), None);

@@ -21,7 +21,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use stagehand_manifest::{DEFAULT_CHUNK, Manifest, ManifestError};
-use stagehand_mover::TransferError;
+use stagehand_mover::{ReadLimit, TransferError};
 use stagehand_policy::ValidationPolicy;
 use stagehand_schemas::{FileRef, Problem};
 use tokio::task::JoinSet;
@@ -29,7 +29,7 @@ use tokio::time::Instant;
 
 use crate::check::{self, EntryChecks, Observed};
 use crate::report::{Findings, ReportError};
-use crate::source::{ReadLimit, SourceFiles};
+use crate::source::SourceFiles;
 
 /// How the read step runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,10 +246,7 @@ where
             let judged = checks.check(&file);
             let state = if judged.read {
                 let rel = check::tier_path(prefix, &file.path);
-                let limit = ReadLimit {
-                    declared_size: file.size,
-                    max_size: policy.max_file_size,
-                };
+                let limit = ReadLimit::declared(file.size, Some(policy.max_file_size));
                 let source = Arc::clone(source);
                 let index = next_index;
                 reads.spawn(async move { (index, source.observe(&rel, limit).await) });
@@ -332,8 +329,9 @@ mod tests {
                 return Err(TransferError::new(kind, Side::Source, "fake", rel, "down"));
             }
             Ok(match self.files.get(rel).cloned() {
-                Some(Observed::Digest(d)) => {
-                    limit.judge_size(d.size).unwrap_or(Observed::Digest(d))
+                // As the mover does: a size other than the declared one is found unread.
+                Some(Observed::Digest(d)) if Some(d.size) != limit.declared_size => {
+                    Observed::SizeDiffers(format!("{} bytes", d.size))
                 }
                 Some(other) => other,
                 None => Observed::Missing,
@@ -438,7 +436,10 @@ mod tests {
             files: HashMap::from([
                 ("up/short".to_owned(), digest(b"ab")),
                 ("up/wrong".to_owned(), digest(b"xyz")),
-                ("up/dir".to_owned(), Observed::NotAFile),
+                (
+                    "up/dir".to_owned(),
+                    Observed::NotAFile("a directory".into()),
+                ),
             ]),
             // Reads finish out of order; the report is in path order all the same.
             delay: Duration::from_millis(2),
