@@ -5,17 +5,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use stagehand_bus::{
-    Bus, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats, run_worker,
-};
-use stagehand_schemas::Event;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use stagehand_bus::{Bus, HandlerError, WorkerConfig, WorkerStats, run_worker};
+use stagehand_manifest::Spool;
 use stagehand_schemas::subject::{DEAD_LETTERS, FACTS};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
-use crate::fold::TierKey;
-use crate::query::{serve, tier_readiness};
-use crate::readiness::{mirror, open_bucket};
+use crate::files::FileLists;
+use crate::live::{LiveFold, mirror_all};
+use crate::query::serve;
+use crate::readiness::open_bucket;
 use crate::replay::replay;
 use crate::store::{Store, Writer};
 
@@ -41,6 +42,13 @@ pub struct RecorderConfig {
     /// How long in-flight folds may take after shutdown is asked for.
     #[serde(default = "default_deadline", with = "stagehand_bus::duration_str")]
     pub shutdown_deadline: std::time::Duration,
+    /// Where large manifests are spooled while their entries are written into the store
+    /// (about 100 bytes per file of the largest version); default: the store's directory.
+    #[serde(default)]
+    pub manifest_spool: Option<PathBuf>,
+    /// How long fetching one manifest may take before the fact is retried later.
+    #[serde(default = "default_manifest_timeout", with = "stagehand_bus::duration_str")]
+    pub manifest_timeout: std::time::Duration,
 }
 
 fn default_instance() -> String {
@@ -55,6 +63,9 @@ fn default_true() -> bool {
 fn default_deadline() -> std::time::Duration {
     std::time::Duration::from_secs(10)
 }
+fn default_manifest_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(120)
+}
 
 impl RecorderConfig {
     /// A configuration with its store and ledgers under `dir`.
@@ -67,7 +78,24 @@ impl RecorderConfig {
             concurrency: default_concurrency(),
             dead_letters: true,
             shutdown_deadline: default_deadline(),
+            manifest_spool: None,
+            manifest_timeout: default_manifest_timeout(),
         }
+    }
+
+    /// The file lists reader this configuration asks for.
+    fn file_lists(&self, bus: &Bus, store: &Arc<Store>) -> FileLists {
+        let spool = self
+            .manifest_spool
+            .clone()
+            .or_else(|| self.store_path.parent().map(std::path::Path::to_path_buf))
+            .unwrap_or_else(std::env::temp_dir);
+        FileLists::new(
+            bus.jetstream().clone(),
+            store.clone(),
+            Spool::in_dir(spool),
+            self.manifest_timeout,
+        )
     }
 }
 
@@ -80,45 +108,13 @@ pub struct RecorderStats {
     pub dead_letters: WorkerStats,
 }
 
-/// The worker runtime's handler: folds one event, mirrors the readiness it touched, and causes
-/// no facts.
-struct Fold {
-    store: Arc<Store>,
-    writer: Writer,
-    bucket: async_nats::jetstream::kv::Store,
-}
-
-impl Handler for Fold {
-    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        let touched = self.writer.apply(event.clone()).await?;
-        mirror_all(&self.store, &self.bucket, touched)
-            .await
-            .map_err(HandlerError::retryable)?;
-        Ok(Vec::new())
-    }
-}
-
-async fn mirror_all(
-    store: &Arc<Store>,
-    bucket: &async_nats::jetstream::kv::Store,
-    touched: Vec<TierKey>,
-) -> Result<(), RecorderError> {
-    for tier in touched {
-        let s = store.clone();
-        let readiness = tokio::task::spawn_blocking(move || tier_readiness(&s, &tier))
-            .await
-            .map_err(|e| RecorderError::Worker(e.to_string()))??;
-        mirror(bucket, &readiness).await?;
-    }
-    Ok(())
-}
-
 /// Rebuilds `store` from the facts and dead-letter streams if it is not complete, and mirrors
 /// the readiness the replay touched. Returns the events replayed (facts, dead letters), or
 /// `None` when the store was complete already.
 pub async fn rebuild_if_needed(
     bus: &Bus,
     store: &Arc<Store>,
+    files: &FileLists,
     bucket: &async_nats::jetstream::kv::Store,
 ) -> Result<Option<(u64, u64)>, RecorderError> {
     let s = store.clone();
@@ -129,8 +125,8 @@ pub async fn rebuild_if_needed(
         return Ok(None);
     }
     tracing::info!(store = %store.path().display(), "catalogue store missing or incomplete: rebuilding from the facts stream");
-    let facts = replay(bus.jetstream(), FACTS.name, "stagehand.fact.>", store).await?;
-    let dead = replay(bus.jetstream(), DEAD_LETTERS.name, "stagehand.dlq.>", store).await?;
+    let facts = replay(bus.jetstream(), FACTS.name, "stagehand.fact.>", store, files).await?;
+    let dead = replay(bus.jetstream(), DEAD_LETTERS.name, "stagehand.dlq.>", store, files).await?;
     mirror_all(store, bucket, facts.touched.clone()).await?;
     let s = store.clone();
     let through = facts.through;
@@ -141,6 +137,8 @@ pub async fn rebuild_if_needed(
         facts = facts.events,
         dead_letters = dead.events,
         undecodable = facts.undecodable + dead.undecodable,
+        skipped = facts.skipped + dead.skipped,
+        batches = facts.batches + dead.batches,
         "catalogue rebuilt"
     );
     Ok(Some((facts.events, dead.events)))
@@ -164,12 +162,17 @@ pub async fn run(
             .map_err(|e| RecorderError::Worker(e.to_string()))??,
     );
     let bucket = open_bucket(bus.jetstream()).await?;
-    let rebuilt = rebuild_if_needed(&bus, &store, &bucket).await?;
+    let files = config.file_lists(&bus, &store);
+    let rebuilt = rebuild_if_needed(&bus, &store, &files, &bucket).await?;
     let (writer, writer_thread) = Writer::start(store.clone());
-    let handler = Arc::new(Fold {
+    let store_failed = Arc::new(AtomicBool::new(false));
+    let handler = Arc::new(LiveFold {
         store: store.clone(),
         writer,
+        files,
         bucket,
+        stop: shutdown.clone(),
+        store_failed: store_failed.clone(),
     });
 
     let queries = tokio::spawn(serve(bus.client().clone(), store.clone(), shutdown.clone()));
@@ -215,6 +218,9 @@ pub async fn run(
         .is_err()
     {
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
+    }
+    if store_failed.load(Ordering::SeqCst) {
+        return Err(RecorderError::Store(StoreError::Redb(redb::Error::PreviousIo)));
     }
     let facts = facts.map_err(|e| RecorderError::Worker(e.to_string()))?;
     let dead_letters = dead_letters.map_err(|e| RecorderError::Worker(e.to_string()))?;
