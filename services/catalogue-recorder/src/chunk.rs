@@ -93,9 +93,12 @@ impl ChunkBuilder {
         };
         let started = self.entries > 0 || !self.prev.is_empty();
         if started && file.path.as_bytes() <= self.prev.as_bytes() {
-            return Err(bad("paths must strictly increase (a repeated or unsorted path)"));
+            return Err(bad(
+                "paths must strictly increase (a repeated or unsorted path)",
+            ));
         }
-        let sha = hex_to_bytes(&file.sha256).ok_or_else(|| bad("sha256 is not 64 lowercase hex"))?;
+        let sha =
+            hex_to_bytes(&file.sha256).ok_or_else(|| bad("sha256 is not 64 lowercase hex"))?;
         if self.buf.is_empty() {
             self.buf.push(FORMAT);
         }
@@ -178,7 +181,9 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<FileRef>, ChunkError> {
     while r.at < body.len() {
         let shared = r.varint()? as usize;
         if shared > path.len() || (out.is_empty() && shared != 0) {
-            return Err(ChunkError::Damaged("a shared prefix longer than the path before"));
+            return Err(ChunkError::Damaged(
+                "a shared prefix longer than the path before",
+            ));
         }
         let len = r.varint()? as usize;
         let rest = r.take(len)?;
@@ -195,8 +200,8 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<FileRef>, ChunkError> {
             hex.push(HEX[usize::from(b >> 4)] as char);
             hex.push(HEX[usize::from(b & 15)] as char);
         }
-        let text =
-            String::from_utf8(next.clone()).map_err(|_| ChunkError::Damaged("a path that is not UTF-8"))?;
+        let text = String::from_utf8(next.clone())
+            .map_err(|_| ChunkError::Damaged("a path that is not UTF-8"))?;
         out.push(FileRef::new(text, size, hex));
         path = next;
     }
@@ -211,7 +216,13 @@ mod tests {
 
     fn files(n: usize) -> Vec<FileRef> {
         let mut v: Vec<FileRef> = (0..n)
-            .map(|i| FileRef::new(format!("train/{:05}/ünï-{i}.jpg", i / 10), i as u64 * 1000, sha256_hex(&i.to_le_bytes())))
+            .map(|i| {
+                FileRef::new(
+                    format!("train/{:05}/ünï-{i}.jpg", i / 10),
+                    i as u64 * 1000,
+                    sha256_hex(&i.to_le_bytes()),
+                )
+            })
             .collect();
         v.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
         v

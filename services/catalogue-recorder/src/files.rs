@@ -36,9 +36,9 @@ pub struct FileLists {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, FoldError> + Send + 'static,
 ) -> Result<T, FoldError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| FoldError::Store(StoreError::Redb(redb::Error::Io(std::io::Error::other(e)))))?
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        FoldError::Store(StoreError::Redb(redb::Error::Io(std::io::Error::other(e))))
+    })?
 }
 
 impl FileLists {
@@ -76,28 +76,31 @@ impl FileLists {
         if blocking(move || Ok(store.file_list(&v)?)).await?.is_some() {
             return Ok(());
         }
-        let _permit = self.fetches.acquire().await.map_err(|_| StoreError::WriterGone)?;
+        let _permit = self
+            .fetches
+            .acquire()
+            .await
+            .map_err(|_| StoreError::WriterGone)?;
         // Another fact of the same version may have written it while this one waited.
         let store = self.store.clone();
         let v = version.clone();
         if blocking(move || Ok(store.file_list(&v)?)).await?.is_some() {
             return Ok(());
         }
-        let manifest = match tokio::time::timeout(self.timeout, source.open(&self.js, &self.spool))
-            .await
-        {
-            Ok(opened) => opened.map_err(FoldError::manifest)?,
-            Err(_) => {
-                return Err(FoldError::Problem {
-                    code: FoldProblemCode::ManifestUnreachable,
-                    detail: format!(
-                        "fetching the manifest of version {version} took longer than {:?}",
-                        self.timeout
-                    ),
-                    retryable: true,
-                });
-            }
-        };
+        let manifest =
+            match tokio::time::timeout(self.timeout, source.open(&self.js, &self.spool)).await {
+                Ok(opened) => opened.map_err(FoldError::manifest)?,
+                Err(_) => {
+                    return Err(FoldError::Problem {
+                        code: FoldProblemCode::ManifestUnreachable,
+                        detail: format!(
+                            "fetching the manifest of version {version} took longer than {:?}",
+                            self.timeout
+                        ),
+                        retryable: true,
+                    });
+                }
+            };
         let store = self.store.clone();
         blocking(move || store.put_file_list(&manifest).map(drop)).await
     }

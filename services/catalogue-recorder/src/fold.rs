@@ -44,7 +44,12 @@ macro_rules! from_redb {
         }
     )*};
 }
-from_redb!(redb::TableError, redb::StorageError, redb::TransactionError, redb::CommitError);
+from_redb!(
+    redb::TableError,
+    redb::StorageError,
+    redb::TransactionError,
+    redb::CommitError
+);
 
 impl FoldError {
     /// A manifest that could not be opened or read.
@@ -195,7 +200,15 @@ fn dataset_validated(
         layout: None,
         location: p.source.clone(),
     };
-    let list = record_version(txn, event, &p.dataset, &p.version, p.total_bytes, provenance, stamp)?;
+    let list = record_version(
+        txn,
+        event,
+        &p.dataset,
+        &p.version,
+        p.total_bytes,
+        provenance,
+        stamp,
+    )?;
     let copy = Copy {
         files: list.files,
         total_bytes: list.bytes,
@@ -203,7 +216,15 @@ fn dataset_validated(
         backup: false,
     };
     let state = (ReplicaState::Present, None);
-    set_replica(txn, event, (&p.dataset, &p.version), &p.source, stamp, state, Some(copy))
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.source,
+        stamp,
+        state,
+        Some(copy),
+    )
 }
 
 fn dataset_prepared(
@@ -222,7 +243,15 @@ fn dataset_prepared(
         layout: Some(p.layout.clone()),
         location: p.location.clone(),
     };
-    let list = record_version(txn, event, &p.dataset, &p.version, p.total_bytes, provenance, stamp)?;
+    let list = record_version(
+        txn,
+        event,
+        &p.dataset,
+        &p.version,
+        p.total_bytes,
+        provenance,
+        stamp,
+    )?;
     let copy = Copy {
         files: list.files,
         total_bytes: list.bytes,
@@ -230,7 +259,15 @@ fn dataset_prepared(
         backup: false,
     };
     let state = (ReplicaState::Present, None);
-    set_replica(txn, event, (&p.dataset, &p.version), &p.location, stamp, state, Some(copy))
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        Some(copy),
+    )
 }
 
 fn dataset_rejected(
@@ -307,7 +344,15 @@ fn replica_created(
         backup: false,
     };
     let state = (ReplicaState::Present, None);
-    set_replica(txn, event, (&p.dataset, &p.version), &p.location, stamp, state, Some(copy))
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        Some(copy),
+    )
 }
 
 fn replica_removed(
@@ -318,7 +363,15 @@ fn replica_removed(
 ) -> Result<(), FoldError> {
     dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
     let state = (ReplicaState::Removed, Some(p.reason.clone()));
-    set_replica(txn, event, (&p.dataset, &p.version), &p.location, stamp, state, None)
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        None,
+    )
 }
 
 fn backup_completed(
@@ -335,7 +388,15 @@ fn backup_completed(
         backup: true,
     };
     let state = (ReplicaState::Present, None);
-    set_replica(txn, event, (&p.dataset, &p.version), &p.location, stamp, state, Some(copy))
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        Some(copy),
+    )
 }
 
 fn restore_verified(
@@ -381,7 +442,13 @@ fn stage_requested(
         request_id: Some(event.id.clone()),
         path: None,
     };
-    let id = [event.project.as_str(), &p.dataset, &p.version, &p.tier, &p.job_id];
+    let id = [
+        event.project.as_str(),
+        &p.dataset,
+        &p.version,
+        &p.tier,
+        &p.job_id,
+    ];
     set_stage(txn, id, stamp, stage)
 }
 
@@ -398,7 +465,13 @@ fn stage_released(
         request_id: None,
         path: None,
     };
-    let id = [event.project.as_str(), &p.dataset, &p.version, &p.tier, &p.job_id];
+    let id = [
+        event.project.as_str(),
+        &p.dataset,
+        &p.version,
+        &p.tier,
+        &p.job_id,
+    ];
     set_stage(txn, id, stamp, stage)
 }
 
@@ -438,7 +511,13 @@ fn stage_failed(
         request_id: Some(p.request_id.clone()),
         path: None,
     };
-    let id = [event.project.as_str(), &p.dataset, &p.version, &p.tier, &p.job_id];
+    let id = [
+        event.project.as_str(),
+        &p.dataset,
+        &p.version,
+        &p.tier,
+        &p.job_id,
+    ];
     set_stage(txn, id, stamp, stage)
 }
 
@@ -450,7 +529,14 @@ fn checkpoint_committed(
 ) -> Result<(), FoldError> {
     let commit = (p.total_bytes, p.tags.clone());
     let state = (CheckpointState::Committed, &p.location);
-    set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, Some(commit))
+    set_checkpoint(
+        txn,
+        &event.project,
+        (&p.run, p.step),
+        stamp,
+        state,
+        Some(commit),
+    )
 }
 
 fn checkpoint_demoted(
@@ -522,7 +608,8 @@ fn dataset_seen(
             old
         }
         None => {
-            txn.open_table(DATASET_NAMES)?.insert((dataset, project), ())?;
+            txn.open_table(DATASET_NAMES)?
+                .insert((dataset, project), ())?;
             DatasetRecord {
                 project: project.into(),
                 dataset: dataset.into(),
@@ -574,7 +661,10 @@ fn record_version(
     let what = || format!("version {project}/{dataset}/{version}");
     let request_new = txn
         .open_table(VERSION_REQUESTS)?
-        .insert((project, dataset, version, provenance.request_id.as_str()), ())?
+        .insert(
+            (project, dataset, version, provenance.request_id.as_str()),
+            (),
+        )?
         .is_none();
     let mut versions = txn.open_table(VERSIONS)?;
     let old: Option<VersionRecord> = versions
@@ -608,7 +698,10 @@ fn record_version(
             }
         }
     };
-    versions.insert((project, dataset, version), encode(&record, what)?.as_slice())?;
+    versions.insert(
+        (project, dataset, version),
+        encode(&record, what)?.as_slice(),
+    )?;
     drop((versions, order));
     dataset_seen(txn, project, dataset, stamp, (u64::from(new), 0))?;
     Ok(list)
@@ -622,7 +715,11 @@ struct Copy {
     backup: bool,
 }
 
-fn empty_replica(project: &str, (dataset, version): (&str, &str), location: &Location) -> ReplicaRecord {
+fn empty_replica(
+    project: &str,
+    (dataset, version): (&str, &str),
+    location: &Location,
+) -> ReplicaRecord {
     ReplicaRecord {
         project: project.into(),
         dataset: dataset.into(),
@@ -669,7 +766,9 @@ fn write_replica(txn: &WriteTransaction, record: &ReplicaRecord) -> Result<(), F
     let mut readiness = txn.open_table(READINESS)?;
     let rkey = (key.0, key.1, key.2, key.3, "");
     if readiness.get(rkey)?.is_none() {
-        let value = encode(&ReadinessAggregate::default(), || format!("readiness {rkey:?}"))?;
+        let value = encode(&ReadinessAggregate::default(), || {
+            format!("readiness {rkey:?}")
+        })?;
         readiness.insert(rkey, value.as_slice())?;
     }
     Ok(())
@@ -845,4 +944,175 @@ fn set_checkpoint(
         table.insert((project, run, step), encode(&record, what)?.as_slice())?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use stagehand_catalogue::*;
+
+    use crate::store::Folded;
+    use crate::testing::*;
+
+    #[test]
+    fn same_fact_twice_is_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1)]);
+        let once = store.dump().unwrap();
+        assert_eq!(fold_into(&store, &[validated(1)]), vec![Folded::Done]);
+        assert_eq!(store.dump().unwrap(), once, "a second copy changes nothing");
+    }
+
+    #[test]
+    fn dead_letters_are_counted_once_per_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[dead_letter(1), dead_letter(2), dead_letter(1)],
+        );
+        let Answer::DeadLetters { services, .. } = crate::answer(
+            &store,
+            &Query::DeadLetters {
+                limit: None,
+                after: None,
+            },
+        ) else {
+            panic!()
+        };
+        assert_eq!(services.len(), 1);
+        assert_eq!(services[0].count, 2);
+    }
+
+    /// Guards the rebuild == live property at its root: any order of the same facts folds to
+    /// the same tables, row for row.
+    #[test]
+    fn order_does_not_matter() {
+        let events = vec![
+            validated(1),
+            replica(1, false),
+            replica(1, true),
+            rejected(2),
+            validated(3),
+            stage(1, "job-1", true),
+            stage(1, "job-2", false),
+            stage(1, "job-1", false),
+            dead_letter(4),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let forward = store_with(dir.path(), "f.redb", &events);
+        let mut reversed = events.clone();
+        reversed.reverse();
+        let backward = store_with(dir.path(), "b.redb", &reversed);
+        let one_by_one = crate::store::Store::open(dir.path().join("o.redb")).unwrap();
+        for e in events.iter().rev() {
+            fold_into(&one_by_one, std::slice::from_ref(e));
+        }
+        let dump = forward.dump().unwrap();
+        assert_eq!(dump, backward.dump().unwrap());
+        assert_eq!(dump, one_by_one.dump().unwrap());
+        assert_eq!(dump.rows("applied").len(), events.len());
+        // The removal is the newest replica fact, whichever came first.
+        let Answer::Version(v) = crate::answer(
+            &forward,
+            &Query::Version {
+                project: None,
+                dataset: "cats".into(),
+                version: version_of(&validated(1)),
+                limit: None,
+            },
+        ) else {
+            panic!()
+        };
+        let hot = v.replicas.iter().find(|r| r.tier == "hot").unwrap();
+        assert_eq!(hot.state, ReplicaState::Removed);
+    }
+
+    /// Guards the O(n²) rejection list: each rejected request is one record of its own, and
+    /// the dataset only counts them.
+    #[test]
+    fn rejections_are_one_record_per_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let events: Vec<_> = (0..50).map(rejected).collect();
+        let store = store_with(dir.path(), "a.redb", &events);
+        let dump = store.dump().unwrap();
+        assert_eq!(dump.rows("rejections").len(), 50);
+        assert_eq!(dump.rows("datasets").len(), 1);
+        let Answer::Dataset(d) = crate::answer(
+            &store,
+            &Query::Dataset {
+                project: Some("lab-a".into()),
+                dataset: "cats".into(),
+                limit: None,
+            },
+        ) else {
+            panic!()
+        };
+        assert_eq!(d.dataset.rejection_count, 50);
+        assert_eq!(d.rejections.len(), DEFAULT_DETAIL as usize);
+        let r = &d.rejections[0];
+        assert_eq!(r.problems.len(), 2, "every reason kept");
+        assert_eq!(r.problems_total, 2);
+        assert_eq!(
+            r.problem_counts,
+            vec![("missing".to_owned(), 1), ("path_rule".to_owned(), 1)],
+            "schema-1 rejections are counted per code"
+        );
+    }
+
+    #[test]
+    fn a_corrupt_record_is_listed_as_a_problem_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1)]);
+        store
+            .damage_dataset_record("lab-a", "cats", b"\xff not json")
+            .unwrap();
+        let folded = fold_into(&store, &[validated(3), dead_letter(9)]);
+        let Folded::Skipped { problem, retryable } = &folded[0] else {
+            panic!("{folded:?}")
+        };
+        assert_eq!(problem.code, FoldProblemCode::CorruptRecord);
+        assert!(
+            problem.detail.contains("dataset lab-a/cats"),
+            "{}",
+            problem.detail
+        );
+        assert!(!retryable);
+        assert_eq!(
+            folded[1],
+            Folded::Done,
+            "its neighbour in the batch still folds"
+        );
+        assert_eq!(store.problem_count().unwrap(), 1);
+    }
+
+    #[test]
+    fn readiness_follows_the_stages() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[validated(1), stage(1, "job-2", false)],
+        );
+        let key = ReadinessKey {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: version_of(&validated(1)),
+            tier: "local".into(),
+            node: None,
+        };
+        let r = crate::readiness::current(&store, &key).unwrap().unwrap();
+        assert!(
+            matches!(&r.state, ReadinessState::Failed { reason, .. } if reason == "quota exceeded")
+        );
+        fold_into(&store, &[stage(1, "job-1", true)]);
+        let r = crate::readiness::current(&store, &key).unwrap().unwrap();
+        assert_eq!(
+            r.state,
+            ReadinessState::Ready {
+                path: "lab-a/cats/v".into()
+            }
+        );
+        assert_eq!(r.jobs.ready, 1);
+        assert_eq!(r.jobs.failed, 1);
+    }
 }

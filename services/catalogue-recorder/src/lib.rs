@@ -41,3 +41,5 @@ pub use query::{answer, encode_answer, serve};
 pub use replay::{MAX_REPLAY_BATCH_BYTES, Replayed, replay};
 pub use service::{RecorderConfig, RecorderStats, rebuild_if_needed, run};
 pub use store::{Dump, FoldItem, Folded, MAX_BATCH, MAX_RECORD_BYTES, Store, Writer, WriterThread};
+#[cfg(test)]
+mod testing;

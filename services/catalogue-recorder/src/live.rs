@@ -62,7 +62,9 @@ impl Handler for LiveFold {
                 return Err(HandlerError::retryable(e));
             }
             Err(e) => {
-                let code = e.problem_code().unwrap_or(stagehand_catalogue::FoldProblemCode::Other);
+                let code = e
+                    .problem_code()
+                    .unwrap_or(stagehand_catalogue::FoldProblemCode::Other);
                 Some(fold::problem(event, sequence, code, e.to_string()))
             }
         };

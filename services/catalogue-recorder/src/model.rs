@@ -3,7 +3,7 @@
 //! is derived from.
 
 use serde::{Deserialize, Serialize};
-use stagehand_catalogue::{JobCounts, Stamp, StageState};
+use stagehand_catalogue::{JobCounts, StageState, Stamp};
 
 /// A version's file list is complete in the store: `chunks` rows of `files` entries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -34,7 +34,7 @@ const QUERIES_AT_ONCE: usize = 8;
 
 /// Why a query got no list: an error answer to send, or a store failure.
 enum Fail {
-    Answer(Answer),
+    Answer(ErrorCode, String),
     Store(StoreError),
 }
 
@@ -56,11 +56,11 @@ macro_rules! from_redb {
 from_redb!(redb::TableError, redb::StorageError);
 
 fn not_found(message: String) -> Fail {
-    Fail::Answer(Answer::error(ErrorCode::NotFound, message))
+    Fail::Answer(ErrorCode::NotFound, message)
 }
 
 fn bad_query(message: String) -> Fail {
-    Fail::Answer(Answer::error(ErrorCode::BadQuery, message))
+    Fail::Answer(ErrorCode::BadQuery, message)
 }
 
 /// Bytes `value` takes as JSON.
@@ -125,10 +125,7 @@ impl<T: Serialize> Page<T> {
     }
 }
 
-fn read<T: DeserializeOwned>(
-    bytes: &[u8],
-    what: impl FnOnce() -> String,
-) -> Result<T, StoreError> {
+fn read<T: DeserializeOwned>(bytes: &[u8], what: impl FnOnce() -> String) -> Result<T, StoreError> {
     decode(bytes, what)
 }
 
@@ -140,7 +137,7 @@ pub fn answer(store: &Store, query: &Query) -> Answer {
         .and_then(|txn| try_answer(&txn, query));
     match result {
         Ok(answer) => answer,
-        Err(Fail::Answer(answer)) => answer,
+        Err(Fail::Answer(code, message)) => Answer::error(code, message),
         Err(Fail::Store(e)) => Answer::error(ErrorCode::Internal, e.to_string()),
     }
 }
@@ -169,8 +166,15 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             after,
         } => {
             let project = resolve_project(txn, project, dataset)?;
-            let (versions, next) =
-                versions(txn, &project, dataset, *limit, DEFAULT_PAGE, after.as_deref(), BUDGET)?;
+            let (versions, next) = versions(
+                txn,
+                &project,
+                dataset,
+                *limit,
+                DEFAULT_PAGE,
+                after.as_deref(),
+                BUDGET,
+            )?;
             Answer::Versions { versions, next }
         }
         Query::Version {
@@ -196,8 +200,14 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             after,
         } => {
             let version = resolve_version(txn, project, dataset, version)?;
-            let (replicas, next) =
-                replicas(txn, &version, *limit, DEFAULT_PAGE, after.as_deref(), BUDGET)?;
+            let (replicas, next) = replicas(
+                txn,
+                &version,
+                *limit,
+                DEFAULT_PAGE,
+                after.as_deref(),
+                BUDGET,
+            )?;
             Answer::Replicas { replicas, next }
         }
         Query::Files {
@@ -242,8 +252,15 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             after,
         } => {
             let project = resolve_project(txn, project, dataset)?;
-            let (rejections, next) =
-                rejections(txn, &project, dataset, *limit, DEFAULT_PAGE, after.as_deref(), BUDGET)?;
+            let (rejections, next) = rejections(
+                txn,
+                &project,
+                dataset,
+                *limit,
+                DEFAULT_PAGE,
+                after.as_deref(),
+                BUDGET,
+            )?;
             Answer::Rejections { rejections, next }
         }
         Query::Rejection {
@@ -291,7 +308,8 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             Answer::Readiness { readiness, next }
         }
         Query::DeadLetters { limit, after } => {
-            let (services, next) = by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
+            let (services, next) =
+                by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
             Answer::DeadLetters { services, next }
         }
         Query::Problems { limit, after } => {
@@ -318,7 +336,7 @@ fn resolve_project(
     let names = txn.open_table(DATASET_NAMES)?;
     let mut projects = Vec::new();
     for row in names.range((dataset, "")..)? {
-        let (k, ()) = row.map(|(k, _)| (k, ()))?;
+        let (k, _) = row?;
         let (name, project) = k.value();
         if name != dataset || projects.len() > 20 {
             break;
@@ -326,19 +344,25 @@ fn resolve_project(
         projects.push(project.to_owned());
     }
     match projects.len() {
-        0 => Err(not_found(format!("no dataset {dataset:?} in the catalogue"))),
+        0 => Err(not_found(format!(
+            "no dataset {dataset:?} in the catalogue"
+        ))),
         1 => Ok(projects.remove(0)),
-        _ => Err(Fail::Answer(Answer::error(
+        _ => Err(Fail::Answer(
             ErrorCode::Ambiguous,
             format!(
                 "dataset {dataset:?} exists in several projects ({}): name the project",
                 projects.join(", ")
             ),
-        ))),
+        )),
     }
 }
 
-fn dataset_record(txn: &ReadTransaction, project: &str, dataset: &str) -> Result<DatasetRecord, Fail> {
+fn dataset_record(
+    txn: &ReadTransaction,
+    project: &str,
+    dataset: &str,
+) -> Result<DatasetRecord, Fail> {
     match txn.open_table(DATASETS)?.get((project, dataset))? {
         Some(v) => Ok(read(v.value(), || format!("dataset {project}/{dataset}"))?),
         None => Err(not_found(format!(
@@ -368,19 +392,21 @@ fn resolve_version(
         if p != project || d != dataset || !digest.starts_with(version) || found.len() == 2 {
             break;
         }
-        found.push(read::<VersionRecord>(v.value(), || format!("version {p}/{d}/{digest}"))?);
+        found.push(read::<VersionRecord>(v.value(), || {
+            format!("version {p}/{d}/{digest}")
+        })?);
     }
     match found.len() {
         0 => Err(not_found(format!(
             "no version {version:?} of dataset {dataset:?} in project {project:?}"
         ))),
         1 => Ok(found.remove(0)),
-        _ => Err(Fail::Answer(Answer::error(
+        _ => Err(Fail::Answer(
             ErrorCode::Ambiguous,
             format!(
                 "version prefix {version:?} matches several versions of {dataset:?}; give more characters"
             ),
-        ))),
+        )),
     }
 }
 
@@ -422,8 +448,15 @@ fn dataset_detail(
 ) -> Result<DatasetDetail, Fail> {
     let project = resolve_project(txn, project, dataset)?;
     let record = dataset_record(txn, &project, dataset)?;
-    let (versions, versions_next) =
-        versions(txn, &project, dataset, limit, DEFAULT_DETAIL, None, BUDGET / 4)?;
+    let (versions, versions_next) = versions(
+        txn,
+        &project,
+        dataset,
+        limit,
+        DEFAULT_DETAIL,
+        None,
+        BUDGET / 4,
+    )?;
     let mut replicas_of_versions = Vec::new();
     let mut left = BUDGET / 4;
     for v in &versions {
@@ -434,8 +467,15 @@ fn dataset_detail(
             break;
         }
     }
-    let (rejections, rejections_next) =
-        rejections(txn, &project, dataset, limit, DEFAULT_DETAIL, None, BUDGET / 2)?;
+    let (rejections, rejections_next) = rejections(
+        txn,
+        &project,
+        dataset,
+        limit,
+        DEFAULT_DETAIL,
+        None,
+        BUDGET / 2,
+    )?;
     Ok(DatasetDetail {
         dataset: record,
         versions,
@@ -463,7 +503,11 @@ fn versions(
                 let r: VersionRecord = read(v.value(), || format!("version {digest}"))?;
                 (r.provenance.at.unix_timestamp_nanos(), digest.to_owned())
             }
-            None => return Err(bad_query(format!("{digest:?} is not a version of {project}/{dataset}"))),
+            None => {
+                return Err(bad_query(format!(
+                    "{digest:?} is not a version of {project}/{dataset}"
+                )));
+            }
         },
         None => (i128::MIN, String::new()),
     };
@@ -503,7 +547,7 @@ fn replicas(
     );
     let table = txn.open_table(REPLICAS)?;
     let mut page = Page::new(limit, default, budget);
-    for row in table.range((p, d, v, after.unwrap_or("")).. )? {
+    for row in table.range((p, d, v, after.unwrap_or(""))..)? {
         let (k, val) = row?;
         let key = k.value();
         if (key.0, key.1, key.2) != (p, d, v) {
@@ -591,7 +635,7 @@ fn rejections(
 ) -> Result<(Vec<RejectionRecord>, Option<String>), Fail> {
     let table = txn.open_table(REJECTIONS)?;
     let mut page = Page::new(limit, default, budget);
-    for row in table.range((project, dataset, after.unwrap_or("")).. )? {
+    for row in table.range((project, dataset, after.unwrap_or(""))..)? {
         let (k, v) = row?;
         let (p, d, request) = k.value();
         if (p, d) != (project, dataset) {
@@ -610,7 +654,10 @@ fn rejections(
 
 fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail> {
     after
-        .map(|c| cursor::split(c).ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor"))))
+        .map(|c| {
+            cursor::split(c)
+                .ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor")))
+        })
         .transpose()
 }
 
@@ -638,7 +685,10 @@ fn stages(
         if (key.0, key.1, key.2) != (p, d, v) || tier.is_some_and(|t| t != key.3) {
             break;
         }
-        if after.as_ref().is_some_and(|(t, j)| (t.as_str(), j.as_str()) == (key.3, key.4)) {
+        if after
+            .as_ref()
+            .is_some_and(|(t, j)| (t.as_str(), j.as_str()) == (key.3, key.4))
+        {
             continue;
         }
         let record: StageRecord = read(val.value(), || format!("stage {key:?}"))?;
@@ -674,7 +724,10 @@ fn readiness(
         if (key.0, key.1, key.2) != (p, d, v) || tier.is_some_and(|t| t != key.3) {
             break;
         }
-        if after.as_ref().is_some_and(|(t, n)| (t.as_str(), n.as_str()) == (key.3, key.4)) {
+        if after
+            .as_ref()
+            .is_some_and(|(t, n)| (t.as_str(), n.as_str()) == (key.3, key.4))
+        {
             continue;
         }
         let aggregate: ReadinessAggregate = read(val.value(), || format!("readiness {key:?}"))?;
@@ -727,7 +780,10 @@ pub fn encode_answer(answer: &Answer) -> Vec<u8> {
     tracing::error!(bytes = bytes.len(), "a catalogue answer exceeded its bound");
     serde_json::to_vec(&Answer::error(
         ErrorCode::Internal,
-        format!("the answer would be {} bytes, over the bound of {MAX_ANSWER_BYTES}", bytes.len()),
+        format!(
+            "the answer would be {} bytes, over the bound of {MAX_ANSWER_BYTES}",
+            bytes.len()
+        ),
     ))
     .unwrap_or_default()
 }
@@ -765,7 +821,9 @@ pub async fn serve(
             let answered = tokio::task::spawn_blocking(move || {
                 let answer = match serde_json::from_slice::<Query>(&message.payload) {
                     Ok(query) => answer(&store, &query),
-                    Err(e) => Answer::error(ErrorCode::BadQuery, format!("not a catalogue query: {e}")),
+                    Err(e) => {
+                        Answer::error(ErrorCode::BadQuery, format!("not a catalogue query: {e}"))
+                    }
                 };
                 encode_answer(&answer)
             })
@@ -782,4 +840,124 @@ pub async fn serve(
     let _ = subscription.unsubscribe().await;
     while tasks.join_next().await.is_some() {}
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use stagehand_manifest::Manifest;
+    use stagehand_schemas::{FileRef, sha256_hex};
+
+    use super::*;
+    use crate::testing::*;
+
+    #[test]
+    fn pages_of_files_meet_exactly_across_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1)]);
+        // A second list, long enough for several chunks, read by digest.
+        let files: Vec<FileRef> = (0..2500)
+            .map(|i| FileRef::new(format!("d/{i:05}"), i, sha256_hex(&i.to_le_bytes())))
+            .collect();
+        let manifest = Manifest::from_entries(files.clone());
+        store.put_file_list(&manifest).unwrap();
+        let txn = store.reader().unwrap();
+        let mut after: Option<String> = None;
+        let mut seen = Vec::new();
+        for limit in [1, 1023, 1024, 7, 10_000] {
+            let (page, next) = super::files(&txn, manifest.digest(), Some(limit), after.as_deref())
+                .map_err(|_| "fail")
+                .unwrap();
+            seen.extend(page);
+            after = next;
+        }
+        assert_eq!(after, None);
+        assert_eq!(seen, files);
+        let one = super::file(&txn, manifest.digest(), "d/01024")
+            .map_err(|_| "fail")
+            .unwrap();
+        assert_eq!(one, Some(files[1024].clone()));
+        assert_eq!(
+            super::file(&txn, manifest.digest(), "d/0")
+                .map_err(|_| "fail")
+                .unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn versions_resolve_by_prefix_and_projects_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1), rejected(2)]);
+        let digest = version_of(&validated(1));
+        let q = |v: &str| Query::Files {
+            project: None,
+            dataset: "cats".into(),
+            version: v.into(),
+            limit: None,
+            after: None,
+        };
+        let Answer::Files {
+            version,
+            files,
+            next,
+        } = answer(&store, &q(&digest[..8]))
+        else {
+            panic!()
+        };
+        assert_eq!((version, files.len(), next), (digest.clone(), 2, None));
+        assert!(matches!(
+            answer(&store, &q(&digest[..7])),
+            Answer::Error {
+                code: ErrorCode::BadQuery,
+                ..
+            }
+        ));
+        assert!(matches!(
+            answer(&store, &q("ffffffffff")),
+            Answer::Error {
+                code: ErrorCode::NotFound,
+                ..
+            }
+        ));
+        let Answer::Rejection { rejection } = answer(
+            &store,
+            &Query::Rejection {
+                project: None,
+                dataset: "cats".into(),
+                request_id: "req-2".into(),
+            },
+        ) else {
+            panic!()
+        };
+        assert_eq!(rejection.requested_by, "mallory");
+    }
+
+    #[test]
+    fn a_store_of_the_old_layout_is_emptied_to_be_rebuilt() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.redb");
+        {
+            let db = redb::Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            let records: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("records");
+            txn.open_table(records)
+                .unwrap()
+                .insert("D\0lab-a\0cats", &b"{}"[..])
+                .unwrap();
+            let meta: redb::TableDefinition<&str, u64> = redb::TableDefinition::new("meta");
+            txn.open_table(meta)
+                .unwrap()
+                .insert("complete_through", 9)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert!(!store.is_complete().unwrap(), "rebuilt on start");
+        store.mark_complete(1).unwrap();
+        drop(store);
+        assert!(
+            Store::open(&path).unwrap().is_complete().unwrap(),
+            "this layout is kept"
+        );
+    }
 }

@@ -138,8 +138,8 @@ pub async fn open_bucket(js: &jetstream::Context) -> Result<kv::Store, RecorderE
 
 /// Writes one readiness record into the bucket.
 pub async fn mirror(bucket: &kv::Store, readiness: &Readiness) -> Result<(), RecorderError> {
-    let value = serde_json::to_vec(readiness)
-        .map_err(|e| RecorderError::nats("encoding readiness", e))?;
+    let value =
+        serde_json::to_vec(readiness).map_err(|e| RecorderError::nats("encoding readiness", e))?;
     bucket
         .put(kv_key(&readiness.key), value.into())
         .await
@@ -202,7 +202,10 @@ mod tests {
             reason: None,
             retryable: None,
         });
-        assert!(matches!(derive(key(), &a, None).state, ReadinessState::Pending { .. }));
+        assert!(matches!(
+            derive(key(), &a, None).state,
+            ReadinessState::Pending { .. }
+        ));
         a.jobs = JobCounts {
             released: 2,
             ..Default::default()

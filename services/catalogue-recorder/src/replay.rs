@@ -103,7 +103,9 @@ pub async fn replay(
                 let problem = match files.ensure_retrying(&event, REBUILD_FETCH_ATTEMPTS).await {
                     Ok(()) => None,
                     Err(e) => match e.problem_code() {
-                        Some(code) => Some(fold::problem(&event, Some(sequence), code, e.to_string())),
+                        Some(code) => {
+                            Some(fold::problem(&event, Some(sequence), code, e.to_string()))
+                        }
                         None => return Err(e_to_recorder(e)),
                     },
                 };

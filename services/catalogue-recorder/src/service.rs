@@ -47,7 +47,10 @@ pub struct RecorderConfig {
     #[serde(default)]
     pub manifest_spool: Option<PathBuf>,
     /// How long fetching one manifest may take before the fact is retried later.
-    #[serde(default = "default_manifest_timeout", with = "stagehand_bus::duration_str")]
+    #[serde(
+        default = "default_manifest_timeout",
+        with = "stagehand_bus::duration_str"
+    )]
     pub manifest_timeout: std::time::Duration,
 }
 
@@ -125,8 +128,22 @@ pub async fn rebuild_if_needed(
         return Ok(None);
     }
     tracing::info!(store = %store.path().display(), "catalogue store missing or incomplete: rebuilding from the facts stream");
-    let facts = replay(bus.jetstream(), FACTS.name, "stagehand.fact.>", store, files).await?;
-    let dead = replay(bus.jetstream(), DEAD_LETTERS.name, "stagehand.dlq.>", store, files).await?;
+    let facts = replay(
+        bus.jetstream(),
+        FACTS.name,
+        "stagehand.fact.>",
+        store,
+        files,
+    )
+    .await?;
+    let dead = replay(
+        bus.jetstream(),
+        DEAD_LETTERS.name,
+        "stagehand.dlq.>",
+        store,
+        files,
+    )
+    .await?;
     mirror_all(store, bucket, facts.touched.clone()).await?;
     let s = store.clone();
     let through = facts.through;
@@ -220,7 +237,9 @@ pub async fn run(
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
     }
     if store_failed.load(Ordering::SeqCst) {
-        return Err(RecorderError::Store(StoreError::Redb(redb::Error::PreviousIo)));
+        return Err(RecorderError::Store(StoreError::Redb(
+            redb::Error::PreviousIo,
+        )));
     }
     let facts = facts.map_err(|e| RecorderError::Worker(e.to_string()))?;
     let dead_letters = dead_letters.map_err(|e| RecorderError::Worker(e.to_string()))?;

@@ -298,7 +298,9 @@ impl Store {
                     pending_bytes = 0;
                 }
             }
-            builder.push(&file).map_err(|e| FoldError::malformed(e.to_string()))?;
+            builder
+                .push(&file)
+                .map_err(|e| FoldError::malformed(e.to_string()))?;
             record.files += 1;
             record.bytes += file.size;
         }
@@ -336,7 +338,8 @@ impl Store {
                     Err(e) => match e.problem_code() {
                         Some(code) => {
                             let retryable = e.is_retryable();
-                            let problem = fold::problem(&item.event, item.sequence, code, e.to_string());
+                            let problem =
+                                fold::problem(&item.event, item.sequence, code, e.to_string());
                             skipped.insert(i, (problem, retryable));
                             txn.abort()?;
                             continue 'attempt;
@@ -372,7 +375,7 @@ impl Store {
                 let mut rows = Vec::new();
                 for row in table.iter()? {
                     let (k, v) = row?;
-                    rows.push(format!("{:?} = {:?}", k.value(), v.value()));
+                    rows.push(format!("{:?} = {}", k.value(), Shown(&v.value())));
                 }
                 tables.push((stringify!($t).to_lowercase(), rows));
             }};
@@ -396,7 +399,8 @@ impl Store {
         bytes: &[u8],
     ) -> Result<(), StoreError> {
         let txn = self.db.begin_write()?;
-        txn.open_table(DATASETS)?.insert((project, dataset), bytes)?;
+        txn.open_table(DATASETS)?
+            .insert((project, dataset), bytes)?;
         txn.commit()?;
         Ok(())
     }
@@ -407,6 +411,24 @@ fn record_problem(txn: &WriteTransaction, problem: &FoldProblem) -> Result<(), S
     txn.open_table(PROBLEMS)?
         .insert(problem.event_id.as_str(), value.as_slice())?;
     Ok(())
+}
+
+/// A stored value as a dump shows it: its text when it is text (the JSON records), else hex.
+struct Shown<'a, T>(&'a T);
+
+impl std::fmt::Display for Shown<'_, &[u8]> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match std::str::from_utf8(self.0) {
+            Ok(text) => f.write_str(text),
+            Err(_) => self.0.iter().try_for_each(|b| write!(f, "{b:02x}")),
+        }
+    }
+}
+
+impl std::fmt::Display for Shown<'_, ()> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("()")
+    }
 }
 
 /// A full copy of a catalogue, for comparing two of them: per table, its rows.
@@ -496,7 +518,9 @@ impl Writer {
 fn clone_store_error(e: &StoreError) -> StoreError {
     match e {
         StoreError::Redb(redb::Error::PreviousIo) => StoreError::Redb(redb::Error::PreviousIo),
-        StoreError::Redb(e) => StoreError::Redb(redb::Error::Io(std::io::Error::other(e.to_string()))),
+        StoreError::Redb(e) => {
+            StoreError::Redb(redb::Error::Io(std::io::Error::other(e.to_string())))
+        }
         StoreError::Corrupt { key, detail } => StoreError::Corrupt {
             key: key.clone(),
             detail: detail.clone(),
