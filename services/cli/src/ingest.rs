@@ -356,18 +356,25 @@ async fn wait_catalogued(
     outcome: &Outcome,
     deadline: tokio::time::Instant,
 ) {
-    use stagehand_catalogue_recorder::{Answer, Query};
-    let dataset = match outcome {
-        Outcome::Validated(v) => &v.dataset,
-        Outcome::Rejected(r) => &r.dataset,
-    };
-    let recorded = |d: &stagehand_catalogue_recorder::DatasetDetail| match outcome {
-        Outcome::Validated(v) => d.dataset.versions.contains(&v.version),
-        Outcome::Rejected(r) => d.dataset.rejected_requests.contains(r.request_id.as_str()),
-    };
-    let query = Query::Dataset {
-        project: project.to_owned(),
-        dataset: dataset.to_owned(),
+    use stagehand_catalogue::{Answer, Query};
+    let (dataset, query) = match outcome {
+        Outcome::Validated(v) => (
+            &v.dataset,
+            Query::Version {
+                project: Some(project.to_owned()),
+                dataset: v.dataset.clone(),
+                version: v.version.clone(),
+                limit: Some(1),
+            },
+        ),
+        Outcome::Rejected(r) => (
+            &r.dataset,
+            Query::Rejection {
+                project: Some(project.to_owned()),
+                dataset: r.dataset.clone(),
+                request_id: r.request_id.to_string(),
+            },
+        ),
     };
     let mut pause = Duration::from_millis(20);
     loop {
@@ -376,10 +383,8 @@ async fn wait_catalogued(
             tracing::warn!(%project, %dataset, "the catalogue has not recorded the outcome yet");
             return;
         }
-        if let Ok(Answer::Dataset(detail)) =
-            stagehand_catalogue_recorder::ask(client, &query, left.min(Duration::from_secs(2)))
-                .await
-            && recorded(&detail)
+        if let Ok(Answer::Version(_) | Answer::Rejection { .. }) =
+            stagehand_catalogue::ask(client, &query, left.min(Duration::from_secs(2))).await
         {
             return;
         }
