@@ -64,6 +64,8 @@ pub enum Body {
     StageRequested(StageRequested),
     #[serde(rename = "stage.released")]
     StageReleased(StageReleased),
+    #[serde(rename = "stage.pending")]
+    StagePending(StagePending),
     #[serde(rename = "stage.ready")]
     StageReady(StageReady),
     #[serde(rename = "stage.failed")]
@@ -98,6 +100,7 @@ pub const ALL_KINDS: &[&str] = &[
     "dataset.prepared",
     "stage.requested",
     "stage.released",
+    "stage.pending",
     "stage.ready",
     "stage.failed",
     "replica.created",
@@ -122,6 +125,7 @@ impl Body {
             Body::DatasetPrepared(_) => "dataset.prepared",
             Body::StageRequested(_) => "stage.requested",
             Body::StageReleased(_) => "stage.released",
+            Body::StagePending(_) => "stage.pending",
             Body::StageReady(_) => "stage.ready",
             Body::StageFailed(_) => "stage.failed",
             Body::ReplicaCreated(_) => "replica.created",
@@ -154,6 +158,7 @@ impl Body {
             Body::DatasetPrepared(p) => Some(&p.dataset),
             Body::StageRequested(p) => Some(&p.dataset),
             Body::StageReleased(p) => Some(&p.dataset),
+            Body::StagePending(p) => Some(&p.dataset),
             Body::StageReady(p) => Some(&p.dataset),
             Body::StageFailed(p) => Some(&p.dataset),
             Body::ReplicaCreated(p) => Some(&p.dataset),
@@ -364,6 +369,14 @@ pub struct StageRequested {
         schemars(with = "Option<crate::json_schema::Timestamp>")
     )]
     pub deadline: Option<OffsetDateTime>,
+    /// For a `local` tier: the node whose NVMe the data is staged on (its promoter agent
+    /// consumes the requests addressed to it). Absent for shared tiers.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Which form of the dataset: `raw` (the validated version, the default) or `prepared`
+    /// (the resharded version derived from it, when one exists).
+    #[serde(default)]
+    pub form: Option<String>,
 }
 
 /// A job no longer needs its staged data.
@@ -378,6 +391,34 @@ pub struct StageReleased {
     pub version: String,
     pub tier: String,
     pub job_id: String,
+    /// The node, for a `local` tier.
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+/// A stage request cannot be answered yet, and this says why (the version is not validated or
+/// prepared yet, the tier's quota is full, a copy slot is busy). The request stays open until
+/// it is ready, fails, or its deadline passes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct StagePending {
+    pub dataset: String,
+    /// The version as the request named it (possibly a prefix).
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::VERSION_PREFIX_PATTERN))
+    )]
+    pub version: String,
+    pub tier: String,
+    #[serde(default)]
+    pub node: Option<String>,
+    pub job_id: String,
+    pub request_id: EventId,
+    /// What the request waits for, as a stable word: `validation`, `preparation`, `quota`,
+    /// `copy`.
+    pub waiting_for: String,
+    /// Why, for a person (shown by `stagehand stage status` and in `squeue`).
+    pub reason: String,
 }
 
 /// A staged replica is complete and verified; the job may start.
@@ -394,6 +435,13 @@ pub struct StageReady {
     pub job_id: String,
     /// The stage request this answers.
     pub request_id: EventId,
+    /// The node, for a `local` tier.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Where a job finds the data on a posix tier: the absolute path of the version's folder
+    /// as the tier's mount shows it.
+    #[serde(default)]
+    pub path: Option<String>,
 }
 
 /// Staging failed; the job must not start, and this says why.
@@ -412,6 +460,9 @@ pub struct StageFailed {
     pub reason: String,
     /// Whether asking again later can succeed.
     pub retryable: bool,
+    /// The node, for a `local` tier.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 /// A verified copy of a dataset version now exists on a tier.

@@ -63,6 +63,44 @@ impl EventId {
         Self::for_content(&[project.as_bytes(), dataset.as_bytes(), version.as_bytes()])
     }
 
+    /// The id of a scheduler's stage request: the same job asking for the same data on the same
+    /// tier (and node) is the same request, however often its hook runs (slurmctld re-runs
+    /// hooks after a restart).
+    pub fn for_stage(
+        project: &str,
+        job_id: &str,
+        dataset: &str,
+        version: &str,
+        tier: &str,
+        node: Option<&str>,
+    ) -> Self {
+        Self::for_content(&[
+            b"stage",
+            project.as_bytes(),
+            job_id.as_bytes(),
+            dataset.as_bytes(),
+            version.as_bytes(),
+            tier.as_bytes(),
+            node.unwrap_or("").as_bytes(),
+        ])
+    }
+
+    /// The id of the release of the stage request [`EventId::for_stage`] gives for the same
+    /// arguments.
+    pub fn for_stage_release(
+        project: &str,
+        job_id: &str,
+        dataset: &str,
+        version: &str,
+        tier: &str,
+        node: Option<&str>,
+    ) -> Self {
+        Self::derive(
+            &Self::for_stage(project, job_id, dataset, version, tier, node),
+            "release",
+        )
+    }
+
     /// The id of the dead letter for the message at `stream_sequence` of `stream` as delivered
     /// to `consumer`: dead-lettering the same delivery twice yields the same id.
     pub fn for_dead_letter(stream: &str, consumer: &str, stream_sequence: u64) -> Self {

@@ -237,6 +237,7 @@ kinds! {
     "dataset.prepared" => DatasetPrepared,
     "stage.requested" => StageRequested,
     "stage.released" => StageReleased,
+    "stage.pending" => StagePending,
     "stage.ready" => StageReady,
     "stage.failed" => StageFailed,
     "replica.created" => ReplicaCreated,

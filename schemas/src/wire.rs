@@ -182,6 +182,7 @@ pub fn check(event: &Event) -> Result<(), DecodeError> {
     let payload_ids: [(&'static str, Option<&EventId>); 2] = match &event.body {
         Body::DatasetValidated(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::DatasetRejected(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
+        Body::StagePending(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::StageReady(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::StageFailed(p) => [("payload.request_id", Some(&p.request_id)), ("", None)],
         Body::DeadLetter(p) => [("payload.original_id", p.original_id.as_ref()), ("", None)],

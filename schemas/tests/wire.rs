@@ -383,6 +383,49 @@ fn matches_filter(filter: &str, subject: &str) -> bool {
 
 #[test]
 fn id_helpers_follow_the_written_rules() {
+    // A stage hook that runs twice publishes the same request (and the same release).
+    let stage = EventId::for_stage(
+        "vision-lab",
+        "4815162",
+        "street",
+        "9b1113d91ed7",
+        "local",
+        Some("gpu07"),
+    );
+    assert_eq!(
+        stage,
+        EventId::for_content(&[
+            b"stage",
+            b"vision-lab",
+            b"4815162",
+            b"street",
+            b"9b1113d91ed7",
+            b"local",
+            b"gpu07",
+        ])
+    );
+    assert_ne!(
+        stage,
+        EventId::for_stage(
+            "vision-lab",
+            "4815162",
+            "street",
+            "9b1113d91ed7",
+            "local",
+            Some("gpu08")
+        )
+    );
+    assert_eq!(
+        EventId::for_stage_release(
+            "vision-lab",
+            "4815162",
+            "street",
+            "9b1113d91ed7",
+            "local",
+            Some("gpu07")
+        ),
+        EventId::derive(&stage, "release")
+    );
     // Pinned values (computed independently with Python's hashlib from the rule in id.rs):
     // changing them breaks deduplication across an upgrade.
     let cause = EventId::new("req-1").unwrap();

@@ -134,6 +134,8 @@ impl Handler for OneFact {
                 },
                 job_id: r.job_id.clone(),
                 request_id: e.id.clone(),
+                node: None,
+                path: None,
             }),
         )])
     }
@@ -150,6 +152,8 @@ fn request(i: usize, pad: usize) -> Event {
             job_id: format!("{i}"),
             requested_by: "x".repeat(pad),
             deadline: None,
+            node: None,
+            form: None,
         }),
     )
 }

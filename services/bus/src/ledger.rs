@@ -396,6 +396,7 @@ mod tests {
                 version: "v".into(),
                 tier: "hot".into(),
                 job_id: "j".into(),
+                node: None,
             }),
         )
     }

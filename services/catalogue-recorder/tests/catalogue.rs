@@ -178,6 +178,8 @@ fn facts() -> Vec<Event> {
             location: hot.clone(),
             job_id: "job-1".into(),
             request_id: EventId::new("stage-1").unwrap(),
+            node: None,
+            path: None,
         }),
     ));
     out.push(v1.caused(
@@ -190,6 +192,7 @@ fn facts() -> Vec<Event> {
             request_id: EventId::new("stage-2").unwrap(),
             reason: "quota exceeded".into(),
             retryable: false,
+            node: None,
         }),
     ));
     out.push(v1.caused(

@@ -314,6 +314,7 @@ async fn poison_messages_are_dead_lettered_and_the_next_request_is_validated() {
             version: "v".into(),
             tier: "hot".into(),
             job_id: "1".into(),
+            node: None,
         });
         wire::encode(&event).unwrap()
     };

@@ -48,6 +48,8 @@ impl Handler for Ready {
                 },
                 job_id: req.job_id.clone(),
                 request_id: event.id.clone(),
+                node: None,
+                path: None,
             }),
         )])
     }

@@ -161,6 +161,8 @@ pub fn stage_request(id: &str) -> Event {
             job_id: format!("job-{id}"),
             requested_by: "scheduler".into(),
             deadline: None,
+            node: None,
+            form: None,
         }),
     )
 }
@@ -180,6 +182,8 @@ pub fn ready_fact(event: &Event) -> Event {
             },
             job_id: req.job_id.clone(),
             request_id: event.id.clone(),
+            node: None,
+            path: None,
         }),
     )
 }
