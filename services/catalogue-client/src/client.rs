@@ -304,6 +304,40 @@ impl Catalogue {
             Answer::Readiness { readiness, next } => Page { items: readiness, next })
     }
 
+    /// One page of the stage requests of a job, or of a dataset (and version).
+    pub async fn stage_requests(
+        &self,
+        project: &str,
+        job_id: Option<&str>,
+        dataset: Option<&str>,
+        version: Option<&str>,
+        after: Option<&str>,
+    ) -> Result<Page<StageStatus>, CatalogueError> {
+        let q = Query::StageRequests {
+            project: project.into(),
+            job_id: job_id.map(Into::into),
+            dataset: dataset.map(Into::into),
+            version: version.map(Into::into),
+            limit: None,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "stage_requests",
+            Answer::StageRequests { stages, next } => Page { items: stages, next })
+    }
+
+    /// One stage request's status.
+    pub async fn stage_request(
+        &self,
+        project: &str,
+        request_id: &str,
+    ) -> Result<StageStatus, CatalogueError> {
+        let q = Query::StageRequest {
+            project: project.into(),
+            request_id: request_id.into(),
+        };
+        expect!(self.ask(&q).await?, "stage_request", Answer::StageRequest { stage } => stage)
+    }
+
     /// One page of the facts the recorder could not fold, and how many there are in all.
     pub async fn problems(
         &self,

@@ -14,6 +14,8 @@
 //!                                                → {"answer":"version","version":{…},"replicas":[…],"replicas_next":null}
 //! {"query":"files","dataset":"cats","version":"3f2a9c01","limit":100,"after":"train/0099.jpg"}
 //!                                                → {"answer":"files","version":"3f2a9c01…","files":[…],"next":"train/0199.jpg"}
+//! {"query":"stage_requests","project":"lab-a","job_id":"4815162"}
+//!                                                → {"answer":"stage_requests","stages":[{"state":"copying",…}],"next":null}
 //! {"query":"file","dataset":"cats","version":"3f2a9c01","path":"labels.csv"}
 //!                                                → {"answer":"file","version":"3f2a…","file":{"path":…,"size":…,"sha256":…}}
 //! ```

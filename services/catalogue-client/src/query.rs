@@ -123,20 +123,24 @@ pub enum Query {
         dataset: String,
         request_id: String,
     },
-    /// Jobs' stages of a version (on one tier, or all), in (tier, job) order. `after`:
-    /// `<tier>/<job>`.
-    Stages {
+    /// Stage requests of a job (`job_id`), or of a dataset (`dataset`, and `version`: a digest,
+    /// a prefix of one, or a prefix as requests gave it), in request id order within each.
+    /// `after`: the `next` of the previous page.
+    StageRequests {
+        project: String,
         #[serde(default)]
-        project: Option<String>,
-        dataset: String,
-        version: String,
+        job_id: Option<String>,
         #[serde(default)]
-        tier: Option<String>,
+        dataset: Option<String>,
+        #[serde(default)]
+        version: Option<String>,
         #[serde(default)]
         limit: Option<u32>,
         #[serde(default)]
         after: Option<String>,
     },
+    /// One stage request's status.
+    StageRequest { project: String, request_id: String },
     /// Readiness of a version per tier (and node), or on one tier. `after`: `<tier>/<node>`
     /// (an empty node for a shared tier).
     Readiness {
@@ -223,9 +227,12 @@ pub enum Answer {
     Rejection {
         rejection: RejectionRecord,
     },
-    Stages {
-        stages: Vec<StageRecord>,
+    StageRequests {
+        stages: Vec<StageStatus>,
         next: Option<String>,
+    },
+    StageRequest {
+        stage: StageStatus,
     },
     Readiness {
         readiness: Vec<Readiness>,

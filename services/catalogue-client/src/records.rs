@@ -125,29 +125,80 @@ pub struct ReplicaRecord {
     pub last_drill: Option<Drill>,
 }
 
-/// Where one job's stage request stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+/// Where one stage request stands. Stored states are `pending`, `ready`, `failed` and
+/// `released`; `copying` is `pending` while the promoter reports progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StageState {
     Pending,
+    Copying,
     Ready,
     Failed,
     Released,
 }
 
-/// One job's stage of a version on a tier.
+/// How far the copy of a stage request has come (from the promoter's progress messages).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StageRecord {
+pub struct StageProgress {
+    pub files_done: u64,
+    pub files_total: u64,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    #[serde(default)]
+    pub eta_seconds: Option<u64>,
+}
+
+/// One stage request as a scheduler waits on it: the value of its key
+/// `<project>.<hex(request id)>` in the KV bucket [`STAGES_BUCKET`] ([`stage_kv_key`]), and
+/// what the `stage_requests` query lists. Written by the catalogue recorder only, from the
+/// request, the promoter's facts (`stage.pending`, `stage.ready`, `stage.failed`), the release,
+/// and progress messages (`copying`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageStatus {
+    pub request_id: EventId,
     pub project: String,
     pub dataset: String,
+    /// The version as the request named it (possibly a unique prefix).
     pub version: String,
+    /// The full digest, once a fact named it.
+    #[serde(default)]
+    pub resolved_version: Option<String>,
     pub tier: String,
+    #[serde(default)]
+    pub node: Option<String>,
     pub job_id: String,
     pub state: StageState,
+    /// What a pending request waits for: `validation`, `preparation`, `quota`, `copy`.
+    #[serde(default)]
+    pub waiting_for: Option<String>,
+    /// Why it waits, or why it failed, for a person.
+    #[serde(default)]
     pub reason: Option<String>,
+    /// Whether a failed request may succeed if asked again later.
+    #[serde(default)]
     pub retryable: Option<bool>,
-    pub request_id: Option<EventId>,
-    pub stamp: Stamp,
+    /// Where the job finds the data (the absolute path on the tier's mount), once ready.
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub progress: Option<StageProgress>,
+    #[serde(with = "utc")]
+    pub updated_at: OffsetDateTime,
+}
+
+/// The KV bucket of [`StageStatus`] records.
+pub const STAGES_BUCKET: &str = "stagehand_stages";
+
+/// The key of a stage request's status in [`STAGES_BUCKET`]: `<project>.<hex(request id)>`
+/// (hex keeps any id one token).
+pub fn stage_kv_key(project: &str, request_id: &EventId) -> String {
+    let mut key = String::with_capacity(project.len() + 1 + 2 * request_id.as_str().len());
+    key.push_str(project);
+    key.push('.');
+    for b in request_id.as_str().bytes() {
+        key.push_str(&format!("{b:02x}"));
+    }
+    key
 }
 
 /// A rejected ingest request, one record per request, with its reasons: the problems the

@@ -17,7 +17,8 @@ use stagehand_schemas::problem::ProblemTally;
 use stagehand_schemas::*;
 
 use crate::error::StoreError;
-use crate::model::{FileListRecord, ReadinessAggregate, StageFact};
+use crate::model::{FileListRecord, ReadinessAggregate};
+use crate::stage::{self, StageChange};
 use crate::store::*;
 
 /// Why one fact could not be folded.
@@ -126,26 +127,31 @@ pub fn problem(
 /// the event alone, so a redelivered (already applied) event still re-mirrors — the mirror
 /// may be what failed.
 pub fn touched(event: &Event) -> Option<ReadinessKey> {
-    let (dataset, version, tier) = match &event.body {
-        Body::DatasetValidated(p) => (&p.dataset, &p.version, &p.source.tier),
-        Body::DatasetPrepared(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::StageRequested(p) => (&p.dataset, &p.version, &p.tier),
-        Body::StageReleased(p) => (&p.dataset, &p.version, &p.tier),
-        Body::StageReady(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::StageFailed(p) => (&p.dataset, &p.version, &p.tier),
-        Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier),
+    let (dataset, version, tier, node) = match &event.body {
+        Body::DatasetValidated(p) => (&p.dataset, &p.version, &p.source.tier, None),
+        Body::DatasetPrepared(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::StageRequested(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::StageReleased(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::StagePending(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::StageReady(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::StageFailed(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
         _ => return None,
     };
+    // A stage fact may name a version prefix: its readiness is found through its request.
+    if !is_sha256_hex(version) {
+        return None;
+    }
     Some(ReadinessKey {
         project: event.project.clone(),
         dataset: dataset.clone(),
         version: version.clone(),
         tier: tier.clone(),
-        node: None,
+        node: node.cloned(),
     })
 }
 
@@ -169,6 +175,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::RestoreFailed(p) => restore_failed(txn, event, p, &stamp)?,
         Body::StageRequested(p) => stage_requested(txn, event, p, &stamp)?,
         Body::StageReleased(p) => stage_released(txn, event, p, &stamp)?,
+        Body::StagePending(p) => stage_pending(txn, event, p, &stamp)?,
         Body::StageReady(p) => stage_ready(txn, event, p, &stamp)?,
         Body::StageFailed(p) => stage_failed(txn, event, p, &stamp)?,
         Body::CheckpointCommitted(p) => checkpoint_committed(txn, event, p, &stamp)?,
@@ -435,44 +442,44 @@ fn stage_requested(
     p: &StageRequested,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let stage = Stage {
+    let change = StageChange {
+        request_id: event.id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::REQUESTED,
         state: StageState::Pending,
-        reason: None,
+        waiting_for: None,
+        reason: Some("waiting for the promoter".into()),
         retryable: None,
-        request_id: Some(event.id.clone()),
-        path: None,
+        ready: None,
     };
-    let id = [
-        event.project.as_str(),
-        &p.dataset,
-        &p.version,
-        &p.tier,
-        &p.job_id,
-    ];
-    set_stage(txn, id, stamp, stage)
+    stage::record(txn, event, change, stamp)
 }
 
-fn stage_released(
+fn stage_pending(
     txn: &WriteTransaction,
     event: &Event,
-    p: &StageReleased,
+    p: &StagePending,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let stage = Stage {
-        state: StageState::Released,
-        reason: None,
+    let change = StageChange {
+        request_id: p.request_id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::ANSWERED,
+        state: StageState::Pending,
+        waiting_for: Some(p.waiting_for.clone()),
+        reason: Some(p.reason.clone()),
         retryable: None,
-        request_id: None,
-        path: None,
+        ready: None,
     };
-    let id = [
-        event.project.as_str(),
-        &p.dataset,
-        &p.version,
-        &p.tier,
-        &p.job_id,
-    ];
-    set_stage(txn, id, stamp, stage)
+    stage::record(txn, event, change, stamp)
 }
 
 fn stage_ready(
@@ -481,21 +488,21 @@ fn stage_ready(
     p: &StageReady,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let stage = Stage {
+    let change = StageChange {
+        request_id: p.request_id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.location.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::ANSWERED,
         state: StageState::Ready,
+        waiting_for: None,
         reason: None,
         retryable: None,
-        request_id: Some(p.request_id.clone()),
-        path: Some(p.location.prefix.clone()),
+        ready: Some((p.path.clone(), p.location.prefix.clone())),
     };
-    let id = [
-        event.project.as_str(),
-        &p.dataset,
-        &p.version,
-        &p.location.tier,
-        &p.job_id,
-    ];
-    set_stage(txn, id, stamp, stage)
+    stage::record(txn, event, change, stamp)
 }
 
 fn stage_failed(
@@ -504,21 +511,68 @@ fn stage_failed(
     p: &StageFailed,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let stage = Stage {
+    let change = StageChange {
+        request_id: p.request_id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::ANSWERED,
         state: StageState::Failed,
+        waiting_for: None,
         reason: Some(p.reason.clone()),
         retryable: Some(p.retryable),
-        request_id: Some(p.request_id.clone()),
-        path: None,
+        ready: None,
     };
-    let id = [
-        event.project.as_str(),
+    stage::record(txn, event, change, stamp)
+}
+
+fn stage_released(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &StageReleased,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let change = StageChange {
+        request_id: released_request(event, p),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::RELEASED,
+        state: StageState::Released,
+        waiting_for: None,
+        reason: None,
+        retryable: None,
+        ready: None,
+    };
+    stage::record(txn, event, change, stamp)
+}
+
+/// The stage request a release ends: the one the same job, data, tier and node asked with.
+pub fn released_request(event: &Event, p: &StageReleased) -> EventId {
+    EventId::for_stage(
+        &event.project,
+        &p.job_id,
         &p.dataset,
         &p.version,
         &p.tier,
-        &p.job_id,
-    ];
-    set_stage(txn, id, stamp, stage)
+        p.node.as_deref(),
+    )
+}
+
+/// The stage request an event is about, if it is about one.
+pub fn stage_request_of(event: &Event) -> Option<EventId> {
+    match &event.body {
+        Body::StageRequested(_) => Some(event.id.clone()),
+        Body::StagePending(p) => Some(p.request_id.clone()),
+        Body::StageReady(p) => Some(p.request_id.clone()),
+        Body::StageFailed(p) => Some(p.request_id.clone()),
+        Body::StageReleased(p) => Some(released_request(event, p)),
+        _ => None,
+    }
 }
 
 fn checkpoint_committed(
@@ -826,77 +880,6 @@ fn set_drill(
         record.last_drill = Some(drill);
         write_replica(txn, &record)?;
     }
-    Ok(())
-}
-
-/// A stage record's fields as one fact sets them (all of them, so the newest fact alone
-/// decides the record).
-struct Stage {
-    state: StageState,
-    reason: Option<String>,
-    retryable: Option<bool>,
-    request_id: Option<EventId>,
-    /// Where a ready stage is, beneath the tier's root.
-    path: Option<String>,
-}
-
-fn set_stage(
-    txn: &WriteTransaction,
-    [project, dataset, version, tier, job_id]: [&str; 5],
-    stamp: &Stamp,
-    stage: Stage,
-) -> Result<(), FoldError> {
-    let key = (project, dataset, version, tier, job_id);
-    let what = || format!("stage {key:?}");
-    let mut stages = txn.open_table(STAGES)?;
-    let old: Option<StageRecord> = stages
-        .get(key)?
-        .map(|v| decode(v.value(), what))
-        .transpose()?;
-    let wins = old.as_ref().is_none_or(|old| *stamp > old.stamp);
-    if wins {
-        let record = StageRecord {
-            project: project.into(),
-            dataset: dataset.into(),
-            version: version.into(),
-            tier: tier.into(),
-            job_id: job_id.into(),
-            state: stage.state,
-            reason: stage.reason.clone(),
-            retryable: stage.retryable,
-            request_id: stage.request_id,
-            stamp: stamp.clone(),
-        };
-        stages.insert(key, encode(&record, what)?.as_slice())?;
-    }
-    drop(stages);
-
-    let rkey = (project, dataset, version, tier, "");
-    let rwhat = || format!("readiness {rkey:?}");
-    let mut readiness = txn.open_table(READINESS)?;
-    let mut aggregate: ReadinessAggregate = readiness
-        .get(rkey)?
-        .map(|v| decode(v.value(), rwhat))
-        .transpose()?
-        .unwrap_or_default();
-    if wins {
-        aggregate.moved(old.map(|o| o.state), stage.state);
-    }
-    // Maxima over every stage fact of the key, whichever job record each one won: order-free.
-    if aggregate.newest.as_ref().is_none_or(|n| *stamp > n.stamp) {
-        aggregate.newest = Some(StageFact {
-            stamp: stamp.clone(),
-            state: stage.state,
-            reason: stage.reason,
-            retryable: stage.retryable,
-        });
-    }
-    if let Some(path) = stage.path
-        && aggregate.ready_path.as_ref().is_none_or(|(s, _)| stamp > s)
-    {
-        aggregate.ready_path = Some((stamp.clone(), path));
-    }
-    readiness.insert(rkey, encode(&aggregate, rwhat)?.as_slice())?;
     Ok(())
 }
 

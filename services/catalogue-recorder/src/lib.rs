@@ -32,6 +32,7 @@ mod query;
 pub mod readiness;
 mod replay;
 mod service;
+mod stage;
 mod store;
 
 pub use chunk::{CHUNK_BYTES, CHUNK_ENTRIES};
@@ -39,7 +40,7 @@ pub use error::{RecorderError, StoreError};
 pub use files::FileLists;
 pub use query::{answer, encode_answer, serve};
 pub use replay::{MAX_REPLAY_BATCH_BYTES, Replayed, replay};
-pub use service::{RecorderConfig, RecorderStats, rebuild_if_needed, run};
+pub use service::{RecorderConfig, RecorderStats, run};
 pub use store::{Dump, FoldItem, Folded, MAX_BATCH, MAX_RECORD_BYTES, Store, Writer, WriterThread};
 #[cfg(test)]
 mod testing;

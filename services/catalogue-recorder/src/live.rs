@@ -1,8 +1,9 @@
 //! Folding facts as they arrive: the worker runtime's handler.
 //!
 //! For each fact: its file list into the store first when it records a version ([`FileLists`]),
-//! then the fold by the single writer, then the readiness it touched mirrored into the KV
-//! bucket. What becomes of a fact that cannot be folded:
+//! then the fold by the single writer, then what it touched mirrored into the KV buckets
+//! (readiness; a stage request's status). Stage requests and releases come from the requests
+//! stream, the promoter's progress reports from core NATS ([`follow_progress`]). What becomes of a fact that cannot be folded:
 //!
 //! - for a reason a retry can fix (its manifest is not in the bucket yet, a fetch timed out,
 //!   the store failed, the mirror failed): a retryable error, so the runtime naks it with a
@@ -17,15 +18,22 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
 use async_nats::jetstream::kv;
+use futures::StreamExt;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
-use stagehand_schemas::Event;
+use stagehand_catalogue::{ReadinessKey, STAGES_BUCKET, StageProgress, StageStatus, stage_kv_key};
+use stagehand_schemas::progress::{WorkProgress, progress_subject};
+use stagehand_schemas::subject::ROOT;
+use stagehand_schemas::{Event, EventId};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
 use crate::files::FileLists;
-use crate::fold::{self, FoldError, touched};
-use crate::readiness::{current, mirror};
+use crate::fold::{self, FoldError, stage_request_of, touched};
+use crate::readiness::{current, mirror, open_bucket};
 use crate::store::{FoldItem, Folded, Store, Writer};
 
 /// The handler of the recorder's two workers (facts, dead letters). It causes no facts.
@@ -33,7 +41,7 @@ pub(crate) struct LiveFold {
     pub store: Arc<Store>,
     pub writer: Writer,
     pub files: FileLists,
-    pub bucket: kv::Store,
+    pub mirror: Mirror,
     /// Cancelled when the store failed for good: stops the recorder.
     pub stop: CancellationToken,
     /// Set when the store failed for good.
@@ -86,36 +94,212 @@ impl Handler for LiveFold {
             }
             Err(e) => return Err(self.store_error(event, e)),
         }
-        if let Some(key) = touched(event) {
-            let store = self.store.clone();
-            let readiness = tokio::task::spawn_blocking(move || current(&store, &key))
-                .await
-                .map_err(HandlerError::retryable)?
-                .map_err(|e| self.store_error(event, e))?;
-            if let Some(readiness) = readiness {
-                mirror(&self.bucket, &readiness)
-                    .await
-                    .map_err(HandlerError::retryable)?;
-            }
-        }
+        self.mirror
+            .event(&self.store, event)
+            .await
+            .map_err(HandlerError::retryable)?;
         Ok(Vec::new())
     }
 }
 
-/// Mirrors the readiness of `keys` (after a rebuild).
-pub(crate) async fn mirror_all(
-    store: &Arc<Store>,
-    bucket: &kv::Store,
-    keys: Vec<stagehand_catalogue::ReadinessKey>,
-) -> Result<(), RecorderError> {
-    for key in keys {
+/// The two KV buckets the recorder keeps for schedulers: readiness per (version, tier, node)
+/// and the status of each stage request.
+#[derive(Clone)]
+pub(crate) struct Mirror {
+    pub readiness: kv::Store,
+    pub stages: kv::Store,
+}
+
+impl Mirror {
+    /// Opens (or creates) both buckets.
+    pub async fn open(js: &async_nats::jetstream::Context) -> Result<Mirror, RecorderError> {
+        Ok(Mirror {
+            readiness: open_bucket(js).await?,
+            stages: open_stages_bucket(js).await?,
+        })
+    }
+
+    /// Mirrors what `event` touched.
+    pub async fn event(&self, store: &Arc<Store>, event: &Event) -> Result<(), RecorderError> {
+        if let Some(key) = touched(event) {
+            self.readiness_of(store, key).await?;
+        }
+        if let Some(id) = stage_request_of(event) {
+            self.stage(store, &event.project, &id).await?;
+        }
+        Ok(())
+    }
+
+    /// Mirrors one readiness key.
+    pub async fn readiness_of(
+        &self,
+        store: &Arc<Store>,
+        key: ReadinessKey,
+    ) -> Result<(), RecorderError> {
         let s = store.clone();
         let readiness = tokio::task::spawn_blocking(move || current(&s, &key))
             .await
             .map_err(|e| RecorderError::nats("reading readiness", e))??;
         if let Some(readiness) = readiness {
-            mirror(bucket, &readiness).await?;
+            mirror(&self.readiness, &readiness).await?;
         }
+        Ok(())
+    }
+
+    /// Mirrors one stage request's status, and the readiness it counts in.
+    pub async fn stage(
+        &self,
+        store: &Arc<Store>,
+        project: &str,
+        id: &EventId,
+    ) -> Result<(), RecorderError> {
+        let s = store.clone();
+        let (p, i) = (project.to_owned(), id.to_string());
+        let found = tokio::task::spawn_blocking(move || s.stage_status(&p, &i))
+            .await
+            .map_err(|e| RecorderError::nats("reading a stage request", e))??;
+        let Some((status, key)) = found else {
+            return Ok(());
+        };
+        mirror_stage(&self.stages, &status).await?;
+        if let Some(key) = key {
+            self.readiness_of(store, key).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes one stage request's status into its bucket.
+pub(crate) async fn mirror_stage(
+    bucket: &kv::Store,
+    status: &StageStatus,
+) -> Result<(), RecorderError> {
+    let value = serde_json::to_vec(status)
+        .map_err(|e| RecorderError::nats("encoding a stage status", e))?;
+    bucket
+        .put(
+            stage_kv_key(&status.project, &status.request_id),
+            value.into(),
+        )
+        .await
+        .map_err(|e| RecorderError::nats("writing a stage status", e))?;
+    Ok(())
+}
+
+/// Opens the stage status bucket, creating it if missing.
+pub async fn open_stages_bucket(
+    js: &async_nats::jetstream::Context,
+) -> Result<kv::Store, RecorderError> {
+    match js.get_key_value(STAGES_BUCKET).await {
+        Ok(store) => Ok(store),
+        Err(_) => js
+            .create_key_value(kv::Config {
+                bucket: STAGES_BUCKET.into(),
+                description: "Stagehand: the status of each stage request, by request id".into(),
+                history: 5,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| RecorderError::nats("creating the stage status bucket", e)),
+    }
+}
+
+/// Least time between two progress reports of one request that are kept and mirrored.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Follows the promoter's progress reports of stage requests
+/// (`stagehand.progress.stage.requested.<project>.<hex(id)>`) until `shutdown`: a pending
+/// request with progress is `copying`. Reports come about once a second per copy and are
+/// throttled to [`PROGRESS_EVERY`] per request; one whose subject does not name the request its
+/// body names (another project's, say) is ignored.
+pub(crate) async fn follow_progress(
+    client: async_nats::Client,
+    store: Arc<Store>,
+    mirror: Mirror,
+    shutdown: CancellationToken,
+) -> Result<(), RecorderError> {
+    let filter = format!("{ROOT}.progress.stage.requested.>");
+    let mut subscription = client
+        .subscribe(filter)
+        .await
+        .map_err(|e| RecorderError::nats("subscribing to stage progress", e))?;
+    let mut last: HashMap<(String, EventId), Instant> = HashMap::new();
+    loop {
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            message = subscription.next() => match message {
+                Some(m) => m,
+                None => break,
+            },
+        };
+        let Ok(report) = WorkProgress::decode(&message.payload) else {
+            tracing::debug!(subject = %message.subject, "ignoring a progress message that does not decode");
+            continue;
+        };
+        let project = message
+            .subject
+            .split('.')
+            .nth(4)
+            .unwrap_or_default()
+            .to_owned();
+        if progress_subject("stage.requested", &project, &report.request_id)
+            != message.subject.as_str()
+        {
+            tracing::debug!(subject = %message.subject, "ignoring a progress message for another request than its subject's");
+            continue;
+        }
+        let now = Instant::now();
+        let key = (project, report.request_id.clone());
+        if last
+            .get(&key)
+            .is_some_and(|t| now.duration_since(*t) < PROGRESS_EVERY)
+        {
+            continue;
+        }
+        if last.len() > 10_000 {
+            last.retain(|_, t| now.duration_since(*t) < PROGRESS_EVERY * 10);
+        }
+        last.insert(key.clone(), now);
+        let progress = StageProgress {
+            files_done: report.files_done,
+            files_total: report.files_total,
+            bytes_done: report.bytes_done,
+            bytes_total: report.bytes_total,
+            eta_seconds: report.eta_seconds,
+        };
+        let s = store.clone();
+        let (p, id) = (key.0.clone(), key.1.to_string());
+        let shown =
+            tokio::task::spawn_blocking(move || s.record_progress(&p, &id, &progress)).await;
+        match shown {
+            Ok(Ok(Some(status))) => {
+                if let Err(e) = mirror_stage(&mirror.stages, &status).await {
+                    tracing::warn!(error = %e, request_id = %key.1, "could not mirror stage progress");
+                }
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, request_id = %key.1, "could not keep stage progress")
+            }
+            Err(e) => tracing::warn!(error = %e, "progress task failed"),
+        }
+    }
+    let _ = subscription.unsubscribe().await;
+    Ok(())
+}
+
+/// Mirrors what a rebuild touched.
+pub(crate) async fn mirror_all(
+    store: &Arc<Store>,
+    mirror: &Mirror,
+    keys: Vec<ReadinessKey>,
+    stages: Vec<(String, EventId)>,
+) -> Result<(), RecorderError> {
+    for key in keys {
+        mirror.readiness_of(store, key).await?;
+    }
+    for (project, id) in stages {
+        mirror.stage(store, &project, &id).await?;
     }
     Ok(())
 }

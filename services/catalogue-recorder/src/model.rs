@@ -3,7 +3,7 @@
 //! is derived from.
 
 use serde::{Deserialize, Serialize};
-use stagehand_catalogue::{JobCounts, StageState, Stamp};
+use stagehand_catalogue::{JobCounts, StageProgress, StageState, StageStatus, Stamp};
 
 /// A version's file list is complete in the store: `chunks` rows of `files` entries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,12 +45,45 @@ impl ReadinessAggregate {
         *self.count(to) += 1;
     }
 
+    /// Takes one job away from `state`'s count.
+    pub fn left(&mut self, state: StageState) {
+        let c = self.count(state);
+        *c = c.saturating_sub(1);
+    }
+
     fn count(&mut self, state: StageState) -> &mut u64 {
         match state {
-            StageState::Pending => &mut self.jobs.pending,
+            // Copying is never stored: it is pending with progress.
+            StageState::Pending | StageState::Copying => &mut self.jobs.pending,
             StageState::Ready => &mut self.jobs.ready,
             StageState::Failed => &mut self.jobs.failed,
             StageState::Released => &mut self.jobs.released,
         }
+    }
+}
+
+/// A stage request as stored: its status, and the registers that order the facts about it —
+/// the state follows the fact of the highest (rank, stamp), so a release is final whatever the
+/// clocks say and anything beats the bare request; the path follows the newest `stage.ready`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageRecord {
+    pub status: StageStatus,
+    pub rank: u8,
+    pub stamp: Stamp,
+    pub path_stamp: Option<Stamp>,
+}
+
+impl StageRecord {
+    /// The status as answered and mirrored: a pending request the promoter reports progress
+    /// for is `copying`.
+    pub fn shown(&self, progress: Option<StageProgress>) -> StageStatus {
+        let mut status = self.status.clone();
+        if status.state == StageState::Pending
+            && let Some(progress) = progress
+        {
+            status.state = StageState::Copying;
+            status.progress = Some(progress);
+        }
+        status
     }
 }

@@ -282,18 +282,36 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
                 }
             }
         }
-        Query::Stages {
+        Query::StageRequests {
             project,
+            job_id,
             dataset,
             version,
-            tier,
             limit,
             after,
         } => {
-            let version = resolve_version(txn, project, dataset, version)?;
-            let (stages, next) = stages(txn, &version, tier.as_deref(), *limit, after.as_deref())?;
-            Answer::Stages { stages, next }
+            let (stages, next) = stage_requests(
+                txn,
+                project,
+                job_id.as_deref(),
+                dataset.as_deref(),
+                version.as_deref(),
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::StageRequests { stages, next }
         }
+        Query::StageRequest {
+            project,
+            request_id,
+        } => match crate::stage::status_in(txn, project, request_id)? {
+            Some((stage, _)) => Answer::StageRequest { stage },
+            None => {
+                return Err(not_found(format!(
+                    "no stage request {request_id:?} in project {project:?}"
+                )));
+            }
+        },
         Query::Readiness {
             project,
             dataset,
@@ -661,41 +679,64 @@ fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail
         .transpose()
 }
 
-fn stages(
+fn stage_requests(
     txn: &ReadTransaction,
-    version: &VersionRecord,
-    tier: Option<&str>,
+    project: &str,
+    job_id: Option<&str>,
+    dataset: Option<&str>,
+    version: Option<&str>,
     limit: Option<u32>,
     after: Option<&str>,
-) -> Result<(Vec<StageRecord>, Option<String>), Fail> {
-    let (p, d, v) = (
-        version.project.as_str(),
-        version.dataset.as_str(),
-        version.version.as_str(),
-    );
-    let after = two_part_cursor(after)?;
-    let (t0, j0) = after
-        .clone()
-        .unwrap_or_else(|| (tier.unwrap_or("").to_owned(), String::new()));
-    let table = txn.open_table(STAGES)?;
+) -> Result<(Vec<StageStatus>, Option<String>), Fail> {
     let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
-    for row in table.range((p, d, v, t0.as_str(), j0.as_str())..)? {
-        let (k, val) = row?;
-        let key = k.value();
-        if (key.0, key.1, key.2) != (p, d, v) || tier.is_some_and(|t| t != key.3) {
-            break;
+    let offer = |page: &mut Page<StageStatus>, id: &str, cursor: String| -> Result<bool, Fail> {
+        match crate::stage::status_in(txn, project, id)? {
+            Some((status, _)) => Ok(page.offer(status, || cursor)),
+            None => Ok(true),
         }
-        if after
-            .as_ref()
-            .is_some_and(|(t, j)| (t.as_str(), j.as_str()) == (key.3, key.4))
-        {
-            continue;
+    };
+    if let Some(job) = job_id {
+        let table = txn.open_table(STAGES_BY_JOB)?;
+        for row in table.range((project, job, after.unwrap_or(""))..)? {
+            let (k, _) = row?;
+            let (p, j, id) = k.value();
+            if (p, j) != (project, job) {
+                break;
+            }
+            if after == Some(id) {
+                continue;
+            }
+            if !offer(&mut page, id, id.to_owned())? {
+                break;
+            }
         }
-        let record: StageRecord = read(val.value(), || format!("stage {key:?}"))?;
-        let c = cursor::join(key.3, key.4);
-        if !page.offer(record, || c) {
-            break;
+    } else if let Some(dataset) = dataset {
+        let prefix = version.unwrap_or("");
+        let start = two_part_cursor(after)?;
+        let (v0, id0) = start
+            .clone()
+            .unwrap_or_else(|| (prefix.to_owned(), String::new()));
+        let table = txn.open_table(STAGES_BY_VERSION)?;
+        for row in table.range((project, dataset, v0.as_str(), id0.as_str())..)? {
+            let (k, _) = row?;
+            let (p, d, v, id) = k.value();
+            if (p, d) != (project, dataset) || !v.starts_with(prefix) {
+                break;
+            }
+            if start
+                .as_ref()
+                .is_some_and(|(sv, sid)| (sv.as_str(), sid.as_str()) == (v, id))
+            {
+                continue;
+            }
+            if !offer(&mut page, id, cursor::join(v, id))? {
+                break;
+            }
         }
+    } else {
+        return Err(bad_query(
+            "a stage_requests query names a job_id or a dataset".into(),
+        ));
     }
     Ok(page.done())
 }

@@ -19,11 +19,11 @@ use std::sync::Arc;
 use async_nats::jetstream::{self, consumer::DeliverPolicy, consumer::pull::OrderedConfig};
 use futures::StreamExt;
 use stagehand_catalogue::ReadinessKey;
-use stagehand_schemas::wire;
+use stagehand_schemas::{EventId, wire};
 
 use crate::error::RecorderError;
 use crate::files::FileLists;
-use crate::fold::{self, touched};
+use crate::fold::{self, stage_request_of, touched};
 use crate::store::{FoldItem, Folded, Store};
 
 /// Bytes of messages folded in one commit during a rebuild.
@@ -47,9 +47,11 @@ pub struct Replayed {
     pub batches: u64,
     /// Readiness keys the replay touched.
     pub touched: Vec<ReadinessKey>,
+    /// Stage requests (project, request id) the replay touched.
+    pub stages: Vec<(String, EventId)>,
 }
 
-/// Replays `stream` (all subjects matching `filter`) into `store`.
+/// Replays `stream` (all subjects matching `filter`, a comma-separated list) into `store`.
 pub async fn replay(
     js: &jetstream::Context,
     stream: &str,
@@ -75,7 +77,7 @@ pub async fn replay(
     }
     let consumer = s
         .create_consumer(OrderedConfig {
-            filter_subject: filter.into(),
+            filter_subjects: filter.split(',').map(str::to_owned).collect(),
             deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: 1 },
             ..Default::default()
         })
@@ -134,6 +136,8 @@ pub async fn replay(
     }
     out.touched.sort();
     out.touched.dedup();
+    out.stages.sort();
+    out.stages.dedup();
     Ok(out)
 }
 
@@ -161,7 +165,12 @@ async fn fold_batch(
     for (item, result) in items.iter().zip(results) {
         out.events += 1;
         match result {
-            Folded::Done => out.touched.extend(touched(&item.event)),
+            Folded::Done => {
+                out.touched.extend(touched(&item.event));
+                if let Some(id) = stage_request_of(&item.event) {
+                    out.stages.push((item.event.project.clone(), id));
+                }
+            }
             Folded::Skipped { problem, .. } => {
                 out.skipped += 1;
                 tracing::error!(

@@ -9,16 +9,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use stagehand_bus::{Bus, HandlerError, WorkerConfig, WorkerStats, run_worker};
 use stagehand_manifest::Spool;
-use stagehand_schemas::subject::{DEAD_LETTERS, FACTS};
+use stagehand_schemas::subject::{DEAD_LETTERS, FACTS, REQUESTS};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
 use crate::files::FileLists;
-use crate::live::{LiveFold, mirror_all};
+use crate::live::{LiveFold, Mirror, follow_progress, mirror_all};
 use crate::query::serve;
-use crate::readiness::open_bucket;
 use crate::replay::replay;
 use crate::store::{Store, Writer};
+
+/// The requests the recorder folds besides facts: stage requests and their releases, whose
+/// statuses it keeps for schedulers (a comma-separated list of filters).
+const STAGE_REQUESTS_FILTER: &str =
+    "stagehand.req.stage.requested.*,stagehand.req.stage.released.*";
 
 /// Configuration of one recorder instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,16 +113,18 @@ pub struct RecorderStats {
     pub rebuilt: Option<(u64, u64)>,
     pub facts: WorkerStats,
     pub dead_letters: WorkerStats,
+    /// Stage requests and releases (from the requests stream).
+    pub stage_requests: WorkerStats,
 }
 
-/// Rebuilds `store` from the facts and dead-letter streams if it is not complete, and mirrors
-/// the readiness the replay touched. Returns the events replayed (facts, dead letters), or
-/// `None` when the store was complete already.
-pub async fn rebuild_if_needed(
+/// Rebuilds `store` from the facts, dead-letter and (stage) request streams if it is not
+/// complete, and mirrors what the replay touched. Returns the events replayed (facts, dead
+/// letters), or `None` when the store was complete already.
+pub(crate) async fn rebuild_if_needed(
     bus: &Bus,
     store: &Arc<Store>,
     files: &FileLists,
-    bucket: &async_nats::jetstream::kv::Store,
+    mirror: &Mirror,
 ) -> Result<Option<(u64, u64)>, RecorderError> {
     let s = store.clone();
     let complete = tokio::task::spawn_blocking(move || s.is_complete())
@@ -144,7 +150,17 @@ pub async fn rebuild_if_needed(
         files,
     )
     .await?;
-    mirror_all(store, bucket, facts.touched.clone()).await?;
+    let requests = replay(
+        bus.jetstream(),
+        REQUESTS.name,
+        STAGE_REQUESTS_FILTER,
+        store,
+        files,
+    )
+    .await?;
+    let touched = [facts.touched.clone(), requests.touched.clone()].concat();
+    let stages = [facts.stages.clone(), requests.stages.clone()].concat();
+    mirror_all(store, mirror, touched, stages).await?;
     let s = store.clone();
     let through = facts.through;
     tokio::task::spawn_blocking(move || s.mark_complete(through))
@@ -153,6 +169,7 @@ pub async fn rebuild_if_needed(
     tracing::info!(
         facts = facts.events,
         dead_letters = dead.events,
+        stage_requests = requests.events,
         undecodable = facts.undecodable + dead.undecodable,
         skipped = facts.skipped + dead.skipped,
         batches = facts.batches + dead.batches,
@@ -178,27 +195,33 @@ pub async fn run(
             .await
             .map_err(|e| RecorderError::Worker(e.to_string()))??,
     );
-    let bucket = open_bucket(bus.jetstream()).await?;
+    let mirror = Mirror::open(bus.jetstream()).await?;
     let files = config.file_lists(&bus, &store);
-    let rebuilt = rebuild_if_needed(&bus, &store, &files, &bucket).await?;
+    let rebuilt = rebuild_if_needed(&bus, &store, &files, &mirror).await?;
     let (writer, writer_thread) = Writer::start(store.clone());
     let store_failed = Arc::new(AtomicBool::new(false));
     let handler = Arc::new(LiveFold {
         store: store.clone(),
         writer,
         files,
-        bucket,
+        mirror: mirror.clone(),
         stop: shutdown.clone(),
         store_failed: store_failed.clone(),
     });
 
     let queries = tokio::spawn(serve(bus.client().clone(), store.clone(), shutdown.clone()));
+    let progress = tokio::spawn(follow_progress(
+        bus.client().clone(),
+        store.clone(),
+        mirror,
+        shutdown.clone(),
+    ));
 
     let worker = |service: String, stream: &str, filter: &str| {
         let mut cfg = WorkerConfig::new(
             service.clone(),
             stream,
-            vec![filter.to_owned()],
+            filter.split(',').map(str::to_owned).collect(),
             config.ledger_dir.join(format!("{service}.redb")),
         );
         cfg.concurrency = config.concurrency;
@@ -213,7 +236,13 @@ pub async fn run(
         DEAD_LETTERS.name,
         "stagehand.dlq.>",
     );
+    let stages_cfg = worker(
+        format!("{}-stages", config.instance),
+        REQUESTS.name,
+        STAGE_REQUESTS_FILTER,
+    );
     let facts = run_worker(bus.clone(), facts_cfg, handler.clone(), shutdown.clone());
+    let stage_requests = run_worker(bus.clone(), stages_cfg, handler.clone(), shutdown.clone());
     let dead_letters = async {
         if config.dead_letters {
             run_worker(bus.clone(), dlq_cfg, handler.clone(), shutdown.clone()).await
@@ -221,10 +250,11 @@ pub async fn run(
             Ok(WorkerStats::default())
         }
     };
-    let (facts, dead_letters) = tokio::join!(facts, dead_letters);
-    // Either worker failing stops the whole recorder.
+    let (facts, dead_letters, stage_requests) = tokio::join!(facts, dead_letters, stage_requests);
+    // Any worker failing stops the whole recorder.
     shutdown.cancel();
     let _ = queries.await;
+    let _ = progress.await;
     // Release the store (the writer thread holds it) before returning, so that whoever runs
     // the recorder can reopen the file at once. A handler still held by an abandoned task would
     // keep it; the wait is bounded by the shutdown deadline.
@@ -243,10 +273,12 @@ pub async fn run(
     }
     let facts = facts.map_err(|e| RecorderError::Worker(e.to_string()))?;
     let dead_letters = dead_letters.map_err(|e| RecorderError::Worker(e.to_string()))?;
+    let stage_requests = stage_requests.map_err(|e| RecorderError::Worker(e.to_string()))?;
     Ok(RecorderStats {
         rebuilt,
         facts,
         dead_letters,
+        stage_requests,
     })
 }
 

@@ -2,20 +2,23 @@
 //!
 //! | table | key | value |
 //! | --- | --- | --- |
-//! | `datasets` | (project, dataset) | [`DatasetRecord`] |
+//! | `datasets` | (project, dataset) | [`stagehand_catalogue::DatasetRecord`] |
 //! | `dataset_names` | (dataset, project) | — (which projects have a dataset of that name) |
-//! | `versions` | (project, dataset, version) | [`VersionRecord`] |
+//! | `versions` | (project, dataset, version) | [`stagehand_catalogue::VersionRecord`] |
 //! | `version_order` | (project, dataset, provenance time in ns, version) | — (versions oldest first) |
 //! | `version_requests` | (project, dataset, version, request id) | — |
 //! | `file_lists` | version digest | [`FileListRecord`]: the list is complete |
 //! | `file_chunks` | (version digest, first path) | a chunk of entries ([`crate::chunk`]) |
-//! | `replicas` | (project, dataset, version, tier) | [`ReplicaRecord`] |
-//! | `stages` | (project, dataset, version, tier, job) | [`StageRecord`] |
-//! | `readiness` | (project, dataset, version, tier, node or "") | [`ReadinessAggregate`] |
-//! | `rejections` | (project, dataset, request id) | [`RejectionRecord`], one per request |
-//! | `dead_letters` | service | [`DeadLetterRecord`] |
-//! | `checkpoints` | (project, run, step) | [`CheckpointRecord`] |
-//! | `problems` | event id | [`FoldProblem`]: a fact that could not be folded |
+//! | `replicas` | (project, dataset, version, tier) | [`stagehand_catalogue::ReplicaRecord`] |
+//! | `stage_requests` | (project, request id) | [`crate::model::StageRecord`]: a stage request's status |
+//! | `stages_by_job` | (project, job, request id) | — |
+//! | `stages_by_version` | (project, dataset, version — the full digest once known, else as requested, request id) | — |
+//! | `stage_progress` | (project, request id) | the copy's last progress (live only, not in a [`Dump`]) |
+//! | `readiness` | (project, dataset, version, tier, node or "") | [`crate::model::ReadinessAggregate`] |
+//! | `rejections` | (project, dataset, request id) | [`stagehand_catalogue::RejectionRecord`], one per request |
+//! | `dead_letters` | service | [`stagehand_catalogue::DeadLetterRecord`] |
+//! | `checkpoints` | (project, run, step) | [`stagehand_catalogue::CheckpointRecord`] |
+//! | `problems` | event id | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
 //! | `applied` | event id | — (facts folded) |
 //! | `meta` | name | layout version, rebuild completion |
 //!
@@ -65,7 +68,17 @@ pub(crate) const VERSION_REQUESTS: TableDefinition<(S, S, S, S), ()> =
 pub(crate) const FILE_LISTS: TableDefinition<S, Bytes> = TableDefinition::new("file_lists");
 pub(crate) const FILE_CHUNKS: TableDefinition<(S, S), Bytes> = TableDefinition::new("file_chunks");
 pub(crate) const REPLICAS: TableDefinition<(S, S, S, S), Bytes> = TableDefinition::new("replicas");
-pub(crate) const STAGES: TableDefinition<(S, S, S, S, S), Bytes> = TableDefinition::new("stages");
+pub(crate) const STAGE_REQUESTS: TableDefinition<(S, S), Bytes> =
+    TableDefinition::new("stage_requests");
+pub(crate) const STAGES_BY_JOB: TableDefinition<(S, S, S), ()> =
+    TableDefinition::new("stages_by_job");
+pub(crate) const STAGES_BY_VERSION: TableDefinition<(S, S, S, S), ()> =
+    TableDefinition::new("stages_by_version");
+/// Progress of copies as the promoter last reported it: live state, not folded from the
+/// streams (progress messages are not stored), so not part of a [`Dump`] and empty after a
+/// rebuild until the next report.
+pub(crate) const STAGE_PROGRESS: TableDefinition<(S, S), Bytes> =
+    TableDefinition::new("stage_progress");
 pub(crate) const READINESS: TableDefinition<(S, S, S, S, S), Bytes> =
     TableDefinition::new("readiness");
 pub(crate) const REJECTIONS: TableDefinition<(S, S, S), Bytes> = TableDefinition::new("rejections");
@@ -167,7 +180,9 @@ macro_rules! for_each_table {
         $m!(FILE_LISTS);
         $m!(FILE_CHUNKS);
         $m!(REPLICAS);
-        $m!(STAGES);
+        $m!(STAGE_REQUESTS);
+        $m!(STAGES_BY_JOB);
+        $m!(STAGES_BY_VERSION);
         $m!(READINESS);
         $m!(REJECTIONS);
         $m!(DEAD_LETTERS);
@@ -209,6 +224,7 @@ impl Store {
             };
         }
         for_each_table!(create);
+        txn.open_table(STAGE_PROGRESS)?;
         txn.commit()?;
         Ok(Self { db, path })
     }
@@ -220,6 +236,11 @@ impl Store {
     /// A read transaction (queries).
     pub(crate) fn reader(&self) -> Result<ReadTransaction, StoreError> {
         Ok(self.db.begin_read()?)
+    }
+
+    /// A write transaction beside the writer's (live-only state).
+    pub(crate) fn writer_txn(&self) -> Result<WriteTransaction, StoreError> {
+        Ok(self.db.begin_write()?)
     }
 
     /// Whether a rebuild completed into this store.

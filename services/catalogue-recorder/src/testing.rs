@@ -114,6 +114,8 @@ pub fn stage(n: u32, job: &str, ready: bool) -> Event {
             },
             job_id: job.into(),
             request_id: EventId::new(format!("stage-{job}")).unwrap(),
+            node: None,
+            path: Some("/mnt/local/lab-a/cats/v".into()),
         })
     } else {
         Body::StageFailed(StageFailed {
@@ -124,6 +126,7 @@ pub fn stage(n: u32, job: &str, ready: bool) -> Event {
             request_id: EventId::new(format!("stage-{job}")).unwrap(),
             reason: "quota exceeded".into(),
             retryable: false,
+            node: None,
         })
     };
     v.caused(&format!("{job}:{ready}"), body)

@@ -319,6 +319,29 @@ async fn the_catalogue_rebuilt_from_the_stream_equals_the_one_built_live() -> an
     answering(&cat).await?;
 
     let mut facts = facts();
+    // A stage request and its release come from the requests stream.
+    let stage = Event::request(
+        EventId::for_stage(
+            "lab-a",
+            "job-9",
+            "cats",
+            &version(&facts[0])[..12],
+            "hot",
+            None,
+        ),
+        "lab-a",
+        Body::StageRequested(StageRequested {
+            dataset: "cats".into(),
+            version: version(&facts[0])[..12].into(),
+            tier: "hot".into(),
+            job_id: "job-9".into(),
+            requested_by: "slurm".into(),
+            deadline: None,
+            node: None,
+            form: None,
+        }),
+    );
+    bus.publish(&stage).await?;
     // A version by reference, of more files than may travel inline.
     let (big, _) = by_reference(&bus, "req-big", "cats", files(5000, "big"), true).await?;
     facts.push(big);
@@ -341,6 +364,7 @@ async fn the_catalogue_rebuilt_from_the_stream_equals_the_one_built_live() -> an
     wait_until(WAIT, "the live recorder to fold every fact", || async {
         drained(&bus, subject::FACTS.name, "catalogue-recorder").await
             && drained(&bus, subject::DEAD_LETTERS.name, "catalogue-recorder-dlq").await
+            && drained(&bus, subject::REQUESTS.name, "catalogue-recorder-stages").await
     })
     .await?;
     let stats = live.stop().await?;
@@ -353,7 +377,7 @@ async fn the_catalogue_rebuilt_from_the_stream_equals_the_one_built_live() -> an
     let live_dump = live_store.dump()?;
     assert_eq!(
         live_dump.rows("applied").len(),
-        facts.len() + 2,
+        facts.len() + 3,
         "copies applied once"
     );
     assert_eq!(live_store.problem_count()?, 0);
@@ -1021,5 +1045,162 @@ async fn the_live_recorder_retries_a_fact_whose_manifest_is_missing_until_it_app
     assert!(stats.facts.retried >= 1, "{stats:?}");
     assert_eq!(stats.facts.dead_lettered, 0);
     assert_eq!(stats.facts.handled, 1);
+    Ok(())
+}
+
+/// A scheduler's view of one stage request, mirrored into `stagehand_stages`: pending with what
+/// it waits for, copying with the promoter's progress, ready with the path, then released —
+/// from the request and release (requests stream), the promoter's facts and its progress
+/// messages; and the per-node readiness key beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -> anyhow::Result<()>
+{
+    let (_nats, bus) = setup().await?;
+    let dir = tempfile::tempdir()?;
+    let recorder = start(&bus, dir.path());
+    let cat = catalogue(&bus);
+    answering(&cat).await?;
+    let validated = validated(&ingest(3, "cats"));
+    bus.publish(&validated).await?;
+    let v = version(&validated);
+    let prefix = &v[..12];
+    let node = Some("gpu-07");
+    let id = EventId::for_stage("lab-a", "4815162", "cats", prefix, "local", node);
+    let request = Event::request(
+        id.clone(),
+        "lab-a",
+        Body::StageRequested(StageRequested {
+            dataset: "cats".into(),
+            version: prefix.into(),
+            tier: "local".into(),
+            job_id: "4815162".into(),
+            requested_by: "slurm".into(),
+            deadline: None,
+            node: node.map(Into::into),
+            form: None,
+        }),
+    );
+    bus.publish(&request).await?;
+    let kv = bus.jetstream().get_key_value(STAGES_BUCKET).await?;
+    let key = stage_kv_key("lab-a", &id);
+    let status = |kv: async_nats::jetstream::kv::Store, key: String| async move {
+        kv.get(key)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|v| serde_json::from_slice::<StageStatus>(&v).ok())
+    };
+    wait_until(WAIT, "the request mirrored as pending", || async {
+        status(kv.clone(), key.clone())
+            .await
+            .is_some_and(|s| s.state == StageState::Pending)
+    })
+    .await?;
+    bus.publish(&request.caused(
+        "pending:copy",
+        Body::StagePending(StagePending {
+            dataset: "cats".into(),
+            version: prefix.into(),
+            tier: "local".into(),
+            node: node.map(Into::into),
+            job_id: "4815162".into(),
+            request_id: id.clone(),
+            waiting_for: "copy".into(),
+            reason: "waiting for a copy slot".into(),
+        }),
+    ))
+    .await?;
+    wait_until(WAIT, "pending with what it waits for", || async {
+        status(kv.clone(), key.clone())
+            .await
+            .is_some_and(|s| s.waiting_for.as_deref() == Some("copy"))
+    })
+    .await?;
+    let report = stagehand_schemas::progress::WorkProgress {
+        request_id: id.clone(),
+        service: "promoter".into(),
+        phase: "copying".into(),
+        files_done: 1,
+        files_total: 3,
+        bytes_done: 1,
+        bytes_total: 3,
+        eta_seconds: Some(2),
+    };
+    let subject = stagehand_schemas::progress::progress_subject("stage.requested", "lab-a", &id);
+    // Progress is core NATS and may be sent before anyone listens: send until it shows.
+    let copying = stagehand_testkit::wait_for(WAIT, "copying with progress", || async {
+        bus.client()
+            .publish(subject.clone(), report.encode().into())
+            .await
+            .ok()?;
+        status(kv.clone(), key.clone())
+            .await
+            .filter(|s| s.state == StageState::Copying)
+    })
+    .await?;
+    assert_eq!(copying.progress.as_ref().map(|p| p.files_done), Some(1));
+    let path = format!("/nvme/lab-a/cats/{v}");
+    bus.publish(&request.caused(
+        "ready",
+        Body::StageReady(StageReady {
+            dataset: "cats".into(),
+            version: v.clone(),
+            location: Location {
+                tier: "local".into(),
+                prefix: format!("lab-a/cats/{v}"),
+            },
+            job_id: "4815162".into(),
+            request_id: id.clone(),
+            node: node.map(Into::into),
+            path: Some(path.clone()),
+        }),
+    ))
+    .await?;
+    let ready = stagehand_testkit::wait_for(WAIT, "ready with the path", || async {
+        status(kv.clone(), key.clone())
+            .await
+            .filter(|s| s.state == StageState::Ready)
+    })
+    .await?;
+    assert_eq!(ready.path.as_deref(), Some(path.as_str()));
+    assert_eq!(ready.resolved_version.as_deref(), Some(v.as_str()));
+    assert_eq!(ready.progress, None);
+    let readiness = bus.jetstream().get_key_value(READINESS_BUCKET).await?;
+    let value = readiness
+        .get(format!("lab-a.cats.{v}.local.gpu-07"))
+        .await?
+        .context("the node's readiness key")?;
+    let node_ready: Readiness = serde_json::from_slice(&value)?;
+    assert!(node_ready.ready);
+    assert_eq!(node_ready.jobs.ready, 1);
+
+    bus.publish(&Event::request(
+        EventId::for_stage_release("lab-a", "4815162", "cats", prefix, "local", node),
+        "lab-a",
+        Body::StageReleased(StageReleased {
+            dataset: "cats".into(),
+            version: prefix.into(),
+            tier: "local".into(),
+            job_id: "4815162".into(),
+            node: node.map(Into::into),
+        }),
+    ))
+    .await?;
+    wait_until(WAIT, "released", || async {
+        status(kv.clone(), key.clone())
+            .await
+            .is_some_and(|s| s.state == StageState::Released)
+    })
+    .await?;
+    let listed = cat
+        .stage_requests("lab-a", Some("4815162"), None, None, None)
+        .await?;
+    assert_eq!(listed.items.len(), 1);
+    assert_eq!(listed.items[0].state, StageState::Released);
+    let stats = recorder.stop().await?;
+    assert_eq!(
+        stats.stage_requests.handled, 2,
+        "the request and its release"
+    );
     Ok(())
 }
