@@ -300,3 +300,16 @@ pub struct FoldProblem {
     #[serde(with = "utc")]
     pub occurred_at: OffsetDateTime,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_keys_keep_any_request_id_one_token() {
+        let id = EventId::new("slurm-4815162.stage").unwrap();
+        let key = stage_kv_key("vision-lab", &id);
+        assert_eq!(key, "vision-lab.736c75726d2d343831353136322e7374616765");
+        assert_eq!(key.split('.').count(), 2);
+    }
+}

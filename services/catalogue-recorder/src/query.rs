@@ -83,6 +83,9 @@ fn json_len<T: Serialize>(value: &T) -> usize {
 /// Collects one page: at most `limit` items within `budget` bytes of JSON.
 struct Page<T> {
     items: Vec<T>,
+    /// Whether the first item is taken whatever its size (every record fits an answer); off
+    /// where a list shares an answer with others that already take their first.
+    first_always: bool,
     limit: usize,
     budget: usize,
     used: usize,
@@ -96,6 +99,7 @@ impl<T: Serialize> Page<T> {
     fn new(limit: Option<u32>, default: u32, budget: usize) -> Self {
         Page {
             items: Vec::new(),
+            first_always: true,
             limit: limit.unwrap_or(default).clamp(1, MAX_PAGE) as usize,
             budget,
             used: 0,
@@ -109,7 +113,7 @@ impl<T: Serialize> Page<T> {
     fn offer(&mut self, item: T, cursor: impl FnOnce() -> String) -> bool {
         let size = json_len(&item) + 1;
         let fits = self.items.len() < self.limit
-            && (self.used + size <= self.budget || self.items.is_empty());
+            && (self.used + size <= self.budget || (self.items.is_empty() && self.first_always));
         if !fits {
             self.next = self.last.take();
             return false;
@@ -184,8 +188,10 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             limit,
         } => {
             let version = resolve_version(txn, project, dataset, version)?;
+            // The version record shares the answer with its replicas.
+            let budget = BUDGET.saturating_sub(json_len(&version));
             let (replicas, replicas_next) =
-                replicas(txn, &version, *limit, DEFAULT_DETAIL, None, BUDGET)?;
+                replicas(txn, &version, *limit, DEFAULT_DETAIL, None, budget, true)?;
             Answer::Version(VersionDetail {
                 version,
                 replicas,
@@ -207,6 +213,7 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
                 DEFAULT_PAGE,
                 after.as_deref(),
                 BUDGET,
+                true,
             )?;
             Answer::Replicas { replicas, next }
         }
@@ -478,7 +485,7 @@ fn dataset_detail(
     let mut replicas_of_versions = Vec::new();
     let mut left = BUDGET / 4;
     for v in &versions {
-        let (rs, _) = replicas(txn, v, None, DEFAULT_DETAIL, None, left)?;
+        let (rs, _) = replicas(txn, v, None, DEFAULT_DETAIL, None, left, false)?;
         left = left.saturating_sub(rs.iter().map(|r| json_len(r) + 1).sum());
         replicas_of_versions.extend(rs);
         if left == 0 {
@@ -557,6 +564,7 @@ fn replicas(
     default: u32,
     after: Option<&str>,
     budget: usize,
+    first_always: bool,
 ) -> Result<(Vec<ReplicaRecord>, Option<String>), Fail> {
     let (p, d, v) = (
         version.project.as_str(),
@@ -565,6 +573,7 @@ fn replicas(
     );
     let table = txn.open_table(REPLICAS)?;
     let mut page = Page::new(limit, default, budget);
+    page.first_always = first_always;
     for row in table.range((p, d, v, after.unwrap_or(""))..)? {
         let (k, val) = row?;
         let key = k.value();
