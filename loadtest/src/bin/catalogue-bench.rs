@@ -17,7 +17,7 @@ use anyhow::Context;
 use clap::Parser;
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Catalogue, Query};
-use stagehand_catalogue_recorder::{RecorderConfig, run};
+use stagehand_catalogue_recorder::{config, run};
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_schemas::*;
 use stagehand_testkit::NatsServer;
@@ -113,8 +113,7 @@ async fn main() -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     let recorder = tokio::spawn(run(
-        bus.clone(),
-        RecorderConfig::under(dir.path().join("catalogue")),
+        config(&nats.url(), dir.path().join("catalogue")),
         shutdown.clone(),
     ));
     let catalogue = Catalogue::new(bus.client().clone()).with_timeout(Duration::from_secs(10));

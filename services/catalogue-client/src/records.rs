@@ -186,7 +186,8 @@ pub struct StageStatus {
     pub updated_at: OffsetDateTime,
 }
 
-/// The KV bucket of [`StageStatus`] records.
+/// The KV bucket of [`StageStatus`] records (declared with Stagehand's other buckets in the
+/// runtime crate, which provisions it).
 pub const STAGES_BUCKET: &str = "stagehand_stages";
 
 /// The key of a stage request's status in [`STAGES_BUCKET`]: `<project>.<hex(request id)>`

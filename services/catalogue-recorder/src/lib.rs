@@ -38,9 +38,9 @@ mod store;
 pub use chunk::{CHUNK_BYTES, CHUNK_ENTRIES};
 pub use error::{RecorderError, StoreError};
 pub use files::FileLists;
-pub use query::{answer, encode_answer, serve};
+pub use query::{answer, encode_answer, serve as serve_queries};
 pub use replay::{MAX_REPLAY_BATCH_BYTES, Replayed, replay};
-pub use service::{RecorderConfig, RecorderStats, run};
+pub use service::{Config, RecorderConfig, RecorderStats, SERVICE, config, run, serve};
 pub use store::{Dump, FoldItem, Folded, MAX_BATCH, MAX_RECORD_BYTES, Store, Writer, WriterThread};
 #[cfg(test)]
 mod testing;

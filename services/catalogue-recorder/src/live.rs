@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
-use stagehand_catalogue::{ReadinessKey, STAGES_BUCKET, StageProgress, StageStatus, stage_kv_key};
+use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::subject::ROOT;
 use stagehand_schemas::{Event, EventId};
@@ -111,11 +111,11 @@ pub(crate) struct Mirror {
 }
 
 impl Mirror {
-    /// Opens (or creates) both buckets.
-    pub async fn open(js: &async_nats::jetstream::Context) -> Result<Mirror, RecorderError> {
+    /// Opens (or creates, correcting the drift of their replicas) both buckets.
+    pub async fn open(bus: &stagehand_bus::Bus) -> Result<Mirror, RecorderError> {
         Ok(Mirror {
-            readiness: open_bucket(js).await?,
-            stages: open_stages_bucket(js).await?,
+            readiness: open_bucket(bus).await?,
+            stages: bus.provision_kv(&stagehand_bus::STAGES).await?,
         })
     }
 
@@ -184,24 +184,6 @@ pub(crate) async fn mirror_stage(
         .await
         .map_err(|e| RecorderError::nats("writing a stage status", e))?;
     Ok(())
-}
-
-/// Opens the stage status bucket, creating it if missing.
-pub async fn open_stages_bucket(
-    js: &async_nats::jetstream::Context,
-) -> Result<kv::Store, RecorderError> {
-    match js.get_key_value(STAGES_BUCKET).await {
-        Ok(store) => Ok(store),
-        Err(_) => js
-            .create_key_value(kv::Config {
-                bucket: STAGES_BUCKET.into(),
-                description: "Stagehand: the status of each stage request, by request id".into(),
-                history: 5,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| RecorderError::nats("creating the stage status bucket", e)),
-    }
 }
 
 /// Least time between two progress reports of one request that are kept and mirrored.
@@ -302,4 +284,21 @@ pub(crate) async fn mirror_all(
         mirror.stage(store, &project, &id).await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The client crate names the buckets for readers that do not link the runtime; the
+    /// runtime declares and provisions them. They must be the same buckets.
+    #[test]
+    fn the_client_names_the_buckets_the_runtime_provisions() {
+        assert_eq!(
+            stagehand_catalogue::READINESS_BUCKET,
+            stagehand_bus::READINESS_BUCKET
+        );
+        assert_eq!(
+            stagehand_catalogue::STAGES_BUCKET,
+            stagehand_bus::STAGES_BUCKET
+        );
+    }
 }

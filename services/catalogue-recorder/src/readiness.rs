@@ -10,10 +10,9 @@
 //! view like the redb file: writing the same state twice is harmless, and a rebuild rewrites
 //! every key it touches.
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 use stagehand_catalogue::{
-    READINESS_BUCKET, Readiness, ReadinessKey, ReadinessState, ReplicaRecord, ReplicaState,
-    StageState, kv_key,
+    Readiness, ReadinessKey, ReadinessState, ReplicaRecord, ReplicaState, StageState, kv_key,
 };
 
 use crate::error::{RecorderError, StoreError};
@@ -120,20 +119,10 @@ pub(crate) fn replica_of(
         .transpose()
 }
 
-/// Opens the readiness bucket, creating it if missing.
-pub async fn open_bucket(js: &jetstream::Context) -> Result<kv::Store, RecorderError> {
-    match js.get_key_value(READINESS_BUCKET).await {
-        Ok(store) => Ok(store),
-        Err(_) => js
-            .create_key_value(kv::Config {
-                bucket: READINESS_BUCKET.into(),
-                description: "Stagehand readiness per (dataset version, tier[, node])".into(),
-                history: 5,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| RecorderError::nats("creating the readiness bucket", e)),
-    }
+/// Opens the readiness bucket, creating it if missing and correcting the drift of its
+/// replicas (through [`stagehand_bus::Bus::provision_kv`]).
+pub async fn open_bucket(bus: &stagehand_bus::Bus) -> Result<kv::Store, RecorderError> {
+    Ok(bus.provision_kv(&stagehand_bus::READINESS).await?)
 }
 
 /// Writes one readiness record into the bucket.

@@ -83,6 +83,11 @@ pub async fn replay(
         })
         .await
         .map_err(|e| RecorderError::nats("creating the replay consumer", e))?;
+    // Nothing matches the filter (a requests stream with no stage request yet): no message
+    // would ever come.
+    if consumer.cached_info().num_pending == 0 {
+        return Ok(out);
+    }
     let mut messages = consumer
         .messages()
         .await

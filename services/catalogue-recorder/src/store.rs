@@ -210,7 +210,8 @@ impl Store {
         };
         if layout != Some(LAYOUT_VERSION) {
             let old: Vec<_> = txn.list_tables()?.collect();
-            if !old.is_empty() {
+            // A new file holds only the `meta` table just opened.
+            if layout.is_some() || old.len() > 1 {
                 tracing::warn!(store = %path.display(), ?layout, "catalogue store of another layout: emptying it to rebuild from the streams");
             }
             for table in old {

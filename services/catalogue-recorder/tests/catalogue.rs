@@ -6,10 +6,11 @@ use std::time::Duration;
 use anyhow::Context;
 use async_nats::HeaderMap;
 use futures::TryStreamExt;
+use stagehand_bus::runner;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, MSG_ID_HEADER};
 use stagehand_catalogue::*;
 use stagehand_catalogue_recorder::{
-    FoldItem, RecorderConfig, RecorderError, RecorderStats, Store, run,
+    FoldItem, RecorderConfig, RecorderError, RecorderStats, SERVICE, Store, serve,
 };
 use stagehand_manifest::{BucketOptions, Manifest, ManifestStore};
 use stagehand_schemas::*;
@@ -268,11 +269,12 @@ struct Running {
 
 fn start(bus: &Bus, dir: &std::path::Path) -> Running {
     let shutdown = CancellationToken::new();
-    let task = tokio::spawn(run(
-        bus.clone(),
+    let task = tokio::spawn(serve(runner::Context::new(
+        SERVICE,
         RecorderConfig::under(dir),
+        bus.clone(),
         shutdown.clone(),
-    ));
+    )));
     Running { shutdown, task }
 }
 

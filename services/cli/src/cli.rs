@@ -15,16 +15,53 @@ use crate::ingest::{IngestOptions, Outcome};
 #[derive(Debug, Parser)]
 #[command(name = "stagehand", version, about)]
 pub struct Cli {
-    /// NATS server URL.
+    #[command(flatten)]
+    pub connection: Connection,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How every command reaches NATS: the same knobs, and the same environment variables, as the
+/// `[bus]` table of the services (`STAGEHAND_NATS_*`).
+#[derive(Debug, Clone, Args)]
+pub struct Connection {
+    /// NATS server URL(s), comma separated; `nats://user:password@host:4222` for password
+    /// users (the password is never printed).
     #[arg(
         long,
         global = true,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
+        env = stagehand_bus::env::NATS_URL,
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
     )]
     pub nats: String,
-    #[command(subcommand)]
-    pub command: Command,
+    /// A `.creds` file (user JWT and NKey seed).
+    #[arg(long, global = true, env = stagehand_bus::env::NATS_CREDS)]
+    pub creds: Option<PathBuf>,
+    /// A file holding an NKey seed (`SU...`).
+    #[arg(long, global = true, env = stagehand_bus::env::NATS_NKEY, conflicts_with = "creds")]
+    pub nkey: Option<PathBuf>,
+    /// A PEM bundle of CAs to trust for the servers' TLS certificates.
+    #[arg(long, global = true, env = stagehand_bus::env::NATS_TLS_CA)]
+    pub tls_ca: Option<PathBuf>,
+    /// The subject prefix of reply inboxes (default `_INBOX_<user>` for a URL with a user):
+    /// set it to the prefix your NATS user may read when it authenticates with creds or NKey.
+    #[arg(long, global = true, env = "STAGEHAND_NATS_INBOX_PREFIX")]
+    pub inbox_prefix: Option<String>,
+}
+
+impl Connection {
+    /// The connection as a [`BusConfig`], giving up on the first connection after `timeout`.
+    pub fn bus_config(&self, timeout: Duration) -> BusConfig {
+        BusConfig {
+            creds_file: self.creds.clone(),
+            nkey_seed_file: self.nkey.clone(),
+            tls_ca: self.tls_ca.clone(),
+            inbox_prefix: self.inbox_prefix.clone(),
+            connect_timeout: timeout,
+            ..BusConfig::new(&self.nats)
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -38,10 +75,17 @@ pub enum Command {
     #[command(subcommand)]
     Dlq(DlqCommand),
     /// Copy files between local folders and S3, verified (the mover).
-    Cp(stagehand_mover::cp::CpArgs),
-    /// Run Stagehand on this machine: nats-server, policies, posix tiers, the ingest validator
-    /// and the catalogue recorder, until Ctrl-C.
+    Cp(crate::cp::CpArgs),
+    /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
+    /// until Ctrl-C.
     Up(UpArgs),
+    /// Create Stagehand's streams and KV buckets, or correct their drift (replicas, limits):
+    /// what an operator runs once for services whose users may not manage streams.
+    Provision {
+        /// Replicas of every stream and bucket (default: what the cluster can hold).
+        #[arg(long)]
+        replicas: Option<usize>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -179,12 +223,14 @@ fn default_policies() -> PathBuf {
     stagehand_policy::stagehand_home().join("policies")
 }
 
-async fn connect(url: &str) -> anyhow::Result<Bus> {
-    let mut cfg = BusConfig::new(url);
-    cfg.connect_timeout = Duration::from_secs(5);
-    Bus::connect(&cfg)
-        .await
-        .with_context(|| format!("connecting to NATS at {url} (is `stagehand up` running?)"))
+async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
+    let cfg = connection.bus_config(Duration::from_secs(5));
+    Bus::connect(&cfg).await.with_context(|| {
+        format!(
+            "connecting to NATS at {} (is `stagehand up` running?)",
+            cfg.servers_display()
+        )
+    })
 }
 
 /// Runs a parsed command; returns the exit code.
@@ -194,7 +240,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             let _telemetry = stagehand_telemetry::init("stagehand")?;
             crate::up::run(crate::up::UpOptions {
                 home: args.home,
-                nats: args.external_nats.then(|| cli.nats.clone()),
+                nats: args
+                    .external_nats
+                    .then(|| cli.connection.bus_config(Duration::from_secs(20))),
                 port: args.port,
                 policies: args.policies,
             })
@@ -203,11 +251,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Cp(args) => {
             quiet_logs();
-            Ok(stagehand_mover::cp::run_cp(args).await?.exit_code())
+            Ok(crate::cp::run(&args).await?.exit_code())
         }
         Command::Ingest(args) => {
             quiet_logs();
-            let bus = connect(&cli.nats).await?;
+            let bus = connect(&cli.connection).await?;
             let opts = IngestOptions {
                 folder: args.folder,
                 project: args.project,
@@ -260,11 +308,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Catalogue(cmd) => {
             quiet_logs();
-            let client = async_nats::connect(&cli.nats)
-                .await
-                .with_context(|| format!("connecting to NATS at {}", cli.nats))?;
-            let catalogue =
-                stagehand_catalogue::Catalogue::new(client).with_timeout(crate::catalogue::TIMEOUT);
+            let bus = connect(&cli.connection).await?;
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
             match cmd {
@@ -318,9 +364,31 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             std::io::Write::flush(&mut out)?;
             Ok(0)
         }
+        Command::Provision { replicas } => {
+            quiet_logs();
+            let mut cfg = cli.connection.bus_config(Duration::from_secs(5));
+            cfg.replicas = replicas;
+            let bus = Bus::connect(&cfg)
+                .await
+                .with_context(|| format!("connecting to NATS at {}", cfg.servers_display()))?;
+            bus.provision().await?;
+            let streams: Vec<&str> = stagehand_schemas::subject::STREAMS
+                .iter()
+                .map(|s| s.name)
+                .collect();
+            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS.iter().map(|b| b.bucket).collect();
+            println!(
+                "provisioned streams {} and KV buckets {} with {} replica(s) on {}",
+                streams.join(", "),
+                buckets.join(", "),
+                bus.replicas(),
+                bus.servers()
+            );
+            Ok(0)
+        }
         Command::Dlq(cmd) => {
             quiet_logs();
-            let bus = connect(&cli.nats).await?;
+            let bus = connect(&cli.connection).await?;
             match cmd {
                 DlqCommand::List { service, json } => {
                     let items = crate::dlq::list(&bus, service.as_deref()).await?;
@@ -354,5 +422,7 @@ fn quiet_logs() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not in a plugin's captured output.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
