@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use stagehand::dlq;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, run_worker};
-use stagehand_ingest_validator::{IngestValidator, SERVICE, Settings};
+use stagehand_ingest_validator::{
+    IngestValidator, SERVICE, Settings, SourceChecks, ValidatorOptions,
+};
 use stagehand_mover::Tier;
 use stagehand_mover::s3::{S3Config, S3Tier};
 use stagehand_policy::{Policies, TierRole};
@@ -82,11 +84,18 @@ async fn a_request_dead_lettered_while_its_tier_was_unreachable_is_validated_aft
     let tier =
         S3Tier::connect_with_keys("lake", s3_config, s3.access_key(), s3.secret_key()).unwrap();
     let tiers = HashMap::from([("lake".to_owned(), (TierRole::Source, Some(Tier::S3(tier))))]);
-    let validator = IngestValidator::from_parts(policies.validation().clone(), tiers, 4);
+    let checks = SourceChecks::from_parts(policies.validation().clone(), tiers);
 
     let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
     bus.provision().await.unwrap();
-    let mut cfg = Settings::new(&policies_dir, tmp.path().join("state")).worker_config();
+    let state = tmp.path().join("state");
+    let validator = IngestValidator::new(
+        checks,
+        bus.jetstream().clone(),
+        ValidatorOptions::new(&state),
+    )
+    .unwrap();
+    let mut cfg = Settings::new(&policies_dir, &state).worker_config();
     cfg.max_attempts = 2;
     cfg.retry.initial = Duration::from_millis(100);
     let shutdown = CancellationToken::new();
