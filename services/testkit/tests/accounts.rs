@@ -701,6 +701,14 @@ async fn every_service_role_runs_its_own_worker() -> Result<()> {
     Ok(())
 }
 
+/// Entries of a manifest big enough (about 6 MB) that reading it passes nats-server's
+/// flow-control window of a push consumer (4 MB for a client's default 64 MB of pending bytes,
+/// a flow-control request at half of it): a reader without its `$JS.FC` right stalls there.
+const PAST_FLOW_CONTROL: usize = 60_000;
+
+/// How long a fetch in these tests may take: a stalled one fails rather than hangs.
+const FETCH_BOUND: Duration = Duration::from_secs(30);
+
 /// A manifest of `n` entries, distinct per `tag`. From about 2,600 entries it is over the inline
 /// bound (it must travel by reference) and over one Object Store chunk.
 fn manifest(tag: &str, n: usize) -> Manifest {
@@ -886,7 +894,7 @@ async fn the_validator_reads_uploads_and_writes_the_services_manifests_only() ->
     let server = start_server();
     provision_with_projects(&server, &["demo", "other-lab"]).await?;
     let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
-    let big = manifest("cats", 3000);
+    let big = manifest("cats", PAST_FLOW_CONTROL);
     let (uploader, _) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
     let reference = ManifestStore::uploads(&uploader, "demo", BucketOptions::default())
         .await?
@@ -900,10 +908,13 @@ async fn the_validator_reads_uploads_and_writes_the_services_manifests_only() ->
     js.set_timeout(Duration::from_secs(2));
     // … fetches the upload, verified (its chunks through an ordered consumer) …
     let spool = tempfile::tempdir()?;
-    let fetched = ManifestStore::open(&js, &upload_manifest_bucket("demo"))
-        .await?
-        .fetch(&reference, &Spool::in_dir(spool.path()))
-        .await?;
+    let uploads = ManifestStore::open(&js, &upload_manifest_bucket("demo")).await?;
+    let fetched = tokio::time::timeout(
+        FETCH_BOUND,
+        uploads.fetch(&reference, &Spool::in_dir(spool.path())),
+    )
+    .await
+    .context("the fetch stalled")??;
     assert_eq!(fetched.reference(), reference);
     // … and stores it in the services' bucket, opened, not created.
     let catalogue = ManifestStore::catalogue(&js, BucketOptions::default()).await?;
@@ -963,7 +974,7 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
     let server = start_server();
     provision_with_projects(&server, &["demo"]).await?;
     let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
-    let big = manifest("cats", 3000);
+    let big = manifest("cats", PAST_FLOW_CONTROL);
     let validator = bus_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
     let reference = ManifestStore::catalogue(validator.jetstream(), BucketOptions::default())
         .await?
@@ -987,9 +998,9 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
         let mut js = bus.jetstream().clone();
         js.set_timeout(Duration::from_secs(2));
         let store = ManifestStore::open(&js, MANIFEST_BUCKET).await?;
-        let fetched = store
-            .fetch(&reference, &spool)
+        let fetched = tokio::time::timeout(FETCH_BOUND, store.fetch(&reference, &spool))
             .await
+            .with_context(|| format!("{user}: the fetch stalled"))?
             .with_context(|| format!("{user}: fetching the manifest"))?;
         assert_eq!(fetched.reference(), reference, "{user}");
         assert!(
