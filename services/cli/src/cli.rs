@@ -74,6 +74,9 @@ pub enum Command {
     /// Dead letters: list them, replay one.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Training checkpoints: commit one (announce it to retention), list a run's.
+    #[command(subcommand)]
+    Checkpoint(crate::checkpoint::CheckpointCommand),
     /// Copy files between local folders and S3, verified (the mover).
     Cp(crate::cp::CpArgs),
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
@@ -228,7 +231,7 @@ fn default_policies() -> PathBuf {
     stagehand_policy::stagehand_home().join("policies")
 }
 
-async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
+pub(crate) async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
     let cfg = connection.bus_config(Duration::from_secs(5));
     Bus::connect(&cfg).await.with_context(|| {
         format!(
@@ -253,6 +256,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             })
             .await?;
             Ok(0)
+        }
+        Command::Checkpoint(cmd) => {
+            quiet_logs();
+            crate::checkpoint::run(&cli.connection, cmd).await
         }
         Command::Cp(args) => {
             quiet_logs();
