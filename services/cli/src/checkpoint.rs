@@ -847,10 +847,10 @@ fn print_committed(opts: &CommitOptions, c: &Committed, json: bool) {
     }
     println!("{}", c.event.id);
     eprintln!(
-        "committed {} checkpoint step {} of run {}: {} files, {} bytes at {}:{}, manifest {}{}",
-        c.format.name(),
+        "committed step {} of run {} ({}): {} files, {} bytes at {}:{}, manifest {}{}",
         fact.step,
         fact.run,
+        c.format.name(),
         c.files,
         c.total_bytes,
         fact.location.tier,
