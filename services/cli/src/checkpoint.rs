@@ -8,6 +8,9 @@
 //! project's upload bucket when it is larger than the contract's inline bound. The fact's id
 //! follows from (project, run, step) ([`EventId::for_checkpoint`]), so committing a step again
 //! is the same fact: the stream's duplicate window drops it and the catalogue folds it once.
+//! A re-commit within the window whose files, tags or place differ from the stored commit is
+//! refused, naming what differs (the first commit stands); after the window (an hour) the
+//! catalogue still keeps the first, since it folds each fact id once.
 //!
 //! When is a checkpoint complete (`/work/shared/SCHEDULERS.md`):
 //!
@@ -587,6 +590,9 @@ pub async fn publish(
         .publish(&event)
         .await
         .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+    if ack.duplicate {
+        same_as_earlier(bus, &ack, &event).await?;
+    }
     Ok(Committed {
         event,
         format: prepared.format,
@@ -595,6 +601,52 @@ pub async fn publish(
         manifest_digest,
         duplicate: ack.duplicate,
     })
+}
+
+/// A commit the duplicate window dropped must be the commit stored first: a step saved again
+/// with other files (a run restarted from an earlier checkpoint) or other tags would otherwise
+/// vanish without a word. The stored fact is read by the sequence the duplicate's ack names;
+/// when it cannot be read (a user without direct gets) the commit stands as a duplicate.
+async fn same_as_earlier(
+    bus: &Bus,
+    ack: &stagehand_bus::PublishAck,
+    event: &Event,
+) -> Result<(), CheckpointError> {
+    let stored = async {
+        let stream = bus.jetstream().get_stream_no_info(&ack.stream).await?;
+        let message = stream.direct_get(ack.sequence).await?;
+        anyhow::Ok(stagehand_schemas::wire::decode(&message.payload)?)
+    };
+    let earlier = match stored.await {
+        Ok(earlier) => earlier,
+        Err(e) => {
+            tracing::debug!(error = %e, "the earlier commit could not be read to compare");
+            return Ok(());
+        }
+    };
+    if earlier.id != event.id {
+        return Ok(());
+    }
+    let (Body::CheckpointCommitted(first), Body::CheckpointCommitted(now)) =
+        (&earlier.body, &event.body)
+    else {
+        return Ok(());
+    };
+    if first == now {
+        return Ok(());
+    }
+    let what = if first.location != now.location {
+        format!("at {}:{}", first.location.tier, first.location.prefix)
+    } else if first.tags != now.tags {
+        format!("with tags [{}]", first.tags.join(", "))
+    } else {
+        format!("with other files ({} bytes)", first.total_bytes)
+    };
+    Err(refused(format!(
+        "step {} of run {} was committed before {what}; that commit stands (one fact per \
+         project, run and step): commit this save under another step or run",
+        now.step, now.run
+    )))
 }
 
 fn unavailable_or_other(retryable: bool, e: anyhow::Error) -> CheckpointError {

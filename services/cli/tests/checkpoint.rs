@@ -145,6 +145,40 @@ async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow:
         (&again["id"], &again["duplicate"]),
         (&first["id"], &true.into())
     );
+    // ... but the same step with other tags, or other files, is refused: the first stands.
+    let dcp_path = dcp.to_str().unwrap();
+    let policies_path = policies.to_str().unwrap();
+    let plain_args = [
+        "checkpoint",
+        "commit",
+        "--project",
+        "lab-a",
+        "--run",
+        "r1",
+        "--step",
+        "100",
+        "--policies",
+        policies_path,
+        dcp_path,
+    ];
+    let mut tagged_args = plain_args.to_vec();
+    tagged_args.splice(10..10, ["--tag", "best"]);
+    let out = stagehand(&url, &tagged_args);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("step 100 of run r1 was committed before with tags []"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(dcp.join("__1_0.distcp"), b"shard ONE!")?;
+    let out = stagehand(&url, &plain_args);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("committed before with other files (32 bytes)"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(dcp.join("__1_0.distcp"), b"shard one!")?;
 
     // Orbax: the committed directory with its marker.
     let orbax = run_dir.join("orbax/200");
