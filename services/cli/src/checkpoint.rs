@@ -54,6 +54,9 @@ pub const EXIT_UNAVAILABLE: i32 = 69;
 /// Files hashed at once.
 const HASH_AT_ONCE: usize = 4;
 
+/// How long a duplicate commit waits to read the stored one it is compared with.
+const COMPARE_TIMEOUT: Duration = Duration::from_secs(2);
+
 #[derive(Debug, Subcommand)]
 pub enum CheckpointCommand {
     /// Announce a complete checkpoint: recognise its format, hash its files, publish
@@ -617,9 +620,15 @@ async fn same_as_earlier(
         let message = stream.direct_get(ack.sequence).await?;
         anyhow::Ok(stagehand_schemas::wire::decode(&message.payload)?)
     };
+    // A user without the right gets no answer at all: a short wait, not the client's default.
+    let stored = tokio::time::timeout(COMPARE_TIMEOUT, stored);
     let earlier = match stored.await {
-        Ok(earlier) => earlier,
-        Err(e) => {
+        Ok(Ok(earlier)) => earlier,
+        Err(_) => {
+            tracing::debug!("the earlier commit could not be read to compare in time");
+            return Ok(());
+        }
+        Ok(Err(e)) => {
             tracing::debug!(error = %e, "the earlier commit could not be read to compare");
             return Ok(());
         }
