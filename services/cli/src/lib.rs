@@ -6,6 +6,7 @@
 
 pub mod catalogue;
 pub mod cli;
+pub mod cp;
 pub mod dlq;
 pub mod ingest;
 pub mod up;
