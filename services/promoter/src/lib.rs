@@ -310,6 +310,20 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         }
         match tier.open() {
             Ok(t) => {
+                // Temporaries of dead writers on the tiers this promoter writes are removed
+                // (a dead copy's young staging folder is kept for the resume).
+                if let (stagehand_mover::Tier::Posix(p), TierRole::Hot | TierRole::Local) =
+                    (&t, tier.role)
+                {
+                    let p = p.clone();
+                    let swept = tokio::task::spawn_blocking(move || {
+                        p.sweep_stale("", stagehand_mover::SweepOptions::default())
+                    })
+                    .await;
+                    if let Ok(Err(e)) = swept {
+                        tracing::warn!(tier = %name, error = %e, "sweeping stale temporaries failed");
+                    }
+                }
                 tiers.insert(name.clone(), t);
             }
             Err(source) => {
