@@ -384,6 +384,11 @@ impl Promoter {
             packing: self.p().policies.packing(),
             priority: self.p().promotion.priority_for(&request.dataset),
             ingest_in_flight,
+            seen: self.p().state.seen_prefix(
+                &record.event.project,
+                &request.dataset,
+                &request.version,
+            )?,
         };
         let decision = resolve::decide(&cx).await.map_err(retry)?;
         match decision {

@@ -65,6 +65,8 @@ pub struct Context<'a> {
     /// An upload of the dataset asked for and not yet answered whose declared version
     /// matches: (ingest request id, declared version).
     pub ingest_in_flight: Option<(String, String)>,
+    /// What the facts this promoter has seen say about versions with the request's prefix.
+    pub seen: crate::state::Seen,
 }
 
 /// Decides what to do with a request (see the module docs).
@@ -127,6 +129,17 @@ async fn not_validated(cx: &Context<'_>) -> Result<Decision, Unanswered> {
             reason: rejection_reason(cx, &rejection),
             retryable: false,
         });
+    }
+    use crate::state::Seen;
+    if cx
+        .seen
+        .has(Seen::VALIDATED | Seen::PREPARED | Seen::REJECTED)
+    {
+        // This promoter saw the fact; the recorder has not folded it yet.
+        return Err(Unanswered(format!(
+            "the catalogue does not show yet what the facts say of version {:?} of {:?}",
+            cx.version, cx.dataset
+        )));
     }
     if let Some((request, declared)) = &cx.ingest_in_flight {
         return Ok(Decision::Wait {

@@ -415,6 +415,31 @@ impl State {
         ))
     }
 
+    /// What the facts seen say about every version of `dataset` starting with `prefix`
+    /// (their bits together).
+    pub fn seen_prefix(
+        &self,
+        project: &str,
+        dataset: &str,
+        prefix: &str,
+    ) -> Result<Seen, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let table = txn.open_table(SEEN).map_err(e!("read"))?;
+        let mut bits = 0;
+        for row in table
+            .range((project, dataset, prefix)..)
+            .map_err(e!("read"))?
+        {
+            let (k, v) = row.map_err(e!("read"))?;
+            let (p, d, version) = k.value();
+            if p != project || d != dataset || !version.starts_with(prefix) {
+                break;
+            }
+            bits |= v.value();
+        }
+        Ok(Seen(bits))
+    }
+
     /// The declared version of an upload of `dataset` asked for and not answered yet whose
     /// version starts with `prefix`, with its request id.
     pub fn ingest_in_flight(
