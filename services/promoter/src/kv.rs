@@ -30,7 +30,8 @@ use time::OffsetDateTime;
 /// The promoter's coordination bucket.
 pub const BUCKET: &str = "stagehand_promoter";
 
-/// Its declaration (provisioned like the runtime's buckets).
+/// Its declaration: created by the promoter when it provisions (`bus.provision = true`), else
+/// by `stagehand provision`.
 pub const SPEC: KvSpec = KvSpec {
     bucket: BUCKET,
     description: "Stagehand promoter: space reserved per bounded tier, copy leases",
