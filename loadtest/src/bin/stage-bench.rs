@@ -68,7 +68,10 @@ fn lay_out(dir: &Path, files: usize, size: usize, seed: u64) -> anyhow::Result<V
     if let Ok(text) = std::fs::read_to_string(&list) {
         return text
             .lines()
-            .map(|l| stagehand_schemas::manifest::parse_line(l.as_bytes()).map_err(|e| anyhow::anyhow!("{e:?}")))
+            .map(|l| {
+                stagehand_schemas::manifest::parse_line(l.as_bytes())
+                    .map_err(|e| anyhow::anyhow!("{e:?}"))
+            })
             .collect();
     }
     let mut refs = Vec::with_capacity(files);
@@ -107,13 +110,19 @@ struct Bench {
 impl Bench {
     /// Publishes `dataset.validated` for a dataset on the capacity tier, its manifest stored
     /// by reference, and waits until the catalogue knows it.
-    async fn validate(&self, dataset: &str, prefix: &str, refs: &[FileRef]) -> anyhow::Result<String> {
+    async fn validate(
+        &self,
+        dataset: &str,
+        prefix: &str,
+        refs: &[FileRef],
+    ) -> anyhow::Result<String> {
         let mut builder = ManifestBuilder::new(&self.spool);
         for r in refs {
             builder.push(r)?;
         }
         let manifest = builder.finish()?;
-        let store = ManifestStore::catalogue(self.bus.jetstream(), BucketOptions::default()).await?;
+        let store =
+            ManifestStore::catalogue(self.bus.jetstream(), BucketOptions::default()).await?;
         let reference = store.put(&manifest).await?;
         let version = manifest.digest().to_owned();
         let ingest = EventId::for_ingest(PROJECT, dataset, &version);
@@ -143,7 +152,10 @@ impl Bench {
             .await
             .is_err()
         {
-            anyhow::ensure!(started.elapsed() < Duration::from_secs(300), "the catalogue never folded {dataset}");
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(300),
+                "the catalogue never folded {dataset}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         Ok(version)
@@ -159,7 +171,11 @@ impl Bench {
         Ok(started.elapsed())
     }
 
-    async fn await_ready(&self, sub: &mut async_nats::Subscriber, ids: &[EventId]) -> anyhow::Result<()> {
+    async fn await_ready(
+        &self,
+        sub: &mut async_nats::Subscriber,
+        ids: &[EventId],
+    ) -> anyhow::Result<()> {
         let mut left: std::collections::HashSet<EventId> = ids.iter().cloned().collect();
         while !left.is_empty() {
             let msg = tokio::time::timeout(Duration::from_secs(3600), sub.next())
@@ -194,7 +210,9 @@ fn request(dataset: &str, version: &str, job: &str) -> Event {
 
 fn report(case: &str, fields: serde_json::Value) {
     let mut v = serde_json::json!({ "case": case });
-    v.as_object_mut().unwrap().extend(fields.as_object().unwrap().clone());
+    v.as_object_mut()
+        .unwrap()
+        .extend(fields.as_object().unwrap().clone());
     println!("{v}");
 }
 
@@ -244,7 +262,12 @@ async fn main() -> anyhow::Result<()> {
     let large_prefix = format!("{PROJECT}/large/v1");
     let fifty_prefix = format!("{PROJECT}/fifty/v1");
     let small = lay_out(&capacity.join(&small_prefix), args.small_files, 4096, 1)?;
-    let large = lay_out(&capacity.join(&large_prefix), args.large_files, args.large_mib << 20, 2)?;
+    let large = lay_out(
+        &capacity.join(&large_prefix),
+        args.large_files,
+        args.large_mib << 20,
+        2,
+    )?;
     let fifty = lay_out(&capacity.join(&fifty_prefix), 256, 64 << 10, 3)?;
 
     let nats = NatsServer::start();
@@ -253,8 +276,10 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let recorder = stagehand_catalogue_recorder::config(&nats.url(), dir.join("state/recorder"));
     let r_token = shutdown.clone();
-    let recorder = tokio::spawn(async move { stagehand_catalogue_recorder::run(recorder, r_token).await });
-    let mut promoter = stagehand_promoter::config(&nats.url(), &policies, dir.join("state/promoter"));
+    let recorder =
+        tokio::spawn(async move { stagehand_catalogue_recorder::run(recorder, r_token).await });
+    let mut promoter =
+        stagehand_promoter::config(&nats.url(), &policies, dir.join("state/promoter"));
     promoter.service.instance = Some("bench".into());
     let p_token = shutdown.clone();
     let promoter = tokio::spawn(async move { stagehand_promoter::run(promoter, p_token).await });
@@ -283,7 +308,9 @@ async fn main() -> anyhow::Result<()> {
         ("small", "small", &small_v, &small),
         ("large", "large", &large_v, &large),
     ] {
-        let took = bench.stage(dataset, version, &format!("{case}-first")).await?;
+        let took = bench
+            .stage(dataset, version, &format!("{case}-first"))
+            .await?;
         let b = bytes(refs);
         report(
             case,
@@ -298,10 +325,16 @@ async fn main() -> anyhow::Result<()> {
 
     let mut latencies = Vec::with_capacity(args.latency_requests);
     for i in 0..args.latency_requests {
-        latencies.push(bench.stage("small", &small_v, &format!("again-{i}")).await?);
+        latencies.push(
+            bench
+                .stage("small", &small_v, &format!("again-{i}"))
+                .await?,
+        );
     }
     latencies.sort();
-    let pct = |p: f64| latencies[((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1];
+    let pct = |p: f64| {
+        latencies[((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1]
+    };
     report(
         "staged",
         serde_json::json!({
@@ -324,7 +357,9 @@ async fn main() -> anyhow::Result<()> {
     drop(sub);
     // Every replica.created so far: one per dataset copied (small, large, fifty).
     let mut copies = 0;
-    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(500), replicas.next()).await {
+    while let Ok(Some(msg)) =
+        tokio::time::timeout(Duration::from_millis(500), replicas.next()).await
+    {
         if let Ok(e) = stagehand_schemas::wire::decode(&msg.payload)
             && matches!(&e.body, Body::ReplicaCreated(r) if r.dataset == "fifty")
         {

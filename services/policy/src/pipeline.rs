@@ -420,3 +420,40 @@ pub(crate) fn parse_priorities(src: &Source<'_>) -> Result<PriorityPolicy, Polic
     }
     Ok(p)
 }
+
+#[cfg(test)]
+mod promotion_tests {
+    use super::*;
+
+    fn policy(checkpoint_datasets: &[&str]) -> PromotionPolicy {
+        PromotionPolicy {
+            default_tier: "hot".into(),
+            sources: vec!["capacity".into()],
+            local_sources: vec!["hot".into(), "capacity".into()],
+            max_concurrent: 2,
+            default_deadline: Duration::from_secs(60),
+            verify: VerifyMode::ReadBack,
+            recheck_every: Duration::from_secs(30),
+            checkpoint_datasets: checkpoint_datasets.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn checkpoint_datasets_get_the_checkpoint_class_and_the_rest_stage() {
+        let p = policy(&["ckpt-*", "restore-me"]);
+        assert_eq!(p.priority_for("ckpt-run7"), PriorityClass::Checkpoint);
+        assert_eq!(p.priority_for("restore-me"), PriorityClass::Checkpoint);
+        assert_eq!(p.priority_for("restore-me-too"), PriorityClass::Stage);
+        assert_eq!(p.priority_for("imagenet"), PriorityClass::Stage);
+    }
+
+    #[test]
+    fn local_tiers_copy_from_their_own_sources() {
+        let p = policy(&[]);
+        assert_eq!(p.sources_for(TierRole::Local), ["hot", "capacity"]);
+        assert_eq!(p.sources_for(TierRole::Hot), ["capacity"]);
+        let mut no_local = p.clone();
+        no_local.local_sources.clear();
+        assert_eq!(no_local.sources_for(TierRole::Local), ["capacity"]);
+    }
+}
