@@ -186,7 +186,8 @@ pub struct StageStatus {
     pub updated_at: OffsetDateTime,
 }
 
-/// The KV bucket of [`StageStatus`] records.
+/// The KV bucket of [`StageStatus`] records (declared with Stagehand's other buckets in the
+/// runtime crate, which provisions it).
 pub const STAGES_BUCKET: &str = "stagehand_stages";
 
 /// The key of a stage request's status in [`STAGES_BUCKET`]: `<project>.<hex(request id)>`
@@ -299,4 +300,17 @@ pub struct FoldProblem {
     /// When the fact happened.
     #[serde(with = "utc")]
     pub occurred_at: OffsetDateTime,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_keys_keep_any_request_id_one_token() {
+        let id = EventId::new("slurm-4815162.stage").unwrap();
+        let key = stage_kv_key("vision-lab", &id);
+        assert_eq!(key, "vision-lab.736c75726d2d343831353136322e7374616765");
+        assert_eq!(key.split('.').count(), 2);
+    }
 }

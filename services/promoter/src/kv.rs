@@ -296,45 +296,38 @@ impl Coordination {
             request_id: request_id.to_owned(),
         };
         let value = Bytes::from(serde_json::to_vec(&mine).map_err(|e| kv_err(&key, e))?);
-        match self.store.create(&key, value.clone()).await {
-            Ok(rev) => return Ok(LeaseState::Owned(rev)),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
-            Err(e) => return Err(kv_err(&key, e)),
-        }
-        let Some(entry) = self.store.entry(&key).await.map_err(|e| kv_err(&key, e))? else {
-            return Ok(LeaseState::Held {
-                instance: String::new(),
-                request_id: String::new(),
-            });
-        };
-        let held: Option<Lease> = serde_json::from_slice(&entry.value).ok();
-        let take = match (&entry.operation, &held) {
-            (kv::Operation::Put, Some(h)) => {
-                h.owner == self.owner
-                    // An earlier run of this instance is dead: it is this process now.
-                    || h.instance == self.instance
-                    || OffsetDateTime::now_utc() - entry.created > self.lease_lifetime
+        // A lease deleted or taken between two calls: look again (a few times at most).
+        for _ in 0..5 {
+            match self.store.create(&key, value.clone()).await {
+                Ok(rev) => return Ok(LeaseState::Owned(rev)),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {}
+                Err(e) => return Err(kv_err(&key, e)),
             }
-            _ => true,
-        };
-        if take {
-            return match self.store.update(&key, value, entry.revision).await {
-                Ok(rev) => Ok(LeaseState::Owned(rev)),
-                Err(_) => Ok(LeaseState::Held {
-                    instance: String::new(),
-                    request_id: String::new(),
-                }),
+            let Some(entry) = self.store.entry(&key).await.map_err(|e| kv_err(&key, e))? else {
+                continue;
             };
+            let held: Option<Lease> = serde_json::from_slice(&entry.value).ok();
+            let take = match (&entry.operation, &held) {
+                (kv::Operation::Put, Some(h)) => {
+                    h.owner == self.owner
+                        // An earlier run of this instance is dead: it is this process now.
+                        || h.instance == self.instance
+                        || OffsetDateTime::now_utc() - entry.created > self.lease_lifetime
+                }
+                _ => true,
+            };
+            if !take {
+                let held = held.expect("a live lease decodes");
+                return Ok(LeaseState::Held {
+                    instance: held.instance,
+                    request_id: held.request_id,
+                });
+            }
+            if let Ok(rev) = self.store.update(&key, value.clone(), entry.revision).await {
+                return Ok(LeaseState::Owned(rev));
+            }
         }
-        let held = held.unwrap_or(Lease {
-            instance: String::new(),
-            owner: String::new(),
-            request_id: String::new(),
-        });
-        Ok(LeaseState::Held {
-            instance: held.instance,
-            request_id: held.request_id,
-        })
+        Err(kv_err(&key, "the copy lease changed hands five times in a row"))
     }
 
     /// Renews an owned lease; returns its new revision.

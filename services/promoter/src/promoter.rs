@@ -36,6 +36,9 @@ use crate::state::{
     FactNote, IngestNote, RequestRecord, Seen, Standing, State, WaitGuard, WaitingFor,
 };
 
+/// How long a copy that failed for good answers the requests that waited for it.
+const FAILED_COPY_REMEMBERED: Duration = Duration::from_secs(60);
+
 /// The fact-id steps.
 pub const STEP_READY: &str = "ready";
 pub const STEP_FAILED: &str = "failed";
@@ -89,6 +92,9 @@ struct Inner {
     copies: Mutex<HashSet<String>>,
     /// Requests being moved on in this process right now.
     active: Mutex<HashSet<EventId>>,
+    /// Copies that failed for good here lately, by copy key: the requests that waited for
+    /// them get the same answer instead of each copying the same damaged source again.
+    failed: Mutex<HashMap<String, (String, bool, Instant)>>,
     /// Tells the clock a new wait (with perhaps an earlier deadline) was recorded.
     clock: Notify,
 }
@@ -142,6 +148,7 @@ impl Promoter {
                 slots,
                 copies: Mutex::default(),
                 active: Mutex::default(),
+                failed: Mutex::default(),
                 clock: Notify::new(),
             }),
         }
@@ -665,7 +672,15 @@ impl Promoter {
                 .await;
         };
         let copy_key = format!("{}|{}|{prefix}", request.tier, node.unwrap_or(""));
-        let Some(_copying) = Held::take(&self.inner.copies, copy_key) else {
+        let recent_failure = {
+            let mut failed = self.inner.failed.lock().unwrap_or_else(|p| p.into_inner());
+            failed.retain(|_, (_, _, at)| at.elapsed() < FAILED_COPY_REMEMBERED);
+            failed.get(&copy_key).cloned()
+        };
+        if let Some((reason, retryable, _)) = recent_failure {
+            return self.fail(record, reason, retryable).await;
+        }
+        let Some(_copying) = Held::take(&self.inner.copies, copy_key.clone()) else {
             let reason = format!(
                 "version {} is being copied onto tier {} for another request; this one is answered when that copy is published",
                 plan.version, request.tier
@@ -725,11 +740,11 @@ impl Promoter {
     }
 
     /// Answers, in the background, the requests waiting on (project, dataset) after a copy.
-    fn wake_dataset(&self, project: &str, dataset: &str, tier: &str, prefix: &str) {
+    fn wake_dataset(&self, project: &str, dataset: &str, made: Option<(&str, &str)>) {
         let note = FactNote {
             project: project.to_owned(),
             dataset: dataset.to_owned(),
-            replica: Some((tier.to_owned(), prefix.to_owned(), true)),
+            replica: made.map(|(tier, prefix)| (tier.to_owned(), prefix.to_owned(), true)),
             ..FactNote::default()
         };
         let this = self.clone();
