@@ -327,7 +327,10 @@ impl Coordination {
                 return Ok(LeaseState::Owned(rev));
             }
         }
-        Err(kv_err(&key, "the copy lease changed hands five times in a row"))
+        Err(kv_err(
+            &key,
+            "the copy lease changed hands five times in a row",
+        ))
     }
 
     /// Renews an owned lease; returns its new revision.

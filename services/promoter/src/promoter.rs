@@ -734,8 +734,22 @@ impl Promoter {
             debug!(error = %e, "copy lease not ended; it ages out");
         }
         let facts = result?;
-        // Requests of this dataset waiting for this copy (here) can be answered now.
-        self.wake_dataset(project, &request.dataset, &request.tier, &prefix);
+        let failed = facts.iter().find_map(|f| match &f.body {
+            Body::StageFailed(failed) => Some((failed.reason.clone(), failed.retryable)),
+            _ => None,
+        });
+        match failed {
+            Some((reason, retryable)) => {
+                self.inner
+                    .failed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(copy_key, (reason, retryable, Instant::now()));
+                self.wake_dataset(project, &request.dataset, None);
+            }
+            // Requests of this dataset waiting for this copy (here) can be answered now.
+            None => self.wake_dataset(project, &request.dataset, Some((&request.tier, &prefix))),
+        }
         Ok(facts)
     }
 
@@ -1008,6 +1022,7 @@ impl Promoter {
         let seen_bad = bad_list.clone();
         let files = manifest
             .chunks(4096)
+            .fuse()
             .scan((), move |_, chunk| {
                 futures::future::ready(match chunk {
                     Ok(files) => Some(futures::stream::iter(files)),
@@ -1018,6 +1033,8 @@ impl Promoter {
                 })
             })
             .flatten()
+            // The mover may ask again after the end: a fused stream keeps answering `None`.
+            .fuse()
             .boxed();
         let set = SetCopy {
             src_prefix: src_prefix.to_owned(),
