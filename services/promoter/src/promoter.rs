@@ -411,6 +411,12 @@ impl Promoter {
 
     /// What is wrong with a request on its face, if anything.
     fn check(&self, r: &StageRequested) -> Option<String> {
+        if !is_component(&r.dataset) {
+            return Some(format!(
+                "dataset {:?} is not a dataset name (one path component: no '/', no leading '.', no control characters)",
+                r.dataset
+            ));
+        }
         if !is_version_prefix(&r.version) {
             return Some(format!(
                 "version {:?} is not a version digest or a prefix of one (12 to 64 lowercase hex characters)",
@@ -898,6 +904,8 @@ impl Promoter {
             }
             Err(CopyFailed::Retry(e)) => Err(e),
             Err(CopyFailed::Fail { reason, retryable }) => {
+                // Nothing of a copy that will not be retried stays on the tier, hidden or not.
+                discard_staging(dst, prefix).await;
                 let _ = coord.release(&request.tier, node, prefix).await;
                 self.fail(record, reason, retryable).await
             }
@@ -1252,6 +1260,51 @@ impl From<CopyFailed> for HandlerError {
             CopyFailed::Fail { reason, .. } => HandlerError::permanent(reason),
         }
     }
+}
+
+/// Removes the staging folders of the set bound for `prefix` on a posix tier (called under
+/// the set's copy lease, so no live copy of it is anywhere). The listing reads the folder
+/// beneath the tier's root; the removal goes through the tier's confined handles.
+async fn discard_staging(tier: &Tier, prefix: &str) {
+    let Tier::Posix(p) = tier else { return };
+    let Some((parent, name)) = prefix.rsplit_once('/') else {
+        return;
+    };
+    let (p, parent, mark) = (
+        p.clone(),
+        parent.to_owned(),
+        format!(".{name}.stagehand-set-"),
+    );
+    let removed = tokio::task::spawn_blocking(move || {
+        let Ok(entries) = std::fs::read_dir(p.root().join(&parent)) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let entry = entry.file_name().to_string_lossy().into_owned();
+            if entry.starts_with(&mark)
+                && stagehand_mover::posix::is_staging_name(&entry)
+                && let Err(e) = p.remove_tree(&format!("{parent}/{entry}"))
+            {
+                warn!(error = %e, "could not remove a failed copy's staging folder");
+            }
+        }
+    })
+    .await;
+    if let Err(e) = removed {
+        warn!(error = %e, "staging clean-up task failed");
+    }
+}
+
+/// Whether `name` can be one folder of a tier path: a dataset or project name.
+fn is_component(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && name != "."
+        && name != ".."
+        && !name.starts_with('.')
+        && !name
+            .bytes()
+            .any(|b| b == b'/' || b == b'\\' || b.is_ascii_control())
 }
 
 /// Bytes free on a posix tier's filesystem, if it can tell.

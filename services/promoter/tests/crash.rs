@@ -50,7 +50,7 @@ async fn a_promoter_killed_mid_copy_leaves_nothing_visible_and_resumes_without_r
         (staged.len() >= 3).then_some(staged)
     })
     .await
-    .unwrap();
+    .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "first")));
     first.kill().unwrap();
     first.wait().unwrap();
     // Nothing visible: only the hidden staging folder.
@@ -62,7 +62,7 @@ async fn a_promoter_killed_mid_copy_leaves_nothing_visible_and_resumes_without_r
         answers(&js, "stage.ready", &request.id).await.pop()
     })
     .await
-    .unwrap();
+    .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "second")));
     let published = parent.join(&version);
     assert_eq!(ready_path(&ready), published.display().to_string());
     for (path, content) in &files {

@@ -11,7 +11,6 @@ use stagehand_testkit::{S3Server, wait_for};
 async fn a_version_on_an_s3_capacity_tier_is_staged_to_hot() {
     let s3 = tokio::task::spawn_blocking(S3Server::shared).await.unwrap();
     let bucket = s3.unique_bucket("promo");
-    s3.create_bucket(&bucket).unwrap();
     let stack = Stack::start_with(Options {
         s3_capacity: Some((s3.endpoint(), bucket.clone())),
         ..Options::default()
@@ -47,7 +46,7 @@ async fn a_version_on_an_s3_capacity_tier_is_staged_to_hot() {
         answers(&js, "stage.ready", &request.id).await.pop()
     })
     .await
-    .unwrap();
+    .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "s3")));
     let published = stack.tier("hot").join(format!("{PROJECT}/ships/{version}"));
     assert_eq!(ready_path(&ready), published.display().to_string());
     for (path, content) in &files {

@@ -479,6 +479,8 @@ pub fn spawn(
     .unwrap();
     let log = std::fs::File::create(dir.join("stderr.log")).unwrap();
     Command::new(env!("CARGO_BIN_EXE_stagehand-promoter"))
+        // The environment's server (if any) would override the file's.
+        .env("STAGEHAND_NATS_URL", stack.nats.url())
         .envs(envs.iter().copied())
         .arg("--config")
         .arg(&file)
@@ -486,4 +488,10 @@ pub fn spawn(
         .stderr(log)
         .spawn()
         .unwrap()
+}
+
+/// The stderr of a promoter process started by [`spawn`], for a failing test's message.
+pub fn log_of(stack: &Stack, name: &str) -> String {
+    std::fs::read_to_string(stack.root().join(format!("proc-{name}/stderr.log")))
+        .unwrap_or_default()
 }
