@@ -325,7 +325,7 @@ impl Promoter {
         debug!(fact = %event.id, woken = woken.requests.len(), "fact wakes waiting requests");
         let runs = woken.requests.iter().map(|id| async move {
             match self.p().state.request(id)? {
-                Some(record) => self.advance(record, ctx).await,
+                Some(record) => Box::pin(self.advance(record, ctx)).await,
                 None => Ok(Vec::new()),
             }
         });
@@ -405,7 +405,8 @@ impl Promoter {
                 reason,
                 guard,
             } => self.wait(&record, waiting_for, reason, guard).await,
-            Decision::Stage(plan) => self.stage(&record, &request, plan, ctx).await,
+            // Boxed: the copy's future is large and deep; the common answers stay small.
+            Decision::Stage(plan) => Box::pin(self.stage(&record, &request, plan, ctx)).await,
         }
     }
 
@@ -875,11 +876,10 @@ impl Promoter {
                     .await?
             }
         };
-        let outcome = self
-            .run_copy(
-                record, request, plan, dst, prefix, src_tier, src_prefix, revision, ctx,
-            )
-            .await;
+        let outcome = Box::pin(self.run_copy(
+            record, request, plan, dst, prefix, src_tier, src_prefix, revision, ctx,
+        ))
+        .await;
         match outcome {
             Ok(report) => {
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
