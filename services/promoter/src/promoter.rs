@@ -90,8 +90,10 @@ struct Inner {
     slots: Scheduler,
     /// Copies running in this process, by (tier, node, prefix).
     copies: Mutex<HashSet<String>>,
-    /// Requests being moved on in this process right now.
-    active: Mutex<HashSet<EventId>>,
+    /// Requests being moved on in this process right now, and whether another driver asked
+    /// for it meanwhile (then the one moving it looks again when it is done: no wake-up is
+    /// lost to a request being busy).
+    active: Mutex<HashMap<EventId, bool>>,
     /// Copies that failed for good here lately, by copy key: the requests that waited for
     /// them get the same answer instead of each copying the same damaged source again.
     failed: Mutex<HashMap<String, (String, bool, Instant)>>,
@@ -118,6 +120,48 @@ impl<T: std::hash::Hash + Eq + Clone> Drop for Held<'_, T> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&self.key);
+    }
+}
+
+/// A request this process is moving on; dropped (whatever happened) it is free again.
+struct Active<'a> {
+    map: &'a Mutex<HashMap<EventId, bool>>,
+    id: EventId,
+}
+
+impl<'a> Active<'a> {
+    /// Marks `id` active, or, when it already is, asks its driver to look again.
+    fn take(map: &'a Mutex<HashMap<EventId, bool>>, id: &EventId) -> Option<Active<'a>> {
+        let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
+        match m.get_mut(id) {
+            Some(again) => {
+                *again = true;
+                None
+            }
+            None => {
+                m.insert(id.clone(), false);
+                Some(Active {
+                    map,
+                    id: id.clone(),
+                })
+            }
+        }
+    }
+
+    /// Whether another driver asked for `id` since it was taken (clearing the mark).
+    fn asked_again(map: &Mutex<HashMap<EventId, bool>>, id: &EventId) -> bool {
+        let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
+        m.get_mut(id)
+            .is_some_and(|again| std::mem::replace(again, false))
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
     }
 }
 
@@ -352,7 +396,8 @@ impl Promoter {
             .is_some_and(|t| t.role == TierRole::Hot)
     }
 
-    /// Moves one request on as far as it can go now; returns the facts it published.
+    /// Moves one request on as far as it can go now; returns the facts it published. A
+    /// request another driver is moving on right now is marked to be looked at again by it.
     pub async fn advance(
         &self,
         record: RequestRecord,
@@ -361,10 +406,28 @@ impl Promoter {
         if record.standing.is_final() {
             return Ok(record.answer);
         }
-        let Some(_active) = Held::take(&self.inner.active, record.event.id.clone()) else {
-            // Another driver moves it on right now and publishes what it decides.
+        let id = record.event.id.clone();
+        let Some(_active) = Active::take(&self.inner.active, &id) else {
             return Ok(Vec::new());
         };
+        let mut record = record;
+        loop {
+            let result = self.advance_once(record, ctx).await;
+            if !Active::asked_again(&self.inner.active, &id) {
+                return result;
+            }
+            match self.p().state.request(&id) {
+                Ok(Some(next)) if !next.standing.is_final() => record = next,
+                _ => return result,
+            }
+        }
+    }
+
+    async fn advance_once(
+        &self,
+        record: RequestRecord,
+        ctx: Option<&WorkContext>,
+    ) -> Result<Vec<Event>, HandlerError> {
         let Some(request) = stage_request(&record.event).cloned() else {
             return Err(HandlerError::permanent("not a stage request"));
         };
@@ -746,7 +809,9 @@ impl Promoter {
             _ => None,
         });
         match failed {
-            Some((reason, retryable)) => {
+            // A damaged source (not retryable) fails every request the same way; a full tier
+            // or quota may have room for the next one.
+            Some((reason, retryable)) if !retryable => {
                 self.inner
                     .failed
                     .lock()
@@ -754,6 +819,7 @@ impl Promoter {
                     .insert(copy_key, (reason, retryable, Instant::now()));
                 self.wake_dataset(project, &request.dataset, None);
             }
+            Some(_) => self.wake_dataset(project, &request.dataset, None),
             // Requests of this dataset waiting for this copy (here) can be answered now.
             None => self.wake_dataset(project, &request.dataset, Some((&request.tier, &prefix))),
         }
@@ -1223,7 +1289,7 @@ impl Promoter {
     /// Answers a request whose deadline passed while it waited (one being copied here right
     /// now is left to its copy).
     async fn expire(&self, record: RequestRecord) -> Result<Vec<Event>, HandlerError> {
-        let Some(_active) = Held::take(&self.inner.active, record.event.id.clone()) else {
+        let Some(_active) = Active::take(&self.inner.active, &record.event.id) else {
             return Ok(Vec::new());
         };
         let Standing::Waiting {

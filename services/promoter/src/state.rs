@@ -209,6 +209,21 @@ impl State {
                     table
                         .insert(record.event.id.as_str(), bytes.as_slice())
                         .map_err(e!("accept"))?;
+                    // Listed as waiting at once: the clock moves it on even if its message
+                    // is never handled to the end.
+                    if let Standing::Waiting { waiting_for, .. } = &record.standing {
+                        txn.open_table(WAITS)
+                            .map_err(e!("accept"))?
+                            .insert(
+                                (
+                                    record.event.project.as_str(),
+                                    dataset_of(&record).as_str(),
+                                    record.event.id.as_str(),
+                                ),
+                                waiting_for.as_str(),
+                            )
+                            .map_err(e!("accept"))?;
+                    }
                     record
                 }
             }
@@ -562,7 +577,11 @@ mod tests {
                 ..Default::default()
             })
             .unwrap();
-        assert_eq!(woken.requests, vec![early.event.id.clone()]);
+        // Both are listed: an accepted request waits from the start.
+        assert_eq!(
+            woken.requests,
+            vec![early.event.id.clone(), late.event.id.clone()]
+        );
         // Recorded after the fact: refused, so the caller looks again.
         assert!(
             !state

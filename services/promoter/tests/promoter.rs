@@ -466,3 +466,59 @@ async fn a_node_agent_fills_its_local_tier_from_hot() {
     assert_eq!(facts(&js, "replica.created").await.len(), 1);
     stack.stop().await;
 }
+
+/// `form = prepared`: a request for a validated version whose prepared form does not exist yet
+/// waits for preparation (the packing policy would prepare it) and is staged with the prepared
+/// version once `dataset.prepared` names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prepared_form_is_waited_for_and_staged() {
+    let mut stack = Stack::start().await;
+    std::fs::write(
+        stack.policies.join("packing.toml"),
+        "enabled = true\nmin_files = 2\nmax_mean_file_size = \"4 MiB\"\nshard_size = \"1 GiB\"\nlayout = \"webdataset\"\nseed = 0\ntarget_tier = \"capacity\"\n",
+    )
+    .unwrap();
+    stack.run_promoter(stack.promoter_config("a"));
+    let js = stack.bus.jetstream().clone();
+    let raw_files = [("s/1.jpg", bytes(31, 1000)), ("s/2.jpg", bytes(32, 1000))];
+    let (prefix, refs) = stack.put_files("capacity", "packed", "raw", &raw_files);
+    let raw = stack.validated("packed", "capacity", &prefix, &refs).await;
+    settled(&js, "a").await;
+    let request = stage_request_form(
+        "packed",
+        &raw,
+        "hot",
+        "job-pp",
+        None,
+        None,
+        Some("prepared"),
+    );
+    stack.publish(&request).await;
+    wait_until(WAIT, "waiting for preparation", || async {
+        answers(&js, "stage.pending", &request.id)
+            .await
+            .iter()
+            .any(|e| matches!(&e.body, Body::StagePending(p) if p.waiting_for == "preparation"))
+    })
+    .await
+    .unwrap();
+    let shard = [("shard-000000.tar", bytes(33, 4096))];
+    let (shard_prefix, shard_refs) = stack.put_files("capacity", "packed", "shards", &shard);
+    let prepared = stack
+        .prepared("packed", &raw, "capacity", &shard_prefix, &shard_refs)
+        .await;
+    let ready = wait_for(WAIT, "the prepared form ready", || async {
+        answers(&js, "stage.ready", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let path = stack
+        .tier("hot")
+        .join(format!("{PROJECT}/packed/{prepared}"));
+    assert_eq!(ready_path(&ready), path.display().to_string());
+    assert_eq!(
+        std::fs::read(path.join("shard-000000.tar")).unwrap(),
+        shard[0].1
+    );
+    stack.stop().await;
+}

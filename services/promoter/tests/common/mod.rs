@@ -229,6 +229,59 @@ impl Stack {
         version
     }
 
+    /// Publishes `dataset.prepared`: shards at `prefix` on `tier` derived from `raw`.
+    pub async fn prepared(
+        &self,
+        dataset: &str,
+        raw: &str,
+        tier: &str,
+        prefix: &str,
+        files: &[FileRef],
+    ) -> String {
+        let version = version_digest(files);
+        let cause = EventId::for_content(&[b"prepare", raw.as_bytes()]);
+        let fact = Event::request(
+            EventId::derive(&cause, "prepared"),
+            PROJECT,
+            Body::DatasetPrepared(stagehand_schemas::DatasetPrepared {
+                dataset: dataset.into(),
+                version: version.clone(),
+                derived_from: raw.into(),
+                location: Location {
+                    tier: tier.into(),
+                    prefix: prefix.into(),
+                },
+                files: files.to_vec(),
+                manifest: None,
+                total_bytes: files.iter().map(|f| f.size).sum(),
+                layout: "webdataset".into(),
+                samples: files.len() as u64,
+                seed: 0,
+            }),
+        );
+        self.publish(&fact).await;
+        version
+    }
+
+    /// Publishes `replica.removed` of the replica at `prefix` on `tier` (what the demoter does
+    /// after removing it).
+    pub async fn removed(&self, dataset: &str, version: &str, tier: &str, prefix: &str) {
+        let fact = Event::request(
+            EventId::for_content(&[b"removed", tier.as_bytes(), prefix.as_bytes()]),
+            PROJECT,
+            Body::ReplicaRemoved(stagehand_schemas::ReplicaRemoved {
+                dataset: dataset.into(),
+                version: version.into(),
+                location: Location {
+                    tier: tier.into(),
+                    prefix: prefix.into(),
+                },
+                reason: "demoted".into(),
+            }),
+        );
+        self.publish(&fact).await;
+    }
+
     /// Publishes the `ingest.requested` an upload of these files would.
     pub async fn ingest_requested(
         &self,
@@ -312,6 +365,19 @@ pub fn stage_request(
     node: Option<&str>,
     deadline: Option<time::OffsetDateTime>,
 ) -> Event {
+    stage_request_form(dataset, version, tier, job, node, deadline, None)
+}
+
+/// [`stage_request`] with a `form`.
+pub fn stage_request_form(
+    dataset: &str,
+    version: &str,
+    tier: &str,
+    job: &str,
+    node: Option<&str>,
+    deadline: Option<time::OffsetDateTime>,
+    form: Option<&str>,
+) -> Event {
     let id = EventId::for_stage(PROJECT, job, dataset, version, tier, node);
     Event::request(
         id,
@@ -324,7 +390,7 @@ pub fn stage_request(
             requested_by: "slurm".into(),
             deadline,
             node: node.map(Into::into),
-            form: None,
+            form: form.map(Into::into),
         }),
     )
 }
