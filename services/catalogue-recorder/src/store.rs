@@ -225,6 +225,9 @@ impl Store {
             };
         }
         for_each_table!(create);
+        // Progress is live state: a report from before this start may describe a copy that
+        // no longer runs, so it is not shown again; the next report brings it back.
+        txn.delete_table(STAGE_PROGRESS)?;
         txn.open_table(STAGE_PROGRESS)?;
         txn.commit()?;
         Ok(Self { db, path })

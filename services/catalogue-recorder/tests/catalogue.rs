@@ -1206,3 +1206,49 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
     );
     Ok(())
 }
+
+/// A fact whose manifest object is not the manifest its digest names cannot be folded by any
+/// retry: it is listed as a catalogue problem and dead-lettered (replayable once the object is
+/// fixed), never acked or dropped silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fact_whose_manifest_is_damaged_is_listed_and_dead_lettered() -> anyhow::Result<()> {
+    let (_nats, bus) = setup().await?;
+    let dir = tempfile::tempdir()?;
+    let recorder = start(&bus, dir.path());
+    let cat = catalogue(&bus);
+    answering(&cat).await?;
+    let (fact, manifest) =
+        by_reference(&bus, "req-damaged", "damaged", files(3000, "d"), false).await?;
+    let bucket = ManifestStore::catalogue(bus.jetstream(), BucketOptions::default()).await?;
+    // An object under the version's name whose bytes are something else.
+    bucket
+        .object_store()
+        .put(manifest.digest(), &mut &b"not/the/manifest\t1\tabc\n"[..])
+        .await?;
+    bus.publish(&fact).await?;
+    let (problems, total) =
+        stagehand_testkit::wait_for(WAIT, "the fact listed as a problem", || async {
+            cat.problems(None, None)
+                .await
+                .ok()
+                .filter(|(_, total)| *total == 1)
+        })
+        .await?;
+    assert_eq!(total, 1);
+    assert_eq!(problems.items[0].event_id, fact.id);
+    assert_eq!(problems.items[0].code, FoldProblemCode::ManifestMismatch);
+    wait_until(WAIT, "the fact dead-lettered", || async {
+        dead_letters_stored(&bus).await.is_ok_and(|n| n == 1)
+    })
+    .await?;
+    assert!(
+        cat.version(None, "damaged", manifest.digest())
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
+    let stats = recorder.stop().await?;
+    assert_eq!(stats.facts.dead_lettered, 1);
+    assert_eq!(stats.facts.handled, 0);
+    Ok(())
+}

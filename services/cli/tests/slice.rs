@@ -260,6 +260,12 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
     );
     let text = stagehand(&nats.url(), &["catalogue", "datasets"])?;
     assert!(text.contains("sample") && text.contains("bad"), "{text}");
+    // The rebuild runbook's check: nothing the catalogue could not fold.
+    let text = stagehand(&nats.url(), &["catalogue", "problems"])?;
+    assert!(
+        text.starts_with("0 facts the catalogue could not fold\n"),
+        "{text}"
+    );
 
     // A poison message is dead-lettered; the runbook's list and replay commands work on it.
     bus.jetstream()
