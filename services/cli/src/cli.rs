@@ -389,6 +389,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .await
                 .with_context(|| format!("connecting to NATS at {}", cfg.servers_display()))?;
             bus.provision().await?;
+            // The promoter's own bucket (space reservations, copy leases).
+            bus.provision_kv(&stagehand_promoter::kv::SPEC).await?;
             let mut objects: Vec<String> = stagehand_bus::OBJECT_BUCKETS
                 .iter()
                 .map(|b| b.bucket.to_string())
@@ -402,7 +404,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .iter()
                 .map(|s| s.name)
                 .collect();
-            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS.iter().map(|b| b.bucket).collect();
+            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS
+                .iter()
+                .chain([&stagehand_promoter::kv::SPEC])
+                .map(|b| b.bucket)
+                .collect();
             println!(
                 "provisioned streams {}, KV buckets {} and Object Store buckets {} with {} \
                  replica(s) on {}",
