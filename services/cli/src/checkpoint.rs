@@ -608,27 +608,37 @@ pub async fn publish(
 
 /// A commit the duplicate window dropped must be the commit stored first: a step saved again
 /// with other files (a run restarted from an earlier checkpoint) or other tags would otherwise
-/// vanish without a word. The stored fact is read by the sequence the duplicate's ack names;
-/// when it cannot be read (a user without direct gets) the commit stands as a duplicate.
+/// vanish without a word. The stored fact is the one at the sequence the duplicate's ack
+/// names. It is read first as the last commit on the project's subject (a direct get by
+/// subject: all a project's training-job user may read), which it is unless the project
+/// committed since; else by its sequence (a direct get any project's fact could be read by,
+/// which such a user may not do). When neither answers the commit stands as a duplicate.
 async fn same_as_earlier(
     bus: &Bus,
     ack: &stagehand_bus::PublishAck,
     event: &Event,
 ) -> Result<(), CheckpointError> {
+    let subject = stagehand_schemas::subject::subject_for(&event.body, &event.project);
     let stored = async {
         let stream = bus.jetstream().get_stream_no_info(&ack.stream).await?;
-        let message = stream.direct_get(ack.sequence).await?;
+        let last =
+            tokio::time::timeout(COMPARE_TIMEOUT, stream.direct_get_last_for_subject(subject))
+                .await;
+        let message = match last {
+            Ok(Ok(last)) if last.sequence == ack.sequence => last,
+            _ => {
+                // A user without the right gets no answer at all: a short wait, not the
+                // client's default.
+                tokio::time::timeout(COMPARE_TIMEOUT, stream.direct_get(ack.sequence))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("no answer within {COMPARE_TIMEOUT:?}"))??
+            }
+        };
         anyhow::Ok(stagehand_schemas::wire::decode(&message.payload)?)
     };
-    // A user without the right gets no answer at all: a short wait, not the client's default.
-    let stored = tokio::time::timeout(COMPARE_TIMEOUT, stored);
     let earlier = match stored.await {
-        Ok(Ok(earlier)) => earlier,
-        Err(_) => {
-            tracing::debug!("the earlier commit could not be read to compare in time");
-            return Ok(());
-        }
-        Ok(Err(e)) => {
+        Ok(earlier) => earlier,
+        Err(e) => {
             tracing::debug!(error = %e, "the earlier commit could not be read to compare");
             return Ok(());
         }

@@ -4,8 +4,9 @@
 //! `stagehand ingest --wait` (first and repeated) gets its verdict with only the uploader's
 //! permissions, a dataset whose manifest travels by reference (put by the uploader in its
 //! project's upload bucket, stored validated in the services' bucket, read by the recorder)
-//! goes through with each role's own user, and `stagehand up --external-nats` says where it
-//! runs without the password. NKey seed files work
+//! goes through with each role's own user, a training job's user commits its project's
+//! checkpoints (inline, by reference, a re-commit compared) and nothing else, and `stagehand up
+//! --external-nats` says where it runs without the password. NKey seed files work
 //! for the CLI and the services; a failed connection names the server without its password.
 
 use std::path::Path;
@@ -24,6 +25,7 @@ use stagehand_testkit::{NatsServer, repo_root};
 
 const ROLES: &[&str] = &[
     "UPLOADER_DEMO",
+    "TRAINER_DEMO",
     "SCHEDULER",
     "INGEST_VALIDATOR",
     "RESHARDER",
@@ -498,6 +500,184 @@ fn a_comma_separated_server_list_works_in_the_cli() -> anyhow::Result<()> {
         said(&out).contains(&format!("nats://127.0.0.1:{dead},{}", server.url())),
         "{}",
         said(&out)
+    );
+    Ok(())
+}
+
+/// Runs `stagehand checkpoint commit` as `user_url` for `project`; returns its output.
+fn commit_checkpoint(
+    user_url: &str,
+    policies: &Path,
+    project: &str,
+    step: &str,
+    dir: &Path,
+    extra: &[&str],
+) -> anyhow::Result<Output> {
+    let mut args = vec![
+        "checkpoint",
+        "commit",
+        "--project",
+        project,
+        "--run",
+        "r1",
+        "--step",
+        step,
+        "--policies",
+        policies.to_str().context("utf-8")?,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    args.push(dir.to_str().context("utf-8")?);
+    stagehand(user_url, &args)
+}
+
+/// Waits for the bus's next permission violation and checks that it names `subject`.
+async fn violation_names(bus: &Bus, seen: usize, subject: &str) -> anyhow::Result<()> {
+    let all = stagehand_testkit::wait_for(Duration::from_secs(10), "a violation", || async {
+        let all = bus.permission_violations();
+        (all.len() > seen).then_some(all)
+    })
+    .await?;
+    ensure!(
+        all[seen..].iter().any(|v| v.contains(subject)),
+        "no violation names {subject}: {all:?}"
+    );
+    Ok(())
+}
+
+/// Guards the TRAINER_DEMO role of `deploy/nats/accounts.conf`: a training job's user commits
+/// its project's checkpoints with `stagehand checkpoint commit` (inline, by reference in the
+/// project's upload bucket, a re-commit compared with the stored one) and may do nothing else
+/// (another project's fact subject or upload bucket, a request subject, a catalogue query);
+/// the recorder's user reads the manifest it put.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_training_job_commits_its_projects_checkpoints_and_nothing_else() -> anyhow::Result<()> {
+    let server = start_server();
+    let home = tempfile::tempdir()?;
+    let policies = home.path().join("policies");
+    stagehand::up::write_default_policies(&policies, home.path())?;
+    let operator = url(&server, "operator", "OPERATOR");
+    for project in ["demo", "other-lab"] {
+        let out = stagehand(&operator, &["provision", "--project", project])?;
+        ensure!(out.status.success(), "{}", said(&out));
+    }
+    let trainer = url(&server, "trainer-demo", "TRAINER_DEMO");
+    let run_dir = home.path().join("tiers/hot/demo/runs/r1");
+
+    // Inline: a DCP save, committed; again as the same fact; with a tag it was not committed
+    // with, refused after the stored commit was read (by subject, the trainer's right).
+    let dcp = run_dir.join("step-100");
+    std::fs::create_dir_all(&dcp)?;
+    std::fs::write(dcp.join("__0_0.distcp"), b"shard zero")?;
+    std::fs::write(dcp.join(".metadata"), b"dcp metadata")?;
+    for duplicate in [false, true] {
+        let out = commit_checkpoint(&trainer, &policies, "demo", "100", &dcp, &[])?;
+        no_secrets(&said(&out))?;
+        ensure!(out.status.success(), "inline commit: {}", said(&out));
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(
+            answer["duplicate"] == duplicate && answer["manifest"].is_null(),
+            "{answer}"
+        );
+    }
+    let out = commit_checkpoint(&trainer, &policies, "demo", "100", &dcp, &["--tag", "best"])?;
+    ensure!(
+        out.status.code() == Some(1)
+            && said(&out).contains("step 100 of run r1 was committed before with tags []"),
+        "a re-commit with another tag: {}",
+        said(&out)
+    );
+
+    // By reference: the manifest goes into the project's upload bucket.
+    let many = run_dir.join("step-200");
+    std::fs::create_dir_all(&many)?;
+    for i in 0..MANY_FILES {
+        std::fs::write(
+            many.join(format!("shard-with-a-long-name-{i:05}.bin")),
+            format!("shard {i}\n"),
+        )?;
+    }
+    let out = commit_checkpoint(&trainer, &policies, "demo", "200", &many, &["--complete"])?;
+    ensure!(out.status.success(), "by-reference commit: {}", said(&out));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        answer["files"] == MANY_FILES && answer["manifest"].is_string(),
+        "{answer}"
+    );
+
+    // Both facts are stored; the recorder's user reads (verified) the manifest put by the
+    // training job.
+    let operator_bus = Bus::connect(&BusConfig::new(&operator)).await?;
+    let mut facts = operator_bus
+        .jetstream()
+        .get_stream("STAGEHAND_FACTS")
+        .await?;
+    let stored = facts.info().await?.state.messages;
+    ensure!(stored == 2, "{stored} commits stored, not 2");
+    let last = facts
+        .get_last_raw_message_by_subject("stagehand.fact.checkpoint.committed.demo")
+        .await?;
+    let Body::CheckpointCommitted(fact) = stagehand_schemas::wire::decode(&last.payload)?.body
+    else {
+        anyhow::bail!("not a checkpoint commit");
+    };
+    let reference = fact.manifest.context("step 200 by reference")?;
+    let mut cfg = BusConfig::new(url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"));
+    cfg.provision = false;
+    let recorder = Bus::connect(&cfg).await?;
+    let manifest = ManifestStore::open(recorder.jetstream(), "stagehand_uploads_demo")
+        .await?
+        .fetch(&reference, &stagehand_manifest::Spool::default())
+        .await?;
+    ensure!(
+        manifest.files() == MANY_FILES as u64 && manifest.digest() == reference.digest,
+        "{} entries",
+        manifest.files()
+    );
+    ensure!(
+        recorder.permission_violations().is_empty(),
+        "{:?}",
+        recorder.permission_violations()
+    );
+
+    // Nothing else: another project's commit (its fact subject and its upload bucket), a
+    // verdict, a request, a catalogue query, a direct get by sequence (any project's fact), a
+    // consumer. Each is refused by the server, which says so at once.
+    let mut cfg = BusConfig::new(&trainer);
+    cfg.provision = false;
+    let bus = Bus::connect(&cfg).await?;
+    for denied in [
+        "stagehand.fact.checkpoint.committed.other-lab",
+        "stagehand.fact.dataset.validated.demo",
+        "stagehand.req.stage.requested.demo",
+        "stagehand.req.ingest.requested.demo",
+        "stagehand.catalogue.query",
+        "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_other-lab",
+        "$JS.API.DIRECT.GET.OBJ_stagehand_uploads_other-lab.$O.stagehand_uploads_other-lab.M.x",
+        "$O.stagehand_uploads_other-lab.C.x",
+        "$O.stagehand_uploads_other-lab.M.x",
+        "$JS.API.DIRECT.GET.STAGEHAND_FACTS",
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_FACTS",
+    ] {
+        let seen = bus.permission_violations().len();
+        bus.client().publish(denied, "no".into()).await?;
+        bus.client().flush().await?;
+        violation_names(&bus, seen, denied).await?;
+    }
+    // Nor may it read what others publish, its own project's facts included.
+    for denied in [
+        "stagehand.fact.checkpoint.committed.demo",
+        "stagehand.fact.>",
+    ] {
+        let seen = bus.permission_violations().len();
+        let _sub = bus.client().subscribe(denied).await?;
+        bus.client().flush().await?;
+        violation_names(&bus, seen, denied).await?;
+    }
+    let stored = facts.info().await?.state.messages;
+    ensure!(
+        stored == 2,
+        "{stored} facts stored after the denials, not 2"
     );
     Ok(())
 }

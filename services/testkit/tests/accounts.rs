@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 const ROLES: &[&str] = &[
     "UPLOADER_DEMO",
+    "TRAINER_DEMO",
     "SCHEDULER",
     "INGEST_VALIDATOR",
     "RESHARDER",
@@ -390,6 +391,7 @@ async fn no_user_reads_another_users_inbox() -> Result<()> {
     let server = start_server();
     for (user, role) in [
         ("uploader-demo", "UPLOADER_DEMO"),
+        ("trainer-demo", "TRAINER_DEMO"),
         ("scheduler", "SCHEDULER"),
         ("ingest-validator", "INGEST_VALIDATOR"),
         ("resharder", "RESHARDER"),
@@ -414,7 +416,7 @@ async fn no_user_reads_another_users_inbox() -> Result<()> {
         // Its own inbox works: a request to the server answers there.
         let mut js = jetstream::new(client.clone());
         js.set_timeout(Duration::from_secs(5));
-        if role != "UPLOADER_DEMO" {
+        if role != "UPLOADER_DEMO" && role != "TRAINER_DEMO" {
             js.query_account()
                 .await
                 .with_context(|| format!("{user}: $JS.API.INFO answered on its own inbox"))?;
@@ -457,6 +459,7 @@ async fn no_service_deletes_purges_or_reconfigures_a_stream() -> Result<()> {
         ("backup-copier", "BACKUP_COPIER"),
         ("scheduler", "SCHEDULER"),
         ("uploader-demo", "UPLOADER_DEMO"),
+        ("trainer-demo", "TRAINER_DEMO"),
     ] {
         let (client, mut errors) = connect(&server, user, role).await?;
         for api in [
@@ -983,12 +986,13 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
     let spool_dir = tempfile::tempdir()?;
     let spool = Spool::in_dir(spool_dir.path());
 
-    for (user, role, writes) in [
-        ("catalogue-recorder", "CATALOGUE_RECORDER", false),
-        ("promoter", "PROMOTER", false),
-        ("demoter", "DEMOTER", false),
-        ("backup-copier", "BACKUP_COPIER", false),
-        ("resharder", "RESHARDER", true),
+    // The recorder also reads upload buckets (checkpoint manifests training jobs put there).
+    for (user, role, writes, reads_uploads) in [
+        ("catalogue-recorder", "CATALOGUE_RECORDER", false, true),
+        ("promoter", "PROMOTER", false, false),
+        ("demoter", "DEMOTER", false, false),
+        ("backup-copier", "BACKUP_COPIER", false, false),
+        ("resharder", "RESHARDER", true, false),
     ] {
         // It finds the bucket among what it uses, and fetches the manifest, verified.
         let bus = bus_as(&server, user, role).await?;
@@ -1010,7 +1014,7 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
         );
 
         // Only the resharder writes (its shard manifests); nobody purges, and nobody but the
-        // validator reads an upload bucket.
+        // validator and the recorder reads an upload bucket.
         let own = manifest(user, 10);
         if writes {
             store
@@ -1038,10 +1042,14 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
         let (client, mut errors) = connect(&server, user, role).await?;
         let mut refused = vec![
             "$JS.API.STREAM.PURGE.OBJ_stagehand_manifests",
-            "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_demo",
-            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_demo",
             "$O.stagehand_uploads_demo.M.bmFtZQ==",
         ];
+        if !reads_uploads {
+            refused.extend([
+                "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_demo",
+                "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_demo",
+            ]);
+        }
         if !writes {
             refused.extend([
                 "$O.stagehand_manifests.C.nuid1",

@@ -382,6 +382,7 @@ impl Stack {
 /// environment.
 const ROLES: &[&str] = &[
     "UPLOADER_DEMO",
+    "TRAINER_DEMO",
     "SCHEDULER",
     "INGEST_VALIDATOR",
     "RESHARDER",
