@@ -224,6 +224,12 @@ async fn wait_catalogued(
                 tracing::debug!("this NATS user may not query the catalogue; not waiting for it");
                 return;
             }
+            // No recorder is subscribed at all (a deployment without one): nothing to wait
+            // for either. The client keeps only the text of the server's answer.
+            Err(e) if e.to_string().contains("no responders") => {
+                tracing::debug!("no catalogue recorder answers; not waiting for it");
+                return;
+            }
             _ => {}
         }
         tokio::time::sleep(pause.min(left)).await;
@@ -273,7 +279,8 @@ pub struct IngestReport {
     pub in_place: bool,
     /// Whether a copy found its version already placed (the same bytes ingested before).
     pub existed: bool,
-    /// The requested manifest's digest (the declared version), and its files and bytes.
+    /// The requested manifest (declared, else measured): its digest is the declared version.
+    pub manifest: Manifest,
     pub digest: String,
     pub files: u64,
     pub bytes: u64,
@@ -283,6 +290,9 @@ pub struct IngestReport {
     pub attempt: u32,
     /// Earlier attempts whose recorded rejections this run met and moved past.
     pub earlier_rejections: u32,
+    /// Whether the stream stored the first attempt's request as new (false: the same request
+    /// was published within the duplicate window).
+    pub published_new: bool,
     pub outcome: Option<Outcome>,
     /// Whether the outcome is an answer recorded before this run (the same request validated
     /// before).
@@ -415,6 +425,7 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
     let deadline = opts.wait.map(|w| tokio::time::Instant::now() + w);
     let mut attempt = 0u32;
     let mut earlier_rejections = 0u32;
+    let mut published_new = false;
     loop {
         let id = request::attempt_id(&opts.project, &opts.dataset, requested.digest(), attempt);
         let event = request::request_event(id.clone(), &parts, &carried);
@@ -423,23 +434,28 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
             None => None,
         };
         let published_at = stagehand_schemas::event::now();
-        bus.publish_with_msg_id(&event, &request::run_msg_id(&id, &run))
+        let ack = bus
+            .publish(&event)
             .await
             .with_context(|| format!("publishing ingest request {id}"))?;
+        if attempt == 0 {
+            published_new = !ack.duplicate;
+        }
+        let counts = (attempt, earlier_rejections, published_new);
         let (Some(watch), Some(deadline)) = (watch, deadline) else {
             return Ok(report(
-                event,
-                location,
-                &source,
-                existed,
-                &requested,
-                &carried,
-                attempt,
-                earlier_rejections,
-                None,
-                false,
+                event, location, &source, existed, requested, &carried, counts, None, false,
             ));
         };
+        if ack.duplicate {
+            // Published within the duplicate window, so the stream dropped it and the
+            // validator will not see it: its earlier copy may have been answered long ago, or
+            // dead-lettered. The same request as a message of this run's reaches the
+            // validator, which answers from its record or works on it again.
+            bus.publish_with_msg_id(&event, &request::run_msg_id(&id, &run))
+                .await
+                .with_context(|| format!("publishing ingest request {id}"))?;
+        }
         let bar = bars.validation();
         let verdict = watch.verdict(&id, deadline, &bar).await;
         bar.finish();
@@ -466,26 +482,26 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
             location,
             &source,
             existed,
-            &requested,
+            requested,
             &carried,
-            attempt,
-            earlier_rejections,
+            counts,
             Some(verdict.outcome),
             recorded,
         ));
     }
 }
 
+/// The report of an ingest; `counts` are the attempt, the earlier rejections passed and
+/// whether the first attempt's request was new to the stream.
 #[allow(clippy::too_many_arguments)]
 fn report(
     request: Event,
     location: Location,
     source: &Source,
     existed: bool,
-    manifest: &Manifest,
+    manifest: Manifest,
     carried: &Carried,
-    attempt: u32,
-    earlier_rejections: u32,
+    (attempt, earlier_rejections, published_new): (u32, u32, bool),
     outcome: Option<Outcome>,
     answered_before: bool,
 ) -> IngestReport {
@@ -497,9 +513,11 @@ fn report(
         digest: manifest.digest().to_owned(),
         files: manifest.files(),
         bytes: manifest.bytes(),
+        manifest,
         by_reference: carried.is_reference(),
         attempt,
         earlier_rejections,
+        published_new,
         outcome,
         answered_before,
     }
@@ -568,8 +586,9 @@ pub fn report_json(report: &IngestReport) -> serde_json::Value {
         "by_reference": report.by_reference,
         "existed": report.existed,
         "answered_before": report.answered_before,
-        // The same upload as an earlier run: placed already, or answered from its record.
-        "duplicate": report.existed || report.answered_before,
+        // The same upload as an earlier run: placed already, requested within the duplicate
+        // window, or answered from the validator's record.
+        "duplicate": report.existed || !report.published_new || report.answered_before,
         "outcome": outcome,
     })
 }

@@ -24,6 +24,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
+use futures::StreamExt;
 use stagehand_manifest::{Manifest, Spool};
 use stagehand_mover::{
     CancellationToken, CopyOptions, Mover, MoverConfig, PosixTier, Priority, Progress, SetCopy,
@@ -108,7 +109,8 @@ pub async fn place(
     let walk = walk::start(folder, WalkOptions::default())?;
     let files = futures::stream::unfold(walk.files, |mut rx| async move {
         rx.recv().await.map(|f| (f, rx))
-    });
+    })
+    .fuse();
     let staged = mover
         .stage_set(
             &upload,

@@ -10,14 +10,16 @@
 //! request: attempt 0 has the id [`EventId::for_ingest`]`(project, dataset, version)`. A
 //! request whose answer was a *rejection* has that answer recorded by the validator for good
 //! (publishing the id again is answered with the same rejection, even after the cause — a
-//! policy, a tier — was fixed), so a rerun that meets an earlier attempt's rejection moves on
-//! to the next attempt, `EventId::derive(attempt 0, "attempt-<n>")`, which the validator
-//! works on afresh. A request that was *dead-lettered* (the source tier was unreachable for
-//! every retry) has no recorded answer; it only needs to reach the validator again, and every
-//! run publishes its request as a message of its own (`Nats-Msg-Id` = `<id>.<run>`), so a
-//! rerun inside the requests stream's duplicate window is not dropped as a copy of the
-//! dead-lettered one. Both are decided with what an uploader may see: its own project's
-//! verdicts.
+//! policy, a tier — was fixed), so a rerun with `--wait` that meets an earlier attempt's
+//! rejection (a verdict that became true before this run published it) moves on to the next
+//! attempt, `EventId::derive(attempt 0, "attempt-<n>")`, which the validator works on afresh.
+//! A request that was *dead-lettered* (its source tier was unreachable for every retry) has
+//! no recorded answer: it only needs to reach the validator again. Outside the requests
+//! stream's duplicate window it does by itself; inside it the stream drops the rerun's
+//! message as a copy (the PubAck says so), and a rerun that waits publishes the same request
+//! once more as a message of its own (`Nats-Msg-Id` = `<id>.<run>`), which the validator
+//! answers from its record or works on again. Both are decided with what an uploader may
+//! see: its PubAcks and its own project's verdicts.
 
 use anyhow::bail;
 use stagehand_bus::Bus;

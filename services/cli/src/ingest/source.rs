@@ -140,6 +140,16 @@ pub fn resolve(
             "tier {copy_tier:?} is not a posix tier; a local folder is copied onto a posix tier (objects already on an S3 tier are registered with s3://bucket/prefix)"
         );
     };
+    if root
+        .canonicalize()
+        .is_ok_and(|root| root.starts_with(&real))
+    {
+        bail!(
+            "tier {copy_tier:?} lies inside {} ({}): a folder cannot be copied into itself",
+            folder.display(),
+            root.display()
+        );
+    }
     let tier = PosixTier::open(copy_tier, root)
         .with_context(|| format!("opening tier {copy_tier:?} at {}", root.display()))?;
     Ok(Source::Copy { folder, tier })
@@ -217,35 +227,25 @@ fn resolve_s3(
 mod tests {
     use super::*;
 
-    fn policies(dir: &Path, source_root: &Path) -> Policies {
-        let tiers = format!(
+    /// The default policies under `dir` (the posix source tier at `dir/tiers/source`) and an
+    /// S3 source tier `lab` on bucket `lab-drop`, prefix `incoming`.
+    fn policies(dir: &Path) -> Policies {
+        crate::up::write_default_policies(&dir.join("policies"), dir).unwrap();
+        let mut tiers = std::fs::read_to_string(dir.join("policies/tiers.toml")).unwrap();
+        tiers.push_str(
             r#"
-[tiers.source]
-kind = "posix"
-role = "source"
-failure_domain = "a"
-root = "{}"
-
 [tiers.lab]
 kind = "s3"
 role = "source"
-failure_domain = "b"
+failure_domain = "lab-bucket"
 endpoint = "http://127.0.0.1:1"
 bucket = "lab-drop"
 prefix = "incoming"
-
-[tiers.capacity]
-kind = "posix"
-role = "capacity"
-failure_domain = "c"
-root = "{}/capacity"
 "#,
-            source_root.display(),
-            dir.display()
         );
-        std::fs::create_dir_all(dir.join("policies")).unwrap();
         std::fs::write(dir.join("policies/tiers.toml"), tiers).unwrap();
-        Policies::load_dir(dir.join("policies")).unwrap()
+        std::fs::create_dir_all(dir.join("tiers/source")).unwrap();
+        Policies::load_dir_with_home(dir.join("policies"), dir).unwrap()
     }
 
     #[test]
@@ -261,9 +261,7 @@ root = "{}/capacity"
     #[test]
     fn s3_urls_resolve_inside_a_declared_source_tier_and_project_only() {
         let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("source");
-        std::fs::create_dir_all(&root).unwrap();
-        let p = policies(dir.path(), &root);
+        let p = policies(dir.path());
         let pdir = dir.path().join("policies");
         let resolved = resolve(
             "s3://lab-drop/incoming/vision/2026/",
@@ -319,11 +317,11 @@ root = "{}/capacity"
     #[test]
     fn a_folder_beneath_a_posix_source_tier_is_registered_in_place() {
         let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("source");
+        let p = policies(dir.path());
+        let root = dir.path().join("tiers/source");
         std::fs::create_dir_all(root.join("vision/run-1")).unwrap();
         std::fs::create_dir_all(root.join("audio/run-1")).unwrap();
         std::fs::create_dir_all(dir.path().join("elsewhere")).unwrap();
-        let p = policies(dir.path(), &root);
         let pdir = dir.path().join("policies");
         let here = root.join("vision/run-1");
         match resolve(here.to_str().unwrap(), false, "vision", "source", &p, &pdir).unwrap() {
