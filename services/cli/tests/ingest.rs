@@ -519,7 +519,7 @@ async fn a_rerun_after_a_dead_lettered_outage_is_validated_once_the_tier_is_back
     }
     // The validator's view of the bucket is down: nothing listens on port 1.
     let down = Validator::start(&nats, &home, Some("http://127.0.0.1:1"), |cfg| {
-        cfg.max_deliver = 2;
+        cfg.max_attempts = 2;
         cfg.retry.initial = Duration::from_millis(50);
         cfg.retry.max = Duration::from_millis(100);
     })
