@@ -631,3 +631,116 @@ async fn a_killed_ingest_leaves_nothing_behind_once_rerun() -> anyhow::Result<()
     assert_eq!(report["files"], 64);
     Ok(())
 }
+
+/// Messages in the requests stream: what was published.
+async fn requests_published(nats: &NatsServer) -> anyhow::Result<u64> {
+    let bus = Bus::connect(&BusConfig::new(nats.url())).await?;
+    let mut stream = bus.jetstream().get_stream(subject::REQUESTS.name).await?;
+    Ok(stream.info().await?.state.messages)
+}
+
+/// Issue 7 item 4 and issue 6 (nothing outside its place): a hostile or odd source is refused
+/// with a reason naming the file. Walked by the CLI, a FIFO (copying it could block forever)
+/// and a symlink out of the folder (its target is not the uploader's to publish) stop the
+/// ingest before anything is published or placed; declared in an uploader's `--manifest` for
+/// data registered in place, the same two are rejected by the validator, whose reads never
+/// open a FIFO nor follow a link, each with its problem code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_or_a_symlink_out_of_the_source_is_refused_with_its_reason() -> anyhow::Result<()> {
+    let nats = NatsServer::start();
+    let home = Home::new(None)?;
+    let validator = Validator::start(&nats, &home, None, |_| {}).await?;
+    let outside = tempfile::tempdir()?;
+    std::fs::write(outside.path().join("secret.txt"), "not yours\n")?;
+
+    // A local folder to copy, with a FIFO in it.
+    let folder = tempfile::tempdir()?;
+    write_files(folder.path(), 3)?;
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        folder.path().join("part-0/pipe"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )?;
+    let (out, _) = ingest(
+        &nats,
+        &home,
+        folder.path().to_str().context("utf-8")?,
+        "piped",
+        &["--wait"],
+    )?;
+    assert!(!out.status.success());
+    ensure!(
+        said(&out).contains("part-0/pipe is neither a regular file nor a folder: refused"),
+        "{}",
+        said(&out)
+    );
+    assert_eq!(
+        entries(&home.source_root.join("lab-a/piped")),
+        Vec::<String>::new(),
+        "nothing placed, no staging folder left"
+    );
+
+    // A folder on the source tier, registered in place, with a link out of the tier.
+    let drop = home.source_root.join("lab-a/drops/linked");
+    let files = write_files(&drop, 3)?;
+    std::os::unix::fs::symlink(outside.path().join("secret.txt"), drop.join("secret.txt"))?;
+    let source = drop.to_str().context("utf-8")?;
+    let (out, _) = ingest(&nats, &home, source, "linked", &["--wait"])?;
+    assert!(!out.status.success());
+    ensure!(
+        said(&out).contains("symlink secret.txt points to")
+            && said(&out).contains("secret.txt, outside"),
+        "{}",
+        said(&out)
+    );
+    assert_eq!(requests_published(&nats).await?, 0);
+
+    // The same two declared by the uploader: the validator reads neither and rejects both.
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        drop.join("pipe"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )?;
+    let mut declared = files.clone();
+    declared.push(FileRef::new("secret.txt", 10, sha256_hex(b"not yours\n")));
+    declared.push(FileRef::new("pipe", 10, sha256_hex(b"not yours\n")));
+    let manifest = home.dir.path().join("linked.tsv");
+    let lines: String = declared.iter().map(FileRef::manifest_line).collect();
+    std::fs::write(&manifest, lines)?;
+    let (out, report) = ingest(
+        &nats,
+        &home,
+        source,
+        "linked",
+        &["--wait", "--manifest", manifest.to_str().context("utf-8")?],
+    )?;
+    assert_eq!(out.status.code(), Some(1), "{}", said(&out));
+    let problems = report["outcome"]["rejected"]["problems"]
+        .as_array()
+        .with_context(|| format!("not rejected: {report}"))?;
+    let mut found: Vec<(String, String)> = problems
+        .iter()
+        .map(|p| {
+            (
+                p["path"].as_str().unwrap_or("").to_owned(),
+                p["code"].as_str().unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    found.sort();
+    assert_eq!(
+        found,
+        vec![
+            ("pipe".to_owned(), "not_a_file".to_owned()),
+            ("secret.txt".to_owned(), "symlink_escape".to_owned()),
+        ],
+        "{report}"
+    );
+    assert_eq!(requests_published(&nats).await?, 1);
+    assert_eq!(validator.stop().await?.handled, 1);
+    Ok(())
+}
