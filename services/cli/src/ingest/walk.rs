@@ -63,15 +63,38 @@ pub fn start(folder: &Path, opts: WalkOptions) -> anyhow::Result<Walk> {
     }
     let (tx, rx) = mpsc::channel(CHANNEL_FILES);
     let shown = folder.to_owned();
-    let done = tokio::task::spawn_blocking(move || walk(&root, &shown, &opts, &tx));
+    let done = tokio::task::spawn_blocking(move || {
+        walk(&root, &shown, &opts, |f| tx.blocking_send(f).is_ok())
+    });
     Ok(Walk { files: rx, done })
 }
 
+/// Every file of a small folder (a checkpoint's directory), walked on this thread with the
+/// same refusals, in path order; sizes as [`start`] gives them, hashes the placeholder. Holds
+/// every entry: a folder of any size goes through [`start`].
+pub fn list(folder: &Path) -> anyhow::Result<Vec<FileRef>> {
+    let root = folder
+        .canonicalize()
+        .with_context(|| format!("cannot open folder {}", folder.display()))?;
+    if !root.is_dir() {
+        bail!("{} is not a folder", folder.display());
+    }
+    let mut files = Vec::new();
+    walk(&root, folder, &WalkOptions::default(), |f| {
+        files.push(f);
+        true
+    })?;
+    files.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
+    Ok(files)
+}
+
+/// Walks `root` (shown as `shown` in messages), handing each file to `sink` until it returns
+/// false (its consumer stopped).
 fn walk(
     root: &Path,
     shown: &Path,
     opts: &WalkOptions,
-    tx: &mpsc::Sender<FileRef>,
+    mut sink: impl FnMut(FileRef) -> bool,
 ) -> anyhow::Result<WalkSummary> {
     let mut summary = WalkSummary::default();
     let mut entries = walkdir::WalkDir::new(root).follow_links(false).into_iter();
@@ -117,10 +140,7 @@ fn walk(
             .len();
         summary.files += 1;
         summary.bytes += size;
-        if tx
-            .blocking_send(FileRef::new(rel, size, EMPTY_SHA256))
-            .is_err()
-        {
+        if !sink(FileRef::new(rel, size, EMPTY_SHA256)) {
             // The consumer stopped (it failed); its error is the one to report.
             break;
         }
