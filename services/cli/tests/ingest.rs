@@ -36,7 +36,12 @@ struct Home {
 
 impl Home {
     fn new(s3: Option<(&str, &str)>) -> anyhow::Result<Home> {
-        let dir = tempfile::tempdir()?;
+        Home::new_in(&std::env::temp_dir(), s3)
+    }
+
+    /// A home beneath `parent`.
+    fn new_in(parent: &Path, s3: Option<(&str, &str)>) -> anyhow::Result<Home> {
+        let dir = tempfile::tempdir_in(parent)?;
         let policies = dir.path().join("policies");
         stagehand::up::write_default_policies(&policies, dir.path())?;
         if let Some((bucket, endpoint)) = s3 {
@@ -260,10 +265,14 @@ async fn version_files(nats: &NatsServer, dataset: &str, version: &str) -> Optio
 async fn a_folder_over_the_inline_bound_travels_by_reference_and_is_catalogued()
 -> anyhow::Result<()> {
     let nats = NatsServer::start();
-    let home = Home::new(None)?;
+    // The folder and the home (its tiers) on a tmpfs of their own: removing thousands of
+    // files from a disk busy with other builds takes longer than the whole test.
+    let scratch = tempfile::tempdir()?;
+    let tmpfs = stagehand_testkit::Tmpfs::mount(scratch.path().join("fs"), "256m");
+    let home = Home::new_in(tmpfs.path(), None)?;
     let validator = Validator::start(&nats, &home, None, |_| {}).await?;
     let (recorder_stop, recorder) = start_recorder(&nats, &home);
-    let folder = tempfile::tempdir()?;
+    let folder = tempfile::tempdir_in(tmpfs.path())?;
     let files = write_files(folder.path(), 4000)?;
     let digest = version_digest(&files);
     assert!(
