@@ -408,7 +408,7 @@ async fn nkey_seed_files_work_for_the_cli_and_the_services() -> anyhow::Result<(
     std::fs::write(
         &conf,
         format!(
-            "max_payload: 16MB\nauthorization {{\n  users: [ {{ nkey: {} }} ]\n}}\n",
+            "authorization {{\n  users: [ {{ nkey: {} }} ]\n}}\n",
             user.public_key()
         ),
     )?;
