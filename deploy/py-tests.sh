@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The Python producer test: a raw ingest request published from Python (nats-py + msgpack,
-# following schemas/) is handled by the real services exactly as one from Rust.
+# The Python producer test: raw ingest requests published from Python (nats-py + msgpack,
+# following schemas/) are handled by the real services exactly as ones from Rust — a small
+# manifest inline, and a large one by reference (put into the project's upload bucket with
+# nats-py's Object Store), validated and catalogued with every file.
 #
 #   deploy/py-tests.sh
 #

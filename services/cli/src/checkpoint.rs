@@ -464,20 +464,20 @@ pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> 
     })?;
 
     let dir = recognised.dir.clone();
-    let listed = tokio::task::spawn_blocking(move || crate::ingest::scan(&dir))
+    let listed = tokio::task::spawn_blocking(move || crate::ingest::walk::list(&dir))
         .await
         .map_err(|e| CheckpointError::Other(e.into()))?
         .map_err(|e| refused(format!("{e:#}")))?;
     let tier = Tier::Posix(tier);
     let files: Vec<FileRef> = futures::stream::iter(listed)
         .map(|f| {
-            let (tier, rel) = (&tier, format!("{prefix}/{}", f.rel));
+            let (tier, rel) = (&tier, format!("{prefix}/{}", f.path));
             async move {
                 let digest = tier
                     .hash_file_bounded(&rel, ReadLimit::declared(f.size, None))
                     .await
-                    .map_err(|e| refused(format!("{}: {e}", f.rel)))?;
-                Ok::<_, CheckpointError>(FileRef::new(f.rel, digest.size, digest.sha256))
+                    .map_err(|e| refused(format!("{}: {e}", f.path)))?;
+                Ok::<_, CheckpointError>(FileRef::new(f.path, digest.size, digest.sha256))
             }
         })
         .buffered(HASH_AT_ONCE)

@@ -66,7 +66,8 @@ impl Connection {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Place a folder on the source tier and ask for it to be validated and catalogued.
+    /// Place a folder on the source tier (or register data already on a source tier) and ask
+    /// for it to be validated and catalogued.
     Ingest(IngestArgs),
     /// Ask the catalogue.
     #[command(subcommand)]
@@ -98,17 +99,23 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct IngestArgs {
-    /// The folder to ingest.
-    pub folder: PathBuf,
+    /// What to ingest: a local folder (copied onto --tier), a folder already beneath a posix
+    /// source tier's root, or `s3://bucket/prefix` inside an s3 source tier (both registered
+    /// where they are, without a copy; the prefix must be beneath the project's own).
+    pub source: String,
     /// Project (tenant) the dataset belongs to: [a-z0-9_-].
     #[arg(long, env = "STAGEHAND_PROJECT")]
     pub project: String,
     /// Dataset name.
     #[arg(long)]
     pub dataset: String,
-    /// The tier to place the files on (declared in the policies).
+    /// The posix tier a local folder is copied onto (declared in the policies).
     #[arg(long, default_value = "source")]
     pub tier: String,
+    /// Insist that the folder is already beneath a posix source tier's root and register it
+    /// there (such a folder is detected without it too).
+    #[arg(long)]
+    pub in_place: bool,
     /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
     #[arg(long)]
     pub policies: Option<PathBuf>,
@@ -118,7 +125,9 @@ pub struct IngestArgs {
     /// A label `key=value` (repeatable).
     #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
-    /// Declare the manifest (`path<TAB>size<TAB>sha256` lines) instead of measuring it.
+    /// Declare the manifest (`path<TAB>size<TAB>sha256` lines, any order, any size) instead
+    /// of measuring it; the validator judges it against the files. A copied folder is still
+    /// placed under the prefix its measured digest names.
     #[arg(long)]
     pub manifest: Option<PathBuf>,
     /// Wait for the validator's answer and print it; exit 1 when rejected.
@@ -127,6 +136,11 @@ pub struct IngestArgs {
     /// How long `--wait` waits, in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// How many milliseconds the validator's clock may lag this machine's: with `--wait`, a
+    /// rejection older than this run's request by more than that is an earlier run's recorded
+    /// answer, and the request is asked again as its next attempt.
+    #[arg(long, default_value_t = crate::ingest::CLOCK_SKEW.as_millis() as u64)]
+    pub clock_skew_ms: u64,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -269,7 +283,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             quiet_logs();
             let bus = connect(&cli.connection).await?;
             let opts = IngestOptions {
-                folder: args.folder,
+                source: args.source,
+                in_place: args.in_place,
                 project: args.project,
                 dataset: args.dataset,
                 tier: args.tier,
@@ -282,36 +297,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 manifest: args.manifest,
                 wait: args.wait.then(|| Duration::from_secs(args.timeout)),
                 progress: std::io::stderr().is_terminal(),
+                clock_skew: Duration::from_millis(args.clock_skew_ms),
+                spool: None,
             };
             let report = crate::ingest::ingest(&bus, &opts).await?;
             let rejected = matches!(report.outcome, Some(Outcome::Rejected(_)));
             if args.json {
-                let outcome = match &report.outcome {
-                    Some(Outcome::Validated(v)) => serde_json::json!({"validated": v}),
-                    Some(Outcome::Rejected(r)) => serde_json::json!({"rejected": r}),
-                    None => serde_json::Value::Null,
-                };
-                let out = serde_json::json!({
-                    "request_id": report.request.id,
-                    "prefix": report.placed.prefix,
-                    "files": report.placed.files.len(),
-                    "duplicate": !report.published_new,
-                    "outcome": outcome,
-                });
-                println!("{}", serde_json::to_string_pretty(&out)?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&crate::ingest::report_json(&report))?
+                );
             } else {
                 println!("{}", report.request.id);
-                eprintln!(
-                    "placed {} files under {} on tier {}{}",
-                    report.placed.files.len(),
-                    report.placed.prefix,
-                    opts.tier,
-                    if report.published_new {
-                        ""
-                    } else {
-                        " (same request as an earlier run)"
-                    }
-                );
+                eprint!("{}", crate::ingest::report_text(&report));
                 if let Some(outcome) = &report.outcome {
                     print!("{}", crate::ingest::outcome_text(outcome));
                 }
