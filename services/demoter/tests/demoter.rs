@@ -50,7 +50,10 @@ async fn a_full_hot_tier_is_drained_to_its_low_watermark_least_recently_staged_f
 
     stack.run_demoter();
     // 10 MiB → ds0 (8) → ds2 (6) → ds3 (4 ≤ 5): three removals, then it stops.
-    let expected: Vec<String> = [0, 2, 3].iter().map(|&i| placed[i].version.clone()).collect();
+    let expected: Vec<String> = [0, 2, 3]
+        .iter()
+        .map(|&i| placed[i].version.clone())
+        .collect();
     wait_until(WAIT, "three replicas removed from hot", || async {
         removed_from_hot(&js).await.len() >= 3
             && !stack.tier("hot").join(placed[3].prefix()).exists()
@@ -88,7 +91,10 @@ async fn a_full_hot_tier_is_drained_to_its_low_watermark_least_recently_staged_f
         assert!(whole_on(&stack, "hot", &placed[i]), "ds{i}");
     }
     for i in [0, 2, 3] {
-        assert_eq!(list(&stack.tier("hot").join(format!("{PROJECT}/ds{i}"))), Vec::<String>::new());
+        assert_eq!(
+            list(&stack.tier("hot").join(format!("{PROJECT}/ds{i}"))),
+            Vec::<String>::new()
+        );
     }
     let bucket = stack.readiness().await;
     assert!(is_ready(&bucket, &hot_key(&placed[1])).await);
@@ -121,8 +127,7 @@ async fn a_released_stage_another_live_job_still_holds_is_not_removed() {
 
     stack.run_demoter();
     wait_until(WAIT, "the idle unheld replica removed", || async {
-        !removed_from_hot(&js).await.is_empty()
-            && !stack.tier("hot").join(free.prefix()).exists()
+        !removed_from_hot(&js).await.is_empty() && !stack.tier("hot").join(free.prefix()).exists()
     })
     .await
     .unwrap();
@@ -209,13 +214,13 @@ async fn readers_never_see_readiness_and_the_path_disagree_while_demotion_runs()
             && placed
                 .iter()
                 .all(|p| !stack.tier("hot").join(p.prefix()).exists())
-                && {
-                    let mut gone = true;
-                    for p in &placed {
-                        gone &= !is_ready(&bucket, &hot_key(p)).await;
-                    }
-                    gone
+            && {
+                let mut gone = true;
+                for p in &placed {
+                    gone &= !is_ready(&bucket, &hot_key(p)).await;
                 }
+                gone
+            }
     })
     .await
     .unwrap();

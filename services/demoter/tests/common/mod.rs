@@ -197,7 +197,12 @@ impl Stack {
         durable: bool,
     ) -> Placed {
         let files: Vec<(String, Vec<u8>)> = (0..n)
-            .map(|i| (format!("part-{i:02}.bin"), bytes(seed.wrapping_add(i as u8), size)))
+            .map(|i| {
+                (
+                    format!("part-{i:02}.bin"),
+                    bytes(seed.wrapping_add(i as u8), size),
+                )
+            })
             .collect();
         let refs: Vec<FileRef> = files
             .iter()
@@ -333,7 +338,11 @@ impl Stack {
     }
 
     pub async fn readiness(&self) -> kv::Store {
-        self.bus.jetstream().get_key_value("stagehand_readiness").await.unwrap()
+        self.bus
+            .jetstream()
+            .get_key_value("stagehand_readiness")
+            .await
+            .unwrap()
     }
 
     pub async fn stop(mut self) {
@@ -405,12 +414,9 @@ pub async fn replica_facts(js: &jetstream::Context) -> Vec<(String, String, Stri
         .await
         .into_iter()
         .filter_map(|e| match e.body {
-            Body::ReplicaCreated(c) => Some((
-                "created".into(),
-                c.location.tier,
-                c.version,
-                String::new(),
-            )),
+            Body::ReplicaCreated(c) => {
+                Some(("created".into(), c.location.tier, c.version, String::new()))
+            }
             Body::ReplicaRemoved(r) => {
                 Some(("removed".into(), r.location.tier, r.version, r.reason))
             }
@@ -447,8 +453,7 @@ pub fn whole_on(stack: &Stack, tier: &str, p: &Placed) -> bool {
     let dir = stack.tier(tier).join(p.prefix());
     let names: Vec<String> = p.files.iter().map(|(n, _)| n.clone()).collect();
     list(&dir) == names
-        && p
-            .files
+        && p.files
             .iter()
             .all(|(n, b)| std::fs::read(dir.join(n)).is_ok_and(|got| &got == b))
 }
