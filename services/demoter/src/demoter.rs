@@ -392,7 +392,7 @@ impl Demoter {
                 return Ok(());
             }
             let removed = Event::request(
-                EventId::derive(&step.id, "removed"),
+                EventId::for_fact(&step.project, &step.id, "removed"),
                 step.project.clone(),
                 Body::ReplicaRemoved(ReplicaRemoved {
                     dataset: step.dataset.clone(),
@@ -515,7 +515,7 @@ impl Demoter {
             staged.publish().await.map_err(step_err)?;
         }
         let created = Event::request(
-            EventId::derive(&step.id, &format!("replica:{target}")),
+            EventId::for_fact(&step.project, &step.id, &format!("replica:{target}")),
             step.project.clone(),
             Body::ReplicaCreated(ReplicaCreated {
                 dataset: step.dataset.clone(),
