@@ -24,8 +24,8 @@
 //!
 //! | task | consumer | what |
 //! | --- | --- | --- |
-//! | `requests` | `demoter-requests` | `stage.released`: a replica may have become free |
-//! | `facts` | `demoter-facts` | `replica.created`, `replica.removed`, `checkpoint.committed`: usage changed |
+//! | `requests` | `demoter` on the requests stream | `stage.released`: a replica may have become free |
+//! | `facts` | `demoter` on the facts stream | `replica.created`, `replica.removed`, `checkpoint.committed`: usage changed |
 //! | `clock` | — | a pass at start, every `check_every`, and whenever a consumer asks |
 //!
 //! One demoter runs per deployment (its consumers are not shared).
@@ -278,23 +278,23 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
     });
     tracing::info!("demoter ready");
 
-    let requests_consumer = format!("{SERVICE}-requests");
+    // One durable consumer named `demoter` on each stream (deploy/nats/accounts.conf grants
+    // those names), each with its own ledger.
     let mut requests = ctx.worker_config_named(
-        &requests_consumer,
+        SERVICE,
         subject::REQUESTS.name,
         vec![subject::kind_filter("req", "stage.released")],
-        s.state_dir.join(format!("{requests_consumer}.redb")),
+        s.state_dir.join("demoter-requests.redb"),
     );
     requests.claims = ctx.worker.claims.unwrap_or(false);
-    let facts_consumer = format!("{SERVICE}-facts");
     let mut facts = ctx.worker_config_named(
-        &facts_consumer,
+        SERVICE,
         subject::FACTS.name,
         ["replica.created", "replica.removed", "checkpoint.committed"]
             .iter()
             .map(|k| subject::kind_filter("fact", k))
             .collect(),
-        s.state_dir.join(format!("{facts_consumer}.redb")),
+        s.state_dir.join("demoter-facts.redb"),
     );
     facts.claims = ctx.worker.claims.unwrap_or(false);
 
