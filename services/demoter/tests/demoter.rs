@@ -233,3 +233,31 @@ async fn readers_never_see_readiness_and_the_path_disagree_while_demotion_runs()
     }
     stack.stop().await;
 }
+
+/// Guards the demoter's NATS rights (deploy/nats/accounts.conf): connected as its own user,
+/// with the recorder as its own, it asks the catalogue, copies down and announces the copy,
+/// watches readiness and announces the removal — every step it needs is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_demoter_works_with_its_own_nats_user_only() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        accounts: true,
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let only_on_hot = stack.place("rights", 3, 2, 4096, false).await;
+    stack.stage(&only_on_hot, "job", ago(120)).await;
+    stack.release(&only_on_hot, "job", ago(90)).await;
+    stack.recorded(&only_on_hot, 1, 1).await;
+    stack.run_demoter();
+    wait_until(WAIT, "the replica copied down and removed", || async {
+        removed_from_hot(&js).await.len() == 1
+            && !stack.tier("hot").join(only_on_hot.prefix()).exists()
+    })
+    .await
+    .unwrap();
+    assert!(whole_on(&stack, "capacity", &only_on_hot));
+    assert!(!is_ready(&stack.readiness().await, &hot_key(&only_on_hot)).await);
+    stack.stop().await;
+}

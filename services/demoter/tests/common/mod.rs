@@ -41,6 +41,27 @@ pub struct Options {
     pub low: f64,
     pub idle_after: &'static str,
     pub unstaged_replica_after: &'static str,
+    /// Run NATS with deploy/nats/accounts.conf: the test publishes as the operator, the
+    /// recorder and the demoter connect as their own users, with their own rights only.
+    pub accounts: bool,
+}
+
+/// The roles of deploy/nats/accounts.conf whose password variables the server needs.
+const ROLES: &[&str] = &[
+    "UPLOADER_DEMO",
+    "SCHEDULER",
+    "INGEST_VALIDATOR",
+    "RESHARDER",
+    "PROMOTER",
+    "DEMOTER",
+    "BACKUP_COPIER",
+    "CATALOGUE_RECORDER",
+    "OPERATOR",
+    "SYS",
+];
+
+fn password(role: &str) -> String {
+    format!("test-password-{}", role.to_ascii_lowercase())
 }
 
 impl Default for Options {
@@ -51,6 +72,7 @@ impl Default for Options {
             low: 0.5,
             idle_after: "1d",
             unstaged_replica_after: "30d",
+            accounts: false,
         }
     }
 }
@@ -63,6 +85,7 @@ pub struct Stack {
     pub catalogue: Catalogue,
     pub policies: PathBuf,
     pub shutdown: CancellationToken,
+    accounts: bool,
     demoter_stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -83,7 +106,16 @@ impl Placed {
 
 impl Stack {
     pub async fn start(opts: Options) -> Stack {
-        let nats = NatsServer::start();
+        let nats = if opts.accounts {
+            let mut builder = NatsServer::builder()
+                .config_file(stagehand_testkit::repo_root().join("deploy/nats/accounts.conf"));
+            for role in ROLES {
+                builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
+            }
+            builder.start()
+        } else {
+            NatsServer::start()
+        };
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path();
         for t in ["source", "capacity", "hot"] {
@@ -126,7 +158,16 @@ impl Stack {
             ),
         )
         .unwrap();
-        let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
+        let operator = if opts.accounts {
+            format!(
+                "nats://operator:{}@127.0.0.1:{}",
+                password("OPERATOR"),
+                nats.port()
+            )
+        } else {
+            nats.url()
+        };
+        let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
         bus.provision().await.unwrap();
         let catalogue = Catalogue::new(bus.client().clone()).with_timeout(Duration::from_secs(5));
         let shutdown = CancellationToken::new();
@@ -136,14 +177,16 @@ impl Stack {
             bus,
             catalogue,
             policies,
+            accounts: opts.accounts,
             demoter_stop: shutdown.child_token(),
             shutdown,
             tasks: Vec::new(),
         };
-        let recorder = stagehand_catalogue_recorder::config(
-            &stack.nats.url(),
+        let mut recorder = stagehand_catalogue_recorder::config(
+            &stack.url_as("catalogue-recorder", "CATALOGUE_RECORDER"),
             stack.tmp.path().join("recorder"),
         );
+        recorder.bus.provision = !stack.accounts;
         let token = stack.shutdown.clone();
         stack.tasks.push(tokio::spawn(async move {
             stagehand_catalogue_recorder::run(recorder, token)
@@ -161,12 +204,27 @@ impl Stack {
         self.root().join("tiers").join(name)
     }
 
+    /// The server's URL for `user` (the plain URL without accounts).
+    pub fn url_as(&self, user: &str, role: &str) -> String {
+        if self.accounts {
+            format!(
+                "nats://{user}:{}@127.0.0.1:{}",
+                password(role),
+                self.nats.port()
+            )
+        } else {
+            self.nats.url()
+        }
+    }
+
     pub fn demoter_config(&self) -> stagehand_demoter::Config {
-        stagehand_demoter::config(
-            &self.nats.url(),
+        let mut config = stagehand_demoter::config(
+            &self.url_as("demoter", "DEMOTER"),
             &self.policies,
             self.root().join("state/demoter"),
-        )
+        );
+        config.bus.provision = !self.accounts;
+        config
     }
 
     /// Runs the demoter in-process until the stack stops.
