@@ -29,14 +29,18 @@ use stagehand_bus::{Bus, CancellationToken, HandlerError};
 use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
 use stagehand_manifest::{ManifestBuilder, Spool};
 use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
+use stagehand_policy::retention::{CommittedCheckpoint, Placement};
 use stagehand_policy::{DemotionPolicy, Policies, TierLimits, TierPolicy, TierRole};
-use stagehand_schemas::{Body, Event, EventId, Location, ReplicaCreated, ReplicaRemoved};
+use stagehand_schemas::{
+    Body, CheckpointDemoted, CheckpointExpired, Event, EventId, Location, ReplicaCreated,
+    ReplicaRemoved,
+};
 use time::OffsetDateTime;
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
 use crate::plan::{self, Candidate, FsUsage, Reason, Rules, TierUsage};
-use crate::state::{Phase, State, Step};
+use crate::state::{CheckpointNote, CheckpointPlace, CheckpointStep, Phase, State, Step};
 use crate::view::{self, Holds, Placed};
 
 /// How the copy down is proven: read back before it is published, since it is about to become
@@ -45,6 +49,9 @@ pub const COPY_DOWN_VERIFY: VerifyMode = VerifyMode::ReadBack;
 
 /// The mover's class for demotion copies: the background one.
 pub const COPY_DOWN_PRIORITY: Priority = Priority::Backup;
+
+/// The mover's class for checkpoint demotions: never starved by bulk stages.
+pub const CHECKPOINT_PRIORITY: Priority = Priority::Checkpoint;
 
 /// How long a step waits for the catalogue to withdraw a replica's readiness before it is left
 /// for the next pass.
@@ -228,6 +235,125 @@ impl Demoter {
         self.inner.wake.notify_one();
     }
 
+    /// A fact or release the consumers deliver: a checkpoint commit is noted (retention
+    /// decides over every noted checkpoint of its run); then a pass is asked for.
+    pub fn on_event(&self, event: &Event) -> Result<(), PassError> {
+        match &event.body {
+            Body::CheckpointCommitted(c) => {
+                self.p().state.note_checkpoint(&CheckpointNote {
+                    project: event.project.clone(),
+                    committed: c.clone(),
+                    committed_at: event.occurred_at,
+                    place: CheckpointPlace::Committed,
+                    demoted_to: None,
+                })?;
+                self.wake();
+            }
+            Body::StageReleased(_) | Body::ReplicaCreated(_) | Body::ReplicaRemoved(_) => {
+                self.wake()
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Carries out retention's decisions for every run noted: a checkpoint still where the run
+    /// wrote it (a hot posix tier) is demoted to `demote_to` or expired as decided.
+    async fn checkpoints(&self, report: &mut PassReport) -> Result<(), PassError> {
+        let Some(retention) = self.p().policies.retention().cloned() else {
+            return Ok(());
+        };
+        for run in self.p().state.runs()? {
+            let committed: Vec<CommittedCheckpoint> = run
+                .iter()
+                .map(|n| CommittedCheckpoint {
+                    step: n.committed.step,
+                    tags: n.committed.tags.clone(),
+                    committed_at: Some(n.committed_at),
+                })
+                .collect();
+            for decision in retention.checkpoints.decide(&committed) {
+                let Some(note) = run.iter().rev().find(|n| n.committed.step == decision.step)
+                else {
+                    continue;
+                };
+                let c = &note.committed;
+                // Where it is now: where the run wrote it, or the tier it was demoted to (a
+                // run that grew since may let an earlier kept checkpoint expire).
+                let (tier, demote_to) = match (note.place, &decision.placement) {
+                    (CheckpointPlace::Committed, Placement::Hot) => continue,
+                    (CheckpointPlace::Committed, Placement::Demote { tier }) => {
+                        (c.location.tier.clone(), Some(tier.clone()))
+                    }
+                    (CheckpointPlace::Committed, Placement::Expire) => {
+                        (c.location.tier.clone(), None)
+                    }
+                    (CheckpointPlace::Demoted, Placement::Expire) => match &note.demoted_to {
+                        Some(t) => (t.clone(), None),
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                let written_on_hot = self
+                    .p()
+                    .policies
+                    .tiers()
+                    .get(&c.location.tier)
+                    .is_some_and(|t| t.role == TierRole::Hot);
+                if !written_on_hot || !self.p().tiers.contains_key(&tier) {
+                    continue;
+                }
+                // A run's checkpoint lies beneath its project's folder, as everything does.
+                if !c.location.prefix.starts_with(&format!("{}/", note.project)) {
+                    warn!(run = %c.run, step = c.step, prefix = %c.location.prefix, "checkpoint outside its project's folder; not moved");
+                    continue;
+                }
+                if demote_to.is_some() && c.files.is_empty() {
+                    warn!(run = %c.run, step = c.step, "checkpoint committed with its manifest by reference; the demoter moves checkpoints listed inline only");
+                    continue;
+                }
+                if self
+                    .p()
+                    .state
+                    .steps()?
+                    .iter()
+                    .any(|s| s.tier == tier && s.prefix == c.location.prefix)
+                {
+                    continue;
+                }
+                let begun_at = OffsetDateTime::now_utc();
+                let rule = decision.rule.to_string();
+                let step = Step {
+                    id: EventId::for_fact(
+                        &note.project,
+                        &EventId::for_checkpoint(&note.project, &c.run, c.step),
+                        &format!("retention:{tier}"),
+                    ),
+                    project: note.project.clone(),
+                    dataset: c.run.clone(),
+                    version: String::new(),
+                    tier,
+                    prefix: c.location.prefix.clone(),
+                    files: c.files.len() as u64,
+                    bytes: c.total_bytes,
+                    reason: format!("retention: {rule}"),
+                    copy_to: demote_to,
+                    phase: Phase::Planned,
+                    begun_at,
+                    checkpoint: Some(CheckpointStep {
+                        run: c.run.clone(),
+                        step: c.step,
+                        rule,
+                    }),
+                };
+                self.p().state.put(&step)?;
+                info!(run = %c.run, step = c.step, rule = %step.reason, demote_to = ?step.copy_to, "checkpoint retention");
+                self.carry(step, report).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// The policy clock: a pass at once (which takes up the steps a crash interrupted), then
     /// one every `check_every` and whenever a fact asks. A failing state store stops the
     /// service; anything else waits for the next pass.
@@ -308,6 +434,7 @@ impl Demoter {
                 self.carry(step, &mut report).await?;
             }
         }
+        self.checkpoints(&mut report).await?;
         Ok(report)
     }
 
@@ -340,6 +467,7 @@ impl Demoter {
             copy_to: (!placed.durable_elsewhere).then(|| self.p().demotion.target.clone()),
             phase: Phase::Planned,
             begun_at,
+            checkpoint: None,
         };
         self.p().state.put(&step)?;
         info!(tier, prefix = %step.prefix, reason = reason.as_str(), copy_down = step.copy_to.is_some(), "demoting");
@@ -367,10 +495,35 @@ impl Demoter {
         };
         if step.phase == Phase::Planned {
             if let Some(target) = step.copy_to.clone() {
-                self.copy_down(&step, &tier, &target).await?;
+                match &step.checkpoint {
+                    None => self.copy_down(&step, &tier, &target).await?,
+                    Some(c) => self.demote_checkpoint(&step, c, &tier, &target).await?,
+                }
                 report.copied_down.push(step.prefix.clone());
             }
             self.advance(&mut step, Phase::CopiedDown).await?;
+        }
+        if step.phase == Phase::CopiedDown
+            && let Some(c) = step.checkpoint.clone()
+        {
+            if step.copy_to.is_none() {
+                let expired = Event::request(
+                    EventId::for_fact(&step.project, &step.id, "expired"),
+                    step.project.clone(),
+                    Body::CheckpointExpired(CheckpointExpired {
+                        run: c.run.clone(),
+                        step: c.step,
+                        location: Location {
+                            tier: step.tier.clone(),
+                            prefix: step.prefix.clone(),
+                        },
+                        rule: c.rule.clone(),
+                    }),
+                );
+                self.p().bus.publish(&expired).await.map_err(step_err)?;
+            }
+            // A checkpoint has no readiness of its own to withdraw.
+            self.advance(&mut step, Phase::Withdrawn).await?;
         }
         if step.phase == Phase::CopiedDown {
             // A job may have asked for it since the pass looked: it stays.
@@ -431,12 +584,101 @@ impl Demoter {
             if tier.set_present(&hidden).await.map_err(step_err)? {
                 remove_tree(posix, &hidden).await?;
             }
+            if let Some(c) = &step.checkpoint {
+                let place = if step.copy_to.is_some() {
+                    CheckpointPlace::Demoted
+                } else {
+                    CheckpointPlace::Expired
+                };
+                self.p().state.place_checkpoint(
+                    &step.project,
+                    &c.run,
+                    c.step,
+                    place,
+                    step.copy_to.as_deref(),
+                )?;
+            }
             self.p().state.finish(&step)?;
             info!(tier = %step.tier, prefix = %step.prefix, reason = %step.reason, "replica removed");
             report
                 .removed
                 .push((step.tier.clone(), step.prefix.clone()));
         }
+        Ok(())
+    }
+
+    /// Copies a checkpoint (its inline file list) to `target` at the checkpoint class, proven
+    /// by reading it back, and announces it with `checkpoint.demoted` and the rule.
+    async fn demote_checkpoint(
+        &self,
+        step: &Step,
+        c: &CheckpointStep,
+        src: &Tier,
+        target: &str,
+    ) -> Result<(), PassError> {
+        let Some(dst) = self.p().tiers.get(target) else {
+            return Err(step_err(format!("target tier {target} is not open")));
+        };
+        let note = self
+            .p()
+            .state
+            .runs()?
+            .into_iter()
+            .flatten()
+            .find(|n| {
+                n.project == step.project && n.committed.run == c.run && n.committed.step == c.step
+            })
+            .ok_or_else(|| {
+                step_err(format!("checkpoint {} step {} is not noted", c.run, c.step))
+            })?;
+        let files = note.committed.files.clone();
+        let set = SetCopy {
+            src_prefix: step.prefix.clone(),
+            dst_prefix: step.prefix.clone(),
+            opts: CopyOptions {
+                priority: CHECKPOINT_PRIORITY,
+                trust_recorded_hash: false,
+                verify_destination: COPY_DOWN_VERIFY,
+                expected_hash_unknown: false,
+            },
+            chunk_files: 0,
+            totals: Some((files.len() as u64, files.iter().map(|f| f.size).sum())),
+        };
+        let progress = Progress::new();
+        let cancel = self.p().shutdown.child_token();
+        self.p()
+            .mover
+            .copy_set(
+                src,
+                dst,
+                &set,
+                futures::stream::iter(files),
+                &progress,
+                &cancel,
+                |_| {},
+            )
+            .await
+            .map_err(step_err)?;
+        let demoted = Event::request(
+            EventId::for_fact(&step.project, &step.id, &format!("demoted:{target}")),
+            step.project.clone(),
+            Body::CheckpointDemoted(CheckpointDemoted {
+                run: c.run.clone(),
+                step: c.step,
+                from: Location {
+                    tier: step.tier.clone(),
+                    prefix: step.prefix.clone(),
+                },
+                to: Location {
+                    tier: target.to_owned(),
+                    prefix: step.prefix.clone(),
+                },
+                total_bytes: step.bytes,
+                rule: Some(c.rule.clone()),
+            }),
+        );
+        self.p().bus.publish(&demoted).await.map_err(step_err)?;
+        info!(run = %c.run, step = c.step, target, "checkpoint demoted and verified");
         Ok(())
     }
 

@@ -47,7 +47,7 @@ use stagehand_bus::{
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
-use stagehand_schemas::{Body, Event, subject};
+use stagehand_schemas::{Event, subject};
 
 pub use demoter::{Demoter, Parts, PassError, PassReport, TierSurvey, removed_name, survey};
 pub use state::Phase;
@@ -319,19 +319,14 @@ async fn worker(
         .map(|stats| tracing::info!(?stats, "worker stopped"))
 }
 
-/// The consumers' handler: a fact or release that can change what to demote asks the clock
-/// for a pass (a wake-up is never lost: one stored while a pass runs starts the next).
+/// The consumers' handler: a checkpoint commit is noted for retention, and a fact or release
+/// that can change what to demote asks the clock for a pass (a wake-up is never lost: one
+/// stored while a pass runs starts the next).
 struct Wakes(Demoter);
 
 impl Handler for Wakes {
     async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        match &event.body {
-            Body::StageReleased(_)
-            | Body::ReplicaCreated(_)
-            | Body::ReplicaRemoved(_)
-            | Body::CheckpointCommitted(_) => self.0.wake(),
-            _ => {}
-        }
+        self.0.on_event(event)?;
         Ok(Vec::new())
     }
 }

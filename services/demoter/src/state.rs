@@ -5,16 +5,52 @@
 //! | table | key | value |
 //! | --- | --- | --- |
 //! | `steps` | (tier, prefix) | [`Step`] (JSON) |
+//! | `checkpoints` | (project, run, step) | [`CheckpointNote`] (JSON): the commit fact and where retention has put it |
 
 use std::path::Path;
 use std::sync::Arc;
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
-use stagehand_schemas::EventId;
+use stagehand_schemas::{CheckpointCommitted, EventId};
 use time::OffsetDateTime;
 
 const STEPS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("steps");
+const CHECKPOINTS: TableDefinition<(&str, &str, u64), &[u8]> = TableDefinition::new("checkpoints");
+
+/// Where a committed checkpoint is, as the demoter carried out retention's decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointPlace {
+    /// Where the run wrote it.
+    Committed,
+    /// Moved to the retention policy's `demote_to` tier.
+    Demoted,
+    /// Removed by retention.
+    Expired,
+}
+
+/// A committed checkpoint the demoter follows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointNote {
+    pub project: String,
+    pub committed: CheckpointCommitted,
+    #[serde(with = "time::serde::rfc3339")]
+    pub committed_at: OffsetDateTime,
+    pub place: CheckpointPlace,
+    /// The tier it was demoted to, once it was.
+    #[serde(default)]
+    pub demoted_to: Option<String>,
+}
+
+/// What a checkpoint step does besides moving the folder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStep {
+    pub run: String,
+    pub step: u64,
+    /// The retention rule that decided (`keep_last`, `expired`, …).
+    pub rule: String,
+}
 
 /// How far a demotion step got. Each phase is recorded after its effect is durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -62,6 +98,10 @@ pub struct Step {
     pub phase: Phase,
     #[serde(with = "time::serde::rfc3339")]
     pub begun_at: OffsetDateTime,
+    /// Set for a checkpoint's demotion or expiry (retention decided it): its facts are
+    /// `checkpoint.demoted` / `checkpoint.expired`, and no readiness is withdrawn.
+    #[serde(default)]
+    pub checkpoint: Option<CheckpointStep>,
 }
 
 /// A failure of the state store: the demoter cannot go on safely.
@@ -94,6 +134,8 @@ impl State {
         let db = Database::create(path).map_err(|e| open(format!("{}: {e}", path.display())))?;
         let txn = db.begin_write().map_err(|e| open(e.to_string()))?;
         txn.open_table(STEPS).map_err(|e| open(e.to_string()))?;
+        txn.open_table(CHECKPOINTS)
+            .map_err(|e| open(e.to_string()))?;
         txn.commit().map_err(|e| open(e.to_string()))?;
         Ok(State { db: Arc::new(db) })
     }
@@ -135,6 +177,84 @@ impl State {
     }
 }
 
+impl State {
+    /// Notes a committed checkpoint the first time its commit is seen.
+    pub fn note_checkpoint(&self, note: &CheckpointNote) -> Result<(), StateError> {
+        let e = err("write");
+        let key = (
+            note.project.as_str(),
+            note.committed.run.as_str(),
+            note.committed.step,
+        );
+        let bytes = serde_json::to_vec(note).map_err(|x| e(x.to_string()))?;
+        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        {
+            let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+            if table.get(key).map_err(|x| e(x.to_string()))?.is_none() {
+                table
+                    .insert(key, bytes.as_slice())
+                    .map_err(|x| e(x.to_string()))?;
+            }
+        }
+        txn.commit().map_err(|x| e(x.to_string()))
+    }
+
+    /// Records where a checkpoint now is.
+    pub fn place_checkpoint(
+        &self,
+        project: &str,
+        run: &str,
+        step: u64,
+        place: CheckpointPlace,
+        demoted_to: Option<&str>,
+    ) -> Result<(), StateError> {
+        let e = err("write");
+        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        {
+            let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+            let current = table
+                .get((project, run, step))
+                .map_err(|x| e(x.to_string()))?
+                .map(|v| serde_json::from_slice::<CheckpointNote>(v.value()));
+            if let Some(note) = current {
+                let mut note = note.map_err(|x| e(x.to_string()))?;
+                note.place = place;
+                if let Some(t) = demoted_to {
+                    note.demoted_to = Some(t.to_owned());
+                }
+                let bytes = serde_json::to_vec(&note).map_err(|x| e(x.to_string()))?;
+                table
+                    .insert((project, run, step), bytes.as_slice())
+                    .map_err(|x| e(x.to_string()))?;
+            }
+        }
+        txn.commit().map_err(|x| e(x.to_string()))
+    }
+
+    /// Every checkpoint noted, grouped by (project, run), in step order within each.
+    pub fn runs(&self) -> Result<Vec<Vec<CheckpointNote>>, StateError> {
+        let e = err("read");
+        let txn = self.db.begin_read().map_err(|x| e(x.to_string()))?;
+        let table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+        let mut out: Vec<Vec<CheckpointNote>> = Vec::new();
+        for row in table.iter().map_err(|x| e(x.to_string()))? {
+            let (_, v) = row.map_err(|x| e(x.to_string()))?;
+            let note: CheckpointNote =
+                serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?;
+            match out.last_mut() {
+                Some(run)
+                    if run[0].project == note.project
+                        && run[0].committed.run == note.committed.run =>
+                {
+                    run.push(note)
+                }
+                _ => out.push(vec![note]),
+            }
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,6 +276,7 @@ mod tests {
             copy_to: Some("capacity".into()),
             phase: Phase::Planned,
             begun_at: OffsetDateTime::UNIX_EPOCH,
+            checkpoint: None,
         };
         {
             let s = State::open(&path).unwrap();

@@ -44,6 +44,8 @@ pub struct Options {
     /// Run NATS with deploy/nats/accounts.conf: the test publishes as the operator, the
     /// recorder and the demoter connect as their own users, with their own rights only.
     pub accounts: bool,
+    /// The `[checkpoints]` table of retention.toml.
+    pub checkpoints: &'static str,
 }
 
 /// The roles of deploy/nats/accounts.conf whose password variables the server needs.
@@ -73,6 +75,7 @@ impl Default for Options {
             idle_after: "1d",
             unstaged_replica_after: "30d",
             accounts: false,
+            checkpoints: "keep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"",
         }
     }
 }
@@ -152,9 +155,8 @@ impl Stack {
         std::fs::write(
             policies.join("retention.toml"),
             format!(
-                "[checkpoints]\nkeep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"\n\n\
-                 [expiry]\nunstaged_replica_after = \"{}\"\n",
-                opts.unstaged_replica_after
+                "[checkpoints]\n{}\n\n[expiry]\nunstaged_replica_after = \"{}\"\n",
+                opts.checkpoints, opts.unstaged_replica_after
             ),
         )
         .unwrap();
@@ -319,6 +321,52 @@ impl Stack {
         Placed {
             dataset: dataset.into(),
             version,
+            files,
+        }
+    }
+
+    /// A training run's checkpoint at `step`: `n` files written under
+    /// `<project>/ckpt/<run>/step-<step>` on the hot tier, then `checkpoint.committed` (its
+    /// files inline) with `tags`.
+    pub async fn commit_checkpoint(&self, run: &str, step: u64, tags: &[&str]) -> Placed {
+        let prefix = format!("{PROJECT}/ckpt/{run}/step-{step}");
+        let files: Vec<(String, Vec<u8>)> = (0..3)
+            .map(|i| {
+                (
+                    format!("shard-{i}.distcp"),
+                    bytes(step as u8 ^ i, 8192 + i as usize),
+                )
+            })
+            .collect();
+        let refs: Vec<FileRef> = files
+            .iter()
+            .map(|(p, b)| FileRef::new(p.as_str(), b.len() as u64, sha256_hex(b)))
+            .collect();
+        for (p, b) in &files {
+            let path = self.tier("hot").join(&prefix).join(p);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b).unwrap();
+        }
+        let e = Event::request(
+            EventId::for_checkpoint(PROJECT, run, step),
+            PROJECT,
+            Body::CheckpointCommitted(stagehand_schemas::CheckpointCommitted {
+                run: run.into(),
+                step,
+                location: Location {
+                    tier: "hot".into(),
+                    prefix: prefix.clone(),
+                },
+                total_bytes: refs.iter().map(|f| f.size).sum(),
+                files: refs,
+                manifest: None,
+                tags: tags.iter().map(|t| (*t).to_owned()).collect(),
+            }),
+        );
+        self.publish(&e).await;
+        Placed {
+            dataset: format!("ckpt/{run}"),
+            version: format!("step-{step}"),
             files,
         }
     }
