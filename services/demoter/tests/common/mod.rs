@@ -46,6 +46,8 @@ pub struct Options {
     pub accounts: bool,
     /// The `[checkpoints]` table of retention.toml.
     pub checkpoints: &'static str,
+    /// An S3 capacity tier (endpoint, bucket) instead of the posix one.
+    pub s3_capacity: Option<(String, String)>,
 }
 
 /// The roles of deploy/nats/accounts.conf whose password variables the server needs.
@@ -75,6 +77,7 @@ impl Default for Options {
             idle_after: "1d",
             unstaged_replica_after: "30d",
             accounts: false,
+            s3_capacity: None,
             checkpoints: "keep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"",
         }
     }
@@ -130,11 +133,19 @@ impl Stack {
             policies.join("tiers.toml"),
             format!(
                 "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{src}\"\n\n\
-                 [tiers.capacity]\nkind = \"posix\"\nrole = \"capacity\"\nfailure_domain = \"cap\"\nroot = \"{cap}\"\n\n\
+                 [tiers.capacity]\n{cap}\nrole = \"capacity\"\nfailure_domain = \"cap\"\n\n\
                  [tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"{hot}\"\ncapacity = \"{hotcap}\"\n\
                  high_watermark = {high}\nlow_watermark = {low}\n",
                 src = root.join("tiers/source").display(),
-                cap = root.join("tiers/capacity").display(),
+                cap = match &opts.s3_capacity {
+                    None => format!(
+                        "kind = \"posix\"\nroot = \"{}\"",
+                        root.join("tiers/capacity").display()
+                    ),
+                    Some((endpoint, bucket)) => format!(
+                        "kind = \"s3\"\nendpoint = \"{endpoint}\"\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
+                    ),
+                },
                 hot = root.join("tiers/hot").display(),
                 hotcap = opts.hot_capacity,
                 high = opts.high,
