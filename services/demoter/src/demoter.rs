@@ -11,8 +11,10 @@
 //!    `replica.removed` is published with the reason, and the demoter waits until the catalogue
 //!    has withdrawn the replica's readiness (its key absent or not `ready`): from here no
 //!    scheduler starts a job on it;
-//! 3. `withdrawn`: the folder is renamed out of the tier's namespace
-//!    (`<parent>/.<version>.stagehand-removed`, one `renameat2`), so no reader sees part of it;
+//! 3. `withdrawn`: the holds are looked at once more — a job that asked meanwhile keeps the
+//!    replica (the removal is undone: `replica.created` again) — then the folder is renamed out
+//!    of the tier's namespace (`<parent>/.<version>.stagehand-removed`, one `renameat2`), so no
+//!    reader sees part of it;
 //! 4. `renamed`: the hidden folder is deleted and the step forgotten.
 //!
 //! A demoter killed anywhere takes every unfinished step up again on start, at its phase; a
@@ -345,6 +347,7 @@ impl Demoter {
                         step: c.step,
                         rule,
                     }),
+                    verified_by: None,
                 };
                 self.p().state.put(&step)?;
                 info!(run = %c.run, step = c.step, rule = %step.reason, demote_to = ?step.copy_to, "checkpoint retention");
@@ -468,6 +471,7 @@ impl Demoter {
             phase: Phase::Planned,
             begun_at,
             checkpoint: None,
+            verified_by: placed.verified_by.clone(),
         };
         self.p().state.put(&step)?;
         info!(tier, prefix = %step.prefix, reason = reason.as_str(), copy_down = step.copy_to.is_some(), "demoting");
@@ -527,19 +531,8 @@ impl Demoter {
         }
         if step.phase == Phase::CopiedDown {
             // A job may have asked for it since the pass looked: it stays.
-            let placed = Placed {
-                project: step.project.clone(),
-                dataset: step.dataset.clone(),
-                version: step.version.clone(),
-                prefix: step.prefix.clone(),
-                files: step.files,
-                bytes: step.bytes,
-                made_at: None,
-                durable_elsewhere: true,
-            };
-            let holds = view::holds(&self.p().catalogue, &placed, &step.tier).await?;
-            if !holds.live_jobs.is_empty() {
-                info!(prefix = %step.prefix, jobs = ?holds.live_jobs, "a job asked for the replica meanwhile; it stays");
+            if self.held_again(&step).await? {
+                info!(prefix = %step.prefix, "a job asked for the replica meanwhile; it stays");
                 self.p().state.finish(&step)?;
                 report.deferred += 1;
                 return Ok(());
@@ -566,6 +559,38 @@ impl Demoter {
             self.advance(&mut step, Phase::Withdrawn).await?;
         }
         let hidden = removed_name(&step.prefix);
+        if step.phase == Phase::Withdrawn
+            && step.checkpoint.is_none()
+            && tier.set_present(&step.prefix).await.map_err(step_err)?
+            && self.held_again(&step).await?
+        {
+            // A job asked while the replica was withdrawn (the promoter may have answered it
+            // from the folder, which is still whole): the removal is undone, the replica
+            // announced again, and it stays while held.
+            let restored = Event::request(
+                EventId::for_fact(&step.project, &step.id, &format!("restored:{}", step.tier)),
+                step.project.clone(),
+                Body::ReplicaCreated(ReplicaCreated {
+                    dataset: step.dataset.clone(),
+                    version: step.version.clone(),
+                    location: Location {
+                        tier: step.tier.clone(),
+                        prefix: step.prefix.clone(),
+                    },
+                    files: step.files,
+                    total_bytes: step.bytes,
+                    verified_by: step
+                        .verified_by
+                        .clone()
+                        .unwrap_or_else(|| COPY_DOWN_VERIFY.as_str().into()),
+                }),
+            );
+            self.p().bus.publish(&restored).await.map_err(step_err)?;
+            warn!(prefix = %step.prefix, "a job asked for the replica while it was being removed; removal undone");
+            self.p().state.finish(&step)?;
+            report.deferred += 1;
+            return Ok(());
+        }
         if step.phase == Phase::Withdrawn {
             if tier.set_present(&step.prefix).await.map_err(step_err)? {
                 if tier.set_present(&hidden).await.map_err(step_err)? {
@@ -605,6 +630,23 @@ impl Demoter {
                 .push((step.tier.clone(), step.prefix.clone()));
         }
         Ok(())
+    }
+
+    /// Whether a live stage holds the step's replica now.
+    async fn held_again(&self, step: &Step) -> Result<bool, PassError> {
+        let placed = Placed {
+            project: step.project.clone(),
+            dataset: step.dataset.clone(),
+            version: step.version.clone(),
+            prefix: step.prefix.clone(),
+            files: step.files,
+            bytes: step.bytes,
+            made_at: None,
+            durable_elsewhere: true,
+            verified_by: None,
+        };
+        let holds = view::holds(&self.p().catalogue, &placed, &step.tier).await?;
+        Ok(!holds.live_jobs.is_empty())
     }
 
     /// Copies a checkpoint (its inline file list) to `target` at the checkpoint class, proven

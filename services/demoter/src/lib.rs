@@ -4,8 +4,8 @@
 //! Its rules, in the order of safety they are applied:
 //!
 //! 1. a replica a live stage holds (requested and not released, per the catalogue's stage
-//!    requests) is never removed — looked at when the pass chooses, and again right before the
-//!    removal is announced;
+//!    requests) is never removed — looked at when the pass chooses, right before the removal is
+//!    announced, and right before the rename (a hold found then undoes the removal);
 //! 2. the last verified copy is never removed: when no durable tier (capacity, backup) holds a
 //!    verified copy of the version, the replica is first copied down to `demotion.toml`'s
 //!    `target` with the mover's set copy (background class, read back) and announced with

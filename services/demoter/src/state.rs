@@ -102,6 +102,9 @@ pub struct Step {
     /// `checkpoint.demoted` / `checkpoint.expired`, and no readiness is withdrawn.
     #[serde(default)]
     pub checkpoint: Option<CheckpointStep>,
+    /// How the replica was proven when it was made (announced again if the step is undone).
+    #[serde(default)]
+    pub verified_by: Option<String>,
 }
 
 /// A failure of the state store: the demoter cannot go on safely.
@@ -277,6 +280,7 @@ mod tests {
             phase: Phase::Planned,
             begun_at: OffsetDateTime::UNIX_EPOCH,
             checkpoint: None,
+            verified_by: None,
         };
         {
             let s = State::open(&path).unwrap();

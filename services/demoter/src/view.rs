@@ -25,6 +25,8 @@ pub struct Placed {
     pub made_at: Option<OffsetDateTime>,
     /// A verified copy is present on a durable tier (capacity or backup).
     pub durable_elsewhere: bool,
+    /// How the replica was proven when it was made.
+    pub verified_by: Option<String>,
 }
 
 /// What the stage requests of a version on the tier say.
@@ -98,6 +100,7 @@ pub async fn placed_on(
                     bytes: here.total_bytes.max(v.total_bytes),
                     made_at: here.copied.as_ref().or(here.stamp.as_ref()).map(|s| s.at),
                     durable_elsewhere: rs.iter().filter(present).any(|r| durable.contains(&r.tier)),
+                    verified_by: here.verified_by.clone(),
                 });
             }
         }

@@ -136,3 +136,47 @@ async fn killed_between_the_rename_and_the_delete_the_restart_leaves_nothing_beh
     second.wait().unwrap();
     stack.stop().await;
 }
+
+/// Guards a stage request racing a removal: the demoter is stopped right after the replica's
+/// readiness was withdrawn (folder still whole), a job asks for it, and the restarted demoter
+/// finds the hold before the rename — it undoes the removal (announces the replica again), so
+/// the folder stays whole and the readiness becomes ready again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_that_asks_while_the_replica_is_withdrawn_keeps_it() {
+    let stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let p = stack.place("raced", 5, 2, 64 * 1024, true).await;
+    stack.stage(&p, "job-old", ago(120)).await;
+    stack.release(&p, "job-old", ago(90)).await;
+    stack.recorded(&p, 1, 1).await;
+    let mut first = spawn(
+        &stack,
+        "first",
+        &[(stagehand_demoter::HALT_AFTER_ENV, "withdrawn")],
+    );
+    wait_for_log(&stack, "first", "demoter halted after withdrawn").await;
+    let bucket = stack.readiness().await;
+    assert!(!is_ready(&bucket, &hot_key(&p)).await);
+    assert!(whole_on(&stack, "hot", &p));
+    first.kill().unwrap();
+    first.wait().unwrap();
+
+    stack.stage(&p, "job-new", ago(0)).await;
+    stack.recorded_requests(&p, 2, 1).await;
+    let mut second = spawn(&stack, "second", &[]);
+    wait_until(WAIT, "the replica announced again and ready", || async {
+        is_ready(&bucket, &hot_key(&p)).await
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "second")));
+    assert!(whole_on(&stack, "hot", &p));
+    let parent = stack.tier("hot").join(format!("{PROJECT}/{}", p.dataset));
+    assert_eq!(list(&parent), vec![p.version.clone()]);
+    assert!(log_of(&stack, "second").contains("removal undone"));
+    second.kill().unwrap();
+    second.wait().unwrap();
+    stack.stop().await;
+}

@@ -454,6 +454,28 @@ impl Stack {
         .unwrap();
     }
 
+    /// Waits until the catalogue lists `requests` stage requests of `p`, `released` of them
+    /// released (its replica may be gone meanwhile).
+    pub async fn recorded_requests(&self, p: &Placed, requests: usize, released: usize) {
+        wait_until(WAIT, "the recorder to fold the stage requests", || async {
+            let Ok(stages) = self
+                .catalogue
+                .stage_requests(PROJECT, None, Some(&p.dataset), Some(&p.version), None)
+                .await
+            else {
+                return false;
+            };
+            let gone = stages
+                .items
+                .iter()
+                .filter(|s| s.state == stagehand_catalogue::StageState::Released)
+                .count();
+            stages.items.len() == requests && gone == released
+        })
+        .await
+        .unwrap();
+    }
+
     pub async fn readiness(&self) -> kv::Store {
         self.bus
             .jetstream()
