@@ -1080,6 +1080,10 @@ mod tests {
             stage(1, "job-2", false),
             stage(1, "job-1", false),
             dead_letter(4),
+            checkpoint_committed(10, &["best"], 10),
+            checkpoint_demoted(10, Some("tagged:best"), 20),
+            checkpoint_committed(20, &[], 15),
+            checkpoint_expired(20, 30),
         ];
         let dir = tempfile::tempdir().unwrap();
         let forward = store_with(dir.path(), "f.redb", &events);

@@ -77,6 +77,9 @@ pub enum Command {
     /// The tiers: how full the bounded ones are.
     #[command(subcommand)]
     Tier(TierCommand),
+    /// Training checkpoints: commit one (announce it to retention), list a run's.
+    #[command(subcommand)]
+    Checkpoint(crate::checkpoint::CheckpointCommand),
     /// Copy files between local folders and S3, verified (the mover).
     Cp(crate::cp::CpArgs),
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
@@ -247,7 +250,7 @@ fn default_policies() -> PathBuf {
     stagehand_policy::stagehand_home().join("policies")
 }
 
-async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
+pub(crate) async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
     let cfg = connection.bus_config(Duration::from_secs(5));
     Bus::connect(&cfg).await.with_context(|| {
         format!(
@@ -272,6 +275,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             })
             .await?;
             Ok(0)
+        }
+        Command::Checkpoint(cmd) => {
+            quiet_logs();
+            crate::checkpoint::run(&cli.connection, cmd).await
         }
         Command::Cp(args) => {
             quiet_logs();
