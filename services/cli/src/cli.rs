@@ -75,6 +75,9 @@ pub enum Command {
     /// Dead letters: list them, replay one.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// The tiers: how full the bounded ones are.
+    #[command(subcommand)]
+    Tier(TierCommand),
     /// Training checkpoints: commit one (announce it to retention), list a run's.
     #[command(subcommand)]
     Checkpoint(crate::checkpoint::CheckpointCommand),
@@ -94,6 +97,22 @@ pub enum Command {
         /// uploaders put manifests: their NATS users may not create it. Repeatable.
         #[arg(long = "project", value_name = "PROJECT")]
         projects: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TierCommand {
+    /// Per hot and local tier: capacity, bytes used by Stagehand and by others, watermarks,
+    /// bytes live stages hold, and each project's share.
+    Usage {
+        /// Only this tier.
+        tier: Option<String>,
+        /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+        #[arg(long)]
+        policies: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -315,6 +334,24 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 }
             }
             Ok(i32::from(rejected))
+        }
+        Command::Tier(TierCommand::Usage {
+            tier,
+            policies,
+            json,
+        }) => {
+            quiet_logs();
+            let dir = policies.unwrap_or_else(default_policies);
+            let policies = stagehand_policy::Policies::load_dir(&dir)
+                .with_context(|| format!("reading the policies in {}", dir.display()))?;
+            let bus = connect(&cli.connection).await?;
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
+            std::io::Write::flush(&mut out)?;
+            Ok(0)
         }
         Command::Catalogue(cmd) => {
             quiet_logs();

@@ -10,4 +10,5 @@ pub mod cli;
 pub mod cp;
 pub mod dlq;
 pub mod ingest;
+pub mod tier;
 pub mod up;

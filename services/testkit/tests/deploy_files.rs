@@ -115,6 +115,10 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         stagehand_promoter::SERVICE,
         check::<stagehand_promoter::Settings>,
     ),
+    (
+        stagehand_demoter::SERVICE,
+        check::<stagehand_demoter::Settings>,
+    ),
 ];
 
 #[test]
