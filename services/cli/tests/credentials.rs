@@ -19,41 +19,10 @@ use stagehand_bus::{Bus, BusConfig};
 use stagehand_manifest::ManifestStore;
 use stagehand_schemas::Body;
 use stagehand_schemas::subject::MANIFEST_BUCKET;
-use stagehand_testkit::{NatsServer, repo_root};
-
-const ROLES: &[&str] = &[
-    "UPLOADER_DEMO",
-    "TRAINER_DEMO",
-    "SCHEDULER",
-    "INGEST_VALIDATOR",
-    "RESHARDER",
-    "PROMOTER",
-    "DEMOTER",
-    "BACKUP_COPIER",
-    "CATALOGUE_RECORDER",
-    "OPERATOR",
-    "SYS",
-];
-
-fn password(role: &str) -> String {
-    format!("secret-{}-pw", role.to_ascii_lowercase())
-}
-
-fn url(server: &NatsServer, user: &str, role: &str) -> String {
-    format!(
-        "nats://{user}:{}@127.0.0.1:{}",
-        password(role),
-        server.port()
-    )
-}
+use stagehand_testkit::{NatsServer, accounts_roles, role_password, user_url};
 
 fn start_server() -> NatsServer {
-    let mut builder =
-        NatsServer::builder().config_file(repo_root().join("deploy/nats/accounts.conf"));
-    for role in ROLES {
-        builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
-    }
-    builder.start()
+    NatsServer::builder().shipped_accounts().start()
 }
 
 /// Runs the real `stagehand` binary with `STAGEHAND_NATS_URL = url` and nothing else of the
@@ -80,9 +49,9 @@ fn said(out: &Output) -> String {
 }
 
 fn no_secrets(text: &str) -> anyhow::Result<()> {
-    for role in ROLES {
+    for role in accounts_roles() {
         ensure!(
-            !text.contains(&password(role)),
+            !text.contains(&role_password(&role)),
             "a password was shown:\n{text}"
         );
     }
@@ -183,7 +152,7 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     // The operator provisions, the project's upload bucket too; the password never appears
     // in what it prints.
     let out = stagehand(
-        &url(&server, "operator", "OPERATOR"),
+        &user_url(&server, "operator", "OPERATOR"),
         &["provision", "--project", "demo"],
     )?;
     ensure!(out.status.success(), "{}", said(&out));
@@ -198,7 +167,7 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
 
     // The validator runs as its own user, checking rather than managing streams.
     let mut config = stagehand_ingest_validator::config(
-        &url(&server, "ingest-validator", "INGEST_VALIDATOR"),
+        &user_url(&server, "ingest-validator", "INGEST_VALIDATOR"),
         &policies,
         home.path().join("state/ingest-validator"),
     );
@@ -209,7 +178,7 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     // The uploader ingests into its project and waits, with only its own permissions.
     let folder = tempfile::tempdir()?;
     write_folder(folder.path())?;
-    let uploader = url(&server, "uploader-demo", "UPLOADER_DEMO");
+    let uploader = user_url(&server, "uploader-demo", "UPLOADER_DEMO");
     let ingest = [
         "ingest",
         folder.path().to_str().context("utf-8")?,
@@ -271,7 +240,8 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
             && reference.files == MANY_FILES as u64,
         "{validated:?}"
     );
-    let operator_bus = Bus::connect(&BusConfig::new(url(&server, "operator", "OPERATOR"))).await?;
+    let operator_bus =
+        Bus::connect(&BusConfig::new(user_url(&server, "operator", "OPERATOR"))).await?;
     ensure!(
         ManifestStore::open(operator_bus.jetstream(), MANIFEST_BUCKET)
             .await?
@@ -287,13 +257,13 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     // The recorder runs as its own user: it rebuilds its catalogue from the facts log (an
     // ephemeral consumer), folds live facts, mirrors readiness and answers the operator.
     let mut config = stagehand_catalogue_recorder::config(
-        &url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"),
+        &user_url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"),
         home.path().join("state/catalogue"),
     );
     config.bus.provision = false;
     let shutdown = stagehand_bus::CancellationToken::new();
     let recorder = tokio::spawn(stagehand_catalogue_recorder::run(config, shutdown.clone()));
-    let operator = url(&server, "operator", "OPERATOR");
+    let operator = user_url(&server, "operator", "OPERATOR");
     let shown =
         stagehand_testkit::wait_for(Duration::from_secs(60), "the catalogue to answer", || {
             let operator = operator.clone();
@@ -367,7 +337,10 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     let mut up = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(["up", "--external-nats", "--home"])
         .arg(home.path().join("up"))
-        .env("STAGEHAND_NATS_URL", url(&server, "operator", "OPERATOR"))
+        .env(
+            "STAGEHAND_NATS_URL",
+            user_url(&server, "operator", "OPERATOR"),
+        )
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -530,12 +503,12 @@ async fn a_training_job_commits_its_projects_checkpoints_and_nothing_else() -> a
     let home = tempfile::tempdir()?;
     let policies = home.path().join("policies");
     stagehand::up::write_default_policies(&policies, home.path())?;
-    let operator = url(&server, "operator", "OPERATOR");
+    let operator = user_url(&server, "operator", "OPERATOR");
     for project in ["demo", "other-lab"] {
         let out = stagehand(&operator, &["provision", "--project", project])?;
         ensure!(out.status.success(), "{}", said(&out));
     }
-    let trainer = url(&server, "trainer-demo", "TRAINER_DEMO");
+    let trainer = user_url(&server, "trainer-demo", "TRAINER_DEMO");
     let run_dir = home.path().join("tiers/hot/demo/runs/r1");
 
     // Inline: a DCP save, committed; again as the same fact; with a tag it was not committed
@@ -596,7 +569,11 @@ async fn a_training_job_commits_its_projects_checkpoints_and_nothing_else() -> a
         anyhow::bail!("not a checkpoint commit");
     };
     let reference = fact.manifest.context("step 200 by reference")?;
-    let mut cfg = BusConfig::new(url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"));
+    let mut cfg = BusConfig::new(user_url(
+        &server,
+        "catalogue-recorder",
+        "CATALOGUE_RECORDER",
+    ));
     cfg.provision = false;
     let recorder = Bus::connect(&cfg).await?;
     let manifest = ManifestStore::open(recorder.jetstream(), "stagehand_uploads_demo")

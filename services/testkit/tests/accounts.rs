@@ -14,34 +14,11 @@ use futures::StreamExt;
 use stagehand_manifest::{BucketOptions, Manifest, ManifestErrorKind, ManifestStore, Spool};
 use stagehand_schemas::FileRef;
 use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_bucket_spec, upload_manifest_bucket};
-use stagehand_testkit::{NatsServer, repo_root, wait_for};
+use stagehand_testkit::{NatsServer, role_password, user_url, wait_for};
 use tokio::sync::mpsc;
 
-const ROLES: &[&str] = &[
-    "UPLOADER_DEMO",
-    "TRAINER_DEMO",
-    "SCHEDULER",
-    "INGEST_VALIDATOR",
-    "RESHARDER",
-    "PROMOTER",
-    "DEMOTER",
-    "BACKUP_COPIER",
-    "CATALOGUE_RECORDER",
-    "OPERATOR",
-    "SYS",
-];
-
-fn password(role: &str) -> String {
-    format!("test-password-{}", role.to_ascii_lowercase())
-}
-
 fn start_server() -> NatsServer {
-    let mut builder =
-        NatsServer::builder().config_file(repo_root().join("deploy/nats/accounts.conf"));
-    for role in ROLES {
-        builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
-    }
-    builder.start()
+    NatsServer::builder().shipped_accounts().start()
 }
 
 /// Connects as `user` with its own inbox prefix (`_INBOX_<user>`, the only inbox it may
@@ -61,7 +38,7 @@ async fn connect_with_inbox(
     inbox: &str,
 ) -> Result<(Client, mpsc::UnboundedReceiver<String>)> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let client = ConnectOptions::with_user_and_password(user.into(), password(role))
+    let client = ConnectOptions::with_user_and_password(user.into(), role_password(role))
         .custom_inbox_prefix(inbox)
         .event_callback(move |event| {
             let tx = tx.clone();
@@ -249,11 +226,7 @@ async fn jetstream_as(
 
 /// The operator's connection, which may manage streams.
 async fn operator_bus(server: &NatsServer) -> Result<stagehand_bus::Bus> {
-    let mut cfg = stagehand_bus::BusConfig::new(format!(
-        "nats://operator:{}@127.0.0.1:{}",
-        password("OPERATOR"),
-        server.port()
-    ));
+    let mut cfg = stagehand_bus::BusConfig::new(user_url(server, "operator", "OPERATOR"));
     cfg.connect_timeout = Duration::from_secs(10);
     Ok(stagehand_bus::Bus::connect(&cfg).await?)
 }
@@ -278,11 +251,7 @@ async fn provision_with_projects(server: &NatsServer, projects: &[&str]) -> Resu
 /// A stagehand connection as `user` (its inbox prefix follows from the URL), checking rather
 /// than managing streams, as the shipped service configurations do.
 async fn bus_as(server: &NatsServer, user: &str, role: &str) -> Result<stagehand_bus::Bus> {
-    let mut cfg = stagehand_bus::BusConfig::new(format!(
-        "nats://{user}:{}@127.0.0.1:{}",
-        password(role),
-        server.port()
-    ));
+    let mut cfg = stagehand_bus::BusConfig::new(user_url(server, user, role));
     cfg.provision = false;
     cfg.connect_timeout = Duration::from_secs(10);
     Ok(stagehand_bus::Bus::connect(&cfg).await?)

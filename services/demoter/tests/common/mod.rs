@@ -50,24 +50,6 @@ pub struct Options {
     pub s3_capacity: Option<(String, String)>,
 }
 
-/// The roles of deploy/nats/accounts.conf whose password variables the server needs.
-const ROLES: &[&str] = &[
-    "UPLOADER_DEMO",
-    "SCHEDULER",
-    "INGEST_VALIDATOR",
-    "RESHARDER",
-    "PROMOTER",
-    "DEMOTER",
-    "BACKUP_COPIER",
-    "CATALOGUE_RECORDER",
-    "OPERATOR",
-    "SYS",
-];
-
-fn password(role: &str) -> String {
-    format!("test-password-{}", role.to_ascii_lowercase())
-}
-
 impl Default for Options {
     fn default() -> Self {
         Options {
@@ -113,12 +95,7 @@ impl Placed {
 impl Stack {
     pub async fn start(opts: Options) -> Stack {
         let nats = if opts.accounts {
-            let mut builder = NatsServer::builder()
-                .config_file(stagehand_testkit::repo_root().join("deploy/nats/accounts.conf"));
-            for role in ROLES {
-                builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
-            }
-            builder.start()
+            NatsServer::builder().shipped_accounts().start()
         } else {
             NatsServer::start()
         };
@@ -172,11 +149,7 @@ impl Stack {
         )
         .unwrap();
         let operator = if opts.accounts {
-            format!(
-                "nats://operator:{}@127.0.0.1:{}",
-                password("OPERATOR"),
-                nats.port()
-            )
+            stagehand_testkit::user_url(&nats, "operator", "OPERATOR")
         } else {
             nats.url()
         };
@@ -220,11 +193,7 @@ impl Stack {
     /// The server's URL for `user` (the plain URL without accounts).
     pub fn url_as(&self, user: &str, role: &str) -> String {
         if self.accounts {
-            format!(
-                "nats://{user}:{}@127.0.0.1:{}",
-                password(role),
-                self.nats.port()
-            )
+            stagehand_testkit::user_url(&self.nats, user, role)
         } else {
             self.nats.url()
         }
