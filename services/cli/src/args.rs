@@ -83,24 +83,28 @@ pub async fn connect(cfg: &BusConfig, timeout: Duration) -> anyhow::Result<Bus> 
         ..cfg.clone()
     };
     let mut delay = Duration::from_millis(100);
-    let last = loop {
+    let mut last: Option<String> = None;
+    loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let failure = match tokio::time::timeout(left, Bus::connect(&once)).await {
+        match tokio::time::timeout(left, Bus::connect(&once)).await {
             Ok(Ok(bus)) => return Ok(bus),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "no answer".to_owned(),
-        };
-        if is_permanent_connect_failure(&failure) {
-            break failure;
+            Ok(Err(e)) => last = Some(e.to_string()),
+            // Cut short by the deadline: the previous attempt's failure says more.
+            Err(_) => break,
+        }
+        let failure = last.as_deref().unwrap_or_default();
+        if is_permanent_connect_failure(failure) {
+            break;
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            break failure;
+            break;
         }
         debug!(error = %failure, ?delay, "connecting to NATS failed; retrying");
         tokio::time::sleep(delay.min(left)).await;
         delay = (delay * 2).min(Duration::from_secs(1));
-    };
+    }
+    let last = last.unwrap_or_else(|| "no answer".to_owned());
     Err(Unreachable(format!(
         "cannot reach NATS at {} within {:.1} s (is `stagehand up` running?): {last}",
         cfg.url,
@@ -209,8 +213,9 @@ pub fn dataset_at_version(arg: &str, s: &str) -> Result<(String, String), UsageE
             "{arg} {s:?}: expected DATASET@VERSION (a version digest or a prefix of 12 or more hex characters)"
         )));
     };
-    dataset(arg, d)?;
-    version(arg, v)?;
+    let whole = |e: UsageError| usage(format!("{arg} {s:?}: {}", e.0));
+    dataset("dataset", d).map_err(whole)?;
+    version("version", v).map_err(whole)?;
     Ok((d.to_owned(), v.to_owned()))
 }
 
