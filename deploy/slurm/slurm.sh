@@ -180,8 +180,11 @@ EOF
 
 ensure_user() {
     if ! id -u "$JOB_USER" >/dev/null 2>&1; then
-        useradd --create-home --user-group --shell /bin/bash "$JOB_USER"
-        log "created user $JOB_USER for test jobs"
+        # Two clusters starting at once may race to create it: the loser finds it made.
+        if useradd --create-home --user-group --shell /bin/bash "$JOB_USER" 2>/dev/null; then
+            log "created user $JOB_USER for test jobs"
+        fi
+        id -u "$JOB_USER" >/dev/null 2>&1 || die "cannot create user $JOB_USER"
     fi
 }
 
@@ -240,26 +243,28 @@ cmd_start() {
     log "Slurm $(slurmctld -V | cut -d' ' -f2) up: node $NODE idle, SLURM_CONF=$SLURM_CONF, test user $JOB_USER"
 }
 
-stop_one() {
-    local name="$1" pidfile="$DIR/run/$1.pid" pid
-    running "$pidfile" || { rm -f "$pidfile"; return 0; }
-    pid="$(cat "$pidfile")"
-    kill -TERM "$pid" 2>/dev/null || true
-    local deadline=$((SECONDS + 10))
-    while kill -0 "$pid" 2>/dev/null; do
-        if [ "$SECONDS" -ge "$deadline" ]; then
-            log "$name did not stop in 10 s; killing it"
-            kill -KILL "$pid" 2>/dev/null || true
-        fi
-        sleep 0.1
-    done
-    rm -f "$pidfile"
-}
-
 cmd_stop() {
-    stop_one slurmd
-    stop_one slurmctld
-    stop_one munged
+    # All three at once: each takes a second or two to shut down.
+    local name pid pids=()
+    for name in slurmd slurmctld munged; do
+        if running "$DIR/run/$name.pid"; then
+            pid="$(cat "$DIR/run/$name.pid")"
+            kill -TERM "$pid" 2>/dev/null && pids+=("$name:$pid")
+        fi
+    done
+    local deadline=$((SECONDS + 10)) entry
+    for entry in ${pids[@]+"${pids[@]}"}; do
+        name="${entry%%:*}"
+        pid="${entry#*:}"
+        while kill -0 "$pid" 2>/dev/null; do
+            if [ "$SECONDS" -ge "$deadline" ]; then
+                log "$name did not stop in 10 s; killing it"
+                kill -KILL "$pid" 2>/dev/null || true
+            fi
+            sleep 0.05
+        done
+        rm -f "$DIR/run/$name.pid"
+    done
     log "stopped the cluster of $DIR"
 }
 
