@@ -73,9 +73,16 @@ cmd_install() {
     need_root install
     command -v apt-get >/dev/null ||
         die "apt-get not found; install Slurm (with burst_buffer/lua) and MUNGE with your package manager"
-    log "installing slurm-wlm and munge (about a minute)"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+    # Tests start clusters in parallel: one installs, the others wait for it.
+    exec 9>/tmp/stagehand-slurm-install.lock
+    flock 9
+    if ! installed; then
+        log "installing slurm-wlm and munge (about a minute)"
+        apt-get update -qq || die "apt-get update failed"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null ||
+            die "apt-get install -y slurm-wlm munge failed"
+    fi
+    flock -u 9
     installed || die "slurm-wlm installed, but burst_buffer_lua.so or a daemon is missing"
     log "installed Slurm $(slurmctld -V | cut -d' ' -f2)"
 }
