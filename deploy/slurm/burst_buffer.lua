@@ -271,8 +271,22 @@ local function describe(s)
 	return s.dataset .. "@" .. s.version .. " on " .. s.tier
 end
 
--- Asks for every stage; nil on success, else a message.
-local function request_all(conf, job_id, stages, requested_by)
+-- The CLI's exit code for "NATS (or the stages bucket) could not be reached in time".
+local EX_UNAVAILABLE = 69
+
+-- Between two attempts at an unreachable NATS: at least a second (an attempt that fails at
+-- once, such as a missing bucket, must not spin).
+local function pace(started)
+	if os.time() - started < 1 then
+		os.execute("sleep 1")
+	end
+end
+
+-- Asks for every stage; nil on success, else a message. An unreachable NATS is asked again
+-- (each attempt waits STAGEHAND_CONNECT_TIMEOUT) until `budget` seconds have passed, so a short
+-- outage delays jobs instead of holding them.
+local function request_all(conf, job_id, stages, requested_by, budget)
+	local deadline = os.time() + (budget or 0)
 	for _, s in ipairs(stages) do
 		local args = stage_args(conf, "request", job_id, s)
 		if s.form then
@@ -285,7 +299,13 @@ local function request_all(conf, job_id, stages, requested_by)
 		end
 		args[#args + 1] = "--by"
 		args[#args + 1] = requested_by
+		local attempt = os.time()
 		local code, out, err = stagehand(conf, args)
+		while code == EX_UNAVAILABLE and os.time() < deadline do
+			pace(attempt)
+			attempt = os.time()
+			code, out, err = stagehand(conf, args)
+		end
 		if code ~= 0 then
 			return "stagehand: requesting " .. describe(s) .. ": " .. first_line(err ~= "" and err or out)
 		end
@@ -294,7 +314,7 @@ local function request_all(conf, job_id, stages, requested_by)
 end
 
 -- Looks at (timeout 0) or waits for (timeout > 0) one stage. Returns "ready", path; "failed",
--- reason; "waiting", last state; or "error", message.
+-- reason; "waiting", last state; "unreachable", message; or "error", message.
 local function wait_one(conf, job_id, s, timeout)
 	local args = stage_args(conf, "wait", job_id, s)
 	args[#args + 1] = "--timeout"
@@ -306,6 +326,8 @@ local function wait_one(conf, job_id, s, timeout)
 		return "failed", first_line(out)
 	elseif code == 2 then
 		return "waiting", first_line(out)
+	elseif code == EX_UNAVAILABLE then
+		return "unreachable", first_line(err)
 	end
 	return "error", first_line(err ~= "" and err or out)
 end
@@ -349,7 +371,14 @@ local function collect(conf, job_id, stages, budget)
 	local deadline = os.time() + budget
 	for _, s in ipairs(stages) do
 		local left = budget > 0 and math.max(deadline - os.time(), 1) or 0
+		local attempt = os.time()
 		local state, detail = wait_one(conf, job_id, s, left)
+		-- NATS away for a while: ask again while the budget lasts.
+		while state == "unreachable" and os.time() < deadline do
+			pace(attempt)
+			attempt = os.time()
+			state, detail = wait_one(conf, job_id, s, math.max(deadline - os.time(), 1))
+		end
 		if state == "ready" then
 			if s.exported then
 				lines[#lines + 1] = "STAGEHAND_DATA_" .. s.name .. "=" .. detail
@@ -358,6 +387,8 @@ local function collect(conf, job_id, stages, budget)
 			return "failed", "stagehand: " .. describe(s) .. " failed: " .. detail
 		elseif state == "waiting" then
 			return "waiting", "stagehand: " .. describe(s) .. " not ready after " .. budget .. " s: " .. detail
+		elseif state == "unreachable" then
+			return "unreachable", "stagehand: waiting for " .. describe(s) .. ": " .. detail
 		else
 			return "error", "stagehand: waiting for " .. describe(s) .. ": " .. detail
 		end
@@ -394,17 +425,19 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.ERROR, "stagehand: " .. err
 	end
 	local stages = shared_stages(conf, directives)
-	local rerr = request_all(conf, job_id, stages, requested_by(uid))
+	-- End before Slurm's own StageInTimeout would kill the hook, so the held job shows
+	-- Stagehand's last word rather than a bare timeout.
+	local budget = math.max((tonumber(conf.STAGEHAND_STAGE_TIMEOUT) or 3600) - 5, 1)
+	local started = os.time()
+	local rerr = request_all(conf, job_id, stages, requested_by(uid), budget)
 	if rerr then
 		return slurm.ERROR, rerr
 	end
 	if polled then
 		return slurm.SUCCESS
 	end
-	-- 22.05: wait here, ending before Slurm's own StageInTimeout would kill the hook, so the
-	-- held job shows Stagehand's last word rather than a bare timeout.
-	local budget = math.max((tonumber(conf.STAGEHAND_STAGE_TIMEOUT) or 3600) - 5, 1)
-	local state, result = collect(conf, job_id, stages, budget)
+	-- 22.05: wait here.
+	local state, result = collect(conf, job_id, stages, math.max(budget - (os.time() - started), 1))
 	if state ~= "ready" then
 		return slurm.ERROR, result
 	end
@@ -423,7 +456,8 @@ function slurm_bb_test_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.ERROR, "stagehand: " .. err
 	end
 	local state, result = collect(conf, job_id, shared_stages(conf, directives), 0)
-	if state == "waiting" then
+	-- Not ready yet, or NATS away for now: poll again (StageInTimeout bounds the whole wait).
+	if state == "waiting" or state == "unreachable" then
 		return slurm.SUCCESS, slurm.SLURM_BB_BUSY
 	elseif state ~= "ready" then
 		return slurm.ERROR, result

@@ -66,6 +66,7 @@ impl Slurm {
             .env("STAGEHAND_NATS_URL", nats_url)
             .env("STAGEHAND_STAGE_IN_TIMEOUT", "120")
             .env("STAGEHAND_PROLOG_TIMEOUT", "60")
+            .env("STAGEHAND_CONNECT_TIMEOUT", "2")
             .output()
             .context("running deploy/slurm/slurm.sh start")?;
         let slurm = Slurm {
@@ -208,7 +209,7 @@ fn hostname() -> anyhow::Result<String> {
 
 /// NATS with Stagehand's streams and the stages bucket.
 struct Stagehand {
-    _server: NatsServer,
+    server: NatsServer,
     url: String,
     bus: Bus,
     stages: kv::Store,
@@ -229,7 +230,7 @@ impl Stagehand {
             })
             .await?;
         Ok(Stagehand {
-            _server: server,
+            server,
             url,
             bus,
             stages,
@@ -595,5 +596,39 @@ async fn a_local_tier_job_gets_its_data_on_its_node_through_the_prolog() -> anyh
     ensure!(sums == expected, "job read {sums:?}");
     stagehand.released(&local).await?;
     stagehand.released(&hot).await?;
+    Ok(())
+}
+
+/// A stage-in that starts while NATS is down is not held: the hooks ask again while the
+/// stage-in budget lasts, and the job runs once NATS is back and its data is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Result<()> {
+    let (mut stagehand, slurm) = setup().await?;
+    let root = slurm.data_dir().join("hot/lab/outage").join(VERSION);
+    let expected = write_dataset(&root, &[("x.bin", b"after the outage")])?;
+    stagehand.server.kill();
+    let directives = vec![format!(
+        "#BB_LUA stage dataset=outage version={VERSION} tier=hot project={PROJECT}"
+    )];
+    let job = slurm.submit("outage", &reading_job(&directives, "STAGEHAND_DATA_OUTAGE"))?;
+    slurm
+        .wait_job(job, "the job in stage-in", |s, r| {
+            s == "PENDING" && (r == "BurstBufferStageIn" || r == "BurstBufferResources")
+        })
+        .await?;
+    stagehand.server.restart();
+    let stage = hot_stage(job, "outage", VERSION);
+    stagehand.requested(&stage).await?;
+    stagehand
+        .set(&stage, "ready", serde_json::json!({ "path": root }))
+        .await?;
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == root.display().to_string() && sums == expected,
+        "{path} {sums:?}"
+    );
     Ok(())
 }
