@@ -412,8 +412,7 @@ async fn a_malformed_directive_is_refused_at_submit_and_sbatch_says_why() -> any
         );
         let err = String::from_utf8_lossy(&out.stderr);
         ensure!(
-            err.contains(&format!("sbatch: error: burst_buffer/lua: stagehand: "))
-                && err.contains(message),
+            err.contains("sbatch: error: burst_buffer/lua: stagehand: ") && err.contains(message),
             "{line:?}: sbatch said {err:?}, expected {message:?}"
         );
     }
