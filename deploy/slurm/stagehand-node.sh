@@ -128,8 +128,7 @@ prolog() {
     printf '%s\n' "${lines[@]}" >"$record.tmp" && chmod 0644 "$record.tmp" && mv -f "$record.tmp" "$record"
 }
 
-# Says why on stderr (slurmd's log) and in the job's AdminComment, where squeue -O admincomment
-# and scontrol show job show it.
+# Says why on stderr (slurmd's log) and in the job's AdminComment, which scontrol show job shows.
 fail() {
     say "$*"
     scontrol update JobId="$job" AdminComment="stagehand: $*" >/dev/null 2>&1 || true

@@ -631,3 +631,76 @@ async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Re
     );
     Ok(())
 }
+
+/// A node-local stage that fails in the Prolog: Slurm's rule for a failing Prolog applies (the
+/// job is requeued and held, the node drained), and the job's AdminComment carries Stagehand's
+/// reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment()
+-> anyhow::Result<()> {
+    let (stagehand, slurm) = setup().await?;
+    let hot_root = slurm.data_dir().join("hot/lab/big").join(VERSION);
+    write_dataset(&hot_root, &[("s0.tar", b"hot copy")])?;
+    let directives = vec![format!(
+        "#BB_LUA stage dataset=big version={VERSION} tier=local project={PROJECT}"
+    )];
+    let job = slurm.submit(
+        "local-fails",
+        &reading_job(&directives, "STAGEHAND_DATA_BIG"),
+    )?;
+    let hot = hot_stage(job, "big", VERSION);
+    stagehand.requested(&hot).await?;
+    stagehand
+        .set(&hot, "ready", serde_json::json!({ "path": hot_root }))
+        .await?;
+    let local = Stage {
+        tier: "local".to_owned(),
+        node: Some(slurm.node.clone()),
+        ..hot.clone()
+    };
+    stagehand.requested(&local).await?;
+    let why = "quota of lab on local (node vm) exceeded: 60 GiB asked, 50 GiB allowed";
+    stagehand
+        .set(
+            &local,
+            "failed",
+            serde_json::json!({ "reason": why, "retryable": true }),
+        )
+        .await?;
+    let (state, reason) = slurm
+        .wait_job(job, "the job requeued and held", |s, r| {
+            s == "PENDING" && r.starts_with("JobHeld")
+        })
+        .await?;
+    eprintln!("after the Prolog failed: {state} {reason}");
+    // 22.05's squeue has no AdminComment field; scontrol shows it on a line of its own.
+    let out = slurm
+        .cmd("scontrol")
+        .args(["show", "job", &job.to_string()])
+        .output()?;
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    let comment = shown
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("AdminComment="))
+        .unwrap_or_default()
+        .to_owned();
+    ensure!(
+        comment
+            == format!(
+                "stagehand: big@{VERSION} on local for node {} failed: {why}",
+                slurm.node
+            ),
+        "AdminComment {comment:?}"
+    );
+    ensure!(
+        !slurm.output(job).is_ok_and(|o| o.contains("path=")),
+        "the job ran without its data"
+    );
+    let out = slurm
+        .cmd("sinfo")
+        .args(["-h", "-n", &slurm.node, "-o", "%T"])
+        .output()?;
+    let node_state = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    ensure!(node_state.starts_with("drain"), "node state {node_state:?}");
+    Ok(())
+}
