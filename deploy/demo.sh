@@ -14,7 +14,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export STAGEHAND_HOME="${STAGEHAND_HOME:-$REPO/.stagehand}"
 export STAGEHAND_NATS_PORT="${STAGEHAND_NATS_PORT:-4222}"
-export NATS_URL="nats://127.0.0.1:$STAGEHAND_NATS_PORT"
+export STAGEHAND_NATS_URL="nats://127.0.0.1:$STAGEHAND_NATS_PORT"
 DEMO="$STAGEHAND_HOME/demo"
 FILES="${DEMO_FILES:-300}"
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }

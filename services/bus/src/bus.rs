@@ -1,18 +1,21 @@
 //! The connection: connect with retries, provision streams and the claims bucket, publish
 //! events with their id as `Nats-Msg-Id` and the current trace context.
 
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream::{self, kv, stream};
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
 use stagehand_schemas::subject::{Retention, STREAMS, StreamSpec, subject_for};
 use stagehand_schemas::{Event, wire};
-use tracing::{info, warn};
+use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::config::BusConfig;
+use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials, without_credentials};
 use crate::error::BusError;
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
@@ -33,56 +36,142 @@ pub struct PublishAck {
     pub duplicate: bool,
 }
 
+/// A KV bucket Stagehand declares: provisioned, and its drift corrected, like a stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvSpec {
+    /// The bucket name (its stream is `KV_<bucket>`).
+    pub bucket: &'static str,
+    /// What the bucket holds, shown in `nats kv ls`.
+    pub description: &'static str,
+    /// Values kept per key.
+    pub history: i64,
+    /// How long an entry is kept (zero: for ever).
+    pub max_age: Duration,
+}
+
+/// The claims bucket every worker claims event ids in.
+pub const CLAIMS: KvSpec = KvSpec {
+    bucket: CLAIMS_BUCKET,
+    description: "Stagehand workers' claims on event ids",
+    history: 1,
+    max_age: CLAIMS_MAX_AGE,
+};
+
+/// The readiness bucket the catalogue recorder mirrors and schedulers watch.
+pub const READINESS_BUCKET: &str = "stagehand_readiness";
+
+/// The readiness bucket: per (dataset version, tier) state, a few values of history.
+pub const READINESS: KvSpec = KvSpec {
+    bucket: READINESS_BUCKET,
+    description: "Stagehand readiness per (dataset version, tier)",
+    history: 5,
+    max_age: Duration::ZERO,
+};
+
+/// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
+pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS];
+
+/// Longest wait for a new or re-replicated stream to have a leader and current replicas.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How many permission violations a connection remembers (see [`Bus::permission_violations`]).
+const VIOLATIONS_KEPT: usize = 16;
+
 /// A connection to NATS with JetStream.
 #[derive(Clone)]
 pub struct Bus {
     client: async_nats::Client,
     js: jetstream::Context,
     replicas: usize,
+    provision: bool,
+    violations: Arc<Mutex<VecDeque<String>>>,
+    servers: String,
 }
 
 impl std::fmt::Debug for Bus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bus")
+            .field("servers", &self.servers)
             .field("state", &self.client.connection_state())
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
 
 impl Bus {
     /// Connects, retrying with exponential backoff until `cfg.connect_timeout` has passed.
-    /// Once connected, the client reconnects by itself after losing the server.
+    /// Once connected, the client reconnects by itself after losing the server, trying every
+    /// server of the list.
+    ///
+    /// Stream and bucket replicas are `cfg.replicas`, or learned from the server: 1 when it
+    /// is not clustered, else min(3, the servers of its cluster).
     pub async fn connect(cfg: &BusConfig) -> Result<Bus, BusError> {
-        if cfg.replicas == 0 || cfg.replicas > 5 {
-            return Err(BusError::Config {
-                key: "replicas",
-                reason: format!("{} is not in 1..=5", cfg.replicas),
-            });
-        }
+        cfg.validate()?;
+        let servers = cfg.servers_display();
         let err = |detail: String| BusError::Connect {
-            url: cfg.url.clone(),
-            detail,
+            url: servers.clone(),
+            detail: redact_text(&detail),
         };
+        let servers = &servers;
+        let nkey_seed = match &cfg.nkey_seed_file {
+            Some(path) => Some(read_seed(path).map_err(|e| err(e.to_string()))?),
+            None => None,
+        };
+        let violations: Arc<Mutex<VecDeque<String>>> = Arc::default();
+        // The client library gets the addresses only; the credentials go through its options.
+        let addrs: Vec<String> = cfg.servers.iter().map(|s| without_credentials(s)).collect();
         let attempt = || async {
+            let seen = violations.clone();
             let mut opts = async_nats::ConnectOptions::new()
                 .name(&cfg.client_name)
                 .require_tls(cfg.tls_required)
-                .connection_timeout(Duration::from_secs(5));
+                .custom_inbox_prefix(cfg.effective_inbox_prefix())
+                .connection_timeout(Duration::from_secs(5))
+                .event_callback(move |event| {
+                    let seen = seen.clone();
+                    async move { on_event(event, &seen) }
+                });
             if let Some(creds) = &cfg.creds_file {
                 opts = opts
                     .credentials_file(creds)
                     .await
                     .map_err(|e| err(format!("credentials file {}: {e}", creds.display())))?;
             }
+            if let Some(seed) = &nkey_seed {
+                opts = opts.nkey(seed.clone());
+            }
+            // async-nats ignores credentials in the URL: pass them on (the first URL with
+            // credentials gives them; a cluster's nodes share their users).
+            match cfg.servers.iter().find_map(|s| url_credentials(s)) {
+                Some(UrlCredentials::UserPassword(user, password)) => {
+                    opts = opts.user_and_password(user, password);
+                }
+                Some(UrlCredentials::Token(token)) => opts = opts.token(token),
+                None => {}
+            }
             if let Some(ca) = &cfg.tls_ca {
                 opts = opts.add_root_certificates(ca.clone());
             }
-            opts.connect(cfg.url.as_str())
-                .await
-                .map_err(|e| err(e.to_string()))
+            if let (Some(cert), Some(key)) = (&cfg.tls_client_cert, &cfg.tls_client_key) {
+                opts = opts.add_client_certificate(cert.clone(), key.clone());
+            }
+            opts.connect(addrs.as_slice()).await.map_err(|e| {
+                let detail = redact_text(&e.to_string());
+                match e.kind() {
+                    // A wrong password or an unknown key does not fix itself: no retries.
+                    async_nats::ConnectErrorKind::AuthorizationViolation
+                    | async_nats::ConnectErrorKind::Authentication => BusError::Unauthorized {
+                        url: servers.clone(),
+                        detail,
+                    },
+                    _ => err(detail),
+                }
+            })
         };
-        let started = std::time::Instant::now();
-        let client = attempt
+        // Retries until `connect_timeout`, counted from the first attempt (a retry's pause is
+        // cut short by it, so the bound is the bound).
+        let last = Mutex::new(String::new());
+        let retried = attempt
             .retry(
                 ExponentialBuilder::default()
                     .with_min_delay(Duration::from_millis(100))
@@ -90,14 +179,47 @@ impl Bus {
                     .without_max_times()
                     .with_jitter(),
             )
-            .when(|_| started.elapsed() < cfg.connect_timeout)
-            .notify(|e, delay| warn!(error = %e, ?delay, "connecting to NATS failed; retrying"))
-            .await?;
+            .when(|e| !matches!(e, BusError::Unauthorized { .. }))
+            .notify(|e, delay| {
+                warn!(error = %e, ?delay, "connecting to NATS failed; retrying");
+                *last.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
+            });
+        let client = match tokio::time::timeout(cfg.connect_timeout, retried).await {
+            Ok(connected) => connected?,
+            Err(_) => {
+                let last = last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                return Err(err(format!(
+                    "no connection within {:?}{}",
+                    cfg.connect_timeout,
+                    if last.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (last: {last})")
+                    }
+                )));
+            }
+        };
+        let replicas = match cfg.replicas {
+            Some(n) => n,
+            None => {
+                let info = client.server_info();
+                let n = replicas_for(&info);
+                debug!(
+                    replicas = n,
+                    cluster = info.cluster.as_deref().unwrap_or("-"),
+                    "stream replicas learned from the server"
+                );
+                n
+            }
+        };
         let js = jetstream::new(client.clone());
         Ok(Bus {
             client,
             js,
-            replicas: cfg.replicas,
+            replicas,
+            provision: cfg.provision,
+            violations,
+            servers: servers.clone(),
         })
     }
 
@@ -109,13 +231,46 @@ impl Bus {
         &self.js
     }
 
-    /// Creates every stream Stagehand declares and the claims bucket, or brings existing ones
-    /// to the declared configuration. Idempotent.
+    /// Replicas of the streams and buckets this connection provisions.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// The servers this connection was given, passwords redacted.
+    pub fn servers(&self) -> &str {
+        &self.servers
+    }
+
+    /// The last permission violations the server reported on this connection (its text, which
+    /// names the subject), newest last. A denied publish is dropped by the server, so a
+    /// request to a denied subject only times out; callers look here to say why.
+    pub fn permission_violations(&self) -> Vec<String> {
+        self.violations
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    /// Whether the server refused a publish or subscription on `subject` on this connection.
+    pub fn was_denied(&self, subject: &str) -> bool {
+        self.permission_violations()
+            .iter()
+            .any(|v| v.contains(subject))
+    }
+
+    /// Creates every stream and KV bucket Stagehand declares ([`STREAMS`], [`KV_BUCKETS`]),
+    /// or brings existing ones to the declared configuration. Idempotent. With
+    /// `provision = false` it only checks that they exist (see [`BusConfig::provision`]).
     pub async fn provision(&self) -> Result<(), BusError> {
         for spec in STREAMS {
             self.provision_stream(spec).await?;
         }
-        self.provision_claims().await
+        for spec in KV_BUCKETS {
+            self.provision_kv(spec).await?;
+        }
+        Ok(())
     }
 
     /// Creates one stream, or updates it where its configuration drifted from `spec`.
@@ -143,19 +298,43 @@ impl Bus {
                 updated.max_message_size = wanted.max_message_size;
                 updated.duplicate_window = wanted.duplicate_window;
                 updated.num_replicas = wanted.num_replicas;
-                if updated != have {
-                    info!(stream = spec.name, "stream configuration drifted; updating");
-                    self.js
-                        .update_stream(updated)
-                        .await
-                        .map_err(|e| perr(e.to_string()))?;
+                updated.allow_direct = wanted.allow_direct;
+                if updated == have {
+                    return Ok(());
                 }
+                if !self.provision {
+                    warn!(
+                        stream = spec.name,
+                        replicas = have.num_replicas,
+                        wanted_replicas = wanted.num_replicas,
+                        "stream configuration drifted from the declared one; this user may not \
+                         correct it (run `stagehand provision` as the operator)"
+                    );
+                    return Ok(());
+                }
+                info!(
+                    stream = spec.name,
+                    replicas = updated.num_replicas,
+                    "stream configuration drifted; updating"
+                );
+                self.js
+                    .update_stream(updated)
+                    .await
+                    .map_err(|e| perr(e.to_string()))?;
+                self.settle(spec.name, wanted.num_replicas).await;
                 Ok(())
             }
             Err(e) => match e.kind() {
                 jetstream::context::GetStreamErrorKind::JetStream(js)
                     if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
                 {
+                    if !self.provision {
+                        return Err(perr(
+                            "it does not exist, and this service does not provision streams \
+                             (bus.provision = false): run `stagehand provision` as the operator"
+                                .into(),
+                        ));
+                    }
                     self.create_stream(spec, wanted).await
                 }
                 _ => Err(perr(e.to_string())),
@@ -168,37 +347,140 @@ impl Bus {
         spec: &StreamSpec,
         config: stream::Config,
     ) -> Result<(), BusError> {
-        info!(stream = spec.name, "creating stream");
+        info!(
+            stream = spec.name,
+            replicas = config.num_replicas,
+            "creating stream"
+        );
+        let replicas = config.num_replicas;
         self.js
             .create_stream(config)
             .await
-            .map(|_| ())
             .map_err(|e| BusError::Provision {
                 what: format!("stream {}", spec.name),
                 detail: e.to_string(),
-            })
+            })?;
+        self.settle(spec.name, replicas).await;
+        Ok(())
     }
 
-    async fn provision_claims(&self) -> Result<(), BusError> {
-        if self.js.get_key_value(CLAIMS_BUCKET).await.is_ok() {
-            return Ok(());
+    /// Waits (at most [`SETTLE_TIMEOUT`]) until a stream just created or re-replicated has a
+    /// leader and every replica current: until then the cluster refuses consumers on it
+    /// ("insufficient resources") and writes can stall, which a service starting right after
+    /// provisioning would take for a failure. A stream that does not settle in time is only
+    /// warned about: it may still settle, and the next operation says what is wrong.
+    async fn settle(&self, stream: &str, replicas: usize) {
+        if replicas <= 1 {
+            return;
         }
-        self.js
-            .create_key_value(jetstream::kv::Config {
-                bucket: CLAIMS_BUCKET.into(),
-                description: "Stagehand workers' claims on event ids".into(),
-                history: 1,
-                max_age: CLAIMS_MAX_AGE,
-                num_replicas: self.replicas,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            })
-            .await
-            .map(|_| ())
-            .map_err(|e| BusError::Provision {
-                what: format!("KV bucket {CLAIMS_BUCKET}"),
-                detail: e.to_string(),
-            })
+        let started = std::time::Instant::now();
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let settled = match self.js.get_stream(stream).await {
+                Ok(mut s) => s.info().await.ok().is_some_and(|info| {
+                    info.config.num_replicas == replicas
+                        && info.cluster.as_ref().is_some_and(|c| {
+                            c.leader.is_some()
+                                && c.replicas.len() + 1 == replicas
+                                && c.replicas.iter().all(|p| p.current && !p.offline)
+                        })
+                }),
+                Err(_) => false,
+            };
+            if settled {
+                return;
+            }
+            if started.elapsed() >= SETTLE_TIMEOUT {
+                warn!(
+                    stream,
+                    replicas, "stream replicas not settled after {SETTLE_TIMEOUT:?}"
+                );
+                return;
+            }
+            // Polling the cluster's view of the stream: JetStream offers no event for it.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Opens the KV bucket of `spec`, creating it when missing and correcting the drift of its
+    /// history, age and replicas (with `provision = false`, only opens it).
+    pub async fn provision_kv(&self, spec: &KvSpec) -> Result<kv::Store, BusError> {
+        let perr = |detail: String| BusError::Provision {
+            what: format!("KV bucket {}", spec.bucket),
+            detail,
+        };
+        let wanted = kv::Config {
+            bucket: spec.bucket.into(),
+            description: spec.description.into(),
+            history: spec.history,
+            max_age: spec.max_age,
+            num_replicas: self.replicas,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        };
+        let stream_name = format!("KV_{}", spec.bucket);
+        match self.js.get_stream(&stream_name).await {
+            Ok(mut existing) => {
+                let have = existing
+                    .info()
+                    .await
+                    .map_err(|e| perr(e.to_string()))?
+                    .config
+                    .clone();
+                let drifted = have.num_replicas != wanted.num_replicas
+                    || have.max_messages_per_subject != wanted.history
+                    || have.max_age != wanted.max_age;
+                if drifted && self.provision {
+                    info!(
+                        bucket = spec.bucket,
+                        replicas = wanted.num_replicas,
+                        "KV bucket configuration drifted; updating"
+                    );
+                    let replicas = wanted.num_replicas;
+                    let store = self
+                        .js
+                        .update_key_value(wanted)
+                        .await
+                        .map_err(|e| perr(e.to_string()))?;
+                    self.settle(&stream_name, replicas).await;
+                    return Ok(store);
+                }
+                if drifted {
+                    warn!(
+                        bucket = spec.bucket,
+                        "KV bucket configuration drifted; this user may not correct it"
+                    );
+                }
+                self.js
+                    .get_key_value(spec.bucket)
+                    .await
+                    .map_err(|e| perr(e.to_string()))
+            }
+            Err(e) => match e.kind() {
+                jetstream::context::GetStreamErrorKind::JetStream(js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    if !self.provision {
+                        return Err(perr(
+                            "it does not exist, and this service does not provision buckets \
+                             (bus.provision = false): run `stagehand provision` as the operator"
+                                .into(),
+                        ));
+                    }
+                    info!(
+                        bucket = spec.bucket,
+                        replicas = self.replicas,
+                        "creating KV bucket"
+                    );
+                    self.js
+                        .create_key_value(wanted)
+                        .await
+                        .map_err(|e| perr(e.to_string()))
+                }
+                _ => Err(perr(e.to_string())),
+            },
+        }
     }
 
     /// Publishes `event` on its subject with `Nats-Msg-Id` = its id and the current span's
@@ -277,7 +559,71 @@ pub fn stream_config(spec: &StreamSpec, replicas: usize) -> stream::Config {
         max_message_size: i32::try_from(spec.max_msg_size).unwrap_or(i32::MAX),
         duplicate_window: spec.duplicate_window,
         num_replicas: replicas,
+        // Direct gets by subject let a client with read rights on one subject (an uploader on
+        // its project's verdicts) read that subject's last message, and nothing else.
+        allow_direct: true,
         storage: stream::StorageType::File,
         ..Default::default()
+    }
+}
+
+/// Replicas a server's cluster can hold: 1 when it is not clustered, else min(3, the servers
+/// it reports in `connect_urls`, which lists the client URLs of every server of the cluster).
+fn replicas_for(info: &async_nats::ServerInfo) -> usize {
+    if info.cluster.is_none() {
+        return 1;
+    }
+    let mut servers: Vec<&str> = info.connect_urls.iter().map(String::as_str).collect();
+    servers.sort_unstable();
+    servers.dedup();
+    if servers.is_empty() {
+        warn!(
+            cluster = info.cluster.as_deref().unwrap_or("-"),
+            "the server is clustered but advertises no cluster URLs (no_advertise?); \
+             streams get 1 replica: set bus.replicas to what the cluster holds"
+        );
+    }
+    servers.len().clamp(1, 3)
+}
+
+/// Reads an NKey seed file: the first line that is a user seed (`SU…`).
+fn read_seed(path: &Path) -> Result<String, std::io::Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("NKey seed file {}: {e}", path.display()))
+    })?;
+    text.lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("SU"))
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("NKey seed file {} holds no user seed (SU…)", path.display()),
+            )
+        })
+}
+
+/// Logs what the server says about the connection; permission violations are kept so that a
+/// caller whose request timed out can say it was refused, and logged as errors: an operator
+/// must fix the user's permissions or the service's configuration.
+fn on_event(event: async_nats::Event, seen: &Mutex<VecDeque<String>>) {
+    match event {
+        async_nats::Event::ServerError(async_nats::ServerError::Other(text))
+            if text.to_ascii_lowercase().contains("permissions violation") =>
+        {
+            error!(violation = %text, "NATS refused an operation on this connection");
+            let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+            if seen.len() == VIOLATIONS_KEPT {
+                seen.pop_front();
+            }
+            seen.push_back(text);
+        }
+        async_nats::Event::ServerError(e) => warn!(error = %e, "NATS server error"),
+        async_nats::Event::Disconnected => warn!("disconnected from NATS; reconnecting"),
+        async_nats::Event::Connected => debug!("connected to NATS"),
+        async_nats::Event::LameDuckMode => {
+            warn!("the NATS server entered lame duck mode; moving to another")
+        }
+        other => debug!(event = %other, "NATS connection event"),
     }
 }

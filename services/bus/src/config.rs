@@ -8,22 +8,44 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::BusError;
 
-/// How to reach NATS.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// How to reach NATS: the `[bus]` table of every service's configuration file.
+///
+/// Secrets never appear in logs: `Debug` and [`BusConfig::servers_display`] show a URL's
+/// password as `***` (see [`redact_url`]). Prefer a credentials or NKey seed file to a password
+/// in the URL.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BusConfig {
-    /// Server URL(s), comma separated, e.g. `nats://127.0.0.1:4222`.
-    pub url: String,
+    /// Server URLs, e.g. `["nats://n1:4222", "nats://n2:4222"]`; a single string may list
+    /// several separated by commas. The client picks one and fails over to the others.
+    #[serde(deserialize_with = "server_list::deserialize")]
+    pub servers: Vec<String>,
     /// A `.creds` file (user JWT and NKey seed) for this service's NATS user.
     pub creds_file: Option<PathBuf>,
+    /// A file holding an NKey seed (`SU...`) for this service's NATS user.
+    pub nkey_seed_file: Option<PathBuf>,
     /// A PEM file of CA certificates to trust for the server's TLS certificate.
     pub tls_ca: Option<PathBuf>,
+    /// A PEM client certificate, for servers that verify clients (with `tls_client_key`).
+    pub tls_client_cert: Option<PathBuf>,
+    /// The PEM private key of `tls_client_cert`.
+    pub tls_client_key: Option<PathBuf>,
     /// Refuse to talk to a server without TLS.
     pub tls_required: bool,
     /// The connection name servers show in monitoring (`connz`).
     pub client_name: String,
-    /// Replicas of each stream Stagehand declares: 1 on one machine, 3 on a three-node cluster.
-    pub replicas: usize,
+    /// The subject prefix of this connection's reply inboxes. Default: `_INBOX_<user>` when the
+    /// URL names a user (each user of `deploy/nats/accounts.conf` may read only its own
+    /// inboxes), else `_INBOX`. Set it for users authenticated by creds or NKey.
+    pub inbox_prefix: Option<String>,
+    /// Replicas of each stream and KV bucket Stagehand declares. Default: what the cluster
+    /// can hold, min(3, servers in the cluster), learned from the server at connect (1 for a
+    /// server that is not clustered).
+    pub replicas: Option<usize>,
+    /// Create streams and buckets, and correct their drift. With `false` (a service whose
+    /// user may not manage streams) they are only checked; an operator provisions them with
+    /// `stagehand provision`.
+    pub provision: bool,
     /// How long to keep trying the first connection before giving up.
     #[serde(with = "duration_str")]
     pub connect_timeout: Duration,
@@ -32,25 +54,296 @@ pub struct BusConfig {
 impl Default for BusConfig {
     fn default() -> Self {
         Self {
-            url: "nats://127.0.0.1:4222".into(),
+            servers: vec!["nats://127.0.0.1:4222".into()],
             creds_file: None,
+            nkey_seed_file: None,
             tls_ca: None,
+            tls_client_cert: None,
+            tls_client_key: None,
             tls_required: false,
             client_name: "stagehand".into(),
-            replicas: 1,
+            inbox_prefix: None,
+            replicas: None,
+            provision: true,
             connect_timeout: Duration::from_secs(30),
         }
     }
 }
 
+impl std::fmt::Debug for BusConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BusConfig")
+            .field("servers", &self.servers_display())
+            .field("creds_file", &self.creds_file)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_client_cert", &self.tls_client_cert)
+            .field("tls_client_key", &self.tls_client_key)
+            .field("tls_required", &self.tls_required)
+            .field("client_name", &self.client_name)
+            .field("inbox_prefix", &self.inbox_prefix)
+            .field("replicas", &self.replicas)
+            .field("provision", &self.provision)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+/// The servers (passwords redacted) and the connection name: what a log line says of a
+/// connection.
+impl std::fmt::Display for BusConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} as {}", self.servers_display(), self.client_name)
+    }
+}
+
+/// The environment variables that override the `[bus]` table, one naming scheme for every
+/// binary: services (through the runner) and the `stagehand` CLI.
+pub mod env {
+    /// Server URL(s), comma separated.
+    pub const NATS_URL: &str = "STAGEHAND_NATS_URL";
+    /// A `.creds` file.
+    pub const NATS_CREDS: &str = "STAGEHAND_NATS_CREDS";
+    /// An NKey seed file.
+    pub const NATS_NKEY: &str = "STAGEHAND_NATS_NKEY";
+    /// A CA bundle for the servers' TLS certificates.
+    pub const NATS_TLS_CA: &str = "STAGEHAND_NATS_TLS_CA";
+    /// Stream and bucket replicas.
+    pub const NATS_REPLICAS: &str = "STAGEHAND_NATS_REPLICAS";
+    /// Every variable above, for documentation and tests.
+    pub const ALL: &[&str] = &[NATS_URL, NATS_CREDS, NATS_NKEY, NATS_TLS_CA, NATS_REPLICAS];
+}
+
 impl BusConfig {
-    /// A default configuration for `url`.
-    pub fn new(url: impl Into<String>) -> Self {
+    /// A default configuration for `servers`: one URL or several separated by commas.
+    pub fn new(servers: impl AsRef<str>) -> Self {
         Self {
-            url: url.into(),
+            servers: split_servers(servers.as_ref()),
             ..Self::default()
         }
     }
+
+    /// The server URLs with passwords replaced by `***`, comma separated: what logs and
+    /// messages show.
+    pub fn servers_display(&self) -> String {
+        self.servers
+            .iter()
+            .map(|s| redact_url(s))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Applies the environment overrides of [`env`](mod@env), reading variables through `var` (so that
+    /// tests need not touch the process environment). A value that does not parse is an error
+    /// naming the variable.
+    pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), BusError> {
+        let set = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        if let Some(v) = set(env::NATS_URL) {
+            self.servers = split_servers(&v);
+        }
+        if let Some(v) = set(env::NATS_CREDS) {
+            self.creds_file = Some(v.into());
+        }
+        if let Some(v) = set(env::NATS_NKEY) {
+            self.nkey_seed_file = Some(v.into());
+        }
+        if let Some(v) = set(env::NATS_TLS_CA) {
+            self.tls_ca = Some(v.into());
+        }
+        if let Some(v) = set(env::NATS_REPLICAS) {
+            let n = v.trim().parse().map_err(|_| BusError::Config {
+                key: env::NATS_REPLICAS,
+                reason: format!("{v:?} is not a number of replicas"),
+            })?;
+            self.replicas = Some(n);
+        }
+        Ok(())
+    }
+
+    /// Checks the values before anything connects; errors name the key.
+    pub fn validate(&self) -> Result<(), BusError> {
+        let bad = |key, reason: String| Err(BusError::Config { key, reason });
+        if self.servers.is_empty() {
+            return bad("servers", "must list at least one server URL".into());
+        }
+        for s in &self.servers {
+            if s.parse::<async_nats::ServerAddr>().is_err() {
+                return bad(
+                    "servers",
+                    format!("{:?} is not a NATS server URL", redact_url(s)),
+                );
+            }
+        }
+        if let Some(n) = self.replicas
+            && !(1..=5).contains(&n)
+        {
+            return bad("replicas", format!("{n} is not in 1..=5"));
+        }
+        if self.creds_file.is_some() && self.nkey_seed_file.is_some() {
+            return bad(
+                "nkey_seed_file",
+                "give either creds_file or nkey_seed_file, not both".into(),
+            );
+        }
+        if self.tls_client_cert.is_some() != self.tls_client_key.is_some() {
+            return bad(
+                "tls_client_key",
+                "tls_client_cert and tls_client_key go together".into(),
+            );
+        }
+        if let Some(prefix) = &self.inbox_prefix
+            && (prefix.is_empty()
+                || prefix.contains(['*', '>', ' '])
+                || prefix.starts_with('.')
+                || prefix.ends_with('.'))
+        {
+            return bad(
+                "inbox_prefix",
+                format!("{prefix:?} is not a subject prefix without wildcards"),
+            );
+        }
+        Ok(())
+    }
+
+    /// The inbox prefix this connection uses: the configured one, else `_INBOX_<user>` for a
+    /// URL that names a user, else `_INBOX`.
+    pub fn effective_inbox_prefix(&self) -> String {
+        if let Some(p) = &self.inbox_prefix {
+            return p.clone();
+        }
+        match self.servers.iter().find_map(|s| url_user(s)) {
+            Some(user) => format!("_INBOX_{user}"),
+            None => "_INBOX".into(),
+        }
+    }
+}
+
+/// Splits a comma-separated server list, dropping empty entries and surrounding spaces.
+pub fn split_servers(text: &str) -> Vec<String> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `servers` in a file: a list of URLs, or one string of comma-separated URLs.
+mod server_list {
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        Ok(match OneOrMany::deserialize(d)? {
+            OneOrMany::One(s) => super::split_servers(&s),
+            OneOrMany::Many(v) => v.iter().flat_map(|s| super::split_servers(s)).collect(),
+        })
+    }
+}
+
+/// Credentials a URL carries: `nats://user:password@host` gives the user and the password,
+/// `nats://token@host` a token (percent-decoded). async-nats does not read them from the URL
+/// itself, so [`crate::Bus::connect`] passes them on.
+pub(crate) fn url_credentials(url: &str) -> Option<UrlCredentials> {
+    let (_, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    Some(match userinfo.split_once(':') {
+        Some((user, password)) => {
+            UrlCredentials::UserPassword(percent_decode(user), percent_decode(password))
+        }
+        None => UrlCredentials::Token(percent_decode(userinfo)),
+    })
+}
+
+/// `url` without its userinfo (`nats://user:pass@host:4222` → `nats://host:4222`): what is
+/// handed to the client library, so that none of its own logs can carry a secret.
+pub(crate) fn without_credentials(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://{host}{}", &rest[end..]),
+        None => url.to_owned(),
+    }
+}
+
+/// What the userinfo of a server URL holds.
+pub(crate) enum UrlCredentials {
+    UserPassword(String, String),
+    Token(String),
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(hex) = text.get(i + 1..i + 3)
+            && let Ok(b) = u8::from_str_radix(hex, 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The user name a URL carries (`nats://user:pass@host`), if any.
+fn url_user(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    let user = userinfo.split(':').next().unwrap_or(userinfo);
+    (!user.is_empty() && userinfo.contains(':')).then_some(user)
+}
+
+/// A URL with its secret replaced: `nats://user:pass@host` → `nats://user:***@host`, and a
+/// token (`nats://token@host`) → `nats://***@host`. Anything else is returned unchanged.
+pub fn redact_url(url: &str) -> String {
+    redact_text(url)
+}
+
+/// Every URL inside `text` with its secret replaced as [`redact_url`] does: for error
+/// messages that may quote a URL.
+pub fn redact_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c == '/' || c == '?' || c == '#' || c == ',' || c.is_whitespace())
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rsplit_once('@') {
+            Some((userinfo, host)) => {
+                match userinfo.split_once(':') {
+                    Some((user, _)) => {
+                        out.push_str(user);
+                        out.push_str(":***");
+                    }
+                    None => out.push_str("***"),
+                }
+                out.push('@');
+                out.push_str(host);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Negative-ack delays: exponential from `initial`, times `factor` per delivery, capped at
@@ -337,8 +630,105 @@ mod tests {
 
     #[test]
     fn unknown_config_keys_are_refused() {
-        let err = toml_like_json(r#"{"url":"nats://x:4222","colour":"red"}"#);
+        let err = toml_like_json(r#"{"servers":"nats://x:4222","colour":"red"}"#);
         assert!(err.contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn passwords_never_show_in_debug_display_or_errors() {
+        let cfg = BusConfig::new("nats://svc:s3cret@n1:4222, nats://tok3n@n2:4222,nats://n3:4222");
+        assert_eq!(cfg.servers.len(), 3);
+        let shown = format!("{cfg:?} {cfg} {}", cfg.servers_display());
+        assert!(
+            !shown.contains("s3cret") && !shown.contains("tok3n"),
+            "{shown}"
+        );
+        assert!(shown.contains("nats://svc:***@n1:4222"), "{shown}");
+        assert!(shown.contains("nats://***@n2:4222"), "{shown}");
+        assert!(shown.contains("nats://n3:4222"), "{shown}");
+        assert_eq!(
+            redact_text("failed: nats://a:b@h:1/x and tls://c:d@e:2"),
+            "failed: nats://a:***@h:1/x and tls://c:***@e:2"
+        );
+        let mut bad = cfg.clone();
+        bad.servers = vec!["nats://svc:s3cret@".into(), "not a url at all".into()];
+        let err = bad.validate().map(|_| ()).unwrap_err().to_string();
+        assert!(!err.contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn server_lists_parse_from_a_string_or_a_list() {
+        let one: BusConfig =
+            serde_json::from_str(r#"{"servers":"nats://a:1,nats://b:2"}"#).unwrap();
+        let many: BusConfig =
+            serde_json::from_str(r#"{"servers":["nats://a:1","nats://b:2"]}"#).unwrap();
+        assert_eq!(one.servers, vec!["nats://a:1", "nats://b:2"]);
+        assert_eq!(one.servers, many.servers);
+        one.validate().unwrap();
+    }
+
+    #[test]
+    fn environment_overrides_use_one_naming_scheme() {
+        let mut cfg = BusConfig::default();
+        let vars = [
+            (env::NATS_URL, "nats://u:p@a:1,nats://u:p@b:2"),
+            (env::NATS_CREDS, "/etc/stagehand/svc.creds"),
+            (env::NATS_REPLICAS, "3"),
+        ];
+        cfg.apply_env(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+        .unwrap();
+        assert_eq!(cfg.servers.len(), 2);
+        assert_eq!(
+            cfg.creds_file.as_deref(),
+            Some(std::path::Path::new("/etc/stagehand/svc.creds"))
+        );
+        assert_eq!(cfg.replicas, Some(3));
+        assert_eq!(cfg.effective_inbox_prefix(), "_INBOX_u");
+        let err = cfg
+            .apply_env(|k| (k == env::NATS_REPLICAS).then(|| "three".to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(env::NATS_REPLICAS), "{err}");
+    }
+
+    #[test]
+    fn credentials_come_out_of_the_url_decoded() {
+        match url_credentials("nats://svc%2Done:p%40ss@h:1") {
+            Some(UrlCredentials::UserPassword(u, p)) => {
+                assert_eq!((u.as_str(), p.as_str()), ("svc-one", "p@ss"))
+            }
+            _ => panic!("user and password"),
+        }
+        assert!(
+            matches!(url_credentials("nats://t0k@h:1"), Some(UrlCredentials::Token(t)) if t == "t0k")
+        );
+        assert!(url_credentials("nats://h:1").is_none());
+        assert_eq!(without_credentials("nats://u:p@h:1"), "nats://h:1");
+        assert_eq!(without_credentials("tls://t@h:1/x"), "tls://h:1/x");
+        assert_eq!(without_credentials("nats://h:1"), "nats://h:1");
+    }
+
+    #[test]
+    fn inbox_prefix_follows_the_user_unless_set() {
+        assert_eq!(
+            BusConfig::new("nats://h:1").effective_inbox_prefix(),
+            "_INBOX"
+        );
+        let mut cfg = BusConfig::new("nats://uploader-demo:pw@h:1");
+        assert_eq!(cfg.effective_inbox_prefix(), "_INBOX_uploader-demo");
+        cfg.inbox_prefix = Some("_INBOX_lab".into());
+        assert_eq!(cfg.effective_inbox_prefix(), "_INBOX_lab");
+        cfg.inbox_prefix = Some("_INBOX.>".into());
+        assert!(
+            cfg.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("inbox_prefix")
+        );
     }
 
     fn toml_like_json(text: &str) -> String {

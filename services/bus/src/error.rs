@@ -8,6 +8,9 @@ use std::fmt;
 pub enum BusError {
     #[error("could not connect to NATS at {url}: {detail}")]
     Connect { url: String, detail: String },
+    /// The server refused the credentials (a wrong password, an unknown key): permanent.
+    #[error("NATS at {url} refused the credentials: {detail}")]
+    Unauthorized { url: String, detail: String },
     #[error("bus configuration is invalid: {key}: {reason}")]
     Config { key: &'static str, reason: String },
     #[error("could not provision {what}: {detail}")]
@@ -43,6 +46,7 @@ impl BusError {
             | BusError::Claim(_)
             | BusError::Provision { .. } => true,
             BusError::Config { .. }
+            | BusError::Unauthorized { .. }
             | BusError::RetentionMismatch { .. }
             | BusError::Encode { .. } => false,
             BusError::Ledger(e) => e.is_retryable(),

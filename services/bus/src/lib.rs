@@ -48,10 +48,17 @@ mod claim;
 mod config;
 mod error;
 pub mod ledger;
+pub mod runner;
 mod worker;
 
-pub use bus::{Bus, CLAIMS_BUCKET, CLAIMS_MAX_AGE, MSG_ID_HEADER, PublishAck, stream_config};
-pub use config::{BusConfig, RetrySchedule, WorkerConfig, duration_str};
+pub use bus::{
+    Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, PublishAck,
+    READINESS, READINESS_BUCKET, stream_config,
+};
+pub use config::{
+    BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,
+    split_servers,
+};
 pub use error::{BusError, HandlerError};
 pub use ledger::{Ledger, LedgerError, Outcome};
 pub use worker::{

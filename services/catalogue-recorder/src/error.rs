@@ -55,6 +55,12 @@ pub enum RecorderError {
     Nats { what: &'static str, detail: String },
     #[error("catalogue worker: {0}")]
     Worker(String),
+    /// The runtime or the connection failed; the cause says whether retrying can help.
+    #[error(transparent)]
+    Bus(#[from] stagehand_bus::BusError),
+    /// One of the recorder's tasks (facts, dead letters, queries) failed.
+    #[error(transparent)]
+    Task(#[from] stagehand_bus::runner::TaskError),
 }
 
 impl RecorderError {
@@ -69,6 +75,16 @@ impl RecorderError {
         match self {
             RecorderError::Store(e) => e.is_retryable(),
             RecorderError::Nats { .. } | RecorderError::Worker(_) => true,
+            RecorderError::Bus(e) => e.is_retryable(),
+            RecorderError::Task(e) => {
+                if let Some(bus) = e.source.downcast_ref::<stagehand_bus::BusError>() {
+                    bus.is_retryable()
+                } else if let Some(own) = e.source.downcast_ref::<RecorderError>() {
+                    own.is_retryable()
+                } else {
+                    true
+                }
+            }
         }
     }
 }

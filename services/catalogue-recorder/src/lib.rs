@@ -29,9 +29,11 @@ pub use error::{RecorderError, StoreError};
 pub use fold::TierKey;
 pub use model::*;
 pub use query::{
-    Answer, AskError, ErrorCode, MIN_VERSION_PREFIX, QUEUE_GROUP, Query, answer, ask, serve,
-    tier_readiness,
+    Answer, AskError, ErrorCode, MIN_VERSION_PREFIX, QUEUE_GROUP, Query, answer, ask,
+    serve as serve_queries, tier_readiness,
 };
 pub use replay::{Replayed, replay};
-pub use service::{RecorderConfig, RecorderStats, rebuild_if_needed, run};
+pub use service::{
+    Config, RecorderConfig, RecorderStats, SERVICE, config, rebuild_if_needed, run, serve,
+};
 pub use store::{Dump, MAX_BATCH, Store, Writer, WriterThread};

@@ -6,14 +6,14 @@
 //! starts its job when `ready` is true. The bucket is a view like the redb file: writing the
 //! same state twice is harmless, and a rebuild rewrites every key it touches.
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 
 use crate::error::RecorderError;
 use crate::fold::TierKey;
 use crate::model::TierReadiness;
 
-/// The readiness bucket.
-pub const BUCKET: &str = "stagehand_readiness";
+/// The readiness bucket (declared with the runtime's other buckets, [`stagehand_bus::READINESS`]).
+pub const BUCKET: &str = stagehand_bus::READINESS_BUCKET;
 
 /// The bucket key of a (version, tier). Dataset and tier names are escaped to the characters a
 /// KV key token allows: any byte outside `[A-Za-z0-9_-]` becomes `=XX` (hex).
@@ -45,20 +45,10 @@ fn token(part: &str) -> String {
     out
 }
 
-/// Opens the readiness bucket, creating it if missing.
-pub async fn open_bucket(js: &jetstream::Context) -> Result<kv::Store, RecorderError> {
-    match js.get_key_value(BUCKET).await {
-        Ok(store) => Ok(store),
-        Err(_) => js
-            .create_key_value(kv::Config {
-                bucket: BUCKET.into(),
-                description: "Stagehand readiness per (dataset version, tier)".into(),
-                history: 5,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| RecorderError::nats("creating the readiness bucket", e)),
-    }
+/// Opens the readiness bucket, creating it if missing and correcting the drift of its
+/// replicas (through [`stagehand_bus::Bus::provision_kv`]).
+pub async fn open_bucket(bus: &stagehand_bus::Bus) -> Result<kv::Store, RecorderError> {
+    Ok(bus.provision_kv(&stagehand_bus::READINESS).await?)
 }
 
 /// Writes one tier's readiness into the bucket.

@@ -5,21 +5,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use stagehand_bus::{
-    Bus, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats, run_worker,
-};
+use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
+use stagehand_bus::{Bus, BusError, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats};
 use stagehand_schemas::Event;
 use stagehand_schemas::subject::{DEAD_LETTERS, FACTS};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
 use crate::fold::TierKey;
-use crate::query::{serve, tier_readiness};
+use crate::query::{serve as serve_queries, tier_readiness};
 use crate::readiness::{mirror, open_bucket};
 use crate::replay::replay;
 use crate::store::{Store, Writer};
 
-/// Configuration of one recorder instance.
+/// The recorder's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecorderConfig {
@@ -32,29 +31,30 @@ pub struct RecorderConfig {
     pub store_path: PathBuf,
     /// Directory of the runtime's ledgers for the two workers.
     pub ledger_dir: PathBuf,
-    /// Facts folded at once (the writer commits whatever is queued in one transaction).
-    #[serde(default = "default_concurrency")]
-    pub concurrency: usize,
     /// Whether to count dead letters from the dead-letter stream.
     #[serde(default = "default_true")]
     pub dead_letters: bool,
-    /// How long in-flight folds may take after shutdown is asked for.
-    #[serde(default = "default_deadline", with = "stagehand_bus::duration_str")]
-    pub shutdown_deadline: std::time::Duration,
 }
 
+/// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`RecorderConfig`] as
+/// `[service]`.
+pub type Config = ServiceConfig<RecorderConfig>;
+
+/// The service name: the metrics label and the default instance name.
+pub const SERVICE: &str = "catalogue-recorder";
+
 fn default_instance() -> String {
-    "catalogue-recorder".into()
-}
-fn default_concurrency() -> usize {
-    64
+    SERVICE.into()
 }
 fn default_true() -> bool {
     true
 }
-fn default_deadline() -> std::time::Duration {
-    std::time::Duration::from_secs(10)
-}
+/// Facts folded at once (the writer commits whatever is queued in one transaction), unless
+/// `[worker] concurrency` says otherwise.
+const DEFAULT_CONCURRENCY: usize = 64;
+/// How long in-flight folds may take after shutdown is asked for, unless `[worker]
+/// shutdown_deadline` says otherwise.
+const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl RecorderConfig {
     /// A configuration with its store and ledgers under `dir`.
@@ -64,11 +64,42 @@ impl RecorderConfig {
             instance: default_instance(),
             store_path: dir.join("catalogue.redb"),
             ledger_dir: dir.join("catalogue-ledger"),
-            concurrency: default_concurrency(),
             dead_letters: true,
-            shutdown_deadline: default_deadline(),
         }
     }
+
+    /// Settings for a one-machine stack under `home` (`stagehand up`).
+    pub fn dev(home: &std::path::Path, _policies_dir: &std::path::Path) -> Self {
+        Self::under(home.join("state").join("catalogue"))
+    }
+}
+
+impl ServiceSettings for RecorderConfig {
+    fn validate(&self) -> Result<(), InvalidKey> {
+        if !stagehand_schemas::subject::is_subject_token(&self.instance) || self.instance.len() > 60
+        {
+            return Err(InvalidKey::new(
+                "instance",
+                format!(
+                    "{:?} must be 1-60 characters of [a-z0-9_-] (it names durable consumers)",
+                    self.instance
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A configuration for running a recorder in-process against `nats_url` with its files under
+/// `dir` (tests, `stagehand up`).
+pub fn config(nats_url: &str, dir: impl Into<PathBuf>) -> Config {
+    ServiceConfig::new(
+        stagehand_bus::BusConfig {
+            client_name: SERVICE.into(),
+            ..stagehand_bus::BusConfig::new(nats_url)
+        },
+        RecorderConfig::under(dir),
+    )
 }
 
 /// What a recorder did before it stopped.
@@ -146,25 +177,38 @@ pub async fn rebuild_if_needed(
     Ok(Some((facts.events, dead.events)))
 }
 
-/// Runs the recorder until `shutdown` is cancelled: rebuilds the store if needed, then folds
-/// facts (and dead letters) live through the worker runtime, answers queries and mirrors
-/// readiness. Provisions nothing but its own consumers and the readiness bucket; the streams
-/// come from [`Bus::provision`].
+/// Runs a recorder through the service runner (connect, provision, serve, drain) until
+/// `shutdown` is cancelled.
 pub async fn run(
-    bus: Bus,
-    config: RecorderConfig,
+    config: Config,
     shutdown: CancellationToken,
 ) -> Result<RecorderStats, RecorderError> {
-    // A child: a failing worker stops this recorder, not whoever runs it beside other services.
-    let shutdown = shutdown.child_token();
+    runner::run(SERVICE, config, shutdown, serve)
+        .await
+        .map_err(|e| match e {
+            runner::RunError::Service(source) => match source.downcast::<RecorderError>() {
+                Ok(own) => *own,
+                Err(other) => RecorderError::Worker(other.to_string()),
+            },
+            runner::RunError::Bus(e) => RecorderError::Bus(e),
+            other => RecorderError::Worker(other.to_string()),
+        })
+}
+
+/// Serves a recorder on a connected bus until `ctx.shutdown` is cancelled: rebuilds the store
+/// if needed, then folds facts (and dead letters) live through the worker runtime, answers
+/// queries and mirrors readiness — three tasks of one group, so that any of them failing stops
+/// the recorder (its supervisor restarts it) instead of leaving a half-working one.
+pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, RecorderError> {
+    let config = ctx.settings.clone();
     let path = config.store_path.clone();
     let store = Arc::new(
         tokio::task::spawn_blocking(move || Store::open(path))
             .await
             .map_err(|e| RecorderError::Worker(e.to_string()))??,
     );
-    let bucket = open_bucket(bus.jetstream()).await?;
-    let rebuilt = rebuild_if_needed(&bus, &store, &bucket).await?;
+    let bucket = open_bucket(&ctx.bus).await?;
+    let rebuilt = rebuild_if_needed(&ctx.bus, &store, &bucket).await?;
     let (writer, writer_thread) = Writer::start(store.clone());
     let handler = Arc::new(Fold {
         store: store.clone(),
@@ -172,57 +216,81 @@ pub async fn run(
         bucket,
     });
 
-    let queries = tokio::spawn(serve(bus.client().clone(), store.clone(), shutdown.clone()));
-
-    let worker = |service: String, stream: &str, filter: &str| {
+    let worker = |consumer: &str, stream: &str, filter: &str| {
         let mut cfg = WorkerConfig::new(
-            service.clone(),
+            consumer,
             stream,
             vec![filter.to_owned()],
-            config.ledger_dir.join(format!("{service}.redb")),
+            config.ledger_dir.join(format!("{consumer}.redb")),
         );
-        cfg.concurrency = config.concurrency;
-        cfg.shutdown_deadline = config.shutdown_deadline;
+        cfg.concurrency = DEFAULT_CONCURRENCY;
+        cfg.shutdown_deadline = DEFAULT_DEADLINE;
+        ctx.worker.apply(&mut cfg);
         // Folding is idempotent and every instance folds every fact: nothing to claim.
         cfg.claims = false;
         cfg
     };
-    let facts_cfg = worker(config.instance.clone(), FACTS.name, "stagehand.fact.>");
+    let facts_cfg = worker(&config.instance, FACTS.name, "stagehand.fact.>");
     let dlq_cfg = worker(
-        format!("{}-dlq", config.instance),
+        &format!("{}-dlq", config.instance),
         DEAD_LETTERS.name,
         "stagehand.dlq.>",
     );
-    let facts = run_worker(bus.clone(), facts_cfg, handler.clone(), shutdown.clone());
-    let dead_letters = async {
-        if config.dead_letters {
-            run_worker(bus.clone(), dlq_cfg, handler.clone(), shutdown.clone()).await
-        } else {
-            Ok(WorkerStats::default())
-        }
-    };
-    let (facts, dead_letters) = tokio::join!(facts, dead_letters);
-    // Either worker failing stops the whole recorder.
-    shutdown.cancel();
-    let _ = queries.await;
+    let deadline = facts_cfg.shutdown_deadline;
+
+    let facts_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
+    let dlq_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
+    let mut tasks = ctx.tasks();
+    let token = tasks.shutdown().clone();
+    tasks.spawn(
+        "queries",
+        serve_queries(ctx.bus.client().clone(), store.clone(), token.clone()),
+    );
+    let facts = ctx.run_worker_until(facts_cfg, SharedFold(handler.clone()), token.clone());
+    let into = facts_stats.clone();
+    tasks.spawn("facts", async move {
+        let stats = facts.await?;
+        *into.lock().unwrap_or_else(|p| p.into_inner()) = stats;
+        Ok::<(), BusError>(())
+    });
+    if config.dead_letters {
+        let dead = ctx.run_worker_until(dlq_cfg, SharedFold(handler.clone()), token.clone());
+        let into = dlq_stats.clone();
+        tasks.spawn("dead-letters", async move {
+            let stats = dead.await?;
+            *into.lock().unwrap_or_else(|p| p.into_inner()) = stats;
+            Ok::<(), BusError>(())
+        });
+    }
+    let joined = tasks.join(deadline).await;
     // Release the store (the writer thread holds it) before returning, so that whoever runs
     // the recorder can reopen the file at once. A handler still held by an abandoned task would
     // keep it; the wait is bounded by the shutdown deadline.
     drop(handler);
-    let joined = tokio::task::spawn_blocking(move || writer_thread.join());
-    if tokio::time::timeout(config.shutdown_deadline, joined)
-        .await
-        .is_err()
-    {
+    let released = tokio::task::spawn_blocking(move || writer_thread.join());
+    if tokio::time::timeout(deadline, released).await.is_err() {
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
     }
-    let facts = facts.map_err(|e| RecorderError::Worker(e.to_string()))?;
-    let dead_letters = dead_letters.map_err(|e| RecorderError::Worker(e.to_string()))?;
+    joined?;
+    let facts = facts_stats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let dead_letters = dlq_stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
     Ok(RecorderStats {
         rebuilt,
         facts,
         dead_letters,
     })
+}
+
+/// The fold handler shared by the facts and dead-letter workers.
+struct SharedFold(Arc<Fold>);
+
+impl Handler for SharedFold {
+    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        self.0.handle(event, ctx).await
+    }
 }
 
 impl From<StoreError> for HandlerError {

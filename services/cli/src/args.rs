@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use stagehand_bus::{Bus, BusConfig};
 use stagehand_schemas::subject::is_subject_token;
 use time::OffsetDateTime;
-use tracing::debug;
 
 /// Exit code of a bad argument (sysexits' `EX_USAGE`).
 pub const EX_USAGE: i32 = 64;
@@ -57,14 +56,36 @@ pub fn error_line(err: &anyhow::Error) -> String {
 
 /// Logging for a command whose stdout is its answer: warnings and errors on stderr
 /// (`RUST_LOG` overrides), with colour only when stderr is a terminal and `NO_COLOR` is unset.
+///
+/// The bus logs each failed connection attempt as a warning, which is right for a service
+/// starting up but noise for a hook with a deadline: here those lines count as debug level,
+/// shown only when `RUST_LOG` asks for debug.
 pub fn init_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(colour_on_stderr())
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer, filter};
+
+    let env_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let debug_wanted = env_filter
+        .max_level_hint()
+        .is_some_and(|max| max >= tracing::level_filters::LevelFilter::DEBUG);
+    let retries = filter::filter_fn(move |meta| debug_wanted || !is_connect_retry(meta));
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(colour_on_stderr())
+                .with_filter(env_filter)
+                .with_filter(retries),
+        )
         .try_init();
+}
+
+/// The bus's "connecting to NATS failed; retrying" event (a warning with a `delay`).
+fn is_connect_retry(meta: &tracing::Metadata<'_>) -> bool {
+    meta.target().starts_with("stagehand_bus")
+        && *meta.level() == tracing::Level::WARN
+        && meta.fields().field("delay").is_some()
 }
 
 /// Whether stderr takes ANSI colour codes.
@@ -72,53 +93,28 @@ pub fn colour_on_stderr() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
-/// Connects within `timeout` in all, retrying quickly (logged at debug level only); after
-/// that, one [`Unreachable`] error naming the server and the last failure.
+/// Connects within `timeout` in all (the bus retries until then); after that, one
+/// [`Unreachable`] error naming the server and the last failure. Refused credentials fail at
+/// once, as [`Unreachable`] too (nothing here can mend them).
 pub async fn connect(cfg: &BusConfig, timeout: Duration) -> anyhow::Result<Bus> {
     let started = Instant::now();
-    let deadline = started + timeout;
-    // One attempt per call: the retries happen here, where they are quiet and bounded.
-    let once = BusConfig {
-        connect_timeout: Duration::ZERO,
+    let bounded = BusConfig {
+        connect_timeout: timeout,
         ..cfg.clone()
     };
-    let mut delay = Duration::from_millis(100);
-    let mut last: Option<String> = None;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, Bus::connect(&once)).await {
-            Ok(Ok(bus)) => return Ok(bus),
-            Ok(Err(e)) => last = Some(e.to_string()),
-            // Cut short by the deadline: the previous attempt's failure says more.
-            Err(_) => break,
+    match Bus::connect(&bounded).await {
+        Ok(bus) => Ok(bus),
+        Err(e @ stagehand_bus::BusError::Unauthorized { .. }) => {
+            Err(Unreachable(e.to_string()).into())
         }
-        let failure = last.as_deref().unwrap_or_default();
-        if is_permanent_connect_failure(failure) {
-            break;
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        debug!(error = %failure, ?delay, "connecting to NATS failed; retrying");
-        tokio::time::sleep(delay.min(left)).await;
-        delay = (delay * 2).min(Duration::from_secs(1));
+        Err(stagehand_bus::BusError::Connect { detail, .. }) => Err(Unreachable(format!(
+            "cannot reach NATS at {} within {:.1} s (is `stagehand up` running?): {detail}",
+            cfg.servers_display(),
+            started.elapsed().as_secs_f64()
+        ))
+        .into()),
+        Err(e) => Err(e.into()),
     }
-    let last = last.unwrap_or_else(|| "no answer".to_owned());
-    Err(Unreachable(format!(
-        "cannot reach NATS at {} within {:.1} s (is `stagehand up` running?): {last}",
-        cfg.url,
-        started.elapsed().as_secs_f64()
-    ))
-    .into())
-}
-
-/// A failure that retrying cannot mend: the server refused who we are.
-fn is_permanent_connect_failure(detail: &str) -> bool {
-    let d = detail.to_ascii_lowercase();
-    d.contains("authorization violation")
-        || d.contains("authentication")
-        || d.contains("credentials file")
 }
 
 /// A project (tenant) name: a subject token.

@@ -16,24 +16,61 @@ use crate::stage::{RequestOptions, Stage, StatusFilter};
 #[derive(Debug, Parser)]
 #[command(name = "stagehand", version, about)]
 pub struct Cli {
-    /// NATS server URL.
-    #[arg(
-        long,
-        global = true,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    pub nats: String,
-    /// How long a command keeps trying to reach NATS before it gives up with one line (exit
-    /// 69): 500ms, 10s, 1m.
-    #[arg(long, global = true, default_value = "10s", value_parser = parse_connect_timeout)]
-    pub connect_timeout: Duration,
+    #[command(flatten)]
+    pub connection: Connection,
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// How every command reaches NATS: the same knobs, and the same environment variables, as the
+/// `[bus]` table of the services (`STAGEHAND_NATS_*`).
+#[derive(Debug, Clone, Args)]
+pub struct Connection {
+    /// NATS server URL(s), comma separated; `nats://user:password@host:4222` for password
+    /// users (the password is never printed).
+    #[arg(
+        long,
+        global = true,
+        env = stagehand_bus::env::NATS_URL,
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    pub nats: String,
+    /// A `.creds` file (user JWT and NKey seed).
+    #[arg(long, global = true, env = stagehand_bus::env::NATS_CREDS)]
+    pub creds: Option<PathBuf>,
+    /// A file holding an NKey seed (`SU...`).
+    #[arg(long, global = true, env = stagehand_bus::env::NATS_NKEY, conflicts_with = "creds")]
+    pub nkey: Option<PathBuf>,
+    /// A PEM bundle of CAs to trust for the servers' TLS certificates.
+    #[arg(long, global = true, env = stagehand_bus::env::NATS_TLS_CA)]
+    pub tls_ca: Option<PathBuf>,
+    /// The subject prefix of reply inboxes (default `_INBOX_<user>` for a URL with a user):
+    /// set it to the prefix your NATS user may read when it authenticates with creds or NKey.
+    #[arg(long, global = true, env = "STAGEHAND_NATS_INBOX_PREFIX")]
+    pub inbox_prefix: Option<String>,
+    /// How long a command keeps trying to reach NATS before it gives up with one line (exit
+    /// 69): 500ms, 10s, 1m.
+    #[arg(long, global = true, default_value = "10s", value_parser = parse_connect_timeout)]
+    pub connect_timeout: Duration,
+}
+
 fn parse_connect_timeout(s: &str) -> Result<Duration, String> {
     args::duration("--connect-timeout", s).map_err(|e| e.0)
+}
+
+impl Connection {
+    /// The connection as a [`BusConfig`], giving up on the first connection after `timeout`.
+    pub fn bus_config(&self, timeout: Duration) -> BusConfig {
+        BusConfig {
+            creds_file: self.creds.clone(),
+            nkey_seed_file: self.nkey.clone(),
+            tls_ca: self.tls_ca.clone(),
+            inbox_prefix: self.inbox_prefix.clone(),
+            connect_timeout: timeout,
+            ..BusConfig::new(&self.nats)
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -48,9 +85,16 @@ pub enum Command {
     Dlq(DlqCommand),
     /// Copy files between local folders and S3, verified (the mover).
     Cp(stagehand_mover::cp::CpArgs),
-    /// Run Stagehand on this machine: nats-server, policies, posix tiers, the ingest validator
-    /// and the catalogue recorder, until Ctrl-C.
+    /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
+    /// until Ctrl-C.
     Up(UpArgs),
+    /// Create Stagehand's streams and KV buckets, or correct their drift (replicas, limits):
+    /// what an operator runs once for services whose users may not manage streams.
+    Provision {
+        /// Replicas of every stream and bucket (default: what the cluster can hold).
+        #[arg(long)]
+        replicas: Option<usize>,
+    },
     /// Get a dataset version onto a tier for a job, wait for it, see why it waits, release it:
     /// what scheduler plugins call. Exit codes: 0 done (wait: ready), 1 failed, 2 timed out,
     /// 64 bad argument, 69 NATS unreachable, 70 other error.
@@ -254,16 +298,10 @@ fn default_policies() -> PathBuf {
     stagehand_policy::stagehand_home().join("policies")
 }
 
-/// Where and how long a command tries to reach NATS.
-struct Reach {
-    nats: String,
-    timeout: Duration,
-}
-
-impl Reach {
-    async fn connect(&self) -> anyhow::Result<Bus> {
-        args::connect(&BusConfig::new(&self.nats), self.timeout).await
-    }
+/// Connects within `--connect-timeout`: quiet retries, then one line (exit 69).
+async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
+    let cfg = connection.bus_config(connection.connect_timeout);
+    args::connect(&cfg, connection.connect_timeout).await
 }
 
 /// The policy folder a command checks against: the one given (which must exist), else the
@@ -367,7 +405,7 @@ fn check_ingest(a: &IngestArgs) -> Result<PathBuf, UsageError> {
     Ok(policies)
 }
 
-async fn run_stage(reach: &Reach, cmd: StageCommand) -> anyhow::Result<i32> {
+async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result<i32> {
     match cmd {
         StageCommand::Request(a) => {
             let stage = stage_from(&a.stage)?;
@@ -381,7 +419,7 @@ async fn run_stage(reach: &Reach, cmd: StageCommand) -> anyhow::Result<i32> {
                 deadline,
                 form: a.form,
             };
-            let bus = reach.connect().await?;
+            let bus = connect(connection).await?;
             let published = crate::stage::request(&bus, &stage, &opts).await?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&published)?);
@@ -393,7 +431,7 @@ async fn run_stage(reach: &Reach, cmd: StageCommand) -> anyhow::Result<i32> {
         StageCommand::Wait(a) => {
             let stage = stage_from(&a.stage)?;
             let timeout = args::duration("--timeout", &a.timeout)?;
-            let bus = reach.connect().await?;
+            let bus = connect(connection).await?;
             let outcome = crate::stage::wait(&bus, &stage, timeout).await?;
             if a.json {
                 let status = match &outcome {
@@ -426,7 +464,7 @@ async fn run_stage(reach: &Reach, cmd: StageCommand) -> anyhow::Result<i32> {
                 }
                 None => {}
             }
-            let bus = reach.connect().await?;
+            let bus = connect(connection).await?;
             let items = crate::stage::status(&bus, &filter).await?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&items)?);
@@ -437,7 +475,7 @@ async fn run_stage(reach: &Reach, cmd: StageCommand) -> anyhow::Result<i32> {
         }
         StageCommand::Release(a) => {
             let stage = stage_from(&a.stage)?;
-            let bus = reach.connect().await?;
+            let bus = connect(connection).await?;
             let published = crate::stage::release(&bus, &stage).await?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&published)?);
@@ -486,16 +524,14 @@ fn check_catalogue(cmd: &CatalogueCommand) -> Result<(), UsageError> {
 
 /// Runs a parsed command; returns the exit code.
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
-    let reach = Reach {
-        nats: cli.nats.clone(),
-        timeout: cli.connect_timeout,
-    };
     match cli.command {
         Command::Up(args) => {
             let _telemetry = stagehand_telemetry::init("stagehand")?;
             crate::up::run(crate::up::UpOptions {
                 home: args.home,
-                nats: args.external_nats.then(|| cli.nats.clone()),
+                nats: args
+                    .external_nats
+                    .then(|| cli.connection.bus_config(Duration::from_secs(20))),
                 port: args.port,
                 policies: args.policies,
             })
@@ -508,12 +544,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Stage(cmd) => {
             args::init_logs();
-            run_stage(&reach, cmd).await
+            run_stage(&cli.connection, cmd).await
         }
         Command::Ingest(args) => {
             args::init_logs();
             let policies = check_ingest(&args)?;
-            let bus = reach.connect().await?;
+            let bus = connect(&cli.connection).await?;
             let opts = IngestOptions {
                 folder: args.folder,
                 project: args.project,
@@ -564,7 +600,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Catalogue(cmd) => {
             args::init_logs();
             check_catalogue(&cmd)?;
-            let bus = reach.connect().await?;
+            let bus = connect(&cli.connection).await?;
             let client = bus.client();
             let out = match cmd {
                 CatalogueCommand::Datasets { project, json } => {
@@ -582,6 +618,34 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             print!("{out}");
             Ok(0)
         }
+        Command::Provision { replicas } => {
+            args::init_logs();
+            if replicas.is_some_and(|n| !(1..=5).contains(&n)) {
+                return Err(UsageError(format!(
+                    "--replicas {}: a stream has 1 to 5 replicas",
+                    replicas.unwrap_or_default()
+                ))
+                .into());
+            }
+            let timeout = cli.connection.connect_timeout;
+            let mut cfg = cli.connection.bus_config(timeout);
+            cfg.replicas = replicas;
+            let bus = args::connect(&cfg, timeout).await?;
+            bus.provision().await?;
+            let streams: Vec<&str> = stagehand_schemas::subject::STREAMS
+                .iter()
+                .map(|s| s.name)
+                .collect();
+            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS.iter().map(|b| b.bucket).collect();
+            println!(
+                "provisioned streams {} and KV buckets {} with {} replica(s) on {}",
+                streams.join(", "),
+                buckets.join(", "),
+                bus.replicas(),
+                bus.servers()
+            );
+            Ok(0)
+        }
         Command::Dlq(cmd) => {
             args::init_logs();
             if let DlqCommand::List {
@@ -595,7 +659,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 ))
                 .into());
             }
-            let bus = reach.connect().await?;
+            let bus = connect(&cli.connection).await?;
             match cmd {
                 DlqCommand::List { service, json } => {
                     let items = crate::dlq::list(&bus, service.as_deref()).await?;

@@ -297,36 +297,80 @@ pub enum Outcome {
     Rejected(DatasetRejected),
 }
 
-/// A consumer of the project's validated/rejected facts from the start of the stream: created
-/// before the request is published, so the answer cannot slip past it.
+/// The subjects of the facts that answer an ingest request of `project`.
+fn verdict_subjects(project: &str) -> [String; 2] {
+    [
+        format!("stagehand.fact.dataset.validated.{project}"),
+        format!("stagehand.fact.dataset.rejected.{project}"),
+    ]
+}
+
+/// A live subscription to the project's validated/rejected facts: taken before the request
+/// is published, so the answer cannot slip past it. A plain subscription, not a JetStream
+/// consumer: an uploader's NATS user may read its own project's verdicts, but creating
+/// consumers on the facts stream would let it read, or re-filter, anyone's.
 pub async fn watch_outcomes(
     bus: &Bus,
     project: &str,
-) -> anyhow::Result<async_nats::jetstream::consumer::pull::Ordered> {
-    use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
-    let stream = bus.jetstream().get_stream(FACTS.name).await?;
-    let consumer = stream
-        .create_consumer(OrderedConfig {
-            filter_subjects: vec![
-                format!("stagehand.fact.dataset.validated.{project}"),
-                format!("stagehand.fact.dataset.rejected.{project}"),
-            ],
-            deliver_policy: DeliverPolicy::All,
-            ..Default::default()
-        })
-        .await?;
-    Ok(consumer.messages().await?)
+) -> anyhow::Result<Vec<async_nats::Subscriber>> {
+    let mut subs = Vec::new();
+    for subject in verdict_subjects(project) {
+        subs.push(
+            bus.client()
+                .subscribe(subject.clone())
+                .await
+                .with_context(|| format!("subscribing to {subject}"))?,
+        );
+    }
+    // The server has the subscriptions before the request goes out.
+    bus.client().flush().await?;
+    Ok(subs)
+}
+
+/// The answer to `request` among the project's *last* validated and rejected facts, read with
+/// JetStream direct gets by subject (all an uploader may read of the stream). Used when the
+/// request was a duplicate of an earlier run whose answer may already be stored.
+async fn last_verdict(bus: &Bus, project: &str, request: &EventId) -> Option<Outcome> {
+    for subject in verdict_subjects(project) {
+        let api = format!("$JS.API.DIRECT.GET.{}.{subject}", FACTS.name);
+        let Ok(Ok(answer)) = tokio::time::timeout(
+            Duration::from_secs(5),
+            bus.client().request(api, Default::default()),
+        )
+        .await
+        else {
+            continue;
+        };
+        if answer
+            .status
+            .is_some_and(|s| s != async_nats::StatusCode::OK)
+        {
+            continue;
+        }
+        let Ok(event) = stagehand_schemas::wire::decode(&answer.payload) else {
+            continue;
+        };
+        if &event.correlation_id != request {
+            continue;
+        }
+        match event.body {
+            Body::DatasetValidated(v) => return Some(Outcome::Validated(v)),
+            Body::DatasetRejected(r) => return Some(Outcome::Rejected(r)),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// Waits for the fact that answers `request` (matched by correlation id).
 pub async fn wait_outcome(
-    mut facts: async_nats::jetstream::consumer::pull::Ordered,
+    subs: Vec<async_nats::Subscriber>,
     request: &EventId,
     timeout: Duration,
 ) -> anyhow::Result<Outcome> {
+    let mut facts = futures::stream::select_all(subs);
     let wait = async {
         while let Some(message) = facts.next().await {
-            let message = message?;
             let Ok(event) = stagehand_schemas::wire::decode(&message.payload) else {
                 continue;
             };
@@ -339,7 +383,7 @@ pub async fn wait_outcome(
                 _ => continue,
             }
         }
-        bail!("the facts stream ended before request {request} was answered")
+        bail!("the connection closed before request {request} was answered")
     };
     tokio::time::timeout(timeout, wait)
         .await
@@ -351,7 +395,7 @@ pub async fn wait_outcome(
 /// catalogue that does not answer by the deadline is only warned about — the outcome itself is
 /// already certain.
 async fn wait_catalogued(
-    client: &async_nats::Client,
+    bus: &Bus,
     project: &str,
     outcome: &Outcome,
     deadline: tokio::time::Instant,
@@ -376,12 +420,20 @@ async fn wait_catalogued(
             tracing::warn!(%project, %dataset, "the catalogue has not recorded the outcome yet");
             return;
         }
-        if let Ok(Answer::Dataset(detail)) =
-            stagehand_catalogue_recorder::ask(client, &query, left.min(Duration::from_secs(2)))
-                .await
-            && recorded(&detail)
+        match stagehand_catalogue_recorder::ask(
+            bus.client(),
+            &query,
+            left.min(Duration::from_secs(2)),
+        )
+        .await
         {
-            return;
+            Ok(Answer::Dataset(detail)) if recorded(&detail) => return,
+            // An uploader's user may not query the catalogue: nothing to wait for.
+            Err(_) if bus.was_denied(stagehand_schemas::subject::CATALOGUE_QUERY) => {
+                tracing::debug!("this NATS user may not query the catalogue; not waiting for it");
+                return;
+            }
+            _ => {}
         }
         tokio::time::sleep(pause.min(left)).await;
         pause = (pause * 2).min(Duration::from_millis(500));
@@ -490,8 +542,29 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
     let outcome = match (watch, opts.wait) {
         (Some(watch), Some(timeout)) => {
             let deadline = tokio::time::Instant::now() + timeout;
-            let outcome = wait_outcome(watch, &request.id, timeout).await?;
-            wait_catalogued(bus.client(), &opts.project, &outcome, deadline).await;
+            // A duplicate of an earlier run may have been answered before the subscription.
+            let earlier = if ack.duplicate {
+                last_verdict(bus, &opts.project, &request.id).await
+            } else {
+                None
+            };
+            let outcome = match earlier {
+                Some(outcome) => outcome,
+                None => wait_outcome(watch, &request.id, timeout)
+                    .await
+                    .map_err(|e| {
+                        if ack.duplicate {
+                            e.context(format!(
+                                "request {} was published before (the same files); its answer is \
+                             no longer the project's latest: see `stagehand catalogue show {}`",
+                                request.id, opts.dataset
+                            ))
+                        } else {
+                            e
+                        }
+                    })?,
+            };
+            wait_catalogued(bus, &opts.project, &outcome, deadline).await;
             Some(outcome)
         }
         _ => None,

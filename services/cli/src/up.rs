@@ -3,8 +3,14 @@
 //! Starts a nats-server with JetStream whose data lives under the home folder (or uses the
 //! server given with `--nats`), provisions the streams, writes the default policies into
 //! `<home>/policies` if there are none (posix tiers under `<home>/tiers`), creates the tier
-//! roots, and runs the ingest validator and the catalogue recorder in this process. One
-//! cancellation token stops them all; each drains within its deadline, then the server stops.
+//! roots, and runs every service of [`SERVICES`] in this process through the service runner.
+//! One cancellation token stops them all; each drains within its deadline, then the server
+//! stops.
+//!
+//! The server dies with `up`: it is started with `PR_SET_PDEATHSIG`, so even a SIGKILL of
+//! `up` takes it down, and its pid is kept in `<home>/run/nats-server.pid`, so that the next
+//! `up` on the same home finds a server left behind (by a kill that no signal could follow,
+//! such as a container's) and stops it, saying so.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -12,17 +18,100 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
-use stagehand_catalogue_recorder::RecorderConfig;
 use tokio::task::JoinHandle;
 
-/// The default policies shipped with Stagehand (the repository's `policies/`).
+/// The default policies shipped with Stagehand (the repository's `policies/`): every file the
+/// services read, so that each service of [`SERVICES`] finds its policy.
 const DEFAULT_POLICIES: &[(&str, &str)] = &[
     ("tiers.toml", include_str!("../../../policies/tiers.toml")),
     (
         "validation.toml",
         include_str!("../../../policies/validation.toml"),
     ),
+    (
+        "packing.toml",
+        include_str!("../../../policies/packing.toml"),
+    ),
+    (
+        "promotion.toml",
+        include_str!("../../../policies/promotion.toml"),
+    ),
+    (
+        "demotion.toml",
+        include_str!("../../../policies/demotion.toml"),
+    ),
+    (
+        "retention.toml",
+        include_str!("../../../policies/retention.toml"),
+    ),
+    ("backup.toml", include_str!("../../../policies/backup.toml")),
+    (
+        "priorities.toml",
+        include_str!("../../../policies/priorities.toml"),
+    ),
+];
+
+/// What starting one service needs: where the stack lives and how to reach NATS.
+#[derive(Debug, Clone)]
+pub struct UpEnv {
+    pub home: PathBuf,
+    pub policies: PathBuf,
+    pub bus: BusConfig,
+}
+
+impl UpEnv {
+    /// Runs `serve` with `settings` under the service runner until `stop` is cancelled.
+    fn spawn<S, F, Fut, T, E>(
+        &self,
+        name: &'static str,
+        settings: S,
+        serve: F,
+        stop: CancellationToken,
+    ) -> JoinHandle<anyhow::Result<()>>
+    where
+        S: ServiceSettings,
+        F: FnOnce(runner::Context<S>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<T, E>> + Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+        T: Send + 'static,
+    {
+        let mut bus = self.bus.clone();
+        bus.client_name = name.to_owned();
+        let config = ServiceConfig::new(bus, settings);
+        tokio::spawn(async move {
+            runner::run(name, config, stop, serve)
+                .await
+                .map(|_| ())
+                .with_context(|| name.to_owned())
+        })
+    }
+}
+
+/// Starts one service of the stack.
+type Start = fn(&UpEnv, CancellationToken) -> JoinHandle<anyhow::Result<()>>;
+
+/// An entry of [`SERVICES`] for the service crate `$krate`, which exports, as every service
+/// crate does, `SERVICE` (its name), a settings type `$settings` with
+/// `dev(home, policies)` (its settings on one machine) and `serve` (what its binary runs).
+macro_rules! service {
+    ($krate:ident, $settings:ident) => {
+        ($krate::SERVICE, |env, stop| {
+            env.spawn(
+                $krate::SERVICE,
+                $krate::$settings::dev(&env.home, &env.policies),
+                $krate::serve,
+                stop,
+            )
+        })
+    };
+}
+
+/// Every service `stagehand up` runs, in start order. Adding a service is one line.
+pub const SERVICES: &[(&str, Start)] = &[
+    service!(stagehand_ingest_validator, Settings),
+    service!(stagehand_catalogue_recorder, RecorderConfig),
 ];
 
 /// How long services may take to drain after Ctrl-C.
@@ -33,7 +122,7 @@ pub const STOP_DEADLINE: Duration = Duration::from_secs(30);
 pub struct UpOptions {
     pub home: PathBuf,
     /// Use this server instead of starting one.
-    pub nats: Option<String>,
+    pub nats: Option<BusConfig>,
     /// Port of the server `up` starts.
     pub port: u16,
     /// Policy folder; default `<home>/policies`, written with the defaults when missing.
@@ -42,20 +131,17 @@ pub struct UpOptions {
 
 /// A running Stagehand: the server (if `up` started it) and the in-process services.
 pub struct Stack {
-    pub url: String,
-    pub home: PathBuf,
-    pub policies: PathBuf,
+    pub env: UpEnv,
     pub shutdown: CancellationToken,
-    validator: JoinHandle<anyhow::Result<()>>,
-    recorder: JoinHandle<anyhow::Result<()>>,
-    server: Option<Child>,
+    services: Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>,
+    server: Option<Server>,
 }
 
 impl std::fmt::Debug for Stack {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Stack")
-            .field("url", &self.url)
-            .field("home", &self.home)
+            .field("servers", &self.env.bus.servers_display())
+            .field("home", &self.env.home)
             .finish()
     }
 }
@@ -99,16 +185,121 @@ fn nats_server_binary(home: &Path) -> PathBuf {
     PathBuf::from("nats-server")
 }
 
-fn start_server(home: &Path, port: u16) -> anyhow::Result<Child> {
+/// The nats-server `up` started, and its pid file.
+struct Server {
+    child: Child,
+    pid_file: PathBuf,
+}
+
+impl Server {
+    /// Stops the server with SIGTERM (JetStream flushes) and waits for it; removes the pid file.
+    async fn stop(self) {
+        let Server {
+            mut child,
+            pid_file,
+        } = self;
+        let _ = rustix::process::kill_process(
+            rustix::process::Pid::from_child(&child),
+            rustix::process::Signal::TERM,
+        );
+        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        let _ = std::fs::remove_file(&pid_file);
+    }
+
+    /// Kills the server at once (a start that failed half-way).
+    fn kill(self) {
+        let Server {
+            mut child,
+            pid_file,
+        } = self;
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_file(&pid_file);
+    }
+}
+
+/// The pid file of the server `up` starts under `home`.
+pub fn pid_file(home: &Path) -> PathBuf {
+    home.join("run/nats-server.pid")
+}
+
+/// The configuration file `up` gives its server; it also marks the process as ours.
+fn server_conf(home: &Path) -> PathBuf {
+    home.join("nats-dev.conf")
+}
+
+/// What `up` found of an earlier run's server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Orphan {
+    /// No pid file, or its process is gone (the stale file was removed).
+    None,
+    /// A server left by an earlier `up` on this home was running and has been stopped.
+    Stopped { pid: i32, forced: bool },
+}
+
+/// Finds a nats-server left running by an earlier `up` on `home` (through its pid file, and
+/// only if that process runs our configuration file for this home: a reused pid is left
+/// alone) and stops it: SIGTERM, then SIGKILL after `grace`.
+pub fn stop_orphan(home: &Path, grace: Duration) -> anyhow::Result<Orphan> {
+    let file = pid_file(home);
+    let Ok(text) = std::fs::read_to_string(&file) else {
+        return Ok(Orphan::None);
+    };
+    let pid: Option<i32> = text.trim().parse().ok();
+    let ours = pid.filter(|pid| {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|cmd| {
+                String::from_utf8_lossy(&cmd)
+                    .split('\0')
+                    .any(|arg| Path::new(arg) == server_conf(home))
+            })
+            .unwrap_or(false)
+    });
+    let Some(pid) = ours.and_then(rustix::process::Pid::from_raw) else {
+        std::fs::remove_file(&file).with_context(|| format!("removing {}", file.display()))?;
+        return Ok(Orphan::None);
+    };
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{}/stat", pid.as_raw_nonzero()))
+            .map(|stat| {
+                let state = stat
+                    .rsplit_once(')')
+                    .map(|(_, r)| r.trim_start())
+                    .unwrap_or("");
+                !state.starts_with('Z') && !state.starts_with('X')
+            })
+            .unwrap_or(false)
+    };
+    let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    let deadline = std::time::Instant::now() + grace;
+    let mut forced = false;
+    while alive() {
+        if std::time::Instant::now() >= deadline {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            forced = true;
+        }
+        // Waiting for a process that is not our child: there is nothing to wait on but its
+        // /proc entry.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(&file);
+    Ok(Orphan::Stopped {
+        pid: pid.as_raw_nonzero().get(),
+        forced,
+    })
+}
+
+fn start_server(home: &Path, port: u16) -> anyhow::Result<Server> {
     let data = home.join("data/nats");
     std::fs::create_dir_all(&data)?;
     let log = home.join("nats-server.log");
     let binary = nats_server_binary(home);
     // Raise max_payload above Stagehand's event bound (deploy/nats/dev.conf says why).
-    let conf = home.join("nats-dev.conf");
+    let conf = server_conf(home);
     std::fs::write(&conf, include_str!("../../../deploy/nats/dev.conf"))?;
-    Command::new(&binary)
-        .arg("-c")
+    let parent = rustix::process::getpid();
+    let mut cmd = Command::new(&binary);
+    cmd.arg("-c")
         .arg(&conf)
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
         .arg(&data)
@@ -120,14 +311,41 @@ fn start_server(home: &Path, port: u16) -> anyhow::Result<Child> {
         // Its own process group: a Ctrl-C at the terminal goes to the whole foreground group,
         // and the server must outlive it until the services have drained; `Stack::stop` then
         // stops it with SIGTERM.
-        .process_group(0)
-        .spawn()
-        .with_context(|| {
-            format!(
-                "starting {} (install it with `deploy/servers.sh install`, or pass --nats URL)",
-                binary.display()
-            )
-        })
+        .process_group(0);
+    // SAFETY: prctl and getppid are async-signal-safe and touch no memory of the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            // The kernel sends SIGTERM when the thread that forked this child exits: `up`
+            // starts the server from the thread that runs its main future, which lives as long
+            // as the process, so the server dies when `up` dies, even by SIGKILL.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
+            // `up` may have died between the fork and the prctl: then no signal will come.
+            if rustix::process::getppid() != Some(parent) {
+                return Err(std::io::Error::other("stagehand up exited during start"));
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().with_context(|| {
+        format!(
+            "starting {} (install it with `deploy/servers.sh install`, or pass --nats URL)",
+            binary.display()
+        )
+    })?;
+    let pid_file = pid_file(home);
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(pid_file.parent().expect("the pid file has a folder"))?;
+        let tmp = pid_file.with_extension("pid.tmp");
+        std::fs::write(&tmp, format!("{}\n", child.id()))?;
+        std::fs::rename(&tmp, &pid_file)
+    };
+    if let Err(e) = write() {
+        let mut child = child;
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(anyhow::Error::from(e).context(format!("writing {}", pid_file.display())));
+    }
+    Ok(Server { child, pid_file })
 }
 
 impl Stack {
@@ -150,73 +368,72 @@ impl Stack {
             tier.create_root()
                 .with_context(|| format!("creating the root of tier {}", tier.name))?;
         }
-        let (url, mut server) = match &opts.nats {
-            Some(url) => (url.clone(), None),
-            None => (
-                format!("nats://127.0.0.1:{}", opts.port),
-                Some(start_server(&home, opts.port)?),
-            ),
-        };
-        let connected = async {
-            let mut cfg = BusConfig::new(url.clone());
-            cfg.connect_timeout = Duration::from_secs(20);
-            let bus = Bus::connect(&cfg).await?;
-            bus.provision().await?;
-            anyhow::Ok(bus)
-        }
-        .await;
-        let bus = match connected {
-            Ok(bus) => bus,
-            Err(e) => {
-                if let Some(child) = server.as_mut() {
-                    let _ = child.kill();
-                    let _ = child.wait();
+        let (bus, server) = match &opts.nats {
+            Some(bus) => (bus.clone(), None),
+            None => {
+                if let Orphan::Stopped { pid, forced } =
+                    stop_orphan(&home, Duration::from_secs(15))?
+                {
+                    println!(
+                        "found nats-server (pid {pid}) left running by an earlier `stagehand up` on {}; {} it",
+                        home.display(),
+                        if forced { "killed" } else { "stopped" }
+                    );
                 }
-                return Err(e.context(format!("connecting to NATS at {url}")));
+                let mut bus = BusConfig::new(format!("nats://127.0.0.1:{}", opts.port));
+                bus.connect_timeout = Duration::from_secs(20);
+                (bus, Some(start_server(&home, opts.port)?))
             }
         };
-        let shutdown = CancellationToken::new();
-        let validator_cfg = stagehand_ingest_validator::Config::new(
-            url.clone(),
-            policies.clone(),
-            home.join("state/ingest-validator"),
-        );
-        let token = shutdown.clone();
-        let validator = tokio::spawn(async move {
-            stagehand_ingest_validator::run(validator_cfg, token).await?;
-            Ok(())
-        });
-        let recorder_cfg = RecorderConfig::under(home.join("state/catalogue"));
-        let token = shutdown.clone();
-        let recorder = tokio::spawn(async move {
-            stagehand_catalogue_recorder::run(bus, recorder_cfg, token).await?;
-            Ok(())
-        });
-        Ok(Stack {
-            url,
+        let connected = async {
+            let connected = Bus::connect(&bus).await?;
+            connected.provision().await?;
+            anyhow::Ok(connected)
+        }
+        .await;
+        if let Err(e) = connected {
+            if let Some(server) = server {
+                server.kill();
+            }
+            return Err(e.context(format!("connecting to NATS at {}", bus.servers_display())));
+        }
+        let env = UpEnv {
             home,
             policies,
+            bus,
+        };
+        let shutdown = CancellationToken::new();
+        let services = SERVICES
+            .iter()
+            .map(|(name, start)| (*name, start(&env, shutdown.clone())))
+            .collect();
+        Ok(Stack {
+            env,
             shutdown,
-            validator,
-            recorder,
+            services,
             server,
         })
     }
 
+    /// The servers the stack uses, passwords redacted.
+    pub fn servers(&self) -> String {
+        self.env.bus.servers_display()
+    }
+
     /// Waits until the catalogue answers (the recorder is live).
     pub async fn ready(&self, timeout: Duration) -> anyhow::Result<()> {
-        let client = async_nats::connect(&self.url).await?;
+        let bus = Bus::connect(&self.env.bus).await?;
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let q = stagehand_catalogue_recorder::Query::DeadLetters;
-            if stagehand_catalogue_recorder::ask(&client, &q, Duration::from_millis(500))
+            if stagehand_catalogue_recorder::ask(bus.client(), &q, Duration::from_millis(500))
                 .await
                 .is_ok()
             {
                 return Ok(());
             }
-            if self.validator.is_finished() || self.recorder.is_finished() {
-                bail!("a service stopped during start-up (see the log above)");
+            if let Some(name) = self.failed() {
+                bail!("{name} stopped during start-up (see the log above)");
             }
             if tokio::time::Instant::now() >= deadline {
                 bail!("the catalogue recorder did not answer within {timeout:?}");
@@ -229,37 +446,34 @@ impl Stack {
     /// Stops the services (each within its deadline), then the server `up` started.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();
-        let both = async { tokio::join!(&mut self.validator, &mut self.recorder) };
-        let result = match tokio::time::timeout(STOP_DEADLINE, both).await {
-            Ok((v, r)) => {
-                let v = v
-                    .map_err(anyhow::Error::from)
-                    .and_then(|r| r)
-                    .context("ingest validator");
-                let r = r
-                    .map_err(anyhow::Error::from)
-                    .and_then(|r| r)
-                    .context("catalogue recorder");
-                v.and(r)
-            }
+        let services = std::mem::take(&mut self.services);
+        let all = futures::future::join_all(services.into_iter().map(|(name, task)| async move {
+            task.await
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r)
+                .with_context(|| name.to_owned())
+        }));
+        let result = match tokio::time::timeout(STOP_DEADLINE, all).await {
+            Ok(results) => results
+                .into_iter()
+                .collect::<anyhow::Result<Vec<()>>>()
+                .map(|_| ()),
             Err(_) => Err(anyhow::anyhow!(
                 "services did not stop within {STOP_DEADLINE:?}"
             )),
         };
-        if let Some(mut child) = self.server.take() {
-            // SIGTERM lets nats-server flush JetStream; wait for it to exit.
-            let _ = rustix::process::kill_process(
-                rustix::process::Pid::from_child(&child),
-                rustix::process::Signal::TERM,
-            );
-            let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        if let Some(server) = self.server.take() {
+            server.stop().await;
         }
         result
     }
 
-    /// Whether a service stopped on its own (an error).
-    pub fn failed(&self) -> bool {
-        self.validator.is_finished() || self.recorder.is_finished()
+    /// The first service that stopped on its own (an error), if any.
+    pub fn failed(&self) -> Option<&'static str> {
+        self.services
+            .iter()
+            .find(|(_, task)| task.is_finished())
+            .map(|(name, _)| *name)
     }
 }
 
@@ -302,20 +516,54 @@ pub async fn run(opts: UpOptions) -> anyhow::Result<()> {
     }
     println!(
         "stagehand is up: NATS {} · home {} · policies {}\nPress Ctrl-C to stop.",
-        stack.url,
-        stack.home.display(),
-        stack.policies.display()
+        stack.servers(),
+        stack.env.home.display(),
+        stack.env.policies.display()
     );
     let mut watch = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = interrupt.recv() => break,
             _ = term.recv() => break,
-            _ = watch.tick() => if stack.failed() { break },
+            _ = watch.tick() => if stack.failed().is_some() { break },
         }
     }
     println!("stopping…");
     stack.stop().await?;
     println!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_file_is_written_by_default() {
+        let written: Vec<&str> = DEFAULT_POLICIES.iter().map(|(name, _)| *name).collect();
+        assert_eq!(written, stagehand_policy::POLICY_FILES);
+        let home = tempfile::tempdir().unwrap();
+        let dir = home.path().join("policies");
+        write_default_policies(&dir, home.path()).unwrap();
+        let loaded = stagehand_policy::Policies::load_dir_with_home(&dir, home.path()).unwrap();
+        assert!(loaded.promotion().is_some() && loaded.backup().is_some());
+    }
+
+    #[test]
+    fn a_stale_pid_file_is_removed_and_a_foreign_pid_left_alone() {
+        let home = tempfile::tempdir().unwrap();
+        let file = pid_file(home.path());
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        // Our own pid: alive, but not a nats-server of this home.
+        std::fs::write(&file, format!("{}\n", std::process::id())).unwrap();
+        assert_eq!(
+            stop_orphan(home.path(), Duration::from_secs(1)).unwrap(),
+            Orphan::None
+        );
+        assert!(!file.exists(), "the stale pid file is removed");
+        assert_eq!(
+            stop_orphan(home.path(), Duration::from_secs(1)).unwrap(),
+            Orphan::None
+        );
+    }
 }

@@ -325,6 +325,49 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // Each service's configuration in stagehand-config parses and validates as that service's
+    // binary reads it, and each service container reads one of them.
+    let configs = config_maps
+        .get("stagehand-config")
+        .context("no ConfigMap stagehand-config")?;
+    for (key, text) in configs {
+        let service = key
+            .strip_suffix(".toml")
+            .with_context(|| format!("stagehand-config key {key} is not <service>.toml"))?;
+        let (_, check) = SERVICE_CONFIGS
+            .iter()
+            .find(|(name, _)| *name == service)
+            .with_context(|| format!("stagehand-config key {key}: no service {service}"))?;
+        check(
+            &PathBuf::from(format!("deploy/k8s/stagehand.yaml:{key}")),
+            text,
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+    }
+    for (file, doc) in &docs {
+        let Some((_, spec)) = pod_spec(doc) else {
+            continue;
+        };
+        for c in spec["containers"].as_array().into_iter().flatten() {
+            let words: Vec<&str> = c["command"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            if let Some(pos) = words.iter().position(|w| *w == "--config") {
+                let path = words.get(pos + 1).copied().unwrap_or_default();
+                let key = path.rsplit('/').next().unwrap_or_default();
+                ensure!(
+                    configs.contains_key(key)
+                        && words[0].strip_prefix("stagehand-") == key.strip_suffix(".toml"),
+                    "{file}: {} reads {path}, not its own stagehand-config key",
+                    words[0]
+                );
+            }
+        }
+    }
+
     // The policies ConfigMap is a valid policy folder.
     let policies = dir.path().join("policies");
     std::fs::create_dir(&policies)?;
@@ -344,6 +387,31 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
     }
     Ok(())
 }
+
+/// Parses one service configuration the way the service's binary does (unknown keys refused,
+/// every table validated); no `STAGEHAND_NATS_*` variables apply.
+type Check = fn(&std::path::Path, &str) -> Result<(), String>;
+
+fn check<S: stagehand_bus::runner::ServiceSettings>(
+    path: &std::path::Path,
+    text: &str,
+) -> Result<(), String> {
+    stagehand_bus::runner::ServiceConfig::<S>::parse(path, text, |_| None)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// The services the manifests run, by the name of their configuration key.
+const SERVICE_CONFIGS: &[(&str, Check)] = &[
+    (
+        stagehand_ingest_validator::SERVICE,
+        check::<stagehand_ingest_validator::Settings>,
+    ),
+    (
+        stagehand_catalogue_recorder::SERVICE,
+        check::<stagehand_catalogue_recorder::RecorderConfig>,
+    ),
+];
 
 /// The init container's environment as stage-pod.yaml gives it, for a process here.
 struct InitContainer {

@@ -36,7 +36,7 @@ fn options(stack: &Stack, folder: &Path, dataset: &str) -> IngestOptions {
         project: "lab-a".into(),
         dataset: dataset.into(),
         tier: "source".into(),
-        policies: stack.policies.clone(),
+        policies: stack.env.policies.clone(),
         requested_by: "alice".into(),
         labels: vec![],
         manifest: None,
@@ -60,7 +60,7 @@ async fn dataset(client: &async_nats::Client, name: &str) -> Option<DatasetDetai
 fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(args)
-        .env("NATS_URL", url)
+        .env("STAGEHAND_NATS_URL", url)
         .output()?;
     anyhow::ensure!(
         out.status.success(),
@@ -85,7 +85,7 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
     let home = tempfile::tempdir()?;
     let stack = Stack::start(UpOptions {
         home: home.path().to_owned(),
-        nats: Some(nats.url()),
+        nats: Some(stagehand_bus::BusConfig::new(nats.url())),
         port: 0,
         policies: None,
     })

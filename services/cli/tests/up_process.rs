@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -58,7 +58,7 @@ impl Up {
                 "STAGEHAND_NATS_SERVER",
                 stagehand_testkit::nats_server_binary(),
             )
-            .env_remove("NATS_URL")
+            .env_remove("STAGEHAND_NATS_URL")
             .env_remove("STAGEHAND_HOME")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -219,7 +219,7 @@ fn server_processes(home: &Path) -> Vec<(i32, i32)> {
 fn stagehand(url: &str, home: &Path, args: &[&str]) -> anyhow::Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(args)
-        .env("NATS_URL", url)
+        .env("STAGEHAND_NATS_URL", url)
         .env("STAGEHAND_HOME", home)
         .output()?;
     ensure!(
@@ -441,4 +441,105 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
     );
     ctrl_c_and_check(&mut up2, &home, port2).await?;
     Ok(())
+}
+
+/// `up` killed with SIGKILL (no handler runs) must not leave its nats-server holding the port
+/// and the store: the server was started with `PR_SET_PDEATHSIG`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_up_takes_its_nats_server_with_it() -> anyhow::Result<()> {
+    let home_dir = tempfile::tempdir()?;
+    let home = home_dir.path().join("home");
+    let logs = tempfile::tempdir()?;
+    let port = free_port()?;
+    let mut up = Up::start(&home, port, logs.path().join("up.stderr"))?;
+    up.wait_up().await?;
+    let servers = server_processes(&home);
+    ensure!(
+        servers.len() == 1 && servers[0].1 == up.pid(),
+        "one nats-server child of up: {servers:?}"
+    );
+    let pid_file = std::fs::read_to_string(stagehand::up::pid_file(&home))?;
+    ensure!(
+        pid_file.trim() == servers[0].0.to_string(),
+        "the pid file names the server: {pid_file:?} vs {servers:?}"
+    );
+
+    up.child.kill()?; // SIGKILL
+    up.child.wait()?;
+    wait_for(STOP, "the nats-server to die with up", || async {
+        server_processes(&home).is_empty().then_some(())
+    })
+    .await
+    .with_context(|| format!("still running: {:?}", server_processes(&home)))?;
+    Ok(())
+}
+
+/// A nats-server left running under the home (by a kill no signal could follow) is found
+/// through the pid file by the next `up`, stopped, and named in what `up` prints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_up_stops_a_server_left_behind_and_says_so() -> anyhow::Result<()> {
+    let home_dir = tempfile::tempdir()?;
+    let home = home_dir.path().join("home");
+    std::fs::create_dir_all(home.join("run"))?;
+    std::fs::create_dir_all(home.join("data/nats"))?;
+    // What an earlier `up` leaves: its server, running its config file for this home, and the
+    // pid file. This one has no parent-death signal, as if its `up` had been lost with it.
+    let conf = home.join("nats-dev.conf");
+    std::fs::write(&conf, "max_payload: 16MB\n")?;
+    let old_port = free_port()?;
+    let mut orphan = Command::new(stagehand_testkit::nats_server_binary())
+        .arg("-c")
+        .arg(&conf)
+        .args(["-js", "-a", "127.0.0.1", "-p", &old_port.to_string(), "-sd"])
+        .arg(home.join("data/nats"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    std::fs::write(
+        home.join("run/nats-server.pid"),
+        format!("{}\n", orphan.id()),
+    )?;
+    wait_for(START, "the orphan to listen", || async {
+        accepts(old_port).then_some(())
+    })
+    .await?;
+
+    ensure!(
+        orphan.try_wait()?.is_none(),
+        "the orphan exited before up started (its port taken?)"
+    );
+
+    let logs = tempfile::tempdir()?;
+    let port = free_port()?;
+    let mut up = Up::start(&home, port, logs.path().join("up.stderr"))?;
+    up.wait_up().await?;
+    let said = up.output();
+    ensure!(
+        said.contains(&format!(
+            "found nats-server (pid {}) left running by an earlier `stagehand up`",
+            orphan.id()
+        )),
+        "up did not name the orphan it stopped (orphan now {:?}):\n{said}",
+        orphan.try_wait()
+    );
+    // `up` stopped it with SIGTERM (nats-server traps it and exits cleanly). Its port is not
+    // checked: another test's server may take a freed port at once.
+    let status = orphan.wait()?;
+    ensure!(
+        status.success() || status.signal() == Some(libc_sigterm()),
+        "the orphan ended with {status}"
+    );
+    let servers = server_processes(&home);
+    ensure!(
+        servers.len() == 1 && servers[0].1 == up.pid(),
+        "only up's own server runs: {servers:?}"
+    );
+    ctrl_c_and_check(&mut up, &home, port).await?;
+    Ok(())
+}
+
+/// SIGTERM's number, for exit statuses.
+fn libc_sigterm() -> i32 {
+    rustix::process::Signal::TERM.as_raw()
 }

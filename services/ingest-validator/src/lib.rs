@@ -14,8 +14,8 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), stagehand_ingest_validator::ValidatorError> {
-//! use stagehand_ingest_validator::{Config, run};
-//! let config = Config::new("nats://127.0.0.1:4222", "policies", ".stagehand/state");
+//! use stagehand_ingest_validator::{config, run};
+//! let config = config("nats://127.0.0.1:4222", "policies", ".stagehand/state");
 //! run(config, stagehand_bus::CancellationToken::new()).await?;
 //! # Ok(()) }
 //! ```
@@ -26,13 +26,10 @@ pub mod source;
 pub mod validate;
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
 use serde::Deserialize;
-use stagehand_bus::{
-    Bus, BusConfig, BusError, CancellationToken, WorkerConfig, WorkerStats, run_worker,
-};
+use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
+use stagehand_bus::{BusConfig, BusError, CancellationToken, WorkerConfig, WorkerStats};
 use stagehand_mover::TransferError;
 use stagehand_policy::{Policies, PolicyError};
 use stagehand_schemas::subject;
@@ -42,29 +39,21 @@ pub use handler::{IngestValidator, STEP_REJECTED, STEP_VALIDATED, marker_path};
 /// The service name: its durable consumer, its dead-letter subject, its ledger file.
 pub const SERVICE: &str = "ingest-validator";
 
-/// How the validator runs.
+/// The validator's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Config {
-    /// How to reach NATS.
-    pub bus: BusConfig,
+pub struct Settings {
     /// The policy folder (`tiers.toml`, `validation.toml`, …).
     pub policies_dir: PathBuf,
     /// Where the service keeps its ledger (`ingest-validator.redb`).
     pub state_dir: PathBuf,
-    /// Requests validated at once.
-    #[serde(default = "defaults::concurrency")]
-    pub concurrency: usize,
     /// Files read and hashed at once within one request.
     #[serde(default = "defaults::read_concurrency")]
     pub read_concurrency: usize,
-    /// Deliveries of a request before it is dead-lettered (a tier down that long).
-    #[serde(default = "defaults::max_deliver")]
-    pub max_deliver: i64,
-    /// How long the server waits for an ack; progress acks restart it while files are hashed.
-    #[serde(default = "defaults::ack_wait", with = "stagehand_bus::duration_str")]
-    pub ack_wait: Duration,
 }
+
+/// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`Settings`] as `[service]`.
+pub type Config = ServiceConfig<Settings>;
 
 mod defaults {
     use std::time::Duration;
@@ -82,29 +71,19 @@ mod defaults {
     }
 }
 
-impl Config {
-    /// A configuration with every tunable at its default.
-    pub fn new(
-        nats_url: impl Into<String>,
-        policies_dir: impl Into<PathBuf>,
-        state_dir: impl Into<PathBuf>,
-    ) -> Self {
+impl Settings {
+    /// Settings with every tunable at its default.
+    pub fn new(policies_dir: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> Self {
         Self {
-            bus: BusConfig {
-                client_name: SERVICE.into(),
-                ..BusConfig::new(nats_url)
-            },
             policies_dir: policies_dir.into(),
             state_dir: state_dir.into(),
-            concurrency: defaults::concurrency(),
             read_concurrency: defaults::read_concurrency(),
-            max_deliver: defaults::max_deliver(),
-            ack_wait: defaults::ack_wait(),
         }
     }
 
-    /// The worker the validator runs: `ingest.requested` of every project from the requests
-    /// stream.
+    /// The worker the validator runs, with the validator's defaults (4 requests at once, 8
+    /// deliveries, 30 s ack wait) before the `[worker]` table's overrides: `ingest.requested`
+    /// of every project from the requests stream.
     pub fn worker_config(&self) -> WorkerConfig {
         let mut cfg = WorkerConfig::new(
             SERVICE,
@@ -112,11 +91,52 @@ impl Config {
             vec![subject::kind_filter("req", "ingest.requested")],
             self.state_dir.join(format!("{SERVICE}.redb")),
         );
-        cfg.concurrency = self.concurrency.max(1);
-        cfg.max_deliver = self.max_deliver;
-        cfg.ack_wait = self.ack_wait;
+        cfg.concurrency = defaults::concurrency();
+        cfg.max_deliver = defaults::max_deliver();
+        cfg.ack_wait = defaults::ack_wait();
         cfg
     }
+
+    /// Settings for a one-machine stack under `home` (`stagehand up`).
+    pub fn dev(home: &std::path::Path, policies_dir: &std::path::Path) -> Self {
+        Self::new(policies_dir, home.join("state").join(SERVICE))
+    }
+}
+
+impl ServiceSettings for Settings {
+    /// Checks the bounds. The policies themselves are loaded when the service starts (their
+    /// errors name the policy file and key).
+    fn validate(&self) -> Result<(), InvalidKey> {
+        if !(1..=1024).contains(&self.read_concurrency) {
+            return Err(InvalidKey::new(
+                "read_concurrency",
+                format!("{} is not in 1..=1024", self.read_concurrency),
+            ));
+        }
+        if self.policies_dir.as_os_str().is_empty() {
+            return Err(InvalidKey::new(
+                "policies_dir",
+                "must name the policy folder",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A configuration for running the validator in-process against `nats_url` (tests,
+/// `stagehand up`): every other table at its defaults.
+pub fn config(
+    nats_url: &str,
+    policies_dir: impl Into<PathBuf>,
+    state_dir: impl Into<PathBuf>,
+) -> Config {
+    ServiceConfig::new(
+        BusConfig {
+            client_name: SERVICE.into(),
+            ..BusConfig::new(nats_url)
+        },
+        Settings::new(policies_dir, state_dir),
+    )
 }
 
 /// Why the validator could not start or stopped.
@@ -140,6 +160,9 @@ pub enum ValidatorError {
     },
     #[error(transparent)]
     Bus(#[from] BusError),
+    /// The runner could not start or keep the service (configuration, metrics endpoint).
+    #[error(transparent)]
+    Run(Box<runner::RunError>),
 }
 
 impl ValidatorError {
@@ -149,30 +172,65 @@ impl ValidatorError {
             ValidatorError::Policy(_) | ValidatorError::StateDir { .. } => false,
             ValidatorError::Tier { source, .. } => source.is_retryable(),
             ValidatorError::Bus(e) => e.is_retryable(),
+            ValidatorError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+        }
+    }
+
+    /// The validator's own error back out of the runner, or the runner's.
+    fn from_run(e: runner::RunError) -> Self {
+        match e {
+            runner::RunError::Bus(e) => ValidatorError::Bus(e),
+            runner::RunError::Service(source) => match source.downcast::<ValidatorError>() {
+                Ok(own) => *own,
+                Err(other) => ValidatorError::Run(Box::new(runner::RunError::Service(other))),
+            },
+            other => ValidatorError::Run(Box::new(other)),
         }
     }
 }
 
-/// Loads the policies, opens the source tiers, connects, provisions the streams and runs the
-/// worker until `shutdown` is cancelled; in-flight requests then finish or are left for
-/// redelivery within the runtime's shutdown deadline.
+/// Loads the policies and opens the source tiers (so that a mistake there fails before
+/// anything connects), then runs the validator through the service runner until `shutdown`
+/// is cancelled; in-flight requests then finish or are left for redelivery within the
+/// runtime's shutdown deadline.
 pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, ValidatorError> {
-    let policies = Policies::load_dir(&config.policies_dir)?;
-    let handler = IngestValidator::open(&policies, config.read_concurrency)?;
-    std::fs::create_dir_all(&config.state_dir).map_err(|source| ValidatorError::StateDir {
-        path: config.state_dir.clone(),
+    let handler = open(&config.service)?;
+    runner::run(SERVICE, config, shutdown, move |ctx| {
+        serve_with(handler, ctx)
+    })
+    .await
+    .map_err(ValidatorError::from_run)
+}
+
+/// What the runner calls (the binary's `main`): opens the policies and tiers, then serves.
+pub async fn serve(ctx: Context<Settings>) -> Result<WorkerStats, ValidatorError> {
+    let handler = open(&ctx.settings)?;
+    serve_with(handler, ctx).await
+}
+
+fn open(settings: &Settings) -> Result<IngestValidator, ValidatorError> {
+    let policies = Policies::load_dir(&settings.policies_dir)?;
+    let handler = IngestValidator::open(&policies, settings.read_concurrency)?;
+    std::fs::create_dir_all(&settings.state_dir).map_err(|source| ValidatorError::StateDir {
+        path: settings.state_dir.clone(),
         source,
     })?;
-    let bus = Bus::connect(&config.bus).await?;
-    bus.provision().await?;
     tracing::info!(
-        policies = %config.policies_dir.display(),
+        policies = %settings.policies_dir.display(),
         source_tiers = ?policies.tiers().values().filter(|t| t.role == stagehand_policy::TierRole::Source).map(|t| t.location()).collect::<Vec<_>>(),
-        "ingest validator started"
+        "ingest validator ready"
     );
-    let stats = run_worker(bus, config.worker_config(), Arc::new(handler), shutdown).await?;
-    Ok(stats)
+    Ok(handler)
+}
+
+async fn serve_with(
+    handler: IngestValidator,
+    ctx: Context<Settings>,
+) -> Result<WorkerStats, ValidatorError> {
+    let mut cfg = ctx.settings.worker_config();
+    ctx.worker.apply(&mut cfg);
+    Ok(ctx.run_worker(cfg, handler).await?)
 }

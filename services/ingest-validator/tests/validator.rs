@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, WorkerStats, run_worker};
-use stagehand_ingest_validator::{Config, IngestValidator, SERVICE, marker_path, run};
+use stagehand_ingest_validator::{IngestValidator, SERVICE, Settings, config, marker_path, run};
 use stagehand_mover::Tier;
 use stagehand_mover::s3::{S3Config, S3Tier};
 use stagehand_policy::{Policies, TierRole};
@@ -65,8 +65,8 @@ impl Harness {
         std::fs::create_dir_all(&source_root).unwrap();
         let policies = tmp.path().join("policies");
         write_policies(&policies, &source_root);
-        let mut config = Config::new(nats.url(), &policies, tmp.path().join("state"));
-        config.read_concurrency = 4;
+        let mut config = config(&nats.url(), &policies, tmp.path().join("state"));
+        config.service.read_concurrency = 4;
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(run(config, shutdown.clone()));
         let task = tokio::spawn(async move { task.await.unwrap().expect("validator run") });
@@ -426,7 +426,7 @@ async fn an_s3_source_tier_is_read_and_marked_too() {
     let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
     bus.provision().await.unwrap();
     let js = bus.jetstream().clone();
-    let cfg = Config::new(nats.url(), &policies_dir, tmp.path().join("state")).worker_config();
+    let cfg = Settings::new(&policies_dir, tmp.path().join("state")).worker_config();
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run_worker(
         bus.clone(),
@@ -489,7 +489,7 @@ async fn a_wrong_policy_stops_the_service_at_start_naming_file_and_key() {
     )
     .unwrap();
     // No server is needed: the policies are checked before connecting.
-    let config = Config::new("nats://127.0.0.1:1", &policies, tmp.path().join("state"));
+    let config = config("nats://127.0.0.1:1", &policies, tmp.path().join("state"));
     let err = run(config, CancellationToken::new()).await.unwrap_err();
     let text = err.to_string();
     assert!(
@@ -516,7 +516,7 @@ async fn an_unreachable_tier_is_retried_with_backoff_not_rejected() {
     let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
     bus.provision().await.unwrap();
     let js = bus.jetstream().clone();
-    let mut cfg = Config::new(nats.url(), &policies_dir, tmp.path().join("state")).worker_config();
+    let mut cfg = Settings::new(&policies_dir, tmp.path().join("state")).worker_config();
     cfg.retry.initial = Duration::from_millis(100);
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(run_worker(

@@ -6,10 +6,18 @@
 //! OTLP only when `OTEL_EXPORTER_OTLP_ENDPOINT` is set; otherwise they stay in-process and only
 //! the ids flow. The returned [`TelemetryGuard`] flushes the exporter when dropped.
 //!
+//! [`init_with`] takes the `[telemetry]` table of a service's configuration
+//! ([`TelemetryConfig`]): log format and level, and the address of the Prometheus scrape
+//! endpoint ([`metrics`]) that the service runner starts.
+//!
 //! Field and metric names live in [`names`], so that logs and dashboards agree on them.
 
+pub mod metrics;
 pub mod names;
 pub mod propagation;
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
@@ -31,6 +39,51 @@ pub enum TelemetryError {
     AlreadyInitialised,
     #[error("could not build the OTLP span exporter for {OTLP_ENDPOINT_ENV}: {0}")]
     Exporter(String),
+    #[error("telemetry.log_level: {0}")]
+    LogLevel(String),
+}
+
+/// How log lines are written (to stderr).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One human-readable line per event; colour only when stderr is a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line, for log shippers.
+    Json,
+}
+
+/// The `[telemetry]` table of a service's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// `text` or `json`.
+    pub log_format: LogFormat,
+    /// A `tracing` filter such as `info` or `info,stagehand_bus=debug`; `RUST_LOG`, when set,
+    /// takes its place.
+    pub log_level: String,
+    /// Where to serve Prometheus's `GET /metrics`, e.g. `127.0.0.1:9464`; none when absent.
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+            metrics_listen: None,
+        }
+    }
+}
+
+impl TelemetryConfig {
+    /// Checks that `log_level` is a filter `tracing` accepts.
+    pub fn validate(&self) -> Result<(), TelemetryError> {
+        EnvFilter::try_new(&self.log_level)
+            .map(|_| ())
+            .map_err(|e| TelemetryError::LogLevel(format!("{:?}: {e}", self.log_level)))
+    }
 }
 
 /// Keeps the tracer provider alive; flushes and shuts it down when dropped.
@@ -57,8 +110,20 @@ impl Drop for TelemetryGuard {
     }
 }
 
-/// Installs logging and tracing for `service_name` as the process-wide subscriber.
+/// Installs logging and tracing for `service_name` as the process-wide subscriber, with the
+/// default [`TelemetryConfig`].
 pub fn init(service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
+    init_with(service_name, &TelemetryConfig::default())
+}
+
+/// Installs logging (format and level from `config`, `RUST_LOG` first) and tracing for
+/// `service_name` as the process-wide subscriber. The metrics endpoint is not started here:
+/// the runner binds `config.metrics_listen` so that a taken port is a start-up error.
+pub fn init_with(
+    service_name: &str,
+    config: &TelemetryConfig,
+) -> Result<TelemetryGuard, TelemetryError> {
+    config.validate()?;
     let exporting = std::env::var_os(OTLP_ENDPOINT_ENV).is_some_and(|v| !v.is_empty());
     let resource = Resource::builder()
         .with_service_name(service_name.to_owned())
@@ -74,10 +139,26 @@ pub fn init(service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
     }
     let provider = builder.build();
     let tracer = provider.tracer(service_name.to_owned());
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&config.log_level))
+        .map_err(|e| TelemetryError::LogLevel(e.to_string()))?;
+    let ansi = std::io::stderr().is_terminal();
+    let (text, json) = match config.log_format {
+        LogFormat::Text => (
+            Some(
+                fmt::layer()
+                    .with_target(false)
+                    .with_ansi(ansi)
+                    .with_writer(std::io::stderr),
+            ),
+            None,
+        ),
+        LogFormat::Json => (None, Some(fmt::layer().json().with_writer(std::io::stderr))),
+    };
     tracing_subscriber::registry()
         .with(filter)
-        .with(fmt::layer().with_target(false))
+        .with(text)
+        .with(json)
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .try_init()
         .map_err(|_| TelemetryError::AlreadyInitialised)?;

@@ -35,3 +35,29 @@ pub mod outcome {
     pub const RETRIED: &str = "retried";
     pub const DEAD_LETTERED: &str = "dead_lettered";
 }
+
+/// Gauge: 1 while a service runs, labelled by `service` and `version` (the crate version).
+pub const SERVICE_INFO: &str = "stagehand_service_info";
+/// Counter: handler calls finished, labelled by `service` and `result` ([`result`]).
+pub const HANDLER_CALLS_TOTAL: &str = "stagehand_handler_calls_total";
+/// Histogram (seconds): how long a handler took for one event, labelled by `service`.
+pub const HANDLER_SECONDS: &str = "stagehand_handler_seconds";
+/// Counter: tasks of a service (its worker, query server, clock) that stopped with an error,
+/// labelled by `service` and `task` (the task's fixed name).
+pub const TASK_FAILURES_TOTAL: &str = "stagehand_task_failures_total";
+
+/// Label keys of the metrics above.
+pub mod label {
+    pub const SERVICE: &str = "service";
+    pub const VERSION: &str = "version";
+    pub const RESULT: &str = "result";
+    pub const TASK: &str = "task";
+    pub const OUTCOME: &str = "outcome";
+}
+
+/// Result label values for [`HANDLER_CALLS_TOTAL`].
+pub mod result {
+    pub const OK: &str = "ok";
+    pub const RETRYABLE: &str = "retryable";
+    pub const PERMANENT: &str = "permanent";
+}

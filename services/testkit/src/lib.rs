@@ -1,9 +1,10 @@
 //! Real servers for Stagehand's tests: a `nats-server` with JetStream per test (and a
-//! three-node cluster), and a SeaweedFS S3 server, each on dynamic loopback ports with its own
-//! data directory, killed and cleaned up on drop.
+//! three-node cluster), a SeaweedFS S3 server, and a Prometheus that scrapes a service, each on
+//! dynamic loopback ports with its own data directory, killed and cleaned up on drop.
 //!
-//! Binaries are found through `STAGEHAND_NATS_SERVER` / `STAGEHAND_WEED`, then the venv that
-//! `deploy/servers.sh install` creates, then `PATH`. Tests wait on real conditions with
+//! Binaries are found through `STAGEHAND_NATS_SERVER` / `STAGEHAND_WEED` /
+//! `STAGEHAND_PROMETHEUS`, then the venv that `deploy/servers.sh install` creates, then `PATH`
+//! (Debian's `prometheus` package, which `deploy/servers.sh install` installs). Tests wait on real conditions with
 //! [`wait_until`] / [`wait_for`] instead of sleeping.
 //!
 //! ```no_run
@@ -24,10 +25,12 @@
 
 mod nats;
 mod process;
+mod prometheus;
 mod s3;
 mod wait;
 
 pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
+pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
 pub use wait::{WaitTimeout, wait_for, wait_until};
 

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 pub(crate) enum Binary {
     NatsServer,
     Weed,
+    Prometheus,
 }
 
 impl Binary {
@@ -29,6 +30,7 @@ impl Binary {
         match self {
             Binary::NatsServer => "nats-server",
             Binary::Weed => "weed",
+            Binary::Prometheus => "prometheus",
         }
     }
 
@@ -36,6 +38,7 @@ impl Binary {
         match self {
             Binary::NatsServer => "STAGEHAND_NATS_SERVER",
             Binary::Weed => "STAGEHAND_WEED",
+            Binary::Prometheus => "STAGEHAND_PROMETHEUS",
         }
     }
 }

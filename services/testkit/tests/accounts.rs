@@ -1,5 +1,7 @@
 //! `deploy/nats/accounts.conf` confines each role to its subjects, checked against a real
-//! nats-server started with that file.
+//! nats-server started with that file: every denial holds (no role reads another's inbox, no
+//! service deletes, purges or reconfigures a stream, touches another service's consumer or
+//! claims), and every grant a role needs works.
 
 use std::time::Duration;
 
@@ -36,14 +38,25 @@ fn start_server() -> NatsServer {
     builder.start()
 }
 
-/// Connects as `user`, forwarding the server's error messages (permission violations).
+/// Connects as `user` with its own inbox prefix (`_INBOX_<user>`, the only inbox it may
+/// read), forwarding the server's error messages (permission violations).
 async fn connect(
     server: &NatsServer,
     user: &str,
     role: &str,
 ) -> Result<(Client, mpsc::UnboundedReceiver<String>)> {
+    connect_with_inbox(server, user, role, &format!("_INBOX_{user}")).await
+}
+
+async fn connect_with_inbox(
+    server: &NatsServer,
+    user: &str,
+    role: &str,
+    inbox: &str,
+) -> Result<(Client, mpsc::UnboundedReceiver<String>)> {
     let (tx, rx) = mpsc::unbounded_channel();
     let client = ConnectOptions::with_user_and_password(user.into(), password(role))
+        .custom_inbox_prefix(inbox)
         .event_callback(move |event| {
             let tx = tx.clone();
             async move {
@@ -228,29 +241,80 @@ async fn jetstream_as(
     Ok((js, errors))
 }
 
+/// The streams and buckets as the operator provisions them (`stagehand provision`).
+async fn provision_as_operator(server: &NatsServer) -> Result<()> {
+    let mut cfg = stagehand_bus::BusConfig::new(format!(
+        "nats://operator:{}@127.0.0.1:{}",
+        password("OPERATOR"),
+        server.port()
+    ));
+    cfg.connect_timeout = Duration::from_secs(10);
+    let bus = stagehand_bus::Bus::connect(&cfg).await?;
+    bus.provision().await?;
+    Ok(())
+}
+
+/// A stagehand connection as `user` (its inbox prefix follows from the URL), checking rather
+/// than managing streams, as the shipped service configurations do.
+async fn bus_as(server: &NatsServer, user: &str, role: &str) -> Result<stagehand_bus::Bus> {
+    let mut cfg = stagehand_bus::BusConfig::new(format!(
+        "nats://{user}:{}@127.0.0.1:{}",
+        password(role),
+        server.port()
+    ));
+    cfg.provision = false;
+    cfg.connect_timeout = Duration::from_secs(10);
+    Ok(stagehand_bus::Bus::connect(&cfg).await?)
+}
+
+/// Waits for the server to report a violation that names `subject`.
+async fn violation_naming(
+    errors: &mut mpsc::UnboundedReceiver<String>,
+    subject: &str,
+) -> Result<String> {
+    let found = wait_for(Duration::from_secs(10), "a permissions violation", || {
+        let mut hit = None;
+        while let Ok(e) = errors.try_recv() {
+            if e.contains(subject) {
+                hit = Some(e);
+            }
+        }
+        async move { hit }
+    })
+    .await
+    .with_context(|| format!("no violation naming {subject}"))?;
+    assert!(
+        found.to_lowercase().contains("permissions violation"),
+        "{found}"
+    );
+    Ok(found)
+}
+
 #[tokio::test]
-async fn a_service_provisions_claims_consumes_acks_and_publishes_its_facts() -> Result<()> {
+async fn a_service_checks_streams_consumes_claims_acks_and_publishes_its_facts() -> Result<()> {
     let server = start_server();
-    let (js, _) = jetstream_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
-    for (name, subjects) in [
-        ("STAGEHAND_REQUESTS", "stagehand.req.>"),
-        ("STAGEHAND_FACTS", "stagehand.fact.>"),
-    ] {
-        js.create_stream(stream::Config {
-            name: name.into(),
-            subjects: vec![subjects.into()],
-            ..Default::default()
-        })
-        .await
-        .with_context(|| format!("create {name}"))?;
-    }
-    let claims = js
-        .create_key_value(jetstream::kv::Config {
-            bucket: "stagehand_claims".into(),
-            ..Default::default()
-        })
+    provision_as_operator(&server).await?;
+    // The validator's user checks what it uses (provision = false) …
+    let bus = bus_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    bus.provision().await?;
+    assert!(
+        bus.permission_violations().is_empty(),
+        "{:?}",
+        bus.permission_violations()
+    );
+    // … claims under its own name, reads the claim back (a direct get) and updates it …
+    let claims = bus.jetstream().get_key_value("stagehand_claims").await?;
+    let rev = claims
+        .create("ingest-validator.event-1", "owner".into())
         .await?;
-    claims.create("event-1", "owner".into()).await?;
+    let entry = claims
+        .entry("ingest-validator.event-1")
+        .await?
+        .context("claim")?;
+    assert_eq!(entry.value.as_ref(), b"owner");
+    claims
+        .update("ingest-validator.event-1", "done".into(), rev)
+        .await?;
 
     let (uploader, _) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
     uploader
@@ -258,7 +322,9 @@ async fn a_service_provisions_claims_consumes_acks_and_publishes_its_facts() -> 
         .await?
         .await?;
 
-    let consumer = js
+    // … creates and pulls from its own durable consumer and acks …
+    let consumer = bus
+        .jetstream()
         .get_stream("STAGEHAND_REQUESTS")
         .await?
         .create_consumer(jetstream::consumer::pull::Config {
@@ -282,6 +348,9 @@ async fn a_service_provisions_claims_consumes_acks_and_publishes_its_facts() -> 
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
 
+    // … and publishes its facts, and no others.
+    let mut js = bus.jetstream().clone();
+    js.set_timeout(Duration::from_secs(2));
     js.publish("stagehand.fact.dataset.validated.demo", "fact".into())
         .await?
         .await?;
@@ -297,14 +366,197 @@ async fn a_service_provisions_claims_consumes_acks_and_publishes_its_facts() -> 
 }
 
 #[tokio::test]
+async fn no_user_reads_another_users_inbox() -> Result<()> {
+    let server = start_server();
+    for (user, role) in [
+        ("uploader-demo", "UPLOADER_DEMO"),
+        ("scheduler", "SCHEDULER"),
+        ("ingest-validator", "INGEST_VALIDATOR"),
+        ("resharder", "RESHARDER"),
+        ("promoter", "PROMOTER"),
+        ("demoter", "DEMOTER"),
+        ("backup-copier", "BACKUP_COPIER"),
+        ("catalogue-recorder", "CATALOGUE_RECORDER"),
+    ] {
+        let (client, mut errors) = connect(&server, user, role).await?;
+        for foreign in [
+            "_INBOX.>",
+            "_INBOX.abc.*",
+            "_INBOX_operator.>",
+            "_INBOX_*.>",
+        ] {
+            let _sub = client.subscribe(foreign.to_owned()).await?;
+            client.flush().await?;
+            violation_naming(&mut errors, foreign)
+                .await
+                .with_context(|| format!("{user} subscribing to {foreign}"))?;
+        }
+        // Its own inbox works: a request to the server answers there.
+        let mut js = jetstream::new(client.clone());
+        js.set_timeout(Duration::from_secs(5));
+        if role != "UPLOADER_DEMO" {
+            js.query_account()
+                .await
+                .with_context(|| format!("{user}: $JS.API.INFO answered on its own inbox"))?;
+        }
+    }
+    // The default `_INBOX` prefix is refused too: a client that does not set its prefix gets no
+    // replies, rather than everyone's.
+    let (client, mut errors) =
+        connect_with_inbox(&server, "uploader-demo", "UPLOADER_DEMO", "_INBOX").await?;
+    let mut js = jetstream::new(client);
+    js.set_timeout(Duration::from_secs(2));
+    assert!(
+        js.publish("stagehand.req.ingest.requested.demo", "r".into())
+            .await?
+            .await
+            .is_err()
+    );
+    violation_naming(&mut errors, "_INBOX.").await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn no_service_deletes_purges_or_reconfigures_a_stream() -> Result<()> {
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let (uploader, _) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    uploader
+        .publish("stagehand.req.ingest.requested.demo", "req".into())
+        .await?
+        .await?;
+    let (validator, _) = jetstream_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    validator
+        .publish("stagehand.fact.dataset.validated.demo", "fact".into())
+        .await?
+        .await?;
+    for (user, role) in [
+        ("ingest-validator", "INGEST_VALIDATOR"),
+        ("catalogue-recorder", "CATALOGUE_RECORDER"),
+        ("promoter", "PROMOTER"),
+        ("backup-copier", "BACKUP_COPIER"),
+        ("scheduler", "SCHEDULER"),
+        ("uploader-demo", "UPLOADER_DEMO"),
+    ] {
+        let (client, mut errors) = connect(&server, user, role).await?;
+        for api in [
+            "$JS.API.STREAM.DELETE.STAGEHAND_FACTS",
+            "$JS.API.STREAM.PURGE.STAGEHAND_FACTS",
+            "$JS.API.STREAM.UPDATE.STAGEHAND_FACTS",
+            "$JS.API.STREAM.MSG.DELETE.STAGEHAND_FACTS",
+            "$JS.API.STREAM.CREATE.STAGEHAND_EVIL",
+            "$JS.API.STREAM.PURGE.STAGEHAND_REQUESTS",
+            "$JS.API.STREAM.DELETE.KV_stagehand_claims",
+            "$JS.API.CONSUMER.DELETE.STAGEHAND_REQUESTS.ingest-validator",
+        ] {
+            client.publish(api.to_owned(), "{}".into()).await?;
+            client.flush().await?;
+            violation_naming(&mut errors, api)
+                .await
+                .with_context(|| format!("{user} on {api}"))?;
+        }
+    }
+    // The facts are all still there.
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let mut facts = operator.get_stream("STAGEHAND_FACTS").await?;
+    assert_eq!(facts.info().await?.state.messages, 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_service_cannot_use_another_services_consumer_or_claims() -> Result<()> {
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let (client, mut errors) = connect(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    for api in [
+        // Re-filtering or reading the recorder's durable, or making one under another name.
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_FACTS.catalogue-recorder.stagehand.fact.>",
+        "$JS.API.CONSUMER.MSG.NEXT.STAGEHAND_FACTS.catalogue-recorder",
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_REQUESTS.promoter.stagehand.req.>",
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_REQUESTS",
+        "$JS.ACK.STAGEHAND_REQUESTS.promoter.1.2.3.4.5",
+        // Another service's claims: writing or reading them.
+        "$KV.stagehand_claims.promoter.event-1",
+        "$JS.API.DIRECT.GET.KV_stagehand_claims.$KV.stagehand_claims.promoter.event-1",
+        "$JS.API.STREAM.MSG.GET.KV_stagehand_claims",
+    ] {
+        client.publish(api.to_owned(), "{}".into()).await?;
+        client.flush().await?;
+        violation_naming(&mut errors, api)
+            .await
+            .with_context(|| format!("ingest-validator on {api}"))?;
+    }
+    // Its own claim key works (a KV create is a publish with an expected-sequence header).
+    let bus = bus_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    let mut js = bus.jetstream().clone();
+    // A refused publish never gets its PubAck: bound the wait for it.
+    js.set_timeout(Duration::from_secs(2));
+    let claims = js.get_key_value("stagehand_claims").await?;
+    claims.create("ingest-validator.e2", "me".into()).await?;
+    assert!(
+        claims.create("promoter.e2", "me".into()).await.is_err(),
+        "another service's key"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_uploader_reads_its_own_projects_verdicts_only() -> Result<()> {
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let (validator, _) = jetstream_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    for project in ["demo", "other-lab"] {
+        validator
+            .publish(
+                format!("stagehand.fact.dataset.validated.{project}"),
+                project.into(),
+            )
+            .await?
+            .await?;
+    }
+    let (client, mut errors) = connect(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    // The last verdict of its project, by direct get.
+    let own = client
+        .request(
+            "$JS.API.DIRECT.GET.STAGEHAND_FACTS.stagehand.fact.dataset.validated.demo",
+            "".into(),
+        )
+        .await?;
+    assert_eq!(own.payload.as_ref(), b"demo");
+    for denied in [
+        "$JS.API.DIRECT.GET.STAGEHAND_FACTS.stagehand.fact.dataset.validated.other-lab",
+        "$JS.API.DIRECT.GET.STAGEHAND_FACTS",
+        "$JS.API.STREAM.MSG.GET.STAGEHAND_FACTS",
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_FACTS.x.stagehand.fact.dataset.validated.demo",
+        "stagehand.catalogue.query",
+    ] {
+        client.publish(denied.to_owned(), "{}".into()).await?;
+        client.flush().await?;
+        violation_naming(&mut errors, denied)
+            .await
+            .with_context(|| format!("uploader on {denied}"))?;
+    }
+    for denied in [
+        "stagehand.fact.dataset.validated.other-lab",
+        "stagehand.fact.>",
+    ] {
+        let _sub = client.subscribe(denied.to_owned()).await?;
+        client.flush().await?;
+        violation_naming(&mut errors, denied)
+            .await
+            .with_context(|| format!("uploader subscribing to {denied}"))?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
 async fn a_scheduler_reads_readiness_but_cannot_write_it() -> Result<()> {
     let server = start_server();
-    let (recorder, _) = jetstream_as(&server, "catalogue-recorder", "CATALOGUE_RECORDER").await?;
+    provision_as_operator(&server).await?;
+    let recorder = bus_as(&server, "catalogue-recorder", "CATALOGUE_RECORDER").await?;
     let readiness = recorder
-        .create_key_value(jetstream::kv::Config {
-            bucket: "stagehand_readiness".into(),
-            ..Default::default()
-        })
+        .jetstream()
+        .get_key_value("stagehand_readiness")
         .await?;
     readiness.put("demo.ds.v1.hot", "ready".into()).await?;
 
@@ -323,5 +575,108 @@ async fn a_scheduler_reads_readiness_but_cannot_write_it() -> Result<()> {
         view.put("demo.ds.v1.hot", "forged".into()).await.is_err(),
         "a scheduler must not write readiness"
     );
+    Ok(())
+}
+
+/// What one service role needs to run a worker: its stream and filter, and one fact it emits.
+struct WorkerGrant {
+    user: &'static str,
+    role: &'static str,
+    stream: &'static str,
+    filter: &'static str,
+    input: &'static str,
+    fact: &'static str,
+}
+
+#[tokio::test]
+async fn every_service_role_runs_its_own_worker() -> Result<()> {
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let grants = [
+        WorkerGrant {
+            user: "ingest-validator",
+            role: "INGEST_VALIDATOR",
+            stream: "STAGEHAND_REQUESTS",
+            filter: "stagehand.req.ingest.requested.*",
+            input: "stagehand.req.ingest.requested.demo",
+            fact: "stagehand.fact.dataset.validated.demo",
+        },
+        WorkerGrant {
+            user: "resharder",
+            role: "RESHARDER",
+            stream: "STAGEHAND_FACTS",
+            filter: "stagehand.fact.dataset.validated.*",
+            input: "stagehand.fact.dataset.validated.demo",
+            fact: "stagehand.fact.dataset.prepared.demo",
+        },
+        WorkerGrant {
+            user: "promoter",
+            role: "PROMOTER",
+            stream: "STAGEHAND_REQUESTS",
+            filter: "stagehand.req.stage.requested.*",
+            input: "stagehand.req.stage.requested.demo",
+            fact: "stagehand.fact.stage.ready.demo",
+        },
+        WorkerGrant {
+            user: "demoter",
+            role: "DEMOTER",
+            stream: "STAGEHAND_REQUESTS",
+            filter: "stagehand.req.stage.released.*",
+            input: "stagehand.req.stage.released.demo",
+            fact: "stagehand.fact.replica.removed.demo",
+        },
+        WorkerGrant {
+            user: "backup-copier",
+            role: "BACKUP_COPIER",
+            stream: "STAGEHAND_FACTS",
+            filter: "stagehand.fact.replica.created.*",
+            input: "stagehand.fact.replica.created.demo",
+            fact: "stagehand.fact.backup.completed.demo",
+        },
+    ];
+    for g in &grants {
+        operator.publish(g.input, "in".into()).await?.await?;
+        let bus = bus_as(&server, g.user, g.role).await?;
+        let mut js = bus.jetstream().clone();
+        js.set_timeout(Duration::from_secs(5));
+        let consumer = js
+            .get_stream(g.stream)
+            .await
+            .with_context(|| format!("{}: stream info", g.user))?
+            .create_consumer(jetstream::consumer::pull::Config {
+                durable_name: Some(g.user.into()),
+                filter_subject: g.filter.into(),
+                ..Default::default()
+            })
+            .await
+            .with_context(|| format!("{}: its durable consumer", g.user))?;
+        let mut batch = consumer.fetch().max_messages(1).messages().await?;
+        let message = tokio::time::timeout(Duration::from_secs(10), batch.next())
+            .await
+            .with_context(|| format!("{}: nothing delivered", g.user))?
+            .context("batch ended")?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        assert_eq!(message.subject.as_str(), g.input, "{}", g.user);
+        message
+            .double_ack()
+            .await
+            .map_err(|e| anyhow::anyhow!("{}: ack: {e}", g.user))?;
+        let claims = js.get_key_value("stagehand_claims").await?;
+        claims
+            .create(&format!("{}.event-1", g.user), "owner".into())
+            .await
+            .with_context(|| format!("{}: its claim", g.user))?;
+        js.publish(g.fact, "fact".into())
+            .await?
+            .await
+            .with_context(|| format!("{}: its fact", g.user))?;
+        assert!(
+            bus.permission_violations().is_empty(),
+            "{}: {:?}",
+            g.user,
+            bus.permission_violations()
+        );
+    }
     Ok(())
 }

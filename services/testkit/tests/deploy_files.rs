@@ -1,5 +1,7 @@
 //! Every configuration file under `deploy/` is checked: the NATS configs parse with the server
-//! that runs them, and the systemd units name binaries this workspace builds.
+//! that runs them, every service configuration under `deploy/config/` parses and validates as
+//! its service reads it, and the systemd units name binaries this workspace builds with a
+//! shipped configuration file.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -86,6 +88,61 @@ fn a_missing_password_variable_stops_the_server() {
     assert!(said.contains(missing.as_str()), "{said}");
 }
 
+/// Parses one service configuration the way the service's binary does (unknown keys refused,
+/// every table validated); no `STAGEHAND_NATS_*` variables apply.
+type Check = fn(&std::path::Path, &str) -> Result<(), String>;
+
+fn check<S: stagehand_bus::runner::ServiceSettings>(
+    path: &std::path::Path,
+    text: &str,
+) -> Result<(), String> {
+    stagehand_bus::runner::ServiceConfig::<S>::parse(path, text, |_| None)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Every service whose configuration `deploy/config/` ships: `<service>.toml`.
+const SERVICE_CONFIGS: &[(&str, Check)] = &[
+    (
+        stagehand_ingest_validator::SERVICE,
+        check::<stagehand_ingest_validator::Settings>,
+    ),
+    (
+        stagehand_catalogue_recorder::SERVICE,
+        check::<stagehand_catalogue_recorder::RecorderConfig>,
+    ),
+];
+
+#[test]
+fn every_service_config_parses_and_validates() {
+    let shipped = files("deploy/config", ".toml");
+    let names: Vec<String> = shipped
+        .iter()
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    for (service, _) in SERVICE_CONFIGS {
+        assert!(
+            names.iter().any(|n| n == service),
+            "deploy/config/{service}.toml missing: {names:?}"
+        );
+    }
+    for (path, name) in shipped.iter().zip(&names) {
+        let (_, check) = SERVICE_CONFIGS
+            .iter()
+            .find(|(service, _)| service == name)
+            .unwrap_or_else(|| panic!("{}: no service of that name", path.display()));
+        let text = std::fs::read_to_string(path).unwrap();
+        check(path, &text).unwrap_or_else(|e| panic!("{e}"));
+        // A key the service does not know is refused, naming the file and the key.
+        let wrong = text.replacen("[bus]\n", "[bus]\ncolour = \"red\"\n", 1);
+        let err = check(path, &wrong).unwrap_err();
+        assert!(
+            err.contains(&path.display().to_string()) && err.contains("`bus.colour`"),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn systemd_units_run_binaries_of_this_workspace() {
     let units = files("deploy/systemd", ".service");
@@ -120,6 +177,33 @@ fn systemd_units_run_binaries_of_this_workspace() {
             manifest.contains(&format!("name = \"{name}\""))
                 && crate_dir.join("src/main.rs").is_file(),
             "{}: {name} is not a binary of services/",
+            unit.display()
+        );
+        // A service reads its configuration file, one deploy/config/ ships.
+        let args: Vec<&str> = exec.split_whitespace().collect();
+        let config = args
+            .windows(2)
+            .find(|w| w[0] == "--config")
+            .map(|w| w[1])
+            .unwrap_or_else(|| panic!("{}: {name} without --config", unit.display()));
+        let service = name.strip_prefix("stagehand-").unwrap_or(name);
+        assert_eq!(
+            config.rsplit('/').next(),
+            Some(format!("{service}.toml").as_str()),
+            "{}: {config}",
+            unit.display()
+        );
+        assert!(
+            repo_root()
+                .join("deploy/config")
+                .join(format!("{service}.toml"))
+                .is_file(),
+            "{}: deploy/config/{service}.toml is not shipped",
+            unit.display()
+        );
+        assert!(
+            text.contains("RestartPreventExitStatus=78"),
+            "{}: a configuration error (exit 78) must not be restarted in a loop",
             unit.display()
         );
     }

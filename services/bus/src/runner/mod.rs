@@ -1,0 +1,509 @@
+//! The service runner: how every Stagehand service starts, runs and stops.
+//!
+//! A service's `main.rs` is one call, [`main`], with its name and its `serve` function:
+//!
+//! 1. **config** — `--config FILE` (TOML, [`ServiceConfig`]: `[bus]`, `[worker]`,
+//!    `[telemetry]` and the service's own `[service]` table), unknown keys refused, every error
+//!    naming the file, the key and its line; then the `STAGEHAND_NATS_*` environment overrides
+//!    ([`crate::env`](mod@crate::env));
+//! 2. **telemetry** — logs (text or JSON), traces (OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
+//!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`;
+//! 3. **connect** (with retries) and **provision** the streams and the claims bucket;
+//! 4. **signals** — SIGINT or SIGTERM starts a drain; a second one exits at once;
+//! 5. **serve** — the service's function gets a [`Context`] (its settings, the connection, the
+//!    worker tunables, the shutdown token) and runs its worker(s) and any other tasks in a
+//!    [`TaskGroup`];
+//! 6. **drain** within the deadline, then the **exit code**: 0 after a clean stop, 1 when the
+//!    service failed (a dead store, a lost stream: the supervisor restarts it), 78 (`EX_CONFIG`)
+//!    when the configuration is wrong (restarting cannot help).
+//!
+//! [`run`] is steps 3, 5 and 6 with a caller's shutdown token and no process-wide set-up, so
+//! tests and `stagehand up` run services in-process exactly as their binaries do.
+//!
+//! ```no_run
+//! use stagehand_bus::runner::{self, Context, InvalidKey, ServiceSettings};
+//! use stagehand_bus::{BusError, Handler, HandlerError, WorkContext};
+//! use stagehand_schemas::{Event, subject};
+//!
+//! #[derive(serde::Deserialize)]
+//! #[serde(deny_unknown_fields)]
+//! struct Settings {
+//!     /// Where the ledger lives.
+//!     state_dir: std::path::PathBuf,
+//! }
+//! impl ServiceSettings for Settings {}
+//!
+//! struct Echo;
+//! impl Handler for Echo {
+//!     async fn handle(&self, e: &Event, _: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+//!         Ok(vec![e.caused("echoed", e.body.clone())])
+//!     }
+//! }
+//!
+//! async fn serve(ctx: Context<Settings>) -> Result<(), BusError> {
+//!     let cfg = ctx.worker_config(
+//!         subject::REQUESTS.name,
+//!         vec![subject::kind_filter("req", "stage.released")],
+//!         ctx.settings.state_dir.join("echo.redb"),
+//!     );
+//!     ctx.run_worker(cfg, Echo).await.map(|_| ())
+//! }
+//!
+//! fn main() -> std::process::ExitCode {
+//!     runner::main("echo", serve)
+//! }
+//! ```
+
+mod config;
+mod tasks;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use stagehand_schemas::Event;
+use stagehand_telemetry::metrics::MetricsEndpoint;
+use stagehand_telemetry::names;
+use tokio_util::sync::CancellationToken;
+
+pub use config::{ConfigError, InvalidKey, ServiceConfig, ServiceSettings, WorkerSettings};
+pub use tasks::{TaskError, TaskGroup, every};
+
+use crate::bus::Bus;
+use crate::config::WorkerConfig;
+use crate::error::{BusError, HandlerError};
+use crate::worker::{Handler, WorkContext, WorkerStats, run_worker};
+
+/// Exit status for a configuration that cannot work (`EX_CONFIG` of sysexits.h); systemd
+/// units list it in `RestartPreventExitStatus` so that a broken file is not restarted in a loop.
+pub const EXIT_CONFIG: u8 = 78;
+/// Exit status for a service that failed while running; its supervisor restarts it.
+pub const EXIT_FAILED: u8 = 1;
+/// How much longer than the workers' own drain deadline the runner waits for a service.
+const DRAIN_MARGIN: Duration = Duration::from_secs(2);
+/// The drain deadline when the `[worker]` table sets none.
+const DEFAULT_DRAIN: Duration = Duration::from_secs(20);
+
+/// What a service's `serve` function is given: its settings, a connected and provisioned bus,
+/// the `[worker]` tunables and the shutdown token.
+#[derive(Debug)]
+pub struct Context<S> {
+    /// The service name (durable consumer, dead-letter subject, metric label).
+    pub name: &'static str,
+    /// The `[service]` table.
+    pub settings: S,
+    /// The connection, streams and claims bucket provisioned.
+    pub bus: Bus,
+    /// The `[worker]` table: applied by [`Context::worker_config`].
+    pub worker: WorkerSettings,
+    /// Cancelled when the service must stop.
+    pub shutdown: CancellationToken,
+}
+
+impl<S> Context<S> {
+    /// A context over an existing connection with default worker tunables: for running a
+    /// service's `serve` in-process (tests).
+    pub fn new(name: &'static str, settings: S, bus: Bus, shutdown: CancellationToken) -> Self {
+        Self {
+            name,
+            settings,
+            bus,
+            worker: WorkerSettings::default(),
+            shutdown,
+        }
+    }
+
+    /// A worker of this service (its durable consumer is the service name) with the
+    /// `[worker]` tunables applied over the runtime's defaults.
+    pub fn worker_config(
+        &self,
+        stream: &str,
+        filter_subjects: Vec<String>,
+        ledger_path: impl Into<PathBuf>,
+    ) -> WorkerConfig {
+        self.worker_config_named(self.name, stream, filter_subjects, ledger_path)
+    }
+
+    /// [`Context::worker_config`] for a second worker of the service under another consumer
+    /// name (the recorder's dead-letter counter).
+    pub fn worker_config_named(
+        &self,
+        consumer: &str,
+        stream: &str,
+        filter_subjects: Vec<String>,
+        ledger_path: impl Into<PathBuf>,
+    ) -> WorkerConfig {
+        let mut cfg = WorkerConfig::new(consumer, stream, filter_subjects, ledger_path);
+        self.worker.apply(&mut cfg);
+        cfg
+    }
+
+    /// A task group stopped by this context's shutdown token.
+    pub fn tasks(&self) -> TaskGroup {
+        TaskGroup::new(self.name, &self.shutdown)
+    }
+
+    /// Runs `handler` under `cfg` until shutdown, counting each call in the service's metrics
+    /// ([`names::HANDLER_CALLS_TOTAL`], [`names::HANDLER_SECONDS`]).
+    pub async fn run_worker<H: Handler>(
+        &self,
+        cfg: WorkerConfig,
+        handler: H,
+    ) -> Result<WorkerStats, BusError> {
+        self.run_worker_until(cfg, handler, self.shutdown.clone())
+            .await
+    }
+
+    /// [`Context::run_worker`] stopped by `shutdown` (a [`TaskGroup`]'s token).
+    pub fn run_worker_until<H: Handler>(
+        &self,
+        cfg: WorkerConfig,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = Result<WorkerStats, BusError>> + Send + 'static {
+        let handler = Arc::new(Metered {
+            service: self.name,
+            inner: handler,
+        });
+        run_worker(self.bus.clone(), cfg, handler, shutdown)
+    }
+}
+
+/// A handler counted in the service's metrics.
+struct Metered<H> {
+    service: &'static str,
+    inner: H,
+}
+
+impl<H: Handler> Handler for Metered<H> {
+    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        let started = Instant::now();
+        let result = self.inner.handle(event, ctx).await;
+        let label = match &result {
+            Ok(_) => names::result::OK,
+            Err(e) if e.is_permanent() => names::result::PERMANENT,
+            Err(_) => names::result::RETRYABLE,
+        };
+        metrics::counter!(
+            names::HANDLER_CALLS_TOTAL,
+            names::label::SERVICE => self.service,
+            names::label::RESULT => label
+        )
+        .increment(1);
+        metrics::histogram!(names::HANDLER_SECONDS, names::label::SERVICE => self.service)
+            .record(started.elapsed().as_secs_f64());
+        result
+    }
+}
+
+/// Why a service did not run to a clean stop.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("telemetry: {0}")]
+    Telemetry(#[from] stagehand_telemetry::TelemetryError),
+    #[error("cannot serve metrics on telemetry.metrics_listen {addr}: {source}")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    /// The service's own error.
+    #[error("{0}")]
+    Service(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
+}
+
+impl RunError {
+    /// The process exit status for this error: [`EXIT_CONFIG`] when only a change of the
+    /// configuration can help, else [`EXIT_FAILED`].
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Config(_) | RunError::Telemetry(_) | RunError::Metrics { .. } => EXIT_CONFIG,
+            RunError::Bus(e) if !e.is_retryable() => EXIT_CONFIG,
+            RunError::Bus(_) | RunError::Service(_) => EXIT_FAILED,
+        }
+    }
+}
+
+/// Runs a service in-process: the metrics endpoint (when configured) → connect → provision →
+/// `serve` → drain, until `shutdown` is cancelled or `serve` fails. No logging set-up and no
+/// signal handling: that is [`main`]'s.
+pub async fn run<S, F, Fut, T, E>(
+    name: &'static str,
+    config: ServiceConfig<S>,
+    shutdown: CancellationToken,
+    serve: F,
+) -> Result<T, RunError>
+where
+    F: FnOnce(Context<S>) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+{
+    let ServiceConfig {
+        mut bus,
+        worker,
+        telemetry,
+        service,
+    } = config;
+    let metrics = match telemetry.metrics_listen {
+        Some(addr) => {
+            let endpoint = MetricsEndpoint::bind(addr)
+                .await
+                .map_err(|source| RunError::Metrics { addr, source })?;
+            let bound = endpoint.local_addr().unwrap_or(addr);
+            tracing::info!(service = name, metrics = %bound, "serving Prometheus metrics on /metrics");
+            let stop = shutdown.clone();
+            Some(AbortOnDrop(tokio::spawn(
+                endpoint.serve(async move { stop.cancelled().await }),
+            )))
+        }
+        None => None,
+    };
+    if bus.client_name == crate::config::BusConfig::default().client_name {
+        bus.client_name = name.to_owned();
+    }
+    let connected = Bus::connect(&bus).await?;
+    connected.provision().await?;
+    tracing::info!(
+        service = name,
+        servers = %connected.servers(),
+        replicas = connected.replicas(),
+        "connected and provisioned"
+    );
+    let info = metrics::gauge!(
+        names::SERVICE_INFO,
+        names::label::SERVICE => name,
+        names::label::VERSION => env!("CARGO_PKG_VERSION")
+    );
+    info.set(1.0);
+    let ctx = Context {
+        name,
+        settings: service,
+        bus: connected,
+        worker: worker.clone(),
+        shutdown: shutdown.clone(),
+    };
+    let deadline = worker.shutdown_deadline_or(DEFAULT_DRAIN) + DRAIN_MARGIN;
+    let served = serve(ctx);
+    tokio::pin!(served);
+    // The service drains by itself once `shutdown` is cancelled; past the deadline it is cut
+    // off (its un-acked messages are redelivered to the next instance).
+    let result = tokio::select! {
+        r = &mut served => r,
+        _ = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(deadline).await;
+        } => {
+            tracing::warn!(service = name, ?deadline, "the service did not drain within its deadline");
+            info.set(0.0);
+            return Err(RunError::Service(format!("{name} did not stop within {deadline:?} of shutdown").into()));
+        }
+    };
+    info.set(0.0);
+    // The endpoint stops with the token, or here when the service failed on its own.
+    drop(metrics);
+    result.map_err(|e| RunError::Service(e.into()))
+}
+
+/// A task stopped when its handle is dropped: the metrics endpoint of a service that returned
+/// early (a failed connection) must not keep its port.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The whole life of a service binary: reads `--config FILE`, sets up telemetry, runs the
+/// service with [`run`] until SIGINT or SIGTERM, and returns its exit status.
+pub fn main<S, F, Fut, T, E>(name: &'static str, serve: F) -> ExitCode
+where
+    S: ServiceSettings,
+    F: FnOnce(Context<S>) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    T: std::fmt::Debug,
+{
+    let path = match config_path(name, std::env::args_os().skip(1)) {
+        Ok(Some(path)) => path,
+        Ok(None) => return ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("{name}: {message}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let config = match ServiceConfig::<S>::load(&path) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let _telemetry = match stagehand_telemetry::init_with(name, &config.telemetry) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    let outcome = runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        if let Err(e) = stop_on_signals(name, shutdown.clone()) {
+            return Err(RunError::Service(e.into()));
+        }
+        tracing::info!(service = name, config = %path.display(), "starting");
+        run(name, config, shutdown, serve).await
+    });
+    match outcome {
+        Ok(stats) => {
+            tracing::info!(service = name, ?stats, "stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(service = name, error = %e, "stopped with an error");
+            eprintln!("{name}: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// `--config FILE` (or `--config=FILE`) from the arguments; `None` after printing help or the
+/// version.
+fn config_path(
+    name: &str,
+    mut args: impl Iterator<Item = std::ffi::OsString>,
+) -> Result<Option<PathBuf>, String> {
+    let usage = format!(
+        "usage: {name} --config FILE\n\nFILE is TOML with the tables [bus], [worker], [telemetry] and [service]; \
+         see deploy/config/ and services/bus/README.md. Environment overrides: {}.",
+        crate::env::ALL.join(", ")
+    );
+    let mut path = None;
+    while let Some(arg) = args.next() {
+        let text = arg.to_string_lossy();
+        match text.as_ref() {
+            "-h" | "--help" => {
+                println!("{usage}");
+                return Ok(None);
+            }
+            "-V" | "--version" => {
+                println!("{name} {}", env!("CARGO_PKG_VERSION"));
+                return Ok(None);
+            }
+            "--config" | "-c" => {
+                path = Some(PathBuf::from(
+                    args.next()
+                        .ok_or_else(|| format!("--config needs a file\n{usage}"))?,
+                ))
+            }
+            other => match other.strip_prefix("--config=") {
+                Some(p) => path = Some(PathBuf::from(p)),
+                None => return Err(format!("unknown argument {other:?}\n{usage}")),
+            },
+        }
+    }
+    path.map(Some)
+        .ok_or_else(|| format!("--config FILE is required\n{usage}"))
+}
+
+/// Cancels `shutdown` on the first SIGINT or SIGTERM; a second one exits the process at once
+/// (status 130), for an operator who does not want to wait for the drain.
+fn stop_on_signals(name: &'static str, shutdown: CancellationToken) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::spawn(async move {
+        for n in 0.. {
+            let which = tokio::select! {
+                _ = interrupt.recv() => "SIGINT",
+                _ = terminate.recv() => "SIGTERM",
+            };
+            if n == 0 {
+                tracing::info!(service = name, signal = which, "draining");
+                shutdown.cancel();
+            } else {
+                tracing::warn!(
+                    service = name,
+                    signal = which,
+                    "second signal: exiting without draining"
+                );
+                std::process::exit(130);
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> impl Iterator<Item = std::ffi::OsString> {
+        list.iter()
+            .map(|s| std::ffi::OsString::from(*s))
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    #[test]
+    fn the_config_flag_is_required_and_nothing_else_is_accepted() {
+        assert_eq!(
+            config_path("svc", args(&["--config", "/etc/x.toml"])).unwrap(),
+            Some(PathBuf::from("/etc/x.toml"))
+        );
+        assert_eq!(
+            config_path("svc", args(&["--config=/etc/y.toml"])).unwrap(),
+            Some(PathBuf::from("/etc/y.toml"))
+        );
+        assert!(
+            config_path("svc", args(&[]))
+                .unwrap_err()
+                .contains("--config FILE is required")
+        );
+        assert!(
+            config_path("svc", args(&["--nats", "x"]))
+                .unwrap_err()
+                .contains("unknown argument")
+        );
+        assert!(
+            config_path("svc", args(&["--config"]))
+                .unwrap_err()
+                .contains("needs a file")
+        );
+    }
+
+    #[test]
+    fn configuration_errors_exit_with_ex_config_and_failures_with_one() {
+        let cfg = RunError::Config(ConfigError::Invalid {
+            file: "x".into(),
+            key: "bus.replicas".into(),
+            line: Some(2),
+            message: "no".into(),
+        });
+        assert_eq!(cfg.exit_code(), EXIT_CONFIG);
+        let failed = RunError::Service("the ledger's disk failed".into());
+        assert_eq!(failed.exit_code(), EXIT_FAILED);
+        let down = RunError::Bus(BusError::Connect {
+            url: "nats://h:1".into(),
+            detail: "refused".into(),
+        });
+        assert_eq!(down.exit_code(), EXIT_FAILED);
+    }
+}

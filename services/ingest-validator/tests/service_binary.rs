@@ -1,0 +1,179 @@
+//! The `stagehand-ingest-validator` binary as operators run it: `--config FILE` under the
+//! service runner, against a real nats-server, its `/metrics` scraped by a real Prometheus
+//! (Debian's package), stopped by SIGTERM; and a broken configuration refused with exit 78.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use futures::StreamExt;
+use stagehand_bus::{Bus, BusConfig};
+use stagehand_schemas::{
+    Body, Event, EventId, FileRef, IngestRequested, Location, sha256_hex, subject, wire,
+};
+use stagehand_testkit::{NatsServer, Prometheus, wait_for};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A loopback address nothing listens on right now, for the metrics endpoint.
+fn free_addr() -> anyhow::Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// The shipped policies with every posix tier beneath `home`.
+fn write_policies(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let repo = stagehand_testkit::repo_root().join("policies");
+    for name in ["tiers.toml", "validation.toml"] {
+        std::fs::copy(repo.join(name), dir.join(name))?;
+    }
+    Ok(())
+}
+
+/// The binary, its environment cleared of `STAGEHAND_NATS_*` so that only the file counts.
+fn validator(config: &Path, home: &Path, stderr: &Path) -> anyhow::Result<Child> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand-ingest-validator"));
+    cmd.arg("--config")
+        .arg(config)
+        .env("STAGEHAND_HOME", home)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(stderr)?);
+    for var in stagehand_bus::env::ALL {
+        cmd.env_remove(var);
+    }
+    Ok(cmd.spawn()?)
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::Result<()> {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir()?;
+    let home = tmp.path().join("home");
+    let policies = tmp.path().join("policies");
+    write_policies(&policies)?;
+    let metrics = free_addr()?;
+    let config = tmp.path().join("ingest-validator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[bus]\n# A comma-separated list whose first server is down.\nservers = \"nats://127.0.0.1:1,{}\"\n\n[worker]\nconcurrency = 2\n\n[telemetry]\nmetrics_listen = \"{metrics}\"\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            nats.url(),
+            policies.display(),
+            tmp.path().join("state").display()
+        ),
+    )?;
+    // One upload on the source tier (the tier root exists before the service opens it).
+    let root = home.join("tiers/source/demo/metrics");
+    std::fs::create_dir_all(&root)?;
+    std::fs::write(root.join("a.txt"), b"scraped")?;
+    let stderr = tmp.path().join("validator.stderr");
+    let mut child = Killed(validator(&config, &home, &stderr)?);
+    let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
+
+    let bus = Bus::connect(&BusConfig::new(nats.url())).await?;
+    bus.provision().await?;
+    let request = Event::request(
+        EventId::new("metrics-1")?,
+        "demo",
+        Body::IngestRequested(IngestRequested {
+            dataset: "metrics".into(),
+            source: Location {
+                tier: "source".into(),
+                prefix: "demo/metrics".into(),
+            },
+            files: vec![FileRef::new("a.txt", 7, sha256_hex(b"scraped"))],
+            manifest: None,
+            requested_by: "tester".into(),
+            labels: Vec::new(),
+        }),
+    );
+    let mut verdicts = bus
+        .client()
+        .subscribe(subject::kind_filter("fact", "dataset.validated"))
+        .await?;
+    bus.publish(&request).await?;
+    let fact = tokio::time::timeout(WAIT, verdicts.next())
+        .await
+        .with_context(|| format!("no verdict within {WAIT:?}\n{}", log()))?
+        .context("subscription closed")?;
+    let fact = wire::decode(&fact.payload)?;
+    ensure!(fact.correlation_id.as_str() == "metrics-1", "{fact:?}");
+
+    // Prometheus scrapes the binary's endpoint and answers for the handler's one success.
+    let prometheus = Prometheus::start(&[metrics]);
+    let value = wait_for(WAIT, "Prometheus to have scraped the handler counter", || {
+        let answer = prometheus.query(
+            r#"stagehand_handler_calls_total{job="stagehand",service="ingest-validator",result="ok"}"#,
+        );
+        async move {
+            let series = answer.ok()?;
+            let [one] = series.as_slice() else { return None };
+            one["value"][1].as_str().map(str::to_owned)
+        }
+    })
+    .await
+    .with_context(|| format!("targets up: {:?}\n{}", prometheus.targets_up(), log()))?;
+    assert_eq!(value, "1", "exactly one handled request");
+    let info = prometheus
+        .query(r#"stagehand_service_info{service="ingest-validator"}"#)
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(info.len(), 1, "{info:?}");
+    assert_eq!(info[0]["value"][1], "1", "{info:?}");
+    assert_eq!(
+        info[0]["metric"]["version"],
+        env!("CARGO_PKG_VERSION"),
+        "{info:?}"
+    );
+
+    // SIGTERM drains and exits 0.
+    let pid = rustix::process::Pid::from_child(&child.0);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM)?;
+    let status = wait_for(WAIT, "the validator to exit after SIGTERM", || {
+        let status = child.0.try_wait().ok().flatten();
+        async move { status }
+    })
+    .await?;
+    assert!(status.success(), "{status}\n{}", log());
+    assert!(log().contains("draining"), "{}", log());
+    Ok(())
+}
+
+#[test]
+fn a_configuration_error_exits_78_naming_the_file_and_key() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let config = tmp.path().join("ingest-validator.toml");
+    std::fs::write(
+        &config,
+        "[bus]\nservers = [\"nats://127.0.0.1:1\"]\n\n[service]\npolicies_dir = \"/p\"\nstate_dir = \"/s\"\nread_concurency = 3\n",
+    )?;
+    let stderr = tmp.path().join("stderr");
+    let mut child = validator(&config, tmp.path(), &stderr)?;
+    let status = child.wait()?;
+    let said = std::fs::read_to_string(&stderr)?;
+    assert_eq!(status.code(), Some(78), "{said}");
+    assert!(
+        said.contains(&format!(
+            "{}:7: `service.read_concurency`",
+            config.display()
+        )),
+        "{said}"
+    );
+
+    let missing = Command::new(env!("CARGO_BIN_EXE_stagehand-ingest-validator")).output()?;
+    assert_eq!(missing.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("--config FILE is required"));
+    Ok(())
+}

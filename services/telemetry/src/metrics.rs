@@ -1,0 +1,202 @@
+//! Prometheus metrics: one process-wide recorder behind the `metrics` facade, and a small
+//! scrape endpoint that serves `GET /metrics`.
+//!
+//! Every metric name comes from [`crate::names`]; label values stay bounded (a service, an
+//! outcome), never an id or a path. The recorder is installed once per process ([`install`]),
+//! so the services `stagehand up` runs side by side share it and tell themselves apart by
+//! their `service` label. The endpoint is plain HTTP/1.1 on tokio: a scrape is one short
+//! request, and serving it here keeps a whole HTTP server stack out of every service's build.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::names;
+
+/// Bucket bounds (seconds) of the duration histograms.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0,
+];
+/// How often histogram data is folded (the exporter's upkeep).
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+/// Longest request head the endpoint reads.
+const MAX_REQUEST: usize = 8 * 1024;
+/// How long a scraper may take to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The process-wide Prometheus recorder, installed on first use.
+///
+/// Installing fails only when another `metrics` recorder was installed first by code outside
+/// Stagehand; the handle then renders this recorder's (empty) registry, and a warning says so.
+pub fn install() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(SECONDS_BUCKETS)
+            .expect("the bucket list is not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        if metrics::set_global_recorder(recorder).is_err() {
+            tracing::warn!("another metrics recorder is installed; /metrics will be empty");
+        }
+        describe();
+        handle
+    })
+}
+
+fn describe() {
+    metrics::describe_gauge!(
+        names::SERVICE_INFO,
+        "1 while the service runs; labels: service, version"
+    );
+    metrics::describe_counter!(
+        names::HANDLER_CALLS_TOTAL,
+        "Handler calls finished, by service and result (ok, retryable, permanent)"
+    );
+    metrics::describe_histogram!(
+        names::HANDLER_SECONDS,
+        metrics::Unit::Seconds,
+        "Time a handler took for one event, by service"
+    );
+    metrics::describe_counter!(
+        names::TASK_FAILURES_TOTAL,
+        "Tasks of a service that stopped with an error, by service and task"
+    );
+}
+
+/// The scrape endpoint: a bound listener that serves the process-wide registry.
+#[derive(Debug)]
+pub struct MetricsEndpoint {
+    listener: TcpListener,
+    handle: &'static PrometheusHandle,
+}
+
+impl MetricsEndpoint {
+    /// Binds `addr` (port 0 picks a free port) and installs the recorder.
+    pub async fn bind(addr: SocketAddr) -> std::io::Result<MetricsEndpoint> {
+        let listener = TcpListener::bind(addr).await?;
+        Ok(MetricsEndpoint {
+            listener,
+            handle: install(),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves scrapes until `shutdown` completes.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) {
+        let mut upkeep = tokio::time::interval(UPKEEP_EVERY);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = upkeep.tick() => self.handle.run_upkeep(),
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        let handle = self.handle;
+                        tokio::spawn(async move {
+                            if let Err(e) = respond(stream, handle).await {
+                                tracing::debug!(error = %e, "metrics scrape failed");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "metrics endpoint: accept failed");
+                        // Out of descriptors or similar: do not spin on the error.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// Answers one HTTP request: `GET /metrics` gets the registry in the text exposition format.
+async fn respond(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let read = async {
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, read)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request head"))??;
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    let (status, content_type, body) = match (method, path) {
+        ("GET", "/metrics") => (
+            "200 OK",
+            "text/plain; version=0.0.4; charset=utf-8",
+            handle.render(),
+        ),
+        ("GET", _) => ("404 Not Found", "text/plain", "only /metrics here\n".into()),
+        _ => (
+            "405 Method Not Allowed",
+            "text/plain",
+            "GET /metrics\n".into(),
+        ),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn get(addr: SocketAddr, request: &str) -> String {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_serves_recorded_metrics_and_refuses_other_paths() {
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let addr = endpoint.local_addr().unwrap();
+        let stop = tokio::sync::Notify::new();
+        let server = endpoint.serve(stop.notified());
+        let client = async {
+            metrics::counter!(names::HANDLER_CALLS_TOTAL, "service" => "unit-test", "result" => "ok")
+                .increment(3);
+            let ok = get(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await;
+            assert!(ok.starts_with("HTTP/1.1 200 OK"), "{ok}");
+            assert!(
+                ok.contains(r#"stagehand_handler_calls_total{service="unit-test",result="ok"} 3"#),
+                "{ok}"
+            );
+            let missing = get(addr, "GET /other HTTP/1.1\r\n\r\n").await;
+            assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+            let post = get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
+            assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+            stop.notify_one();
+        };
+        tokio::join!(server, client);
+    }
+}
