@@ -83,7 +83,10 @@ rclone_s3() {
         --s3-upload-concurrency "$JOBS" --multi-thread-streams "$JOBS" \
         --s3-chunk-size "${PART_MIB}M" --s3-upload-cutoff "${PART_MIB}M" "$@"
 }
-stagehand_cp() { "$CP" --quiet --concurrency "$JOBS" "$@" >/dev/null; }
+# `stagehand_cp SRC DST`: a recursive copy; the binary takes its options as one JSON argument.
+stagehand_cp() {
+    "$CP" "{\"src\":\"$1\",\"dst\":\"$2\",\"recursive\":true,\"concurrency\":$JOBS}" >/dev/null
+}
 
 # --- data ----------------------------------------------------------------------------------
 log "making data in $WORK"
@@ -125,11 +128,11 @@ one_round() { # round tool
     local down="$WORK/down-$tool-$r"
     mkdir -p "$down/big" "$down/small"
     if [ "$tool" = stagehand ]; then
-        run "${BIG_MIB} MiB up" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "$WORK/big" "s3://$bucket/big"
-        run "${SMALL_COUNT}x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "$WORK/small" "s3://$bucket/small"
+        run "${BIG_MIB} MiB up" "$tool" "$BIG_BYTES" 1 stagehand_cp "$WORK/big" "s3://$bucket/big"
+        run "${SMALL_COUNT}x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp "$WORK/small" "s3://$bucket/small"
         sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
-        run "${BIG_MIB} MiB down" "$tool" "$BIG_BYTES" 1 stagehand_cp -r "s3://$bucket/big" "$down/big"
-        run "${SMALL_COUNT}x64KiB down" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp -r "s3://$bucket/small" "$down/small"
+        run "${BIG_MIB} MiB down" "$tool" "$BIG_BYTES" 1 stagehand_cp "s3://$bucket/big" "$down/big"
+        run "${SMALL_COUNT}x64KiB down" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" stagehand_cp "s3://$bucket/small" "$down/small"
     else
         run "${BIG_MIB} MiB up" "$tool" "$BIG_BYTES" 1 rclone_s3 "$WORK/big" "bench:$bucket/big"
         run "${SMALL_COUNT}x64KiB up" "$tool" "$SMALL_BYTES" "$SMALL_COUNT" rclone_s3 "$WORK/small" "bench:$bucket/small"

@@ -84,7 +84,7 @@ pub enum Command {
     #[command(subcommand)]
     Dlq(DlqCommand),
     /// Copy files between local folders and S3, verified (the mover).
-    Cp(stagehand_mover::cp::CpArgs),
+    Cp(crate::cp::CpArgs),
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
     /// until Ctrl-C.
     Up(UpArgs),
@@ -540,7 +540,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Command::Cp(args) => {
             args::init_logs();
-            Ok(stagehand_mover::cp::run_cp(args).await?.exit_code())
+            Ok(crate::cp::run(&args).await?.exit_code())
         }
         Command::Stage(cmd) => {
             args::init_logs();

@@ -7,6 +7,7 @@
 pub mod args;
 pub mod catalogue;
 pub mod cli;
+pub mod cp;
 pub mod dlq;
 pub mod ingest;
 pub mod stage;

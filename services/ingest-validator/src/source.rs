@@ -33,6 +33,7 @@ pub trait SourceFiles: Send + Sync {
 pub fn classify(err: TransferError) -> Result<Observed, TransferError> {
     match err.kind {
         ErrorKind::NotFound => Ok(Observed::Missing),
+        ErrorKind::NotAFile => Ok(Observed::NotAFile),
         ErrorKind::PathRefused => Ok(Observed::Escapes(err.detail)),
         ErrorKind::PermissionDenied => Ok(Observed::Unreadable(err.detail)),
         _ if err.is_retryable() => Err(err),

@@ -1,110 +1,127 @@
-//! `stagehand cp SRC DST`: the mover as a command people run on their own.
+//! Recursive copies between local paths and S3: what `stagehand cp` runs, as a plain library
+//! call (options in, summary out, progress through a shared [`Progress`]). The command's
+//! argument parsing, progress bar and printing live in the CLI crate; services never compile
+//! them.
 //!
 //! SRC and DST are local paths or `s3://bucket/prefix` (endpoint from `STAGEHAND_S3_ENDPOINT`
 //! or `AWS_ENDPOINT_URL`, credentials from the `AWS_*` environment). Without a manifest every
 //! source file is hashed while it is copied and the destination is proven against that hash;
-//! with `--manifest FILE` exactly the manifest's entries are copied and each is verified
-//! against its recorded size and SHA-256. A destination already holding the right bytes is
-//! skipped, so a rerun after a crash finishes the job. The command's logic lives here so the
-//! `stagehand` CLI and tests call the same function.
+//! with a manifest exactly its entries are copied and each is verified against its recorded
+//! size and SHA-256. A destination already holding the right bytes is skipped, so a rerun
+//! after a crash finishes the job; temp files a killed run left behind are removed by the
+//! rerun (see [`crate::posix`]).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use anyhow::{Context, bail};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::EngineChoice;
+use crate::error::{ErrorKind, Side, TransferError};
 use crate::mover::{Mover, MoverConfig};
-use crate::posix::{CommitMode, PosixTier, is_temp_name};
+use crate::posix::{CommitMode, PosixTier, is_staging_name, is_temp_name};
 use crate::s3::S3Tier;
 use crate::tier::Tier;
-use crate::transfer::{CopyOptions, FileRef, Priority, Progress, VerifyDestination};
+use crate::transfer::{CopyOptions, FileRef, Priority, Progress, VerifyMode};
 
-/// Arguments of `stagehand cp`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct CpArgs {
-    /// Source: a local file or directory, or s3://bucket/prefix.
+/// What to copy and how: the options of `stagehand cp`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CpOptions {
+    /// Source: a local file or directory, or `s3://bucket/prefix`.
     pub src: String,
-    /// Destination: a local directory (or file name for a single file), or s3://bucket/prefix.
+    /// Destination: a local directory (or file name for a single file), or
+    /// `s3://bucket/prefix`.
     pub dst: String,
     /// Copy a directory (or S3 prefix) and everything beneath it.
-    #[arg(short, long)]
     pub recursive: bool,
     /// Copy exactly the entries of this manifest (lines `path<TAB>size<TAB>sha256`, paths
-    /// relative to SRC) and verify each against it.
-    #[arg(long, value_name = "FILE")]
+    /// relative to `src`) and verify each against it.
     pub manifest: Option<PathBuf>,
-    /// Print the summary as JSON.
-    #[arg(long)]
-    pub json: bool,
     /// posix → posix engine.
-    #[arg(long, value_enum, default_value_t = EngineChoice::Auto)]
     pub engine: EngineChoice,
     /// Files in flight at once.
-    #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
-    /// With --manifest: trust its hashes for files already at the destination with the right
-    /// size, and allow reflink / copy_file_range without hashing the source.
-    #[arg(long)]
+    /// With a manifest: trust its hashes for files already at the destination with the
+    /// right size, and allow reflink / `copy_file_range` without hashing the source.
     pub trust_recorded_hash: bool,
-    /// Read every landed file back and hash it again before publishing it.
-    #[arg(long)]
-    pub read_back: bool,
-    /// Limit reads to this many bytes per second (suffixes K, M, G: powers of 1024).
-    #[arg(long, value_name = "RATE", value_parser = parse_bytes)]
-    pub bwlimit: Option<u64>,
-    /// Publish every file with its own fdatasync and directory fsync instead of in batches.
-    #[arg(long)]
+    /// What proves the landed bytes.
+    pub verify: VerifyMode,
+    /// Limit reads to this many bytes per second.
+    pub bytes_per_second: Option<u64>,
+    /// Publish every file with its own `fdatasync` and directory `fsync` instead of in
+    /// batches.
     pub durable_each: bool,
     /// Priority class of the copies.
-    #[arg(long, value_enum, default_value_t = PriorityArg::Ingest)]
-    pub priority: PriorityArg,
-    /// Never show a progress bar (it is shown only when stderr is a terminal).
-    #[arg(long)]
-    pub quiet: bool,
+    pub priority: Priority,
+    /// Publish the whole tree at once (see [`Mover::copy_set`]): the destination folder
+    /// appears complete or not at all (on S3: a completion marker is written last), and a
+    /// rerun after a crash resumes the hidden staging folder. A destination that already
+    /// exists is left as it is and every file reported skipped (the rerun of a finished copy).
+    pub atomic: bool,
 }
 
-/// [`Priority`] as a command-line value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PriorityArg {
-    Checkpoint,
-    Stage,
-    Ingest,
-    Backup,
-}
-
-impl From<PriorityArg> for Priority {
-    fn from(p: PriorityArg) -> Priority {
-        match p {
-            PriorityArg::Checkpoint => Priority::Checkpoint,
-            PriorityArg::Stage => Priority::Stage,
-            PriorityArg::Ingest => Priority::Ingest,
-            PriorityArg::Backup => Priority::Backup,
+impl Default for CpOptions {
+    fn default() -> Self {
+        CpOptions {
+            src: String::new(),
+            dst: String::new(),
+            recursive: false,
+            manifest: None,
+            engine: EngineChoice::Auto,
+            concurrency: MoverConfig::default().concurrency,
+            trust_recorded_hash: false,
+            verify: VerifyMode::HashedInFlight,
+            bytes_per_second: None,
+            durable_each: false,
+            priority: Priority::Ingest,
+            atomic: false,
         }
     }
 }
 
-/// `1048576`, `64K`, `100M`, `2G`.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count like 1048576, 64K, 100M or 2G"))?;
-    n.checked_mul(mult)
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("{s:?} is out of range"))
+/// Why a copy could not start (a file that failed is in [`CpSummary::failures`] instead).
+#[derive(Debug, thiserror::Error)]
+pub enum CpError {
+    /// The options do not describe a copy (a directory without `recursive`, a bad location).
+    #[error("{0}")]
+    Usage(String),
+    /// The manifest could not be read or has a bad line.
+    #[error("manifest {path}: {detail}")]
+    Manifest { path: PathBuf, detail: String },
+    /// A local path could not be inspected or created.
+    #[error("{what} {path}: {source}")]
+    Local {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tier could not be opened or listed.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+}
+
+impl CpError {
+    /// Whether running the same copy again later can succeed without anyone changing anything.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            CpError::Transfer(e) => e.is_retryable(),
+            CpError::Local { source, .. } => !matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+            ),
+            CpError::Usage(_) | CpError::Manifest { .. } => false,
+        }
+    }
+}
+
+fn local(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CpError {
+    let path = path.to_owned();
+    move |source| CpError::Local { what, path, source }
 }
 
 /// One failed file in the summary.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CpFailure {
     pub path: String,
     pub kind: String,
@@ -112,8 +129,8 @@ pub struct CpFailure {
     pub error: String,
 }
 
-/// What `stagehand cp` did.
-#[derive(Debug, Clone, Serialize)]
+/// What a copy did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CpSummary {
     pub files: u64,
     pub copied: u64,
@@ -124,6 +141,8 @@ pub struct CpSummary {
     pub bytes_per_second: f64,
     pub files_per_second: f64,
     pub engine: String,
+    /// Stale temp files of killed copies that this run removed from the destination.
+    pub stale_removed: u64,
     pub failures: Vec<CpFailure>,
 }
 
@@ -170,48 +189,50 @@ enum Endpoint {
     S3 { bucket: String, prefix: String },
 }
 
-fn parse_endpoint(s: &str) -> anyhow::Result<Endpoint> {
+fn parse_endpoint(s: &str) -> Result<Endpoint, CpError> {
     if let Some(rest) = s.strip_prefix("s3://") {
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
         if bucket.is_empty() {
-            bail!("{s:?}: an S3 location is s3://bucket/prefix");
+            return Err(CpError::Usage(format!(
+                "{s:?}: an S3 location is s3://bucket/prefix"
+            )));
         }
         Ok(Endpoint::S3 {
             bucket: bucket.to_owned(),
             prefix: prefix.trim_end_matches('/').to_owned(),
         })
+    } else if s.is_empty() {
+        Err(CpError::Usage("an empty path names nothing".into()))
     } else {
         Ok(Endpoint::Local(PathBuf::from(s)))
     }
 }
 
-/// Parses a manifest: one `path\tsize\tsha256` per line; blank lines are ignored.
-pub fn read_manifest(path: &Path) -> anyhow::Result<Vec<FileRef>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading manifest {}", path.display()))?;
+/// Reads a manifest: one `path\tsize\tsha256` per line (the contract's one line parser,
+/// [`stagehand_schemas::manifest::parse_line`]); blank lines are ignored. A copy trusts no
+/// entry it cannot act on, so each is also checked ([`FileRef::check`]) and listed once.
+pub fn read_manifest(path: &Path) -> Result<Vec<FileRef>, CpError> {
+    let bad = |detail: String| CpError::Manifest {
+        path: path.to_owned(),
+        detail,
+    };
+    let text = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
     let mut files = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+    for (n, line) in text.split(|b| *b == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let at = || format!("manifest {} line {}", path.display(), n + 1);
-        let mut parts = line.split('\t');
-        let (Some(p), Some(size), Some(sha), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            bail!(
-                "{}: expected `path<TAB>size<TAB>sha256`, got {line:?}",
-                at()
-            );
-        };
-        let size: u64 = size
-            .parse()
-            .with_context(|| format!("{}: size {size:?} is not a number", at()))?;
-        let file = FileRef::new(p, size, sha);
-        file.check().with_context(at)?;
+        let line_no = n + 1;
+        let file = stagehand_schemas::manifest::parse_line(line)
+            .map_err(|e| bad(format!("line {line_no}: {e}")))?;
+        file.check()
+            .map_err(|e| bad(format!("line {line_no}: {e}")))?;
         if !seen.insert(file.path.clone()) {
-            bail!("{}: {:?} is listed twice", at(), file.path);
+            return Err(bad(format!(
+                "line {line_no}: {:?} is listed twice",
+                file.path
+            )));
         }
         files.push(file);
     }
@@ -220,13 +241,20 @@ pub fn read_manifest(path: &Path) -> anyhow::Result<Vec<FileRef>> {
 
 /// Walks a local directory: every regular file beneath it (symlinks are listed too, so the
 /// confined open refuses them by name instead of silently skipping them).
-fn walk_local(root: &Path) -> anyhow::Result<Vec<FileRef>> {
+fn walk_local(root: &Path) -> Result<Vec<FileRef>, CpError> {
     let mut files = Vec::new();
     for entry in walkdir::WalkDir::new(root)
         .follow_links(false)
         .sort_by_file_name()
+        .into_iter()
+        // A set being staged inside the source is not part of it.
+        .filter_entry(|e| !is_staging_name(&e.file_name().to_string_lossy()))
     {
-        let entry = entry.with_context(|| format!("walking {}", root.display()))?;
+        let entry = entry.map_err(|e| CpError::Local {
+            what: "walking",
+            path: root.to_owned(),
+            source: e.into(),
+        })?;
         if entry.file_type().is_dir() {
             continue;
         }
@@ -236,10 +264,12 @@ fn walk_local(root: &Path) -> anyhow::Result<Vec<FileRef>> {
         let rel = entry
             .path()
             .strip_prefix(root)
-            .context("walked outside the root")?;
+            .map_err(|_| CpError::Usage(format!("walked outside {}", root.display())))?;
         let rel = rel
             .to_str()
-            .with_context(|| format!("{} is not valid UTF-8", entry.path().display()))?
+            .ok_or_else(|| {
+                CpError::Usage(format!("{} is not valid UTF-8", entry.path().display()))
+            })?
             .to_owned();
         let size = if entry.file_type().is_file() {
             entry.metadata().map(|m| m.len()).unwrap_or(0)
@@ -251,12 +281,25 @@ fn walk_local(root: &Path) -> anyhow::Result<Vec<FileRef>> {
     Ok(files)
 }
 
-/// Runs `stagehand cp`: copies, prints the summary (text or JSON) to stdout, and returns it.
-/// The caller exits with [`CpSummary::exit_code`].
-pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
-    let src_ep = parse_endpoint(&args.src)?;
-    let dst_ep = parse_endpoint(&args.dst)?;
-    let manifest = match &args.manifest {
+fn utf8_name(path: &Path) -> Result<String, CpError> {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_owned)
+        .ok_or_else(|| CpError::Usage(format!("{} has no UTF-8 file name", path.display())))
+}
+
+fn parent_or_dot(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Runs a copy and returns what it did; `progress` moves as bytes land (a progress bar reads
+/// it). A file that fails is in the summary; `Err` means the copy could not start.
+pub async fn run_cp(opts: &CpOptions, progress: &Progress) -> Result<CpSummary, CpError> {
+    let src_ep = parse_endpoint(&opts.src)?;
+    let dst_ep = parse_endpoint(&opts.dst)?;
+    let manifest = match &opts.manifest {
         Some(p) => Some(read_manifest(p)?),
         None => None,
     };
@@ -264,14 +307,13 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
     // Work out the source tier and the relative paths to copy.
     let (src, mut files, single_name) = match &src_ep {
         Endpoint::Local(path) => {
-            let meta =
-                std::fs::metadata(path).with_context(|| format!("source {}", path.display()))?;
+            let meta = std::fs::metadata(path).map_err(local("source", path))?;
             if meta.is_dir() {
-                if !args.recursive && manifest.is_none() {
-                    bail!(
-                        "{} is a directory: use --recursive (or --manifest)",
+                if !opts.recursive && manifest.is_none() {
+                    return Err(CpError::Usage(format!(
+                        "{} is a directory: copy it recursively (or by a manifest)",
                         path.display()
-                    );
+                    )));
                 }
                 let tier = PosixTier::open("src", path)?;
                 let files = match &manifest {
@@ -281,18 +323,13 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
                 (Tier::Posix(tier), files, None)
             } else {
                 if manifest.is_some() {
-                    bail!("--manifest needs SRC to be the directory its paths are relative to");
+                    return Err(CpError::Usage(
+                        "a manifest needs the source to be the directory its paths are relative to"
+                            .into(),
+                    ));
                 }
-                let parent = path
-                    .parent()
-                    .filter(|p| !p.as_os_str().is_empty())
-                    .unwrap_or(Path::new("."));
-                let name = path
-                    .file_name()
-                    .and_then(|n| n.to_str())
-                    .with_context(|| format!("{} has no UTF-8 file name", path.display()))?
-                    .to_owned();
-                let tier = PosixTier::open("src", parent)?;
+                let name = utf8_name(path)?;
+                let tier = PosixTier::open("src", parent_or_dot(path))?;
                 (
                     Tier::Posix(tier),
                     vec![FileRef::new(name.clone(), meta.len(), String::new())],
@@ -301,7 +338,7 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
             }
         }
         Endpoint::S3 { bucket, prefix } => {
-            if args.recursive || manifest.is_some() {
+            if opts.recursive || manifest.is_some() {
                 let tier = S3Tier::from_env("src", bucket.clone(), prefix.clone())?;
                 let files = match &manifest {
                     Some(m) => m.clone(),
@@ -316,13 +353,16 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
             } else {
                 let (parent, name) = prefix.rsplit_once('/').unwrap_or(("", prefix.as_str()));
                 if name.is_empty() {
-                    bail!("{}: name an object, or use --recursive", args.src);
+                    return Err(CpError::Usage(format!(
+                        "{}: name an object, or copy recursively",
+                        opts.src
+                    )));
                 }
                 let tier = S3Tier::from_env("src", bucket.clone(), parent)?;
                 let size = tier
-                    .stat_side(name, crate::error::Side::Source)
+                    .stat_side(name, Side::Source)
                     .await?
-                    .with_context(|| format!("{} does not exist", args.src))?
+                    .ok_or_else(|| CpError::Usage(format!("{} does not exist", opts.src)))?
                     .size;
                 (
                     Tier::S3(tier),
@@ -333,26 +373,29 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
         }
     };
 
+    if opts.atomic {
+        if single_name.is_some() {
+            return Err(CpError::Usage(
+                "an atomic copy publishes a directory or prefix; a single file is atomic anyway"
+                    .into(),
+            ));
+        }
+        return copy_tree_atomic(opts, &src, &dst_ep, files, manifest.is_some(), progress).await;
+    }
+
     // The destination tier; a single file may be renamed like `cp a b`.
     let dst = match &dst_ep {
         Endpoint::Local(path) => {
             let root = match &single_name {
-                Some(_) if !path.is_dir() && !args.dst.ends_with('/') => {
-                    let parent = path
-                        .parent()
-                        .filter(|p| !p.as_os_str().is_empty())
-                        .unwrap_or(Path::new("."));
-                    let new_name = path
-                        .file_name()
-                        .and_then(|n| n.to_str())
-                        .with_context(|| format!("{} has no UTF-8 file name", path.display()))?;
-                    files[0].path = new_name.to_owned();
-                    parent.to_owned()
+                Some(_) if !path.is_dir() && !opts.dst.ends_with('/') => {
+                    files[0].path = utf8_name(path)?;
+                    parent_or_dot(path).to_owned()
                 }
                 _ => path.clone(),
             };
-            std::fs::create_dir_all(&root)
-                .with_context(|| format!("creating destination {}", root.display()))?;
+            // The destination root is the caller's own path (not a shared tier's), created as
+            // `mkdir -p` would; everything beneath it is created confined.
+            std::fs::create_dir_all(&root).map_err(local("creating destination", &root))?;
             Tier::Posix(PosixTier::open("dst", &root)?)
         }
         Endpoint::S3 { bucket, prefix } => {
@@ -362,44 +405,18 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
     // A renamed single file: the source keeps its own name.
     let src_names: Option<String> = single_name.filter(|n| *n != files[0].path);
 
-    let opts = CopyOptions {
-        priority: args.priority.into(),
-        trust_recorded_hash: args.trust_recorded_hash && manifest.is_some(),
-        verify_destination: if args.read_back {
-            VerifyDestination::ReadBack
-        } else {
-            VerifyDestination::InFlight
-        },
-        expected_hash_unknown: manifest.is_none(),
-    };
-    let mover = Mover::new(MoverConfig {
-        engine: args.engine,
-        concurrency: args.concurrency.max(1),
-        commit_mode: if args.durable_each {
-            CommitMode::Durable
-        } else {
-            CommitMode::Batched
-        },
-        bytes_per_second: args.bwlimit,
-        ..MoverConfig::default()
-    })?;
+    let copy = copy_options(opts, manifest.is_some());
+    let mover = mover_for(opts)?;
 
-    let progress = Progress::new();
-    let bar = (!args.quiet && !args.json && std::io::stderr().is_terminal())
-        .then(|| start_bar(progress.clone()));
     let report = if let Some(src_name) = src_names {
         // `cp dir/a other/b`: the source is read under its own name, published as `b`.
-        copy_renamed(&mover, &src, &dst, &src_name, &files[0], &opts, &progress).await
+        copy_renamed(&mover, &src, &dst, &src_name, &files[0], &copy, progress).await
     } else {
-        mover.copy_all(&src, &dst, &files, &opts, &progress).await
+        mover.copy_all(&src, &dst, &files, &copy, progress).await
     };
-    if let Some((bar, ticker)) = bar {
-        ticker.abort();
-        bar.finish_and_clear();
-    }
 
     let secs = report.elapsed.as_secs_f64().max(1e-9);
-    let summary = CpSummary {
+    Ok(CpSummary {
         files: report.results.len() as u64,
         copied: report.files_copied,
         skipped: report.files_skipped,
@@ -409,6 +426,10 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
         bytes_per_second: report.bytes_copied as f64 / secs,
         files_per_second: (report.files_copied + report.files_skipped) as f64 / secs,
         engine: report.engine.to_owned(),
+        stale_removed: match &dst {
+            Tier::Posix(d) => d.stale_removed().files_removed,
+            Tier::S3(_) => 0,
+        },
         failures: report
             .failures()
             .map(|(path, e)| CpFailure {
@@ -418,13 +439,119 @@ pub async fn run_cp(args: CpArgs) -> anyhow::Result<CpSummary> {
                 error: e.to_string(),
             })
             .collect(),
-    };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
-    } else {
-        print!("{}", summary.to_text());
+    })
+}
+
+fn copy_options(opts: &CpOptions, have_manifest: bool) -> CopyOptions {
+    CopyOptions {
+        priority: opts.priority,
+        trust_recorded_hash: opts.trust_recorded_hash && have_manifest,
+        verify_destination: opts.verify,
+        expected_hash_unknown: !have_manifest,
     }
-    Ok(summary)
+}
+
+fn mover_for(opts: &CpOptions) -> Result<Mover, TransferError> {
+    Mover::new(MoverConfig {
+        engine: opts.engine,
+        concurrency: opts.concurrency.max(1),
+        commit_mode: if opts.durable_each {
+            CommitMode::Durable
+        } else {
+            CommitMode::Batched
+        },
+        bytes_per_second: opts.bytes_per_second,
+        ..MoverConfig::default()
+    })
+}
+
+/// `cp --atomic`: the tree goes through [`Mover::copy_set`] and appears under the
+/// destination's name only when all of it is there.
+async fn copy_tree_atomic(
+    opts: &CpOptions,
+    src: &Tier,
+    dst_ep: &Endpoint,
+    files: Vec<FileRef>,
+    have_manifest: bool,
+    progress: &Progress,
+) -> Result<CpSummary, CpError> {
+    let (dst, name) = match dst_ep {
+        Endpoint::Local(path) => {
+            let name = utf8_name(path)?;
+            let parent = parent_or_dot(path);
+            std::fs::create_dir_all(parent).map_err(local("creating destination", parent))?;
+            (Tier::Posix(PosixTier::open("dst", parent)?), name)
+        }
+        Endpoint::S3 { bucket, prefix } => {
+            let (parent, name) = prefix.rsplit_once('/').unwrap_or(("", prefix.as_str()));
+            if name.is_empty() {
+                return Err(CpError::Usage(
+                    "an atomic copy to S3 needs a prefix to publish under (s3://bucket/name)"
+                        .into(),
+                ));
+            }
+            (
+                Tier::S3(S3Tier::from_env("dst", bucket.clone(), parent)?),
+                name.to_owned(),
+            )
+        }
+    };
+    let mover = mover_for(opts)?;
+    let set = crate::set::SetCopy {
+        src_prefix: String::new(),
+        dst_prefix: name,
+        opts: copy_options(opts, have_manifest),
+        chunk_files: 0,
+        totals: Some((files.len() as u64, files.iter().map(|f| f.size).sum())),
+    };
+    let count = files.len() as u64;
+    let started = std::time::Instant::now();
+    let result = mover
+        .copy_set(
+            src,
+            &dst,
+            &set,
+            futures::stream::iter(files),
+            progress,
+            &tokio_util::sync::CancellationToken::new(),
+            |_| {},
+        )
+        .await;
+    let secs = started.elapsed().as_secs_f64().max(1e-9);
+    let engine = mover.path_name(src, &dst).to_owned();
+    Ok(match result {
+        Ok(r) => CpSummary {
+            files: count,
+            copied: r.copied,
+            skipped: if r.existed { count } else { r.skipped },
+            failed: 0,
+            bytes: r.bytes_copied,
+            seconds: secs,
+            bytes_per_second: r.bytes_copied as f64 / secs,
+            files_per_second: (r.copied + r.skipped) as f64 / secs,
+            engine,
+            stale_removed: 0,
+            failures: Vec::new(),
+        },
+        Err(e) => CpSummary {
+            files: count,
+            copied: 0,
+            skipped: 0,
+            failed: 1,
+            bytes: 0,
+            seconds: secs,
+            bytes_per_second: 0.0,
+            files_per_second: 0.0,
+            engine,
+            stale_removed: 0,
+            failures: vec![CpFailure {
+                path: e.path.clone(),
+                kind: format!("{:?}", e.kind),
+                retryable: e.is_retryable(),
+                error: e.to_string(),
+            }],
+        },
+    })
 }
 
 /// Copies one file whose destination name differs from its source name.
@@ -446,9 +573,9 @@ async fn copy_renamed(
                 .copy_posix_renamed(s, d, &file, &dst_file.path, opts, progress)
                 .await
         }
-        _ => Err(crate::error::TransferError::new(
-            crate::error::ErrorKind::Config,
-            crate::error::Side::Destination,
+        _ => Err(TransferError::new(
+            ErrorKind::Config,
+            Side::Destination,
             dst.name(),
             &dst_file.path,
             "copying a single object under a new name is supported between local paths only; name a destination directory",
@@ -478,29 +605,22 @@ async fn copy_renamed(
     }
 }
 
-fn start_bar(progress: Progress) -> (indicatif::ProgressBar, tokio::task::JoinHandle<()>) {
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let b = bar.clone();
-    let ticker = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        loop {
-            tick.tick().await;
-            b.set_length(progress.bytes_total());
-            b.set_position(progress.bytes_done());
-            b.set_message(format!(
-                "{}/{} files",
-                progress.files_done(),
-                progress.files_total()
-            ));
-        }
-    });
-    (bar, ticker)
+/// A rate of bytes per second as `stagehand cp --bwlimit` writes it: `1048576`, `64K`, `100M`,
+/// `2G` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count like 1048576, 64K, 100M or 2G"))?;
+    n.checked_mul(mult)
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{s:?} is out of range"))
 }
 
 #[cfg(test)]
@@ -525,8 +645,8 @@ mod tests {
         assert_eq!(read_manifest(&p).unwrap().len(), 2);
         std::fs::write(&p, format!("../x\t0\t{sha}\n")).unwrap();
         let e = read_manifest(&p).unwrap_err();
-        assert!(format!("{e:#}").contains("line 1"), "{e:#}");
+        assert!(e.to_string().contains("line 1"), "{e}");
         std::fs::write(&p, format!("a\t0\t{sha}\na\t0\t{sha}\n")).unwrap();
-        assert!(format!("{:#}", read_manifest(&p).unwrap_err()).contains("twice"));
+        assert!(read_manifest(&p).unwrap_err().to_string().contains("twice"));
     }
 }

@@ -28,8 +28,18 @@ pub enum ErrorKind {
     NotFound,
     /// The bytes read do not hash to the expected SHA-256.
     ChecksumMismatch,
-    /// The size differs from the expected size.
+    /// The size differs from the expected size (found from `fstat`, HEAD or the GET's
+    /// `Content-Length` before any byte is read, or when a file grew while it was read).
     SizeMismatch,
+    /// The path names something other than a regular file or object: a directory, FIFO,
+    /// socket or device. Found without reading from it (a FIFO is opened non-blocking).
+    NotAFile,
+    /// The file is larger than the caller's maximum file size; found before any byte is read.
+    TooLarge,
+    /// The object store refused a request about this one object (an HTTP 4xx other than
+    /// 404, 403, 412 and 429: a bad key, an invalid range, ...). Permanent and about that
+    /// object only; other objects of the same tier are unaffected.
+    ObjectRefused,
     /// The source changed while it was being copied.
     SourceChanged,
     /// The destination filesystem or bucket is full (ENOSPC, EDQUOT).
@@ -112,13 +122,16 @@ impl TransferError {
 
 /// The kind for an OS error number. ELOOP and EXDEV only arise from confined opens
 /// (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV`) and mean a
-/// path that tried to leave its tier or follow a link.
+/// path that tried to leave its tier or follow a link; ENAMETOOLONG is a path or component
+/// over PATH_MAX / NAME_MAX: all three are about that one path, never worth a retry.
 pub fn kind_for_errno(errno: i32) -> ErrorKind {
     match errno {
         libc::ENOSPC | libc::EDQUOT => ErrorKind::NoSpace,
         libc::EACCES | libc::EPERM | libc::EROFS => ErrorKind::PermissionDenied,
         libc::ENOENT | libc::ENOTDIR => ErrorKind::NotFound,
-        libc::ELOOP | libc::EXDEV => ErrorKind::PathRefused,
+        libc::ELOOP | libc::EXDEV | libc::ENAMETOOLONG => ErrorKind::PathRefused,
+        // open(2) of a socket, or of a device with no driver behind it.
+        libc::ENXIO | libc::ENODEV => ErrorKind::NotAFile,
         libc::EEXIST => ErrorKind::DestinationConflict,
         _ => ErrorKind::Io,
     }
@@ -170,6 +183,8 @@ mod tests {
         assert_eq!(kind_for_errno(libc::ENOENT), ErrorKind::NotFound);
         assert_eq!(kind_for_errno(libc::ELOOP), ErrorKind::PathRefused);
         assert_eq!(kind_for_errno(libc::EXDEV), ErrorKind::PathRefused);
+        assert_eq!(kind_for_errno(libc::ENAMETOOLONG), ErrorKind::PathRefused);
+        assert_eq!(kind_for_errno(libc::ENXIO), ErrorKind::NotAFile);
         assert_eq!(kind_for_errno(libc::EIO), ErrorKind::Io);
     }
 

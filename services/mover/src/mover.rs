@@ -6,7 +6,7 @@
 //!   [`FileRef`]'s (or, without a recorded hash, becomes the proven hash);
 //! - the source's size, mtime and ctime are compared before and after (a change in between is
 //!   `SourceChanged`: the hash might describe a mix of old and new bytes);
-//! - with [`VerifyDestination::ReadBack`] the temp file is read back and hashed before rename;
+//! - with [`VerifyMode::ReadBack`] the temp file is read back and hashed before rename;
 //! - with `trust_recorded_hash` and a recorded hash, the bytes may move by `FICLONE` or
 //!   `copy_file_range` without being read by us: the recorded hash (proven at ingest) and the
 //!   unchanged size and times of the source stand for them.
@@ -25,7 +25,7 @@ use crate::posix::{AtomicFile, CommitMode, PendingRename, PosixTier};
 use crate::sched::{RateLimiter, Scheduler};
 use crate::tier::Tier;
 use crate::transfer::{
-    CopyOptions, CopyOutcome, EMPTY_SHA256, FileRef, Progress, SkipReason, VerifyDestination,
+    CopyOptions, CopyOutcome, EMPTY_SHA256, FileRef, Progress, SkipReason, VerifyMode,
 };
 
 /// Files at least this large are published individually even in [`CommitMode::Batched`].
@@ -49,6 +49,11 @@ pub struct MoverConfig {
     pub block_size: usize,
     /// Blocks in flight in the io_uring engine (registered buffers).
     pub buffers: usize,
+    /// Hashing threads of the io_uring engine; 0 means one per CPU. Each file is hashed on
+    /// one of them from start to end (SHA-256 is sequential), and files in flight together
+    /// go to the least busy one, so a multi-file copy hashes on every core while a single
+    /// file runs at one core's SHA-256 rate.
+    pub hash_threads: usize,
     /// Worker threads of the pread engine.
     pub pread_threads: usize,
     /// How a batch's files are made durable (see [`CommitMode`]).
@@ -78,6 +83,7 @@ impl Default for MoverConfig {
             concurrency: 64,
             block_size: 1 << 20,
             buffers: 16,
+            hash_threads: 0,
             pread_threads: 2,
             commit_mode: CommitMode::Batched,
             batch_files: 4096,
@@ -176,6 +182,10 @@ impl Mover {
             buffers: config.buffers.max(2),
             threads: config.pread_threads.max(1),
             direct_writes: config.direct_writes,
+            hash_threads: match config.hash_threads {
+                0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+                n => n,
+            },
         };
         let engine = Engine::start(config.engine, params, limiter.clone()).map_err(|e| {
             TransferError::new(
@@ -244,8 +254,20 @@ impl Mover {
         opts: &CopyOptions,
         progress: &Progress,
     ) -> BatchReport {
-        let started = Instant::now();
         progress.add_total(files.len() as u64, files.iter().map(|f| f.size).sum());
+        self.copy_batch(src, dst, files, opts, progress).await
+    }
+
+    /// [`Mover::copy_all`] without announcing the files to `progress` (the caller did).
+    pub(crate) async fn copy_batch(
+        &self,
+        src: &Tier,
+        dst: &Tier,
+        files: &[FileRef],
+        opts: &CopyOptions,
+        progress: &Progress,
+    ) -> BatchReport {
+        let started = Instant::now();
         if let Tier::Posix(d) = dst {
             d.forget_dirs();
         }
@@ -923,7 +945,7 @@ fn finish(
             format!("{} bytes landed, {} were copied", landed.size, prep.size),
         ));
     }
-    if opts.verify_destination == VerifyDestination::ReadBack {
+    if opts.verify_destination == VerifyMode::ReadBack {
         let back = prep.atomic.hash_written()?;
         if back.sha256 != sha {
             return Err(TransferError::new(

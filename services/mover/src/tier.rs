@@ -3,7 +3,7 @@
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::PosixTier;
 use crate::s3::S3Tier;
-use crate::transfer::FileDigest;
+use crate::transfer::{FileDigest, ReadLimit};
 
 /// Where files live. Paths handed to a tier are always relative to its root (or prefix).
 #[derive(Debug, Clone)]
@@ -70,6 +70,51 @@ impl Tier {
                     })?
             }
             Tier::S3(t) => t.hash_file(rel).await,
+        }
+    }
+}
+
+impl Tier {
+    /// The tier rooted at `rel` beneath this one (confined like every path; `""` is this
+    /// tier). A posix directory is opened, not created.
+    pub fn beneath(&self, rel: &str) -> Result<Tier, TransferError> {
+        match self {
+            Tier::Posix(t) => t.beneath(rel, false).map(Tier::Posix),
+            Tier::S3(t) => t.beneath(rel).map(Tier::S3),
+        }
+    }
+
+    /// Hashes the file or object at `rel` within `limit` — the validator's one call per
+    /// manifest entry. Before any byte is read: something that is not a regular file
+    /// (directory, FIFO, socket, device; opened without blocking) is
+    /// [`ErrorKind::NotAFile`], a size above `limit.max_size` is [`ErrorKind::TooLarge`], a
+    /// size other than `limit.declared_size` is [`ErrorKind::SizeMismatch`]; at most
+    /// `declared_size + 1` bytes are read. A path too long for the tier (PATH_MAX, or an S3
+    /// key over 1024 bytes) is [`ErrorKind::PathRefused`]. Every one of these, and an S3 4xx
+    /// about the object, is permanent and about this file only; unreachable endpoints, 5xx
+    /// and I/O errors are retryable.
+    pub async fn hash_file_bounded(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<FileDigest, TransferError> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                tokio::task::spawn_blocking(move || t.hash_file_bounded(&rel_owned, limit))
+                    .await
+                    .map_err(|e| {
+                        TransferError::new(
+                            ErrorKind::Io,
+                            Side::Source,
+                            self.name(),
+                            rel,
+                            format!("hashing task failed: {e}"),
+                        )
+                    })?
+            }
+            Tier::S3(t) => t.hash_file_bounded(rel, limit).await,
         }
     }
 }

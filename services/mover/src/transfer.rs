@@ -18,12 +18,116 @@ pub struct FileDigest {
     pub sha256: String,
 }
 
-/// Transfer priority classes, most urgent first.
+/// Bounds on reading one file whose size a manifest declares (see
+/// [`crate::Tier::hash_file_bounded`]): the size is checked from `fstat` (posix) or the
+/// response's `Content-Length` (S3) before any byte is read, and no more than
+/// `declared_size + 1` bytes are ever read, so a sparse 1 TiB file declared as 1 byte costs
+/// one `fstat`, not a terabyte of hashing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadLimit {
+    /// The size the manifest declares; a file of another size is
+    /// [`crate::ErrorKind::SizeMismatch`] before any byte is read. `None` reads to the end
+    /// (still bounded by `max_size`).
+    pub declared_size: Option<u64>,
+    /// The largest file the caller accepts (a policy's `max_file_size`); a larger one is
+    /// [`crate::ErrorKind::TooLarge`] before any byte is read. `None` for no maximum.
+    pub max_size: Option<u64>,
+}
+
+impl ReadLimit {
+    /// A file must be exactly `declared_size` bytes, and at most `max_size` when given.
+    pub fn declared(declared_size: u64, max_size: Option<u64>) -> ReadLimit {
+        ReadLimit {
+            declared_size: Some(declared_size),
+            max_size,
+        }
+    }
+
+    /// Checks a size found before reading; the error says which bound it broke.
+    pub(crate) fn check_size(&self, size: u64) -> Result<(), (crate::ErrorKind, String)> {
+        if let Some(max) = self.max_size
+            && size > max
+        {
+            return Err((
+                crate::ErrorKind::TooLarge,
+                format!("the file holds {size} bytes, more than the maximum of {max}; not read"),
+            ));
+        }
+        if let Some(declared) = self.declared_size
+            && size != declared
+        {
+            return Err((
+                crate::ErrorKind::SizeMismatch,
+                format!("the file holds {size} bytes, the manifest says {declared}; not read"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The most bytes a read may take: one past the declared size (to notice growth), else
+    /// one past the maximum, else unbounded.
+    pub(crate) fn read_cap(&self) -> u64 {
+        match (self.declared_size, self.max_size) {
+            (Some(d), _) => d.saturating_add(1),
+            (None, Some(m)) => m.saturating_add(1),
+            (None, None) => u64::MAX,
+        }
+    }
+
+    /// Checks what a bounded read found (the file may have grown or shrunk since its size was
+    /// checked).
+    pub(crate) fn check_read(&self, read: u64) -> Result<(), (crate::ErrorKind, String)> {
+        if let Some(declared) = self.declared_size
+            && read != declared
+        {
+            return Err((
+                crate::ErrorKind::SizeMismatch,
+                if read > declared {
+                    format!(
+                        "the file grew past the {declared} bytes the manifest says while it was read; reading stopped there"
+                    )
+                } else {
+                    format!(
+                        "the file shrank to {read} bytes while it was read, the manifest says {declared}"
+                    )
+                },
+            ));
+        }
+        if let Some(max) = self.max_size
+            && read > max
+        {
+            return Err((
+                crate::ErrorKind::TooLarge,
+                format!(
+                    "the file grew past the maximum of {max} bytes while it was read; reading stopped there"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Transfer priority classes, most urgent first: the one definition Stagehand has (the
+/// policy files name them in lowercase, `priorities.toml`'s `[classes.<name>]`; the CLI's
+/// `--priority` takes the same words).
 ///
 /// A class's weight is its share of free transfer slots when several classes wait:
 /// a checkpoint copy gets eight grants for every one a backup gets, so a bulk backup
 /// can never starve an urgent checkpoint, and a backup still makes progress.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum Priority {
     Checkpoint,
     Stage,
@@ -54,32 +158,72 @@ impl Priority {
     pub(crate) fn index(self) -> usize {
         self as usize
     }
-}
 
-impl fmt::Display for Priority {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+    /// The class's name as policies and the command line spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
             Priority::Checkpoint => "checkpoint",
             Priority::Stage => "stage",
             Priority::Ingest => "ingest",
             Priority::Backup => "backup",
-        })
+        }
     }
 }
 
-/// What proves that the bytes which landed on the destination are the bytes that were read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum VerifyDestination {
+impl fmt::Display for Priority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Priority {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Priority::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| {
+                format!("{s:?} is not a priority class (checkpoint, stage, ingest, backup)")
+            })
+    }
+}
+
+/// What proves that the bytes which landed on the destination are the bytes that were read:
+/// the one definition of the verification mode (`promotion.toml`'s `verify`, the CLI's
+/// `--verify`), spelled `hashed-in-flight` / `read-back`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VerifyMode {
     /// Every block is hashed from the very buffer that is then written, and every write is
     /// checked for its full length; the data is `fdatasync`ed before it becomes visible.
     /// This proves what was handed to the destination filesystem, not what its media holds
     /// (the filesystem's own integrity is trusted). One read of the source, no read-back.
     #[default]
-    InFlight,
-    /// As `InFlight`, and then the temporary file is read back and hashed again before it is
-    /// renamed into place. Costs a second full read (from the page cache when warm) and is
-    /// the choice when the destination filesystem is not trusted.
+    HashedInFlight,
+    /// As `HashedInFlight`, and then the temporary file is read back and hashed again before
+    /// it is renamed into place. Costs a second full read (from the page cache when warm) and
+    /// is the choice when the destination filesystem is not trusted.
     ReadBack,
+}
+
+impl VerifyMode {
+    /// Both modes, the default first.
+    pub const ALL: [VerifyMode; 2] = [VerifyMode::HashedInFlight, VerifyMode::ReadBack];
+
+    /// The mode's name as policies and the command line spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VerifyMode::HashedInFlight => "hashed-in-flight",
+            VerifyMode::ReadBack => "read-back",
+        }
+    }
+}
+
+impl fmt::Display for VerifyMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// How one transfer should be done.
@@ -91,7 +235,7 @@ pub struct CopyOptions {
     /// and a posix → posix copy may use `FICLONE` / `copy_file_range` without hashing the source
     /// (the recorded hash was proven when the file was first ingested).
     pub trust_recorded_hash: bool,
-    pub verify_destination: VerifyDestination,
+    pub verify_destination: VerifyMode,
     /// When the caller has no recorded hash (a plain `stagehand cp` without a manifest), the
     /// `sha256` of the [`FileRef`] is ignored: the copy hashes the source in flight and the
     /// destination is proven against that.
@@ -237,6 +381,16 @@ mod tests {
     fn weights_order_the_classes() {
         let w: Vec<u32> = Priority::ALL.iter().map(|p| p.weight()).collect();
         assert!(w.windows(2).all(|p| p[0] > p[1]), "{w:?}");
+    }
+
+    #[test]
+    fn class_and_mode_names_round_trip() {
+        for p in Priority::ALL {
+            assert_eq!(p.as_str().parse::<Priority>(), Ok(p));
+        }
+        assert!("urgent".parse::<Priority>().is_err());
+        assert_eq!(VerifyMode::ReadBack.as_str(), "read-back");
+        assert_eq!(VerifyMode::HashedInFlight.to_string(), "hashed-in-flight");
     }
 
     #[test]

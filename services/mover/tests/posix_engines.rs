@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 use stagehand_mover::{
     CommitMode, CopyOptions, CopyOutcome, EngineChoice, ErrorKind, FileRef, Mover, MoverConfig,
-    PosixTier, Progress, SkipReason, Tier, VerifyDestination,
+    PosixTier, Progress, SkipReason, Tier, VerifyMode,
 };
 
 /// Deterministic pseudo-random bytes (xorshift), different per seed.
@@ -174,7 +174,7 @@ pub async fn single_copy_durable_with_read_back(engine: EngineChoice) {
     })
     .unwrap();
     let opts = CopyOptions {
-        verify_destination: VerifyDestination::ReadBack,
+        verify_destination: VerifyMode::ReadBack,
         ..CopyOptions::default()
     };
     let out = mover.copy(&e.src, &e.dst, &f, &opts).await.unwrap();
@@ -488,7 +488,7 @@ pub async fn direct_buffered_and_inline_paths_agree(engine: EngineChoice) {
         })
         .unwrap();
         let opts = CopyOptions {
-            verify_destination: VerifyDestination::ReadBack,
+            verify_destination: VerifyMode::ReadBack,
             ..CopyOptions::default()
         };
         let report = mover

@@ -754,3 +754,147 @@ fn a_config_with_an_unknown_key_is_refused() {
     let err = toml::from_str::<S3Config>("bucket = \"data\"\npart_sise = 5").unwrap_err();
     assert!(err.to_string().contains("part_sise"), "{err}");
 }
+
+/// Bounded reads of objects (issue 6 item 7): the GET response's `Content-Length` is checked
+/// against the declared and maximum sizes before the body is read; a key over S3's 1024
+/// bytes is refused before any request, as that file's permanent problem; a missing object
+/// is permanent too. Only an unreachable endpoint stays retryable (tested above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_object_reads_check_sizes_first_and_refuse_overlong_keys() {
+    use stagehand_mover::{ReadLimit, Tier};
+    let cold = Tier::S3(tier("cold").await);
+    let Tier::S3(raw) = &cold else { unreachable!() };
+    let body = bytes(300_000, 7);
+    put_raw(raw, "a/obj.bin", &body, None).await;
+
+    let ok = cold
+        .hash_file_bounded("a/obj.bin", ReadLimit::declared(300_000, Some(1 << 20)))
+        .await
+        .unwrap();
+    assert_eq!((ok.size, ok.sha256), (300_000, sha_hex(&body)));
+
+    let err = cold
+        .hash_file_bounded("a/obj.bin", ReadLimit::declared(1, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
+    assert!(err.detail.contains("300000"), "{err}");
+    assert!(!err.is_retryable());
+    let err = cold
+        .hash_file_bounded("a/obj.bin", ReadLimit::declared(300_000, Some(1000)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::TooLarge, "{err}");
+    assert!(!err.is_retryable());
+
+    let err = cold
+        .hash_file_bounded("a/none.bin", ReadLimit::declared(1, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+    assert!(!err.is_retryable());
+
+    // Every component within NAME_MAX, the whole key over S3's 1024 bytes.
+    let long = vec!["k".repeat(220); 5].join("/");
+    let err = cold
+        .hash_file_bounded(&long, ReadLimit::declared(1, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::PathRefused, "{err}");
+    assert!(!err.is_retryable());
+    assert_eq!(err.path, long);
+}
+
+/// An S3 set (no rename on S3): every object is atomic, and the completion marker written
+/// last is what makes the prefix present. A corrupt file fails the set with no marker; the
+/// rerun after the fix uploads only what is missing and writes the marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_on_s3_is_present_only_with_its_completion_marker() {
+    use stagehand_mover::{
+        CancellationToken, Mover, MoverConfig, SET_COMPLETE_MARKER, SetCopy, Tier,
+    };
+    let cold = Tier::S3(tier("cold").await);
+    let src_dir = tempfile::tempdir().unwrap();
+    let mut files: Vec<FileRef> = (0..30u64)
+        .map(|i| {
+            write(
+                &src_dir.path().join("v1"),
+                &format!("f{i:02}"),
+                &bytes(20_000, i),
+            )
+        })
+        .collect();
+    let good = files[29].sha256.clone();
+    files[29].sha256 = sha_hex(b"not it");
+    let src = Tier::Posix(posix("lab", &src_dir));
+    let mover = Mover::new(MoverConfig::default()).unwrap();
+    let set = SetCopy {
+        src_prefix: "v1".into(),
+        dst_prefix: "ds/v1".into(),
+        chunk_files: 8,
+        ..SetCopy::default()
+    };
+    let err = mover
+        .copy_set(
+            &src,
+            &cold,
+            &set,
+            futures::stream::iter(files.clone()),
+            &Progress::new(),
+            &CancellationToken::new(),
+            |_| {},
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (err.kind, err.path.as_str()),
+        (ErrorKind::ChecksumMismatch, "f29")
+    );
+    assert!(!cold.set_present("ds/v1").await.unwrap());
+
+    files[29].sha256 = good;
+    let report = mover
+        .copy_set(
+            &src,
+            &cold,
+            &set,
+            futures::stream::iter(files),
+            &Progress::new(),
+            &CancellationToken::new(),
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!((report.copied, report.skipped), (1, 29));
+    assert!(cold.set_present("ds/v1").await.unwrap());
+    let Tier::S3(raw) = &cold else { unreachable!() };
+    let listed = raw.list("ds/v1").await.unwrap();
+    assert_eq!(listed.len(), 31, "30 objects and the marker");
+    assert!(
+        listed
+            .iter()
+            .any(|(k, _)| k == &format!("ds/v1/{SET_COMPLETE_MARKER}"))
+    );
+}
+
+/// A request the real server refuses (HTTP 403 for a wrong secret) is a permanent problem of
+/// that file, never retried as if the server were down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_is_permanent() {
+    use stagehand_mover::{ReadLimit, Tier};
+    let good = tier("cold").await;
+    put_raw(&good, "a/obj.bin", b"bytes", None).await;
+    let server = server().await;
+    let mut config = S3Config::new(good.bucket(), good.prefix());
+    config.endpoint = Some(server.endpoint());
+    let refused =
+        Tier::S3(S3Tier::connect_with_keys("cold", config, ACCESS_KEY, "not-the-secret").unwrap());
+    let err = refused
+        .hash_file_bounded("a/obj.bin", ReadLimit::declared(5, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::PermissionDenied, "{err}");
+    assert!(err.detail.contains("403"), "{err}");
+    assert!(!err.is_retryable());
+    assert_eq!(err.path, "a/obj.bin");
+}

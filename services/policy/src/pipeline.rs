@@ -69,15 +69,9 @@ pub struct PackingPolicy {
     pub target_tier: String,
 }
 
-/// How a copy onto a hot or local tier is proven.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum VerifyMode {
-    /// Read the landed file back and hash it.
-    ReadBack,
-    /// Trust the hash computed while the bytes were copied.
-    HashedInFlight,
-}
+/// How a copy onto a hot or local tier is proven: the mover's one definition
+/// (`"read-back"` or `"hashed-in-flight"`).
+pub use stagehand_mover::VerifyMode;
 
 /// `promotion.toml`: where stage requests copy data from and to.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -175,33 +169,9 @@ pub struct BackupPolicy {
     pub drill_sample_bytes: ByteSize,
 }
 
-/// A bandwidth class of transfers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PriorityClass {
-    Checkpoint,
-    Stage,
-    Ingest,
-    Backup,
-}
-
-impl PriorityClass {
-    pub const ALL: [PriorityClass; 4] = [
-        PriorityClass::Checkpoint,
-        PriorityClass::Stage,
-        PriorityClass::Ingest,
-        PriorityClass::Backup,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PriorityClass::Checkpoint => "checkpoint",
-            PriorityClass::Stage => "stage",
-            PriorityClass::Ingest => "ingest",
-            PriorityClass::Backup => "backup",
-        }
-    }
-}
+/// A bandwidth class of transfers: the mover's one definition of the classes, named in
+/// lowercase in `priorities.toml` (`[classes.checkpoint]` ...).
+pub use stagehand_mover::Priority as PriorityClass;
 
 /// One class's share of bandwidth.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

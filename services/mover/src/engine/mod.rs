@@ -13,13 +13,13 @@ use std::fs::File;
 use std::io;
 use std::sync::Arc;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::sched::RateLimiter;
 use crate::transfer::Progress;
 
 /// Which engine to use for posix → posix copies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineChoice {
     /// io_uring when the probe succeeds, otherwise pread.
@@ -31,6 +31,24 @@ pub enum EngineChoice {
     Pread,
 }
 
+impl EngineChoice {
+    /// Every choice, the default first.
+    pub const ALL: [EngineChoice; 3] = [
+        EngineChoice::Auto,
+        EngineChoice::IoUring,
+        EngineChoice::Pread,
+    ];
+
+    /// The name configs use (`io_uring`); the command line spells it with a dash.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineChoice::Auto => "auto",
+            EngineChoice::IoUring => "io_uring",
+            EngineChoice::Pread => "pread",
+        }
+    }
+}
+
 /// Sizes shared by both engines.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EngineParams {
@@ -39,6 +57,8 @@ pub(crate) struct EngineParams {
     pub threads: usize,
     /// Write large files with `O_DIRECT` where the filesystem allows (io_uring engine).
     pub direct_writes: bool,
+    /// Hashing threads of the io_uring engine.
+    pub hash_threads: usize,
 }
 
 /// One file's data to move: `size` bytes from `src` to `dst`, both at offset 0.

@@ -12,7 +12,7 @@ use super::errors::map_sdk_error;
 use super::upload::{PartReader, abort_upload, existing_object, send_object};
 use super::{S3Tier, SHA256_METADATA_KEY, expected_sha};
 use crate::error::{ErrorKind, Side, TransferError};
-use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress};
+use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress, ReadLimit};
 
 /// Copies `file` between two S3 tiers.
 pub async fn copy_within(
@@ -58,7 +58,12 @@ pub async fn copy_within(
         (_, Some(recorded)) => recorded.clone(),
         (_, None) => {
             let digest = src
-                .hash_object(rel, Side::Source, info.etag.as_deref())
+                .hash_object(
+                    rel,
+                    Side::Source,
+                    info.etag.as_deref(),
+                    ReadLimit::default(),
+                )
                 .await?;
             if let Some(want) = &expected
                 && *want != digest.sha256

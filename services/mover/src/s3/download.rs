@@ -25,7 +25,9 @@ use super::errors::{chain, map_sdk_error};
 use super::{ObjectInfo, S3Tier, SHA256_METADATA_KEY, expected_sha};
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::{AtomicFile, PendingRename, PosixTier};
-use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress, SkipReason, VerifyDestination};
+use crate::transfer::{
+    CopyOptions, CopyOutcome, FileRef, Progress, ReadLimit, SkipReason, VerifyMode,
+};
 
 /// Ranges of one object held (in flight or waiting for the hasher) at once.
 const MAX_WINDOW: usize = 8;
@@ -205,7 +207,7 @@ struct Received {
 
 /// Proves the temp file before it may be published: the size the file reference names, the
 /// SHA-256 it names (or, when the caller has none, the one recorded with the object), and with
-/// [`VerifyDestination::ReadBack`] the bytes read back from disk.
+/// [`VerifyMode::ReadBack`] the bytes read back from disk.
 #[allow(clippy::too_many_arguments)]
 async fn prove(
     src: &S3Tier,
@@ -243,7 +245,7 @@ async fn prove(
             ),
         ));
     }
-    if opts.verify_destination != VerifyDestination::ReadBack {
+    if opts.verify_destination != VerifyMode::ReadBack {
         return Ok(atomic);
     }
     let (atomic, written) = tokio::task::spawn_blocking(move || {
@@ -438,9 +440,14 @@ async fn existing_destination(
         (Some(want), _) => want.clone(),
         (None, Some(recorded)) => recorded.clone(),
         (None, None) => {
-            src.hash_object(rel, Side::Source, info.etag.as_deref())
-                .await?
-                .sha256
+            src.hash_object(
+                rel,
+                Side::Source,
+                info.etag.as_deref(),
+                ReadLimit::default(),
+            )
+            .await?
+            .sha256
         }
     };
     if opts.trust_recorded_hash && expected.is_some() {

@@ -87,6 +87,12 @@ pub(crate) fn kind_for_status(status: u16, code: &str) -> ErrorKind {
             ErrorKind::ChecksumMismatch
         }
         (_, "EntityTooLarge" | "QuotaExceeded") | (507, _) => ErrorKind::NoSpace,
+        // Request timeout and conflicting concurrent operations: a retry can succeed.
+        (408, _) => ErrorKind::Unreachable,
+        (409, _) => ErrorKind::ObjectStore,
+        // Any other 4xx is the server refusing this request about this object (a bad key, an
+        // invalid argument or range): permanent, and that object's problem only.
+        (400..=499, _) => ErrorKind::ObjectRefused,
         _ => ErrorKind::ObjectStore,
     }
 }
@@ -129,6 +135,20 @@ mod tests {
             kind_for_status(500, "InternalError"),
             ErrorKind::ObjectStore
         );
+        assert_eq!(
+            kind_for_status(400, "InvalidArgument"),
+            ErrorKind::ObjectRefused
+        );
+        assert_eq!(
+            kind_for_status(400, "KeyTooLongError"),
+            ErrorKind::ObjectRefused
+        );
+        assert_eq!(
+            kind_for_status(416, "InvalidRange"),
+            ErrorKind::ObjectRefused
+        );
+        assert!(!kind_for_status(400, "").is_retryable());
+        assert!(kind_for_status(408, "").is_retryable());
         assert!(kind_for_status(503, "").is_retryable());
         assert!(!kind_for_status(403, "").is_retryable());
     }

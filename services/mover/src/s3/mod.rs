@@ -37,7 +37,7 @@ use stagehand_schemas::check_relative_path;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{ErrorKind, Side, TransferError};
-use crate::transfer::FileDigest;
+use crate::transfer::{FileDigest, ReadLimit};
 
 pub use config::{MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Config};
 pub use copy::copy_within;
@@ -45,6 +45,9 @@ pub use download::{download, download_pending};
 pub use upload::upload;
 
 use errors::{Site, map_sdk_error};
+
+/// The longest object key S3 accepts, in bytes of UTF-8.
+pub const MAX_KEY_LEN: usize = 1024;
 
 /// The metadata key (sent as `x-amz-meta-sha256`) holding the object's whole SHA-256 in hex.
 pub const SHA256_METADATA_KEY: &str = "sha256";
@@ -209,6 +212,27 @@ impl S3Tier {
         }
     }
 
+    /// The same tier (same client and request limit) rooted at `rel` beneath this one's
+    /// prefix; `""` is this tier.
+    pub fn beneath(&self, rel: &str) -> Result<S3Tier, TransferError> {
+        if rel.is_empty() {
+            return Ok(self.clone());
+        }
+        let prefix = self.key_for(rel, Side::Source)?;
+        let mut config = self.inner.config.clone();
+        config.prefix = prefix;
+        Ok(S3Tier {
+            inner: Arc::new(Inner {
+                name: self.inner.name.clone(),
+                config,
+                client: self.inner.client.clone(),
+                endpoint: self.inner.endpoint.clone(),
+                requests: self.inner.requests.clone(),
+                range_hook: self.inner.range_hook.clone(),
+            }),
+        })
+    }
+
     pub(crate) fn range_hook(&self) -> Option<&RangeHook> {
         self.inner.range_hook.as_ref()
     }
@@ -250,7 +274,20 @@ impl S3Tier {
                 format!("refused as an S3 key: {e}"),
             )
         })?;
-        Ok(self.key_unchecked(rel))
+        let key = self.key_unchecked(rel);
+        if key.len() > MAX_KEY_LEN {
+            return Err(TransferError::new(
+                ErrorKind::PathRefused,
+                side,
+                self.name(),
+                rel,
+                format!(
+                    "the object key would be {} bytes long; S3 keys are at most {MAX_KEY_LEN} bytes",
+                    key.len()
+                ),
+            ));
+        }
+        Ok(key)
     }
 
     fn key_unchecked(&self, rel: &str) -> String {
@@ -384,7 +421,21 @@ impl S3Tier {
     /// Streams the whole object and hashes it (on a blocking thread, so the runtime keeps
     /// serving other transfers while SHA-256 runs).
     pub async fn hash_file(&self, rel: &str) -> Result<FileDigest, TransferError> {
-        self.hash_object(rel, Side::Source, None).await
+        self.hash_object(rel, Side::Source, None, ReadLimit::default())
+            .await
+    }
+
+    /// Hashes the object at `rel` within `limit`: the GET response's `Content-Length` is
+    /// checked against the declared and maximum sizes before any byte of the body is read,
+    /// and reading stops one byte past the declared size. A refusal about this one object
+    /// (4xx) is permanent ([`ErrorKind::ObjectRefused`], `NotFound`, `PermissionDenied`);
+    /// unreachable endpoints, timeouts and 5xx stay retryable.
+    pub async fn hash_file_bounded(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<FileDigest, TransferError> {
+        self.hash_object(rel, Side::Source, None, limit).await
     }
 
     pub(crate) async fn hash_object(
@@ -392,6 +443,7 @@ impl S3Tier {
         rel: &str,
         side: Side,
         if_match: Option<&str>,
+        limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
         let key = self.key_for(rel, side)?;
         let _slot = self.request_slot().await;
@@ -404,6 +456,12 @@ impl S3Tier {
             .send()
             .await
             .map_err(|e| map_sdk_error("GetObject", self.site(side, rel), e))?;
+        if let Some(length) = response.content_length() {
+            limit
+                .check_size(length.max(0) as u64)
+                .map_err(|(kind, detail)| self.site(side, rel).error(kind, detail))?;
+        }
+        let cap = limit.read_cap();
         let mut body = response.body;
         // Chunks go to a blocking thread for hashing; the bounded channel keeps at most a few
         // MiB in memory when hashing is slower than the network.
@@ -420,9 +478,15 @@ impl S3Tier {
                 sha256: hex::encode(hasher.finalize()),
             }
         });
-        loop {
+        let mut taken = 0u64;
+        while taken < cap {
             match body.try_next().await {
-                Ok(Some(chunk)) => {
+                Ok(Some(mut chunk)) => {
+                    let room = cap - taken;
+                    if chunk.len() as u64 > room {
+                        chunk.truncate(room as usize);
+                    }
+                    taken += chunk.len() as u64;
                     if tx.send(chunk).await.is_err() {
                         break;
                     }
@@ -444,10 +508,14 @@ impl S3Tier {
             }
         }
         drop(tx);
-        hasher.await.map_err(|e| {
+        let digest = hasher.await.map_err(|e| {
             self.site(side, rel)
                 .error(ErrorKind::Io, format!("hashing task failed: {e}"))
-        })
+        })?;
+        limit
+            .check_read(digest.size)
+            .map_err(|(kind, detail)| self.site(side, rel).error(kind, detail))?;
+        Ok(digest)
     }
 
     /// Writes a small object (a marker, an index) in one PUT with its SHA-256 checked by the

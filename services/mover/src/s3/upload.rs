@@ -22,7 +22,7 @@ use super::errors::{Site, chain, map_sdk_error};
 use super::{S3Tier, SHA256_METADATA_KEY, expected_sha, sha256_base64, sha256_hex_to_base64};
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::PosixTier;
-use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress, SkipReason};
+use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress, ReadLimit, SkipReason};
 
 /// Parts of one upload held in memory (being read, hashed or sent) at once.
 const MAX_WINDOW: usize = 8;
@@ -125,7 +125,12 @@ pub(crate) async fn existing_object(
         }));
     }
     let digest = dst
-        .hash_object(rel, Side::Destination, existing.etag.as_deref())
+        .hash_object(
+            rel,
+            Side::Destination,
+            existing.etag.as_deref(),
+            ReadLimit::default(),
+        )
         .await?;
     if digest.sha256 == want && digest.size == size {
         Ok(Some(CopyOutcome::Skipped {
