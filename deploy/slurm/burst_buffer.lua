@@ -26,7 +26,9 @@ The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
   slurm_bb_test_data_in 24.05+: looks once (`stage wait --timeout 0`); BUSY until ready
   slurm_bb_paths        inside slurmctld: copies the paths data_in recorded into the job's
                         environment (STAGEHAND_DATA_<NAME>=<path>); no network
-  slurm_bb_job_teardown `stagehand stage release` for each staged version
+  slurm_bb_job_teardown `stagehand stage release` for each staged version, unless the job is
+                        pending again (slurmctld restarted during stage-in: it tears down and
+                        stages in again later, and the job still needs its data)
   the others            nothing to do; defined because 24.05 refuses to start without them
 
 A failed or timed-out stage returns slurm.ERROR with Stagehand's reason: Slurm holds the job
@@ -507,8 +509,37 @@ function slurm_bb_test_data_out(job_id, job_script, uid, gid, job_info)
 	return slurm.SUCCESS
 end
 
+-- The job's state as slurmctld tells it ("PENDING", "COMPLETED", ...), "gone" when it no
+-- longer knows the job, or nil and a message when it cannot be asked.
+local function job_state(job_id)
+	local p = io.popen("scontrol -o show job " .. quote(job_id) .. " 2>&1; echo \"scontrol-exit=$?\"", "r")
+	local out = p:read("*a")
+	p:close()
+	local state = out:match("JobState=(%S+)")
+	if state then
+		return state
+	end
+	if out:match("Invalid job id") then
+		return "gone"
+	end
+	return nil, first_line(out)
+end
+
 function slurm_bb_job_teardown(job_id, job_script, hurry, uid, gid)
 	local conf = load_settings()
+	-- slurmctld restarted during stage-in: it tears the buffer down and stages the job in again
+	-- later. The job still needs its data, so its stages stay (a release is final, and the
+	-- request asked again would be the same request).
+	local state, serr = job_state(job_id)
+	if not state then
+		-- Slurm retries a failed teardown; better than releasing data a job may still need.
+		return slurm.ERROR, "stagehand: cannot tell whether job " .. job_id .. " still needs its data: " .. serr
+	end
+	if state == "PENDING" then
+		slurm.log_info("stagehand: job %s pending again (slurmctld restarted during stage-in): its stages stay", job_id)
+		os.remove(env_file(conf, job_id))
+		return slurm.SUCCESS
+	end
 	local directives, err = parse_directives(conf, job_script)
 	if not directives then
 		-- Refused at submit or unreadable now: nothing was requested that we can name.

@@ -8,6 +8,9 @@
 #                                   munged, slurmctld and slurmd (no systemd), create the test
 #                                   user, and wait until the node is idle
 #   deploy/slurm/slurm.sh stop      stop the three daemons started from $STAGEHAND_SLURM_DIR
+#   deploy/slurm/slurm.sh restart-controller
+#                                   stop slurmctld and start it again on the same state (what
+#                                   an upgrade or a crash does; the hooks must be idempotent)
 #   deploy/slurm/slurm.sh status    what runs, and the node's state
 #   deploy/slurm/slurm.sh env       `export` lines for clients: eval "$(deploy/slurm/slurm.sh env)"
 #
@@ -277,6 +280,23 @@ cmd_stop() {
     log "stopped the cluster of $DIR"
 }
 
+cmd_restart_controller() {
+    need_root restart-controller
+    running "$DIR/run/slurmctld.pid" || die "slurmctld of $DIR is not running"
+    local pid
+    pid="$(cat "$DIR/run/slurmctld.pid")"
+    kill -TERM "$pid"
+    local deadline=$((SECONDS + 10))
+    while kill -0 "$pid" 2>/dev/null; do
+        [ "$SECONDS" -lt "$deadline" ] || kill -KILL "$pid" 2>/dev/null || true
+        sleep 0.05
+    done
+    export SLURM_CONF="$DIR/etc/slurm.conf"
+    spawn "$DIR/run/slurmctld.pid" "$DIR/log/slurmctld.out" slurmctld -D -i -f "$SLURM_CONF"
+    wait_idle
+    log "slurmctld restarted"
+}
+
 cmd_status() {
     for p in munged slurmctld slurmd; do
         if running "$DIR/run/$p.pid"; then
@@ -299,6 +319,7 @@ case "${1:-}" in
 install) cmd_install ;;
 start) cmd_start ;;
 stop) cmd_stop ;;
+restart-controller) cmd_restart_controller ;;
 status) cmd_status ;;
 env) cmd_env ;;
 *)

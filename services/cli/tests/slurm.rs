@@ -704,3 +704,72 @@ async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment
     ensure!(node_state.starts_with("drain"), "node state {node_state:?}");
     Ok(())
 }
+
+/// slurmctld restarted while a job waits in stage-in: Slurm tears the job's burst buffer down
+/// and stages it in again (after deferring the job a minute), so every hook runs twice. The
+/// teardown of a job still pending must not release its stage (a release is final), and the
+/// second stage-in asks the same request: the job runs once its data is ready, and its stage is
+/// released once, when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs()
+-> anyhow::Result<()> {
+    let (stagehand, slurm) = setup().await?;
+    let root = slurm.data_dir().join("hot/lab/restart").join(VERSION);
+    let expected = write_dataset(&root, &[("r.bin", b"staged across a restart")])?;
+    let directives = vec![format!(
+        "#BB_LUA stage dataset=restart version={VERSION} tier=hot project={PROJECT}"
+    )];
+    let job = slurm.submit(
+        "restart",
+        &reading_job(&directives, "STAGEHAND_DATA_RESTART"),
+    )?;
+    let stage = hot_stage(job, "restart", VERSION);
+    stagehand.requested(&stage).await?;
+    stagehand
+        .set(
+            &stage,
+            "pending",
+            serde_json::json!({ "waiting_for": "copy", "reason": "copying" }),
+        )
+        .await?;
+    let out = Command::new("bash")
+        .arg(slurm_sh())
+        .arg("restart-controller")
+        .env("STAGEHAND_SLURM_DIR", slurm.dir.path())
+        .output()?;
+    ensure!(out.status.success(), "restart-controller: {}", said(&out));
+    // The teardown after the restart has run once the job's burst buffer is pending again.
+    slurm
+        .wait_job(job, "the job pending after the restart", |s, _| {
+            s == "PENDING"
+        })
+        .await?;
+    stagehand
+        .set(&stage, "ready", serde_json::json!({ "path": root }))
+        .await?;
+    let started = Instant::now();
+    // Slurm defers the job 60 s after tearing its buffer down.
+    let (state, _) = wait_for(Duration::from_secs(150), "the job to complete", || {
+        let seen = slurm
+            .job(job)
+            .ok()
+            .filter(|(s, _)| s == "COMPLETED" || s == "FAILED");
+        async move { seen }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
+    ensure!(state == "COMPLETED", "{state}");
+    eprintln!("ran {:?} after the data was ready", started.elapsed());
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == root.display().to_string() && sums == expected,
+        "{path} {sums:?}"
+    );
+    stagehand.released(&stage).await?;
+    let log = std::fs::read_to_string(slurm.dir.path().join("log/slurmctld.log"))?;
+    ensure!(
+        log.contains(&format!("stagehand: job {job} pending again")),
+        "the teardown after the restart did not see the job pending"
+    );
+    Ok(())
+}
