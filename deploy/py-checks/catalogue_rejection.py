@@ -33,25 +33,31 @@ async def check(nc, js, request: dict, fact: dict) -> None:
     dataset = request["payload"]["dataset"]
     declared = produce_ingest.version_digest(request["payload"]["files"])
 
-    def has_rejection(answer: dict) -> bool:
-        return answer.get("answer") == "dataset" and any(
-            r["request_id"] == request["id"] for r in answer["rejections"]
-        )
+    def is_rejection(answer: dict) -> bool:
+        return answer.get("answer") == "rejection"
 
     answer = await catalogue_client.poll(
         nc,
-        {"query": "dataset", "project": project, "dataset": dataset},
-        has_rejection,
+        {"query": "rejection", "project": project, "dataset": dataset, "request_id": request["id"]},
+        is_rejection,
         timeout=TIMEOUT,
         what=f"the rejection of request {request['id']} ({project}/{dataset})",
         alive=services_alive,
     )
-    (rejection,) = [r for r in answer["rejections"] if r["request_id"] == request["id"]]
+    rejection = answer["rejection"]
+    assert rejection["request_id"] == request["id"], rejection
     problems = [(p["code"], p.get("path")) for p in rejection["problems"]]
     assert problems == [("checksum_mismatch", "a.bin")], problems
     assert rejection["problems"][0]["detail"], "the reason says what is wrong"
+    assert rejection["problem_counts"] == [["checksum_mismatch", 1]], rejection["problem_counts"]
+    assert rejection["problems_total"] == 1, rejection["problems_total"]
     assert rejection["declared_version"] == declared, (rejection["declared_version"], declared)
     assert rejection["requested_by"] == request["payload"]["requested_by"], rejection
     assert rejection["quarantine"] == fact["payload"]["quarantine"], (rejection["quarantine"], fact["payload"])
-    assert request["id"] in answer["dataset"]["rejected_requests"], answer["dataset"]
-    assert answer["versions"] == [] and answer["dataset"]["versions"] == [], "a rejected upload is no version"
+    assert rejection["stamp"]["at"].endswith("Z"), "times are RFC 3339 in UTC"
+
+    detail = await catalogue_client.ask(nc, {"query": "dataset", "project": project, "dataset": dataset})
+    assert detail.get("answer") == "dataset", detail
+    assert detail["dataset"]["rejection_count"] >= 1, detail["dataset"]
+    assert any(r["request_id"] == request["id"] for r in detail["rejections"]), detail["rejections"]
+    assert detail["versions"] == [] and detail["dataset"]["version_count"] == 0, "a rejected upload is no version"

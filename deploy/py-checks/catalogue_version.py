@@ -35,36 +35,46 @@ async def check(nc, js, request: dict, fact: dict) -> None:
     digest = produce_ingest.version_digest(files)
     assert fact["payload"]["version"] == digest, "the validator agrees with Python's digest"
 
-    def has_version(answer: dict) -> bool:
-        return answer.get("answer") == "dataset" and any(v["version"] == digest for v in answer["versions"])
+    def is_version(answer: dict) -> bool:
+        return answer.get("answer") == "version"
 
+    # A prefix of the digest names the version.
     answer = await catalogue_client.poll(
         nc,
-        {"query": "dataset", "project": project, "dataset": dataset},
-        has_version,
+        {"query": "version", "project": project, "dataset": dataset, "version": digest[:12]},
+        is_version,
         timeout=TIMEOUT,
         what=f"version {digest[:12]} of {project}/{dataset}",
         alive=services_alive,
     )
-    (version,) = [v for v in answer["versions"] if v["version"] == digest]
+    version = answer["version"]
+    assert version["version"] == digest, version
     assert version["file_count"] == len(files), (version["file_count"], len(files))
     assert version["total_bytes"] == sum(f["size"] for f in files), version["total_bytes"]
-    assert request["id"] in version["request_ids"], (request["id"], version["request_ids"])
+    assert version["request_count"] == 1, version
     assert version["provenance"]["request_id"] == request["id"], version["provenance"]
     assert version["provenance"]["by"] == request["payload"]["requested_by"], version["provenance"]
-    assert answer["dataset"]["versions"] == [digest], answer["dataset"]
+    assert version["provenance"]["at"].endswith("Z"), "times are RFC 3339 in UTC"
     assert any(r["tier"] == "source" and r["state"] == "present" for r in answer["replicas"]), answer["replicas"]
 
-    # The version's files are the manifest Python hashed, path for path.
-    detail = await catalogue_client.ask(
-        nc, {"query": "version", "project": project, "dataset": dataset, "version": digest[:12]}
+    # The version's files are the manifest Python hashed, path for path, in manifest order,
+    # read page by page.
+    got = await catalogue_client.all_files(
+        nc, {"project": project, "dataset": dataset, "version": digest}, page=2
     )
-    assert detail.get("answer") == "version", detail
-    got = sorted((f["path"], f["size"], f["sha256"]) for f in detail["files"])
-    want = sorted((f["path"], f["size"], f["sha256"]) for f in files)
-    assert got == want, (got, want)
+    want = sorted(files, key=lambda f: f["path"].encode())
+    assert [(f["path"], f["size"], f["sha256"]) for f in got] == [
+        (f["path"], f["size"], f["sha256"]) for f in want
+    ], (got, want)
+    one = await catalogue_client.ask(
+        nc, {"query": "file", "project": project, "dataset": dataset, "version": digest, "path": want[0]["path"]}
+    )
+    assert one.get("answer") == "file" and one["file"]["sha256"] == want[0]["sha256"], one
 
-    # And the dataset list shows it.
+    # The dataset counts it, and the dataset list shows it.
+    detail = await catalogue_client.ask(nc, {"query": "dataset", "project": project, "dataset": dataset})
+    assert detail["dataset"]["version_count"] == 1, detail["dataset"]
+    assert [v["version"] for v in detail["versions"]] == [digest], detail["versions"]
     listing = await catalogue_client.ask(nc, {"query": "datasets", "project": project})
     assert listing.get("answer") == "datasets", listing
-    assert [d for d in listing["datasets"] if d["dataset"] == dataset and digest in d["versions"]], listing
+    assert [d for d in listing["datasets"] if d["dataset"] == dataset and d["version_count"] == 1], listing

@@ -2,15 +2,26 @@
 """Asking the Stagehand catalogue from Python, over NATS request/reply.
 
 A query is one JSON document sent to ``stagehand.catalogue.query``; a catalogue recorder
-answers with one JSON document (services/catalogue-recorder/src/query.rs has the format):
+answers with one JSON document of at most 512 KiB (services/catalogue-client/src/query.rs has
+the format). Lists are pages: ``limit`` (default 100, at most 10,000) and ``after`` (the
+``next`` of the previous page); ``next`` is null on the last page. Where a query names a
+``version``, a unique prefix of at least 8 characters will do; leaving ``project`` out means
+"the only project with a dataset of that name". Times are RFC 3339 in UTC.
 
-    {"query": "datasets"}                                       -> {"answer": "datasets", "datasets": [...]}
-    {"query": "dataset", "project": "P", "dataset": "D"}        -> {"answer": "dataset", "dataset": {...},
-                                                                    "versions": [...], "replicas": [...],
-                                                                    "stages": [...], "rejections": [...]}
-    {"query": "version", "project": "P", "dataset": "D", "version": "<digest or >= 8 char prefix>"}
-                                                                -> {"answer": "version", "version": {...},
-                                                                    "files": [...], ...}
+    {"query": "datasets", "project": "P"}               -> {"answer": "datasets", "datasets": [...], "next": ...}
+    {"query": "dataset", "project": "P", "dataset": "D"} -> {"answer": "dataset", "dataset": {..., "version_count",
+                                                            "rejection_count"}, "versions": [...], "versions_next",
+                                                            "replicas": [...], "rejections": [...], "rejections_next"}
+    {"query": "version", "project": "P", "dataset": "D", "version": "<digest or prefix>"}
+                                                         -> {"answer": "version", "version": {...}, "replicas": [...]}
+    {"query": "files", "dataset": "D", "version": "...", "limit": 1000, "after": "<path>"}
+                                                         -> {"answer": "files", "version": "<digest>", "files": [...], "next": ...}
+    {"query": "file", "dataset": "D", "version": "...", "path": "a/b.jpg"}
+                                                         -> {"answer": "file", "version": "<digest>", "file": {...}}
+    {"query": "rejection", "dataset": "D", "request_id": "..."}
+                                                         -> {"answer": "rejection", "rejection": {...}}
+    {"query": "stage_requests", "project": "P", "job_id": "J"}
+                                                         -> {"answer": "stage_requests", "stages": [...], "next": ...}
 
 A failed query answers ``{"answer": "error", "code": "not_found" | "ambiguous" | "bad_query" |
 "internal", "message": "..."}``; :func:`ask` returns it like any answer, the caller decides.
@@ -48,6 +59,24 @@ async def ask(nc, query: dict, timeout: float = 5.0) -> dict:
     if not isinstance(answer, dict) or "answer" not in answer:
         raise ValueError(f"the catalogue answered something that is not an answer: {msg.data[:200]!r}")
     return answer
+
+
+async def all_files(nc, query: dict, page: int = 10_000, timeout: float = 5.0) -> list[dict]:
+    """Every file of a version, asking ``files`` page by page (``query`` names project,
+    dataset and version); raises ValueError on an error answer."""
+    files: list[dict] = []
+    after = None
+    while True:
+        q = dict(query, query="files", limit=page)
+        if after is not None:
+            q["after"] = after
+        answer = await ask(nc, q, timeout=timeout)
+        if answer.get("answer") != "files":
+            raise ValueError(f"files query {q} answered {answer}")
+        files.extend(answer["files"])
+        after = answer["next"]
+        if after is None:
+            return files
 
 
 async def poll(

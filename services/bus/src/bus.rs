@@ -68,8 +68,20 @@ pub const READINESS: KvSpec = KvSpec {
     max_age: Duration::ZERO,
 };
 
+/// The stage status bucket: one key per stage request (`<project>.<hex(request id)>`), written
+/// by the catalogue recorder, watched by `stagehand stage wait`.
+pub const STAGES_BUCKET: &str = "stagehand_stages";
+
+/// The stage status bucket's declaration.
+pub const STAGES: KvSpec = KvSpec {
+    bucket: STAGES_BUCKET,
+    description: "Stagehand: the status of each stage request, by request id",
+    history: 5,
+    max_age: Duration::ZERO,
+};
+
 /// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
-pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS];
+pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS, STAGES];
 
 /// Longest wait for a new or re-replicated stream to have a leader and current replicas.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);

@@ -53,7 +53,7 @@ mod worker;
 
 pub use bus::{
     Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, PublishAck,
-    READINESS, READINESS_BUCKET, stream_config,
+    READINESS, READINESS_BUCKET, STAGES, STAGES_BUCKET, stream_config,
 };
 pub use config::{
     BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,

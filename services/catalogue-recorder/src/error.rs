@@ -14,6 +14,13 @@ pub enum StoreError {
     /// The store's single writer is gone (the recorder is shutting down).
     #[error("catalogue writer stopped")]
     WriterGone,
+    /// A record would be larger than a record may be (so that every answer stays bounded).
+    #[error("catalogue record {what} would be {bytes} bytes, over the bound of {max}")]
+    TooLarge {
+        what: String,
+        bytes: usize,
+        max: usize,
+    },
 }
 
 impl StoreError {
@@ -22,8 +29,15 @@ impl StoreError {
         match self {
             // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
             StoreError::Redb(_) | StoreError::WriterGone => true,
-            StoreError::Corrupt { .. } => false,
+            StoreError::Corrupt { .. } | StoreError::TooLarge { .. } => false,
         }
+    }
+
+    /// Whether redb latched an I/O failure (ENOSPC, EIO during a commit): every later call
+    /// fails until the database is reopened, so the recorder must stop rather than go on
+    /// consuming with a dead store.
+    pub fn is_latched(&self) -> bool {
+        matches!(self, StoreError::Redb(redb::Error::PreviousIo))
     }
 }
 

@@ -1,428 +1,764 @@
-//! The fold: facts in, catalogue state out.
+//! The fold: facts in, catalogue records out, one function per kind of fact.
 //!
-//! [`apply`] takes one event and a [`View`] of the catalogue (a key → bytes map plus the set of
-//! event ids already applied) and changes the records the event concerns. It is pure over the
-//! view, so it runs the same against the redb transaction and against the in-memory map the
-//! unit tests use. Applying an event whose id was applied before changes nothing, and records
-//! keep the newest [`Stamp`], so any order and any number of copies of the same facts fold to
-//! the same catalogue.
+//! [`apply`] takes one event and the store's write transaction and changes the records the
+//! event concerns (the tables are listed in [`crate::store`]). Applying an event whose id was
+//! applied before changes nothing, and every record keeps the newest [`Stamp`] — counts move
+//! only when a record is created or replaced, and the "newest" registers are maxima — so any
+//! order and any number of copies of the same facts fold to the same catalogue.
 //!
-//! Keys are the record type's letter and the record's identity, joined by NUL:
-//! `D project dataset`, `V project dataset version`, `F project dataset version` (files),
-//! `R project dataset version tier`, `S project dataset version tier job`,
-//! `X project dataset request`, `L service`, `C project run step`. A part that itself holds
-//! `%` or NUL has them escaped (`%25`, `%00`), so a prefix scan never crosses records.
+//! A fact that carries a file list (`dataset.validated`, `dataset.prepared`) is folded only
+//! once its list is in the store ([`crate::files`] fetches it, verified, and writes it in
+//! chunks first); here the version record only points at it.
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-use stagehand_schemas::{Body, Event, FileRef, Location};
+use redb::{ReadableTable, WriteTransaction};
+use stagehand_catalogue::*;
+use stagehand_manifest::{ManifestError, ManifestErrorKind};
+use stagehand_schemas::problem::ProblemTally;
+use stagehand_schemas::*;
 
 use crate::error::StoreError;
-use crate::model::*;
+use crate::model::{FileListRecord, ReadinessAggregate};
+use crate::stage::{self, StageChange};
+use crate::store::*;
 
-/// A key → bytes map the fold reads and writes, and the set of applied event ids.
-pub trait View {
-    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
-    fn put(&mut self, key: &str, value: Vec<u8>) -> Result<(), StoreError>;
-    fn applied(&self, event_id: &str) -> Result<bool, StoreError>;
-    fn mark_applied(&mut self, event_id: &str) -> Result<(), StoreError>;
+/// Why one fact could not be folded.
+#[derive(Debug, thiserror::Error)]
+pub enum FoldError {
+    /// The store failed (I/O, a lock): nothing about this fact in particular.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Something about this fact: its manifest, its content.
+    #[error("{detail}")]
+    Problem {
+        code: FoldProblemCode,
+        detail: String,
+        retryable: bool,
+    },
 }
 
-/// Key separator: cannot occur inside an escaped part.
-pub const SEP: char = '\0';
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for FoldError {
+            fn from(e: $t) -> Self {
+                FoldError::Store(e.into())
+            }
+        }
+    )*};
+}
+from_redb!(
+    redb::TableError,
+    redb::StorageError,
+    redb::TransactionError,
+    redb::CommitError
+);
 
-fn escape(part: &str) -> std::borrow::Cow<'_, str> {
-    if part.contains(['%', '\0']) {
-        part.replace('%', "%25").replace('\0', "%00").into()
-    } else {
-        part.into()
+impl FoldError {
+    /// A manifest that could not be opened or read.
+    pub fn manifest(e: ManifestError) -> Self {
+        let code = match e.kind {
+            ManifestErrorKind::NotFound => FoldProblemCode::ManifestMissing,
+            ManifestErrorKind::Mismatch => FoldProblemCode::ManifestMismatch,
+            ManifestErrorKind::Malformed => FoldProblemCode::ManifestMalformed,
+            ManifestErrorKind::Invalid => FoldProblemCode::MalformedFact,
+            _ => FoldProblemCode::ManifestUnreachable,
+        };
+        FoldError::Problem {
+            code,
+            retryable: e.is_retryable(),
+            detail: e.to_string(),
+        }
+    }
+
+    /// A fact that contradicts itself.
+    pub fn malformed(detail: impl Into<String>) -> Self {
+        FoldError::Problem {
+            code: FoldProblemCode::MalformedFact,
+            detail: detail.into(),
+            retryable: false,
+        }
+    }
+
+    /// The problem code when the failure is this fact's own (it can be skipped and listed);
+    /// `None` when the store itself failed.
+    pub fn problem_code(&self) -> Option<FoldProblemCode> {
+        match self {
+            FoldError::Problem { code, .. } => Some(*code),
+            FoldError::Store(StoreError::Corrupt { .. }) => Some(FoldProblemCode::CorruptRecord),
+            FoldError::Store(StoreError::TooLarge { .. }) => Some(FoldProblemCode::RecordTooLarge),
+            FoldError::Store(_) => None,
+        }
+    }
+
+    /// Whether folding the same fact later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            FoldError::Problem { retryable, .. } => *retryable,
+            FoldError::Store(e) => e.is_retryable(),
+        }
     }
 }
 
-/// Builds a key from its record letter and identity parts.
-pub fn key(kind: char, parts: &[&str]) -> String {
-    let mut key = String::from(kind);
-    for part in parts {
-        key.push(SEP);
-        key.push_str(&escape(part));
+/// The problem record of `event` failing with `detail`.
+pub fn problem(
+    event: &Event,
+    sequence: Option<u64>,
+    code: FoldProblemCode,
+    detail: String,
+) -> FoldProblem {
+    let version = match &event.body {
+        Body::DatasetValidated(p) => Some(p.version.clone()),
+        Body::DatasetPrepared(p) => Some(p.version.clone()),
+        _ => None,
+    };
+    FoldProblem {
+        event_id: event.id.clone(),
+        kind: event.kind().to_owned(),
+        project: event.project.clone(),
+        dataset: event.body.dataset().map(str::to_owned),
+        version,
+        stream_sequence: sequence,
+        code,
+        detail,
+        occurred_at: event.occurred_at,
     }
-    key
 }
 
-/// The prefix of every key of `kind` whose identity starts with `parts` (ends with a separator).
-pub fn prefix(kind: char, parts: &[&str]) -> String {
-    let mut p = key(kind, parts);
-    p.push(SEP);
-    p
-}
-
-/// A (project, dataset, version, tier) whose readiness may have changed; the recorder mirrors
-/// it into the KV bucket after the commit.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TierKey {
-    pub project: String,
-    pub dataset: String,
-    pub version: String,
-    pub tier: String,
-}
-
-/// What one event touches: the tiers whose readiness to mirror. Computed from the event alone,
-/// so a redelivered (already applied) event still re-mirrors — the mirror may be what failed.
-pub fn touched(event: &Event) -> Option<TierKey> {
-    let (dataset, version, tier) = match &event.body {
-        Body::DatasetValidated(p) => (&p.dataset, &p.version, &p.source.tier),
-        Body::DatasetPrepared(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::StageRequested(p) => (&p.dataset, &p.version, &p.tier),
-        Body::StageReleased(p) => (&p.dataset, &p.version, &p.tier),
-        Body::StageReady(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::StageFailed(p) => (&p.dataset, &p.version, &p.tier),
-        Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier),
-        Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier),
+/// The readiness keys one event touches: the ones to mirror after it folded. Computed from
+/// the event alone, so a redelivered (already applied) event still re-mirrors — the mirror
+/// may be what failed.
+pub fn touched(event: &Event) -> Option<ReadinessKey> {
+    let (dataset, version, tier, node) = match &event.body {
+        Body::DatasetValidated(p) => (&p.dataset, &p.version, &p.source.tier, None),
+        Body::DatasetPrepared(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::StageRequested(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::StageReleased(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::StagePending(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::StageReady(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::StageFailed(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
+        Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
         _ => return None,
     };
-    Some(TierKey {
+    // A stage fact may name a version prefix: its readiness is found through its request.
+    if !is_sha256_hex(version) {
+        return None;
+    }
+    Some(ReadinessKey {
         project: event.project.clone(),
         dataset: dataset.clone(),
         version: version.clone(),
         tier: tier.clone(),
+        node: node.cloned(),
     })
-}
-
-/// Reads and decodes a record; a value that does not decode is an error naming its key, never a
-/// panic.
-pub fn read<T: DeserializeOwned>(view: &impl View, key: &str) -> Result<Option<T>, StoreError> {
-    match view.get(key)? {
-        None => Ok(None),
-        Some(bytes) => decode(key, &bytes).map(Some),
-    }
-}
-
-/// Decodes a stored value.
-pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
-        key: key.replace(SEP, "/"),
-        detail: e.to_string(),
-    })
-}
-
-fn write<T: Serialize>(view: &mut impl View, key: &str, value: &T) -> Result<(), StoreError> {
-    let bytes = serde_json::to_vec(value).map_err(|e| StoreError::Corrupt {
-        key: key.replace(SEP, "/"),
-        detail: format!("cannot encode: {e}"),
-    })?;
-    view.put(key, bytes)
 }
 
 /// Applies one event. Returns whether it changed anything (false for an event applied before).
-pub fn apply(view: &mut impl View, event: &Event) -> Result<bool, StoreError> {
-    if view.applied(event.id.as_str())? {
+pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
+    if txn.open_table(APPLIED)?.get(event.id.as_str())?.is_some() {
         return Ok(false);
     }
     let stamp = Stamp {
         at: event.occurred_at,
         event_id: event.id.clone(),
     };
-    let project = event.project.as_str();
     match &event.body {
-        Body::DatasetValidated(p) => {
-            dataset_seen(view, project, &p.dataset, &stamp, |d| {
-                d.versions.insert(p.version.clone());
-            })?;
-            let provenance = Provenance {
-                by: p.requested_by.clone(),
-                at: event.occurred_at,
-                request_id: p.request_id.clone(),
-                event_id: event.id.clone(),
-                labels: p.labels.clone(),
-                derived_from: None,
-                layout: None,
-                location: p.source.clone(),
-            };
-            record_version(view, project, &p.dataset, &p.version, &p.files, provenance)?;
-            set_replica(
-                view,
-                project,
-                &p.dataset,
-                &p.version,
-                &p.source,
-                &stamp,
-                ReplicaState::Present,
-                None,
-                Some(Copy {
-                    files: p.files.len() as u64,
-                    total_bytes: p.total_bytes,
-                    verified_by: "ingest-validation".into(),
-                    backup: false,
-                }),
-            )?;
-        }
-        Body::DatasetPrepared(p) => {
-            dataset_seen(view, project, &p.dataset, &stamp, |d| {
-                d.versions.insert(p.version.clone());
-            })?;
-            let provenance = Provenance {
-                by: "resharder".into(),
-                at: event.occurred_at,
-                request_id: event.correlation_id.clone(),
-                event_id: event.id.clone(),
-                labels: vec![],
-                derived_from: Some(p.derived_from.clone()),
-                layout: Some(p.layout.clone()),
-                location: p.location.clone(),
-            };
-            record_version(view, project, &p.dataset, &p.version, &p.files, provenance)?;
-            set_replica(
-                view,
-                project,
-                &p.dataset,
-                &p.version,
-                &p.location,
-                &stamp,
-                ReplicaState::Present,
-                None,
-                Some(Copy {
-                    files: p.files.len() as u64,
-                    total_bytes: p.total_bytes,
-                    verified_by: "prepared".into(),
-                    backup: false,
-                }),
-            )?;
-        }
-        Body::DatasetRejected(p) => {
-            dataset_seen(view, project, &p.dataset, &stamp, |d| {
-                d.rejected_requests.insert(p.request_id.to_string());
-            })?;
-            let key = key('X', &[project, &p.dataset, p.request_id.as_str()]);
-            let record = RejectionRecord {
-                project: project.into(),
-                dataset: p.dataset.clone(),
-                request_id: p.request_id.clone(),
-                declared_version: p.declared_version.clone(),
-                requested_by: p.requested_by.clone(),
-                source: p.source.clone(),
-                problems: p.problems.clone(),
-                quarantine: p.quarantine.clone(),
-                stamp: stamp.clone(),
-            };
-            let newer = match read::<RejectionRecord>(view, &key)? {
-                Some(old) => stamp > old.stamp,
-                None => true,
-            };
-            if newer {
-                write(view, &key, &record)?;
-            }
-        }
-        Body::ReplicaCreated(p) => {
-            dataset_seen(view, project, &p.dataset, &stamp, |_| {})?;
-            set_replica(
-                view,
-                project,
-                &p.dataset,
-                &p.version,
-                &p.location,
-                &stamp,
-                ReplicaState::Present,
-                None,
-                Some(Copy {
-                    files: p.files,
-                    total_bytes: p.total_bytes,
-                    verified_by: p.verified_by.clone(),
-                    backup: false,
-                }),
-            )?;
-        }
-        Body::ReplicaRemoved(p) => {
-            dataset_seen(view, project, &p.dataset, &stamp, |_| {})?;
-            set_replica(
-                view,
-                project,
-                &p.dataset,
-                &p.version,
-                &p.location,
-                &stamp,
-                ReplicaState::Removed,
-                Some(p.reason.clone()),
-                None,
-            )?;
-        }
-        Body::BackupCompleted(p) => {
-            dataset_seen(view, project, &p.dataset, &stamp, |_| {})?;
-            set_replica(
-                view,
-                project,
-                &p.dataset,
-                &p.version,
-                &p.location,
-                &stamp,
-                ReplicaState::Present,
-                None,
-                Some(Copy {
-                    files: p.files,
-                    total_bytes: p.total_bytes,
-                    verified_by: "backup".into(),
-                    backup: true,
-                }),
-            )?;
-        }
-        Body::RestoreVerified(p) => {
-            let drill = Drill {
-                ok: true,
-                sampled_files: p.sampled_files,
-                problems: vec![],
-                stamp: stamp.clone(),
-            };
-            set_drill(view, project, &p.dataset, &p.version, &p.location, drill)?;
-        }
-        Body::RestoreFailed(p) => {
-            let drill = Drill {
-                ok: false,
-                sampled_files: 0,
-                problems: p.problems.clone(),
-                stamp: stamp.clone(),
-            };
-            set_drill(view, project, &p.dataset, &p.version, &p.location, drill)?;
-        }
-        Body::StageRequested(p) => {
-            let stage = Stage {
-                state: StageState::Pending,
-                reason: None,
-                retryable: None,
-                request_id: Some(event.id.clone()),
-            };
-            let id = [project, &p.dataset, &p.version, &p.tier, &p.job_id];
-            set_stage(view, id, &stamp, stage)?;
-        }
-        Body::StageReleased(p) => {
-            let stage = Stage {
-                state: StageState::Released,
-                reason: None,
-                retryable: None,
-                request_id: None,
-            };
-            let id = [project, &p.dataset, &p.version, &p.tier, &p.job_id];
-            set_stage(view, id, &stamp, stage)?;
-        }
-        Body::StageReady(p) => {
-            let stage = Stage {
-                state: StageState::Ready,
-                reason: None,
-                retryable: None,
-                request_id: Some(p.request_id.clone()),
-            };
-            let id = [project, &p.dataset, &p.version, &p.location.tier, &p.job_id];
-            set_stage(view, id, &stamp, stage)?;
-        }
-        Body::StageFailed(p) => {
-            let stage = Stage {
-                state: StageState::Failed,
-                reason: Some(p.reason.clone()),
-                retryable: Some(p.retryable),
-                request_id: Some(p.request_id.clone()),
-            };
-            let id = [project, &p.dataset, &p.version, &p.tier, &p.job_id];
-            set_stage(view, id, &stamp, stage)?;
-        }
-        Body::CheckpointCommitted(p) => {
-            let commit = (p.total_bytes, p.tags.clone());
-            let state = (CheckpointState::Committed, &p.location);
-            set_checkpoint(view, project, &p.run, p.step, &stamp, state, Some(commit))?;
-        }
-        Body::CheckpointDemoted(p) => {
-            let state = (CheckpointState::Demoted, &p.to);
-            set_checkpoint(view, project, &p.run, p.step, &stamp, state, None)?;
-        }
-        Body::CheckpointExpired(p) => {
-            let state = (CheckpointState::Expired, &p.location);
-            set_checkpoint(view, project, &p.run, p.step, &stamp, state, None)?;
-        }
-        Body::DeadLetter(p) => {
-            let key = key('L', &[&p.service]);
-            let mut record = read::<DeadLetterRecord>(view, &key)?.unwrap_or(DeadLetterRecord {
-                service: p.service.clone(),
-                count: 0,
-                last_subject: String::new(),
-                last_stream_sequence: 0,
-                last_error: None,
-                stamp: stamp.clone(),
-            });
-            // The count is a sum, so it is order-free; "last" follows the stamp.
-            record.count += 1;
-            if record.count == 1 || stamp >= record.stamp {
-                record.last_subject = p.subject.clone();
-                record.last_stream_sequence = p.stream_sequence;
-                record.last_error = p.errors.last().map(|a| a.error.clone());
-                record.stamp = stamp.clone();
-            }
-            write(view, &key, &record)?;
-        }
-        // Ingest requests are not facts: the validator answers them with one.
-        Body::IngestRequested(_) => {}
-        // The contract may grow kinds this recorder does not know yet; they are marked applied
-        // so a replay skips them the same way.
+        Body::DatasetValidated(p) => dataset_validated(txn, event, p, &stamp)?,
+        Body::DatasetPrepared(p) => dataset_prepared(txn, event, p, &stamp)?,
+        Body::DatasetRejected(p) => dataset_rejected(txn, event, p, &stamp)?,
+        Body::ReplicaCreated(p) => replica_created(txn, event, p, &stamp)?,
+        Body::ReplicaRemoved(p) => replica_removed(txn, event, p, &stamp)?,
+        Body::BackupCompleted(p) => backup_completed(txn, event, p, &stamp)?,
+        Body::RestoreVerified(p) => restore_verified(txn, event, p, &stamp)?,
+        Body::RestoreFailed(p) => restore_failed(txn, event, p, &stamp)?,
+        Body::StageRequested(p) => stage_requested(txn, event, p, &stamp)?,
+        Body::StageReleased(p) => stage_released(txn, event, p, &stamp)?,
+        Body::StagePending(p) => stage_pending(txn, event, p, &stamp)?,
+        Body::StageReady(p) => stage_ready(txn, event, p, &stamp)?,
+        Body::StageFailed(p) => stage_failed(txn, event, p, &stamp)?,
+        Body::CheckpointCommitted(p) => checkpoint_committed(txn, event, p, &stamp)?,
+        Body::CheckpointDemoted(p) => checkpoint_demoted(txn, event, p, &stamp)?,
+        Body::CheckpointExpired(p) => checkpoint_expired(txn, event, p, &stamp)?,
+        Body::DeadLetter(p) => dead_letter(txn, p, &stamp)?,
+        // Ingest requests are not facts (the validator answers them with one); a replay record
+        // is on-call's, listed by `stagehand dlq list`. Kinds this recorder does not know yet
+        // are marked applied too, so that a replay skips them the same way.
         _ => {}
     }
-    view.mark_applied(event.id.as_str())?;
+    txn.open_table(APPLIED)?.insert(event.id.as_str(), ())?;
     Ok(true)
 }
 
+fn dataset_validated(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &DatasetValidated,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let provenance = Provenance {
+        by: p.requested_by.clone(),
+        at: event.occurred_at,
+        request_id: p.request_id.clone(),
+        event_id: event.id.clone(),
+        labels: p.labels.clone(),
+        derived_from: None,
+        layout: None,
+        location: p.source.clone(),
+    };
+    let list = record_version(
+        txn,
+        event,
+        &p.dataset,
+        &p.version,
+        p.total_bytes,
+        provenance,
+        stamp,
+    )?;
+    let copy = Copy {
+        files: list.files,
+        total_bytes: list.bytes,
+        verified_by: "ingest-validation".into(),
+        backup: false,
+    };
+    let state = (ReplicaState::Present, None);
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.source,
+        stamp,
+        state,
+        Some(copy),
+    )
+}
+
+fn dataset_prepared(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &DatasetPrepared,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let provenance = Provenance {
+        by: "resharder".into(),
+        at: event.occurred_at,
+        request_id: event.correlation_id.clone(),
+        event_id: event.id.clone(),
+        labels: vec![],
+        derived_from: Some(p.derived_from.clone()),
+        layout: Some(p.layout.clone()),
+        location: p.location.clone(),
+    };
+    let list = record_version(
+        txn,
+        event,
+        &p.dataset,
+        &p.version,
+        p.total_bytes,
+        provenance,
+        stamp,
+    )?;
+    let copy = Copy {
+        files: list.files,
+        total_bytes: list.bytes,
+        verified_by: "prepared".into(),
+        backup: false,
+    };
+    let state = (ReplicaState::Present, None);
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        Some(copy),
+    )
+}
+
+fn dataset_rejected(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &DatasetRejected,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let project = event.project.as_str();
+    let what = || format!("rejection {project}/{}/{}", p.dataset, p.request_id);
+    let (mut problems, problem_counts, problems_total) = if p.problem_counts.is_empty() {
+        // Schema 1 listed every problem, unbounded: count them all, keep what fits.
+        let mut tally = ProblemTally::new();
+        for problem in &p.problems {
+            tally.add(problem.clone());
+        }
+        tally.finish()
+    } else {
+        let total = p.problems_total.unwrap_or(p.problems.len() as u64);
+        (p.problems.clone(), p.problem_counts.clone(), total)
+    };
+    let mut record = RejectionRecord {
+        project: project.into(),
+        dataset: p.dataset.clone(),
+        request_id: p.request_id.clone(),
+        declared_version: p.declared_version.clone(),
+        requested_by: p.requested_by.clone(),
+        source: p.source.clone(),
+        problems: Vec::new(),
+        problem_counts,
+        problems_total,
+        quarantine: p.quarantine.clone(),
+        stamp: stamp.clone(),
+    };
+    // Problems are bounded by the contract, but a person's text can escape to more JSON than
+    // it took in MessagePack: drop listed problems from the end until the record fits (the
+    // counts still hold every one, and `quarantine` the full report).
+    let value = loop {
+        record.problems.clone_from(&problems);
+        match encode(&record, what) {
+            Ok(v) => break v,
+            Err(StoreError::TooLarge { .. }) if !problems.is_empty() => {
+                problems.truncate(problems.len() / 2);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let new = {
+        let mut rejections = txn.open_table(REJECTIONS)?;
+        let key = (project, p.dataset.as_str(), p.request_id.as_str());
+        let old: Option<RejectionRecord> = rejections
+            .get(key)?
+            .map(|v| decode(v.value(), what))
+            .transpose()?;
+        if old.as_ref().is_none_or(|old| *stamp > old.stamp) {
+            rejections.insert(key, value.as_slice())?;
+        }
+        old.is_none()
+    };
+    dataset_seen(txn, project, &p.dataset, stamp, (0, u64::from(new)))
+}
+
+fn replica_created(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaCreated,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    let copy = Copy {
+        files: p.files,
+        total_bytes: p.total_bytes,
+        verified_by: p.verified_by.clone(),
+        backup: false,
+    };
+    let state = (ReplicaState::Present, None);
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        Some(copy),
+    )
+}
+
+fn replica_removed(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaRemoved,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    let state = (ReplicaState::Removed, Some(p.reason.clone()));
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        None,
+    )
+}
+
+fn backup_completed(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &BackupCompleted,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    let copy = Copy {
+        files: p.files,
+        total_bytes: p.total_bytes,
+        verified_by: "backup".into(),
+        backup: true,
+    };
+    let state = (ReplicaState::Present, None);
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        &p.location,
+        stamp,
+        state,
+        Some(copy),
+    )
+}
+
+fn restore_verified(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &RestoreVerified,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let drill = Drill {
+        ok: true,
+        sampled_files: p.sampled_files,
+        problems: vec![],
+        stamp: stamp.clone(),
+    };
+    set_drill(txn, event, (&p.dataset, &p.version), &p.location, drill)
+}
+
+fn restore_failed(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &RestoreFailed,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let drill = Drill {
+        ok: false,
+        sampled_files: 0,
+        problems: p.problems.clone(),
+        stamp: stamp.clone(),
+    };
+    set_drill(txn, event, (&p.dataset, &p.version), &p.location, drill)
+}
+
+fn stage_requested(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &StageRequested,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let change = StageChange {
+        request_id: event.id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::REQUESTED,
+        state: StageState::Pending,
+        waiting_for: None,
+        reason: Some("waiting for the promoter".into()),
+        retryable: None,
+        ready: None,
+    };
+    stage::record(txn, event, change, stamp)
+}
+
+fn stage_pending(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &StagePending,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let change = StageChange {
+        request_id: p.request_id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::ANSWERED,
+        state: StageState::Pending,
+        waiting_for: Some(p.waiting_for.clone()),
+        reason: Some(p.reason.clone()),
+        retryable: None,
+        ready: None,
+    };
+    stage::record(txn, event, change, stamp)
+}
+
+fn stage_ready(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &StageReady,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let change = StageChange {
+        request_id: p.request_id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.location.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::ANSWERED,
+        state: StageState::Ready,
+        waiting_for: None,
+        reason: None,
+        retryable: None,
+        ready: Some((p.path.clone(), p.location.prefix.clone())),
+    };
+    stage::record(txn, event, change, stamp)
+}
+
+fn stage_failed(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &StageFailed,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let change = StageChange {
+        request_id: p.request_id.clone(),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::ANSWERED,
+        state: StageState::Failed,
+        waiting_for: None,
+        reason: Some(p.reason.clone()),
+        retryable: Some(p.retryable),
+        ready: None,
+    };
+    stage::record(txn, event, change, stamp)
+}
+
+fn stage_released(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &StageReleased,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let change = StageChange {
+        request_id: released_request(event, p),
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: stage::RELEASED,
+        state: StageState::Released,
+        waiting_for: None,
+        reason: None,
+        retryable: None,
+        ready: None,
+    };
+    stage::record(txn, event, change, stamp)
+}
+
+/// The stage request a release ends: the one the same job, data, tier and node asked with.
+pub fn released_request(event: &Event, p: &StageReleased) -> EventId {
+    EventId::for_stage(
+        &event.project,
+        &p.job_id,
+        &p.dataset,
+        &p.version,
+        &p.tier,
+        p.node.as_deref(),
+    )
+}
+
+/// The stage request an event is about, if it is about one.
+pub fn stage_request_of(event: &Event) -> Option<EventId> {
+    match &event.body {
+        Body::StageRequested(_) => Some(event.id.clone()),
+        Body::StagePending(p) => Some(p.request_id.clone()),
+        Body::StageReady(p) => Some(p.request_id.clone()),
+        Body::StageFailed(p) => Some(p.request_id.clone()),
+        Body::StageReleased(p) => Some(released_request(event, p)),
+        _ => None,
+    }
+}
+
+fn checkpoint_committed(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &CheckpointCommitted,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let commit = (p.total_bytes, p.tags.clone());
+    let state = (CheckpointState::Committed, &p.location);
+    set_checkpoint(
+        txn,
+        &event.project,
+        (&p.run, p.step),
+        stamp,
+        state,
+        Some(commit),
+    )
+}
+
+fn checkpoint_demoted(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &CheckpointDemoted,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let state = (CheckpointState::Demoted, &p.to);
+    set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)
+}
+
+fn checkpoint_expired(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &CheckpointExpired,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let state = (CheckpointState::Expired, &p.location);
+    set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)
+}
+
+fn dead_letter(txn: &WriteTransaction, p: &DeadLetter, stamp: &Stamp) -> Result<(), FoldError> {
+    let what = || format!("dead letters of {}", p.service);
+    let mut table = txn.open_table(DEAD_LETTERS)?;
+    let old: Option<DeadLetterRecord> = table
+        .get(p.service.as_str())?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    let mut record = old.unwrap_or(DeadLetterRecord {
+        service: p.service.clone(),
+        count: 0,
+        last_subject: String::new(),
+        last_stream_sequence: 0,
+        last_error: None,
+        stamp: stamp.clone(),
+    });
+    // The count is a sum, so it is order-free; "last" follows the stamp.
+    record.count += 1;
+    if record.count == 1 || *stamp >= record.stamp {
+        record.last_subject.clone_from(&p.subject);
+        record.last_stream_sequence = p.stream_sequence;
+        record.last_error = p.errors.last().map(|a| a.error.clone());
+        record.stamp = stamp.clone();
+    }
+    table.insert(p.service.as_str(), encode(&record, what)?.as_slice())?;
+    Ok(())
+}
+
+/// Creates the dataset record on its first fact and adds `(versions, rejections)` to its counts.
 fn dataset_seen(
-    view: &mut impl View,
+    txn: &WriteTransaction,
     project: &str,
     dataset: &str,
     stamp: &Stamp,
-    change: impl FnOnce(&mut DatasetRecord),
-) -> Result<(), StoreError> {
-    let key = key('D', &[project, dataset]);
-    let mut record = read::<DatasetRecord>(view, &key)?.unwrap_or(DatasetRecord {
-        project: project.into(),
-        dataset: dataset.into(),
-        first_seen: stamp.at,
-        versions: Default::default(),
-        rejected_requests: Default::default(),
-    });
+    (versions, rejections): (u64, u64),
+) -> Result<(), FoldError> {
+    let what = || format!("dataset {project}/{dataset}");
+    let mut table = txn.open_table(DATASETS)?;
+    let old: Option<DatasetRecord> = table
+        .get((project, dataset))?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    let mut record = match old {
+        Some(old) => {
+            if old.first_seen <= stamp.at && versions == 0 && rejections == 0 {
+                return Ok(());
+            }
+            old
+        }
+        None => {
+            txn.open_table(DATASET_NAMES)?
+                .insert((dataset, project), ())?;
+            DatasetRecord {
+                project: project.into(),
+                dataset: dataset.into(),
+                first_seen: stamp.at,
+                version_count: 0,
+                rejection_count: 0,
+            }
+        }
+    };
     record.first_seen = record.first_seen.min(stamp.at);
-    change(&mut record);
-    write(view, &key, &record)
+    record.version_count += versions;
+    record.rejection_count += rejections;
+    table.insert((project, dataset), encode(&record, what)?.as_slice())?;
+    Ok(())
 }
 
+/// The sort key of a version by its provenance time.
+fn order_key(at: ::time::OffsetDateTime) -> i128 {
+    at.unix_timestamp_nanos()
+}
+
+/// Records a version (or one more request for it) and returns its file list.
 fn record_version(
-    view: &mut impl View,
-    project: &str,
+    txn: &WriteTransaction,
+    event: &Event,
     dataset: &str,
     version: &str,
-    files: &[FileRef],
+    declared_bytes: u64,
     provenance: Provenance,
-) -> Result<(), StoreError> {
-    let version_key = key('V', &[project, dataset, version]);
-    let request_id = provenance.request_id.to_string();
-    let record = match read::<VersionRecord>(view, &version_key)? {
+    stamp: &Stamp,
+) -> Result<FileListRecord, FoldError> {
+    let project = event.project.as_str();
+    let list: FileListRecord = match txn.open_table(FILE_LISTS)?.get(version)? {
+        Some(v) => decode(v.value(), || format!("file list {version}"))?,
+        None => {
+            return Err(FoldError::Problem {
+                code: FoldProblemCode::ManifestMissing,
+                detail: format!("the file list of version {version} is not in the catalogue store"),
+                retryable: true,
+            });
+        }
+    };
+    if list.bytes != declared_bytes {
+        return Err(FoldError::malformed(format!(
+            "the fact says {declared_bytes} bytes but version {version}'s manifest holds {}",
+            list.bytes
+        )));
+    }
+    let what = || format!("version {project}/{dataset}/{version}");
+    let request_new = txn
+        .open_table(VERSION_REQUESTS)?
+        .insert(
+            (project, dataset, version, provenance.request_id.as_str()),
+            (),
+        )?
+        .is_none();
+    let mut versions = txn.open_table(VERSIONS)?;
+    let old: Option<VersionRecord> = versions
+        .get((project, dataset, version))?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    let new = old.is_none();
+    let mut order = txn.open_table(VERSION_ORDER)?;
+    let record = match old {
         Some(mut old) => {
-            old.request_ids.insert(request_id);
+            old.request_count += u64::from(request_new);
             // The earliest recording is the version's provenance.
             if (provenance.at, &provenance.event_id) < (old.provenance.at, &old.provenance.event_id)
             {
+                order.remove((project, dataset, order_key(old.provenance.at), version))?;
+                order.insert((project, dataset, order_key(provenance.at), version), ())?;
                 old.provenance = provenance;
             }
             old
         }
         None => {
-            let files_key = key('F', &[project, dataset, version]);
-            let mut sorted = files.to_vec();
-            sorted.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
-            write(view, &files_key, &sorted)?;
+            order.insert((project, dataset, order_key(provenance.at), version), ())?;
             VersionRecord {
                 project: project.into(),
                 dataset: dataset.into(),
                 version: version.into(),
-                file_count: files.len() as u64,
-                total_bytes: stagehand_schemas::total_bytes(files),
+                file_count: list.files,
+                total_bytes: list.bytes,
                 provenance,
-                request_ids: [request_id].into(),
+                request_count: 1,
             }
         }
     };
-    write(view, &version_key, &record)
+    versions.insert(
+        (project, dataset, version),
+        encode(&record, what)?.as_slice(),
+    )?;
+    drop((versions, order));
+    dataset_seen(txn, project, dataset, stamp, (u64::from(new), 0))?;
+    Ok(list)
 }
 
 /// What a copy holds, from the fact that made it.
@@ -435,8 +771,7 @@ struct Copy {
 
 fn empty_replica(
     project: &str,
-    dataset: &str,
-    version: &str,
+    (dataset, version): (&str, &str),
     location: &Location,
 ) -> ReplicaRecord {
     ReplicaRecord {
@@ -457,26 +792,57 @@ fn empty_replica(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn set_replica(
-    view: &mut impl View,
+fn read_replica(
+    txn: &WriteTransaction,
     project: &str,
-    dataset: &str,
-    version: &str,
+    (dataset, version): (&str, &str),
+    location: &Location,
+) -> Result<ReplicaRecord, FoldError> {
+    let what = || format!("replica {project}/{dataset}/{version}/{}", location.tier);
+    let table = txn.open_table(REPLICAS)?;
+    let old = table
+        .get((project, dataset, version, location.tier.as_str()))?
+        .map(|v| decode::<ReplicaRecord>(v.value(), what))
+        .transpose()?;
+    Ok(old.unwrap_or_else(|| empty_replica(project, (dataset, version), location)))
+}
+
+fn write_replica(txn: &WriteTransaction, record: &ReplicaRecord) -> Result<(), FoldError> {
+    let key = (
+        record.project.as_str(),
+        record.dataset.as_str(),
+        record.version.as_str(),
+        record.tier.as_str(),
+    );
+    let value = encode(record, || format!("replica {key:?}"))?;
+    txn.open_table(REPLICAS)?.insert(key, value.as_slice())?;
+    // Every tier with a replica has a readiness record to list and mirror.
+    let mut readiness = txn.open_table(READINESS)?;
+    let rkey = (key.0, key.1, key.2, key.3, "");
+    if readiness.get(rkey)?.is_none() {
+        let value = encode(&ReadinessAggregate::default(), || {
+            format!("readiness {rkey:?}")
+        })?;
+        readiness.insert(rkey, value.as_slice())?;
+    }
+    Ok(())
+}
+
+fn set_replica(
+    txn: &WriteTransaction,
+    event: &Event,
+    version: (&str, &str),
     location: &Location,
     stamp: &Stamp,
-    state: ReplicaState,
-    reason: Option<String>,
+    (state, reason): (ReplicaState, Option<String>),
     copy: Option<Copy>,
-) -> Result<(), StoreError> {
-    let key = key('R', &[project, dataset, version, &location.tier]);
-    let mut record = read::<ReplicaRecord>(view, &key)?
-        .unwrap_or_else(|| empty_replica(project, dataset, version, location));
+) -> Result<(), FoldError> {
+    let mut record = read_replica(txn, &event.project, version, location)?;
     let mut changed = false;
     if record.stamp.as_ref().is_none_or(|old| stamp > old) {
         record.state = state;
         record.reason = reason;
-        record.prefix = location.prefix.clone();
+        record.prefix.clone_from(&location.prefix);
         record.stamp = Some(stamp.clone());
         changed = true;
     }
@@ -491,84 +857,46 @@ fn set_replica(
         changed = true;
     }
     if changed {
-        write(view, &key, &record)?;
+        write_replica(txn, &record)?;
     }
     Ok(())
 }
 
 fn set_drill(
-    view: &mut impl View,
-    project: &str,
-    dataset: &str,
-    version: &str,
+    txn: &WriteTransaction,
+    event: &Event,
+    version: (&str, &str),
     location: &Location,
     drill: Drill,
-) -> Result<(), StoreError> {
-    let key = key('R', &[project, dataset, version, &location.tier]);
-    // A drill only annotates a replica the catalogue knows; the drill of an unknown replica is
-    // still recorded so that a later `backup.completed` finds it.
-    let mut record = read::<ReplicaRecord>(view, &key)?
-        .unwrap_or_else(|| empty_replica(project, dataset, version, location));
-    let newer = record
+) -> Result<(), FoldError> {
+    // The drill of a replica the catalogue does not know yet is still recorded, so that a
+    // later `backup.completed` finds it.
+    let mut record = read_replica(txn, &event.project, version, location)?;
+    if record
         .last_drill
         .as_ref()
-        .is_none_or(|old| drill.stamp > old.stamp);
-    if newer {
+        .is_none_or(|old| drill.stamp > old.stamp)
+    {
         record.last_drill = Some(drill);
-        write(view, &key, &record)?;
+        write_replica(txn, &record)?;
     }
     Ok(())
 }
 
-/// A stage record's fields as one fact sets them (all of them, so the newest fact alone
-/// decides the record).
-struct Stage {
-    state: StageState,
-    reason: Option<String>,
-    retryable: Option<bool>,
-    request_id: Option<stagehand_schemas::EventId>,
-}
-
-fn set_stage(
-    view: &mut impl View,
-    [project, dataset, version, tier, job_id]: [&str; 5],
-    stamp: &Stamp,
-    stage: Stage,
-) -> Result<(), StoreError> {
-    let key = key('S', &[project, dataset, version, tier, job_id]);
-    if let Some(old) = read::<StageRecord>(view, &key)?
-        && old.stamp >= *stamp
-    {
-        return Ok(());
-    }
-    let record = StageRecord {
-        project: project.into(),
-        dataset: dataset.into(),
-        version: version.into(),
-        tier: tier.into(),
-        job_id: job_id.into(),
-        state: stage.state,
-        reason: stage.reason,
-        retryable: stage.retryable,
-        request_id: stage.request_id,
-        stamp: stamp.clone(),
-    };
-    write(view, &key, &record)
-}
-
 fn set_checkpoint(
-    view: &mut impl View,
+    txn: &WriteTransaction,
     project: &str,
-    run: &str,
-    step: u64,
+    (run, step): (&str, u64),
     stamp: &Stamp,
     (state, location): (CheckpointState, &Location),
     commit: Option<(u64, Vec<String>)>,
-) -> Result<(), StoreError> {
-    // Zero-padded so checkpoints of a run list in step order.
-    let step_key = format!("{step:020}");
-    let key = key('C', &[project, run, &step_key]);
-    let existing = read::<CheckpointRecord>(view, &key)?;
+) -> Result<(), FoldError> {
+    let what = || format!("checkpoint {project}/{run}/{step}");
+    let mut table = txn.open_table(CHECKPOINTS)?;
+    let existing: Option<CheckpointRecord> = table
+        .get((project, run, step))?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
     let mut changed = existing.is_none();
     let mut record = existing.unwrap_or(CheckpointRecord {
         project: project.into(),
@@ -596,194 +924,50 @@ fn set_checkpoint(
         changed = true;
     }
     if changed {
-        write(view, &key, &record)?;
+        table.insert((project, run, step), encode(&record, what)?.as_slice())?;
     }
     Ok(())
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use std::collections::{BTreeMap, BTreeSet};
+mod tests {
+    use stagehand_catalogue::*;
 
-    use stagehand_schemas::*;
-
-    use super::*;
-
-    /// An in-memory view: the fold's unit tests need no redb.
-    #[derive(Default, Debug, PartialEq)]
-    pub struct MemView {
-        pub records: BTreeMap<String, Vec<u8>>,
-        pub applied: BTreeSet<String>,
-    }
-
-    impl View for MemView {
-        fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-            Ok(self.records.get(key).cloned())
-        }
-        fn put(&mut self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
-            self.records.insert(key.into(), value);
-            Ok(())
-        }
-        fn applied(&self, event_id: &str) -> Result<bool, StoreError> {
-            Ok(self.applied.contains(event_id))
-        }
-        fn mark_applied(&mut self, event_id: &str) -> Result<(), StoreError> {
-            self.applied.insert(event_id.into());
-            Ok(())
-        }
-    }
-
-    pub fn request(n: u32) -> Event {
-        let files = vec![
-            FileRef::new(format!("f{n}.bin"), 3, sha256_hex(b"abc")),
-            FileRef::new("labels.csv", 0, sha256_hex(b"")),
-        ];
-        Event::request(
-            EventId::new(format!("req-{n}")).unwrap(),
-            "lab-a",
-            Body::IngestRequested(IngestRequested {
-                dataset: "cats".into(),
-                source: Location {
-                    tier: "source".into(),
-                    prefix: "lab-a/cats/x".into(),
-                },
-                files,
-                manifest: None,
-                requested_by: "alice".into(),
-                labels: vec![],
-            }),
-        )
-    }
-
-    pub fn validated(n: u32) -> Event {
-        let req = request(n);
-        let Body::IngestRequested(p) = &req.body else {
-            unreachable!()
-        };
-        req.caused(
-            "validated",
-            Body::DatasetValidated(DatasetValidated {
-                dataset: p.dataset.clone(),
-                version: version_digest(&p.files),
-                source: p.source.clone(),
-                files: p.files.clone(),
-                manifest: None,
-                total_bytes: total_bytes(&p.files),
-                requested_by: p.requested_by.clone(),
-                request_id: req.id.clone(),
-                labels: vec![("modality".into(), "image".into())],
-            }),
-        )
-    }
-
-    pub fn rejected(n: u32) -> Event {
-        let req = request(n);
-        req.caused(
-            "rejected",
-            Body::DatasetRejected(DatasetRejected {
-                dataset: "cats".into(),
-                source: Location {
-                    tier: "source".into(),
-                    prefix: "p".into(),
-                },
-                declared_version: "0".repeat(64),
-                requested_by: "mallory".into(),
-                request_id: req.id.clone(),
-                problems: vec![
-                    Problem {
-                        code: "path_rule".into(),
-                        path: Some("../x".into()),
-                        detail: "parent component".into(),
-                    },
-                    Problem {
-                        code: "missing".into(),
-                        path: Some("gone.bin".into()),
-                        detail: "not on the tier".into(),
-                    },
-                ],
-                quarantine: None,
-                problem_counts: vec![],
-                problems_total: None,
-            }),
-        )
-    }
-
-    pub fn replica(n: u32, removed: bool) -> Event {
-        let v = validated(n);
-        let Body::DatasetValidated(p) = &v.body else {
-            unreachable!()
-        };
-        let location = Location {
-            tier: "hot".into(),
-            prefix: "cats".into(),
-        };
-        let body = if removed {
-            Body::ReplicaRemoved(ReplicaRemoved {
-                dataset: p.dataset.clone(),
-                version: p.version.clone(),
-                location,
-                reason: "idle".into(),
-            })
-        } else {
-            Body::ReplicaCreated(ReplicaCreated {
-                dataset: p.dataset.clone(),
-                version: p.version.clone(),
-                location,
-                files: 2,
-                total_bytes: 3,
-                verified_by: "read-back".into(),
-            })
-        };
-        v.caused(if removed { "removed" } else { "created" }, body)
-    }
-
-    fn fold(events: &[Event]) -> MemView {
-        let mut view = MemView::default();
-        for e in events {
-            apply(&mut view, e).unwrap();
-        }
-        view
-    }
+    use crate::store::Folded;
+    use crate::testing::*;
 
     #[test]
     fn same_fact_twice_is_once() {
-        let v = validated(1);
-        let mut view = MemView::default();
-        assert!(apply(&mut view, &v).unwrap());
-        let once = view.records.clone();
-        assert!(
-            !apply(&mut view, &v).unwrap(),
-            "second copy must change nothing"
-        );
-        assert_eq!(view.records, once);
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1)]);
+        let once = store.dump().unwrap();
+        assert_eq!(fold_into(&store, &[validated(1)]), vec![Folded::Done]);
+        assert_eq!(store.dump().unwrap(), once, "a second copy changes nothing");
     }
 
     #[test]
     fn dead_letters_are_counted_once_per_id() {
-        let dl = |n: u64| {
-            request(1).caused(
-                &format!("dl{n}"),
-                Body::DeadLetter(DeadLetter {
-                    service: "ingest-validator".into(),
-                    stream: "S".into(),
-                    consumer: "c".into(),
-                    stream_sequence: n,
-                    subject: "stagehand.req.ingest.requested.lab-a".into(),
-                    delivered: 5,
-                    original: vec![1, 2],
-                    headers: vec![],
-                    errors: vec![],
-                    original_id: None,
-                }),
-            )
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[dead_letter(1), dead_letter(2), dead_letter(1)],
+        );
+        let Answer::DeadLetters { services, .. } = crate::answer(
+            &store,
+            &Query::DeadLetters {
+                limit: None,
+                after: None,
+            },
+        ) else {
+            panic!()
         };
-        let view = fold(&[dl(1), dl(2), dl(1)]);
-        let rec: DeadLetterRecord = read(&view, &key('L', &["ingest-validator"]))
-            .unwrap()
-            .unwrap();
-        assert_eq!(rec.count, 2);
+        assert_eq!(services.len(), 1);
+        assert_eq!(services[0].count, 2);
     }
 
+    /// Guards the rebuild == live property at its root: any order of the same facts folds to
+    /// the same tables, row for row.
     #[test]
     fn order_does_not_matter() {
         let events = vec![
@@ -792,55 +976,126 @@ pub(crate) mod tests {
             replica(1, true),
             rejected(2),
             validated(3),
+            stage(1, "job-1", true),
+            stage(1, "job-2", false),
+            stage(1, "job-1", false),
+            dead_letter(4),
         ];
-        let forward = fold(&events);
+        let dir = tempfile::tempdir().unwrap();
+        let forward = store_with(dir.path(), "f.redb", &events);
         let mut reversed = events.clone();
         reversed.reverse();
-        let backward = fold(&reversed);
-        assert_eq!(forward, backward);
-        // The removal is the newest fact, whichever came first.
-        let r: ReplicaRecord = read(
-            &forward,
-            &key('R', &["lab-a", "cats", &version_of(&validated(1)), "hot"]),
-        )
-        .unwrap()
-        .unwrap();
-        assert_eq!(r.state, ReplicaState::Removed);
-    }
-
-    fn version_of(e: &Event) -> String {
-        match &e.body {
-            Body::DatasetValidated(p) => p.version.clone(),
-            _ => unreachable!(),
+        let backward = store_with(dir.path(), "b.redb", &reversed);
+        let one_by_one = crate::store::Store::open(dir.path().join("o.redb")).unwrap();
+        for e in events.iter().rev() {
+            fold_into(&one_by_one, std::slice::from_ref(e));
         }
+        let dump = forward.dump().unwrap();
+        assert_eq!(dump, backward.dump().unwrap());
+        assert_eq!(dump, one_by_one.dump().unwrap());
+        assert_eq!(dump.rows("applied").len(), events.len());
+        // The removal is the newest replica fact, whichever came first.
+        let Answer::Version(v) = crate::answer(
+            &forward,
+            &Query::Version {
+                project: None,
+                dataset: "cats".into(),
+                version: version_of(&validated(1)),
+                limit: None,
+            },
+        ) else {
+            panic!()
+        };
+        let hot = v.replicas.iter().find(|r| r.tier == "hot").unwrap();
+        assert_eq!(hot.state, ReplicaState::Removed);
+    }
+
+    /// Guards the O(n²) rejection list: each rejected request is one record of its own, and
+    /// the dataset only counts them.
+    #[test]
+    fn rejections_are_one_record_per_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let events: Vec<_> = (0..50).map(rejected).collect();
+        let store = store_with(dir.path(), "a.redb", &events);
+        let dump = store.dump().unwrap();
+        assert_eq!(dump.rows("rejections").len(), 50);
+        assert_eq!(dump.rows("datasets").len(), 1);
+        let Answer::Dataset(d) = crate::answer(
+            &store,
+            &Query::Dataset {
+                project: Some("lab-a".into()),
+                dataset: "cats".into(),
+                limit: None,
+            },
+        ) else {
+            panic!()
+        };
+        assert_eq!(d.dataset.rejection_count, 50);
+        assert_eq!(d.rejections.len(), DEFAULT_DETAIL as usize);
+        let r = &d.rejections[0];
+        assert_eq!(r.problems.len(), 2, "every reason kept");
+        assert_eq!(r.problems_total, 2);
+        assert_eq!(
+            r.problem_counts,
+            vec![("missing".to_owned(), 1), ("path_rule".to_owned(), 1)],
+            "schema-1 rejections are counted per code"
+        );
     }
 
     #[test]
-    fn a_rejection_keeps_every_reason() {
-        let view = fold(&[rejected(2)]);
-        let key = key('X', &["lab-a", "cats", "req-2"]);
-        let r: RejectionRecord = read(&view, &key).unwrap().unwrap();
-        assert_eq!(r.problems.len(), 2);
-        let d: DatasetRecord = read(&view, &super::key('D', &["lab-a", "cats"]))
-            .unwrap()
+    fn a_corrupt_record_is_listed_as_a_problem_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1)]);
+        store
+            .damage_dataset_record("lab-a", "cats", b"\xff not json")
             .unwrap();
-        assert!(d.rejected_requests.contains("req-2"));
+        let folded = fold_into(&store, &[validated(3), dead_letter(9)]);
+        let Folded::Skipped { problem, retryable } = &folded[0] else {
+            panic!("{folded:?}")
+        };
+        assert_eq!(problem.code, FoldProblemCode::CorruptRecord);
+        assert!(
+            problem.detail.contains("dataset lab-a/cats"),
+            "{}",
+            problem.detail
+        );
+        assert!(!retryable);
+        assert_eq!(
+            folded[1],
+            Folded::Done,
+            "its neighbour in the batch still folds"
+        );
+        assert_eq!(store.problem_count().unwrap(), 1);
     }
 
     #[test]
-    fn a_corrupt_value_is_an_error_not_a_panic() {
-        let mut view = fold(&[validated(1)]);
-        let k = key('D', &["lab-a", "cats"]);
-        view.records.insert(k, b"\xff not json".to_vec());
-        let err = apply(&mut view, &validated(3)).unwrap_err();
-        assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
-    }
-
-    #[test]
-    fn keys_escape_separators() {
-        assert_ne!(key('D', &["a\0b", "c"]), key('D', &["a", "b\0c"]));
-        assert!(!key('D', &["a%00", "b"]).contains("a%00\0"));
-        assert!(key('V', &["p", "d", "v"]).starts_with(&prefix('V', &["p", "d"])));
-        assert!(!key('V', &["p", "dd", "v"]).starts_with(&prefix('V', &["p", "d"])));
+    fn readiness_follows_the_stages() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[validated(1), stage(1, "job-2", false)],
+        );
+        let key = ReadinessKey {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: version_of(&validated(1)),
+            tier: "local".into(),
+            node: None,
+        };
+        let r = crate::readiness::current(&store, &key).unwrap().unwrap();
+        assert!(
+            matches!(&r.state, ReadinessState::Failed { reason, .. } if reason == "quota exceeded")
+        );
+        fold_into(&store, &[stage(1, "job-1", true)]);
+        let r = crate::readiness::current(&store, &key).unwrap().unwrap();
+        assert_eq!(
+            r.state,
+            ReadinessState::Ready {
+                path: "lab-a/cats/v".into()
+            }
+        );
+        assert_eq!(r.jobs.ready, 1);
+        assert_eq!(r.jobs.failed, 1);
     }
 }

@@ -1,161 +1,322 @@
-//! Catalogue queries over NATS request/reply.
+//! Answers to catalogue queries (the [`stagehand_catalogue`] protocol), from the store, over
+//! NATS request/reply.
 //!
-//! A client sends one JSON [`Query`] to [`stagehand_schemas::subject::CATALOGUE_QUERY`] and gets
-//! one JSON [`Answer`]. Recorders subscribe in the queue group [`QUEUE_GROUP`], so several of
-//! them can serve and each query is answered once. Examples:
-//!
-//! ```text
-//! {"query":"datasets"}                                   → {"answer":"datasets","datasets":[…]}
-//! {"query":"dataset","project":"lab-a","dataset":"cats"} → {"answer":"dataset","dataset":{…},"versions":[…],…}
-//! {"query":"version","project":"lab-a","dataset":"cats","version":"3f2a9c01"}
-//! {"query":"readiness","project":"lab-a","dataset":"cats","version":"3f2a…","tier":"hot"}
-//! {"query":"dead_letters"}
-//! ```
-//! A failed query answers `{"answer":"error","code":"not_found"|"ambiguous"|"bad_query"|
-//! "internal","message":"…"}`.
+//! Every list is read with a range over its table from the cursor on, and cut at the query's
+//! `limit` or when the next item would take the answer past its byte budget (measured as the
+//! JSON it becomes), so no answer exceeds [`MAX_ANSWER_BYTES`] whatever the catalogue holds.
+//! A page of a version's files costs one range lookup and the decoding of the chunks it
+//! touches, so it is as fast on a version of 14 million files as on one of ten.
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
+use redb::{ReadTransaction, ReadableTableMetadata};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use stagehand_catalogue::*;
+use stagehand_schemas::FileRef;
 use stagehand_schemas::subject::CATALOGUE_QUERY;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use crate::chunk;
 use crate::error::{RecorderError, StoreError};
-use crate::fold::{TierKey, decode, key, prefix};
-use crate::model::*;
-use crate::store::Store;
+use crate::model::ReadinessAggregate;
+use crate::readiness::{derive, replica_of};
+use crate::store::*;
 
-/// The queue group recorders answer queries in.
-pub const QUEUE_GROUP: &str = "catalogue-recorder";
+/// Bytes of an answer kept for what is not an item of its list (the answer's tag, a version
+/// record, the `next` cursor — a path of up to 4096 bytes escaped as JSON).
+const ANSWER_RESERVE: usize = 64 * 1024;
 
-/// The shortest version prefix a query may use.
-pub const MIN_VERSION_PREFIX: usize = 8;
+/// Queries answered at once by one recorder.
+const QUERIES_AT_ONCE: usize = 8;
 
-/// A question to the catalogue.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "query", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Query {
-    /// Every dataset, or those of one project.
-    Datasets {
-        #[serde(default)]
-        project: Option<String>,
-    },
-    /// One dataset: versions, replicas with states, stages, rejections with reasons.
-    Dataset { project: String, dataset: String },
-    /// One version with its files; `version` is a digest or a unique prefix of ≥ 8 characters.
-    Version {
-        project: String,
-        dataset: String,
-        version: String,
-    },
-    /// Readiness of a version per tier (or on one tier).
-    Readiness {
-        project: String,
-        dataset: String,
-        version: String,
-        #[serde(default)]
-        tier: Option<String>,
-    },
-    /// Dead letters per service.
-    DeadLetters,
+/// Why a query got no list: an error answer to send, or a store failure.
+enum Fail {
+    Answer(ErrorCode, String),
+    Store(StoreError),
 }
 
-/// Why a query failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorCode {
-    NotFound,
-    Ambiguous,
-    BadQuery,
-    Internal,
-}
-
-/// The catalogue's answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "answer", rename_all = "snake_case")]
-pub enum Answer {
-    Datasets { datasets: Vec<DatasetRecord> },
-    Dataset(DatasetDetail),
-    Version(VersionDetail),
-    Readiness { tiers: Vec<TierReadiness> },
-    DeadLetters { services: Vec<DeadLetterRecord> },
-    Error { code: ErrorCode, message: String },
-}
-
-impl Answer {
-    fn error(code: ErrorCode, message: impl Into<String>) -> Self {
-        Answer::Error {
-            code,
-            message: message.into(),
-        }
+impl From<StoreError> for Fail {
+    fn from(e: StoreError) -> Self {
+        Fail::Store(e)
     }
 }
 
-fn scan<T: serde::de::DeserializeOwned>(store: &Store, prefix: &str) -> Result<Vec<T>, StoreError> {
-    store
-        .scan(prefix)?
-        .into_iter()
-        .map(|(k, v)| decode(&k, &v))
-        .collect()
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Fail {
+            fn from(e: $t) -> Self {
+                Fail::Store(e.into())
+            }
+        }
+    )*};
+}
+from_redb!(redb::TableError, redb::StorageError);
+
+fn not_found(message: String) -> Fail {
+    Fail::Answer(ErrorCode::NotFound, message)
 }
 
-fn get<T: serde::de::DeserializeOwned>(store: &Store, key: &str) -> Result<Option<T>, StoreError> {
-    store.get(key)?.map(|v| decode(key, &v)).transpose()
+fn bad_query(message: String) -> Fail {
+    Fail::Answer(ErrorCode::BadQuery, message)
+}
+
+/// Bytes `value` takes as JSON.
+fn json_len<T: Serialize>(value: &T) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0 += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0);
+    let _ = serde_json::to_writer(&mut c, value);
+    c.0
+}
+
+/// Collects one page: at most `limit` items within `budget` bytes of JSON.
+struct Page<T> {
+    items: Vec<T>,
+    /// Whether the first item is taken whatever its size (every record fits an answer); off
+    /// where a list shares an answer with others that already take their first.
+    first_always: bool,
+    limit: usize,
+    budget: usize,
+    used: usize,
+    /// The cursor of the last item taken.
+    last: Option<String>,
+    /// Set once an item did not fit: the cursor to continue after.
+    next: Option<String>,
+}
+
+impl<T: Serialize> Page<T> {
+    fn new(limit: Option<u32>, default: u32, budget: usize) -> Self {
+        Page {
+            items: Vec::new(),
+            first_always: true,
+            limit: limit.unwrap_or(default).clamp(1, MAX_PAGE) as usize,
+            budget,
+            used: 0,
+            last: None,
+            next: None,
+        }
+    }
+
+    /// Takes `item` (whose cursor is `cursor`) if it fits; returns false once the page is
+    /// full, with `next` set — the caller stops reading.
+    fn offer(&mut self, item: T, cursor: impl FnOnce() -> String) -> bool {
+        let size = json_len(&item) + 1;
+        let fits = self.items.len() < self.limit
+            && (self.used + size <= self.budget || (self.items.is_empty() && self.first_always));
+        if !fits {
+            self.next = self.last.take();
+            return false;
+        }
+        self.used += size;
+        self.items.push(item);
+        self.last = Some(cursor());
+        true
+    }
+
+    fn done(self) -> (Vec<T>, Option<String>) {
+        (self.items, self.next)
+    }
+}
+
+fn read<T: DeserializeOwned>(bytes: &[u8], what: impl FnOnce() -> String) -> Result<T, StoreError> {
+    decode(bytes, what)
 }
 
 /// Answers a query from the store. Store failures become `internal` answers.
 pub fn answer(store: &Store, query: &Query) -> Answer {
-    match try_answer(store, query) {
+    let result = store
+        .reader()
+        .map_err(Fail::Store)
+        .and_then(|txn| try_answer(&txn, query));
+    match result {
         Ok(answer) => answer,
-        Err(e) => Answer::error(ErrorCode::Internal, e.to_string()),
+        Err(Fail::Answer(code, message)) => Answer::error(code, message),
+        Err(Fail::Store(e)) => Answer::error(ErrorCode::Internal, e.to_string()),
     }
 }
 
-fn try_answer(store: &Store, query: &Query) -> Result<Answer, StoreError> {
+const BUDGET: usize = MAX_ANSWER_BYTES - ANSWER_RESERVE;
+
+fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
     Ok(match query {
-        Query::Datasets { project } => {
-            let prefix = match project {
-                Some(p) => prefix('D', &[p]),
-                None => prefix('D', &[]),
-            };
-            Answer::Datasets {
-                datasets: scan(store, &prefix)?,
-            }
+        Query::Datasets {
+            project,
+            limit,
+            after,
+        } => {
+            let (datasets, next) = datasets(txn, project.as_deref(), *limit, after.as_deref())?;
+            Answer::Datasets { datasets, next }
         }
-        Query::Dataset { project, dataset } => {
-            let Some(record) = get::<DatasetRecord>(store, &key('D', &[project, dataset]))? else {
-                return Ok(Answer::error(
-                    ErrorCode::NotFound,
-                    format!("no dataset {dataset:?} in project {project:?}"),
-                ));
-            };
-            let mut versions: Vec<VersionRecord> = scan(store, &prefix('V', &[project, dataset]))?;
-            versions
-                .sort_by(|a, b| (a.provenance.at, &a.version).cmp(&(b.provenance.at, &b.version)));
-            Answer::Dataset(DatasetDetail {
-                dataset: record,
-                versions,
-                replicas: scan(store, &prefix('R', &[project, dataset]))?,
-                stages: scan(store, &prefix('S', &[project, dataset]))?,
-                rejections: scan(store, &prefix('X', &[project, dataset]))?,
-            })
+        Query::Dataset {
+            project,
+            dataset,
+            limit,
+        } => Answer::Dataset(dataset_detail(txn, project, dataset, *limit)?),
+        Query::Versions {
+            project,
+            dataset,
+            limit,
+            after,
+        } => {
+            let project = resolve_project(txn, project, dataset)?;
+            let (versions, next) = versions(
+                txn,
+                &project,
+                dataset,
+                *limit,
+                DEFAULT_PAGE,
+                after.as_deref(),
+                BUDGET,
+            )?;
+            Answer::Versions { versions, next }
         }
         Query::Version {
             project,
             dataset,
             version,
-        } => match resolve(store, project, dataset, version)? {
-            Err(answer) => answer,
-            Ok(record) => {
-                let v = record.version.clone();
-                let files = get(store, &key('F', &[project, dataset, &v]))?.unwrap_or_default();
-                Answer::Version(VersionDetail {
-                    version: record,
-                    files,
-                    replicas: scan(store, &prefix('R', &[project, dataset, &v]))?,
-                    stages: scan(store, &prefix('S', &[project, dataset, &v]))?,
-                })
+            limit,
+        } => {
+            let version = resolve_version(txn, project, dataset, version)?;
+            // The version record shares the answer with its replicas.
+            let budget = BUDGET.saturating_sub(json_len(&version));
+            let (replicas, replicas_next) =
+                replicas(txn, &version, *limit, DEFAULT_DETAIL, None, budget, true)?;
+            Answer::Version(VersionDetail {
+                version,
+                replicas,
+                replicas_next,
+            })
+        }
+        Query::Replicas {
+            project,
+            dataset,
+            version,
+            limit,
+            after,
+        } => {
+            let version = resolve_version(txn, project, dataset, version)?;
+            let (replicas, next) = replicas(
+                txn,
+                &version,
+                *limit,
+                DEFAULT_PAGE,
+                after.as_deref(),
+                BUDGET,
+                true,
+            )?;
+            Answer::Replicas { replicas, next }
+        }
+        Query::Files {
+            project,
+            dataset,
+            version,
+            limit,
+            after,
+        } => {
+            let version = resolve_version(txn, project, dataset, version)?;
+            let (files, next) = files(txn, &version.version, *limit, after.as_deref())?;
+            Answer::Files {
+                version: version.version,
+                files,
+                next,
+            }
+        }
+        Query::File {
+            project,
+            dataset,
+            version,
+            path,
+        } => {
+            let version = resolve_version(txn, project, dataset, version)?;
+            match file(txn, &version.version, path)? {
+                Some(file) => Answer::File {
+                    version: version.version,
+                    file,
+                },
+                None => {
+                    return Err(not_found(format!(
+                        "no file {path:?} in version {} of {}/{}",
+                        version.version, version.project, version.dataset
+                    )));
+                }
+            }
+        }
+        Query::Rejections {
+            project,
+            dataset,
+            limit,
+            after,
+        } => {
+            let project = resolve_project(txn, project, dataset)?;
+            let (rejections, next) = rejections(
+                txn,
+                &project,
+                dataset,
+                *limit,
+                DEFAULT_PAGE,
+                after.as_deref(),
+                BUDGET,
+            )?;
+            Answer::Rejections { rejections, next }
+        }
+        Query::Rejection {
+            project,
+            dataset,
+            request_id,
+        } => {
+            let project = resolve_project(txn, project, dataset)?;
+            let key = (project.as_str(), dataset.as_str(), request_id.as_str());
+            let what = || format!("rejection {key:?}");
+            match txn.open_table(REJECTIONS)?.get(key)? {
+                Some(v) => Answer::Rejection {
+                    rejection: read(v.value(), what)?,
+                },
+                None => {
+                    return Err(not_found(format!(
+                        "no rejection of request {request_id:?} for {project}/{dataset}"
+                    )));
+                }
+            }
+        }
+        Query::StageRequests {
+            project,
+            job_id,
+            dataset,
+            version,
+            limit,
+            after,
+        } => {
+            let (stages, next) = stage_requests(
+                txn,
+                project,
+                job_id.as_deref(),
+                dataset.as_deref(),
+                version.as_deref(),
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::StageRequests { stages, next }
+        }
+        Query::StageRequest {
+            project,
+            request_id,
+        } => match crate::stage::status_in(txn, project, request_id)? {
+            Some((stage, _)) => Answer::StageRequest { stage },
+            None => {
+                return Err(not_found(format!(
+                    "no stage request {request_id:?} in project {project:?}"
+                )));
             }
         },
         Query::Readiness {
@@ -163,127 +324,532 @@ fn try_answer(store: &Store, query: &Query) -> Result<Answer, StoreError> {
             dataset,
             version,
             tier,
-        } => match resolve(store, project, dataset, version)? {
-            Err(answer) => answer,
-            Ok(record) => {
-                let mut tiers: Vec<String> = match tier {
-                    Some(t) => vec![t.clone()],
-                    None => {
-                        let replicas: Vec<ReplicaRecord> =
-                            scan(store, &prefix('R', &[project, dataset, &record.version]))?;
-                        let stages: Vec<StageRecord> =
-                            scan(store, &prefix('S', &[project, dataset, &record.version]))?;
-                        replicas
-                            .into_iter()
-                            .map(|r| r.tier)
-                            .chain(stages.into_iter().map(|s| s.tier))
-                            .collect()
-                    }
-                };
-                tiers.sort();
-                tiers.dedup();
-                let tiers = tiers
-                    .into_iter()
-                    .map(|tier| {
-                        tier_readiness(
-                            store,
-                            &TierKey {
-                                project: project.clone(),
-                                dataset: dataset.clone(),
-                                version: record.version.clone(),
-                                tier,
-                            },
-                        )
-                    })
-                    .collect::<Result<_, _>>()?;
-                Answer::Readiness { tiers }
+            limit,
+            after,
+        } => {
+            let version = resolve_version(txn, project, dataset, version)?;
+            let (readiness, next) =
+                readiness(txn, &version, tier.as_deref(), *limit, after.as_deref())?;
+            Answer::Readiness { readiness, next }
+        }
+        Query::DeadLetters { limit, after } => {
+            let (services, next) =
+                by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
+            Answer::DeadLetters { services, next }
+        }
+        Query::Problems { limit, after } => {
+            let total = txn.open_table(PROBLEMS)?.len()?;
+            let (problems, next) = by_name(txn, PROBLEMS, *limit, after.as_deref(), "problem")?;
+            Answer::Problems {
+                problems,
+                total,
+                next,
             }
-        },
-        Query::DeadLetters => Answer::DeadLetters {
-            services: scan(store, &prefix('L', &[]))?,
-        },
+        }
     })
 }
 
-/// Finds the version a digest or a unique prefix names.
-fn resolve(
-    store: &Store,
-    project: &str,
+/// The project of `dataset`: the one given, or the only project that has a dataset so named.
+fn resolve_project(
+    txn: &ReadTransaction,
+    project: &Option<String>,
     dataset: &str,
-    version: &str,
-) -> Result<Result<VersionRecord, Answer>, StoreError> {
-    if version.len() < MIN_VERSION_PREFIX && version.len() != 64 {
-        return Ok(Err(Answer::error(
-            ErrorCode::BadQuery,
-            format!(
-                "version {version:?} is too short: give at least {MIN_VERSION_PREFIX} characters of the digest"
-            ),
-        )));
+) -> Result<String, Fail> {
+    if let Some(p) = project {
+        return Ok(p.clone());
     }
-    let mut p = prefix('V', &[project, dataset]);
-    p.push_str(version);
-    let mut found: Vec<VersionRecord> = scan(store, &p)?;
-    Ok(match found.len() {
-        0 => Err(Answer::error(
-            ErrorCode::NotFound,
-            format!("no version {version:?} of dataset {dataset:?} in project {project:?}"),
-        )),
-        1 => Ok(found.remove(0)),
-        n => Err(Answer::error(
+    let names = txn.open_table(DATASET_NAMES)?;
+    let mut projects = Vec::new();
+    for row in names.range((dataset, "")..)? {
+        let (k, _) = row?;
+        let (name, project) = k.value();
+        if name != dataset || projects.len() > 20 {
+            break;
+        }
+        projects.push(project.to_owned());
+    }
+    match projects.len() {
+        0 => Err(not_found(format!(
+            "no dataset {dataset:?} in the catalogue"
+        ))),
+        1 => Ok(projects.remove(0)),
+        _ => Err(Fail::Answer(
             ErrorCode::Ambiguous,
             format!(
-                "version prefix {version:?} matches {n} versions of {dataset:?}; give more characters"
+                "dataset {dataset:?} exists in several projects ({}): name the project",
+                projects.join(", ")
             ),
         )),
+    }
+}
+
+fn dataset_record(
+    txn: &ReadTransaction,
+    project: &str,
+    dataset: &str,
+) -> Result<DatasetRecord, Fail> {
+    match txn.open_table(DATASETS)?.get((project, dataset))? {
+        Some(v) => Ok(read(v.value(), || format!("dataset {project}/{dataset}"))?),
+        None => Err(not_found(format!(
+            "no dataset {dataset:?} in project {project:?}"
+        ))),
+    }
+}
+
+/// The version a digest or a unique prefix names.
+fn resolve_version(
+    txn: &ReadTransaction,
+    project: &Option<String>,
+    dataset: &str,
+    version: &str,
+) -> Result<VersionRecord, Fail> {
+    if version.len() < MIN_VERSION_PREFIX {
+        return Err(bad_query(format!(
+            "version {version:?} is too short: give at least {MIN_VERSION_PREFIX} characters of the digest"
+        )));
+    }
+    let project = resolve_project(txn, project, dataset)?;
+    let table = txn.open_table(VERSIONS)?;
+    let mut found = Vec::new();
+    for row in table.range((project.as_str(), dataset, version)..)? {
+        let (k, v) = row?;
+        let (p, d, digest) = k.value();
+        if p != project || d != dataset || !digest.starts_with(version) || found.len() == 2 {
+            break;
+        }
+        found.push(read::<VersionRecord>(v.value(), || {
+            format!("version {p}/{d}/{digest}")
+        })?);
+    }
+    match found.len() {
+        0 => Err(not_found(format!(
+            "no version {version:?} of dataset {dataset:?} in project {project:?}"
+        ))),
+        1 => Ok(found.remove(0)),
+        _ => Err(Fail::Answer(
+            ErrorCode::Ambiguous,
+            format!(
+                "version prefix {version:?} matches several versions of {dataset:?}; give more characters"
+            ),
+        )),
+    }
+}
+
+fn datasets(
+    txn: &ReadTransaction,
+    project: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<DatasetRecord>, Option<String>), Fail> {
+    let start: (String, String) = match after {
+        Some(cursor) => cursor::split(cursor)
+            .ok_or_else(|| bad_query(format!("{cursor:?} is not a dataset cursor")))?,
+        None => (project.unwrap_or("").to_owned(), String::new()),
+    };
+    let table = txn.open_table(DATASETS)?;
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for row in table.range((start.0.as_str(), start.1.as_str())..)? {
+        let (k, v) = row?;
+        let (p, d) = k.value();
+        if after.is_some() && (p, d) == (start.0.as_str(), start.1.as_str()) {
+            continue;
+        }
+        if project.is_some_and(|want| want != p) {
+            break;
+        }
+        let record: DatasetRecord = read(v.value(), || format!("dataset {p}/{d}"))?;
+        if !page.offer(record, || cursor::join(p, d)) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+fn dataset_detail(
+    txn: &ReadTransaction,
+    project: &Option<String>,
+    dataset: &str,
+    limit: Option<u32>,
+) -> Result<DatasetDetail, Fail> {
+    let project = resolve_project(txn, project, dataset)?;
+    let record = dataset_record(txn, &project, dataset)?;
+    let (versions, versions_next) = versions(
+        txn,
+        &project,
+        dataset,
+        limit,
+        DEFAULT_DETAIL,
+        None,
+        BUDGET / 4,
+    )?;
+    let mut replicas_of_versions = Vec::new();
+    let mut left = BUDGET / 4;
+    for v in &versions {
+        let (rs, _) = replicas(txn, v, None, DEFAULT_DETAIL, None, left, false)?;
+        left = left.saturating_sub(rs.iter().map(|r| json_len(r) + 1).sum());
+        replicas_of_versions.extend(rs);
+        if left == 0 {
+            break;
+        }
+    }
+    let (rejections, rejections_next) = rejections(
+        txn,
+        &project,
+        dataset,
+        limit,
+        DEFAULT_DETAIL,
+        None,
+        BUDGET / 2,
+    )?;
+    Ok(DatasetDetail {
+        dataset: record,
+        versions,
+        versions_next,
+        replicas: replicas_of_versions,
+        rejections,
+        rejections_next,
     })
 }
 
-/// The readiness of one version on one tier, from its replica and stage records.
-pub fn tier_readiness(store: &Store, tier: &TierKey) -> Result<TierReadiness, StoreError> {
-    let replica: Option<ReplicaRecord> = get(
-        store,
-        &key(
-            'R',
-            &[&tier.project, &tier.dataset, &tier.version, &tier.tier],
-        ),
-    )?;
-    let stages: Vec<StageRecord> = scan(
-        store,
-        &prefix(
-            'S',
-            &[&tier.project, &tier.dataset, &tier.version, &tier.tier],
-        ),
-    )?;
-    let reason = stages
-        .iter()
-        .filter(|s| s.state == StageState::Failed)
-        .max_by(|a, b| a.stamp.cmp(&b.stamp))
-        .and_then(|s| s.reason.clone());
-    Ok(TierReadiness {
-        project: tier.project.clone(),
-        dataset: tier.dataset.clone(),
-        version: tier.version.clone(),
-        tier: tier.tier.clone(),
-        ready: replica
+fn versions(
+    txn: &ReadTransaction,
+    project: &str,
+    dataset: &str,
+    limit: Option<u32>,
+    default: u32,
+    after: Option<&str>,
+    budget: usize,
+) -> Result<(Vec<VersionRecord>, Option<String>), Fail> {
+    let table = txn.open_table(VERSIONS)?;
+    let order = txn.open_table(VERSION_ORDER)?;
+    let start: (i128, String) = match after {
+        Some(digest) => match table.get((project, dataset, digest))? {
+            Some(v) => {
+                let r: VersionRecord = read(v.value(), || format!("version {digest}"))?;
+                (r.provenance.at.unix_timestamp_nanos(), digest.to_owned())
+            }
+            None => {
+                return Err(bad_query(format!(
+                    "{digest:?} is not a version of {project}/{dataset}"
+                )));
+            }
+        },
+        None => (i128::MIN, String::new()),
+    };
+    let mut page = Page::new(limit, default, budget);
+    for row in order.range((project, dataset, start.0, start.1.as_str())..)? {
+        let (k, _) = row?;
+        let (p, d, at, digest) = k.value();
+        if p != project || d != dataset {
+            break;
+        }
+        if after.is_some() && (at, digest) == (start.0, start.1.as_str()) {
+            continue;
+        }
+        let Some(v) = table.get((p, d, digest))? else {
+            continue;
+        };
+        let record: VersionRecord = read(v.value(), || format!("version {p}/{d}/{digest}"))?;
+        if !page.offer(record, || digest.to_owned()) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+fn replicas(
+    txn: &ReadTransaction,
+    version: &VersionRecord,
+    limit: Option<u32>,
+    default: u32,
+    after: Option<&str>,
+    budget: usize,
+    first_always: bool,
+) -> Result<(Vec<ReplicaRecord>, Option<String>), Fail> {
+    let (p, d, v) = (
+        version.project.as_str(),
+        version.dataset.as_str(),
+        version.version.as_str(),
+    );
+    let table = txn.open_table(REPLICAS)?;
+    let mut page = Page::new(limit, default, budget);
+    page.first_always = first_always;
+    for row in table.range((p, d, v, after.unwrap_or(""))..)? {
+        let (k, val) = row?;
+        let key = k.value();
+        if (key.0, key.1, key.2) != (p, d, v) {
+            break;
+        }
+        if after == Some(key.3) {
+            continue;
+        }
+        let record: ReplicaRecord = read(val.value(), || format!("replica {key:?}"))?;
+        let tier = key.3.to_owned();
+        if !page.offer(record, || tier) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+fn files(
+    txn: &ReadTransaction,
+    digest: &str,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<FileRef>, Option<String>), Fail> {
+    let chunks = txn.open_table(FILE_CHUNKS)?;
+    let damaged = |e: chunk::ChunkError| {
+        Fail::Store(StoreError::Corrupt {
+            key: format!("file chunk of {digest}"),
+            detail: e.to_string(),
+        })
+    };
+    // The chunk holding the first entry after `after`: the last one starting at or before it.
+    let start = match after {
+        Some(after) => chunks
+            .range((digest, "")..=(digest, after))?
+            .next_back()
+            .transpose()?
+            .map(|(k, _)| k.value().1.to_owned()),
+        None => None,
+    };
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for row in chunks.range((digest, start.as_deref().unwrap_or(""))..)? {
+        let (k, v) = row?;
+        if k.value().0 != digest {
+            break;
+        }
+        for file in chunk::decode(v.value()).map_err(damaged)? {
+            if after.is_some_and(|a| file.path.as_bytes() <= a.as_bytes()) {
+                continue;
+            }
+            let path = file.path.clone();
+            if !page.offer(file, || path) {
+                return Ok(page.done());
+            }
+        }
+    }
+    Ok(page.done())
+}
+
+fn file(txn: &ReadTransaction, digest: &str, path: &str) -> Result<Option<FileRef>, Fail> {
+    let chunks = txn.open_table(FILE_CHUNKS)?;
+    let Some(row) = chunks.range((digest, "")..=(digest, path))?.next_back() else {
+        return Ok(None);
+    };
+    let (_, v) = row?;
+    let entries = chunk::decode(v.value()).map_err(|e| {
+        Fail::Store(StoreError::Corrupt {
+            key: format!("file chunk of {digest}"),
+            detail: e.to_string(),
+        })
+    })?;
+    Ok(entries
+        .binary_search_by(|f| f.path.as_bytes().cmp(path.as_bytes()))
+        .ok()
+        .map(|i| entries[i].clone()))
+}
+
+fn rejections(
+    txn: &ReadTransaction,
+    project: &str,
+    dataset: &str,
+    limit: Option<u32>,
+    default: u32,
+    after: Option<&str>,
+    budget: usize,
+) -> Result<(Vec<RejectionRecord>, Option<String>), Fail> {
+    let table = txn.open_table(REJECTIONS)?;
+    let mut page = Page::new(limit, default, budget);
+    for row in table.range((project, dataset, after.unwrap_or(""))..)? {
+        let (k, v) = row?;
+        let (p, d, request) = k.value();
+        if (p, d) != (project, dataset) {
+            break;
+        }
+        if after == Some(request) {
+            continue;
+        }
+        let record: RejectionRecord = read(v.value(), || format!("rejection {p}/{d}/{request}"))?;
+        if !page.offer(record, || request.to_owned()) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail> {
+    after
+        .map(|c| {
+            cursor::split(c)
+                .ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor")))
+        })
+        .transpose()
+}
+
+fn stage_requests(
+    txn: &ReadTransaction,
+    project: &str,
+    job_id: Option<&str>,
+    dataset: Option<&str>,
+    version: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<StageStatus>, Option<String>), Fail> {
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    let offer = |page: &mut Page<StageStatus>, id: &str, cursor: String| -> Result<bool, Fail> {
+        match crate::stage::status_in(txn, project, id)? {
+            Some((status, _)) => Ok(page.offer(status, || cursor)),
+            None => Ok(true),
+        }
+    };
+    if let Some(job) = job_id {
+        let table = txn.open_table(STAGES_BY_JOB)?;
+        for row in table.range((project, job, after.unwrap_or(""))..)? {
+            let (k, _) = row?;
+            let (p, j, id) = k.value();
+            if (p, j) != (project, job) {
+                break;
+            }
+            if after == Some(id) {
+                continue;
+            }
+            if !offer(&mut page, id, id.to_owned())? {
+                break;
+            }
+        }
+    } else if let Some(dataset) = dataset {
+        let prefix = version.unwrap_or("");
+        let start = two_part_cursor(after)?;
+        let (v0, id0) = start
+            .clone()
+            .unwrap_or_else(|| (prefix.to_owned(), String::new()));
+        let table = txn.open_table(STAGES_BY_VERSION)?;
+        for row in table.range((project, dataset, v0.as_str(), id0.as_str())..)? {
+            let (k, _) = row?;
+            let (p, d, v, id) = k.value();
+            if (p, d) != (project, dataset) || !v.starts_with(prefix) {
+                break;
+            }
+            if start
+                .as_ref()
+                .is_some_and(|(sv, sid)| (sv.as_str(), sid.as_str()) == (v, id))
+            {
+                continue;
+            }
+            if !offer(&mut page, id, cursor::join(v, id))? {
+                break;
+            }
+        }
+    } else {
+        return Err(bad_query(
+            "a stage_requests query names a job_id or a dataset".into(),
+        ));
+    }
+    Ok(page.done())
+}
+
+fn readiness(
+    txn: &ReadTransaction,
+    version: &VersionRecord,
+    tier: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<Readiness>, Option<String>), Fail> {
+    let (p, d, v) = (
+        version.project.as_str(),
+        version.dataset.as_str(),
+        version.version.as_str(),
+    );
+    let after = two_part_cursor(after)?;
+    let (t0, n0) = after
+        .clone()
+        .unwrap_or_else(|| (tier.unwrap_or("").to_owned(), String::new()));
+    let table = txn.open_table(READINESS)?;
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for row in table.range((p, d, v, t0.as_str(), n0.as_str())..)? {
+        let (k, val) = row?;
+        let key = k.value();
+        if (key.0, key.1, key.2) != (p, d, v) || tier.is_some_and(|t| t != key.3) {
+            break;
+        }
+        if after
             .as_ref()
-            .is_some_and(|r| r.state == ReplicaState::Present)
-            || stages.iter().any(|s| s.state == StageState::Ready),
-        replica: replica.map(|r| r.state),
-        jobs: stages.into_iter().map(|s| (s.job_id, s.state)).collect(),
-        reason,
-    })
+            .is_some_and(|(t, n)| (t.as_str(), n.as_str()) == (key.3, key.4))
+        {
+            continue;
+        }
+        let aggregate: ReadinessAggregate = read(val.value(), || format!("readiness {key:?}"))?;
+        let rkey = ReadinessKey {
+            project: p.into(),
+            dataset: d.into(),
+            version: v.into(),
+            tier: key.3.into(),
+            node: (!key.4.is_empty()).then(|| key.4.to_owned()),
+        };
+        let replica = replica_of(txn, &rkey)?;
+        let c = cursor::join(key.3, key.4);
+        if !page.offer(derive(rkey, &aggregate, replica.as_ref()), || c) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+fn by_name<T: DeserializeOwned + Serialize>(
+    txn: &ReadTransaction,
+    table: redb::TableDefinition<&'static str, &'static [u8]>,
+    limit: Option<u32>,
+    after: Option<&str>,
+    what: &str,
+) -> Result<(Vec<T>, Option<String>), Fail> {
+    let table = txn.open_table(table)?;
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for row in table.range(after.unwrap_or("")..)? {
+        let (k, v) = row?;
+        let name = k.value();
+        if after == Some(name) {
+            continue;
+        }
+        let record: T = read(v.value(), || format!("{what} {name}"))?;
+        if !page.offer(record, || name.to_owned()) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+/// The answer's bytes; an answer that would exceed the bound (it cannot, by construction) is
+/// replaced by an `internal` error rather than sent.
+pub fn encode_answer(answer: &Answer) -> Vec<u8> {
+    let bytes = serde_json::to_vec(answer).unwrap_or_default();
+    if bytes.len() <= MAX_ANSWER_BYTES {
+        return bytes;
+    }
+    tracing::error!(bytes = bytes.len(), "a catalogue answer exceeded its bound");
+    serde_json::to_vec(&Answer::error(
+        ErrorCode::Internal,
+        format!(
+            "the answer would be {} bytes, over the bound of {MAX_ANSWER_BYTES}",
+            bytes.len()
+        ),
+    ))
+    .unwrap_or_default()
 }
 
 /// Serves queries until `shutdown` is cancelled.
 pub async fn serve(
     client: async_nats::Client,
-    store: std::sync::Arc<Store>,
+    store: Arc<Store>,
     shutdown: CancellationToken,
 ) -> Result<(), RecorderError> {
     let mut subscription = client
         .queue_subscribe(CATALOGUE_QUERY, QUEUE_GROUP.into())
         .await
         .map_err(|e| RecorderError::nats("subscribing to catalogue queries", e))?;
+    let slots = Arc::new(Semaphore::new(QUERIES_AT_ONCE));
+    let mut tasks = tokio::task::JoinSet::new();
     loop {
         let message = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -295,93 +861,100 @@ pub async fn serve(
         let Some(reply) = message.reply.clone() else {
             continue;
         };
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            break;
+        };
         let store = store.clone();
-        let answer = tokio::task::spawn_blocking(move || {
-            match serde_json::from_slice::<Query>(&message.payload) {
-                Ok(query) => answer(&store, &query),
-                Err(e) => Answer::error(ErrorCode::BadQuery, format!("not a catalogue query: {e}")),
+        let client = client.clone();
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move {
+            let answered = tokio::task::spawn_blocking(move || {
+                let answer = match serde_json::from_slice::<Query>(&message.payload) {
+                    Ok(query) => answer(&store, &query),
+                    Err(e) => {
+                        Answer::error(ErrorCode::BadQuery, format!("not a catalogue query: {e}"))
+                    }
+                };
+                encode_answer(&answer)
+            })
+            .await;
+            let bytes = answered.unwrap_or_else(|e| {
+                encode_answer(&Answer::error(ErrorCode::Internal, e.to_string()))
+            });
+            if let Err(e) = client.publish(reply, bytes.into()).await {
+                tracing::warn!(error = %e, "could not send a catalogue answer");
             }
-        })
-        .await
-        .unwrap_or_else(|e| Answer::error(ErrorCode::Internal, e.to_string()));
-        let bytes = serde_json::to_vec(&answer).unwrap_or_default();
-        if let Err(e) = client.publish(reply, bytes.into()).await {
-            tracing::warn!(error = %e, "could not send a catalogue answer");
-        }
+            drop(slot);
+        });
     }
     let _ = subscription.unsubscribe().await;
+    while tasks.join_next().await.is_some() {}
     Ok(())
-}
-
-/// Why asking the catalogue failed (the catalogue's own `error` answers are not failures).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum AskError {
-    #[error("catalogue query over NATS failed (is a catalogue recorder running?): {0}")]
-    Request(String),
-    #[error("catalogue answered something that is not an answer: {0}")]
-    BadAnswer(String),
-}
-
-impl AskError {
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, AskError::Request(_))
-    }
-}
-
-/// Asks the catalogue one query and waits up to `timeout` for the answer.
-pub async fn ask(
-    client: &async_nats::Client,
-    query: &Query,
-    timeout: Duration,
-) -> Result<Answer, AskError> {
-    let bytes = serde_json::to_vec(query).map_err(|e| AskError::Request(e.to_string()))?;
-    let response = tokio::time::timeout(timeout, client.request(CATALOGUE_QUERY, bytes.into()))
-        .await
-        .map_err(|_| AskError::Request(format!("no answer within {timeout:?}")))?
-        .map_err(|e| AskError::Request(e.to_string()))?;
-    serde_json::from_slice(&response.payload).map_err(|e| AskError::BadAnswer(e.to_string()))
 }
 
 #[cfg(test)]
 mod tests {
+    use stagehand_manifest::Manifest;
+    use stagehand_schemas::{FileRef, sha256_hex};
+
     use super::*;
-    use crate::fold::tests::{rejected, replica, validated};
+    use crate::testing::*;
 
     #[test]
-    fn queries_answer_from_the_store() {
+    fn pages_of_files_meet_exactly_across_chunks() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path().join("c.redb")).unwrap();
-        store
-            .apply_batch(&[validated(1), rejected(2), replica(1, false)])
+        let store = store_with(dir.path(), "a.redb", &[validated(1)]);
+        // A second list, long enough for several chunks, read by digest.
+        let files: Vec<FileRef> = (0..2500)
+            .map(|i| FileRef::new(format!("d/{i:05}"), i, sha256_hex(&i.to_le_bytes())))
+            .collect();
+        let manifest = Manifest::from_entries(files.clone());
+        store.put_file_list(&manifest).unwrap();
+        let txn = store.reader().unwrap();
+        let mut after: Option<String> = None;
+        let mut seen = Vec::new();
+        for limit in [1, 1023, 1024, 7, 10_000] {
+            let (page, next) = super::files(&txn, manifest.digest(), Some(limit), after.as_deref())
+                .map_err(|_| "fail")
+                .unwrap();
+            seen.extend(page);
+            after = next;
+        }
+        assert_eq!(after, None);
+        assert_eq!(seen, files);
+        let one = super::file(&txn, manifest.digest(), "d/01024")
+            .map_err(|_| "fail")
             .unwrap();
-        let Answer::Datasets { datasets } = answer(&store, &Query::Datasets { project: None })
+        assert_eq!(one, Some(files[1024].clone()));
+        assert_eq!(
+            super::file(&txn, manifest.digest(), "d/0")
+                .map_err(|_| "fail")
+                .unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn versions_resolve_by_prefix_and_projects_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "a.redb", &[validated(1), rejected(2)]);
+        let digest = version_of(&validated(1));
+        let q = |v: &str| Query::Files {
+            project: None,
+            dataset: "cats".into(),
+            version: v.into(),
+            limit: None,
+            after: None,
+        };
+        let Answer::Files {
+            version,
+            files,
+            next,
+        } = answer(&store, &q(&digest[..8]))
         else {
             panic!()
         };
-        assert_eq!(datasets.len(), 1);
-        let Answer::Dataset(detail) = answer(
-            &store,
-            &Query::Dataset {
-                project: "lab-a".into(),
-                dataset: "cats".into(),
-            },
-        ) else {
-            panic!()
-        };
-        assert_eq!(detail.versions.len(), 1);
-        assert_eq!(detail.replicas.len(), 2, "source and hot");
-        assert_eq!(detail.rejections[0].problems.len(), 2);
-        let digest = detail.versions[0].version.clone();
-        let q = |v: &str| Query::Version {
-            project: "lab-a".into(),
-            dataset: "cats".into(),
-            version: v.into(),
-        };
-        let Answer::Version(v) = answer(&store, &q(&digest[..8])) else {
-            panic!()
-        };
-        assert_eq!(v.files.len(), 2);
+        assert_eq!((version, files.len(), next), (digest.clone(), 2, None));
         assert!(matches!(
             answer(&store, &q(&digest[..7])),
             Answer::Error {
@@ -396,28 +969,45 @@ mod tests {
                 ..
             }
         ));
-        let Answer::Readiness { tiers } = answer(
+        let Answer::Rejection { rejection } = answer(
             &store,
-            &Query::Readiness {
-                project: "lab-a".into(),
+            &Query::Rejection {
+                project: None,
                 dataset: "cats".into(),
-                version: digest,
-                tier: None,
+                request_id: "req-2".into(),
             },
         ) else {
             panic!()
         };
-        assert_eq!(tiers.len(), 2);
-        assert!(tiers.iter().all(|t| t.ready));
+        assert_eq!(rejection.requested_by, "mallory");
     }
 
     #[test]
-    fn query_json_is_the_documented_shape() {
-        let q: Query = serde_json::from_str(r#"{"query":"datasets"}"#).unwrap();
-        assert_eq!(q, Query::Datasets { project: None });
-        assert!(serde_json::from_str::<Query>(r#"{"query":"datasets","x":1}"#).is_err());
-        let a = serde_json::to_value(Answer::error(ErrorCode::NotFound, "x")).unwrap();
-        assert_eq!(a["answer"], "error");
-        assert_eq!(a["code"], "not_found");
+    fn a_store_of_the_old_layout_is_emptied_to_be_rebuilt() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.redb");
+        {
+            let db = redb::Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            let records: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("records");
+            txn.open_table(records)
+                .unwrap()
+                .insert("D\0lab-a\0cats", &b"{}"[..])
+                .unwrap();
+            let meta: redb::TableDefinition<&str, u64> = redb::TableDefinition::new("meta");
+            txn.open_table(meta)
+                .unwrap()
+                .insert("complete_through", 9)
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert!(!store.is_complete().unwrap(), "rebuilt on start");
+        store.mark_complete(1).unwrap();
+        drop(store);
+        assert!(
+            Store::open(&path).unwrap().is_complete().unwrap(),
+            "this layout is kept"
+        );
     }
 }

@@ -1,48 +1,122 @@
-//! The readiness mirror: a JetStream KV bucket a scheduler can watch.
+//! Readiness: derived per (project, dataset, version, tier, node) from the tier's replica
+//! record and the key's [`ReadinessAggregate`], and mirrored into the JetStream KV bucket
+//! schedulers watch ([`stagehand_catalogue::READINESS_BUCKET`], keys from
+//! [`stagehand_catalogue::kv_key`]).
 //!
-//! After each commit the recorder writes the [`TierReadiness`] of every (version, tier) the
-//! committed facts touched under `<project>.<dataset>.<version>.<tier>` in the bucket
-//! [`BUCKET`]. A scheduler plugin watches `<project>.<dataset>.<version>.*` (or one key) and
-//! starts its job when `ready` is true. The bucket is a view like the redb file: writing the
-//! same state twice is harmless, and a rebuild rewrites every key it touches.
+//! The state follows this order: a verified replica on the tier (or a job's `stage.ready`)
+//! makes it `ready` with its path; else a newest stage fact that failed makes it `failed` with
+//! the reason; else a job still waiting makes it `pending` (or `copying` while a replica is
+//! being made); else — nothing holds it and no copy is there — `released`. The bucket is a
+//! view like the redb file: writing the same state twice is harmless, and a rebuild rewrites
+//! every key it touches.
 
 use async_nats::jetstream::kv;
+use stagehand_catalogue::{
+    Readiness, ReadinessKey, ReadinessState, ReplicaRecord, ReplicaState, StageState, kv_key,
+};
 
-use crate::error::RecorderError;
-use crate::fold::TierKey;
-use crate::model::TierReadiness;
+use crate::error::{RecorderError, StoreError};
+use crate::model::ReadinessAggregate;
+use crate::store::{READINESS, REPLICAS, Store, decode};
 
-/// The readiness bucket (declared with the runtime's other buckets, [`stagehand_bus::READINESS`]).
-pub const BUCKET: &str = stagehand_bus::READINESS_BUCKET;
-
-/// The bucket key of a (version, tier). Dataset and tier names are escaped to the characters a
-/// KV key token allows: any byte outside `[A-Za-z0-9_-]` becomes `=XX` (hex).
-pub fn kv_key(tier: &TierKey) -> String {
-    [
-        tier.project.as_str(),
-        tier.dataset.as_str(),
-        tier.version.as_str(),
-        tier.tier.as_str(),
+/// Readiness of `key` from its records.
+pub fn derive(
+    key: ReadinessKey,
+    aggregate: &ReadinessAggregate,
+    replica: Option<&ReplicaRecord>,
+) -> Readiness {
+    let replica_state = replica.map(|r| r.state);
+    let state = if let Some(r) = replica.filter(|r| r.state == ReplicaState::Present) {
+        ReadinessState::Ready {
+            path: r.prefix.clone(),
+        }
+    } else if aggregate.jobs.ready > 0 {
+        ReadinessState::Ready {
+            path: aggregate
+                .ready_path
+                .as_ref()
+                .map(|(_, p)| p.clone())
+                .unwrap_or_default(),
+        }
+    } else if let Some(failed) = aggregate
+        .newest
+        .as_ref()
+        .filter(|n| n.state == StageState::Failed)
+    {
+        ReadinessState::Failed {
+            reason: failed.reason.clone().unwrap_or_default(),
+            retryable: failed.retryable.unwrap_or(false),
+        }
+    } else if aggregate.jobs.pending > 0 {
+        if replica_state == Some(ReplicaState::Staging) {
+            ReadinessState::Copying { progress: None }
+        } else {
+            ReadinessState::Pending {
+                reason: format!("waiting for a verified copy on tier {}", key.tier),
+            }
+        }
+    } else {
+        ReadinessState::Released
+    };
+    let updated_at = [
+        replica.and_then(|r| r.stamp.as_ref()).map(|s| s.at),
+        aggregate.newest.as_ref().map(|n| n.stamp.at),
     ]
-    .iter()
-    .map(|part| token(part))
-    .collect::<Vec<_>>()
-    .join(".")
+    .into_iter()
+    .flatten()
+    .max();
+    Readiness {
+        ready: matches!(state, ReadinessState::Ready { .. }),
+        key,
+        state,
+        replica: replica_state,
+        jobs: aggregate.jobs,
+        updated_at,
+    }
 }
 
-fn token(part: &str) -> String {
-    let mut out = String::with_capacity(part.len());
-    for b in part.bytes() {
-        if b.is_ascii_alphanumeric() || b == b'_' || b == b'-' {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("={b:02X}"));
-        }
+/// The readiness of `key` in `store`; `None` when nothing is known of it.
+pub fn current(store: &Store, key: &ReadinessKey) -> Result<Option<Readiness>, StoreError> {
+    let txn = store.reader()?;
+    let node = key.node.as_deref().unwrap_or("");
+    let rkey = (
+        key.project.as_str(),
+        key.dataset.as_str(),
+        key.version.as_str(),
+        key.tier.as_str(),
+        node,
+    );
+    let Some(aggregate) = txn
+        .open_table(READINESS)?
+        .get(rkey)?
+        .map(|v| decode::<ReadinessAggregate>(v.value(), || format!("readiness {rkey:?}")))
+        .transpose()?
+    else {
+        return Ok(None);
+    };
+    let replica = replica_of(&txn, key)?;
+    Ok(Some(derive(key.clone(), &aggregate, replica.as_ref())))
+}
+
+/// The replica record a readiness key stands on (node-local replicas have no record of their
+/// own yet: the promoter's facts will add them).
+pub(crate) fn replica_of(
+    txn: &redb::ReadTransaction,
+    key: &ReadinessKey,
+) -> Result<Option<ReplicaRecord>, StoreError> {
+    if key.node.is_some() {
+        return Ok(None);
     }
-    if out.is_empty() {
-        out.push_str("=00");
-    }
-    out
+    let rkey = (
+        key.project.as_str(),
+        key.dataset.as_str(),
+        key.version.as_str(),
+        key.tier.as_str(),
+    );
+    txn.open_table(REPLICAS)?
+        .get(rkey)?
+        .map(|v| decode::<ReplicaRecord>(v.value(), || format!("replica {rkey:?}")))
+        .transpose()
 }
 
 /// Opens the readiness bucket, creating it if missing and correcting the drift of its
@@ -51,17 +125,12 @@ pub async fn open_bucket(bus: &stagehand_bus::Bus) -> Result<kv::Store, Recorder
     Ok(bus.provision_kv(&stagehand_bus::READINESS).await?)
 }
 
-/// Writes one tier's readiness into the bucket.
-pub async fn mirror(bucket: &kv::Store, readiness: &TierReadiness) -> Result<(), RecorderError> {
-    let key = kv_key(&TierKey {
-        project: readiness.project.clone(),
-        dataset: readiness.dataset.clone(),
-        version: readiness.version.clone(),
-        tier: readiness.tier.clone(),
-    });
-    let value = serde_json::to_vec(readiness).map_err(|e| RecorderError::Worker(e.to_string()))?;
+/// Writes one readiness record into the bucket.
+pub async fn mirror(bucket: &kv::Store, readiness: &Readiness) -> Result<(), RecorderError> {
+    let value =
+        serde_json::to_vec(readiness).map_err(|e| RecorderError::nats("encoding readiness", e))?;
     bucket
-        .put(&key, value.into())
+        .put(kv_key(&readiness.key), value.into())
         .await
         .map_err(|e| RecorderError::nats("writing readiness", e))?;
     Ok(())
@@ -69,17 +138,67 @@ pub async fn mirror(bucket: &kv::Store, readiness: &TierReadiness) -> Result<(),
 
 #[cfg(test)]
 mod tests {
+    use stagehand_catalogue::{JobCounts, Stamp};
+    use stagehand_schemas::EventId;
+
     use super::*;
+    use crate::model::StageFact;
+
+    fn key() -> ReadinessKey {
+        ReadinessKey {
+            project: "p".into(),
+            dataset: "d".into(),
+            version: "v".into(),
+            tier: "hot".into(),
+            node: None,
+        }
+    }
+
+    fn stamp(s: i64) -> Stamp {
+        Stamp {
+            at: time::OffsetDateTime::from_unix_timestamp(s).unwrap(),
+            event_id: EventId::new(format!("e{s}")).unwrap(),
+        }
+    }
 
     #[test]
-    fn keys_are_valid_kv_keys() {
-        let key = kv_key(&TierKey {
-            project: "lab-a".into(),
-            dataset: "cats v2/final".into(),
-            version: "ab12".into(),
-            tier: "hot".into(),
+    fn a_failure_after_the_request_fails_and_a_request_after_a_failure_waits() {
+        let mut a = ReadinessAggregate {
+            jobs: JobCounts {
+                pending: 1,
+                failed: 1,
+                ..Default::default()
+            },
+            newest: Some(StageFact {
+                stamp: stamp(2),
+                state: StageState::Failed,
+                reason: Some("quota exceeded".into()),
+                retryable: Some(false),
+            }),
+            ready_path: None,
+        };
+        let r = derive(key(), &a, None);
+        assert_eq!(
+            r.state,
+            ReadinessState::Failed {
+                reason: "quota exceeded".into(),
+                retryable: false
+            }
+        );
+        a.newest = Some(StageFact {
+            stamp: stamp(3),
+            state: StageState::Pending,
+            reason: None,
+            retryable: None,
         });
-        assert_eq!(key, "lab-a.cats=20v2=2Ffinal.ab12.hot");
-        assert_eq!(key.split('.').count(), 4);
+        assert!(matches!(
+            derive(key(), &a, None).state,
+            ReadinessState::Pending { .. }
+        ));
+        a.jobs = JobCounts {
+            released: 2,
+            ..Default::default()
+        };
+        assert_eq!(derive(key(), &a, None).state, ReadinessState::Released);
     }
 }

@@ -1,29 +1,36 @@
-//! The recorder as a service: rebuild if needed, then fold live facts, serve queries, mirror
-//! readiness, until shutdown.
+//! The recorder as a service: rebuild if needed, then fold live facts (and stage requests),
+//! serve queries, mirror readiness and stage statuses, until shutdown.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusError, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats};
+use stagehand_manifest::Spool;
 use stagehand_schemas::Event;
-use stagehand_schemas::subject::{DEAD_LETTERS, FACTS};
+use stagehand_schemas::subject::{DEAD_LETTERS, FACTS, REQUESTS};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
-use crate::fold::TierKey;
-use crate::query::{serve as serve_queries, tier_readiness};
-use crate::readiness::{mirror, open_bucket};
+use crate::files::FileLists;
+use crate::live::{LiveFold, Mirror, follow_progress, mirror_all};
+use crate::query::serve as serve_queries;
 use crate::replay::replay;
 use crate::store::{Store, Writer};
+
+/// The requests the recorder folds besides facts: stage requests and their releases, whose
+/// statuses it keeps for schedulers (a comma-separated list of filters).
+const STAGE_REQUESTS_FILTER: &str =
+    "stagehand.req.stage.requested.*,stagehand.req.stage.released.*";
 
 /// The recorder's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RecorderConfig {
-    /// The instance name: its durable consumers are `<instance>` (facts) and `<instance>-dlq`
-    /// (dead letters). Every recorder keeps a whole catalogue, so each instance needs its own
+    /// The instance name: its durable consumers are `<instance>` (facts), `<instance>-dlq`
+    /// (dead letters) and `<instance>-stages` (stage requests and releases). Every recorder keeps a whole catalogue, so each instance needs its own
     /// name; queries are shared through the queue group.
     #[serde(default = "default_instance")]
     pub instance: String,
@@ -34,6 +41,16 @@ pub struct RecorderConfig {
     /// Whether to count dead letters from the dead-letter stream.
     #[serde(default = "default_true")]
     pub dead_letters: bool,
+    /// Where large manifests are spooled while their entries are written into the store
+    /// (about 100 bytes per file of the largest version); default: the store's directory.
+    #[serde(default)]
+    pub manifest_spool: Option<PathBuf>,
+    /// How long fetching one manifest may take before the fact is retried later.
+    #[serde(
+        default = "default_manifest_timeout",
+        with = "stagehand_bus::duration_str"
+    )]
+    pub manifest_timeout: std::time::Duration,
 }
 
 /// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`RecorderConfig`] as
@@ -48,6 +65,9 @@ fn default_instance() -> String {
 }
 fn default_true() -> bool {
     true
+}
+fn default_manifest_timeout() -> std::time::Duration {
+    std::time::Duration::from_secs(120)
 }
 /// Facts folded at once (the writer commits whatever is queued in one transaction), unless
 /// `[worker] concurrency` says otherwise.
@@ -65,7 +85,24 @@ impl RecorderConfig {
             store_path: dir.join("catalogue.redb"),
             ledger_dir: dir.join("catalogue-ledger"),
             dead_letters: true,
+            manifest_spool: None,
+            manifest_timeout: default_manifest_timeout(),
         }
+    }
+
+    /// The file lists reader this configuration asks for.
+    fn file_lists(&self, bus: &Bus, store: &Arc<Store>) -> FileLists {
+        let spool = self
+            .manifest_spool
+            .clone()
+            .or_else(|| self.store_path.parent().map(std::path::Path::to_path_buf))
+            .unwrap_or_else(std::env::temp_dir);
+        FileLists::new(
+            bus.jetstream().clone(),
+            store.clone(),
+            Spool::in_dir(spool),
+            self.manifest_timeout,
+        )
     }
 
     /// Settings for a one-machine stack under `home` (`stagehand up`).
@@ -109,48 +146,18 @@ pub struct RecorderStats {
     pub rebuilt: Option<(u64, u64)>,
     pub facts: WorkerStats,
     pub dead_letters: WorkerStats,
+    /// Stage requests and releases (from the requests stream).
+    pub stage_requests: WorkerStats,
 }
 
-/// The worker runtime's handler: folds one event, mirrors the readiness it touched, and causes
-/// no facts.
-struct Fold {
-    store: Arc<Store>,
-    writer: Writer,
-    bucket: async_nats::jetstream::kv::Store,
-}
-
-impl Handler for Fold {
-    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        let touched = self.writer.apply(event.clone()).await?;
-        mirror_all(&self.store, &self.bucket, touched)
-            .await
-            .map_err(HandlerError::retryable)?;
-        Ok(Vec::new())
-    }
-}
-
-async fn mirror_all(
-    store: &Arc<Store>,
-    bucket: &async_nats::jetstream::kv::Store,
-    touched: Vec<TierKey>,
-) -> Result<(), RecorderError> {
-    for tier in touched {
-        let s = store.clone();
-        let readiness = tokio::task::spawn_blocking(move || tier_readiness(&s, &tier))
-            .await
-            .map_err(|e| RecorderError::Worker(e.to_string()))??;
-        mirror(bucket, &readiness).await?;
-    }
-    Ok(())
-}
-
-/// Rebuilds `store` from the facts and dead-letter streams if it is not complete, and mirrors
-/// the readiness the replay touched. Returns the events replayed (facts, dead letters), or
-/// `None` when the store was complete already.
-pub async fn rebuild_if_needed(
+/// Rebuilds `store` from the facts, dead-letter and (stage) request streams if it is not
+/// complete, and mirrors what the replay touched. Returns the events replayed (facts, dead
+/// letters), or `None` when the store was complete already.
+pub(crate) async fn rebuild_if_needed(
     bus: &Bus,
     store: &Arc<Store>,
-    bucket: &async_nats::jetstream::kv::Store,
+    files: &FileLists,
+    mirror: &Mirror,
 ) -> Result<Option<(u64, u64)>, RecorderError> {
     let s = store.clone();
     let complete = tokio::task::spawn_blocking(move || s.is_complete())
@@ -160,9 +167,13 @@ pub async fn rebuild_if_needed(
         return Ok(None);
     }
     tracing::info!(store = %store.path().display(), "catalogue store missing or incomplete: rebuilding from the facts stream");
-    let facts = replay(bus.jetstream(), FACTS.name, "stagehand.fact.>", store).await?;
-    let dead = replay(bus.jetstream(), DEAD_LETTERS.name, "stagehand.dlq.>", store).await?;
-    mirror_all(store, bucket, facts.touched.clone()).await?;
+    let js = bus.jetstream();
+    let facts = replay(js, FACTS.name, "stagehand.fact.>", store, files).await?;
+    let dead = replay(js, DEAD_LETTERS.name, "stagehand.dlq.>", store, files).await?;
+    let requests = replay(js, REQUESTS.name, STAGE_REQUESTS_FILTER, store, files).await?;
+    let touched = [facts.touched.clone(), requests.touched.clone()].concat();
+    let stages = [facts.stages.clone(), requests.stages.clone()].concat();
+    mirror_all(store, mirror, touched, stages).await?;
     let s = store.clone();
     let through = facts.through;
     tokio::task::spawn_blocking(move || s.mark_complete(through))
@@ -171,7 +182,10 @@ pub async fn rebuild_if_needed(
     tracing::info!(
         facts = facts.events,
         dead_letters = dead.events,
-        undecodable = facts.undecodable + dead.undecodable,
+        stage_requests = requests.events,
+        undecodable = facts.undecodable + dead.undecodable + requests.undecodable,
+        skipped = facts.skipped + dead.skipped + requests.skipped,
+        batches = facts.batches + dead.batches + requests.batches,
         "catalogue rebuilt"
     );
     Ok(Some((facts.events, dead.events)))
@@ -197,7 +211,7 @@ pub async fn run(
 
 /// Serves a recorder on a connected bus until `ctx.shutdown` is cancelled: rebuilds the store
 /// if needed, then folds facts (and dead letters) live through the worker runtime, answers
-/// queries and mirrors readiness — three tasks of one group, so that any of them failing stops
+/// queries and mirrors readiness and stage statuses — tasks of one group, so that any of them failing stops
 /// the recorder (its supervisor restarts it) instead of leaving a half-working one.
 pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, RecorderError> {
     let config = ctx.settings.clone();
@@ -207,20 +221,27 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
             .await
             .map_err(|e| RecorderError::Worker(e.to_string()))??,
     );
-    let bucket = open_bucket(&ctx.bus).await?;
-    let rebuilt = rebuild_if_needed(&ctx.bus, &store, &bucket).await?;
+    let mirror = Mirror::open(&ctx.bus).await?;
+    let files = config.file_lists(&ctx.bus, &store);
+    let rebuilt = rebuild_if_needed(&ctx.bus, &store, &files, &mirror).await?;
     let (writer, writer_thread) = Writer::start(store.clone());
-    let handler = Arc::new(Fold {
+    let mut tasks = ctx.tasks();
+    let token = tasks.shutdown().clone();
+    let store_failed = Arc::new(AtomicBool::new(false));
+    let handler = Arc::new(LiveFold {
         store: store.clone(),
         writer,
-        bucket,
+        files,
+        mirror: mirror.clone(),
+        stop: token.clone(),
+        store_failed: store_failed.clone(),
     });
 
     let worker = |consumer: &str, stream: &str, filter: &str| {
         let mut cfg = WorkerConfig::new(
             consumer,
             stream,
-            vec![filter.to_owned()],
+            filter.split(',').map(str::to_owned).collect(),
             config.ledger_dir.join(format!("{consumer}.redb")),
         );
         cfg.concurrency = DEFAULT_CONCURRENCY;
@@ -236,16 +257,36 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
         DEAD_LETTERS.name,
         "stagehand.dlq.>",
     );
+    let stages_cfg = worker(
+        &format!("{}-stages", config.instance),
+        REQUESTS.name,
+        STAGE_REQUESTS_FILTER,
+    );
     let deadline = facts_cfg.shutdown_deadline;
 
     let facts_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
     let dlq_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
-    let mut tasks = ctx.tasks();
-    let token = tasks.shutdown().clone();
+    let stages_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
     tasks.spawn(
         "queries",
         serve_queries(ctx.bus.client().clone(), store.clone(), token.clone()),
     );
+    tasks.spawn(
+        "progress",
+        follow_progress(
+            ctx.bus.client().clone(),
+            store.clone(),
+            mirror,
+            token.clone(),
+        ),
+    );
+    let stages = ctx.run_worker_until(stages_cfg, SharedFold(handler.clone()), token.clone());
+    let into = stages_stats.clone();
+    tasks.spawn("stage-requests", async move {
+        let stats = stages.await?;
+        *into.lock().unwrap_or_else(|p| p.into_inner()) = stats;
+        Ok::<(), BusError>(())
+    });
     let facts = ctx.run_worker_until(facts_cfg, SharedFold(handler.clone()), token.clone());
     let into = facts_stats.clone();
     tasks.spawn("facts", async move {
@@ -271,21 +312,31 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     if tokio::time::timeout(deadline, released).await.is_err() {
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
     }
+    if store_failed.load(Ordering::SeqCst) {
+        return Err(RecorderError::Store(StoreError::Redb(
+            redb::Error::PreviousIo,
+        )));
+    }
     joined?;
     let facts = facts_stats
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     let dead_letters = dlq_stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let stage_requests = stages_stats
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     Ok(RecorderStats {
         rebuilt,
         facts,
         dead_letters,
+        stage_requests,
     })
 }
 
-/// The fold handler shared by the facts and dead-letter workers.
-struct SharedFold(Arc<Fold>);
+/// The fold handler shared by the recorder's workers.
+struct SharedFold(Arc<LiveFold>);
 
 impl Handler for SharedFold {
     async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {

@@ -1,33 +1,162 @@
-//! The catalogue's redb file and its single writer.
+//! The catalogue's redb file: one typed table per kind of record, and its single writer.
 //!
-//! Three tables: `records` (key → JSON bytes, see [`crate::fold`] for the keys), `applied`
-//! (event ids already folded) and `meta` (whether the store is complete). Values are stored as
-//! plain bytes and decoded by the recorder, because redb's `Value::from_bytes` cannot fail and a
-//! damaged value must become an error, not a panic.
+//! | table | key | value |
+//! | --- | --- | --- |
+//! | `datasets` | (project, dataset) | [`stagehand_catalogue::DatasetRecord`] |
+//! | `dataset_names` | (dataset, project) | — (which projects have a dataset of that name) |
+//! | `versions` | (project, dataset, version) | [`stagehand_catalogue::VersionRecord`] |
+//! | `version_order` | (project, dataset, provenance time in ns, version) | — (versions oldest first) |
+//! | `version_requests` | (project, dataset, version, request id) | — |
+//! | `file_lists` | version digest | [`FileListRecord`]: the list is complete |
+//! | `file_chunks` | (version digest, first path) | a chunk of entries ([`crate::chunk`]) |
+//! | `replicas` | (project, dataset, version, tier) | [`stagehand_catalogue::ReplicaRecord`] |
+//! | `stage_requests` | (project, request id) | [`crate::model::StageRecord`]: a stage request's status |
+//! | `stages_by_job` | (project, job, request id) | — |
+//! | `stages_by_version` | (project, dataset, version — the full digest once known, else as requested, request id) | — |
+//! | `stage_progress` | (project, request id) | the copy's last progress (live only, not in a [`Dump`]) |
+//! | `readiness` | (project, dataset, version, tier, node or "") | [`crate::model::ReadinessAggregate`] |
+//! | `rejections` | (project, dataset, request id) | [`stagehand_catalogue::RejectionRecord`], one per request |
+//! | `dead_letters` | service | [`stagehand_catalogue::DeadLetterRecord`] |
+//! | `checkpoints` | (project, run, step) | [`stagehand_catalogue::CheckpointRecord`] |
+//! | `problems` | event id | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
+//! | `applied` | event id | — (facts folded) |
+//! | `meta` | name | layout version, rebuild completion |
 //!
-//! A store is *complete* once a replay of the facts stream into it finished. A store that is
-//! missing, or was left incomplete by a crash during its rebuild, is rebuilt on start.
+//! File lists are keyed by digest alone: a version is content-addressed, so two datasets (or
+//! projects) holding the same bytes share one list, and only a `versions` record of the asking
+//! project makes it visible. Values are bytes the recorder encodes (JSON) and decodes itself,
+//! because redb's `Value::from_bytes` cannot fail and a damaged value must become an error, not
+//! a panic; no record may exceed [`MAX_RECORD_BYTES`], so every answer stays bounded.
 //!
-//! Writes go through one [`Writer`] thread that folds every event waiting in its queue in one
-//! transaction and one commit, so a burst of facts costs one fsync, not one per fact.
+//! A store is *complete* once a replay of the facts stream into it finished; a store that is
+//! missing, of another layout, or left incomplete by a crash during its rebuild is rebuilt on
+//! start. Metadata folds go through one [`Writer`] thread that folds every event waiting in its
+//! queue in one transaction and one commit. File lists are written beside it
+//! ([`Store::put_file_list`]) in transactions of bounded size without an fsync of their own:
+//! the next durable commit (the fold of the fact that needs the list) makes them durable, and a
+//! crash before it rolls both back together.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{
+    Database, Durability, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata,
+    TableDefinition, WriteTransaction,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use stagehand_catalogue::FoldProblem;
+use stagehand_manifest::Manifest;
 use stagehand_schemas::Event;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::chunk::ChunkBuilder;
 use crate::error::StoreError;
-use crate::fold::{self, TierKey, View};
+use crate::fold::{self, FoldError};
+use crate::model::FileListRecord;
 
-const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records");
-const APPLIED: TableDefinition<&str, ()> = TableDefinition::new("applied");
-const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+type S = &'static str;
+type Bytes = &'static [u8];
+
+pub(crate) const DATASETS: TableDefinition<(S, S), Bytes> = TableDefinition::new("datasets");
+pub(crate) const DATASET_NAMES: TableDefinition<(S, S), ()> = TableDefinition::new("dataset_names");
+pub(crate) const VERSIONS: TableDefinition<(S, S, S), Bytes> = TableDefinition::new("versions");
+pub(crate) const VERSION_ORDER: TableDefinition<(S, S, i128, S), ()> =
+    TableDefinition::new("version_order");
+pub(crate) const VERSION_REQUESTS: TableDefinition<(S, S, S, S), ()> =
+    TableDefinition::new("version_requests");
+pub(crate) const FILE_LISTS: TableDefinition<S, Bytes> = TableDefinition::new("file_lists");
+pub(crate) const FILE_CHUNKS: TableDefinition<(S, S), Bytes> = TableDefinition::new("file_chunks");
+pub(crate) const REPLICAS: TableDefinition<(S, S, S, S), Bytes> = TableDefinition::new("replicas");
+pub(crate) const STAGE_REQUESTS: TableDefinition<(S, S), Bytes> =
+    TableDefinition::new("stage_requests");
+pub(crate) const STAGES_BY_JOB: TableDefinition<(S, S, S), ()> =
+    TableDefinition::new("stages_by_job");
+pub(crate) const STAGES_BY_VERSION: TableDefinition<(S, S, S, S), ()> =
+    TableDefinition::new("stages_by_version");
+/// Progress of copies as the promoter last reported it: live state, not folded from the
+/// streams (progress messages are not stored), so not part of a [`Dump`] and empty after a
+/// rebuild until the next report.
+pub(crate) const STAGE_PROGRESS: TableDefinition<(S, S), Bytes> =
+    TableDefinition::new("stage_progress");
+pub(crate) const READINESS: TableDefinition<(S, S, S, S, S), Bytes> =
+    TableDefinition::new("readiness");
+pub(crate) const REJECTIONS: TableDefinition<(S, S, S), Bytes> = TableDefinition::new("rejections");
+pub(crate) const DEAD_LETTERS: TableDefinition<S, Bytes> = TableDefinition::new("dead_letters");
+pub(crate) const CHECKPOINTS: TableDefinition<(S, S, u64), Bytes> =
+    TableDefinition::new("checkpoints");
+pub(crate) const PROBLEMS: TableDefinition<S, Bytes> = TableDefinition::new("problems");
+pub(crate) const APPLIED: TableDefinition<S, ()> = TableDefinition::new("applied");
+const META: TableDefinition<S, u64> = TableDefinition::new("meta");
+
 /// Meta key: the facts stream sequence through which a rebuild replayed; present once complete.
 const COMPLETE: &str = "complete_through";
+/// Meta key: the layout the tables follow.
+const LAYOUT: &str = "layout";
+/// This layout: typed tables, file lists in chunks. A store of another layout (the one-table
+/// layout of key prefixes was 1) is emptied and rebuilt from the streams.
+const LAYOUT_VERSION: u64 = 2;
 
-/// The most events folded in one commit.
+/// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;
+
+/// The largest encoded record: several fit in any answer.
+pub const MAX_RECORD_BYTES: usize = 192 * 1024;
+
+/// File chunk bytes written per transaction by [`Store::put_file_list`].
+const FILE_LIST_TXN_BYTES: usize = 16 * 1024 * 1024;
+
+/// Decodes a stored record; `what` names it in the error.
+pub(crate) fn decode<T: DeserializeOwned>(
+    bytes: &[u8],
+    what: impl FnOnce() -> String,
+) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+        key: what(),
+        detail: e.to_string(),
+    })
+}
+
+/// Encodes a record, refusing one over [`MAX_RECORD_BYTES`].
+pub(crate) fn encode<T: Serialize>(
+    value: &T,
+    what: impl Fn() -> String,
+) -> Result<Vec<u8>, StoreError> {
+    let bytes = serde_json::to_vec(value).map_err(|e| StoreError::Corrupt {
+        key: what(),
+        detail: format!("cannot encode: {e}"),
+    })?;
+    if bytes.len() > MAX_RECORD_BYTES {
+        return Err(StoreError::TooLarge {
+            what: what(),
+            bytes: bytes.len(),
+            max: MAX_RECORD_BYTES,
+        });
+    }
+    Ok(bytes)
+}
+
+/// One event for [`Store::apply_batch`]: folded, or — when `problem` is set, because its
+/// manifest could not be had — recorded as a problem instead.
+#[derive(Debug, Clone)]
+pub struct FoldItem {
+    pub event: Event,
+    /// Its sequence in the stream it came from.
+    pub sequence: Option<u64>,
+    pub problem: Option<FoldProblem>,
+}
+
+/// What became of one [`FoldItem`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Folded {
+    /// Folded (or folded before: the fold is idempotent).
+    Done,
+    /// Not folded: recorded as a problem, skipped.
+    Skipped {
+        problem: FoldProblem,
+        retryable: bool,
+    },
+}
 
 /// The catalogue store.
 pub struct Store {
@@ -41,30 +170,31 @@ impl std::fmt::Debug for Store {
     }
 }
 
-struct TxView<'t> {
-    records: redb::Table<'t, &'static str, &'static [u8]>,
-    applied: redb::Table<'t, &'static str, ()>,
-}
-
-impl View for TxView<'_> {
-    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.records.get(key)?.map(|v| v.value().to_vec()))
-    }
-    fn put(&mut self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
-        self.records.insert(key, value.as_slice())?;
-        Ok(())
-    }
-    fn applied(&self, event_id: &str) -> Result<bool, StoreError> {
-        Ok(self.applied.get(event_id)?.is_some())
-    }
-    fn mark_applied(&mut self, event_id: &str) -> Result<(), StoreError> {
-        self.applied.insert(event_id, ())?;
-        Ok(())
-    }
+macro_rules! for_each_table {
+    ($m:ident) => {
+        $m!(DATASETS);
+        $m!(DATASET_NAMES);
+        $m!(VERSIONS);
+        $m!(VERSION_ORDER);
+        $m!(VERSION_REQUESTS);
+        $m!(FILE_LISTS);
+        $m!(FILE_CHUNKS);
+        $m!(REPLICAS);
+        $m!(STAGE_REQUESTS);
+        $m!(STAGES_BY_JOB);
+        $m!(STAGES_BY_VERSION);
+        $m!(READINESS);
+        $m!(REJECTIONS);
+        $m!(DEAD_LETTERS);
+        $m!(CHECKPOINTS);
+        $m!(PROBLEMS);
+        $m!(APPLIED);
+    };
 }
 
 impl Store {
-    /// Opens the store at `path`, creating it (and its parent directory) if missing.
+    /// Opens the store at `path`, creating it (and its parent directory) if missing. A store
+    /// of another layout is emptied (and so rebuilt from the streams).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref().to_path_buf();
         if let Some(parent) = path.parent()
@@ -74,9 +204,31 @@ impl Store {
         }
         let db = Database::create(&path)?;
         let txn = db.begin_write()?;
-        txn.open_table(RECORDS)?;
-        txn.open_table(APPLIED)?;
-        txn.open_table(META)?;
+        let layout = match txn.open_table(META) {
+            Ok(meta) => meta.get(LAYOUT)?.map(|v| v.value()),
+            Err(e) => return Err(e.into()),
+        };
+        if layout != Some(LAYOUT_VERSION) {
+            let old: Vec<_> = txn.list_tables()?.collect();
+            // A new file holds only the `meta` table just opened.
+            if layout.is_some() || old.len() > 1 {
+                tracing::warn!(store = %path.display(), ?layout, "catalogue store of another layout: emptying it to rebuild from the streams");
+            }
+            for table in old {
+                txn.delete_table(table)?;
+            }
+            txn.open_table(META)?.insert(LAYOUT, LAYOUT_VERSION)?;
+        }
+        macro_rules! create {
+            ($t:ident) => {
+                txn.open_table($t)?;
+            };
+        }
+        for_each_table!(create);
+        // Progress is live state: a report from before this start may describe a copy that
+        // no longer runs, so it is not shown again; the next report brings it back.
+        txn.delete_table(STAGE_PROGRESS)?;
+        txn.open_table(STAGE_PROGRESS)?;
         txn.commit()?;
         Ok(Self { db, path })
     }
@@ -85,8 +237,17 @@ impl Store {
         &self.path
     }
 
-    /// Whether a rebuild completed into this store (or it was marked complete when created
-    /// empty against an empty stream).
+    /// A read transaction (queries).
+    pub(crate) fn reader(&self) -> Result<ReadTransaction, StoreError> {
+        Ok(self.db.begin_read()?)
+    }
+
+    /// A write transaction beside the writer's (live-only state).
+    pub(crate) fn writer_txn(&self) -> Result<WriteTransaction, StoreError> {
+        Ok(self.db.begin_write()?)
+    }
+
+    /// Whether a rebuild completed into this store.
     pub fn is_complete(&self) -> Result<bool, StoreError> {
         let txn = self.db.begin_read()?;
         let meta = txn.open_table(META)?;
@@ -101,74 +262,215 @@ impl Store {
         Ok(())
     }
 
-    /// Folds `events` in one transaction and one commit. Returns the tiers whose readiness
-    /// to re-mirror (deduplicated).
-    pub fn apply_batch(&self, events: &[Event]) -> Result<Vec<TierKey>, StoreError> {
-        let txn = self.db.begin_write()?;
-        {
-            let mut view = TxView {
-                records: txn.open_table(RECORDS)?,
-                applied: txn.open_table(APPLIED)?,
-            };
-            for event in events {
-                fold::apply(&mut view, event)?;
+    /// The stored file list of `digest`, if it is complete.
+    pub fn file_list(&self, digest: &str) -> Result<Option<FileListRecord>, StoreError> {
+        let txn = self.db.begin_read()?;
+        let lists = txn.open_table(FILE_LISTS)?;
+        lists
+            .get(digest)?
+            .map(|v| decode(v.value(), || format!("file list {digest}")))
+            .transpose()
+    }
+
+    /// Writes `manifest`'s entries as the file list of its digest, chunk by chunk in path
+    /// order, unless that list is stored already. Blocking (it reads a spooled manifest);
+    /// memory stays a transaction's worth of chunks whatever the file count.
+    pub fn put_file_list(&self, manifest: &Manifest) -> Result<FileListRecord, FoldError> {
+        let digest = manifest.digest();
+        if let Some(done) = self.file_list(digest)? {
+            return Ok(done);
+        }
+        let mut builder = ChunkBuilder::default();
+        let mut pending: Vec<(String, Vec<u8>)> = Vec::new();
+        let mut pending_bytes = 0usize;
+        let mut record = FileListRecord {
+            digest: digest.to_owned(),
+            files: 0,
+            bytes: 0,
+            chunks: 0,
+        };
+        let flush = |pending: &mut Vec<(String, Vec<u8>)>,
+                     last: Option<&FileListRecord>|
+         -> Result<(), StoreError> {
+            let mut txn = self.db.begin_write()?;
+            // Durable with the fold that follows (see the module docs).
+            txn.set_durability(Durability::None)
+                .map_err(|e| StoreError::Redb(redb::Error::Io(std::io::Error::other(e))))?;
+            {
+                let mut chunks = txn.open_table(FILE_CHUNKS)?;
+                for (first, bytes) in pending.drain(..) {
+                    chunks.insert((digest, first.as_str()), bytes.as_slice())?;
+                }
+                if let Some(last) = last {
+                    let value = encode(last, || format!("file list {digest}"))?;
+                    txn.open_table(FILE_LISTS)?
+                        .insert(digest, value.as_slice())?;
+                }
+            }
+            txn.commit()?;
+            Ok(())
+        };
+        for entry in manifest.entries() {
+            let file = entry.map_err(FoldError::manifest)?;
+            if builder.is_full() {
+                let (chunk, next) = builder.finish();
+                pending_bytes += chunk.1.len();
+                pending.push(chunk);
+                record.chunks += 1;
+                builder = next;
+                if pending_bytes >= FILE_LIST_TXN_BYTES {
+                    flush(&mut pending, None)?;
+                    pending_bytes = 0;
+                }
+            }
+            builder
+                .push(&file)
+                .map_err(|e| FoldError::malformed(e.to_string()))?;
+            record.files += 1;
+            record.bytes += file.size;
+        }
+        if !builder.is_empty() {
+            pending.push(builder.finish().0);
+            record.chunks += 1;
+        }
+        flush(&mut pending, Some(&record))?;
+        Ok(record)
+    }
+
+    /// Folds `items` in one transaction and one commit. An item whose fold fails for a reason
+    /// of its own (a damaged record it needs, a record too large, a missing file list) is
+    /// recorded as a problem and skipped, and the rest fold; a failure of the store itself
+    /// fails the whole batch, which is then not committed.
+    pub fn apply_batch(&self, items: &[FoldItem]) -> Result<Vec<Folded>, StoreError> {
+        let mut skipped: BTreeMap<usize, (FoldProblem, bool)> = BTreeMap::new();
+        for (i, item) in items.iter().enumerate() {
+            if let Some(problem) = &item.problem {
+                skipped.insert(i, (problem.clone(), true));
             }
         }
-        txn.commit()?;
-        let mut touched: Vec<TierKey> = events.iter().filter_map(fold::touched).collect();
-        touched.sort();
-        touched.dedup();
-        Ok(touched)
-    }
-
-    /// One record's bytes.
-    pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let txn = self.db.begin_read()?;
-        let records = txn.open_table(RECORDS)?;
-        Ok(records.get(key)?.map(|v| v.value().to_vec()))
-    }
-
-    /// Every record whose key starts with `prefix`, in key order.
-    pub fn scan(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        let txn = self.db.begin_read()?;
-        let records = txn.open_table(RECORDS)?;
-        let mut out = Vec::new();
-        for item in records.range::<&str>(prefix..)? {
-            let (k, v) = item?;
-            if !k.value().starts_with(prefix) {
-                break;
+        'attempt: loop {
+            let txn = self.db.begin_write()?;
+            for (i, item) in items.iter().enumerate() {
+                if let Some((problem, _)) = skipped.get(&i) {
+                    record_problem(&txn, problem)?;
+                    continue;
+                }
+                match fold::apply(&txn, &item.event) {
+                    Ok(true) => {
+                        txn.open_table(PROBLEMS)?.remove(item.event.id.as_str())?;
+                    }
+                    Ok(false) => {}
+                    Err(e) => match e.problem_code() {
+                        Some(code) => {
+                            let retryable = e.is_retryable();
+                            let problem =
+                                fold::problem(&item.event, item.sequence, code, e.to_string());
+                            skipped.insert(i, (problem, retryable));
+                            txn.abort()?;
+                            continue 'attempt;
+                        }
+                        None => {
+                            let FoldError::Store(e) = e else {
+                                unreachable!("only store errors have no problem code")
+                            };
+                            return Err(e);
+                        }
+                    },
+                }
             }
-            out.push((k.value().to_owned(), v.value().to_vec()));
+            txn.commit()?;
+            break;
         }
-        Ok(out)
+        Ok((0..items.len())
+            .map(|i| match skipped.remove(&i) {
+                Some((problem, retryable)) => Folded::Skipped { problem, retryable },
+                None => Folded::Done,
+            })
+            .collect())
     }
 
-    /// The whole catalogue: every record and every applied event id, in key order. Two
-    /// catalogues folded from the same facts have equal dumps.
+    /// The whole catalogue: every table's rows in key order. Two catalogues folded from the
+    /// same facts have equal dumps.
     pub fn dump(&self) -> Result<Dump, StoreError> {
         let txn = self.db.begin_read()?;
-        let records = txn
-            .open_table(RECORDS)?
-            .iter()?
-            .map(|item| {
-                let (k, v) = item?;
-                Ok((k.value().to_owned(), v.value().to_vec()))
-            })
-            .collect::<Result<Vec<_>, redb::StorageError>>()?;
-        let applied = txn
-            .open_table(APPLIED)?
-            .iter()?
-            .map(|item| Ok(item?.0.value().to_owned()))
-            .collect::<Result<Vec<_>, redb::StorageError>>()?;
-        Ok(Dump { records, applied })
+        let mut tables = Vec::new();
+        macro_rules! dump {
+            ($t:ident) => {{
+                let table = txn.open_table($t)?;
+                let mut rows = Vec::new();
+                for row in table.iter()? {
+                    let (k, v) = row?;
+                    rows.push(format!("{:?} = {}", k.value(), Shown(&v.value())));
+                }
+                tables.push((stringify!($t).to_lowercase(), rows));
+            }};
+        }
+        for_each_table!(dump);
+        Ok(Dump { tables })
+    }
+
+    /// How many facts are recorded as problems.
+    pub fn problem_count(&self) -> Result<u64, StoreError> {
+        let txn = self.db.begin_read()?;
+        Ok(txn.open_table(PROBLEMS)?.len()?)
+    }
+
+    /// Writes raw bytes under a key of the `datasets` table (tests damage records with it).
+    #[doc(hidden)]
+    pub fn damage_dataset_record(
+        &self,
+        project: &str,
+        dataset: &str,
+        bytes: &[u8],
+    ) -> Result<(), StoreError> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(DATASETS)?
+            .insert((project, dataset), bytes)?;
+        txn.commit()?;
+        Ok(())
     }
 }
 
-/// A full copy of a catalogue, for comparing two of them.
+fn record_problem(txn: &WriteTransaction, problem: &FoldProblem) -> Result<(), StoreError> {
+    let value = encode(problem, || format!("problem {}", problem.event_id))?;
+    txn.open_table(PROBLEMS)?
+        .insert(problem.event_id.as_str(), value.as_slice())?;
+    Ok(())
+}
+
+/// A stored value as a dump shows it: its text when it is text (the JSON records), else hex.
+struct Shown<'a, T>(&'a T);
+
+impl std::fmt::Display for Shown<'_, &[u8]> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match std::str::from_utf8(self.0) {
+            Ok(text) => f.write_str(text),
+            Err(_) => self.0.iter().try_for_each(|b| write!(f, "{b:02x}")),
+        }
+    }
+}
+
+impl std::fmt::Display for Shown<'_, ()> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("()")
+    }
+}
+
+/// A full copy of a catalogue, for comparing two of them: per table, its rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dump {
-    pub records: Vec<(String, Vec<u8>)>,
-    pub applied: Vec<String>,
+    pub tables: Vec<(String, Vec<String>)>,
+}
+
+impl Dump {
+    /// The rows of one table.
+    pub fn rows(&self, table: &str) -> &[String] {
+        self.tables
+            .iter()
+            .find(|(name, _)| name == table)
+            .map(|(_, rows)| rows.as_slice())
+            .unwrap_or_default()
+    }
 }
 
 /// The writer's thread, to wait for once every [`Writer`] is dropped.
@@ -182,9 +484,9 @@ impl WriterThread {
     }
 }
 
-type Job = (Event, oneshot::Sender<Result<Vec<TierKey>, StoreError>>);
+type Job = (FoldItem, oneshot::Sender<Result<Folded, StoreError>>);
 
-/// The store's single writer: a thread that folds queued events in batches.
+/// The store's single writer of metadata: a thread that folds queued events in batches.
 #[derive(Clone, Debug)]
 pub struct Writer {
     tx: mpsc::Sender<Job>,
@@ -206,20 +508,17 @@ impl Writer {
                             Err(_) => break,
                         }
                     }
-                    let events: Vec<Event> = jobs.iter().map(|(e, _)| e.clone()).collect();
-                    match store.apply_batch(&events) {
-                        Ok(_) => {
-                            for (event, reply) in jobs {
-                                let touched = fold::touched(&event).into_iter().collect();
-                                let _ = reply.send(Ok(touched));
+                    let (items, replies): (Vec<FoldItem>, Vec<_>) = jobs.into_iter().unzip();
+                    match store.apply_batch(&items) {
+                        Ok(results) => {
+                            for (result, reply) in results.into_iter().zip(replies) {
+                                let _ = reply.send(Ok(result));
                             }
                         }
-                        Err(batch_error) => {
-                            // One bad event must not fail its neighbours: retry each alone so
-                            // only the culprit gets the error.
-                            tracing::warn!(error = %batch_error, events = jobs.len(), "batch failed; folding one by one");
-                            for (event, reply) in jobs {
-                                let _ = reply.send(store.apply_batch(std::slice::from_ref(&event)));
+                        Err(e) => {
+                            tracing::warn!(error = %e, events = items.len(), "catalogue commit failed");
+                            for reply in replies {
+                                let _ = reply.send(Err(clone_store_error(&e)));
                             }
                         }
                     }
@@ -229,72 +528,33 @@ impl Writer {
         (Self { tx }, WriterThread(thread))
     }
 
-    /// Folds one event; returns once it is committed, with the tier it touched.
-    pub async fn apply(&self, event: Event) -> Result<Vec<TierKey>, StoreError> {
+    /// Folds one event (or records its problem); returns once it is committed.
+    pub async fn apply(&self, item: FoldItem) -> Result<Folded, StoreError> {
         let (reply, done) = oneshot::channel();
         self.tx
-            .send((event, reply))
+            .send((item, reply))
             .await
             .map_err(|_| StoreError::WriterGone)?;
         done.await.map_err(|_| StoreError::WriterGone)?
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-
-    use super::*;
-    use crate::fold::tests::{rejected, replica, validated};
-
-    #[tokio::test]
-    async fn writer_batches_and_is_idempotent() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(Store::open(dir.path().join("c.redb")).unwrap());
-        let (writer, _thread) = Writer::start(store.clone());
-        let events = [validated(1), rejected(2), replica(1, false), validated(1)];
-        let results =
-            futures::future::join_all(events.iter().cloned().map(|e| writer.apply(e))).await;
-        for r in results {
-            r.unwrap();
+/// The same failure for every event of a failed batch (redb errors do not clone).
+fn clone_store_error(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Redb(redb::Error::PreviousIo) => StoreError::Redb(redb::Error::PreviousIo),
+        StoreError::Redb(e) => {
+            StoreError::Redb(redb::Error::Io(std::io::Error::other(e.to_string())))
         }
-        let dump = store.dump().unwrap();
-        assert_eq!(dump.applied.len(), 3, "the duplicate is applied once");
-
-        let other = Store::open(dir.path().join("d.redb")).unwrap();
-        other.apply_batch(&events[..3]).unwrap();
-        assert_eq!(other.dump().unwrap(), dump);
-    }
-
-    #[test]
-    fn a_corrupt_record_is_reported_with_its_key() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path().join("c.redb")).unwrap();
-        store.apply_batch(&[validated(1)]).unwrap();
-        {
-            let txn = store.db.begin_write().unwrap();
-            txn.open_table(RECORDS)
-                .unwrap()
-                .insert(fold::key('D', &["lab-a", "cats"]).as_str(), &b"{bad"[..])
-                .unwrap();
-            txn.commit().unwrap();
-        }
-        let err = store.apply_batch(&[validated(3)]).unwrap_err();
-        assert!(
-            matches!(&err, StoreError::Corrupt { key, .. } if key == "D/lab-a/cats"),
-            "{err}"
-        );
-        assert!(!err.is_retryable());
-    }
-
-    #[test]
-    fn completeness_survives_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.redb");
-        let store = Store::open(&path).unwrap();
-        assert!(!store.is_complete().unwrap());
-        store.mark_complete(7).unwrap();
-        drop(store);
-        assert!(Store::open(&path).unwrap().is_complete().unwrap());
+        StoreError::Corrupt { key, detail } => StoreError::Corrupt {
+            key: key.clone(),
+            detail: detail.clone(),
+        },
+        StoreError::WriterGone => StoreError::WriterGone,
+        StoreError::TooLarge { what, bytes, max } => StoreError::TooLarge {
+            what: what.clone(),
+            bytes: *bytes,
+            max: *max,
+        },
     }
 }

@@ -1,24 +1,25 @@
-//! `stagehand catalogue …`: questions to the catalogue recorders over request/reply, printed
-//! as text or JSON.
+//! `stagehand catalogue …`: questions to the catalogue recorders through the catalogue client
+//! (`stagehand-catalogue`), printed as text or JSON. Lists are paged: `--limit` and `--after`
+//! pick a page and the text ends with the command for the next one; `show D@V --json` streams
+//! every file of the version as one JSON line each, asking page by page under the hood.
 
-use std::fmt::Write as _;
+use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
-use stagehand_catalogue_recorder::{
-    Answer, DatasetDetail, DatasetRecord, Query, ReplicaRecord, VersionDetail, ask,
+use anyhow::Context;
+use futures::TryStreamExt;
+use stagehand_catalogue::time::human;
+use stagehand_catalogue::{
+    Catalogue, DatasetDetail, DatasetRecord, FoldProblem, MAX_PAGE, Page, ReplicaRecord,
+    VersionDetail,
 };
+use stagehand_schemas::FileRef;
 
 /// How long to wait for a recorder's answer.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Asks and turns an `error` answer into an error.
-pub async fn query(client: &async_nats::Client, query: &Query) -> anyhow::Result<Answer> {
-    match ask(client, query, TIMEOUT).await? {
-        Answer::Error { code, message } => bail!("{message} ({code:?})"),
-        answer => Ok(answer),
-    }
-}
+/// Files asked per request while `show D@V --json` streams a version.
+const STREAM_PAGE: u32 = MAX_PAGE;
 
 /// Splits `D` or `D@VERSION`.
 pub fn parse_target(target: &str) -> (String, Option<String>) {
@@ -28,57 +29,61 @@ pub fn parse_target(target: &str) -> (String, Option<String>) {
     }
 }
 
-/// The project of `dataset`: the one given, or the only project that has a dataset so named.
-pub async fn resolve_project(
-    client: &async_nats::Client,
-    project: Option<String>,
-    dataset: &str,
-) -> anyhow::Result<String> {
-    if let Some(p) = project {
-        return Ok(p);
+/// What `show` prints.
+#[derive(Debug, Clone, Default)]
+pub struct ShowOptions {
+    /// The project; needed only when several projects have a dataset of that name.
+    pub project: Option<String>,
+    /// Files (of `D@V`) or versions and rejections (of `D`) per page.
+    pub limit: Option<u32>,
+    /// Files after this path (`D@V`).
+    pub after: Option<String>,
+    /// One file's entry (`D@V`).
+    pub path: Option<String>,
+    pub json: bool,
+}
+
+fn more(out: &mut dyn Write, command: &str, next: &Option<String>) -> std::io::Result<()> {
+    if let Some(next) = next {
+        writeln!(out, "  … more: {command} --after {}", shell_quote(next))?;
     }
-    let Answer::Datasets { datasets } = query(client, &Query::Datasets { project: None }).await?
-    else {
-        bail!("the catalogue answered something else than a dataset list");
-    };
-    let mut projects: Vec<String> = datasets
-        .into_iter()
-        .filter(|d| d.dataset == dataset)
-        .map(|d| d.project)
-        .collect();
-    projects.dedup();
-    match projects.len() {
-        0 => bail!("no dataset {dataset:?} in the catalogue"),
-        1 => Ok(projects.remove(0)),
-        _ => bail!(
-            "dataset {dataset:?} exists in several projects ({}): give --project",
-            projects.join(", ")
-        ),
+    Ok(())
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_./:=@%+".contains(&b))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
     }
 }
 
-pub fn datasets_text(datasets: &[DatasetRecord]) -> String {
-    let mut out = format!(
-        "{:<16} {:<24} {:>8} {:>9}\n",
+pub fn datasets_text(page: &Page<DatasetRecord>, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:<16} {:<24} {:>8} {:>9}  FIRST SEEN",
         "PROJECT", "DATASET", "VERSIONS", "REJECTED"
-    );
-    for d in datasets {
-        let _ = writeln!(
+    )?;
+    for d in &page.items {
+        writeln!(
             out,
-            "{:<16} {:<24} {:>8} {:>9}",
+            "{:<16} {:<24} {:>8} {:>9}  {}",
             d.project,
             d.dataset,
-            d.versions.len(),
-            d.rejected_requests.len()
-        );
+            d.version_count,
+            d.rejection_count,
+            human(d.first_seen)
+        )?;
     }
-    out
+    more(out, "stagehand catalogue datasets", &page.next)
 }
 
-fn replica_line(out: &mut String, r: &ReplicaRecord) {
-    let _ = writeln!(
+fn replica_line(out: &mut dyn Write, r: &ReplicaRecord) -> std::io::Result<()> {
+    writeln!(
         out,
-        "    {:<10} {:<8} {:>6} files {:>12} bytes  {}{}",
+        "    {:<10} {:<8} {:>8} files {:>14} bytes  {}{}{}",
         r.tier,
         format!("{:?}", r.state).to_lowercase(),
         r.files,
@@ -87,152 +92,338 @@ fn replica_line(out: &mut String, r: &ReplicaRecord) {
             .as_deref()
             .map(|v| format!("verified by {v}"))
             .unwrap_or_default(),
+        r.stamp
+            .as_ref()
+            .map(|s| format!(" at {}", human(s.at)))
+            .unwrap_or_default(),
         r.reason
             .as_deref()
             .map(|v| format!(" ({v})"))
             .unwrap_or_default(),
-    );
+    )
 }
 
-pub fn dataset_text(d: &DatasetDetail) -> String {
-    let mut out = format!("dataset {}/{}\n", d.dataset.project, d.dataset.dataset);
+pub fn dataset_text(d: &DatasetDetail, out: &mut dyn Write) -> std::io::Result<()> {
+    let r = &d.dataset;
+    writeln!(
+        out,
+        "dataset {}/{}: {} versions, {} rejected requests, first seen {}",
+        r.project,
+        r.dataset,
+        r.version_count,
+        r.rejection_count,
+        human(r.first_seen)
+    )?;
     if d.versions.is_empty() {
-        out.push_str("  no validated version\n");
+        writeln!(out, "  no validated version")?;
     }
     for v in &d.versions {
-        let _ = writeln!(
+        writeln!(
             out,
-            "  version {}  {} files, {} bytes, by {} at {}, request {}",
+            "  version {}  {} files, {} bytes, by {} at {}, request {}{}",
             v.version,
             v.file_count,
             v.total_bytes,
             v.provenance.by,
-            v.provenance.at,
-            v.provenance.request_id
-        );
+            human(v.provenance.at),
+            v.provenance.request_id,
+            if v.request_count > 1 {
+                format!(" (+{} more requests)", v.request_count - 1)
+            } else {
+                String::new()
+            }
+        )?;
         if let Some(from) = &v.provenance.derived_from {
-            let _ = writeln!(out, "    derived from {from}");
+            writeln!(out, "    derived from {from}")?;
         }
-        for r in d.replicas.iter().filter(|r| r.version == v.version) {
-            replica_line(&mut out, r);
-        }
-        for s in d.stages.iter().filter(|s| s.version == v.version) {
-            let _ = writeln!(
-                out,
-                "    stage {} on {}: {:?}{}",
-                s.job_id,
-                s.tier,
-                s.state,
-                s.reason
-                    .as_deref()
-                    .map(|r| format!(" ({r})"))
-                    .unwrap_or_default()
-            );
+        for replica in d.replicas.iter().filter(|x| x.version == v.version) {
+            replica_line(out, replica)?;
         }
     }
-    for r in &d.rejections {
-        let _ = writeln!(
+    if let Some(next) = &d.versions_next {
+        writeln!(
+            out,
+            "  … more versions (the catalogue's `versions` query, after {next})"
+        )?;
+    }
+    for rejection in &d.rejections {
+        writeln!(
             out,
             "  rejected request {} by {} at {}: {} problems",
-            r.request_id,
-            r.requested_by,
-            r.stamp.at,
-            r.problems.len()
-        );
-        for p in &r.problems {
-            let _ = writeln!(
+            rejection.request_id,
+            rejection.requested_by,
+            human(rejection.stamp.at),
+            rejection.problems_total
+        )?;
+        for p in &rejection.problems {
+            writeln!(
                 out,
                 "    {:<20} {:<30} {}",
                 p.code,
                 p.path.as_deref().unwrap_or("-"),
                 p.detail
-            );
+            )?;
+        }
+        if let Some(q) = &rejection.quarantine {
+            writeln!(out, "    full report: {q}")?;
         }
     }
-    out
+    if let Some(next) = &d.rejections_next {
+        writeln!(
+            out,
+            "  … more rejections (the catalogue's `rejections` query, after {next})"
+        )?;
+    }
+    Ok(())
 }
 
-pub fn version_text(v: &VersionDetail) -> String {
+pub fn version_text(v: &VersionDetail, out: &mut dyn Write) -> std::io::Result<()> {
     let r = &v.version;
-    let mut out = format!(
-        "version {} of {}/{}: {} files, {} bytes\n  by {} at {}, request {}\n",
+    writeln!(
+        out,
+        "version {} of {}/{}: {} files, {} bytes\n  by {} at {}, request {}",
         r.version,
         r.project,
         r.dataset,
         r.file_count,
         r.total_bytes,
         r.provenance.by,
-        r.provenance.at,
+        human(r.provenance.at),
         r.provenance.request_id
-    );
+    )?;
     for replica in &v.replicas {
-        replica_line(&mut out, replica);
+        replica_line(out, replica)?;
     }
-    out.push_str("  files:\n");
-    for f in &v.files {
-        let _ = writeln!(out, "    {}\t{}\t{}", f.path, f.size, f.sha256);
-    }
-    out
+    Ok(())
+}
+
+fn file_line(out: &mut dyn Write, f: &FileRef) -> std::io::Result<()> {
+    writeln!(out, "    {}\t{}\t{}", f.path, f.size, f.sha256)
 }
 
 /// `stagehand catalogue datasets`.
 pub async fn datasets(
-    client: &async_nats::Client,
-    project: Option<String>,
+    catalogue: &Catalogue,
+    project: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
     json: bool,
-) -> anyhow::Result<String> {
-    let answer = query(client, &Query::Datasets { project }).await?;
-    Ok(match (&answer, json) {
-        (_, true) => serde_json::to_string_pretty(&answer)? + "\n",
-        (Answer::Datasets { datasets }, false) => datasets_text(datasets),
-        _ => bail!("unexpected answer"),
-    })
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let page = catalogue.datasets(project, limit, after).await?;
+    if json {
+        let value = serde_json::json!({"datasets": page.items, "next": page.next});
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        datasets_text(&page, out)?;
+    }
+    Ok(())
 }
 
 /// `stagehand catalogue show D[@VERSION]`.
 pub async fn show(
-    client: &async_nats::Client,
-    project: Option<String>,
+    catalogue: &Catalogue,
     target: &str,
-    json: bool,
-) -> anyhow::Result<String> {
+    opts: &ShowOptions,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
     let (dataset, version) = parse_target(target);
-    let project = resolve_project(client, project, &dataset).await?;
-    let q = match version {
-        Some(version) => Query::Version {
-            project,
+    let project = opts.project.as_deref();
+    let Some(version) = version else {
+        let q = stagehand_catalogue::Query::Dataset {
+            project: opts.project.clone(),
+            dataset: dataset.clone(),
+            limit: opts.limit,
+        };
+        let stagehand_catalogue::Answer::Dataset(detail) =
+            catalogue.ask(&q).await.context("catalogue show")?
+        else {
+            anyhow::bail!("the catalogue answered something else than a dataset");
+        };
+        if opts.json {
+            writeln!(out, "{}", serde_json::to_string_pretty(&detail)?)?;
+        } else {
+            dataset_text(&detail, out)?;
+        }
+        return Ok(());
+    };
+    if let Some(path) = &opts.path {
+        let (digest, file) = catalogue
+            .file(project, &dataset, &version, path)
+            .await
+            .context("catalogue show --path")?;
+        if opts.json {
+            let value = serde_json::json!({"version": digest, "file": file});
+            writeln!(out, "{}", serde_json::to_string(&value)?)?;
+        } else {
+            writeln!(out, "{}\t{}\t{}", file.path, file.size, file.sha256)?;
+        }
+        return Ok(());
+    }
+    if opts.json {
+        // One line per file of the whole version, page by page: memory stays one page.
+        let files = catalogue.all_files(
+            opts.project.clone(),
             dataset,
             version,
-        },
-        None => Query::Dataset { project, dataset },
-    };
-    let answer = query(client, &q).await.context("catalogue show")?;
-    Ok(match (&answer, json) {
-        (_, true) => serde_json::to_string_pretty(&answer)? + "\n",
-        (Answer::Dataset(d), false) => dataset_text(d),
-        (Answer::Version(v), false) => version_text(v),
-        _ => bail!("unexpected answer"),
-    })
+            STREAM_PAGE,
+            opts.after.clone(),
+        );
+        let mut files = std::pin::pin!(files);
+        while let Some(file) = files.try_next().await.context("catalogue show --json")? {
+            serde_json::to_writer(&mut *out, &file)?;
+            out.write_all(b"\n")?;
+        }
+        return Ok(());
+    }
+    let detail = catalogue
+        .version(project, &dataset, &version)
+        .await
+        .context("catalogue show")?;
+    let page = catalogue
+        .files(
+            project,
+            &dataset,
+            &detail.version.version,
+            opts.limit,
+            opts.after.as_deref(),
+        )
+        .await
+        .context("catalogue show")?;
+    version_text(&detail, out)?;
+    writeln!(out, "  files:")?;
+    for f in &page.files {
+        file_line(out, f)?;
+    }
+    let command = format!(
+        "stagehand catalogue show {dataset}@{}{}",
+        &detail.version.version[..12],
+        opts.limit
+            .map(|l| format!(" --limit {l}"))
+            .unwrap_or_default()
+    );
+    more(out, &command, &page.next)?;
+    Ok(())
 }
 
 /// `stagehand catalogue dead-letters`.
-pub async fn dead_letters(client: &async_nats::Client, json: bool) -> anyhow::Result<String> {
-    let answer = query(client, &Query::DeadLetters).await?;
-    Ok(match (&answer, json) {
-        (_, true) => serde_json::to_string_pretty(&answer)? + "\n",
-        (Answer::DeadLetters { services }, false) => {
-            let mut out = format!("{:<24} {:>6}  LAST ERROR\n", "SERVICE", "COUNT");
-            for s in services {
-                let _ = writeln!(
-                    out,
-                    "{:<24} {:>6}  {}",
-                    s.service,
-                    s.count,
-                    s.last_error.as_deref().unwrap_or("-")
-                );
-            }
-            out
-        }
-        _ => bail!("unexpected answer"),
-    })
+pub async fn dead_letters(
+    catalogue: &Catalogue,
+    json: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let answer = catalogue
+        .ask(&stagehand_catalogue::Query::DeadLetters {
+            limit: Some(MAX_PAGE),
+            after: None,
+        })
+        .await?;
+    let stagehand_catalogue::Answer::DeadLetters { services, next } = answer else {
+        anyhow::bail!("the catalogue answered something else than dead letters");
+    };
+    if json {
+        let value = serde_json::json!({"services": services, "next": next});
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{:<24} {:>6}  {:<20}  LAST ERROR",
+        "SERVICE", "COUNT", "LAST"
+    )?;
+    for s in &services {
+        writeln!(
+            out,
+            "{:<24} {:>6}  {:<20}  {}",
+            s.service,
+            s.count,
+            human(s.stamp.at),
+            s.last_error.as_deref().unwrap_or("-")
+        )?;
+    }
+    Ok(())
+}
+
+pub fn problems_text(
+    problems: &[FoldProblem],
+    total: u64,
+    next: &Option<String>,
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{total} facts the catalogue could not fold\n{:<32} {:<18} {:<20} {:<24} {:<20} DETAIL",
+        "EVENT", "KIND", "OCCURRED", "PROJECT/DATASET", "CODE"
+    )?;
+    for p in problems {
+        writeln!(
+            out,
+            "{:<32} {:<18} {:<20} {:<24} {:<20} {}",
+            p.event_id,
+            p.kind,
+            human(p.occurred_at),
+            format!("{}/{}", p.project, p.dataset.as_deref().unwrap_or("-")),
+            serde_json::to_value(p.code)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default(),
+            p.detail
+        )?;
+    }
+    more(out, "stagehand catalogue problems", next)
+}
+
+/// `stagehand catalogue problems`.
+pub async fn problems(
+    catalogue: &Catalogue,
+    limit: Option<u32>,
+    after: Option<&str>,
+    json: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let (page, total) = catalogue.problems(limit, after).await?;
+    if json {
+        let value = serde_json::json!({"problems": page.items, "total": total, "next": page.next});
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        problems_text(&page.items, total, &page.next, out)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use stagehand_catalogue::DatasetRecord;
+
+    use super::*;
+
+    /// Guards the time people read: RFC 3339 in UTC to the second, not `OffsetDateTime`'s
+    /// Display (`2026-12-01 6:44:25.765729 +00:00:00`).
+    #[test]
+    fn listed_times_are_rfc3339_utc() {
+        let page = Page {
+            items: vec![DatasetRecord {
+                project: "lab-a".into(),
+                dataset: "cats".into(),
+                first_seen: time::macros::datetime!(2026-12-01 06:44:25.765729 UTC),
+                version_count: 2,
+                rejection_count: 1,
+            }],
+            next: Some("lab-a/cats".into()),
+        };
+        let mut out = Vec::new();
+        datasets_text(&page, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains("  2026-12-01T06:44:25Z\n"), "{text}");
+        assert!(
+            text.ends_with("more: stagehand catalogue datasets --after lab-a/cats\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn cursors_are_quoted_for_the_shell() {
+        assert_eq!(shell_quote("train/0001.jpg"), "train/0001.jpg");
+        assert_eq!(shell_quote("it's a b"), r"'it'\''s a b'");
+    }
 }

@@ -235,25 +235,53 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 
 #[derive(Debug, Subcommand)]
 pub enum CatalogueCommand {
-    /// Every dataset (of a project).
+    /// Datasets (of a project), a page at a time.
     Datasets {
         #[arg(long)]
         project: Option<String>,
+        /// Datasets per page.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Datasets after this cursor (`<project>/<dataset>`, printed at the end of a page).
+        #[arg(long)]
+        after: Option<String>,
         #[arg(long)]
         json: bool,
     },
-    /// A dataset (`D`: versions, replicas, states, rejections) or a version (`D@VERSION`:
-    /// files; VERSION may be a unique prefix of 8 or more characters).
+    /// A dataset (`D`: versions, replicas, states, rejections) or a version (`D@VERSION`: its
+    /// replicas and a page of its files; VERSION may be a unique prefix of 8 or more
+    /// characters).
     Show {
         target: String,
         /// Needed only when several projects have a dataset of that name.
         #[arg(long)]
         project: Option<String>,
+        /// Files per page (`D@V`), or versions and rejections listed (`D`).
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Files after this path (`D@V`).
+        #[arg(long)]
+        after: Option<String>,
+        /// Only this file's entry (`D@V`).
+        #[arg(long)]
+        path: Option<String>,
+        /// JSON; for `D@V`, one line per file for the whole version (after `--after`).
         #[arg(long)]
         json: bool,
     },
     /// Dead letters counted per service.
     DeadLetters {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Facts the catalogue could not fold (a manifest gone or damaged, a fact that contradicts
+    /// itself), a page at a time.
+    Problems {
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Problems after this event id.
+        #[arg(long)]
+        after: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -601,21 +629,59 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             args::init_logs();
             check_catalogue(&cmd)?;
             let bus = connect(&cli.connection).await?;
-            let client = bus.client();
-            let out = match cmd {
-                CatalogueCommand::Datasets { project, json } => {
-                    crate::catalogue::datasets(client, project, json).await?
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            match cmd {
+                CatalogueCommand::Datasets {
+                    project,
+                    limit,
+                    after,
+                    json,
+                } => {
+                    crate::catalogue::datasets(
+                        &catalogue,
+                        project.as_deref(),
+                        Some(limit),
+                        after.as_deref(),
+                        json,
+                        &mut out,
+                    )
+                    .await?
                 }
                 CatalogueCommand::Show {
                     target,
                     project,
+                    limit,
+                    after,
+                    path,
                     json,
-                } => crate::catalogue::show(client, project, &target, json).await?,
-                CatalogueCommand::DeadLetters { json } => {
-                    crate::catalogue::dead_letters(client, json).await?
+                } => {
+                    let opts = crate::catalogue::ShowOptions {
+                        project,
+                        limit: Some(limit),
+                        after,
+                        path,
+                        json,
+                    };
+                    crate::catalogue::show(&catalogue, &target, &opts, &mut out).await?
                 }
-            };
-            print!("{out}");
+                CatalogueCommand::DeadLetters { json } => {
+                    crate::catalogue::dead_letters(&catalogue, json, &mut out).await?
+                }
+                CatalogueCommand::Problems { limit, after, json } => {
+                    crate::catalogue::problems(
+                        &catalogue,
+                        Some(limit),
+                        after.as_deref(),
+                        json,
+                        &mut out,
+                    )
+                    .await?
+                }
+            }
+            std::io::Write::flush(&mut out)?;
             Ok(0)
         }
         Command::Provision { replicas } => {

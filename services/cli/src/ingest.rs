@@ -400,18 +400,25 @@ async fn wait_catalogued(
     outcome: &Outcome,
     deadline: tokio::time::Instant,
 ) {
-    use stagehand_catalogue_recorder::{Answer, Query};
-    let dataset = match outcome {
-        Outcome::Validated(v) => &v.dataset,
-        Outcome::Rejected(r) => &r.dataset,
-    };
-    let recorded = |d: &stagehand_catalogue_recorder::DatasetDetail| match outcome {
-        Outcome::Validated(v) => d.dataset.versions.contains(&v.version),
-        Outcome::Rejected(r) => d.dataset.rejected_requests.contains(r.request_id.as_str()),
-    };
-    let query = Query::Dataset {
-        project: project.to_owned(),
-        dataset: dataset.to_owned(),
+    use stagehand_catalogue::{Answer, Query};
+    let (dataset, query) = match outcome {
+        Outcome::Validated(v) => (
+            &v.dataset,
+            Query::Version {
+                project: Some(project.to_owned()),
+                dataset: v.dataset.clone(),
+                version: v.version.clone(),
+                limit: Some(1),
+            },
+        ),
+        Outcome::Rejected(r) => (
+            &r.dataset,
+            Query::Rejection {
+                project: Some(project.to_owned()),
+                dataset: r.dataset.clone(),
+                request_id: r.request_id.to_string(),
+            },
+        ),
     };
     let mut pause = Duration::from_millis(20);
     loop {
@@ -420,14 +427,9 @@ async fn wait_catalogued(
             tracing::warn!(%project, %dataset, "the catalogue has not recorded the outcome yet");
             return;
         }
-        match stagehand_catalogue_recorder::ask(
-            bus.client(),
-            &query,
-            left.min(Duration::from_secs(2)),
-        )
-        .await
+        match stagehand_catalogue::ask(bus.client(), &query, left.min(Duration::from_secs(2))).await
         {
-            Ok(Answer::Dataset(detail)) if recorded(&detail) => return,
+            Ok(Answer::Version(_) | Answer::Rejection { .. }) => return,
             // An uploader's user may not query the catalogue: nothing to wait for.
             Err(_) if bus.was_denied(stagehand_schemas::subject::CATALOGUE_QUERY) => {
                 tracing::debug!("this NATS user may not query the catalogue; not waiting for it");

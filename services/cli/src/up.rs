@@ -425,8 +425,11 @@ impl Stack {
         let bus = Bus::connect(&self.env.bus).await?;
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let q = stagehand_catalogue_recorder::Query::DeadLetters;
-            if stagehand_catalogue_recorder::ask(bus.client(), &q, Duration::from_millis(500))
+            let q = stagehand_catalogue::Query::DeadLetters {
+                limit: Some(1),
+                after: None,
+            };
+            if stagehand_catalogue::ask(bus.client(), &q, Duration::from_millis(500))
                 .await
                 .is_ok()
             {

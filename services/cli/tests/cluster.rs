@@ -11,7 +11,7 @@ use futures::TryStreamExt;
 use stagehand::ingest::{IngestOptions, ingest};
 use stagehand::up::{Stack, UpOptions};
 use stagehand_bus::{Bus, BusConfig, KV_BUCKETS};
-use stagehand_catalogue_recorder::{Answer, Query, ask};
+use stagehand_catalogue::{Answer, MAX_PAGE, Query, ask};
 use stagehand_schemas::subject;
 use stagehand_testkit::{NatsCluster, wait_for, wait_until};
 
@@ -175,13 +175,15 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
                 &client,
                 &Query::Datasets {
                     project: Some("lab-c".into()),
+                    limit: Some(MAX_PAGE),
+                    after: None,
                 },
                 Duration::from_secs(5),
             )
             .await
             {
-                Ok(Answer::Datasets { datasets }) => {
-                    datasets.len() == REQUESTS && datasets.iter().all(|d| d.versions.len() == 1)
+                Ok(Answer::Datasets { datasets, .. }) => {
+                    datasets.len() == REQUESTS && datasets.iter().all(|d| d.version_count == 1)
                 }
                 _ => false,
             }

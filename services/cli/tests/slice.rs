@@ -12,8 +12,8 @@ use anyhow::Context;
 use stagehand::ingest::{IngestOptions, Outcome, ingest};
 use stagehand::up::{Stack, UpOptions};
 use stagehand_bus::{Bus, BusConfig};
-use stagehand_catalogue_recorder::{Answer, DatasetDetail, Query, ask};
-use stagehand_schemas::{sha256_hex, subject, version_digest};
+use stagehand_catalogue::{Answer, DatasetDetail, Query, ask};
+use stagehand_schemas::{FileRef, sha256_hex, subject, version_digest};
 use stagehand_testkit::{NatsServer, wait_for, wait_until};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -47,8 +47,9 @@ fn options(stack: &Stack, folder: &Path, dataset: &str) -> IngestOptions {
 
 async fn dataset(client: &async_nats::Client, name: &str) -> Option<DatasetDetail> {
     let q = Query::Dataset {
-        project: "lab-a".into(),
+        project: Some("lab-a".into()),
         dataset: name.into(),
+        limit: None,
     };
     match ask(client, &q, Duration::from_secs(5)).await {
         Ok(Answer::Dataset(d)) => Some(d),
@@ -104,6 +105,7 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
     let digest = version_digest(&report.placed.files);
     assert_eq!(validated.version, digest);
     assert_eq!(report.placed.files.len(), 120);
+    let report_files = report.placed.files.clone();
     let detail = wait_for(WAIT, "the sample in the catalogue", || async {
         dataset(&client, "sample")
             .await
@@ -139,7 +141,7 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
     );
     let detail = dataset(&client, "sample").await.context("sample")?;
     assert_eq!(detail.versions.len(), 1);
-    assert_eq!(detail.versions[0].request_ids.len(), 1);
+    assert_eq!(detail.versions[0].request_count, 1);
 
     // A corrupted upload: wrong hash, wrong size, a `../` path, a missing file.
     let bad = tempfile::tempdir()?;
@@ -181,6 +183,7 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
         text.contains("checksum_mismatch") && text.contains("../evil"),
         "{text}"
     );
+    // `--json` streams one line per file, every file of the version, in path order.
     let json = stagehand(
         &nats.url(),
         &[
@@ -190,13 +193,79 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
             "--json",
         ],
     )?;
-    let answer: Answer = serde_json::from_str(&json)?;
-    let Answer::Version(v) = answer else {
-        anyhow::bail!("not a version: {json}")
-    };
-    assert_eq!(v.files.len(), 120);
+    let lines: Vec<FileRef> = json
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let mut placed = report_files.clone();
+    placed.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
+    assert_eq!(lines, placed);
+    // A page, the next page, and one file's entry.
+    let text = stagehand(
+        &nats.url(),
+        &[
+            "catalogue",
+            "show",
+            &format!("sample@{}", &digest[..8]),
+            "--limit",
+            "100",
+        ],
+    )?;
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("    ") && l.contains('\t'))
+            .count(),
+        100
+    );
+    assert!(
+        text.contains(&format!(
+            "more: stagehand catalogue show sample@{} --limit 100 --after {}",
+            &digest[..12],
+            placed[99].path
+        )),
+        "{text}"
+    );
+    let text = stagehand(
+        &nats.url(),
+        &[
+            "catalogue",
+            "show",
+            &format!("sample@{}", &digest[..8]),
+            "--after",
+            &placed[99].path,
+        ],
+    )?;
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("    ") && l.contains('\t'))
+            .count(),
+        20
+    );
+    let text = stagehand(
+        &nats.url(),
+        &[
+            "catalogue",
+            "show",
+            &format!("sample@{}", &digest[..8]),
+            "--path",
+            &placed[7].path,
+        ],
+    )?;
+    assert_eq!(
+        text,
+        format!(
+            "{}\t{}\t{}\n",
+            placed[7].path, placed[7].size, placed[7].sha256
+        )
+    );
     let text = stagehand(&nats.url(), &["catalogue", "datasets"])?;
     assert!(text.contains("sample") && text.contains("bad"), "{text}");
+    // The rebuild runbook's check: nothing the catalogue could not fold.
+    let text = stagehand(&nats.url(), &["catalogue", "problems"])?;
+    assert!(
+        text.starts_with("0 facts the catalogue could not fold\n"),
+        "{text}"
+    );
 
     // A poison message is dead-lettered; the runbook's list and replay commands work on it.
     bus.jetstream()
@@ -233,8 +302,8 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
     .await?;
     wait_until(WAIT, "the catalogue to count both dead letters", || async {
         matches!(
-            ask(&client, &Query::DeadLetters, Duration::from_secs(5)).await,
-            Ok(Answer::DeadLetters { services }) if services.iter().any(|s| s.service == "ingest-validator" && s.count == 2)
+            ask(&client, &Query::DeadLetters { limit: None, after: None }, Duration::from_secs(5)).await,
+            Ok(Answer::DeadLetters { services, .. }) if services.iter().any(|s| s.service == "ingest-validator" && s.count == 2)
         )
     })
     .await?;

@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use stagehand_bus::Ledger;
-use stagehand_catalogue_recorder::{Answer, Query, Store, answer, ask};
+use stagehand_catalogue::{Answer, Query, ask};
+use stagehand_catalogue_recorder::{Store, answer};
 use stagehand_schemas::{Body, EventId, FileRef, sha256_hex, version_digest};
 use stagehand_testkit::wait_for;
 
@@ -261,7 +262,11 @@ async fn catalogue_answers(url: &str) -> anyhow::Result<async_nats::Client> {
     wait_for(START, "the catalogue to answer a datasets query", || {
         let client = client.clone();
         async move {
-            let q = Query::Datasets { project: None };
+            let q = Query::Datasets {
+                project: None,
+                limit: None,
+                after: None,
+            };
             match ask(&client, &q, Duration::from_secs(2)).await {
                 Ok(Answer::Datasets { .. }) => Some(()),
                 _ => None,
@@ -367,8 +372,9 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
         let digest = digest.clone();
         async move {
             let q = Query::Dataset {
-                project: "lab-up".into(),
+                project: Some("lab-up".into()),
                 dataset: "up-sample".into(),
+                limit: None,
             };
             match ask(&client, &q, Duration::from_secs(2)).await {
                 Ok(Answer::Dataset(d)) if d.versions.iter().any(|v| v.version == digest) => {
@@ -394,8 +400,9 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
     let Answer::Dataset(detail) = answer(
         &store,
         &Query::Dataset {
-            project: "lab-up".into(),
+            project: Some("lab-up".into()),
             dataset: "up-sample".into(),
+            limit: None,
         },
     ) else {
         bail!("the catalogue store has no dataset up-sample");
@@ -434,10 +441,14 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
     ensure!(
         datasets.iter().any(|d| d["project"] == "lab-up"
             && d["dataset"] == "up-sample"
-            && d["versions"]
-                .as_array()
-                .is_some_and(|v| v.len() == 1 && v[0] == digest.as_str())),
-        "the second up does not list up-sample@{digest}: {out}"
+            && d["version_count"] == 1),
+        "the second up does not list up-sample: {out}"
+    );
+    let out = stagehand(&url2, &home, &["catalogue", "show", "up-sample", "--json"])?;
+    let detail: serde_json::Value = serde_json::from_str(&out).context(out.clone())?;
+    ensure!(
+        detail["versions"][0]["version"] == digest.as_str(),
+        "the second up does not show up-sample@{digest}: {out}"
     );
     ctrl_c_and_check(&mut up2, &home, port2).await?;
     Ok(())

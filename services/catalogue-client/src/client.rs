@@ -1,0 +1,354 @@
+//! Asking the catalogue: [`ask`] sends one [`Query`] and returns the [`Answer`] as it came;
+//! [`Catalogue`] turns answers into typed results (an `error` answer becomes
+//! [`CatalogueError::Answered`]) and pages through long lists.
+
+use std::time::Duration;
+
+use futures::{Stream, StreamExt, TryStreamExt};
+use stagehand_schemas::FileRef;
+use stagehand_schemas::subject::CATALOGUE_QUERY;
+
+use crate::query::*;
+use crate::readiness::Readiness;
+use crate::records::*;
+
+/// Why asking the catalogue failed (the catalogue's own `error` answers are not failures of
+/// [`ask`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AskError {
+    /// No recorder answered in time, or NATS failed. Retryable.
+    #[error("catalogue query over NATS failed (is a catalogue recorder running?): {0}")]
+    Request(String),
+    /// What came back is not an answer. Permanent.
+    #[error("catalogue answered something that is not an answer: {0}")]
+    BadAnswer(String),
+}
+
+impl AskError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, AskError::Request(_))
+    }
+}
+
+/// Asks the catalogue one query and waits up to `timeout` for the answer.
+pub async fn ask(
+    client: &async_nats::Client,
+    query: &Query,
+    timeout: Duration,
+) -> Result<Answer, AskError> {
+    let bytes = serde_json::to_vec(query).map_err(|e| AskError::Request(e.to_string()))?;
+    let response = tokio::time::timeout(timeout, client.request(CATALOGUE_QUERY, bytes.into()))
+        .await
+        .map_err(|_| AskError::Request(format!("no answer within {timeout:?}")))?
+        .map_err(|e| AskError::Request(e.to_string()))?;
+    serde_json::from_slice(&response.payload).map_err(|e| AskError::BadAnswer(e.to_string()))
+}
+
+/// Why a typed question to the catalogue got no result.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CatalogueError {
+    #[error(transparent)]
+    Ask(#[from] AskError),
+    /// The catalogue answered with an error (`not_found`, `ambiguous`, …).
+    #[error("{message} ({code})")]
+    Answered { code: ErrorCode, message: String },
+    /// The catalogue answered another kind of answer than the query asks for.
+    #[error("the catalogue answered {got:?} to a {wanted} query")]
+    Unexpected { wanted: &'static str, got: String },
+}
+
+impl CatalogueError {
+    /// Whether asking again later may succeed (no recorder answered, or it failed inside).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            CatalogueError::Ask(e) => e.is_retryable(),
+            CatalogueError::Answered { code, .. } => *code == ErrorCode::Internal,
+            CatalogueError::Unexpected { .. } => false,
+        }
+    }
+
+    /// Whether the catalogue said it has no such thing.
+    pub fn is_not_found(&self) -> bool {
+        matches!(
+            self,
+            CatalogueError::Answered {
+                code: ErrorCode::NotFound,
+                ..
+            }
+        )
+    }
+}
+
+/// One page of a list: its items and the cursor of the next page, if more remain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    pub next: Option<String>,
+}
+
+/// One page of a version's files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FilesPage {
+    /// The full version digest.
+    pub version: String,
+    pub files: Vec<FileRef>,
+    pub next: Option<String>,
+}
+
+/// A typed client of the catalogue over one NATS connection.
+#[derive(Debug, Clone)]
+pub struct Catalogue {
+    client: async_nats::Client,
+    timeout: Duration,
+}
+
+fn unexpected(wanted: &'static str, got: &Answer) -> CatalogueError {
+    let got = serde_json::to_value(got)
+        .ok()
+        .and_then(|v| v["answer"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    CatalogueError::Unexpected { wanted, got }
+}
+
+macro_rules! expect {
+    ($answer:expr, $wanted:literal, $pattern:pat => $out:expr) => {
+        match $answer {
+            $pattern => Ok($out),
+            other => Err(unexpected($wanted, &other)),
+        }
+    };
+}
+
+impl Catalogue {
+    /// How long [`Catalogue`] waits for an answer unless told otherwise.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+    pub fn new(client: async_nats::Client) -> Self {
+        Catalogue {
+            client,
+            timeout: Self::DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// The same client waiting `timeout` for each answer.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Asks `query`; an `error` answer becomes [`CatalogueError::Answered`].
+    pub async fn ask(&self, query: &Query) -> Result<Answer, CatalogueError> {
+        match ask(&self.client, query, self.timeout).await? {
+            Answer::Error { code, message } => Err(CatalogueError::Answered { code, message }),
+            answer => Ok(answer),
+        }
+    }
+
+    /// One page of datasets (of `project`, or of all).
+    pub async fn datasets(
+        &self,
+        project: Option<&str>,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<Page<DatasetRecord>, CatalogueError> {
+        let q = Query::Datasets {
+            project: project.map(Into::into),
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "datasets",
+            Answer::Datasets { datasets, next } => Page { items: datasets, next })
+    }
+
+    /// One dataset with the first pages of its versions and rejections.
+    pub async fn dataset(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+    ) -> Result<DatasetDetail, CatalogueError> {
+        let q = Query::Dataset {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            limit: None,
+        };
+        expect!(self.ask(&q).await?, "dataset", Answer::Dataset(d) => d)
+    }
+
+    /// One version (a digest or a unique prefix) with its replicas.
+    pub async fn version(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        version: &str,
+    ) -> Result<VersionDetail, CatalogueError> {
+        let q = Query::Version {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            version: version.into(),
+            limit: None,
+        };
+        expect!(self.ask(&q).await?, "version", Answer::Version(v) => v)
+    }
+
+    /// One page of a version's files, in path order, after `after`.
+    pub async fn files(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        version: &str,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<FilesPage, CatalogueError> {
+        let q = Query::Files {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            version: version.into(),
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "files",
+            Answer::Files { version, files, next } => FilesPage { version, files, next })
+    }
+
+    /// Every file of a version from `after` on, in path order, asked `page` at a time: memory
+    /// stays one page whatever the version's size.
+    pub fn all_files(
+        &self,
+        project: Option<String>,
+        dataset: String,
+        version: String,
+        page: u32,
+        after: Option<String>,
+    ) -> impl Stream<Item = Result<FileRef, CatalogueError>> + Send + 'static {
+        let this = self.clone();
+        // State: the version to ask for (the full digest once known) and the cursor, or None
+        // once the last page came.
+        let pages = futures::stream::try_unfold(Some((version, after)), move |state| {
+            let this = this.clone();
+            let project = project.clone();
+            let dataset = dataset.clone();
+            async move {
+                let Some((version, after)) = state else {
+                    return Ok(None);
+                };
+                let p = this
+                    .files(
+                        project.as_deref(),
+                        &dataset,
+                        &version,
+                        Some(page),
+                        after.as_deref(),
+                    )
+                    .await?;
+                let next = p.next.map(|n| (p.version, Some(n)));
+                Ok::<_, CatalogueError>(Some((p.files, next)))
+            }
+        });
+        pages
+            .map_ok(|files| futures::stream::iter(files.into_iter().map(Ok)))
+            .try_flatten()
+            .boxed()
+    }
+
+    /// One file's entry, by path.
+    pub async fn file(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        version: &str,
+        path: &str,
+    ) -> Result<(String, FileRef), CatalogueError> {
+        let q = Query::File {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            version: version.into(),
+            path: path.into(),
+        };
+        expect!(self.ask(&q).await?, "file", Answer::File { version, file } => (version, file))
+    }
+
+    /// The rejection of one ingest request.
+    pub async fn rejection(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        request_id: &str,
+    ) -> Result<RejectionRecord, CatalogueError> {
+        let q = Query::Rejection {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            request_id: request_id.into(),
+        };
+        expect!(self.ask(&q).await?, "rejection", Answer::Rejection { rejection } => rejection)
+    }
+
+    /// Readiness of a version on every tier (or one), first page.
+    pub async fn readiness(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        version: &str,
+        tier: Option<&str>,
+    ) -> Result<Page<Readiness>, CatalogueError> {
+        let q = Query::Readiness {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            version: version.into(),
+            tier: tier.map(Into::into),
+            limit: None,
+            after: None,
+        };
+        expect!(self.ask(&q).await?, "readiness",
+            Answer::Readiness { readiness, next } => Page { items: readiness, next })
+    }
+
+    /// One page of the stage requests of a job, or of a dataset (and version).
+    pub async fn stage_requests(
+        &self,
+        project: &str,
+        job_id: Option<&str>,
+        dataset: Option<&str>,
+        version: Option<&str>,
+        after: Option<&str>,
+    ) -> Result<Page<StageStatus>, CatalogueError> {
+        let q = Query::StageRequests {
+            project: project.into(),
+            job_id: job_id.map(Into::into),
+            dataset: dataset.map(Into::into),
+            version: version.map(Into::into),
+            limit: None,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "stage_requests",
+            Answer::StageRequests { stages, next } => Page { items: stages, next })
+    }
+
+    /// One stage request's status.
+    pub async fn stage_request(
+        &self,
+        project: &str,
+        request_id: &str,
+    ) -> Result<StageStatus, CatalogueError> {
+        let q = Query::StageRequest {
+            project: project.into(),
+            request_id: request_id.into(),
+        };
+        expect!(self.ask(&q).await?, "stage_request", Answer::StageRequest { stage } => stage)
+    }
+
+    /// One page of the facts the recorder could not fold, and how many there are in all.
+    pub async fn problems(
+        &self,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<(Page<FoldProblem>, u64), CatalogueError> {
+        let q = Query::Problems {
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "problems",
+            Answer::Problems { problems, total, next } => (Page { items: problems, next }, total))
+    }
+}

@@ -1,0 +1,316 @@
+//! The catalogue's records, as the recorder keeps them and as answers carry them.
+//!
+//! Every record that facts can change carries the [`Stamp`] of the fact that last changed it.
+//! A fact changes a record only when its stamp is newer (`occurred_at`, then event id), so the
+//! recorder's fold gives the same catalogue whatever order facts arrive in: live with several
+//! workers, after redeliveries, or replayed from the stream. Every record is small and of
+//! bounded size: lists that grow with use (a dataset's versions, a version's files and
+//! requests, its jobs) are records of their own, paged by queries, never fields of another.
+
+use serde::{Deserialize, Serialize};
+use stagehand_schemas::{EventId, Location, Problem};
+use time::OffsetDateTime;
+
+use crate::time::utc;
+
+/// Which fact last changed a record: ordered by time, then by id so ties are broken the same
+/// way everywhere.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Stamp {
+    #[serde(with = "utc")]
+    pub at: OffsetDateTime,
+    pub event_id: EventId,
+}
+
+/// A dataset of a project, with how many versions and rejected requests it has (listed by
+/// the `versions` and `rejections` queries).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetRecord {
+    pub project: String,
+    pub dataset: String,
+    /// When the first fact about it happened.
+    #[serde(with = "utc")]
+    pub first_seen: OffsetDateTime,
+    /// Versions recorded (validated or prepared).
+    pub version_count: u64,
+    /// Ingest requests rejected.
+    pub rejection_count: u64,
+}
+
+/// Who made a version, when, and from what.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// Who asked (the uploader), or the service that derived it.
+    pub by: String,
+    #[serde(with = "utc")]
+    pub at: OffsetDateTime,
+    /// The request that started the chain (the ingest request id).
+    pub request_id: EventId,
+    /// The fact that recorded the version.
+    pub event_id: EventId,
+    pub labels: Vec<(String, String)>,
+    /// For a derived version, the version it came from.
+    pub derived_from: Option<String>,
+    /// For a derived version, its packing layout.
+    pub layout: Option<String>,
+    /// Where the version was first recorded.
+    pub location: Location,
+}
+
+/// One content-addressed version of a dataset. Its files are listed by the `files` query,
+/// page by page, in path order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionRecord {
+    pub project: String,
+    pub dataset: String,
+    /// The version digest (64 hex characters).
+    pub version: String,
+    pub file_count: u64,
+    pub total_bytes: u64,
+    /// The earliest fact that recorded this version; later identical uploads only count in
+    /// `request_count`.
+    pub provenance: Provenance,
+    /// Distinct requests that produced this version (uploads of the same bytes).
+    pub request_count: u64,
+}
+
+/// The state of a copy of a version on a tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicaState {
+    /// Mentioned (by a restore drill) but not known to be complete.
+    Staging,
+    /// Complete and verified.
+    Present,
+    /// Removed (demoted, expired, drained).
+    Removed,
+}
+
+/// The last restore drill of a backup replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drill {
+    pub ok: bool,
+    pub sampled_files: u64,
+    pub problems: Vec<Problem>,
+    pub stamp: Stamp,
+}
+
+/// A copy of a version on one tier.
+///
+/// Two registers, each following its newest fact: the state (`state`, `prefix`, `reason`,
+/// `stamp`) follows every replica fact; what the copy holds (`files`, `total_bytes`,
+/// `verified_by`, `backup`, `copied`) follows only the facts that made a copy. A removal
+/// therefore keeps what was removed, whichever order the two facts arrive in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaRecord {
+    pub project: String,
+    pub dataset: String,
+    pub version: String,
+    pub tier: String,
+    /// Where the copy is, beneath the tier's root.
+    pub prefix: String,
+    pub state: ReplicaState,
+    /// Why it was removed, when it was.
+    pub reason: Option<String>,
+    /// The fact that set the state; none while only a restore drill mentioned the replica.
+    pub stamp: Option<Stamp>,
+    pub files: u64,
+    pub total_bytes: u64,
+    /// How the copy was proven (`ingest-validation`, `read-back`, `hashed-in-flight`, …).
+    pub verified_by: Option<String>,
+    /// Whether this replica is a backup copy.
+    pub backup: bool,
+    /// The fact that made the copy.
+    pub copied: Option<Stamp>,
+    pub last_drill: Option<Drill>,
+}
+
+/// Where one stage request stands. Stored states are `pending`, `ready`, `failed` and
+/// `released`; `copying` is `pending` while the promoter reports progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageState {
+    Pending,
+    Copying,
+    Ready,
+    Failed,
+    Released,
+}
+
+/// How far the copy of a stage request has come (from the promoter's progress messages).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageProgress {
+    pub files_done: u64,
+    pub files_total: u64,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    #[serde(default)]
+    pub eta_seconds: Option<u64>,
+}
+
+/// One stage request as a scheduler waits on it: the value of its key
+/// `<project>.<hex(request id)>` in the KV bucket [`STAGES_BUCKET`] ([`stage_kv_key`]), and
+/// what the `stage_requests` query lists. Written by the catalogue recorder only, from the
+/// request, the promoter's facts (`stage.pending`, `stage.ready`, `stage.failed`), the release,
+/// and progress messages (`copying`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageStatus {
+    pub request_id: EventId,
+    pub project: String,
+    pub dataset: String,
+    /// The version as the request named it (possibly a unique prefix).
+    pub version: String,
+    /// The full digest, once a fact named it.
+    #[serde(default)]
+    pub resolved_version: Option<String>,
+    pub tier: String,
+    #[serde(default)]
+    pub node: Option<String>,
+    pub job_id: String,
+    pub state: StageState,
+    /// What a pending request waits for: `validation`, `preparation`, `quota`, `copy`.
+    #[serde(default)]
+    pub waiting_for: Option<String>,
+    /// Why it waits, or why it failed, for a person.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// Whether a failed request may succeed if asked again later.
+    #[serde(default)]
+    pub retryable: Option<bool>,
+    /// Where the job finds the data (the absolute path on the tier's mount), once ready.
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub progress: Option<StageProgress>,
+    #[serde(with = "utc")]
+    pub updated_at: OffsetDateTime,
+}
+
+/// The KV bucket of [`StageStatus`] records (declared with Stagehand's other buckets in the
+/// runtime crate, which provisions it).
+pub const STAGES_BUCKET: &str = "stagehand_stages";
+
+/// The key of a stage request's status in [`STAGES_BUCKET`]: `<project>.<hex(request id)>`
+/// (hex keeps any id one token).
+pub fn stage_kv_key(project: &str, request_id: &EventId) -> String {
+    let mut key = String::with_capacity(project.len() + 1 + 2 * request_id.as_str().len());
+    key.push_str(project);
+    key.push('.');
+    for b in request_id.as_str().bytes() {
+        key.push_str(&format!("{b:02x}"));
+    }
+    key
+}
+
+/// A rejected ingest request, one record per request, with its reasons: the problems the
+/// rejection listed (cut to the contract's bound), the count per code of all of them, and
+/// where the full report is (`quarantine`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RejectionRecord {
+    pub project: String,
+    pub dataset: String,
+    pub request_id: EventId,
+    pub declared_version: String,
+    pub requested_by: String,
+    pub source: Location,
+    pub problems: Vec<Problem>,
+    /// `[code, count]` of every problem, sorted by code.
+    pub problem_counts: Vec<(String, u64)>,
+    /// Every problem counted, listed or not.
+    pub problems_total: u64,
+    pub quarantine: Option<String>,
+    pub stamp: Stamp,
+}
+
+/// Dead letters of one service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadLetterRecord {
+    pub service: String,
+    pub count: u64,
+    /// The newest dead letter: its subject, stream sequence and last error.
+    pub last_subject: String,
+    pub last_stream_sequence: u64,
+    pub last_error: Option<String>,
+    pub stamp: Stamp,
+}
+
+/// The state of a checkpoint of a training run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointState {
+    Committed,
+    Demoted,
+    Expired,
+}
+
+/// A checkpoint. The state register (`state`, `location`, `stamp`) follows every checkpoint
+/// fact; `total_bytes` and `tags` come from its commit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub project: String,
+    pub run: String,
+    pub step: u64,
+    pub state: CheckpointState,
+    pub location: Location,
+    pub stamp: Stamp,
+    pub total_bytes: u64,
+    pub tags: Vec<String>,
+    pub committed: Option<Stamp>,
+}
+
+/// Why the recorder could not fold a fact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FoldProblemCode {
+    /// The manifest the fact references is not in the manifest bucket.
+    ManifestMissing,
+    /// The manifest object's bytes or counts are not what the reference says.
+    ManifestMismatch,
+    /// The manifest object is not canonical manifest lines.
+    ManifestMalformed,
+    /// The manifest could not be fetched (NATS failed or timed out, every retry).
+    ManifestUnreachable,
+    /// The fact contradicts itself (a version that is not the digest of its files, a file
+    /// list both inline and by reference).
+    MalformedFact,
+    /// A record the fact would write is larger than a record may be.
+    RecordTooLarge,
+    /// A catalogue record the fact needs does not decode (the store is damaged).
+    CorruptRecord,
+    /// A code this client does not know yet.
+    #[serde(other)]
+    Other,
+}
+
+/// A fact the recorder could not fold, listed for on-call (`stagehand catalogue problems`).
+/// It stays listed until the same fact folds (for instance after its manifest was put back
+/// and the catalogue rebuilt, or the fact replayed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FoldProblem {
+    pub event_id: EventId,
+    pub kind: String,
+    pub project: String,
+    pub dataset: Option<String>,
+    pub version: Option<String>,
+    /// The fact's sequence in `STAGEHAND_FACTS`.
+    pub stream_sequence: Option<u64>,
+    pub code: FoldProblemCode,
+    /// What went wrong, for a person.
+    pub detail: String,
+    /// When the fact happened.
+    #[serde(with = "utc")]
+    pub occurred_at: OffsetDateTime,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_keys_keep_any_request_id_one_token() {
+        let id = EventId::new("slurm-4815162.stage").unwrap();
+        let key = stage_kv_key("vision-lab", &id);
+        assert_eq!(key, "vision-lab.736c75726d2d343831353136322e7374616765");
+        assert_eq!(key.split('.').count(), 2);
+    }
+}

@@ -1,0 +1,304 @@
+//! Folding facts as they arrive: the worker runtime's handler.
+//!
+//! For each fact: its file list into the store first when it records a version ([`FileLists`]),
+//! then the fold by the single writer, then what it touched mirrored into the KV buckets
+//! (readiness; a stage request's status). Stage requests and releases come from the requests
+//! stream, the promoter's progress reports from core NATS ([`follow_progress`]). What becomes of a fact that cannot be folded:
+//!
+//! - for a reason a retry can fix (its manifest is not in the bucket yet, a fetch timed out,
+//!   the store failed, the mirror failed): a retryable error, so the runtime naks it with a
+//!   delay and, when deliveries run out, dead-letters it. Never acked, never Termed without a
+//!   dead letter.
+//! - for a reason no retry can fix (its manifest does not match its digest, it contradicts
+//!   itself): recorded as a catalogue problem, logged at ERROR, and a permanent error, so the
+//!   runtime dead-letters it (replayable once the cause is fixed).
+//! - redb latched an I/O failure: the recorder stops (its run returns the error) instead of
+//!   consuming on with a dead store; the supervisor restarts it and redb reopens.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use stagehand_bus::{Handler, HandlerError, WorkContext};
+use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
+use stagehand_schemas::progress::{WorkProgress, progress_subject};
+use stagehand_schemas::subject::ROOT;
+use stagehand_schemas::{Event, EventId};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{RecorderError, StoreError};
+use crate::files::FileLists;
+use crate::fold::{self, FoldError, stage_request_of, touched};
+use crate::readiness::{current, mirror, open_bucket};
+use crate::store::{FoldItem, Folded, Store, Writer};
+
+/// The handler of the recorder's two workers (facts, dead letters). It causes no facts.
+pub(crate) struct LiveFold {
+    pub store: Arc<Store>,
+    pub writer: Writer,
+    pub files: FileLists,
+    pub mirror: Mirror,
+    /// Cancelled when the store failed for good: stops the recorder.
+    pub stop: CancellationToken,
+    /// Set when the store failed for good.
+    pub store_failed: Arc<AtomicBool>,
+}
+
+impl LiveFold {
+    fn store_error(&self, event: &Event, e: StoreError) -> HandlerError {
+        if e.is_latched() {
+            tracing::error!(event_id = %event.id, error = %e, "the catalogue store failed (I/O); stopping the recorder so that it is restarted with the store reopened");
+            self.store_failed.store(true, Ordering::SeqCst);
+            self.stop.cancel();
+        }
+        HandlerError::retryable(e)
+    }
+}
+
+impl Handler for LiveFold {
+    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        let sequence = Some(ctx.stream_sequence());
+        let problem = match self.files.ensure(event).await {
+            Ok(()) => None,
+            Err(FoldError::Store(e)) => return Err(self.store_error(event, e)),
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(event_id = %event.id, delivery = ctx.delivery(), error = %e, "the fact's file list is not to be had yet; it will be retried");
+                return Err(HandlerError::retryable(e));
+            }
+            Err(e) => {
+                let code = e
+                    .problem_code()
+                    .unwrap_or(stagehand_catalogue::FoldProblemCode::Other);
+                Some(fold::problem(event, sequence, code, e.to_string()))
+            }
+        };
+        let given = problem.is_some();
+        let item = FoldItem {
+            event: event.clone(),
+            sequence,
+            problem,
+        };
+        match self.writer.apply(item).await {
+            Ok(Folded::Done) => {}
+            Ok(Folded::Skipped { problem, retryable }) => {
+                if retryable && !given {
+                    tracing::warn!(event_id = %event.id, detail = %problem.detail, "the fact could not be folded yet; it will be retried");
+                    return Err(HandlerError::retryable(problem.detail));
+                }
+                tracing::error!(event_id = %event.id, kind = event.kind(), code = ?problem.code, detail = %problem.detail, "a fact cannot be folded: listed as a catalogue problem and dead-lettered");
+                return Err(HandlerError::permanent(problem.detail));
+            }
+            Err(e) => return Err(self.store_error(event, e)),
+        }
+        self.mirror
+            .event(&self.store, event)
+            .await
+            .map_err(HandlerError::retryable)?;
+        Ok(Vec::new())
+    }
+}
+
+/// The two KV buckets the recorder keeps for schedulers: readiness per (version, tier, node)
+/// and the status of each stage request.
+#[derive(Clone)]
+pub(crate) struct Mirror {
+    pub readiness: kv::Store,
+    pub stages: kv::Store,
+}
+
+impl Mirror {
+    /// Opens (or creates, correcting the drift of their replicas) both buckets.
+    pub async fn open(bus: &stagehand_bus::Bus) -> Result<Mirror, RecorderError> {
+        Ok(Mirror {
+            readiness: open_bucket(bus).await?,
+            stages: bus.provision_kv(&stagehand_bus::STAGES).await?,
+        })
+    }
+
+    /// Mirrors what `event` touched.
+    pub async fn event(&self, store: &Arc<Store>, event: &Event) -> Result<(), RecorderError> {
+        if let Some(key) = touched(event) {
+            self.readiness_of(store, key).await?;
+        }
+        if let Some(id) = stage_request_of(event) {
+            self.stage(store, &event.project, &id).await?;
+        }
+        Ok(())
+    }
+
+    /// Mirrors one readiness key.
+    pub async fn readiness_of(
+        &self,
+        store: &Arc<Store>,
+        key: ReadinessKey,
+    ) -> Result<(), RecorderError> {
+        let s = store.clone();
+        let readiness = tokio::task::spawn_blocking(move || current(&s, &key))
+            .await
+            .map_err(|e| RecorderError::nats("reading readiness", e))??;
+        if let Some(readiness) = readiness {
+            mirror(&self.readiness, &readiness).await?;
+        }
+        Ok(())
+    }
+
+    /// Mirrors one stage request's status, and the readiness it counts in.
+    pub async fn stage(
+        &self,
+        store: &Arc<Store>,
+        project: &str,
+        id: &EventId,
+    ) -> Result<(), RecorderError> {
+        let s = store.clone();
+        let (p, i) = (project.to_owned(), id.to_string());
+        let found = tokio::task::spawn_blocking(move || s.stage_status(&p, &i))
+            .await
+            .map_err(|e| RecorderError::nats("reading a stage request", e))??;
+        let Some((status, key)) = found else {
+            return Ok(());
+        };
+        mirror_stage(&self.stages, &status).await?;
+        if let Some(key) = key {
+            self.readiness_of(store, key).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Writes one stage request's status into its bucket.
+pub(crate) async fn mirror_stage(
+    bucket: &kv::Store,
+    status: &StageStatus,
+) -> Result<(), RecorderError> {
+    let value = serde_json::to_vec(status)
+        .map_err(|e| RecorderError::nats("encoding a stage status", e))?;
+    bucket
+        .put(
+            stage_kv_key(&status.project, &status.request_id),
+            value.into(),
+        )
+        .await
+        .map_err(|e| RecorderError::nats("writing a stage status", e))?;
+    Ok(())
+}
+
+/// Least time between two progress reports of one request that are kept and mirrored.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Follows the promoter's progress reports of stage requests
+/// (`stagehand.progress.stage.requested.<project>.<hex(id)>`) until `shutdown`: a pending
+/// request with progress is `copying`. Reports come about once a second per copy and are
+/// throttled to [`PROGRESS_EVERY`] per request; one whose subject does not name the request its
+/// body names (another project's, say) is ignored.
+pub(crate) async fn follow_progress(
+    client: async_nats::Client,
+    store: Arc<Store>,
+    mirror: Mirror,
+    shutdown: CancellationToken,
+) -> Result<(), RecorderError> {
+    let filter = format!("{ROOT}.progress.stage.requested.>");
+    let mut subscription = client
+        .subscribe(filter)
+        .await
+        .map_err(|e| RecorderError::nats("subscribing to stage progress", e))?;
+    let mut last: HashMap<(String, EventId), Instant> = HashMap::new();
+    loop {
+        let message = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            message = subscription.next() => match message {
+                Some(m) => m,
+                None => break,
+            },
+        };
+        let Ok(report) = WorkProgress::decode(&message.payload) else {
+            tracing::debug!(subject = %message.subject, "ignoring a progress message that does not decode");
+            continue;
+        };
+        let project = message
+            .subject
+            .split('.')
+            .nth(4)
+            .unwrap_or_default()
+            .to_owned();
+        if progress_subject("stage.requested", &project, &report.request_id)
+            != message.subject.as_str()
+        {
+            tracing::debug!(subject = %message.subject, "ignoring a progress message for another request than its subject's");
+            continue;
+        }
+        let now = Instant::now();
+        let key = (project, report.request_id.clone());
+        if last
+            .get(&key)
+            .is_some_and(|t| now.duration_since(*t) < PROGRESS_EVERY)
+        {
+            continue;
+        }
+        if last.len() > 10_000 {
+            last.retain(|_, t| now.duration_since(*t) < PROGRESS_EVERY * 10);
+        }
+        last.insert(key.clone(), now);
+        let progress = StageProgress {
+            files_done: report.files_done,
+            files_total: report.files_total,
+            bytes_done: report.bytes_done,
+            bytes_total: report.bytes_total,
+            eta_seconds: report.eta_seconds,
+        };
+        let s = store.clone();
+        let (p, id) = (key.0.clone(), key.1.to_string());
+        let shown =
+            tokio::task::spawn_blocking(move || s.record_progress(&p, &id, &progress)).await;
+        match shown {
+            Ok(Ok(Some(status))) => {
+                if let Err(e) = mirror_stage(&mirror.stages, &status).await {
+                    tracing::warn!(error = %e, request_id = %key.1, "could not mirror stage progress");
+                }
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, request_id = %key.1, "could not keep stage progress")
+            }
+            Err(e) => tracing::warn!(error = %e, "progress task failed"),
+        }
+    }
+    let _ = subscription.unsubscribe().await;
+    Ok(())
+}
+
+/// Mirrors what a rebuild touched.
+pub(crate) async fn mirror_all(
+    store: &Arc<Store>,
+    mirror: &Mirror,
+    keys: Vec<ReadinessKey>,
+    stages: Vec<(String, EventId)>,
+) -> Result<(), RecorderError> {
+    for key in keys {
+        mirror.readiness_of(store, key).await?;
+    }
+    for (project, id) in stages {
+        mirror.stage(store, &project, &id).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The client crate names the buckets for readers that do not link the runtime; the
+    /// runtime declares and provisions them. They must be the same buckets.
+    #[test]
+    fn the_client_names_the_buckets_the_runtime_provisions() {
+        assert_eq!(
+            stagehand_catalogue::READINESS_BUCKET,
+            stagehand_bus::READINESS_BUCKET
+        );
+        assert_eq!(
+            stagehand_catalogue::STAGES_BUCKET,
+            stagehand_bus::STAGES_BUCKET
+        );
+    }
+}

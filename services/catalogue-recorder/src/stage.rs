@@ -1,0 +1,513 @@
+//! Stage requests: the status a scheduler waits on, folded from the request, the promoter's
+//! facts and the release, plus the copy's progress.
+//!
+//! One record per request id ([`StageRecord`], table `stage_requests`), indexed by job and by
+//! dataset version. Its state follows the fact of the highest (rank, stamp): the bare request
+//! ranks lowest, the promoter's facts next, the release highest (it is final, whatever the
+//! clocks of the scheduler's host and the promoter's say), so the fold stays order-free. A
+//! request counts in the readiness of its (version, tier, node) once a fact named the full
+//! version; the counts move as its state does.
+//!
+//! Progress messages (core NATS, about once a second per copy) are not folded: the last one is
+//! kept in the live-only table `stage_progress` (throttled, without an fsync) and shown as
+//! `copying` until a fact ends the wait.
+
+use redb::{Durability, ReadTransaction, ReadableTable, WriteTransaction};
+use stagehand_catalogue::{ReadinessKey, StageProgress, StageState, StageStatus, Stamp};
+use stagehand_schemas::{Event, EventId, is_sha256_hex};
+
+use crate::error::StoreError;
+use crate::fold::FoldError;
+use crate::model::{ReadinessAggregate, StageFact, StageRecord};
+use crate::store::*;
+
+/// The rank of a bare request, of the promoter's facts, of a release.
+pub const REQUESTED: u8 = 0;
+pub const ANSWERED: u8 = 1;
+pub const RELEASED: u8 = 2;
+
+/// What one fact says about a stage request.
+#[derive(Debug, Clone)]
+pub struct StageChange<'a> {
+    pub request_id: EventId,
+    pub dataset: &'a str,
+    /// The version as the fact names it (full, or the request's prefix).
+    pub version: &'a str,
+    pub tier: &'a str,
+    pub node: Option<&'a str>,
+    pub job_id: &'a str,
+    pub rank: u8,
+    pub state: StageState,
+    pub waiting_for: Option<String>,
+    pub reason: Option<String>,
+    pub retryable: Option<bool>,
+    /// For `stage.ready`: the absolute path on the tier's mount, and the prefix beneath its
+    /// root.
+    pub ready: Option<(Option<String>, String)>,
+}
+
+/// The readiness key a record counts in, once its full version is known.
+pub fn counted_key(status: &StageStatus) -> Option<ReadinessKey> {
+    status.resolved_version.as_ref().map(|v| ReadinessKey {
+        project: status.project.clone(),
+        dataset: status.dataset.clone(),
+        version: v.clone(),
+        tier: status.tier.clone(),
+        node: status.node.clone(),
+    })
+}
+
+fn version_key(status: &StageStatus) -> &str {
+    status
+        .resolved_version
+        .as_deref()
+        .unwrap_or(&status.version)
+}
+
+fn read_aggregate(
+    txn: &WriteTransaction,
+    key: &ReadinessKey,
+) -> Result<ReadinessAggregate, StoreError> {
+    let k = rkey(key);
+    Ok(txn
+        .open_table(READINESS)?
+        .get(k)?
+        .map(|v| decode(v.value(), || format!("readiness {k:?}")))
+        .transpose()?
+        .unwrap_or_default())
+}
+
+fn write_aggregate(
+    txn: &WriteTransaction,
+    key: &ReadinessKey,
+    aggregate: &ReadinessAggregate,
+) -> Result<(), StoreError> {
+    let k = rkey(key);
+    let value = encode(aggregate, || format!("readiness {k:?}"))?;
+    txn.open_table(READINESS)?.insert(k, value.as_slice())?;
+    Ok(())
+}
+
+fn rkey(key: &ReadinessKey) -> (&str, &str, &str, &str, &str) {
+    (
+        key.project.as_str(),
+        key.dataset.as_str(),
+        key.version.as_str(),
+        key.tier.as_str(),
+        key.node.as_deref().unwrap_or(""),
+    )
+}
+
+/// Folds one fact about a stage request.
+pub fn record(
+    txn: &WriteTransaction,
+    event: &Event,
+    change: StageChange<'_>,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let project = event.project.as_str();
+    let id = change.request_id.as_str();
+    let what = || format!("stage request {project}/{id}");
+    let old: Option<StageRecord> = txn
+        .open_table(STAGE_REQUESTS)?
+        .get((project, id))?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    let full = is_sha256_hex(change.version).then(|| change.version.to_owned());
+    let mut record = old.clone().unwrap_or_else(|| StageRecord {
+        status: StageStatus {
+            request_id: change.request_id.clone(),
+            project: project.into(),
+            dataset: change.dataset.into(),
+            version: change.version.into(),
+            resolved_version: None,
+            tier: change.tier.into(),
+            node: change.node.map(Into::into),
+            job_id: change.job_id.into(),
+            state: change.state,
+            waiting_for: None,
+            reason: None,
+            retryable: None,
+            path: None,
+            progress: None,
+            updated_at: stamp.at,
+        },
+        rank: change.rank,
+        stamp: stamp.clone(),
+        path_stamp: None,
+    });
+    // Every fact but `stage.ready` names the version as the request gave it.
+    if change.ready.is_none() {
+        record.status.version = change.version.into();
+    }
+    if record.status.resolved_version.is_none() {
+        record.status.resolved_version.clone_from(&full);
+    }
+    let wins = old
+        .as_ref()
+        .is_none_or(|o| (change.rank, stamp) > (o.rank, &o.stamp));
+    if wins {
+        record.rank = change.rank;
+        record.stamp = stamp.clone();
+        record.status.state = change.state;
+        record.status.waiting_for.clone_from(&change.waiting_for);
+        record.status.reason.clone_from(&change.reason);
+        record.status.retryable = change.retryable;
+        record.status.updated_at = stamp.at;
+    }
+    if let Some((Some(path), _)) = &change.ready
+        && record.path_stamp.as_ref().is_none_or(|s| stamp > s)
+    {
+        record.status.path = Some(path.clone());
+        record.path_stamp = Some(stamp.clone());
+    }
+    let value = encode(&record, what)?;
+    txn.open_table(STAGE_REQUESTS)?
+        .insert((project, id), value.as_slice())?;
+    txn.open_table(STAGES_BY_JOB)?
+        .insert((project, record.status.job_id.as_str(), id), ())?;
+    {
+        let mut by_version = txn.open_table(STAGES_BY_VERSION)?;
+        let dataset = record.status.dataset.as_str();
+        if let Some(old) = &old
+            && version_key(&old.status) != version_key(&record.status)
+        {
+            by_version.remove((project, dataset, version_key(&old.status), id))?;
+        }
+        by_version.insert((project, dataset, version_key(&record.status), id), ())?;
+    }
+    if record.status.state != StageState::Pending {
+        txn.open_table(STAGE_PROGRESS)?.remove((project, id))?;
+    }
+
+    // Readiness: the counts follow the record; the registers follow facts naming the version.
+    let before = old
+        .as_ref()
+        .and_then(|o| counted_key(&o.status).map(|k| (k, o.status.state)));
+    let after = counted_key(&record.status).map(|k| (k, record.status.state));
+    match (&before, &after) {
+        (Some((bk, bs)), Some((ak, as_))) if bk == ak => {
+            if bs != as_ {
+                let mut agg = read_aggregate(txn, ak)?;
+                agg.moved(Some(*bs), *as_);
+                write_aggregate(txn, ak, &agg)?;
+            }
+        }
+        _ => {
+            if let Some((bk, bs)) = &before {
+                let mut agg = read_aggregate(txn, bk)?;
+                agg.left(*bs);
+                write_aggregate(txn, bk, &agg)?;
+            }
+            if let Some((ak, as_)) = &after {
+                let mut agg = read_aggregate(txn, ak)?;
+                agg.moved(None, *as_);
+                write_aggregate(txn, ak, &agg)?;
+            }
+        }
+    }
+    if let Some(version) = &full {
+        let key = ReadinessKey {
+            project: project.into(),
+            dataset: change.dataset.into(),
+            version: version.clone(),
+            tier: change.tier.into(),
+            node: change.node.map(Into::into),
+        };
+        let mut agg = read_aggregate(txn, &key)?;
+        if change.rank > REQUESTED && agg.newest.as_ref().is_none_or(|n| *stamp > n.stamp) {
+            agg.newest = Some(StageFact {
+                stamp: stamp.clone(),
+                state: change.state,
+                reason: change.reason.clone(),
+                retryable: change.retryable,
+            });
+        }
+        if let Some((_, prefix)) = &change.ready
+            && agg.ready_path.as_ref().is_none_or(|(s, _)| stamp > s)
+        {
+            agg.ready_path = Some((stamp.clone(), prefix.clone()));
+        }
+        write_aggregate(txn, &key, &agg)?;
+    }
+    Ok(())
+}
+
+/// The shown status of one request, with its progress.
+pub fn status_in(
+    txn: &ReadTransaction,
+    project: &str,
+    request_id: &str,
+) -> Result<Option<(StageStatus, Option<ReadinessKey>)>, StoreError> {
+    let what = || format!("stage request {project}/{request_id}");
+    let Some(record) = txn
+        .open_table(STAGE_REQUESTS)?
+        .get((project, request_id))?
+        .map(|v| decode::<StageRecord>(v.value(), what))
+        .transpose()?
+    else {
+        return Ok(None);
+    };
+    let progress: Option<StageProgress> = txn
+        .open_table(STAGE_PROGRESS)?
+        .get((project, request_id))?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    let key = counted_key(&record.status);
+    Ok(Some((record.shown(progress), key)))
+}
+
+impl Store {
+    /// The status of one stage request as a scheduler sees it, and the readiness key it counts
+    /// in.
+    pub fn stage_status(
+        &self,
+        project: &str,
+        request_id: &str,
+    ) -> Result<Option<(StageStatus, Option<ReadinessKey>)>, StoreError> {
+        status_in(&self.reader()?, project, request_id)
+    }
+
+    /// Keeps the promoter's last progress report of a pending request (and nothing for a
+    /// request the catalogue has not seen, or one whose wait has ended). Returns the status to
+    /// mirror when it changed. Live state: committed without an fsync.
+    pub fn record_progress(
+        &self,
+        project: &str,
+        request_id: &str,
+        progress: &StageProgress,
+    ) -> Result<Option<StageStatus>, StoreError> {
+        let mut txn = self.writer_txn()?;
+        txn.set_durability(Durability::None)
+            .map_err(|e| StoreError::Redb(redb::Error::Io(std::io::Error::other(e))))?;
+        let what = || format!("stage request {project}/{request_id}");
+        let record: Option<StageRecord> = txn
+            .open_table(STAGE_REQUESTS)?
+            .get((project, request_id))?
+            .map(|v| decode(v.value(), what))
+            .transpose()?;
+        let Some(record) = record.filter(|r| r.status.state == StageState::Pending) else {
+            txn.abort()?;
+            return Ok(None);
+        };
+        let value = encode(progress, what)?;
+        txn.open_table(STAGE_PROGRESS)?
+            .insert((project, request_id), value.as_slice())?;
+        txn.commit()?;
+        Ok(Some(record.shown(Some(progress.clone()))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stagehand_catalogue::*;
+    use stagehand_schemas::*;
+
+    use crate::testing::*;
+
+    /// A job's request by version prefix, the promoter's answers, and its release.
+    fn chain() -> (EventId, Vec<Event>) {
+        let v = version_of(&validated(1));
+        let prefix = &v[..12];
+        let id = EventId::for_stage("lab-a", "4815162", "cats", prefix, "local", Some("gpu-07"));
+        let mut request = Event::request(
+            id.clone(),
+            "lab-a",
+            Body::StageRequested(StageRequested {
+                dataset: "cats".into(),
+                version: prefix.into(),
+                tier: "local".into(),
+                job_id: "4815162".into(),
+                requested_by: "slurm".into(),
+                deadline: None,
+                node: Some("gpu-07".into()),
+                form: None,
+            }),
+        );
+        request.occurred_at -= ::time::Duration::seconds(10);
+        let pending = request.caused(
+            "pending:validation",
+            Body::StagePending(StagePending {
+                dataset: "cats".into(),
+                version: prefix.into(),
+                tier: "local".into(),
+                node: Some("gpu-07".into()),
+                job_id: "4815162".into(),
+                request_id: id.clone(),
+                waiting_for: "validation".into(),
+                reason: "version not validated yet".into(),
+            }),
+        );
+        let ready = request.caused(
+            "ready",
+            Body::StageReady(StageReady {
+                dataset: "cats".into(),
+                version: v.clone(),
+                location: Location {
+                    tier: "local".into(),
+                    prefix: format!("lab-a/cats/{v}"),
+                },
+                job_id: "4815162".into(),
+                request_id: id.clone(),
+                node: Some("gpu-07".into()),
+                path: Some(format!("/nvme/lab-a/cats/{v}")),
+            }),
+        );
+        let mut release = Event::request(
+            EventId::for_stage_release("lab-a", "4815162", "cats", prefix, "local", Some("gpu-07")),
+            "lab-a",
+            Body::StageReleased(StageReleased {
+                dataset: "cats".into(),
+                version: prefix.into(),
+                tier: "local".into(),
+                job_id: "4815162".into(),
+                node: Some("gpu-07".into()),
+            }),
+        );
+        // The scheduler's clock runs behind the promoter's: the release is still final.
+        release.occurred_at = ready.occurred_at - ::time::Duration::seconds(5);
+        (id, vec![validated(1), request, pending, ready, release])
+    }
+
+    fn key() -> ReadinessKey {
+        ReadinessKey {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: version_of(&validated(1)),
+            tier: "local".into(),
+            node: Some("gpu-07".into()),
+        }
+    }
+
+    #[test]
+    fn a_stage_request_goes_pending_ready_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let store = store_with(dir.path(), "a.redb", &events[..3]);
+        let (status, counted) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Pending);
+        assert_eq!(status.waiting_for.as_deref(), Some("validation"));
+        assert_eq!(status.resolved_version, None);
+        assert_eq!(
+            counted, None,
+            "a prefix counts nowhere until a fact names the version"
+        );
+
+        let progress = StageProgress {
+            files_done: 1,
+            files_total: 2,
+            bytes_done: 3,
+            bytes_total: 4,
+            eta_seconds: Some(5),
+        };
+        let shown = store
+            .record_progress("lab-a", id.as_str(), &progress)
+            .unwrap()
+            .unwrap();
+        assert_eq!(shown.state, StageState::Copying);
+        assert_eq!(shown.progress, Some(progress.clone()));
+
+        fold_into(&store, &events[3..4]);
+        let (status, counted) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Ready);
+        assert_eq!(status.progress, None, "a ready request shows no copy");
+        assert_eq!(
+            status.path.as_deref(),
+            Some(format!("/nvme/lab-a/cats/{}", key().version).as_str())
+        );
+        assert_eq!(
+            status.resolved_version.as_deref(),
+            Some(key().version.as_str())
+        );
+        assert_eq!(
+            status.version,
+            key().version[..12],
+            "as the request named it"
+        );
+        assert_eq!(counted, Some(key()));
+        assert!(
+            store
+                .record_progress("lab-a", id.as_str(), &progress)
+                .unwrap()
+                .is_none()
+        );
+        let r = crate::readiness::current(&store, &key()).unwrap().unwrap();
+        assert!(r.ready);
+        assert_eq!(r.jobs.ready, 1);
+
+        fold_into(&store, &events[4..]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Released);
+        let r = crate::readiness::current(&store, &key()).unwrap().unwrap();
+        assert_eq!((r.jobs.ready, r.jobs.released), (0, 1));
+    }
+
+    /// Guards order-independence of stage statuses and their readiness counts.
+    #[test]
+    fn every_order_of_a_stage_chain_folds_the_same() {
+        let (_, events) = chain();
+        let dir = tempfile::tempdir().unwrap();
+        let reference = store_with(dir.path(), "ref.redb", &events).dump().unwrap();
+        let n = events.len();
+        // Every rotation, reversed and not, folded one event per commit.
+        for start in 0..n {
+            for reverse in [false, true] {
+                let mut order: Vec<Event> =
+                    (0..n).map(|i| events[(start + i) % n].clone()).collect();
+                if reverse {
+                    order.reverse();
+                }
+                let store =
+                    crate::store::Store::open(dir.path().join(format!("{start}-{reverse}.redb")))
+                        .unwrap();
+                for e in &order {
+                    fold_into(&store, std::slice::from_ref(e));
+                }
+                assert_eq!(
+                    store.dump().unwrap(),
+                    reference,
+                    "start {start}, reversed {reverse}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn stage_requests_are_listed_by_job_and_by_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let store = store_with(dir.path(), "a.redb", &events[..4]);
+        let by_job = crate::answer(
+            &store,
+            &Query::StageRequests {
+                project: "lab-a".into(),
+                job_id: Some("4815162".into()),
+                dataset: None,
+                version: None,
+                limit: None,
+                after: None,
+            },
+        );
+        let Answer::StageRequests { stages, next: None } = by_job else {
+            panic!("{by_job:?}")
+        };
+        assert_eq!(stages.len(), 1);
+        assert_eq!(stages[0].request_id, id);
+        let by_version = crate::answer(
+            &store,
+            &Query::StageRequests {
+                project: "lab-a".into(),
+                job_id: None,
+                dataset: Some("cats".into()),
+                version: Some(key().version[..8].into()),
+                limit: None,
+                after: None,
+            },
+        );
+        let Answer::StageRequests { stages, .. } = by_version else {
+            panic!("{by_version:?}")
+        };
+        assert_eq!(stages.len(), 1);
+        assert_eq!(stages[0].state, StageState::Ready);
+    }
+}
