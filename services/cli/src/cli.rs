@@ -174,9 +174,9 @@ pub struct StageWaitArgs {
 
 #[derive(Debug, Args)]
 pub struct StageStatusArgs {
-    /// A job id, or DATASET@VERSION; default every stage (of the project).
+    /// A job id, or DATASET@VERSION; default every stage of the project.
     pub target: Option<String>,
-    /// Only this project's stages.
+    /// The project whose stages to list: [a-z0-9_-].
     #[arg(long, env = "STAGEHAND_PROJECT")]
     pub project: Option<String>,
     #[arg(long)]
@@ -475,23 +475,26 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
             Ok(outcome.exit_code())
         }
         StageCommand::Status(a) => {
-            let mut filter = StatusFilter {
-                project: a.project.clone(),
-                ..StatusFilter::default()
-            };
-            if let Some(p) = &a.project {
-                args::project("--project", p)?;
-            }
+            let (mut job, mut dataset_version) = (None, None);
             match a.target.as_deref() {
                 Some(t) if t.contains('@') => {
-                    filter.dataset_version = Some(args::dataset_at_version("D@V", t)?);
+                    dataset_version = Some(args::dataset_at_version("D@V", t)?);
                 }
-                Some(job) => {
-                    args::job("J", job)?;
-                    filter.job = Some(job.to_owned());
+                Some(j) => {
+                    args::job("J", j)?;
+                    job = Some(j.to_owned());
                 }
                 None => {}
             }
+            let project = a.project.clone().ok_or_else(|| {
+                UsageError("--project (or STAGEHAND_PROJECT) is required".to_owned())
+            })?;
+            args::project("--project", &project)?;
+            let filter = StatusFilter {
+                project,
+                job,
+                dataset_version,
+            };
             let bus = connect(connection).await?;
             let items = crate::stage::status(&bus, &filter).await?;
             if a.json {
@@ -517,34 +520,53 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
 
 /// Checks `catalogue`'s arguments.
 fn check_catalogue(cmd: &CatalogueCommand) -> Result<(), UsageError> {
-    match cmd {
-        CatalogueCommand::Datasets { project, .. } => {
-            if let Some(p) = project {
-                args::project("--project", p)?;
-            }
+    let limit = |n: u32| {
+        if (1..=stagehand_catalogue::MAX_PAGE).contains(&n) {
+            Ok(())
+        } else {
+            Err(UsageError(format!(
+                "--limit {n}: a page holds 1 to {} entries",
+                stagehand_catalogue::MAX_PAGE
+            )))
         }
-        CatalogueCommand::Show {
-            target, project, ..
+    };
+    match cmd {
+        CatalogueCommand::Datasets {
+            project, limit: n, ..
         } => {
             if let Some(p) = project {
                 args::project("--project", p)?;
             }
+            limit(*n)?;
+        }
+        CatalogueCommand::Show {
+            target,
+            project,
+            limit: n,
+            ..
+        } => {
+            if let Some(p) = project {
+                args::project("--project", p)?;
+            }
+            limit(*n)?;
             let (dataset, version) = match target.split_once('@') {
                 Some((d, v)) => (d, Some(v)),
                 None => (target.as_str(), None),
             };
             args::dataset("D[@VERSION]", dataset)?;
             if let Some(v) = version {
-                let ok = (8..=64).contains(&v.len())
+                let min = stagehand_catalogue::MIN_VERSION_PREFIX;
+                let ok = (min..=64).contains(&v.len())
                     && v.bytes()
                         .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
                 if !ok {
                     return Err(UsageError(format!(
-                        "D@VERSION {target:?}: VERSION is 8-64 lowercase hex characters (a digest or a unique prefix)"
+                        "D@VERSION {target:?}: VERSION is {min}-64 lowercase hex characters (a digest or a unique prefix)"
                     )));
                 }
             }
         }
+        CatalogueCommand::Problems { limit: n, .. } => limit(*n)?,
         CatalogueCommand::DeadLetters { .. } => {}
     }
     Ok(())

@@ -19,20 +19,17 @@ use time::OffsetDateTime;
 
 use crate::args::Unreachable;
 
-/// The scheduler-facing state of a stage request as the catalogue recorder writes it (JSON, the
-/// shape `STAGING.md` gives; read through [`field`]).
-pub type StageStatus = serde_json::Value;
+pub use stagehand_catalogue::{STAGES_BUCKET, StageState, StageStatus};
 
-/// The KV bucket holding one [`StageStatus`] per stage request.
-pub const STAGES_BUCKET: &str = "stagehand_stages";
-
-/// A text field of a status, when present.
-pub fn field<'a>(status: &'a StageStatus, name: &str) -> Option<&'a str> {
-    status.get(name).and_then(|v| v.as_str())
-}
-
-fn state(status: &StageStatus) -> &str {
-    field(status, "state").unwrap_or("unknown")
+/// The state as one word, as the JSON and `stage status` show it.
+pub fn state_word(state: StageState) -> &'static str {
+    match state {
+        StageState::Pending => "pending",
+        StageState::Copying => "copying",
+        StageState::Ready => "ready",
+        StageState::Failed => "failed",
+        StageState::Released => "released",
+    }
 }
 
 /// One stage: a job's need for a dataset version on a tier (and, for a node-local tier, on a
@@ -75,11 +72,7 @@ impl Stage {
 
     /// The key of this stage's status in [`STAGES_BUCKET`].
     pub fn status_key(&self) -> String {
-        format!(
-            "{}.{}",
-            self.project,
-            hex::encode(self.request_id().as_str())
-        )
+        stagehand_catalogue::stage_kv_key(&self.project, &self.request_id())
     }
 
     fn describe(&self) -> String {
@@ -194,10 +187,10 @@ impl WaitOutcome {
     /// What `stage wait` prints: the path, the reason, or the last state and reason.
     pub fn text(&self, stage: &Stage) -> String {
         match self {
-            WaitOutcome::Ready(s) => field(s, "path").unwrap_or_default().to_owned(),
-            WaitOutcome::Failed(s) => match field(s, "reason") {
-                Some(reason) => reason.to_owned(),
-                None => format!("{}: no reason recorded", state(s)),
+            WaitOutcome::Ready(s) => s.path.clone().unwrap_or_default(),
+            WaitOutcome::Failed(s) => match &s.reason {
+                Some(reason) => reason.clone(),
+                None => format!("{}: no reason recorded", state_word(s.state)),
             },
             WaitOutcome::TimedOut(Some(s)) => status_summary(s),
             WaitOutcome::TimedOut(None) => format!(
@@ -227,10 +220,10 @@ fn decode(key: &str, value: &[u8]) -> anyhow::Result<StageStatus> {
 }
 
 fn outcome(status: StageStatus) -> Result<WaitOutcome, StageStatus> {
-    match state(&status) {
-        "ready" => Ok(WaitOutcome::Ready(status)),
-        "failed" | "released" => Ok(WaitOutcome::Failed(status)),
-        _ => Err(status),
+    match status.state {
+        StageState::Ready => Ok(WaitOutcome::Ready(status)),
+        StageState::Failed | StageState::Released => Ok(WaitOutcome::Failed(status)),
+        StageState::Pending | StageState::Copying => Err(status),
     }
 }
 
@@ -281,100 +274,99 @@ pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result
     }
 }
 
-/// Which stage requests `stage status` lists.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// Which stage requests `stage status` lists: a project's, of one job or of one dataset
+/// version (digest or prefix), or all of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StatusFilter {
-    pub project: Option<String>,
+    pub project: String,
     pub job: Option<String>,
-    /// Dataset and version (digest or prefix; matches the requested or the resolved version).
     pub dataset_version: Option<(String, String)>,
 }
 
-impl StatusFilter {
-    fn admits(&self, s: &StageStatus) -> bool {
-        if self
-            .project
-            .as_deref()
-            .is_some_and(|p| Some(p) != field(s, "project"))
-        {
-            return false;
-        }
-        if self
-            .job
-            .as_deref()
-            .is_some_and(|j| Some(j) != field(s, "job_id"))
-        {
-            return false;
-        }
-        if let Some((d, v)) = &self.dataset_version {
-            let requested = field(s, "version").unwrap_or_default();
-            let version_matches = (!requested.is_empty()
-                && (requested.starts_with(v.as_str()) || v.starts_with(requested)))
-                || field(s, "resolved_version").is_some_and(|r| r.starts_with(v.as_str()));
-            if Some(d.as_str()) != field(s, "dataset") || !version_matches {
-                return false;
-            }
-        }
-        true
+/// Every stage request the filter admits: of a job or a version as the catalogue lists them
+/// (all pages); of the whole project from the project's keys in [`STAGES_BUCKET`] (the
+/// catalogue's query needs a job or a dataset), oldest update first.
+pub async fn status(bus: &Bus, filter: &StatusFilter) -> anyhow::Result<Vec<StageStatus>> {
+    if filter.job.is_none() && filter.dataset_version.is_none() {
+        return project_status(bus, &filter.project).await;
     }
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone());
+    let (dataset, version) = match &filter.dataset_version {
+        Some((d, v)) => (Some(d.as_str()), Some(v.as_str())),
+        None => (None, None),
+    };
+    let mut found = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue
+            .stage_requests(
+                &filter.project,
+                filter.job.as_deref(),
+                dataset,
+                version,
+                after.as_deref(),
+            )
+            .await
+            .map_err(|e| -> anyhow::Error {
+                if e.is_retryable() {
+                    Unreachable(format!("asking the catalogue for stage requests: {e}")).into()
+                } else {
+                    anyhow::anyhow!("asking the catalogue for stage requests: {e}")
+                }
+            })?;
+        found.extend(page.items);
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    Ok(found)
 }
 
-/// Every stage request the filter admits, oldest update first.
-pub async fn status(bus: &Bus, filter: &StatusFilter) -> anyhow::Result<Vec<StageStatus>> {
+async fn project_status(bus: &Bus, project: &str) -> anyhow::Result<Vec<StageStatus>> {
     let store = stages_bucket(bus).await?;
     let mut keys = store
         .keys()
         .await
         .with_context(|| format!("listing {STAGES_BUCKET}"))?;
-    let prefix = filter.project.as_ref().map(|p| format!("{p}."));
+    let prefix = format!("{project}.");
     let mut found = Vec::new();
     while let Some(key) = keys.next().await {
         let key = key.with_context(|| format!("listing {STAGES_BUCKET}"))?;
-        if prefix
-            .as_ref()
-            .is_some_and(|p| !key.starts_with(p.as_str()))
-        {
+        if !key.starts_with(&prefix) {
             continue;
         }
-        let Some(value) = store
+        let value = store
             .get(key.clone())
             .await
-            .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?
-        else {
-            continue;
-        };
-        let status = decode(&key, &value)?;
-        if filter.admits(&status) {
-            found.push(status);
+            .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?;
+        if let Some(value) = value {
+            found.push(decode(&key, &value)?);
         }
     }
-    found.sort_by(|a, b| field(a, "updated_at").cmp(&field(b, "updated_at")));
+    found.sort_by_key(|s| s.updated_at);
     Ok(found)
 }
 
 /// One line for a person: state, what and where, and why (or how far along, or the path).
 pub fn status_summary(s: &StageStatus) -> String {
-    let mut line = state(s).to_owned();
-    if let Some(w) = field(s, "waiting_for") {
+    let mut line = state_word(s.state).to_owned();
+    if let Some(w) = &s.waiting_for {
         line.push_str(&format!(" (waiting for {w})"));
     }
-    if let Some(p) = s.get("progress").filter(|p| p.is_object()) {
-        let n = |k: &str| p.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+    if let Some(p) = &s.progress {
         line.push_str(&format!(
             " {}/{} files, {}/{} bytes",
-            n("files_done"),
-            n("files_total"),
-            n("bytes_done"),
-            n("bytes_total")
+            p.files_done, p.files_total, p.bytes_done, p.bytes_total
         ));
-        if let Some(eta) = p.get("eta_seconds").and_then(|v| v.as_u64()) {
+        if let Some(eta) = p.eta_seconds {
             line.push_str(&format!(", about {eta} s left"));
         }
     }
-    if let Some(r) = field(s, "reason") {
+    if let Some(r) = &s.reason {
         line.push_str(&format!(": {r}"));
     }
-    if let Some(path) = field(s, "path") {
+    if let Some(path) = &s.path {
         line.push_str(&format!(" at {path}"));
     }
     line
@@ -387,18 +379,19 @@ pub fn status_text(items: &[StageStatus]) -> String {
     }
     let mut out = String::new();
     for s in items {
-        let f = |k: &str| field(s, k).unwrap_or("?");
-        let node = field(s, "node")
+        let node = s
+            .node
+            .as_deref()
             .map(|n| format!(" node {n}"))
             .unwrap_or_default();
         out.push_str(&format!(
-            "{project}/{dataset}@{version} on {tier}{node} for job {job}: {summary}\n",
-            project = f("project"),
-            dataset = f("dataset"),
-            version = f("version"),
-            tier = f("tier"),
-            job = f("job_id"),
-            summary = status_summary(s),
+            "{}/{}@{} on {}{node} for job {}: {}\n",
+            s.project,
+            s.dataset,
+            s.version,
+            s.tier,
+            s.job_id,
+            status_summary(s),
         ));
     }
     out

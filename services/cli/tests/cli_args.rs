@@ -265,6 +265,10 @@ fn bad_arguments_exit_64_with_one_line_naming_the_argument_before_connecting() {
         (vec!["stage", "status", "ds@xyz"], "\"ds@xyz\""),
         (vec!["stage", "status", "--project", "P"], "--project \"P\""),
         (
+            vec!["stage", "status", "j1"],
+            "--project (or STAGEHAND_PROJECT) is required",
+        ),
+        (
             vec!["--connect-timeout", "ten", "stage", "status"],
             "--connect-timeout \"ten\"",
         ),
@@ -378,7 +382,7 @@ fn unreachable_nats_is_one_line_after_the_bounded_wait_exit_69() {
             "--timeout",
             "0",
         ],
-        vec!["stage", "status"],
+        vec!["stage", "status", "--project", "p"],
         vec![
             "stage",
             "release",
@@ -434,7 +438,7 @@ fn connection_retries_show_only_when_debug_logs_are_asked_for_and_never_in_colou
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
     let out = cmd
         .args(["--nats", &dead_url(), "--connect-timeout", "700ms"])
-        .args(["stage", "status"])
+        .args(["stage", "status", "--project", "p"])
         .env("RUST_LOG", "stagehand_bus=debug")
         .output()
         .expect("run stagehand");

@@ -1,7 +1,10 @@
 //! `stagehand stage` as plugins call it, the built binary against a real nats-server: the
 //! request and release are stored under the ids derived from the job (a repeat is a duplicate),
 //! `wait` answers 0/1/2 from the stage's `stagehand_stages` entry (path, reason, last state),
-//! `--json` prints the status, `status` lists a job's or a version's stages and why.
+//! `--json` prints the status, `status` lists a job's or a version's stages and why (from the
+//! real catalogue recorder, folding the promoter's facts).
+
+mod common;
 
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -14,7 +17,7 @@ use stagehand_bus::{Bus, BusConfig};
 use stagehand_schemas::{Body, EventId, wire};
 use stagehand_testkit::NatsServer;
 
-fn stagehand(url: &str, args: &[&str]) -> Output {
+fn stagehand_cmd(url: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(["--nats", url])
         .args(args)
@@ -60,53 +63,20 @@ fn run_stage(url: &str, verb: &str, s: &Stage, extra: &[&str]) -> Output {
     args.extend(args_of(s));
     args.extend(extra.iter().map(|e| e.to_string()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    stagehand(url, &refs)
+    stagehand_cmd(url, &refs)
 }
 
-async fn setup() -> anyhow::Result<(NatsServer, Bus, async_nats::jetstream::kv::Store)> {
+async fn setup() -> anyhow::Result<(NatsServer, Bus)> {
     let server = NatsServer::start();
     let bus = Bus::connect(&BusConfig::new(server.url())).await?;
     bus.provision().await?;
-    let kv = bus
-        .jetstream()
-        .create_key_value(async_nats::jetstream::kv::Config {
-            bucket: STAGES_BUCKET.to_owned(),
-            history: 5,
-            ..Default::default()
-        })
-        .await?;
-    Ok((server, bus, kv))
-}
-
-/// Writes the stage's status as the catalogue recorder does.
-async fn put(
-    kv: &async_nats::jetstream::kv::Store,
-    s: &Stage,
-    updated_at: &str,
-    extra: Value,
-) -> anyhow::Result<()> {
-    let mut v = json!({
-        "request_id": s.request_id(),
-        "project": s.project,
-        "dataset": s.dataset,
-        "version": s.version,
-        "tier": s.tier,
-        "node": s.node,
-        "job_id": s.job,
-        "updated_at": updated_at,
-    });
-    for (k, x) in extra.as_object().into_iter().flatten() {
-        v[k] = x.clone();
-    }
-    kv.put(s.status_key(), serde_json::to_vec(&v)?.into())
-        .await?;
-    Ok(())
+    Ok((server, bus))
 }
 
 #[tokio::test]
 async fn request_and_release_are_stored_under_ids_from_the_job_and_a_repeat_is_a_duplicate()
 -> anyhow::Result<()> {
-    let (server, bus, _kv) = setup().await?;
+    let (server, bus) = setup().await?;
     let url = server.url();
     let s = stage("slurm-c1-42", "local", Some("gpu-007"));
     let first = run_stage(
@@ -175,12 +145,13 @@ async fn request_and_release_are_stored_under_ids_from_the_job_and_a_repeat_is_a
     Ok(())
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyhow::Result<()> {
-    let (server, bus, kv) = setup().await?;
-    let url = server.url();
+    let stagehand = common::Stagehand::start().await?;
+    let url = stagehand.url.clone();
+    let bus = &stagehand.bus;
 
-    // No status yet: timed out (2), saying so.
+    // Never requested, so no status: timed out (2), saying so.
     let none = stage("j-none", "hot", None);
     let out = run_stage(&url, "wait", &none, &["--timeout", "300ms"]);
     ensure!(out.status.code() == Some(2), "{out:?}");
@@ -190,30 +161,38 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         text(&out)
     );
 
-    // Pending: timed out with the last state and reason.
+    // Requested and pending: timed out with the last state and reason.
     let pending = stage("j-pending", "hot", None);
-    put(
-        &kv,
-        &pending,
-        "2026-12-01T10:00:00Z",
-        json!({"state": "pending", "waiting_for": "validation", "reason": "not validated yet"}),
-    )
-    .await?;
+    let out = run_stage(&url, "request", &pending, &[]);
+    ensure!(out.status.success(), "{out:?}");
+    stagehand
+        .pending(
+            &pending,
+            "validation",
+            "version 5f2c9a0e11b3 is not validated yet",
+        )
+        .await?;
+    stagehand
+        .status_where(&pending, "the pending status", |s| {
+            s.waiting_for.as_deref() == Some("validation")
+        })
+        .await?;
     let out = run_stage(&url, "wait", &pending, &["--timeout", "0"]);
     ensure!(out.status.code() == Some(2), "{out:?}");
     ensure!(
-        text(&out).trim() == "pending (waiting for validation): not validated yet",
+        text(&out).trim()
+            == "pending (waiting for validation): version 5f2c9a0e11b3 is not validated yet",
         "{}",
         text(&out)
     );
 
     // Ready while waiting: the watch sees it, exit 0, the path.
     let ready = stage("j-ready", "hot", None);
-    put(&kv, &ready, "2026-12-01T10:00:01Z", json!({"state": "copying", "progress": {"files_done": 1, "files_total": 3, "bytes_done": 10, "bytes_total": 30}})).await?;
+    ensure!(run_stage(&url, "request", &ready, &[]).status.success());
     let child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(["--nats", &url, "stage", "wait"])
         .args(args_of(&ready))
-        .args(["--timeout", "20s"])
+        .args(["--timeout", "30s"])
         .stdout(std::process::Stdio::piped())
         .spawn()?;
     // Once it watches (a consumer filtered on the stage's key exists), the data arrives.
@@ -237,13 +216,8 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         }
     })
     .await?;
-    put(
-        &kv,
-        &ready,
-        "2026-12-01T10:00:02Z",
-        json!({"state": "ready", "path": "/tiers/hot/lab/imagenet-mini/5f2c"}),
-    )
-    .await?;
+    let path = std::path::Path::new("/tiers/hot/lab/imagenet-mini/5f2c");
+    stagehand.ready(&ready, path).await?;
     let out = child.wait_with_output()?;
     ensure!(out.status.code() == Some(0), "{out:?}");
     ensure!(
@@ -252,24 +226,23 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         text(&out)
     );
 
-    // --json prints the status.
+    // --json prints the status, with the version the promoter resolved.
     let out = run_stage(&url, "wait", &ready, &["--timeout", "0", "--json"]);
     let v: Value = serde_json::from_slice(&out.stdout)?;
     ensure!(
-        v["state"] == json!("ready") && v["path"] == json!("/tiers/hot/lab/imagenet-mini/5f2c"),
+        v["state"] == json!("ready")
+            && v["path"] == json!("/tiers/hot/lab/imagenet-mini/5f2c")
+            && v["resolved_version"] == json!(common::FULL_VERSION),
         "{v}"
     );
 
     // Failed: exit 1, the reason.
     let failed = stage("j-failed", "hot", None);
-    put(
-        &kv,
-        &failed,
-        "2026-12-01T10:00:03Z",
-        json!({"state": "failed", "reason": "quota of lab on hot exceeded", "retryable": true}),
-    )
-    .await?;
-    let out = run_stage(&url, "wait", &failed, &["--timeout", "5s"]);
+    ensure!(run_stage(&url, "request", &failed, &[]).status.success());
+    stagehand
+        .failed(&failed, "quota of lab on hot exceeded")
+        .await?;
+    let out = run_stage(&url, "wait", &failed, &["--timeout", "10s"]);
     ensure!(out.status.code() == Some(1), "{out:?}");
     ensure!(
         text(&out) == "quota of lab on hot exceeded\n",
@@ -278,21 +251,31 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
     );
 
     // Status: by job, by version, by project.
-    let out = stagehand(&url, &["stage", "status", "j-failed"]);
+    let out = stagehand_cmd(&url, &["stage", "status", "j-failed", "--project", "lab"]);
     ensure!(
         text(&out)
             == "lab/imagenet-mini@5f2c9a0e11b34d7a on hot for job j-failed: failed: quota of lab on hot exceeded\n",
         "{}",
         text(&out)
     );
-    let out = stagehand(
+    let out = stagehand_cmd(
         &url,
-        &["stage", "status", "imagenet-mini@5f2c9a0e11b3", "--json"],
+        &[
+            "stage",
+            "status",
+            "imagenet-mini@5f2c9a0e11b3",
+            "--project",
+            "lab",
+            "--json",
+        ],
     );
     let all: Vec<Value> = serde_json::from_slice(&out.stdout)?;
-    let jobs: Vec<&str> = all.iter().filter_map(|v| v["job_id"].as_str()).collect();
-    ensure!(jobs == ["j-pending", "j-ready", "j-failed"], "{jobs:?}");
-    let out = stagehand(&url, &["stage", "status", "--project", "other"]);
-    ensure!(text(&out) == "no stage requests\n", "{}", text(&out));
+    let mut jobs: Vec<&str> = all.iter().filter_map(|v| v["job_id"].as_str()).collect();
+    jobs.sort();
+    ensure!(jobs == ["j-failed", "j-pending", "j-ready"], "{jobs:?}");
+    let out = stagehand_cmd(&url, &["stage", "status", "--project", "lab"]);
+    ensure!(text(&out).lines().count() == 3, "{out:?}");
+    let out = stagehand_cmd(&url, &["stage", "status", "--project", "other"]);
+    ensure!(text(&out) == "no stage requests\n", "{out:?}");
     Ok(())
 }
