@@ -7,8 +7,10 @@
 //!   downward API reads. The NATS config passes `nats-server -t`; the policies ConfigMap loads
 //!   as Stagehand's policies.
 //! - The init container's command (`deploy/k8s/stage-init.sh`) runs as a process against a real
-//!   nats-server: ready writes the env file, a failed stage exits 1 with the reason in the
+//!   nats-server and the real catalogue recorder (the promoter's answers published as its facts): ready writes the env file, a failed stage exits 1 with the reason in the
 //!   termination log, a missing annotation exits 64.
+
+mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
@@ -18,9 +20,7 @@ use std::process::Command;
 use anyhow::{Context, bail, ensure};
 use serde::Deserialize;
 use serde_json::Value;
-use stagehand::stage::{STAGES_BUCKET, Stage};
-use stagehand_bus::{Bus, BusConfig};
-use stagehand_testkit::NatsServer;
+use stagehand::stage::Stage;
 
 fn k8s_dir() -> PathBuf {
     stagehand_testkit::repo_root().join("deploy/k8s")
@@ -483,43 +483,6 @@ impl InitContainer {
     }
 }
 
-async fn stages(nats: &NatsServer) -> anyhow::Result<async_nats::jetstream::kv::Store> {
-    let bus = Bus::connect(&BusConfig::new(nats.url())).await?;
-    bus.provision().await?;
-    let kv = bus
-        .jetstream()
-        .create_key_value(async_nats::jetstream::kv::Config {
-            bucket: STAGES_BUCKET.to_owned(),
-            history: 5,
-            ..Default::default()
-        })
-        .await?;
-    Ok(kv)
-}
-
-/// Writes the stage's status as the catalogue recorder does.
-async fn answer(
-    kv: &async_nats::jetstream::kv::Store,
-    stage: &Stage,
-    status: Value,
-) -> anyhow::Result<()> {
-    let mut value = serde_json::json!({
-        "request_id": stage.request_id(),
-        "project": stage.project,
-        "dataset": stage.dataset,
-        "version": stage.version,
-        "tier": stage.tier,
-        "job_id": stage.job,
-        "updated_at": "2026-12-01T10:00:00Z",
-    });
-    for (k, v) in status.as_object().into_iter().flatten() {
-        value[k] = v.clone();
-    }
-    kv.put(stage.status_key(), serde_json::to_vec(&value)?.into())
-        .await?;
-    Ok(())
-}
-
 /// Whether the stage's request is stored: publishing it again is a duplicate.
 fn was_requested(nats_url: &str, stage: &Stage) -> anyhow::Result<bool> {
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
@@ -550,25 +513,21 @@ fn finish(child: std::process::Child) -> anyhow::Result<(i32, String)> {
     Ok((code, String::from_utf8_lossy(&out.stderr).into_owned()))
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_reason()
 -> anyhow::Result<()> {
-    let nats = NatsServer::start();
-    let kv = stages(&nats).await?;
+    let stagehand = common::Stagehand::start().await?;
+    let url = stagehand.url.clone();
 
     // Ready: the env file names the path.
-    let ready = InitContainer::new(&nats.url(), "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
+    let ready = InitContainer::new(&url, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
     let child = ready.spawn()?;
-    answer(
-        &kv,
-        &ready.stage(),
-        serde_json::json!({ "state": "ready", "path": "/data/tiers/hot/lab/imagenet-mini/5f2c9a0e11b34d7a" }),
-    )
-    .await?;
+    let path = std::path::Path::new("/data/tiers/hot/lab/imagenet-mini/5f2c9a0e11b34d7a");
+    stagehand.ready(&ready.stage(), path).await?;
     let (code, err) = finish(child)?;
     ensure!(code == 0, "exit {code}: {err}");
     ensure!(
-        was_requested(&nats.url(), &ready.stage())?,
+        was_requested(&url, &ready.stage())?,
         "the init container did not request"
     );
     let env = std::fs::read_to_string(ready.env_file())?;
@@ -578,15 +537,10 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
     );
 
     // Failed: exit 1, the reason in the termination log Kubernetes shows.
-    let failed = InitContainer::new(&nats.url(), "nosuch", "0b8f7c3e-pod-uid-2")?;
+    let failed = InitContainer::new(&url, "nosuch", "0b8f7c3e-pod-uid-2")?;
     let child = failed.spawn()?;
     let why = "dataset lab/nosuch is not in the catalogue";
-    answer(
-        &kv,
-        &failed.stage(),
-        serde_json::json!({ "state": "failed", "reason": why }),
-    )
-    .await?;
+    stagehand.failed(&failed.stage(), why).await?;
     let (code, err) = finish(child)?;
     ensure!(code == 1, "exit {code}: {err}");
     let message = std::fs::read_to_string(failed.termination_log())?;
@@ -600,7 +554,7 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
     );
 
     // A missing annotation: exit 64, named.
-    let mut broken = InitContainer::new(&nats.url(), "x", "uid-3")?;
+    let mut broken = InitContainer::new(&url, "x", "uid-3")?;
     broken.env.retain(|(k, _)| k != "STAGEHAND_VERSION");
     let (code, _) = finish(broken.spawn()?)?;
     ensure!(code == 64, "exit {code}");

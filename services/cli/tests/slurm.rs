@@ -4,10 +4,13 @@
 //! real batch jobs with `sbatch` as the ordinary test user (root may not use burst buffers).
 //!
 //! The hooks (`deploy/slurm/burst_buffer.lua`, `deploy/slurm/stagehand-node.sh`) call the built
-//! `stagehand` binary. What a job waits on is the stage's `stagehand_stages` KV entry; in these
-//! tests the entry is written by [`Stages::set`], in the shape the catalogue recorder writes it.
+//! `stagehand` binary. What a job waits on is the stage's `stagehand_stages` KV entry, kept by
+//! the real catalogue recorder (running in-process as `stagehand up` runs it) from the
+//! promoter's facts, which these tests publish for the requests the hooks make.
 //!
 //! Every wait polls Slurm (`squeue`) or NATS against a deadline; nothing sleeps.
+
+mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -15,12 +18,10 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use async_nats::jetstream::{self, kv};
-use futures::StreamExt;
-use stagehand::stage::{STAGES_BUCKET, Stage};
-use stagehand_bus::{Bus, BusConfig};
-use stagehand_schemas::{Body, Event, sha256_hex, wire};
-use stagehand_testkit::{NatsServer, wait_for};
+use common::{Stagehand, VERSION};
+use stagehand::stage::Stage;
+use stagehand_schemas::{Body, sha256_hex};
+use stagehand_testkit::wait_for;
 
 /// Bound on a job getting from submit to where a test expects it.
 const JOB: Duration = Duration::from_secs(60);
@@ -207,113 +208,6 @@ fn hostname() -> anyhow::Result<String> {
     Ok(String::from_utf8(out.stdout)?.trim().to_owned())
 }
 
-/// NATS with Stagehand's streams and the stages bucket.
-struct Stagehand {
-    server: NatsServer,
-    url: String,
-    bus: Bus,
-    stages: kv::Store,
-}
-
-impl Stagehand {
-    async fn start() -> anyhow::Result<Stagehand> {
-        let server = NatsServer::start();
-        let url = server.url();
-        let bus = Bus::connect(&BusConfig::new(&url)).await?;
-        bus.provision().await?;
-        let stages = bus
-            .jetstream()
-            .create_key_value(kv::Config {
-                bucket: STAGES_BUCKET.to_owned(),
-                history: 5,
-                ..Default::default()
-            })
-            .await?;
-        Ok(Stagehand {
-            server,
-            url,
-            bus,
-            stages,
-        })
-    }
-
-    /// Writes the stage's status as the catalogue recorder does.
-    async fn set(
-        &self,
-        stage: &Stage,
-        state: &str,
-        extra: serde_json::Value,
-    ) -> anyhow::Result<()> {
-        let mut status = serde_json::json!({
-            "request_id": stage.request_id(),
-            "project": stage.project,
-            "dataset": stage.dataset,
-            "version": stage.version,
-            "tier": stage.tier,
-            "node": stage.node,
-            "job_id": stage.job,
-            "state": state,
-            "updated_at": "2026-12-01T10:00:00Z",
-        });
-        for (k, v) in extra.as_object().into_iter().flatten() {
-            status[k] = v.clone();
-        }
-        self.stages
-            .put(stage.status_key(), serde_json::to_vec(&status)?.into())
-            .await?;
-        Ok(())
-    }
-
-    /// Waits until the stage's request is in the requests stream.
-    async fn requested(&self, stage: &Stage) -> anyhow::Result<Event> {
-        let id = stage.request_id();
-        self.find_request(
-            &format!("stagehand.req.stage.requested.{}", stage.project),
-            &id,
-        )
-        .await
-    }
-
-    async fn released(&self, stage: &Stage) -> anyhow::Result<Event> {
-        let id = stage.release_id();
-        self.find_request(
-            &format!("stagehand.req.stage.released.{}", stage.project),
-            &id,
-        )
-        .await
-    }
-
-    async fn find_request(
-        &self,
-        subject: &str,
-        id: &stagehand_schemas::EventId,
-    ) -> anyhow::Result<Event> {
-        let js = self.bus.jetstream();
-        wait_for(JOB, &format!("event {id} on {subject}"), || async {
-            let stream = js.get_stream("STAGEHAND_REQUESTS").await.ok()?;
-            let consumer = stream
-                .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                    filter_subject: subject.to_owned(),
-                    ..Default::default()
-                })
-                .await
-                .ok()?;
-            let pending = consumer.cached_info().num_pending as usize;
-            let mut messages = consumer.messages().await.ok()?;
-            for _ in 0..pending {
-                let msg = messages.next().await?.ok()?;
-                let event = wire::decode(&msg.payload).ok()?;
-                if event.id == *id {
-                    return Some(event);
-                }
-            }
-            None
-        })
-        .await
-        .map_err(Into::into)
-    }
-}
-
 /// A dataset folder on the "hot tier" (a folder the job can read), with its expected sums.
 fn write_dataset(root: &Path, files: &[(&str, &[u8])]) -> anyhow::Result<Vec<(String, String)>> {
     let mut sums = Vec::new();
@@ -370,8 +264,6 @@ fn hot_stage(job: u32, dataset: &str, version: &str) -> Stage {
         node: None,
     }
 }
-
-const VERSION: &str = "5f2c9a0e11b34d7a";
 
 async fn setup() -> anyhow::Result<(Stagehand, Slurm)> {
     let stagehand = Stagehand::start().await?;
@@ -447,13 +339,7 @@ async fn a_job_runs_after_stage_in_reads_its_data_and_releases_it() -> anyhow::R
         bail!("not a stage request: {request:?}");
     };
     ensure!(req.tier == "hot" && req.node.is_none() && req.job_id == stage.job);
-    stagehand
-        .set(
-            &stage,
-            "ready",
-            serde_json::json!({ "path": root, "resolved_version": VERSION }),
-        )
-        .await?;
+    stagehand.ready(&stage, &root).await?;
     let ready = Instant::now();
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
@@ -485,10 +371,10 @@ async fn a_job_waits_pending_until_its_data_is_ready() -> anyhow::Result<()> {
     let stage = hot_stage(job, "later", VERSION);
     stagehand.requested(&stage).await?;
     stagehand
-        .set(
+        .pending(
             &stage,
-            "pending",
-            serde_json::json!({ "waiting_for": "validation", "reason": "version 5f2c9a0e11b3 is not validated yet" }),
+            "validation",
+            "version 5f2c9a0e11b3 is not validated yet",
         )
         .await?;
     // 22.05 shows BurstBufferResources while data_in runs (its scheduler sets
@@ -506,9 +392,7 @@ async fn a_job_waits_pending_until_its_data_is_ready() -> anyhow::Result<()> {
         state == "PENDING",
         "job left pending before its data was ready: {state}"
     );
-    stagehand
-        .set(&stage, "ready", serde_json::json!({ "path": root }))
-        .await?;
+    stagehand.ready(&stage, &root).await?;
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
@@ -532,13 +416,7 @@ async fn a_failed_stage_holds_the_job_with_the_reason_in_squeue() -> anyhow::Res
     let stage = hot_stage(job, "nosuch", VERSION);
     stagehand.requested(&stage).await?;
     let why = "dataset lab/nosuch is not in the catalogue";
-    stagehand
-        .set(
-            &stage,
-            "failed",
-            serde_json::json!({ "reason": why, "retryable": false }),
-        )
-        .await?;
+    stagehand.failed(&stage, why).await?;
     let (state, reason) = slurm
         .wait_job(job, "the job held with the reason", |s, r| {
             s == "PENDING" && r.contains(why)
@@ -571,9 +449,7 @@ async fn a_local_tier_job_gets_its_data_on_its_node_through_the_prolog() -> anyh
     let job = slurm.submit("local", &reading_job(&directives, "STAGEHAND_DATA_SHARDS"))?;
     let hot = hot_stage(job, "shards", VERSION);
     stagehand.requested(&hot).await?;
-    stagehand
-        .set(&hot, "ready", serde_json::json!({ "path": hot_root }))
-        .await?;
+    stagehand.ready(&hot, &hot_root).await?;
     let local = Stage {
         tier: "local".to_owned(),
         node: Some(slurm.node.clone()),
@@ -584,9 +460,7 @@ async fn a_local_tier_job_gets_its_data_on_its_node_through_the_prolog() -> anyh
         bail!("not a stage request: {request:?}");
     };
     ensure!(req.node.as_deref() == Some(slurm.node.as_str()), "{req:?}");
-    stagehand
-        .set(&local, "ready", serde_json::json!({ "path": local_root }))
-        .await?;
+    stagehand.ready(&local, &local_root).await?;
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
@@ -618,9 +492,7 @@ async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Re
     stagehand.server.restart();
     let stage = hot_stage(job, "outage", VERSION);
     stagehand.requested(&stage).await?;
-    stagehand
-        .set(&stage, "ready", serde_json::json!({ "path": root }))
-        .await?;
+    stagehand.ready(&stage, &root).await?;
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
@@ -650,9 +522,7 @@ async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment
     )?;
     let hot = hot_stage(job, "big", VERSION);
     stagehand.requested(&hot).await?;
-    stagehand
-        .set(&hot, "ready", serde_json::json!({ "path": hot_root }))
-        .await?;
+    stagehand.ready(&hot, &hot_root).await?;
     let local = Stage {
         tier: "local".to_owned(),
         node: Some(slurm.node.clone()),
@@ -660,13 +530,7 @@ async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment
     };
     stagehand.requested(&local).await?;
     let why = "quota of lab on local (node vm) exceeded: 60 GiB asked, 50 GiB allowed";
-    stagehand
-        .set(
-            &local,
-            "failed",
-            serde_json::json!({ "reason": why, "retryable": true }),
-        )
-        .await?;
+    stagehand.failed(&local, why).await?;
     let (state, reason) = slurm
         .wait_job(job, "the job requeued and held", |s, r| {
             s == "PENDING" && r.starts_with("JobHeld")
@@ -725,13 +589,7 @@ async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs
     )?;
     let stage = hot_stage(job, "restart", VERSION);
     stagehand.requested(&stage).await?;
-    stagehand
-        .set(
-            &stage,
-            "pending",
-            serde_json::json!({ "waiting_for": "copy", "reason": "copying" }),
-        )
-        .await?;
+    stagehand.pending(&stage, "copy", "copying").await?;
     let out = Command::new("bash")
         .arg(slurm_sh())
         .arg("restart-controller")
@@ -744,9 +602,7 @@ async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs
             s == "PENDING"
         })
         .await?;
-    stagehand
-        .set(&stage, "ready", serde_json::json!({ "path": root }))
-        .await?;
+    stagehand.ready(&stage, &root).await?;
     let started = Instant::now();
     // Slurm defers the job 60 s after tearing its buffer down.
     let (state, _) = wait_for(Duration::from_secs(150), "the job to complete", || {
