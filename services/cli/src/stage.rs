@@ -219,11 +219,12 @@ fn decode(key: &str, value: &[u8]) -> anyhow::Result<StageStatus> {
         .with_context(|| format!("{STAGES_BUCKET} key {key} does not hold a stage status"))
 }
 
-fn outcome(status: StageStatus) -> Result<WaitOutcome, StageStatus> {
+/// The wait's answer when `status` ends it, else the status to keep waiting with.
+fn outcome(status: StageStatus) -> Result<WaitOutcome, Box<StageStatus>> {
     match status.state {
         StageState::Ready => Ok(WaitOutcome::Ready(status)),
         StageState::Failed | StageState::Released => Ok(WaitOutcome::Failed(status)),
-        StageState::Pending | StageState::Copying => Err(status),
+        StageState::Pending | StageState::Copying => Err(Box::new(status)),
     }
 }
 
@@ -240,7 +241,7 @@ pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result
         Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
             match outcome(decode(&key, &entry.value)?) {
                 Ok(done) => return Ok(done),
-                Err(status) => Some(status),
+                Err(status) => Some(*status),
             }
         }
         _ => None,
@@ -267,7 +268,7 @@ pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result
                 }
                 match outcome(decode(&key, &entry.value)?) {
                     Ok(done) => return Ok(done),
-                    Err(status) => last = Some(status),
+                    Err(status) => last = Some(*status),
                 }
             }
         }
