@@ -259,11 +259,12 @@ local function stagehand(conf, args)
 	return code, out, err
 end
 
-local function stage_args(conf, verb, job_id, s)
+-- `run` is the job id Stagehand sees for this run of the Slurm job ([`run_of`]).
+local function stage_args(verb, run, s)
 	local args = {
 		"stage", verb, s.dataset .. "@" .. s.version,
 		"--tier", s.tier,
-		"--job", conf.STAGEHAND_JOB_PREFIX .. job_id,
+		"--job", run,
 		"--project", s.project,
 	}
 	return args
@@ -287,10 +288,10 @@ end
 -- Asks for every stage; nil on success, else a message. An unreachable NATS is asked again
 -- (each attempt waits STAGEHAND_CONNECT_TIMEOUT) until `budget` seconds have passed, so a short
 -- outage delays jobs instead of holding them.
-local function request_all(conf, job_id, stages, requested_by, budget)
+local function request_all(conf, run, stages, requested_by, budget)
 	local deadline = os.time() + (budget or 0)
 	for _, s in ipairs(stages) do
-		local args = stage_args(conf, "request", job_id, s)
+		local args = stage_args("request", run, s)
 		if s.form then
 			args[#args + 1] = "--form"
 			args[#args + 1] = s.form
@@ -317,8 +318,8 @@ end
 
 -- Looks at (timeout 0) or waits for (timeout > 0) one stage. Returns "ready", path; "failed",
 -- reason; "waiting", last state; "unreachable", message; or "error", message.
-local function wait_one(conf, job_id, s, timeout)
-	local args = stage_args(conf, "wait", job_id, s)
+local function wait_one(conf, run, s, timeout)
+	local args = stage_args("wait", run, s)
 	args[#args + 1] = "--timeout"
 	args[#args + 1] = tostring(timeout)
 	local code, out, err = stagehand(conf, args)
@@ -334,15 +335,60 @@ local function wait_one(conf, job_id, s, timeout)
 	return "error", first_line(err ~= "" and err or out)
 end
 
+--- Which run of the job -----------------------------------------------------------------------
+
+-- slurmctld's view of the job: { state = "PENDING", restarts = 0 }, "gone" when it no longer
+-- knows the job, or nil and a message when it cannot be asked.
+local function job_record(job_id)
+	local p = io.popen("scontrol -o show job " .. quote(job_id) .. " 2>&1; echo \"scontrol-exit=$?\"", "r")
+	local out = p:read("*a")
+	p:close()
+	local state = out:match("JobState=(%S+)")
+	if state then
+		return { state = state, restarts = tonumber(out:match("Restarts=(%d+)")) or 0 }
+	end
+	if out:match("Invalid job id") then
+		return "gone"
+	end
+	return nil, first_line(out)
+end
+
+-- The job id Stagehand sees for one run of a Slurm job: the prefix and Slurm's id, and ".rN"
+-- once the job was requeued N times. A requeued job stages afresh (its earlier run's stages
+-- were released, and a release is final); a hook that runs twice in one run asks the same
+-- request.
+local function run_of(conf, job_id, restarts)
+	local run = conf.STAGEHAND_JOB_PREFIX .. job_id
+	if restarts and restarts > 0 then
+		run = run .. ".r" .. restarts
+	end
+	return run
+end
+
+local function run_file(conf, job_id)
+	return conf.STAGEHAND_STATE_DIR .. "/" .. job_id .. ".run"
+end
+
+-- The run data_in asked for, as it recorded it (teardown releases exactly that).
+local function recorded_run(conf, job_id)
+	local f = io.open(run_file(conf, job_id), "r")
+	if not f then
+		return nil
+	end
+	local run = f:read("*l")
+	f:close()
+	return run
+end
+
 --- The paths data_in found, for slurm_bb_paths -------------------------------------------------
 
 local function env_file(conf, job_id)
 	return conf.STAGEHAND_STATE_DIR .. "/" .. job_id .. ".env"
 end
 
-local function write_env(conf, job_id, lines)
+-- Writes `lines` to `path` whole (temp file, rename); nil, or a message.
+local function write_whole(conf, path, lines)
 	os.execute("mkdir -p " .. quote(conf.STAGEHAND_STATE_DIR))
-	local path = env_file(conf, job_id)
 	local tmp = path .. ".tmp"
 	local f, err = io.open(tmp, "w")
 	if not f then
@@ -359,6 +405,10 @@ local function write_env(conf, job_id, lines)
 	return nil
 end
 
+local function write_env(conf, job_id, lines)
+	return write_whole(conf, env_file(conf, job_id), lines)
+end
+
 local function requested_by(uid)
 	if uid then
 		return "slurm-uid-" .. tostring(uid)
@@ -368,18 +418,18 @@ end
 
 -- Waits for every stage until ready, bounded by `budget` seconds in all (0: look once).
 -- Returns "ready", env lines; "failed"/"error", message; or "waiting", message.
-local function collect(conf, job_id, stages, budget)
+local function collect(conf, run, stages, budget)
 	local lines = {}
 	local deadline = os.time() + budget
 	for _, s in ipairs(stages) do
 		local left = budget > 0 and math.max(deadline - os.time(), 1) or 0
 		local attempt = os.time()
-		local state, detail = wait_one(conf, job_id, s, left)
+		local state, detail = wait_one(conf, run, s, left)
 		-- NATS away for a while: ask again while the budget lasts.
 		while state == "unreachable" and os.time() < deadline do
 			pace(attempt)
 			attempt = os.time()
-			state, detail = wait_one(conf, job_id, s, math.max(deadline - os.time(), 1))
+			state, detail = wait_one(conf, run, s, math.max(deadline - os.time(), 1))
 		end
 		if state == "ready" then
 			if s.exported then
@@ -427,11 +477,17 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.ERROR, "stagehand: " .. err
 	end
 	local stages = shared_stages(conf, directives)
+	local record = job_record(job_id)
+	local run = run_of(conf, job_id, type(record) == "table" and record.restarts or 0)
+	local werr = write_whole(conf, run_file(conf, job_id), { run })
+	if werr then
+		return slurm.ERROR, werr
+	end
 	-- End before Slurm's own StageInTimeout would kill the hook, so the held job shows
 	-- Stagehand's last word rather than a bare timeout.
 	local budget = math.max((tonumber(conf.STAGEHAND_STAGE_TIMEOUT) or 3600) - 5, 1)
 	local started = os.time()
-	local rerr = request_all(conf, job_id, stages, requested_by(uid), budget)
+	local rerr = request_all(conf, run, stages, requested_by(uid), budget)
 	if rerr then
 		return slurm.ERROR, rerr
 	end
@@ -439,11 +495,11 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.SUCCESS
 	end
 	-- 22.05: wait here.
-	local state, result = collect(conf, job_id, stages, math.max(budget - (os.time() - started), 1))
+	local state, result = collect(conf, run, stages, math.max(budget - (os.time() - started), 1))
 	if state ~= "ready" then
 		return slurm.ERROR, result
 	end
-	local werr = write_env(conf, job_id, result)
+	werr = write_env(conf, job_id, result)
 	if werr then
 		return slurm.ERROR, werr
 	end
@@ -457,7 +513,8 @@ function slurm_bb_test_data_in(job_id, job_script, uid, gid, job_info)
 	if not directives then
 		return slurm.ERROR, "stagehand: " .. err
 	end
-	local state, result = collect(conf, job_id, shared_stages(conf, directives), 0)
+	local run = recorded_run(conf, job_id) or run_of(conf, job_id, 0)
+	local state, result = collect(conf, run, shared_stages(conf, directives), 0)
 	-- Not ready yet, or NATS away for now: poll again (StageInTimeout bounds the whole wait).
 	if state == "waiting" or state == "unreachable" then
 		return slurm.SUCCESS, slurm.SLURM_BB_BUSY
@@ -509,52 +566,41 @@ function slurm_bb_test_data_out(job_id, job_script, uid, gid, job_info)
 	return slurm.SUCCESS
 end
 
--- The job's state as slurmctld tells it ("PENDING", "COMPLETED", ...), "gone" when it no
--- longer knows the job, or nil and a message when it cannot be asked.
-local function job_state(job_id)
-	local p = io.popen("scontrol -o show job " .. quote(job_id) .. " 2>&1; echo \"scontrol-exit=$?\"", "r")
-	local out = p:read("*a")
-	p:close()
-	local state = out:match("JobState=(%S+)")
-	if state then
-		return state
-	end
-	if out:match("Invalid job id") then
-		return "gone"
-	end
-	return nil, first_line(out)
-end
-
 function slurm_bb_job_teardown(job_id, job_script, hurry, uid, gid)
 	local conf = load_settings()
-	-- slurmctld restarted during stage-in: it tears the buffer down and stages the job in again
-	-- later. The job still needs its data, so its stages stay (a release is final, and the
-	-- request asked again would be the same request).
-	local state, serr = job_state(job_id)
-	if not state then
+	local record, serr = job_record(job_id)
+	if not record then
 		-- Slurm retries a failed teardown; better than releasing data a job may still need.
 		return slurm.ERROR, "stagehand: cannot tell whether job " .. job_id .. " still needs its data: " .. serr
 	end
-	if state == "PENDING" then
+	local asked = recorded_run(conf, job_id)
+	-- slurmctld restarted during stage-in: it tears the buffer down and stages the same run in
+	-- again later. That run still needs its data, so its stages stay (a release is final, and
+	-- the request asked again is the same request).
+	if type(record) == "table" and record.state == "PENDING"
+		and (asked == nil or asked == run_of(conf, job_id, record.restarts)) then
 		slurm.log_info("stagehand: job %s pending again (slurmctld restarted during stage-in): its stages stay", job_id)
 		os.remove(env_file(conf, job_id))
 		return slurm.SUCCESS
 	end
+	local run = asked or run_of(conf, job_id, type(record) == "table" and record.restarts or 0)
 	local directives, err = parse_directives(conf, job_script)
 	if not directives then
 		-- Refused at submit or unreadable now: nothing was requested that we can name.
 		slurm.log_info("stagehand: job %s teardown: %s", job_id, err)
 		os.remove(env_file(conf, job_id))
+		os.remove(run_file(conf, job_id))
 		return slurm.SUCCESS
 	end
 	for _, s in ipairs(shared_stages(conf, directives)) do
-		local code, out, rerr = stagehand(conf, stage_args(conf, "release", job_id, s))
+		local code, out, rerr = stagehand(conf, stage_args("release", run, s))
 		if code ~= 0 then
 			-- Slurm retries a failed teardown; the release id is the same each time.
 			return slurm.ERROR, "stagehand: releasing " .. describe(s) .. ": " .. first_line(rerr ~= "" and rerr or out)
 		end
 	end
 	os.remove(env_file(conf, job_id))
+	os.remove(run_file(conf, job_id))
 	return slurm.SUCCESS
 end
 

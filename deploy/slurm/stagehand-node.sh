@@ -50,6 +50,7 @@ fi
 
 job="${SLURM_JOB_ID:?SLURM_JOB_ID is not set: run by slurmd as Prolog, TaskProlog or Epilog}"
 record="$STAGEHAND_STATE_DIR/$job.node.env"
+run_record="$STAGEHAND_STATE_DIR/$job.node.run"
 
 say() { printf 'stagehand-node: job %s: %s\n' "$job" "$*" >&2; }
 
@@ -68,6 +69,18 @@ is_local_tier() {
         [ "$t" = "$1" ] && return 0
     done
     return 1
+}
+
+# The job id Stagehand sees for this run of the job: as burst_buffer.lua's run_of, the prefix
+# and Slurm's id, and ".rN" once Slurm requeued the job N times (a requeued job stages afresh).
+current_run() {
+    local restarts
+    restarts="$(scontrol -o show job "$job" 2>/dev/null | sed -n 's/.*[[:space:]]Restarts=\([0-9]*\).*/\1/p')"
+    if [ -n "$restarts" ] && [ "$restarts" -gt 0 ]; then
+        echo "$STAGEHAND_JOB_PREFIX$job.r$restarts"
+    else
+        echo "$STAGEHAND_JOB_PREFIX$job"
+    fi
 }
 
 # Prints one line per node-local directive: "dataset version tier project name".
@@ -100,8 +113,12 @@ prolog() {
     directives="$(local_directives)"
     [ -n "$directives" ] || return 0
     mkdir -p "$STAGEHAND_STATE_DIR"
+    local run
+    run="$(current_run)"
+    # The Epilog releases exactly what this run asked for.
+    printf '%s\n' "$run" >"$run_record.tmp" && mv -f "$run_record.tmp" "$run_record"
     while read -r dataset version tier project name; do
-        set -- "$dataset@$version" --tier "$tier" --job "$STAGEHAND_JOB_PREFIX$job" \
+        set -- "$dataset@$version" --tier "$tier" --job "$run" \
             --node "$node" --project "$project"
         if ! out="$(stagehand stage request "$@" --by "slurm-prolog" 2>&1 >/dev/null)"; then
             fail "requesting $dataset@$version on $tier for node $node: $out"
@@ -140,18 +157,19 @@ task_prolog() {
 }
 
 epilog() {
-    local node="${SLURMD_NODENAME:?SLURMD_NODENAME is not set}" directives status=0 out
+    local node="${SLURMD_NODENAME:?SLURMD_NODENAME is not set}" directives status=0 out run
     directives="$(local_directives)"
     if [ -n "$directives" ]; then
+        run="$(cat "$run_record" 2>/dev/null || current_run)"
         while read -r dataset version tier project name; do
             if ! out="$(stagehand stage release "$dataset@$version" --tier "$tier" \
-                --job "$STAGEHAND_JOB_PREFIX$job" --node "$node" --project "$project" 2>&1 >/dev/null)"; then
+                --job "$run" --node "$node" --project "$project" 2>&1 >/dev/null)"; then
                 say "releasing $dataset@$version on $tier for node $node: $out"
                 status=1
             fi
         done <<<"$directives"
     fi
-    rm -f "$record"
+    rm -f "$record" "$run_record"
     return "$status"
 }
 
