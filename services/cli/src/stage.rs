@@ -368,7 +368,11 @@ pub fn status_summary(s: &StageStatus) -> String {
         line.push_str(&format!(": {r}"));
     }
     if let Some(path) = &s.path {
-        line.push_str(&format!(" at {path}"));
+        if s.state == StageState::Released {
+            line.push_str(&format!(" (was at {path})"));
+        } else {
+            line.push_str(&format!(" at {path}"));
+        }
     }
     line
 }
