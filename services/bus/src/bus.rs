@@ -16,7 +16,7 @@ use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials, without_credentials};
-use crate::error::BusError;
+use crate::error::{BoxError, BusError, BusErrorKind};
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
 pub const CLAIMS_BUCKET: &str = "stagehand_claims";
@@ -120,13 +120,21 @@ impl Bus {
     pub async fn connect(cfg: &BusConfig) -> Result<Bus, BusError> {
         cfg.validate()?;
         let servers = cfg.servers_display();
-        let err = |detail: String| BusError::Connect {
-            url: servers.clone(),
-            detail: redact_text(&detail),
+        // Messages only, redacted: what a connection failure says may name a server.
+        let err = |detail: String| {
+            BusError::new(
+                BusErrorKind::Connect,
+                format!(
+                    "could not connect to NATS at {servers}: {}",
+                    redact_text(&detail)
+                ),
+            )
         };
         let servers = &servers;
         let nkey_seed = match &cfg.nkey_seed_file {
-            Some(path) => Some(read_seed(path).map_err(|e| err(e.to_string()))?),
+            Some(path) => Some(read_seed(path).map_err(|e| {
+                BusError::with_source(BusErrorKind::Config, "reading the NKey seed file", e)
+            })?),
             None => None,
         };
         let violations: Arc<Mutex<VecDeque<String>>> = Arc::default();
@@ -144,10 +152,10 @@ impl Bus {
                     async move { on_event(event, &seen) }
                 });
             if let Some(creds) = &cfg.creds_file {
-                opts = opts
-                    .credentials_file(creds)
-                    .await
-                    .map_err(|e| err(format!("credentials file {}: {e}", creds.display())))?;
+                opts = opts.credentials_file(creds).await.map_err(|e| {
+                    let what = format!("reading credentials file {}", creds.display());
+                    BusError::with_source(BusErrorKind::Config, what, e)
+                })?;
             }
             if let Some(seed) = &nkey_seed {
                 opts = opts.nkey(seed.clone());
@@ -172,10 +180,10 @@ impl Bus {
                 match e.kind() {
                     // A wrong password or an unknown key does not fix itself: no retries.
                     async_nats::ConnectErrorKind::AuthorizationViolation
-                    | async_nats::ConnectErrorKind::Authentication => BusError::Unauthorized {
-                        url: servers.clone(),
-                        detail,
-                    },
+                    | async_nats::ConnectErrorKind::Authentication => BusError::new(
+                        BusErrorKind::Unauthorized,
+                        format!("NATS at {servers} refused the credentials: {detail}"),
+                    ),
                     _ => err(detail),
                 }
             })
@@ -191,7 +199,7 @@ impl Bus {
                     .without_max_times()
                     .with_jitter(),
             )
-            .when(|e| !matches!(e, BusError::Unauthorized { .. }))
+            .when(|e| e.kind() != BusErrorKind::Unauthorized)
             .notify(|e, delay| {
                 warn!(error = %e, ?delay, "connecting to NATS failed; retrying");
                 *last.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
@@ -288,20 +296,25 @@ impl Bus {
     /// Creates one stream, or updates it where its configuration drifted from `spec`.
     pub async fn provision_stream(&self, spec: &StreamSpec) -> Result<(), BusError> {
         let wanted = stream_config(spec, self.replicas);
-        let perr = |detail: String| BusError::Provision {
-            what: format!("stream {}", spec.name),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not provision stream {}", spec.name),
+                e,
+            )
         };
         match self.js.get_stream(spec.name).await {
             Ok(mut existing) => {
-                let info = existing.info().await.map_err(|e| perr(e.to_string()))?;
+                let info = existing.info().await.map_err(|e| perr(e.into()))?;
                 let have = info.config.clone();
                 if have.retention != wanted.retention {
-                    return Err(BusError::RetentionMismatch {
-                        stream: spec.name.to_owned(),
-                        found: format!("{:?}", have.retention),
-                        wanted: format!("{:?}", wanted.retention),
-                    });
+                    return Err(BusError::new(
+                        BusErrorKind::RetentionMismatch,
+                        format!(
+                            "stream {} has retention {:?}, but {:?} is declared; retention is fixed at creation, so the stream must be migrated by hand",
+                            spec.name, have.retention, wanted.retention
+                        ),
+                    ));
                 }
                 let mut updated = have.clone();
                 updated.subjects = wanted.subjects.clone();
@@ -332,7 +345,7 @@ impl Bus {
                 self.js
                     .update_stream(updated)
                     .await
-                    .map_err(|e| perr(e.to_string()))?;
+                    .map_err(|e| perr(e.into()))?;
                 self.settle(spec.name, wanted.num_replicas).await;
                 Ok(())
             }
@@ -349,7 +362,7 @@ impl Bus {
                     }
                     self.create_stream(spec, wanted).await
                 }
-                _ => Err(perr(e.to_string())),
+                _ => Err(perr(e.into())),
             },
         }
     }
@@ -365,13 +378,13 @@ impl Bus {
             "creating stream"
         );
         let replicas = config.num_replicas;
-        self.js
-            .create_stream(config)
-            .await
-            .map_err(|e| BusError::Provision {
-                what: format!("stream {}", spec.name),
-                detail: e.to_string(),
-            })?;
+        self.js.create_stream(config).await.map_err(|e| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not create stream {}", spec.name),
+                e,
+            )
+        })?;
         self.settle(spec.name, replicas).await;
         Ok(())
     }
@@ -418,9 +431,12 @@ impl Bus {
     /// Opens the KV bucket of `spec`, creating it when missing and correcting the drift of its
     /// history, age and replicas (with `provision = false`, only opens it).
     pub async fn provision_kv(&self, spec: &KvSpec) -> Result<kv::Store, BusError> {
-        let perr = |detail: String| BusError::Provision {
-            what: format!("KV bucket {}", spec.bucket),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not provision KV bucket {}", spec.bucket),
+                e,
+            )
         };
         let wanted = kv::Config {
             bucket: spec.bucket.into(),
@@ -437,7 +453,7 @@ impl Bus {
                 let have = existing
                     .info()
                     .await
-                    .map_err(|e| perr(e.to_string()))?
+                    .map_err(|e| perr(e.into()))?
                     .config
                     .clone();
                 let drifted = have.num_replicas != wanted.num_replicas
@@ -454,7 +470,7 @@ impl Bus {
                         .js
                         .update_key_value(wanted)
                         .await
-                        .map_err(|e| perr(e.to_string()))?;
+                        .map_err(|e| perr(e.into()))?;
                     self.settle(&stream_name, replicas).await;
                     return Ok(store);
                 }
@@ -467,7 +483,7 @@ impl Bus {
                 self.js
                     .get_key_value(spec.bucket)
                     .await
-                    .map_err(|e| perr(e.to_string()))
+                    .map_err(|e| perr(e.into()))
             }
             Err(e) => match e.kind() {
                 jetstream::context::GetStreamErrorKind::JetStream(js)
@@ -488,9 +504,9 @@ impl Bus {
                     self.js
                         .create_key_value(wanted)
                         .await
-                        .map_err(|e| perr(e.to_string()))
+                        .map_err(|e| perr(e.into()))
                 }
-                _ => Err(perr(e.to_string())),
+                _ => Err(perr(e.into())),
             },
         }
     }
@@ -510,17 +526,20 @@ impl Bus {
         headers: HeaderMap,
         payload: Bytes,
     ) -> Result<PublishAck, BusError> {
-        let perr = |detail: String| BusError::Publish {
-            subject: subject.clone(),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Publish,
+                format!("could not publish to {subject}"),
+                e,
+            )
         };
         let ack = self
             .js
             .publish_with_headers(subject.clone(), headers, payload)
             .await
-            .map_err(|e| perr(e.to_string()))?
+            .map_err(|e| perr(e.into()))?
             .await
-            .map_err(|e| perr(e.to_string()))?;
+            .map_err(|e| perr(e.into()))?;
         Ok(PublishAck {
             stream: ack.stream,
             sequence: ack.sequence,
@@ -534,9 +553,12 @@ pub(crate) fn prepare(
     event: &Event,
     cx: &opentelemetry::Context,
 ) -> Result<(String, HeaderMap, Bytes), BusError> {
-    let bytes = wire::encode(event).map_err(|e| BusError::Encode {
-        id: event.id.to_string(),
-        detail: e.to_string(),
+    let bytes = wire::encode(event).map_err(|e| {
+        BusError::with_source(
+            BusErrorKind::Encode,
+            format!("could not encode event {}", event.id),
+            e,
+        )
     })?;
     let mut headers = HeaderMap::new();
     headers.insert(MSG_ID_HEADER, event.id.as_str());
