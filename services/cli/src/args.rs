@@ -104,16 +104,16 @@ pub async fn connect(cfg: &BusConfig, timeout: Duration) -> anyhow::Result<Bus> 
     };
     match Bus::connect(&bounded).await {
         Ok(bus) => Ok(bus),
-        Err(e @ stagehand_bus::BusError::Unauthorized { .. }) => {
-            Err(Unreachable(e.to_string()).into())
-        }
-        Err(stagehand_bus::BusError::Connect { detail, .. }) => Err(Unreachable(format!(
-            "cannot reach NATS at {} within {:.1} s (is `stagehand up` running?): {detail}",
-            cfg.servers_display(),
-            started.elapsed().as_secs_f64()
-        ))
-        .into()),
-        Err(e) => Err(e.into()),
+        Err(e) => match e.kind() {
+            stagehand_bus::BusErrorKind::Unauthorized => Err(Unreachable(e.to_string()).into()),
+            stagehand_bus::BusErrorKind::Connect => Err(Unreachable(format!(
+                "cannot reach NATS at {} within {:.1} s (is `stagehand up` running?): {e}",
+                cfg.servers_display(),
+                started.elapsed().as_secs_f64()
+            ))
+            .into()),
+            _ => Err(e.into()),
+        },
     }
 }
 
