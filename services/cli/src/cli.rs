@@ -720,11 +720,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             cfg.replicas = replicas;
             let bus = args::connect(&cfg, timeout).await?;
             bus.provision().await?;
+            // The promoter's own bucket (space reservations, copy leases).
+            bus.provision_kv(&stagehand_promoter::kv::SPEC).await?;
             let streams: Vec<&str> = stagehand_schemas::subject::STREAMS
                 .iter()
                 .map(|s| s.name)
                 .collect();
-            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS.iter().map(|b| b.bucket).collect();
+            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS
+                .iter()
+                .chain([&stagehand_promoter::kv::SPEC])
+                .map(|b| b.bucket)
+                .collect();
             println!(
                 "provisioned streams {} and KV buckets {} with {} replica(s) on {}",
                 streams.join(", "),
