@@ -411,6 +411,12 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         stagehand_catalogue_recorder::SERVICE,
         check::<stagehand_catalogue_recorder::RecorderConfig>,
     ),
+    (
+        stagehand_promoter::SERVICE,
+        check::<stagehand_promoter::Settings>,
+    ),
+    // The node agents' template (the DaemonSet puts the node's name in).
+    ("promoter-agent", check::<stagehand_promoter::Settings>),
 ];
 
 /// The init container's environment as stage-pod.yaml gives it, for a process here.
@@ -436,6 +442,11 @@ impl InitContainer {
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
         Ok(InitContainer { dir, env })
+    }
+
+    fn set(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_owned(), value.to_owned()));
     }
 
     fn stage(&self) -> Stage {
@@ -516,36 +527,53 @@ fn finish(child: std::process::Child) -> anyhow::Result<(i32, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_reason()
 -> anyhow::Result<()> {
-    let stagehand = common::Stagehand::start().await?;
+    let stagehand = common::Stagehand::start(common::Options {
+        validator: true,
+        promoter: true,
+        ..common::Options::default()
+    })
+    .await?;
     let url = stagehand.url.clone();
 
-    // Ready: the env file names the path.
-    let ready = InitContainer::new(&url, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
-    let child = ready.spawn()?;
-    let path = std::path::Path::new("/data/tiers/hot/lab/imagenet-mini/5f2c9a0e11b34d7a");
-    stagehand.ready(&ready.stage(), path).await?;
-    let (code, err) = finish(child)?;
+    // Ready: the promoter staged the validated version; the env file names its path.
+    let folder = tempfile::tempdir()?;
+    common::write_files(
+        folder.path(),
+        &[("a.bin", b"pod data"), ("b/c.bin", &[9u8; 5000])],
+    )?;
+    let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
+    let mut ready = InitContainer::new(&url, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
+    ready.set("STAGEHAND_VERSION", &digest[..16]);
+    let (code, err) = finish(ready.spawn()?)?;
     ensure!(code == 0, "exit {code}: {err}");
     ensure!(
         was_requested(&url, &ready.stage())?,
         "the init container did not request"
     );
+    let path = stagehand
+        .home
+        .path()
+        .join("tiers/hot/lab/imagenet-mini")
+        .join(&digest);
     let env = std::fs::read_to_string(ready.env_file())?;
     ensure!(
-        env == "STAGEHAND_DATA_IMAGENET_MINI=/data/tiers/hot/lab/imagenet-mini/5f2c9a0e11b34d7a\n",
+        env == format!("STAGEHAND_DATA_IMAGENET_MINI={}\n", path.display()),
         "{env:?}"
     );
+    ensure!(
+        path.join("b/c.bin").is_file(),
+        "nothing at {}",
+        path.display()
+    );
 
-    // Failed: exit 1, the reason in the termination log Kubernetes shows.
+    // Failed (a dataset nobody uploaded): exit 1, the promoter's reason in the termination
+    // log Kubernetes shows.
     let failed = InitContainer::new(&url, "nosuch", "0b8f7c3e-pod-uid-2")?;
-    let child = failed.spawn()?;
-    let why = "dataset lab/nosuch is not in the catalogue";
-    stagehand.failed(&failed.stage(), why).await?;
-    let (code, err) = finish(child)?;
+    let (code, err) = finish(failed.spawn()?)?;
     ensure!(code == 1, "exit {code}: {err}");
     let message = std::fs::read_to_string(failed.termination_log())?;
     ensure!(
-        message == format!("stagehand: nosuch@5f2c9a0e11b34d7a on hot failed: {why}\n"),
+        message.starts_with("stagehand: nosuch@5f2c9a0e11b34d7a on hot failed: unknown dataset"),
         "{message:?}"
     );
     ensure!(

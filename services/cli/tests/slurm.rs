@@ -13,13 +13,13 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use common::{Stagehand, VERSION};
-use stagehand::stage::Stage;
+use common::{Options, PROJECT, Stagehand, write_files};
+use stagehand::stage::{Stage, StageState};
 use stagehand_schemas::{Body, sha256_hex};
 use stagehand_testkit::wait_for;
 
@@ -27,14 +27,12 @@ use stagehand_testkit::wait_for;
 const JOB: Duration = Duration::from_secs(60);
 /// The prefix slurm.sh gives Slurm job ids in stage requests (STAGEHAND_JOB_PREFIX).
 const JOB_PREFIX: &str = "slurm-stagehand-";
-const PROJECT: &str = "lab";
 
 /// A one-node Slurm cluster under a temp dir, stopped on drop.
 struct Slurm {
     dir: tempfile::TempDir,
     conf: PathBuf,
     user: String,
-    node: String,
 }
 
 fn slurm_sh() -> PathBuf {
@@ -74,14 +72,13 @@ impl Slurm {
             conf: dir.path().join("etc/slurm.conf"),
             dir,
             user,
-            node: hostname()?,
         };
         ensure!(
             out.status.success(),
             "deploy/slurm/slurm.sh start failed: {}",
             said(&out)
         );
-        for sub in ["jobs", "out", "data"] {
+        for sub in ["jobs", "out"] {
             let d = slurm.dir.path().join(sub);
             std::fs::create_dir(&d)?;
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))?;
@@ -100,11 +97,6 @@ impl Slurm {
         let mut c = Command::new(program);
         c.env("SLURM_CONF", &self.conf);
         c
-    }
-
-    /// Folder for test data (readable by the job user).
-    fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
     }
 
     /// `sbatch` of `script` as the test user.
@@ -173,6 +165,20 @@ impl Slurm {
         found.map_err(|e| anyhow::anyhow!("job {id}: {e}; last seen {last:?}; {}", self.logs()))
     }
 
+    /// `scontrol show job` of the job.
+    fn show_job(&self, id: u32) -> anyhow::Result<String> {
+        let out = self
+            .cmd("scontrol")
+            .args(["show", "job", &id.to_string()])
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "scontrol show job {id}: {}",
+            said(&out)
+        );
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
     fn output(&self, id: u32) -> anyhow::Result<String> {
         let path = self.dir.path().join("out").join(format!("{id}.out"));
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
@@ -203,34 +209,13 @@ impl Drop for Slurm {
     }
 }
 
-fn hostname() -> anyhow::Result<String> {
+/// The name of the one node (slurm.sh names it after the short host name).
+fn slurm_node() -> anyhow::Result<String> {
     let out = Command::new("hostname").arg("-s").output()?;
     Ok(String::from_utf8(out.stdout)?.trim().to_owned())
 }
 
 /// A dataset folder on the "hot tier" (a folder the job can read), with its expected sums.
-fn write_dataset(root: &Path, files: &[(&str, &[u8])]) -> anyhow::Result<Vec<(String, String)>> {
-    let mut sums = Vec::new();
-    for (rel, bytes) in files {
-        let path = root.join(rel);
-        std::fs::create_dir_all(path.parent().expect("a file has a parent"))?;
-        std::fs::write(&path, bytes)?;
-        sums.push((format!("./{rel}"), sha256_hex(bytes)));
-    }
-    let mut dirs = vec![root.to_owned()];
-    while let Some(d) = dirs.pop() {
-        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))?;
-        for e in std::fs::read_dir(&d)? {
-            let e = e?;
-            if e.file_type()?.is_dir() {
-                dirs.push(e.path());
-            }
-        }
-    }
-    sums.sort();
-    Ok(sums)
-}
-
 /// A batch script that prints where its data is and the SHA-256 of every file there.
 fn reading_job(directives: &[String], var: &str) -> String {
     format!(
@@ -254,26 +239,68 @@ fn read_sums(output: &str) -> (String, Vec<(String, String)>) {
     (path, sums)
 }
 
-fn hot_stage(job: u32, dataset: &str, version: &str) -> Stage {
+fn stage(job: u32, dataset: &str, version: &str, tier: &str, node: Option<&str>) -> Stage {
     Stage {
         project: PROJECT.to_owned(),
         dataset: dataset.to_owned(),
         version: version.to_owned(),
-        tier: "hot".to_owned(),
+        tier: tier.to_owned(),
         job: format!("{JOB_PREFIX}{job}"),
-        node: None,
+        node: node.map(str::to_owned),
     }
 }
 
-async fn setup() -> anyhow::Result<(Stagehand, Slurm)> {
-    let stagehand = Stagehand::start().await?;
+fn directive(dataset: &str, version: &str, tier: &str) -> Vec<String> {
+    vec![format!(
+        "#BB_LUA stage dataset={dataset} version={version} tier={tier} project={PROJECT}"
+    )]
+}
+
+/// Where the promoter puts a version on a tier of the test home.
+fn on_tier(stagehand: &Stagehand, tier: &str, dataset: &str, digest: &str) -> PathBuf {
+    stagehand
+        .home
+        .path()
+        .join("tiers")
+        .join(tier)
+        .join(PROJECT)
+        .join(dataset)
+        .join(digest)
+}
+
+/// A dataset folder to ingest, and what its files' sums are.
+fn dataset_folder(
+    files: &[(&str, &[u8])],
+) -> anyhow::Result<(tempfile::TempDir, Vec<(String, String)>)> {
+    let dir = tempfile::tempdir()?;
+    let sums = write_files(dir.path(), files)?;
+    Ok((dir, sums))
+}
+
+async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
+    let stagehand = Stagehand::start(opts).await?;
     let slurm = Slurm::start(&stagehand.url)?;
     Ok((stagehand, slurm))
 }
 
+fn with_validator() -> Options {
+    Options {
+        validator: true,
+        promoter: true,
+        ..Options::default()
+    }
+}
+
+fn without_validator() -> Options {
+    Options {
+        promoter: true,
+        ..Options::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_directive_is_refused_at_submit_and_sbatch_says_why() -> anyhow::Result<()> {
-    let (_stagehand, slurm) = setup().await?;
+    let slurm = Slurm::start("nats://127.0.0.1:1")?;
     let cases = [
         (
             "#BB_LUA stage dataset=ds version=abc tier=hot project=lab",
@@ -311,71 +338,75 @@ async fn a_malformed_directive_is_refused_at_submit_and_sbatch_says_why() -> any
     Ok(())
 }
 
-/// (a) and (e): a job whose data is ready runs after stage-in, reads every file at
-/// `$STAGEHAND_DATA_<NAME>` with matching checksums, and its stage is released when it ends.
+/// (a) and (e): a job naming a validated dataset runs after the promoter staged it to the hot
+/// tier, reads every file at `$STAGEHAND_DATA_<NAME>` with the checksums of the upload, and its
+/// stage is released when it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_runs_after_stage_in_reads_its_data_and_releases_it() -> anyhow::Result<()> {
-    let (stagehand, slurm) = setup().await?;
-    let root = slurm.data_dir().join("hot/lab/imagenet-mini").join(VERSION);
-    let expected = write_dataset(
-        &root,
-        &[
-            ("train/0.bin", b"first file"),
-            ("train/1.bin", &[7u8; 10_000]),
-            ("labels.csv", b"id,label\n0,cat\n1,dog\n"),
-        ],
-    )?;
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=imagenet-mini version={VERSION} tier=hot project={PROJECT}"
-    )];
+    let (stagehand, slurm) = setup(with_validator()).await?;
+    let (folder, expected) = dataset_folder(&[
+        ("train/0.bin", b"first file"),
+        ("train/1.bin", &[7u8; 100_000]),
+        ("labels.csv", b"id,label\n0,cat\n1,dog\n"),
+    ])?;
+    let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
+    let version = &digest[..16];
     let submitted = Instant::now();
     let job = slurm.submit(
         "reads",
-        &reading_job(&directives, "STAGEHAND_DATA_IMAGENET_MINI"),
+        &reading_job(
+            &directive("imagenet-mini", version, "hot"),
+            "STAGEHAND_DATA_IMAGENET_MINI",
+        ),
     )?;
-    let stage = hot_stage(job, "imagenet-mini", VERSION);
-    let request = stagehand.requested(&stage).await?;
-    let Body::StageRequested(req) = &request.body else {
-        bail!("not a stage request: {request:?}");
-    };
-    ensure!(req.tier == "hot" && req.node.is_none() && req.job_id == stage.job);
-    stagehand.ready(&stage, &root).await?;
-    let ready = Instant::now();
+    let st = stage(job, "imagenet-mini", version, "hot", None);
+    let ready = stagehand
+        .status_where(&st, "the stage ready", |s| s.state == StageState::Ready)
+        .await?;
+    let ready_at = Instant::now();
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
-    let ran = ready.elapsed();
-    let (path, sums) = read_sums(&slurm.output(job)?);
-    ensure!(path == root.display().to_string(), "job saw {path:?}");
-    ensure!(sums == expected, "job read {sums:?}, expected {expected:?}");
     eprintln!(
-        "submit→complete {:?}, ready→complete {ran:?}",
-        submitted.elapsed()
+        "submit→ready {:?}, ready→complete {:?}",
+        ready_at - submitted,
+        ready_at.elapsed()
     );
-    // (e) teardown released it, with the id derived from the job.
-    let released = stagehand.released(&stage).await?;
-    ensure!(matches!(released.body, Body::StageReleased(_)));
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    let root = on_tier(&stagehand, "hot", "imagenet-mini", &digest);
+    ensure!(
+        path == root.display().to_string(),
+        "job saw {path:?}, status {ready:?}"
+    );
+    ensure!(sums == expected, "job read {sums:?}, expected {expected:?}");
+    // (e) teardown released it, with the id derived from the job; the status says so.
+    stagehand.released(&st).await?;
+    stagehand
+        .status_where(&st, "the stage released", |s| {
+            s.state == StageState::Released
+        })
+        .await?;
     Ok(())
 }
 
-/// (b): a job whose data is not ready yet stays pending in stage-in, and runs once it is.
+/// (b): a job submitted while its dataset's upload is not validated yet stays pending in
+/// stage-in (the status says it waits for validation), and runs once the version is validated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_waits_pending_until_its_data_is_ready() -> anyhow::Result<()> {
-    let (stagehand, slurm) = setup().await?;
-    let root = slurm.data_dir().join("hot/lab/later").join(VERSION);
-    let expected = write_dataset(&root, &[("a.txt", b"arrives later")])?;
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=later version={VERSION} tier=hot project={PROJECT} name=IN"
-    )];
-    let job = slurm.submit("waits", &reading_job(&directives, "STAGEHAND_DATA_IN"))?;
-    let stage = hot_stage(job, "later", VERSION);
-    stagehand.requested(&stage).await?;
-    stagehand
-        .pending(
-            &stage,
-            "validation",
-            "version 5f2c9a0e11b3 is not validated yet",
-        )
+async fn a_job_waits_pending_until_its_dataset_is_validated() -> anyhow::Result<()> {
+    let (mut stagehand, slurm) = setup(without_validator()).await?;
+    let (folder, expected) = dataset_folder(&[("a.txt", b"arrives later"), ("b/c.txt", b"too")])?;
+    // Uploaded, but no validator runs yet.
+    let digest = stagehand.ingest(folder.path(), "later", false)?;
+    let version = &digest[..16];
+    let job = slurm.submit(
+        "waits",
+        &reading_job(&directive("later", version, "hot"), "STAGEHAND_DATA_LATER"),
+    )?;
+    let st = stage(job, "later", version, "hot", None);
+    let pending = stagehand
+        .status_where(&st, "the stage waiting for validation", |s| {
+            s.waiting_for.as_deref() == Some("validation")
+        })
         .await?;
     // 22.05 shows BurstBufferResources while data_in runs (its scheduler sets
     // WAIT_BURST_BUFFER_STAGING, then job_mgr.c overwrites it for ESLURM_BURST_BUFFER_WAIT);
@@ -385,152 +416,167 @@ async fn a_job_waits_pending_until_its_data_is_ready() -> anyhow::Result<()> {
             s == "PENDING" && (r == "BurstBufferStageIn" || r == "BurstBufferResources")
         })
         .await?;
-    eprintln!("while the data is pending: {state} {reason}");
-    // Still pending a while later (the hook is waiting, not done).
-    let (state, _) = slurm.job(job)?;
-    ensure!(
-        state == "PENDING",
-        "job left pending before its data was ready: {state}"
+    eprintln!(
+        "while not validated: {state} {reason}; stagehand: {:?}",
+        pending.reason
     );
-    stagehand.ready(&stage, &root).await?;
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args([
+            "--nats",
+            &stagehand.url,
+            "stage",
+            "status",
+            &st.job,
+            "--project",
+            PROJECT,
+        ])
+        .output()?;
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        shown.contains("waiting for validation"),
+        "stage status said {shown:?}"
+    );
+    stagehand.start_validator();
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
     let (path, sums) = read_sums(&slurm.output(job)?);
     ensure!(
-        path == root.display().to_string() && sums == expected,
-        "{path} {sums:?}"
+        path == on_tier(&stagehand, "hot", "later", &digest)
+            .display()
+            .to_string()
     );
+    ensure!(sums == expected, "{sums:?}");
     Ok(())
 }
 
-/// (c): a job whose stage fails (unknown or rejected dataset) is held, and squeue shows
-/// Stagehand's reason.
+/// (c): a job naming an unknown dataset, and one naming a rejected version, are held with the
+/// promoter's reason in squeue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_stage_holds_the_job_with_the_reason_in_squeue() -> anyhow::Result<()> {
-    let (stagehand, slurm) = setup().await?;
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=nosuch version={VERSION} tier=hot project={PROJECT}"
-    )];
-    let job = slurm.submit("fails", &reading_job(&directives, "STAGEHAND_DATA_NOSUCH"))?;
-    let stage = hot_stage(job, "nosuch", VERSION);
-    stagehand.requested(&stage).await?;
-    let why = "dataset lab/nosuch is not in the catalogue";
-    stagehand.failed(&stage, why).await?;
-    let (state, reason) = slurm
-        .wait_job(job, "the job held with the reason", |s, r| {
-            s == "PENDING" && r.contains(why)
-        })
-        .await?;
-    eprintln!("held: {state} {reason}");
+async fn a_job_naming_an_unknown_or_rejected_dataset_is_held_with_the_reason() -> anyhow::Result<()>
+{
+    let (stagehand, slurm) = setup(with_validator()).await?;
+    // A rejected upload: the declared manifest does not match the file.
+    let (folder, _) = dataset_folder(&[("x.bin", b"the real bytes")])?;
+    let manifest = folder.path().join("../declared.tsv");
+    let wrong = sha256_hex(b"other bytes");
+    std::fs::write(&manifest, format!("x.bin\t14\t{wrong}\n"))?;
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["--nats", &stagehand.url, "ingest"])
+        .arg(folder.path())
+        .args([
+            "--project",
+            PROJECT,
+            "--dataset",
+            "broken",
+            "--wait",
+            "--json",
+        ])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--policies")
+        .arg(&stagehand.policies)
+        .env("STAGEHAND_HOME", stagehand.home.path())
+        .output()?;
     ensure!(
-        reason.contains("stagehand: nosuch@5f2c9a0e11b34d7a on hot failed"),
-        "{reason}"
+        out.status.code() == Some(1),
+        "a mismatching upload not rejected: {}",
+        said(&out)
     );
+    let declared = stagehand_schemas::version_digest(&[stagehand_schemas::FileRef {
+        path: "x.bin".into(),
+        size: 14,
+        sha256: wrong,
+    }]);
+    for (name, dataset, version) in [
+        ("unknown", "nosuch", "0123456789abcdef"),
+        ("rejected", "broken", &declared[..16]),
+    ] {
+        let job = slurm.submit(name, &reading_job(&directive(dataset, version, "hot"), "X"))?;
+        let st = stage(job, dataset, version, "hot", None);
+        let failed = stagehand
+            .status_where(&st, "the stage failed", |s| s.state == StageState::Failed)
+            .await?;
+        let why = failed.reason.clone().unwrap_or_default();
+        let (state, reason) = slurm
+            .wait_job(job, "the job held with the reason", |s, r| {
+                s == "PENDING" && r.contains(&why)
+            })
+            .await?;
+        eprintln!("{name}: {state} {reason}");
+        ensure!(
+            reason.starts_with(&format!(
+                "burst_buffer/lua: slurm_bb_data_in: stagehand: {dataset}@{version} on hot failed: "
+            )),
+            "{reason}"
+        );
+    }
     Ok(())
 }
 
-/// (d): a node-local job gets its data on its node through the Prolog: the hot tier first (by
-/// data_in), then the node's local tier (requested with --node), exported by the TaskProlog;
-/// the Epilog releases the local stage and teardown the hot one.
+/// (d) and (e): a node-local job gets its data on its node through the Prolog: data_in stages
+/// the version to the hot tier, the Prolog asks for the node's local tier (--node), the node's
+/// promoter agent copies it there, the TaskProlog exports the path; the Epilog releases the
+/// local stage and teardown the hot one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_tier_job_gets_its_data_on_its_node_through_the_prolog() -> anyhow::Result<()> {
-    let (stagehand, slurm) = setup().await?;
-    let hot_root = slurm.data_dir().join("hot/lab/shards").join(VERSION);
-    write_dataset(&hot_root, &[("s0.tar", b"hot copy")])?;
-    let local_root = slurm.data_dir().join("local/lab/shards").join(VERSION);
-    let expected = write_dataset(
-        &local_root,
-        &[("s0.tar", b"hot copy"), ("index.json", b"{}")],
+    let node = slurm_node()?;
+    let (stagehand, slurm) = setup(Options {
+        node_agent: Some(node.clone()),
+        ..with_validator()
+    })
+    .await?;
+    let (folder, expected) = dataset_folder(&[("s0.tar", &[1u8; 50_000]), ("index.json", b"{}")])?;
+    let digest = stagehand.ingest(folder.path(), "shards", true)?;
+    let version = &digest[..16];
+    let job = slurm.submit(
+        "local",
+        &reading_job(
+            &directive("shards", version, "local"),
+            "STAGEHAND_DATA_SHARDS",
+        ),
     )?;
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=shards version={VERSION} tier=local project={PROJECT}"
-    )];
-    let job = slurm.submit("local", &reading_job(&directives, "STAGEHAND_DATA_SHARDS"))?;
-    let hot = hot_stage(job, "shards", VERSION);
-    stagehand.requested(&hot).await?;
-    stagehand.ready(&hot, &hot_root).await?;
-    let local = Stage {
-        tier: "local".to_owned(),
-        node: Some(slurm.node.clone()),
-        ..hot.clone()
-    };
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    let root = on_tier(&stagehand, "local", "shards", &digest);
+    ensure!(path == root.display().to_string(), "job saw {path:?}");
+    ensure!(sums == expected, "job read {sums:?}");
+    let hot = stage(job, "shards", version, "hot", None);
+    let local = stage(job, "shards", version, "local", Some(&node));
     let request = stagehand.requested(&local).await?;
     let Body::StageRequested(req) = &request.body else {
         bail!("not a stage request: {request:?}");
     };
-    ensure!(req.node.as_deref() == Some(slurm.node.as_str()), "{req:?}");
-    stagehand.ready(&local, &local_root).await?;
-    slurm
-        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
-        .await?;
-    let (path, sums) = read_sums(&slurm.output(job)?);
-    ensure!(path == local_root.display().to_string(), "job saw {path:?}");
-    ensure!(sums == expected, "job read {sums:?}");
+    ensure!(req.node.as_deref() == Some(node.as_str()), "{req:?}");
     stagehand.released(&local).await?;
     stagehand.released(&hot).await?;
     Ok(())
 }
 
-/// A stage-in that starts while NATS is down is not held: the hooks ask again while the
-/// stage-in budget lasts, and the job runs once NATS is back and its data is ready.
+/// A node-local stage that fails in the Prolog (the project's local quota is too small):
+/// Slurm's rule for a failing Prolog applies (the job is requeued and held, the node drained),
+/// the job's AdminComment carries the promoter's reason, and this run's stages are released.
+/// Released by an administrator, the requeued job stages afresh, as run `.r1` (a release is
+/// final, so the first run's ids cannot be asked again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Result<()> {
-    let (mut stagehand, slurm) = setup().await?;
-    let root = slurm.data_dir().join("hot/lab/outage").join(VERSION);
-    let expected = write_dataset(&root, &[("x.bin", b"after the outage")])?;
-    stagehand.server.kill();
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=outage version={VERSION} tier=hot project={PROJECT}"
-    )];
-    let job = slurm.submit("outage", &reading_job(&directives, "STAGEHAND_DATA_OUTAGE"))?;
-    slurm
-        .wait_job(job, "the job in stage-in", |s, r| {
-            s == "PENDING" && (r == "BurstBufferStageIn" || r == "BurstBufferResources")
-        })
-        .await?;
-    stagehand.server.restart();
-    let stage = hot_stage(job, "outage", VERSION);
-    stagehand.requested(&stage).await?;
-    stagehand.ready(&stage, &root).await?;
-    slurm
-        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
-        .await?;
-    let (path, sums) = read_sums(&slurm.output(job)?);
-    ensure!(
-        path == root.display().to_string() && sums == expected,
-        "{path} {sums:?}"
-    );
-    Ok(())
-}
-
-/// A node-local stage that fails in the Prolog: Slurm's rule for a failing Prolog applies (the
-/// job is requeued and held, the node drained), and the job's AdminComment carries Stagehand's
-/// reason.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment()
+async fn a_failed_local_stage_holds_the_job_with_the_reason_and_a_requeue_stages_afresh()
 -> anyhow::Result<()> {
-    let (stagehand, slurm) = setup().await?;
-    let hot_root = slurm.data_dir().join("hot/lab/big").join(VERSION);
-    write_dataset(&hot_root, &[("s0.tar", b"hot copy")])?;
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=big version={VERSION} tier=local project={PROJECT}"
-    )];
+    let node = slurm_node()?;
+    let (stagehand, slurm) = setup(Options {
+        node_agent: Some(node.clone()),
+        local_quota: Some("default = \"1 KiB\"".to_owned()),
+        ..with_validator()
+    })
+    .await?;
+    let (folder, _) = dataset_folder(&[("big.bin", &[3u8; 10_000])])?;
+    let digest = stagehand.ingest(folder.path(), "big", true)?;
+    let version = &digest[..16];
     let job = slurm.submit(
         "local-fails",
-        &reading_job(&directives, "STAGEHAND_DATA_BIG"),
+        &reading_job(&directive("big", version, "local"), "STAGEHAND_DATA_BIG"),
     )?;
-    let hot = hot_stage(job, "big", VERSION);
-    stagehand.requested(&hot).await?;
-    stagehand.ready(&hot, &hot_root).await?;
-    let local = Stage {
-        tier: "local".to_owned(),
-        node: Some(slurm.node.clone()),
-        ..hot.clone()
-    };
-    stagehand.requested(&local).await?;
-    let why = "quota of lab on local (node vm) exceeded: 60 GiB asked, 50 GiB allowed";
-    stagehand.failed(&local, why).await?;
     let (state, reason) = slurm
         .wait_job(job, "the job requeued and held", |s, r| {
             s == "PENDING" && r.starts_with("JobHeld")
@@ -538,34 +584,91 @@ async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment
         .await?;
     eprintln!("after the Prolog failed: {state} {reason}");
     // 22.05's squeue has no AdminComment field; scontrol shows it on a line of its own.
-    let out = slurm
-        .cmd("scontrol")
-        .args(["show", "job", &job.to_string()])
-        .output()?;
-    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    let shown = slurm.show_job(job)?;
     let comment = shown
         .lines()
         .find_map(|l| l.trim().strip_prefix("AdminComment="))
         .unwrap_or_default()
         .to_owned();
-    ensure!(
-        comment
-            == format!(
-                "stagehand: big@{VERSION} on local for node {} failed: {why}",
-                slurm.node
-            ),
-        "AdminComment {comment:?}"
-    );
+    let prefix =
+        format!("stagehand: big@{version} on local for node {node} failed: quota exceeded: ");
+    ensure!(comment.starts_with(&prefix), "AdminComment {comment:?}");
     ensure!(
         !slurm.output(job).is_ok_and(|o| o.contains("path=")),
         "the job ran without its data"
     );
     let out = slurm
         .cmd("sinfo")
-        .args(["-h", "-n", &slurm.node, "-o", "%T"])
+        .args(["-h", "-n", &node, "-o", "%T"])
         .output()?;
     let node_state = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     ensure!(node_state.starts_with("drain"), "node state {node_state:?}");
+    // The first run's stages are released: the Epilog the node-local one, teardown the hot one.
+    let local = stage(job, "big", version, "local", Some(&node));
+    let hot = stage(job, "big", version, "hot", None);
+    stagehand.released(&local).await?;
+    stagehand.released(&hot).await?;
+
+    // An administrator resumes the node and releases the job: its second run asks afresh.
+    for args in [
+        vec![
+            "update".to_owned(),
+            format!("NodeName={node}"),
+            "State=RESUME".to_owned(),
+        ],
+        vec!["release".to_owned(), job.to_string()],
+        // Slurm defers a requeued job two minutes; make it eligible now.
+        vec![
+            "update".to_owned(),
+            format!("JobId={job}"),
+            "StartTime=now".to_owned(),
+        ],
+    ] {
+        let out = slurm.cmd("scontrol").args(&args).output()?;
+        ensure!(out.status.success(), "scontrol {args:?}: {}", said(&out));
+    }
+    let second = Stage {
+        job: format!("{JOB_PREFIX}{job}.r1"),
+        ..hot.clone()
+    };
+    if let Err(e) = stagehand.requested(&second).await {
+        bail!("{e}: {}\n{}", slurm.show_job(job)?, slurm.logs());
+    }
+    Ok(())
+}
+
+/// A stage-in that starts while NATS is down is not held: the hooks ask again while the
+/// stage-in budget lasts, and the job runs once NATS is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Result<()> {
+    let (mut stagehand, slurm) = setup(with_validator()).await?;
+    let (folder, expected) = dataset_folder(&[("x.bin", b"after the outage")])?;
+    let digest = stagehand.ingest(folder.path(), "outage", true)?;
+    let version = &digest[..16];
+    stagehand.server.kill();
+    let job = slurm.submit(
+        "outage",
+        &reading_job(
+            &directive("outage", version, "hot"),
+            "STAGEHAND_DATA_OUTAGE",
+        ),
+    )?;
+    slurm
+        .wait_job(job, "the job in stage-in", |s, r| {
+            s == "PENDING" && (r == "BurstBufferStageIn" || r == "BurstBufferResources")
+        })
+        .await?;
+    stagehand.server.restart();
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "outage", &digest)
+            .display()
+            .to_string()
+    );
+    ensure!(sums == expected, "{sums:?}");
     Ok(())
 }
 
@@ -577,32 +680,35 @@ async fn a_failed_local_stage_holds_the_job_with_the_reason_in_its_admin_comment
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs()
 -> anyhow::Result<()> {
-    let (stagehand, slurm) = setup().await?;
-    let root = slurm.data_dir().join("hot/lab/restart").join(VERSION);
-    let expected = write_dataset(&root, &[("r.bin", b"staged across a restart")])?;
-    let directives = vec![format!(
-        "#BB_LUA stage dataset=restart version={VERSION} tier=hot project={PROJECT}"
-    )];
+    let (mut stagehand, slurm) = setup(without_validator()).await?;
+    let (folder, expected) = dataset_folder(&[("r.bin", b"staged across a restart")])?;
+    let digest = stagehand.ingest(folder.path(), "restart", false)?;
+    let version = &digest[..16];
     let job = slurm.submit(
         "restart",
-        &reading_job(&directives, "STAGEHAND_DATA_RESTART"),
+        &reading_job(
+            &directive("restart", version, "hot"),
+            "STAGEHAND_DATA_RESTART",
+        ),
     )?;
-    let stage = hot_stage(job, "restart", VERSION);
-    stagehand.requested(&stage).await?;
-    stagehand.pending(&stage, "copy", "copying").await?;
+    let st = stage(job, "restart", version, "hot", None);
+    stagehand
+        .status_where(&st, "the stage waiting for validation", |s| {
+            s.waiting_for.as_deref() == Some("validation")
+        })
+        .await?;
     let out = Command::new("bash")
         .arg(slurm_sh())
         .arg("restart-controller")
         .env("STAGEHAND_SLURM_DIR", slurm.dir.path())
         .output()?;
     ensure!(out.status.success(), "restart-controller: {}", said(&out));
-    // The teardown after the restart has run once the job's burst buffer is pending again.
     slurm
         .wait_job(job, "the job pending after the restart", |s, _| {
             s == "PENDING"
         })
         .await?;
-    stagehand.ready(&stage, &root).await?;
+    stagehand.start_validator();
     let started = Instant::now();
     // Slurm defers the job 60 s after tearing its buffer down.
     let (state, _) = wait_for(Duration::from_secs(150), "the job to complete", || {
@@ -615,13 +721,15 @@ async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs
     .await
     .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
     ensure!(state == "COMPLETED", "{state}");
-    eprintln!("ran {:?} after the data was ready", started.elapsed());
+    eprintln!("ran {:?} after the validator started", started.elapsed());
     let (path, sums) = read_sums(&slurm.output(job)?);
     ensure!(
-        path == root.display().to_string() && sums == expected,
-        "{path} {sums:?}"
+        path == on_tier(&stagehand, "hot", "restart", &digest)
+            .display()
+            .to_string()
     );
-    stagehand.released(&stage).await?;
+    ensure!(sums == expected, "{sums:?}");
+    stagehand.released(&st).await?;
     let log = std::fs::read_to_string(slurm.dir.path().join("log/slurmctld.log"))?;
     ensure!(
         log.contains(&format!("stagehand: job {job} pending again")),

@@ -147,7 +147,7 @@ async fn request_and_release_are_stored_under_ids_from_the_job_and_a_repeat_is_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyhow::Result<()> {
-    let stagehand = common::Stagehand::start().await?;
+    let stagehand = common::Stagehand::start(common::Options::default()).await?;
     let url = stagehand.url.clone();
     let bus = &stagehand.bus;
 
