@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv, object_store, stream};
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
-use stagehand_schemas::subject::{Retention, STREAMS, StreamSpec, subject_for};
+use stagehand_schemas::subject::{
+    MANIFESTS, ObjectBucketSpec, Retention, STREAMS, StreamSpec, subject_for,
+};
 use stagehand_schemas::{Event, wire};
 use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -82,6 +84,12 @@ pub const STAGES: KvSpec = KvSpec {
 
 /// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
 pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS, STAGES];
+
+/// The Object Store buckets [`Bus::provision`] declares: the services' manifest bucket. Each
+/// project's upload bucket is created by [`Bus::provision_object_bucket`] with
+/// `stagehand_schemas::subject::upload_bucket_spec(project)` (`stagehand provision --project`),
+/// or by an uploader's first upload where its user may create streams.
+pub const OBJECT_BUCKETS: &[ObjectBucketSpec] = &[MANIFESTS];
 
 /// Longest wait for a new or re-replicated stream to have a leader and current replicas.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -280,9 +288,10 @@ impl Bus {
             .any(|v| v.contains(subject))
     }
 
-    /// Creates every stream and KV bucket Stagehand declares ([`STREAMS`], [`KV_BUCKETS`]),
-    /// or brings existing ones to the declared configuration. Idempotent. With
-    /// `provision = false` it only checks that they exist (see [`BusConfig::provision`]).
+    /// Creates every stream, KV bucket and Object Store bucket Stagehand declares
+    /// ([`STREAMS`], [`KV_BUCKETS`], [`OBJECT_BUCKETS`]), or brings existing ones to the
+    /// declared configuration. Idempotent. With `provision = false` it only checks that they
+    /// exist (see [`BusConfig::provision`]).
     pub async fn provision(&self) -> Result<(), BusError> {
         for spec in STREAMS {
             self.provision_stream(spec).await?;
@@ -290,7 +299,89 @@ impl Bus {
         for spec in KV_BUCKETS {
             self.provision_kv(spec).await?;
         }
+        for spec in OBJECT_BUCKETS {
+            self.provision_object_bucket(spec).await?;
+        }
         Ok(())
+    }
+
+    /// Creates the Object Store bucket of `spec`, or corrects the drift of its replicas, age
+    /// and direct gets (readers' NATS rights are direct gets by subject); with
+    /// `provision = false`, only checks that it exists.
+    pub async fn provision_object_bucket(&self, spec: &ObjectBucketSpec) -> Result<(), BusError> {
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not provision Object Store bucket {}", spec.bucket),
+                e,
+            )
+        };
+        let stream_name = spec.stream_name();
+        match self.js.get_stream(&stream_name).await {
+            Ok(existing) => {
+                let have = existing.cached_info().config.clone();
+                let mut updated = have.clone();
+                updated.num_replicas = self.replicas;
+                updated.max_age = spec.max_age;
+                updated.allow_direct = true;
+                if updated == have {
+                    return Ok(());
+                }
+                if !self.provision {
+                    warn!(
+                        bucket = %spec.bucket,
+                        replicas = have.num_replicas,
+                        wanted_replicas = updated.num_replicas,
+                        "Object Store bucket configuration drifted from the declared one; this \
+                         user may not correct it (run `stagehand provision` as the operator)"
+                    );
+                    return Ok(());
+                }
+                info!(
+                    bucket = %spec.bucket,
+                    replicas = updated.num_replicas,
+                    "Object Store bucket configuration drifted; updating"
+                );
+                self.js
+                    .update_stream(updated)
+                    .await
+                    .map_err(|e| perr(e.into()))?;
+                self.settle(&stream_name, self.replicas).await;
+                Ok(())
+            }
+            Err(e) => match e.kind() {
+                jetstream::context::GetStreamErrorKind::JetStream(js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    if !self.provision {
+                        return Err(perr(
+                            "it does not exist, and this service does not provision buckets \
+                             (bus.provision = false): run `stagehand provision` as the operator"
+                                .into(),
+                        ));
+                    }
+                    info!(
+                        bucket = %spec.bucket,
+                        replicas = self.replicas,
+                        "creating Object Store bucket"
+                    );
+                    self.js
+                        .create_object_store(object_store::Config {
+                            bucket: spec.bucket.to_string(),
+                            description: Some(spec.description.to_owned()),
+                            max_age: spec.max_age,
+                            num_replicas: self.replicas,
+                            storage: stream::StorageType::File,
+                            ..Default::default()
+                        })
+                        .await
+                        .map_err(|e| perr(e.into()))?;
+                    self.settle(&stream_name, self.replicas).await;
+                    Ok(())
+                }
+                _ => Err(perr(e.into())),
+            },
+        }
     }
 
     /// Creates one stream, or updates it where its configuration drifted from `spec`.

@@ -64,8 +64,8 @@ pub mod runner;
 mod worker;
 
 pub use bus::{
-    Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, PublishAck,
-    READINESS, READINESS_BUCKET, STAGES, STAGES_BUCKET, stream_config,
+    Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, OBJECT_BUCKETS,
+    PublishAck, READINESS, READINESS_BUCKET, STAGES, STAGES_BUCKET, stream_config,
 };
 pub use config::{
     BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use stagehand_bus::{
-    Bus, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, Handler, HandlerError, Ledger,
-    REPLAY_HEADER, WorkContext, WorkerStats, provision_consumer, run_worker,
+    Bus, BusConfig, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, Handler,
+    HandlerError, Ledger, REPLAY_HEADER, WorkContext, WorkerStats, provision_consumer, run_worker,
 };
 use stagehand_schemas::subject::{self, dead_letter_subject, subject_for};
 use stagehand_schemas::{Body, Event, wire};
@@ -487,6 +487,77 @@ async fn provisioning_applies_changed_configuration() {
     filters.sort();
     cfg.filter_subjects.sort();
     assert_eq!(filters, cfg.filter_subjects);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_creates_the_manifest_bucket_and_upload_buckets_and_corrects_their_drift() {
+    let env = Env::start().await;
+    let js = env.bus.jetstream();
+    let bucket_config = |name: &'static str| async move {
+        js.get_stream(name)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .config
+            .clone()
+    };
+    // `provision` made the services' manifest bucket: an Object Store, kept for ever, with
+    // direct gets (what readers' NATS rights allow) and the configured replicas.
+    let manifests = subject::MANIFESTS.stream_name();
+    assert_eq!(manifests, "OBJ_stagehand_manifests");
+    js.get_object_store(subject::MANIFEST_BUCKET).await.unwrap();
+    let config = bucket_config("OBJ_stagehand_manifests").await;
+    assert_eq!(config.max_age, Duration::ZERO);
+    assert!(config.allow_direct);
+    assert_eq!(config.num_replicas, 1);
+    assert_eq!(
+        config.description.as_deref(),
+        Some(subject::MANIFESTS.description)
+    );
+
+    // Someone aged it out and turned direct gets off: provisioning puts both back.
+    let mut drifted = config.clone();
+    drifted.max_age = Duration::from_secs(3600);
+    drifted.allow_direct = false;
+    js.update_stream(drifted.clone()).await.unwrap();
+    // A user that may not manage streams only finds it …
+    let mut check_only = BusConfig::new(env.nats.url());
+    check_only.provision = false;
+    let checker = Bus::connect(&check_only).await.unwrap();
+    checker.provision().await.unwrap();
+    assert_eq!(
+        bucket_config("OBJ_stagehand_manifests").await.max_age,
+        Duration::from_secs(3600)
+    );
+    // … the operator corrects it.
+    env.bus.provision().await.unwrap();
+    let config = bucket_config("OBJ_stagehand_manifests").await;
+    assert_eq!(config.max_age, Duration::ZERO);
+    assert!(config.allow_direct);
+
+    // A project's upload bucket, made on demand (`stagehand provision --project lab-a`), kept
+    // as long as the requests that reference its manifests.
+    let uploads = subject::upload_bucket_spec("lab-a");
+    env.bus.provision_object_bucket(&uploads).await.unwrap();
+    env.bus.provision_object_bucket(&uploads).await.unwrap();
+    js.get_object_store("stagehand_uploads_lab-a")
+        .await
+        .unwrap();
+    let config = bucket_config("OBJ_stagehand_uploads_lab-a").await;
+    assert_eq!(config.max_age, subject::UPLOAD_MAX_AGE);
+
+    // Without it, a user that may not manage streams is told who makes it.
+    js.delete_stream("OBJ_stagehand_manifests").await.unwrap();
+    let err = checker.provision().await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("Object Store bucket stagehand_manifests")
+            && text.contains("run `stagehand provision` as the operator"),
+        "{text}"
+    );
+    assert!(js.get_stream("OBJ_stagehand_manifests").await.is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -88,12 +88,17 @@ pub enum Command {
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
     /// until Ctrl-C.
     Up(UpArgs),
-    /// Create Stagehand's streams and KV buckets, or correct their drift (replicas, limits):
-    /// what an operator runs once for services whose users may not manage streams.
+    /// Create Stagehand's streams, KV buckets and the services' manifest bucket, or correct
+    /// their drift (replicas, limits): what an operator runs once for services whose users may
+    /// not manage streams, and again for each new project (`--project`).
     Provision {
         /// Replicas of every stream and bucket (default: what the cluster can hold).
         #[arg(long)]
         replicas: Option<usize>,
+        /// Also the upload bucket of this project (`stagehand_uploads_<project>`), in which its
+        /// uploaders put manifests: their NATS users may not create it. Repeatable.
+        #[arg(long = "project", value_name = "PROJECT")]
+        projects: Vec<String>,
     },
     /// Get a dataset version onto a tier for a job, wait for it, see why it waits, release it:
     /// what scheduler plugins call. Exit codes: 0 done (wait: ready), 1 failed, 2 timed out,
@@ -706,7 +711,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             std::io::Write::flush(&mut out)?;
             Ok(0)
         }
-        Command::Provision { replicas } => {
+        Command::Provision { replicas, projects } => {
             args::init_logs();
             if replicas.is_some_and(|n| !(1..=5).contains(&n)) {
                 return Err(UsageError(format!(
@@ -715,6 +720,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 ))
                 .into());
             }
+            for project in &projects {
+                if !stagehand_schemas::subject::is_subject_token(project) {
+                    return Err(UsageError(format!(
+                        "--project {project:?}: must be 1-64 characters of [a-z0-9_-]"
+                    ))
+                    .into());
+                }
+            }
             let timeout = cli.connection.connect_timeout;
             let mut cfg = cli.connection.bus_config(timeout);
             cfg.replicas = replicas;
@@ -722,6 +735,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             bus.provision().await?;
             // The promoter's own bucket (space reservations, copy leases).
             bus.provision_kv(&stagehand_promoter::kv::SPEC).await?;
+            let mut objects: Vec<String> = stagehand_bus::OBJECT_BUCKETS
+                .iter()
+                .map(|b| b.bucket.to_string())
+                .collect();
+            for project in &projects {
+                let spec = stagehand_schemas::subject::upload_bucket_spec(project);
+                bus.provision_object_bucket(&spec).await?;
+                objects.push(spec.bucket.to_string());
+            }
             let streams: Vec<&str> = stagehand_schemas::subject::STREAMS
                 .iter()
                 .map(|s| s.name)
@@ -732,9 +754,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .map(|b| b.bucket)
                 .collect();
             println!(
-                "provisioned streams {} and KV buckets {} with {} replica(s) on {}",
+                "provisioned streams {}, KV buckets {} and Object Store buckets {} with {} \
+                 replica(s) on {}",
                 streams.join(", "),
                 buckets.join(", "),
+                objects.join(", "),
                 bus.replicas(),
                 bus.servers()
             );

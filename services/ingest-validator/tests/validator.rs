@@ -47,7 +47,10 @@ async fn a_good_upload_is_validated_with_its_version_digest() {
     h.bus.publish(&event).await.unwrap();
 
     let fact = fact_for(&h.js, "good-1").await;
-    assert_eq!(fact.id, EventId::derive(&event.id, "validated"));
+    assert_eq!(
+        fact.id,
+        EventId::for_fact(&event.project, &event.id, "validated")
+    );
     assert_eq!(fact.correlation_id.as_str(), "good-1");
     assert_eq!(fact.project, PROJECT);
     let Body::DatasetValidated(v) = &fact.body else {
