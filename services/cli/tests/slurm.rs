@@ -1,12 +1,20 @@
 //! Stagehand's Slurm integration on a real Slurm: each test starts a one-node cluster with
 //! `deploy/slurm/slurm.sh start` (installing Slurm from the distribution when it is missing;
-//! a machine where that fails fails the test with the reason), a real nats-server, and submits
-//! real batch jobs with `sbatch` as the ordinary test user (root may not use burst buffers).
+//! a machine where that fails fails the test with the reason), a real nats-server with
+//! Stagehand's services on it, and submits real batch jobs with `sbatch` as the ordinary test
+//! user (root may not use burst buffers).
 //!
 //! The hooks (`deploy/slurm/burst_buffer.lua`, `deploy/slurm/stagehand-node.sh`) call the built
-//! `stagehand` binary. What a job waits on is the stage's `stagehand_stages` KV entry, kept by
-//! the real catalogue recorder (running in-process as `stagehand up` runs it) from the
-//! promoter's facts, which these tests publish for the requests the hooks make.
+//! `stagehand` binary. Datasets are uploaded with the real `stagehand ingest` and validated by
+//! the real ingest validator; the real promoter (and, for the `local` tier, the promoter agent
+//! of the node) answers the hooks' requests; what a job waits on is the stage's
+//! `stagehand_stages` entry kept by the real catalogue recorder. No test publishes a fact.
+//!
+//! A cluster per test, not one per test binary: the hooks' NATS address is part of the
+//! cluster's configuration, and each test has its own server and services (so that one can
+//! stop NATS, restart the controller, drain the node or start the validator late without
+//! touching another); under cargo-nextest every test is a process of its own anyway. Starting
+//! and stopping a cluster costs about 2.6 s.
 //!
 //! Every wait polls Slurm (`squeue`) or NATS against a deadline; nothing sleeps.
 
@@ -437,9 +445,11 @@ async fn a_job_waits_pending_until_its_dataset_is_validated() -> anyhow::Result<
         "stage status said {shown:?}"
     );
     stagehand.start_validator();
+    let validating = Instant::now();
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
+    eprintln!("validator started→complete {:?}", validating.elapsed());
     let (path, sums) = read_sums(&slurm.output(job)?);
     ensure!(
         path == on_tier(&stagehand, "hot", "later", &digest)
@@ -659,9 +669,11 @@ async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Re
         })
         .await?;
     stagehand.server.restart();
+    let back = Instant::now();
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
         .await?;
+    eprintln!("NATS back→complete {:?}", back.elapsed());
     let (path, sums) = read_sums(&slurm.output(job)?);
     ensure!(
         path == on_tier(&stagehand, "hot", "outage", &digest)
