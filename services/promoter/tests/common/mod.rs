@@ -31,6 +31,8 @@ allow_hidden = false
 /// A stack: NATS, the recorder, tiers and policies; promoters are started on it.
 pub struct Stack {
     pub nats: NatsServer,
+    /// Whether the server runs `deploy/nats/accounts.conf`.
+    pub accounts: bool,
     pub tmp: tempfile::TempDir,
     pub bus: Bus,
     pub policies: PathBuf,
@@ -42,8 +44,11 @@ pub struct Options {
     /// Extra lines of tiers.toml's `[tiers.hot.quotas]`.
     pub hot_quotas: &'static str,
     pub hot_capacity: &'static str,
-    /// An S3 capacity tier instead of posix: (endpoint, bucket, access key, secret).
+    /// An S3 capacity tier instead of posix: (endpoint, bucket).
     pub s3_capacity: Option<(String, String)>,
+    /// Run the server with `deploy/nats/accounts.conf`: the operator provisions, the recorder
+    /// and the promoters connect as their own users, which may not provision.
+    pub accounts: bool,
 }
 
 impl Default for Options {
@@ -52,6 +57,7 @@ impl Default for Options {
             hot_quotas: "default = \"100 MiB\"",
             hot_capacity: "1 GiB",
             s3_capacity: None,
+            accounts: false,
         }
     }
 }
@@ -62,7 +68,16 @@ impl Stack {
     }
 
     pub async fn start_with(opts: Options) -> Stack {
-        let nats = NatsServer::start();
+        let nats = if opts.accounts {
+            let mut builder = NatsServer::builder()
+                .config_file(stagehand_testkit::repo_root().join("deploy/nats/accounts.conf"));
+            for role in ROLES {
+                builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
+            }
+            builder.start()
+        } else {
+            NatsServer::start()
+        };
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path();
         for t in ["source", "capacity", "hot", "local-n1", "local-n2"] {
@@ -107,10 +122,20 @@ impl Stack {
              checkpoint_datasets = [\"ckpt-*\"]\n",
         )
         .unwrap();
-        let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
+        let operator = if opts.accounts {
+            user_url(&nats, "operator", "OPERATOR")
+        } else {
+            nats.url()
+        };
+        let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
+        // What `stagehand provision` does: the streams and buckets, the promoter's included.
         bus.provision().await.unwrap();
+        bus.provision_kv(&stagehand_promoter::kv::SPEC)
+            .await
+            .unwrap();
         let shutdown = CancellationToken::new();
         let mut stack = Stack {
+            accounts: opts.accounts,
             nats,
             tmp,
             bus,
@@ -118,10 +143,11 @@ impl Stack {
             shutdown,
             tasks: Vec::new(),
         };
-        let recorder = stagehand_catalogue_recorder::config(
-            &stack.nats.url(),
+        let mut recorder = stagehand_catalogue_recorder::config(
+            &stack.url_of("catalogue-recorder", "CATALOGUE_RECORDER"),
             stack.tmp.path().join("recorder"),
         );
+        recorder.bus.provision = !stack.accounts;
         let token = stack.shutdown.clone();
         stack.tasks.push(tokio::spawn(async move {
             stagehand_catalogue_recorder::run(recorder, token)
@@ -129,6 +155,15 @@ impl Stack {
                 .expect("recorder");
         }));
         stack
+    }
+
+    /// The server's URL for `user` (with its password when the server runs accounts.conf).
+    pub fn url_of(&self, user: &str, role: &str) -> String {
+        if self.accounts {
+            user_url(&self.nats, user, role)
+        } else {
+            self.nats.url()
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -142,10 +177,11 @@ impl Stack {
     /// The promoter's configuration for an instance named `instance` (its own state).
     pub fn promoter_config(&self, instance: &str) -> stagehand_promoter::Config {
         let mut config = stagehand_promoter::config(
-            &self.nats.url(),
+            &self.url_of("promoter", "PROMOTER"),
             &self.policies,
             self.root().join("state").join(instance),
         );
+        config.bus.provision = !self.accounts;
         config.service.instance = Some(instance.into());
         config.service.progress_every = Duration::from_millis(200);
         config.service.lease_lifetime = Duration::from_secs(3);
@@ -340,6 +376,33 @@ impl Stack {
             let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
         }
     }
+}
+
+/// The roles of `deploy/nats/accounts.conf` whose passwords the server takes from the
+/// environment.
+const ROLES: &[&str] = &[
+    "UPLOADER_DEMO",
+    "SCHEDULER",
+    "INGEST_VALIDATOR",
+    "RESHARDER",
+    "PROMOTER",
+    "DEMOTER",
+    "BACKUP_COPIER",
+    "CATALOGUE_RECORDER",
+    "OPERATOR",
+    "SYS",
+];
+
+fn password(role: &str) -> String {
+    format!("secret-{}-pw", role.to_ascii_lowercase())
+}
+
+fn user_url(server: &NatsServer, user: &str, role: &str) -> String {
+    format!(
+        "nats://{user}:{}@127.0.0.1:{}",
+        password(role),
+        server.port()
+    )
 }
 
 fn ingest_body(dataset: &str, tier: &str, prefix: &str, files: &[FileRef]) -> IngestRequested {
