@@ -2,7 +2,7 @@
 //! request and release are stored under the ids derived from the job (a repeat is a duplicate),
 //! `wait` answers 0/1/2 from the stage's `stagehand_stages` entry (path, reason, last state),
 //! `--json` prints the status, `status` lists a job's or a version's stages and why (from the
-//! real catalogue recorder, folding the promoter's facts).
+//! real catalogue recorder, folding the real promoter's facts).
 
 mod common;
 
@@ -145,14 +145,33 @@ async fn request_and_release_are_stored_under_ids_from_the_job_and_a_repeat_is_a
     Ok(())
 }
 
+/// `wait` and `status` against the real promoter and recorder: an upload not validated yet is
+/// pending (exit 2 with its reason), ready once the validator has run (exit 0, the path, while
+/// `wait` watches), an unknown dataset failed (exit 1, the promoter's reason).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyhow::Result<()> {
-    let stagehand = common::Stagehand::start(common::Options::default()).await?;
+    let mut stagehand = common::Stagehand::start(common::Options {
+        promoter: true,
+        ..common::Options::default()
+    })
+    .await?;
     let url = stagehand.url.clone();
-    let bus = &stagehand.bus;
+    let js = stagehand.bus.jetstream().clone();
+
+    // Uploaded; the validator starts later.
+    let folder = tempfile::tempdir()?;
+    common::write_files(
+        folder.path(),
+        &[("a.bin", b"waited for"), ("d/b.bin", &[5u8; 3000])],
+    )?;
+    let digest = stagehand.ingest(folder.path(), "imagenet-mini", false)?;
+    let at = |job: &str| Stage {
+        version: digest[..16].to_owned(),
+        ..stage(job, "hot", None)
+    };
 
     // Never requested, so no status: timed out (2), saying so.
-    let none = stage("j-none", "hot", None);
+    let none = at("j-none");
     let out = run_stage(&url, "wait", &none, &["--timeout", "300ms"]);
     ensure!(out.status.code() == Some(2), "{out:?}");
     ensure!(
@@ -161,33 +180,27 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         text(&out)
     );
 
-    // Requested and pending: timed out with the last state and reason.
-    let pending = stage("j-pending", "hot", None);
+    // Requested and waiting for validation: timed out with the last state and reason.
+    let pending = at("j-pending");
     let out = run_stage(&url, "request", &pending, &[]);
     ensure!(out.status.success(), "{out:?}");
-    stagehand
-        .pending(
-            &pending,
-            "validation",
-            "version 5f2c9a0e11b3 is not validated yet",
-        )
-        .await?;
-    stagehand
+    let status = stagehand
         .status_where(&pending, "the pending status", |s| {
             s.waiting_for.as_deref() == Some("validation")
         })
         .await?;
+    let reason = status.reason.unwrap_or_default();
+    ensure!(reason.contains(&digest), "{reason}");
     let out = run_stage(&url, "wait", &pending, &["--timeout", "0"]);
     ensure!(out.status.code() == Some(2), "{out:?}");
     ensure!(
-        text(&out).trim()
-            == "pending (waiting for validation): version 5f2c9a0e11b3 is not validated yet",
+        text(&out) == format!("pending (waiting for validation): {reason}\n"),
         "{}",
         text(&out)
     );
 
     // Ready while waiting: the watch sees it, exit 0, the path.
-    let ready = stage("j-ready", "hot", None);
+    let ready = at("j-ready");
     ensure!(run_stage(&url, "request", &ready, &[]).status.success());
     let child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(["--nats", &url, "stage", "wait"])
@@ -196,7 +209,6 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         .stdout(std::process::Stdio::piped())
         .spawn()?;
     // Once it watches (a consumer filtered on the stage's key exists), the data arrives.
-    let js = bus.jetstream().clone();
     let subject = format!("$KV.{STAGES_BUCKET}.{}", ready.status_key());
     stagehand_testkit::wait_until(Duration::from_secs(10), "wait to watch the key", || {
         let (js, subject) = (js.clone(), subject.clone());
@@ -216,14 +228,23 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         }
     })
     .await?;
-    let path = std::path::Path::new("/tiers/hot/lab/imagenet-mini/5f2c");
-    stagehand.ready(&ready, path).await?;
+    stagehand.start_validator();
     let out = child.wait_with_output()?;
     ensure!(out.status.code() == Some(0), "{out:?}");
+    let path = stagehand
+        .home
+        .path()
+        .join("tiers/hot/lab/imagenet-mini")
+        .join(&digest);
     ensure!(
-        text(&out) == "/tiers/hot/lab/imagenet-mini/5f2c\n",
+        text(&out) == format!("{}\n", path.display()),
         "{}",
         text(&out)
+    );
+    ensure!(
+        path.join("d/b.bin").is_file(),
+        "nothing at {}",
+        path.display()
     );
 
     // --json prints the status, with the version the promoter resolved.
@@ -231,30 +252,27 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
     let v: Value = serde_json::from_slice(&out.stdout)?;
     ensure!(
         v["state"] == json!("ready")
-            && v["path"] == json!("/tiers/hot/lab/imagenet-mini/5f2c")
-            && v["resolved_version"] == json!(common::FULL_VERSION),
+            && v["path"] == json!(path.display().to_string())
+            && v["resolved_version"] == json!(digest),
         "{v}"
     );
 
-    // Failed: exit 1, the reason.
-    let failed = stage("j-failed", "hot", None);
+    // Failed (a dataset nobody uploaded): exit 1, the promoter's reason.
+    let failed = Stage {
+        dataset: "nosuch".into(),
+        version: "0123456789abcdef".into(),
+        ..stage("j-failed", "hot", None)
+    };
     ensure!(run_stage(&url, "request", &failed, &[]).status.success());
-    stagehand
-        .failed(&failed, "quota of lab on hot exceeded")
-        .await?;
     let out = run_stage(&url, "wait", &failed, &["--timeout", "10s"]);
     ensure!(out.status.code() == Some(1), "{out:?}");
-    ensure!(
-        text(&out) == "quota of lab on hot exceeded\n",
-        "{}",
-        text(&out)
-    );
+    let why = text(&out);
+    ensure!(why.starts_with("unknown dataset \"nosuch\""), "{why}");
 
     // Status: by job, by version, by project.
     let out = stagehand_cmd(&url, &["stage", "status", "j-failed", "--project", "lab"]);
     ensure!(
-        text(&out)
-            == "lab/imagenet-mini@5f2c9a0e11b34d7a on hot for job j-failed: failed: quota of lab on hot exceeded\n",
+        text(&out) == format!("lab/nosuch@0123456789abcdef on hot for job j-failed: failed: {why}"),
         "{}",
         text(&out)
     );
@@ -263,7 +281,7 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         &[
             "stage",
             "status",
-            "imagenet-mini@5f2c9a0e11b3",
+            &format!("imagenet-mini@{}", &digest[..12]),
             "--project",
             "lab",
             "--json",
@@ -272,7 +290,7 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
     let all: Vec<Value> = serde_json::from_slice(&out.stdout)?;
     let mut jobs: Vec<&str> = all.iter().filter_map(|v| v["job_id"].as_str()).collect();
     jobs.sort();
-    ensure!(jobs == ["j-failed", "j-pending", "j-ready"], "{jobs:?}");
+    ensure!(jobs == ["j-pending", "j-ready"], "{jobs:?}");
     let out = stagehand_cmd(&url, &["stage", "status", "--project", "lab"]);
     ensure!(text(&out).lines().count() == 3, "{out:?}");
     let out = stagehand_cmd(&url, &["stage", "status", "--project", "other"]);

@@ -18,10 +18,7 @@ use futures::StreamExt;
 use stagehand::stage::{STAGES_BUCKET, Stage, StageStatus};
 use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
-use stagehand_schemas::{
-    Body, Event, EventId, FileRef, Location, StageFailed, StagePending, StageReady, sha256_hex,
-    version_digest, wire,
-};
+use stagehand_schemas::{Event, EventId, FileRef, sha256_hex, version_digest, wire};
 use stagehand_testkit::{NatsServer, wait_for};
 use tokio::task::JoinHandle;
 
@@ -29,11 +26,6 @@ use tokio::task::JoinHandle;
 pub const WAIT: Duration = Duration::from_secs(60);
 
 pub const PROJECT: &str = "lab";
-
-/// A version for tests that play the promoter: requests name its first 16 characters
-/// ([`VERSION`]), the promoter's `stage.ready` the whole digest.
-pub const VERSION: &str = "5f2c9a0e11b34d7a";
-pub const FULL_VERSION: &str = "5f2c9a0e11b34d7a000000000000000000000000000000000000000000c0ffee";
 
 /// A nats-server and Stagehand's services on it, under a home of their own.
 pub struct Stagehand {
@@ -52,8 +44,7 @@ pub struct Stagehand {
 pub struct Options {
     /// Start the ingest validator now (else [`Stagehand::start_validator`] later).
     pub validator: bool,
-    /// Run the shared promoter. Without it the test answers stage requests itself with the
-    /// promoter's facts ([`Stagehand::pending`], [`Stagehand::ready`], [`Stagehand::failed`]).
+    /// Run the shared promoter (without it, stage requests stay waiting for the promoter).
     pub promoter: bool,
     /// Run the promoter agent of this node (the `local` tier).
     pub node_agent: Option<String>,
@@ -263,73 +254,6 @@ impl Stagehand {
         })
         .await
         .map_err(Into::into)
-    }
-
-    /// The promoter's `stage.pending` for the stage's request.
-    pub async fn pending(
-        &self,
-        stage: &Stage,
-        waiting_for: &str,
-        reason: &str,
-    ) -> anyhow::Result<()> {
-        let request = self.requested(stage).await?;
-        let fact = request.caused(
-            &format!("pending:{waiting_for}"),
-            Body::StagePending(StagePending {
-                dataset: stage.dataset.clone(),
-                version: stage.version.clone(),
-                tier: stage.tier.clone(),
-                node: stage.node.clone(),
-                job_id: stage.job.clone(),
-                request_id: request.id.clone(),
-                waiting_for: waiting_for.to_owned(),
-                reason: reason.to_owned(),
-            }),
-        );
-        self.bus.publish(&fact).await?;
-        Ok(())
-    }
-
-    /// The promoter's `stage.ready` for the stage's request, the data at `path`.
-    pub async fn ready(&self, stage: &Stage, path: &std::path::Path) -> anyhow::Result<()> {
-        let request = self.requested(stage).await?;
-        let fact = request.caused(
-            "ready",
-            Body::StageReady(StageReady {
-                dataset: stage.dataset.clone(),
-                version: FULL_VERSION.to_owned(),
-                location: Location {
-                    tier: stage.tier.clone(),
-                    prefix: format!("{}/{}/{FULL_VERSION}", stage.project, stage.dataset),
-                },
-                job_id: stage.job.clone(),
-                request_id: request.id.clone(),
-                node: stage.node.clone(),
-                path: Some(path.display().to_string()),
-            }),
-        );
-        self.bus.publish(&fact).await?;
-        Ok(())
-    }
-
-    /// The promoter's `stage.failed` for the stage's request.
-    pub async fn failed(&self, stage: &Stage, reason: &str) -> anyhow::Result<()> {
-        let request = self.requested(stage).await?;
-        let fact = request.caused(
-            "failed",
-            Body::StageFailed(StageFailed {
-                dataset: stage.dataset.clone(),
-                version: stage.version.clone(),
-                tier: stage.tier.clone(),
-                job_id: stage.job.clone(),
-                request_id: request.id.clone(),
-                reason: reason.to_owned(),
-                retryable: false,
-                node: stage.node.clone(),
-            }),
-        );
-        self.bus.publish(&fact).await?;
-        Ok(())
     }
 
     /// The stage's status in `stagehand_stages`, once the recorder has written one that
