@@ -285,10 +285,15 @@ fn dataset_folder(
     Ok((dir, sums))
 }
 
+/// Stagehand and a Slurm cluster whose hooks talk to it, the cluster starting while the
+/// services do.
 async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
-    let stagehand = Stagehand::start(opts).await?;
-    let slurm = Slurm::start(&stagehand.url)?;
-    Ok((stagehand, slurm))
+    let server = stagehand_testkit::NatsServer::start();
+    let url = server.url();
+    let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url));
+    let stagehand = Stagehand::start_on(server, opts).await;
+    let slurm = slurm.await??;
+    Ok((stagehand?, slurm))
 }
 
 fn with_validator() -> Options {

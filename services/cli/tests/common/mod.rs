@@ -79,7 +79,12 @@ where
 
 impl Stagehand {
     pub async fn start(opts: Options) -> anyhow::Result<Stagehand> {
-        let server = NatsServer::start();
+        Stagehand::start_on(NatsServer::start(), opts).await
+    }
+
+    /// The services on a nats-server the caller started (so that it can start something else
+    /// that needs the server's address, such as a Slurm cluster, meanwhile).
+    pub async fn start_on(server: NatsServer, opts: Options) -> anyhow::Result<Stagehand> {
         let url = server.url();
         let home = tempfile::Builder::new()
             .prefix("stagehand-home-")
