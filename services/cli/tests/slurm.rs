@@ -529,6 +529,44 @@ async fn a_job_naming_an_unknown_or_rejected_dataset_is_held_with_the_reason() -
     Ok(())
 }
 
+/// A directive's `deadline=` reaches the promoter: a job whose upload is still not validated
+/// when its deadline passes is held, squeue showing the promoter's reason (what it waited for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_deadline_passes_before_validation_is_held_with_the_reason()
+-> anyhow::Result<()> {
+    let (stagehand, slurm) = setup(without_validator()).await?;
+    let (folder, _) = dataset_folder(&[("late.bin", b"validated too late")])?;
+    let digest = stagehand.ingest(folder.path(), "late", false)?;
+    let version = &digest[..16];
+    let directives = vec![format!(
+        "#BB_LUA stage dataset=late version={version} tier=hot project={PROJECT} deadline=3s"
+    )];
+    let submitted = Instant::now();
+    let job = slurm.submit("deadline", &reading_job(&directives, "STAGEHAND_DATA_LATE"))?;
+    let st = stage(job, "late", version, "hot", None);
+    let failed = stagehand
+        .status_where(&st, "the stage failed at its deadline", |s| {
+            s.state == StageState::Failed
+        })
+        .await?;
+    let why = failed.reason.clone().unwrap_or_default();
+    ensure!(
+        why.starts_with("the deadline ") && why.contains("passed while waiting for validation"),
+        "{why}"
+    );
+    let (_, reason) = slurm
+        .wait_job(job, "the job held with the reason", |s, r| {
+            s == "PENDING" && r.contains(&why)
+        })
+        .await?;
+    eprintln!("held {:?} after sbatch: {reason}", submitted.elapsed());
+    ensure!(
+        !slurm.output(job).is_ok_and(|o| o.contains("path=")),
+        "the job ran without its data"
+    );
+    Ok(())
+}
+
 /// (d) and (e): a node-local job gets its data on its node through the Prolog: data_in stages
 /// the version to the hot tier, the Prolog asks for the node's local tier (--node), the node's
 /// promoter agent copies it there, the TaskProlog exports the path; the Epilog releases the
