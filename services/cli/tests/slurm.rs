@@ -402,6 +402,65 @@ async fn a_job_runs_after_stage_in_reads_its_data_and_releases_it() -> anyhow::R
     Ok(())
 }
 
+/// Several directives in one job: each dataset is staged, and the job finds each at its own
+/// variable (`name=` given, or the dataset's name upper-cased); teardown releases both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_with_two_directives_reads_each_dataset_at_its_own_variable() -> anyhow::Result<()> {
+    let (stagehand, slurm) = setup(with_validator()).await?;
+    let (train, train_sums) = dataset_folder(&[("t/0.bin", &[1u8; 20_000]), ("t/1.bin", b"one")])?;
+    let (labels, label_sums) = dataset_folder(&[("labels.csv", b"id,label\n0,cat\n")])?;
+    let train_digest = stagehand.ingest(train.path(), "train-set", true)?;
+    let label_digest = stagehand.ingest(labels.path(), "labels", true)?;
+    let script = format!(
+        "#!/bin/bash\n\
+         #BB_LUA stage dataset=train-set version={} tier=hot project={PROJECT}\n\
+         #BB_LUA stage dataset=labels version={} tier=hot project={PROJECT} name=LBL\n\
+         set -euo pipefail\n\
+         for v in STAGEHAND_DATA_TRAIN_SET STAGEHAND_DATA_LBL; do\n\
+           echo \"$v=${{!v}}\"; (cd \"${{!v}}\" && find . -type f | sort | xargs sha256sum)\n\
+         done\n",
+        &train_digest[..16],
+        &label_digest[..16]
+    );
+    let job = slurm.submit("two", &script)?;
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let output = slurm.output(job)?;
+    let (before, after) = output
+        .split_once("STAGEHAND_DATA_LBL=")
+        .context(format!("no second dataset in {output:?}"))?;
+    let train_seen = before
+        .lines()
+        .find_map(|l| l.strip_prefix("STAGEHAND_DATA_TRAIN_SET="))
+        .unwrap_or_default();
+    ensure!(
+        train_seen
+            == on_tier(&stagehand, "hot", "train-set", &train_digest)
+                .display()
+                .to_string(),
+        "{output}"
+    );
+    ensure!(
+        after.lines().next()
+            == Some(
+                on_tier(&stagehand, "hot", "labels", &label_digest)
+                    .display()
+                    .to_string()
+                    .as_str()
+            ),
+        "{output}"
+    );
+    ensure!(read_sums(before).1 == train_sums, "{output}");
+    ensure!(read_sums(after).1 == label_sums, "{output}");
+    for (dataset, digest) in [("train-set", &train_digest), ("labels", &label_digest)] {
+        stagehand
+            .released(&stage(job, dataset, &digest[..16], "hot", None))
+            .await?;
+    }
+    Ok(())
+}
+
 /// (b): a job submitted while its dataset's upload is not validated yet stays pending in
 /// stage-in (the status says it waits for validation), and runs once the version is validated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
