@@ -16,6 +16,8 @@
 //!                                                → {"answer":"files","version":"3f2a9c01…","files":[…],"next":"train/0199.jpg"}
 //! {"query":"stage_requests","project":"lab-a","job_id":"4815162"}
 //!                                                → {"answer":"stage_requests","stages":[{"state":"copying",…}],"next":null}
+//! {"query":"checkpoints","project":"lab-a","run":"r1","limit":2}
+//!                                                → {"answer":"checkpoints","checkpoints":[{"step":100,"state":"demoted","location":{"tier":"capacity",…},"rule":"keep_every",…},…],"next":"200"}
 //! {"query":"file","dataset":"cats","version":"3f2a9c01","path":"labels.csv"}
 //!                                                → {"answer":"file","version":"3f2a…","file":{"path":…,"size":…,"sha256":…}}
 //! ```

@@ -83,6 +83,9 @@ pub enum Command {
     /// Dead letters: list them, replay one.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Training checkpoints: commit one (announce it to retention), list a run's.
+    #[command(subcommand)]
+    Checkpoint(crate::checkpoint::CheckpointCommand),
     /// Copy files between local folders and S3, verified (the mover).
     Cp(crate::cp::CpArgs),
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
@@ -332,7 +335,7 @@ fn default_policies() -> PathBuf {
 }
 
 /// Connects within `--connect-timeout`: quiet retries, then one line (exit 69).
-async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
+pub(crate) async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
     let cfg = connection.bus_config(connection.connect_timeout);
     args::connect(&cfg, connection.connect_timeout).await
 }
@@ -592,6 +595,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             })
             .await?;
             Ok(0)
+        }
+        Command::Checkpoint(cmd) => {
+            args::init_logs();
+            crate::checkpoint::run(&cli.connection, cmd).await
         }
         Command::Cp(args) => {
             args::init_logs();

@@ -292,8 +292,8 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
         out.contains("stagehand.req.ingest.requested.lab-a"),
         "{out}"
     );
-    // Replayed, it is handled again — and, still poison, dead-lettered again. (Every consumer
-    // of ingest requests dead-letters it on its own, the promoter's too: count the validator's.)
+    // Replayed, it is handled again — and, still poison, dead-lettered again. (The promoter's
+    // uploads consumer reads the same subject and dead-letters its own copies.)
     wait_until(WAIT, "the replayed message dead-lettered again", || async {
         stagehand(
             &nats.url(),

@@ -3,7 +3,7 @@
 //!
 //! They are parsed and validated at start-up like the others (so a mistake is caught the day it
 //! is written, not the day the service that reads it ships), including their references to
-//! tiers. No service acts on them yet.
+//! tiers. Checkpoint retention's decisions are in [`crate::retention`].
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -168,6 +168,7 @@ pub struct CheckpointRetention {
     /// Checkpoints carrying any of these tags are kept.
     pub keep_tagged: Vec<String>,
     /// Of the kept checkpoints, how many newest stay on the hot tier; older ones are demoted.
+    /// At least 1, at most `keep_last`.
     pub hot_keep_last: u32,
     /// Tier older checkpoints are demoted to.
     pub demote_to: String,
@@ -347,6 +348,12 @@ pub(crate) fn parse_retention(
         return Err(src.invalid(
             "checkpoints.keep_last",
             "must be at least 1: the newest checkpoint is never expired",
+        ));
+    }
+    if c.hot_keep_last == 0 {
+        return Err(src.invalid(
+            "checkpoints.hot_keep_last",
+            "must be at least 1: the newest checkpoint stays on hot, a run resumes from it",
         ));
     }
     if c.hot_keep_last > c.keep_last {

@@ -395,6 +395,15 @@ fn later_policies_check_their_tier_references() {
         "checkpoints.hot_keep_last",
         "more than keep_last",
     );
+    let (_tmp, dir) = with_edit("retention.toml", |t| {
+        t.replace("hot_keep_last = 2", "hot_keep_last = 0")
+    });
+    expect_invalid(
+        &dir,
+        "retention.toml",
+        "checkpoints.hot_keep_last",
+        "must be at least 1",
+    );
     let (_tmp, dir) = with_edit("demotion.toml", |t| {
         t.replace("check_every = \"5m\"", "check_every = \"5 minutes\"")
     });

@@ -348,6 +348,8 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
     })?;
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
+    let facts_consumer = format!("{SERVICE}-facts-{instance}");
+    let ingests_consumer = format!("{SERVICE}-ingests-{instance}");
     let promoter = Promoter::new(Parts {
         bus: ctx.bus.clone(),
         catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
@@ -361,6 +363,10 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         spool: Spool::in_dir(spool_dir),
         progress_every: s.progress_every,
         shutdown: token.clone(),
+        watched: vec![
+            (subject::FACTS.name, facts_consumer.clone()),
+            (subject::REQUESTS.name, ingests_consumer.clone()),
+        ],
     });
     tracing::info!(%instance, node = s.node.as_deref().unwrap_or("-"), consumer = %consumer, "promoter ready");
 
@@ -386,7 +392,6 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         requests.retry.initial = Duration::from_millis(200);
         requests.retry.max = Duration::from_secs(10);
     }
-    let facts_consumer = format!("{SERVICE}-facts-{instance}");
     let mut facts = ctx.worker_config_named(
         &facts_consumer,
         subject::FACTS.name,
@@ -412,7 +417,6 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         facts.retry.initial = Duration::from_millis(200);
         facts.retry.max = Duration::from_secs(10);
     }
-    let ingests_consumer = format!("{SERVICE}-ingests-{instance}");
     let mut ingests = ctx.worker_config_named(
         &ingests_consumer,
         subject::REQUESTS.name,

@@ -76,6 +76,10 @@ pub struct Parts {
     pub spool: Spool,
     pub progress_every: Duration,
     pub shutdown: CancellationToken,
+    /// This instance's consumers of facts and uploads, (stream, durable name): what it has
+    /// seen of versions and uploads in flight is complete up to now only once both have
+    /// handled everything stored.
+    pub watched: Vec<(&'static str, String)>,
 }
 
 /// The promoter. Clones share everything.
@@ -200,6 +204,22 @@ impl Promoter {
 
     fn p(&self) -> &Parts {
         &self.inner.parts
+    }
+
+    /// Whether this instance's consumers of facts and uploads have handled and acked every
+    /// message stored so far (false while one cannot be asked, or does not exist yet).
+    async fn caught_up(&self) -> bool {
+        let js = self.p().bus.jetstream();
+        for (stream, consumer) in &self.p().watched {
+            let Ok(stream) = js.get_stream(*stream).await else {
+                return false;
+            };
+            match stream.clone().consumer_info(consumer.as_str()).await {
+                Ok(info) if info.num_pending == 0 && info.num_ack_pending == 0 => {}
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// The node this promoter is the agent of, if it is one.
@@ -463,6 +483,32 @@ impl Promoter {
         let decision = resolve::decide(&cx).await.map_err(retry)?;
         match decision {
             Decision::Fail { reason, retryable } => self.fail(&record, reason, retryable).await,
+            Decision::Unknown { reason } => {
+                // Looked at again once this instance has handled everything stored: the fact
+                // or upload naming the version may have come in since the catalogue was asked
+                // (then the next attempt finds it, or waits for it).
+                let unknown = self.caught_up().await
+                    && !self
+                        .p()
+                        .state
+                        .seen_prefix(&record.event.project, &request.dataset, &request.version)?
+                        .has(Seen::VALIDATED | Seen::PREPARED | Seen::REJECTED)
+                    && self
+                        .p()
+                        .state
+                        .ingest_in_flight(
+                            &record.event.project,
+                            &request.dataset,
+                            &request.version,
+                        )?
+                        .is_none();
+                if !unknown {
+                    return Err(retry(format!(
+                        "{reason} — not answered yet: this promoter has not handled every fact and upload stored so far"
+                    )));
+                }
+                self.fail(&record, reason, true).await
+            }
             Decision::Wait {
                 waiting_for,
                 reason,

@@ -19,6 +19,10 @@ const VERSION_PAGES: usize = 20;
 pub enum Decision {
     /// Answer `stage.failed`.
     Fail { reason: String, retryable: bool },
+    /// Nothing is known of the version: answer `stage.failed` (retryable) with `reason`, but
+    /// only once this promoter has handled every fact and upload stored before now — until
+    /// then the fact that names it may be one it has not seen yet.
+    Unknown { reason: String },
     /// Record the wait and answer `stage.pending`.
     Wait {
         waiting_for: WaitingFor,
@@ -168,10 +172,7 @@ async fn not_validated(cx: &Context<'_>) -> Result<Decision, Unanswered> {
             cx.dataset, cx.version
         ),
     };
-    Ok(Decision::Fail {
-        reason,
-        retryable: true,
-    })
+    Ok(Decision::Unknown { reason })
 }
 
 /// A validated version without a prepared form yet: wait if the packing policy will prepare
