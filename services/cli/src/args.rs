@@ -81,11 +81,15 @@ pub fn init_logs() {
         .try_init();
 }
 
-/// The bus's "connecting to NATS failed; retrying" event (a warning with a `delay`).
+/// The bus's "connecting to NATS failed; retrying" event (a warning with a `delay`), and what
+/// the NATS client's connector says about a failed attempt (an error when something that is
+/// not a client port answers, such as a cluster's route port): the command's one line says
+/// why it gave up.
 fn is_connect_retry(meta: &tracing::Metadata<'_>) -> bool {
-    meta.target().starts_with("stagehand_bus")
+    (meta.target().starts_with("stagehand_bus")
         && *meta.level() == tracing::Level::WARN
-        && meta.fields().field("delay").is_some()
+        && meta.fields().field("delay").is_some())
+        || meta.target().starts_with("async_nats::connector")
 }
 
 /// Whether stderr takes ANSI colour codes.

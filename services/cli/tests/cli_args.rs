@@ -7,16 +7,24 @@
 //! coloured WARN lines, never naming the missing folder of `stagehand ingest /nonexistent`); no
 //! ANSI escape codes reach a pipe.
 
-use std::net::TcpListener;
+use std::net::TcpStream;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-/// A loopback URL nothing listens on: bound for a moment, then freed.
+/// A loopback URL nothing listens on: a privileged port that refuses connections now. (A
+/// port bound for a moment and freed could be taken meanwhile by another test's server, which
+/// takes its ports — client and cluster route ones — from the ephemeral range; slurm.sh takes
+/// Slurm's from 20000-32000.)
 fn dead_url() -> String {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a loopback port")
-        .port();
+    let port = (1..1024u16)
+        .find(|p| {
+            TcpStream::connect_timeout(
+                &std::net::SocketAddr::from(([127, 0, 0, 1], *p)),
+                Duration::from_secs(1),
+            )
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+        })
+        .expect("a loopback port below 1024 that refuses connections");
     format!("nats://127.0.0.1:{port}")
 }
 
@@ -459,4 +467,38 @@ fn connection_retries_show_only_when_debug_logs_are_asked_for_and_never_in_colou
             .is_some_and(|l| l.starts_with("stagehand: cannot reach NATS")),
         "{err}"
     );
+}
+
+/// Guards against the NATS client's own connector errors reaching a hook's stderr: pointed at a
+/// port where a nats-server answers, but not as a client port (a cluster's route port, which a
+/// freed "dead" port once turned out to be), a command still prints its one line, exit 69.
+#[test]
+fn a_port_that_is_not_a_client_port_is_still_one_line() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let route = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a loopback port")
+        .port();
+    let conf = dir.path().join("route.conf");
+    std::fs::write(
+        &conf,
+        // JetStream (the testkit starts it) wants routes in a cluster: the node's own will do.
+        format!(
+            "server_name: probe\ncluster {{ name: probe, listen: \"127.0.0.1:{route}\", \
+             routes: [\"nats://127.0.0.1:{route}\"] }}\n"
+        ),
+    )
+    .expect("write the config");
+    let _server = stagehand_testkit::NatsServer::builder()
+        .config_file(&conf)
+        .start();
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["--nats", &format!("nats://127.0.0.1:{route}")])
+        .args(["--connect-timeout", "1s", "dlq", "list"])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run stagehand");
+    assert_eq!(out.status.code(), Some(69), "{}", stderr(&out));
+    let line = one_line(&out);
+    assert!(line.contains("route port"), "{line}");
 }
