@@ -42,14 +42,11 @@ use stagehand_mover::{ReadLimit, Tier};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
 use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Location};
 
+use crate::args::{EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE};
 use crate::cli::Connection;
 
 /// Exit code of a refused checkpoint.
 pub const EXIT_REFUSED: i32 = 1;
-/// Exit code of a bad argument (sysexits' `EX_USAGE`).
-pub const EXIT_USAGE: i32 = 64;
-/// Exit code when NATS cannot be reached (sysexits' `EX_UNAVAILABLE`).
-pub const EXIT_UNAVAILABLE: i32 = 69;
 
 /// Files hashed at once.
 const HASH_AT_ONCE: usize = 4;
@@ -125,7 +122,7 @@ pub enum CheckpointError {
     /// NATS (or the catalogue on it) could not be reached (exit 69).
     #[error("{0:#}")]
     Unavailable(anyhow::Error),
-    /// Anything else (exit 2, as every command's other errors).
+    /// Anything else (exit 70, as every command's other errors).
     #[error("{0:#}")]
     Other(anyhow::Error),
 }
@@ -133,10 +130,10 @@ pub enum CheckpointError {
 impl CheckpointError {
     pub fn exit_code(&self) -> i32 {
         match self {
-            CheckpointError::Usage(_) => EXIT_USAGE,
+            CheckpointError::Usage(_) => EX_USAGE,
             CheckpointError::Refused(_) => EXIT_REFUSED,
-            CheckpointError::Unavailable(_) => EXIT_UNAVAILABLE,
-            CheckpointError::Other(_) => 2,
+            CheckpointError::Unavailable(_) => EX_UNAVAILABLE,
+            CheckpointError::Other(_) => EX_SOFTWARE,
         }
     }
 }

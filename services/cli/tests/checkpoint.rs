@@ -582,11 +582,12 @@ fn bad_arguments_exit_64_and_unreachable_nats_69() {
     let out = stagehand(&url, &args);
     assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
 
-    // One line naming the server it could not reach, however the connection is worded.
-    let out = stagehand(&url, &commit_args(policies, "10", done));
+    let mut args = commit_args(policies, "10", done);
+    args.extend(["--connect-timeout", "1s"]);
+    let out = stagehand(&url, &args);
     assert_eq!(out.status.code(), Some(69), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains(&format!("NATS at {url}")),
+        stderr(&out).contains(&format!("cannot reach NATS at {url} within")),
         "{}",
         stderr(&out)
     );
