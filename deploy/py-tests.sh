@@ -6,7 +6,8 @@
 #
 # It builds the service binaries with cargo, starts a private nats-server with JetStream on a
 # free port (or uses PY_TESTS_NATS_URL when set), writes policies whose posix source tier lives
-# in a temp folder, starts the services (the ingest validator and the catalogue recorder), and
+# in a temp folder, starts the services (the ingest validator, the catalogue recorder and the
+# resharder), and
 # runs schemas/examples/python/test_ingest_roundtrip.py with the checks of deploy/py-checks/
 # (the catalogue lists the validated version and the rejection). Its last line on stdout is
 # "N passed, M failed"; the exit status is non-zero when anything failed, set-up included.
@@ -60,12 +61,12 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-"$PYTHON" -c 'import nats, msgpack' 2>/dev/null ||
-    die "$PYTHON lacks nats-py or msgpack; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
+"$PYTHON" -c 'import nats, msgpack, webdataset' 2>/dev/null ||
+    die "$PYTHON lacks nats-py, msgpack or webdataset; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
 
 # --- build -----------------------------------------------------------------------------------
 # Services the test runs; a later service adds its package here and a start_service line below.
-PACKAGES=(stagehand-ingest-validator stagehand-catalogue-recorder)
+PACKAGES=(stagehand-ingest-validator stagehand-catalogue-recorder stagehand-resharder)
 log "building ${PACKAGES[*]}"
 cargo build --quiet $(printf -- '-p %s ' "${PACKAGES[@]}")
 
@@ -111,8 +112,19 @@ fi
 # The shipped policies, with every posix tier under this run's folder.
 export STAGEHAND_HOME="$WORK/home"
 TIER_ROOT="$STAGEHAND_HOME/tiers/source"
-mkdir -p "$TIER_ROOT" "$WORK/state"
+PREPARED_ROOT="$STAGEHAND_HOME/tiers/capacity"
+mkdir -p "$TIER_ROOT" "$PREPARED_ROOT" "$WORK/state"
 cp -r "$REPO/policies" "$WORK/policies"
+# The resharder packs the dataset of deploy/py-checks/resharder_webdataset.py (few files, so
+# named here; the shipped thresholds select none of the test's datasets).
+cat >>"$WORK/policies/packing.toml" <<TOML
+
+[datasets."lab-py/py-shards"]
+pack = true
+seed = 20261129
+shard_size = "1 MiB"
+require_extensions = ["cls", "jpg"]
+TOML
 
 # --- services --------------------------------------------------------------------------------
 start_service() {
@@ -141,8 +153,16 @@ instance = "py-tests"
 store_path = "$WORK/state/catalogue-recorder/catalogue.redb"
 ledger_dir = "$WORK/state/catalogue-recorder/ledger"
 TOML
+cat >"$WORK/resharder.toml" <<TOML
+[bus]
+servers = ["$NATS_URL"]
+[service]
+policies_dir = "$WORK/policies"
+state_dir = "$WORK/state/resharder"
+TOML
 start_service stagehand-ingest-validator --config "$WORK/ingest-validator.toml"
 start_service stagehand-catalogue-recorder --config "$WORK/catalogue-recorder.toml"
+start_service stagehand-resharder --config "$WORK/resharder.toml"
 
 # --- the test --------------------------------------------------------------------------------
 mkdir -p "$WORK/scratch"
@@ -151,6 +171,7 @@ service_pids="${PIDS[*]}"
 SUMMARY_PRINTED=1
 PY_TEST_NATS_URL="$NATS_URL" \
     PY_TEST_TIER_ROOT="$TIER_ROOT" \
+    PY_TEST_PREPARED_ROOT="$PREPARED_ROOT" \
     PY_TEST_WORK="$WORK/scratch" \
     PY_TEST_CHECKS_DIR="$REPO/deploy/py-checks" \
     PY_TEST_PIDS="$service_pids" \
