@@ -230,10 +230,12 @@ struct ReadBatch {
 }
 
 /// What stops every thread: the first real failure (later ones are its echo: a closed
-/// channel), or the policy aborting.
+/// channel), or the policy aborting (which stops the readers and the writer but not the
+/// planner, which goes on to find every problem).
 #[derive(Default)]
 struct Halt {
     halted: AtomicBool,
+    failed: AtomicBool,
     error: Mutex<Option<DeriveError>>,
 }
 
@@ -245,16 +247,23 @@ impl Halt {
             if slot.is_none() {
                 *slot = Some(e);
             }
+            self.failed.store(true, Ordering::SeqCst);
         }
         self.stop();
     }
 
+    /// Stops the readers and the writer.
     fn stop(&self) {
         self.halted.store(true, Ordering::SeqCst);
     }
 
     fn halted(&self) -> bool {
         self.halted.load(Ordering::SeqCst)
+    }
+
+    /// Whether a thread failed (not merely the policy aborting).
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
     }
 
     fn take(&self) -> Option<DeriveError> {
@@ -412,7 +421,9 @@ fn plan(
         incomplete: packing.incomplete,
         shard_size: packing.shard_size,
     });
-    let stopped = || halt.halted() || job.cancel.is_cancelled();
+    // Not `halted`: the policy aborting stops the others, while this goes on to list every
+    // problem.
+    let stopped = || halt.failed() || job.cancel.is_cancelled();
 
     // Pass 1: the manifest in path order into the shuffle's sort.
     let mut sorter = Sorter::new(dir, tuning.sort_run_bytes);
@@ -686,4 +697,178 @@ fn finish_shard(shard: ShardWriter, written: &mut Written) -> Result<(), DeriveE
     }
     written.shards += 1;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use stagehand_policy::{IncompletePolicy, ShardLayout};
+    use stagehand_schemas::sha256_hex;
+
+    use super::*;
+
+    fn tuning(
+        spool: &Path,
+        read_threads: usize,
+        batch_bytes: u64,
+        sort_run_bytes: usize,
+    ) -> Tuning {
+        Tuning {
+            read_threads,
+            batch_bytes,
+            window: 2 * read_threads + 2,
+            stream_above: 16 << 20,
+            sort_run_bytes,
+            spool_dir: spool.to_owned(),
+            limiter: None,
+        }
+    }
+
+    fn packing(incomplete: IncompletePolicy) -> Packing {
+        Packing {
+            layout: ShardLayout::Webdataset,
+            seed: 3,
+            shard_size: 1 << 20,
+            require_extensions: vec!["cls".into()],
+            incomplete,
+            target_tier: "capacity".into(),
+        }
+    }
+
+    /// `n` samples `s/NNNNN` of a `.bin` (a few hundred bytes) and a `.cls`, on disk.
+    fn source(root: &Path, n: usize) -> Manifest {
+        let mut files = Vec::new();
+        for i in 0..n {
+            let mut put = |path: String, data: Vec<u8>| {
+                let full = root.join(&path);
+                std::fs::create_dir_all(full.parent().unwrap()).unwrap();
+                std::fs::write(&full, &data).unwrap();
+                files.push(FileRef::new(path, data.len() as u64, sha256_hex(&data)));
+            };
+            put(
+                format!("s/{i:05}.bin"),
+                vec![(i % 251) as u8; 100 + i % 400],
+            );
+            put(format!("s/{i:05}.cls"), (i % 10).to_string().into_bytes());
+        }
+        Manifest::from_entries(files)
+    }
+
+    fn run(
+        src: &Path,
+        out: &Path,
+        manifest: &Manifest,
+        packing: &Packing,
+        tuning: &Tuning,
+    ) -> Result<Derived, DeriveError> {
+        std::fs::create_dir_all(out).unwrap();
+        let source = PosixTier::open("source", src).unwrap();
+        let staging = PosixTier::open("capacity", out).unwrap();
+        derive(&Job {
+            source: &source,
+            staging: &staging,
+            manifest,
+            packing,
+            tuning,
+            cancel: &CancellationToken::new(),
+        })
+    }
+
+    /// The bytes of a prepared version must not depend on how the work was spread: reader
+    /// threads, batch sizes and the sort's spilled runs change timing, never output.
+    #[test]
+    fn the_output_does_not_depend_on_threads_batches_or_sort_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        let manifest = source(&src, 500);
+        let p = Packing {
+            shard_size: 256 << 10,
+            ..packing(IncompletePolicy::Abort)
+        };
+        let one = run(
+            &src,
+            &dir.path().join("one"),
+            &manifest,
+            &p,
+            &tuning(dir.path(), 1, 1 << 30, usize::MAX),
+        )
+        .unwrap();
+        let many = run(
+            &src,
+            &dir.path().join("many"),
+            &manifest,
+            &p,
+            &tuning(dir.path(), 4, 64 << 10, 16 << 10),
+        )
+        .unwrap();
+        assert_eq!(one.samples, 500);
+        assert!(one.shards >= 2, "{} shards", one.shards);
+        let mut a = one.files.clone();
+        let mut b = many.files.clone();
+        a.sort_by(|x, y| x.path.cmp(&y.path));
+        b.sort_by(|x, y| x.path.cmp(&y.path));
+        assert_eq!(a, b);
+    }
+
+    /// Guards "abort with every problem": problems far apart in a large version (beyond the
+    /// planner's periodic stop checks) are all listed, and nothing is read or packed. A file
+    /// without a sample comes first in path order, so the policy aborts before any member is
+    /// sent to a reader: the manifest's files need not exist.
+    #[test]
+    fn abort_lists_every_problem_of_a_large_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = |i: usize| i % 1000 == 7;
+        let mut files = vec![FileRef::new("README", 1, sha256_hex(b"x"))];
+        for i in 0..9000 {
+            files.push(FileRef::new(format!("s/{i:05}.bin"), 1, sha256_hex(b"b")));
+            if !missing(i) {
+                files.push(FileRef::new(format!("s/{i:05}.cls"), 1, sha256_hex(b"c")));
+            }
+        }
+        let manifest = Manifest::from_entries(files);
+        let err = run(
+            dir.path(),
+            &dir.path().join("out"),
+            &manifest,
+            &packing(IncompletePolicy::Abort),
+            &tuning(dir.path(), 2, 64 << 10, 256 << 10),
+        )
+        .unwrap_err();
+        let DeriveError::Incomplete { log } = err else {
+            panic!("{err}")
+        };
+        assert_eq!(log.total(), 10);
+        assert_eq!(log.counts().get("missing_extension"), Some(&9));
+        assert_eq!(log.counts().get("no_sample_key"), Some(&1));
+        let (mut file, _) = log.into_file().unwrap();
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut file, &mut text).unwrap();
+        let mut keys: Vec<String> = text
+            .lines()
+            .skip(1)
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["key"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        keys.sort();
+        let want: Vec<String> = (0..9000)
+            .filter(|&i| missing(i))
+            .map(|i| format!("s/{i:05}"))
+            .collect();
+        assert_eq!(keys, want);
+        assert!(names_in(&dir.path().join("out")).is_empty());
+    }
+
+    fn names_in(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
 }

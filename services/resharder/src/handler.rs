@@ -428,7 +428,8 @@ impl Handler for Resharder {
             .packing
             .packing_for(&event.project, &v.dataset, files, bytes)
         {
-            Ok(packing) => self.prepare(event, v, packing, ctx).await,
+            // Boxed: the derivation's future is deep, and the runtime nests it further.
+            Ok(packing) => Box::pin(self.prepare(event, v, packing, ctx)).await,
             Err(why) => {
                 info!(event_id = %event.id, project = %event.project, dataset = %v.dataset, version = %v.version, reason = %why, "not packed");
                 Ok(Vec::new())
