@@ -502,6 +502,91 @@ mod tests {
         );
     }
 
+    /// Guards `show D --lineage`: a raw version, its replicas, and the prepared version under
+    /// it with its own replicas, then the command for the next page.
+    #[test]
+    fn lineage_shows_prepared_versions_under_their_raw_version() {
+        use stagehand_catalogue::{Provenance, ReplicaState, VersionRecord};
+        use stagehand_schemas::{EventId, Location};
+        let at = time::macros::datetime!(2026-12-01 06:44:25 UTC);
+        let version = |digest: &str, derived_from: Option<&str>, tier: &str| {
+            let provenance = Provenance {
+                by: if derived_from.is_some() {
+                    "resharder"
+                } else {
+                    "alice"
+                }
+                .into(),
+                at,
+                request_id: EventId::new("req-1").unwrap(),
+                event_id: EventId::new("ev-1").unwrap(),
+                labels: vec![],
+                derived_from: derived_from.map(Into::into),
+                layout: derived_from.map(|_| "webdataset".into()),
+                location: Location {
+                    tier: tier.into(),
+                    prefix: "p".into(),
+                },
+            };
+            let replica = ReplicaRecord {
+                project: "lab".into(),
+                dataset: "cats".into(),
+                version: digest.into(),
+                tier: tier.into(),
+                prefix: "p".into(),
+                state: ReplicaState::Present,
+                reason: None,
+                stamp: None,
+                files: 2,
+                total_bytes: 9,
+                verified_by: Some("prepared".into()),
+                backup: false,
+                copied: None,
+                last_drill: None,
+            };
+            LineageNode {
+                version: VersionRecord {
+                    project: "lab".into(),
+                    dataset: "cats".into(),
+                    version: digest.into(),
+                    file_count: 2,
+                    total_bytes: 9,
+                    provenance,
+                    request_count: 1,
+                },
+                replicas: vec![replica],
+                derived: vec![],
+                truncated: false,
+            }
+        };
+        let mut raw = version("aaaa1111", None, "source");
+        raw.derived
+            .push(version("bbbb2222", Some("aaaa1111"), "capacity"));
+        let page = Page {
+            items: vec![raw],
+            next: Some("aaaa1111".into()),
+        };
+        let mut out = Vec::new();
+        lineage_text("cats", &page, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[0].starts_with("raw aaaa1111  2 files, 9 bytes, by alice"),
+            "{text}"
+        );
+        assert!(lines[1].trim_start().starts_with("source"), "{text}");
+        assert_eq!(lines[2].trim(), "↳", "{text}");
+        assert!(
+            lines[3].starts_with("  prepared (webdataset) bbbb2222"),
+            "{text}"
+        );
+        assert!(lines[4].trim_start().starts_with("capacity"), "{text}");
+        assert!(
+            text.ends_with("more: stagehand catalogue show cats --lineage --after aaaa1111\n"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn cursors_are_quoted_for_the_shell() {
         assert_eq!(shell_quote("train/0001.jpg"), "train/0001.jpg");
