@@ -103,7 +103,9 @@ mod defaults {
     pub fn concurrency() -> usize {
         1
     }
-    pub fn max_deliver() -> i64 {
+    /// A failed derivation (a tier down, the disk full) is retried a few times: each costs a
+    /// full pass over the version.
+    pub fn max_attempts() -> u32 {
         5
     }
     pub fn ack_wait() -> Duration {
@@ -131,7 +133,7 @@ impl Settings {
     }
 
     /// The worker the resharder runs, with its defaults (one derivation at a time, 5
-    /// deliveries, 60 s ack wait, renewed by progress acks while a derivation runs) before the
+    /// attempts, 60 s ack wait, renewed by progress acks while a derivation runs) before the
     /// `[worker]` table's overrides: `dataset.validated` of every project from the facts
     /// stream.
     pub fn worker_config(&self) -> WorkerConfig {
@@ -142,7 +144,7 @@ impl Settings {
             self.state_dir.join(format!("{SERVICE}.redb")),
         );
         cfg.concurrency = defaults::concurrency();
-        cfg.max_deliver = defaults::max_deliver();
+        cfg.max_attempts = defaults::max_attempts();
         cfg.ack_wait = defaults::ack_wait();
         cfg
     }

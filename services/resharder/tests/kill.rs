@@ -39,7 +39,7 @@ fn write_config(path: &Path, nats: &str, policies: &Path, state: &Path, limit: O
     std::fs::write(
         path,
         format!(
-            "[bus]\nservers = [\"{nats}\"]\n\n[worker]\nack_wait = \"2s\"\nmax_deliver = 5\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\nread_threads = 2\n{}",
+            "[bus]\nservers = [\"{nats}\"]\n\n[worker]\nack_wait = \"2s\"\nmax_attempts = 5\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\nread_threads = 2\n{}",
             policies.display(),
             state.display(),
             limit
