@@ -245,6 +245,144 @@ async fn a_corrupted_member_fails_the_derivation_naming_its_path() {
     assert_eq!(stats.dead_lettered, 1);
 }
 
+/// Guards the checksum chain raw → shard → tier, followed through what is recorded: the
+/// prepared fact's `derived_from` leads to the raw version's `dataset.validated` and its
+/// manifest (by reference, verified against that digest); every index entry is exactly one
+/// raw entry (path, size, the upload's SHA-256) and every raw entry is in one index; every
+/// member's bytes at its offset hash to it; the mover copies the prepared version to another
+/// tier proving every shard against the prepared manifest. One byte flipped inside a shard on
+/// the tier is then found at both hops: the mover refuses the copy naming that shard, and the
+/// index names the one member whose bytes no longer hash to the upload's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checksum_chain_leads_from_every_shard_member_back_to_the_raw_version() {
+    use stagehand_mover::{
+        CancellationToken, ErrorKind, Mover, MoverConfig, PosixTier, Progress, SetCopy, Tier,
+    };
+
+    let h = Harness::start(&packing("1 MiB", "")).await;
+    let raw = image_samples(200);
+    let manifest = place(&h.source, "lab/owls/up", &raw);
+    let js = h.bus.jetstream().clone();
+    let event = publish_validated(&h.bus, "owls", "owls", "lab/owls/up", manifest, true).await;
+    let (fact, p) = prepared(&js, &event).await;
+
+    // derived_from → the raw version's fact and manifest, as any reader finds them.
+    let validated = stream_messages(&js, subject::FACTS.name)
+        .await
+        .into_iter()
+        .filter_map(|m| stagehand_schemas::wire::decode(&m.payload).ok())
+        .find(|e: &stagehand_schemas::Event| {
+            matches!(&e.body, stagehand_schemas::Body::DatasetValidated(v) if v.version == p.derived_from)
+        })
+        .expect("the raw version's dataset.validated");
+    let spool = tempfile::tempdir().unwrap();
+    let raw_manifest = stagehand_manifest::open_manifest(
+        &js,
+        &validated,
+        &stagehand_manifest::Spool::in_dir(spool.path()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(raw_manifest.digest(), p.derived_from);
+    let mut raw_entries: BTreeMap<String, FileRef> = raw_manifest
+        .entries()
+        .map(|f| f.unwrap())
+        .map(|f| (f.path.clone(), f))
+        .collect();
+    assert_eq!(raw_entries.len(), 600);
+
+    // Every index entry is one raw entry, and its bytes in the shard hash to it.
+    let files = prepared_files(&js, &fact).await;
+    let dir = h.capacity.join(&p.location.prefix);
+    let mut located = Vec::new();
+    for index in files.iter().filter(|f| f.path.ends_with(".index.jsonl")) {
+        let shard = index.path.replace(".index.jsonl", ".tar");
+        let bytes = std::fs::read(dir.join(&shard)).unwrap();
+        for line in std::fs::read_to_string(dir.join(&index.path))
+            .unwrap()
+            .lines()
+        {
+            let sample: serde_json::Value = serde_json::from_str(line).unwrap();
+            for m in sample["members"].as_array().unwrap() {
+                let path = m["path"].as_str().unwrap().to_owned();
+                let (offset, size) = (m["offset"].as_u64().unwrap(), m["size"].as_u64().unwrap());
+                let entry = FileRef::new(path.clone(), size, m["sha256"].as_str().unwrap());
+                assert_eq!(raw_entries.remove(&path), Some(entry.clone()), "{path}");
+                let data = &bytes[offset as usize..(offset + size) as usize];
+                assert_eq!(stagehand_schemas::sha256_hex(data), entry.sha256, "{path}");
+                located.push((shard.clone(), offset, entry));
+            }
+        }
+    }
+    assert!(raw_entries.is_empty(), "not packed: {raw_entries:?}");
+    assert_eq!(located.len(), 600);
+
+    // The tier hop: the mover proves every shard against the prepared manifest.
+    let hot_root = h.capacity.parent().unwrap().join("hot");
+    std::fs::create_dir_all(&hot_root).unwrap();
+    let capacity = Tier::Posix(PosixTier::open("capacity", &h.capacity).unwrap());
+    let hot = Tier::Posix(PosixTier::open("hot", &hot_root).unwrap());
+    let mover = Mover::new(MoverConfig::default()).unwrap();
+    let copy = |dst: &str| SetCopy {
+        src_prefix: p.location.prefix.clone(),
+        dst_prefix: dst.into(),
+        ..SetCopy::default()
+    };
+    let cancel = CancellationToken::new();
+    let report = mover
+        .copy_set(
+            &capacity,
+            &hot,
+            &copy("owls-good"),
+            futures::stream::iter(files.clone()),
+            &Progress::new(),
+            &cancel,
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.files, files.len() as u64);
+
+    // One byte flipped inside a member of a shard on the capacity tier.
+    let (shard, offset, victim) = located
+        .iter()
+        .find(|(_, _, e)| e.size > 100)
+        .cloned()
+        .unwrap();
+    let on_tier = dir.join(&shard);
+    let mut bytes = std::fs::read(&on_tier).unwrap();
+    bytes[offset as usize + 50] ^= 0xFF;
+    std::fs::write(&on_tier, &bytes).unwrap();
+    let err = mover
+        .copy_set(
+            &capacity,
+            &hot,
+            &copy("owls-bad"),
+            futures::stream::iter(files.clone()),
+            &Progress::new(),
+            &cancel,
+            |_| {},
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+    assert!(err.path.ends_with(&shard), "{err}");
+    assert!(!hot_root.join("owls-bad").exists());
+    let broken: Vec<&FileRef> = located
+        .iter()
+        .filter(|(s, off, e)| {
+            *s == shard
+                && stagehand_schemas::sha256_hex(&bytes[*off as usize..(*off + e.size) as usize])
+                    != e.sha256
+        })
+        .map(|(_, _, e)| e)
+        .collect();
+    assert_eq!(broken, vec![&victim]);
+    let stats = h.stop().await;
+    assert_eq!(stats.dead_lettered, 0);
+}
+
 /// Guards the policy on incomplete samples: `abort` fails listing every problem (the full
 /// list left on the target tier), `warn` packs them and lists them, `exclude` leaves them out
 /// and lists them; a file without an extension is never packed.
