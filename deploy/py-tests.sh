@@ -9,8 +9,11 @@
 # in a temp folder, starts the services (the ingest validator, the catalogue recorder and the
 # resharder), and
 # runs schemas/examples/python/test_ingest_roundtrip.py with the checks of deploy/py-checks/
-# (the catalogue lists the validated version and the rejection). Its last line on stdout is
-# "N passed, M failed"; the exit status is non-zero when anything failed, set-up included.
+# (the catalogue lists the validated version and the rejection), then
+# schemas/examples/python/test_checkpoint_commit.py (a DCP save committed with the `stagehand`
+# binary; torch is not installed, the test writes DCP's layout without it). Its last line on
+# stdout is "N passed, M failed" over both; the exit status is non-zero when anything failed,
+# set-up included.
 # Everything it started is stopped, and its temp folder removed, on exit.
 #
 # Settings (environment): PY_TESTS_NATS_URL (use this server instead of starting one),
@@ -69,6 +72,8 @@ trap 'exit 130' INT TERM
 PACKAGES=(stagehand-ingest-validator stagehand-catalogue-recorder stagehand-resharder)
 log "building ${PACKAGES[*]}"
 cargo build --quiet $(printf -- '-p %s ' "${PACKAGES[@]}")
+# The CLI, for the checkpoint commit test.
+cargo build --quiet -p stagehand --bin stagehand
 
 # --- nats-server -----------------------------------------------------------------------------
 free_port() {
@@ -113,7 +118,8 @@ fi
 export STAGEHAND_HOME="$WORK/home"
 TIER_ROOT="$STAGEHAND_HOME/tiers/source"
 PREPARED_ROOT="$STAGEHAND_HOME/tiers/capacity"
-mkdir -p "$TIER_ROOT" "$PREPARED_ROOT" "$WORK/state"
+HOT_ROOT="$STAGEHAND_HOME/tiers/hot"
+mkdir -p "$TIER_ROOT" "$PREPARED_ROOT" "$HOT_ROOT" "$WORK/state"
 cp -r "$REPO/policies" "$WORK/policies"
 # The resharder packs the dataset of deploy/py-checks/resharder_webdataset.py (few files, so
 # named here; the shipped thresholds select none of the test's datasets).
@@ -169,10 +175,21 @@ mkdir -p "$WORK/scratch"
 service_pids="${PIDS[*]}"
 # The harness prints the summary line itself, also when a test fails.
 SUMMARY_PRINTED=1
+status=0
 PY_TEST_NATS_URL="$NATS_URL" \
     PY_TEST_TIER_ROOT="$TIER_ROOT" \
     PY_TEST_PREPARED_ROOT="$PREPARED_ROOT" \
     PY_TEST_WORK="$WORK/scratch" \
     PY_TEST_CHECKS_DIR="$REPO/deploy/py-checks" \
     PY_TEST_PIDS="$service_pids" \
-    "$PYTHON" "$REPO/schemas/examples/python/test_ingest_roundtrip.py"
+    "$PYTHON" "$REPO/schemas/examples/python/test_ingest_roundtrip.py" | tee "$WORK/ingest.out" || status=1
+PY_TEST_NATS_URL="$NATS_URL" \
+    PY_TEST_STAGEHAND="$TARGET/debug/stagehand" \
+    PY_TEST_POLICIES="$WORK/policies" \
+    PY_TEST_HOT_ROOT="$HOT_ROOT" \
+    PY_TEST_PIDS="$service_pids" \
+    "$PYTHON" "$REPO/schemas/examples/python/test_checkpoint_commit.py" | tee "$WORK/checkpoint.out" || status=1
+# One summary over both: each script's last line is "N passed, M failed".
+tail -qn1 "$WORK/ingest.out" "$WORK/checkpoint.out" |
+    awk '{ p += $1; f += $3 } END { printf "%d passed, %d failed\n", p, f }'
+exit "$status"

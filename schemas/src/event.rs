@@ -526,6 +526,10 @@ pub struct CheckpointDemoted {
     pub from: Location,
     pub to: Location,
     pub total_bytes: u64,
+    /// The retention rule that kept it (`keep_last`, `keep_every`, `tagged:<tag>`; see
+    /// `stagehand_policy::retention`). Absent in facts of writers before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
 /// A checkpoint was removed by retention.

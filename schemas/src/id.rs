@@ -117,6 +117,18 @@ impl EventId {
         )
     }
 
+    /// The id of a `checkpoint.committed` fact: committing the same step of the same run of a
+    /// project again (a retried hook, a re-run launcher) is the same fact, which the duplicate
+    /// window drops and the catalogue folds once.
+    pub fn for_checkpoint(project: &str, run: &str, step: u64) -> Self {
+        Self::for_content(&[
+            b"checkpoint",
+            project.as_bytes(),
+            run.as_bytes(),
+            &step.to_be_bytes(),
+        ])
+    }
+
     /// The id of the dead letter for the message at `stream_sequence` of `stream` as delivered
     /// to `consumer`: dead-lettering the same delivery twice yields the same id.
     pub fn for_dead_letter(stream: &str, consumer: &str, stream_sequence: u64) -> Self {

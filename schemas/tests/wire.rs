@@ -440,6 +440,15 @@ fn id_helpers_follow_the_written_rules() {
         EventId::for_fact("lab-a", &cause, "validated").as_str(),
         "6374f5bfa61b283ce7c27d95cc10e871"
     );
+    // Committing a step of a run again is the same fact; another project's is another.
+    assert_eq!(
+        EventId::for_checkpoint("vision-lab", "llama-ft-7b-r3", 12000).as_str(),
+        "f8192333650f9db57d3d60a6b5761e16"
+    );
+    assert_ne!(
+        EventId::for_checkpoint("vision-lab", "r1", 5),
+        EventId::for_checkpoint("lab-b", "r1", 5)
+    );
     // The same request id in two projects gives two projects' facts different ids.
     assert_ne!(
         EventId::for_fact("lab-a", &cause, "validated"),

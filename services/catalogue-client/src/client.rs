@@ -338,6 +338,49 @@ impl Catalogue {
         expect!(self.ask(&q).await?, "stage_request", Answer::StageRequest { stage } => stage)
     }
 
+    /// One page of a training run's checkpoints in step order (after step `after`).
+    pub async fn checkpoints(
+        &self,
+        project: &str,
+        run: &str,
+        limit: Option<u32>,
+        after: Option<u64>,
+    ) -> Result<Page<CheckpointRecord>, CatalogueError> {
+        let q = Query::Checkpoints {
+            project: project.into(),
+            run: run.into(),
+            limit,
+            after: after.map(|step| step.to_string()),
+        };
+        expect!(self.ask(&q).await?, "checkpoints",
+            Answer::Checkpoints { checkpoints, next } => Page { items: checkpoints, next })
+    }
+
+    /// Every checkpoint of a training run in step order, page after page.
+    pub async fn all_checkpoints(
+        &self,
+        project: &str,
+        run: &str,
+    ) -> Result<Vec<CheckpointRecord>, CatalogueError> {
+        let mut all = Vec::new();
+        let mut after = None;
+        loop {
+            let page = self
+                .checkpoints(project, run, Some(MAX_PAGE), after)
+                .await?;
+            all.extend(page.items);
+            match page.next {
+                Some(next) => {
+                    after = Some(next.parse().map_err(|_| CatalogueError::Unexpected {
+                        wanted: "checkpoints",
+                        got: format!("a page cursor {next:?} that is not a step"),
+                    })?);
+                }
+                None => return Ok(all),
+            }
+        }
+    }
+
     /// One page of the facts the recorder could not fold, and how many there are in all.
     pub async fn problems(
         &self,

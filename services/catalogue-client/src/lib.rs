@@ -17,6 +17,8 @@
 //! {"query":"stage_requests","project":"lab-a","job_id":"4815162"}
 //!                                                → {"answer":"stage_requests","stages":[{"state":"copying",…}],"next":null}
 //! {"query":"lineage","dataset":"cats"}         → {"answer":"lineage","lineage":[{"version":{…},"replicas":[…],"derived":[…]}],"next":null}
+//! {"query":"checkpoints","project":"lab-a","run":"r1","limit":2}
+//!                                                → {"answer":"checkpoints","checkpoints":[{"step":100,"state":"demoted","location":{"tier":"capacity",…},"rule":"keep_every",…},…],"next":"200"}
 //! {"query":"file","dataset":"cats","version":"3f2a9c01","path":"labels.csv"}
 //!                                                → {"answer":"file","version":"3f2a…","file":{"path":…,"size":…,"sha256":…}}
 //! ```

@@ -155,6 +155,16 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// A training run's checkpoints in step order, each with its state, tier and the rule of
+    /// its latest decision. `after`: a step (decimal).
+    Checkpoints {
+        project: String,
+        run: String,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
     /// Dead letters counted per service, in service order. `after`: a service name.
     DeadLetters {
         #[serde(default)]
@@ -251,6 +261,10 @@ pub enum Answer {
     },
     Readiness {
         readiness: Vec<Readiness>,
+        next: Option<String>,
+    },
+    Checkpoints {
+        checkpoints: Vec<CheckpointRecord>,
         next: Option<String>,
     },
     DeadLetters {

@@ -243,19 +243,38 @@ pub enum CheckpointState {
     Expired,
 }
 
-/// A checkpoint. The state register (`state`, `location`, `stamp`) follows every checkpoint
-/// fact; `total_bytes` and `tags` come from its commit.
+/// A checkpoint. The state register (`state`, `location`, `stamp`, `rule`) follows every
+/// checkpoint fact; `total_bytes` and `tags` come from its commit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointRecord {
     pub project: String,
     pub run: String,
     pub step: u64,
+    /// The latest decision carried out: committed (on the tier it was written to), demoted,
+    /// expired.
     pub state: CheckpointState,
+    /// Where it is (demoted: the tier it went to; expired: where it was removed from).
     pub location: Location,
     pub stamp: Stamp,
     pub total_bytes: u64,
     pub tags: Vec<String>,
     pub committed: Option<Stamp>,
+    /// The retention rule of the latest demotion or expiry (`keep_every`, `tagged:best`,
+    /// `expired`, ...); `None` while committed, or for a demotion that named none.
+    #[serde(default)]
+    pub rule: Option<String>,
+}
+
+impl CheckpointRecord {
+    /// The tiers holding the checkpoint: its location's, or none once expired.
+    pub fn tiers(&self) -> Vec<&str> {
+        match self.state {
+            CheckpointState::Expired => Vec::new(),
+            CheckpointState::Committed | CheckpointState::Demoted => {
+                vec![self.location.tier.as_str()]
+            }
+        }
+    }
 }
 
 /// Why the recorder could not fold a fact.

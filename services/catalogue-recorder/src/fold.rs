@@ -582,7 +582,7 @@ fn checkpoint_committed(
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
     let commit = (p.total_bytes, p.tags.clone());
-    let state = (CheckpointState::Committed, &p.location);
+    let state = (CheckpointState::Committed, &p.location, None);
     set_checkpoint(
         txn,
         &event.project,
@@ -599,7 +599,7 @@ fn checkpoint_demoted(
     p: &CheckpointDemoted,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let state = (CheckpointState::Demoted, &p.to);
+    let state = (CheckpointState::Demoted, &p.to, p.rule.as_deref());
     set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)
 }
 
@@ -609,7 +609,7 @@ fn checkpoint_expired(
     p: &CheckpointExpired,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let state = (CheckpointState::Expired, &p.location);
+    let state = (CheckpointState::Expired, &p.location, Some(p.rule.as_str()));
     set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)
 }
 
@@ -888,7 +888,7 @@ fn set_checkpoint(
     project: &str,
     (run, step): (&str, u64),
     stamp: &Stamp,
-    (state, location): (CheckpointState, &Location),
+    (state, location, rule): (CheckpointState, &Location, Option<&str>),
     commit: Option<(u64, Vec<String>)>,
 ) -> Result<(), FoldError> {
     let what = || format!("checkpoint {project}/{run}/{step}");
@@ -908,11 +908,13 @@ fn set_checkpoint(
         total_bytes: 0,
         tags: vec![],
         committed: None,
+        rule: rule.map(str::to_owned),
     });
     if *stamp > record.stamp {
         record.state = state;
         record.location = location.clone();
         record.stamp = stamp.clone();
+        record.rule = rule.map(str::to_owned);
         changed = true;
     }
     if let Some((total_bytes, tags)) = commit
@@ -966,6 +968,104 @@ mod tests {
         assert_eq!(services[0].count, 2);
     }
 
+    /// A run's checkpoints fold into one record per step whose state, tier and rule follow the
+    /// newest fact (whatever order they arrive in), listed in step order a page at a time.
+    #[test]
+    fn checkpoints_fold_per_step_with_tier_and_rule() {
+        let events = vec![
+            checkpoint_demoted(20, Some("tagged:best"), 50),
+            checkpoint_committed(10, &[], 10),
+            checkpoint_committed(20, &["best"], 20),
+            checkpoint_committed(30, &[], 30),
+            checkpoint_expired(10, 40),
+            checkpoint_committed(30, &[], 30),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "c.redb", &events);
+        let ask = |limit, after: Option<&str>| match crate::answer(
+            &store,
+            &Query::Checkpoints {
+                project: "lab-a".into(),
+                run: "r1".into(),
+                limit,
+                after: after.map(Into::into),
+            },
+        ) {
+            Answer::Checkpoints { checkpoints, next } => (checkpoints, next),
+            other => panic!("{other:?}"),
+        };
+        let (all, next) = ask(None, None);
+        assert_eq!(next, None);
+        let summary: Vec<_> = all
+            .iter()
+            .map(|c| {
+                (
+                    c.step,
+                    c.state,
+                    c.tiers(),
+                    c.rule.as_deref(),
+                    c.tags.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (
+                    10,
+                    CheckpointState::Expired,
+                    vec![],
+                    Some("expired"),
+                    vec![]
+                ),
+                (
+                    20,
+                    CheckpointState::Demoted,
+                    vec!["capacity"],
+                    Some("tagged:best"),
+                    vec!["best".to_owned()]
+                ),
+                (30, CheckpointState::Committed, vec!["hot"], None, vec![]),
+            ]
+        );
+        let (first, next) = ask(Some(2), None);
+        assert_eq!(first.len(), 2);
+        assert_eq!(next.as_deref(), Some("20"));
+        let (rest, next) = ask(Some(2), Some("20"));
+        assert_eq!((rest.len(), rest[0].step, next), (1, 30, None));
+        let other_run = crate::answer(
+            &store,
+            &Query::Checkpoints {
+                project: "lab-a".into(),
+                run: "r0".into(),
+                limit: None,
+                after: None,
+            },
+        );
+        assert_eq!(
+            other_run,
+            Answer::Checkpoints {
+                checkpoints: vec![],
+                next: None
+            }
+        );
+        assert!(matches!(
+            crate::answer(
+                &store,
+                &Query::Checkpoints {
+                    project: "lab-a".into(),
+                    run: "r1".into(),
+                    limit: None,
+                    after: Some("x".into()),
+                },
+            ),
+            Answer::Error {
+                code: ErrorCode::BadQuery,
+                ..
+            }
+        ));
+    }
+
     /// Guards the rebuild == live property at its root: any order of the same facts folds to
     /// the same tables, row for row.
     #[test]
@@ -980,6 +1080,10 @@ mod tests {
             stage(1, "job-2", false),
             stage(1, "job-1", false),
             dead_letter(4),
+            checkpoint_committed(10, &["best"], 10),
+            checkpoint_demoted(10, Some("tagged:best"), 20),
+            checkpoint_committed(20, &[], 15),
+            checkpoint_expired(20, 30),
         ];
         let dir = tempfile::tempdir().unwrap();
         let forward = store_with(dir.path(), "f.redb", &events);

@@ -332,6 +332,15 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
                 readiness(txn, &version, tier.as_deref(), *limit, after.as_deref())?;
             Answer::Readiness { readiness, next }
         }
+        Query::Checkpoints {
+            project,
+            run,
+            limit,
+            after,
+        } => {
+            let (checkpoints, next) = checkpoints(txn, project, run, *limit, after.as_deref())?;
+            Answer::Checkpoints { checkpoints, next }
+        }
         Query::DeadLetters { limit, after } => {
             let (services, next) =
                 by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
@@ -666,6 +675,41 @@ fn file(txn: &ReadTransaction, digest: &str, path: &str) -> Result<Option<FileRe
         .binary_search_by(|f| f.path.as_bytes().cmp(path.as_bytes()))
         .ok()
         .map(|i| entries[i].clone()))
+}
+
+/// A run's checkpoints in step order, after step `after`.
+fn checkpoints(
+    txn: &ReadTransaction,
+    project: &str,
+    run: &str,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<CheckpointRecord>, Option<String>), Fail> {
+    let after: Option<u64> = after
+        .map(|a| {
+            a.parse()
+                .map_err(|_| bad_query(format!("checkpoint cursor {a:?} is not a step")))
+        })
+        .transpose()?;
+    let first = match after {
+        Some(step) => match step.checked_add(1) {
+            Some(first) => first,
+            None => return Ok((Vec::new(), None)),
+        },
+        None => 0,
+    };
+    let table = txn.open_table(CHECKPOINTS)?;
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for row in table.range((project, run, first)..=(project, run, u64::MAX))? {
+        let (k, v) = row?;
+        let (_, _, step) = k.value();
+        let record: CheckpointRecord =
+            read(v.value(), || format!("checkpoint {project}/{run}/{step}"))?;
+        if !page.offer(record, || step.to_string()) {
+            break;
+        }
+    }
+    Ok(page.done())
 }
 
 fn rejections(

@@ -178,3 +178,72 @@ pub fn fold_into(store: &crate::store::Store, events: &[Event]) -> Vec<crate::st
         .collect();
     store.apply_batch(&items).unwrap()
 }
+
+/// The commit of `step` of run `r1` in project `lab-a`, `second` seconds into the run.
+pub fn checkpoint_committed(step: u64, tags: &[&str], second: i64) -> Event {
+    let mut e = Event::request(
+        EventId::for_checkpoint("lab-a", "r1", step),
+        "lab-a",
+        Body::CheckpointCommitted(CheckpointCommitted {
+            run: "r1".into(),
+            step,
+            location: Location {
+                tier: "hot".into(),
+                prefix: format!("lab-a/checkpoints/r1/step-{step}"),
+            },
+            files: vec![FileRef::new("model.pt", 3, sha256_hex(b"abc"))],
+            manifest: None,
+            total_bytes: 3,
+            tags: tags.iter().map(|t| (*t).to_owned()).collect(),
+        }),
+    );
+    e.occurred_at = at(second);
+    e
+}
+
+/// The demotion of the commit of `step` to `capacity` by `rule`, `second` seconds in.
+pub fn checkpoint_demoted(step: u64, rule: Option<&str>, second: i64) -> Event {
+    let commit = checkpoint_committed(step, &[], 0);
+    let Body::CheckpointCommitted(c) = &commit.body else {
+        unreachable!()
+    };
+    let mut e = commit.caused(
+        "demoted",
+        Body::CheckpointDemoted(CheckpointDemoted {
+            run: c.run.clone(),
+            step,
+            from: c.location.clone(),
+            to: Location {
+                tier: "capacity".into(),
+                prefix: c.location.prefix.clone(),
+            },
+            total_bytes: c.total_bytes,
+            rule: rule.map(str::to_owned),
+        }),
+    );
+    e.occurred_at = at(second);
+    e
+}
+
+/// The expiry of the commit of `step` from hot, `second` seconds in.
+pub fn checkpoint_expired(step: u64, second: i64) -> Event {
+    let commit = checkpoint_committed(step, &[], 0);
+    let Body::CheckpointCommitted(c) = &commit.body else {
+        unreachable!()
+    };
+    let mut e = commit.caused(
+        "expired",
+        Body::CheckpointExpired(CheckpointExpired {
+            run: c.run.clone(),
+            step,
+            location: c.location.clone(),
+            rule: "expired".into(),
+        }),
+    );
+    e.occurred_at = at(second);
+    e
+}
+
+fn at(second: i64) -> time::OffsetDateTime {
+    time::OffsetDateTime::from_unix_timestamp(1_800_000_000 + second).expect("a valid time")
+}

@@ -74,6 +74,9 @@ pub enum Command {
     /// Dead letters: list them, replay one.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// Training checkpoints: commit one (announce it to retention), list a run's.
+    #[command(subcommand)]
+    Checkpoint(crate::checkpoint::CheckpointCommand),
     /// Copy files between local folders and S3, verified (the mover).
     Cp(crate::cp::CpArgs),
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
@@ -233,7 +236,7 @@ fn default_policies() -> PathBuf {
     stagehand_policy::stagehand_home().join("policies")
 }
 
-async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
+pub(crate) async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
     let cfg = connection.bus_config(Duration::from_secs(5));
     Bus::connect(&cfg).await.with_context(|| {
         format!(
@@ -258,6 +261,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             })
             .await?;
             Ok(0)
+        }
+        Command::Checkpoint(cmd) => {
+            quiet_logs();
+            crate::checkpoint::run(&cli.connection, cmd).await
         }
         Command::Cp(args) => {
             quiet_logs();
@@ -389,6 +396,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .await
                 .with_context(|| format!("connecting to NATS at {}", cfg.servers_display()))?;
             bus.provision().await?;
+            // The promoter's own bucket (space reservations, copy leases).
+            bus.provision_kv(&stagehand_promoter::kv::SPEC).await?;
             let mut objects: Vec<String> = stagehand_bus::OBJECT_BUCKETS
                 .iter()
                 .map(|b| b.bucket.to_string())
@@ -402,7 +411,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .iter()
                 .map(|s| s.name)
                 .collect();
-            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS.iter().map(|b| b.bucket).collect();
+            let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS
+                .iter()
+                .chain([&stagehand_promoter::kv::SPEC])
+                .map(|b| b.bucket)
+                .collect();
             println!(
                 "provisioned streams {}, KV buckets {} and Object Store buckets {} with {} \
                  replica(s) on {}",

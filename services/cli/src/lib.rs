@@ -1,10 +1,11 @@
-//! The `stagehand` command: ingest, catalogue queries, dead letters, `cp`, and `up` — Stagehand
+//! The `stagehand` command: ingest, catalogue queries, checkpoints, dead letters, `cp`, and `up` — Stagehand
 //! on one machine.
 //!
 //! The binary only parses arguments ([`cli::Cli`]) and calls [`cli::run`]; each command's logic
 //! is a module here, so the tests drive the same code paths the command runs.
 
 pub mod catalogue;
+pub mod checkpoint;
 pub mod cli;
 pub mod cp;
 pub mod dlq;

@@ -113,6 +113,7 @@ pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_ingest_validator, Settings),
     service!(stagehand_catalogue_recorder, RecorderConfig),
     service!(stagehand_resharder, Settings),
+    service!(stagehand_promoter, Settings),
 ];
 
 /// How long services may take to drain after Ctrl-C.

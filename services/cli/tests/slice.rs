@@ -292,12 +292,16 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
         out.contains("stagehand.req.ingest.requested.lab-a"),
         "{out}"
     );
-    // Replayed, it is handled again — and, still poison, dead-lettered again.
+    // Replayed, it is handled again — and, still poison, dead-lettered again. (The promoter's
+    // uploads consumer reads the same subject and dead-letters its own copies.)
     wait_until(WAIT, "the replayed message dead-lettered again", || async {
-        stagehand(&nats.url(), &["dlq", "list", "--json"])
-            .ok()
-            .and_then(|out| serde_json::from_str::<Vec<serde_json::Value>>(&out).ok())
-            .is_some_and(|items| items.len() == 2)
+        stagehand(
+            &nats.url(),
+            &["dlq", "list", "--service", "ingest-validator", "--json"],
+        )
+        .ok()
+        .and_then(|out| serde_json::from_str::<Vec<serde_json::Value>>(&out).ok())
+        .is_some_and(|items| items.len() == 2)
     })
     .await?;
     wait_until(WAIT, "the catalogue to count both dead letters", || async {

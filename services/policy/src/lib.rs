@@ -29,6 +29,7 @@
 
 mod error;
 mod pipeline;
+pub mod retention;
 mod tiers;
 pub mod units;
 mod validation;

@@ -3,7 +3,8 @@
 //!
 //! They are parsed and validated at start-up like the others (so a mistake is caught the day it
 //! is written, not the day the service that reads it ships), including their references to
-//! tiers. The resharder acts on the packing policy; the services of the others come later.
+//! tiers. The resharder acts on the packing policy; checkpoint retention's decisions are in
+//! [`crate::retention`].
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -246,20 +247,66 @@ fn check_extensions(src: &Source<'_>, key: &str, exts: &[String]) -> Result<(), 
 /// (`"read-back"` or `"hashed-in-flight"`).
 pub use stagehand_mover::VerifyMode;
 
-/// `promotion.toml`: where stage requests copy data from and to.
+/// `promotion.toml`: where stage requests copy data from and to, how many copies run at once,
+/// how long a request may wait, and how a copy is proven.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PromotionPolicy {
     /// Tier a stage request without an explicit tier goes to.
     pub default_tier: String,
-    /// Tiers a replica is copied from, in order of preference.
+    /// Tiers a replica is copied from onto a `hot` tier, in order of preference.
     pub sources: Vec<String>,
-    /// Stage requests copied at once.
+    /// Tiers a node agent copies from onto a `local` tier, in order of preference (the hot
+    /// tier first, usually). Default: `sources`.
+    #[serde(default)]
+    pub local_sources: Vec<String>,
+    /// Copies run at once by one promoter process (a node agent's included).
     pub max_concurrent: u32,
     /// Deadline of a stage request that sets none.
     #[serde(with = "duration")]
     pub default_deadline: Duration,
+    /// How the copied bytes are proven on the target tier.
     pub verify: VerifyMode,
+    /// How often waiting requests are checked again and deadlines enforced (the policy clock;
+    /// facts wake a waiting request at once, the clock is the backstop). Default 30 s.
+    #[serde(default = "default_recheck_every", with = "duration")]
+    pub recheck_every: Duration,
+    /// Dataset names staged at the `checkpoint` priority class instead of `stage`, so that a
+    /// checkpoint restore is not starved by bulk stages: exact names, or a prefix ending in
+    /// `*` (`"ckpt-*"`).
+    #[serde(default)]
+    pub checkpoint_datasets: Vec<String>,
+}
+
+fn default_recheck_every() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl PromotionPolicy {
+    /// The tiers a copy onto a tier of `role` reads from, in order of preference.
+    pub fn sources_for(&self, role: TierRole) -> &[String] {
+        if role == TierRole::Local && !self.local_sources.is_empty() {
+            &self.local_sources
+        } else {
+            &self.sources
+        }
+    }
+
+    /// The transfer class a stage of `dataset` runs at.
+    pub fn priority_for(&self, dataset: &str) -> PriorityClass {
+        let urgent =
+            self.checkpoint_datasets
+                .iter()
+                .any(|pattern| match pattern.strip_suffix('*') {
+                    Some(prefix) => dataset.starts_with(prefix),
+                    None => dataset == pattern,
+                });
+        if urgent {
+            PriorityClass::Checkpoint
+        } else {
+            PriorityClass::Stage
+        }
+    }
 }
 
 /// `demotion.toml`: when released replicas move down.
@@ -295,6 +342,7 @@ pub struct CheckpointRetention {
     /// Checkpoints carrying any of these tags are kept.
     pub keep_tagged: Vec<String>,
     /// Of the kept checkpoints, how many newest stay on the hot tier; older ones are demoted.
+    /// At least 1, at most `keep_last`.
     pub hot_keep_last: u32,
     /// Tier older checkpoints are demoted to.
     pub demote_to: String,
@@ -452,11 +500,38 @@ pub(crate) fn parse_promotion(
             &[TierRole::Capacity, TierRole::Source, TierRole::Backup],
         )?;
     }
+    for source in &p.local_sources {
+        check_tier_ref(
+            src,
+            tiers,
+            "local_sources",
+            source,
+            &[
+                TierRole::Hot,
+                TierRole::Capacity,
+                TierRole::Source,
+                TierRole::Backup,
+            ],
+        )?;
+    }
     if p.max_concurrent == 0 {
         return Err(src.invalid("max_concurrent", "must be at least 1"));
     }
     if p.default_deadline.is_zero() {
         return Err(src.invalid("default_deadline", "must be longer than 0"));
+    }
+    if p.recheck_every.is_zero() {
+        return Err(src.invalid("recheck_every", "must be longer than 0"));
+    }
+    if let Some(bad) = p
+        .checkpoint_datasets
+        .iter()
+        .find(|d| d.is_empty() || d.trim_end_matches('*').contains('*'))
+    {
+        return Err(src.invalid(
+            "checkpoint_datasets",
+            format!("{bad:?} is not a dataset name or a prefix ending in a single `*`"),
+        ));
     }
     Ok(p)
 }
@@ -483,6 +558,12 @@ pub(crate) fn parse_retention(
         return Err(src.invalid(
             "checkpoints.keep_last",
             "must be at least 1: the newest checkpoint is never expired",
+        ));
+    }
+    if c.hot_keep_last == 0 {
+        return Err(src.invalid(
+            "checkpoints.hot_keep_last",
+            "must be at least 1: the newest checkpoint stays on hot, a run resumes from it",
         ));
     }
     if c.hot_keep_last > c.keep_last {
@@ -555,4 +636,41 @@ pub(crate) fn parse_priorities(src: &Source<'_>) -> Result<PriorityPolicy, Polic
         }
     }
     Ok(p)
+}
+
+#[cfg(test)]
+mod promotion_tests {
+    use super::*;
+
+    fn policy(checkpoint_datasets: &[&str]) -> PromotionPolicy {
+        PromotionPolicy {
+            default_tier: "hot".into(),
+            sources: vec!["capacity".into()],
+            local_sources: vec!["hot".into(), "capacity".into()],
+            max_concurrent: 2,
+            default_deadline: Duration::from_secs(60),
+            verify: VerifyMode::ReadBack,
+            recheck_every: Duration::from_secs(30),
+            checkpoint_datasets: checkpoint_datasets.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn checkpoint_datasets_get_the_checkpoint_class_and_the_rest_stage() {
+        let p = policy(&["ckpt-*", "restore-me"]);
+        assert_eq!(p.priority_for("ckpt-run7"), PriorityClass::Checkpoint);
+        assert_eq!(p.priority_for("restore-me"), PriorityClass::Checkpoint);
+        assert_eq!(p.priority_for("restore-me-too"), PriorityClass::Stage);
+        assert_eq!(p.priority_for("imagenet"), PriorityClass::Stage);
+    }
+
+    #[test]
+    fn local_tiers_copy_from_their_own_sources() {
+        let p = policy(&[]);
+        assert_eq!(p.sources_for(TierRole::Local), ["hot", "capacity"]);
+        assert_eq!(p.sources_for(TierRole::Hot), ["capacity"]);
+        let mut no_local = p.clone();
+        no_local.local_sources.clear();
+        assert_eq!(no_local.sources_for(TierRole::Local), ["capacity"]);
+    }
 }

@@ -376,6 +376,12 @@ fn later_policies_check_their_tier_references() {
         t.replace("default_tier = \"hot\"", "default_tier = \"capacity\"")
     });
     expect_invalid(&dir, "promotion.toml", "default_tier", "role \"capacity\"");
+    let (_tmp, dir) = with_edit("promotion.toml", |t| {
+        t.replace("local_sources = [\"hot\"", "local_sources = [\"local\"")
+    });
+    expect_invalid(&dir, "promotion.toml", "local_sources", "role \"local\"");
+    let (_tmp, dir) = with_edit("promotion.toml", |t| t.replace("\"ckpt-*\"", "\"ck*pt\""));
+    expect_invalid(&dir, "promotion.toml", "checkpoint_datasets", "single `*`");
     let (_tmp, dir) = with_edit("backup.toml", |t| {
         t.replace("target = \"backup\"", "target = \"tape\"")
     });
@@ -388,6 +394,15 @@ fn later_policies_check_their_tier_references() {
         "retention.toml",
         "checkpoints.hot_keep_last",
         "more than keep_last",
+    );
+    let (_tmp, dir) = with_edit("retention.toml", |t| {
+        t.replace("hot_keep_last = 2", "hot_keep_last = 0")
+    });
+    expect_invalid(
+        &dir,
+        "retention.toml",
+        "checkpoints.hot_keep_last",
+        "must be at least 1",
     );
     let (_tmp, dir) = with_edit("demotion.toml", |t| {
         t.replace("check_every = \"5m\"", "check_every = \"5 minutes\"")

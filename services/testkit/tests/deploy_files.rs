@@ -115,6 +115,10 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         stagehand_resharder::SERVICE,
         check::<stagehand_resharder::Settings>,
     ),
+    (
+        stagehand_promoter::SERVICE,
+        check::<stagehand_promoter::Settings>,
+    ),
 ];
 
 #[test]

@@ -1,0 +1,592 @@
+//! `stagehand checkpoint` as the real binary: commits of every recognised format against a
+//! real nats-server with the real catalogue recorder (in-process, as `stagehand up` runs it),
+//! the same step committed twice as one fact, a manifest too large to inline put in the
+//! project's upload bucket, the list of a run with the recorder's states and retention's
+//! decisions; and, with no server at all, the refusals of incomplete checkpoints (refused
+//! before any connection is tried) and the exit codes of bad arguments and an unreachable NATS.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use stagehand::up::{Stack, UpOptions};
+use stagehand_bus::{Bus, BusConfig};
+use stagehand_catalogue::{Catalogue, CheckpointState};
+use stagehand_schemas::{
+    Body, CheckpointDemoted, CheckpointExpired, Event, EventId, FileRef, Location, sha256_hex,
+};
+use stagehand_testkit::{NatsServer, wait_for};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A listed checkpoint: step, state, tiers, recorded rule, retention's placement and rule now.
+type Row = (
+    u64,
+    String,
+    Vec<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// Runs the real `stagehand` binary against `url`.
+fn stagehand(url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(args)
+        .env("STAGEHAND_NATS_URL", url)
+        .env_remove("STAGEHAND_PROJECT")
+        .output()
+        .expect("the stagehand binary runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Runs `checkpoint commit --json` and returns its answer; fails unless it exits 0.
+fn commit(url: &str, policies: &Path, step: u64, path: &Path, extra: &[&str]) -> serde_json::Value {
+    let step = step.to_string();
+    let mut args = vec![
+        "checkpoint",
+        "commit",
+        "--project",
+        "lab-a",
+        "--run",
+        "r1",
+        "--step",
+        &step,
+        "--policies",
+        policies.to_str().unwrap(),
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    args.push(path.to_str().unwrap());
+    let out = stagehand(url, &args);
+    assert!(
+        out.status.success(),
+        "commit of step {step} exited {}: {}",
+        out.status,
+        stderr(&out)
+    );
+    serde_json::from_slice(&out.stdout).expect("commit --json prints JSON")
+}
+
+fn write(dir: &Path, files: &[(&str, &[u8])]) {
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, bytes).unwrap();
+    }
+}
+
+/// Every format is committed, a re-commit is the same fact, a large manifest goes by
+/// reference, the recorder folds commits, demotions and expiries per run, and `list` shows
+/// each step's state, tier, rule and retention's decision now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow::Result<()> {
+    let nats = NatsServer::start();
+    let home = tempfile::tempdir()?;
+    let stack = Stack::start(UpOptions {
+        home: home.path().to_owned(),
+        nats: Some(BusConfig::new(nats.url())),
+        port: 0,
+        policies: None,
+    })
+    .await?;
+    stack.ready(WAIT).await?;
+    let url = nats.url();
+    let policies = stack.env.policies.clone();
+    let run_dir: PathBuf = home.path().join("tiers/hot/lab-a/runs/r1");
+
+    // torch.distributed.checkpoint
+    let dcp = run_dir.join("step-100");
+    write(
+        &dcp,
+        &[
+            ("__0_0.distcp", b"shard zero"),
+            ("__1_0.distcp", b"shard one!"),
+            (".metadata", b"dcp metadata"),
+        ],
+    );
+    let first = commit(&url, &policies, 100, &dcp, &[]);
+    assert_eq!(first["format"], "torch.distributed.checkpoint");
+    assert_eq!(first["files"], 3);
+    assert_eq!(first["total_bytes"], 32);
+    assert_eq!(first["duplicate"], false);
+    assert_eq!(first["manifest"], serde_json::Value::Null);
+    assert_eq!(first["location"]["prefix"], "lab-a/runs/r1/step-100");
+    assert_eq!(
+        first["id"],
+        EventId::for_checkpoint("lab-a", "r1", 100).to_string()
+    );
+
+    // The fact on the stream carries every file, hashed.
+    let bus = Bus::connect(&BusConfig::new(&url)).await?;
+    let facts = bus.jetstream().get_stream("STAGEHAND_FACTS").await?;
+    let subject = "stagehand.fact.checkpoint.committed.lab-a";
+    let stored = facts.get_last_raw_message_by_subject(subject).await?;
+    let event = stagehand_schemas::wire::decode(&stored.payload)?;
+    let Body::CheckpointCommitted(fact) = &event.body else {
+        anyhow::bail!("not a commit: {event:?}")
+    };
+    assert_eq!(
+        fact.files,
+        vec![
+            FileRef::new(".metadata", 12, sha256_hex(b"dcp metadata")),
+            FileRef::new("__0_0.distcp", 10, sha256_hex(b"shard zero")),
+            FileRef::new("__1_0.distcp", 10, sha256_hex(b"shard one!")),
+        ]
+    );
+    assert_eq!(fact.location.tier, "hot");
+
+    // The same step again: the same fact, dropped as a duplicate.
+    let again = commit(&url, &policies, 100, &dcp, &[]);
+    assert_eq!(
+        (&again["id"], &again["duplicate"]),
+        (&first["id"], &true.into())
+    );
+    // ... but the same step with other tags, or other files, is refused: the first stands.
+    let dcp_path = dcp.to_str().unwrap();
+    let policies_path = policies.to_str().unwrap();
+    let plain_args = [
+        "checkpoint",
+        "commit",
+        "--project",
+        "lab-a",
+        "--run",
+        "r1",
+        "--step",
+        "100",
+        "--policies",
+        policies_path,
+        dcp_path,
+    ];
+    let mut tagged_args = plain_args.to_vec();
+    tagged_args.splice(10..10, ["--tag", "best"]);
+    let out = stagehand(&url, &tagged_args);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("step 100 of run r1 was committed before with tags []"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(dcp.join("__1_0.distcp"), b"shard ONE!")?;
+    let out = stagehand(&url, &plain_args);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("committed before with other files (32 bytes)"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::write(dcp.join("__1_0.distcp"), b"shard one!")?;
+
+    // Orbax: the committed directory with its marker.
+    let orbax = run_dir.join("orbax/200");
+    write(
+        &orbax,
+        &[
+            ("_CHECKPOINT_METADATA", b"{}"),
+            ("state/_METADATA", b"{\"tree\":1}"),
+            ("state/d/0000", b"array bytes"),
+        ],
+    );
+    assert_eq!(commit(&url, &policies, 200, &orbax, &[])["format"], "orbax");
+
+    // DeepSpeed: the save directory; the tag `latest` names is committed.
+    let ds = run_dir.join("deepspeed");
+    write(
+        &ds,
+        &[
+            ("global_step300/mp_rank_00_model_states.pt", b"model"),
+            (
+                "global_step300/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                b"optim",
+            ),
+            ("latest", b"global_step300\n"),
+        ],
+    );
+    let answer = commit(&url, &policies, 300, &ds, &[]);
+    assert_eq!(answer["format"], "deepspeed");
+    assert_eq!(answer["files"], 2);
+    assert_eq!(
+        answer["location"]["prefix"],
+        "lab-a/runs/r1/deepspeed/global_step300"
+    );
+
+    // NeMo 2: no -unfinished marker.
+    let nemo = run_dir.join("nemo/step=400");
+    write(
+        &nemo,
+        &[
+            ("context/io.json", b"{}"),
+            ("weights/.metadata", b"m"),
+            ("weights/__0_0.distcp", b"w"),
+        ],
+    );
+    assert_eq!(commit(&url, &policies, 400, &nemo, &[])["format"], "nemo");
+
+    // A plain directory, vouched for, tagged.
+    let plain = run_dir.join("step-500");
+    write(
+        &plain,
+        &[("model.safetensors", b"weights"), ("config.json", b"{}")],
+    );
+    let answer = commit(
+        &url,
+        &policies,
+        500,
+        &plain,
+        &["--complete", "--tag", "best"],
+    );
+    assert_eq!(answer["format"], "directory");
+    assert_eq!(answer["tags"], serde_json::json!(["best"]));
+
+    // A manifest over the inline bound goes by reference into the project's upload bucket.
+    let many = run_dir.join("step-600");
+    std::fs::create_dir_all(&many)?;
+    for i in 0..3000 {
+        std::fs::write(
+            many.join(format!("shard-with-a-long-name-{i:05}.bin")),
+            i.to_string(),
+        )?;
+    }
+    let answer = commit(&url, &policies, 600, &many, &["--complete"]);
+    assert_eq!(answer["files"], 3000);
+    let digest = answer["manifest"]
+        .as_str()
+        .expect("a manifest by reference")
+        .to_owned();
+    let uploads =
+        stagehand_manifest::ManifestStore::open(bus.jetstream(), "stagehand_uploads_lab-a").await?;
+    assert!(uploads.contains(&digest).await?);
+
+    // Six steps committed, the re-commit stored once.
+    let info = facts.info_with_subjects(subject).await?;
+    use futures::TryStreamExt;
+    let counts: std::collections::HashMap<String, usize> = info.try_collect().await?;
+    assert_eq!(counts.get(subject).copied(), Some(6));
+
+    // What the demoter would publish for two of them: the recorder folds both.
+    let from = Location {
+        tier: "hot".into(),
+        prefix: "lab-a/runs/r1/step-100".into(),
+    };
+    let commit_id = EventId::for_checkpoint("lab-a", "r1", 100);
+    let cause = Event::request(
+        commit_id.clone(),
+        "lab-a",
+        Body::CheckpointCommitted(fact.clone()),
+    );
+    bus.publish(&cause.caused(
+        "expired",
+        Body::CheckpointExpired(CheckpointExpired {
+            run: "r1".into(),
+            step: 100,
+            location: from,
+            rule: "expired".into(),
+        }),
+    ))
+    .await?;
+    let cause = Event::request(
+        EventId::for_checkpoint("lab-a", "r1", 200),
+        "lab-a",
+        Body::CheckpointCommitted(fact.clone()),
+    );
+    bus.publish(&cause.caused(
+        "demoted",
+        Body::CheckpointDemoted(CheckpointDemoted {
+            run: "r1".into(),
+            step: 200,
+            from: Location {
+                tier: "hot".into(),
+                prefix: "lab-a/runs/r1/orbax/200".into(),
+            },
+            to: Location {
+                tier: "capacity".into(),
+                prefix: "lab-a/runs/r1/orbax/200".into(),
+            },
+            total_bytes: 23,
+            rule: Some("keep_last".into()),
+        }),
+    ))
+    .await?;
+
+    let catalogue = Catalogue::new(bus.client().clone());
+    wait_for(
+        WAIT,
+        "six checkpoints, one demoted and one expired",
+        || async {
+            let all = catalogue.all_checkpoints("lab-a", "r1").await.ok()?;
+            let settled = all.len() == 6
+                && all[0].state == CheckpointState::Expired
+                && all[1].state == CheckpointState::Demoted;
+            settled.then_some(())
+        },
+    )
+    .await?;
+
+    let out = stagehand(
+        &url,
+        &[
+            "checkpoint",
+            "list",
+            "r1",
+            "--project",
+            "lab-a",
+            "--policies",
+            policies.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(out.status.success(), "list: {}", stderr(&out));
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let rows: Vec<Row> = listed
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|c| {
+            let strings = |v: &serde_json::Value| -> Vec<String> {
+                v.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s.as_str().unwrap().to_owned())
+                    .collect()
+            };
+            (
+                c["step"].as_u64().unwrap(),
+                c["state"].as_str().unwrap().to_owned(),
+                strings(&c["tiers"]),
+                c["rule"].as_str().map(str::to_owned),
+                c["retention"]["placement"].as_str().map(str::to_owned),
+                c["retention"]["rule"].as_str().map(str::to_owned),
+            )
+        })
+        .collect();
+    let s = |v: &str| Some(v.to_owned());
+    // The shipped retention: keep_last 5, hot_keep_last 2, tags keep/best/release. Of the five
+    // live steps all are kept by keep_last; the newest two stay on hot.
+    assert_eq!(
+        rows,
+        vec![
+            (100, "expired".into(), vec![], s("expired"), None, None),
+            (
+                200,
+                "demoted".into(),
+                vec!["capacity".into()],
+                s("keep_last"),
+                s("demote"),
+                s("keep_last")
+            ),
+            (
+                300,
+                "committed".into(),
+                vec!["hot".into()],
+                None,
+                s("demote"),
+                s("keep_last")
+            ),
+            (
+                400,
+                "committed".into(),
+                vec!["hot".into()],
+                None,
+                s("demote"),
+                s("keep_last")
+            ),
+            (
+                500,
+                "committed".into(),
+                vec!["hot".into()],
+                None,
+                s("hot"),
+                s("hot_keep_last")
+            ),
+            (
+                600,
+                "committed".into(),
+                vec!["hot".into()],
+                None,
+                s("hot"),
+                s("hot_keep_last")
+            ),
+        ]
+    );
+    assert_eq!(
+        listed[4]["retention"]["kept_by"],
+        serde_json::json!(["keep_last", "tagged:best"])
+    );
+
+    // The text form names the same.
+    let out = stagehand(
+        &url,
+        &[
+            "checkpoint",
+            "list",
+            "r1",
+            "--project",
+            "lab-a",
+            "--policies",
+            policies.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "list: {}", stderr(&out));
+    let text = String::from_utf8(out.stdout)?;
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 7, "{text}");
+    assert!(
+        lines[0].contains("STEP") && lines[0].contains("RETENTION NOW"),
+        "{text}"
+    );
+    assert!(
+        lines[2].contains("demoted")
+            && lines[2].contains("capacity")
+            && lines[2].contains("keep_last"),
+        "{text}"
+    );
+    assert!(
+        lines[5].contains("best")
+            && lines[5].contains("hot (hot_keep_last; also keep_last, tagged:best)"),
+        "{text}"
+    );
+
+    stack.stop().await?;
+    Ok(())
+}
+
+/// Policies with a hot tier under `home`, as `stagehand up` writes them.
+fn policies_in(home: &Path) -> PathBuf {
+    let dir = home.join("policies");
+    stagehand::up::write_default_policies(&dir, home).unwrap();
+    std::fs::create_dir_all(home.join("tiers/hot/lab-a")).unwrap();
+    dir
+}
+
+/// A URL where nothing listens: a command that tried to connect would exit 69.
+fn nowhere() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    format!("nats://127.0.0.1:{port}")
+}
+
+fn commit_args<'a>(policies: &'a str, step: &'a str, path: &'a str) -> Vec<&'a str> {
+    vec![
+        "checkpoint",
+        "commit",
+        "--project",
+        "lab-a",
+        "--run",
+        "r1",
+        "--step",
+        step,
+        "--policies",
+        policies,
+        path,
+    ]
+}
+
+/// Incomplete DCP and NeMo checkpoints are refused with their reason (exit 1) before any
+/// connection is tried, as are a symlink leaving the checkpoint and a FIFO in it.
+#[test]
+fn incomplete_checkpoints_are_refused_with_the_reason() {
+    let home = tempfile::tempdir().unwrap();
+    let policies = policies_in(home.path());
+    let policies = policies.to_str().unwrap();
+    let url = nowhere();
+    let run = home.path().join("tiers/hot/lab-a/r1");
+
+    let dcp = run.join("step-10");
+    write(&dcp, &[("__0_0.distcp", b"x"), (".metadata.tmp", b"m")]);
+    let out = stagehand(&url, &commit_args(policies, "10", dcp.to_str().unwrap()));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("refused: torch.distributed.checkpoint")
+            && stderr(&out).contains("no .metadata"),
+        "{}",
+        stderr(&out)
+    );
+
+    let nemo = run.join("step=20");
+    write(
+        &nemo,
+        &[("context/io.json", b"{}"), ("weights/.metadata", b"m")],
+    );
+    write(&run, &[("step=20-unfinished", b"")]);
+    let out = stagehand(&url, &commit_args(policies, "20", nemo.to_str().unwrap()));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("refused: NeMo") && stderr(&out).contains("step=20-unfinished"),
+        "{}",
+        stderr(&out)
+    );
+
+    let outside = home.path().join("secret");
+    std::fs::write(&outside, b"not yours").unwrap();
+    let leaky = run.join("step-30");
+    write(&leaky, &[(".metadata", b"m")]);
+    std::os::unix::fs::symlink(&outside, leaky.join("escape")).unwrap();
+    let out = stagehand(&url, &commit_args(policies, "30", leaky.to_str().unwrap()));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("outside"), "{}", stderr(&out));
+
+    let fifo_dir = run.join("step-40");
+    write(&fifo_dir, &[(".metadata", b"m")]);
+    let made = Command::new("mkfifo")
+        .arg(fifo_dir.join("pipe"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let out = stagehand(
+        &url,
+        &commit_args(policies, "40", fifo_dir.to_str().unwrap()),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("pipe is neither a regular file"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// Bad arguments exit 64 naming what is wrong; a complete checkpoint with NATS unreachable
+/// exits 69.
+#[test]
+fn bad_arguments_exit_64_and_unreachable_nats_69() {
+    let home = tempfile::tempdir().unwrap();
+    let policies = policies_in(home.path());
+    let policies = policies.to_str().unwrap();
+    let url = nowhere();
+    let done = home.path().join("tiers/hot/lab-a/r1/step-10");
+    write(&done, &[(".metadata", b"m"), ("__0_0.distcp", b"x")]);
+    let done = done.to_str().unwrap();
+
+    let out = stagehand(&url, &commit_args(policies, "ten", done));
+    assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--step \"ten\""), "{}", stderr(&out));
+
+    let elsewhere = home.path().join("tiers/hot/lab-b/r1/step-10");
+    write(&elsewhere, &[(".metadata", b"m")]);
+    let out = stagehand(
+        &url,
+        &commit_args(policies, "10", elsewhere.to_str().unwrap()),
+    );
+    assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("not inside project \"lab-a\""),
+        "{}",
+        stderr(&out)
+    );
+
+    let mut args = commit_args(policies, "10", done);
+    args[3] = "Lab A";
+    let out = stagehand(&url, &args);
+    assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
+
+    let out = stagehand(&url, &commit_args(policies, "10", done));
+    assert_eq!(out.status.code(), Some(69), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("connecting to NATS"),
+        "{}",
+        stderr(&out)
+    );
+}

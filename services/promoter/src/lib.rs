@@ -1,0 +1,475 @@
+//! The promoter: answers scheduler stage requests by putting a verified copy of a dataset
+//! version on the requested tier and saying where it is.
+//!
+//! For each `stage.requested` (the contract of `STAGING.md`) it resolves the version through
+//! the catalogue (a unique prefix of 12 or more hex characters will do), picks a verified
+//! replica on a source tier in the order of `promotion.toml`, and copies it with the mover's
+//! set copy to `<project>/<dataset>/<full version>/` on the target tier — staged hidden,
+//! verified per the policy (`read-back` or `hashed-in-flight`), published by one rename — then
+//! publishes `replica.created` and `stage.ready` with the absolute path. A version already on
+//! the tier is ready at once; fifty requests for one version make one copy. A request for a
+//! version not validated (or prepared) yet waits, visibly (`stage.pending` with what it waits
+//! for and why), in the promoter's own redb state, and is answered when the fact arrives or
+//! fails when its deadline passes. Failures say what a person can do: an unknown dataset, a
+//! rejected version (with the rejection's problems), an ambiguous prefix (with the
+//! candidates), a damaged source file (named), a full tier, an exceeded quota.
+//!
+//! One binary, two roles: the shared promoter (every `hot` tier request), and, with
+//! `node = "<name>"` in `[service]`, the agent of that node, which answers the requests for
+//! that node's `local` tier from the hot tier (`promotion.toml`'s `local_sources`).
+//!
+//! It runs three workers and a clock in one task group:
+//!
+//! | task | consumer | what |
+//! | --- | --- | --- |
+//! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` |
+//! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`: wake the requests this instance holds |
+//! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
+//! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
+//!
+//! Several instances share the requests consumer (the runtime's claims keep each message to
+//! one); the copy of one version to one tier is leased in the KV bucket
+//! [`kv::BUCKET`] so it is done once across instances, and space is reserved there with a
+//! compare-and-set ([`kv`]).
+
+pub mod kv;
+mod promoter;
+pub mod resolve;
+pub mod state;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
+use stagehand_bus::{
+    BusConfig, BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
+};
+use stagehand_catalogue::Catalogue;
+use stagehand_manifest::Spool;
+use stagehand_mover::{Mover, MoverConfig, TransferError};
+use stagehand_policy::{Policies, PolicyError, TierRole};
+use stagehand_schemas::{Event, subject};
+
+pub use promoter::{
+    Parts, Promoter, STEP_FAILED, STEP_READY, replica_prefix, step_pending, step_replica,
+};
+
+/// The service name: its shared durable consumer, its dead-letter subject, its metric label.
+pub const SERVICE: &str = "promoter";
+
+/// The promoter's own settings: the `[service]` table of its configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// The policy folder (`tiers.toml`, `promotion.toml`, …).
+    pub policies_dir: PathBuf,
+    /// Where the promoter keeps its state and ledgers.
+    pub state_dir: PathBuf,
+    /// Run as the agent of this node: answer the stage requests for the `local` tier that
+    /// name it, and no others. Absent: the shared promoter (every `hot` request).
+    #[serde(default)]
+    pub node: Option<String>,
+    /// This instance's name, unique among running promoters (its own facts consumer and copy
+    /// leases carry it). Default: the host name, and the node for a node agent.
+    #[serde(default)]
+    pub instance: Option<String>,
+    /// How often a copy publishes its progress (`"1s"`).
+    #[serde(default = "defaults::progress_every", with = "duration_str")]
+    pub progress_every: Duration,
+    /// How long a copy lease lasts without renewal before another instance takes the copy
+    /// over (`"30s"`).
+    #[serde(default = "defaults::lease_lifetime", with = "duration_str")]
+    pub lease_lifetime: Duration,
+    /// How long to wait for the catalogue's answers (`"10s"`).
+    #[serde(default = "defaults::catalogue_timeout", with = "duration_str")]
+    pub catalogue_timeout: Duration,
+    /// The mover's tunables (engine, concurrency, block size, bandwidth limit).
+    #[serde(default)]
+    pub mover: MoverConfig,
+}
+
+mod defaults {
+    use std::time::Duration;
+    pub fn progress_every() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn lease_lifetime() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn catalogue_timeout() -> Duration {
+        Duration::from_secs(10)
+    }
+}
+
+/// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`Settings`] as `[service]`.
+pub type Config = ServiceConfig<Settings>;
+
+impl Settings {
+    /// Settings with every tunable at its default.
+    pub fn new(policies_dir: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            policies_dir: policies_dir.into(),
+            state_dir: state_dir.into(),
+            node: None,
+            instance: None,
+            progress_every: defaults::progress_every(),
+            lease_lifetime: defaults::lease_lifetime(),
+            catalogue_timeout: defaults::catalogue_timeout(),
+            mover: MoverConfig::default(),
+        }
+    }
+
+    /// Settings for a one-machine stack under `home` (`stagehand up`).
+    pub fn dev(home: &std::path::Path, policies_dir: &std::path::Path) -> Self {
+        Self::new(policies_dir, home.join("state").join(SERVICE))
+    }
+
+    /// This instance's name: `instance`, else the host name (and the node).
+    pub fn instance_name(&self) -> String {
+        let base = self.instance.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_else(|_| "promoter".into())
+        });
+        let name = match (&self.instance, &self.node) {
+            (None, Some(node)) => format!("{base}-{node}"),
+            _ => base,
+        };
+        // A consumer name and a KV key token.
+        name.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                    c.to_ascii_lowercase()
+                } else {
+                    '-'
+                }
+            })
+            .collect()
+    }
+
+    /// The requests consumer: shared by every shared promoter; one per node agent.
+    pub fn requests_consumer(&self) -> String {
+        match &self.node {
+            Some(node) => format!("{SERVICE}-node-{}", token(node)),
+            None => SERVICE.to_owned(),
+        }
+    }
+}
+
+fn token(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+impl ServiceSettings for Settings {
+    fn validate(&self) -> Result<(), InvalidKey> {
+        if self.policies_dir.as_os_str().is_empty() {
+            return Err(InvalidKey::new(
+                "policies_dir",
+                "must name the policy folder",
+            ));
+        }
+        if let Some(node) = &self.node
+            && (node.is_empty() || node.len() > 64)
+        {
+            return Err(InvalidKey::new(
+                "node",
+                "must be a node name of 1-64 characters",
+            ));
+        }
+        if let Some(i) = &self.instance
+            && (i.is_empty() || i.len() > 64)
+        {
+            return Err(InvalidKey::new(
+                "instance",
+                "must be a name of 1-64 characters",
+            ));
+        }
+        for (key, d) in [
+            ("progress_every", self.progress_every),
+            ("lease_lifetime", self.lease_lifetime),
+            ("catalogue_timeout", self.catalogue_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(InvalidKey::new(key, "must be longer than 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A configuration for running the promoter in-process against `nats_url` (tests,
+/// `stagehand up`): every other table at its defaults.
+pub fn config(
+    nats_url: &str,
+    policies_dir: impl Into<PathBuf>,
+    state_dir: impl Into<PathBuf>,
+) -> Config {
+    ServiceConfig::new(
+        BusConfig {
+            client_name: SERVICE.into(),
+            ..BusConfig::new(nats_url)
+        },
+        Settings::new(policies_dir, state_dir),
+    )
+}
+
+/// Why the promoter could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PromoterError {
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("{file}: promotion.toml is required by the promoter")]
+    NoPromotionPolicy { file: String },
+    #[error("cannot open tier {tier:?} at {location}: {source}")]
+    Tier {
+        tier: String,
+        location: String,
+        #[source]
+        source: Box<TransferError>,
+    },
+    #[error("cannot create the state directory {}: {source}", path.display())]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    State(#[from] state::StateError),
+    #[error("starting the mover: {0}")]
+    Mover(#[source] Box<TransferError>),
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("task failed: {0}")]
+    Task(#[from] runner::TaskError),
+    #[error(transparent)]
+    Run(Box<runner::RunError>),
+}
+
+impl PromoterError {
+    /// Whether starting again unchanged can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            PromoterError::Policy(_)
+            | PromoterError::NoPromotionPolicy { .. }
+            | PromoterError::StateDir { .. }
+            | PromoterError::Mover(_) => false,
+            PromoterError::Tier { source, .. } => source.is_retryable(),
+            PromoterError::State(_) | PromoterError::Task(_) => true,
+            PromoterError::Bus(e) => e.is_retryable(),
+            PromoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+        }
+    }
+
+    fn from_run(e: runner::RunError) -> Self {
+        match e {
+            runner::RunError::Bus(e) => PromoterError::Bus(e),
+            runner::RunError::Service(source) => match source.downcast::<PromoterError>() {
+                Ok(own) => *own,
+                Err(other) => PromoterError::Run(Box::new(runner::RunError::Service(other))),
+            },
+            other => PromoterError::Run(Box::new(other)),
+        }
+    }
+}
+
+/// Runs the promoter through the service runner until `shutdown` is cancelled.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), PromoterError> {
+    runner::run(SERVICE, config, shutdown, serve)
+        .await
+        .map_err(PromoterError::from_run)
+}
+
+/// What the runner calls (the binary's `main`): opens policies, tiers, state and the mover,
+/// then runs the workers and the clock until shutdown.
+pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
+    let s = &ctx.settings;
+    let policies = Policies::load_dir(&s.policies_dir)?;
+    let promotion =
+        policies
+            .promotion()
+            .cloned()
+            .ok_or_else(|| PromoterError::NoPromotionPolicy {
+                file: s.policies_dir.join("promotion.toml").display().to_string(),
+            })?;
+    let mut tiers = HashMap::new();
+    for (name, tier) in policies.tiers() {
+        // The tiers this promoter writes are created; the others must exist.
+        if matches!(tier.role, TierRole::Hot | TierRole::Local) {
+            let _ = tier.create_root();
+        }
+        match tier.open() {
+            Ok(t) => {
+                // Temporaries of dead writers on the tiers this promoter writes are removed
+                // (a dead copy's young staging folder is kept for the resume).
+                if let (stagehand_mover::Tier::Posix(p), TierRole::Hot | TierRole::Local) =
+                    (&t, tier.role)
+                {
+                    let p = p.clone();
+                    let swept = tokio::task::spawn_blocking(move || {
+                        p.sweep_stale("", stagehand_mover::SweepOptions::default())
+                    })
+                    .await;
+                    if let Ok(Err(e)) = swept {
+                        tracing::warn!(tier = %name, error = %e, "sweeping stale temporaries failed");
+                    }
+                }
+                tiers.insert(name.clone(), t);
+            }
+            Err(source) => {
+                tracing::warn!(tier = %name, location = %tier.location(), error = %source, "tier not opened; requests needing it fail");
+            }
+        }
+    }
+    std::fs::create_dir_all(&s.state_dir).map_err(|source| PromoterError::StateDir {
+        path: s.state_dir.clone(),
+        source,
+    })?;
+    let instance = s.instance_name();
+    let consumer = s.requests_consumer();
+    let state = state::State::open(&s.state_dir.join(format!("{consumer}-state.redb")))?;
+    let bucket = ctx.bus.provision_kv(&kv::SPEC).await?;
+    let coordination = kv::Coordination::new(bucket, &instance, s.lease_lifetime);
+    let mover = Mover::new(s.mover.clone()).map_err(|e| PromoterError::Mover(Box::new(e)))?;
+    let spool_dir = s.state_dir.join("spool");
+    std::fs::create_dir_all(&spool_dir).map_err(|source| PromoterError::StateDir {
+        path: spool_dir.clone(),
+        source,
+    })?;
+    let mut tasks = ctx.tasks();
+    let token = tasks.shutdown().clone();
+    let facts_consumer = format!("{SERVICE}-facts-{instance}");
+    let ingests_consumer = format!("{SERVICE}-ingests-{instance}");
+    let promoter = Promoter::new(Parts {
+        bus: ctx.bus.clone(),
+        catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
+        policies,
+        promotion,
+        tiers,
+        node: s.node.clone(),
+        state,
+        coordination,
+        mover,
+        spool: Spool::in_dir(spool_dir),
+        progress_every: s.progress_every,
+        shutdown: token.clone(),
+        watched: vec![
+            (subject::FACTS.name, facts_consumer.clone()),
+            (subject::REQUESTS.name, ingests_consumer.clone()),
+        ],
+    });
+    tracing::info!(%instance, node = s.node.as_deref().unwrap_or("-"), consumer = %consumer, "promoter ready");
+
+    let mut requests = ctx.worker_config_named(
+        &consumer,
+        subject::REQUESTS.name,
+        vec![
+            subject::kind_filter("req", "stage.requested"),
+            subject::kind_filter("req", "stage.released"),
+        ],
+        s.state_dir.join(format!("{consumer}.redb")),
+    );
+    // Copies run inside the handler of the request that asked (progress acks keep it), so
+    // handler slots are more than copy slots: a ready-at-once answer never waits for a copy.
+    requests.concurrency = ctx.worker.concurrency.unwrap_or(16);
+    requests.ack_wait = ctx.worker.ack_wait.unwrap_or(Duration::from_secs(30));
+    // A node agent is the only instance on its node: no claims needed for its own consumer.
+    requests.claims = ctx.worker.claims.unwrap_or(s.node.is_none());
+    // A request is retried while the catalogue catches up with a fact this promoter saw, or a
+    // copy lease changes hands: often, and soon, before it could be given up on.
+    requests.max_deliver = ctx.worker.max_deliver.unwrap_or(50);
+    if ctx.worker.retry.is_none() {
+        requests.retry.initial = Duration::from_millis(200);
+        requests.retry.max = Duration::from_secs(10);
+    }
+    let mut facts = ctx.worker_config_named(
+        &facts_consumer,
+        subject::FACTS.name,
+        [
+            "dataset.validated",
+            "dataset.prepared",
+            "dataset.rejected",
+            "replica.created",
+            "replica.removed",
+        ]
+        .iter()
+        .map(|k| subject::kind_filter("fact", k))
+        .collect(),
+        s.state_dir.join(format!("{facts_consumer}.redb")),
+    );
+    // Every instance sees every fact (its own consumer): claims would keep each to one.
+    facts.claims = false;
+    facts.concurrency = ctx.worker.concurrency.unwrap_or(16);
+    // A fact the catalogue has not folded yet is retried soon, and often enough to outlast
+    // a slow recorder; the clock is the backstop after that.
+    facts.max_deliver = ctx.worker.max_deliver.unwrap_or(30);
+    if ctx.worker.retry.is_none() {
+        facts.retry.initial = Duration::from_millis(200);
+        facts.retry.max = Duration::from_secs(10);
+    }
+    let mut ingests = ctx.worker_config_named(
+        &ingests_consumer,
+        subject::REQUESTS.name,
+        vec![subject::kind_filter("req", "ingest.requested")],
+        s.state_dir.join(format!("{ingests_consumer}.redb")),
+    );
+    ingests.claims = false;
+
+    tasks.spawn(
+        "requests",
+        worker(ctx.run_worker_until(requests, Requests(promoter.clone()), token.clone())),
+    );
+    tasks.spawn(
+        "facts",
+        worker(ctx.run_worker_until(facts, Facts(promoter.clone()), token.clone())),
+    );
+    tasks.spawn(
+        "ingests",
+        worker(ctx.run_worker_until(ingests, Facts(promoter.clone()), token.clone())),
+    );
+    tasks.spawn("clock", promoter.clone().clock());
+    let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
+    tasks.join(deadline).await?;
+    Ok(())
+}
+
+async fn worker(
+    run: impl std::future::Future<Output = Result<stagehand_bus::WorkerStats, BusError>>,
+) -> Result<(), BusError> {
+    run.await
+        .map(|stats| tracing::info!(?stats, "worker stopped"))
+}
+
+/// The requests consumer's handler.
+struct Requests(Promoter);
+
+impl Handler for Requests {
+    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        self.0.on_request(event, Some(ctx)).await
+    }
+}
+
+/// The facts and ingests consumers' handler.
+struct Facts(Promoter);
+
+impl Handler for Facts {
+    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        self.0.on_fact(event, Some(ctx)).await
+    }
+}
+
+impl From<state::StateError> for HandlerError {
+    fn from(e: state::StateError) -> Self {
+        HandlerError::retryable(e.to_string())
+    }
+}

@@ -1,0 +1,614 @@
+//! The promoter's own state, in its redb file: every stage request it accepted and where it
+//! stands, which requests wait and on what, and what the facts it has seen make true.
+//!
+//! | table | key | value | what for |
+//! | --- | --- | --- | --- |
+//! | `requests` | request id | [`RequestRecord`] (JSON) | the request, its deadline, its state, the facts that answered it |
+//! | `waits` | (project, dataset, request id) | what it waits for | the requests a fact about (project, dataset) wakes |
+//! | `seen` | (project, dataset, version) | [`Seen`] bits | versions validated, prepared, rejected, or with a prepared form |
+//! | `replicas` | (tier, prefix) | — | shared-tier replicas made (`replica.created`) and not removed since |
+//! | `ingests` | (project, dataset, ingest request id) | declared version | uploads asked for and not answered yet |
+//!
+//! **No lost wake-up.** A wait is recorded only in a write transaction that first checks
+//! `seen` (and `replicas`) for the fact that would end it; a fact is noted, and the waits it
+//! wakes listed, in one write transaction. redb runs one write transaction at a time, so either
+//! the fact's transaction comes first (the wait is refused: the caller looks again) or the
+//! wait's (the fact lists it). A refused wait means the promoter knows more than the catalogue
+//! answered (the recorder has not folded the fact yet): the caller retries shortly.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use stagehand_schemas::{Event, EventId};
+use time::OffsetDateTime;
+
+const REQUESTS: TableDefinition<&str, &[u8]> = TableDefinition::new("requests");
+const WAITS: TableDefinition<(&str, &str, &str), &str> = TableDefinition::new("waits");
+const SEEN: TableDefinition<(&str, &str, &str), u8> = TableDefinition::new("seen");
+const REPLICAS: TableDefinition<(&str, &str), ()> = TableDefinition::new("replicas");
+const INGESTS: TableDefinition<(&str, &str, &str), &str> = TableDefinition::new("ingests");
+
+/// What the facts seen say about one version (bits of `seen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Seen(pub u8);
+
+impl Seen {
+    /// `dataset.validated` named this version.
+    pub const VALIDATED: u8 = 1;
+    /// `dataset.prepared` named this version (a derived one).
+    pub const PREPARED: u8 = 2;
+    /// `dataset.rejected` declared this version.
+    pub const REJECTED: u8 = 4;
+    /// `dataset.prepared` derived a version from this one.
+    pub const HAS_PREPARED: u8 = 8;
+
+    pub fn has(self, bit: u8) -> bool {
+        self.0 & bit != 0
+    }
+}
+
+/// What a waiting request waits for: the contract's `waiting_for` words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitingFor {
+    /// A version the request names to be validated.
+    Validation,
+    /// The prepared form of a validated version.
+    Preparation,
+    /// A copy of the version onto the tier (by this request or another), or a copy slot.
+    Copy,
+}
+
+impl WaitingFor {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitingFor::Validation => "validation",
+            WaitingFor::Preparation => "preparation",
+            WaitingFor::Copy => "copy",
+        }
+    }
+}
+
+/// Where a request stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Standing {
+    /// Not answered yet: waiting, or being copied (`Copy`).
+    Waiting {
+        waiting_for: WaitingFor,
+        reason: String,
+    },
+    /// Answered `stage.ready`.
+    Ready { version: String, path: String },
+    /// Answered `stage.failed`.
+    Failed { reason: String, retryable: bool },
+    /// Released by its job before or after it was answered.
+    Released,
+}
+
+impl Standing {
+    /// Whether nothing more will be done for the request.
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Standing::Waiting { .. })
+    }
+}
+
+/// One accepted stage request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// The `stage.requested` event as received (facts are derived from it).
+    pub event: Event,
+    /// When the request stops waiting: its own deadline, or the policy's default from when it
+    /// was accepted.
+    #[serde(with = "time::serde::rfc3339")]
+    pub deadline: OffsetDateTime,
+    pub standing: Standing,
+    /// The facts that gave the request its final answer, republished as they are when the
+    /// same request comes again.
+    #[serde(default)]
+    pub answer: Vec<Event>,
+}
+
+/// A failure of the state store: the service cannot go on safely (its redb file failed).
+#[derive(Debug, thiserror::Error)]
+#[error("promoter state {what}: {detail}")]
+pub struct StateError {
+    pub what: &'static str,
+    pub detail: String,
+}
+
+fn err(what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> StateError {
+    move |e| StateError {
+        what,
+        detail: e.to_string(),
+    }
+}
+
+macro_rules! e {
+    ($what:literal) => {
+        |e| err($what)(&e)
+    };
+}
+
+/// What a wait must not miss: the fact that would end it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitGuard {
+    /// A version of `dataset` starting with `prefix` validated or prepared.
+    Validated { prefix: String },
+    /// A prepared form of `version`.
+    Prepared { version: String },
+    /// The replica at `prefix` on shared tier `tier` made (by another instance).
+    Replica { tier: String, prefix: String },
+    /// Nothing the facts would say (a copy slot, a copy of this instance's, a node-local copy).
+    None,
+}
+
+/// The promoter's state store. Clones share one database.
+#[derive(Clone)]
+pub struct State {
+    db: Arc<Database>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State").finish_non_exhaustive()
+    }
+}
+
+/// The facts of one event, noted: what to wake.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Woken {
+    pub requests: Vec<EventId>,
+}
+
+impl State {
+    pub fn open(path: &Path) -> Result<State, StateError> {
+        let db = Database::create(path).map_err(|e| StateError {
+            what: "open",
+            detail: format!("{}: {e}", path.display()),
+        })?;
+        let txn = db.begin_write().map_err(e!("open"))?;
+        {
+            txn.open_table(REQUESTS).map_err(e!("open"))?;
+            txn.open_table(WAITS).map_err(e!("open"))?;
+            txn.open_table(SEEN).map_err(e!("open"))?;
+            txn.open_table(REPLICAS).map_err(e!("open"))?;
+            txn.open_table(INGESTS).map_err(e!("open"))?;
+        }
+        txn.commit().map_err(e!("open"))?;
+        Ok(State { db: Arc::new(db) })
+    }
+
+    pub fn request(&self, id: &EventId) -> Result<Option<RequestRecord>, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let table = txn.open_table(REQUESTS).map_err(e!("read"))?;
+        match table.get(id.as_str()).map_err(e!("read"))? {
+            Some(v) => serde_json::from_slice(v.value())
+                .map(Some)
+                .map_err(e!("decode request")),
+            None => Ok(None),
+        }
+    }
+
+    /// Records a request the first time it is seen; returns the record as stored (the
+    /// earlier one when it was seen before).
+    pub fn accept(&self, record: RequestRecord) -> Result<RequestRecord, StateError> {
+        let txn = self.db.begin_write().map_err(e!("accept"))?;
+        let stored = {
+            let mut table = txn.open_table(REQUESTS).map_err(e!("accept"))?;
+            let existing = table
+                .get(record.event.id.as_str())
+                .map_err(e!("accept"))?
+                .map(|v| serde_json::from_slice::<RequestRecord>(v.value()));
+            match existing {
+                Some(Ok(r)) => r,
+                _ => {
+                    let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
+                    table
+                        .insert(record.event.id.as_str(), bytes.as_slice())
+                        .map_err(e!("accept"))?;
+                    // Listed as waiting at once: the clock moves it on even if its message
+                    // is never handled to the end.
+                    if let Standing::Waiting { waiting_for, .. } = &record.standing {
+                        txn.open_table(WAITS)
+                            .map_err(e!("accept"))?
+                            .insert(
+                                (
+                                    record.event.project.as_str(),
+                                    dataset_of(&record).as_str(),
+                                    record.event.id.as_str(),
+                                ),
+                                waiting_for.as_str(),
+                            )
+                            .map_err(e!("accept"))?;
+                    }
+                    record
+                }
+            }
+        };
+        txn.commit().map_err(e!("accept"))?;
+        Ok(stored)
+    }
+
+    /// Gives a request its final answer (ready, failed, released) and ends its wait. A request
+    /// already final keeps its first answer, except that a release always ends it; returns the
+    /// record as stored.
+    pub fn finish(
+        &self,
+        id: &EventId,
+        standing: Standing,
+        answer: Vec<Event>,
+    ) -> Result<Option<RequestRecord>, StateError> {
+        let txn = self.db.begin_write().map_err(e!("finish"))?;
+        let stored = {
+            let mut table = txn.open_table(REQUESTS).map_err(e!("finish"))?;
+            let current = table
+                .get(id.as_str())
+                .map_err(e!("finish"))?
+                .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
+                .transpose()
+                .map_err(e!("decode request"))?;
+            let Some(mut record) = current else {
+                return Ok(None);
+            };
+            let replace = !record.standing.is_final() || standing == Standing::Released;
+            if replace && record.standing != standing {
+                record.standing = standing;
+                if !answer.is_empty() {
+                    record.answer = answer;
+                }
+                let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
+                table
+                    .insert(id.as_str(), bytes.as_slice())
+                    .map_err(e!("finish"))?;
+            }
+            let (project, dataset) = (record.event.project.clone(), dataset_of(&record));
+            txn.open_table(WAITS)
+                .map_err(e!("finish"))?
+                .remove((project.as_str(), dataset.as_str(), id.as_str()))
+                .map_err(e!("finish"))?;
+            record
+        };
+        txn.commit().map_err(e!("finish"))?;
+        Ok(Some(stored))
+    }
+
+    /// Records that a request waits, unless a fact already seen (`guard`) would end the wait:
+    /// then nothing is written and `false` comes back (look again: the catalogue lags).
+    pub fn wait(
+        &self,
+        id: &EventId,
+        waiting_for: WaitingFor,
+        reason: &str,
+        guard: &WaitGuard,
+    ) -> Result<bool, StateError> {
+        let txn = self.db.begin_write().map_err(e!("wait"))?;
+        {
+            let mut table = txn.open_table(REQUESTS).map_err(e!("wait"))?;
+            let Some(mut record) = table
+                .get(id.as_str())
+                .map_err(e!("wait"))?
+                .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
+                .transpose()
+                .map_err(e!("decode request"))?
+            else {
+                return Ok(false);
+            };
+            if record.standing.is_final() {
+                return Ok(false);
+            }
+            let project = record.event.project.clone();
+            let dataset = dataset_of(&record);
+            let ended = match guard {
+                WaitGuard::Validated { prefix } => {
+                    let seen = txn.open_table(SEEN).map_err(e!("wait"))?;
+                    let mut ended = false;
+                    for row in seen
+                        .range((project.as_str(), dataset.as_str(), prefix.as_str())..)
+                        .map_err(e!("wait"))?
+                    {
+                        let (k, v) = row.map_err(e!("wait"))?;
+                        let (p, d, version) = k.value();
+                        if p != project || d != dataset || !version.starts_with(prefix.as_str()) {
+                            break;
+                        }
+                        if Seen(v.value()).has(Seen::VALIDATED | Seen::PREPARED) {
+                            ended = true;
+                            break;
+                        }
+                    }
+                    ended
+                }
+                WaitGuard::Prepared { version } => txn
+                    .open_table(SEEN)
+                    .map_err(e!("wait"))?
+                    .get((project.as_str(), dataset.as_str(), version.as_str()))
+                    .map_err(e!("wait"))?
+                    .is_some_and(|v| Seen(v.value()).has(Seen::HAS_PREPARED)),
+                WaitGuard::Replica { tier, prefix } => txn
+                    .open_table(REPLICAS)
+                    .map_err(e!("wait"))?
+                    .get((tier.as_str(), prefix.as_str()))
+                    .map_err(e!("wait"))?
+                    .is_some(),
+                WaitGuard::None => false,
+            };
+            if ended {
+                return Ok(false);
+            }
+            record.standing = Standing::Waiting {
+                waiting_for,
+                reason: reason.to_owned(),
+            };
+            let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
+            table
+                .insert(id.as_str(), bytes.as_slice())
+                .map_err(e!("wait"))?;
+            txn.open_table(WAITS)
+                .map_err(e!("wait"))?
+                .insert(
+                    (project.as_str(), dataset.as_str(), id.as_str()),
+                    waiting_for.as_str(),
+                )
+                .map_err(e!("wait"))?;
+        }
+        txn.commit().map_err(e!("wait"))?;
+        Ok(true)
+    }
+
+    /// Notes what a fact says and lists the requests waiting on its (project, dataset), in one
+    /// transaction (see the module docs).
+    pub fn note(&self, note: &FactNote) -> Result<Woken, StateError> {
+        let txn = self.db.begin_write().map_err(e!("note"))?;
+        let (project, dataset) = (note.project.as_str(), note.dataset.as_str());
+        {
+            let mut seen = txn.open_table(SEEN).map_err(e!("note"))?;
+            for (version, bit) in &note.seen {
+                let old = seen
+                    .get((project, dataset, version.as_str()))
+                    .map_err(e!("note"))?
+                    .map_or(0, |v| v.value());
+                seen.insert((project, dataset, version.as_str()), old | bit)
+                    .map_err(e!("note"))?;
+            }
+            let mut replicas = txn.open_table(REPLICAS).map_err(e!("note"))?;
+            if let Some((tier, prefix, present)) = &note.replica {
+                if *present {
+                    replicas
+                        .insert((tier.as_str(), prefix.as_str()), ())
+                        .map_err(e!("note"))?;
+                } else {
+                    replicas
+                        .remove((tier.as_str(), prefix.as_str()))
+                        .map_err(e!("note"))?;
+                }
+            }
+            let mut ingests = txn.open_table(INGESTS).map_err(e!("note"))?;
+            match &note.ingest {
+                Some(IngestNote::Asked { request, declared }) => {
+                    ingests
+                        .insert((project, dataset, request.as_str()), declared.as_str())
+                        .map_err(e!("note"))?;
+                }
+                Some(IngestNote::Answered { request }) => {
+                    ingests
+                        .remove((project, dataset, request.as_str()))
+                        .map_err(e!("note"))?;
+                }
+                None => {}
+            }
+        }
+        let mut woken = Woken::default();
+        {
+            let waits = txn.open_table(WAITS).map_err(e!("note"))?;
+            for row in waits.range((project, dataset, "")..).map_err(e!("note"))? {
+                let (k, _) = row.map_err(e!("note"))?;
+                let (p, d, id) = k.value();
+                if p != project || d != dataset {
+                    break;
+                }
+                if let Ok(id) = EventId::new(id) {
+                    woken.requests.push(id);
+                }
+            }
+        }
+        txn.commit().map_err(e!("note"))?;
+        Ok(woken)
+    }
+
+    /// What the facts seen say about a version.
+    pub fn seen(&self, project: &str, dataset: &str, version: &str) -> Result<Seen, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let table = txn.open_table(SEEN).map_err(e!("read"))?;
+        Ok(Seen(
+            table
+                .get((project, dataset, version))
+                .map_err(e!("read"))?
+                .map_or(0, |v| v.value()),
+        ))
+    }
+
+    /// What the facts seen say about every version of `dataset` starting with `prefix`
+    /// (their bits together).
+    pub fn seen_prefix(
+        &self,
+        project: &str,
+        dataset: &str,
+        prefix: &str,
+    ) -> Result<Seen, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let table = txn.open_table(SEEN).map_err(e!("read"))?;
+        let mut bits = 0;
+        for row in table
+            .range((project, dataset, prefix)..)
+            .map_err(e!("read"))?
+        {
+            let (k, v) = row.map_err(e!("read"))?;
+            let (p, d, version) = k.value();
+            if p != project || d != dataset || !version.starts_with(prefix) {
+                break;
+            }
+            bits |= v.value();
+        }
+        Ok(Seen(bits))
+    }
+
+    /// The declared version of an upload of `dataset` asked for and not answered yet whose
+    /// version starts with `prefix`, with its request id.
+    pub fn ingest_in_flight(
+        &self,
+        project: &str,
+        dataset: &str,
+        prefix: &str,
+    ) -> Result<Option<(String, String)>, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let table = txn.open_table(INGESTS).map_err(e!("read"))?;
+        for row in table.range((project, dataset, "")..).map_err(e!("read"))? {
+            let (k, v) = row.map_err(e!("read"))?;
+            let (p, d, request) = k.value();
+            if p != project || d != dataset {
+                break;
+            }
+            if v.value().starts_with(prefix) {
+                return Ok(Some((request.to_owned(), v.value().to_owned())));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Every request not answered yet, with its record.
+    pub fn waiting(&self) -> Result<Vec<RequestRecord>, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let waits = txn.open_table(WAITS).map_err(e!("read"))?;
+        let requests = txn.open_table(REQUESTS).map_err(e!("read"))?;
+        let mut out = Vec::new();
+        for row in waits.iter().map_err(e!("read"))? {
+            let (k, _) = row.map_err(e!("read"))?;
+            let (_, _, id) = k.value();
+            if let Some(v) = requests.get(id).map_err(e!("read"))? {
+                let record: RequestRecord =
+                    serde_json::from_slice(v.value()).map_err(e!("decode request"))?;
+                out.push(record);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// What one fact says, for [`State::note`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FactNote {
+    pub project: String,
+    pub dataset: String,
+    /// Versions and the [`Seen`] bits the fact sets.
+    pub seen: Vec<(String, u8)>,
+    /// A shared-tier replica made (`true`) or removed (`false`): (tier, prefix, present).
+    pub replica: Option<(String, String, bool)>,
+    pub ingest: Option<IngestNote>,
+}
+
+/// An upload asked for, or answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IngestNote {
+    Asked { request: String, declared: String },
+    Answered { request: String },
+}
+
+/// The dataset a stage request names.
+pub fn dataset_of(record: &RequestRecord) -> String {
+    record.event.body.dataset().unwrap_or_default().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stagehand_schemas::{Body, StageRequested};
+
+    fn request(id: &str, version: &str) -> RequestRecord {
+        let event = Event::request(
+            EventId::new(id).unwrap(),
+            "lab-a",
+            Body::StageRequested(StageRequested {
+                dataset: "cats".into(),
+                version: version.into(),
+                tier: "hot".into(),
+                job_id: "j1".into(),
+                requested_by: "slurm".into(),
+                deadline: None,
+                node: None,
+                form: None,
+            }),
+        );
+        RequestRecord {
+            event,
+            deadline: stagehand_schemas::now(),
+            standing: Standing::Waiting {
+                waiting_for: WaitingFor::Validation,
+                reason: "new".into(),
+            },
+            answer: vec![],
+        }
+    }
+
+    #[test]
+    fn a_wait_is_refused_once_its_fact_was_noted_and_a_fact_lists_earlier_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = State::open(&dir.path().join("s.redb")).unwrap();
+        let early = request("r1", "aaaabbbbcccc");
+        let late = request("r2", "aaaabbbbcccc");
+        state.accept(early.clone()).unwrap();
+        state.accept(late.clone()).unwrap();
+        let guard = WaitGuard::Validated {
+            prefix: "aaaabbbbcccc".into(),
+        };
+        // Recorded before the fact: the fact lists it.
+        assert!(
+            state
+                .wait(&early.event.id, WaitingFor::Validation, "x", &guard)
+                .unwrap()
+        );
+        let woken = state
+            .note(&FactNote {
+                project: "lab-a".into(),
+                dataset: "cats".into(),
+                seen: vec![(format!("aaaabbbbcccc{}", "d".repeat(52)), Seen::VALIDATED)],
+                ..Default::default()
+            })
+            .unwrap();
+        // Both are listed: an accepted request waits from the start.
+        assert_eq!(
+            woken.requests,
+            vec![early.event.id.clone(), late.event.id.clone()]
+        );
+        // Recorded after the fact: refused, so the caller looks again.
+        assert!(
+            !state
+                .wait(&late.event.id, WaitingFor::Validation, "x", &guard)
+                .unwrap()
+        );
+        // A wait for another version is not refused by it.
+        let other = WaitGuard::Validated {
+            prefix: "ffffbbbbcccc".into(),
+        };
+        assert!(
+            state
+                .wait(&late.event.id, WaitingFor::Validation, "x", &other)
+                .unwrap()
+        );
+        // Finishing ends the wait: the next fact no longer lists it.
+        state
+            .finish(&early.event.id, Standing::Released, vec![])
+            .unwrap();
+        let woken = state
+            .note(&FactNote {
+                project: "lab-a".into(),
+                dataset: "cats".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(woken.requests, vec![late.event.id.clone()]);
+        assert_eq!(state.waiting().unwrap().len(), 1);
+    }
+}

@@ -1,0 +1,524 @@
+//! The promoter against a real nats-server with JetStream, the real catalogue recorder and
+//! real posix tiers: a validated version is copied once and ready with its path, fifty
+//! requests make one copy, a request waits visibly for validation and is answered by the
+//! fact, deadlines end waits, failures say why and leave nothing on the tier, quotas hold
+//! under races between two instances, and a node agent fills its node's local tier.
+
+mod common;
+
+use common::*;
+use stagehand_schemas::{Body, progress::WorkProgress};
+use stagehand_testkit::{wait_for, wait_until};
+
+/// A validated version on the capacity tier is copied to hot once, verified, published under
+/// `<project>/<dataset>/<version>/`, and answered with `replica.created` and `stage.ready`
+/// carrying the absolute path; a second request later is ready at once without a copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_validated_version_is_copied_once_and_ready_with_its_path() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let files = [
+        ("train/0001.jpg", bytes(1, 10_000)),
+        ("train/0002.jpg", bytes(2, 300_000)),
+        ("labels.csv", b"id,label\n1,cat\n".to_vec()),
+    ];
+    let (prefix, refs) = stack.put_files("capacity", "cats", "v1", &files);
+    let version = stack.validated("cats", "capacity", &prefix, &refs).await;
+    let js = stack.bus.jetstream().clone();
+
+    let first = stage_request("cats", &version[..12], "hot", "job-1", None, None);
+    stack.publish(&first).await;
+    let ready = wait_for(WAIT, "stage.ready for job-1", || async {
+        answers(&js, "stage.ready", &first.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let expected = stack.tier("hot").join(format!("{PROJECT}/cats/{version}"));
+    assert_eq!(ready_path(&ready), expected.display().to_string());
+    for (path, content) in &files {
+        assert_eq!(
+            &std::fs::read(expected.join(path)).unwrap(),
+            content,
+            "{path}"
+        );
+    }
+    // Nothing else beside the published folder: no staging folder left behind.
+    assert_eq!(
+        list(&stack.tier("hot").join(format!("{PROJECT}/cats"))),
+        vec![version.clone()]
+    );
+    let replicas = facts(&js, "replica.created").await;
+    assert_eq!(replicas.len(), 1);
+    match &replicas[0].body {
+        Body::ReplicaCreated(r) => {
+            assert_eq!(r.location.prefix, format!("{PROJECT}/cats/{version}"));
+            assert_eq!(r.files, 3);
+            assert_eq!(r.verified_by, "read-back");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    let second = stage_request("cats", &version, "hot", "job-2", None, None);
+    stack.publish(&second).await;
+    let again = wait_for(WAIT, "stage.ready for job-2", || async {
+        answers(&js, "stage.ready", &second.id).await.pop()
+    })
+    .await
+    .unwrap();
+    assert_eq!(ready_path(&again), expected.display().to_string());
+    assert_eq!(
+        facts(&js, "replica.created").await.len(),
+        1,
+        "no second copy"
+    );
+    stack.stop().await;
+}
+
+/// Fifty jobs asking for the same version at once get fifty `stage.ready` answers from one
+/// copy (one `replica.created`), shared between two promoter instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_requests_for_one_version_make_one_copy_across_two_instances() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    stack.run_promoter(stack.promoter_config("b"));
+    let files: Vec<(String, Vec<u8>)> = (0..40)
+        .map(|i| (format!("shard-{i:03}.tar"), bytes(i as u8, 64 << 10)))
+        .collect();
+    let borrowed: Vec<(&str, Vec<u8>)> =
+        files.iter().map(|(p, b)| (p.as_str(), b.clone())).collect();
+    let (prefix, refs) = stack.put_files("capacity", "dogs", "v1", &borrowed);
+    let version = stack.validated("dogs", "capacity", &prefix, &refs).await;
+    let js = stack.bus.jetstream().clone();
+    let requests: Vec<_> = (0..50)
+        .map(|i| stage_request("dogs", &version, "hot", &format!("job-{i}"), None, None))
+        .collect();
+    futures::future::join_all(requests.iter().map(|r| stack.publish(r))).await;
+    wait_until(WAIT, "fifty stage.ready answers", || async {
+        facts(&js, "stage.ready").await.len() >= 50
+    })
+    .await
+    .unwrap();
+    let ready = facts(&js, "stage.ready").await;
+    assert_eq!(ready.len(), 50, "one answer per request");
+    let mut answered: Vec<_> = ready
+        .iter()
+        .filter_map(|e| e.causation_id.clone())
+        .collect();
+    answered.sort();
+    answered.dedup();
+    assert_eq!(answered.len(), 50);
+    assert_eq!(facts(&js, "replica.created").await.len(), 1, "one copy");
+    assert!(facts(&js, "stage.failed").await.is_empty());
+    stack.stop().await;
+}
+
+/// A request for a version whose upload is still being validated waits, visibly
+/// (`stage.pending`, waiting for validation, with a reason), and is answered as soon as
+/// `dataset.validated` arrives — not by the clock, which is an hour in these tests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_waits_for_validation_and_is_answered_when_the_fact_arrives() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let js = stack.bus.jetstream().clone();
+    let files = [("a.bin", bytes(7, 5000))];
+    let (prefix, refs) = stack.put_files("capacity", "birds", "v1", &files);
+    let version = stagehand_schemas::version_digest(&refs);
+    stack
+        .ingest_requested("birds", "capacity", &prefix, &refs)
+        .await;
+    // The promoter has seen the upload (its ingests consumer) before the request comes.
+    settled(&js, "a").await;
+    let request = stage_request("birds", &version[..16], "hot", "job-w", None, None);
+    stack.publish(&request).await;
+    wait_until(WAIT, "the request to wait for validation", || async {
+        answers(&js, "stage.pending", &request.id).await.iter().any(|e| {
+            matches!(&e.body, Body::StagePending(p) if p.waiting_for == "validation" && p.reason.contains("being validated"))
+        })
+    })
+    .await
+    .unwrap();
+    assert!(answers(&js, "stage.ready", &request.id).await.is_empty());
+    stack.validated("birds", "capacity", &prefix, &refs).await;
+    let ready = wait_for(WAIT, "stage.ready after validation", || async {
+        answers(&js, "stage.ready", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    assert!(ready_path(&ready).ends_with(&format!("{PROJECT}/birds/{version}")));
+    stack.stop().await;
+}
+
+/// A wait ends at the request's deadline with `stage.failed` saying what it waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wait_ends_at_its_deadline_with_the_reason() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let js = stack.bus.jetstream().clone();
+    let files = [("a.bin", bytes(8, 100))];
+    let (prefix, refs) = stack.put_files("capacity", "owls", "v1", &files);
+    let version = stagehand_schemas::version_digest(&refs);
+    stack
+        .ingest_requested("owls", "capacity", &prefix, &refs)
+        .await;
+    settled(&js, "a").await;
+    let deadline = stagehand_schemas::now() + time::Duration::seconds(2);
+    let request = stage_request("owls", &version, "hot", "job-d", None, Some(deadline));
+    stack.publish(&request).await;
+    let failed = wait_for(WAIT, "stage.failed at the deadline", || async {
+        answers(&js, "stage.failed", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    assert!(
+        answers(&js, "stage.pending", &request.id)
+            .await
+            .iter()
+            .any(|e| matches!(&e.body, Body::StagePending(p) if p.waiting_for == "validation")),
+        "it waited visibly first"
+    );
+    let (reason, retryable) = failed_reason(&failed);
+    assert!(
+        reason.contains("deadline") && reason.contains("validation"),
+        "{reason}"
+    );
+    assert!(retryable);
+    assert!(stagehand_schemas::now() >= deadline);
+    stack.stop().await;
+}
+
+/// Unknown datasets, rejected versions and damaged source files fail with a reason a person
+/// can act on, and nothing appears on the hot tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failures_say_why_and_leave_nothing_on_the_tier() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let js = stack.bus.jetstream().clone();
+
+    let unknown = stage_request("nope", "0123456789abcdef", "hot", "job-u", None, None);
+    stack.publish(&unknown).await;
+    let f = wait_for(WAIT, "unknown dataset failed", || async {
+        answers(&js, "stage.failed", &unknown.id).await.pop()
+    })
+    .await
+    .unwrap();
+    assert!(
+        failed_reason(&f).0.contains("unknown dataset \"nope\""),
+        "{f:?}"
+    );
+
+    let bad_files = [("x.bin", bytes(3, 10))];
+    let (_, bad_refs) = stack.put_files("source", "frogs", "up", &bad_files);
+    let rejected = stack.rejected("frogs", &bad_refs, "x.bin").await;
+    settled(&js, "a").await;
+    let r = stage_request("frogs", &rejected[..20], "hot", "job-r", None, None);
+    stack.publish(&r).await;
+    let f = wait_for(WAIT, "rejected version failed", || async {
+        answers(&js, "stage.failed", &r.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let (reason, retryable) = failed_reason(&f);
+    assert!(
+        reason.contains("rejected") && reason.contains("checksum_mismatch at x.bin"),
+        "{reason}"
+    );
+    assert!(!retryable);
+
+    // One file's bytes on the capacity tier differ from its manifest entry.
+    let files = [
+        ("good.bin", bytes(4, 70_000)),
+        ("bad.bin", bytes(5, 70_000)),
+    ];
+    let (prefix, refs) = stack.put_files("capacity", "toads", "v1", &files);
+    std::fs::write(
+        stack.tier("capacity").join(&prefix).join("bad.bin"),
+        bytes(6, 70_000),
+    )
+    .unwrap();
+    let version = stack.validated("toads", "capacity", &prefix, &refs).await;
+    let c = stage_request("toads", &version, "hot", "job-c", None, None);
+    stack.publish(&c).await;
+    let f = wait_for(WAIT, "corrupt source failed", || async {
+        answers(&js, "stage.failed", &c.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let (reason, _) = failed_reason(&f);
+    assert!(
+        reason.contains("bad.bin") && reason.contains("capacity"),
+        "{reason}"
+    );
+    assert!(
+        list(&stack.tier("hot").join(format!("{PROJECT}/toads"))).is_empty(),
+        "nothing visible, no staging left"
+    );
+    assert!(facts(&js, "replica.created").await.is_empty());
+    // The space it reserved is given back: a small version fits afterwards.
+    stack.stop().await;
+}
+
+/// Two instances racing for a quota that fits one of two versions: exactly one is staged,
+/// the other fails with the quota in its reason; the tier's capacity is enforced the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_cannot_together_exceed_a_quota() {
+    let mut stack = Stack::start_with(Options {
+        hot_quotas: "default = \"1 MiB\"",
+        ..Options::default()
+    })
+    .await;
+    stack.run_promoter(stack.promoter_config("a"));
+    stack.run_promoter(stack.promoter_config("b"));
+    let js = stack.bus.jetstream().clone();
+    let mut requests = Vec::new();
+    for (i, name) in ["big-1", "big-2", "big-3"].iter().enumerate() {
+        let files = [("blob.bin", bytes(i as u8, 600 << 10))];
+        let (prefix, refs) = stack.put_files("capacity", name, "v1", &files);
+        let version = stack.validated(name, "capacity", &prefix, &refs).await;
+        requests.push(stage_request(
+            name,
+            &version,
+            "hot",
+            &format!("job-{name}"),
+            None,
+            None,
+        ));
+    }
+    futures::future::join_all(requests.iter().map(|r| stack.publish(r))).await;
+    wait_until(WAIT, "all three answered", || async {
+        facts(&js, "stage.ready").await.len() + facts(&js, "stage.failed").await.len() == 3
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        facts(&js, "stage.ready").await.len(),
+        1,
+        "600 KiB of a 1 MiB quota"
+    );
+    let failed = facts(&js, "stage.failed").await;
+    assert_eq!(failed.len(), 2);
+    for f in &failed {
+        let (reason, retryable) = failed_reason(f);
+        assert!(
+            reason.contains("quota exceeded") && reason.contains("lab-a"),
+            "{reason}"
+        );
+        assert!(retryable);
+    }
+    stack.stop().await;
+}
+
+/// A released request that was waiting stops waiting: the fact that would have answered it
+/// later does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_released_waiting_request_is_not_answered_later() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let js = stack.bus.jetstream().clone();
+    let files = [("a.bin", bytes(9, 100))];
+    let (prefix, refs) = stack.put_files("capacity", "bats", "v1", &files);
+    let version = stagehand_schemas::version_digest(&refs);
+    stack
+        .ingest_requested("bats", "capacity", &prefix, &refs)
+        .await;
+    settled(&js, "a").await;
+    let request = stage_request("bats", &version, "hot", "job-x", None, None);
+    let other = stage_request("bats", &version, "hot", "job-y", None, None);
+    stack.publish(&request).await;
+    stack.publish(&other).await;
+    wait_until(WAIT, "both requests waiting", || async {
+        !answers(&js, "stage.pending", &request.id).await.is_empty()
+            && !answers(&js, "stage.pending", &other.id).await.is_empty()
+    })
+    .await
+    .unwrap();
+    stack
+        .publish(&stage_release("bats", &version, "hot", "job-x"))
+        .await;
+    // The release is handled before the validation fact: wait for the promoter's consumer to
+    // have acked it (its ack floor passed the release).
+    wait_until(WAIT, "the release handled", || async {
+        drained(
+            &js,
+            stagehand_schemas::subject::REQUESTS.name,
+            &["promoter"],
+        )
+        .await
+    })
+    .await
+    .unwrap();
+    stack.validated("bats", "capacity", &prefix, &refs).await;
+    wait_for(WAIT, "the other request ready", || async {
+        answers(&js, "stage.ready", &other.id).await.pop()
+    })
+    .await
+    .unwrap();
+    assert!(answers(&js, "stage.ready", &request.id).await.is_empty());
+    assert!(answers(&js, "stage.failed", &request.id).await.is_empty());
+    stack.stop().await;
+}
+
+/// A long copy publishes `WorkProgress` (files, bytes, ETA) on the request's progress subject.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_copy_publishes_its_progress() {
+    let mut stack = Stack::start().await;
+    let mut config = stack.promoter_config("a");
+    // About two seconds of copying.
+    config.service.mover.bytes_per_second = Some(512 << 10);
+    stack.run_promoter(config);
+    let js = stack.bus.jetstream().clone();
+    let files: Vec<(String, Vec<u8>)> = (0..8)
+        .map(|i| (format!("f{i}.bin"), bytes(i as u8, 128 << 10)))
+        .collect();
+    let borrowed: Vec<(&str, Vec<u8>)> =
+        files.iter().map(|(p, b)| (p.as_str(), b.clone())).collect();
+    let (prefix, refs) = stack.put_files("capacity", "slow", "v1", &borrowed);
+    let version = stack.validated("slow", "capacity", &prefix, &refs).await;
+    let request = stage_request("slow", &version, "hot", "job-p", None, None);
+    let subject =
+        stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &request.id);
+    let mut sub = stack.bus.client().subscribe(subject).await.unwrap();
+    stack.publish(&request).await;
+    let mut seen = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut sub)).await {
+        let p = WorkProgress::decode(&m.payload).unwrap();
+        let done = p.bytes_done == p.bytes_total;
+        seen.push(p);
+        if done {
+            break;
+        }
+    }
+    assert!(seen.len() >= 2, "{seen:?}");
+    let last = seen.last().unwrap();
+    assert_eq!((last.files_total, last.bytes_total), (8, 8 * (128 << 10)));
+    assert!(
+        seen.iter()
+            .any(|p| p.bytes_done < p.bytes_total && p.eta_seconds.is_some()),
+        "{seen:?}"
+    );
+    wait_for(WAIT, "stage.ready", || async {
+        answers(&js, "stage.ready", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    stack.stop().await;
+}
+
+/// A node agent answers its own node's `local` requests from the hot tier (where the
+/// shared promoter put the version), and skips another node's; the shared promoter ignores
+/// `local` requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_agent_fills_its_local_tier_from_hot() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("shared"));
+    let mut agent = stack.promoter_config("agent-n1");
+    agent.service.node = Some("n1".into());
+    stack.run_promoter(agent);
+    let js = stack.bus.jetstream().clone();
+    let files = [("w.bin", bytes(11, 50_000))];
+    let (prefix, refs) = stack.put_files("capacity", "ckpt-run7", "v1", &files);
+    let version = stack
+        .validated("ckpt-run7", "capacity", &prefix, &refs)
+        .await;
+    let hot = stage_request("ckpt-run7", &version, "hot", "job-h", None, None);
+    stack.publish(&hot).await;
+    wait_for(WAIT, "hot ready", || async {
+        answers(&js, "stage.ready", &hot.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let elsewhere = stage_request("ckpt-run7", &version, "local", "job-l", Some("n2"), None);
+    let mine = stage_request("ckpt-run7", &version, "local", "job-l", Some("n1"), None);
+    stack.publish(&elsewhere).await;
+    stack.publish(&mine).await;
+    let ready = wait_for(WAIT, "local ready on n1", || async {
+        answers(&js, "stage.ready", &mine.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let path = stack
+        .tier("local-n1")
+        .join(format!("{PROJECT}/ckpt-run7/{version}"));
+    assert_eq!(ready_path(&ready), path.display().to_string());
+    assert_eq!(std::fs::read(path.join("w.bin")).unwrap(), files[0].1);
+    match &ready.body {
+        Body::StageReady(r) => assert_eq!(r.node.as_deref(), Some("n1")),
+        other => panic!("{other:?}"),
+    }
+    // n2's request: nobody here answers it (no agent for n2; the shared promoter ignores it).
+    wait_until(
+        WAIT,
+        "the agent and the promoter passed n2's request",
+        || async {
+            drained(
+                &js,
+                stagehand_schemas::subject::REQUESTS.name,
+                &["promoter-node-n1", "promoter"],
+            )
+            .await
+        },
+    )
+    .await
+    .unwrap();
+    for kind in ["stage.ready", "stage.failed", "stage.pending"] {
+        assert!(answers(&js, kind, &elsewhere.id).await.is_empty(), "{kind}");
+    }
+    // Local copies make no replica.created (the fact has no node field yet).
+    assert_eq!(facts(&js, "replica.created").await.len(), 1);
+    stack.stop().await;
+}
+
+/// `form = prepared`: a request for a validated version whose prepared form does not exist yet
+/// waits for preparation (the packing policy would prepare it) and is staged with the prepared
+/// version once `dataset.prepared` names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_prepared_form_is_waited_for_and_staged() {
+    let mut stack = Stack::start().await;
+    std::fs::write(
+        stack.policies.join("packing.toml"),
+        "enabled = true\nmin_files = 2\nmax_mean_file_size = \"4 MiB\"\nshard_size = \"1 GiB\"\nlayout = \"webdataset\"\nseed = 0\ntarget_tier = \"capacity\"\n",
+    )
+    .unwrap();
+    stack.run_promoter(stack.promoter_config("a"));
+    let js = stack.bus.jetstream().clone();
+    let raw_files = [("s/1.jpg", bytes(31, 1000)), ("s/2.jpg", bytes(32, 1000))];
+    let (prefix, refs) = stack.put_files("capacity", "packed", "raw", &raw_files);
+    let raw = stack.validated("packed", "capacity", &prefix, &refs).await;
+    settled(&js, "a").await;
+    let request = stage_request_form(
+        "packed",
+        &raw,
+        "hot",
+        "job-pp",
+        None,
+        None,
+        Some("prepared"),
+    );
+    stack.publish(&request).await;
+    wait_until(WAIT, "waiting for preparation", || async {
+        answers(&js, "stage.pending", &request.id)
+            .await
+            .iter()
+            .any(|e| matches!(&e.body, Body::StagePending(p) if p.waiting_for == "preparation"))
+    })
+    .await
+    .unwrap();
+    let shard = [("shard-000000.tar", bytes(33, 4096))];
+    let (shard_prefix, shard_refs) = stack.put_files("capacity", "packed", "shards", &shard);
+    let prepared = stack
+        .prepared("packed", &raw, "capacity", &shard_prefix, &shard_refs)
+        .await;
+    let ready = wait_for(WAIT, "the prepared form ready", || async {
+        answers(&js, "stage.ready", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let path = stack
+        .tier("hot")
+        .join(format!("{PROJECT}/packed/{prepared}"));
+    assert_eq!(ready_path(&ready), path.display().to_string());
+    assert_eq!(
+        std::fs::read(path.join("shard-000000.tar")).unwrap(),
+        shard[0].1
+    );
+    stack.stop().await;
+}
