@@ -310,6 +310,11 @@ pub enum CatalogueCommand {
         /// JSON; for `D@V`, one line per file for the whole version (after `--after`).
         #[arg(long)]
         json: bool,
+        /// Where the versions come from: each raw version, the versions prepared from it, and
+        /// their replicas per tier (`D`: every raw version, `--after` a raw version's digest;
+        /// `D@V`: the lineage of that version).
+        #[arg(long, conflicts_with = "path")]
+        lineage: bool,
     },
     /// Dead letters counted per service.
     DeadLetters {
@@ -731,6 +736,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                     after,
                     path,
                     json,
+                    lineage,
                 } => {
                     let opts = crate::catalogue::ShowOptions {
                         project,
@@ -738,6 +744,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                         after,
                         path,
                         json,
+                        lineage,
                     };
                     crate::catalogue::show(&catalogue, &target, &opts, &mut out).await?
                 }

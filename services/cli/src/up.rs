@@ -112,6 +112,7 @@ macro_rules! service {
 pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_ingest_validator, Settings),
     service!(stagehand_catalogue_recorder, RecorderConfig),
+    service!(stagehand_resharder, Settings),
     service!(stagehand_promoter, Settings),
     service!(stagehand_demoter, Settings),
 ];

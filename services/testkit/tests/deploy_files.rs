@@ -106,6 +106,10 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         check::<stagehand_catalogue_recorder::RecorderConfig>,
     ),
     (
+        stagehand_resharder::SERVICE,
+        check::<stagehand_resharder::Settings>,
+    ),
+    (
         stagehand_promoter::SERVICE,
         check::<stagehand_promoter::Settings>,
     ),
