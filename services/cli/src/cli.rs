@@ -458,7 +458,7 @@ fn check_ingest(a: &IngestArgs) -> Result<PathBuf, UsageError> {
     // An `s3://` source is checked against the tiers once the policies are read; a folder
     // must exist before anything connects.
     if !a.source.starts_with("s3://") {
-        args::folder("source", Path::new(&a.source))?;
+        args::folder("source folder", Path::new(&a.source))?;
     }
     args::project("--project", &a.project)?;
     args::dataset("--dataset", &a.dataset)?;
