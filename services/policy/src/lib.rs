@@ -38,8 +38,8 @@ use std::path::{Path, PathBuf};
 pub use error::PolicyError;
 pub use pipeline::{
     BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DemotionPolicy, Expiry,
-    PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy, RetentionPolicy, ShardLayout,
-    VerifyMode,
+    ObjectLockPolicy, PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy, RetentionMode,
+    RetentionPolicy, ShardLayout, VerifyMode,
 };
 pub use tiers::{
     DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, TierKind, TierLimits, TierPolicy, TierRole,
