@@ -2,10 +2,10 @@
 //! `checkpoint.committed`), one `backup.completed` out.
 //!
 //! For each fact the policy selects, the copier opens the fact's manifest (verified against
-//! its digest), refuses a source in the backup tier's failure domain, writes the manifest
-//! beside the backup, copies the files as one set onto the backup tier (staged, proven by the
-//! policy's `verify`, published whole: a posix folder renamed into place, or an S3 prefix with
-//! its completion marker written last), checks the Object Lock hold on S3, and publishes
+//! its digest), refuses a source in the backup tier's failure domain, copies the files and the
+//! manifest as one set onto the backup tier (staged, proven by the policy's `verify`, published
+//! whole: a posix folder renamed into place, or an S3 prefix with its completion marker
+//! written last), checks the Object Lock hold on S3, and publishes
 //! `backup.completed`. A backup already present is not copied again; a killed copy is resumed.
 
 use std::sync::Arc;
@@ -19,7 +19,7 @@ use tracing::info;
 
 use crate::copier::Copier;
 use crate::error::BackupError;
-use crate::layout::{selected, set_prefix};
+use crate::layout::{MANIFEST_NAME, selected, set_prefix};
 
 /// The step of a `backup.completed` fact's id: `backup:<backup tier>`.
 pub fn backup_step(tier: &str) -> String {
@@ -64,15 +64,25 @@ impl Backups {
             None => manifest.digest().to_owned(),
         };
         let prefix = set_prefix(&what.project, &what.dataset, &version)?;
+        let (m, name) = (manifest.clone(), MANIFEST_NAME);
+        let clash = tokio::task::spawn_blocking(move || {
+            m.entries().any(|e| e.is_ok_and(|f| f.path == name))
+        })
+        .await
+        .unwrap_or(false);
+        if clash {
+            return Err(BackupError::Refused(format!(
+                "version {version} holds a file named {MANIFEST_NAME} at its root, the name its backup keeps its manifest under"
+            )));
+        }
         let backup = copier.backup.clone();
-        // The manifest first: a published set always has its manifest beside it.
-        copier.write_manifest(&manifest, &prefix).await?;
         let progress = Progress::new();
         let report = copier
             .copy_version(
                 (&source, &what.source.prefix),
                 (&backup, &prefix),
                 &manifest,
+                true,
                 copier.policy().verify,
                 Priority::Backup,
                 &progress,

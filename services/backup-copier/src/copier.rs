@@ -1,6 +1,6 @@
-//! The copier's tiers and the three moves everything else is made of: a version's manifest
-//! written beside its backup, read back from it (verified against the version digest), and a
-//! version's files copied from one tier to another as one verified, atomic set.
+//! The copier's tiers and the moves everything else is made of: a version's files (and, for a
+//! backup, its manifest) copied from one tier to another as one verified, atomic set, and the
+//! manifest read back from a backup (verified against the version digest).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,7 +16,7 @@ use stagehand_mover::{
 use stagehand_policy::{BackupPolicy, Policies, TierKind, TierPolicy, TierRole};
 
 use crate::error::BackupError;
-use crate::layout::manifest_path;
+use crate::layout::{MANIFEST_NAME, manifest_path};
 
 /// Reads of objects checked at once when an S3 set is read back.
 const READ_BACK_AT_ONCE: usize = 8;
@@ -192,30 +192,25 @@ impl Copier {
         Ok(())
     }
 
-    /// Writes `manifest`'s canonical bytes beside the backup at `set_prefix` on the backup
-    /// tier (through a scratch file and the mover, proven like any copy). A manifest already
-    /// there with the same bytes is left as it is; different bytes are a conflict.
-    pub(crate) async fn write_manifest(
-        &self,
-        manifest: &Manifest,
-        set_prefix: &str,
-    ) -> Result<(), BackupError> {
-        let rel = manifest_path(set_prefix);
+    /// Writes `manifest`'s canonical bytes as [`MANIFEST_NAME`] at the root of `dst` (a set's
+    /// staging tier), through a scratch file and the mover, proven like any copy. A manifest
+    /// already there with the same bytes (a resumed set) is left as it is.
+    async fn write_manifest(&self, manifest: &Manifest, dst: &Tier) -> Result<(), BackupError> {
         let dir = format!("manifests/{}", scratch_name("out"));
         let scratch = self.scratch.clone();
-        let (m, file_rel) = (manifest.clone(), format!("{dir}/{rel}"));
+        let (m, file_rel) = (manifest.clone(), format!("{dir}/{MANIFEST_NAME}"));
         let len = tokio::task::spawn_blocking(move || write_canonical(&scratch, &file_rel, &m))
             .await
             .map_err(|e| BackupError::Refused(format!("manifest task failed: {e}")))??;
         let copied = async {
             let src = Tier::Posix(self.scratch.beneath(&dir, false)?);
-            let file = FileRef::new(rel.clone(), len, manifest.digest());
+            let file = FileRef::new(MANIFEST_NAME, len, manifest.digest());
             let opts = CopyOptions {
                 priority: Priority::Backup,
                 verify_destination: self.policy.verify,
                 ..CopyOptions::default()
             };
-            self.mover.copy(&src, &self.backup, &file, &opts).await
+            self.mover.copy(&src, dst, &file, &opts).await
         }
         .await;
         self.remove_scratch(&dir).await;
@@ -223,7 +218,7 @@ impl Copier {
         Ok(())
     }
 
-    /// Reads the manifest beside the backup at `set_prefix` on `tier` into the spool and
+    /// Reads the manifest inside the backup at `set_prefix` on `tier` into the spool and
     /// checks it is the manifest of `version` (its bytes hash to the digest, every line is
     /// canonical). A missing manifest is [`ErrorKind::NotFound`].
     pub(crate) async fn read_manifest(
@@ -248,7 +243,7 @@ impl Copier {
                 Side::Source,
                 tier.name(),
                 &rel,
-                "the backup has no manifest beside it",
+                "the backup holds no manifest",
             )
             .into());
         };
@@ -287,16 +282,18 @@ impl Copier {
     }
 
     /// Copies `manifest`'s files from `src_prefix` on `src` to `dst_prefix` on `dst` and
-    /// publishes them as one set: staged, every file proven (`verify`; on S3 with
-    /// `read-back` every object is read again and hashed before the completion marker is
-    /// written), then made visible at once. An error leaves nothing under `dst_prefix` (on S3:
-    /// no completion marker) and what was staged for a rerun to resume.
+    /// publishes them as one set (with the manifest itself as [`MANIFEST_NAME`] when
+    /// `with_manifest`): staged, every file proven (`verify`; on S3 with `read-back` every
+    /// object is read again and hashed before the completion marker is written), then made
+    /// visible at once. An error leaves nothing under `dst_prefix` (on S3: no completion
+    /// marker) and what was staged for a rerun to resume.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn copy_version(
         &self,
         (src, src_prefix): (&Tier, &str),
         (dst, dst_prefix): (&Tier, &str),
         manifest: &Manifest,
+        with_manifest: bool,
         verify: VerifyMode,
         priority: Priority,
         progress: &Progress,
@@ -332,11 +329,13 @@ impl Copier {
                 manifest.digest()
             )));
         }
-        if !report.existed
-            && verify == VerifyMode::ReadBack
-            && let Some(staging @ Tier::S3(_)) = staged.staging_tier()
-        {
-            read_back(staging, manifest).await?;
+        if let Some(staging) = staged.staging_tier() {
+            if with_manifest {
+                self.write_manifest(manifest, staging).await?;
+            }
+            if verify == VerifyMode::ReadBack && matches!(staging, Tier::S3(_)) {
+                read_back(staging, manifest, with_manifest).await?;
+            }
         }
         Ok(staged.publish().await?)
     }
@@ -368,13 +367,41 @@ fn entries(
         .take_while(|c| futures::future::ready(c.is_ok()))
         .map(|c| futures::stream::iter(c.unwrap_or_default()))
         .flatten()
+        // A set copy may ask again after the end; the manifest's chunks must not be.
+        .fuse()
         .boxed()
 }
 
-/// Reads every object of an S3 set again and checks its size and SHA-256 against the
-/// manifest: what proves the bytes the server stored, beyond the checksums it checked on
-/// upload.
-pub(crate) async fn read_back(tier: &Tier, manifest: &Manifest) -> Result<(), BackupError> {
+/// Reads every object of an S3 set again (the manifest object too, `with_manifest`) and
+/// checks its size and SHA-256 against the manifest: what proves the bytes the server stored,
+/// beyond the checksums it checked on upload.
+pub(crate) async fn read_back(
+    tier: &Tier,
+    manifest: &Manifest,
+    with_manifest: bool,
+) -> Result<(), BackupError> {
+    if with_manifest {
+        let got = tier
+            .hash_file_bounded(
+                MANIFEST_NAME,
+                ReadLimit::declared(manifest.canonical_len(), None),
+            )
+            .await?;
+        if got.sha256 != manifest.digest() {
+            return Err(TransferError::new(
+                ErrorKind::ChecksumMismatch,
+                Side::Destination,
+                tier.name(),
+                MANIFEST_NAME,
+                format!(
+                    "read back, the manifest hashes to {}, not to the version {}",
+                    got.sha256,
+                    manifest.digest()
+                ),
+            )
+            .into());
+        }
+    }
     manifest
         .chunks(DEFAULT_CHUNK)
         .map_err(BackupError::from)

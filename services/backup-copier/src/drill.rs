@@ -9,7 +9,7 @@
 //! of its files, chosen by a hash of the drill id and each path (uniform, reproducible from the
 //! id, and a different sample each drill), so repeated drills cover it all in time.
 //!
-//! **What is verified.** For each version the manifest kept beside the backup is restored
+//! **What is verified.** For each version the manifest kept inside the backup is restored
 //! first and must hash to the version digest the catalogue records — which commits to every
 //! file's size and SHA-256 — and hold the file count and bytes the catalogue records. Then
 //! each sampled file is restored through the mover, which hashes every byte it reads from the
@@ -368,7 +368,7 @@ impl From<stagehand_mover::TransferError> for Inconclusive {
     }
 }
 
-/// The verdict when the manifest beside a backup could not be read: a missing or damaged
+/// The verdict when the manifest inside a backup could not be read: a missing or damaged
 /// manifest is a failed drill; an unreachable tier is no verdict.
 fn verdict_on_manifest(
     e: BackupError,

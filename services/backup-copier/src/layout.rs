@@ -1,13 +1,14 @@
 //! What a fact asks to protect, and where its copy lives on the backup tier.
 //!
-//! A version is backed up under `<project>/<dataset>/<version>/` (the files, at their
-//! manifest paths) with its canonical manifest beside it, `<project>/<dataset>/<version>.manifest`.
-//! The folder is content-addressed, so the same bytes are one backup however often they are
-//! uploaded, and the manifest makes the backup tier restorable and verifiable on its own: its
-//! SHA-256 is the version digest, which commits to every file's size and hash, so a restore
-//! needs nothing from the live platform but that digest (`stagehand cp -r --manifest` can do
-//! it by hand). A checkpoint is protected the same way as a version of a dataset named after
-//! its run: `<project>/<run>/<digest of its manifest>/`.
+//! A version is backed up as one set, `<project>/<dataset>/<version>/`: the files at their
+//! manifest paths and the version's canonical manifest as [`MANIFEST_NAME`] inside it,
+//! published together (nothing of a set is visible before all of it is, its manifest
+//! included). The folder is content-addressed, so the same bytes are one backup however often
+//! they are uploaded, and the manifest makes the backup tier restorable and verifiable on its
+//! own: its SHA-256 is the version digest, which commits to every file's size and hash, so a
+//! restore needs nothing from the live platform but that digest (`stagehand cp -r --manifest`
+//! can do it by hand). A checkpoint is protected the same way, as a version of a dataset named
+//! after its run: `<project>/<run>/<digest of its manifest>/`.
 
 use stagehand_policy::{BackupPolicy, BackupSelect};
 use stagehand_schemas::{Body, Event, Location, check_relative_path, is_sha256_hex};
@@ -82,9 +83,13 @@ pub fn set_prefix(project: &str, dataset: &str, version: &str) -> Result<String,
     Ok(format!("{project}/{dataset}/{version}"))
 }
 
-/// Where the canonical manifest of the backup at `set_prefix` lives: beside the folder.
+/// The name of the manifest inside a backup set. A version holding a file of that name at
+/// its root cannot be backed up (refused with that reason).
+pub const MANIFEST_NAME: &str = ".stagehand-manifest";
+
+/// Where the canonical manifest of the backup at `set_prefix` lives: inside the set.
 pub fn manifest_path(set_prefix: &str) -> String {
-    format!("{set_prefix}.manifest")
+    format!("{set_prefix}/{MANIFEST_NAME}")
 }
 
 #[cfg(test)]
@@ -176,7 +181,10 @@ mod tests {
             set_prefix("lab-a", "cats", &v).unwrap(),
             format!("lab-a/cats/{v}")
         );
-        assert_eq!(manifest_path("lab-a/cats/v"), "lab-a/cats/v.manifest");
+        assert_eq!(
+            manifest_path("lab-a/cats/v"),
+            "lab-a/cats/v/.stagehand-manifest"
+        );
         for bad in ["../x", "a/b", ".hidden", ""] {
             assert!(set_prefix("lab-a", bad, &v).is_err(), "{bad:?}");
         }

@@ -4,7 +4,7 @@
 //! - **Backups** ([`backup`]): a worker on the facts stream consumes the kinds
 //!   `policies/backup.toml` selects (`dataset.validated`, `dataset.prepared`,
 //!   `checkpoint.committed`, filtered by project and checkpoint tag), copies each version
-//!   with the mover to the backup tier as one atomic, verified set with its manifest beside it
+//!   with the mover to the backup tier as one atomic, verified set holding its manifest
 //!   ([`layout`]), and publishes `backup.completed`. A source in the backup tier's failure
 //!   domain is refused at run time (tiers.toml already refuses a backup tier that shares one
 //!   with a tier it protects, at start-up).

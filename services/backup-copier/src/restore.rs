@@ -3,7 +3,7 @@
 //! runs).
 //!
 //! The version is looked up in the catalogue (a unique prefix will do), and so is its copy on
-//! a backup tier. Its manifest is restored from beside the backup and must hash to the version
+//! a backup tier. Its manifest is restored from inside the backup and must hash to the version
 //! digest; the files are then copied as one set to `<project>/<dataset>/<version>` on the
 //! target tier (the promoter's layout), every file proven against the manifest (the policy's
 //! `verify`), and published whole — nothing is visible there until all of it is. A rerun after
@@ -97,6 +97,7 @@ impl Copier {
                 (&from, &backup.prefix),
                 (&to, &prefix),
                 &manifest,
+                false,
                 verify,
                 Priority::Stage,
                 progress,
