@@ -22,6 +22,7 @@ use futures::{StreamExt, stream::FuturesUnordered};
 use stagehand_bus::{
     Bus, BusConfig, CancellationToken, Handler, HandlerError, WorkContext, WorkerConfig, run_worker,
 };
+use stagehand_loadtest::process_cpu_seconds;
 use stagehand_schemas::{
     Body, Event, EventId, Location, StageReady, StageRequested, subject, wire,
 };
@@ -76,18 +77,6 @@ impl Cpu {
             server: self.server.zip(start.server).map(|(a, b)| a - b),
         }
     }
-}
-
-/// utime + stime of a process from /proc/<pid>/stat.
-fn process_cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Some(ticks / hz)
 }
 
 /// The pid of the nats-server whose command line names `store` (the one the testkit started).

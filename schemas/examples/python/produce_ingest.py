@@ -237,7 +237,7 @@ async def produce(args) -> dict:
 
     files = hash_folder(Path(args.folder))
     version = version_digest(files)
-    prefix = args.prefix if args.prefix is not None else f"uploads/{args.project}/{args.dataset}/{version[:16]}"
+    prefix = args.prefix if args.prefix is not None else f"{args.project}/{args.dataset}/{version[:16]}"
     labels = []
     for label in args.label:
         if "=" not in label:
@@ -271,7 +271,7 @@ def parse_args(argv=None):
     p.add_argument("--project", required=True)
     p.add_argument("--dataset", required=True)
     p.add_argument("--tier", default="source", help="source tier name in policies/tiers.toml")
-    p.add_argument("--prefix", default=None, help="folder beneath the tier root (default uploads/<project>/<dataset>/<version>)")
+    p.add_argument("--prefix", default=None, help="folder beneath the tier root, within <project>/ (default <project>/<dataset>/<version>)")
     p.add_argument("--requested-by", default=os.environ.get("USER") or getpass.getuser())
     p.add_argument("--request-id", default=None, help="default: derived from project, dataset and content")
     p.add_argument("--label", action="append", default=[], help="key=value, repeatable")

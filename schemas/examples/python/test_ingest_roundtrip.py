@@ -120,7 +120,7 @@ async def test_python_request_is_validated(ctx) -> None:
         work / "upload-good",
         {"train/0001.bin": os.urandom(4096), "train/0002.bin": b"", "labels.csv": b"id,label\n1,cat\n"},
     )
-    request = await produce(folder, "py-cats", f"py/good-{os.getpid()}")
+    request = await produce(folder, "py-cats", f"lab-py/py/good-{os.getpid()}")
     files = producer.hash_folder(folder)
     expected_version = hashlib.sha256(
         "".join(f"{f['path']}\t{f['size']}\t{f['sha256']}\n" for f in sorted(files, key=lambda f: f["path"].encode())).encode()
@@ -143,7 +143,7 @@ async def test_python_request_is_validated(ctx) -> None:
 async def test_python_request_with_corrupt_file_is_rejected(ctx) -> None:
     work = Path(os.environ["PY_TEST_WORK"])
     folder = make_folder(work / "upload-bad", {"a.bin": b"original bytes", "b.bin": b"fine"})
-    prefix = f"py/bad-{os.getpid()}"
+    prefix = f"lab-py/py/bad-{os.getpid()}"
     files = producer.hash_folder(folder)
     request = producer.build_event(
         project="lab-py", dataset="py-dogs", tier="source", prefix=prefix, files=files, requested_by="py-producer"

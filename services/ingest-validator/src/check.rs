@@ -1,41 +1,30 @@
-//! The checks themselves, as functions over a manifest, the validation policy and what
-//! reading each file showed. Nothing here touches NATS or a filesystem, so every rule is
-//! tested directly.
+//! The checks themselves, as functions over a request, the validation policy, one manifest
+//! entry at a time and what reading each file showed. Nothing here touches NATS or a
+//! filesystem, so every rule is tested directly.
 //!
-//! Validation runs in two passes. The *static* pass looks only at the request: path rules,
-//! duplicates, hash form, size and suffix rules, manifest bounds, the source tier. It decides
-//! which entries are worth reading. The *read* pass hashes those entries on the source tier
-//! and compares what is there with what was declared. Every problem from both passes is
-//! reported; none stops the others from being found, except that a manifest over its bounds
-//! (or naming no usable tier) is not read at all.
-
-use std::collections::HashMap;
+//! Validation runs in three steps. The *request* step ([`request_problems`]) looks only at
+//! what the request says: the source tier, the source prefix (a path beneath the tier root,
+//! and beneath the project's own `<project>/` prefix), and the declared entry count and byte
+//! total against the policy's bounds. Any problem there rejects the request before its
+//! manifest is opened or any file is read. The *entry* step ([`EntryChecks`]) judges each
+//! manifest entry as the entries stream past in path order: path rules, duplicates (equal
+//! paths are adjacent in path order, so remembering the previous path is enough), hash form,
+//! size and suffix rules. It decides which entries are worth reading. The *read* step
+//! ([`compare`]) compares what reading an entry showed with what was declared. Every problem
+//! of the entry and read steps is reported; none stops the others from being found.
 
 use stagehand_mover::FileDigest;
 use stagehand_policy::{SuffixVerdict, TierRole, ValidationPolicy};
-use stagehand_schemas::{FileRef, IngestRequested, Problem, check_relative_path, is_sha256_hex};
+use stagehand_schemas::{FileRef, Location, Problem, check_relative_path, is_sha256_hex};
 
 /// Stable problem codes: the contract's (`stagehand_schemas::problem::code`).
 pub use stagehand_schemas::problem::code;
 
 fn problem(code: &str, path: Option<&str>, detail: impl Into<String>) -> Problem {
-    Problem {
-        code: code.to_owned(),
-        path: path.map(str::to_owned),
-        detail: detail.into(),
-    }
+    Problem::new(code, path, detail)
 }
 
-/// What the static pass found: the problems, and which manifest entries to read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
-    /// Problems found without reading, in manifest order (request-wide ones first).
-    pub problems: Vec<Problem>,
-    /// Indices into the manifest of the entries to read and compare.
-    pub to_read: Vec<usize>,
-}
-
-/// What the source tier's policy says, as far as the static pass needs it.
+/// What the source tier's policy says, as far as the request step needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SourceTier {
     /// Declared with role `source`: readable.
@@ -46,84 +35,143 @@ pub enum SourceTier {
     WrongRole(TierRole),
 }
 
-/// The static pass over a request.
-pub fn plan(request: &IngestRequested, policy: &ValidationPolicy, tier: SourceTier) -> Plan {
-    let mut problems = Vec::new();
-    // When false, nothing is read: the request is rejected on what it says alone.
-    let mut readable = true;
-    let files = &request.files;
+/// What a request declares about its manifest, before the manifest is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Declared {
+    /// Entries the manifest lists (the reference's count, or the inline list's length).
+    pub files: u64,
+    /// The sum of the entries' sizes.
+    pub bytes: u64,
+}
 
+/// Whether the tier-relative `prefix` lies beneath `project`'s own prefix on a shared tier:
+/// `<project>` itself or anything under `<project>/`. The prefix is assumed to have passed
+/// the path rules (no `..`, so a lexical test is exact).
+pub fn within_project(prefix: &str, project: &str) -> bool {
+    !project.is_empty()
+        && prefix
+            .strip_prefix(project)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// The request step: every problem with the request as a whole. When this is not empty the
+/// request is rejected on what it says alone: its manifest is not opened and no file is read
+/// (a dataset over its bounds is not fetched; a prefix outside the project is not touched).
+pub fn request_problems(
+    project: &str,
+    source: &Location,
+    declared: Declared,
+    policy: &ValidationPolicy,
+    tier: SourceTier,
+) -> Vec<Problem> {
+    let mut problems = Vec::new();
     match tier {
         SourceTier::Usable => {}
-        SourceTier::Unknown => {
-            readable = false;
-            problems.push(problem(
-                code::UNKNOWN_TIER,
-                None,
-                format!(
-                    "source tier {:?} is not declared in tiers.toml",
-                    request.source.tier
-                ),
-            ));
-        }
-        SourceTier::WrongRole(role) => {
-            readable = false;
-            problems.push(problem(
-                code::UNKNOWN_TIER,
-                None,
-                format!(
-                    "tier {:?} has role {:?}; ingest reads only from tiers with role \"source\"",
-                    request.source.tier,
-                    role.as_str()
-                ),
-            ));
-        }
+        SourceTier::Unknown => problems.push(problem(
+            code::UNKNOWN_TIER,
+            None,
+            format!(
+                "source tier {:?} is not declared in tiers.toml",
+                source.tier
+            ),
+        )),
+        SourceTier::WrongRole(role) => problems.push(problem(
+            code::UNKNOWN_TIER,
+            None,
+            format!(
+                "tier {:?} has role {:?}; ingest reads only from tiers with role \"source\"",
+                source.tier,
+                role.as_str()
+            ),
+        )),
     }
-    if !request.source.prefix.is_empty()
-        && let Err(e) = check_relative_path(&request.source.prefix)
-    {
-        readable = false;
+    let prefix = source.prefix.as_str();
+    let prefix_ok = match check_relative_path(prefix) {
+        Ok(()) => true,
+        // An empty prefix is the whole tier: not a path problem, but never within a project.
+        Err(_) if prefix.is_empty() => true,
+        Err(e) => {
+            problems.push(problem(
+                code::PATH_RULE,
+                Some(prefix),
+                format!("source prefix: {e}"),
+            ));
+            false
+        }
+    };
+    if prefix_ok && !within_project(prefix, project) {
         problems.push(problem(
-            code::PATH_RULE,
-            Some(&request.source.prefix),
-            format!("source prefix: {e}"),
+            code::OUTSIDE_PROJECT,
+            (!prefix.is_empty()).then_some(prefix),
+            format!(
+                "the source prefix {prefix:?} is not beneath the project's own prefix {project:?}/ on the tier; nothing was read"
+            ),
         ));
     }
-    if files.len() as u64 > policy.max_entries {
-        readable = false;
+    if declared.files > policy.max_entries {
         problems.push(problem(
             code::TOO_MANY_ENTRIES,
             None,
             format!(
-                "the manifest lists {} entries, over the limit of {} (validation.max_entries); split the dataset; no file was read",
-                files.len(),
-                policy.max_entries
+                "the manifest lists {} entries, over the limit of {} (validation.max_entries); no file was read",
+                declared.files, policy.max_entries
             ),
         ));
     }
-    let total = files.iter().fold(0u64, |sum, f| sum.saturating_add(f.size));
-    if total > policy.max_total_bytes {
-        readable = false;
+    if declared.bytes > policy.max_total_bytes {
         problems.push(problem(
             code::TOO_LARGE,
             None,
             format!(
-                "the manifest declares {total} bytes in all, over the limit of {} (validation.max_total_bytes); no file was read",
-                policy.max_total_bytes
+                "the manifest declares {} bytes in all, over the limit of {} (validation.max_total_bytes); no file was read",
+                declared.bytes, policy.max_total_bytes
             ),
         ));
     }
+    problems
+}
 
-    let mut seen: HashMap<&str, usize> = HashMap::with_capacity(files.len());
-    let mut to_read = Vec::with_capacity(files.len());
-    for (index, file) in files.iter().enumerate() {
+/// What the entry step says about one entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Judged {
+    /// Problems found without reading.
+    pub problems: Vec<Problem>,
+    /// Whether the entry is read and compared.
+    pub read: bool,
+}
+
+/// The entry step over a manifest's entries in path order. Holds only the previous path:
+/// duplicates are adjacent in path order, so memory does not grow with the file count.
+#[derive(Debug)]
+pub struct EntryChecks<'a> {
+    policy: &'a ValidationPolicy,
+    /// The last distinct path and its 1-based line in the manifest.
+    previous: Option<(String, u64)>,
+    line: u64,
+}
+
+impl<'a> EntryChecks<'a> {
+    pub fn new(policy: &'a ValidationPolicy) -> Self {
+        EntryChecks {
+            policy,
+            previous: None,
+            line: 0,
+        }
+    }
+
+    /// Judges the next entry. Entries must come in path order (the manifest's order), else
+    /// a duplicate that is not adjacent goes unnoticed.
+    pub fn check(&mut self, file: &FileRef) -> Judged {
+        self.line += 1;
+        let policy = self.policy;
         let path = file.path.as_str();
         let shown = Some(path);
-        let mut read_it = readable;
+        let mut problems = Vec::new();
+        let mut read = true;
         if let Err(e) = check_relative_path(path) {
             problems.push(problem(code::PATH_RULE, shown, e.to_string()));
             // Never hand a refused path to a tier, even though the tier would refuse it too.
-            read_it = false;
+            read = false;
         } else if !policy.allow_hidden && ValidationPolicy::is_hidden(path) {
             problems.push(problem(
                 code::PATH_RULE,
@@ -131,18 +179,19 @@ pub fn plan(request: &IngestRequested, policy: &ValidationPolicy, tier: SourceTi
                 "hidden file or folder (a name starting with `.`), refused by validation.allow_hidden = false",
             ));
         }
-        match seen.get(path) {
-            Some(first) => {
+        match &self.previous {
+            Some((previous, first)) if previous == path => {
                 problems.push(problem(
                     code::DUPLICATE_PATH,
                     shown,
-                    format!("listed again at entry {index}; first at entry {first}"),
+                    format!(
+                        "listed again at line {} of the manifest; first at line {first}",
+                        self.line
+                    ),
                 ));
-                read_it = false;
+                read = false;
             }
-            None => {
-                seen.insert(path, index);
-            }
+            _ => self.previous = Some((path.to_owned(), self.line)),
         }
         if !is_sha256_hex(&file.sha256) {
             problems.push(problem(
@@ -163,7 +212,7 @@ pub fn plan(request: &IngestRequested, policy: &ValidationPolicy, tier: SourceTi
                     file.size, policy.max_file_size
                 ),
             ));
-            read_it = false;
+            read = false;
         }
         match policy.suffix_verdict(path) {
             SuffixVerdict::Allowed => {}
@@ -181,25 +230,32 @@ pub fn plan(request: &IngestRequested, policy: &ValidationPolicy, tier: SourceTi
                 ),
             )),
         }
-        if read_it {
-            to_read.push(index);
-        }
+        Judged { problems, read }
     }
-    Plan { problems, to_read }
 }
 
 /// What reading one file on the source tier showed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Observed {
-    /// Read to the end: its size and hash.
+    /// Read to the end (never more than one byte past its declared size): its size and hash.
     Digest(FileDigest),
+    /// Its size, found before reading, is not the declared one: not read. The detail says
+    /// both sizes.
+    SizeDiffers(String),
+    /// Its size, found before reading, is over the policy's `max_file_size`: not read.
+    TooLarge(String),
     /// Nothing at that path.
     Missing,
-    /// Something other than a regular file (a directory, a device, a socket).
-    NotAFile,
+    /// Something other than a regular file (a directory, FIFO, socket or device), found
+    /// without reading from it. The detail says what it is.
+    NotAFile(String),
     /// A symlink on the way, or a path that leaves the tier root. The detail says which.
     Escapes(String),
-    /// Present but cannot be read, for a reason a retry will not fix (permissions).
+    /// The prefix and path joined are longer than the tier takes (PATH_MAX on posix, 1024
+    /// bytes for an S3 key).
+    PathTooLong(String),
+    /// Present but cannot be read, for a reason a retry will not fix (permissions, an object
+    /// the store refuses).
     Unreadable(String),
 }
 
@@ -218,18 +274,23 @@ pub fn compare(file: &FileRef, observed: &Observed, policy: &ValidationPolicy) -
     match observed {
         Observed::Digest(digest) => {
             let mut problems = Vec::new();
+            // The size is checked before reading, so this is a file that changed while it
+            // was read (grown past its declared size, or shrunk).
             if digest.size != file.size {
                 problems.push(problem(
                     code::SIZE_MISMATCH,
                     shown,
-                    format!("declared {} bytes, found {}", file.size, digest.size),
+                    format!(
+                        "declared {} bytes, read {} (the file changed while it was read)",
+                        file.size, digest.size
+                    ),
                 ));
                 if digest.size > policy.max_file_size {
                     problems.push(problem(
                         code::TOO_LARGE,
                         shown,
                         format!(
-                            "found {} bytes, over the limit of {} (validation.max_file_size)",
+                            "read {} bytes, over the limit of {} (validation.max_file_size)",
                             digest.size, policy.max_file_size
                         ),
                     ));
@@ -245,21 +306,20 @@ pub fn compare(file: &FileRef, observed: &Observed, policy: &ValidationPolicy) -
             }
             problems
         }
+        Observed::SizeDiffers(detail) => vec![problem(code::SIZE_MISMATCH, shown, detail.clone())],
+        Observed::TooLarge(detail) => vec![problem(code::TOO_LARGE, shown, detail.clone())],
         Observed::Missing => vec![problem(
             code::MISSING,
             shown,
             "no file at this path on the source tier",
         )],
-        Observed::NotAFile => vec![problem(
-            code::NOT_A_FILE,
-            shown,
-            "not a regular file (a directory or special file is at this path)",
-        )],
+        Observed::NotAFile(detail) => vec![problem(code::NOT_A_FILE, shown, detail.clone())],
         Observed::Escapes(detail) => vec![problem(
             code::SYMLINK_ESCAPE,
             shown,
             format!("a symlink is on the way or the path leaves the tier root: {detail}"),
         )],
+        Observed::PathTooLong(detail) => vec![problem(code::PATH_RULE, shown, detail.clone())],
         Observed::Unreadable(detail) => vec![problem(code::UNREADABLE, shown, detail.clone())],
     }
 }
@@ -267,7 +327,7 @@ pub fn compare(file: &FileRef, observed: &Observed, policy: &ValidationPolicy) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stagehand_schemas::{Location, sha256_hex};
+    use stagehand_schemas::sha256_hex;
 
     fn policy() -> ValidationPolicy {
         ValidationPolicy {
@@ -280,17 +340,10 @@ mod tests {
         }
     }
 
-    fn request(files: Vec<FileRef>) -> IngestRequested {
-        IngestRequested {
-            dataset: "d".into(),
-            source: Location {
-                tier: "source".into(),
-                prefix: "up/1".into(),
-            },
-            files,
-            manifest: None,
-            requested_by: "alice".into(),
-            labels: vec![],
+    fn source(prefix: &str) -> Location {
+        Location {
+            tier: "source".into(),
+            prefix: prefix.into(),
         }
     }
 
@@ -309,110 +362,159 @@ mod tests {
         (code.to_owned(), Some(path.to_owned()))
     }
 
+    /// Runs the entry step over `files` in the order given; returns every problem and the
+    /// indices of the entries to read.
+    fn judge_all(files: &[FileRef], policy: &ValidationPolicy) -> (Vec<Problem>, Vec<usize>) {
+        let mut checks = EntryChecks::new(policy);
+        let mut problems = Vec::new();
+        let mut read = Vec::new();
+        for (i, f) in files.iter().enumerate() {
+            let judged = checks.check(f);
+            problems.extend(judged.problems);
+            if judged.read {
+                read.push(i);
+            }
+        }
+        (problems, read)
+    }
+
+    const FEW: Declared = Declared { files: 2, bytes: 6 };
+
     #[test]
-    fn a_clean_manifest_has_no_problems_and_reads_everything() {
-        let planned = plan(
-            &request(vec![good("a"), good("b/c.bin")]),
-            &policy(),
-            SourceTier::Usable,
+    fn a_clean_request_and_manifest_have_no_problems_and_read_everything() {
+        assert!(
+            request_problems(
+                "lab",
+                &source("lab/up/1"),
+                FEW,
+                &policy(),
+                SourceTier::Usable
+            )
+            .is_empty()
         );
-        assert!(planned.problems.is_empty(), "{:?}", planned.problems);
-        assert_eq!(planned.to_read, vec![0, 1]);
+        let (problems, read) = judge_all(&[good("a"), good("b/c.bin")], &policy());
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(read, vec![0, 1]);
     }
 
     #[test]
-    fn every_static_problem_is_listed_with_its_path() {
+    fn every_entry_problem_is_listed_with_its_path() {
+        // In path order, as a manifest streams them.
         let files = vec![
+            good(".git/config"),
             good("../x"),
             good("/etc/passwd"),
-            good("a\0b"),
-            good("ok"),
-            good("ok"),
-            FileRef::new("upper", 3, "ABC"),
             FileRef::new("huge", 1001, sha256_hex(b"x")),
+            good("ok"),
+            good("ok"),
+            good("ok"),
             good("tool.EXE"),
-            good(".git/config"),
+            FileRef::new("upper", 3, "ABC"),
         ];
-        let planned = plan(&request(files), &policy(), SourceTier::Usable);
+        let (problems, read) = judge_all(&files, &policy());
         assert_eq!(
-            codes(&planned.problems),
+            codes(&problems),
             vec![
+                pair("path_rule", ".git/config"),
                 pair("path_rule", "../x"),
                 pair("path_rule", "/etc/passwd"),
-                pair("path_rule", "a\0b"),
-                pair("duplicate_path", "ok"),
-                pair("bad_sha256", "upper"),
                 pair("too_large", "huge"),
+                pair("duplicate_path", "ok"),
+                pair("duplicate_path", "ok"),
                 pair("suffix_denied", "tool.EXE"),
-                pair("path_rule", ".git/config"),
+                pair("bad_sha256", "upper"),
             ]
         );
-        // Refused paths, the second "ok" and the oversized file are not read; the rest are.
-        assert_eq!(planned.to_read, vec![3, 5, 7, 8]);
+        // Both copies of a duplicate point at the first.
+        assert!(problems[4].detail.contains("line 6") && problems[4].detail.contains("line 5"));
+        assert!(problems[5].detail.contains("line 7") && problems[5].detail.contains("line 5"));
+        // Refused paths, the repeated "ok"s and the oversized file are not read; the rest are.
+        assert_eq!(read, vec![0, 4, 7, 8]);
     }
 
     #[test]
     fn allow_list_applies_to_file_names() {
         let mut p = policy();
         p.allowed_suffixes = vec![".jpg".into()];
-        let planned = plan(
-            &request(vec![good("a.jpg"), good("b.png")]),
-            &p,
-            SourceTier::Usable,
-        );
-        assert_eq!(
-            codes(&planned.problems),
-            vec![pair("suffix_not_allowed", "b.png")]
-        );
+        let (problems, _) = judge_all(&[good("a.jpg"), good("b.png")], &p);
+        assert_eq!(codes(&problems), vec![pair("suffix_not_allowed", "b.png")]);
     }
 
     #[test]
-    fn manifest_bounds_reject_without_reading() {
-        let files: Vec<FileRef> = (0..11).map(|i| good(&format!("f{i}"))).collect();
-        let planned = plan(&request(files), &policy(), SourceTier::Usable);
-        assert_eq!(planned.problems[0].code, "too_many_entries");
-        assert!(planned.problems[0].detail.contains("11 entries"));
-        assert!(planned.to_read.is_empty());
-
-        let files = vec![FileRef::new("a", 900, sha256_hex(b"")); 6]
-            .into_iter()
-            .enumerate()
-            .map(|(i, mut f)| {
-                f.path = format!("f{i}");
-                f
-            })
-            .collect();
-        let planned = plan(&request(files), &policy(), SourceTier::Usable);
+    fn declared_bounds_reject_the_request_before_anything_is_read() {
+        let many = Declared {
+            files: 11,
+            bytes: 33,
+        };
+        let problems =
+            request_problems("lab", &source("lab/x"), many, &policy(), SourceTier::Usable);
         assert_eq!(
-            codes(&planned.problems),
-            vec![("too_large".to_owned(), None)]
+            codes(&problems),
+            vec![("too_many_entries".to_owned(), None)]
         );
-        assert!(planned.to_read.is_empty());
+        assert!(problems[0].detail.contains("11 entries"));
+
+        let heavy = Declared {
+            files: 6,
+            bytes: 5400,
+        };
+        let problems = request_problems(
+            "lab",
+            &source("lab/x"),
+            heavy,
+            &policy(),
+            SourceTier::Usable,
+        );
+        assert_eq!(codes(&problems), vec![("too_large".to_owned(), None)]);
     }
 
     #[test]
     fn unknown_or_wrong_tier_and_bad_prefix_are_reported() {
-        let plan_unknown = plan(&request(vec![good("a")]), &policy(), SourceTier::Unknown);
-        assert_eq!(plan_unknown.problems[0].code, "unknown_tier");
-        assert!(plan_unknown.to_read.is_empty());
-        let plan_role = plan(
-            &request(vec![good("a")]),
+        let unknown =
+            request_problems("lab", &source("lab/a"), FEW, &policy(), SourceTier::Unknown);
+        assert_eq!(codes(&unknown), vec![("unknown_tier".to_owned(), None)]);
+        let role = request_problems(
+            "lab",
+            &source("lab/a"),
+            FEW,
             &policy(),
             SourceTier::WrongRole(TierRole::Hot),
         );
-        assert!(plan_role.problems[0].detail.contains("\"hot\""));
-        let mut req = request(vec![good("a")]);
-        req.source.prefix = "../elsewhere".into();
-        let plan_prefix = plan(&req, &policy(), SourceTier::Usable);
-        assert_eq!(
-            codes(&plan_prefix.problems),
-            vec![pair("path_rule", "../elsewhere")]
+        assert!(role[0].detail.contains("\"hot\""));
+        let bad = request_problems(
+            "lab",
+            &source("../elsewhere"),
+            FEW,
+            &policy(),
+            SourceTier::Usable,
         );
-        assert!(plan_prefix.to_read.is_empty());
+        assert_eq!(codes(&bad), vec![pair("path_rule", "../elsewhere")]);
+    }
+
+    /// Issue 6 item 5: a request may only name paths beneath its own project's prefix.
+    #[test]
+    fn a_prefix_outside_the_project_is_outside_project() {
+        for outside in ["lab-b/data", "labx/data", "la", "", "data/lab"] {
+            let problems =
+                request_problems("lab", &source(outside), FEW, &policy(), SourceTier::Usable);
+            assert_eq!(
+                codes(&problems),
+                if outside.is_empty() {
+                    vec![("outside_project".to_owned(), None)]
+                } else {
+                    vec![pair("outside_project", outside)]
+                },
+                "{outside:?}"
+            );
+        }
+        for inside in ["lab", "lab/data", "lab/a/b/c"] {
+            assert!(within_project(inside, "lab"), "{inside:?}");
+        }
+        assert!(!within_project("anything", ""));
     }
 
     #[test]
-    fn comparing_reports_size_hash_and_absence() {
+    fn comparing_reports_size_hash_absence_and_what_was_not_read() {
         let p = policy();
         let file = good("a");
         let same = Observed::Digest(FileDigest {
@@ -428,30 +530,25 @@ mod tests {
             codes(&compare(&file, &other, &p)),
             vec![pair("checksum_mismatch", "a")]
         );
-        let longer = Observed::Digest(FileDigest {
+        let grew = Observed::Digest(FileDigest {
             size: 2000,
             sha256: sha256_hex(b"abc"),
         });
         assert_eq!(
-            codes(&compare(&file, &longer, &p)),
+            codes(&compare(&file, &grew, &p)),
             vec![pair("size_mismatch", "a"), pair("too_large", "a")]
         );
-        assert_eq!(
-            codes(&compare(&file, &Observed::Missing, &p)),
-            vec![pair("missing", "a")]
-        );
-        assert_eq!(
-            codes(&compare(&file, &Observed::NotAFile, &p)),
-            vec![pair("not_a_file", "a")]
-        );
-        assert_eq!(
-            codes(&compare(&file, &Observed::Escapes("ELOOP".into()), &p)),
-            vec![pair("symlink_escape", "a")]
-        );
-        assert_eq!(
-            codes(&compare(&file, &Observed::Unreadable("EACCES".into()), &p)),
-            vec![pair("unreadable", "a")]
-        );
+        for (observed, want) in [
+            (Observed::SizeDiffers("4 bytes".into()), "size_mismatch"),
+            (Observed::TooLarge("2 GiB".into()), "too_large"),
+            (Observed::Missing, "missing"),
+            (Observed::NotAFile("a FIFO".into()), "not_a_file"),
+            (Observed::Escapes("ELOOP".into()), "symlink_escape"),
+            (Observed::PathTooLong("4100 bytes".into()), "path_rule"),
+            (Observed::Unreadable("EACCES".into()), "unreadable"),
+        ] {
+            assert_eq!(codes(&compare(&file, &observed, &p)), vec![pair(want, "a")]);
+        }
     }
 
     #[test]

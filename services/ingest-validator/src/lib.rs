@@ -1,16 +1,58 @@
 //! The ingest validator: reads every byte of every upload and says whether it is what its
-//! manifest claims.
+//! manifest claims, at any dataset size.
 //!
-//! For each `ingest.requested` it checks each manifest entry against the path rules and the
-//! validation policy (`policies/validation.toml`), reads and hashes every file on the source
-//! tier (concurrently, with a bound), and publishes one fact: `dataset.validated` with the
-//! version digest, or `dataset.rejected` listing *every* problem with its path and a stable
-//! code. A rejected upload is never deleted: a marker naming the request and its problems is
-//! written beneath the source tier at `.stagehand/quarantine/<project>/<request-id>.json`, and
-//! the rejection's `quarantine` field says where.
+//! For each `ingest.requested` it publishes one fact: `dataset.validated` or
+//! `dataset.rejected`. In order:
 //!
-//! Problems with the data are answers (a rejection); a tier that cannot be reached is not an
-//! answer, and the request is retried later with backoff by the worker runtime.
+//! 1. **The request** ([`check::request_problems`]): the source tier is declared with role
+//!    `source`; the source prefix is a confined relative path *beneath the project's own
+//!    prefix* `<project>/` (else `outside_project`: no request names, hashes or validates
+//!    another project's files); the declared entry count and byte total are within the
+//!    policy's `max_entries` and `max_total_bytes`. A problem here rejects the request before
+//!    its manifest is opened or any file read. An event carrying both inline `files` and a
+//!    `manifest` reference is rejected too (`manifest_malformed`).
+//! 2. **The manifest**, opened through `stagehand-manifest` (the one manifest reader): inline
+//!    entries, or the object the reference names in the project's upload bucket, fetched to a
+//!    local spool and verified (digest, counts, canonical lines) before any entry is used. An
+//!    object whose bytes are not its digest is `manifest_mismatch`; one that is not canonical
+//!    lines is `manifest_malformed` (naming the line). A missing object or bucket is not an
+//!    answer: the request is retried with backoff and dead-lettered with the reason when its
+//!    deliveries run out.
+//! 3. **Every entry, streamed** ([`validate`]): entries arrive in path order a chunk at a time
+//!    and are judged as they pass (path rules, duplicates — adjacent in path order —, hash
+//!    form, size and suffix rules; [`check::EntryChecks`]). Those worth reading are read on
+//!    the source tier, up to `read_concurrency` at once across files, so both cores hash
+//!    whether the files are large or small. Each read is bounded by the mover
+//!    (`Tier::hash_file_bounded`, [`source`]): a FIFO, socket, device or directory is
+//!    `not_a_file` without blocking, a size other than the declared one or over
+//!    `max_file_size` is found from `fstat` or the GET's `Content-Length` before any byte is
+//!    read, and no file is read past its declared size + 1 byte; a path too long for the tier
+//!    and an object store's 4xx about one object are that file's problems, not a retry.
+//!    Memory does not grow with the file count: no list of entries or set of paths is kept,
+//!    only a bounded window of entries in flight.
+//! 4. **Progress**: about once a second a `WorkProgress` (files and bytes done of the total,
+//!    phase `hashing`, an estimate of the time left) on core NATS at
+//!    `progress_subject("ingest.requested", project, request id)`, for `stagehand ingest
+//!    --wait`; progress acks keep the message while it is worked on.
+//! 5. **The verdict.** Valid: the verified manifest is stored in the services' manifest
+//!    bucket (unless it fits inline in the event) and `dataset.validated` carries the
+//!    reference (or the files) and `version` = the digest *measured* over what was read.
+//!    Rejected: every problem, as it is found, goes into a bounded tally (the first that fit
+//!    the event, a count per code, the total: `problems`, `problem_counts`, `problems_total`)
+//!    and into a JSON-lines quarantine report spooled on local disk and then put with the
+//!    mover beside the upload at `.stagehand/quarantine/<project>/<request-id>.jsonl` on the
+//!    source tier ([`report`]); `quarantine` points at it. No event exceeds
+//!    `wire::MAX_EVENT_BYTES` whatever the dataset. A rejected upload is never moved or
+//!    deleted.
+//!
+//! Problems with the data are answers (a rejection); a tier or a manifest that cannot be
+//! reached is not an answer, and the request is retried later with backoff by the worker
+//! runtime.
+//!
+//! The handler ([`IngestValidator`]) is built from the opened tiers ([`SourceChecks`], no
+//! connection needed, so a policy or tier mistake fails at start) and a JetStream context
+//! (`IngestValidator::new(checks, bus.jetstream().clone(), options)`), through which it reads
+//! and writes manifests and publishes progress.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), stagehand_ingest_validator::ValidatorError> {
@@ -22,6 +64,7 @@
 
 pub mod check;
 mod handler;
+pub mod report;
 pub mod source;
 pub mod validate;
 
@@ -34,7 +77,10 @@ use stagehand_mover::TransferError;
 use stagehand_policy::{Policies, PolicyError};
 use stagehand_schemas::subject;
 
-pub use handler::{IngestValidator, STEP_REJECTED, STEP_VALIDATED, marker_path};
+pub use handler::{
+    IngestValidator, PHASE_HASHING, STEP_REJECTED, STEP_VALIDATED, SourceChecks, ValidatorOptions,
+};
+pub use report::report_path;
 
 /// The service name: its durable consumer, its dead-letter subject, its ledger file.
 pub const SERVICE: &str = "ingest-validator";
@@ -50,6 +96,10 @@ pub struct Settings {
     /// Files read and hashed at once within one request.
     #[serde(default = "defaults::read_concurrency")]
     pub read_concurrency: usize,
+    /// A local directory for manifests too large for memory (about 100 bytes per file) and
+    /// quarantine reports while they are written; `state_dir` when not set.
+    #[serde(default)]
+    pub spool_dir: Option<PathBuf>,
 }
 
 /// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`Settings`] as `[service]`.
@@ -78,7 +128,17 @@ impl Settings {
             policies_dir: policies_dir.into(),
             state_dir: state_dir.into(),
             read_concurrency: defaults::read_concurrency(),
+            spool_dir: None,
         }
+    }
+
+    /// The handler's options: read concurrency, spool (`state_dir` unless `spool_dir` is
+    /// set), and `replicas` for the services' manifest bucket when the validator creates it.
+    pub fn options(&self, replicas: usize) -> ValidatorOptions {
+        let mut options = ValidatorOptions::new(self.spool_dir.as_ref().unwrap_or(&self.state_dir));
+        options.read.concurrency = self.read_concurrency.max(1);
+        options.replicas = replicas;
+        options
     }
 
     /// The worker the validator runs, with the validator's defaults (4 requests at once, 8
@@ -158,6 +218,12 @@ pub enum ValidatorError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot prepare the spool directory {}: {source}", path.display())]
+    Spool {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Bus(#[from] BusError),
     /// The runner could not start or keep the service (configuration, metrics endpoint).
@@ -169,7 +235,9 @@ impl ValidatorError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
     pub fn is_retryable(&self) -> bool {
         match self {
-            ValidatorError::Policy(_) | ValidatorError::StateDir { .. } => false,
+            ValidatorError::Policy(_)
+            | ValidatorError::StateDir { .. }
+            | ValidatorError::Spool { .. } => false,
             ValidatorError::Tier { source, .. } => source.is_retryable(),
             ValidatorError::Bus(e) => e.is_retryable(),
             ValidatorError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
@@ -197,9 +265,9 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, ValidatorError> {
-    let handler = open(&config.service)?;
+    let checks = open(&config.service)?;
     runner::run(SERVICE, config, shutdown, move |ctx| {
-        serve_with(handler, ctx)
+        serve_with(checks, ctx)
     })
     .await
     .map_err(ValidatorError::from_run)
@@ -207,13 +275,14 @@ pub async fn run(
 
 /// What the runner calls (the binary's `main`): opens the policies and tiers, then serves.
 pub async fn serve(ctx: Context<Settings>) -> Result<WorkerStats, ValidatorError> {
-    let handler = open(&ctx.settings)?;
-    serve_with(handler, ctx).await
+    let checks = open(&ctx.settings)?;
+    serve_with(checks, ctx).await
 }
 
-fn open(settings: &Settings) -> Result<IngestValidator, ValidatorError> {
+/// The policies loaded and the source tiers opened: what can fail before connecting.
+fn open(settings: &Settings) -> Result<SourceChecks, ValidatorError> {
     let policies = Policies::load_dir(&settings.policies_dir)?;
-    let handler = IngestValidator::open(&policies, settings.read_concurrency)?;
+    let checks = SourceChecks::open(&policies)?;
     std::fs::create_dir_all(&settings.state_dir).map_err(|source| ValidatorError::StateDir {
         path: settings.state_dir.clone(),
         source,
@@ -223,13 +292,17 @@ fn open(settings: &Settings) -> Result<IngestValidator, ValidatorError> {
         source_tiers = ?policies.tiers().values().filter(|t| t.role == stagehand_policy::TierRole::Source).map(|t| t.location()).collect::<Vec<_>>(),
         "ingest validator ready"
     );
-    Ok(handler)
+    Ok(checks)
 }
 
+/// The handler over the runner's connection (manifest buckets and progress go through it),
+/// run as the validator's worker.
 async fn serve_with(
-    handler: IngestValidator,
+    checks: SourceChecks,
     ctx: Context<Settings>,
 ) -> Result<WorkerStats, ValidatorError> {
+    let options = ctx.settings.options(ctx.bus.replicas());
+    let handler = IngestValidator::new(checks, ctx.bus.jetstream().clone(), options)?;
     let mut cfg = ctx.settings.worker_config();
     ctx.worker.apply(&mut cfg);
     Ok(ctx.run_worker(cfg, handler).await?)
