@@ -112,6 +112,7 @@ macro_rules! service {
 pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_ingest_validator, Settings),
     service!(stagehand_catalogue_recorder, RecorderConfig),
+    service!(stagehand_backup_copier, Settings),
 ];
 
 /// How long services may take to drain after Ctrl-C.
