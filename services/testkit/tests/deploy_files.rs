@@ -111,6 +111,10 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         stagehand_catalogue_recorder::SERVICE,
         check::<stagehand_catalogue_recorder::RecorderConfig>,
     ),
+    (
+        stagehand_backup_copier::SERVICE,
+        check::<stagehand_backup_copier::Settings>,
+    ),
 ];
 
 #[test]
