@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use async_nats::jetstream;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
-use stagehand_manifest::open_manifest;
+use stagehand_manifest::{ManifestError, open_manifest};
 use stagehand_mover::{Priority, Progress};
 use stagehand_schemas::{BackupCompleted, Body, Event, Location};
 use tracing::info;
@@ -65,17 +65,28 @@ impl Backups {
         };
         let prefix = set_prefix(&what.project, &what.dataset, &version)?;
         let (m, name) = (manifest.clone(), MANIFEST_NAME);
-        let clash = tokio::task::spawn_blocking(move || {
-            m.entries().any(|e| e.is_ok_and(|f| f.path == name))
+        // Entries are in path order: the search stops at the first path past the name.
+        // A manifest that cannot be read is that error, not "no clash".
+        let clash = tokio::task::spawn_blocking(move || -> Result<bool, ManifestError> {
+            for entry in m.entries() {
+                let entry = entry?;
+                if entry.path.as_bytes() >= name.as_bytes() {
+                    return Ok(entry.path == name);
+                }
+            }
+            Ok(false)
         })
         .await
-        .unwrap_or(false);
+        .map_err(|e| BackupError::Refused(format!("the manifest check stopped: {e}")))??;
         if clash {
             return Err(BackupError::Refused(format!(
                 "version {version} holds a file named {MANIFEST_NAME} at its root, the name its backup keeps its manifest under"
             )));
         }
         let backup = copier.backup.clone();
+        // Two facts of one version (two uploads of the same bytes) are one set: this process
+        // stages it once at a time.
+        let _one_at_a_time = copier.lock_set(&copier.target().name, &prefix).await;
         let progress = Progress::new();
         let report = copier
             .copy_version(

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use futures::{StreamExt, TryStreamExt};
 use stagehand_manifest::{DEFAULT_CHUNK, Manifest, ManifestError, Spool};
@@ -34,6 +34,8 @@ pub struct Copier {
     pub(crate) spool: Spool,
     /// Other tiers, opened on first use.
     opened: Mutex<HashMap<String, Tier>>,
+    /// One lock per backup set being written by this process ([`Copier::lock_set`]).
+    sets: Mutex<HashMap<String, Weak<tokio::sync::Mutex<()>>>>,
 }
 
 impl std::fmt::Debug for Copier {
@@ -112,6 +114,7 @@ impl Copier {
             scratch,
             spool: Spool::in_dir(spool_dir),
             opened: Mutex::new(HashMap::new()),
+            sets: Mutex::new(HashMap::new()),
         })
     }
 
@@ -172,6 +175,31 @@ impl Copier {
         let tier = policy.open().map_err(|e| tier_error(&policy, e))?;
         opened.insert(name.to_owned(), tier.clone());
         Ok((policy, tier))
+    }
+
+    /// Waits until no other task of this process writes the set `prefix` on `tier`, and holds
+    /// it until the guard is dropped. Every task of a process stages a set in the same staging
+    /// folder (its name is the process's owner token), so two at once would write the same
+    /// files.
+    pub(crate) async fn lock_set(
+        &self,
+        tier: &str,
+        prefix: &str,
+    ) -> tokio::sync::OwnedMutexGuard<()> {
+        let key = format!("{tier}\0{prefix}");
+        let lock = {
+            let mut sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
+            sets.retain(|_, held| held.strong_count() > 0);
+            match sets.get(&key).and_then(Weak::upgrade) {
+                Some(lock) => lock,
+                None => {
+                    let lock = Arc::new(tokio::sync::Mutex::new(()));
+                    sets.insert(key, Arc::downgrade(&lock));
+                    lock
+                }
+            }
+        };
+        lock.lock_owned().await
     }
 
     /// Refuses a copy from `source` to the backup tier when both are in one failure domain

@@ -91,6 +91,7 @@ impl Copier {
             .read_manifest(&from, &backup.prefix, &version.version)
             .await?;
         let prefix = set_prefix(&version.project, &version.dataset, &version.version)?;
+        let _one_at_a_time = self.lock_set(&request.to, &prefix).await;
         let verify = self.policy.verify;
         let report = self
             .copy_version(

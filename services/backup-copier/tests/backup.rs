@@ -283,3 +283,56 @@ fn a_backup_tier_sharing_a_failure_domain_is_refused_at_start_up() {
         "{text}"
     );
 }
+
+/// Two uploads of the same bytes (two requests, one version) validated at once are one backup
+/// set: both facts get their `backup.completed` (neither is dead-lettered) and the set is
+/// written whole once (this process stages a set one task at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_facts_of_one_version_at_once_make_one_backup() -> anyhow::Result<()> {
+    let (_tmp, root) = tmp_root();
+    let policies = root.join("policies");
+    write_policies(
+        &policies,
+        &tiers_toml(&root, "hot-fs", &posix_backup(&root)),
+        &backup_toml("1h", ""),
+    );
+    let mut stack = Stack::start(&root.join("state")).await;
+    let mut completed = stack
+        .bus
+        .client()
+        .subscribe(subject::kind_filter("fact", "backup.completed"))
+        .await?;
+    stack.start_copier(&policies, &root.join("state/copier"));
+    let files = sample_files(40, 40_000);
+    let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(p, b)| (p.as_str(), b.clone())).collect();
+    let a = write_files(&root.join("source/lab-a/cats/a"), &named);
+    let b = write_files(&root.join("source/lab-a/cats/b"), &named);
+    // Same version, different requests (the second upload is its own request).
+    let first = validated("cats", "lab-a/cats/a", a);
+    let mut second = validated("cats", "lab-a/cats/b", b);
+    second.id = stagehand_schemas::EventId::new("validated-second-upload")?;
+    stack.bus.publish(&first).await?;
+    stack.bus.publish(&second).await?;
+    let mut prefixes = Vec::new();
+    for _ in 0..2 {
+        let msg = tokio::time::timeout(WAIT, completed.next())
+            .await?
+            .expect("a backup.completed");
+        let Body::BackupCompleted(done) = wire::decode(&msg.payload)?.body else {
+            panic!("not a backup.completed");
+        };
+        prefixes.push(done.location.prefix);
+    }
+    assert_eq!(prefixes[0], prefixes[1], "one set");
+    let set = root.join("backup").join(&prefixes[0]);
+    for (path, bytes) in &files {
+        assert_eq!(&std::fs::read(set.join(path))?, bytes, "{path}");
+    }
+    let hidden: Vec<String> = listing(&root.join("backup/lab-a/cats"))
+        .into_iter()
+        .filter(|p| p.starts_with('.'))
+        .collect();
+    assert!(hidden.is_empty(), "no staging folder left: {hidden:?}");
+    stack.stop().await;
+    Ok(())
+}
