@@ -192,7 +192,7 @@ impl Event {
     /// The fact that `step` of handling `self` produced, with a derived id.
     pub fn caused(&self, step: &str, body: Body) -> Event {
         Event {
-            id: EventId::derive(&self.id, step),
+            id: EventId::for_fact(&self.project, &self.id, step),
             schema: SCHEMA_VERSION,
             occurred_at: now(),
             project: self.project.clone(),

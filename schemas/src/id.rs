@@ -6,11 +6,15 @@
 //!    A producer that retries publishes the same id. `stagehand ingest` uses
 //!    [`EventId::for_ingest`], i.e. [`EventId::for_content`] over (project, dataset, version
 //!    digest), so re-running the same upload is the same request.
-//! 2. A **fact** id is [`EventId::derive`]`(cause, step)`, which is
-//!    [`EventId::for_content`]`([cause, step])` (defined below). `step` names
+//! 2. A **fact** id is [`EventId::for_fact`]`(project, cause, step)`, which is
+//!    [`EventId::for_content`]`(["fact", project, cause, step])` (defined below). `step` names
 //!    what the service did (`"validated"`, `"rejected"`, `"replica:hot"`). A redelivered cause
 //!    therefore yields the very same fact ids, and JetStream's duplicate window (the
-//!    `Nats-Msg-Id` header is the event id) drops the copies.
+//!    `Nats-Msg-Id` header is the event id) drops the copies. The project is part of it
+//!    because the duplicate window spans every project's subjects: two projects' requests
+//!    that happen to share an id must not have one's facts dropped as copies of the other's.
+//!    (Schema-1 writers used [`EventId::derive`]`(cause, step)`; facts they recorded keep
+//!    those ids.)
 //! 3. A **dead letter**'s id is [`EventId::for_dead_letter`]: [`EventId::for_content`] over
 //!    (`"dead-letter"`, stream, consumer, stream sequence as 8 big-endian bytes) of the message
 //!    it carries, so dead-lettering the same delivery twice stores it once.
@@ -47,7 +51,19 @@ impl EventId {
         }
     }
 
-    /// The id of the fact that `step` of handling `cause` produces.
+    /// The id of the fact that `step` of handling `cause`, an event of `project`, produces.
+    pub fn for_fact(project: &str, cause: &EventId, step: &str) -> Self {
+        Self::hashed(&[
+            b"fact",
+            project.as_bytes(),
+            cause.0.as_bytes(),
+            step.as_bytes(),
+        ])
+    }
+
+    /// An id derived from another id and a step, within one project's namespace: how a stage
+    /// release's id follows from its request's ([`EventId::for_stage_release`]), and how
+    /// schema-1 writers derived fact ids.
     pub fn derive(cause: &EventId, step: &str) -> Self {
         Self::hashed(&[cause.0.as_bytes(), step.as_bytes()])
     }

@@ -142,6 +142,47 @@ pub fn upload_manifest_bucket(project: &str) -> String {
     format!("stagehand_uploads_{project}")
 }
 
+/// How long a project's upload bucket keeps a manifest: as long as the requests stream keeps
+/// the request that references it, so a replayed request still finds it.
+pub const UPLOAD_MAX_AGE: Duration = REQUESTS.max_age;
+
+/// A JetStream Object Store bucket Stagehand declares (its stream is `OBJ_<bucket>`): created,
+/// and its drift corrected, by the bus like a stream (`stagehand provision`), or by the first
+/// writer where its NATS user may create streams.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectBucketSpec {
+    /// The bucket name.
+    pub bucket: std::borrow::Cow<'static, str>,
+    /// What the bucket holds, shown in `nats object ls`.
+    pub description: &'static str,
+    /// How long an object is kept (zero: for ever).
+    pub max_age: Duration,
+}
+
+impl ObjectBucketSpec {
+    /// The name of the bucket's stream.
+    pub fn stream_name(&self) -> String {
+        format!("OBJ_{}", self.bucket)
+    }
+}
+
+/// The services' manifest bucket [`MANIFEST_BUCKET`]: kept for ever, since the catalogue is
+/// rebuilt from the facts log and the manifests it references.
+pub const MANIFESTS: ObjectBucketSpec = ObjectBucketSpec {
+    bucket: std::borrow::Cow::Borrowed(MANIFEST_BUCKET),
+    description: "Stagehand: manifests of validated and prepared dataset versions, by digest",
+    max_age: Duration::ZERO,
+};
+
+/// A project's upload bucket ([`upload_manifest_bucket`]), kept [`UPLOAD_MAX_AGE`].
+pub fn upload_bucket_spec(project: &str) -> ObjectBucketSpec {
+    ObjectBucketSpec {
+        bucket: std::borrow::Cow::Owned(upload_manifest_bucket(project)),
+        description: "Stagehand: manifests uploaders put for their ingest requests, by declared digest",
+        max_age: UPLOAD_MAX_AGE,
+    }
+}
+
 /// The bucket a manifest reference in `body` (an event of `project`) points into: the
 /// project's upload bucket for what uploaders and training jobs publish (`ingest.requested`,
 /// `checkpoint.committed`), the services' manifest bucket for every other fact.

@@ -113,7 +113,10 @@ fn examples_follow_the_contract_rules() {
     assert_eq!(fact.version, version);
     assert_eq!(fact.manifest.as_ref(), Some(manifest));
     assert_eq!(fact.total_bytes, manifest.bytes);
-    assert_eq!(validated.id, EventId::derive(&ingest.id, "validated"));
+    assert_eq!(
+        validated.id,
+        EventId::for_fact(&ingest.project, &ingest.id, "validated")
+    );
     assert_eq!(validated.causation_id.as_ref(), Some(&ingest.id));
     assert_eq!(validated.correlation_id, ingest.id);
 

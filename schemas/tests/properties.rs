@@ -155,10 +155,11 @@ proptest! {
     }
 
     #[test]
-    fn derived_ids_are_valid_producer_ids(cause in "[A-Za-z0-9._:-]{1,128}", step in ".*") {
+    fn derived_ids_are_valid_producer_ids(cause in "[A-Za-z0-9._:-]{1,128}", step in ".*", project in "[a-z0-9_-]{1,64}") {
         let cause = EventId::new(cause).unwrap();
-        let derived = EventId::derive(&cause, &step);
-        prop_assert!(EventId::new(derived.as_str()).is_ok());
-        prop_assert_eq!(derived.as_str().len(), 32);
+        for derived in [EventId::derive(&cause, &step), EventId::for_fact(&project, &cause, &step)] {
+            prop_assert!(EventId::new(derived.as_str()).is_ok());
+            prop_assert_eq!(derived.as_str().len(), 32);
+        }
     }
 }

@@ -53,7 +53,10 @@ fn built_events_round_trip_with_derived_ids() {
         }),
     );
     assert_eq!(fact.schema, SCHEMA_VERSION);
-    assert_eq!(fact.id, EventId::derive(&request.id, "replica:source"));
+    assert_eq!(
+        fact.id,
+        EventId::for_fact(&request.project, &request.id, "replica:source")
+    );
     assert_eq!(fact.causation_id.as_ref(), Some(&request.id));
     assert_eq!(fact.correlation_id, request.correlation_id);
     let bytes = wire::encode(&fact).unwrap();
@@ -432,6 +435,15 @@ fn id_helpers_follow_the_written_rules() {
     assert_eq!(
         EventId::derive(&cause, "validated").as_str(),
         "4ce4af8486a3d2cd4ba27cfc7f2918a8"
+    );
+    assert_eq!(
+        EventId::for_fact("lab-a", &cause, "validated").as_str(),
+        "6374f5bfa61b283ce7c27d95cc10e871"
+    );
+    // The same request id in two projects gives two projects' facts different ids.
+    assert_ne!(
+        EventId::for_fact("lab-a", &cause, "validated"),
+        EventId::for_fact("lab-b", &cause, "validated")
     );
     assert_eq!(
         EventId::for_dead_letter("STAGEHAND_REQUESTS", "ingest-validator", 1042),

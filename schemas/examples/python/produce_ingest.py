@@ -129,9 +129,10 @@ def content_id(*parts: bytes) -> str:
     return digest.hexdigest()[:32]
 
 
-def derive_id(cause: str, step: str) -> str:
-    """``EventId::derive``: the id of the fact that ``step`` of handling ``cause`` produces."""
-    return content_id(cause.encode(), step.encode())
+def fact_id(project: str, cause: str, step: str) -> str:
+    """``EventId::for_fact``: the id of the fact that ``step`` of handling ``cause``, an event of
+    ``project``, produces."""
+    return content_id(b"fact", project.encode(), cause.encode(), step.encode())
 
 
 def now_rfc3339() -> str:

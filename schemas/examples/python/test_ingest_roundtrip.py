@@ -129,7 +129,7 @@ async def test_python_request_is_validated(ctx) -> None:
     fact = await wait_fact(ctx["js"], request["id"])
     assert fact["kind"] == "dataset.validated", f"expected dataset.validated, got {fact['kind']}: {fact['payload']}"
     assert fact["_subject"] == "stagehand.fact.dataset.validated.lab-py", fact["_subject"]
-    assert fact["id"] == producer.derive_id(request["id"], "validated"), "fact id follows the id rules"
+    assert fact["id"] == producer.fact_id(request["project"], request["id"], "validated"), "fact id follows the id rules"
     assert fact["_msg_id"] == fact["id"], "Nats-Msg-Id is the fact id"
     payload = fact["payload"]
     assert payload["version"] == expected_version, (payload["version"], expected_version)

@@ -433,9 +433,11 @@ fn drill_fact(
         })
     };
     Event {
-        id: EventId::derive(
+        // One verdict per version per drill (the contract's fact id: project, cause, step).
+        id: EventId::for_fact(
+            &v.project,
             drill_id,
-            &format!("{}/{}/{}", v.project, v.dataset, v.version),
+            &format!("drill:{}/{}", v.dataset, v.version),
         ),
         schema: SCHEMA_VERSION,
         occurred_at: stagehand_schemas::now(),

@@ -39,7 +39,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{Bus, BusConfig, CLAIMS_BUCKET, CancellationToken, WorkerConfig};
+use stagehand_bus::{
+    Bus, BusConfig, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, WorkerConfig,
+};
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::MoverConfig;
 use stagehand_policy::Policies;
@@ -322,15 +324,23 @@ impl DrillClock {
             .jetstream()
             .get_key_value(CLAIMS_BUCKET)
             .await
-            .map_err(|e| BackupError::Bus(stagehand_bus::BusError::Claim(e.to_string())))?;
+            .map_err(|e| {
+                BackupError::Bus(BusError::with_source(
+                    BusErrorKind::Claim,
+                    format!("opening the claims bucket {CLAIMS_BUCKET} to claim a drill"),
+                    e,
+                ))
+            })?;
         match kv.create(&key, "drill".into()).await {
             Ok(_) => Ok(true),
             Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
                 Ok(false)
             }
-            Err(e) => Err(BackupError::Bus(stagehand_bus::BusError::Claim(format!(
-                "claiming drill {key}: {e}"
-            )))),
+            Err(e) => Err(BackupError::Bus(BusError::with_source(
+                BusErrorKind::Claim,
+                format!("claiming drill {key}"),
+                e,
+            ))),
         }
     }
 }

@@ -243,7 +243,7 @@ fn restored_fact(
         ])
     });
     Event {
-        id: EventId::derive(&cause, &restore_step(&to.tier)),
+        id: EventId::for_fact(&version.project, &cause, &restore_step(&to.tier)),
         schema: SCHEMA_VERSION,
         occurred_at: stagehand_schemas::now(),
         project: version.project.clone(),

@@ -7,16 +7,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv, object_store, stream};
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
-use stagehand_schemas::subject::{Retention, STREAMS, StreamSpec, subject_for};
+use stagehand_schemas::subject::{
+    MANIFESTS, ObjectBucketSpec, Retention, STREAMS, StreamSpec, subject_for,
+};
 use stagehand_schemas::{Event, wire};
 use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials, without_credentials};
-use crate::error::BusError;
+use crate::error::{BoxError, BusError, BusErrorKind};
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
 pub const CLAIMS_BUCKET: &str = "stagehand_claims";
@@ -83,6 +85,12 @@ pub const STAGES: KvSpec = KvSpec {
 /// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
 pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS, STAGES];
 
+/// The Object Store buckets [`Bus::provision`] declares: the services' manifest bucket. Each
+/// project's upload bucket is created by [`Bus::provision_object_bucket`] with
+/// `stagehand_schemas::subject::upload_bucket_spec(project)` (`stagehand provision --project`),
+/// or by an uploader's first upload where its user may create streams.
+pub const OBJECT_BUCKETS: &[ObjectBucketSpec] = &[MANIFESTS];
+
 /// Longest wait for a new or re-replicated stream to have a leader and current replicas.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -120,13 +128,21 @@ impl Bus {
     pub async fn connect(cfg: &BusConfig) -> Result<Bus, BusError> {
         cfg.validate()?;
         let servers = cfg.servers_display();
-        let err = |detail: String| BusError::Connect {
-            url: servers.clone(),
-            detail: redact_text(&detail),
+        // Messages only, redacted: what a connection failure says may name a server.
+        let err = |detail: String| {
+            BusError::new(
+                BusErrorKind::Connect,
+                format!(
+                    "could not connect to NATS at {servers}: {}",
+                    redact_text(&detail)
+                ),
+            )
         };
         let servers = &servers;
         let nkey_seed = match &cfg.nkey_seed_file {
-            Some(path) => Some(read_seed(path).map_err(|e| err(e.to_string()))?),
+            Some(path) => Some(read_seed(path).map_err(|e| {
+                BusError::with_source(BusErrorKind::Config, "reading the NKey seed file", e)
+            })?),
             None => None,
         };
         let violations: Arc<Mutex<VecDeque<String>>> = Arc::default();
@@ -144,10 +160,10 @@ impl Bus {
                     async move { on_event(event, &seen) }
                 });
             if let Some(creds) = &cfg.creds_file {
-                opts = opts
-                    .credentials_file(creds)
-                    .await
-                    .map_err(|e| err(format!("credentials file {}: {e}", creds.display())))?;
+                opts = opts.credentials_file(creds).await.map_err(|e| {
+                    let what = format!("reading credentials file {}", creds.display());
+                    BusError::with_source(BusErrorKind::Config, what, e)
+                })?;
             }
             if let Some(seed) = &nkey_seed {
                 opts = opts.nkey(seed.clone());
@@ -172,10 +188,10 @@ impl Bus {
                 match e.kind() {
                     // A wrong password or an unknown key does not fix itself: no retries.
                     async_nats::ConnectErrorKind::AuthorizationViolation
-                    | async_nats::ConnectErrorKind::Authentication => BusError::Unauthorized {
-                        url: servers.clone(),
-                        detail,
-                    },
+                    | async_nats::ConnectErrorKind::Authentication => BusError::new(
+                        BusErrorKind::Unauthorized,
+                        format!("NATS at {servers} refused the credentials: {detail}"),
+                    ),
                     _ => err(detail),
                 }
             })
@@ -191,7 +207,7 @@ impl Bus {
                     .without_max_times()
                     .with_jitter(),
             )
-            .when(|e| !matches!(e, BusError::Unauthorized { .. }))
+            .when(|e| e.kind() != BusErrorKind::Unauthorized)
             .notify(|e, delay| {
                 warn!(error = %e, ?delay, "connecting to NATS failed; retrying");
                 *last.lock().unwrap_or_else(|p| p.into_inner()) = e.to_string();
@@ -272,9 +288,10 @@ impl Bus {
             .any(|v| v.contains(subject))
     }
 
-    /// Creates every stream and KV bucket Stagehand declares ([`STREAMS`], [`KV_BUCKETS`]),
-    /// or brings existing ones to the declared configuration. Idempotent. With
-    /// `provision = false` it only checks that they exist (see [`BusConfig::provision`]).
+    /// Creates every stream, KV bucket and Object Store bucket Stagehand declares
+    /// ([`STREAMS`], [`KV_BUCKETS`], [`OBJECT_BUCKETS`]), or brings existing ones to the
+    /// declared configuration. Idempotent. With `provision = false` it only checks that they
+    /// exist (see [`BusConfig::provision`]).
     pub async fn provision(&self) -> Result<(), BusError> {
         for spec in STREAMS {
             self.provision_stream(spec).await?;
@@ -282,26 +299,113 @@ impl Bus {
         for spec in KV_BUCKETS {
             self.provision_kv(spec).await?;
         }
+        for spec in OBJECT_BUCKETS {
+            self.provision_object_bucket(spec).await?;
+        }
         Ok(())
+    }
+
+    /// Creates the Object Store bucket of `spec`, or corrects the drift of its replicas, age
+    /// and direct gets (readers' NATS rights are direct gets by subject); with
+    /// `provision = false`, only checks that it exists.
+    pub async fn provision_object_bucket(&self, spec: &ObjectBucketSpec) -> Result<(), BusError> {
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not provision Object Store bucket {}", spec.bucket),
+                e,
+            )
+        };
+        let stream_name = spec.stream_name();
+        match self.js.get_stream(&stream_name).await {
+            Ok(existing) => {
+                let have = existing.cached_info().config.clone();
+                let mut updated = have.clone();
+                updated.num_replicas = self.replicas;
+                updated.max_age = spec.max_age;
+                updated.allow_direct = true;
+                if updated == have {
+                    return Ok(());
+                }
+                if !self.provision {
+                    warn!(
+                        bucket = %spec.bucket,
+                        replicas = have.num_replicas,
+                        wanted_replicas = updated.num_replicas,
+                        "Object Store bucket configuration drifted from the declared one; this \
+                         user may not correct it (run `stagehand provision` as the operator)"
+                    );
+                    return Ok(());
+                }
+                info!(
+                    bucket = %spec.bucket,
+                    replicas = updated.num_replicas,
+                    "Object Store bucket configuration drifted; updating"
+                );
+                self.js
+                    .update_stream(updated)
+                    .await
+                    .map_err(|e| perr(e.into()))?;
+                self.settle(&stream_name, self.replicas).await;
+                Ok(())
+            }
+            Err(e) => match e.kind() {
+                jetstream::context::GetStreamErrorKind::JetStream(js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                {
+                    if !self.provision {
+                        return Err(perr(
+                            "it does not exist, and this service does not provision buckets \
+                             (bus.provision = false): run `stagehand provision` as the operator"
+                                .into(),
+                        ));
+                    }
+                    info!(
+                        bucket = %spec.bucket,
+                        replicas = self.replicas,
+                        "creating Object Store bucket"
+                    );
+                    self.js
+                        .create_object_store(object_store::Config {
+                            bucket: spec.bucket.to_string(),
+                            description: Some(spec.description.to_owned()),
+                            max_age: spec.max_age,
+                            num_replicas: self.replicas,
+                            storage: stream::StorageType::File,
+                            ..Default::default()
+                        })
+                        .await
+                        .map_err(|e| perr(e.into()))?;
+                    self.settle(&stream_name, self.replicas).await;
+                    Ok(())
+                }
+                _ => Err(perr(e.into())),
+            },
+        }
     }
 
     /// Creates one stream, or updates it where its configuration drifted from `spec`.
     pub async fn provision_stream(&self, spec: &StreamSpec) -> Result<(), BusError> {
         let wanted = stream_config(spec, self.replicas);
-        let perr = |detail: String| BusError::Provision {
-            what: format!("stream {}", spec.name),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not provision stream {}", spec.name),
+                e,
+            )
         };
         match self.js.get_stream(spec.name).await {
             Ok(mut existing) => {
-                let info = existing.info().await.map_err(|e| perr(e.to_string()))?;
+                let info = existing.info().await.map_err(|e| perr(e.into()))?;
                 let have = info.config.clone();
                 if have.retention != wanted.retention {
-                    return Err(BusError::RetentionMismatch {
-                        stream: spec.name.to_owned(),
-                        found: format!("{:?}", have.retention),
-                        wanted: format!("{:?}", wanted.retention),
-                    });
+                    return Err(BusError::new(
+                        BusErrorKind::RetentionMismatch,
+                        format!(
+                            "stream {} has retention {:?}, but {:?} is declared; retention is fixed at creation, so the stream must be migrated by hand",
+                            spec.name, have.retention, wanted.retention
+                        ),
+                    ));
                 }
                 let mut updated = have.clone();
                 updated.subjects = wanted.subjects.clone();
@@ -332,7 +436,7 @@ impl Bus {
                 self.js
                     .update_stream(updated)
                     .await
-                    .map_err(|e| perr(e.to_string()))?;
+                    .map_err(|e| perr(e.into()))?;
                 self.settle(spec.name, wanted.num_replicas).await;
                 Ok(())
             }
@@ -349,7 +453,7 @@ impl Bus {
                     }
                     self.create_stream(spec, wanted).await
                 }
-                _ => Err(perr(e.to_string())),
+                _ => Err(perr(e.into())),
             },
         }
     }
@@ -365,13 +469,13 @@ impl Bus {
             "creating stream"
         );
         let replicas = config.num_replicas;
-        self.js
-            .create_stream(config)
-            .await
-            .map_err(|e| BusError::Provision {
-                what: format!("stream {}", spec.name),
-                detail: e.to_string(),
-            })?;
+        self.js.create_stream(config).await.map_err(|e| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not create stream {}", spec.name),
+                e,
+            )
+        })?;
         self.settle(spec.name, replicas).await;
         Ok(())
     }
@@ -418,9 +522,12 @@ impl Bus {
     /// Opens the KV bucket of `spec`, creating it when missing and correcting the drift of its
     /// history, age and replicas (with `provision = false`, only opens it).
     pub async fn provision_kv(&self, spec: &KvSpec) -> Result<kv::Store, BusError> {
-        let perr = |detail: String| BusError::Provision {
-            what: format!("KV bucket {}", spec.bucket),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Provision,
+                format!("could not provision KV bucket {}", spec.bucket),
+                e,
+            )
         };
         let wanted = kv::Config {
             bucket: spec.bucket.into(),
@@ -437,7 +544,7 @@ impl Bus {
                 let have = existing
                     .info()
                     .await
-                    .map_err(|e| perr(e.to_string()))?
+                    .map_err(|e| perr(e.into()))?
                     .config
                     .clone();
                 let drifted = have.num_replicas != wanted.num_replicas
@@ -454,7 +561,7 @@ impl Bus {
                         .js
                         .update_key_value(wanted)
                         .await
-                        .map_err(|e| perr(e.to_string()))?;
+                        .map_err(|e| perr(e.into()))?;
                     self.settle(&stream_name, replicas).await;
                     return Ok(store);
                 }
@@ -467,7 +574,7 @@ impl Bus {
                 self.js
                     .get_key_value(spec.bucket)
                     .await
-                    .map_err(|e| perr(e.to_string()))
+                    .map_err(|e| perr(e.into()))
             }
             Err(e) => match e.kind() {
                 jetstream::context::GetStreamErrorKind::JetStream(js)
@@ -488,9 +595,9 @@ impl Bus {
                     self.js
                         .create_key_value(wanted)
                         .await
-                        .map_err(|e| perr(e.to_string()))
+                        .map_err(|e| perr(e.into()))
                 }
-                _ => Err(perr(e.to_string())),
+                _ => Err(perr(e.into())),
             },
         }
     }
@@ -510,17 +617,20 @@ impl Bus {
         headers: HeaderMap,
         payload: Bytes,
     ) -> Result<PublishAck, BusError> {
-        let perr = |detail: String| BusError::Publish {
-            subject: subject.clone(),
-            detail,
+        let perr = |e: BoxError| {
+            BusError::with_source(
+                BusErrorKind::Publish,
+                format!("could not publish to {subject}"),
+                e,
+            )
         };
         let ack = self
             .js
             .publish_with_headers(subject.clone(), headers, payload)
             .await
-            .map_err(|e| perr(e.to_string()))?
+            .map_err(|e| perr(e.into()))?
             .await
-            .map_err(|e| perr(e.to_string()))?;
+            .map_err(|e| perr(e.into()))?;
         Ok(PublishAck {
             stream: ack.stream,
             sequence: ack.sequence,
@@ -534,9 +644,12 @@ pub(crate) fn prepare(
     event: &Event,
     cx: &opentelemetry::Context,
 ) -> Result<(String, HeaderMap, Bytes), BusError> {
-    let bytes = wire::encode(event).map_err(|e| BusError::Encode {
-        id: event.id.to_string(),
-        detail: e.to_string(),
+    let bytes = wire::encode(event).map_err(|e| {
+        BusError::with_source(
+            BusErrorKind::Encode,
+            format!("could not encode event {}", event.id),
+            e,
+        )
     })?;
     let mut headers = HeaderMap::new();
     headers.insert(MSG_ID_HEADER, event.id.as_str());

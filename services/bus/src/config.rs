@@ -151,9 +151,11 @@ impl BusConfig {
             self.tls_ca = Some(v.into());
         }
         if let Some(v) = set(env::NATS_REPLICAS) {
-            let n = v.trim().parse().map_err(|_| BusError::Config {
-                key: env::NATS_REPLICAS,
-                reason: format!("{v:?} is not a number of replicas"),
+            let n = v.trim().parse().map_err(|_| {
+                BusError::config(
+                    env::NATS_REPLICAS,
+                    format!("{v:?} is not a number of replicas"),
+                )
             })?;
             self.replicas = Some(n);
         }
@@ -162,7 +164,7 @@ impl BusConfig {
 
     /// Checks the values before anything connects; errors name the key.
     pub fn validate(&self) -> Result<(), BusError> {
-        let bad = |key, reason: String| Err(BusError::Config { key, reason });
+        let bad = |key: &str, reason: String| Err(BusError::config(key, reason));
         if self.servers.is_empty() {
             return bad("servers", "must list at least one server URL".into());
         }
@@ -411,28 +413,51 @@ pub struct WorkerConfig {
     pub filter_subjects: Vec<String>,
     /// The service's redb file (ledger).
     pub ledger_path: PathBuf,
+    /// This instance's stable identity: an instance restarting under the same id takes over
+    /// its own claims at once instead of waiting for them to expire. Default: host name,
+    /// service and a digest of `ledger_path` (see `default_instance_id`). Two processes must
+    /// never share one; a worker that finds its id registered by another process stops.
+    #[serde(default)]
+    pub instance_id: Option<String>,
     /// Most messages handled at once; the worker pulls only as many as it has free slots.
     #[serde(default = "defaults::concurrency")]
     pub concurrency: usize,
-    /// Deliveries before a message that keeps failing is dead-lettered.
+    /// Failed attempts (handler errors, and ledger, claim or publish failures) before an
+    /// event is dead-lettered. Waiting for another instance's claim does not count.
+    #[serde(default = "defaults::max_attempts")]
+    pub max_attempts: u32,
+    /// The consumer's `max_deliver`: a high safety ceiling on deliveries of any kind. At this
+    /// delivery the runtime dead-letters without running the handler. Must exceed
+    /// `max_attempts`.
     #[serde(default = "defaults::max_deliver")]
     pub max_deliver: i64,
     /// How long the server waits for an ack before redelivering; progress acks restart it.
     #[serde(default = "defaults::ack_wait", with = "duration_str")]
     pub ack_wait: Duration,
+    /// How long a claim not renewed stays valid before another instance may take it over
+    /// (judged by the server's clock). Default: 2 × `ack_wait`.
+    #[serde(default, with = "duration_str::option")]
+    pub claim_lifetime: Option<Duration>,
     /// Delays of negative acks after retryable failures.
     #[serde(default)]
     pub retry: RetrySchedule,
     /// After shutdown is asked for, how long in-flight work may take to finish and be recorded.
     #[serde(default = "defaults::shutdown_deadline", with = "duration_str")]
     pub shutdown_deadline: Duration,
-    /// Claim each event id in the `stagehand_claims` KV bucket before working on it, so that
-    /// two instances never do the same work (needed when several instances share a consumer).
+    /// Claim each event in the `stagehand_claims` KV bucket before working on it, so that two
+    /// instances never do the same work (needed when several instances share a consumer).
     #[serde(default = "defaults::claims")]
     pub claims: bool,
     /// How long a pull request waits on the server for messages before it is renewed.
     #[serde(default = "defaults::pull_expires", with = "duration_str")]
     pub pull_expires: Duration,
+    /// How long the ledger keeps an outcome: past the requests stream's retention plus its
+    /// duplicate window, no copy of the event can still arrive within either.
+    #[serde(default = "defaults::ledger_retention", with = "duration_str")]
+    pub ledger_retention: Duration,
+    /// How often the ledger is pruned of outcomes older than `ledger_retention`.
+    #[serde(default = "defaults::prune_interval", with = "duration_str")]
+    pub prune_interval: Duration,
 }
 
 mod defaults {
@@ -440,8 +465,11 @@ mod defaults {
     pub fn concurrency() -> usize {
         32
     }
-    pub fn max_deliver() -> i64 {
+    pub fn max_attempts() -> u32 {
         8
+    }
+    pub fn max_deliver() -> i64 {
+        1000
     }
     pub fn ack_wait() -> Duration {
         Duration::from_secs(30)
@@ -454,6 +482,13 @@ mod defaults {
     }
     pub fn pull_expires() -> Duration {
         Duration::from_secs(5)
+    }
+    pub fn ledger_retention() -> Duration {
+        let requests = stagehand_schemas::subject::REQUESTS;
+        requests.max_age + requests.duplicate_window
+    }
+    pub fn prune_interval() -> Duration {
+        Duration::from_secs(3600)
     }
 }
 
@@ -470,19 +505,29 @@ impl WorkerConfig {
             stream: stream.into(),
             filter_subjects,
             ledger_path: ledger_path.into(),
+            instance_id: None,
             concurrency: defaults::concurrency(),
+            max_attempts: defaults::max_attempts(),
             max_deliver: defaults::max_deliver(),
             ack_wait: defaults::ack_wait(),
+            claim_lifetime: None,
             retry: RetrySchedule::default(),
             shutdown_deadline: defaults::shutdown_deadline(),
             claims: defaults::claims(),
             pull_expires: defaults::pull_expires(),
+            ledger_retention: defaults::ledger_retention(),
+            prune_interval: defaults::prune_interval(),
         }
+    }
+
+    /// How long a claim not renewed stays valid: `claim_lifetime`, or 2 × `ack_wait`.
+    pub fn claim_lifetime(&self) -> Duration {
+        self.claim_lifetime.unwrap_or(self.ack_wait * 2)
     }
 
     /// Checks the values against what the runtime and the server accept.
     pub fn validate(&self) -> Result<(), BusError> {
-        let bad = |key, reason: String| Err(BusError::Config { key, reason });
+        let bad = |key, reason: String| Err(BusError::config(key, reason));
         if !stagehand_schemas::subject::is_subject_token(&self.service) {
             return bad(
                 "service",
@@ -495,16 +540,33 @@ impl WorkerConfig {
         if self.filter_subjects.is_empty() {
             return bad("filter_subjects", "must list at least one subject".into());
         }
+        if self
+            .instance_id
+            .as_ref()
+            .is_some_and(|id| id.is_empty() || id.len() > 256)
+        {
+            return bad("instance_id", "must be 1-256 characters".into());
+        }
         if self.concurrency == 0 || self.concurrency > 10_000 {
             return bad(
                 "concurrency",
                 format!("{} is not in 1..=10000", self.concurrency),
             );
         }
-        if self.max_deliver < 1 {
+        let kept = crate::ledger::MAX_ATTEMPTS_KEPT;
+        if self.max_attempts < 1 || self.max_attempts as usize > kept {
+            return bad(
+                "max_attempts",
+                format!("{} is not in 1..={kept}", self.max_attempts),
+            );
+        }
+        if self.max_deliver <= i64::from(self.max_attempts) {
             return bad(
                 "max_deliver",
-                format!("{} must be at least 1", self.max_deliver),
+                format!(
+                    "{} must exceed max_attempts ({}): it is the ceiling on deliveries that did not count as attempts",
+                    self.max_deliver, self.max_attempts
+                ),
             );
         }
         if self.ack_wait < Duration::from_secs(1) {
@@ -513,10 +575,26 @@ impl WorkerConfig {
                 format!("{:?} is under one second", self.ack_wait),
             );
         }
+        if self.claim_lifetime() < self.ack_wait {
+            return bad(
+                "claim_lifetime",
+                format!(
+                    "{:?} is under ack_wait ({:?}): a claim must outlive the redelivery of its message",
+                    self.claim_lifetime(),
+                    self.ack_wait
+                ),
+            );
+        }
         if self.pull_expires < Duration::from_millis(100) {
             return bad(
                 "pull_expires",
                 format!("{:?} is under 100ms", self.pull_expires),
+            );
+        }
+        if self.prune_interval < Duration::from_millis(100) {
+            return bad(
+                "prune_interval",
+                format!("{:?} is under 100ms", self.prune_interval),
             );
         }
         let factor_ok = self.retry.factor.is_finite() && self.retry.factor >= 1.0;
@@ -572,6 +650,29 @@ pub mod duration_str {
         };
         ms.map(Duration::from_millis)
             .ok_or_else(|| format!("duration {text:?} is too long"))
+    }
+
+    /// `Option<Duration>` in the same notation; absent means `None`.
+    pub mod option {
+        use std::time::Duration;
+
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+            match d {
+                Some(d) => super::serialize(d, s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            match Option::<String>::deserialize(d)? {
+                Some(text) => super::parse(&text)
+                    .map(Some)
+                    .map_err(serde::de::Error::custom),
+                None => Ok(None),
+            }
+        }
     }
 }
 

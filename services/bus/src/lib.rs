@@ -1,22 +1,34 @@
 //! The Stagehand worker runtime: the one consume loop every service runs on NATS JetStream.
 //!
 //! A service implements [`Handler`] and calls [`run_worker`]. For each message the runtime
+//! runs these steps (the same numbers are used in the README and in the code's comments):
 //!
-//! 1. **decodes** it ([`stagehand_schemas::wire::decode`]); undecodable bytes or an unknown
-//!    kind are dead-lettered at once, with the original bytes and headers;
-//! 2. **checks the ledger** (the service's redb file): an event finished before has its
-//!    recorded facts republished — the same bytes, the same ids — and is acked;
-//! 3. **claims** the event id in the `stagehand_claims` KV bucket, so that two instances never
-//!    both do the work (see `claim.rs`);
-//! 4. **handles** it, sending a progress ack every AckWait/3 while the handler runs;
-//! 5. **records** the outcome in the ledger — one writer thread, many outcomes per commit;
-//! 6. **publishes** the facts with `Nats-Msg-Id` = fact id, waiting for every PubAck;
-//! 7. **acks** with a double ack (the server confirms).
+//! 1. **decode** it ([`stagehand_schemas::wire::decode`]) and check that the envelope's
+//!    `project` is the project token of the request or fact subject it came on; undecodable
+//!    bytes, an unknown kind or another project's subject are dead-lettered at once;
+//! 2. **check the ledger** (the service's redb file, keyed by project *and* event id): an event
+//!    finished before has its recorded facts republished — the same bytes, the same ids — and
+//!    is acked;
+//! 3. **claim** the event in the `stagehand_claims` KV bucket, so that two deliveries never
+//!    both do the work; a claim found `done` carries the first outcome, which is republished;
+//! 4. **handle** it, sending a progress ack and renewing the claim every AckWait/3; a claim
+//!    lost meanwhile cancels the handler;
+//! 5. **commit** the outcome: a compare-and-set of the claim to `done` with the facts (the
+//!    commit point across instances), then the ledger — one writer thread, many outcomes per
+//!    commit, the first outcome recorded wins;
+//! 6. **publish** the facts of that first outcome with `Nats-Msg-Id` = fact id, waiting for
+//!    every PubAck;
+//! 7. **ack** with a double ack (the server confirms).
 //!
-//! A retryable error becomes a negative ack with a delay from [`RetrySchedule`]; a permanent
-//! one, or the last allowed delivery, becomes a [`stagehand_schemas::DeadLetter`] on
-//! `stagehand.dlq.dead.letter.<service>` and a `Term`. Nothing is acked before its outcome is
-//! durable, and an outcome, once committed, is what every later delivery republishes.
+//! Every failure of every step goes through **G**, the one give-up path: a failure that counts
+//! (the handler's, or the ledger's, the claims bucket's, a publish) is retried with a delayed
+//! negative ack from [`RetrySchedule`] until `max_attempts`; one that does not count (another
+//! delivery holds the claim) waits out the claim without cost; a permanent failure, the last
+//! attempt, or the consumer's `max_deliver` ceiling becomes a [`stagehand_schemas::DeadLetter`]
+//! on `stagehand.dlq.dead.letter.<service>` with the attempt history, and a `Term`. Nothing
+//! is acked before its outcome is durable, and an outcome, once committed, is what every later
+//! delivery republishes. A ledger that fails and cannot be reopened, or a handler's
+//! [`HandlerError::fatal`], stops the worker with an error.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -52,18 +64,18 @@ pub mod runner;
 mod worker;
 
 pub use bus::{
-    Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, PublishAck,
-    READINESS, READINESS_BUCKET, STAGES, STAGES_BUCKET, stream_config,
+    Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, OBJECT_BUCKETS,
+    PublishAck, READINESS, READINESS_BUCKET, STAGES, STAGES_BUCKET, stream_config,
 };
 pub use config::{
     BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,
     split_servers,
 };
-pub use error::{BusError, HandlerError};
-pub use ledger::{Ledger, LedgerError, Outcome};
+pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
+pub use ledger::{EventKey, Ledger, LedgerError, LedgerErrorKind, Outcome};
 pub use worker::{
-    Handler, Hook, WorkContext, WorkerHooks, WorkerStats, provision_consumer, run_worker,
-    run_worker_with_hooks,
+    Handler, Hook, REPLAY_HEADER, WorkContext, WorkerHooks, WorkerStats, default_instance_id,
+    host_name, provision_consumer, run_worker, run_worker_with_hooks,
 };
 
 pub use tokio_util::sync::CancellationToken;

@@ -1,10 +1,13 @@
 //! A worker process killed with SIGKILL in the middle of handling, or after recording its
 //! outcome but before publishing and acking, yields exactly one set of facts once a new
-//! process takes over.
+//! process takes over; two processes racing on one event, one killed between recording and
+//! publishing, yield exactly one verdict; and an instance restarted under its own id takes
+//! its claim over at once rather than after the claim's lifetime.
 
 mod common;
 
 use std::process::Stdio;
+use std::time::Duration;
 
 use common::*;
 use stagehand_bus::Ledger;
@@ -21,9 +24,14 @@ struct Worker {
 
 impl Worker {
     fn spawn(env: &Env, extra: &[&str]) -> Worker {
+        Self::spawn_with(env, "testworker", extra)
+    }
+
+    /// A worker process with its ledger at `env.ledger(ledger)`.
+    fn spawn_with(env: &Env, ledger: &str, extra: &[&str]) -> Worker {
         let mut child = Command::new(BIN)
             .args(["--url", &env.nats.url(), "--ledger"])
-            .arg(env.ledger("testworker"))
+            .arg(env.ledger(ledger))
             .args(["--ack-wait-ms", "1500"])
             .args(extra)
             .stdout(Stdio::piped())
@@ -84,7 +92,7 @@ async fn run_crash_case(flag: &str, signal: &str) {
         let ledger = Ledger::open(env.ledger("testworker")).unwrap();
         let id = stagehand_schemas::EventId::new(victim.clone()).unwrap();
         assert!(
-            ledger.outcome(&id).unwrap().is_some(),
+            ledger.outcome("lab-a", &id).unwrap().is_some(),
             "recorded before the kill"
         );
     }
@@ -119,7 +127,7 @@ async fn run_crash_case(flag: &str, signal: &str) {
     let ledger = Ledger::open(env.ledger("testworker")).unwrap();
     assert_eq!(ledger.len().unwrap(), 3);
     for r in &requests {
-        let outcome = ledger.outcome(&r.id).unwrap().unwrap();
+        let outcome = ledger.outcome("lab-a", &r.id).unwrap().unwrap();
         let published = facts
             .iter()
             .find(|(_, _, f)| f.causation_id.as_ref() == Some(&r.id))
@@ -145,4 +153,103 @@ async fn killed_in_the_middle_of_handling_yields_one_set_of_facts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_recording_before_ack_republishes_the_same_facts() {
     run_crash_case("--hang-after-record", "RECORDED").await;
+}
+
+/// Two processes race on one event, each with its own ledger and another verdict: `a`
+/// commits its verdict and is killed before publishing it; `b` gets another copy. `b` must
+/// publish `a`'s verdict — the first outcome — not its own, and `a`, restarted and handed a
+/// third copy, republishes the same. One verdict in the facts stream, whatever the order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_racing_on_one_event_publish_exactly_one_verdict() {
+    let env = Env::start().await;
+    let request = stage_request("contested");
+    let bytes = stagehand_schemas::wire::encode(&request).unwrap();
+    let subj = stagehand_schemas::subject::subject_for(&request.body, &request.project);
+    env.publish_raw(&subj, "copy-1", &[], bytes.clone()).await;
+    let a_args = ["--instance", "a", "--verdict", "ready"];
+    let mut a = Worker::spawn_with(&env, "a", &[&a_args[..], &["--hang-after-record"]].concat());
+    a.expect_line("RECORDED").await;
+    a.sigkill().await;
+
+    env.publish_raw(&subj, "copy-2", &[], bytes.clone()).await;
+    let b = Worker::spawn_with(&env, "b", &["--instance", "b", "--verdict", "failed"]);
+    wait_until(WAIT, "both copies acked", || {
+        env.consumer_drained("testworker")
+    })
+    .await
+    .unwrap();
+    b.terminate().await;
+
+    let a = Worker::spawn_with(&env, "a", &a_args);
+    env.publish_raw(&subj, "copy-3", &[], bytes).await;
+    wait_until(WAIT, "the third copy acked", || {
+        env.consumer_drained("testworker")
+    })
+    .await
+    .unwrap();
+    a.terminate().await;
+
+    let facts = env.facts().await;
+    let verdicts: Vec<_> = facts
+        .iter()
+        .filter(|(_, _, f)| f.causation_id.as_ref() == Some(&request.id))
+        .collect();
+    assert_eq!(verdicts.len(), 1, "exactly one verdict: {verdicts:?}");
+    let verdict = &verdicts[0].2;
+    assert_eq!(
+        verdict.id,
+        ready_fact(&request).id,
+        "the first outcome, a's"
+    );
+    for ledger in ["a", "b"] {
+        let recorded = Ledger::open(env.ledger(ledger))
+            .unwrap()
+            .outcome("lab-a", &request.id)
+            .unwrap()
+            .expect("both ledgers hold the outcome");
+        assert_eq!(
+            &recorded.facts,
+            std::slice::from_ref(verdict),
+            "{ledger}'s record"
+        );
+    }
+}
+
+/// Killed while handling, the worker restarts under the same instance id: its own claim is
+/// taken over as soon as the message is redelivered (one AckWait), not after the claim's
+/// lifetime (60 s here, longer than this test may take).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_instance_takes_over_its_own_claim_at_once() {
+    let env = Env::start().await;
+    let request = stage_request("in-flight");
+    env.bus.publish(&request).await.unwrap();
+    let args = [
+        "--instance",
+        "x",
+        "--ack-wait-ms",
+        "1000",
+        "--claim-lifetime-ms",
+        "60000",
+    ];
+    let mut doomed = Worker::spawn_with(&env, "x", &[&args[..], &["--hang-in-handler"]].concat());
+    doomed.expect_line("HANDLING").await;
+    doomed.sigkill().await;
+    let restarted_at = std::time::Instant::now();
+    let survivor = Worker::spawn_with(&env, "x", &args);
+    wait_until(
+        Duration::from_secs(20),
+        "the fact, well before the claim could expire",
+        || async { env.fact_count().await == 1 },
+    )
+    .await
+    .unwrap();
+    println!(
+        "recovered {:?} after the restart (ack_wait 1 s, claim lifetime 60 s)",
+        restarted_at.elapsed()
+    );
+    wait_until(WAIT, "acked", || env.consumer_drained("testworker"))
+        .await
+        .unwrap();
+    survivor.terminate().await;
+    assert_eq!(env.facts().await[0].2.id, ready_fact(&request).id);
 }

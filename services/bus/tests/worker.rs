@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use stagehand_bus::{
-    Bus, BusError, CancellationToken, Handler, HandlerError, Ledger, WorkContext, WorkerStats,
-    provision_consumer, run_worker,
+    Bus, BusConfig, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, Handler,
+    HandlerError, Ledger, REPLAY_HEADER, WorkContext, WorkerStats, provision_consumer, run_worker,
 };
 use stagehand_schemas::subject::{self, dead_letter_subject, subject_for};
 use stagehand_schemas::{Body, Event, wire};
@@ -86,7 +86,10 @@ async fn each_request_yields_its_facts_with_trace_context_and_a_ledger_outcome()
     }
     let ledger = Ledger::open(env.ledger("svc")).unwrap();
     for r in &requests {
-        let outcome = ledger.outcome(&r.id).unwrap().expect("outcome recorded");
+        let outcome = ledger
+            .outcome("lab-a", &r.id)
+            .unwrap()
+            .expect("outcome recorded");
         assert_eq!(outcome.facts.len(), 1);
         assert_eq!(outcome.facts[0].id, ready_fact(r).id);
         assert!(outcome.dead_letter.is_none());
@@ -128,9 +131,10 @@ async fn the_same_request_fifty_times_yields_one_set_of_facts() {
     let stats = stop(token, handle).await;
     assert_eq!(handler.calls_for("upload-7"), 1, "the work ran once");
     assert_eq!(stats.handled, 1);
-    // Every other copy was answered from the ledger (or found claimed and retried later).
-    assert!(stats.replayed >= 50 - stats.claimed_elsewhere, "{stats:?}");
-    assert_eq!(stats.dead_lettered, 0);
+    // Every other copy was answered with the recorded outcome (from the ledger or the claim),
+    // or, arriving while the first was in flight, acked as redundant.
+    assert_eq!(stats.replayed + stats.redundant, 50, "{stats:?}");
+    assert_eq!((stats.dead_lettered, stats.retried), (0, 0), "{stats:?}");
     let facts = env.facts().await;
     assert_eq!(facts.len(), 1);
     assert_eq!(facts[0].2.id, ready_fact(&request).id);
@@ -236,7 +240,7 @@ async fn a_retryable_failure_is_retried_after_its_delay_then_succeeds() {
     assert_eq!(env.dead_letter_count().await, 0);
     let outcome = Ledger::open(env.ledger("svc"))
         .unwrap()
-        .outcome(&request.id)
+        .outcome("lab-a", &request.id)
         .unwrap()
         .unwrap();
     assert_eq!(outcome.facts, vec![env.facts().await[0].2.clone()]);
@@ -286,21 +290,21 @@ async fn a_permanent_failure_is_dead_lettered_at_once() {
     assert_eq!(d.errors.len(), 1);
     assert!(d.errors[0].permanent && d.errors[0].error.contains("nowhere"));
     assert_eq!(dl.causation_id.as_ref(), Some(&request.id));
-    let outcome = Ledger::open(env.ledger("svc"))
-        .unwrap()
-        .outcome(&request.id)
-        .unwrap()
-        .unwrap();
-    assert!(outcome.permanent_error.unwrap().contains("nowhere"));
-    assert_eq!(outcome.dead_letter.unwrap().id, dl.id);
+    let ledger = Ledger::open(env.ledger("svc")).unwrap();
+    // Recorded under the dead letter's own id, not as the event's outcome: a replayed copy
+    // of the event is worked on again.
+    let recorded = ledger.dead_letter(&dl.id).unwrap().unwrap();
+    assert!(recorded.permanent_error.unwrap().contains("nowhere"));
+    assert_eq!(recorded.dead_letter.unwrap().id, dl.id);
+    assert!(ledger.outcome("lab-a", &request.id).unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exhausting_max_deliver_dead_letters_with_the_whole_history() {
+async fn exhausting_max_attempts_dead_letters_with_the_whole_history() {
     let env = Env::start().await;
     let handler = Arc::new(Flaky::retryable(u32::MAX));
     let mut cfg = env.worker("svc");
-    cfg.max_deliver = 3;
+    cfg.max_attempts = 3;
     cfg.retry.initial = Duration::from_millis(50);
     let (token, handle) = spawn(&env.bus, cfg, handler.clone());
     let request = stage_request("never-works");
@@ -406,7 +410,10 @@ async fn shutdown_during_work_loses_nothing_and_records_nothing_twice() {
     let ledger = Ledger::open(&cfg.ledger_path).unwrap();
     assert_eq!(ledger.len().unwrap(), 10);
     for r in &requests {
-        assert_eq!(ledger.outcome(&r.id).unwrap().unwrap().facts.len(), 1);
+        assert_eq!(
+            ledger.outcome("lab-a", &r.id).unwrap().unwrap().facts.len(),
+            1
+        );
     }
 }
 
@@ -457,7 +464,8 @@ async fn provisioning_applies_changed_configuration() {
     wrong.retention = async_nats::jetstream::stream::RetentionPolicy::WorkQueue;
     js.create_stream(wrong).await.unwrap();
     let err = env.bus.provision().await.unwrap_err();
-    assert!(matches!(err, BusError::RetentionMismatch { .. }), "{err}");
+    assert_eq!(err.kind(), BusErrorKind::RetentionMismatch, "{err}");
+    assert!(!err.is_retryable());
     assert!(err.to_string().contains(subject::DEAD_LETTERS.name));
 
     // The consumer follows its worker configuration.
@@ -482,13 +490,89 @@ async fn provisioning_applies_changed_configuration() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_creates_the_manifest_bucket_and_upload_buckets_and_corrects_their_drift() {
+    let env = Env::start().await;
+    let js = env.bus.jetstream();
+    let bucket_config = |name: &'static str| async move {
+        js.get_stream(name)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .config
+            .clone()
+    };
+    // `provision` made the services' manifest bucket: an Object Store, kept for ever, with
+    // direct gets (what readers' NATS rights allow) and the configured replicas.
+    let manifests = subject::MANIFESTS.stream_name();
+    assert_eq!(manifests, "OBJ_stagehand_manifests");
+    js.get_object_store(subject::MANIFEST_BUCKET).await.unwrap();
+    let config = bucket_config("OBJ_stagehand_manifests").await;
+    assert_eq!(config.max_age, Duration::ZERO);
+    assert!(config.allow_direct);
+    assert_eq!(config.num_replicas, 1);
+    assert_eq!(
+        config.description.as_deref(),
+        Some(subject::MANIFESTS.description)
+    );
+
+    // Someone aged it out and turned direct gets off: provisioning puts both back.
+    let mut drifted = config.clone();
+    drifted.max_age = Duration::from_secs(3600);
+    drifted.allow_direct = false;
+    js.update_stream(drifted.clone()).await.unwrap();
+    // A user that may not manage streams only finds it …
+    let mut check_only = BusConfig::new(env.nats.url());
+    check_only.provision = false;
+    let checker = Bus::connect(&check_only).await.unwrap();
+    checker.provision().await.unwrap();
+    assert_eq!(
+        bucket_config("OBJ_stagehand_manifests").await.max_age,
+        Duration::from_secs(3600)
+    );
+    // … the operator corrects it.
+    env.bus.provision().await.unwrap();
+    let config = bucket_config("OBJ_stagehand_manifests").await;
+    assert_eq!(config.max_age, Duration::ZERO);
+    assert!(config.allow_direct);
+
+    // A project's upload bucket, made on demand (`stagehand provision --project lab-a`), kept
+    // as long as the requests that reference its manifests.
+    let uploads = subject::upload_bucket_spec("lab-a");
+    env.bus.provision_object_bucket(&uploads).await.unwrap();
+    env.bus.provision_object_bucket(&uploads).await.unwrap();
+    js.get_object_store("stagehand_uploads_lab-a")
+        .await
+        .unwrap();
+    let config = bucket_config("OBJ_stagehand_uploads_lab-a").await;
+    assert_eq!(config.max_age, subject::UPLOAD_MAX_AGE);
+
+    // Without it, a user that may not manage streams is told who makes it.
+    js.delete_stream("OBJ_stagehand_manifests").await.unwrap();
+    let err = checker.provision().await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("Object Store bucket stagehand_manifests")
+            && text.contains("run `stagehand provision` as the operator"),
+        "{text}"
+    );
+    assert!(js.get_stream("OBJ_stagehand_manifests").await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_sharing_a_consumer_do_each_event_once() {
     let env = Env::start().await;
     let handler = Arc::new(Emit::default());
-    let mut a = env.worker("svc");
-    a.ledger_path = env.ledger("svc-a");
-    let mut b = env.worker("svc");
-    b.ledger_path = env.ledger("svc-b");
+    // A copy that finds the other instance's claim waits out its lifetime: keep it short.
+    let quick = |ledger: &str| {
+        let mut cfg = env.worker("svc");
+        cfg.ledger_path = env.ledger(ledger);
+        cfg.ack_wait = Duration::from_secs(1);
+        cfg.claim_lifetime = Some(Duration::from_secs(1));
+        cfg
+    };
+    let (a, b) = (quick("svc-a"), quick("svc-b"));
     let (ta, ha) = spawn(&env.bus, a, handler.clone());
     let (tb, hb) = spawn(&env.bus, b, handler.clone());
     let mut expected = 0;
@@ -521,9 +605,272 @@ async fn two_instances_sharing_a_consumer_do_each_event_once() {
         );
     }
     assert_eq!(sa.handled + sb.handled, 40);
-    assert!(
-        sa.replayed + sb.replayed + sa.claimed_elsewhere + sb.claimed_elsewhere >= expected - 40,
-        "every copy was answered by the ledger or a claim: {sa:?} {sb:?}"
+    assert_eq!(
+        sa.replayed + sb.replayed + sa.redundant + sb.redundant,
+        expected - 40,
+        "every other copy was answered with the recorded outcome or acked as redundant: {sa:?} {sb:?}"
     );
+    assert_eq!(sa.dead_lettered + sb.dead_lettered, 0);
     assert_eq!(env.fact_count().await, 40);
+}
+
+/// Regression: a message the server drops at `max_deliver` leaves nothing pending and nothing
+/// awaiting an ack, so counting pending messages alone called a consumer that lost it
+/// "drained". The helper must see the loss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_drained_does_not_count_a_message_dropped_at_max_deliver_as_drained() {
+    use async_nats::jetstream::{AckKind, consumer::pull};
+    use futures::StreamExt;
+
+    let env = Env::start().await;
+    let stream = env
+        .bus
+        .jetstream()
+        .get_stream(subject::REQUESTS.name)
+        .await
+        .unwrap();
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("raw".into()),
+            max_deliver: 1,
+            filter_subject: subject::kind_filter("req", "stage.requested"),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    publish(&env, &stage_request("dropped")).await;
+    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let msg = batch.next().await.unwrap().unwrap();
+    // The first delivery is the last one allowed: this nak is a silent drop.
+    msg.ack_with(AckKind::Nak(None)).await.unwrap();
+    wait_until(WAIT, "the server to give up on the message", || async {
+        // A pull request gives the server the occasion to try the redelivery it may not make.
+        let _ = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_millis(100))
+            .messages()
+            .await
+            .map(|b| b.count());
+        // Nothing pending, nothing awaiting an ack: what the old helper took for drained.
+        let info = stream.consumer_info("raw").await.unwrap();
+        env.dropped_at_max_deliver("raw") == 1 && info.num_pending == 0 && info.num_ack_pending == 0
+    })
+    .await
+    .unwrap();
+    assert_eq!(env.consumer_state("raw").await, Drained::Lost(1));
+}
+
+/// The ledger is pruned, on the worker's timer, of outcomes older than `ledger_retention`
+/// (two seconds here): a copy of a pruned event is worked on again, while a copy of an event
+/// recorded within the retention is still answered from the ledger. Claims are off, since a
+/// claim's `done` record (kept by the bucket for a day) would answer the copy too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_is_pruned_of_old_outcomes_on_a_timer_and_keeps_live_ones() {
+    let env = Env::start().await;
+    let mut cfg = env.worker("svc");
+    cfg.claims = false;
+    cfg.ledger_retention = Duration::from_secs(2);
+    cfg.prune_interval = Duration::from_millis(200);
+    let handler = Arc::new(Emit::default());
+    let (token, handle) = spawn(&env.bus, cfg, handler.clone());
+    let old = stage_request("old");
+    let old_bytes = wire::encode(&old).unwrap();
+    let subj = subject_for(&old.body, &old.project);
+    publish(&env, &old).await;
+    // Its fact is published after its outcome is recorded.
+    wait_until(WAIT, "the old event's fact", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    let copies = AtomicU32::new(0);
+    wait_until(WAIT, "a copy of the old event worked on again", || async {
+        let n = copies.fetch_add(1, Ordering::SeqCst);
+        env.publish_raw(&subj, &format!("old-copy-{n}"), &[], old_bytes.clone())
+            .await;
+        handler.calls_for("old") >= 2
+    })
+    .await
+    .unwrap();
+
+    let live = stage_request("live");
+    publish(&env, &live).await;
+    // The old event's second fact has the first one's id, so the stream kept one.
+    wait_until(WAIT, "the live event's fact", || async {
+        env.fact_count().await == 2
+    })
+    .await
+    .unwrap();
+    env.publish_raw(
+        &subject_for(&live.body, &live.project),
+        "live-copy",
+        &[],
+        wire::encode(&live).unwrap(),
+    )
+    .await;
+    wait_until(WAIT, "everything acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let stats = stop(token, handle).await;
+    assert_eq!(handler.calls_for("live"), 1, "a live outcome is kept");
+    assert!(stats.ledger_pruned >= 1, "{stats:?}");
+    // Every copy was answered from the ledger but the ones that came after the pruning.
+    assert_eq!(
+        stats.handled + stats.replayed,
+        u64::from(copies.load(Ordering::SeqCst)) + 3,
+        "{stats:?}"
+    );
+}
+
+/// Republishes a dead letter's message as `stagehand dlq replay` does: its bytes and headers,
+/// a fresh `Nats-Msg-Id`, and the replay header naming the dead letter.
+async fn replay_dead_letter(env: &Env, dl: &Event) {
+    let Body::DeadLetter(d) = &dl.body else {
+        panic!("not a dead letter")
+    };
+    let mut headers: Vec<(&str, &str)> = d
+        .headers
+        .iter()
+        .filter(|(k, _)| k != "Nats-Msg-Id")
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    headers.push((REPLAY_HEADER, dl.id.as_str()));
+    env.publish_raw(
+        &d.subject,
+        &format!("replay-{}", dl.id),
+        &headers,
+        d.original.clone(),
+    )
+    .await;
+}
+
+/// A dead-lettered event, replayed once its cause is gone, is worked on again: the dead
+/// letter is recorded under its own id, not as the event's outcome, and its claim is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_dead_letter_is_worked_on_again() {
+    let env = Env::start().await;
+    let handler = Arc::new(Flaky::retryable(1));
+    let mut cfg = env.worker("svc");
+    cfg.max_attempts = 1;
+    let (token, handle) = spawn(&env.bus, cfg.clone(), handler.clone());
+    let request = stage_request("replay-me");
+    publish(&env, &request).await;
+    wait_until(WAIT, "a dead letter", || async {
+        env.dead_letter_count().await == 1
+    })
+    .await
+    .unwrap();
+    let (_, dl) = env.dead_letters().await.remove(0);
+    replay_dead_letter(&env, &dl).await;
+    wait_until(WAIT, "the fact of the replay", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    wait_until(WAIT, "drained", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let stats = stop(token, handle).await;
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        2,
+        "the handler ran again"
+    );
+    assert_eq!((stats.dead_lettered, stats.handled), (1, 1), "{stats:?}");
+    let ledger = Ledger::open(&cfg.ledger_path).unwrap();
+    assert!(ledger.dead_letter(&dl.id).unwrap().is_some());
+    let outcome = ledger.outcome("lab-a", &request.id).unwrap().unwrap();
+    assert_eq!(outcome.facts.len(), 1);
+    assert_eq!(outcome.facts[0].id, ready_fact(&request).id);
+}
+
+/// An older runtime marked a dead-lettered event's claim `done` (without facts), which
+/// answers any later copy without work. A replay — it carries the replay header — is not
+/// answered by such a marker; a plain copy still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_not_answered_by_an_old_runtimes_done_marker() {
+    let env = Env::start().await;
+    let request = stage_request("marked-done");
+    let kv = env
+        .bus
+        .jetstream()
+        .get_key_value(CLAIMS_BUCKET)
+        .await
+        .unwrap();
+    let hex: String = request
+        .id
+        .as_str()
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    kv.put(
+        format!("svc.lab-a.{hex}"),
+        bytes::Bytes::from_static(b"done"),
+    )
+    .await
+    .unwrap();
+    let handler = Arc::new(Emit::default());
+    let (token, handle) = spawn(&env.bus, env.worker("svc"), handler.clone());
+    let bytes = wire::encode(&request).unwrap();
+    let subj = subject_for(&request.body, &request.project);
+    env.publish_raw(&subj, "plain-copy", &[], bytes.clone())
+        .await;
+    wait_until(WAIT, "the plain copy acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    assert_eq!(handler.calls_for("marked-done"), 0);
+    env.publish_raw(
+        &subj,
+        "replayed-copy",
+        &[(REPLAY_HEADER, "some-dead-letter")],
+        bytes,
+    )
+    .await;
+    wait_until(WAIT, "the replay's fact", || async {
+        env.fact_count().await == 1
+    })
+    .await
+    .unwrap();
+    let stats = stop(token, handle).await;
+    assert_eq!(handler.calls_for("marked-done"), 1);
+    assert_eq!((stats.replayed, stats.handled), (1, 1), "{stats:?}");
+}
+
+/// Fails fatally: the service's own store is gone.
+struct StoreGone;
+
+impl Handler for StoreGone {
+    async fn handle(&self, _e: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        Err(HandlerError::fatal("the catalogue store failed"))
+    }
+}
+
+/// A fatal handler error is not the event's: the worker stops with it (the service exits
+/// non-zero for its supervisor) and leaves the message for redelivery — no attempt counted,
+/// no dead letter, no Term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_handler_error_stops_the_worker_and_leaves_the_message() {
+    let env = Env::start().await;
+    let mut cfg = env.worker("svc");
+    cfg.max_attempts = 1;
+    let (_token, handle) = spawn(&env.bus, cfg.clone(), Arc::new(StoreGone));
+    let request = stage_request("unfoldable");
+    publish(&env, &request).await;
+    let err = tokio::time::timeout(WAIT, handle)
+        .await
+        .expect("the worker stops")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.kind(), BusErrorKind::HandlerFatal, "{err}");
+    assert!(err.to_string().contains("catalogue store failed"), "{err}");
+    assert_eq!(env.dead_letter_count().await, 0);
+    // Restarted with a working handler, it does the work.
+    let handler = Arc::new(Emit::default());
+    let (token, handle) = spawn(&env.bus, cfg, handler.clone());
+    wait_until(WAIT, "the fact", || async { env.fact_count().await == 1 })
+        .await
+        .unwrap();
+    stop(token, handle).await;
+    assert_eq!(handler.calls_for("unfoldable"), 1);
 }

@@ -67,14 +67,21 @@ pub enum RecorderError {
     /// NATS or JetStream refused or failed an operation; `what` says which.
     #[error("{what}: {detail}")]
     Nats { what: &'static str, detail: String },
-    #[error("catalogue worker: {0}")]
-    Worker(String),
-    /// The runtime or the connection failed; the cause says whether retrying can help.
+    /// The runtime or the connection failed; its kind says whether retrying can help.
     #[error(transparent)]
     Bus(#[from] stagehand_bus::BusError),
     /// One of the recorder's tasks (facts, dead letters, queries) failed.
     #[error(transparent)]
     Task(#[from] stagehand_bus::runner::TaskError),
+    /// The service runner could not run the recorder (configuration, telemetry, metrics).
+    #[error(transparent)]
+    Runner(#[from] stagehand_bus::runner::RunError),
+    /// A blocking task of the recorder (store access) panicked or was cancelled.
+    #[error("catalogue store task: {0}")]
+    Blocking(#[from] tokio::task::JoinError),
+    /// A readiness entry could not be encoded.
+    #[error("encoding readiness: {0}")]
+    Encode(#[from] serde_json::Error),
 }
 
 impl RecorderError {
@@ -88,7 +95,7 @@ impl RecorderError {
     pub fn is_retryable(&self) -> bool {
         match self {
             RecorderError::Store(e) => e.is_retryable(),
-            RecorderError::Nats { .. } | RecorderError::Worker(_) => true,
+            RecorderError::Nats { .. } => true,
             RecorderError::Bus(e) => e.is_retryable(),
             RecorderError::Task(e) => {
                 if let Some(bus) = e.source.downcast_ref::<stagehand_bus::BusError>() {
@@ -99,6 +106,8 @@ impl RecorderError {
                     true
                 }
             }
+            RecorderError::Runner(e) => e.exit_code() != stagehand_bus::runner::EXIT_CONFIG,
+            RecorderError::Blocking(_) | RecorderError::Encode(_) => false,
         }
     }
 }

@@ -54,6 +54,9 @@ impl LiveFold {
             tracing::error!(event_id = %event.id, error = %e, "the catalogue store failed (I/O); stopping the recorder so that it is restarted with the store reopened");
             self.store_failed.store(true, Ordering::SeqCst);
             self.stop.cancel();
+            // Not the fact's fault: the runtime leaves it for redelivery without counting an
+            // attempt (never dead-lettered and terminated) and stops the worker.
+            return HandlerError::fatal(e);
         }
         HandlerError::retryable(e)
     }

@@ -160,9 +160,7 @@ pub(crate) async fn rebuild_if_needed(
     mirror: &Mirror,
 ) -> Result<Option<(u64, u64)>, RecorderError> {
     let s = store.clone();
-    let complete = tokio::task::spawn_blocking(move || s.is_complete())
-        .await
-        .map_err(|e| RecorderError::Worker(e.to_string()))??;
+    let complete = tokio::task::spawn_blocking(move || s.is_complete()).await??;
     if complete {
         return Ok(None);
     }
@@ -176,9 +174,7 @@ pub(crate) async fn rebuild_if_needed(
     mirror_all(store, mirror, touched, stages).await?;
     let s = store.clone();
     let through = facts.through;
-    tokio::task::spawn_blocking(move || s.mark_complete(through))
-        .await
-        .map_err(|e| RecorderError::Worker(e.to_string()))??;
+    tokio::task::spawn_blocking(move || s.mark_complete(through)).await??;
     tracing::info!(
         facts = facts.events,
         dead_letters = dead.events,
@@ -202,10 +198,10 @@ pub async fn run(
         .map_err(|e| match e {
             runner::RunError::Service(source) => match source.downcast::<RecorderError>() {
                 Ok(own) => *own,
-                Err(other) => RecorderError::Worker(other.to_string()),
+                Err(other) => RecorderError::Runner(runner::RunError::Service(other)),
             },
             runner::RunError::Bus(e) => RecorderError::Bus(e),
-            other => RecorderError::Worker(other.to_string()),
+            other => RecorderError::Runner(other),
         })
 }
 
@@ -216,11 +212,7 @@ pub async fn run(
 pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, RecorderError> {
     let config = ctx.settings.clone();
     let path = config.store_path.clone();
-    let store = Arc::new(
-        tokio::task::spawn_blocking(move || Store::open(path))
-            .await
-            .map_err(|e| RecorderError::Worker(e.to_string()))??,
-    );
+    let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(path)).await??);
     let mirror = Mirror::open(&ctx.bus).await?;
     let files = config.file_lists(&ctx.bus, &store);
     let rebuilt = rebuild_if_needed(&ctx.bus, &store, &files, &mirror).await?;

@@ -84,12 +84,17 @@ pub enum Command {
     /// Run Stagehand on this machine: nats-server, policies, posix tiers and every service,
     /// until Ctrl-C.
     Up(UpArgs),
-    /// Create Stagehand's streams and KV buckets, or correct their drift (replicas, limits):
-    /// what an operator runs once for services whose users may not manage streams.
+    /// Create Stagehand's streams, KV buckets and the services' manifest bucket, or correct
+    /// their drift (replicas, limits): what an operator runs once for services whose users may
+    /// not manage streams, and again for each new project (`--project`).
     Provision {
         /// Replicas of every stream and bucket (default: what the cluster can hold).
         #[arg(long)]
         replicas: Option<usize>,
+        /// Also the upload bucket of this project (`stagehand_uploads_<project>`), in which its
+        /// uploaders put manifests: their NATS users may not create it. Repeatable.
+        #[arg(long = "project", value_name = "PROJECT")]
+        projects: Vec<String>,
     },
 }
 
@@ -438,23 +443,39 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             std::io::Write::flush(&mut out)?;
             Ok(0)
         }
-        Command::Provision { replicas } => {
+        Command::Provision { replicas, projects } => {
             quiet_logs();
+            for project in &projects {
+                if !stagehand_schemas::subject::is_subject_token(project) {
+                    anyhow::bail!("project {project:?} must be 1-64 characters of [a-z0-9_-]");
+                }
+            }
             let mut cfg = cli.connection.bus_config(Duration::from_secs(5));
             cfg.replicas = replicas;
             let bus = Bus::connect(&cfg)
                 .await
                 .with_context(|| format!("connecting to NATS at {}", cfg.servers_display()))?;
             bus.provision().await?;
+            let mut objects: Vec<String> = stagehand_bus::OBJECT_BUCKETS
+                .iter()
+                .map(|b| b.bucket.to_string())
+                .collect();
+            for project in &projects {
+                let spec = stagehand_schemas::subject::upload_bucket_spec(project);
+                bus.provision_object_bucket(&spec).await?;
+                objects.push(spec.bucket.to_string());
+            }
             let streams: Vec<&str> = stagehand_schemas::subject::STREAMS
                 .iter()
                 .map(|s| s.name)
                 .collect();
             let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS.iter().map(|b| b.bucket).collect();
             println!(
-                "provisioned streams {} and KV buckets {} with {} replica(s) on {}",
+                "provisioned streams {}, KV buckets {} and Object Store buckets {} with {} \
+                 replica(s) on {}",
                 streams.join(", "),
                 buckets.join(", "),
+                objects.join(", "),
                 bus.replicas(),
                 bus.servers()
             );

@@ -65,7 +65,8 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
     let bus_cfg = BusConfig::new(&servers);
     assert_eq!(bus_cfg.servers.len(), 3);
 
-    // Mistakes to correct: the facts log and the claims bucket created with one replica.
+    // Mistakes to correct: the facts log, the claims bucket and the manifest bucket created
+    // with one replica.
     let bus = Bus::connect(&bus_cfg).await?;
     assert_eq!(bus.replicas(), 3, "replicas learned from the cluster");
     bus.jetstream()
@@ -79,8 +80,16 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
             ..Default::default()
         })
         .await?;
+    bus.jetstream()
+        .create_object_store(async_nats::jetstream::object_store::Config {
+            bucket: subject::MANIFEST_BUCKET.into(),
+            num_replicas: 1,
+            ..Default::default()
+        })
+        .await?;
     assert_eq!(stream_replicas(&bus, subject::FACTS.name).await?, 1);
     assert_eq!(stream_replicas(&bus, "KV_stagehand_claims").await?, 1);
+    assert_eq!(stream_replicas(&bus, "OBJ_stagehand_manifests").await?, 1);
 
     let home = tempfile::tempdir()?;
     let stack = Stack::start(UpOptions {
@@ -96,6 +105,10 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
     }
     for kv in KV_BUCKETS {
         let name = format!("KV_{}", kv.bucket);
+        assert_eq!(stream_replicas(&bus, &name).await?, 3, "{name}");
+    }
+    for bucket in stagehand_bus::OBJECT_BUCKETS {
+        let name = bucket.stream_name();
         assert_eq!(stream_replicas(&bus, &name).await?, 3, "{name}");
     }
 

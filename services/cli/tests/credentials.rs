@@ -1,8 +1,11 @@
 //! Every binary reaches a NATS that has users, and never shows their secrets: against a real
 //! nats-server with `deploy/nats/accounts.conf` the operator provisions with `stagehand
-//! provision`, the validator runs as its own restricted user, an uploader's `stagehand ingest
-//! --wait` (first and repeated) gets its verdict with only the uploader's permissions, and
-//! `stagehand up --external-nats` says where it runs without the password. NKey seed files work
+//! provision --project demo`, the validator runs as its own restricted user, an uploader's
+//! `stagehand ingest --wait` (first and repeated) gets its verdict with only the uploader's
+//! permissions, a dataset whose manifest travels by reference (put by the uploader in its
+//! project's upload bucket, stored validated in the services' bucket, read by the recorder)
+//! goes through with each role's own user, and `stagehand up --external-nats` says where it
+//! runs without the password. NKey seed files work
 //! for the CLI and the services; a failed connection names the server without its password.
 
 use std::path::Path;
@@ -10,7 +13,13 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use stagehand_bus::BusConfig;
+use stagehand::ingest::{Outcome, place, scan, wait_outcome, watch_outcomes};
+use stagehand_bus::{Bus, BusConfig};
+use stagehand_manifest::{BucketOptions, Manifest, ManifestStore};
+use stagehand_schemas::subject::MANIFEST_BUCKET;
+use stagehand_schemas::{
+    Body, Event, EventId, INLINE_MANIFEST_MAX_BYTES, IngestRequested, Location,
+};
 use stagehand_testkit::{NatsServer, repo_root};
 
 const ROLES: &[&str] = &[
@@ -87,6 +96,101 @@ fn write_folder(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Files of the by-reference dataset: a few thousand, so that its manifest is over the inline
+/// bound (about 2,500 entries).
+const MANY_FILES: usize = 3000;
+
+/// `MANY_FILES` small distinct files in ten folders.
+fn write_many(dir: &Path) -> anyhow::Result<()> {
+    for class in 0..10 {
+        std::fs::create_dir_all(dir.join(format!("images/c{class:02}")))?;
+    }
+    for i in 0..MANY_FILES {
+        std::fs::write(
+            dir.join(format!("images/c{:02}/img-{i:05}.bin", i % 10)),
+            format!("image {i}\n"),
+        )?;
+    }
+    Ok(())
+}
+
+/// What an uploader does for a dataset whose manifest is too large to inline, with its own
+/// user only: places the files on the source tier, puts the manifest in its project's upload
+/// bucket, publishes the request carrying the reference, follows its progress and waits for
+/// the verdict. Returns the reference and the verdict.
+async fn ingest_by_reference(
+    uploader_url: &str,
+    policies: &Path,
+    folder: &Path,
+    dataset: &str,
+) -> anyhow::Result<(stagehand_schemas::ManifestRef, Outcome)> {
+    let mut cfg = BusConfig::new(uploader_url);
+    cfg.provision = false;
+    let bus = Bus::connect(&cfg).await?;
+    let policies = stagehand_policy::Policies::load_dir(policies)?;
+    let stagehand_mover::Tier::Posix(tier) =
+        policies.tier("source").context("a source tier")?.open()?
+    else {
+        anyhow::bail!("the source tier is not posix");
+    };
+    let files = scan(folder)?;
+    let placed = place(
+        &tier,
+        folder,
+        "demo",
+        dataset,
+        &files,
+        None,
+        &indicatif::ProgressBar::hidden(),
+    )
+    .await?;
+    let manifest = Manifest::from_entries(placed.files.clone());
+    ensure!(
+        manifest.canonical_len() > INLINE_MANIFEST_MAX_BYTES && !manifest.fits_inline(),
+        "{} bytes of manifest would travel inline",
+        manifest.canonical_len()
+    );
+    // The bucket is the operator's (`stagehand provision --project demo`): opened, not made.
+    let reference = ManifestStore::uploads(bus.jetstream(), "demo", BucketOptions::default())
+        .await?
+        .put(&manifest)
+        .await?;
+    let request = Event::request(
+        EventId::for_content(&[
+            b"ingest",
+            b"demo",
+            dataset.as_bytes(),
+            reference.digest.as_bytes(),
+        ]),
+        "demo",
+        Body::IngestRequested(IngestRequested {
+            dataset: dataset.into(),
+            source: Location {
+                tier: "source".into(),
+                prefix: placed.prefix.clone(),
+            },
+            files: Vec::new(),
+            manifest: Some(reference.clone()),
+            requested_by: "uploader-demo".into(),
+            labels: Vec::new(),
+        }),
+    );
+    // Its project's validation progress and verdicts, subscribed before the request goes out.
+    let _progress = bus
+        .client()
+        .subscribe("stagehand.progress.ingest.requested.demo.*")
+        .await?;
+    let verdicts = watch_outcomes(&bus, "demo").await?;
+    bus.publish(&request).await?;
+    let outcome = wait_outcome(verdicts, &request.id, Duration::from_secs(60)).await?;
+    ensure!(
+        bus.permission_violations().is_empty(),
+        "the uploader was refused: {:?}",
+        bus.permission_violations()
+    );
+    Ok((reference, outcome))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow::Result<()> {
     // A permission the services lack shows in the test's output (the bus logs violations).
@@ -100,12 +204,17 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     stagehand::up::write_default_policies(&policies, home.path())?;
     std::fs::create_dir_all(home.path().join("tiers/source"))?;
 
-    // The operator provisions; the password never appears in what it prints.
-    let out = stagehand(&url(&server, "operator", "OPERATOR"), &["provision"])?;
+    // The operator provisions, the project's upload bucket too; the password never appears
+    // in what it prints.
+    let out = stagehand(
+        &url(&server, "operator", "OPERATOR"),
+        &["provision", "--project", "demo"],
+    )?;
     ensure!(out.status.success(), "{}", said(&out));
     let text = said(&out);
     ensure!(
         text.contains("provisioned streams STAGEHAND_REQUESTS")
+            && text.contains("Object Store buckets stagehand_manifests, stagehand_uploads_demo")
             && text.contains(&format!("nats://operator:***@127.0.0.1:{}", server.port())),
         "{text}"
     );
@@ -170,9 +279,34 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     );
     no_secrets(&said(&out))?;
 
+    // A dataset whose manifest travels by reference: the validator reads it from the upload
+    // bucket and stores the validated one in the services' bucket, as its own user.
+    let many = tempfile::tempdir()?;
+    write_many(many.path())?;
+    let (reference, outcome) =
+        ingest_by_reference(&uploader, &policies, many.path(), "perm-many").await?;
+    let Outcome::Validated(validated) = outcome else {
+        anyhow::bail!("the by-reference ingest was not validated: {outcome:?}");
+    };
+    ensure!(
+        validated.files.is_empty()
+            && validated.manifest.as_ref() == Some(&reference)
+            && validated.version == reference.digest
+            && reference.files == MANY_FILES as u64,
+        "{validated:?}"
+    );
+    let operator_bus = Bus::connect(&BusConfig::new(url(&server, "operator", "OPERATOR"))).await?;
+    ensure!(
+        ManifestStore::open(operator_bus.jetstream(), MANIFEST_BUCKET)
+            .await?
+            .contains(&reference.digest)
+            .await?,
+        "the validated manifest is in the services' bucket"
+    );
+
     shutdown.cancel();
     let stats = validator.await??;
-    ensure!(stats.handled == 1, "{stats:?}");
+    ensure!(stats.handled == 2, "{stats:?}");
 
     // The recorder runs as its own user: it rebuilds its catalogue from the facts log (an
     // ephemeral consumer), folds live facts, mirrors readiness and answers the operator.
@@ -210,6 +344,41 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     ensure!(
         detail["versions"].as_array().is_some_and(|v| v.len() == 1),
         "one catalogued version: {detail}"
+    );
+    // The by-reference version's file list, which the recorder read (verified) from the
+    // services' bucket as its own user: every file, once.
+    let target = format!("perm-many@{}", reference.digest);
+    let listed = stagehand_testkit::wait_for(
+        Duration::from_secs(60),
+        "the by-reference version's files",
+        || {
+            let (operator, target) = (operator.clone(), target.clone());
+            async move {
+                let out = stagehand(
+                    &operator,
+                    &["catalogue", "show", &target, "--project", "demo", "--json"],
+                )
+                .ok()?;
+                out.status
+                    .success()
+                    .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+            }
+        },
+    )
+    .await?;
+    let mut paths = Vec::new();
+    for line in listed.lines() {
+        let file: serde_json::Value = serde_json::from_str(line).context(line.to_owned())?;
+        paths.push(file["path"].as_str().context("a path")?.to_owned());
+    }
+    let distinct: std::collections::BTreeSet<&String> = paths.iter().collect();
+    ensure!(
+        paths.len() == MANY_FILES
+            && distinct.len() == MANY_FILES
+            && paths.iter().all(|p| p.starts_with("images/c")),
+        "{} files listed, {} distinct",
+        paths.len(),
+        distinct.len()
     );
     shutdown.cancel();
     let stats = recorder.await??;

@@ -113,7 +113,7 @@ mod defaults {
     pub fn read_concurrency() -> usize {
         8
     }
-    pub fn max_deliver() -> i64 {
+    pub fn max_attempts() -> u32 {
         8
     }
     pub fn ack_wait() -> Duration {
@@ -142,7 +142,7 @@ impl Settings {
     }
 
     /// The worker the validator runs, with the validator's defaults (4 requests at once, 8
-    /// deliveries, 30 s ack wait) before the `[worker]` table's overrides: `ingest.requested`
+    /// attempts, 30 s ack wait) before the `[worker]` table's overrides: `ingest.requested`
     /// of every project from the requests stream.
     pub fn worker_config(&self) -> WorkerConfig {
         let mut cfg = WorkerConfig::new(
@@ -152,7 +152,7 @@ impl Settings {
             self.state_dir.join(format!("{SERVICE}.redb")),
         );
         cfg.concurrency = defaults::concurrency();
-        cfg.max_deliver = defaults::max_deliver();
+        cfg.max_attempts = defaults::max_attempts();
         cfg.ack_wait = defaults::ack_wait();
         cfg
     }

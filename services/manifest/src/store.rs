@@ -9,13 +9,11 @@
 //! An object's name is the digest it claims to have; nothing fetched is trusted until its
 //! bytes hash to that digest, its counts match the reference and every line is canonical.
 
-use std::time::Duration;
-
 use async_nats::jetstream::{self, object_store};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use stagehand_schemas::ManifestRef;
-use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_manifest_bucket};
+use stagehand_schemas::subject::{MANIFESTS, ObjectBucketSpec, upload_bucket_spec};
 use tokio::io::AsyncReadExt;
 use tracing::debug;
 
@@ -26,9 +24,7 @@ use crate::manifest::{LineChecker, Manifest, Spool, SpoolWriter};
 /// thousand chunks, well under nats-server's default `max_payload`.
 pub const CHUNK_BYTES: usize = 256 * 1024;
 
-/// How long an upload bucket keeps a manifest: as long as the requests stream keeps the
-/// request that references it, so a replayed request still finds it.
-pub const UPLOAD_MAX_AGE: Duration = stagehand_schemas::subject::REQUESTS.max_age;
+pub use stagehand_schemas::subject::UPLOAD_MAX_AGE;
 
 /// How a bucket is created when it does not exist yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,14 +64,7 @@ impl ManifestStore {
         js: &jetstream::Context,
         options: BucketOptions,
     ) -> Result<ManifestStore, ManifestError> {
-        Self::open_or_create(
-            js,
-            MANIFEST_BUCKET,
-            "Stagehand: manifests of validated and prepared dataset versions, by digest",
-            Duration::ZERO,
-            options,
-        )
-        .await
+        Self::open_or_create(js, &MANIFESTS, options).await
     }
 
     /// A project's upload bucket, created if missing (an uploader's first upload).
@@ -84,14 +73,7 @@ impl ManifestStore {
         project: &str,
         options: BucketOptions,
     ) -> Result<ManifestStore, ManifestError> {
-        Self::open_or_create(
-            js,
-            &upload_manifest_bucket(project),
-            "Stagehand: manifests uploaders put for their ingest requests, by declared digest",
-            UPLOAD_MAX_AGE,
-            options,
-        )
-        .await
+        Self::open_or_create(js, &upload_bucket_spec(project), options).await
     }
 
     /// An existing bucket; [`ManifestErrorKind::NotFound`] when there is none (nothing was
@@ -117,11 +99,10 @@ impl ManifestStore {
 
     async fn open_or_create(
         js: &jetstream::Context,
-        bucket: &str,
-        description: &str,
-        max_age: Duration,
+        spec: &ObjectBucketSpec,
         options: BucketOptions,
     ) -> Result<ManifestStore, ManifestError> {
+        let bucket: &str = &spec.bucket;
         match Self::open(js, bucket).await {
             Ok(store) => return Ok(store),
             Err(e) if e.kind == ManifestErrorKind::NotFound => {}
@@ -130,8 +111,8 @@ impl ManifestStore {
         let created = js
             .create_object_store(object_store::Config {
                 bucket: bucket.to_owned(),
-                description: Some(description.to_owned()),
-                max_age,
+                description: Some(spec.description.to_owned()),
+                max_age: spec.max_age,
                 num_replicas: options.replicas.max(1),
                 storage: jetstream::stream::StorageType::File,
                 ..Default::default()
@@ -142,8 +123,21 @@ impl ManifestStore {
                 bucket: bucket.to_owned(),
                 store,
             }),
-            // Another process created it first.
-            Err(_) => Self::open(js, bucket).await,
+            // Another process may have created it first; if not, this user may not create
+            // streams (a restricted NATS user: an operator creates the bucket).
+            Err(create) => match Self::open(js, bucket).await {
+                Err(e) if e.kind == ManifestErrorKind::NotFound => Err(ManifestError::new(
+                    ManifestErrorKind::NotFound,
+                    format!("manifest bucket {bucket}"),
+                    format!(
+                        "there is no such bucket and it could not be created ({create}); where \
+                         NATS users may not create streams an operator creates it with \
+                         `stagehand provision` (a project's upload bucket: `--project <project>`)"
+                    ),
+                )
+                .with_source(create)),
+                opened => opened,
+            },
         }
     }
 

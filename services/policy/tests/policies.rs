@@ -79,7 +79,7 @@ fn shipped_policies_load_and_resolve_relative_roots_against_home() {
     assert!(policies.tier("capacity").unwrap().limits.is_none());
 
     let validation = policies.validation();
-    assert_eq!(validation.max_entries, 100_000);
+    assert_eq!(validation.max_entries, 20_000_000);
     assert_eq!(
         validation.suffix_verdict("x/setup.EXE"),
         SuffixVerdict::Denied(".exe".into())
@@ -338,7 +338,7 @@ fn validation_errors_name_their_key() {
     });
     expect_invalid(&dir, "validation.toml", "max_file_size", "unknown unit");
     let (_tmp, dir) = with_edit("validation.toml", |t| {
-        t.replace("max_entries = 100000", "max_entries = 0")
+        t.replace("max_entries = 20_000_000", "max_entries = 0")
     });
     expect_invalid(&dir, "validation.toml", "max_entries", "at least 1");
     let (_tmp, dir) = with_edit("validation.toml", |t| {
@@ -433,7 +433,7 @@ fn missing_and_unknown_files_are_named() {
 #[test]
 fn toml_syntax_errors_point_at_the_line() {
     let (_tmp, dir) = with_edit("validation.toml", |t| {
-        t.replace("max_entries = 100000", "max_entries = = 1")
+        t.replace("max_entries = 20_000_000", "max_entries = = 1")
     });
     let err = Policies::load_dir(&dir).unwrap_err();
     let PolicyError::Invalid { line, key, .. } = &err else {

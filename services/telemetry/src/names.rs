@@ -32,8 +32,13 @@ pub const DEAD_LETTERS_TOTAL: &str = "stagehand_dead_letters_total";
 pub mod outcome {
     pub const DONE: &str = "done";
     pub const REPLAYED: &str = "replayed";
+    /// A copy acked because another message of the same event was being worked on.
+    pub const REDUNDANT: &str = "redundant";
     pub const RETRIED: &str = "retried";
     pub const DEAD_LETTERED: &str = "dead_lettered";
+    /// Negatively acked without counting an attempt: the claim was held by a live owner or
+    /// lost, or the worker stopped on a fatal error.
+    pub const DEFERRED: &str = "deferred";
 }
 
 /// Gauge: 1 while a service runs, labelled by `service` and `version` (the crate version).

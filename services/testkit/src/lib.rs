@@ -27,11 +27,13 @@ mod nats;
 mod process;
 mod prometheus;
 mod s3;
+mod tmpfs;
 mod wait;
 
 pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
 pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
+pub use tmpfs::Tmpfs;
 pub use wait::{WaitTimeout, wait_for, wait_until};
 
 pub(crate) use wait::block_on;

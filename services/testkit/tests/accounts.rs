@@ -1,7 +1,9 @@
 //! `deploy/nats/accounts.conf` confines each role to its subjects, checked against a real
 //! nats-server started with that file: every denial holds (no role reads another's inbox, no
 //! service deletes, purges or reconfigures a stream, touches another service's consumer or
-//! claims), and every grant a role needs works.
+//! claims, no uploader touches another project's manifests or the services' bucket), and every
+//! grant a role needs works (manifests put and fetched with `stagehand_manifest::ManifestStore`,
+//! as the services do).
 
 use std::time::Duration;
 
@@ -9,6 +11,9 @@ use anyhow::{Context, Result};
 use async_nats::jetstream::{self, stream};
 use async_nats::{Client, ConnectOptions, Event, ServerError};
 use futures::StreamExt;
+use stagehand_manifest::{BucketOptions, Manifest, ManifestErrorKind, ManifestStore, Spool};
+use stagehand_schemas::FileRef;
+use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_bucket_spec, upload_manifest_bucket};
 use stagehand_testkit::{NatsServer, repo_root, wait_for};
 use tokio::sync::mpsc;
 
@@ -241,16 +246,31 @@ async fn jetstream_as(
     Ok((js, errors))
 }
 
-/// The streams and buckets as the operator provisions them (`stagehand provision`).
-async fn provision_as_operator(server: &NatsServer) -> Result<()> {
+/// The operator's connection, which may manage streams.
+async fn operator_bus(server: &NatsServer) -> Result<stagehand_bus::Bus> {
     let mut cfg = stagehand_bus::BusConfig::new(format!(
         "nats://operator:{}@127.0.0.1:{}",
         password("OPERATOR"),
         server.port()
     ));
     cfg.connect_timeout = Duration::from_secs(10);
-    let bus = stagehand_bus::Bus::connect(&cfg).await?;
+    Ok(stagehand_bus::Bus::connect(&cfg).await?)
+}
+
+/// The streams and buckets as the operator provisions them (`stagehand provision`).
+async fn provision_as_operator(server: &NatsServer) -> Result<()> {
+    operator_bus(server).await?.provision().await?;
+    Ok(())
+}
+
+/// Everything, and the upload buckets of `projects` (`stagehand provision --project P`).
+async fn provision_with_projects(server: &NatsServer, projects: &[&str]) -> Result<()> {
+    let bus = operator_bus(server).await?;
     bus.provision().await?;
+    for project in projects {
+        bus.provision_object_bucket(&upload_bucket_spec(project))
+            .await?;
+    }
     Ok(())
 }
 
@@ -677,6 +697,431 @@ async fn every_service_role_runs_its_own_worker() -> Result<()> {
             g.user,
             bus.permission_violations()
         );
+    }
+    Ok(())
+}
+
+/// Entries of a manifest big enough (about 6 MB) that reading it passes nats-server's
+/// flow-control window of a push consumer (4 MB for a client's default 64 MB of pending bytes,
+/// a flow-control request at half of it): a reader without its `$JS.FC` right stalls there.
+const PAST_FLOW_CONTROL: usize = 60_000;
+
+/// How long a fetch in these tests may take: a stalled one fails rather than hangs.
+const FETCH_BOUND: Duration = Duration::from_secs(30);
+
+/// A manifest of `n` entries, distinct per `tag`. From about 2,600 entries it is over the inline
+/// bound (it must travel by reference) and over one Object Store chunk.
+fn manifest(tag: &str, n: usize) -> Manifest {
+    Manifest::from_entries(
+        (0..n)
+            .map(|i| {
+                FileRef::new(
+                    format!("{tag}/images/img-{i:06}.jpg"),
+                    1000 + i as u64,
+                    format!("{i:064x}"),
+                )
+            })
+            .collect(),
+    )
+}
+
+/// Whether `bucket` holds `manifest` under its digest, as the operator sees it.
+async fn stored(operator: &jetstream::Context, bucket: &str, manifest: &Manifest) -> Result<bool> {
+    Ok(ManifestStore::open(operator, bucket)
+        .await?
+        .contains(manifest.digest())
+        .await?)
+}
+
+/// Messages in the stream of `bucket`: an exact count shows that nothing was written there.
+async fn object_messages(operator: &jetstream::Context, bucket: &str) -> Result<u64> {
+    Ok(operator
+        .get_stream(format!("OBJ_{bucket}"))
+        .await?
+        .info()
+        .await?
+        .state
+        .messages)
+}
+
+/// A clone of `js` whose requests give up after 1 s: for operations the server must refuse
+/// (each refusal is also checked in the server's report, so a slow grant cannot pass for one).
+fn refusing(js: &jetstream::Context) -> jetstream::Context {
+    let mut quick = js.clone();
+    quick.set_timeout(Duration::from_secs(1));
+    quick
+}
+
+/// Objects' messages in a bucket's stream: its chunks and its info.
+fn messages_of(manifest: &Manifest) -> u64 {
+    manifest
+        .canonical_len()
+        .div_ceil(stagehand_manifest::CHUNK_BYTES as u64)
+        + 1
+}
+
+/// Publishes each of `apis` as the connected user and waits for the server to refuse it.
+async fn each_refused(
+    client: &Client,
+    errors: &mut mpsc::UnboundedReceiver<String>,
+    user: &str,
+    apis: &[&str],
+) -> Result<()> {
+    for api in apis {
+        client.publish(api.to_string(), "{}".into()).await?;
+        client.flush().await?;
+        violation_naming(errors, api)
+            .await
+            .with_context(|| format!("{user} on {api}"))?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_uploader_puts_manifests_in_its_own_projects_bucket_only() -> Result<()> {
+    let server = start_server();
+    provision_with_projects(&server, &["demo", "other-lab"]).await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let big = manifest("cats", 3000);
+    assert!(!big.fits_inline(), "the manifest must travel by reference");
+
+    // Its own bucket: opened, put into (chunks, info, the check of what is there), and a
+    // second put of the same manifest finds it there.
+    let (js, mut errors_js) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    let uploads = ManifestStore::uploads(&js, "demo", BucketOptions::default()).await?;
+    assert_eq!(uploads.put(&big).await?, big.reference());
+    assert!(uploads.contains(big.digest()).await?);
+    uploads.put(&big).await?;
+    assert!(stored(&operator, &upload_manifest_bucket("demo"), &big).await?);
+    assert_eq!(
+        object_messages(&operator, &upload_manifest_bucket("demo")).await?,
+        messages_of(&big)
+    );
+    // Its own bucket's messages by a message get too (how nats-py's Object Store reads an
+    // object's info).
+    let (client, mut errors) = connect(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    let got = client
+        .request(
+            "$JS.API.STREAM.MSG.GET.OBJ_stagehand_uploads_demo",
+            r#"{"seq":1}"#.into(),
+        )
+        .await?;
+    let got: serde_json::Value = serde_json::from_slice(&got.payload)?;
+    assert!(
+        got["message"]["subject"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("$O.stagehand_uploads_demo.C.")),
+        "{got}"
+    );
+
+    // Another project's bucket and the services' bucket: not opened through the store …
+    for bucket in [upload_manifest_bucket("other-lab"), MANIFEST_BUCKET.into()] {
+        let refused = ManifestStore::open(&refusing(&js), &bucket).await;
+        assert!(refused.is_err(), "the uploader opened {bucket}");
+        violation_naming(&mut errors_js, &format!("$JS.API.STREAM.INFO.OBJ_{bucket}")).await?;
+    }
+    // … nor written, read or purged by hand; nor its own bucket read, purged, re-made or
+    // deleted.
+    each_refused(
+        &client,
+        &mut errors,
+        "uploader-demo",
+        &[
+            "$O.stagehand_uploads_other-lab.C.nuid1",
+            "$O.stagehand_uploads_other-lab.M.bmFtZQ==",
+            "$O.stagehand_manifests.C.nuid1",
+            "$O.stagehand_manifests.M.bmFtZQ==",
+            "$JS.API.DIRECT.GET.OBJ_stagehand_uploads_other-lab.$O.stagehand_uploads_other-lab.M.bmFtZQ==",
+            "$JS.API.DIRECT.GET.OBJ_stagehand_manifests.$O.stagehand_manifests.M.bmFtZQ==",
+            "$JS.API.STREAM.MSG.GET.OBJ_stagehand_uploads_other-lab",
+            "$JS.API.STREAM.MSG.GET.OBJ_stagehand_manifests",
+            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_other-lab",
+            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_manifests",
+            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_demo",
+            "$JS.API.STREAM.PURGE.OBJ_stagehand_uploads_other-lab",
+            "$JS.API.STREAM.PURGE.OBJ_stagehand_manifests",
+            "$JS.API.STREAM.PURGE.OBJ_stagehand_uploads_demo",
+            "$JS.API.STREAM.MSG.DELETE.OBJ_stagehand_uploads_demo",
+            "$JS.API.STREAM.UPDATE.OBJ_stagehand_uploads_demo",
+            "$JS.API.STREAM.DELETE.OBJ_stagehand_uploads_demo",
+            "$JS.API.STREAM.CREATE.OBJ_stagehand_uploads_demo",
+        ],
+    )
+    .await?;
+    // Nothing reached either bucket.
+    assert_eq!(
+        object_messages(&operator, &upload_manifest_bucket("other-lab")).await?,
+        0
+    );
+    assert_eq!(object_messages(&operator, MANIFEST_BUCKET).await?, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_uploader_cannot_create_its_bucket_and_is_told_who_does() -> Result<()> {
+    // A stream-create right would let it make a stream of that name on any subjects (every
+    // catalogue query, another role's inbox): the operator creates upload buckets.
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let (js, mut errors) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    let err = ManifestStore::uploads(&js, "demo", BucketOptions::default())
+        .await
+        .expect_err("the uploader created its bucket");
+    assert_eq!(err.kind, ManifestErrorKind::NotFound, "{err}");
+    assert!(
+        err.to_string()
+            .contains("stagehand provision` (a project's upload bucket: `--project <project>`)"),
+        "{err}"
+    );
+    violation_naming(
+        &mut errors,
+        "$JS.API.STREAM.CREATE.OBJ_stagehand_uploads_demo",
+    )
+    .await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    assert!(
+        operator
+            .get_stream("OBJ_stagehand_uploads_demo")
+            .await
+            .is_err(),
+        "no bucket was made"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_validator_reads_uploads_and_writes_the_services_manifests_only() -> Result<()> {
+    let server = start_server();
+    provision_with_projects(&server, &["demo", "other-lab"]).await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let big = manifest("cats", PAST_FLOW_CONTROL);
+    let (uploader, _) = jetstream_as(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    let reference = ManifestStore::uploads(&uploader, "demo", BucketOptions::default())
+        .await?
+        .put(&big)
+        .await?;
+
+    // It checks what it uses (the services' bucket among it) …
+    let bus = bus_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    bus.provision().await?;
+    let mut js = bus.jetstream().clone();
+    js.set_timeout(Duration::from_secs(2));
+    // … fetches the upload, verified (its chunks through an ordered consumer) …
+    let spool = tempfile::tempdir()?;
+    let uploads = ManifestStore::open(&js, &upload_manifest_bucket("demo")).await?;
+    let fetched = tokio::time::timeout(
+        FETCH_BOUND,
+        uploads.fetch(&reference, &Spool::in_dir(spool.path())),
+    )
+    .await
+    .context("the fetch stalled")??;
+    assert_eq!(fetched.reference(), reference);
+    // … and stores it in the services' bucket, opened, not created.
+    let catalogue = ManifestStore::catalogue(&js, BucketOptions::default()).await?;
+    assert_eq!(catalogue.put(&fetched).await?, reference);
+    assert!(stored(&operator, MANIFEST_BUCKET, &big).await?);
+    assert!(
+        bus.permission_violations().is_empty(),
+        "{:?}",
+        bus.permission_violations()
+    );
+
+    // It writes no upload bucket, reads none it was not given, reads nothing of the services'
+    // bucket beyond what a put checks, and purges or creates no bucket.
+    let (client, mut errors) = connect(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    each_refused(
+        &client,
+        &mut errors,
+        "ingest-validator",
+        &[
+            "$O.stagehand_uploads_demo.C.nuid1",
+            "$O.stagehand_uploads_demo.M.bmFtZQ==",
+            "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_other-lab",
+            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_other-lab",
+            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_manifests",
+            "$JS.API.STREAM.PURGE.OBJ_stagehand_uploads_demo",
+            "$JS.API.STREAM.PURGE.OBJ_stagehand_manifests",
+            "$JS.API.STREAM.CREATE.OBJ_stagehand_uploads_new-lab",
+            "$JS.API.STREAM.DELETE.OBJ_stagehand_manifests",
+        ],
+    )
+    .await?;
+    // A put into an upload bucket through the store fails: its chunks are refused.
+    let other = manifest("dogs", 10);
+    assert!(
+        ManifestStore::open(&refusing(&js), &upload_manifest_bucket("demo"))
+            .await?
+            .put(&other)
+            .await
+            .is_err(),
+        "the validator wrote an upload bucket"
+    );
+    wait_for(Duration::from_secs(10), "the refused chunk", || {
+        let denied = bus.was_denied("$O.stagehand_uploads_demo.C.");
+        async move { denied.then_some(()) }
+    })
+    .await?;
+    assert_eq!(
+        object_messages(&operator, &upload_manifest_bucket("demo")).await?,
+        messages_of(&big)
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn services_read_the_services_manifests_and_only_the_resharder_and_validator_write_them()
+-> Result<()> {
+    let server = start_server();
+    provision_with_projects(&server, &["demo"]).await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let big = manifest("cats", PAST_FLOW_CONTROL);
+    let validator = bus_as(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    let reference = ManifestStore::catalogue(validator.jetstream(), BucketOptions::default())
+        .await?
+        .put(&big)
+        .await?;
+    let spool_dir = tempfile::tempdir()?;
+    let spool = Spool::in_dir(spool_dir.path());
+
+    for (user, role, writes) in [
+        ("catalogue-recorder", "CATALOGUE_RECORDER", false),
+        ("promoter", "PROMOTER", false),
+        ("demoter", "DEMOTER", false),
+        ("backup-copier", "BACKUP_COPIER", false),
+        ("resharder", "RESHARDER", true),
+    ] {
+        // It finds the bucket among what it uses, and fetches the manifest, verified.
+        let bus = bus_as(&server, user, role).await?;
+        bus.provision()
+            .await
+            .with_context(|| format!("{user}: checking what it uses"))?;
+        let mut js = bus.jetstream().clone();
+        js.set_timeout(Duration::from_secs(2));
+        let store = ManifestStore::open(&js, MANIFEST_BUCKET).await?;
+        let fetched = tokio::time::timeout(FETCH_BOUND, store.fetch(&reference, &spool))
+            .await
+            .with_context(|| format!("{user}: the fetch stalled"))?
+            .with_context(|| format!("{user}: fetching the manifest"))?;
+        assert_eq!(fetched.reference(), reference, "{user}");
+        assert!(
+            bus.permission_violations().is_empty(),
+            "{user}: {:?}",
+            bus.permission_violations()
+        );
+
+        // Only the resharder writes (its shard manifests); nobody purges, and nobody but the
+        // validator reads an upload bucket.
+        let own = manifest(user, 10);
+        if writes {
+            store
+                .put(&own)
+                .await
+                .with_context(|| format!("{user}: put"))?;
+        } else {
+            let refused = ManifestStore::open(&refusing(&js), MANIFEST_BUCKET)
+                .await?
+                .put(&own)
+                .await;
+            assert!(refused.is_err(), "{user} wrote the services' bucket");
+            wait_for(Duration::from_secs(10), "the refused chunk", || {
+                let denied = bus.was_denied("$O.stagehand_manifests.C.");
+                async move { denied.then_some(()) }
+            })
+            .await
+            .with_context(|| format!("{user}: put"))?;
+        }
+        assert_eq!(
+            stored(&operator, MANIFEST_BUCKET, &own).await?,
+            writes,
+            "{user}"
+        );
+        let (client, mut errors) = connect(&server, user, role).await?;
+        let mut refused = vec![
+            "$JS.API.STREAM.PURGE.OBJ_stagehand_manifests",
+            "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_demo",
+            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_demo",
+            "$O.stagehand_uploads_demo.M.bmFtZQ==",
+        ];
+        if !writes {
+            refused.extend([
+                "$O.stagehand_manifests.C.nuid1",
+                "$O.stagehand_manifests.M.bmFtZQ==",
+            ]);
+        }
+        each_refused(&client, &mut errors, user, &refused).await?;
+    }
+    // The validator's object and the resharder's, nothing else.
+    assert_eq!(
+        object_messages(&operator, MANIFEST_BUCKET).await?,
+        messages_of(&big) + messages_of(&manifest("resharder", 10))
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn schedulers_and_uploaders_follow_progress_of_their_own_requests() -> Result<()> {
+    let server = start_server();
+    let (scheduler, mut scheduler_errors) = connect(&server, "scheduler", "SCHEDULER").await?;
+    let (uploader, mut uploader_errors) =
+        connect(&server, "uploader-demo", "UPLOADER_DEMO").await?;
+    let mut stages = scheduler
+        .subscribe("stagehand.progress.stage.requested.*.*")
+        .await?;
+    let mut ingests = uploader
+        .subscribe("stagehand.progress.ingest.requested.demo.*")
+        .await?;
+    scheduler.flush().await?;
+    uploader.flush().await?;
+    // Who publishes progress: the promoter (stage requests) and the validator (ingests).
+    let (promoter, _) = connect(&server, "promoter", "PROMOTER").await?;
+    promoter
+        .publish(
+            "stagehand.progress.stage.requested.demo.6964",
+            "copying".into(),
+        )
+        .await?;
+    promoter.flush().await?;
+    let (validator, _) = connect(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
+    validator
+        .publish(
+            "stagehand.progress.ingest.requested.demo.6964",
+            "hashing".into(),
+        )
+        .await?;
+    validator.flush().await?;
+    assert_eq!(
+        next_message(&mut stages).await?.payload.as_ref(),
+        b"copying"
+    );
+    assert_eq!(
+        next_message(&mut ingests).await?.payload.as_ref(),
+        b"hashing"
+    );
+
+    // An uploader follows its own project only; neither follows the other's kind.
+    for (client, errors, denied) in [
+        (
+            &uploader,
+            &mut uploader_errors,
+            [
+                "stagehand.progress.ingest.requested.other-lab.*",
+                "stagehand.progress.stage.requested.demo.*",
+            ],
+        ),
+        (
+            &scheduler,
+            &mut scheduler_errors,
+            [
+                "stagehand.progress.ingest.requested.*.*",
+                "stagehand.progress.>",
+            ],
+        ),
+    ] {
+        for denied in denied {
+            let _sub = client.subscribe(denied.to_owned()).await?;
+            client.flush().await?;
+            violation_naming(errors, denied).await?;
+        }
     }
     Ok(())
 }

@@ -7,8 +7,13 @@
 //! - `--hang-after-record`: print `RECORDED <id>` once the outcome is committed, and never
 //!   publish or ack.
 //!
+//! `--verdict STEP` names the fact's step (`ready` by default), so that two processes can be
+//! told apart by what they would publish; `--instance ID` and `--claim-lifetime-ms N` set the
+//! worker's instance id and claim lifetime.
+//!
 //! Otherwise it runs until SIGTERM / Ctrl-C. Usage:
-//! `stagehand-bus-testworker --url URL --ledger PATH [--ack-wait-ms N] [--hang-in-handler | --hang-after-record]`
+//! `stagehand-bus-testworker --url URL --ledger PATH [--ack-wait-ms N] [--claim-lifetime-ms N]
+//! [--instance ID] [--verdict STEP] [--hang-in-handler | --hang-after-record]`
 
 use std::io::Write;
 use std::sync::Arc;
@@ -23,6 +28,7 @@ use stagehand_schemas::{Body, Event, Location, StageReady, subject};
 
 struct Ready {
     hang: bool,
+    verdict: String,
 }
 
 impl Handler for Ready {
@@ -38,7 +44,7 @@ impl Handler for Ready {
             std::future::pending::<()>().await;
         }
         Ok(vec![event.caused(
-            "ready",
+            &self.verdict,
             Body::StageReady(StageReady {
                 dataset: req.dataset.clone(),
                 version: req.version.clone(),
@@ -66,6 +72,9 @@ async fn main() -> anyhow::Result<()> {
     let mut url = None;
     let mut ledger = None;
     let mut ack_wait = Duration::from_secs(2);
+    let mut claim_lifetime = None;
+    let mut instance = None;
+    let mut verdict = "ready".to_owned();
     let (mut hang_handler, mut hang_record) = (false, false);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -79,6 +88,15 @@ async fn main() -> anyhow::Result<()> {
                         .parse()?,
                 )
             }
+            "--claim-lifetime-ms" => {
+                claim_lifetime = Some(Duration::from_millis(
+                    args.next()
+                        .context("--claim-lifetime-ms needs a value")?
+                        .parse()?,
+                ))
+            }
+            "--instance" => instance = Some(args.next().context("--instance needs a value")?),
+            "--verdict" => verdict = args.next().context("--verdict needs a value")?,
             "--hang-in-handler" => hang_handler = true,
             "--hang-after-record" => hang_record = true,
             other => bail!("unknown argument {other:?}"),
@@ -95,6 +113,8 @@ async fn main() -> anyhow::Result<()> {
         ledger,
     );
     cfg.ack_wait = ack_wait;
+    cfg.claim_lifetime = claim_lifetime;
+    cfg.instance_id = instance;
     cfg.retry.initial = Duration::from_millis(100);
     cfg.retry.jitter = 0.0;
     let mut hooks = WorkerHooks::default();
@@ -120,7 +140,10 @@ async fn main() -> anyhow::Result<()> {
     let stats = run_worker_with_hooks(
         bus,
         cfg,
-        Arc::new(Ready { hang: hang_handler }),
+        Arc::new(Ready {
+            hang: hang_handler,
+            verdict,
+        }),
         shutdown,
         hooks,
     )

@@ -57,8 +57,22 @@ impl InvalidKey {
 pub struct WorkerSettings {
     /// Most messages handled at once.
     pub concurrency: Option<usize>,
-    /// Deliveries before a message that keeps failing is dead-lettered.
+    /// Failed attempts before an event is dead-lettered (waiting for a claim does not count).
+    pub max_attempts: Option<u32>,
+    /// The consumer's safety ceiling on deliveries of any kind; must exceed `max_attempts`.
     pub max_deliver: Option<i64>,
+    /// This instance's stable id (default: host, service and a digest of the ledger path).
+    pub instance_id: Option<String>,
+    /// How long an unrenewed claim stays valid (`"60s"`; default 2 × `ack_wait`).
+    #[serde(default, with = "opt_duration")]
+    pub claim_lifetime: Option<Duration>,
+    /// How long the ledger keeps an outcome (`"721h"`; default the requests stream's retention
+    /// plus its duplicate window).
+    #[serde(default, with = "opt_duration")]
+    pub ledger_retention: Option<Duration>,
+    /// How often the ledger is pruned (`"1h"`).
+    #[serde(default, with = "opt_duration")]
+    pub prune_interval: Option<Duration>,
     /// How long the server waits for an ack before redelivering (`"30s"`).
     #[serde(default, with = "opt_duration")]
     pub ack_wait: Option<Duration>,
@@ -80,8 +94,23 @@ impl WorkerSettings {
         if let Some(v) = self.concurrency {
             cfg.concurrency = v;
         }
+        if let Some(v) = self.max_attempts {
+            cfg.max_attempts = v;
+        }
         if let Some(v) = self.max_deliver {
             cfg.max_deliver = v;
+        }
+        if let Some(v) = &self.instance_id {
+            cfg.instance_id = Some(v.clone());
+        }
+        if let Some(v) = self.claim_lifetime {
+            cfg.claim_lifetime = Some(v);
+        }
+        if let Some(v) = self.ledger_retention {
+            cfg.ledger_retention = v;
+        }
+        if let Some(v) = self.prune_interval {
+            cfg.prune_interval = v;
         }
         if let Some(v) = self.ack_wait {
             cfg.ack_wait = v;
@@ -237,23 +266,26 @@ impl<S: ServiceSettings> ServiceConfig<S> {
                 message: err.message().trim().to_owned(),
             }
         })?;
-        config.bus.apply_env(&var).map_err(|e| match e {
-            BusError::Config { key, reason } => ConfigError::Invalid {
-                file: file.to_owned(),
-                key: key.to_owned(),
-                line: None,
-                message: reason,
-            },
-            other => located.invalid("bus", other.to_string()),
-        })?;
+        config
+            .bus
+            .apply_env(&var)
+            .map_err(|e| match e.config_key() {
+                Some((key, reason)) => ConfigError::Invalid {
+                    file: file.to_owned(),
+                    key: key.to_owned(),
+                    line: None,
+                    message: reason.to_owned(),
+                },
+                None => located.invalid("bus", e.to_string()),
+            })?;
         config.validate_in(&located)?;
         Ok(config)
     }
 
     fn validate_in(&self, at: &Located<'_>) -> Result<(), ConfigError> {
-        let table = |table: &str, e: BusError| match e {
-            BusError::Config { key, reason } => at.invalid(format!("{table}.{key}"), reason),
-            other => at.invalid(table, other.to_string()),
+        let table = |table: &str, e: BusError| match e.config_key() {
+            Some((key, reason)) => at.invalid(format!("{table}.{key}"), reason.to_owned()),
+            None => at.invalid(table, e.to_string()),
         };
         self.bus.validate().map_err(|e| table("bus", e))?;
         self.worker.validate().map_err(|e| table("worker", e))?;

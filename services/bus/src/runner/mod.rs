@@ -500,10 +500,10 @@ mod tests {
         assert_eq!(cfg.exit_code(), EXIT_CONFIG);
         let failed = RunError::Service("the ledger's disk failed".into());
         assert_eq!(failed.exit_code(), EXIT_FAILED);
-        let down = RunError::Bus(BusError::Connect {
-            url: "nats://h:1".into(),
-            detail: "refused".into(),
-        });
+        let down = RunError::Bus(BusError::new(
+            crate::error::BusErrorKind::Connect,
+            "could not connect to NATS at nats://h:1: refused",
+        ));
         assert_eq!(down.exit_code(), EXIT_FAILED);
     }
 }
