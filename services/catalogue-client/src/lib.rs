@@ -16,10 +16,10 @@
 //!                                                → {"answer":"files","version":"3f2a9c01…","files":[…],"next":"train/0199.jpg"}
 //! {"query":"stage_requests","project":"lab-a","job_id":"4815162"}
 //!                                                → {"answer":"stage_requests","stages":[{"state":"copying",…}],"next":null}
-//! {"query":"backup_status","project":"lab-a","tier":"backup","protected_only":true}
-//!                                                → {"answer":"backup_status","versions":[{"version":…,"backups":[…]}],"next":null}
 //! {"query":"file","dataset":"cats","version":"3f2a9c01","path":"labels.csv"}
 //!                                                → {"answer":"file","version":"3f2a…","file":{"path":…,"size":…,"sha256":…}}
+//! {"query":"backup_status","project":"lab-a","tier":"backup","protected_only":true}
+//!                                                → {"answer":"backup_status","versions":[{"version":…,"backups":[…]}],"next":null}
 //! ```
 //! A failed query answers `{"answer":"error","code":"not_found"|"ambiguous"|"bad_query"|
 //! "internal","message":"…"}`. Times are RFC 3339 in UTC.
