@@ -696,6 +696,15 @@ fn rejections(
     Ok(page.done())
 }
 
+fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail> {
+    after
+        .map(|c| {
+            cursor::split(c)
+                .ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor")))
+        })
+        .transpose()
+}
+
 /// Versions in (project, dataset, version) order with their backup replicas: one pass over
 /// the replicas table (every recorded version has its source replica there, a checkpoint's
 /// backup its backup replica), grouped by version.
@@ -787,15 +796,6 @@ fn backup_status(
         offer(done, &mut page)?;
     }
     Ok(page.done())
-}
-
-fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail> {
-    after
-        .map(|c| {
-            cursor::split(c)
-                .ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor")))
-        })
-        .transpose()
 }
 
 fn stage_requests(
