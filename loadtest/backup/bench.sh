@@ -38,8 +38,11 @@ mkdir -p "$WORK"
 log() { printf 'backup-bench: %s\n' "$*" >&2; }
 
 command -v rclone >/dev/null || { log "rclone is missing: deploy/servers.sh install --bench"; exit 1; }
-eval "$("$REPO/deploy/servers.sh" env)"
+# Servers already named in the environment are used as they are (a worktree has no venv).
+[ -n "${STAGEHAND_NATS_SERVER:-}" ] && [ -n "${STAGEHAND_WEED:-}" ] || eval "$("$REPO/deploy/servers.sh" env)"
 : "${STAGEHAND_NATS_SERVER:?deploy/servers.sh install first}" "${STAGEHAND_WEED:?deploy/servers.sh install first}"
+# The run's own NATS is named in each configuration; the environment's would override it.
+unset STAGEHAND_NATS_URL
 ACCESS_KEY=bench SECRET_KEY=bench-secret
 
 PIDS=()
@@ -57,7 +60,7 @@ for s in socks: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
 }
-wait_port() { for _ in $(seq 600); do python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1",int(sys.argv[1])),1)' "$1" 2>/dev/null && return 0; sleep 0.1; done; log "port $1 never opened"; exit 1; }
+wait_port() { for _ in $(seq 600); do python3 -c 'import socket,sys; socket.create_connection(("127.0.0.1",int(sys.argv[1])),1)' "$1" 2>/dev/null && return 0; sleep 0.1; done; log "port $1 never opened"; return 1; }
 
 # --- the binaries -------------------------------------------------------------------------------
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$REPO/target}"
@@ -70,7 +73,7 @@ DRIVER="$CARGO_TARGET_DIR/bench-release/backup-bench"
 read -r NATS_PORT < <(free_ports 1)
 "$STAGEHAND_NATS_SERVER" -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$WORK/nats" >"$WORK/nats.log" 2>&1 &
 PIDS+=($!)
-wait_port "$NATS_PORT"
+wait_port "$NATS_PORT" || { tail -20 "$WORK/nats.log" >&2; exit 1; }
 NATS="nats://127.0.0.1:$NATS_PORT"
 
 # --- SeaweedFS, fresh for each run ----------------------------------------------------------------
@@ -80,17 +83,19 @@ start_weed() {
     rm -rf "$WORK/weed" && mkdir -p "$WORK/weed/data"
     printf '{"identities":[{"name":"bench","credentials":[{"accessKey":"%s","secretKey":"%s"}],"actions":["Admin","Read","Write","List","Tagging"]}]}' \
         "$ACCESS_KEY" "$SECRET_KEY" >"$WORK/weed/s3.json"
-    local p; read -r -a p < <(free_ports 9)
+    # Every port a free one: weed's default for the admin gRPC port (its HTTP port + 10000)
+    # can be past 65535 or taken.
+    local p; read -r -a p < <(free_ports 10)
     S3_PORT="${p[6]}"
     "$STAGEHAND_WEED" mini -dir="$WORK/weed/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 -master.telemetry=false \
         -master.port="${p[0]}" -master.port.grpc="${p[1]}" -volume.port="${p[2]}" -volume.port.grpc="${p[3]}" \
         -filer.port="${p[4]}" -filer.port.grpc="${p[5]}" -s3.port="$S3_PORT" -s3.port.grpc="${p[7]}" \
         -s3.port.iceberg=0 -s3.port.lance=0 -webdav=false -admin.ui=false -admin.port="${p[8]}" \
-        -admin.port.grpc=$((p[8] + 10000)) -s3.config="$WORK/weed/s3.json" \
+        -admin.port.grpc="${p[9]}" -s3.config="$WORK/weed/s3.json" \
         -s3.localSocket="$WORK/weed/s3.sock" -filer.localSocket="$WORK/weed/filer.sock" >"$WORK/weed/weed.log" 2>&1 &
     WEED_PID=$!
     PIDS+=("$WEED_PID")
-    wait_port "$S3_PORT"
+    wait_port "$S3_PORT" || { tail -20 "$WORK/weed/weed.log" >&2; exit 1; }
     for _ in $(seq 100); do rclone_env rclone --config /dev/null lsd bench: >/dev/null 2>&1 && break; sleep 0.2; done
     rclone_env rclone --config /dev/null mkdir bench:backup
 }

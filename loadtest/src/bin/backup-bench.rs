@@ -58,6 +58,9 @@ async fn main() -> anyhow::Result<()> {
     let manifest = Manifest::from_entries(files);
 
     let bus = Bus::connect(&BusConfig::new(&args.nats)).await?;
+    // The streams and buckets exist before the first publish, whether or not the copier
+    // (started just before) has provisioned them yet.
+    bus.provision().await?;
     let store = ManifestStore::catalogue(bus.jetstream(), BucketOptions::default()).await?;
     let (inline, reference) = inline_or_stored(&manifest, &store).await?;
     let request = EventId::for_ingest(PROJECT, &args.dataset, manifest.digest());
@@ -154,7 +157,7 @@ async fn main() -> anyhow::Result<()> {
     let result = report
         .results
         .first()
-        .context("the drill reached no verdict")?;
+        .with_context(|| format!("the drill reached no verdict: {:?}", report.inconclusive))?;
     anyhow::ensure!(
         result.problems.is_empty(),
         "the drill failed: {:?}",
