@@ -381,6 +381,27 @@ impl Catalogue {
         }
     }
 
+    /// One page of versions with their backup copies (of `project`, or of all; on `tier`, or
+    /// on every backup tier), after the cursor `after`.
+    pub async fn backup_status(
+        &self,
+        project: Option<&str>,
+        tier: Option<&str>,
+        protected_only: bool,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<Page<VersionBackups>, CatalogueError> {
+        let q = Query::BackupStatus {
+            project: project.map(Into::into),
+            tier: tier.map(Into::into),
+            protected_only,
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "backup_status",
+            Answer::BackupStatus { versions, next } => Page { items: versions, next })
+    }
+
     /// One page of the facts the recorder could not fold, and how many there are in all.
     pub async fn problems(
         &self,

@@ -21,6 +21,8 @@
 //!                                                → {"answer":"checkpoints","checkpoints":[{"step":100,"state":"demoted","location":{"tier":"capacity",…},"rule":"keep_every",…},…],"next":"200"}
 //! {"query":"file","dataset":"cats","version":"3f2a9c01","path":"labels.csv"}
 //!                                                → {"answer":"file","version":"3f2a…","file":{"path":…,"size":…,"sha256":…}}
+//! {"query":"backup_status","project":"lab-a","tier":"backup","protected_only":true}
+//!                                                → {"answer":"backup_status","versions":[{"version":…,"backups":[…]}],"next":null}
 //! ```
 //! A failed query answers `{"answer":"error","code":"not_found"|"ambiguous"|"bad_query"|
 //! "internal","message":"…"}`. Times are RFC 3339 in UTC.

@@ -165,6 +165,24 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// Versions with their backup copies, in (project, dataset, version) order, of every
+    /// project or of one: each version the catalogue knows (validated, prepared, or only
+    /// backed up, as a checkpoint is) with its replicas on backup tiers (on `tier` only, when
+    /// given) and their last restore drills. `protected_only` leaves out versions with no
+    /// backup replica. `after`: `<project>/<dataset>/<version>` (the `next` of the previous
+    /// page).
+    BackupStatus {
+        #[serde(default)]
+        project: Option<String>,
+        #[serde(default)]
+        tier: Option<String>,
+        #[serde(default)]
+        protected_only: bool,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
     /// Dead letters counted per service, in service order. `after`: a service name.
     DeadLetters {
         #[serde(default)]
@@ -265,6 +283,10 @@ pub enum Answer {
     },
     Checkpoints {
         checkpoints: Vec<CheckpointRecord>,
+        next: Option<String>,
+    },
+    BackupStatus {
+        versions: Vec<VersionBackups>,
         next: Option<String>,
     },
     DeadLetters {

@@ -341,6 +341,23 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             let (checkpoints, next) = checkpoints(txn, project, run, *limit, after.as_deref())?;
             Answer::Checkpoints { checkpoints, next }
         }
+        Query::BackupStatus {
+            project,
+            tier,
+            protected_only,
+            limit,
+            after,
+        } => {
+            let (versions, next) = backup_status(
+                txn,
+                project.as_deref(),
+                tier.as_deref(),
+                *protected_only,
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::BackupStatus { versions, next }
+        }
         Query::DeadLetters { limit, after } => {
             let (services, next) =
                 by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
@@ -879,6 +896,99 @@ fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail
         .transpose()
 }
 
+/// Versions in (project, dataset, version) order with their backup replicas: one pass over
+/// the replicas table (every recorded version has its source replica there, a checkpoint's
+/// backup its backup replica), grouped by version.
+fn backup_status(
+    txn: &ReadTransaction,
+    project: Option<&str>,
+    tier: Option<&str>,
+    protected_only: bool,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<VersionBackups>, Option<String>), Fail> {
+    let start: (String, String, String) = match after {
+        Some(c) => split_backup_cursor(c).ok_or_else(|| {
+            bad_query(format!(
+                "{c:?} is not a <project>/<dataset>/<version> cursor"
+            ))
+        })?,
+        None => (
+            project.unwrap_or("").to_owned(),
+            String::new(),
+            String::new(),
+        ),
+    };
+    let table = txn.open_table(REPLICAS)?;
+    let versions = txn.open_table(VERSIONS)?;
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    // Offers a finished group; false once the page is full.
+    let offer = |mut g: VersionBackups, page: &mut Page<VersionBackups>| -> Result<bool, Fail> {
+        if protected_only && g.backups.is_empty() {
+            return Ok(true);
+        }
+        let key = (g.project.as_str(), g.dataset.as_str(), g.version.as_str());
+        if let Some(v) = versions.get(key)? {
+            let record: VersionRecord = read(v.value(), || format!("version {key:?}"))?;
+            g.files = record.file_count;
+            g.total_bytes = record.total_bytes;
+            g.recorded = true;
+        }
+        let cursor = backup_cursor(&g.project, &g.dataset, &g.version);
+        Ok(page.offer(g, || cursor))
+    };
+    // After a cursor, start past every tier of its version: those were on the previous page.
+    let past_tiers = if after.is_some() { "\u{10FFFF}" } else { "" };
+    let from = (
+        start.0.as_str(),
+        start.1.as_str(),
+        start.2.as_str(),
+        past_tiers,
+    );
+    let mut group: Option<VersionBackups> = None;
+    for row in table.range(from..)? {
+        let (k, v) = row?;
+        let (p, d, ver, t) = k.value();
+        if project.is_some_and(|want| want != p) {
+            break;
+        }
+        let same = group.as_ref().is_some_and(|g| {
+            (g.project.as_str(), g.dataset.as_str(), g.version.as_str()) == (p, d, ver)
+        });
+        if !same {
+            if let Some(done) = group.take()
+                && !offer(done, &mut page)?
+            {
+                return Ok(page.done());
+            }
+            group = Some(VersionBackups {
+                project: p.to_owned(),
+                dataset: d.to_owned(),
+                version: ver.to_owned(),
+                files: 0,
+                total_bytes: 0,
+                recorded: false,
+                backups: Vec::new(),
+            });
+        }
+        let record: ReplicaRecord = read(v.value(), || format!("replica {p}/{d}/{ver}/{t}"))?;
+        if let Some(g) = group.as_mut()
+            && record.backup
+            && tier.is_none_or(|want| want == t)
+        {
+            if g.backups.is_empty() {
+                g.files = record.files;
+                g.total_bytes = record.total_bytes;
+            }
+            g.backups.push(record);
+        }
+    }
+    if let Some(done) = group.take() {
+        offer(done, &mut page)?;
+    }
+    Ok(page.done())
+}
+
 fn stage_requests(
     txn: &ReadTransaction,
     project: &str,
@@ -1090,6 +1200,129 @@ mod tests {
 
     use super::*;
     use crate::testing::*;
+
+    /// `backup_status` lists every version with its backup copies and their drills, pages
+    /// without repeating or skipping a version, and can leave out unprotected versions.
+    #[test]
+    fn backup_status_lists_versions_with_their_backups_and_drills() {
+        use stagehand_schemas::{
+            BackupCompleted, Body, Event, Location, Problem, RestoreFailed, RestoreVerified,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (v1, v2, v3) = (validated(1), validated(2), validated(3));
+        let backup = |v: &Event, tier: &str| {
+            v.caused(
+                &format!("backup:{tier}"),
+                Body::BackupCompleted(BackupCompleted {
+                    dataset: "cats".into(),
+                    version: version_of(v),
+                    location: Location {
+                        tier: tier.into(),
+                        prefix: format!("lab-a/cats/{}", version_of(v)),
+                    },
+                    files: 2,
+                    total_bytes: 3,
+                }),
+            )
+        };
+        let location = |v: &Event| Location {
+            tier: "backup".into(),
+            prefix: format!("lab-a/cats/{}", version_of(v)),
+        };
+        let ok = v1.caused(
+            "drill",
+            Body::RestoreVerified(RestoreVerified {
+                dataset: "cats".into(),
+                version: version_of(&v1),
+                location: location(&v1),
+                sampled_files: 2,
+                sampled_bytes: 3,
+            }),
+        );
+        let failed = v2.caused(
+            "drill",
+            Body::RestoreFailed(RestoreFailed {
+                dataset: "cats".into(),
+                version: version_of(&v2),
+                location: location(&v2),
+                problems: vec![Problem::new("checksum_mismatch", Some("f2.bin"), "bad")],
+                problem_counts: vec![("checksum_mismatch".into(), 1)],
+                problems_total: Some(1),
+            }),
+        );
+        let events = [
+            v1.clone(),
+            v2.clone(),
+            v3.clone(),
+            backup(&v1, "backup"),
+            backup(&v1, "offsite"),
+            backup(&v2, "backup"),
+            ok,
+            failed,
+        ];
+        let store = store_with(dir.path(), "a.redb", &events);
+        let ask =
+            |tier: Option<&str>, protected_only: bool, limit, after: Option<String>| match answer(
+                &store,
+                &Query::BackupStatus {
+                    project: Some("lab-a".into()),
+                    tier: tier.map(Into::into),
+                    protected_only,
+                    limit,
+                    after,
+                },
+            ) {
+                Answer::BackupStatus { versions, next } => (versions, next),
+                other => panic!("{other:?}"),
+            };
+        let (all, next) = ask(None, false, None, None);
+        assert_eq!(next, None);
+        assert_eq!(all.len(), 3, "{all:#?}");
+        let of = |v: &Event| {
+            all.iter()
+                .find(|e| e.version == version_of(v))
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(of(&v1).backups.len(), 2);
+        assert!(of(&v1).recorded);
+        assert_eq!((of(&v1).files, of(&v1).total_bytes), (2, 3));
+        assert!(
+            of(&v1)
+                .on("backup")
+                .unwrap()
+                .last_drill
+                .as_ref()
+                .unwrap()
+                .ok
+        );
+        let drill = of(&v2).on("backup").unwrap().last_drill.clone().unwrap();
+        assert!(!drill.ok);
+        assert_eq!(drill.problems[0].path.as_deref(), Some("f2.bin"));
+        assert!(of(&v3).backups.is_empty());
+        assert!(!of(&v3).is_protected());
+
+        // One tier only, protected versions only.
+        let (on_backup, _) = ask(Some("backup"), true, None, None);
+        assert_eq!(on_backup.len(), 2);
+        assert!(on_backup.iter().all(|e| e.backups.len() == 1));
+
+        // Pages of one meet exactly.
+        let mut seen = Vec::new();
+        let mut after = None;
+        loop {
+            let (page, next) = ask(None, false, Some(1), after);
+            assert_eq!(page.len(), 1);
+            seen.push(page[0].version.clone());
+            match next {
+                Some(n) => after = Some(n),
+                None => break,
+            }
+        }
+        let mut expected: Vec<String> = [&v1, &v2, &v3].iter().map(|v| version_of(v)).collect();
+        expected.sort();
+        assert_eq!(seen, expected);
+    }
 
     #[test]
     fn pages_of_files_meet_exactly_across_chunks() {

@@ -115,6 +115,7 @@ pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_resharder, Settings),
     service!(stagehand_promoter, Settings),
     service!(stagehand_demoter, Settings),
+    service!(stagehand_backup_copier, Settings),
 ];
 
 /// How long services may take to drain after Ctrl-C.

@@ -3,8 +3,8 @@
 //!
 //! They are parsed and validated at start-up like the others (so a mistake is caught the day it
 //! is written, not the day the service that reads it ships), including their references to
-//! tiers. The resharder acts on the packing policy; checkpoint retention's decisions are in
-//! [`crate::retention`].
+//! tiers. The resharder acts on the packing policy, the backup copier on [`BackupPolicy`];
+//! checkpoint retention's decisions are in [`crate::retention`].
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -369,7 +369,19 @@ pub enum BackupSelect {
     CheckpointCommitted,
 }
 
-/// `backup.toml`: what is copied to the backup tier, and how often restores are drilled.
+impl BackupSelect {
+    /// The event kind, as written on the wire (`dataset.validated`, ...).
+    pub fn kind(self) -> &'static str {
+        match self {
+            BackupSelect::DatasetValidated => "dataset.validated",
+            BackupSelect::DatasetPrepared => "dataset.prepared",
+            BackupSelect::CheckpointCommitted => "checkpoint.committed",
+        }
+    }
+}
+
+/// `backup.toml`: what is copied to the backup tier, how it is proven and held there, and
+/// how often restores are drilled.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackupPolicy {
@@ -381,6 +393,13 @@ pub struct BackupPolicy {
     pub projects: Vec<String>,
     /// Checkpoints are backed up only with one of these tags; empty means every checkpoint.
     pub checkpoint_tags: Vec<String>,
+    /// How a copy onto the backup tier is proven before it is published: `read-back` (every
+    /// file, or object, read again from the backup tier and hashed) or `hashed-in-flight`.
+    #[serde(default = "default_backup_verify")]
+    pub verify: VerifyMode,
+    /// S3 backup tiers only: every object the copier writes is held under S3 Object Lock.
+    #[serde(default)]
+    pub object_lock: Option<ObjectLockPolicy>,
     /// How often a restore drill runs.
     #[serde(with = "duration")]
     pub drill_every: Duration,
@@ -388,6 +407,26 @@ pub struct BackupPolicy {
     pub drill_sample_files: u32,
     /// Upper bound on bytes read back per drill.
     pub drill_sample_bytes: ByteSize,
+}
+
+fn default_backup_verify() -> VerifyMode {
+    VerifyMode::ReadBack
+}
+
+/// How an S3 Object Lock retention holds each object: the mover's one definition
+/// (`"governance"` or `"compliance"`).
+pub use stagehand_mover::s3::RetentionMode;
+
+/// `backup.toml`'s `[object_lock]`: the retention the S3 backup bucket gives every object
+/// version written to it (its default retention, set by the backup copier at start-up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectLockPolicy {
+    /// `compliance` (nobody may delete a version or shorten its hold) or `governance` (users
+    /// with the bypass right may).
+    pub mode: RetentionMode,
+    /// Days each object version is held from its write; 1 to 36500.
+    pub days: u32,
 }
 
 /// A bandwidth class of transfers: the mover's one definition of the classes, named in
@@ -609,6 +648,29 @@ pub(crate) fn parse_backup(src: &Source<'_>, tiers: &Tiers) -> Result<BackupPoli
     }
     if p.drill_sample_files == 0 {
         return Err(src.invalid("drill_sample_files", "must be at least 1"));
+    }
+    if p.drill_sample_bytes.bytes() == 0 {
+        return Err(src.invalid("drill_sample_bytes", "must be more than 0 bytes"));
+    }
+    if let Some(lock) = &p.object_lock {
+        if !(1..=36_500).contains(&lock.days) {
+            return Err(src.invalid(
+                "object_lock.days",
+                format!("{} is not between 1 and 36500", lock.days),
+            ));
+        }
+        // check_tier_ref above found the target.
+        if let Some(tier) = tiers.get(&p.target)
+            && !matches!(tier.kind, crate::tiers::TierKind::S3(_))
+        {
+            return Err(src.invalid(
+                "object_lock",
+                format!(
+                    "tier {:?} is a posix tier; Object Lock holds objects of an S3 backup tier only",
+                    p.target
+                ),
+            ));
+        }
     }
     Ok(p)
 }

@@ -371,6 +371,54 @@ fn validation_errors_name_their_key() {
 }
 
 #[test]
+fn object_lock_holds_s3_backups_only_and_for_a_bounded_time() {
+    let (_tmp, dir) = with_edit("backup.toml", |t| {
+        format!("{t}\n[object_lock]\nmode = \"compliance\"\ndays = 30\n")
+    });
+    expect_invalid(&dir, "backup.toml", "object_lock", "posix tier");
+    let (_tmp, dir) = with_edit("backup.toml", |t| {
+        format!("{t}\n[object_lock]\nmode = \"forever\"\ndays = 30\n")
+    });
+    expect_invalid(&dir, "backup.toml", "object_lock.mode", "unknown variant");
+    let s3_backup = |t: String| {
+        t.replace(
+            "kind = \"posix\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nroot = \"tiers/backup\"",
+            "kind = \"s3\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"stagehand-backup\"",
+        )
+    };
+    let (_tmp, dir) = with_edit("tiers.toml", s3_backup);
+    let backup = dir.join("backup.toml");
+    let text = std::fs::read_to_string(&backup).unwrap();
+    std::fs::write(
+        &backup,
+        format!("{text}\n[object_lock]\nmode = \"governance\"\ndays = 0\n"),
+    )
+    .unwrap();
+    expect_invalid(
+        &dir,
+        "backup.toml",
+        "object_lock.days",
+        "between 1 and 36500",
+    );
+    std::fs::write(
+        &backup,
+        format!("{text}\n[object_lock]\nmode = \"governance\"\ndays = 7\n"),
+    )
+    .unwrap();
+    let home = dir.parent().unwrap().join("home");
+    let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+    let lock = policies.backup().unwrap().object_lock.unwrap();
+    assert_eq!(
+        (lock.mode, lock.days),
+        (stagehand_policy::RetentionMode::Governance, 7)
+    );
+    assert_eq!(
+        policies.backup().unwrap().verify,
+        stagehand_policy::VerifyMode::ReadBack
+    );
+}
+
+#[test]
 fn later_policies_check_their_tier_references() {
     let (_tmp, dir) = with_edit("promotion.toml", |t| {
         t.replace("default_tier = \"hot\"", "default_tier = \"capacity\"")
