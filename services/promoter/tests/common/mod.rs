@@ -130,9 +130,9 @@ impl Stack {
         let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
         // What `stagehand provision` does: the streams and buckets, the promoter's included.
         bus.provision().await.unwrap();
-        bus.provision_kv(&stagehand_promoter::kv::SPEC)
-            .await
-            .unwrap();
+        for spec in stagehand_bus::SERVICE_KV_BUCKETS {
+            bus.provision_kv(spec).await.unwrap();
+        }
         let shutdown = CancellationToken::new();
         let mut stack = Stack {
             accounts: opts.accounts,
