@@ -299,11 +299,22 @@ impl Stack {
         version
     }
 
-    /// Publishes `replica.removed` of the replica at `prefix` on `tier` (what the demoter does
-    /// after removing it).
-    pub async fn removed(&self, dataset: &str, version: &str, tier: &str, prefix: &str) {
+    /// Publishes `replica.removed` of the replica at `prefix` on `tier` (on `node`'s local
+    /// tier when given): what the demoter does after removing it.
+    pub async fn removed(
+        &self,
+        dataset: &str,
+        version: &str,
+        (tier, node): (&str, Option<&str>),
+        prefix: &str,
+    ) {
         let fact = Event::request(
-            EventId::for_content(&[b"removed", tier.as_bytes(), prefix.as_bytes()]),
+            EventId::for_content(&[
+                b"removed",
+                tier.as_bytes(),
+                node.unwrap_or("").as_bytes(),
+                prefix.as_bytes(),
+            ]),
             PROJECT,
             Body::ReplicaRemoved(stagehand_schemas::ReplicaRemoved {
                 dataset: dataset.into(),
@@ -313,6 +324,7 @@ impl Stack {
                     prefix: prefix.into(),
                 },
                 reason: "demoted".into(),
+                node: node.map(str::to_owned),
             }),
         );
         self.publish(&fact).await;
