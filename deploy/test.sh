@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stagehand's test command, the same locally and in CI (.ci/run calls it):
-# installs the servers the tests start (deploy/servers.sh install), then
+# installs the servers the tests start (deploy/servers.sh install, deploy/slurm/slurm.sh install),
+# then
 #   cargo fmt --check, clippy with warnings as errors, every test of the workspace against real
 #   servers (cargo-nextest when installed, else cargo test), the doctests, and the Python
 #   producer test (deploy/py-tests.sh) when present.
@@ -43,6 +44,11 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 step "servers: deploy/servers.sh install"
 deploy/servers.sh install
 eval "$(deploy/servers.sh env)"
+
+# The Slurm tests (services/cli/tests/slurm.rs) start one-node clusters of the distribution's
+# Slurm; install it once here rather than in the first test. Needs root, as CI runs; where it
+# cannot be installed, the Slurm tests fail with the reason (they are never skipped).
+check deploy/slurm/slurm.sh install
 
 check cargo fmt --all --check
 check cargo clippy --workspace --all-targets -- -D warnings

@@ -9,7 +9,10 @@ Run by deploy/py-tests.sh, which starts nats-server and the services and sets:
   PY_TEST_PIDS       optional space-separated pids of the services, to fail fast if one dies
 
 Each test publishes with produce_ingest.py and asserts, by consuming the facts stream with
-nats-py, what the services published. It ends with the line "N passed, M failed".
+nats-py, what the services published: a small upload (manifest inline) validated, a damaged
+one rejected, a large one (manifest by reference in the project's upload bucket) validated and
+catalogued with every file, an inline manifest over the bound refused before anything is
+published. It ends with the line "N passed, M failed".
 
 Extra checks: every ``*.py`` file in PY_TEST_CHECKS_DIR defining
 ``async def check(nc, js, request: dict, fact: dict) -> None`` is run after the tests above,
@@ -37,6 +40,7 @@ import nats
 from nats.js.api import DeliverPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import catalogue_client  # noqa: E402
 import produce_ingest as producer  # noqa: E402
 
 FACTS_STREAM = "STAGEHAND_FACTS"
@@ -121,7 +125,8 @@ async def test_python_request_is_validated(ctx) -> None:
         {"train/0001.bin": os.urandom(4096), "train/0002.bin": b"", "labels.csv": b"id,label\n1,cat\n"},
     )
     request = await produce(folder, "py-cats", f"lab-py/py/good-{os.getpid()}")
-    files = producer.hash_folder(folder)
+    files = list(producer.hash_folder(folder))
+    assert request["schema"] == 2 and "files" in request["payload"], "a small manifest travels inline"
     expected_version = hashlib.sha256(
         "".join(f"{f['path']}\t{f['size']}\t{f['sha256']}\n" for f in sorted(files, key=lambda f: f["path"].encode())).encode()
     ).hexdigest()
@@ -144,10 +149,12 @@ async def test_python_request_with_corrupt_file_is_rejected(ctx) -> None:
     work = Path(os.environ["PY_TEST_WORK"])
     folder = make_folder(work / "upload-bad", {"a.bin": b"original bytes", "b.bin": b"fine"})
     prefix = f"lab-py/py/bad-{os.getpid()}"
-    files = producer.hash_folder(folder)
+    files = list(producer.hash_folder(folder))
+    manifest = producer.Manifest.build(files)
     request = producer.build_event(
-        project="lab-py", dataset="py-dogs", tier="source", prefix=prefix, files=files, requested_by="py-producer"
+        project="lab-py", dataset="py-dogs", tier="source", prefix=prefix, manifest=manifest, requested_by="py-producer"
     )
+    manifest.remove()
     tier_root = Path(os.environ["PY_TEST_TIER_ROOT"])
     producer.place_files(folder, files, tier_root, prefix)
     # The bytes on the tier differ from the manifest (damaged after hashing): the validator
@@ -162,6 +169,74 @@ async def test_python_request_with_corrupt_file_is_rejected(ctx) -> None:
     assert fact["payload"]["quarantine"], "a rejected upload is marked"
     assert (Path(os.environ["PY_TEST_TIER_ROOT"]) / prefix / "a.bin").exists(), "never deleted"
     ctx["rejected"] = (request, fact)
+
+
+def test_an_inline_manifest_over_the_bound_is_refused(ctx) -> None:
+    """Issue 7: the producer refuses to inline a manifest over INLINE_MANIFEST_MAX_BYTES."""
+    entries = [
+        {"path": f"frames/{i:08}.jpg", "size": 1000, "sha256": hashlib.sha256(str(i).encode()).hexdigest()}
+        for i in range(3000)
+    ]
+    manifest = producer.Manifest.build(entries)
+    try:
+        assert not manifest.fits_inline(), manifest.length
+        try:
+            producer.build_event(
+                project="lab-py", dataset="py-big", tier="source", prefix="lab-py/x",
+                manifest=manifest, requested_by="py-producer", inline="always",
+            )
+        except producer.ProducerError as e:
+            assert str(e).startswith("refused: an inline manifest of 3000 files"), str(e)
+            assert str(producer.INLINE_MANIFEST_MAX_BYTES) in str(e), str(e)
+        else:
+            raise AssertionError("an inline manifest over the bound was built")
+        # The same manifest by reference is a small event.
+        event = producer.build_event(
+            project="lab-py", dataset="py-big", tier="source", prefix="lab-py/x",
+            manifest=manifest, requested_by="py-producer",
+        )
+        assert "files" not in event["payload"] and event["payload"]["manifest"]["files"] == 3000
+        assert len(producer.encode(event)) < 1024
+        assert manifest.digest == producer.version_digest(entries)
+    finally:
+        manifest.remove()
+
+
+async def test_python_request_by_reference_is_validated_and_catalogued(ctx) -> None:
+    """Issue 7: a manifest too large to travel inline is put into the project's upload bucket
+    with nats-py's Object Store, and the request that references it is validated and
+    catalogued with every file."""
+    work = Path(os.environ["PY_TEST_WORK"])
+    folder = make_folder(work / "upload-big", {f"frames/{i:05}.jpg": f"frame {i}\n".encode() for i in range(4000)})
+    request = await produce(folder, "py-frames", f"lab-py/py/big-{os.getpid()}")
+    files = list(producer.hash_folder(folder))
+    version = producer.version_digest(files)
+    assert "files" not in request["payload"], "4,000 entries do not travel inline"
+    assert request["payload"]["manifest"] == {
+        "digest": version, "files": 4000, "bytes": sum(f["size"] for f in files),
+    }, request["payload"]["manifest"]
+    store = await ctx["js"].object_store(producer.upload_bucket("lab-py"))
+    info = await store.get_info(version)
+    assert info.size > producer.INLINE_MANIFEST_MAX_BYTES, info.size
+
+    fact = await wait_fact(ctx["js"], request["id"])
+    assert fact["kind"] == "dataset.validated", f"expected dataset.validated, got {fact['kind']}: {fact['payload']}"
+    assert fact["payload"]["version"] == version
+    assert fact["payload"]["manifest"]["files"] == 4000, fact["payload"]
+
+    answer = await catalogue_client.poll(
+        ctx["nc"],
+        {"query": "version", "project": "lab-py", "dataset": "py-frames", "version": version},
+        lambda a: a.get("answer") == "version",
+        timeout=TIMEOUT,
+        what=f"version {version[:12]} of lab-py/py-frames",
+        alive=services_alive,
+    )
+    assert answer["version"]["file_count"] == 4000, answer["version"]
+    listed = await catalogue_client.all_files(
+        ctx["nc"], {"query": "files", "project": "lab-py", "dataset": "py-frames", "version": version}
+    )
+    assert [f["path"] for f in listed] == sorted(f["path"] for f in files), "every file, in path order"
 
 
 async def test_republishing_is_a_duplicate(ctx) -> None:
@@ -204,6 +279,8 @@ async def main() -> int:
         tests = [
             test_python_request_is_validated,
             test_python_request_with_corrupt_file_is_rejected,
+            test_an_inline_manifest_over_the_bound_is_refused,
+            test_python_request_by_reference_is_validated_and_catalogued,
             test_republishing_is_a_duplicate,
         ] + load_checks()
         for test in tests:
@@ -214,7 +291,9 @@ async def main() -> int:
                 failed += 1
                 continue
             try:
-                await test(ctx)
+                result = test(ctx)
+                if asyncio.iscoroutine(result):
+                    await result
                 print(f"ok   {name}")
                 passed += 1
             except Exception:

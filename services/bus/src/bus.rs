@@ -627,6 +627,21 @@ impl Bus {
         self.publish_prepared(subject, headers, payload).await
     }
 
+    /// Publishes `event` like [`Bus::publish`] but with `Nats-Msg-Id` = `msg_id`: a producer
+    /// that must get an event past the duplicate window on purpose (`stagehand ingest` run
+    /// again after an outage: the same request, a new message, so that a dead-lettered request
+    /// is worked on again). Retries of the same publish reuse `msg_id` and stay deduplicated.
+    pub async fn publish_with_msg_id(
+        &self,
+        event: &Event,
+        msg_id: &str,
+    ) -> Result<PublishAck, BusError> {
+        let cx = tracing::Span::current().context();
+        let (subject, mut headers, payload) = prepare(event, &cx)?;
+        headers.insert(MSG_ID_HEADER, msg_id);
+        self.publish_prepared(subject, headers, payload).await
+    }
+
     /// Publishes already-encoded bytes with the given headers and waits for the PubAck.
     pub(crate) async fn publish_prepared(
         &self,

@@ -394,4 +394,25 @@ impl Catalogue {
         expect!(self.ask(&q).await?, "problems",
             Answer::Problems { problems, total, next } => (Page { items: problems, next }, total))
     }
+
+    /// One page of a dataset's lineage (raw versions, their derived versions, replicas), or
+    /// the lineage of one `version`.
+    pub async fn lineage(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        version: Option<&str>,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<Page<LineageNode>, CatalogueError> {
+        let q = Query::Lineage {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            version: version.map(Into::into),
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "lineage",
+            Answer::Lineage { lineage, next } => Page { items: lineage, next })
+    }
 }

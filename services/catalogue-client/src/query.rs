@@ -180,6 +180,21 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// Where a dataset's versions come from: each raw version (oldest first) with the
+    /// versions derived from it and every version's replicas per tier. With `version`, the one
+    /// lineage that version belongs to. `after`: a raw version's digest (the `next` of the
+    /// previous page).
+    Lineage {
+        #[serde(default)]
+        project: Option<String>,
+        dataset: String,
+        #[serde(default)]
+        version: Option<String>,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
 }
 
 /// Why a query failed.
@@ -263,6 +278,11 @@ pub enum Answer {
         total: u64,
         next: Option<String>,
     },
+    Lineage {
+        /// One tree per raw version.
+        lineage: Vec<LineageNode>,
+        next: Option<String>,
+    },
     Error {
         code: ErrorCode,
         message: String,
@@ -301,6 +321,18 @@ pub struct VersionDetail {
     pub replicas: Vec<ReplicaRecord>,
     /// `after` for the `replicas` query, when more replicas remain.
     pub replicas_next: Option<String>,
+}
+
+/// A version in a lineage: its record, its replicas per tier (the first [`DEFAULT_DETAIL`]),
+/// and the versions derived from it (a prepared version's `derived_from` names its parent).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LineageNode {
+    pub version: VersionRecord,
+    pub replicas: Vec<ReplicaRecord>,
+    pub derived: Vec<LineageNode>,
+    /// Whether replicas or derived versions were left out to keep the answer bounded.
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 /// Cursors of two parts (`<project>/<dataset>`, `<tier>/<job>`): the first part with `%` and

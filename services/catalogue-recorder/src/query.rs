@@ -355,6 +355,23 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
                 next,
             }
         }
+        Query::Lineage {
+            project,
+            dataset,
+            version,
+            limit,
+            after,
+        } => {
+            let (lineage, next) = lineage(
+                txn,
+                project,
+                dataset,
+                version.as_deref(),
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::Lineage { lineage, next }
+        }
     })
 }
 
@@ -743,6 +760,136 @@ fn rejections(
     Ok(page.done())
 }
 
+/// How deep a lineage is followed (raw → prepared → a version derived from that …).
+const LINEAGE_DEPTH: usize = 4;
+
+/// A dataset's lineage: its versions grouped into trees by `derived_from`, one tree per
+/// raw version (a version whose parent is not a version of the dataset counts as raw),
+/// oldest first; with `version`, only the tree holding it. One pass over the dataset's
+/// versions finds every parent link, so a page costs a read of the dataset's version records.
+fn lineage(
+    txn: &ReadTransaction,
+    project: &Option<String>,
+    dataset: &str,
+    version: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<LineageNode>, Option<String>), Fail> {
+    let project = resolve_project(txn, project, dataset)?;
+    let table = txn.open_table(VERSIONS)?;
+    let order = txn.open_table(VERSION_ORDER)?;
+    // Every version in version order, and its parent.
+    let mut versions: Vec<VersionRecord> = Vec::new();
+    for row in order.range((project.as_str(), dataset, i128::MIN, "")..)? {
+        let (k, _) = row?;
+        let (p, d, _, digest) = k.value();
+        if p != project || d != dataset {
+            break;
+        }
+        if let Some(v) = table.get((p, d, digest))? {
+            versions.push(read(v.value(), || format!("version {p}/{d}/{digest}"))?);
+        }
+    }
+    let index: std::collections::HashMap<&str, usize> = versions
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (v.version.as_str(), i))
+        .collect();
+    let parent = |v: &VersionRecord| {
+        v.provenance
+            .derived_from
+            .as_deref()
+            .and_then(|p| index.get(p).copied())
+            .filter(|&p| versions[p].version != v.version)
+    };
+    let mut children: Vec<Vec<usize>> = vec![Vec::new(); versions.len()];
+    for (i, v) in versions.iter().enumerate() {
+        if let Some(p) = parent(v) {
+            children[p].push(i);
+        }
+    }
+    let roots: Vec<usize> = match version {
+        Some(wanted) => {
+            let found = resolve_version(txn, &Some(project.clone()), dataset, wanted)?;
+            let Some(&found_at) = index.get(found.version.as_str()) else {
+                return Err(not_found(format!(
+                    "version {} of {project}/{dataset} is not in the version order",
+                    found.version
+                )));
+            };
+            let mut at = found_at;
+            for _ in 0..LINEAGE_DEPTH {
+                match parent(&versions[at]) {
+                    Some(p) => at = p,
+                    None => break,
+                }
+            }
+            vec![at]
+        }
+        None => (0..versions.len())
+            .filter(|&i| parent(&versions[i]).is_none())
+            .collect(),
+    };
+    let start = match after {
+        Some(after) => match roots.iter().position(|&r| versions[r].version == after) {
+            Some(i) => i + 1,
+            None => {
+                return Err(bad_query(format!(
+                    "{after:?} is not a raw version of {project}/{dataset}"
+                )));
+            }
+        },
+        None => 0,
+    };
+    let mut page = Page::new(limit, DEFAULT_DETAIL, BUDGET);
+    for &root in &roots[start..] {
+        let mut left = BUDGET.saturating_sub(page.used);
+        let node = lineage_node(txn, &versions, &children, root, LINEAGE_DEPTH, &mut left)?;
+        let digest = versions[root].version.clone();
+        if !page.offer(node, || digest) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+/// One version's node: its replicas and, while `left` bytes allow, its derived versions.
+fn lineage_node(
+    txn: &ReadTransaction,
+    versions: &[VersionRecord],
+    children: &[Vec<usize>],
+    at: usize,
+    depth: usize,
+    left: &mut usize,
+) -> Result<LineageNode, Fail> {
+    let version = versions[at].clone();
+    *left = left.saturating_sub(json_len(&version));
+    let (replicas, replicas_next) =
+        replicas(txn, &version, None, DEFAULT_DETAIL, None, *left, false)?;
+    *left = left.saturating_sub(replicas.iter().map(|r| json_len(r) + 1).sum());
+    let mut node = LineageNode {
+        version,
+        replicas,
+        derived: Vec::new(),
+        truncated: replicas_next.is_some(),
+    };
+    for &child in &children[at] {
+        if depth == 0 || *left < ANSWER_RESERVE / 16 {
+            node.truncated = true;
+            break;
+        }
+        node.derived.push(lineage_node(
+            txn,
+            versions,
+            children,
+            child,
+            depth - 1,
+            left,
+        )?);
+    }
+    Ok(node)
+}
+
 fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail> {
     after
         .map(|c| {
@@ -1044,6 +1191,126 @@ mod tests {
             panic!()
         };
         assert_eq!(rejection.requested_by, "mallory");
+    }
+
+    /// A prepared version derived from raw version `n`, on the capacity tier.
+    fn prepared_from(n: u32) -> stagehand_schemas::Event {
+        use stagehand_schemas::{Body, DatasetPrepared, Location, version_digest};
+        let v = validated(n);
+        let files = vec![
+            FileRef::new("prepared.json", 2, sha256_hex(b"{}")),
+            FileRef::new("shard-000000.tar", 3, sha256_hex(b"tar")),
+        ];
+        let version = version_digest(&files);
+        v.caused(
+            "prepared",
+            Body::DatasetPrepared(DatasetPrepared {
+                dataset: "cats".into(),
+                version: version.clone(),
+                derived_from: version_of(&v),
+                location: Location {
+                    tier: "capacity".into(),
+                    prefix: format!("lab-a/cats/{version}"),
+                },
+                files,
+                manifest: None,
+                total_bytes: 5,
+                layout: "webdataset".into(),
+                samples: 1,
+                seed: 7,
+            }),
+        )
+    }
+
+    /// Guards `catalogue show D --lineage`: each raw version with the versions prepared from
+    /// it and every version's replicas per tier, paged by raw version; a prepared version's
+    /// lineage is its raw version's.
+    #[test]
+    fn lineage_puts_prepared_versions_under_their_raw_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let prepared = prepared_from(1);
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[
+                validated(1),
+                validated(2),
+                prepared.clone(),
+                replica(1, false),
+            ],
+        );
+        let (raw1, raw2) = (version_of(&validated(1)), version_of(&validated(2)));
+        let stagehand_schemas::Body::DatasetPrepared(p) = &prepared.body else {
+            unreachable!()
+        };
+        let q = |version: Option<&str>, limit: Option<u32>, after: Option<&str>| Query::Lineage {
+            project: None,
+            dataset: "cats".into(),
+            version: version.map(Into::into),
+            limit,
+            after: after.map(Into::into),
+        };
+        let Answer::Lineage { lineage, next } = answer(&store, &q(None, None, None)) else {
+            panic!()
+        };
+        assert_eq!(next, None);
+        // The two raw versions are the roots; the prepared one is not.
+        let mut roots: Vec<&str> = lineage.iter().map(|n| n.version.version.as_str()).collect();
+        roots.sort();
+        let mut want = vec![raw1.as_str(), raw2.as_str()];
+        want.sort();
+        assert_eq!(roots, want);
+        let one = lineage.iter().find(|n| n.version.version == raw1).unwrap();
+        let tiers: Vec<&str> = one.replicas.iter().map(|r| r.tier.as_str()).collect();
+        assert_eq!(tiers, ["hot", "source"]);
+        assert_eq!(one.derived.len(), 1);
+        let derived = &one.derived[0];
+        assert_eq!(derived.version.version, p.version);
+        assert_eq!(
+            derived.version.provenance.layout.as_deref(),
+            Some("webdataset")
+        );
+        assert_eq!(
+            derived
+                .replicas
+                .iter()
+                .map(|r| r.tier.as_str())
+                .collect::<Vec<_>>(),
+            ["capacity"]
+        );
+        assert!(derived.derived.is_empty() && !one.truncated);
+        let two = lineage.iter().find(|n| n.version.version == raw2).unwrap();
+        assert!(two.derived.is_empty());
+
+        // Paged by raw version.
+        let Answer::Lineage {
+            lineage: first,
+            next,
+        } = answer(&store, &q(None, Some(1), None))
+        else {
+            panic!()
+        };
+        assert_eq!(first.len(), 1);
+        let next = next.expect("a second page");
+        let Answer::Lineage {
+            lineage: second,
+            next,
+        } = answer(&store, &q(None, Some(1), Some(&next)))
+        else {
+            panic!()
+        };
+        assert_eq!((second.len(), next), (1, None));
+        assert_ne!(first[0].version.version, second[0].version.version);
+
+        // A prepared version (by prefix) answers with its raw version's lineage.
+        let Answer::Lineage { lineage, .. } =
+            answer(&store, &q(Some(&p.version[..10]), None, None))
+        else {
+            panic!()
+        };
+        assert_eq!(lineage.len(), 1);
+        assert_eq!(lineage[0].version.version, raw1);
+        assert_eq!(lineage[0].derived[0].version.version, p.version);
     }
 
     #[test]

@@ -42,14 +42,11 @@ use stagehand_mover::{ReadLimit, Tier};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
 use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Location};
 
+use crate::args::{EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE};
 use crate::cli::Connection;
 
 /// Exit code of a refused checkpoint.
 pub const EXIT_REFUSED: i32 = 1;
-/// Exit code of a bad argument (sysexits' `EX_USAGE`).
-pub const EXIT_USAGE: i32 = 64;
-/// Exit code when NATS cannot be reached (sysexits' `EX_UNAVAILABLE`).
-pub const EXIT_UNAVAILABLE: i32 = 69;
 
 /// Files hashed at once.
 const HASH_AT_ONCE: usize = 4;
@@ -125,7 +122,7 @@ pub enum CheckpointError {
     /// NATS (or the catalogue on it) could not be reached (exit 69).
     #[error("{0:#}")]
     Unavailable(anyhow::Error),
-    /// Anything else (exit 2, as every command's other errors).
+    /// Anything else (exit 70, as every command's other errors).
     #[error("{0:#}")]
     Other(anyhow::Error),
 }
@@ -133,10 +130,10 @@ pub enum CheckpointError {
 impl CheckpointError {
     pub fn exit_code(&self) -> i32 {
         match self {
-            CheckpointError::Usage(_) => EXIT_USAGE,
+            CheckpointError::Usage(_) => EX_USAGE,
             CheckpointError::Refused(_) => EXIT_REFUSED,
-            CheckpointError::Unavailable(_) => EXIT_UNAVAILABLE,
-            CheckpointError::Other(_) => 2,
+            CheckpointError::Unavailable(_) => EX_UNAVAILABLE,
+            CheckpointError::Other(_) => EX_SOFTWARE,
         }
     }
 }
@@ -464,20 +461,20 @@ pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> 
     })?;
 
     let dir = recognised.dir.clone();
-    let listed = tokio::task::spawn_blocking(move || crate::ingest::scan(&dir))
+    let listed = tokio::task::spawn_blocking(move || crate::ingest::walk::list(&dir))
         .await
         .map_err(|e| CheckpointError::Other(e.into()))?
         .map_err(|e| refused(format!("{e:#}")))?;
     let tier = Tier::Posix(tier);
     let files: Vec<FileRef> = futures::stream::iter(listed)
         .map(|f| {
-            let (tier, rel) = (&tier, format!("{prefix}/{}", f.rel));
+            let (tier, rel) = (&tier, format!("{prefix}/{}", f.path));
             async move {
                 let digest = tier
                     .hash_file_bounded(&rel, ReadLimit::declared(f.size, None))
                     .await
-                    .map_err(|e| refused(format!("{}: {e}", f.rel)))?;
-                Ok::<_, CheckpointError>(FileRef::new(f.rel, digest.size, digest.sha256))
+                    .map_err(|e| refused(format!("{}: {e}", f.path)))?;
+                Ok::<_, CheckpointError>(FileRef::new(f.path, digest.size, digest.sha256))
             }
         })
         .buffered(HASH_AT_ONCE)
@@ -608,27 +605,37 @@ pub async fn publish(
 
 /// A commit the duplicate window dropped must be the commit stored first: a step saved again
 /// with other files (a run restarted from an earlier checkpoint) or other tags would otherwise
-/// vanish without a word. The stored fact is read by the sequence the duplicate's ack names;
-/// when it cannot be read (a user without direct gets) the commit stands as a duplicate.
+/// vanish without a word. The stored fact is the one at the sequence the duplicate's ack
+/// names. It is read first as the last commit on the project's subject (a direct get by
+/// subject: all a project's training-job user may read), which it is unless the project
+/// committed since; else by its sequence (a direct get any project's fact could be read by,
+/// which such a user may not do). When neither answers the commit stands as a duplicate.
 async fn same_as_earlier(
     bus: &Bus,
     ack: &stagehand_bus::PublishAck,
     event: &Event,
 ) -> Result<(), CheckpointError> {
+    let subject = stagehand_schemas::subject::subject_for(&event.body, &event.project);
     let stored = async {
         let stream = bus.jetstream().get_stream_no_info(&ack.stream).await?;
-        let message = stream.direct_get(ack.sequence).await?;
+        let last =
+            tokio::time::timeout(COMPARE_TIMEOUT, stream.direct_get_last_for_subject(subject))
+                .await;
+        let message = match last {
+            Ok(Ok(last)) if last.sequence == ack.sequence => last,
+            _ => {
+                // A user without the right gets no answer at all: a short wait, not the
+                // client's default.
+                tokio::time::timeout(COMPARE_TIMEOUT, stream.direct_get(ack.sequence))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("no answer within {COMPARE_TIMEOUT:?}"))??
+            }
+        };
         anyhow::Ok(stagehand_schemas::wire::decode(&message.payload)?)
     };
-    // A user without the right gets no answer at all: a short wait, not the client's default.
-    let stored = tokio::time::timeout(COMPARE_TIMEOUT, stored);
     let earlier = match stored.await {
-        Ok(Ok(earlier)) => earlier,
-        Err(_) => {
-            tracing::debug!("the earlier commit could not be read to compare in time");
-            return Ok(());
-        }
-        Ok(Err(e)) => {
+        Ok(earlier) => earlier,
+        Err(e) => {
             tracing::debug!(error = %e, "the earlier commit could not be read to compare");
             return Ok(());
         }

@@ -1,14 +1,16 @@
 //! The command line: clap definitions and the dispatch to each command's module.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use stagehand_bus::{Bus, BusConfig};
 
+use crate::args::{self, UsageError};
 use crate::ingest::{IngestOptions, Outcome};
+use crate::stage::{RequestOptions, Stage, StatusFilter};
 
 /// Stagehand: datasets between the storage tiers of a GPU cluster, on NATS JetStream events,
 /// with one catalogue.
@@ -48,6 +50,14 @@ pub struct Connection {
     /// set it to the prefix your NATS user may read when it authenticates with creds or NKey.
     #[arg(long, global = true, env = "STAGEHAND_NATS_INBOX_PREFIX")]
     pub inbox_prefix: Option<String>,
+    /// How long a command keeps trying to reach NATS before it gives up with one line (exit
+    /// 69): 500ms, 10s, 1m.
+    #[arg(long, global = true, default_value = "10s", value_parser = parse_connect_timeout)]
+    pub connect_timeout: Duration,
+}
+
+fn parse_connect_timeout(s: &str) -> Result<Duration, String> {
+    args::duration("--connect-timeout", s).map_err(|e| e.0)
 }
 
 impl Connection {
@@ -66,7 +76,8 @@ impl Connection {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Place a folder on the source tier and ask for it to be validated and catalogued.
+    /// Place a folder on the source tier (or register data already on a source tier) and ask
+    /// for it to be validated and catalogued.
     Ingest(IngestArgs),
     /// Ask the catalogue.
     #[command(subcommand)]
@@ -74,6 +85,9 @@ pub enum Command {
     /// Dead letters: list them, replay one.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// The tiers: how full the bounded ones are.
+    #[command(subcommand)]
+    Tier(TierCommand),
     /// Training checkpoints: commit one (announce it to retention), list a run's.
     #[command(subcommand)]
     Checkpoint(crate::checkpoint::CheckpointCommand),
@@ -94,21 +108,137 @@ pub enum Command {
         #[arg(long = "project", value_name = "PROJECT")]
         projects: Vec<String>,
     },
+    /// Get a dataset version onto a tier for a job, wait for it, see why it waits, release it:
+    /// what scheduler plugins call. Exit codes: 0 done (wait: ready), 1 failed, 2 timed out,
+    /// 64 bad argument, 69 NATS unreachable, 70 other error.
+    #[command(subcommand)]
+    Stage(StageCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StageCommand {
+    /// Ask for DATASET@VERSION on a tier for a job; prints the request id once the server
+    /// stored the request. The id follows from the arguments, so asking again is the same
+    /// request.
+    Request(StageRequestArgs),
+    /// Wait for a requested stage: exit 0 when ready (prints the path), 1 when failed (prints
+    /// the reason), 2 when the timeout passes first (prints the last state and reason).
+    Wait(StageWaitArgs),
+    /// What is pending, copying, ready or failed, and why: every stage of a job (`J`), of a
+    /// dataset version (`D@V`), or of the project.
+    Status(StageStatusArgs),
+    /// The job no longer needs the staged data; prints the release id once stored.
+    Release(StageReleaseArgs),
+}
+
+/// Which stage: the arguments its request id is derived from.
+#[derive(Debug, Args)]
+pub struct StageTargetArgs {
+    /// DATASET@VERSION; VERSION is a digest or a unique prefix of 12 or more hex characters.
+    pub target: String,
+    /// The tier to stage onto (a hot or local tier of the policies).
+    #[arg(long)]
+    pub tier: String,
+    /// The scheduler's job id (e.g. slurm-<cluster>-<job id>, or a pod uid).
+    #[arg(long)]
+    pub job: String,
+    /// The node, for a node-local tier (and only then).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Project (tenant): [a-z0-9_-].
+    #[arg(long, env = "STAGEHAND_PROJECT")]
+    pub project: Option<String>,
+    /// Policy folder used to check that the tier exists and whether it needs --node; default
+    /// `$STAGEHAND_HOME/policies` when present (without policies, the promoter judges).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct StageRequestArgs {
+    #[command(flatten)]
+    pub stage: StageTargetArgs,
+    /// When the job stops waiting: a duration from now (30m, 2h) or an RFC 3339 time; default
+    /// the promotion policy's.
+    #[arg(long)]
+    pub deadline: Option<String>,
+    /// Which form of the dataset.
+    #[arg(long, value_parser = ["raw", "prepared"])]
+    pub form: Option<String>,
+    /// Who asks; default `$USER`.
+    #[arg(long)]
+    pub by: Option<String>,
+    /// Print the request id, stream sequence and whether it was a duplicate as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct StageWaitArgs {
+    #[command(flatten)]
+    pub stage: StageTargetArgs,
+    /// How long to wait (90, 90s, 30m, 1h); 0 looks once.
+    #[arg(long, default_value = "1h")]
+    pub timeout: String,
+    /// Print the stage's status as JSON (null when none was recorded yet).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct StageStatusArgs {
+    /// A job id, or DATASET@VERSION; default every stage of the project.
+    pub target: Option<String>,
+    /// The project whose stages to list: [a-z0-9_-].
+    #[arg(long, env = "STAGEHAND_PROJECT")]
+    pub project: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct StageReleaseArgs {
+    #[command(flatten)]
+    pub stage: StageTargetArgs,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TierCommand {
+    /// Per hot and local tier: capacity, bytes used by Stagehand and by others, watermarks,
+    /// bytes live stages hold, and each project's share.
+    Usage {
+        /// Only this tier.
+        tier: Option<String>,
+        /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+        #[arg(long)]
+        policies: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Args)]
 pub struct IngestArgs {
-    /// The folder to ingest.
-    pub folder: PathBuf,
+    /// What to ingest: a local folder (copied onto --tier), a folder already beneath a posix
+    /// source tier's root, or `s3://bucket/prefix` inside an s3 source tier (both registered
+    /// where they are, without a copy; the prefix must be beneath the project's own).
+    pub source: String,
     /// Project (tenant) the dataset belongs to: [a-z0-9_-].
     #[arg(long, env = "STAGEHAND_PROJECT")]
     pub project: String,
     /// Dataset name.
     #[arg(long)]
     pub dataset: String,
-    /// The tier to place the files on (declared in the policies).
+    /// The posix tier a local folder is copied onto (declared in the policies).
     #[arg(long, default_value = "source")]
     pub tier: String,
+    /// Insist that the folder is already beneath a posix source tier's root and register it
+    /// there (such a folder is detected without it too).
+    #[arg(long)]
+    pub in_place: bool,
     /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
     #[arg(long)]
     pub policies: Option<PathBuf>,
@@ -118,7 +248,9 @@ pub struct IngestArgs {
     /// A label `key=value` (repeatable).
     #[arg(long = "label", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
-    /// Declare the manifest (`path<TAB>size<TAB>sha256` lines) instead of measuring it.
+    /// Declare the manifest (`path<TAB>size<TAB>sha256` lines, any order, any size) instead
+    /// of measuring it; the validator judges it against the files. A copied folder is still
+    /// placed under the prefix its measured digest names.
     #[arg(long)]
     pub manifest: Option<PathBuf>,
     /// Wait for the validator's answer and print it; exit 1 when rejected.
@@ -127,6 +259,11 @@ pub struct IngestArgs {
     /// How long `--wait` waits, in seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// How many milliseconds the validator's clock may lag this machine's: with `--wait`, a
+    /// rejection older than this run's request by more than that is an earlier run's recorded
+    /// answer, and the request is asked again as its next attempt.
+    #[arg(long, default_value_t = crate::ingest::CLOCK_SKEW.as_millis() as u64)]
+    pub clock_skew_ms: u64,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -173,6 +310,11 @@ pub enum CatalogueCommand {
         /// JSON; for `D@V`, one line per file for the whole version (after `--after`).
         #[arg(long)]
         json: bool,
+        /// Where the versions come from: each raw version, the versions prepared from it, and
+        /// their replicas per tier (`D`: every raw version, `--after` a raw version's digest;
+        /// `D@V`: the lineage of that version).
+        #[arg(long, conflicts_with = "path")]
+        lineage: bool,
     },
     /// Dead letters counted per service.
     DeadLetters {
@@ -231,14 +373,254 @@ fn default_policies() -> PathBuf {
     stagehand_policy::stagehand_home().join("policies")
 }
 
+/// Connects within `--connect-timeout`: quiet retries, then one line (exit 69).
 pub(crate) async fn connect(connection: &Connection) -> anyhow::Result<Bus> {
-    let cfg = connection.bus_config(Duration::from_secs(5));
-    Bus::connect(&cfg).await.with_context(|| {
-        format!(
-            "connecting to NATS at {} (is `stagehand up` running?)",
-            cfg.servers_display()
-        )
+    let cfg = connection.bus_config(connection.connect_timeout);
+    args::connect(&cfg, connection.connect_timeout).await
+}
+
+/// The policy folder a command checks against: the one given (which must exist), else the
+/// default one when it exists.
+fn policies_for_check(given: Option<&Path>) -> Result<Option<PathBuf>, UsageError> {
+    match given {
+        Some(dir) => {
+            args::folder("--policies", dir)?;
+            Ok(Some(dir.to_owned()))
+        }
+        None => Ok(Some(default_policies()).filter(|d| d.is_dir())),
+    }
+}
+
+/// Checks a stage's arguments: names, version form, and — when policies are at hand — that
+/// the tier is a hot or local tier and that `--node` is given exactly for a local one.
+fn stage_from(a: &StageTargetArgs) -> Result<Stage, UsageError> {
+    let (dataset, version) = args::dataset_at_version("DATASET@VERSION", &a.target)?;
+    let project = a
+        .project
+        .clone()
+        .ok_or_else(|| UsageError("--project (or STAGEHAND_PROJECT) is required".to_owned()))?;
+    args::project("--project", &project)?;
+    args::tier("--tier", &a.tier)?;
+    args::job("--job", &a.job)?;
+    if let Some(node) = &a.node {
+        args::node("--node", node)?;
+    }
+    if let Some(dir) = policies_for_check(a.policies.as_deref())? {
+        use stagehand_policy::TierRole;
+        let policies = stagehand_policy::Policies::load_dir(&dir)
+            .map_err(|e| UsageError(format!("policies in {}: {e}", dir.display())))?;
+        let tier = policies.tier(&a.tier).ok_or_else(|| {
+            UsageError(format!(
+                "--tier {:?} is not declared in {}",
+                a.tier,
+                dir.display()
+            ))
+        })?;
+        match (tier.role, &a.node) {
+            (TierRole::Local, None) => {
+                return Err(UsageError(format!(
+                    "--node is required: tier {:?} is node-local",
+                    a.tier
+                )));
+            }
+            (TierRole::Hot, Some(_)) => {
+                return Err(UsageError(format!(
+                    "--node is only for node-local tiers; tier {:?} is shared (hot)",
+                    a.tier
+                )));
+            }
+            (TierRole::Local | TierRole::Hot, _) => {}
+            (role, _) => {
+                return Err(UsageError(format!(
+                    "--tier {:?} is a {role:?} tier; stages go to hot or local tiers",
+                    a.tier
+                )));
+            }
+        }
+    }
+    Ok(Stage {
+        project,
+        dataset,
+        version,
+        tier: a.tier.clone(),
+        job: a.job.clone(),
+        node: a.node.clone(),
     })
+}
+
+fn who(by: Option<String>) -> String {
+    by.or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Checks `ingest`'s arguments before anything connects or reads the folder.
+fn check_ingest(a: &IngestArgs) -> Result<PathBuf, UsageError> {
+    // An `s3://` source is checked against the tiers once the policies are read; a folder
+    // must exist before anything connects.
+    if !a.source.starts_with("s3://") {
+        args::folder("source", Path::new(&a.source))?;
+    }
+    args::project("--project", &a.project)?;
+    args::dataset("--dataset", &a.dataset)?;
+    args::tier("--tier", &a.tier)?;
+    if let Some(manifest) = &a.manifest {
+        args::file("--manifest", manifest)?;
+    }
+    if let Some((key, _)) = a.labels.iter().find(|(k, _)| k.is_empty()) {
+        return Err(UsageError(format!(
+            "--label {key:?}=...: a label needs a key"
+        )));
+    }
+    let policies = a.policies.clone().unwrap_or_else(default_policies);
+    args::folder("--policies", &policies).map_err(|e| {
+        if a.policies.is_none() {
+            UsageError(format!(
+                "{e} (the default policy folder; run `stagehand up` once, or give --policies)"
+            ))
+        } else {
+            e
+        }
+    })?;
+    Ok(policies)
+}
+
+async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result<i32> {
+    match cmd {
+        StageCommand::Request(a) => {
+            let stage = stage_from(&a.stage)?;
+            let deadline = a
+                .deadline
+                .as_deref()
+                .map(|d| args::deadline("--deadline", d, stagehand_schemas::event::now()))
+                .transpose()?;
+            let opts = RequestOptions {
+                requested_by: who(a.by),
+                deadline,
+                form: a.form,
+            };
+            let bus = connect(connection).await?;
+            let published = crate::stage::request(&bus, &stage, &opts).await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&published)?);
+            } else {
+                println!("{}", published.id);
+            }
+            Ok(0)
+        }
+        StageCommand::Wait(a) => {
+            let stage = stage_from(&a.stage)?;
+            let timeout = args::duration("--timeout", &a.timeout)?;
+            let bus = connect(connection).await?;
+            let outcome = crate::stage::wait(&bus, &stage, timeout).await?;
+            if a.json {
+                let status = match &outcome {
+                    crate::stage::WaitOutcome::Ready(s)
+                    | crate::stage::WaitOutcome::Failed(s)
+                    | crate::stage::WaitOutcome::TimedOut(Some(s)) => Some(s),
+                    crate::stage::WaitOutcome::TimedOut(None) => None,
+                };
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                println!("{}", outcome.text(&stage));
+            }
+            Ok(outcome.exit_code())
+        }
+        StageCommand::Status(a) => {
+            let (mut job, mut dataset_version) = (None, None);
+            match a.target.as_deref() {
+                Some(t) if t.contains('@') => {
+                    dataset_version = Some(args::dataset_at_version("D@V", t)?);
+                }
+                Some(j) => {
+                    args::job("J", j)?;
+                    job = Some(j.to_owned());
+                }
+                None => {}
+            }
+            let project = a.project.clone().ok_or_else(|| {
+                UsageError("--project (or STAGEHAND_PROJECT) is required".to_owned())
+            })?;
+            args::project("--project", &project)?;
+            let filter = StatusFilter {
+                project,
+                job,
+                dataset_version,
+            };
+            let bus = connect(connection).await?;
+            let items = crate::stage::status(&bus, &filter).await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&items)?);
+            } else {
+                print!("{}", crate::stage::status_text(&items));
+            }
+            Ok(0)
+        }
+        StageCommand::Release(a) => {
+            let stage = stage_from(&a.stage)?;
+            let bus = connect(connection).await?;
+            let published = crate::stage::release(&bus, &stage).await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&published)?);
+            } else {
+                println!("{}", published.id);
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Checks `catalogue`'s arguments.
+fn check_catalogue(cmd: &CatalogueCommand) -> Result<(), UsageError> {
+    let limit = |n: u32| {
+        if (1..=stagehand_catalogue::MAX_PAGE).contains(&n) {
+            Ok(())
+        } else {
+            Err(UsageError(format!(
+                "--limit {n}: a page holds 1 to {} entries",
+                stagehand_catalogue::MAX_PAGE
+            )))
+        }
+    };
+    match cmd {
+        CatalogueCommand::Datasets {
+            project, limit: n, ..
+        } => {
+            if let Some(p) = project {
+                args::project("--project", p)?;
+            }
+            limit(*n)?;
+        }
+        CatalogueCommand::Show {
+            target,
+            project,
+            limit: n,
+            ..
+        } => {
+            if let Some(p) = project {
+                args::project("--project", p)?;
+            }
+            limit(*n)?;
+            let (dataset, version) = match target.split_once('@') {
+                Some((d, v)) => (d, Some(v)),
+                None => (target.as_str(), None),
+            };
+            args::dataset("D[@VERSION]", dataset)?;
+            if let Some(v) = version {
+                let min = stagehand_catalogue::MIN_VERSION_PREFIX;
+                let ok = (min..=64).contains(&v.len())
+                    && v.bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+                if !ok {
+                    return Err(UsageError(format!(
+                        "D@VERSION {target:?}: VERSION is {min}-64 lowercase hex characters (a digest or a unique prefix)"
+                    )));
+                }
+            }
+        }
+        CatalogueCommand::Problems { limit: n, .. } => limit(*n)?,
+        CatalogueCommand::DeadLetters { .. } => {}
+    }
+    Ok(())
 }
 
 /// Runs a parsed command; returns the exit code.
@@ -258,68 +640,73 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Checkpoint(cmd) => {
-            quiet_logs();
+            args::init_logs();
             crate::checkpoint::run(&cli.connection, cmd).await
         }
         Command::Cp(args) => {
-            quiet_logs();
+            args::init_logs();
             Ok(crate::cp::run(&args).await?.exit_code())
         }
+        Command::Stage(cmd) => {
+            args::init_logs();
+            run_stage(&cli.connection, cmd).await
+        }
         Command::Ingest(args) => {
-            quiet_logs();
+            args::init_logs();
+            let policies = check_ingest(&args)?;
             let bus = connect(&cli.connection).await?;
             let opts = IngestOptions {
-                folder: args.folder,
+                source: args.source,
+                in_place: args.in_place,
                 project: args.project,
                 dataset: args.dataset,
                 tier: args.tier,
-                policies: args.policies.unwrap_or_else(default_policies),
-                requested_by: args
-                    .by
-                    .or_else(|| std::env::var("USER").ok())
-                    .unwrap_or_else(|| "unknown".into()),
+                policies,
+                requested_by: who(args.by),
                 labels: args.labels,
                 manifest: args.manifest,
                 wait: args.wait.then(|| Duration::from_secs(args.timeout)),
                 progress: std::io::stderr().is_terminal(),
+                clock_skew: Duration::from_millis(args.clock_skew_ms),
+                spool: None,
             };
             let report = crate::ingest::ingest(&bus, &opts).await?;
             let rejected = matches!(report.outcome, Some(Outcome::Rejected(_)));
             if args.json {
-                let outcome = match &report.outcome {
-                    Some(Outcome::Validated(v)) => serde_json::json!({"validated": v}),
-                    Some(Outcome::Rejected(r)) => serde_json::json!({"rejected": r}),
-                    None => serde_json::Value::Null,
-                };
-                let out = serde_json::json!({
-                    "request_id": report.request.id,
-                    "prefix": report.placed.prefix,
-                    "files": report.placed.files.len(),
-                    "duplicate": !report.published_new,
-                    "outcome": outcome,
-                });
-                println!("{}", serde_json::to_string_pretty(&out)?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&crate::ingest::report_json(&report))?
+                );
             } else {
                 println!("{}", report.request.id);
-                eprintln!(
-                    "placed {} files under {} on tier {}{}",
-                    report.placed.files.len(),
-                    report.placed.prefix,
-                    opts.tier,
-                    if report.published_new {
-                        ""
-                    } else {
-                        " (same request as an earlier run)"
-                    }
-                );
+                eprint!("{}", crate::ingest::report_text(&report));
                 if let Some(outcome) = &report.outcome {
                     print!("{}", crate::ingest::outcome_text(outcome));
                 }
             }
             Ok(i32::from(rejected))
         }
+        Command::Tier(TierCommand::Usage {
+            tier,
+            policies,
+            json,
+        }) => {
+            args::init_logs();
+            let dir = policies.unwrap_or_else(default_policies);
+            let policies = stagehand_policy::Policies::load_dir(&dir)
+                .with_context(|| format!("reading the policies in {}", dir.display()))?;
+            let bus = connect(&cli.connection).await?;
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
+            std::io::Write::flush(&mut out)?;
+            Ok(0)
+        }
         Command::Catalogue(cmd) => {
-            quiet_logs();
+            args::init_logs();
+            check_catalogue(&cmd)?;
             let bus = connect(&cli.connection).await?;
             let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
                 .with_timeout(crate::catalogue::TIMEOUT);
@@ -349,6 +736,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                     after,
                     path,
                     json,
+                    lineage,
                 } => {
                     let opts = crate::catalogue::ShowOptions {
                         project,
@@ -356,6 +744,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                         after,
                         path,
                         json,
+                        lineage,
                     };
                     crate::catalogue::show(&catalogue, &target, &opts, &mut out).await?
                 }
@@ -377,17 +766,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Provision { replicas, projects } => {
-            quiet_logs();
+            args::init_logs();
+            if replicas.is_some_and(|n| !(1..=5).contains(&n)) {
+                return Err(UsageError(format!(
+                    "--replicas {}: a stream has 1 to 5 replicas",
+                    replicas.unwrap_or_default()
+                ))
+                .into());
+            }
             for project in &projects {
                 if !stagehand_schemas::subject::is_subject_token(project) {
-                    anyhow::bail!("project {project:?} must be 1-64 characters of [a-z0-9_-]");
+                    return Err(UsageError(format!(
+                        "--project {project:?}: must be 1-64 characters of [a-z0-9_-]"
+                    ))
+                    .into());
                 }
             }
-            let mut cfg = cli.connection.bus_config(Duration::from_secs(5));
+            let timeout = cli.connection.connect_timeout;
+            let mut cfg = cli.connection.bus_config(timeout);
             cfg.replicas = replicas;
-            let bus = Bus::connect(&cfg)
-                .await
-                .with_context(|| format!("connecting to NATS at {}", cfg.servers_display()))?;
+            let bus = args::connect(&cfg, timeout).await?;
             bus.provision().await?;
             // The buckets of one service each (the promoter's reservations and leases).
             for spec in stagehand_bus::SERVICE_KV_BUCKETS {
@@ -423,7 +821,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Dlq(cmd) => {
-            quiet_logs();
+            args::init_logs();
+            if let DlqCommand::List {
+                service: Some(service),
+                ..
+            } = &cmd
+                && !stagehand_schemas::subject::is_subject_token(service)
+            {
+                return Err(UsageError(format!(
+                    "--service {service:?}: a service name is 1-64 characters of [a-z0-9_-]"
+                ))
+                .into());
+            }
             let bus = connect(&cli.connection).await?;
             match cmd {
                 DlqCommand::List { service, json } => {
@@ -451,14 +860,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-/// Warnings and errors only, on stderr: a command's stdout is its answer.
-fn quiet_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colour codes only for a person at a terminal, not in a plugin's captured output.
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+/// A clap error as one line (its first paragraph, without the usage and tips that follow).
+pub fn clap_error_line(err: &clap::Error) -> String {
+    let text = err.render().to_string();
+    let first = text.split("\n\n").next().unwrap_or_default();
+    let line = first.split_whitespace().collect::<Vec<_>>().join(" ");
+    let line = line.strip_prefix("error: ").unwrap_or(&line);
+    format!("stagehand: {line}")
 }

@@ -1,43 +1,51 @@
-//! `stagehand ingest`: the lab uploader.
+//! `stagehand ingest`: the lab uploader, for datasets of any size.
 //!
-//! Walks a folder, copies every file onto the source tier while hashing it (each byte is read
-//! once), publishes an `ingest.requested` event with the manifest, and prints the request id.
+//! Three kinds of source, resolved against the tier policy ([`source`]):
 //!
-//! Placement is content-addressed and atomic. Files are written under
-//! `<project>/<dataset>/.incoming-<random>/` on the tier (each through the mover's temp file →
-//! sync → rename), then that folder is renamed to `<project>/<dataset>/<first 16 hex of the
-//! version digest>`. A partial upload is never visible under the version's prefix, and running
-//! the same ingest again finds the prefix present and publishes the same request id
-//! ([`EventId::for_content`] over project, dataset and digest), which JetStream's duplicate
-//! window drops.
+//! - **A local folder** is walked, copied onto a posix tier and hashed in one pass (each byte
+//!   read once), then published atomically under `<project>/<dataset>/<first 16 hex of the
+//!   measured digest>` ([`place`]). Memory is bounded by a constant whatever the file count:
+//!   the walk streams into the mover's set copy, and each proven file goes to the manifest
+//!   builder (an external sort) as it lands.
+//! - **A folder already beneath a posix source tier's root** (`--in-place`, or detected) and
+//!   **objects already on an S3 source tier** (`s3://bucket/prefix`) are registered where they
+//!   are, without a copy: listed as a stream, hashed ([`register`]) — or taken from the
+//!   uploader's `--manifest FILE` — and requested. Their prefix must lie beneath the project's
+//!   own on the tier.
 //!
-//! With `--manifest FILE` the uploader declares its own manifest (`path<TAB>size<TAB>sha256`
-//! lines) instead of the one measured here; the folder's files are placed as they are and the
-//! validator judges the declaration against them.
+//! The manifest travels inline when it fits the contract's bound, else it is put into the
+//! project's upload bucket and referenced ([`request`]). The request's id follows from
+//! project, dataset and declared version, so the same upload is the same request; a rerun
+//! after a rejection or a dead-lettered outage can still succeed once the cause is fixed (see
+//! [`request`] for how). With `--wait` the command shows the upload's and the validation's
+//! progress on a terminal ([`bars`]) and prints the verdict.
 
-use std::path::{Path, PathBuf};
+pub mod bars;
+pub mod manifest;
+pub mod place;
+pub mod register;
+pub mod request;
+pub mod source;
+pub mod walk;
+
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
-use indicatif::{ProgressBar, ProgressStyle};
 use stagehand_bus::Bus;
-use stagehand_mover::{
-    CopyOptions, CopyOutcome, EMPTY_SHA256, Mover, MoverConfig, PosixTier, Priority, Progress, Tier,
-};
-use stagehand_schemas::subject::FACTS;
-use stagehand_schemas::{
-    Body, DatasetRejected, DatasetValidated, Event, EventId, FileRef, IngestRequested, Location,
-    check_relative_path, version_digest,
-};
+use stagehand_manifest::{Manifest, Spool};
+use stagehand_mover::Progress;
+use stagehand_schemas::progress::{WorkProgress, progress_subject};
+use stagehand_schemas::{Body, DatasetRejected, DatasetValidated, Event, EventId, Location};
+use time::OffsetDateTime;
 
-/// A file found in the folder.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalFile {
-    /// Path relative to the folder, `/`-separated.
-    pub rel: String,
-    pub size: u64,
-}
+use self::bars::{Bars, ValidationBar};
+use self::request::{Carried, MAX_ATTEMPTS_PER_RUN, RequestParts};
+use self::source::Source;
+
+/// The kind whose progress subject the validator publishes on.
+const KIND: &str = "ingest.requested";
 
 /// Checks that a project or dataset name can be a path component and a subject-safe name.
 pub fn check_name(what: &str, name: &str) -> anyhow::Result<()> {
@@ -53,248 +61,26 @@ pub fn check_name(what: &str, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Lists the regular files beneath `folder`. A symlink that resolves outside the folder is
-/// refused; one that stays inside is skipped (its target is ingested under its own path).
-/// Anything else that is not a file or a directory (fifo, socket, device) is refused.
-pub fn scan(folder: &Path) -> anyhow::Result<Vec<LocalFile>> {
-    let root = folder
-        .canonicalize()
-        .with_context(|| format!("cannot open folder {}", folder.display()))?;
-    if !root.is_dir() {
-        bail!("{} is not a folder", folder.display());
-    }
-    let mut files = Vec::new();
-    for entry in walkdir::WalkDir::new(&root)
-        .follow_links(false)
-        .sort_by_file_name()
-    {
-        let entry = entry.with_context(|| format!("walking {}", folder.display()))?;
-        if entry.depth() == 0 {
-            continue;
-        }
-        let rel = entry
-            .path()
-            .strip_prefix(&root)
-            .expect("walkdir yields paths beneath its root")
-            .to_str()
-            .with_context(|| format!("{} is not valid UTF-8", entry.path().display()))?
-            .to_owned();
-        let kind = entry.file_type();
-        if kind.is_symlink() {
-            let target = std::fs::canonicalize(entry.path())
-                .with_context(|| format!("symlink {rel} is dangling"))?;
-            if !target.starts_with(&root) {
-                bail!(
-                    "symlink {rel} points to {}, outside {}: refused",
-                    target.display(),
-                    folder.display()
-                );
-            }
-            eprintln!(
-                "note: symlink {rel} stays inside the folder and is skipped; its target is ingested under its own path"
-            );
-            continue;
-        }
-        if kind.is_dir() {
-            continue;
-        }
-        if !kind.is_file() {
-            bail!("{rel} is neither a regular file nor a folder: refused");
-        }
-        check_relative_path(&rel)
-            .with_context(|| format!("file {rel} cannot be a manifest path"))?;
-        let size = entry
-            .metadata()
-            .with_context(|| format!("stat {rel}"))?
-            .len();
-        files.push(LocalFile { rel, size });
-    }
-    if files.is_empty() {
-        bail!("{} holds no files to ingest", folder.display());
-    }
-    Ok(files)
-}
-
-/// Reads a declared manifest: one `path<TAB>size<TAB>sha256` line per file. The entries are
-/// taken as declared (even a bad path): judging them is the validator's job.
-pub fn read_manifest(path: &Path) -> anyhow::Result<Vec<FileRef>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read manifest {}", path.display()))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, line)| {
-            let mut parts = line.split('\t');
-            let (Some(p), Some(size), Some(sha), None) =
-                (parts.next(), parts.next(), parts.next(), parts.next())
-            else {
-                bail!(
-                    "{}:{}: expected path<TAB>size<TAB>sha256",
-                    path.display(),
-                    i + 1
-                );
-            };
-            let size = size
-                .parse()
-                .with_context(|| format!("{}:{}: size {size:?}", path.display(), i + 1))?;
-            Ok(FileRef::new(p, size, sha))
-        })
-        .collect()
-}
-
-/// Where an upload was placed and what it holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placed {
-    /// Every file placed, measured while copying.
-    pub files: Vec<FileRef>,
-    /// The version prefix on the tier.
-    pub prefix: String,
-    /// Whether the prefix was already there (a re-run of the same upload).
-    pub existed: bool,
-}
-
-/// Copies `files` from `folder` onto `tier` under the content-addressed prefix, hashing each
-/// byte as it is copied. `digest_of` picks the manifest whose digest names the prefix (the
-/// measured one, or a declared one). Blocking: run it off the async runtime.
-pub async fn place(
-    tier: &PosixTier,
-    folder: &Path,
-    project: &str,
-    dataset: &str,
-    files: &[LocalFile],
-    declared: Option<&[FileRef]>,
-    bar: &ProgressBar,
-) -> anyhow::Result<Placed> {
-    // The mover's confined opens: a symlink swapped in since the walk is refused. It hashes
-    // each file in flight while copying it (read once), publishes atomically, and makes the
-    // whole batch durable before returning.
-    let upload = Tier::Posix(
-        PosixTier::open("upload", folder)
-            .with_context(|| format!("cannot open folder {}", folder.display()))?,
-    );
-    let incoming = format!("{project}/{dataset}/.incoming-{}", EventId::random());
-    let incoming_root = tier.root().join(&incoming);
-    std::fs::create_dir_all(&incoming_root)
-        .with_context(|| format!("cannot create {incoming} on tier {}", tier.name()))?;
-    let cleanup = Cleanup(incoming_root.clone());
-    let staging = Tier::Posix(PosixTier::open(tier.name(), &incoming_root)?);
-    let wanted: Vec<FileRef> = files
-        .iter()
-        .map(|f| FileRef::new(f.rel.clone(), f.size, EMPTY_SHA256))
-        .collect();
-    let opts = CopyOptions {
-        priority: Priority::Ingest,
-        expected_hash_unknown: true,
-        ..CopyOptions::default()
-    };
-    let mover = Mover::new(MoverConfig::default())?;
-    let progress = Progress::new();
-    let ticker = {
-        let (bar, progress) = (bar.clone(), progress.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(200));
-            loop {
-                tick.tick().await;
-                bar.set_position(progress.bytes_done());
-            }
-        })
-    };
-    let report = mover
-        .copy_all(&upload, &staging, &wanted, &opts, &progress)
-        .await;
-    ticker.abort();
-    let mut measured = Vec::with_capacity(files.len());
-    for (file, result) in files.iter().zip(report.results) {
-        let outcome = result
-            .result
-            .with_context(|| format!("cannot place {} on tier {}", file.rel, tier.name()))?;
-        measured.push(FileRef::new(
-            file.rel.clone(),
-            file.size,
-            match outcome {
-                CopyOutcome::Copied { sha256, .. } | CopyOutcome::Skipped { sha256, .. } => sha256,
-            },
-        ));
-    }
-    let digest = version_digest(declared.unwrap_or(&measured));
-    let prefix = format!("{project}/{dataset}/{}", &digest[..16]);
-    let target = tier.root().join(&prefix);
-    let existed = match std::fs::rename(tier.root().join(&incoming), &target) {
-        Ok(()) => {
-            if let Some(parent) = target.parent() {
-                std::fs::File::open(parent)
-                    .and_then(|d| d.sync_all())
-                    .with_context(|| format!("syncing {}", parent.display()))?;
-            }
-            std::mem::forget(cleanup);
-            false
-        }
-        // The same content is there already (a re-run): keep it, drop this copy.
-        Err(e) if target.is_dir() => {
-            tracing::debug!(error = %e, %prefix, "version prefix already present");
-            true
-        }
-        Err(e) => {
-            return Err(e)
-                .with_context(|| format!("cannot publish {prefix} on tier {}", tier.name()));
-        }
-    };
-    Ok(Placed {
-        files: measured,
-        prefix,
-        existed,
-    })
-}
-
-/// Removes an unpublished incoming folder when placement fails or finds the version present.
-struct Cleanup(PathBuf);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The ingest request for a placed upload. Its id follows from project, dataset and the
-/// manifest's digest, so the same upload is the same request.
-pub fn request(
-    project: &str,
-    dataset: &str,
-    tier: &str,
-    prefix: &str,
-    files: Vec<FileRef>,
-    requested_by: &str,
-    labels: Vec<(String, String)>,
-) -> Event {
-    let digest = version_digest(&files);
-    let id = EventId::for_content(&[
-        b"ingest",
-        project.as_bytes(),
-        dataset.as_bytes(),
-        digest.as_bytes(),
-    ]);
-    Event::request(
-        id,
-        project,
-        Body::IngestRequested(IngestRequested {
-            dataset: dataset.into(),
-            source: Location {
-                tier: tier.into(),
-                prefix: prefix.into(),
-            },
-            files,
-            manifest: None,
-            requested_by: requested_by.into(),
-            labels,
-        }),
-    )
-}
-
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     Validated(DatasetValidated),
     Rejected(DatasetRejected),
+}
+
+/// A verdict as it arrived: the outcome, when the validator reached it, and whether it is an
+/// answer recorded before this run published (see [`is_recorded`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    pub outcome: Outcome,
+    pub occurred_at: OffsetDateTime,
+}
+
+/// Whether a verdict is an earlier run's recorded answer rather than one reached for this
+/// publication: it became true before this run published, by more than the clocks of this
+/// machine and the validator's may disagree.
+pub fn is_recorded(verdict: &Verdict, published_at: OffsetDateTime, clock_skew: Duration) -> bool {
+    verdict.occurred_at + clock_skew < published_at
 }
 
 /// The subjects of the facts that answer an ingest request of `project`.
@@ -305,89 +91,92 @@ fn verdict_subjects(project: &str) -> [String; 2] {
     ]
 }
 
-/// A live subscription to the project's validated/rejected facts: taken before the request
-/// is published, so the answer cannot slip past it. A plain subscription, not a JetStream
-/// consumer: an uploader's NATS user may read its own project's verdicts, but creating
-/// consumers on the facts stream would let it read, or re-filter, anyone's.
-pub async fn watch_outcomes(
-    bus: &Bus,
-    project: &str,
-) -> anyhow::Result<Vec<async_nats::Subscriber>> {
-    let mut subs = Vec::new();
-    for subject in verdict_subjects(project) {
-        subs.push(
-            bus.client()
-                .subscribe(subject.clone())
-                .await
-                .with_context(|| format!("subscribing to {subject}"))?,
-        );
-    }
-    // The server has the subscriptions before the request goes out.
-    bus.client().flush().await?;
-    Ok(subs)
+/// The subscriptions one attempt waits on: the project's verdicts and the request's progress,
+/// taken before the request is published, so the answer cannot slip past them. Plain
+/// subscriptions, not JetStream consumers: an uploader's NATS user may read its own project's
+/// verdicts and progress, but creating consumers on the facts stream would let it read, or
+/// re-filter, anyone's.
+pub struct Watch {
+    verdicts: Vec<async_nats::Subscriber>,
+    progress: Option<async_nats::Subscriber>,
 }
 
-/// The answer to `request` among the project's *last* validated and rejected facts, read with
-/// JetStream direct gets by subject (all an uploader may read of the stream). Used when the
-/// request was a duplicate of an earlier run whose answer may already be stored.
-async fn last_verdict(bus: &Bus, project: &str, request: &EventId) -> Option<Outcome> {
-    for subject in verdict_subjects(project) {
-        let api = format!("$JS.API.DIRECT.GET.{}.{subject}", FACTS.name);
-        let Ok(Ok(answer)) = tokio::time::timeout(
-            Duration::from_secs(5),
-            bus.client().request(api, Default::default()),
-        )
-        .await
-        else {
-            continue;
-        };
-        if answer
-            .status
-            .is_some_and(|s| s != async_nats::StatusCode::OK)
-        {
-            continue;
+impl Watch {
+    /// Subscribes before the request of `id` is published.
+    pub async fn start(bus: &Bus, project: &str, id: &EventId) -> anyhow::Result<Watch> {
+        let mut verdicts = Vec::new();
+        for subject in verdict_subjects(project) {
+            verdicts.push(
+                bus.client()
+                    .subscribe(subject.clone())
+                    .await
+                    .with_context(|| format!("subscribing to {subject}"))?,
+            );
         }
-        let Ok(event) = stagehand_schemas::wire::decode(&answer.payload) else {
-            continue;
-        };
-        if &event.correlation_id != request {
-            continue;
-        }
-        match event.body {
-            Body::DatasetValidated(v) => return Some(Outcome::Validated(v)),
-            Body::DatasetRejected(r) => return Some(Outcome::Rejected(r)),
-            _ => {}
-        }
+        // Progress is a nicety: a user who may not watch it still gets the verdict.
+        let progress = bus
+            .client()
+            .subscribe(progress_subject(KIND, project, id))
+            .await
+            .ok();
+        // The server has the subscriptions before the request goes out.
+        bus.client().flush().await?;
+        Ok(Watch { verdicts, progress })
     }
-    None
-}
 
-/// Waits for the fact that answers `request` (matched by correlation id).
-pub async fn wait_outcome(
-    subs: Vec<async_nats::Subscriber>,
-    request: &EventId,
-    timeout: Duration,
-) -> anyhow::Result<Outcome> {
-    let mut facts = futures::stream::select_all(subs);
-    let wait = async {
-        while let Some(message) = facts.next().await {
-            let Ok(event) = stagehand_schemas::wire::decode(&message.payload) else {
-                continue;
-            };
-            if &event.correlation_id != request {
-                continue;
+    /// Waits for the fact that answers `request` (matched by correlation id) until
+    /// `deadline`, moving `bar` with the validator's progress meanwhile.
+    pub async fn verdict(
+        self,
+        request: &EventId,
+        deadline: tokio::time::Instant,
+        bar: &ValidationBar,
+    ) -> anyhow::Result<Verdict> {
+        let mut facts = futures::stream::select_all(self.verdicts);
+        let mut progress = self.progress;
+        let wait = async {
+            loop {
+                tokio::select! {
+                    message = facts.next() => {
+                        let Some(message) = message else {
+                            bail!("the connection closed before request {request} was answered");
+                        };
+                        let Ok(event) = stagehand_schemas::wire::decode(&message.payload) else {
+                            continue;
+                        };
+                        if &event.correlation_id != request {
+                            continue;
+                        }
+                        let outcome = match event.body {
+                            Body::DatasetValidated(v) => Outcome::Validated(v),
+                            Body::DatasetRejected(r) => Outcome::Rejected(r),
+                            _ => continue,
+                        };
+                        return Ok(Verdict { outcome, occurred_at: event.occurred_at });
+                    }
+                    Some(message) = async {
+                        match progress.as_mut() {
+                            Some(p) => p.next().await,
+                            None => std::future::pending().await,
+                        }
+                    } => {
+                        if let Ok(p) = WorkProgress::decode(&message.payload) {
+                            bar.update(&p);
+                        }
+                    }
+                }
             }
-            match event.body {
-                Body::DatasetValidated(v) => return Ok(Outcome::Validated(v)),
-                Body::DatasetRejected(r) => return Ok(Outcome::Rejected(r)),
-                _ => continue,
-            }
-        }
-        bail!("the connection closed before request {request} was answered")
-    };
-    tokio::time::timeout(timeout, wait)
-        .await
-        .with_context(|| format!("no validation of request {request} within {timeout:?} (is the ingest validator running?)"))?
+        };
+        tokio::time::timeout_at(deadline, wait)
+            .await
+            .unwrap_or_else(|_| {
+                bail!(
+                    "no verdict on request {request} in time (is the ingest validator running? a \
+                 request whose source tier stayed unreachable is dead-lettered: run the same \
+                 `stagehand ingest` again once it is back)"
+                )
+            })
+    }
 }
 
 /// Waits until the catalogue shows `outcome`, so that a `stagehand catalogue show` right after
@@ -435,6 +224,12 @@ async fn wait_catalogued(
                 tracing::debug!("this NATS user may not query the catalogue; not waiting for it");
                 return;
             }
+            // No recorder is subscribed at all (a deployment without one): nothing to wait
+            // for either. The client keeps only the text of the server's answer.
+            Err(e) if e.to_string().contains("no responders") => {
+                tracing::debug!("no catalogue recorder answers; not waiting for it");
+                return;
+            }
             _ => {}
         }
         tokio::time::sleep(pause.min(left)).await;
@@ -445,34 +240,66 @@ async fn wait_catalogued(
 /// Options of one ingest.
 #[derive(Debug, Clone)]
 pub struct IngestOptions {
-    pub folder: PathBuf,
+    /// A local folder, or `s3://bucket/prefix` on an S3 source tier.
+    pub source: String,
+    /// The folder must already be beneath a posix source tier's root (registered in place).
+    pub in_place: bool,
     pub project: String,
     pub dataset: String,
+    /// The posix tier a local folder is copied onto.
     pub tier: String,
     pub policies: PathBuf,
     pub requested_by: String,
     pub labels: Vec<(String, String)>,
+    /// A declared manifest file (`path<TAB>size<TAB>sha256` lines) to request instead of the
+    /// measured one.
     pub manifest: Option<PathBuf>,
     /// Wait for the validator's answer this long.
     pub wait: Option<Duration>,
-    /// Show a progress bar (on a terminal, for large folders).
+    /// Show progress bars (on a terminal).
     pub progress: bool,
+    /// How far the validator's clock may be behind this machine's: a verdict older than this
+    /// run's publication by more than this is an earlier attempt's recorded answer.
+    pub clock_skew: Duration,
+    /// Where manifests are spooled while built (default: the temp folder).
+    pub spool: Option<PathBuf>,
 }
+
+/// The default [`IngestOptions::clock_skew`].
+pub const CLOCK_SKEW: Duration = Duration::from_secs(2);
 
 /// What an ingest did.
 #[derive(Debug, Clone)]
 pub struct IngestReport {
+    /// The request of the last attempt published.
     pub request: Event,
-    pub placed: Placed,
-    /// Whether the request was new to the stream (false: a duplicate of an earlier run).
+    /// Where the request says the files are.
+    pub location: Location,
+    /// Whether the files were registered where they were (no copy).
+    pub in_place: bool,
+    /// Whether a copy found its version already placed (the same bytes ingested before).
+    pub existed: bool,
+    /// The requested manifest (declared, else measured): its digest is the declared version.
+    pub manifest: Manifest,
+    pub digest: String,
+    pub files: u64,
+    pub bytes: u64,
+    /// Whether the manifest travelled by reference (the project's upload bucket).
+    pub by_reference: bool,
+    /// The attempt published (0 for a first ingest of this content).
+    pub attempt: u32,
+    /// Earlier attempts whose recorded rejections this run met and moved past.
+    pub earlier_rejections: u32,
+    /// Whether the stream stored the first attempt's request as new (false: the same request
+    /// was published within the duplicate window).
     pub published_new: bool,
     pub outcome: Option<Outcome>,
+    /// Whether the outcome is an answer recorded before this run (the same request validated
+    /// before).
+    pub answered_before: bool,
 }
 
-/// Bars appear only for folders at least this big (bytes), and only on a terminal.
-pub const PROGRESS_FROM: u64 = 64 << 20;
-
-/// Places the folder on the tier, publishes the request and optionally waits for the answer.
+/// Places or registers the files, publishes the request and optionally waits for the answer.
 pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestReport> {
     check_name("project", &opts.project)?;
     check_name("dataset", &opts.dataset)?;
@@ -484,98 +311,285 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
     }
     let policies = stagehand_policy::Policies::load_dir(&opts.policies)
         .with_context(|| format!("loading policies from {}", opts.policies.display()))?;
-    let tier_policy = policies.tier(&opts.tier).with_context(|| {
-        format!(
-            "tier {:?} is not declared in {}",
-            opts.tier,
-            opts.policies.display()
-        )
-    })?;
-    let Tier::Posix(tier) = tier_policy.open()? else {
-        bail!(
-            "tier {:?} is not a posix tier; ingest places files on posix tiers",
-            opts.tier
-        );
-    };
-    let declared = opts.manifest.as_deref().map(read_manifest).transpose()?;
-
-    let folder = opts.folder.clone();
-    let files = tokio::task::spawn_blocking(move || scan(&folder)).await??;
-    let total: u64 = files.iter().map(|f| f.size).sum();
-    let bar = if opts.progress && total >= PROGRESS_FROM {
-        let bar = ProgressBar::new(total);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            )
-            .expect("a valid progress template"),
-        );
-        bar
-    } else {
-        ProgressBar::hidden()
-    };
-    let placed = place(
-        &tier,
-        &opts.folder,
+    let source = source::resolve(
+        &opts.source,
+        opts.in_place,
         &opts.project,
-        &opts.dataset,
-        &files,
-        declared.as_deref(),
-        &bar,
-    )
-    .await?;
-    bar.finish_and_clear();
-
-    let manifest = declared.unwrap_or_else(|| placed.files.clone());
-    let request = request(
-        &opts.project,
-        &opts.dataset,
         &opts.tier,
-        &placed.prefix,
-        manifest,
-        &opts.requested_by,
-        opts.labels.clone(),
-    );
-    let watch = match opts.wait {
-        Some(_) => Some(watch_outcomes(bus, &opts.project).await?),
+        &policies,
+        &opts.policies,
+    )?;
+    let spool = match &opts.spool {
+        Some(dir) => Spool::in_dir(dir),
+        None => Spool::default(),
+    };
+    // A declared manifest is read first: a bad line fails before any byte is copied.
+    let declared = match &opts.manifest {
+        Some(path) => {
+            let (path, spool) = (path.clone(), spool.clone());
+            Some(
+                tokio::task::spawn_blocking(move || manifest::read_declared(&path, &spool))
+                    .await??,
+            )
+        }
         None => None,
     };
-    let ack = bus.publish(&request).await?;
-    let outcome = match (watch, opts.wait) {
-        (Some(watch), Some(timeout)) => {
-            let deadline = tokio::time::Instant::now() + timeout;
-            // A duplicate of an earlier run may have been answered before the subscription.
-            let earlier = if ack.duplicate {
-                last_verdict(bus, &opts.project, &request.id).await
-            } else {
-                None
-            };
-            let outcome = match earlier {
-                Some(outcome) => outcome,
-                None => wait_outcome(watch, &request.id, timeout)
-                    .await
-                    .map_err(|e| {
-                        if ack.duplicate {
-                            e.context(format!(
-                                "request {} was published before (the same files); its answer is \
-                             no longer the project's latest: see `stagehand catalogue show {}`",
-                                request.id, opts.dataset
-                            ))
-                        } else {
-                            e
-                        }
-                    })?,
-            };
-            wait_catalogued(bus, &opts.project, &outcome, deadline).await;
-            Some(outcome)
+    let bars = Bars::new(opts.progress);
+    let progress = Progress::new();
+    let (location, measured, existed) = match &source {
+        Source::Copy { folder, tier } => {
+            let ticker = bars.follow("placing", &progress);
+            let placed = place::place(
+                tier,
+                folder,
+                &opts.project,
+                &opts.dataset,
+                &spool,
+                &progress,
+            )
+            .await;
+            ticker.finish();
+            let placed = placed?;
+            if placed.swept.sets_removed + placed.swept.files_removed > 0 {
+                eprintln!(
+                    "removed {} staging folder(s) and {} temp file(s) of earlier uploads that were killed",
+                    placed.swept.sets_removed, placed.swept.files_removed
+                );
+            }
+            (
+                Location {
+                    tier: tier.name().to_owned(),
+                    prefix: placed.prefix,
+                },
+                Some(placed.manifest),
+                placed.report.existed,
+            )
         }
-        _ => None,
+        Source::PosixInPlace {
+            folder,
+            tier,
+            prefix,
+        } => {
+            let measured = match declared {
+                Some(_) => None,
+                None => {
+                    let ticker = bars.follow("hashing", &progress);
+                    let m = register::hash_posix(tier, folder, prefix, &spool, &progress).await;
+                    ticker.finish();
+                    Some(m?)
+                }
+            };
+            (
+                Location {
+                    tier: tier.name().to_owned(),
+                    prefix: prefix.clone(),
+                },
+                measured,
+                false,
+            )
+        }
+        Source::S3InPlace { tier, prefix, .. } => {
+            let measured = match declared {
+                Some(_) => None,
+                None => {
+                    let ticker = bars.follow("hashing", &progress);
+                    let m = register::hash_s3(tier, prefix, &spool, &progress).await;
+                    ticker.finish();
+                    Some(m?)
+                }
+            };
+            (
+                Location {
+                    tier: tier.name().to_owned(),
+                    prefix: prefix.clone(),
+                },
+                measured,
+                false,
+            )
+        }
     };
-    Ok(IngestReport {
+    let requested: Manifest = match (declared, measured) {
+        (Some(declared), _) => declared,
+        (None, Some(measured)) => measured,
+        (None, None) => unreachable!("a manifest is measured unless one is declared"),
+    };
+    let carried = request::carry(bus, &opts.project, &requested).await?;
+    let parts = RequestParts {
+        project: opts.project.clone(),
+        dataset: opts.dataset.clone(),
+        source: location.clone(),
+        requested_by: opts.requested_by.clone(),
+        labels: opts.labels.clone(),
+    };
+    let run = EventId::random();
+    let deadline = opts.wait.map(|w| tokio::time::Instant::now() + w);
+    let mut attempt = 0u32;
+    let mut earlier_rejections = 0u32;
+    let mut published_new = false;
+    loop {
+        let id = request::attempt_id(&opts.project, &opts.dataset, requested.digest(), attempt);
+        let event = request::request_event(id.clone(), &parts, &carried);
+        let watch = match deadline {
+            Some(_) => Some(Watch::start(bus, &opts.project, &id).await?),
+            None => None,
+        };
+        let published_at = stagehand_schemas::event::now();
+        let ack = bus
+            .publish(&event)
+            .await
+            .with_context(|| format!("publishing ingest request {id}"))?;
+        if attempt == 0 {
+            published_new = !ack.duplicate;
+        }
+        let counts = (attempt, earlier_rejections, published_new);
+        let (Some(watch), Some(deadline)) = (watch, deadline) else {
+            return Ok(report(
+                event, location, &source, existed, requested, &carried, counts, None, false,
+            ));
+        };
+        if ack.duplicate {
+            // Published within the duplicate window, so the stream dropped it and the
+            // validator will not see it: its earlier copy may have been answered long ago, or
+            // dead-lettered. The same request as a message of this run's reaches the
+            // validator, which answers from its record or works on it again.
+            bus.publish_with_msg_id(&event, &request::run_msg_id(&id, &run))
+                .await
+                .with_context(|| format!("publishing ingest request {id}"))?;
+        }
+        let bar = bars.validation();
+        let verdict = watch.verdict(&id, deadline, &bar).await;
+        bar.finish();
+        let verdict = verdict?;
+        let recorded = is_recorded(&verdict, published_at, opts.clock_skew);
+        if recorded
+            && matches!(verdict.outcome, Outcome::Rejected(_))
+            && attempt + 1 < MAX_ATTEMPTS_PER_RUN
+        {
+            // An earlier run's rejection, answered again from the validator's record: the
+            // cause may have been fixed since, so ask again under the next attempt's id.
+            eprintln!(
+                "attempt {attempt} ({id}) was rejected at {} by an earlier run; asking again as attempt {}",
+                verdict.occurred_at,
+                attempt + 1
+            );
+            attempt += 1;
+            earlier_rejections += 1;
+            continue;
+        }
+        wait_catalogued(bus, &opts.project, &verdict.outcome, deadline).await;
+        return Ok(report(
+            event,
+            location,
+            &source,
+            existed,
+            requested,
+            &carried,
+            counts,
+            Some(verdict.outcome),
+            recorded,
+        ));
+    }
+}
+
+/// The report of an ingest; `counts` are the attempt, the earlier rejections passed and
+/// whether the first attempt's request was new to the stream.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    request: Event,
+    location: Location,
+    source: &Source,
+    existed: bool,
+    manifest: Manifest,
+    carried: &Carried,
+    (attempt, earlier_rejections, published_new): (u32, u32, bool),
+    outcome: Option<Outcome>,
+    answered_before: bool,
+) -> IngestReport {
+    IngestReport {
         request,
-        placed,
-        published_new: !ack.duplicate,
+        location,
+        in_place: source.in_place(),
+        existed,
+        digest: manifest.digest().to_owned(),
+        files: manifest.files(),
+        bytes: manifest.bytes(),
+        manifest,
+        by_reference: carried.is_reference(),
+        attempt,
+        earlier_rejections,
+        published_new,
         outcome,
+        answered_before,
+    }
+}
+
+/// What `stagehand ingest` says on stderr about the placement and the request.
+pub fn report_text(report: &IngestReport) -> String {
+    let mut out = format!(
+        "{} {} files ({} bytes) {} {} on tier {}{}\n",
+        if report.in_place {
+            "registered"
+        } else {
+            "placed"
+        },
+        report.files,
+        report.bytes,
+        if report.in_place {
+            "in place at"
+        } else {
+            "under"
+        },
+        report.location.prefix,
+        report.location.tier,
+        if report.existed {
+            " (already placed by an earlier run)"
+        } else {
+            ""
+        }
+    );
+    if report.by_reference {
+        out.push_str(&format!(
+            "the manifest travels by reference: {} in {}\n",
+            report.digest,
+            stagehand_schemas::subject::upload_manifest_bucket(&report.request.project)
+        ));
+    }
+    if report.attempt > 0 {
+        out.push_str(&format!(
+            "published as attempt {} (earlier attempts were rejected)\n",
+            report.attempt
+        ));
+    }
+    if report.answered_before {
+        out.push_str("answered by the validator's record of an earlier run\n");
+    }
+    out
+}
+
+/// What `stagehand ingest --json` prints.
+pub fn report_json(report: &IngestReport) -> serde_json::Value {
+    let outcome = match &report.outcome {
+        Some(Outcome::Validated(v)) => serde_json::json!({ "validated": v }),
+        Some(Outcome::Rejected(r)) => serde_json::json!({ "rejected": r }),
+        None => serde_json::Value::Null,
+    };
+    serde_json::json!({
+        "request_id": report.request.id,
+        "attempt": report.attempt,
+        "earlier_rejections": report.earlier_rejections,
+        "tier": report.location.tier,
+        "prefix": report.location.prefix,
+        "in_place": report.in_place,
+        "digest": report.digest,
+        "files": report.files,
+        "bytes": report.bytes,
+        "by_reference": report.by_reference,
+        "existed": report.existed,
+        "answered_before": report.answered_before,
+        // The same upload as an earlier run: placed already, requested within the duplicate
+        // window, or answered from the validator's record.
+        "duplicate": report.existed || !report.published_new || report.answered_before,
+        "outcome": outcome,
     })
 }
 
@@ -586,17 +600,32 @@ pub fn outcome_text(outcome: &Outcome) -> String {
             "validated: {} version {} ({} files, {} bytes)\n",
             v.dataset,
             v.version,
-            v.files.len(),
+            v.manifest
+                .as_ref()
+                .map_or(v.files.len() as u64, |m| m.files),
             v.total_bytes
         ),
         Outcome::Rejected(r) => {
-            let mut out = format!("rejected: {} ({} problems)\n", r.dataset, r.problems.len());
+            let total = r.problems_total.unwrap_or(r.problems.len() as u64);
+            let mut out = format!("rejected: {} ({total} problems)\n", r.dataset);
             for p in &r.problems {
                 out.push_str(&format!(
                     "  {:<20} {:<30} {}\n",
                     p.code,
                     p.path.as_deref().unwrap_or("-"),
                     p.detail
+                ));
+            }
+            if (r.problems.len() as u64) < total {
+                let counts: Vec<String> = r
+                    .problem_counts
+                    .iter()
+                    .map(|(code, n)| format!("{code} {n}"))
+                    .collect();
+                out.push_str(&format!(
+                    "  … {} more not listed (by code: {})\n",
+                    total - r.problems.len() as u64,
+                    counts.join(", ")
                 ));
             }
             if let Some(q) = &r.quarantine {
@@ -612,83 +641,53 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scan_refuses_a_symlink_that_leaves_the_folder() {
-        let dir = tempfile::tempdir().unwrap();
-        let outside = tempfile::tempdir().unwrap();
-        std::fs::write(outside.path().join("secret"), b"x").unwrap();
-        std::fs::write(dir.path().join("a.txt"), b"a").unwrap();
-        std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("link")).unwrap();
-        let err = scan(dir.path()).unwrap_err().to_string();
-        assert!(
-            err.contains("symlink link points to") && err.contains("refused"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn scan_lists_files_and_skips_inner_symlinks() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("sub")).unwrap();
-        std::fs::write(dir.path().join("sub/b.bin"), b"bb").unwrap();
-        std::fs::write(dir.path().join("a.txt"), b"a").unwrap();
-        std::os::unix::fs::symlink(dir.path().join("a.txt"), dir.path().join("alias")).unwrap();
-        let files = scan(dir.path()).unwrap();
-        assert_eq!(
-            files,
-            vec![
-                LocalFile {
-                    rel: "a.txt".into(),
-                    size: 1
-                },
-                LocalFile {
-                    rel: "sub/b.bin".into(),
-                    size: 2
-                }
-            ]
-        );
-    }
-
-    #[tokio::test]
-    async fn placing_twice_is_one_version_and_no_partial_prefix() {
-        let folder = tempfile::tempdir().unwrap();
-        let root = tempfile::tempdir().unwrap();
-        for i in 0..20 {
-            std::fs::write(folder.path().join(format!("f{i}")), vec![i as u8; 1000 + i]).unwrap();
-        }
-        let tier = PosixTier::open("source", root.path()).unwrap();
-        let files = scan(folder.path()).unwrap();
-        let bar = ProgressBar::hidden();
-        let a = place(&tier, folder.path(), "p", "d", &files, None, &bar)
-            .await
-            .unwrap();
-        let b = place(&tier, folder.path(), "p", "d", &files, None, &bar)
-            .await
-            .unwrap();
-        assert!(!a.existed && b.existed);
-        assert_eq!(
-            Placed {
-                existed: false,
-                ..b
-            },
-            a
-        );
-        let entries: Vec<_> = std::fs::read_dir(root.path().join("p/d"))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert_eq!(entries.len(), 1, "no incoming folder left: {entries:?}");
-        let f3 = a.files.iter().find(|f| f.path == "f3").unwrap();
-        assert_eq!(f3.sha256, stagehand_schemas::sha256_hex(&[3u8; 1003]));
-        let r1 = request("p", "d", "source", &a.prefix, a.files.clone(), "u", vec![]);
-        let r2 = request("p", "d", "source", &a.prefix, a.files, "u", vec![]);
-        assert_eq!(r1.id, r2.id, "the same upload is the same request");
-    }
-
-    #[test]
     fn names_are_checked() {
         assert!(check_name("dataset", "imagenet-1k_v2.0").is_ok());
         for bad in ["", ".hidden", "a/b", "../x", "sp ace"] {
             assert!(check_name("dataset", bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_verdict_from_before_the_publication_is_recorded() {
+        let now = stagehand_schemas::event::now();
+        let verdict = |at| Verdict {
+            outcome: Outcome::Rejected(DatasetRejected {
+                dataset: "d".into(),
+                source: Location {
+                    tier: "source".into(),
+                    prefix: "p/d".into(),
+                },
+                declared_version: "0".repeat(64),
+                requested_by: "u".into(),
+                request_id: EventId::random(),
+                problems: vec![],
+                quarantine: None,
+                problem_counts: vec![],
+                problems_total: None,
+            }),
+            occurred_at: at,
+        };
+        let skew = Duration::from_secs(2);
+        assert!(is_recorded(
+            &verdict(now - Duration::from_secs(60)),
+            now,
+            skew
+        ));
+        assert!(!is_recorded(
+            &verdict(now - Duration::from_secs(1)),
+            now,
+            skew
+        ));
+        assert!(!is_recorded(
+            &verdict(now + Duration::from_secs(1)),
+            now,
+            skew
+        ));
+        assert!(is_recorded(
+            &verdict(now - Duration::from_millis(1)),
+            now,
+            Duration::ZERO
+        ));
     }
 }

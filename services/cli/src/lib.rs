@@ -1,13 +1,16 @@
-//! The `stagehand` command: ingest, catalogue queries, checkpoints, dead letters, `cp`, and `up` — Stagehand
-//! on one machine.
+//! The `stagehand` command: ingest, catalogue queries, checkpoints, dead letters, `cp`, `up` —
+//! Stagehand on one machine — and `stage`, what scheduler plugins call.
 //!
 //! The binary only parses arguments ([`cli::Cli`]) and calls [`cli::run`]; each command's logic
 //! is a module here, so the tests drive the same code paths the command runs.
 
+pub mod args;
 pub mod catalogue;
 pub mod checkpoint;
 pub mod cli;
 pub mod cp;
 pub mod dlq;
 pub mod ingest;
+pub mod stage;
+pub mod tier;
 pub mod up;

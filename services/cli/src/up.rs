@@ -112,7 +112,9 @@ macro_rules! service {
 pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_ingest_validator, Settings),
     service!(stagehand_catalogue_recorder, RecorderConfig),
+    service!(stagehand_resharder, Settings),
     service!(stagehand_promoter, Settings),
+    service!(stagehand_demoter, Settings),
 ];
 
 /// How long services may take to drain after Ctrl-C.
@@ -295,7 +297,8 @@ fn start_server(home: &Path, port: u16) -> anyhow::Result<Server> {
     std::fs::create_dir_all(&data)?;
     let log = home.join("nats-server.log");
     let binary = nats_server_binary(home);
-    // Raise max_payload above Stagehand's event bound (deploy/nats/dev.conf says why).
+    // The development settings (deploy/nats/dev.conf): the server's own limits, as a stock
+    // nats-server has them.
     let conf = server_conf(home);
     std::fs::write(&conf, include_str!("../../../deploy/nats/dev.conf"))?;
     let parent = rustix::process::getpid();

@@ -582,10 +582,12 @@ fn bad_arguments_exit_64_and_unreachable_nats_69() {
     let out = stagehand(&url, &args);
     assert_eq!(out.status.code(), Some(64), "{}", stderr(&out));
 
-    let out = stagehand(&url, &commit_args(policies, "10", done));
+    let mut args = commit_args(policies, "10", done);
+    args.extend(["--connect-timeout", "1s"]);
+    let out = stagehand(&url, &args);
     assert_eq!(out.status.code(), Some(69), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains("connecting to NATS"),
+        stderr(&out).contains(&format!("cannot reach NATS at {url} within")),
         "{}",
         stderr(&out)
     );

@@ -126,7 +126,8 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
             format!("request {i}\n").repeat(i + 1),
         )?;
         let opts = IngestOptions {
-            folder: folder.clone(),
+            source: folder.to_str().expect("a UTF-8 temp path").to_owned(),
+            in_place: false,
             project: "lab-c".into(),
             dataset: format!("ds-{i}"),
             tier: "source".into(),
@@ -136,6 +137,8 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
             manifest: None,
             wait: None,
             progress: false,
+            clock_skew: stagehand::ingest::CLOCK_SKEW,
+            spool: None,
         };
         // While the cluster elects new leaders a publish can fail; the same content is the same
         // request id, so trying again is safe (the duplicate window drops a second copy).

@@ -4,8 +4,9 @@
 //! `stagehand ingest --wait` (first and repeated) gets its verdict with only the uploader's
 //! permissions, a dataset whose manifest travels by reference (put by the uploader in its
 //! project's upload bucket, stored validated in the services' bucket, read by the recorder)
-//! goes through with each role's own user, and `stagehand up --external-nats` says where it
-//! runs without the password. NKey seed files work
+//! goes through with each role's own user, a training job's user commits its project's
+//! checkpoints (inline, by reference, a re-commit compared) and nothing else, and `stagehand up
+//! --external-nats` says where it runs without the password. NKey seed files work
 //! for the CLI and the services; a failed connection names the server without its password.
 
 use std::path::Path;
@@ -13,47 +14,15 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use stagehand::ingest::{Outcome, place, scan, wait_outcome, watch_outcomes};
+use stagehand::ingest::{IngestOptions, Outcome};
 use stagehand_bus::{Bus, BusConfig};
-use stagehand_manifest::{BucketOptions, Manifest, ManifestStore};
+use stagehand_manifest::ManifestStore;
+use stagehand_schemas::Body;
 use stagehand_schemas::subject::MANIFEST_BUCKET;
-use stagehand_schemas::{
-    Body, Event, EventId, INLINE_MANIFEST_MAX_BYTES, IngestRequested, Location,
-};
-use stagehand_testkit::{NatsServer, repo_root};
-
-const ROLES: &[&str] = &[
-    "UPLOADER_DEMO",
-    "SCHEDULER",
-    "INGEST_VALIDATOR",
-    "RESHARDER",
-    "PROMOTER",
-    "DEMOTER",
-    "BACKUP_COPIER",
-    "CATALOGUE_RECORDER",
-    "OPERATOR",
-    "SYS",
-];
-
-fn password(role: &str) -> String {
-    format!("secret-{}-pw", role.to_ascii_lowercase())
-}
-
-fn url(server: &NatsServer, user: &str, role: &str) -> String {
-    format!(
-        "nats://{user}:{}@127.0.0.1:{}",
-        password(role),
-        server.port()
-    )
-}
+use stagehand_testkit::{NatsServer, accounts_roles, role_password, user_url};
 
 fn start_server() -> NatsServer {
-    let mut builder =
-        NatsServer::builder().config_file(repo_root().join("deploy/nats/accounts.conf"));
-    for role in ROLES {
-        builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
-    }
-    builder.start()
+    NatsServer::builder().shipped_accounts().start()
 }
 
 /// Runs the real `stagehand` binary with `STAGEHAND_NATS_URL = url` and nothing else of the
@@ -80,9 +49,9 @@ fn said(out: &Output) -> String {
 }
 
 fn no_secrets(text: &str) -> anyhow::Result<()> {
-    for role in ROLES {
+    for role in accounts_roles() {
         ensure!(
-            !text.contains(&password(role)),
+            !text.contains(&role_password(&role)),
             "a password was shown:\n{text}"
         );
     }
@@ -115,9 +84,10 @@ fn write_many(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// What an uploader does for a dataset whose manifest is too large to inline, with its own
-/// user only: places the files on the source tier, puts the manifest in its project's upload
-/// bucket, publishes the request carrying the reference, follows its progress and waits for
-/// the verdict. Returns the reference and the verdict.
+/// user only: `stagehand ingest --wait` as a library call places the files on the source tier,
+/// puts the manifest in its project's upload bucket, publishes the request carrying the
+/// reference, follows its progress and waits for the verdict. Returns the reference and the
+/// verdict.
 async fn ingest_by_reference(
     uploader_url: &str,
     policies: &Path,
@@ -127,68 +97,43 @@ async fn ingest_by_reference(
     let mut cfg = BusConfig::new(uploader_url);
     cfg.provision = false;
     let bus = Bus::connect(&cfg).await?;
-    let policies = stagehand_policy::Policies::load_dir(policies)?;
-    let stagehand_mover::Tier::Posix(tier) =
-        policies.tier("source").context("a source tier")?.open()?
-    else {
-        anyhow::bail!("the source tier is not posix");
+    let opts = IngestOptions {
+        source: folder.to_str().context("a UTF-8 temp path")?.to_owned(),
+        in_place: false,
+        project: "demo".into(),
+        dataset: dataset.into(),
+        tier: "source".into(),
+        policies: policies.to_owned(),
+        requested_by: "uploader-demo".into(),
+        labels: Vec::new(),
+        manifest: None,
+        wait: Some(Duration::from_secs(60)),
+        progress: false,
+        clock_skew: stagehand::ingest::CLOCK_SKEW,
+        spool: None,
     };
-    let files = scan(folder)?;
-    let placed = place(
-        &tier,
-        folder,
-        "demo",
-        dataset,
-        &files,
-        None,
-        &indicatif::ProgressBar::hidden(),
-    )
-    .await?;
-    let manifest = Manifest::from_entries(placed.files.clone());
-    ensure!(
-        manifest.canonical_len() > INLINE_MANIFEST_MAX_BYTES && !manifest.fits_inline(),
-        "{} bytes of manifest would travel inline",
-        manifest.canonical_len()
-    );
     // The bucket is the operator's (`stagehand provision --project demo`): opened, not made.
-    let reference = ManifestStore::uploads(bus.jetstream(), "demo", BucketOptions::default())
-        .await?
-        .put(&manifest)
-        .await?;
-    let request = Event::request(
-        EventId::for_content(&[
-            b"ingest",
-            b"demo",
-            dataset.as_bytes(),
-            reference.digest.as_bytes(),
-        ]),
-        "demo",
-        Body::IngestRequested(IngestRequested {
-            dataset: dataset.into(),
-            source: Location {
-                tier: "source".into(),
-                prefix: placed.prefix.clone(),
-            },
-            files: Vec::new(),
-            manifest: Some(reference.clone()),
-            requested_by: "uploader-demo".into(),
-            labels: Vec::new(),
-        }),
-    );
-    // Its project's validation progress and verdicts, subscribed before the request goes out.
-    let _progress = bus
-        .client()
-        .subscribe("stagehand.progress.ingest.requested.demo.*")
-        .await?;
-    let verdicts = watch_outcomes(&bus, "demo").await?;
-    bus.publish(&request).await?;
-    let outcome = wait_outcome(verdicts, &request.id, Duration::from_secs(60)).await?;
+    let report = stagehand::ingest::ingest(&bus, &opts).await?;
+    let Body::IngestRequested(request) = &report.request.body else {
+        anyhow::bail!("not an ingest request: {:?}", report.request.body);
+    };
+    let reference = request
+        .manifest
+        .clone()
+        .with_context(|| format!("{MANY_FILES} files' manifest travelled inline"))?;
     ensure!(
-        bus.permission_violations().is_empty(),
-        "the uploader was refused: {:?}",
-        bus.permission_violations()
+        request.files.is_empty() && reference.files > 0,
+        "the request carries only the reference"
     );
-    Ok((reference, outcome))
+    // Waiting for the catalogue is a courtesy an uploader without query rights goes without
+    // (the ingest stops asking at the first refusal); nothing else may be refused.
+    let refused: Vec<String> = bus
+        .permission_violations()
+        .into_iter()
+        .filter(|v| !v.contains("\"stagehand.catalogue.query\""))
+        .collect();
+    ensure!(refused.is_empty(), "the uploader was refused: {refused:?}");
+    Ok((reference, report.outcome.context("no verdict")?))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -207,7 +152,7 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     // The operator provisions, the project's upload bucket too; the password never appears
     // in what it prints.
     let out = stagehand(
-        &url(&server, "operator", "OPERATOR"),
+        &user_url(&server, "operator", "OPERATOR"),
         &["provision", "--project", "demo"],
     )?;
     ensure!(out.status.success(), "{}", said(&out));
@@ -222,7 +167,7 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
 
     // The validator runs as its own user, checking rather than managing streams.
     let mut config = stagehand_ingest_validator::config(
-        &url(&server, "ingest-validator", "INGEST_VALIDATOR"),
+        &user_url(&server, "ingest-validator", "INGEST_VALIDATOR"),
         &policies,
         home.path().join("state/ingest-validator"),
     );
@@ -233,7 +178,7 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     // The uploader ingests into its project and waits, with only its own permissions.
     let folder = tempfile::tempdir()?;
     write_folder(folder.path())?;
-    let uploader = url(&server, "uploader-demo", "UPLOADER_DEMO");
+    let uploader = user_url(&server, "uploader-demo", "UPLOADER_DEMO");
     let ingest = [
         "ingest",
         folder.path().to_str().context("utf-8")?,
@@ -295,7 +240,8 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
             && reference.files == MANY_FILES as u64,
         "{validated:?}"
     );
-    let operator_bus = Bus::connect(&BusConfig::new(url(&server, "operator", "OPERATOR"))).await?;
+    let operator_bus =
+        Bus::connect(&BusConfig::new(user_url(&server, "operator", "OPERATOR"))).await?;
     ensure!(
         ManifestStore::open(operator_bus.jetstream(), MANIFEST_BUCKET)
             .await?
@@ -311,13 +257,13 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     // The recorder runs as its own user: it rebuilds its catalogue from the facts log (an
     // ephemeral consumer), folds live facts, mirrors readiness and answers the operator.
     let mut config = stagehand_catalogue_recorder::config(
-        &url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"),
+        &user_url(&server, "catalogue-recorder", "CATALOGUE_RECORDER"),
         home.path().join("state/catalogue"),
     );
     config.bus.provision = false;
     let shutdown = stagehand_bus::CancellationToken::new();
     let recorder = tokio::spawn(stagehand_catalogue_recorder::run(config, shutdown.clone()));
-    let operator = url(&server, "operator", "OPERATOR");
+    let operator = user_url(&server, "operator", "OPERATOR");
     let shown =
         stagehand_testkit::wait_for(Duration::from_secs(60), "the catalogue to answer", || {
             let operator = operator.clone();
@@ -391,7 +337,10 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
     let mut up = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(["up", "--external-nats", "--home"])
         .arg(home.path().join("up"))
-        .env("STAGEHAND_NATS_URL", url(&server, "operator", "OPERATOR"))
+        .env(
+            "STAGEHAND_NATS_URL",
+            user_url(&server, "operator", "OPERATOR"),
+        )
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -434,7 +383,7 @@ async fn nkey_seed_files_work_for_the_cli_and_the_services() -> anyhow::Result<(
     std::fs::write(
         &conf,
         format!(
-            "max_payload: 16MB\nauthorization {{\n  users: [ {{ nkey: {} }} ]\n}}\n",
+            "authorization {{\n  users: [ {{ nkey: {} }} ]\n}}\n",
             user.public_key()
         ),
     )?;
@@ -509,7 +458,7 @@ fn a_comma_separated_server_list_works_in_the_cli() -> anyhow::Result<()> {
 async fn provision_creates_every_declared_kv_bucket_the_services_own_included() -> anyhow::Result<()>
 {
     let server = start_server();
-    let out = stagehand(&url(&server, "operator", "OPERATOR"), &["provision"])?;
+    let out = stagehand(&user_url(&server, "operator", "OPERATOR"), &["provision"])?;
     ensure!(out.status.success(), "{}", said(&out));
     let declared: Vec<_> = stagehand_bus::KV_BUCKETS
         .iter()
@@ -522,7 +471,7 @@ async fn provision_creates_every_declared_kv_bucket_the_services_own_included() 
         "the promoter's bucket is declared"
     );
     let text = said(&out);
-    let operator = Bus::connect(&BusConfig::new(url(&server, "operator", "OPERATOR"))).await?;
+    let operator = Bus::connect(&BusConfig::new(user_url(&server, "operator", "OPERATOR"))).await?;
     for spec in &declared {
         ensure!(
             text.contains(spec.bucket),
@@ -546,7 +495,7 @@ async fn provision_creates_every_declared_kv_bucket_the_services_own_included() 
             spec.bucket
         );
     }
-    let mut cfg = BusConfig::new(url(&server, "promoter", "PROMOTER"));
+    let mut cfg = BusConfig::new(user_url(&server, "promoter", "PROMOTER"));
     cfg.provision = false;
     let promoter = Bus::connect(&cfg).await?;
     promoter.provision_kv(&stagehand_bus::PROMOTER).await?;
@@ -554,6 +503,188 @@ async fn provision_creates_every_declared_kv_bucket_the_services_own_included() 
         promoter.permission_violations().is_empty(),
         "{:?}",
         promoter.permission_violations()
+    );
+    Ok(())
+}
+
+/// Runs `stagehand checkpoint commit` as `user_url` for `project`; returns its output.
+fn commit_checkpoint(
+    user_url: &str,
+    policies: &Path,
+    project: &str,
+    step: &str,
+    dir: &Path,
+    extra: &[&str],
+) -> anyhow::Result<Output> {
+    let mut args = vec![
+        "checkpoint",
+        "commit",
+        "--project",
+        project,
+        "--run",
+        "r1",
+        "--step",
+        step,
+        "--policies",
+        policies.to_str().context("utf-8")?,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    args.push(dir.to_str().context("utf-8")?);
+    stagehand(user_url, &args)
+}
+
+/// Waits for the bus's next permission violation and checks that it names `subject`.
+async fn violation_names(bus: &Bus, seen: usize, subject: &str) -> anyhow::Result<()> {
+    let all = stagehand_testkit::wait_for(Duration::from_secs(10), "a violation", || async {
+        let all = bus.permission_violations();
+        (all.len() > seen).then_some(all)
+    })
+    .await?;
+    ensure!(
+        all[seen..].iter().any(|v| v.contains(subject)),
+        "no violation names {subject}: {all:?}"
+    );
+    Ok(())
+}
+
+/// Guards the TRAINER_DEMO role of `deploy/nats/accounts.conf`: a training job's user commits
+/// its project's checkpoints with `stagehand checkpoint commit` (inline, by reference in the
+/// project's upload bucket, a re-commit compared with the stored one) and may do nothing else
+/// (another project's fact subject or upload bucket, a request subject, a catalogue query);
+/// the recorder's user reads the manifest it put.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_training_job_commits_its_projects_checkpoints_and_nothing_else() -> anyhow::Result<()> {
+    let server = start_server();
+    let home = tempfile::tempdir()?;
+    let policies = home.path().join("policies");
+    stagehand::up::write_default_policies(&policies, home.path())?;
+    let operator = user_url(&server, "operator", "OPERATOR");
+    for project in ["demo", "other-lab"] {
+        let out = stagehand(&operator, &["provision", "--project", project])?;
+        ensure!(out.status.success(), "{}", said(&out));
+    }
+    let trainer = user_url(&server, "trainer-demo", "TRAINER_DEMO");
+    let run_dir = home.path().join("tiers/hot/demo/runs/r1");
+
+    // Inline: a DCP save, committed; again as the same fact; with a tag it was not committed
+    // with, refused after the stored commit was read (by subject, the trainer's right).
+    let dcp = run_dir.join("step-100");
+    std::fs::create_dir_all(&dcp)?;
+    std::fs::write(dcp.join("__0_0.distcp"), b"shard zero")?;
+    std::fs::write(dcp.join(".metadata"), b"dcp metadata")?;
+    for duplicate in [false, true] {
+        let out = commit_checkpoint(&trainer, &policies, "demo", "100", &dcp, &[])?;
+        no_secrets(&said(&out))?;
+        ensure!(out.status.success(), "inline commit: {}", said(&out));
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(
+            answer["duplicate"] == duplicate && answer["manifest"].is_null(),
+            "{answer}"
+        );
+    }
+    let out = commit_checkpoint(&trainer, &policies, "demo", "100", &dcp, &["--tag", "best"])?;
+    ensure!(
+        out.status.code() == Some(1)
+            && said(&out).contains("step 100 of run r1 was committed before with tags []"),
+        "a re-commit with another tag: {}",
+        said(&out)
+    );
+
+    // By reference: the manifest goes into the project's upload bucket.
+    let many = run_dir.join("step-200");
+    std::fs::create_dir_all(&many)?;
+    for i in 0..MANY_FILES {
+        std::fs::write(
+            many.join(format!("shard-with-a-long-name-{i:05}.bin")),
+            format!("shard {i}\n"),
+        )?;
+    }
+    let out = commit_checkpoint(&trainer, &policies, "demo", "200", &many, &["--complete"])?;
+    ensure!(out.status.success(), "by-reference commit: {}", said(&out));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        answer["files"] == MANY_FILES && answer["manifest"].is_string(),
+        "{answer}"
+    );
+
+    // Both facts are stored; the recorder's user reads (verified) the manifest put by the
+    // training job.
+    let operator_bus = Bus::connect(&BusConfig::new(&operator)).await?;
+    let mut facts = operator_bus
+        .jetstream()
+        .get_stream("STAGEHAND_FACTS")
+        .await?;
+    let stored = facts.info().await?.state.messages;
+    ensure!(stored == 2, "{stored} commits stored, not 2");
+    let last = facts
+        .get_last_raw_message_by_subject("stagehand.fact.checkpoint.committed.demo")
+        .await?;
+    let Body::CheckpointCommitted(fact) = stagehand_schemas::wire::decode(&last.payload)?.body
+    else {
+        anyhow::bail!("not a checkpoint commit");
+    };
+    let reference = fact.manifest.context("step 200 by reference")?;
+    let mut cfg = BusConfig::new(user_url(
+        &server,
+        "catalogue-recorder",
+        "CATALOGUE_RECORDER",
+    ));
+    cfg.provision = false;
+    let recorder = Bus::connect(&cfg).await?;
+    let manifest = ManifestStore::open(recorder.jetstream(), "stagehand_uploads_demo")
+        .await?
+        .fetch(&reference, &stagehand_manifest::Spool::default())
+        .await?;
+    ensure!(
+        manifest.files() == MANY_FILES as u64 && manifest.digest() == reference.digest,
+        "{} entries",
+        manifest.files()
+    );
+    ensure!(
+        recorder.permission_violations().is_empty(),
+        "{:?}",
+        recorder.permission_violations()
+    );
+
+    // Nothing else: another project's commit (its fact subject and its upload bucket), a
+    // verdict, a request, a catalogue query, a direct get by sequence (any project's fact), a
+    // consumer. Each is refused by the server, which says so at once.
+    let mut cfg = BusConfig::new(&trainer);
+    cfg.provision = false;
+    let bus = Bus::connect(&cfg).await?;
+    for denied in [
+        "stagehand.fact.checkpoint.committed.other-lab",
+        "stagehand.fact.dataset.validated.demo",
+        "stagehand.req.stage.requested.demo",
+        "stagehand.req.ingest.requested.demo",
+        "stagehand.catalogue.query",
+        "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_other-lab",
+        "$JS.API.DIRECT.GET.OBJ_stagehand_uploads_other-lab.$O.stagehand_uploads_other-lab.M.x",
+        "$O.stagehand_uploads_other-lab.C.x",
+        "$O.stagehand_uploads_other-lab.M.x",
+        "$JS.API.DIRECT.GET.STAGEHAND_FACTS",
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_FACTS",
+    ] {
+        let seen = bus.permission_violations().len();
+        bus.client().publish(denied, "no".into()).await?;
+        bus.client().flush().await?;
+        violation_names(&bus, seen, denied).await?;
+    }
+    // Nor may it read what others publish, its own project's facts included.
+    for denied in [
+        "stagehand.fact.checkpoint.committed.demo",
+        "stagehand.fact.>",
+    ] {
+        let seen = bus.permission_violations().len();
+        let _sub = bus.client().subscribe(denied).await?;
+        bus.client().flush().await?;
+        violation_names(&bus, seen, denied).await?;
+    }
+    let stored = facts.info().await?.state.messages;
+    ensure!(
+        stored == 2,
+        "{stored} facts stored after the denials, not 2"
     );
     Ok(())
 }

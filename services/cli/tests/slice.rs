@@ -32,7 +32,8 @@ fn write_sample(dir: &Path, files: usize) {
 
 fn options(stack: &Stack, folder: &Path, dataset: &str) -> IngestOptions {
     IngestOptions {
-        folder: folder.to_owned(),
+        source: folder.to_str().expect("a UTF-8 temp path").to_owned(),
+        in_place: false,
         project: "lab-a".into(),
         dataset: dataset.into(),
         tier: "source".into(),
@@ -42,6 +43,8 @@ fn options(stack: &Stack, folder: &Path, dataset: &str) -> IngestOptions {
         manifest: None,
         wait: Some(WAIT),
         progress: false,
+        clock_skew: stagehand::ingest::CLOCK_SKEW,
+        spool: None,
     }
 }
 
@@ -102,10 +105,10 @@ async fn ingest_validate_catalogue_reject_and_dedup() -> anyhow::Result<()> {
     let Some(Outcome::Validated(validated)) = &report.outcome else {
         anyhow::bail!("sample not validated: {:?}", report.outcome)
     };
-    let digest = version_digest(&report.placed.files);
+    let report_files: Vec<FileRef> = report.manifest.entries().collect::<Result<_, _>>()?;
+    let digest = version_digest(&report_files);
     assert_eq!(validated.version, digest);
-    assert_eq!(report.placed.files.len(), 120);
-    let report_files = report.placed.files.clone();
+    assert_eq!(report_files.len(), 120);
     let detail = wait_for(WAIT, "the sample in the catalogue", || async {
         dataset(&client, "sample")
             .await

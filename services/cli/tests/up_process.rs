@@ -496,7 +496,7 @@ async fn the_next_up_stops_a_server_left_behind_and_says_so() -> anyhow::Result<
     // What an earlier `up` leaves: its server, running its config file for this home, and the
     // pid file. This one has no parent-death signal, as if its `up` had been lost with it.
     let conf = home.join("nats-dev.conf");
-    std::fs::write(&conf, "max_payload: 16MB\n")?;
+    std::fs::write(&conf, include_str!("../../../deploy/nats/dev.conf"))?;
     let old_port = free_port()?;
     let mut orphan = Command::new(stagehand_testkit::nats_server_binary())
         .arg("-c")

@@ -38,9 +38,9 @@ use std::path::{Path, PathBuf};
 
 pub use error::PolicyError;
 pub use pipeline::{
-    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DemotionPolicy, Expiry,
-    PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy, RetentionPolicy, ShardLayout,
-    VerifyMode,
+    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DatasetPacking, DemotionPolicy,
+    Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked, Packing, PackingPolicy, PriorityClass,
+    PriorityPolicy, PromotionPolicy, RetentionPolicy, ShardLayout, VerifyMode,
 };
 pub use tiers::{
     DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, TierKind, TierLimits, TierPolicy, TierRole,

@@ -475,3 +475,101 @@ fn posix_tiers_open_through_the_mover() {
     let tier = source.open().unwrap();
     assert_eq!(tier.name(), "source");
 }
+
+/// The packing policy selects by its thresholds and projects, and a dataset's own table wins
+/// over both; a dataset's settings replace the file's key by key.
+#[test]
+fn packing_selects_by_thresholds_and_dataset_tables() {
+    use stagehand_policy::{IncompletePolicy, NotPacked};
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("projects = []", "projects = [\"vision-lab\"]")
+            .replace("require_extensions = []", "require_extensions = [\"jpg\"]")
+            + "\n[datasets.\"audio/speech\"]\npack = true\nseed = 7\nshard_size = \"256 MiB\"\nincomplete = \"exclude\"\n\n[datasets.\"vision-lab/private\"]\npack = false\n"
+    });
+    let home = dir.parent().unwrap().join("home");
+    let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+    let p = policies.packing().unwrap();
+
+    let packing = p
+        .packing_for("vision-lab", "street", 20_000, 20_000 * 100_000)
+        .unwrap();
+    assert_eq!(packing.seed, 0);
+    assert_eq!(packing.shard_size, 1 << 30);
+    assert_eq!(packing.require_extensions, ["jpg"]);
+    assert_eq!(packing.incomplete, IncompletePolicy::Abort);
+    assert_eq!(packing.target_tier, "capacity");
+
+    assert_eq!(
+        p.packing_for("vision-lab", "street", 9_999, 1),
+        Err(NotPacked::TooFewFiles {
+            files: 9_999,
+            min: 10_000
+        })
+    );
+    assert!(matches!(
+        p.packing_for("vision-lab", "street", 20_000, 20_000 * (5 << 20)),
+        Err(NotPacked::FilesTooLarge { .. })
+    ));
+    assert_eq!(
+        p.packing_for("other-lab", "street", 20_000, 1),
+        Err(NotPacked::ProjectNotSelected("other-lab".into()))
+    );
+    assert_eq!(
+        p.packing_for("vision-lab", "private", 20_000, 1),
+        Err(NotPacked::Excluded)
+    );
+    // Listed with pack = true: packed although its project is not selected and it is small.
+    let speech = p.packing_for("audio", "speech", 3, 3 << 30).unwrap();
+    assert_eq!(
+        (speech.seed, speech.shard_size, speech.incomplete),
+        (7, 256 << 20, IncompletePolicy::Exclude)
+    );
+    assert_eq!(speech.require_extensions, ["jpg"]);
+}
+
+#[test]
+fn packing_mistakes_are_named() {
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("require_extensions = []", "require_extensions = [\".jpg\"]")
+    });
+    expect_invalid(&dir, "packing.toml", "require_extensions", "leading dot");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("require_extensions = []", "require_extensions = [\"JPG\"]")
+    });
+    expect_invalid(&dir, "packing.toml", "require_extensions", "lowercase");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("incomplete = \"abort\"", "incomplete = \"ignore\"")
+    });
+    expect_invalid(&dir, "packing.toml", "incomplete", "unknown variant");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("projects = []", "projects = [\"Vision Lab\"]")
+    });
+    expect_invalid(&dir, "packing.toml", "projects", "not a project name");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t + "\n[datasets.\"no-slash\"]\nseed = 1\n"
+    });
+    expect_invalid(
+        &dir,
+        "packing.toml",
+        "datasets.no-slash",
+        "<project>/<dataset>",
+    );
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t + "\n[datasets.\"lab/cats\"]\nshard_size = \"1 KiB\"\n"
+    });
+    expect_invalid(
+        &dir,
+        "packing.toml",
+        "datasets.lab/cats.shard_size",
+        "below the minimum",
+    );
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t + "\n[datasets.\"lab/cats\"]\nsead = 1\n"
+    });
+    expect_invalid(
+        &dir,
+        "packing.toml",
+        "datasets.lab/cats.sead",
+        "unknown field",
+    );
+}

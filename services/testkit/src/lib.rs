@@ -23,6 +23,7 @@
 //! # }
 //! ```
 
+mod accounts;
 mod nats;
 mod process;
 mod prometheus;
@@ -30,6 +31,7 @@ mod s3;
 mod tmpfs;
 mod wait;
 
+pub use accounts::{accounts_conf, accounts_roles, role_password, user_url};
 pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
 pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};

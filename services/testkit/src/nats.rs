@@ -158,8 +158,8 @@ impl NatsServer {
         match &self.config {
             Some(config) => cmd.arg("-c").arg(config),
             None => {
-                // The default max_payload (1 MB) is under Stagehand's event bound; tests run
-                // with the limits deployments use (deploy/nats/dev.conf).
+                // Tests run with the settings development uses (deploy/nats/dev.conf): the
+                // server's default limits, max_payload included.
                 let dev_conf = self.dir.path().join("dev.conf");
                 std::fs::write(&dev_conf, DEV_CONF).expect("write the dev nats config");
                 cmd.arg("-c").arg(dev_conf)

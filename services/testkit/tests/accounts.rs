@@ -14,33 +14,11 @@ use futures::StreamExt;
 use stagehand_manifest::{BucketOptions, Manifest, ManifestErrorKind, ManifestStore, Spool};
 use stagehand_schemas::FileRef;
 use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_bucket_spec, upload_manifest_bucket};
-use stagehand_testkit::{NatsServer, repo_root, wait_for};
+use stagehand_testkit::{NatsServer, role_password, user_url, wait_for};
 use tokio::sync::mpsc;
 
-const ROLES: &[&str] = &[
-    "UPLOADER_DEMO",
-    "SCHEDULER",
-    "INGEST_VALIDATOR",
-    "RESHARDER",
-    "PROMOTER",
-    "DEMOTER",
-    "BACKUP_COPIER",
-    "CATALOGUE_RECORDER",
-    "OPERATOR",
-    "SYS",
-];
-
-fn password(role: &str) -> String {
-    format!("test-password-{}", role.to_ascii_lowercase())
-}
-
 fn start_server() -> NatsServer {
-    let mut builder =
-        NatsServer::builder().config_file(repo_root().join("deploy/nats/accounts.conf"));
-    for role in ROLES {
-        builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
-    }
-    builder.start()
+    NatsServer::builder().shipped_accounts().start()
 }
 
 /// Connects as `user` with its own inbox prefix (`_INBOX_<user>`, the only inbox it may
@@ -60,7 +38,7 @@ async fn connect_with_inbox(
     inbox: &str,
 ) -> Result<(Client, mpsc::UnboundedReceiver<String>)> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let client = ConnectOptions::with_user_and_password(user.into(), password(role))
+    let client = ConnectOptions::with_user_and_password(user.into(), role_password(role))
         .custom_inbox_prefix(inbox)
         .event_callback(move |event| {
             let tx = tx.clone();
@@ -248,11 +226,7 @@ async fn jetstream_as(
 
 /// The operator's connection, which may manage streams.
 async fn operator_bus(server: &NatsServer) -> Result<stagehand_bus::Bus> {
-    let mut cfg = stagehand_bus::BusConfig::new(format!(
-        "nats://operator:{}@127.0.0.1:{}",
-        password("OPERATOR"),
-        server.port()
-    ));
+    let mut cfg = stagehand_bus::BusConfig::new(user_url(server, "operator", "OPERATOR"));
     cfg.connect_timeout = Duration::from_secs(10);
     Ok(stagehand_bus::Bus::connect(&cfg).await?)
 }
@@ -277,11 +251,7 @@ async fn provision_with_projects(server: &NatsServer, projects: &[&str]) -> Resu
 /// A stagehand connection as `user` (its inbox prefix follows from the URL), checking rather
 /// than managing streams, as the shipped service configurations do.
 async fn bus_as(server: &NatsServer, user: &str, role: &str) -> Result<stagehand_bus::Bus> {
-    let mut cfg = stagehand_bus::BusConfig::new(format!(
-        "nats://{user}:{}@127.0.0.1:{}",
-        password(role),
-        server.port()
-    ));
+    let mut cfg = stagehand_bus::BusConfig::new(user_url(server, user, role));
     cfg.provision = false;
     cfg.connect_timeout = Duration::from_secs(10);
     Ok(stagehand_bus::Bus::connect(&cfg).await?)
@@ -390,6 +360,7 @@ async fn no_user_reads_another_users_inbox() -> Result<()> {
     let server = start_server();
     for (user, role) in [
         ("uploader-demo", "UPLOADER_DEMO"),
+        ("trainer-demo", "TRAINER_DEMO"),
         ("scheduler", "SCHEDULER"),
         ("ingest-validator", "INGEST_VALIDATOR"),
         ("resharder", "RESHARDER"),
@@ -414,7 +385,7 @@ async fn no_user_reads_another_users_inbox() -> Result<()> {
         // Its own inbox works: a request to the server answers there.
         let mut js = jetstream::new(client.clone());
         js.set_timeout(Duration::from_secs(5));
-        if role != "UPLOADER_DEMO" {
+        if role != "UPLOADER_DEMO" && role != "TRAINER_DEMO" {
             js.query_account()
                 .await
                 .with_context(|| format!("{user}: $JS.API.INFO answered on its own inbox"))?;
@@ -457,6 +428,7 @@ async fn no_service_deletes_purges_or_reconfigures_a_stream() -> Result<()> {
         ("backup-copier", "BACKUP_COPIER"),
         ("scheduler", "SCHEDULER"),
         ("uploader-demo", "UPLOADER_DEMO"),
+        ("trainer-demo", "TRAINER_DEMO"),
     ] {
         let (client, mut errors) = connect(&server, user, role).await?;
         for api in [
@@ -983,12 +955,13 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
     let spool_dir = tempfile::tempdir()?;
     let spool = Spool::in_dir(spool_dir.path());
 
-    for (user, role, writes) in [
-        ("catalogue-recorder", "CATALOGUE_RECORDER", false),
-        ("promoter", "PROMOTER", false),
-        ("demoter", "DEMOTER", false),
-        ("backup-copier", "BACKUP_COPIER", false),
-        ("resharder", "RESHARDER", true),
+    // The recorder also reads upload buckets (checkpoint manifests training jobs put there).
+    for (user, role, writes, reads_uploads) in [
+        ("catalogue-recorder", "CATALOGUE_RECORDER", false, true),
+        ("promoter", "PROMOTER", false, false),
+        ("demoter", "DEMOTER", false, false),
+        ("backup-copier", "BACKUP_COPIER", false, false),
+        ("resharder", "RESHARDER", true, false),
     ] {
         // It finds the bucket among what it uses, and fetches the manifest, verified.
         let bus = bus_as(&server, user, role).await?;
@@ -1010,7 +983,7 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
         );
 
         // Only the resharder writes (its shard manifests); nobody purges, and nobody but the
-        // validator reads an upload bucket.
+        // validator and the recorder reads an upload bucket.
         let own = manifest(user, 10);
         if writes {
             store
@@ -1038,10 +1011,14 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
         let (client, mut errors) = connect(&server, user, role).await?;
         let mut refused = vec![
             "$JS.API.STREAM.PURGE.OBJ_stagehand_manifests",
-            "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_demo",
-            "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_demo",
             "$O.stagehand_uploads_demo.M.bmFtZQ==",
         ];
+        if !reads_uploads {
+            refused.extend([
+                "$JS.API.STREAM.INFO.OBJ_stagehand_uploads_demo",
+                "$JS.API.CONSUMER.CREATE.OBJ_stagehand_uploads_demo",
+            ]);
+        }
         if !writes {
             refused.extend([
                 "$O.stagehand_manifests.C.nuid1",

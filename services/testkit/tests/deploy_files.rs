@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use stagehand_testkit::{nats_server_binary, repo_root};
+use stagehand_testkit::{accounts_roles, nats_server_binary, repo_root};
 
 fn files(dir: &str, suffix: &str) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = std::fs::read_dir(repo_root().join(dir))
@@ -20,16 +20,10 @@ fn files(dir: &str, suffix: &str) -> Vec<PathBuf> {
 
 /// The password variables accounts.conf reads.
 fn password_vars() -> Vec<String> {
-    let text = std::fs::read_to_string(repo_root().join("deploy/nats/accounts.conf")).unwrap();
-    let mut vars: Vec<String> = text
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
-        .filter_map(|t| t.strip_prefix('$'))
-        .filter(|t| t.starts_with("STAGEHAND_NATS_") && t.ends_with("_PASSWORD"))
-        .map(str::to_string)
-        .collect();
-    vars.sort();
-    vars.dedup();
-    vars
+    accounts_roles()
+        .iter()
+        .map(|role| format!("STAGEHAND_NATS_{role}_PASSWORD"))
+        .collect()
 }
 
 fn check_config(path: &PathBuf, vars: &[String]) -> std::process::Output {
@@ -61,7 +55,7 @@ fn every_nats_config_is_valid() {
         );
     }
     let vars = password_vars();
-    assert_eq!(vars.len(), 10, "{vars:?}");
+    assert_eq!(vars.len(), 11, "{vars:?}");
     for conf in &confs {
         let out = check_config(conf, &vars);
         assert!(
@@ -112,8 +106,16 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         check::<stagehand_catalogue_recorder::RecorderConfig>,
     ),
     (
+        stagehand_resharder::SERVICE,
+        check::<stagehand_resharder::Settings>,
+    ),
+    (
         stagehand_promoter::SERVICE,
         check::<stagehand_promoter::Settings>,
+    ),
+    (
+        stagehand_demoter::SERVICE,
+        check::<stagehand_demoter::Settings>,
     ),
 ];
 

@@ -476,7 +476,7 @@ impl PosixTier {
     }
 
     /// The names in directory `rel_dir` (confined; empty when it does not exist).
-    pub(crate) fn list_dir(&self, rel_dir: &str) -> Result<Vec<String>, TransferError> {
+    pub fn list_dir(&self, rel_dir: &str) -> Result<Vec<String>, TransferError> {
         let fd = if rel_dir.is_empty() {
             self.inner.root_fd.clone()
         } else {

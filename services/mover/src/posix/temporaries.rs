@@ -39,7 +39,7 @@ impl PosixTier {
             }
             swept.insert(rel_dir.to_owned());
         }
-        match self.sweep_dir(dir, rel_dir, None) {
+        match self.sweep_dir(dir, rel_dir, None, false) {
             Ok(found) => {
                 if found.files_removed > 0 {
                     tracing::info!(
@@ -74,6 +74,28 @@ impl PosixTier {
         prefix: &str,
         opts: SweepOptions,
     ) -> Result<SweepReport, TransferError> {
+        self.sweep_stale_at(prefix, opts, true)
+    }
+
+    /// Like [`PosixTier::sweep_stale`], for the entries of `prefix` itself only: dead
+    /// writers' temp files and staging folders directly in it are removed, its ordinary
+    /// subfolders are not descended into. For a writer that stages its sets in one known
+    /// folder (`stagehand ingest` in `<project>/<dataset>/`, beside published versions of
+    /// millions of files it has no reason to walk).
+    pub fn sweep_stale_entries(
+        &self,
+        prefix: &str,
+        opts: SweepOptions,
+    ) -> Result<SweepReport, TransferError> {
+        self.sweep_stale_at(prefix, opts, false)
+    }
+
+    fn sweep_stale_at(
+        &self,
+        prefix: &str,
+        opts: SweepOptions,
+        descend: bool,
+    ) -> Result<SweepReport, TransferError> {
         let fd = if prefix.is_empty() {
             self.inner.root_fd.clone()
         } else {
@@ -98,7 +120,7 @@ impl PosixTier {
                 }
             }
         };
-        let report = self.sweep_dir(&fd, prefix, Some(opts))?;
+        let report = self.sweep_dir(&fd, prefix, Some(opts), descend)?;
         tracing::info!(
             tier = self.name(),
             prefix,
@@ -114,12 +136,14 @@ impl PosixTier {
     }
 
     /// Looks at the entries of one directory: removes dead writers' temp files; with `sets`,
-    /// also handles staging folders and descends into ordinary subdirectories.
+    /// also handles staging folders, and with `descend` as well goes into ordinary
+    /// subdirectories.
     fn sweep_dir(
         &self,
         dir: &OwnedFd,
         rel_dir: &str,
         sets: Option<SweepOptions>,
+        descend: bool,
     ) -> Result<SweepReport, TransferError> {
         let io_err = |e: rustix::io::Errno, what: &str| {
             TransferError::from_errno(e, Side::Destination, self.name(), rel_dir, what)
@@ -199,7 +223,7 @@ impl PosixTier {
                                 // middle of is garbage either way.
                                 report.sets_kept += 1;
                                 if let Some(fd) = self.open_subdir(dir, &name, &join(&name))? {
-                                    report.add(self.sweep_dir(&fd, &join(&name), None)?);
+                                    report.add(self.sweep_dir(&fd, &join(&name), None, false)?);
                                 }
                             }
                         }
@@ -207,9 +231,12 @@ impl PosixTier {
                         Liveness::Unknown => report.unproven += 1,
                     }
                 }
-                None if sets.is_some() && file_type == rustix::fs::FileType::Directory => {
+                None if descend
+                    && sets.is_some()
+                    && file_type == rustix::fs::FileType::Directory =>
+                {
                     if let Some(fd) = self.open_subdir(dir, &name, &join(&name))? {
-                        report.add(self.sweep_dir(&fd, &join(&name), sets)?);
+                        report.add(self.sweep_dir(&fd, &join(&name), sets, true)?);
                     }
                 }
                 None => {}

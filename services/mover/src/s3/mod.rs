@@ -62,6 +62,15 @@ pub struct ObjectInfo {
     pub etag: Option<String>,
 }
 
+/// One page of an S3 listing ([`S3Tier::list_page`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ListPage {
+    /// Keys relative to the tier root, with their sizes, in key order.
+    pub objects: Vec<(String, u64)>,
+    /// The continuation token of the next page; `None` after the last.
+    pub next: Option<String>,
+}
+
 /// An S3 tier, cheap to clone (clones share the client and the request limit).
 #[derive(Clone)]
 pub struct S3Tier {
@@ -360,8 +369,31 @@ impl S3Tier {
 
     /// Every object beneath `prefix` (tier-relative; empty for the whole tier), as keys relative
     /// to the tier root with their sizes, sorted by key. Directory markers (`dir/`) are left out;
-    /// a key that is not a valid relative path is an error naming it.
+    /// a key that is not a valid relative path is an error naming it. Holds the whole listing:
+    /// for prefixes of millions of objects, page through [`S3Tier::list_page`] instead.
     pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>, TransferError> {
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let page = self.list_page(prefix, token.take()).await?;
+            out.extend(page.objects);
+            match page.next {
+                Some(next) => token = Some(next),
+                None => break,
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// One page (at most 1,000 keys, in key order) of the objects beneath `prefix`, as
+    /// [`S3Tier::list`] gives them, and the continuation token of the next page (`None` after
+    /// the last). Start with `token = None`; memory is one page whatever the prefix holds.
+    pub async fn list_page(
+        &self,
+        prefix: &str,
+        token: Option<String>,
+    ) -> Result<ListPage, TransferError> {
         let list_prefix = match (self.prefix().is_empty(), prefix.is_empty()) {
             (true, true) => String::new(),
             (true, false) => format!("{prefix}/"),
@@ -376,46 +408,40 @@ impl S3Tier {
         } else {
             self.prefix().len() + 1
         };
-        let mut out = Vec::new();
-        let mut token: Option<String> = None;
-        loop {
-            let page = {
-                let _slot = self.request_slot().await;
-                self.client()
-                    .list_objects_v2()
-                    .bucket(self.bucket())
-                    .prefix(&list_prefix)
-                    .set_continuation_token(token.take())
-                    .send()
-                    .await
-                    .map_err(|e| {
-                        map_sdk_error("ListObjectsV2", self.site(Side::Source, prefix), e)
-                    })?
-            };
-            for object in page.contents() {
-                let Some(key) = object.key() else { continue };
-                let rel = &key[strip.min(key.len())..];
-                if rel.ends_with('/') && object.size().unwrap_or(0) == 0 {
-                    continue;
-                }
-                check_relative_path(rel).map_err(|e| {
-                    TransferError::new(
-                        ErrorKind::PathRefused,
-                        Side::Source,
-                        self.name(),
-                        rel,
-                        format!("listed key {key:?} is not a relative path Stagehand accepts: {e}"),
-                    )
-                })?;
-                out.push((rel.to_owned(), object.size().unwrap_or(0).max(0) as u64));
+        let page = {
+            let _slot = self.request_slot().await;
+            self.client()
+                .list_objects_v2()
+                .bucket(self.bucket())
+                .prefix(&list_prefix)
+                .set_continuation_token(token)
+                .send()
+                .await
+                .map_err(|e| map_sdk_error("ListObjectsV2", self.site(Side::Source, prefix), e))?
+        };
+        let mut objects = Vec::with_capacity(page.contents().len());
+        for object in page.contents() {
+            let Some(key) = object.key() else { continue };
+            let rel = &key[strip.min(key.len())..];
+            if rel.ends_with('/') && object.size().unwrap_or(0) == 0 {
+                continue;
             }
-            match page.next_continuation_token() {
-                Some(next) if page.is_truncated().unwrap_or(false) => token = Some(next.to_owned()),
-                _ => break,
-            }
+            check_relative_path(rel).map_err(|e| {
+                TransferError::new(
+                    ErrorKind::PathRefused,
+                    Side::Source,
+                    self.name(),
+                    rel,
+                    format!("listed key {key:?} is not a relative path Stagehand accepts: {e}"),
+                )
+            })?;
+            objects.push((rel.to_owned(), object.size().unwrap_or(0).max(0) as u64));
         }
-        out.sort();
-        Ok(out)
+        let next = match page.next_continuation_token() {
+            Some(next) if page.is_truncated().unwrap_or(false) => Some(next.to_owned()),
+            _ => None,
+        };
+        Ok(ListPage { objects, next })
     }
 
     /// Streams the whole object and hashes it (on a blocking thread, so the runtime keeps

@@ -14,7 +14,7 @@ use stagehand_schemas::{
     Body, DatasetRejected, DatasetValidated, Event, EventId, FileRef, IngestRequested, Location,
     Problem, StageReleased, StageRequested, sha256_hex, subject, version_digest,
 };
-use stagehand_testkit::NatsServer;
+use stagehand_testkit::{NatsServer, user_url};
 
 pub const WAIT: Duration = Duration::from_secs(30);
 pub const PROJECT: &str = "lab-a";
@@ -69,12 +69,7 @@ impl Stack {
 
     pub async fn start_with(opts: Options) -> Stack {
         let nats = if opts.accounts {
-            let mut builder = NatsServer::builder()
-                .config_file(stagehand_testkit::repo_root().join("deploy/nats/accounts.conf"));
-            for role in ROLES {
-                builder = builder.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password(role));
-            }
-            builder.start()
+            NatsServer::builder().shipped_accounts().start()
         } else {
             NatsServer::start()
         };
@@ -388,33 +383,6 @@ impl Stack {
             let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
         }
     }
-}
-
-/// The roles of `deploy/nats/accounts.conf` whose passwords the server takes from the
-/// environment.
-const ROLES: &[&str] = &[
-    "UPLOADER_DEMO",
-    "SCHEDULER",
-    "INGEST_VALIDATOR",
-    "RESHARDER",
-    "PROMOTER",
-    "DEMOTER",
-    "BACKUP_COPIER",
-    "CATALOGUE_RECORDER",
-    "OPERATOR",
-    "SYS",
-];
-
-fn password(role: &str) -> String {
-    format!("secret-{}-pw", role.to_ascii_lowercase())
-}
-
-fn user_url(server: &NatsServer, user: &str, role: &str) -> String {
-    format!(
-        "nats://{user}:{}@127.0.0.1:{}",
-        password(role),
-        server.port()
-    )
 }
 
 fn ingest_body(dataset: &str, tier: &str, prefix: &str, files: &[FileRef]) -> IngestRequested {

@@ -1,0 +1,348 @@
+//! What every command checks before it connects, how it connects, and how its errors become
+//! exit codes and one line on stderr.
+//!
+//! Scheduler hooks call the CLI with deadlines, so a bad argument must fail at once with one
+//! line naming it ([`UsageError`], exit [`EX_USAGE`]), and an unreachable NATS must fail after a
+//! bounded wait, also with one line ([`Unreachable`], exit [`EX_UNAVAILABLE`]): never a retry
+//! loop that prints a warning per attempt. Retries are logged at debug level; logs are coloured
+//! only when stderr is a terminal ([`init_logs`]).
+
+use std::io::IsTerminal;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use stagehand_bus::{Bus, BusConfig};
+use stagehand_schemas::subject::is_subject_token;
+use time::OffsetDateTime;
+
+/// Exit code of a bad argument (sysexits' `EX_USAGE`).
+pub const EX_USAGE: i32 = 64;
+/// Exit code when NATS (or a bucket the command reads) cannot be reached (`EX_UNAVAILABLE`).
+pub const EX_UNAVAILABLE: i32 = 69;
+/// Exit code of any other error (`EX_SOFTWARE`): distinct from the answers a command gives
+/// with 0, 1 and 2 (`stage wait`: ready, failed, timed out).
+pub const EX_SOFTWARE: i32 = 70;
+
+/// A command-line argument is wrong; the message names it and says what is expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// The server (or something on it the command needs) could not be reached in time.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unreachable(pub String);
+
+fn usage(msg: String) -> UsageError {
+    UsageError(msg)
+}
+
+/// The exit code for an error a command returned.
+pub fn exit_code(err: &anyhow::Error) -> i32 {
+    if err.downcast_ref::<UsageError>().is_some() {
+        EX_USAGE
+    } else if err.downcast_ref::<Unreachable>().is_some() {
+        EX_UNAVAILABLE
+    } else {
+        EX_SOFTWARE
+    }
+}
+
+/// The one line a failed command prints on stderr: the error and its causes, joined.
+pub fn error_line(err: &anyhow::Error) -> String {
+    let text = format!("stagehand: {err:#}");
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Logging for a command whose stdout is its answer: warnings and errors on stderr
+/// (`RUST_LOG` overrides), with colour only when stderr is a terminal and `NO_COLOR` is unset.
+///
+/// The bus logs each failed connection attempt as a warning, which is right for a service
+/// starting up but noise for a hook with a deadline: here those lines count as debug level,
+/// shown only when `RUST_LOG` asks for debug.
+pub fn init_logs() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer, filter};
+
+    let env_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let debug_wanted = env_filter
+        .max_level_hint()
+        .is_some_and(|max| max >= tracing::level_filters::LevelFilter::DEBUG);
+    let retries = filter::filter_fn(move |meta| debug_wanted || !is_connect_retry(meta));
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(colour_on_stderr())
+                .with_filter(env_filter)
+                .with_filter(retries),
+        )
+        .try_init();
+}
+
+/// The bus's "connecting to NATS failed; retrying" event (a warning with a `delay`), and what
+/// the NATS client's connector says about a failed attempt (an error when something that is
+/// not a client port answers, such as a cluster's route port): the command's one line says
+/// why it gave up.
+fn is_connect_retry(meta: &tracing::Metadata<'_>) -> bool {
+    (meta.target().starts_with("stagehand_bus")
+        && *meta.level() == tracing::Level::WARN
+        && meta.fields().field("delay").is_some())
+        || meta.target().starts_with("async_nats::connector")
+}
+
+/// Whether stderr takes ANSI colour codes.
+pub fn colour_on_stderr() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// Connects within `timeout` in all (the bus retries until then); after that, one
+/// [`Unreachable`] error naming the server and the last failure. Refused credentials fail at
+/// once, as [`Unreachable`] too (nothing here can mend them).
+pub async fn connect(cfg: &BusConfig, timeout: Duration) -> anyhow::Result<Bus> {
+    let started = Instant::now();
+    let bounded = BusConfig {
+        connect_timeout: timeout,
+        ..cfg.clone()
+    };
+    match Bus::connect(&bounded).await {
+        Ok(bus) => Ok(bus),
+        Err(e) => match e.kind() {
+            stagehand_bus::BusErrorKind::Unauthorized => Err(Unreachable(e.to_string()).into()),
+            stagehand_bus::BusErrorKind::Connect => Err(Unreachable(format!(
+                "cannot reach NATS at {} within {:.1} s (is `stagehand up` running?): {e}",
+                cfg.servers_display(),
+                started.elapsed().as_secs_f64()
+            ))
+            .into()),
+            _ => Err(e.into()),
+        },
+    }
+}
+
+/// A project (tenant) name: a subject token.
+pub fn project(arg: &str, name: &str) -> Result<(), UsageError> {
+    if is_subject_token(name) {
+        Ok(())
+    } else {
+        Err(usage(format!(
+            "{arg} {name:?}: a project is 1-64 characters of [a-z0-9_-]"
+        )))
+    }
+}
+
+/// A dataset name: a path component the catalogue and tiers accept.
+pub fn dataset(arg: &str, name: &str) -> Result<(), UsageError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(usage(format!(
+            "{arg} {name:?}: a dataset name is 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
+        )))
+    }
+}
+
+/// A version: a digest (64 lowercase hex) or a unique prefix of at least 12.
+pub fn version(arg: &str, v: &str) -> Result<(), UsageError> {
+    let ok = (12..=64).contains(&v.len())
+        && v.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(usage(format!(
+            "{arg} {v:?}: a version is a digest or a prefix of it of 12-64 lowercase hex characters"
+        )))
+    }
+}
+
+/// A tier name as the policies declare it.
+pub fn tier(arg: &str, name: &str) -> Result<(), UsageError> {
+    if is_subject_token(name) {
+        Ok(())
+    } else {
+        Err(usage(format!(
+            "{arg} {name:?}: a tier name is 1-64 characters of [a-z0-9_-]"
+        )))
+    }
+}
+
+/// A node name (a short host name): one token of a readiness key.
+pub fn node(arg: &str, name: &str) -> Result<(), UsageError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(usage(format!(
+            "{arg} {name:?}: a node name is 1-64 characters of [A-Za-z0-9_-]"
+        )))
+    }
+}
+
+/// A scheduler's job id (Slurm job id with a cluster prefix, Kubernetes pod uid).
+pub fn job(arg: &str, id: &str) -> Result<(), UsageError> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(usage(format!(
+            "{arg} {id:?}: a job id is 1-128 characters of [A-Za-z0-9._:-]"
+        )))
+    }
+}
+
+/// `DATASET@VERSION`, each part checked.
+pub fn dataset_at_version(arg: &str, s: &str) -> Result<(String, String), UsageError> {
+    let Some((d, v)) = s.split_once('@') else {
+        return Err(usage(format!(
+            "{arg} {s:?}: expected DATASET@VERSION (a version digest or a prefix of 12 or more hex characters)"
+        )));
+    };
+    let whole = |e: UsageError| usage(format!("{arg} {s:?}: {}", e.0));
+    dataset("dataset", d).map_err(whole)?;
+    version("version", v).map_err(whole)?;
+    Ok((d.to_owned(), v.to_owned()))
+}
+
+/// A duration: a whole number with an optional unit `ms`, `s` (default), `m`, `h` or `d`.
+pub fn duration(arg: &str, s: &str) -> Result<Duration, UsageError> {
+    let bad = || {
+        usage(format!(
+            "{arg} {s:?}: expected a duration such as 500ms, 90s, 30m, 2h or 1d"
+        ))
+    };
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let ms = match unit {
+        "ms" => 1,
+        "" | "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(ms).map(Duration::from_millis).ok_or_else(bad)
+}
+
+/// A deadline: a duration from `now` (`30m`) or an RFC 3339 time, which must be in the future.
+pub fn deadline(arg: &str, s: &str, now: OffsetDateTime) -> Result<OffsetDateTime, UsageError> {
+    if s.starts_with(|c: char| c.is_ascii_digit()) && !s.contains('-') {
+        return Ok(now + duration(arg, s)?);
+    }
+    let at = OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).map_err(
+        |_| {
+            usage(format!(
+                "{arg} {s:?}: expected a duration (30m, 2h) or an RFC 3339 time (2026-12-01T18:00:00Z)"
+            ))
+        },
+    )?;
+    if at <= now {
+        return Err(usage(format!("{arg} {s:?} is in the past")));
+    }
+    Ok(at)
+}
+
+/// A folder that must exist.
+pub fn folder(arg: &str, path: &Path) -> Result<(), UsageError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(usage(format!("{arg} {}: not a folder", path.display()))),
+        Err(e) => Err(usage(format!("{arg} {}: {e}", path.display()))),
+    }
+}
+
+/// A file that must exist and be readable.
+pub fn file(arg: &str, path: &Path) -> Result<(), UsageError> {
+    match std::fs::File::open(path) {
+        Ok(f) if f.metadata().map(|m| m.is_file()).unwrap_or(false) => Ok(()),
+        Ok(_) => Err(usage(format!("{arg} {}: not a file", path.display()))),
+        Err(e) => Err(usage(format!("{arg} {}: {e}", path.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn names_and_versions() {
+        assert!(project("--project", "lab-a_1").is_ok());
+        for bad in ["", "Lab", "a.b", "a b", &"x".repeat(65)] {
+            assert!(project("--project", bad).is_err(), "{bad:?}");
+        }
+        assert!(dataset("D", "imagenet-1k_v2.0").is_ok());
+        for bad in ["", ".hidden", "a/b", "a@b", &"x".repeat(129)] {
+            assert!(dataset("D", bad).is_err(), "{bad:?}");
+        }
+        assert!(version("V", "0123456789ab").is_ok());
+        assert!(version("V", &"f".repeat(64)).is_ok());
+        for bad in [
+            "0123456789a",
+            "0123456789AB",
+            "0123456789ag",
+            &"f".repeat(65),
+        ] {
+            assert!(version("V", bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            dataset_at_version("D@V", "ds@0123456789abcdef").unwrap(),
+            ("ds".to_owned(), "0123456789abcdef".to_owned())
+        );
+        let e = dataset_at_version("D@V", "ds").unwrap_err();
+        assert!(e.0.contains("expected DATASET@VERSION"), "{e}");
+        assert!(node("--node", "gpu-001").is_ok());
+        assert!(node("--node", "gpu.001").is_err());
+        assert!(job("--job", "slurm-c1-12345").is_ok());
+        assert!(job("--job", "a b").is_err());
+    }
+
+    #[test]
+    fn durations_and_deadlines() {
+        assert_eq!(duration("T", "90").unwrap(), Duration::from_secs(90));
+        assert_eq!(duration("T", "500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(duration("T", "30m").unwrap(), Duration::from_secs(1800));
+        assert_eq!(duration("T", "1d").unwrap(), Duration::from_secs(86400));
+        for bad in ["", "m", "1.5s", "10w", "-1s", "99999999999999999999d"] {
+            assert!(duration("T", bad).is_err(), "{bad:?}");
+        }
+        let now = datetime!(2026-12-01 10:00 UTC);
+        assert_eq!(
+            deadline("--deadline", "2h", now).unwrap(),
+            datetime!(2026-12-01 12:00 UTC)
+        );
+        assert_eq!(
+            deadline("--deadline", "2026-12-01T18:00:00Z", now).unwrap(),
+            datetime!(2026-12-01 18:00 UTC)
+        );
+        let past = deadline("--deadline", "2026-12-01T09:00:00Z", now).unwrap_err();
+        assert!(past.0.contains("in the past"), "{past}");
+        assert!(deadline("--deadline", "tomorrow", now).is_err());
+    }
+
+    #[test]
+    fn exit_codes_follow_the_error_kind() {
+        assert_eq!(exit_code(&UsageError("x".into()).into()), EX_USAGE);
+        assert_eq!(exit_code(&Unreachable("x".into()).into()), EX_UNAVAILABLE);
+        assert_eq!(exit_code(&anyhow::anyhow!("x")), EX_SOFTWARE);
+        let e = anyhow::Error::from(UsageError("bad\nthing".into())).context("while checking");
+        assert_eq!(exit_code(&e), EX_USAGE);
+        assert_eq!(error_line(&e), "stagehand: while checking: bad thing");
+    }
+}

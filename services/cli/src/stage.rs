@@ -1,0 +1,403 @@
+//! `stagehand stage request|wait|status|release`: what scheduler plugins (Slurm's
+//! `burst_buffer.lua` and Prolog, a Kubernetes init container) and people call to get a dataset
+//! version onto a tier for a job, wait for it, see why it waits, and let it go.
+//!
+//! The contract is `STAGING.md`: a request is the `stage.requested` event with the id
+//! [`EventId::for_stage`] derives from (project, job, dataset, version as given, tier, node), so
+//! a hook that runs twice asks the same request and JetStream's duplicate window drops the copy.
+//! The answer is read from the `stagehand_stages` KV bucket the catalogue recorder keeps: key
+//! `<project>.<hex of the request id>`, value a [`StageStatus`] as JSON. `wait` watches that one
+//! key, so it answers as soon as the recorder writes `ready` or `failed`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use stagehand_bus::{Bus, PublishAck};
+use stagehand_schemas::{Body, Event, EventId, StageReleased, StageRequested};
+use time::OffsetDateTime;
+
+use crate::args::Unreachable;
+
+pub use stagehand_catalogue::{STAGES_BUCKET, StageState, StageStatus};
+
+/// The state as one word, as the JSON and `stage status` show it.
+pub fn state_word(state: StageState) -> &'static str {
+    match state {
+        StageState::Pending => "pending",
+        StageState::Copying => "copying",
+        StageState::Ready => "ready",
+        StageState::Failed => "failed",
+        StageState::Released => "released",
+    }
+}
+
+/// One stage: a job's need for a dataset version on a tier (and, for a node-local tier, on a
+/// node). Its fields are what the request id is derived from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stage {
+    pub project: String,
+    pub dataset: String,
+    /// The version as the job names it: a digest or a unique prefix of one.
+    pub version: String,
+    pub tier: String,
+    pub job: String,
+    pub node: Option<String>,
+}
+
+impl Stage {
+    /// The id of this stage's request.
+    pub fn request_id(&self) -> EventId {
+        EventId::for_stage(
+            &self.project,
+            &self.job,
+            &self.dataset,
+            &self.version,
+            &self.tier,
+            self.node.as_deref(),
+        )
+    }
+
+    /// The id of this stage's release.
+    pub fn release_id(&self) -> EventId {
+        EventId::for_stage_release(
+            &self.project,
+            &self.job,
+            &self.dataset,
+            &self.version,
+            &self.tier,
+            self.node.as_deref(),
+        )
+    }
+
+    /// The key of this stage's status in [`STAGES_BUCKET`].
+    pub fn status_key(&self) -> String {
+        stagehand_catalogue::stage_kv_key(&self.project, &self.request_id())
+    }
+
+    fn describe(&self) -> String {
+        let node = self
+            .node
+            .as_deref()
+            .map(|n| format!(" on node {n}"))
+            .unwrap_or_default();
+        format!(
+            "{}@{} on tier {}{node} for job {}",
+            self.dataset, self.version, self.tier, self.job
+        )
+    }
+}
+
+/// What a request carries besides the stage itself.
+#[derive(Debug, Clone, Default)]
+pub struct RequestOptions {
+    pub requested_by: String,
+    pub deadline: Option<OffsetDateTime>,
+    /// `raw` or `prepared`; `None` leaves the promoter's default (`raw`).
+    pub form: Option<String>,
+}
+
+/// The request as published.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Published {
+    pub id: EventId,
+    pub stream: String,
+    pub sequence: u64,
+    /// The server already held this id (an earlier run of the same hook).
+    pub duplicate: bool,
+}
+
+impl Published {
+    fn new(id: EventId, ack: PublishAck) -> Self {
+        Self {
+            id,
+            stream: ack.stream,
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        }
+    }
+}
+
+/// Publishes the stage request; returns once the requests stream stored it.
+pub async fn request(bus: &Bus, stage: &Stage, opts: &RequestOptions) -> anyhow::Result<Published> {
+    let id = stage.request_id();
+    let event = Event::request(
+        id.clone(),
+        stage.project.clone(),
+        Body::StageRequested(StageRequested {
+            dataset: stage.dataset.clone(),
+            version: stage.version.clone(),
+            tier: stage.tier.clone(),
+            job_id: stage.job.clone(),
+            requested_by: opts.requested_by.clone(),
+            deadline: opts.deadline,
+            node: stage.node.clone(),
+            form: opts.form.clone(),
+        }),
+    );
+    let ack = bus
+        .publish(&event)
+        .await
+        .with_context(|| format!("publishing the request for {}", stage.describe()))?;
+    Ok(Published::new(id, ack))
+}
+
+/// Publishes the stage's release; returns once the requests stream stored it.
+pub async fn release(bus: &Bus, stage: &Stage) -> anyhow::Result<Published> {
+    let id = stage.release_id();
+    let event = Event::request(
+        id.clone(),
+        stage.project.clone(),
+        Body::StageReleased(StageReleased {
+            dataset: stage.dataset.clone(),
+            version: stage.version.clone(),
+            tier: stage.tier.clone(),
+            job_id: stage.job.clone(),
+            node: stage.node.clone(),
+        }),
+    );
+    let ack = bus
+        .publish(&event)
+        .await
+        .with_context(|| format!("publishing the release of {}", stage.describe()))?;
+    Ok(Published::new(id, ack))
+}
+
+/// How a wait ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WaitOutcome {
+    /// The data is on the tier, complete and verified.
+    Ready(StageStatus),
+    /// The stage failed (or was released); the status says why.
+    Failed(StageStatus),
+    /// The timeout passed first; the last status seen, if the recorder wrote any.
+    TimedOut(Option<StageStatus>),
+}
+
+impl WaitOutcome {
+    /// `stage wait`'s exit code: 0 ready, 1 failed, 2 timed out.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            WaitOutcome::Ready(_) => 0,
+            WaitOutcome::Failed(_) => 1,
+            WaitOutcome::TimedOut(_) => 2,
+        }
+    }
+
+    /// What `stage wait` prints: the path, the reason, or the last state and reason.
+    pub fn text(&self, stage: &Stage) -> String {
+        match self {
+            WaitOutcome::Ready(s) => s.path.clone().unwrap_or_default(),
+            WaitOutcome::Failed(s) => match &s.reason {
+                Some(reason) => reason.clone(),
+                None => format!("{}: no reason recorded", state_word(s.state)),
+            },
+            WaitOutcome::TimedOut(Some(s)) => status_summary(s),
+            WaitOutcome::TimedOut(None) => format!(
+                "no status yet for request {} ({}): is the promoter running?",
+                stage.request_id(),
+                stage.describe()
+            ),
+        }
+    }
+}
+
+async fn stages_bucket(bus: &Bus) -> anyhow::Result<async_nats::jetstream::kv::Store> {
+    bus.jetstream()
+        .get_key_value(STAGES_BUCKET)
+        .await
+        .map_err(|e| {
+            Unreachable(format!(
+                "KV bucket {STAGES_BUCKET} is not there ({e}): is the catalogue recorder running?"
+            ))
+            .into()
+        })
+}
+
+fn decode(key: &str, value: &[u8]) -> anyhow::Result<StageStatus> {
+    serde_json::from_slice(value)
+        .with_context(|| format!("{STAGES_BUCKET} key {key} does not hold a stage status"))
+}
+
+/// The wait's answer when `status` ends it, else the status to keep waiting with.
+fn outcome(status: StageStatus) -> Result<WaitOutcome, Box<StageStatus>> {
+    match status.state {
+        StageState::Ready => Ok(WaitOutcome::Ready(status)),
+        StageState::Failed | StageState::Released => Ok(WaitOutcome::Failed(status)),
+        StageState::Pending | StageState::Copying => Err(Box::new(status)),
+    }
+}
+
+/// Waits until the stage is ready or failed, or `timeout` passes (zero: look once).
+pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result<WaitOutcome> {
+    let deadline = Instant::now() + timeout;
+    let store = stages_bucket(bus).await?;
+    let key = stage.status_key();
+    let current = store
+        .entry(key.clone())
+        .await
+        .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?;
+    let mut last = match current {
+        Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
+            match outcome(decode(&key, &entry.value)?) {
+                Ok(done) => return Ok(done),
+                Err(status) => Some(*status),
+            }
+        }
+        _ => None,
+    };
+    if timeout.is_zero() {
+        return Ok(WaitOutcome::TimedOut(last));
+    }
+    // The watch delivers the latest value first, so nothing written since the read above is
+    // missed.
+    let mut watch = store
+        .watch_with_history(&key)
+        .await
+        .with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, watch.next()).await {
+            Err(_) => return Ok(WaitOutcome::TimedOut(last)),
+            Ok(None) => anyhow::bail!("the watch of {STAGES_BUCKET} key {key} ended"),
+            Ok(Some(entry)) => {
+                let entry = entry.with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
+                if entry.operation != async_nats::jetstream::kv::Operation::Put {
+                    last = None;
+                    continue;
+                }
+                match outcome(decode(&key, &entry.value)?) {
+                    Ok(done) => return Ok(done),
+                    Err(status) => last = Some(*status),
+                }
+            }
+        }
+    }
+}
+
+/// Which stage requests `stage status` lists: a project's, of one job or of one dataset
+/// version (digest or prefix), or all of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusFilter {
+    pub project: String,
+    pub job: Option<String>,
+    pub dataset_version: Option<(String, String)>,
+}
+
+/// Every stage request the filter admits: of a job or a version as the catalogue lists them
+/// (all pages); of the whole project from the project's keys in [`STAGES_BUCKET`] (the
+/// catalogue's query needs a job or a dataset), oldest update first.
+pub async fn status(bus: &Bus, filter: &StatusFilter) -> anyhow::Result<Vec<StageStatus>> {
+    if filter.job.is_none() && filter.dataset_version.is_none() {
+        return project_status(bus, &filter.project).await;
+    }
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone());
+    let (dataset, version) = match &filter.dataset_version {
+        Some((d, v)) => (Some(d.as_str()), Some(v.as_str())),
+        None => (None, None),
+    };
+    let mut found = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue
+            .stage_requests(
+                &filter.project,
+                filter.job.as_deref(),
+                dataset,
+                version,
+                after.as_deref(),
+            )
+            .await
+            .map_err(|e| -> anyhow::Error {
+                if e.is_retryable() {
+                    Unreachable(format!("asking the catalogue for stage requests: {e}")).into()
+                } else {
+                    anyhow::anyhow!("asking the catalogue for stage requests: {e}")
+                }
+            })?;
+        found.extend(page.items);
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    Ok(found)
+}
+
+async fn project_status(bus: &Bus, project: &str) -> anyhow::Result<Vec<StageStatus>> {
+    let store = stages_bucket(bus).await?;
+    let mut keys = store
+        .keys()
+        .await
+        .with_context(|| format!("listing {STAGES_BUCKET}"))?;
+    let prefix = format!("{project}.");
+    let mut found = Vec::new();
+    while let Some(key) = keys.next().await {
+        let key = key.with_context(|| format!("listing {STAGES_BUCKET}"))?;
+        if !key.starts_with(&prefix) {
+            continue;
+        }
+        let value = store
+            .get(key.clone())
+            .await
+            .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?;
+        if let Some(value) = value {
+            found.push(decode(&key, &value)?);
+        }
+    }
+    found.sort_by_key(|s| s.updated_at);
+    Ok(found)
+}
+
+/// One line for a person: state, what and where, and why (or how far along, or the path).
+pub fn status_summary(s: &StageStatus) -> String {
+    let mut line = state_word(s.state).to_owned();
+    if let Some(w) = &s.waiting_for {
+        line.push_str(&format!(" (waiting for {w})"));
+    }
+    if let Some(p) = &s.progress {
+        line.push_str(&format!(
+            " {}/{} files, {}/{} bytes",
+            p.files_done, p.files_total, p.bytes_done, p.bytes_total
+        ));
+        if let Some(eta) = p.eta_seconds {
+            line.push_str(&format!(", about {eta} s left"));
+        }
+    }
+    if let Some(r) = &s.reason {
+        line.push_str(&format!(": {r}"));
+    }
+    if let Some(path) = &s.path {
+        if s.state == StageState::Released {
+            line.push_str(&format!(" (was at {path})"));
+        } else {
+            line.push_str(&format!(" at {path}"));
+        }
+    }
+    line
+}
+
+/// `stage status`'s text: one line per request.
+pub fn status_text(items: &[StageStatus]) -> String {
+    if items.is_empty() {
+        return "no stage requests\n".to_owned();
+    }
+    let mut out = String::new();
+    for s in items {
+        let node = s
+            .node
+            .as_deref()
+            .map(|n| format!(" node {n}"))
+            .unwrap_or_default();
+        out.push_str(&format!(
+            "{}/{}@{} on {}{node} for job {}: {}\n",
+            s.project,
+            s.dataset,
+            s.version,
+            s.tier,
+            s.job_id,
+            status_summary(s),
+        ));
+    }
+    out
+}

@@ -1,0 +1,325 @@
+//! What the scheduler tests share: a real nats-server with Stagehand's services running
+//! in-process under the service runner, as `stagehand up` runs them — the catalogue recorder
+//! (which keeps `stagehand_stages`), the shared promoter, optionally the promoter agent of
+//! this node, and the ingest validator, which a test may start late (so that a job can be
+//! submitted before its dataset is validated). Datasets are ingested with the real
+//! `stagehand ingest`; tiers live under a home the test jobs' user can read.
+
+#![allow(dead_code)] // each test binary uses part of this
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use async_nats::jetstream;
+use futures::StreamExt;
+use stagehand::stage::{STAGES_BUCKET, Stage, StageStatus};
+use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings};
+use stagehand_bus::{Bus, BusConfig, CancellationToken};
+use stagehand_schemas::{Event, EventId, FileRef, sha256_hex, version_digest, wire};
+use stagehand_testkit::{NatsServer, wait_for};
+use tokio::task::JoinHandle;
+
+/// Bound on anything the services or a scheduler should do in a test.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+pub const PROJECT: &str = "lab";
+
+/// A nats-server and Stagehand's services on it, under a home of their own.
+pub struct Stagehand {
+    pub server: NatsServer,
+    pub url: String,
+    pub bus: Bus,
+    pub home: tempfile::TempDir,
+    pub policies: PathBuf,
+    bus_config: BusConfig,
+    stop: CancellationToken,
+    tasks: Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>,
+}
+
+/// What to run besides the catalogue recorder.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Start the ingest validator now (else [`Stagehand::start_validator`] later).
+    pub validator: bool,
+    /// Run the shared promoter (without it, stage requests stay waiting for the promoter).
+    pub promoter: bool,
+    /// Run the promoter agent of this node (the `local` tier).
+    pub node_agent: Option<String>,
+    /// Lines replacing `[tiers.local.quotas]` of the default tiers.toml.
+    pub local_quota: Option<String>,
+}
+
+fn spawn<S, F, Fut, T, E>(
+    bus: &BusConfig,
+    name: &'static str,
+    settings: S,
+    serve: F,
+    stop: CancellationToken,
+) -> JoinHandle<anyhow::Result<()>>
+where
+    S: ServiceSettings + Send + 'static,
+    F: FnOnce(runner::Context<S>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    T: Send + 'static,
+{
+    let mut bus = bus.clone();
+    bus.client_name = name.to_owned();
+    let config = ServiceConfig::new(bus, settings);
+    tokio::spawn(async move {
+        runner::run(name, config, stop, serve)
+            .await
+            .map(|_| ())
+            .with_context(|| name.to_owned())
+    })
+}
+
+impl Stagehand {
+    pub async fn start(opts: Options) -> anyhow::Result<Stagehand> {
+        Stagehand::start_on(NatsServer::start(), opts).await
+    }
+
+    /// The services on a nats-server the caller started (so that it can start something else
+    /// that needs the server's address, such as a Slurm cluster, meanwhile).
+    pub async fn start_on(server: NatsServer, opts: Options) -> anyhow::Result<Stagehand> {
+        let url = server.url();
+        let home = tempfile::Builder::new()
+            .prefix("stagehand-home-")
+            .tempdir()?;
+        // Jobs run as an ordinary user and read the hot and local tiers beneath the home.
+        std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o755))?;
+        let policies = home.path().join("policies");
+        stagehand::up::write_default_policies(&policies, home.path())?;
+        if let Some(quota) = &opts.local_quota {
+            let tiers = policies.join("tiers.toml");
+            let text = std::fs::read_to_string(&tiers)?;
+            let text = match text.find("[tiers.local.quotas]") {
+                Some(at) => {
+                    let rest = &text[at..];
+                    let end = rest[1..]
+                        .find("\n[")
+                        .map(|i| at + 1 + i)
+                        .unwrap_or(text.len());
+                    format!(
+                        "{}[tiers.local.quotas]\n{quota}\n{}",
+                        &text[..at],
+                        &text[end..]
+                    )
+                }
+                None => format!("{text}\n[tiers.local.quotas]\n{quota}\n"),
+            };
+            std::fs::write(&tiers, text)?;
+        }
+        for tier in ["source", "capacity", "hot", "local"] {
+            let dir = home.path().join("tiers").join(tier);
+            std::fs::create_dir_all(&dir)?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+        }
+        std::fs::set_permissions(
+            home.path().join("tiers"),
+            std::fs::Permissions::from_mode(0o755),
+        )?;
+        let bus_config = BusConfig::new(&url);
+        let bus = Bus::connect(&bus_config).await?;
+        bus.provision().await?;
+        let stop = CancellationToken::new();
+        let mut me = Stagehand {
+            server,
+            url,
+            bus,
+            policies: policies.clone(),
+            home,
+            bus_config,
+            stop,
+            tasks: Vec::new(),
+        };
+        let home = me.home.path().to_owned();
+        me.tasks.push((
+            stagehand_catalogue_recorder::SERVICE,
+            spawn(
+                &me.bus_config,
+                stagehand_catalogue_recorder::SERVICE,
+                stagehand_catalogue_recorder::RecorderConfig::dev(&home, &policies),
+                stagehand_catalogue_recorder::serve,
+                me.stop.clone(),
+            ),
+        ));
+        if opts.promoter {
+            me.tasks.push((
+                stagehand_promoter::SERVICE,
+                spawn(
+                    &me.bus_config,
+                    stagehand_promoter::SERVICE,
+                    stagehand_promoter::Settings::dev(&home, &policies),
+                    stagehand_promoter::serve,
+                    me.stop.clone(),
+                ),
+            ));
+        }
+        if let Some(node) = &opts.node_agent {
+            let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
+            settings.node = Some(node.clone());
+            settings.state_dir = home.join("state").join(format!("promoter-{node}"));
+            me.tasks.push((
+                "promoter node agent",
+                spawn(
+                    &me.bus_config,
+                    stagehand_promoter::SERVICE,
+                    settings,
+                    stagehand_promoter::serve,
+                    me.stop.clone(),
+                ),
+            ));
+        }
+        if opts.validator {
+            me.start_validator();
+        }
+        Ok(me)
+    }
+
+    /// Starts the ingest validator (requests published before wait for it).
+    pub fn start_validator(&mut self) {
+        let home = self.home.path().to_owned();
+        self.tasks.push((
+            stagehand_ingest_validator::SERVICE,
+            spawn(
+                &self.bus_config,
+                stagehand_ingest_validator::SERVICE,
+                stagehand_ingest_validator::Settings::dev(&home, &self.policies),
+                stagehand_ingest_validator::serve,
+                self.stop.clone(),
+            ),
+        ));
+    }
+
+    /// Runs the real `stagehand ingest` of `folder` as `dataset` (with `--wait` when
+    /// `wait`); returns the version digest of the folder's files.
+    pub fn ingest(&self, folder: &Path, dataset: &str, wait: bool) -> anyhow::Result<String> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
+        cmd.args(["--nats", &self.url, "ingest"])
+            .arg(folder)
+            .args(["--project", PROJECT, "--dataset", dataset, "--json"])
+            .arg("--policies")
+            .arg(&self.policies)
+            .env("STAGEHAND_HOME", self.home.path());
+        if wait {
+            cmd.args(["--wait", "--timeout", "60"]);
+        }
+        let out = cmd.output()?;
+        ensure!(
+            out.status.success(),
+            "stagehand ingest: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        digest_of(folder)
+    }
+
+    /// Waits until the stage's request is in the requests stream; returns it.
+    pub async fn requested(&self, stage: &Stage) -> anyhow::Result<Event> {
+        let subject = format!("stagehand.req.stage.requested.{}", stage.project);
+        self.find(&subject, &stage.request_id()).await
+    }
+
+    /// Waits until the stage's release is in the requests stream; returns it.
+    pub async fn released(&self, stage: &Stage) -> anyhow::Result<Event> {
+        let subject = format!("stagehand.req.stage.released.{}", stage.project);
+        self.find(&subject, &stage.release_id()).await
+    }
+
+    async fn scan(&self, subject: &str, id: &EventId) -> anyhow::Result<Option<Event>> {
+        let stream = self
+            .bus
+            .jetstream()
+            .get_stream("STAGEHAND_REQUESTS")
+            .await?;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: subject.to_owned(),
+                ..Default::default()
+            })
+            .await?;
+        let pending = consumer.cached_info().num_pending as usize;
+        let mut messages = consumer.messages().await?;
+        for _ in 0..pending {
+            let msg = messages.next().await.context("the stream ended")??;
+            let event = wire::decode(&msg.payload)?;
+            if event.id == *id {
+                return Ok(Some(event));
+            }
+        }
+        Ok(None)
+    }
+
+    async fn find(&self, subject: &str, id: &EventId) -> anyhow::Result<Event> {
+        wait_for(WAIT, &format!("event {id} on {subject}"), || async {
+            self.scan(subject, id).await.ok().flatten()
+        })
+        .await
+        .map_err(Into::into)
+    }
+
+    /// The stage's status in `stagehand_stages`, once the recorder has written one that
+    /// satisfies `pred`.
+    pub async fn status_where(
+        &self,
+        stage: &Stage,
+        what: &str,
+        pred: impl Fn(&StageStatus) -> bool,
+    ) -> anyhow::Result<StageStatus> {
+        let kv = self.bus.jetstream().get_key_value(STAGES_BUCKET).await?;
+        let key = stage.status_key();
+        wait_for(WAIT, what, || async {
+            let value = kv.get(key.clone()).await.ok().flatten()?;
+            let status: StageStatus = serde_json::from_slice(&value).ok()?;
+            pred(&status).then_some(status)
+        })
+        .await
+        .map_err(Into::into)
+    }
+}
+
+impl Drop for Stagehand {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The version digest of a folder's files (what `stagehand ingest` will name the version).
+pub fn digest_of(folder: &Path) -> anyhow::Result<String> {
+    let mut files = Vec::new();
+    for entry in walkdir::WalkDir::new(folder).sort_by_file_name() {
+        let entry = entry?;
+        if !entry.file_type().is_file() {
+            continue;
+        }
+        let rel = entry
+            .path()
+            .strip_prefix(folder)?
+            .to_str()
+            .context("a UTF-8 path")?
+            .to_owned();
+        let bytes = std::fs::read(entry.path())?;
+        files.push(FileRef {
+            path: rel,
+            size: bytes.len() as u64,
+            sha256: sha256_hex(&bytes),
+        });
+    }
+    Ok(version_digest(&files))
+}
+
+/// Writes `files` beneath `root` (readable by everyone); returns ("./path", sha256) sorted.
+pub fn write_files(root: &Path, files: &[(&str, &[u8])]) -> anyhow::Result<Vec<(String, String)>> {
+    let mut sums = Vec::new();
+    for (rel, bytes) in files {
+        let path = root.join(rel);
+        std::fs::create_dir_all(path.parent().expect("a file has a parent"))?;
+        std::fs::write(&path, bytes)?;
+        sums.push((format!("./{rel}"), sha256_hex(bytes)));
+    }
+    sums.sort();
+    Ok(sums)
+}

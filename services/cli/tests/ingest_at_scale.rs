@@ -1,0 +1,265 @@
+//! Issue 7: a dataset of 100,000 files ingested end to end through `stagehand up` as it runs
+//! for users — the real `stagehand up` process with its own nats-server (stock `max_payload`),
+//! the real `stagehand ingest --wait` — validated as one version, whose files the catalogue
+//! lists exactly, page after page, with `stagehand catalogue show D@V --limit/--after`, and
+//! streams with `--json`.
+//!
+//! The issue asks for 300,000 files; this is scaled down to keep the suite lean. With
+//! `FILES = 300_000` (300 folders, a 3g tmpfs) the same test passes in 56 s on two cores at a
+//! load of 11, which is not the "well under a minute" a suite test must be; 100,000 files
+//! (40 times the inline manifest bound, ten pages) take about a third of that. The
+//! 1,000,000-file figures are `loadtest/ingest`'s.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use stagehand_testkit::wait_for;
+
+const FILES: usize = 100_000;
+const FOLDERS: usize = 100;
+
+/// A `stagehand up` child in its own process group; killed (and with it its nats-server,
+/// which dies with its parent) if the test fails before stopping it.
+struct Up {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Up {
+    fn start(home: &Path, port: u16) -> anyhow::Result<Up> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+            .args(["up", "--home"])
+            .arg(home)
+            .args(["--port", &port.to_string()])
+            .env(
+                "STAGEHAND_NATS_SERVER",
+                stagehand_testkit::nats_server_binary(),
+            )
+            .env_remove("STAGEHAND_NATS_URL")
+            .env_remove("STAGEHAND_HOME")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(home.join("up.stderr"))?)
+            .process_group(0)
+            .spawn()?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Up { child, lines })
+    }
+
+    fn signal(&self, signal: rustix::process::Signal) {
+        if let Some(pgid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process_group(pgid, signal);
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            self.signal(rustix::process::Signal::KILL);
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<Output> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
+    for var in stagehand_bus::env::ALL {
+        cmd.env_remove(var);
+    }
+    Ok(cmd
+        .args(args)
+        .env("STAGEHAND_NATS_URL", url)
+        .env_remove("STAGEHAND_HOME")
+        .stdin(Stdio::null())
+        .output()?)
+}
+
+fn said(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_thousand_files_through_stagehand_up_are_one_version_paged_exactly()
+-> anyhow::Result<()> {
+    // Everything (the folder, the home with its tiers and nats-server's store) on a tmpfs of
+    // its own: the test is about counts and pages, and a disk shared with other builds makes
+    // tens of thousands of creates and unlinks take minutes.
+    let scratch = tempfile::tempdir()?;
+    let tmpfs = stagehand_testkit::Tmpfs::mount(scratch.path().join("fs"), "2g");
+    let home = tempfile::tempdir_in(tmpfs.path())?;
+    // The shipped policies, as `up` writes them (max_entries far above this version's).
+    let policies = home.path().join("policies");
+    stagehand::up::write_default_policies(&policies, home.path())?;
+
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut up = Up::start(home.path(), port)?;
+    // The files, on the local disk, written while `up` starts.
+    let folder = tempfile::tempdir_in(tmpfs.path())?;
+    let mut expected = Vec::with_capacity(FILES);
+    for d in 0..FOLDERS {
+        let dir = folder.path().join(format!("shard-{d:03}"));
+        std::fs::create_dir(&dir)?;
+        for f in 0..FILES / FOLDERS {
+            let name = format!("{f:04}.txt");
+            std::fs::write(dir.join(&name), format!("{d}/{f}\n"))?;
+            expected.push(format!("shard-{d:03}/{name}"));
+        }
+    }
+    expected.sort();
+    wait_for(Duration::from_secs(120), "`stagehand up` to be up", || {
+        let up_line = up
+            .lines
+            .try_iter()
+            .any(|l| l.starts_with("stagehand is up"));
+        let exited = up.child.try_wait().ok().flatten();
+        async move {
+            match (up_line, exited) {
+                (true, _) => Some(Ok(())),
+                (false, Some(status)) => Some(Err(status)),
+                (false, None) => None,
+            }
+        }
+    })
+    .await?
+    .map_err(|status| anyhow::anyhow!("stagehand up exited with {status}"))?;
+    let url = format!("nats://127.0.0.1:{port}");
+
+    let out = stagehand(
+        &url,
+        &[
+            "ingest",
+            folder.path().to_str().context("utf-8")?,
+            "--project",
+            "lab-a",
+            "--dataset",
+            "frames",
+            "--policies",
+            policies.to_str().context("utf-8")?,
+            "--wait",
+            "--timeout",
+            "1800",
+            "--json",
+        ],
+    )?;
+    ensure!(out.status.success(), "{}", said(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(report["files"], FILES, "{report}");
+    assert_eq!(report["by_reference"], true);
+    let version = report["outcome"]["validated"]["version"]
+        .as_str()
+        .with_context(|| format!("not validated: {report}"))?
+        .to_owned();
+    assert_eq!(report["digest"], version.as_str());
+
+    // Every file, page after page, each page starting after the last path of the one before.
+    let target = format!("frames@{}", &version[..16]);
+    let mut listed: Vec<String> = Vec::with_capacity(FILES);
+    let mut after: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let mut args = vec![
+            "catalogue",
+            "show",
+            &target,
+            "--project",
+            "lab-a",
+            "--limit",
+            "10000",
+        ];
+        if let Some(a) = &after {
+            args.extend(["--after", a.as_str()]);
+        }
+        let out = stagehand(&url, &args)?;
+        ensure!(out.status.success(), "{}", said(&out));
+        let text = String::from_utf8(out.stdout)?;
+        if pages == 0 {
+            ensure!(
+                text.contains(&format!("{FILES} files")),
+                "the version says how many files it has: {text:.400}"
+            );
+        }
+        let before = listed.len();
+        // File lines are `    path<TAB>size<TAB>sha256`; replica lines have no tab.
+        listed.extend(
+            text.lines()
+                .filter_map(|l| l.strip_prefix("    "))
+                .filter_map(|l| match l.split('\t').collect::<Vec<_>>()[..] {
+                    [path, _, sha256] if sha256.len() == 64 => Some(path.to_owned()),
+                    _ => None,
+                }),
+        );
+        pages += 1;
+        ensure!(
+            listed.len() > before,
+            "page {pages} listed no file: {text:.400}"
+        );
+        match text.lines().find_map(|l| l.split_once("more: ")) {
+            Some((_, more)) => {
+                let next = more
+                    .rsplit_once("--after ")
+                    .map(|(_, p)| p.trim_matches('\'').to_owned())
+                    .context("a cursor")?;
+                ensure!(
+                    Some(&next) == listed.last(),
+                    "the cursor is the page's last path"
+                );
+                after = Some(next);
+            }
+            None => break,
+        }
+        if pages > FILES / 100 {
+            bail!("paging does not end");
+        }
+    }
+    assert_eq!(listed.len(), FILES, "after {pages} pages");
+    assert!(pages > 1);
+    assert_eq!(listed, expected);
+
+    // Streamed with --json: one JSON line per file, every file once, in path order.
+    let out = stagehand(
+        &url,
+        &["catalogue", "show", &target, "--project", "lab-a", "--json"],
+    )?;
+    ensure!(out.status.success(), "{}", said(&out));
+    let streamed: Vec<String> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(|l| {
+            let file: serde_json::Value = serde_json::from_str(l)?;
+            file["path"]
+                .as_str()
+                .map(str::to_owned)
+                .with_context(|| format!("a file line without a path: {l}"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    assert_eq!(streamed, expected);
+
+    // Stopped as a person stops it.
+    up.signal(rustix::process::Signal::INT);
+    let status = wait_for(Duration::from_secs(60), "`stagehand up` to exit", || {
+        let status = up.child.try_wait().ok().flatten();
+        async move { status }
+    })
+    .await?;
+    assert!(status.success(), "{status}");
+    Ok(())
+}

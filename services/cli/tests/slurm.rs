@@ -1,0 +1,862 @@
+//! Stagehand's Slurm integration on a real Slurm: each test starts a one-node cluster with
+//! `deploy/slurm/slurm.sh start` (installing Slurm from the distribution when it is missing;
+//! a machine where that fails fails the test with the reason), a real nats-server with
+//! Stagehand's services on it, and submits real batch jobs with `sbatch` as the ordinary test
+//! user (root may not use burst buffers).
+//!
+//! The hooks (`deploy/slurm/burst_buffer.lua`, `deploy/slurm/stagehand-node.sh`) call the built
+//! `stagehand` binary. Datasets are uploaded with the real `stagehand ingest` and validated by
+//! the real ingest validator; the real promoter (and, for the `local` tier, the promoter agent
+//! of the node) answers the hooks' requests; what a job waits on is the stage's
+//! `stagehand_stages` entry kept by the real catalogue recorder. No test publishes a fact.
+//!
+//! A cluster per test, not one per test binary: the hooks' NATS address is part of the
+//! cluster's configuration, and each test has its own server and services (so that one can
+//! stop NATS, restart the controller, drain the node or start the validator late without
+//! touching another); under cargo-nextest every test is a process of its own anyway. Starting
+//! and stopping a cluster costs about 2.6 s.
+//!
+//! Every wait polls Slurm (`squeue`) or NATS against a deadline; nothing sleeps.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use common::{Options, PROJECT, Stagehand, write_files};
+use stagehand::stage::{Stage, StageState};
+use stagehand_schemas::{Body, sha256_hex};
+use stagehand_testkit::wait_for;
+
+/// Bound on a job getting from submit to where a test expects it.
+const JOB: Duration = Duration::from_secs(60);
+/// The prefix slurm.sh gives Slurm job ids in stage requests (STAGEHAND_JOB_PREFIX).
+const JOB_PREFIX: &str = "slurm-stagehand-";
+
+/// A one-node Slurm cluster under a temp dir, stopped on drop.
+struct Slurm {
+    dir: tempfile::TempDir,
+    conf: PathBuf,
+    user: String,
+}
+
+fn slurm_sh() -> PathBuf {
+    stagehand_testkit::repo_root().join("deploy/slurm/slurm.sh")
+}
+
+fn said(out: &Output) -> String {
+    format!(
+        "exit {:?}, stdout {:?}, stderr {:?}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).trim(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    )
+}
+
+impl Slurm {
+    fn start(nats_url: &str) -> anyhow::Result<Slurm> {
+        let dir = tempfile::Builder::new()
+            .prefix("stagehand-slurm-")
+            .tempdir()?;
+        // The job user runs the TaskProlog and the jobs beneath it.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+        let user = "stagehand-job".to_owned();
+        let out = Command::new("bash")
+            .arg(slurm_sh())
+            .arg("start")
+            .env("STAGEHAND_SLURM_DIR", dir.path())
+            .env("STAGEHAND_SLURM_USER", &user)
+            .env("STAGEHAND_BIN", env!("CARGO_BIN_EXE_stagehand"))
+            .env("STAGEHAND_NATS_URL", nats_url)
+            .env("STAGEHAND_STAGE_IN_TIMEOUT", "120")
+            .env("STAGEHAND_PROLOG_TIMEOUT", "60")
+            .env("STAGEHAND_CONNECT_TIMEOUT", "2")
+            .output()
+            .context("running deploy/slurm/slurm.sh start")?;
+        let slurm = Slurm {
+            conf: dir.path().join("etc/slurm.conf"),
+            dir,
+            user,
+        };
+        ensure!(
+            out.status.success(),
+            "deploy/slurm/slurm.sh start failed: {}",
+            said(&out)
+        );
+        for sub in ["jobs", "out"] {
+            let d = slurm.dir.path().join(sub);
+            std::fs::create_dir(&d)?;
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))?;
+        }
+        // Job output goes where the job user may write.
+        let out_dir = slurm.dir.path().join("out");
+        let status = Command::new("chown")
+            .arg(&slurm.user)
+            .arg(&out_dir)
+            .status()?;
+        ensure!(status.success(), "chown {}", out_dir.display());
+        Ok(slurm)
+    }
+
+    fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.env("SLURM_CONF", &self.conf);
+        c
+    }
+
+    /// `sbatch` of `script` as the test user.
+    fn sbatch(&self, name: &str, script: &str) -> anyhow::Result<Output> {
+        let path = self.dir.path().join("jobs").join(format!("{name}.sh"));
+        std::fs::write(&path, script)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        let out = self
+            .cmd("runuser")
+            .args(["-u", &self.user, "--", "env"])
+            .arg(format!("SLURM_CONF={}", self.conf.display()))
+            .args(["sbatch", "--parsable"])
+            .arg(format!(
+                "--output={}/%j.out",
+                self.dir.path().join("out").display()
+            ))
+            .arg(&path)
+            .output()?;
+        Ok(out)
+    }
+
+    fn submit(&self, name: &str, script: &str) -> anyhow::Result<u32> {
+        let out = self.sbatch(name, script)?;
+        ensure!(out.status.success(), "sbatch {name}: {}", said(&out));
+        let id = String::from_utf8(out.stdout)?;
+        id.trim()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .with_context(|| format!("sbatch printed {id:?}"))
+    }
+
+    /// The job's state and reason as squeue shows them (also for finished jobs).
+    fn job(&self, id: u32) -> anyhow::Result<(String, String)> {
+        let out = self
+            .cmd("squeue")
+            .args(["-h", "-t", "all", "-j", &id.to_string(), "-o", "%T|%r"])
+            .output()?;
+        ensure!(out.status.success(), "squeue: {}", said(&out));
+        let text = String::from_utf8(out.stdout)?;
+        let (state, reason) = text.trim().split_once('|').unwrap_or((text.trim(), ""));
+        Ok((state.to_owned(), reason.to_owned()))
+    }
+
+    /// Waits until the job's (state, reason) satisfies `pred`; returns it.
+    async fn wait_job(
+        &self,
+        id: u32,
+        what: &str,
+        pred: impl Fn(&str, &str) -> bool,
+    ) -> anyhow::Result<(String, String)> {
+        let mut last = (String::new(), String::new());
+        let found = wait_for(JOB, what, || {
+            let seen = self.job(id);
+            let hit = match &seen {
+                Ok((s, r)) => pred(s, r).then(|| (s.clone(), r.clone())),
+                Err(_) => None,
+            };
+            if let Ok(s) = seen {
+                last = s;
+            }
+            async move { hit }
+        })
+        .await;
+        found.map_err(|e| anyhow::anyhow!("job {id}: {e}; last seen {last:?}; {}", self.logs()))
+    }
+
+    /// `scontrol show job` of the job.
+    fn show_job(&self, id: u32) -> anyhow::Result<String> {
+        let out = self
+            .cmd("scontrol")
+            .args(["show", "job", &id.to_string()])
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "scontrol show job {id}: {}",
+            said(&out)
+        );
+        Ok(String::from_utf8(out.stdout)?)
+    }
+
+    fn output(&self, id: u32) -> anyhow::Result<String> {
+        let path = self.dir.path().join("out").join(format!("{id}.out"));
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+    }
+
+    fn logs(&self) -> String {
+        let tail = |name: &str| {
+            let text =
+                std::fs::read_to_string(self.dir.path().join("log").join(name)).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(15)..].join("\n")
+        };
+        format!(
+            "slurmctld.log:\n{}\nslurmd.log:\n{}",
+            tail("slurmctld.log"),
+            tail("slurmd.log")
+        )
+    }
+}
+
+impl Drop for Slurm {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(slurm_sh())
+            .arg("stop")
+            .env("STAGEHAND_SLURM_DIR", self.dir.path())
+            .output();
+    }
+}
+
+/// The name of the one node (slurm.sh names it after the short host name).
+fn slurm_node() -> anyhow::Result<String> {
+    let out = Command::new("hostname").arg("-s").output()?;
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+/// A dataset folder on the "hot tier" (a folder the job can read), with its expected sums.
+/// A batch script that prints where its data is and the SHA-256 of every file there.
+fn reading_job(directives: &[String], var: &str) -> String {
+    format!(
+        "#!/bin/bash\n{}\nset -euo pipefail\necho \"path=${var}\"\ncd \"${var}\"\nfind . -type f | sort | xargs sha256sum\n",
+        directives.join("\n")
+    )
+}
+
+/// The (path, sha256) pairs a reading job printed, and the path it saw.
+fn read_sums(output: &str) -> (String, Vec<(String, String)>) {
+    let mut path = String::new();
+    let mut sums = Vec::new();
+    for line in output.lines() {
+        if let Some(p) = line.strip_prefix("path=") {
+            path = p.to_owned();
+        } else if let Some((sum, file)) = line.split_once("  ") {
+            sums.push((file.to_owned(), sum.to_owned()));
+        }
+    }
+    sums.sort();
+    (path, sums)
+}
+
+fn stage(job: u32, dataset: &str, version: &str, tier: &str, node: Option<&str>) -> Stage {
+    Stage {
+        project: PROJECT.to_owned(),
+        dataset: dataset.to_owned(),
+        version: version.to_owned(),
+        tier: tier.to_owned(),
+        job: format!("{JOB_PREFIX}{job}"),
+        node: node.map(str::to_owned),
+    }
+}
+
+fn directive(dataset: &str, version: &str, tier: &str) -> Vec<String> {
+    vec![format!(
+        "#BB_LUA stage dataset={dataset} version={version} tier={tier} project={PROJECT}"
+    )]
+}
+
+/// Where the promoter puts a version on a tier of the test home.
+fn on_tier(stagehand: &Stagehand, tier: &str, dataset: &str, digest: &str) -> PathBuf {
+    stagehand
+        .home
+        .path()
+        .join("tiers")
+        .join(tier)
+        .join(PROJECT)
+        .join(dataset)
+        .join(digest)
+}
+
+/// A dataset folder to ingest, and what its files' sums are.
+fn dataset_folder(
+    files: &[(&str, &[u8])],
+) -> anyhow::Result<(tempfile::TempDir, Vec<(String, String)>)> {
+    let dir = tempfile::tempdir()?;
+    let sums = write_files(dir.path(), files)?;
+    Ok((dir, sums))
+}
+
+/// Stagehand and a Slurm cluster whose hooks talk to it, the cluster starting while the
+/// services do.
+async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
+    let server = stagehand_testkit::NatsServer::start();
+    let url = server.url();
+    let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url));
+    let stagehand = Stagehand::start_on(server, opts).await;
+    let slurm = slurm.await??;
+    Ok((stagehand?, slurm))
+}
+
+fn with_validator() -> Options {
+    Options {
+        validator: true,
+        promoter: true,
+        ..Options::default()
+    }
+}
+
+fn without_validator() -> Options {
+    Options {
+        promoter: true,
+        ..Options::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_directive_is_refused_at_submit_and_sbatch_says_why() -> anyhow::Result<()> {
+    let slurm = Slurm::start("nats://127.0.0.1:1")?;
+    let cases = [
+        (
+            "#BB_LUA stage dataset=ds version=abc tier=hot project=lab",
+            "line 2 (#BB_LUA stage dataset=ds version=abc tier=hot project=lab): version 'abc' must be a digest or a prefix of at least 12 lowercase hex characters",
+        ),
+        (
+            "#BB_LUA stage dataset=ds version=5f2c9a0e11b34d7a tier=hot",
+            "project= is missing and stagehand-slurm.conf sets no STAGEHAND_PROJECT",
+        ),
+        (
+            "#BB_LUA stage dataset=ds version=5f2c9a0e11b34d7a tier=hot project=lab colour=red",
+            "unknown key 'colour'",
+        ),
+        (
+            "#BB_LUA fetch dataset=ds",
+            "a #BB_LUA line must start with 'stage'",
+        ),
+    ];
+    for (i, (line, message)) in cases.iter().enumerate() {
+        let out = slurm.sbatch(
+            &format!("bad{i}"),
+            &format!("#!/bin/bash\n{line}\necho never\n"),
+        )?;
+        ensure!(
+            !out.status.success(),
+            "sbatch accepted {line:?}: {}",
+            said(&out)
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            err.contains("sbatch: error: burst_buffer/lua: stagehand: ") && err.contains(message),
+            "{line:?}: sbatch said {err:?}, expected {message:?}"
+        );
+    }
+    Ok(())
+}
+
+/// (a) and (e): a job naming a validated dataset runs after the promoter staged it to the hot
+/// tier, reads every file at `$STAGEHAND_DATA_<NAME>` with the checksums of the upload, and its
+/// stage is released when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runs_after_stage_in_reads_its_data_and_releases_it() -> anyhow::Result<()> {
+    let (stagehand, slurm) = setup(with_validator()).await?;
+    let (folder, expected) = dataset_folder(&[
+        ("train/0.bin", b"first file"),
+        ("train/1.bin", &[7u8; 100_000]),
+        ("labels.csv", b"id,label\n0,cat\n1,dog\n"),
+    ])?;
+    let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
+    let version = &digest[..16];
+    let submitted = Instant::now();
+    let job = slurm.submit(
+        "reads",
+        &reading_job(
+            &directive("imagenet-mini", version, "hot"),
+            "STAGEHAND_DATA_IMAGENET_MINI",
+        ),
+    )?;
+    let st = stage(job, "imagenet-mini", version, "hot", None);
+    let ready = stagehand
+        .status_where(&st, "the stage ready", |s| s.state == StageState::Ready)
+        .await?;
+    let ready_at = Instant::now();
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    eprintln!(
+        "submit→ready {:?}, ready→complete {:?}",
+        ready_at - submitted,
+        ready_at.elapsed()
+    );
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    let root = on_tier(&stagehand, "hot", "imagenet-mini", &digest);
+    ensure!(
+        path == root.display().to_string(),
+        "job saw {path:?}, status {ready:?}"
+    );
+    ensure!(sums == expected, "job read {sums:?}, expected {expected:?}");
+    // (e) teardown released it, with the id derived from the job; the status says so.
+    stagehand.released(&st).await?;
+    stagehand
+        .status_where(&st, "the stage released", |s| {
+            s.state == StageState::Released
+        })
+        .await?;
+    Ok(())
+}
+
+/// Several directives in one job: each dataset is staged, and the job finds each at its own
+/// variable (`name=` given, or the dataset's name upper-cased); teardown releases both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_with_two_directives_reads_each_dataset_at_its_own_variable() -> anyhow::Result<()> {
+    let (stagehand, slurm) = setup(with_validator()).await?;
+    let (train, train_sums) = dataset_folder(&[("t/0.bin", &[1u8; 20_000]), ("t/1.bin", b"one")])?;
+    let (labels, label_sums) = dataset_folder(&[("labels.csv", b"id,label\n0,cat\n")])?;
+    let train_digest = stagehand.ingest(train.path(), "train-set", true)?;
+    let label_digest = stagehand.ingest(labels.path(), "labels", true)?;
+    let script = format!(
+        "#!/bin/bash\n\
+         #BB_LUA stage dataset=train-set version={} tier=hot project={PROJECT}\n\
+         #BB_LUA stage dataset=labels version={} tier=hot project={PROJECT} name=LBL\n\
+         set -euo pipefail\n\
+         for v in STAGEHAND_DATA_TRAIN_SET STAGEHAND_DATA_LBL; do\n\
+           echo \"$v=${{!v}}\"; (cd \"${{!v}}\" && find . -type f | sort | xargs sha256sum)\n\
+         done\n",
+        &train_digest[..16],
+        &label_digest[..16]
+    );
+    let job = slurm.submit("two", &script)?;
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let output = slurm.output(job)?;
+    let (before, after) = output
+        .split_once("STAGEHAND_DATA_LBL=")
+        .context(format!("no second dataset in {output:?}"))?;
+    let train_seen = before
+        .lines()
+        .find_map(|l| l.strip_prefix("STAGEHAND_DATA_TRAIN_SET="))
+        .unwrap_or_default();
+    ensure!(
+        train_seen
+            == on_tier(&stagehand, "hot", "train-set", &train_digest)
+                .display()
+                .to_string(),
+        "{output}"
+    );
+    ensure!(
+        after.lines().next()
+            == Some(
+                on_tier(&stagehand, "hot", "labels", &label_digest)
+                    .display()
+                    .to_string()
+                    .as_str()
+            ),
+        "{output}"
+    );
+    ensure!(read_sums(before).1 == train_sums, "{output}");
+    ensure!(read_sums(after).1 == label_sums, "{output}");
+    for (dataset, digest) in [("train-set", &train_digest), ("labels", &label_digest)] {
+        stagehand
+            .released(&stage(job, dataset, &digest[..16], "hot", None))
+            .await?;
+    }
+    Ok(())
+}
+
+/// (b): a job submitted while its dataset's upload is not validated yet stays pending in
+/// stage-in (the status says it waits for validation), and runs once the version is validated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waits_pending_until_its_dataset_is_validated() -> anyhow::Result<()> {
+    let (mut stagehand, slurm) = setup(without_validator()).await?;
+    let (folder, expected) = dataset_folder(&[("a.txt", b"arrives later"), ("b/c.txt", b"too")])?;
+    // Uploaded, but no validator runs yet.
+    let digest = stagehand.ingest(folder.path(), "later", false)?;
+    let version = &digest[..16];
+    let job = slurm.submit(
+        "waits",
+        &reading_job(&directive("later", version, "hot"), "STAGEHAND_DATA_LATER"),
+    )?;
+    let st = stage(job, "later", version, "hot", None);
+    let pending = stagehand
+        .status_where(&st, "the stage waiting for validation", |s| {
+            s.waiting_for.as_deref() == Some("validation")
+        })
+        .await?;
+    // 22.05 shows BurstBufferResources while data_in runs (its scheduler sets
+    // WAIT_BURST_BUFFER_STAGING, then job_mgr.c overwrites it for ESLURM_BURST_BUFFER_WAIT);
+    // backfill and later releases show BurstBufferStageIn.
+    let (state, reason) = slurm
+        .wait_job(job, "the job pending in stage-in", |s, r| {
+            s == "PENDING" && (r == "BurstBufferStageIn" || r == "BurstBufferResources")
+        })
+        .await?;
+    eprintln!(
+        "while not validated: {state} {reason}; stagehand: {:?}",
+        pending.reason
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args([
+            "--nats",
+            &stagehand.url,
+            "stage",
+            "status",
+            &st.job,
+            "--project",
+            PROJECT,
+        ])
+        .output()?;
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        shown.contains("waiting for validation"),
+        "stage status said {shown:?}"
+    );
+    stagehand.start_validator();
+    let validating = Instant::now();
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    eprintln!("validator started→complete {:?}", validating.elapsed());
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "later", &digest)
+            .display()
+            .to_string()
+    );
+    ensure!(sums == expected, "{sums:?}");
+    Ok(())
+}
+
+/// (c): a job naming an unknown dataset, and one naming a rejected version, are held with the
+/// promoter's reason in squeue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_naming_an_unknown_or_rejected_dataset_is_held_with_the_reason() -> anyhow::Result<()>
+{
+    let (stagehand, slurm) = setup(with_validator()).await?;
+    // A rejected upload: the declared manifest does not match the file.
+    let (folder, _) = dataset_folder(&[("x.bin", b"the real bytes")])?;
+    let manifest = folder.path().join("../declared.tsv");
+    let wrong = sha256_hex(b"other bytes");
+    std::fs::write(&manifest, format!("x.bin\t14\t{wrong}\n"))?;
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["--nats", &stagehand.url, "ingest"])
+        .arg(folder.path())
+        .args([
+            "--project",
+            PROJECT,
+            "--dataset",
+            "broken",
+            "--wait",
+            "--json",
+        ])
+        .arg("--manifest")
+        .arg(&manifest)
+        .arg("--policies")
+        .arg(&stagehand.policies)
+        .env("STAGEHAND_HOME", stagehand.home.path())
+        .output()?;
+    ensure!(
+        out.status.code() == Some(1),
+        "a mismatching upload not rejected: {}",
+        said(&out)
+    );
+    let declared = stagehand_schemas::version_digest(&[stagehand_schemas::FileRef {
+        path: "x.bin".into(),
+        size: 14,
+        sha256: wrong,
+    }]);
+    for (name, dataset, version) in [
+        ("unknown", "nosuch", "0123456789abcdef"),
+        ("rejected", "broken", &declared[..16]),
+    ] {
+        let job = slurm.submit(name, &reading_job(&directive(dataset, version, "hot"), "X"))?;
+        let st = stage(job, dataset, version, "hot", None);
+        let failed = stagehand
+            .status_where(&st, "the stage failed", |s| s.state == StageState::Failed)
+            .await?;
+        let why = failed.reason.clone().unwrap_or_default();
+        let (state, reason) = slurm
+            .wait_job(job, "the job held with the reason", |s, r| {
+                s == "PENDING" && r.contains(&why)
+            })
+            .await?;
+        eprintln!("{name}: {state} {reason}");
+        ensure!(
+            reason.starts_with(&format!(
+                "burst_buffer/lua: slurm_bb_data_in: stagehand: {dataset}@{version} on hot failed: "
+            )),
+            "{reason}"
+        );
+    }
+    Ok(())
+}
+
+/// A directive's `deadline=` reaches the promoter: a job whose upload is still not validated
+/// when its deadline passes is held, squeue showing the promoter's reason (what it waited for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_deadline_passes_before_validation_is_held_with_the_reason()
+-> anyhow::Result<()> {
+    let (stagehand, slurm) = setup(without_validator()).await?;
+    let (folder, _) = dataset_folder(&[("late.bin", b"validated too late")])?;
+    let digest = stagehand.ingest(folder.path(), "late", false)?;
+    let version = &digest[..16];
+    let directives = vec![format!(
+        "#BB_LUA stage dataset=late version={version} tier=hot project={PROJECT} deadline=3s"
+    )];
+    let submitted = Instant::now();
+    let job = slurm.submit("deadline", &reading_job(&directives, "STAGEHAND_DATA_LATE"))?;
+    let st = stage(job, "late", version, "hot", None);
+    let failed = stagehand
+        .status_where(&st, "the stage failed at its deadline", |s| {
+            s.state == StageState::Failed
+        })
+        .await?;
+    let why = failed.reason.clone().unwrap_or_default();
+    ensure!(
+        why.starts_with("the deadline ") && why.contains("passed while waiting for validation"),
+        "{why}"
+    );
+    let (_, reason) = slurm
+        .wait_job(job, "the job held with the reason", |s, r| {
+            s == "PENDING" && r.contains(&why)
+        })
+        .await?;
+    eprintln!("held {:?} after sbatch: {reason}", submitted.elapsed());
+    ensure!(
+        !slurm.output(job).is_ok_and(|o| o.contains("path=")),
+        "the job ran without its data"
+    );
+    Ok(())
+}
+
+/// (d) and (e): a node-local job gets its data on its node through the Prolog: data_in stages
+/// the version to the hot tier, the Prolog asks for the node's local tier (--node), the node's
+/// promoter agent copies it there, the TaskProlog exports the path; the Epilog releases the
+/// local stage and teardown the hot one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_tier_job_gets_its_data_on_its_node_through_the_prolog() -> anyhow::Result<()> {
+    let node = slurm_node()?;
+    let (stagehand, slurm) = setup(Options {
+        node_agent: Some(node.clone()),
+        ..with_validator()
+    })
+    .await?;
+    let (folder, expected) = dataset_folder(&[("s0.tar", &[1u8; 50_000]), ("index.json", b"{}")])?;
+    let digest = stagehand.ingest(folder.path(), "shards", true)?;
+    let version = &digest[..16];
+    let job = slurm.submit(
+        "local",
+        &reading_job(
+            &directive("shards", version, "local"),
+            "STAGEHAND_DATA_SHARDS",
+        ),
+    )?;
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    let root = on_tier(&stagehand, "local", "shards", &digest);
+    ensure!(path == root.display().to_string(), "job saw {path:?}");
+    ensure!(sums == expected, "job read {sums:?}");
+    let hot = stage(job, "shards", version, "hot", None);
+    let local = stage(job, "shards", version, "local", Some(&node));
+    let request = stagehand.requested(&local).await?;
+    let Body::StageRequested(req) = &request.body else {
+        bail!("not a stage request: {request:?}");
+    };
+    ensure!(req.node.as_deref() == Some(node.as_str()), "{req:?}");
+    stagehand.released(&local).await?;
+    stagehand.released(&hot).await?;
+    Ok(())
+}
+
+/// A node-local stage that fails in the Prolog (the project's local quota is too small):
+/// Slurm's rule for a failing Prolog applies (the job is requeued and held, the node drained),
+/// the job's AdminComment carries the promoter's reason, and this run's stages are released.
+/// Released by an administrator, the requeued job stages afresh, as run `.r1` (a release is
+/// final, so the first run's ids cannot be asked again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_local_stage_holds_the_job_with_the_reason_and_a_requeue_stages_afresh()
+-> anyhow::Result<()> {
+    let node = slurm_node()?;
+    let (stagehand, slurm) = setup(Options {
+        node_agent: Some(node.clone()),
+        local_quota: Some("default = \"1 KiB\"".to_owned()),
+        ..with_validator()
+    })
+    .await?;
+    let (folder, _) = dataset_folder(&[("big.bin", &[3u8; 10_000])])?;
+    let digest = stagehand.ingest(folder.path(), "big", true)?;
+    let version = &digest[..16];
+    let job = slurm.submit(
+        "local-fails",
+        &reading_job(&directive("big", version, "local"), "STAGEHAND_DATA_BIG"),
+    )?;
+    let (state, reason) = slurm
+        .wait_job(job, "the job requeued and held", |s, r| {
+            s == "PENDING" && r.starts_with("JobHeld")
+        })
+        .await?;
+    eprintln!("after the Prolog failed: {state} {reason}");
+    // 22.05's squeue has no AdminComment field; scontrol shows it on a line of its own.
+    let shown = slurm.show_job(job)?;
+    let comment = shown
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("AdminComment="))
+        .unwrap_or_default()
+        .to_owned();
+    let prefix =
+        format!("stagehand: big@{version} on local for node {node} failed: quota exceeded: ");
+    ensure!(comment.starts_with(&prefix), "AdminComment {comment:?}");
+    ensure!(
+        !slurm.output(job).is_ok_and(|o| o.contains("path=")),
+        "the job ran without its data"
+    );
+    let out = slurm
+        .cmd("sinfo")
+        .args(["-h", "-n", &node, "-o", "%T"])
+        .output()?;
+    let node_state = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    ensure!(node_state.starts_with("drain"), "node state {node_state:?}");
+    // The first run's stages are released: the Epilog the node-local one, teardown the hot one.
+    let local = stage(job, "big", version, "local", Some(&node));
+    let hot = stage(job, "big", version, "hot", None);
+    stagehand.released(&local).await?;
+    stagehand.released(&hot).await?;
+
+    // An administrator resumes the node and releases the job: its second run asks afresh.
+    for args in [
+        vec![
+            "update".to_owned(),
+            format!("NodeName={node}"),
+            "State=RESUME".to_owned(),
+        ],
+        vec!["release".to_owned(), job.to_string()],
+        // Slurm defers a requeued job two minutes; make it eligible now.
+        vec![
+            "update".to_owned(),
+            format!("JobId={job}"),
+            "StartTime=now".to_owned(),
+        ],
+    ] {
+        let out = slurm.cmd("scontrol").args(&args).output()?;
+        ensure!(out.status.success(), "scontrol {args:?}: {}", said(&out));
+    }
+    let second = Stage {
+        job: format!("{JOB_PREFIX}{job}.r1"),
+        ..hot.clone()
+    };
+    if let Err(e) = stagehand.requested(&second).await {
+        bail!("{e}: {}\n{}", slurm.show_job(job)?, slurm.logs());
+    }
+    Ok(())
+}
+
+/// A stage-in that starts while NATS is down is not held: the hooks ask again while the
+/// stage-in budget lasts, and the job runs once NATS is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Result<()> {
+    let (mut stagehand, slurm) = setup(with_validator()).await?;
+    let (folder, expected) = dataset_folder(&[("x.bin", b"after the outage")])?;
+    let digest = stagehand.ingest(folder.path(), "outage", true)?;
+    let version = &digest[..16];
+    stagehand.server.kill();
+    let job = slurm.submit(
+        "outage",
+        &reading_job(
+            &directive("outage", version, "hot"),
+            "STAGEHAND_DATA_OUTAGE",
+        ),
+    )?;
+    slurm
+        .wait_job(job, "the job in stage-in", |s, r| {
+            s == "PENDING" && (r == "BurstBufferStageIn" || r == "BurstBufferResources")
+        })
+        .await?;
+    stagehand.server.restart();
+    let back = Instant::now();
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    eprintln!("NATS back→complete {:?}", back.elapsed());
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "outage", &digest)
+            .display()
+            .to_string()
+    );
+    ensure!(sums == expected, "{sums:?}");
+    Ok(())
+}
+
+/// slurmctld restarted while a job waits in stage-in: Slurm tears the job's burst buffer down
+/// and stages it in again, so every hook runs twice. The
+/// teardown of a job still pending must not release its stage (a release is final), and the
+/// second stage-in asks the same request: the job runs once its data is ready, and its stage is
+/// released once, when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs()
+-> anyhow::Result<()> {
+    let (mut stagehand, slurm) = setup(without_validator()).await?;
+    let (folder, expected) = dataset_folder(&[("r.bin", b"staged across a restart")])?;
+    let digest = stagehand.ingest(folder.path(), "restart", false)?;
+    let version = &digest[..16];
+    let job = slurm.submit(
+        "restart",
+        &reading_job(
+            &directive("restart", version, "hot"),
+            "STAGEHAND_DATA_RESTART",
+        ),
+    )?;
+    let st = stage(job, "restart", version, "hot", None);
+    stagehand
+        .status_where(&st, "the stage waiting for validation", |s| {
+            s.waiting_for.as_deref() == Some("validation")
+        })
+        .await?;
+    let out = Command::new("bash")
+        .arg(slurm_sh())
+        .arg("restart-controller")
+        .env("STAGEHAND_SLURM_DIR", slurm.dir.path())
+        .output()?;
+    ensure!(out.status.success(), "restart-controller: {}", said(&out));
+    // The teardown after the restart saw the job pending and kept its stage.
+    let log = slurm.dir.path().join("log/slurmctld.log");
+    let line = format!("stagehand: job {job} pending again");
+    wait_for(JOB, "the teardown after the restart", || {
+        let seen = std::fs::read_to_string(&log)
+            .is_ok_and(|text| text.contains(&line))
+            .then_some(());
+        async move { seen }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
+    let (state, _) = slurm.job(job)?;
+    ensure!(state == "PENDING", "after the restart the job is {state}");
+    stagehand.start_validator();
+    let started = Instant::now();
+    // Slurm defers a job a minute after tearing its buffer down; what an administrator
+    // does to skip that (it is Slurm's wait, not Stagehand's) keeps the test short.
+    let out = slurm
+        .cmd("scontrol")
+        .args(["update", &format!("JobId={job}"), "StartTime=now"])
+        .output()?;
+    ensure!(out.status.success(), "scontrol update: {}", said(&out));
+    let (state, _) = wait_for(JOB, "the job to complete", || {
+        let seen = slurm
+            .job(job)
+            .ok()
+            .filter(|(s, _)| s == "COMPLETED" || s == "FAILED");
+        async move { seen }
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
+    ensure!(state == "COMPLETED", "{state}");
+    eprintln!("ran {:?} after the validator started", started.elapsed());
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "restart", &digest)
+            .display()
+            .to_string()
+    );
+    ensure!(sums == expected, "{sums:?}");
+    stagehand.released(&st).await?;
+    Ok(())
+}

@@ -1,0 +1,879 @@
+//! The demoter's work: a pass over every hot posix tier — survey, choose, demote — and the
+//! recorded steps that carry one replica off a tier safely.
+//!
+//! One demotion is one [`Step`] in the state store, advanced phase by phase, each phase
+//! recorded after its effect is durable:
+//!
+//! 1. `planned`: when no durable tier (capacity, backup) holds a verified copy, the replica is
+//!    copied to `demotion.toml`'s `target` with the mover's set copy (background class,
+//!    read back before it is published) and announced with `replica.created`;
+//! 2. `copied-down`: the holds are looked at again (a job that asked meanwhile keeps it), then
+//!    `replica.removed` is published with the reason, and the demoter waits until the catalogue
+//!    has withdrawn the replica's readiness (its key absent or not `ready`): from here no
+//!    scheduler starts a job on it;
+//! 3. `withdrawn`: the holds are looked at once more — a job that asked meanwhile keeps the
+//!    replica (the removal is undone: `replica.created` again) — then the folder is renamed out
+//!    of the tier's namespace (`<parent>/.<version>.stagehand-removed`, one `renameat2`), so no
+//!    reader sees part of it;
+//! 4. `renamed`: the hidden folder is deleted and the step forgotten.
+//!
+//! A demoter killed anywhere takes every unfinished step up again on start, at its phase; a
+//! repeated effect is harmless (the copy finds its set present, facts carry the step's ids).
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use stagehand_bus::{Bus, CancellationToken, HandlerError};
+use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
+use stagehand_manifest::{ManifestBuilder, Spool};
+use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
+use stagehand_policy::retention::{CommittedCheckpoint, Placement};
+use stagehand_policy::{DemotionPolicy, Policies, TierLimits, TierPolicy, TierRole};
+use stagehand_schemas::{
+    Body, CheckpointDemoted, CheckpointExpired, Event, EventId, Location, ReplicaCreated,
+    ReplicaRemoved,
+};
+use time::OffsetDateTime;
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use crate::plan::{self, Candidate, FsUsage, Reason, Rules, TierUsage};
+use crate::state::{CheckpointNote, CheckpointPlace, CheckpointStep, Phase, State, Step};
+use crate::view::{self, Holds, Placed};
+
+/// How the copy down is proven: read back before it is published, since it is about to become
+/// the only copy on a durable tier.
+pub const COPY_DOWN_VERIFY: VerifyMode = VerifyMode::ReadBack;
+
+/// The mover's class for demotion copies: the background one.
+pub const COPY_DOWN_PRIORITY: Priority = Priority::Backup;
+
+/// The mover's class for checkpoint demotions: never starved by bulk stages.
+pub const CHECKPOINT_PRIORITY: Priority = Priority::Checkpoint;
+
+/// How long a step waits for the catalogue to withdraw a replica's readiness before it is left
+/// for the next pass.
+const WITHDRAW_WAIT: Duration = Duration::from_secs(30);
+
+/// The hidden name a removed replica's folder gets before its bytes are deleted.
+pub fn removed_name(prefix: &str) -> String {
+    match prefix.rsplit_once('/') {
+        Some((parent, name)) => format!("{parent}/.{name}.stagehand-removed"),
+        None => format!(".{prefix}.stagehand-removed"),
+    }
+}
+
+/// What a survey of one bounded tier found.
+#[derive(Debug, Clone)]
+pub struct TierSurvey {
+    pub tier: String,
+    pub role: TierRole,
+    pub limits: TierLimits,
+    pub usage: TierUsage,
+    /// Every replica present on the tier and what holds it.
+    pub replicas: Vec<(Placed, Holds)>,
+}
+
+impl TierSurvey {
+    /// Bytes of replicas a live stage holds.
+    pub fn held_bytes(&self) -> u64 {
+        self.replicas
+            .iter()
+            .filter(|(_, h)| !h.live_jobs.is_empty())
+            .map(|(p, _)| p.bytes)
+            .sum()
+    }
+
+    /// Per project: bytes placed and bytes held.
+    pub fn per_project(&self) -> std::collections::BTreeMap<String, (u64, u64)> {
+        let mut out = std::collections::BTreeMap::<String, (u64, u64)>::new();
+        for (p, h) in &self.replicas {
+            let e = out.entry(p.project.clone()).or_default();
+            e.0 += p.bytes;
+            if !h.live_jobs.is_empty() {
+                e.1 += p.bytes;
+            }
+        }
+        out
+    }
+}
+
+/// The durable tiers: where a verified copy lets a replica above it go.
+pub fn durable_tiers(policies: &Policies) -> HashSet<String> {
+    policies
+        .tiers()
+        .values()
+        .filter(|t| matches!(t.role, TierRole::Capacity | TierRole::Backup))
+        .map(|t| t.name.clone())
+        .collect()
+}
+
+/// Surveys one bounded tier: the catalogue's replicas on it, their holds, and `statfs` of a
+/// posix tier's root.
+pub async fn survey(
+    catalogue: &Catalogue,
+    policies: &Policies,
+    tier: &TierPolicy,
+) -> Result<Option<TierSurvey>, CatalogueError> {
+    let Some(limits) = tier.limits.clone() else {
+        return Ok(None);
+    };
+    let placed = view::placed_on(catalogue, &tier.name, &durable_tiers(policies)).await?;
+    let mut replicas = Vec::with_capacity(placed.len());
+    for p in placed {
+        let h = view::holds(catalogue, &p, &tier.name).await?;
+        replicas.push((p, h));
+    }
+    let fs = match &tier.kind {
+        stagehand_policy::TierKind::Posix { root } => {
+            rustix::fs::statvfs(root).ok().map(|s| FsUsage {
+                total: s.f_blocks.saturating_mul(s.f_frsize),
+                avail: s.f_bavail.saturating_mul(s.f_frsize),
+            })
+        }
+        stagehand_policy::TierKind::S3(_) => None,
+    };
+    let usage = TierUsage {
+        capacity: limits.capacity,
+        placed: replicas.iter().map(|(p, _)| p.bytes).sum(),
+        fs,
+    };
+    Ok(Some(TierSurvey {
+        tier: tier.name.clone(),
+        role: tier.role,
+        limits,
+        usage,
+        replicas,
+    }))
+}
+
+/// What the demoter needs, built once at start.
+pub struct Parts {
+    pub bus: Bus,
+    pub catalogue: Catalogue,
+    pub policies: Policies,
+    pub demotion: DemotionPolicy,
+    /// Every declared tier that opened.
+    pub tiers: HashMap<String, Tier>,
+    pub state: State,
+    pub mover: Mover,
+    pub spool_dir: PathBuf,
+    /// The readiness bucket (read only: the recorder writes it).
+    pub readiness: kv::Store,
+    /// A fault-test seam: after recording this phase the demoter stops where it is.
+    pub halt_after: Option<Phase>,
+    pub shutdown: CancellationToken,
+}
+
+/// The demoter. Clones share everything.
+#[derive(Clone)]
+pub struct Demoter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    parts: Parts,
+    /// Facts that may change what to demote ask for a pass.
+    wake: Notify,
+}
+
+/// Why a pass stopped early. Retryable ones wait for the next pass.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    #[error("asking the catalogue: {0}")]
+    Catalogue(#[from] CatalogueError),
+    #[error(transparent)]
+    State(#[from] crate::state::StateError),
+    #[error("{0}")]
+    Step(String),
+}
+
+impl PassError {
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            PassError::Catalogue(e) => e.is_retryable(),
+            PassError::State(_) => false,
+            PassError::Step(_) => true,
+        }
+    }
+}
+
+fn step_err(what: impl std::fmt::Display) -> PassError {
+    PassError::Step(what.to_string())
+}
+
+/// What a pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// Replicas removed (tier, prefix).
+    pub removed: Vec<(String, String)>,
+    /// Replicas copied down first.
+    pub copied_down: Vec<String>,
+    /// Steps left for a later pass (a job asked for the replica meanwhile, or the catalogue
+    /// did not withdraw its readiness in time).
+    pub deferred: usize,
+}
+
+impl Demoter {
+    pub fn new(parts: Parts) -> Demoter {
+        Demoter {
+            inner: Arc::new(Inner {
+                parts,
+                wake: Notify::new(),
+            }),
+        }
+    }
+
+    fn p(&self) -> &Parts {
+        &self.inner.parts
+    }
+
+    /// Asks for a pass soon (a fact changed what is placed or held).
+    pub fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// A fact or release the consumers deliver: a checkpoint commit is noted (retention
+    /// decides over every noted checkpoint of its run); then a pass is asked for.
+    pub fn on_event(&self, event: &Event) -> Result<(), PassError> {
+        match &event.body {
+            Body::CheckpointCommitted(c) => {
+                self.p().state.note_checkpoint(&CheckpointNote {
+                    project: event.project.clone(),
+                    committed: c.clone(),
+                    committed_at: event.occurred_at,
+                    place: CheckpointPlace::Committed,
+                    demoted_to: None,
+                })?;
+                self.wake();
+            }
+            Body::StageReleased(_) | Body::ReplicaCreated(_) | Body::ReplicaRemoved(_) => {
+                self.wake()
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Carries out retention's decisions for every run noted: a checkpoint still where the run
+    /// wrote it (a hot posix tier) is demoted to `demote_to` or expired as decided.
+    async fn checkpoints(&self, report: &mut PassReport) -> Result<(), PassError> {
+        let Some(retention) = self.p().policies.retention().cloned() else {
+            return Ok(());
+        };
+        for run in self.p().state.runs()? {
+            let committed: Vec<CommittedCheckpoint> = run
+                .iter()
+                .map(|n| CommittedCheckpoint {
+                    step: n.committed.step,
+                    tags: n.committed.tags.clone(),
+                    committed_at: Some(n.committed_at),
+                })
+                .collect();
+            for decision in retention.checkpoints.decide(&committed) {
+                let Some(note) = run.iter().rev().find(|n| n.committed.step == decision.step)
+                else {
+                    continue;
+                };
+                let c = &note.committed;
+                // Where it is now: where the run wrote it, or the tier it was demoted to (a
+                // run that grew since may let an earlier kept checkpoint expire).
+                let (tier, demote_to) = match (note.place, &decision.placement) {
+                    (CheckpointPlace::Committed, Placement::Hot) => continue,
+                    (CheckpointPlace::Committed, Placement::Demote { tier }) => {
+                        (c.location.tier.clone(), Some(tier.clone()))
+                    }
+                    (CheckpointPlace::Committed, Placement::Expire) => {
+                        (c.location.tier.clone(), None)
+                    }
+                    (CheckpointPlace::Demoted, Placement::Expire) => match &note.demoted_to {
+                        Some(t) => (t.clone(), None),
+                        None => continue,
+                    },
+                    _ => continue,
+                };
+                let written_on_hot = self
+                    .p()
+                    .policies
+                    .tiers()
+                    .get(&c.location.tier)
+                    .is_some_and(|t| t.role == TierRole::Hot);
+                if !written_on_hot || !self.p().tiers.contains_key(&tier) {
+                    continue;
+                }
+                // A run's checkpoint lies beneath its project's folder, as everything does.
+                if !c.location.prefix.starts_with(&format!("{}/", note.project)) {
+                    warn!(run = %c.run, step = c.step, prefix = %c.location.prefix, "checkpoint outside its project's folder; not moved");
+                    continue;
+                }
+                if demote_to.is_some() && c.files.is_empty() {
+                    warn!(run = %c.run, step = c.step, "checkpoint committed with its manifest by reference; the demoter moves checkpoints listed inline only");
+                    continue;
+                }
+                if self
+                    .p()
+                    .state
+                    .steps()?
+                    .iter()
+                    .any(|s| s.tier == tier && s.prefix == c.location.prefix)
+                {
+                    continue;
+                }
+                let begun_at = OffsetDateTime::now_utc();
+                let rule = decision.rule.to_string();
+                let step = Step {
+                    id: EventId::for_fact(
+                        &note.project,
+                        &EventId::for_checkpoint(&note.project, &c.run, c.step),
+                        &format!("retention:{tier}"),
+                    ),
+                    project: note.project.clone(),
+                    dataset: c.run.clone(),
+                    version: String::new(),
+                    tier,
+                    prefix: c.location.prefix.clone(),
+                    files: c.files.len() as u64,
+                    bytes: c.total_bytes,
+                    reason: format!("retention: {rule}"),
+                    copy_to: demote_to,
+                    phase: Phase::Planned,
+                    begun_at,
+                    checkpoint: Some(CheckpointStep {
+                        run: c.run.clone(),
+                        step: c.step,
+                        rule,
+                    }),
+                    verified_by: None,
+                };
+                self.p().state.put(&step)?;
+                info!(run = %c.run, step = c.step, rule = %step.reason, demote_to = ?step.copy_to, "checkpoint retention");
+                self.carry(step, report).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The policy clock: a pass at once (which takes up the steps a crash interrupted), then
+    /// one every `check_every` and whenever a fact asks. A failing state store stops the
+    /// service; anything else waits for the next pass.
+    pub async fn clock(self) -> Result<(), PassError> {
+        let every = self.p().demotion.check_every;
+        loop {
+            match self.pass().await {
+                Ok(report) if report != PassReport::default() => {
+                    info!(
+                        removed = report.removed.len(),
+                        copied_down = report.copied_down.len(),
+                        deferred = report.deferred,
+                        "demotion pass"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) if e.is_retryable() => {
+                    warn!(error = %e, "demotion pass stopped; the next pass tries again")
+                }
+                Err(e) => return Err(e),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = self.inner.wake.notified() => {}
+                _ = self.p().shutdown.cancelled() => return Ok(()),
+            }
+        }
+    }
+
+    /// One pass: unfinished steps first, then every hot posix tier.
+    pub async fn pass(&self) -> Result<PassReport, PassError> {
+        let mut report = PassReport::default();
+        for step in self.p().state.steps()? {
+            self.carry(step, &mut report).await?;
+        }
+        let now = OffsetDateTime::now_utc();
+        let rules = Rules {
+            idle_after: self.p().demotion.idle_after,
+            expire_after: self
+                .p()
+                .policies
+                .retention()
+                .map(|r| r.expiry.unstaged_replica_after),
+        };
+        let tiers: Vec<TierPolicy> = self
+            .p()
+            .policies
+            .tiers()
+            .values()
+            .filter(|t| t.role == TierRole::Hot)
+            .filter(|t| matches!(t.kind, stagehand_policy::TierKind::Posix { .. }))
+            .cloned()
+            .collect();
+        for tier in tiers {
+            if !self.p().tiers.contains_key(&tier.name) {
+                continue;
+            }
+            let Some(survey) = survey(&self.p().catalogue, &self.p().policies, &tier).await? else {
+                continue;
+            };
+            let candidates: Vec<Candidate> = survey
+                .replicas
+                .iter()
+                .map(|(p, h)| Candidate {
+                    project: p.project.clone(),
+                    bytes: p.bytes,
+                    last_used: h
+                        .last_staged
+                        .or(p.made_at)
+                        .unwrap_or(OffsetDateTime::UNIX_EPOCH),
+                    held: !h.live_jobs.is_empty(),
+                })
+                .collect();
+            let chosen = plan::choose(&survey.usage, &survey.limits, &candidates, &rules, now);
+            for (i, reason) in chosen {
+                let (placed, _) = &survey.replicas[i];
+                let step = self.begin(&tier.name, placed, reason, &survey.limits, &rules)?;
+                self.carry(step, &mut report).await?;
+            }
+        }
+        self.checkpoints(&mut report).await?;
+        Ok(report)
+    }
+
+    fn begin(
+        &self,
+        tier: &str,
+        placed: &Placed,
+        reason: Reason,
+        limits: &TierLimits,
+        rules: &Rules,
+    ) -> Result<Step, PassError> {
+        let begun_at = OffsetDateTime::now_utc();
+        let stamp = begun_at.unix_timestamp_nanos().to_string();
+        let step = Step {
+            id: EventId::for_content(&[
+                b"demote",
+                tier.as_bytes(),
+                placed.prefix.as_bytes(),
+                placed.version.as_bytes(),
+                stamp.as_bytes(),
+            ]),
+            project: placed.project.clone(),
+            dataset: placed.dataset.clone(),
+            version: placed.version.clone(),
+            tier: tier.to_owned(),
+            prefix: placed.prefix.clone(),
+            files: placed.files,
+            bytes: placed.bytes,
+            reason: reason.describe(tier, limits, rules),
+            copy_to: (!placed.durable_elsewhere).then(|| self.p().demotion.target.clone()),
+            phase: Phase::Planned,
+            begun_at,
+            checkpoint: None,
+            verified_by: placed.verified_by.clone(),
+        };
+        self.p().state.put(&step)?;
+        info!(tier, prefix = %step.prefix, reason = reason.as_str(), copy_down = step.copy_to.is_some(), "demoting");
+        Ok(step)
+    }
+
+    /// Records `phase` for `step`, then halts there if the fault seam asks.
+    async fn advance(&self, step: &mut Step, phase: Phase) -> Result<(), PassError> {
+        step.phase = phase;
+        self.p().state.put(step)?;
+        if self.p().halt_after == Some(phase) {
+            warn!(prefix = %step.prefix, phase = phase.as_str(), "demoter halted after {} (STAGEHAND_DEMOTER_HALT_AFTER)", phase.as_str());
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+
+    /// Carries one step as far as it goes now.
+    async fn carry(&self, mut step: Step, report: &mut PassReport) -> Result<(), PassError> {
+        let Some(tier) = self.p().tiers.get(&step.tier).cloned() else {
+            return Err(step_err(format!("tier {} is not open", step.tier)));
+        };
+        let Tier::Posix(posix) = &tier else {
+            return Err(step_err(format!("tier {} is not posix", step.tier)));
+        };
+        if step.phase == Phase::Planned {
+            if let Some(target) = step.copy_to.clone() {
+                match &step.checkpoint {
+                    None => self.copy_down(&step, &tier, &target).await?,
+                    Some(c) => self.demote_checkpoint(&step, c, &tier, &target).await?,
+                }
+                report.copied_down.push(step.prefix.clone());
+            }
+            self.advance(&mut step, Phase::CopiedDown).await?;
+        }
+        if step.phase == Phase::CopiedDown
+            && let Some(c) = step.checkpoint.clone()
+        {
+            if step.copy_to.is_none() {
+                let expired = Event::request(
+                    EventId::for_fact(&step.project, &step.id, "expired"),
+                    step.project.clone(),
+                    Body::CheckpointExpired(CheckpointExpired {
+                        run: c.run.clone(),
+                        step: c.step,
+                        location: Location {
+                            tier: step.tier.clone(),
+                            prefix: step.prefix.clone(),
+                        },
+                        rule: c.rule.clone(),
+                    }),
+                );
+                self.p().bus.publish(&expired).await.map_err(step_err)?;
+            }
+            // A checkpoint has no readiness of its own to withdraw.
+            self.advance(&mut step, Phase::Withdrawn).await?;
+        }
+        if step.phase == Phase::CopiedDown {
+            // A job may have asked for it since the pass looked: it stays.
+            if self.held_again(&step).await? {
+                info!(prefix = %step.prefix, "a job asked for the replica meanwhile; it stays");
+                self.p().state.finish(&step)?;
+                report.deferred += 1;
+                return Ok(());
+            }
+            let removed = Event::request(
+                EventId::for_fact(&step.project, &step.id, "removed"),
+                step.project.clone(),
+                Body::ReplicaRemoved(ReplicaRemoved {
+                    dataset: step.dataset.clone(),
+                    version: step.version.clone(),
+                    location: Location {
+                        tier: step.tier.clone(),
+                        prefix: step.prefix.clone(),
+                    },
+                    reason: step.reason.clone(),
+                    node: None,
+                }),
+            );
+            self.p().bus.publish(&removed).await.map_err(step_err)?;
+            if !self.withdrawn(&step).await? {
+                warn!(prefix = %step.prefix, "the catalogue has not withdrawn the replica's readiness yet; the next pass goes on");
+                report.deferred += 1;
+                return Ok(());
+            }
+            self.advance(&mut step, Phase::Withdrawn).await?;
+        }
+        let hidden = removed_name(&step.prefix);
+        if step.phase == Phase::Withdrawn
+            && step.checkpoint.is_none()
+            && tier.set_present(&step.prefix).await.map_err(step_err)?
+            && self.held_again(&step).await?
+        {
+            // A job asked while the replica was withdrawn (the promoter may have answered it
+            // from the folder, which is still whole): the removal is undone, the replica
+            // announced again, and it stays while held.
+            let restored = Event::request(
+                EventId::for_fact(&step.project, &step.id, &format!("restored:{}", step.tier)),
+                step.project.clone(),
+                Body::ReplicaCreated(ReplicaCreated {
+                    dataset: step.dataset.clone(),
+                    version: step.version.clone(),
+                    location: Location {
+                        tier: step.tier.clone(),
+                        prefix: step.prefix.clone(),
+                    },
+                    files: step.files,
+                    total_bytes: step.bytes,
+                    verified_by: step
+                        .verified_by
+                        .clone()
+                        .unwrap_or_else(|| COPY_DOWN_VERIFY.as_str().into()),
+                    node: None,
+                }),
+            );
+            self.p().bus.publish(&restored).await.map_err(step_err)?;
+            warn!(prefix = %step.prefix, "a job asked for the replica while it was being removed; removal undone");
+            self.p().state.finish(&step)?;
+            report.deferred += 1;
+            return Ok(());
+        }
+        if step.phase == Phase::Withdrawn {
+            if tier.set_present(&step.prefix).await.map_err(step_err)? {
+                if tier.set_present(&hidden).await.map_err(step_err)? {
+                    // An earlier removal of the same version that never finished.
+                    remove_tree(posix, &hidden).await?;
+                }
+                let (p, from, to) = (posix.clone(), step.prefix.clone(), hidden.clone());
+                tokio::task::spawn_blocking(move || p.rename_dir_noreplace(&from, &to))
+                    .await
+                    .map_err(step_err)?
+                    .map_err(step_err)?;
+            }
+            self.advance(&mut step, Phase::Renamed).await?;
+        }
+        if step.phase == Phase::Renamed {
+            if tier.set_present(&hidden).await.map_err(step_err)? {
+                remove_tree(posix, &hidden).await?;
+            }
+            if let Some(c) = &step.checkpoint {
+                let place = if step.copy_to.is_some() {
+                    CheckpointPlace::Demoted
+                } else {
+                    CheckpointPlace::Expired
+                };
+                self.p().state.place_checkpoint(
+                    &step.project,
+                    &c.run,
+                    c.step,
+                    place,
+                    step.copy_to.as_deref(),
+                )?;
+            }
+            self.p().state.finish(&step)?;
+            info!(tier = %step.tier, prefix = %step.prefix, reason = %step.reason, "replica removed");
+            report
+                .removed
+                .push((step.tier.clone(), step.prefix.clone()));
+        }
+        Ok(())
+    }
+
+    /// Whether a live stage holds the step's replica now.
+    async fn held_again(&self, step: &Step) -> Result<bool, PassError> {
+        let placed = Placed {
+            project: step.project.clone(),
+            dataset: step.dataset.clone(),
+            version: step.version.clone(),
+            prefix: step.prefix.clone(),
+            files: step.files,
+            bytes: step.bytes,
+            made_at: None,
+            durable_elsewhere: true,
+            verified_by: None,
+        };
+        let holds = view::holds(&self.p().catalogue, &placed, &step.tier).await?;
+        Ok(!holds.live_jobs.is_empty())
+    }
+
+    /// Copies a checkpoint (its inline file list) to `target` at the checkpoint class, proven
+    /// by reading it back, and announces it with `checkpoint.demoted` and the rule.
+    async fn demote_checkpoint(
+        &self,
+        step: &Step,
+        c: &CheckpointStep,
+        src: &Tier,
+        target: &str,
+    ) -> Result<(), PassError> {
+        let Some(dst) = self.p().tiers.get(target) else {
+            return Err(step_err(format!("target tier {target} is not open")));
+        };
+        let note = self
+            .p()
+            .state
+            .runs()?
+            .into_iter()
+            .flatten()
+            .find(|n| {
+                n.project == step.project && n.committed.run == c.run && n.committed.step == c.step
+            })
+            .ok_or_else(|| {
+                step_err(format!("checkpoint {} step {} is not noted", c.run, c.step))
+            })?;
+        let files = note.committed.files.clone();
+        let set = SetCopy {
+            src_prefix: step.prefix.clone(),
+            dst_prefix: step.prefix.clone(),
+            opts: CopyOptions {
+                priority: CHECKPOINT_PRIORITY,
+                trust_recorded_hash: false,
+                verify_destination: COPY_DOWN_VERIFY,
+                expected_hash_unknown: false,
+            },
+            chunk_files: 0,
+            totals: Some((files.len() as u64, files.iter().map(|f| f.size).sum())),
+        };
+        let progress = Progress::new();
+        let cancel = self.p().shutdown.child_token();
+        self.p()
+            .mover
+            .copy_set(
+                src,
+                dst,
+                &set,
+                futures::stream::iter(files),
+                &progress,
+                &cancel,
+                |_| {},
+            )
+            .await
+            .map_err(step_err)?;
+        let demoted = Event::request(
+            EventId::for_fact(&step.project, &step.id, &format!("demoted:{target}")),
+            step.project.clone(),
+            Body::CheckpointDemoted(CheckpointDemoted {
+                run: c.run.clone(),
+                step: c.step,
+                from: Location {
+                    tier: step.tier.clone(),
+                    prefix: step.prefix.clone(),
+                },
+                to: Location {
+                    tier: target.to_owned(),
+                    prefix: step.prefix.clone(),
+                },
+                total_bytes: step.bytes,
+                rule: Some(c.rule.clone()),
+            }),
+        );
+        self.p().bus.publish(&demoted).await.map_err(step_err)?;
+        info!(run = %c.run, step = c.step, target, "checkpoint demoted and verified");
+        Ok(())
+    }
+
+    /// Copies the replica to `target` (unless a verified set is there already), proven by
+    /// reading it back, and announces it with `replica.created`.
+    async fn copy_down(&self, step: &Step, src: &Tier, target: &str) -> Result<(), PassError> {
+        let Some(dst) = self.p().tiers.get(target) else {
+            return Err(step_err(format!("target tier {target} is not open")));
+        };
+        if !dst.set_present(&step.prefix).await.map_err(step_err)? {
+            let spool = Spool::in_dir(self.p().spool_dir.clone());
+            let mut builder = ManifestBuilder::new(&spool);
+            let pages = self.p().catalogue.all_files(
+                Some(step.project.clone()),
+                step.dataset.clone(),
+                step.version.clone(),
+                stagehand_catalogue::MAX_PAGE,
+                None,
+            );
+            let mut pages = std::pin::pin!(pages);
+            while let Some(file) = pages.next().await {
+                builder.push(&file?).map_err(step_err)?;
+            }
+            let manifest = builder.finish().map_err(step_err)?;
+            // A list that is not the version's whole list would publish part of it.
+            if manifest.digest() != step.version {
+                return Err(step_err(format!(
+                    "the catalogue's file list of {} hashes to {}: not copying it down",
+                    step.prefix,
+                    manifest.digest()
+                )));
+            }
+            let bad = Arc::new(std::sync::Mutex::new(None));
+            let seen_bad = bad.clone();
+            let files = manifest
+                .chunks(4096)
+                .fuse()
+                .scan((), move |_, chunk| {
+                    futures::future::ready(match chunk {
+                        Ok(files) => Some(futures::stream::iter(files)),
+                        Err(e) => {
+                            *seen_bad.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                            None
+                        }
+                    })
+                })
+                .flatten()
+                .fuse()
+                .boxed();
+            let set = SetCopy {
+                src_prefix: step.prefix.clone(),
+                dst_prefix: step.prefix.clone(),
+                opts: CopyOptions {
+                    priority: COPY_DOWN_PRIORITY,
+                    trust_recorded_hash: false,
+                    verify_destination: COPY_DOWN_VERIFY,
+                    expected_hash_unknown: false,
+                },
+                chunk_files: 0,
+                totals: Some((manifest.files(), manifest.bytes())),
+            };
+            let progress = Progress::new();
+            let cancel = self.p().shutdown.child_token();
+            let staged = self
+                .p()
+                .mover
+                .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
+                .await
+                .map_err(step_err)?;
+            if let Some(e) = bad.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                return Err(step_err(format!(
+                    "reading the file list of {}: {e}",
+                    step.prefix
+                )));
+            }
+            staged.publish().await.map_err(step_err)?;
+        }
+        let created = Event::request(
+            EventId::for_fact(&step.project, &step.id, &format!("replica:{target}")),
+            step.project.clone(),
+            Body::ReplicaCreated(ReplicaCreated {
+                dataset: step.dataset.clone(),
+                version: step.version.clone(),
+                location: Location {
+                    tier: target.to_owned(),
+                    prefix: step.prefix.clone(),
+                },
+                files: step.files,
+                total_bytes: step.bytes,
+                verified_by: COPY_DOWN_VERIFY.as_str().into(),
+                node: None,
+            }),
+        );
+        self.p().bus.publish(&created).await.map_err(step_err)?;
+        info!(prefix = %step.prefix, target, "copied down and verified");
+        Ok(())
+    }
+
+    /// Waits (bounded) until the readiness key of the step's replica is absent or not ready.
+    async fn withdrawn(&self, step: &Step) -> Result<bool, PassError> {
+        let key = kv_key(&ReadinessKey {
+            project: step.project.clone(),
+            dataset: step.dataset.clone(),
+            version: step.version.clone(),
+            tier: step.tier.clone(),
+            node: None,
+        });
+        let not_ready = |e: &kv::Entry| {
+            e.operation != kv::Operation::Put
+                || serde_json::from_slice::<serde_json::Value>(&e.value)
+                    .ok()
+                    .and_then(|v| v.get("ready").and_then(|r| r.as_bool()))
+                    != Some(true)
+        };
+        let bucket = &self.p().readiness;
+        let mut watch = bucket.watch_with_history(&key).await.map_err(step_err)?;
+        match bucket.entry(&key).await.map_err(step_err)? {
+            None => return Ok(true),
+            Some(e) if not_ready(&e) => return Ok(true),
+            Some(_) => {}
+        }
+        let waited = tokio::time::timeout(WITHDRAW_WAIT, async {
+            while let Some(e) = watch.next().await {
+                match e {
+                    Ok(e) if not_ready(&e) => return true,
+                    Ok(_) => {}
+                    Err(e) => {
+                        warn!(error = %e, "watching readiness");
+                        return false;
+                    }
+                }
+            }
+            false
+        })
+        .await;
+        Ok(waited.unwrap_or(false))
+    }
+}
+
+/// Removes a folder beneath a posix tier, confined, off the async threads.
+async fn remove_tree(posix: &stagehand_mover::PosixTier, rel: &str) -> Result<(), PassError> {
+    let (p, rel) = (posix.clone(), rel.to_owned());
+    tokio::task::spawn_blocking(move || p.remove_tree(&rel))
+        .await
+        .map_err(step_err)?
+        .map_err(step_err)?;
+    Ok(())
+}
+
+impl From<PassError> for HandlerError {
+    fn from(e: PassError) -> Self {
+        HandlerError::retryable(e.to_string())
+    }
+}

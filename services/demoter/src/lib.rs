@@ -1,0 +1,332 @@
+//! The demoter: keeps hot tiers under their watermarks by moving replicas down, and never
+//! loses data doing it.
+//!
+//! Its rules, in the order of safety they are applied:
+//!
+//! 1. a replica a live stage holds (requested and not released, per the catalogue's stage
+//!    requests) is never removed — looked at when the pass chooses, right before the removal is
+//!    announced, and right before the rename (a hold found then undoes the removal);
+//! 2. the last verified copy is never removed: when no durable tier (capacity, backup) holds a
+//!    verified copy of the version, the replica is first copied down to `demotion.toml`'s
+//!    `target` with the mover's set copy (background class, read back) and announced with
+//!    `replica.created`; copy and removal are one recorded step ([`state`]) that survives a
+//!    crash anywhere between them;
+//! 3. above a tier's `high_watermark` the least recently staged replicas (of projects over
+//!    their quota first) are demoted until usage is at its `low_watermark`; an unheld replica
+//!    unused for `idle_after` is demoted anyway, and one not staged for `retention.toml`'s
+//!    `unstaged_replica_after` expires;
+//! 4. removal is atomic for readers: `replica.removed` (with the reason) first, the catalogue's
+//!    readiness withdrawn, then the folder renamed out of the namespace in one `renameat2`,
+//!    then deleted.
+//!
+//! Usage is what the catalogue lists as present on the tier plus, from `statfs`, the part of
+//! the tier's capacity others' bytes have made unusable ([`plan`]).
+//!
+//! | task | consumer | what |
+//! | --- | --- | --- |
+//! | `requests` | `demoter` on the requests stream | `stage.released`: a replica may have become free |
+//! | `facts` | `demoter` on the facts stream | `replica.created`, `replica.removed`, `checkpoint.committed`: usage changed |
+//! | `clock` | — | a pass at start, every `check_every`, and whenever a consumer asks |
+//!
+//! One demoter runs per deployment (its consumers are not shared).
+
+pub mod demoter;
+pub mod plan;
+pub mod state;
+pub mod view;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
+use stagehand_bus::{
+    BusConfig, BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
+};
+use stagehand_catalogue::Catalogue;
+use stagehand_mover::{Mover, MoverConfig, TransferError};
+use stagehand_policy::{Policies, PolicyError, TierRole};
+use stagehand_schemas::{Event, subject};
+
+pub use demoter::{Demoter, Parts, PassError, PassReport, TierSurvey, removed_name, survey};
+pub use state::Phase;
+
+/// The service name: its consumers' prefix, its dead-letter subject, its metric label.
+pub const SERVICE: &str = "demoter";
+
+/// The fault-test seam: `copied-down`, `withdrawn` or `renamed` makes the demoter stop, still
+/// running, right after recording that phase of its first step, so a test can kill it there.
+pub const HALT_AFTER_ENV: &str = "STAGEHAND_DEMOTER_HALT_AFTER";
+
+/// The demoter's own settings: the `[service]` table of its configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// The policy folder (`tiers.toml`, `demotion.toml`, `retention.toml`, …).
+    pub policies_dir: PathBuf,
+    /// Where the demoter keeps its state and ledgers.
+    pub state_dir: PathBuf,
+    /// How long to wait for the catalogue's answers (`"10s"`).
+    #[serde(default = "default_catalogue_timeout", with = "duration_str")]
+    pub catalogue_timeout: Duration,
+    /// The mover's tunables (a `bytes_per_second` limit keeps copies down in the background).
+    #[serde(default)]
+    pub mover: MoverConfig,
+}
+
+fn default_catalogue_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`Settings`] as `[service]`.
+pub type Config = ServiceConfig<Settings>;
+
+impl Settings {
+    pub fn new(policies_dir: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            policies_dir: policies_dir.into(),
+            state_dir: state_dir.into(),
+            catalogue_timeout: default_catalogue_timeout(),
+            mover: MoverConfig::default(),
+        }
+    }
+
+    /// Settings for a one-machine stack under `home` (`stagehand up`).
+    pub fn dev(home: &std::path::Path, policies_dir: &std::path::Path) -> Self {
+        Self::new(policies_dir, home.join("state").join(SERVICE))
+    }
+}
+
+impl ServiceSettings for Settings {
+    fn validate(&self) -> Result<(), InvalidKey> {
+        if self.policies_dir.as_os_str().is_empty() {
+            return Err(InvalidKey::new(
+                "policies_dir",
+                "must name the policy folder",
+            ));
+        }
+        if self.catalogue_timeout.is_zero() {
+            return Err(InvalidKey::new(
+                "catalogue_timeout",
+                "must be longer than 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A configuration for running the demoter in-process against `nats_url` (tests,
+/// `stagehand up`).
+pub fn config(
+    nats_url: &str,
+    policies_dir: impl Into<PathBuf>,
+    state_dir: impl Into<PathBuf>,
+) -> Config {
+    ServiceConfig::new(
+        BusConfig {
+            client_name: SERVICE.into(),
+            ..BusConfig::new(nats_url)
+        },
+        Settings::new(policies_dir, state_dir),
+    )
+}
+
+/// Why the demoter could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DemoterError {
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("{file}: demotion.toml is required by the demoter")]
+    NoDemotionPolicy { file: String },
+    #[error("{HALT_AFTER_ENV}={value:?}: expected copied-down, withdrawn or renamed")]
+    BadHalt { value: String },
+    #[error("cannot create the state directory {}: {source}", path.display())]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    State(#[from] state::StateError),
+    #[error("starting the mover: {0}")]
+    Mover(#[source] Box<TransferError>),
+    #[error(transparent)]
+    Pass(#[from] PassError),
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("task failed: {0}")]
+    Task(#[from] runner::TaskError),
+    #[error(transparent)]
+    Run(Box<runner::RunError>),
+}
+
+impl DemoterError {
+    /// Whether starting again unchanged can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            DemoterError::Policy(_)
+            | DemoterError::NoDemotionPolicy { .. }
+            | DemoterError::BadHalt { .. }
+            | DemoterError::StateDir { .. }
+            | DemoterError::Mover(_) => false,
+            DemoterError::State(_) | DemoterError::Task(_) => true,
+            DemoterError::Pass(e) => e.is_retryable(),
+            DemoterError::Bus(e) => e.is_retryable(),
+            DemoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+        }
+    }
+
+    fn from_run(e: runner::RunError) -> Self {
+        match e {
+            runner::RunError::Bus(e) => DemoterError::Bus(e),
+            runner::RunError::Service(source) => match source.downcast::<DemoterError>() {
+                Ok(own) => *own,
+                Err(other) => DemoterError::Run(Box::new(runner::RunError::Service(other))),
+            },
+            other => DemoterError::Run(Box::new(other)),
+        }
+    }
+}
+
+/// Runs the demoter through the service runner until `shutdown` is cancelled.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DemoterError> {
+    runner::run(SERVICE, config, shutdown, serve)
+        .await
+        .map_err(DemoterError::from_run)
+}
+
+fn halt_after() -> Result<Option<Phase>, DemoterError> {
+    match std::env::var(HALT_AFTER_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => match v.as_str() {
+            "copied-down" => Ok(Some(Phase::CopiedDown)),
+            "withdrawn" => Ok(Some(Phase::Withdrawn)),
+            "renamed" => Ok(Some(Phase::Renamed)),
+            _ => Err(DemoterError::BadHalt { value: v }),
+        },
+    }
+}
+
+/// What the runner calls (the binary's `main`): opens policies, tiers, state and the mover,
+/// then runs the consumers and the clock until shutdown.
+pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
+    let s = &ctx.settings;
+    let policies = Policies::load_dir(&s.policies_dir)?;
+    let demotion = policies
+        .demotion()
+        .cloned()
+        .ok_or_else(|| DemoterError::NoDemotionPolicy {
+            file: s.policies_dir.join("demotion.toml").display().to_string(),
+        })?;
+    let halt_after = halt_after()?;
+    let mut tiers = HashMap::new();
+    for (name, tier) in policies.tiers() {
+        if tier.role == TierRole::Local {
+            // Node-local replicas are not in the catalogue yet (their facts carry no node).
+            tracing::info!(tier = %name, "local tier not demoted by the shared demoter");
+            continue;
+        }
+        match tier.open() {
+            Ok(t) => {
+                // Temporaries of dead writers on the tiers the demoter writes (its copies down,
+                // its removals) are removed at start.
+                if let stagehand_mover::Tier::Posix(p) = &t
+                    && matches!(tier.role, TierRole::Hot | TierRole::Capacity)
+                {
+                    let p = p.clone();
+                    let swept = tokio::task::spawn_blocking(move || {
+                        p.sweep_stale("", stagehand_mover::SweepOptions::default())
+                    })
+                    .await;
+                    if let Ok(Err(e)) = swept {
+                        tracing::warn!(tier = %name, error = %e, "sweeping stale temporaries failed");
+                    }
+                }
+                tiers.insert(name.clone(), t);
+            }
+            Err(source) => {
+                tracing::warn!(tier = %name, location = %tier.location(), error = %source, "tier not opened; it is not demoted");
+            }
+        }
+    }
+    let spool_dir = s.state_dir.join("spool");
+    for dir in [&s.state_dir, &spool_dir] {
+        std::fs::create_dir_all(dir).map_err(|source| DemoterError::StateDir {
+            path: dir.clone(),
+            source,
+        })?;
+    }
+    let state = state::State::open(&s.state_dir.join("demoter-state.redb"))?;
+    let readiness = ctx.bus.provision_kv(&stagehand_bus::READINESS).await?;
+    let mover = Mover::new(s.mover.clone()).map_err(|e| DemoterError::Mover(Box::new(e)))?;
+    let mut tasks = ctx.tasks();
+    let token = tasks.shutdown().clone();
+    let demoter = Demoter::new(Parts {
+        bus: ctx.bus.clone(),
+        catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
+        policies,
+        demotion,
+        tiers,
+        state,
+        mover,
+        spool_dir,
+        readiness,
+        halt_after,
+        shutdown: token.clone(),
+    });
+    tracing::info!("demoter ready");
+
+    // One durable consumer named `demoter` on each stream (deploy/nats/accounts.conf grants
+    // those names), each with its own ledger.
+    let mut requests = ctx.worker_config_named(
+        SERVICE,
+        subject::REQUESTS.name,
+        vec![subject::kind_filter("req", "stage.released")],
+        s.state_dir.join("demoter-requests.redb"),
+    );
+    requests.claims = ctx.worker.claims.unwrap_or(false);
+    let mut facts = ctx.worker_config_named(
+        SERVICE,
+        subject::FACTS.name,
+        ["replica.created", "replica.removed", "checkpoint.committed"]
+            .iter()
+            .map(|k| subject::kind_filter("fact", k))
+            .collect(),
+        s.state_dir.join("demoter-facts.redb"),
+    );
+    facts.claims = ctx.worker.claims.unwrap_or(false);
+
+    tasks.spawn(
+        "requests",
+        worker(ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone())),
+    );
+    tasks.spawn(
+        "facts",
+        worker(ctx.run_worker_until(facts, Wakes(demoter.clone()), token.clone())),
+    );
+    tasks.spawn("clock", demoter.clone().clock());
+    let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
+    tasks.join(deadline).await?;
+    Ok(())
+}
+
+async fn worker(
+    run: impl std::future::Future<Output = Result<stagehand_bus::WorkerStats, BusError>>,
+) -> Result<(), BusError> {
+    run.await
+        .map(|stats| tracing::info!(?stats, "worker stopped"))
+}
+
+/// The consumers' handler: a checkpoint commit is noted for retention, and a fact or release
+/// that can change what to demote asks the clock for a pass (a wake-up is never lost: one
+/// stored while a pass runs starts the next).
+struct Wakes(Demoter);
+
+impl Handler for Wakes {
+    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        self.0.on_event(event)?;
+        Ok(Vec::new())
+    }
+}

@@ -1,0 +1,296 @@
+//! The demoter's own state, in its redb file: every demotion step begun and not finished, and
+//! how far it got. A step is written before its first effect and advanced after each one, so a
+//! demoter killed anywhere takes the step up again on start at the phase it reached.
+//!
+//! | table | key | value |
+//! | --- | --- | --- |
+//! | `steps` | (tier, prefix) | [`Step`] (JSON) |
+//! | `checkpoints` | (project, run, step) | [`CheckpointNote`] (JSON): the commit fact and where retention has put it |
+
+use std::path::Path;
+use std::sync::Arc;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use stagehand_schemas::{CheckpointCommitted, EventId};
+use time::OffsetDateTime;
+
+const STEPS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("steps");
+const CHECKPOINTS: TableDefinition<(&str, &str, u64), &[u8]> = TableDefinition::new("checkpoints");
+
+/// Where a committed checkpoint is, as the demoter carried out retention's decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckpointPlace {
+    /// Where the run wrote it.
+    Committed,
+    /// Moved to the retention policy's `demote_to` tier.
+    Demoted,
+    /// Removed by retention.
+    Expired,
+}
+
+/// A committed checkpoint the demoter follows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointNote {
+    pub project: String,
+    pub committed: CheckpointCommitted,
+    #[serde(with = "time::serde::rfc3339")]
+    pub committed_at: OffsetDateTime,
+    pub place: CheckpointPlace,
+    /// The tier it was demoted to, once it was.
+    #[serde(default)]
+    pub demoted_to: Option<String>,
+}
+
+/// What a checkpoint step does besides moving the folder.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointStep {
+    pub run: String,
+    pub step: u64,
+    /// The retention rule that decided (`keep_last`, `expired`, …).
+    pub rule: String,
+}
+
+/// How far a demotion step got. Each phase is recorded after its effect is durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Decided; nothing done yet (or the copy down is under way).
+    Planned,
+    /// A verified copy exists on a durable tier (made by this step and announced with
+    /// `replica.created`, or there before).
+    CopiedDown,
+    /// `replica.removed` is stored and the catalogue has withdrawn the replica's readiness.
+    Withdrawn,
+    /// The replica's folder was renamed out of the tier's namespace; its bytes remain to delete.
+    Renamed,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Planned => "planned",
+            Phase::CopiedDown => "copied-down",
+            Phase::Withdrawn => "withdrawn",
+            Phase::Renamed => "renamed",
+        }
+    }
+}
+
+/// One replica being demoted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// The base of the step's fact ids (unique per step, kept across restarts).
+    pub id: EventId,
+    pub project: String,
+    pub dataset: String,
+    pub version: String,
+    pub tier: String,
+    /// `<project>/<dataset>/<version>` beneath the tier's root.
+    pub prefix: String,
+    pub files: u64,
+    pub bytes: u64,
+    /// The sentence `replica.removed` carries.
+    pub reason: String,
+    /// The durable tier to copy to first, when no verified copy exists on one.
+    pub copy_to: Option<String>,
+    pub phase: Phase,
+    #[serde(with = "time::serde::rfc3339")]
+    pub begun_at: OffsetDateTime,
+    /// Set for a checkpoint's demotion or expiry (retention decided it): its facts are
+    /// `checkpoint.demoted` / `checkpoint.expired`, and no readiness is withdrawn.
+    #[serde(default)]
+    pub checkpoint: Option<CheckpointStep>,
+    /// How the replica was proven when it was made (announced again if the step is undone).
+    #[serde(default)]
+    pub verified_by: Option<String>,
+}
+
+/// A failure of the state store: the demoter cannot go on safely.
+#[derive(Debug, thiserror::Error)]
+#[error("demoter state {what}: {detail}")]
+pub struct StateError {
+    pub what: &'static str,
+    pub detail: String,
+}
+
+fn err(what: &'static str) -> impl Fn(String) -> StateError {
+    move |detail| StateError { what, detail }
+}
+
+/// The demoter's state store. Clones share one database.
+#[derive(Clone)]
+pub struct State {
+    db: Arc<Database>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State").finish_non_exhaustive()
+    }
+}
+
+impl State {
+    pub fn open(path: &Path) -> Result<State, StateError> {
+        let open = err("open");
+        let db = Database::create(path).map_err(|e| open(format!("{}: {e}", path.display())))?;
+        let txn = db.begin_write().map_err(|e| open(e.to_string()))?;
+        txn.open_table(STEPS).map_err(|e| open(e.to_string()))?;
+        txn.open_table(CHECKPOINTS)
+            .map_err(|e| open(e.to_string()))?;
+        txn.commit().map_err(|e| open(e.to_string()))?;
+        Ok(State { db: Arc::new(db) })
+    }
+
+    /// Writes `step` (a new one, or its next phase) durably.
+    pub fn put(&self, step: &Step) -> Result<(), StateError> {
+        let e = err("write");
+        let bytes = serde_json::to_vec(step).map_err(|x| e(x.to_string()))?;
+        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        txn.open_table(STEPS)
+            .map_err(|x| e(x.to_string()))?
+            .insert((step.tier.as_str(), step.prefix.as_str()), bytes.as_slice())
+            .map_err(|x| e(x.to_string()))?;
+        txn.commit().map_err(|x| e(x.to_string()))
+    }
+
+    /// Forgets a finished (or abandoned) step.
+    pub fn finish(&self, step: &Step) -> Result<(), StateError> {
+        let e = err("write");
+        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        txn.open_table(STEPS)
+            .map_err(|x| e(x.to_string()))?
+            .remove((step.tier.as_str(), step.prefix.as_str()))
+            .map_err(|x| e(x.to_string()))?;
+        txn.commit().map_err(|x| e(x.to_string()))
+    }
+
+    /// Every step begun and not finished, in (tier, prefix) order.
+    pub fn steps(&self) -> Result<Vec<Step>, StateError> {
+        let e = err("read");
+        let txn = self.db.begin_read().map_err(|x| e(x.to_string()))?;
+        let table = txn.open_table(STEPS).map_err(|x| e(x.to_string()))?;
+        let mut out = Vec::new();
+        for row in table.iter().map_err(|x| e(x.to_string()))? {
+            let (_, v) = row.map_err(|x| e(x.to_string()))?;
+            out.push(serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?);
+        }
+        Ok(out)
+    }
+}
+
+impl State {
+    /// Notes a committed checkpoint the first time its commit is seen.
+    pub fn note_checkpoint(&self, note: &CheckpointNote) -> Result<(), StateError> {
+        let e = err("write");
+        let key = (
+            note.project.as_str(),
+            note.committed.run.as_str(),
+            note.committed.step,
+        );
+        let bytes = serde_json::to_vec(note).map_err(|x| e(x.to_string()))?;
+        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        {
+            let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+            if table.get(key).map_err(|x| e(x.to_string()))?.is_none() {
+                table
+                    .insert(key, bytes.as_slice())
+                    .map_err(|x| e(x.to_string()))?;
+            }
+        }
+        txn.commit().map_err(|x| e(x.to_string()))
+    }
+
+    /// Records where a checkpoint now is.
+    pub fn place_checkpoint(
+        &self,
+        project: &str,
+        run: &str,
+        step: u64,
+        place: CheckpointPlace,
+        demoted_to: Option<&str>,
+    ) -> Result<(), StateError> {
+        let e = err("write");
+        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        {
+            let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+            let current = table
+                .get((project, run, step))
+                .map_err(|x| e(x.to_string()))?
+                .map(|v| serde_json::from_slice::<CheckpointNote>(v.value()));
+            if let Some(note) = current {
+                let mut note = note.map_err(|x| e(x.to_string()))?;
+                note.place = place;
+                if let Some(t) = demoted_to {
+                    note.demoted_to = Some(t.to_owned());
+                }
+                let bytes = serde_json::to_vec(&note).map_err(|x| e(x.to_string()))?;
+                table
+                    .insert((project, run, step), bytes.as_slice())
+                    .map_err(|x| e(x.to_string()))?;
+            }
+        }
+        txn.commit().map_err(|x| e(x.to_string()))
+    }
+
+    /// Every checkpoint noted, grouped by (project, run), in step order within each.
+    pub fn runs(&self) -> Result<Vec<Vec<CheckpointNote>>, StateError> {
+        let e = err("read");
+        let txn = self.db.begin_read().map_err(|x| e(x.to_string()))?;
+        let table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+        let mut out: Vec<Vec<CheckpointNote>> = Vec::new();
+        for row in table.iter().map_err(|x| e(x.to_string()))? {
+            let (_, v) = row.map_err(|x| e(x.to_string()))?;
+            let note: CheckpointNote =
+                serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?;
+            match out.last_mut() {
+                Some(run)
+                    if run[0].project == note.project
+                        && run[0].committed.run == note.committed.run =>
+                {
+                    run.push(note)
+                }
+                _ => out.push(vec![note]),
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_survive_reopening_at_their_phase() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let mut step = Step {
+            id: EventId::for_content(&[b"x"]),
+            project: "p".into(),
+            dataset: "d".into(),
+            version: "v".into(),
+            tier: "hot".into(),
+            prefix: "p/d/v".into(),
+            files: 1,
+            bytes: 2,
+            reason: "idle".into(),
+            copy_to: Some("capacity".into()),
+            phase: Phase::Planned,
+            begun_at: OffsetDateTime::UNIX_EPOCH,
+            checkpoint: None,
+            verified_by: None,
+        };
+        {
+            let s = State::open(&path).unwrap();
+            s.put(&step).unwrap();
+            step.phase = Phase::Renamed;
+            s.put(&step).unwrap();
+        }
+        let s = State::open(&path).unwrap();
+        assert_eq!(s.steps().unwrap(), vec![step.clone()]);
+        s.finish(&step).unwrap();
+        assert!(s.steps().unwrap().is_empty());
+    }
+}

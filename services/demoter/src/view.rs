@@ -1,0 +1,156 @@
+//! What the catalogue says is on a tier, and what holds it: the demoter's (and `stagehand tier
+//! usage`'s) view, asked through the catalogue client only.
+//!
+//! Anything the view misses fails safe: a replica not listed is not demoted, and a durable
+//! copy not listed is made again before the replica above it is removed.
+
+use std::collections::{BTreeMap, HashSet};
+
+use stagehand_catalogue::{
+    Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageState, VersionRecord,
+};
+use time::OffsetDateTime;
+
+/// A verified replica present on the tier looked at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed {
+    pub project: String,
+    pub dataset: String,
+    pub version: String,
+    /// Beneath the tier's root.
+    pub prefix: String,
+    pub files: u64,
+    pub bytes: u64,
+    /// When the replica was made, if the catalogue knows.
+    pub made_at: Option<OffsetDateTime>,
+    /// A verified copy is present on a durable tier (capacity or backup).
+    pub durable_elsewhere: bool,
+    /// How the replica was proven when it was made.
+    pub verified_by: Option<String>,
+}
+
+/// What the stage requests of a version on the tier say.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holds {
+    /// Jobs whose stage is requested and not released (pending, copying or ready).
+    pub live_jobs: Vec<String>,
+    /// The newest change of any of its stage requests on the tier.
+    pub last_staged: Option<OffsetDateTime>,
+}
+
+/// Every replica the catalogue lists as present on `tier`, with whether a verified copy of the
+/// same version is present on one of the `durable` tiers.
+pub async fn placed_on(
+    catalogue: &Catalogue,
+    tier: &str,
+    durable: &HashSet<String>,
+) -> Result<Vec<Placed>, CatalogueError> {
+    let mut out = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue.datasets(None, None, after.as_deref()).await?;
+        for d in &page.items {
+            let detail = catalogue.dataset(Some(&d.project), &d.dataset).await?;
+            let mut versions: Vec<VersionRecord> = detail.versions.clone();
+            let mut replicas: BTreeMap<String, Vec<ReplicaRecord>> = BTreeMap::new();
+            for r in detail.replicas {
+                replicas.entry(r.version.clone()).or_default().push(r);
+            }
+            // Versions past the detail's first page, each with its replicas.
+            let mut next = detail.versions_next.clone();
+            while let Some(cursor) = next {
+                let answer = catalogue
+                    .ask(&Query::Versions {
+                        project: Some(d.project.clone()),
+                        dataset: d.dataset.clone(),
+                        limit: None,
+                        after: Some(cursor),
+                    })
+                    .await?;
+                let stagehand_catalogue::Answer::Versions {
+                    versions: more,
+                    next: n,
+                } = answer
+                else {
+                    break;
+                };
+                for v in &more {
+                    let vd = catalogue
+                        .version(Some(&d.project), &d.dataset, &v.version)
+                        .await?;
+                    replicas.insert(v.version.clone(), vd.replicas);
+                }
+                versions.extend(more);
+                next = n;
+            }
+            for v in versions {
+                let Some(rs) = replicas.get(&v.version) else {
+                    continue;
+                };
+                let present = |r: &&ReplicaRecord| r.state == ReplicaState::Present;
+                let Some(here) = rs.iter().filter(present).find(|r| r.tier == tier) else {
+                    continue;
+                };
+                out.push(Placed {
+                    project: d.project.clone(),
+                    dataset: d.dataset.clone(),
+                    version: v.version.clone(),
+                    prefix: here.prefix.clone(),
+                    files: here.files.max(v.file_count),
+                    bytes: here.total_bytes.max(v.total_bytes),
+                    made_at: here.copied.as_ref().or(here.stamp.as_ref()).map(|s| s.at),
+                    durable_elsewhere: rs.iter().filter(present).any(|r| durable.contains(&r.tier)),
+                    verified_by: here.verified_by.clone(),
+                });
+            }
+        }
+        match page.next {
+            Some(n) => after = Some(n),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// The stage requests of one version on a shared tier: which jobs hold it, and when it was
+/// last staged.
+pub async fn holds(
+    catalogue: &Catalogue,
+    placed: &Placed,
+    tier: &str,
+) -> Result<Holds, CatalogueError> {
+    let mut holds = Holds::default();
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue
+            .stage_requests(
+                &placed.project,
+                None,
+                Some(&placed.dataset),
+                Some(&placed.version),
+                after.as_deref(),
+            )
+            .await?;
+        for s in &page.items {
+            let same_version = s
+                .resolved_version
+                .as_deref()
+                .map_or(placed.version.starts_with(&s.version), |v| {
+                    v == placed.version
+                });
+            if s.tier != tier || s.node.is_some() || !same_version {
+                continue;
+            }
+            if matches!(
+                s.state,
+                StageState::Pending | StageState::Copying | StageState::Ready
+            ) {
+                holds.live_jobs.push(s.job_id.clone());
+            }
+            holds.last_staged = holds.last_staged.max(Some(s.updated_at));
+        }
+        match page.next {
+            Some(n) => after = Some(n),
+            None => return Ok(holds),
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! Checkpoint retention carried out by the demoter: a run's committed checkpoints on hot end
+//! exactly where `stagehand_policy::retention::decide` puts them — the newest on hot, the
+//! kept older ones verified on capacity and gone from hot, the rest gone — each move announced
+//! with the rule that decided it.
+
+mod common;
+
+use common::*;
+use stagehand_schemas::Body;
+use stagehand_testkit::wait_until;
+
+/// Guards the demoter's side of retention: keep_last 3, hot_keep_last 1, `best` tagged, over
+/// six checkpoints (step 200 tagged): 600 stays on hot; 500 and 400 (keep_last) and 200
+/// (tagged:best) are demoted to capacity; 100 and 300 expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_runs_checkpoints_are_kept_demoted_and_expired_as_retention_decides() {
+    let mut stack = Stack::start(Options {
+        checkpoints: "keep_last = 3\nkeep_every = 0\nkeep_tagged = [\"best\"]\nhot_keep_last = 1\ndemote_to = \"capacity\"",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    stack.run_demoter();
+    let mut committed = Vec::new();
+    for step in [100u64, 200, 300, 400, 500, 600] {
+        let tags: &[&str] = if step == 200 { &["best"] } else { &[] };
+        committed.push((step, stack.commit_checkpoint("run-a", step, tags).await));
+    }
+    let run_dir = stack.tier("hot").join(format!("{PROJECT}/ckpt/run-a"));
+    let capacity_dir = stack.tier("capacity").join(format!("{PROJECT}/ckpt/run-a"));
+    let kept = ["step-200", "step-400", "step-500"]
+        .map(String::from)
+        .to_vec();
+    wait_until(WAIT, "retention carried out", || async {
+        list(&run_dir) == vec!["step-600".to_owned()]
+            && list(&capacity_dir) == kept
+            && facts(&js, "checkpoint.expired").await.len() >= 2
+    })
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: hot {:?}, capacity {:?}",
+            list(&run_dir),
+            list(&capacity_dir)
+        )
+    });
+    // The checkpoints may be decided while the run is still arriving (300 is among the newest
+    // three before 500 and 600 come): what is certain is each step's last fact and its rule.
+    let mut last: std::collections::BTreeMap<u64, (String, String)> = Default::default();
+    let mut demotions = std::collections::BTreeMap::<u64, usize>::new();
+    let mut events = facts(&js, "checkpoint.demoted").await;
+    events.extend(facts(&js, "checkpoint.expired").await);
+    events.sort_by_key(|e| e.occurred_at);
+    for e in events {
+        match e.body {
+            Body::CheckpointDemoted(d) => {
+                assert_eq!(d.to.tier, "capacity");
+                *demotions.entry(d.step).or_default() += 1;
+                last.insert(d.step, ("demoted".into(), d.rule.unwrap_or_default()));
+            }
+            Body::CheckpointExpired(x) => {
+                assert!(
+                    last.get(&x.step).is_none_or(|(k, _)| k == "demoted"),
+                    "{}",
+                    x.step
+                );
+                last.insert(x.step, ("expired".into(), x.rule));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let want = |k: &str, r: &str| (k.to_owned(), r.to_owned());
+    // 200 moved while it was among the newest three (keep_last), or once the run was whole
+    // (tagged:best): the fact carries the rule that decided when it moved.
+    let rule_200 = last.get(&200).map(|(_, r)| r.clone()).unwrap_or_default();
+    assert!(
+        ["keep_last", "tagged:best"].contains(&rule_200.as_str()),
+        "{rule_200}"
+    );
+    assert_eq!(
+        last.into_iter().collect::<Vec<_>>(),
+        vec![
+            (100, want("expired", "expired")),
+            (200, want("demoted", &rule_200)),
+            (300, want("expired", "expired")),
+            (400, want("demoted", "keep_last")),
+            (500, want("demoted", "keep_last")),
+        ]
+    );
+    assert!(demotions.values().all(|&n| n == 1), "{demotions:?}");
+    for (step, placed) in &committed {
+        let on_capacity = whole_on(&stack, "capacity", placed);
+        assert_eq!(on_capacity, [200, 400, 500].contains(step), "step {step}");
+    }
+    assert!(whole_on(&stack, "hot", &committed[5].1));
+    stack.stop().await;
+}

@@ -1,0 +1,616 @@
+//! The demoter's test harness: a real nats-server, the real catalogue recorder, posix tiers in
+//! a temp dir, replicas placed on the hot tier as the promoter leaves them (a published folder
+//! and `replica.created`), stage requests and releases at chosen times, and the demoter
+//! in-process or as its real binary.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, kv};
+use futures::StreamExt;
+use stagehand_bus::{Bus, BusConfig, CancellationToken};
+use stagehand_catalogue::{Catalogue, ReadinessKey, ReplicaState, kv_key};
+use stagehand_schemas::{
+    Body, DatasetValidated, Event, EventId, FileRef, Location, ReplicaCreated, StageReleased,
+    StageRequested, sha256_hex, subject, version_digest,
+};
+use stagehand_testkit::{NatsServer, wait_until};
+use time::OffsetDateTime;
+
+pub const WAIT: Duration = Duration::from_secs(30);
+pub const PROJECT: &str = "lab-a";
+pub const MIB: usize = 1 << 20;
+
+pub const VALIDATION: &str = r#"
+max_file_size = "1 GiB"
+max_entries = 100000
+max_total_bytes = "10 GiB"
+allowed_suffixes = []
+denied_suffixes = [".exe"]
+allow_hidden = false
+"#;
+
+/// The policies of a test.
+pub struct Options {
+    /// Capacity of the hot tier.
+    pub hot_capacity: &'static str,
+    pub high: f64,
+    pub low: f64,
+    pub idle_after: &'static str,
+    pub unstaged_replica_after: &'static str,
+    /// Run NATS with deploy/nats/accounts.conf: the test publishes as the operator, the
+    /// recorder and the demoter connect as their own users, with their own rights only.
+    pub accounts: bool,
+    /// The `[checkpoints]` table of retention.toml.
+    pub checkpoints: &'static str,
+    /// An S3 capacity tier (endpoint, bucket) instead of the posix one.
+    pub s3_capacity: Option<(String, String)>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            hot_capacity: "10 MiB",
+            high: 0.85,
+            low: 0.5,
+            idle_after: "1d",
+            unstaged_replica_after: "30d",
+            accounts: false,
+            s3_capacity: None,
+            checkpoints: "keep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"",
+        }
+    }
+}
+
+/// A stack: NATS, the recorder, tiers and policies; demoters are started on it.
+pub struct Stack {
+    pub nats: NatsServer,
+    pub tmp: tempfile::TempDir,
+    pub bus: Bus,
+    pub catalogue: Catalogue,
+    pub policies: PathBuf,
+    pub shutdown: CancellationToken,
+    accounts: bool,
+    demoter_stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// A version placed on the hot tier.
+#[derive(Debug, Clone)]
+pub struct Placed {
+    pub dataset: String,
+    pub version: String,
+    pub files: Vec<(String, Vec<u8>)>,
+}
+
+impl Placed {
+    pub fn prefix(&self) -> String {
+        format!("{PROJECT}/{}/{}", self.dataset, self.version)
+    }
+}
+
+impl Stack {
+    pub async fn start(opts: Options) -> Stack {
+        let nats = if opts.accounts {
+            NatsServer::builder().shipped_accounts().start()
+        } else {
+            NatsServer::start()
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for t in ["source", "capacity", "hot"] {
+            std::fs::create_dir_all(root.join("tiers").join(t)).unwrap();
+        }
+        let policies = root.join("policies");
+        std::fs::create_dir_all(&policies).unwrap();
+        std::fs::write(
+            policies.join("tiers.toml"),
+            format!(
+                "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{src}\"\n\n\
+                 [tiers.capacity]\n{cap}\nrole = \"capacity\"\nfailure_domain = \"cap\"\n\n\
+                 [tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"{hot}\"\ncapacity = \"{hotcap}\"\n\
+                 high_watermark = {high}\nlow_watermark = {low}\n",
+                src = root.join("tiers/source").display(),
+                cap = match &opts.s3_capacity {
+                    None => format!(
+                        "kind = \"posix\"\nroot = \"{}\"",
+                        root.join("tiers/capacity").display()
+                    ),
+                    Some((endpoint, bucket)) => format!(
+                        "kind = \"s3\"\nendpoint = \"{endpoint}\"\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
+                    ),
+                },
+                hot = root.join("tiers/hot").display(),
+                hotcap = opts.hot_capacity,
+                high = opts.high,
+                low = opts.low,
+            ),
+        )
+        .unwrap();
+        std::fs::write(policies.join("validation.toml"), VALIDATION).unwrap();
+        std::fs::write(
+            policies.join("demotion.toml"),
+            // A long clock: passes come at start and from facts, so each test knows when.
+            format!(
+                "idle_after = \"{}\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\n",
+                opts.idle_after
+            ),
+        )
+        .unwrap();
+        std::fs::write(
+            policies.join("retention.toml"),
+            format!(
+                "[checkpoints]\n{}\n\n[expiry]\nunstaged_replica_after = \"{}\"\n",
+                opts.checkpoints, opts.unstaged_replica_after
+            ),
+        )
+        .unwrap();
+        let operator = if opts.accounts {
+            stagehand_testkit::user_url(&nats, "operator", "OPERATOR")
+        } else {
+            nats.url()
+        };
+        let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
+        bus.provision().await.unwrap();
+        let catalogue = Catalogue::new(bus.client().clone()).with_timeout(Duration::from_secs(5));
+        let shutdown = CancellationToken::new();
+        let mut stack = Stack {
+            nats,
+            tmp,
+            bus,
+            catalogue,
+            policies,
+            accounts: opts.accounts,
+            demoter_stop: shutdown.child_token(),
+            shutdown,
+            tasks: Vec::new(),
+        };
+        let mut recorder = stagehand_catalogue_recorder::config(
+            &stack.url_as("catalogue-recorder", "CATALOGUE_RECORDER"),
+            stack.tmp.path().join("recorder"),
+        );
+        recorder.bus.provision = !stack.accounts;
+        let token = stack.shutdown.clone();
+        stack.tasks.push(tokio::spawn(async move {
+            stagehand_catalogue_recorder::run(recorder, token)
+                .await
+                .expect("recorder");
+        }));
+        stack
+    }
+
+    pub fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    pub fn tier(&self, name: &str) -> PathBuf {
+        self.root().join("tiers").join(name)
+    }
+
+    /// The server's URL for `user` (the plain URL without accounts).
+    pub fn url_as(&self, user: &str, role: &str) -> String {
+        if self.accounts {
+            stagehand_testkit::user_url(&self.nats, user, role)
+        } else {
+            self.nats.url()
+        }
+    }
+
+    pub fn demoter_config(&self) -> stagehand_demoter::Config {
+        let mut config = stagehand_demoter::config(
+            &self.url_as("demoter", "DEMOTER"),
+            &self.policies,
+            self.root().join("state/demoter"),
+        );
+        config.bus.provision = !self.accounts;
+        config
+    }
+
+    /// Runs the demoter in-process until the stack stops.
+    pub fn run_demoter(&mut self) {
+        let config = self.demoter_config();
+        let token = self.demoter_stop.clone();
+        self.tasks.push(tokio::spawn(async move {
+            stagehand_demoter::run(config, token)
+                .await
+                .expect("demoter");
+        }));
+    }
+
+    pub async fn publish(&self, event: &Event) {
+        self.bus.publish(event).await.unwrap();
+    }
+
+    /// Places a version of `dataset` on the hot tier as the promoter leaves one, with `n`
+    /// files of `size` bytes. `durable`: the version was validated on the capacity tier (a
+    /// verified copy is there); else it was validated on the source tier, whose copy is then
+    /// deleted, so the only verified copy left is the hot one.
+    pub async fn place(
+        &self,
+        dataset: &str,
+        seed: u8,
+        n: usize,
+        size: usize,
+        durable: bool,
+    ) -> Placed {
+        let files: Vec<(String, Vec<u8>)> = (0..n)
+            .map(|i| {
+                (
+                    format!("part-{i:02}.bin"),
+                    bytes(seed.wrapping_add(i as u8), size),
+                )
+            })
+            .collect();
+        let refs: Vec<FileRef> = files
+            .iter()
+            .map(|(p, b)| FileRef::new(p.as_str(), b.len() as u64, sha256_hex(b)))
+            .collect();
+        let version = version_digest(&refs);
+        let prefix = format!("{PROJECT}/{dataset}/{version}");
+        let source_tier = if durable { "capacity" } else { "source" };
+        for tier in [source_tier, "hot"] {
+            for (p, b) in &files {
+                let path = self.tier(tier).join(&prefix).join(p);
+                std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+                std::fs::write(path, b).unwrap();
+            }
+        }
+        let total: u64 = refs.iter().map(|f| f.size).sum();
+        let ingest = EventId::for_ingest(PROJECT, dataset, &version);
+        let validated = Event::request(
+            EventId::derive(&ingest, "validated"),
+            PROJECT,
+            Body::DatasetValidated(DatasetValidated {
+                dataset: dataset.into(),
+                version: version.clone(),
+                source: Location {
+                    tier: source_tier.into(),
+                    prefix: prefix.clone(),
+                },
+                files: refs.clone(),
+                manifest: None,
+                total_bytes: total,
+                requested_by: "test".into(),
+                request_id: ingest.clone(),
+                labels: vec![],
+            }),
+        );
+        self.publish(&validated).await;
+        if !durable {
+            std::fs::remove_dir_all(self.tier("source").join(&prefix)).unwrap();
+        }
+        let created = Event::request(
+            EventId::derive(&ingest, "replica:hot"),
+            PROJECT,
+            Body::ReplicaCreated(ReplicaCreated {
+                dataset: dataset.into(),
+                version: version.clone(),
+                location: Location {
+                    tier: "hot".into(),
+                    prefix: prefix.clone(),
+                },
+                files: n as u64,
+                total_bytes: total,
+                verified_by: "read-back".into(),
+                node: None,
+            }),
+        );
+        self.publish(&created).await;
+        Placed {
+            dataset: dataset.into(),
+            version,
+            files,
+        }
+    }
+
+    /// A training run's checkpoint at `step`: `n` files written under
+    /// `<project>/ckpt/<run>/step-<step>` on the hot tier, then `checkpoint.committed` (its
+    /// files inline) with `tags`.
+    pub async fn commit_checkpoint(&self, run: &str, step: u64, tags: &[&str]) -> Placed {
+        let prefix = format!("{PROJECT}/ckpt/{run}/step-{step}");
+        let files: Vec<(String, Vec<u8>)> = (0..3)
+            .map(|i| {
+                (
+                    format!("shard-{i}.distcp"),
+                    bytes(step as u8 ^ i, 8192 + i as usize),
+                )
+            })
+            .collect();
+        let refs: Vec<FileRef> = files
+            .iter()
+            .map(|(p, b)| FileRef::new(p.as_str(), b.len() as u64, sha256_hex(b)))
+            .collect();
+        for (p, b) in &files {
+            let path = self.tier("hot").join(&prefix).join(p);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, b).unwrap();
+        }
+        let e = Event::request(
+            EventId::for_checkpoint(PROJECT, run, step),
+            PROJECT,
+            Body::CheckpointCommitted(stagehand_schemas::CheckpointCommitted {
+                run: run.into(),
+                step,
+                location: Location {
+                    tier: "hot".into(),
+                    prefix: prefix.clone(),
+                },
+                total_bytes: refs.iter().map(|f| f.size).sum(),
+                files: refs,
+                manifest: None,
+                tags: tags.iter().map(|t| (*t).to_owned()).collect(),
+            }),
+        );
+        self.publish(&e).await;
+        Placed {
+            dataset: format!("ckpt/{run}"),
+            version: format!("step-{step}"),
+            files,
+        }
+    }
+
+    /// Job `job` asks for `p` on the hot tier at `at`.
+    pub async fn stage(&self, p: &Placed, job: &str, at: OffsetDateTime) {
+        let id = EventId::for_stage(PROJECT, job, &p.dataset, &p.version, "hot", None);
+        let mut e = Event::request(
+            id,
+            PROJECT,
+            Body::StageRequested(StageRequested {
+                dataset: p.dataset.clone(),
+                version: p.version.clone(),
+                tier: "hot".into(),
+                job_id: job.into(),
+                requested_by: "slurm".into(),
+                deadline: None,
+                node: None,
+                form: None,
+            }),
+        );
+        e.occurred_at = at;
+        self.publish(&e).await;
+    }
+
+    /// Job `job` releases `p` on the hot tier at `at`.
+    pub async fn release(&self, p: &Placed, job: &str, at: OffsetDateTime) {
+        let id = EventId::for_stage_release(PROJECT, job, &p.dataset, &p.version, "hot", None);
+        let mut e = Event::request(
+            id,
+            PROJECT,
+            Body::StageReleased(StageReleased {
+                dataset: p.dataset.clone(),
+                version: p.version.clone(),
+                tier: "hot".into(),
+                job_id: job.into(),
+                node: None,
+            }),
+        );
+        e.occurred_at = at;
+        self.publish(&e).await;
+    }
+
+    /// Waits until the catalogue lists `p`'s hot replica as present and `requests` stage
+    /// requests of it, `released` of them released (what the demoter's first pass must see).
+    pub async fn recorded(&self, p: &Placed, requests: usize, released: usize) {
+        wait_until(WAIT, "the recorder to fold the placement", || async {
+            let Ok(v) = self
+                .catalogue
+                .version(Some(PROJECT), &p.dataset, &p.version)
+                .await
+            else {
+                return false;
+            };
+            let hot = v
+                .replicas
+                .iter()
+                .any(|r| r.tier == "hot" && r.state == ReplicaState::Present);
+            let Ok(stages) = self
+                .catalogue
+                .stage_requests(PROJECT, None, Some(&p.dataset), Some(&p.version), None)
+                .await
+            else {
+                return false;
+            };
+            let gone = stages
+                .items
+                .iter()
+                .filter(|s| s.state == stagehand_catalogue::StageState::Released)
+                .count();
+            hot && stages.items.len() == requests && gone == released
+        })
+        .await
+        .unwrap();
+    }
+
+    /// Waits until the catalogue lists `requests` stage requests of `p`, `released` of them
+    /// released (its replica may be gone meanwhile).
+    pub async fn recorded_requests(&self, p: &Placed, requests: usize, released: usize) {
+        wait_until(WAIT, "the recorder to fold the stage requests", || async {
+            let Ok(stages) = self
+                .catalogue
+                .stage_requests(PROJECT, None, Some(&p.dataset), Some(&p.version), None)
+                .await
+            else {
+                return false;
+            };
+            let gone = stages
+                .items
+                .iter()
+                .filter(|s| s.state == stagehand_catalogue::StageState::Released)
+                .count();
+            stages.items.len() == requests && gone == released
+        })
+        .await
+        .unwrap();
+    }
+
+    pub async fn readiness(&self) -> kv::Store {
+        self.bus
+            .jetstream()
+            .get_key_value("stagehand_readiness")
+            .await
+            .unwrap()
+    }
+
+    pub async fn stop(mut self) {
+        self.demoter_stop.cancel();
+        self.shutdown.cancel();
+        for t in self.tasks.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+        }
+    }
+}
+
+/// The readiness key of `p` on the hot tier.
+pub fn hot_key(p: &Placed) -> String {
+    kv_key(&ReadinessKey {
+        project: PROJECT.into(),
+        dataset: p.dataset.clone(),
+        version: p.version.clone(),
+        tier: "hot".into(),
+        node: None,
+    })
+}
+
+/// Whether the readiness bucket says `key` is ready.
+pub async fn is_ready(bucket: &kv::Store, key: &str) -> bool {
+    match bucket.get(key).await.unwrap() {
+        Some(v) => serde_json::from_slice::<serde_json::Value>(&v).unwrap()["ready"] == true,
+        None => false,
+    }
+}
+
+/// Every fact of `kind` stored in the facts stream, in stream order.
+pub async fn facts(js: &jetstream::Context, kind: &str) -> Vec<Event> {
+    let stream = js.get_stream(subject::FACTS.name).await.unwrap();
+    let mut consumer = stream
+        .create_consumer(pull::Config {
+            filter_subject: subject::kind_filter("fact", kind),
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            inactive_threshold: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let pending = consumer.info().await.unwrap().num_pending as usize;
+    let mut out = Vec::new();
+    if pending == 0 {
+        return out;
+    }
+    let mut messages = consumer
+        .fetch()
+        .max_messages(pending)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await
+        .unwrap();
+    while let Some(Ok(m)) = messages.next().await {
+        out.push(stagehand_schemas::wire::decode(&m.payload).unwrap());
+        if out.len() == pending {
+            break;
+        }
+    }
+    out
+}
+
+/// The replica facts (`replica.created` and `replica.removed`) in stream order, each as
+/// (kind, tier, version, reason).
+pub async fn replica_facts(js: &jetstream::Context) -> Vec<(String, String, String, String)> {
+    facts(js, "replica.*")
+        .await
+        .into_iter()
+        .filter_map(|e| match e.body {
+            Body::ReplicaCreated(c) => {
+                Some(("created".into(), c.location.tier, c.version, String::new()))
+            }
+            Body::ReplicaRemoved(r) => {
+                Some(("removed".into(), r.location.tier, r.version, r.reason))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// The versions removed from the hot tier, in the order of their `replica.removed`.
+pub async fn removed_from_hot(js: &jetstream::Context) -> Vec<String> {
+    replica_facts(js)
+        .await
+        .into_iter()
+        .filter(|(k, t, _, _)| k == "removed" && t == "hot")
+        .map(|(_, _, v, _)| v)
+        .collect()
+}
+
+/// Entries of a directory (names), sorted; empty when it does not exist.
+pub fn list(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|r| {
+            r.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Whether every file of `p` is under `prefix` on `tier` with its bytes.
+pub fn whole_on(stack: &Stack, tier: &str, p: &Placed) -> bool {
+    let dir = stack.tier(tier).join(p.prefix());
+    let names: Vec<String> = p.files.iter().map(|(n, _)| n.clone()).collect();
+    list(&dir) == names
+        && p.files
+            .iter()
+            .all(|(n, b)| std::fs::read(dir.join(n)).is_ok_and(|got| &got == b))
+}
+
+/// Deterministic bytes of a file.
+pub fn bytes(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+/// `minutes` before now.
+pub fn ago(minutes: i64) -> OffsetDateTime {
+    OffsetDateTime::now_utc() - time::Duration::minutes(minutes)
+}
+
+/// Starts the real `stagehand-demoter` binary with a configuration file of its own, its
+/// stderr in `proc-<name>/stderr.log`.
+pub fn spawn(stack: &Stack, name: &str, envs: &[(&str, &str)]) -> Child {
+    let dir = stack.root().join(format!("proc-{name}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("demoter.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[bus]\nservers = [\"{url}\"]\n\n[telemetry]\nlog_level = \"info\"\n\n\
+             [service]\npolicies_dir = \"{policies}\"\nstate_dir = \"{state}\"\n",
+            url = stack.nats.url(),
+            policies = stack.policies.display(),
+            state = stack.root().join("state/demoter").display(),
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.join("stderr.log")).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_stagehand-demoter"))
+        .env("STAGEHAND_NATS_URL", stack.nats.url())
+        .env_remove(stagehand_demoter::HALT_AFTER_ENV)
+        .envs(envs.iter().copied())
+        .arg("--config")
+        .arg(&file)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+/// The stderr of a demoter process started by [`spawn`].
+pub fn log_of(stack: &Stack, name: &str) -> String {
+    std::fs::read_to_string(stack.root().join(format!("proc-{name}/stderr.log")))
+        .unwrap_or_default()
+}

@@ -1,0 +1,263 @@
+//! The demoter against a real nats-server, the real catalogue recorder and posix tiers:
+//! watermarks drained in least-recently-staged order, held replicas untouched, the last
+//! verified copy copied down before it is removed, and readers that never see the readiness
+//! bucket and the tier disagree.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use common::*;
+use stagehand_testkit::wait_until;
+
+/// Guards the watermark rule and the last-copy rule together: a hot tier at 100 % of its
+/// capacity (high 85 %, low 50 %) loses exactly the least recently staged unheld replicas
+/// until it is at or below 50 %; the held one (older than all of them) stays; the one whose
+/// only verified copy is on hot is copied to capacity, read back and announced before its
+/// removal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_hot_tier_is_drained_to_its_low_watermark_least_recently_staged_first_and_held_replicas_stay()
+ {
+    let mut stack = Stack::start(Options::default()).await;
+    let js = stack.bus.jetstream().clone();
+    // Five versions of 2 MiB each fill the 10 MiB tier.
+    let mut placed = Vec::new();
+    for (i, durable) in [true, true, false, true, true].into_iter().enumerate() {
+        placed.push(
+            stack
+                .place(&format!("ds{i}"), i as u8 * 16, 2, MIB, durable)
+                .await,
+        );
+    }
+    // Staged and released in the order 1, 0, 2, 3, 4 (minutes ago); ds1 is still held by its
+    // job, and is the least recently staged of all.
+    let order = [1usize, 0, 2, 3, 4];
+    for (rank, &i) in order.iter().enumerate() {
+        let minutes = 50 - 10 * rank as i64;
+        stack
+            .stage(&placed[i], &format!("job-{i}"), ago(minutes + 5))
+            .await;
+        if i != 1 {
+            stack
+                .release(&placed[i], &format!("job-{i}"), ago(minutes))
+                .await;
+        }
+    }
+    for (i, p) in placed.iter().enumerate() {
+        stack.recorded(p, 1, usize::from(i != 1)).await;
+    }
+
+    stack.run_demoter();
+    // 10 MiB → ds0 (8) → ds2 (6) → ds3 (4 ≤ 5): three removals, then it stops.
+    let expected: Vec<String> = [0, 2, 3]
+        .iter()
+        .map(|&i| placed[i].version.clone())
+        .collect();
+    wait_until(WAIT, "three replicas removed from hot", || async {
+        removed_from_hot(&js).await.len() >= 3
+            && !stack.tier("hot").join(placed[3].prefix()).exists()
+    })
+    .await
+    .unwrap();
+    assert_eq!(removed_from_hot(&js).await, expected);
+
+    let facts = replica_facts(&js).await;
+    for (_, _, _, reason) in facts.iter().filter(|(k, _, _, _)| k == "removed") {
+        assert!(reason.starts_with("watermark: tier hot"), "{reason}");
+    }
+    // ds2's only verified copy was on hot: copied down (and announced) before its removal.
+    let ds2 = &placed[2].version;
+    let created = facts
+        .iter()
+        .position(|(k, t, v, _)| k == "created" && t == "capacity" && v == ds2)
+        .expect("replica.created on capacity for ds2");
+    let removed = facts
+        .iter()
+        .position(|(k, t, v, _)| k == "removed" && t == "hot" && v == ds2)
+        .unwrap();
+    assert!(created < removed, "{facts:?}");
+    assert!(whole_on(&stack, "capacity", &placed[2]));
+    // No other version needed a copy down.
+    assert_eq!(
+        facts
+            .iter()
+            .filter(|(k, t, _, _)| k == "created" && t == "capacity")
+            .count(),
+        1
+    );
+    // The held one and the newest stay, whole; the removed ones leave nothing behind.
+    for i in [1, 4] {
+        assert!(whole_on(&stack, "hot", &placed[i]), "ds{i}");
+    }
+    for i in [0, 2, 3] {
+        assert_eq!(
+            list(&stack.tier("hot").join(format!("{PROJECT}/ds{i}"))),
+            Vec::<String>::new()
+        );
+    }
+    let bucket = stack.readiness().await;
+    assert!(is_ready(&bucket, &hot_key(&placed[1])).await);
+    for i in [0, 2, 3] {
+        assert!(!is_ready(&bucket, &hot_key(&placed[i])).await, "ds{i}");
+    }
+    stack.stop().await;
+}
+
+/// Guards the hold rule: two jobs staged the same version and one released it; the other still
+/// holds it, so however idle it looks it stays. An unheld version that went idle later is
+/// removed in the same pass (so the pass did look at the held one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_released_stage_another_live_job_still_holds_is_not_removed() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let shared = stack.place("shared", 1, 1, 4096, true).await;
+    let free = stack.place("free", 2, 1, 4096, true).await;
+    stack.stage(&shared, "job-a", ago(240)).await;
+    stack.stage(&shared, "job-b", ago(240)).await;
+    stack.release(&shared, "job-b", ago(180)).await;
+    stack.stage(&free, "job-c", ago(150)).await;
+    stack.release(&free, "job-c", ago(120)).await;
+    stack.recorded(&shared, 2, 1).await;
+    stack.recorded(&free, 1, 1).await;
+
+    stack.run_demoter();
+    wait_until(WAIT, "the idle unheld replica removed", || async {
+        !removed_from_hot(&js).await.is_empty() && !stack.tier("hot").join(free.prefix()).exists()
+    })
+    .await
+    .unwrap();
+    assert_eq!(removed_from_hot(&js).await, vec![free.version.clone()]);
+    let (_, _, _, reason) = replica_facts(&js)
+        .await
+        .into_iter()
+        .find(|(k, _, _, _)| k == "removed")
+        .unwrap();
+    assert!(reason.starts_with("idle: "), "{reason}");
+    assert!(whole_on(&stack, "hot", &shared));
+    assert!(is_ready(&stack.readiness().await, &hot_key(&shared)).await);
+    stack.stop().await;
+}
+
+/// Guards removal atomicity for readers: while every replica on the tier is demoted, a reader
+/// that reads the readiness key, then the folder, then the key again never finds the key
+/// `ready` after finding the folder gone (the folder leaves only after readiness is withdrawn).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readers_never_see_readiness_and_the_path_disagree_while_demotion_runs() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let mut placed = Vec::new();
+    for i in 0..4u8 {
+        let p = stack
+            .place(&format!("read{i}"), i, 8, 64 * 1024, i % 2 == 0)
+            .await;
+        stack.stage(&p, "job", ago(200)).await;
+        stack.release(&p, "job", ago(100 + i64::from(i))).await;
+        placed.push(p);
+    }
+    for p in &placed {
+        stack.recorded(p, 1, 1).await;
+    }
+    let bucket = stack.readiness().await;
+    let done = Arc::new(AtomicBool::new(false));
+    let seen_ready = Arc::new(AtomicUsize::new(0));
+    let mut readers = Vec::new();
+    for p in placed.clone() {
+        let (bucket, done, seen_ready) = (bucket.clone(), done.clone(), seen_ready.clone());
+        let dir = stack.tier("hot").join(p.prefix());
+        let files: Vec<String> = p.files.iter().map(|(n, _)| n.clone()).collect();
+        readers.push(tokio::spawn(async move {
+            let key = hot_key(&p);
+            let (mut ready_seen, mut gone_seen, mut reads) = (false, false, 0u64);
+            loop {
+                // The round that starts after `done` is set sees the end state.
+                let stop = done.load(Ordering::SeqCst);
+                let before = is_ready(&bucket, &key).await;
+                let listing = list(&dir);
+                let after = is_ready(&bucket, &key).await;
+                reads += 1;
+                if after {
+                    assert!(
+                        before && listing == files,
+                        "{key}: readiness ready but the folder holds {listing:?} (read {reads})"
+                    );
+                }
+                if before && after && !ready_seen {
+                    ready_seen = true;
+                    seen_ready.fetch_add(1, Ordering::SeqCst);
+                }
+                gone_seen |= !before && !after && listing.is_empty();
+                if stop {
+                    break;
+                }
+            }
+            (ready_seen, gone_seen)
+        }));
+    }
+    // Every reader has seen its replica ready before the demoter starts.
+    wait_until(WAIT, "every reader to see its replica ready", || async {
+        seen_ready.load(Ordering::SeqCst) == placed.len()
+    })
+    .await
+    .unwrap();
+    stack.run_demoter();
+    wait_until(WAIT, "every replica removed from hot", || async {
+        removed_from_hot(&js).await.len() == placed.len()
+            && placed
+                .iter()
+                .all(|p| !stack.tier("hot").join(p.prefix()).exists())
+            && {
+                let mut gone = true;
+                for p in &placed {
+                    gone &= !is_ready(&bucket, &hot_key(p)).await;
+                }
+                gone
+            }
+    })
+    .await
+    .unwrap();
+    // One more round of reads sees every replica gone from both.
+    done.store(true, Ordering::SeqCst);
+    for r in readers {
+        let (ready_seen, gone_seen) = r.await.unwrap();
+        assert!(ready_seen);
+        assert!(gone_seen);
+    }
+    stack.stop().await;
+}
+
+/// Guards the demoter's NATS rights (deploy/nats/accounts.conf): connected as its own user,
+/// with the recorder as its own, it asks the catalogue, copies down and announces the copy,
+/// watches readiness and announces the removal — every step it needs is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_demoter_works_with_its_own_nats_user_only() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        accounts: true,
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let only_on_hot = stack.place("rights", 3, 2, 4096, false).await;
+    stack.stage(&only_on_hot, "job", ago(120)).await;
+    stack.release(&only_on_hot, "job", ago(90)).await;
+    stack.recorded(&only_on_hot, 1, 1).await;
+    stack.run_demoter();
+    wait_until(WAIT, "the replica copied down and removed", || async {
+        removed_from_hot(&js).await.len() == 1
+            && !stack.tier("hot").join(only_on_hot.prefix()).exists()
+    })
+    .await
+    .unwrap();
+    assert!(whole_on(&stack, "capacity", &only_on_hot));
+    assert!(!is_ready(&stack.readiness().await, &hot_key(&only_on_hot)).await);
+    stack.stop().await;
+}
