@@ -136,6 +136,7 @@ async fn main() -> anyhow::Result<()> {
             dataset: b.dataset.clone(),
             version: b.version.clone(),
             tier: b.location.tier.clone(),
+            node: None,
             prefix: b.location.prefix.clone(),
             state: ReplicaState::Present,
             reason: None,

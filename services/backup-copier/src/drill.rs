@@ -491,6 +491,7 @@ mod tests {
                 dataset: name.into(),
                 version: "a".repeat(64),
                 tier: "backup".into(),
+                node: None,
                 prefix: format!("lab-a/{name}/v"),
                 state: ReplicaState::Present,
                 reason: None,

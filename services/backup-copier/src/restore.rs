@@ -256,6 +256,8 @@ fn restored_fact(
             files: version.files,
             total_bytes: version.total_bytes,
             verified_by: verified_by.to_owned(),
+            // A restore goes to a shared tier (capacity, hot), never to one node's.
+            node: None,
         }),
     }
 }

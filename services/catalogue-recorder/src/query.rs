@@ -964,11 +964,13 @@ fn backup_status(
         start.1.as_str(),
         start.2.as_str(),
         past_tiers,
+        "",
     );
     let mut group: Option<VersionBackups> = None;
     for row in table.range(from..)? {
         let (k, v) = row?;
-        let (p, d, ver, t) = k.value();
+        // Backup tiers are shared, never node-local: the node part of the key is empty.
+        let (p, d, ver, t, _node) = k.value();
         if project.is_some_and(|want| want != p) {
             break;
         }

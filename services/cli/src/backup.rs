@@ -306,6 +306,7 @@ mod tests {
             dataset: "cats".into(),
             version: "a".repeat(64),
             tier: tier.into(),
+            node: None,
             prefix: "lab-a/cats/a".into(),
             state: ReplicaState::Present,
             reason: None,
