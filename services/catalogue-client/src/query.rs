@@ -76,7 +76,8 @@ pub enum Query {
         #[serde(default)]
         limit: Option<u32>,
     },
-    /// A version's replicas in tier order. `after`: a tier name.
+    /// A version's replicas in tier order, a node-local tier's by node. `after`: a tier name,
+    /// or `<tier>/<node>` after a node's replica (the `next` of the answer before).
     Replicas {
         #[serde(default)]
         project: Option<String>,

@@ -107,6 +107,10 @@ pub struct ReplicaRecord {
     pub dataset: String,
     pub version: String,
     pub tier: String,
+    /// The node holding this copy, on a node-local tier (each node has its own replica there,
+    /// under the same prefix); `None` on a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
     /// Where the copy is, beneath the tier's root.
     pub prefix: String,
     pub state: ReplicaState,

@@ -580,25 +580,45 @@ fn replicas(
         version.dataset.as_str(),
         version.version.as_str(),
     );
+    let after = after.map(replica_cursor_parts);
+    let (t0, n0) = after.clone().unwrap_or_default();
     let table = txn.open_table(REPLICAS)?;
     let mut page = Page::new(limit, default, budget);
     page.first_always = first_always;
-    for row in table.range((p, d, v, after.unwrap_or(""))..)? {
+    for row in table.range((p, d, v, t0.as_str(), n0.as_str())..)? {
         let (k, val) = row?;
         let key = k.value();
         if (key.0, key.1, key.2) != (p, d, v) {
             break;
         }
-        if after == Some(key.3) {
+        if after
+            .as_ref()
+            .is_some_and(|(t, n)| (t.as_str(), n.as_str()) == (key.3, key.4))
+        {
             continue;
         }
         let record: ReplicaRecord = read(val.value(), || format!("replica {key:?}"))?;
-        let tier = key.3.to_owned();
-        if !page.offer(record, || tier) {
+        let cursor = replica_cursor(key.3, key.4);
+        if !page.offer(record, || cursor) {
             break;
         }
     }
     Ok(page.done())
+}
+
+/// The `after` of the replica after (tier, node): the tier name for a shared tier's replica,
+/// `<tier>/<node>` for a node's.
+fn replica_cursor(tier: &str, node: &str) -> String {
+    if node.is_empty() {
+        tier.to_owned()
+    } else {
+        cursor::join(tier, node)
+    }
+}
+
+/// (tier, node or "") of a [`replica_cursor`]; a bare tier name is the shared replica's.
+fn replica_cursor_parts(after: &str) -> (String, String) {
+    cursor::split(after).unwrap_or_else(|| (after.to_owned(), String::new()))
 }
 
 fn files(

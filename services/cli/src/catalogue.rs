@@ -80,11 +80,16 @@ pub fn datasets_text(page: &Page<DatasetRecord>, out: &mut dyn Write) -> std::io
     more(out, "stagehand catalogue datasets", &page.next)
 }
 
+/// One replica: its tier, and its node on a node-local tier (`local@gpu-07`).
 fn replica_line(out: &mut dyn Write, r: &ReplicaRecord) -> std::io::Result<()> {
+    let place = match &r.node {
+        Some(node) => format!("{}@{node}", r.tier),
+        None => r.tier.clone(),
+    };
     writeln!(
         out,
         "    {:<10} {:<8} {:>8} files {:>14} bytes  {}{}{}",
-        r.tier,
+        place,
         format!("{:?}", r.state).to_lowercase(),
         r.files,
         r.total_bytes,
@@ -419,6 +424,35 @@ mod tests {
             text.ends_with("more: stagehand catalogue datasets --after lab-a/cats\n"),
             "{text}"
         );
+    }
+
+    /// `catalogue show D@V` tells node-local replicas apart: each line names its node.
+    #[test]
+    fn a_node_local_replica_is_shown_with_its_node() {
+        let replica = |node: Option<&str>| ReplicaRecord {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: "ab".repeat(32),
+            tier: "local".into(),
+            node: node.map(Into::into),
+            prefix: "lab-a/cats/v".into(),
+            state: stagehand_catalogue::ReplicaState::Present,
+            reason: None,
+            stamp: None,
+            files: 2,
+            total_bytes: 3,
+            verified_by: Some("read-back".into()),
+            backup: false,
+            copied: None,
+            last_drill: None,
+        };
+        let mut out = Vec::new();
+        replica_line(&mut out, &replica(Some("gpu-07"))).unwrap();
+        replica_line(&mut out, &replica(None)).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("    local@gpu-07 present"), "{text}");
+        assert!(lines[1].starts_with("    local      present"), "{text}");
     }
 
     #[test]

@@ -780,8 +780,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             cfg.replicas = replicas;
             let bus = args::connect(&cfg, timeout).await?;
             bus.provision().await?;
-            // The promoter's own bucket (space reservations, copy leases).
-            bus.provision_kv(&stagehand_promoter::kv::SPEC).await?;
+            // The buckets of one service each (the promoter's reservations and leases).
+            for spec in stagehand_bus::SERVICE_KV_BUCKETS {
+                bus.provision_kv(spec).await?;
+            }
             let mut objects: Vec<String> = stagehand_bus::OBJECT_BUCKETS
                 .iter()
                 .map(|b| b.bucket.to_string())
@@ -797,7 +799,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .collect();
             let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS
                 .iter()
-                .chain([&stagehand_promoter::kv::SPEC])
+                .chain(stagehand_bus::SERVICE_KV_BUCKETS)
                 .map(|b| b.bucket)
                 .collect();
             println!(

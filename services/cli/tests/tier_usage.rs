@@ -95,6 +95,7 @@ async fn place(bus: &Bus, root: &Path, project: &str, dataset: &str, held: bool,
                 files: 1,
                 total_bytes: 2 * MIB,
                 verified_by: "read-back".into(),
+                node: None,
             }),
         ),
     ];

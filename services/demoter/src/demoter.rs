@@ -548,6 +548,7 @@ impl Demoter {
                         prefix: step.prefix.clone(),
                     },
                     reason: step.reason.clone(),
+                    node: None,
                 }),
             );
             self.p().bus.publish(&removed).await.map_err(step_err)?;
@@ -583,6 +584,7 @@ impl Demoter {
                         .verified_by
                         .clone()
                         .unwrap_or_else(|| COPY_DOWN_VERIFY.as_str().into()),
+                    node: None,
                 }),
             );
             self.p().bus.publish(&restored).await.map_err(step_err)?;
@@ -811,6 +813,7 @@ impl Demoter {
                 files: step.files,
                 total_bytes: step.bytes,
                 verified_by: COPY_DOWN_VERIFY.as_str().into(),
+                node: None,
             }),
         );
         self.p().bus.publish(&created).await.map_err(step_err)?;

@@ -88,7 +88,11 @@ pub async fn placed_on(
                     continue;
                 };
                 let present = |r: &&ReplicaRecord| r.state == ReplicaState::Present;
-                let Some(here) = rs.iter().filter(present).find(|r| r.tier == tier) else {
+                let Some(here) = rs
+                    .iter()
+                    .filter(present)
+                    .find(|r| r.tier == tier && r.node.is_none())
+                else {
                     continue;
                 };
                 out.push(Placed {

@@ -1,5 +1,6 @@
-//! What promoter instances agree on through the JetStream KV bucket [`BUCKET`]: the space
-//! reserved on each bounded tier, and who copies which version onto which tier.
+//! What promoter instances agree on through the JetStream KV bucket [`PROMOTER_BUCKET`]
+//! (declared in `stagehand-bus` beside the other buckets, [`stagehand_bus::PROMOTER`]): the
+//! space reserved on each bounded tier, and who copies which version onto which tier.
 //!
 //! **Reservations** (`quota.<tier>` or `quota.<tier>.<node>`): one value per tier (per node for
 //! a node-local tier) listing every replica placed or being placed there and its bytes. A
@@ -24,24 +25,12 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use stagehand_bus::KvSpec;
+use stagehand_bus::PROMOTER_BUCKET;
 use time::OffsetDateTime;
-
-/// The promoter's coordination bucket.
-pub const BUCKET: &str = "stagehand_promoter";
-
-/// Its declaration: created by the promoter when it provisions (`bus.provision = true`), else
-/// by `stagehand provision`.
-pub const SPEC: KvSpec = KvSpec {
-    bucket: BUCKET,
-    description: "Stagehand promoter: space reserved per bounded tier, copy leases",
-    history: 1,
-    max_age: Duration::ZERO,
-};
 
 /// A KV operation that failed (NATS unreachable, the bucket missing): retryable.
 #[derive(Debug, thiserror::Error)]
-#[error("promoter bucket {BUCKET}, key {key}: {detail}")]
+#[error("promoter bucket {PROMOTER_BUCKET}, key {key}: {detail}")]
 pub struct KvError {
     pub key: String,
     pub detail: String,

@@ -3,7 +3,7 @@
 //! first: the request's own message, a fact that wakes it, or the policy clock.
 //!
 //! Every answer is a fact with an id derived from the request (`pending:<waiting_for>`,
-//! `ready`, `failed`, `replica:<tier>`), recorded in the state store before it is published,
+//! `ready`, `failed`, `replica:<tier>[:<node>]`), recorded in the state store before it is published,
 //! so any driver may publish it again without harm (the duplicate window drops the copy).
 
 use std::collections::{HashMap, HashSet};
@@ -342,24 +342,26 @@ impl Promoter {
                 project,
                 dataset: p.dataset.clone(),
                 replica: self
-                    .shared(&p.location.tier)
+                    .follows(&p.location.tier, p.node.as_deref())
                     .then(|| (p.location.tier.clone(), p.location.prefix.clone(), true)),
                 ..FactNote::default()
             },
             Body::ReplicaRemoved(p) => {
-                if self.node().is_none() && self.shared(&p.location.tier) {
-                    // The space it held is free again (idempotent: every instance sees it).
+                let node = p.node.as_deref();
+                let follows = self.follows(&p.location.tier, node);
+                if follows && self.node() == node {
+                    // The space it held is free again (idempotent: every instance that
+                    // reserves on that tier, or that node's agent, sees it).
                     self.p()
                         .coordination
-                        .release(&p.location.tier, None, &p.location.prefix)
+                        .release(&p.location.tier, node, &p.location.prefix)
                         .await
                         .map_err(retry)?;
                 }
                 FactNote {
                     project,
                     dataset: p.dataset.clone(),
-                    replica: self
-                        .shared(&p.location.tier)
+                    replica: follows
                         .then(|| (p.location.tier.clone(), p.location.prefix.clone(), false)),
                     ..FactNote::default()
                 }
@@ -414,6 +416,21 @@ impl Promoter {
     fn shared(&self, tier: &str) -> bool {
         self.tier_policy(tier)
             .is_some_and(|t| t.role == TierRole::Hot)
+    }
+
+    /// Whether this instance keeps track of the replicas a fact names on `tier` (on `node`):
+    /// every instance those of the shared tiers (a node agent copies from them), a node agent
+    /// those of its own node's `local` tier, which is the only copy there it may use.
+    fn follows(&self, tier: &str, node: Option<&str>) -> bool {
+        match node {
+            None => self.shared(tier),
+            Some(n) => {
+                self.node() == Some(n)
+                    && self
+                        .tier_policy(tier)
+                        .is_some_and(|t| t.role == TierRole::Local)
+            }
+        }
     }
 
     /// Moves one request on as far as it can go now; returns the facts it published. A
@@ -995,7 +1012,7 @@ impl Promoter {
         match outcome {
             Ok(report) => {
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
-                let replica = (node.is_none() && !report.existed).then(|| {
+                let replica = (!report.existed).then(|| {
                     record.event.caused(
                         &step_replica(&request.tier, node),
                         Body::ReplicaCreated(ReplicaCreated {
@@ -1008,6 +1025,7 @@ impl Promoter {
                             files: plan.files,
                             total_bytes: plan.bytes,
                             verified_by: self.p().promotion.verify.as_str().into(),
+                            node: node.map(str::to_owned),
                         }),
                     )
                 });

@@ -295,6 +295,7 @@ impl Stack {
                 files: n as u64,
                 total_bytes: total,
                 verified_by: "read-back".into(),
+                node: None,
             }),
         );
         self.publish(&created).await;
