@@ -60,6 +60,7 @@ mod claim;
 mod config;
 mod error;
 pub mod ledger;
+pub mod placement;
 pub mod runner;
 mod worker;
 

@@ -11,7 +11,7 @@ use futures::TryStreamExt;
 use stagehand_catalogue::time::human;
 use stagehand_catalogue::{
     Catalogue, DatasetDetail, DatasetRecord, FoldProblem, LineageNode, MAX_PAGE, Page,
-    ReplicaRecord, VersionDetail,
+    ReplicaRecord, ReplicaState, StageStatus, VersionDetail,
 };
 use stagehand_schemas::FileRef;
 
@@ -184,7 +184,47 @@ pub fn dataset_text(d: &DatasetDetail, out: &mut dyn Write) -> std::io::Result<(
     Ok(())
 }
 
-pub fn version_text(v: &VersionDetail, out: &mut dyn Write) -> std::io::Result<()> {
+/// Under a present replica, why it is held: the live stage requests of it (the demoter never
+/// removes a replica one holds), or that none does.
+fn holds_line(
+    out: &mut dyn Write,
+    r: &ReplicaRecord,
+    version: &str,
+    requests: &[StageStatus],
+) -> std::io::Result<()> {
+    if r.state != ReplicaState::Present {
+        return Ok(());
+    }
+    let holding: Vec<String> = requests
+        .iter()
+        .filter(|s| {
+            stagehand_demoter::view::stages(s, version, &r.tier, r.node.as_deref())
+                && stagehand_demoter::view::holds_now(s)
+        })
+        .map(|s| {
+            format!(
+                "job {} ({} since {}, request {})",
+                s.job_id,
+                format!("{:?}", s.state).to_lowercase(),
+                human(s.updated_at),
+                s.request_id
+            )
+        })
+        .collect();
+    if holding.is_empty() {
+        writeln!(out, "      held by no live stage")
+    } else {
+        writeln!(out, "      held by {}", holding.join(", "))
+    }
+}
+
+/// A version and its replicas, each present one with the live stage requests holding it
+/// (`requests`: the version's stage requests).
+pub fn version_text(
+    v: &VersionDetail,
+    requests: &[StageStatus],
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
     let r = &v.version;
     writeln!(
         out,
@@ -200,6 +240,7 @@ pub fn version_text(v: &VersionDetail, out: &mut dyn Write) -> std::io::Result<(
     )?;
     for replica in &v.replicas {
         replica_line(out, replica)?;
+        holds_line(out, replica, &r.version, requests)?;
     }
     Ok(())
 }
@@ -262,6 +303,34 @@ pub fn lineage_text(
         &format!("stagehand catalogue show {dataset} --lineage"),
         &page.next,
     )
+}
+
+/// Every stage request of one version, page by page.
+async fn stage_requests_of(
+    catalogue: &Catalogue,
+    project: &str,
+    dataset: &str,
+    version: &str,
+) -> anyhow::Result<Vec<StageStatus>> {
+    let mut all = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue
+            .stage_requests(
+                project,
+                None,
+                Some(dataset),
+                Some(version),
+                after.as_deref(),
+            )
+            .await
+            .context("catalogue show: the version's stage requests")?;
+        all.extend(page.items);
+        match page.next {
+            Some(n) => after = Some(n),
+            None => return Ok(all),
+        }
+    }
 }
 
 fn file_line(out: &mut dyn Write, f: &FileRef) -> std::io::Result<()> {
@@ -376,7 +445,14 @@ pub async fn show(
         )
         .await
         .context("catalogue show")?;
-    version_text(&detail, out)?;
+    let requests = stage_requests_of(
+        catalogue,
+        &detail.version.project,
+        &dataset,
+        &detail.version.version,
+    )
+    .await?;
+    version_text(&detail, &requests, out)?;
     writeln!(out, "  files:")?;
     for f in &page.files {
         file_line(out, f)?;

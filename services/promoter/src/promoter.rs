@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use stagehand_bus::placement::{self, Served, UseState};
 use stagehand_bus::{Bus, HandlerError, WorkContext};
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::{Manifest, ManifestBuilder, ManifestErrorKind, ManifestStore, Spool};
@@ -349,9 +350,10 @@ impl Promoter {
             Body::ReplicaRemoved(p) => {
                 let node = p.node.as_deref();
                 let follows = self.follows(&p.location.tier, node);
-                if follows && self.node() == node {
-                    // The space it held is free again (idempotent: every instance that
-                    // reserves on that tier, or that node's agent, sees it).
+                if follows && node.is_some() && self.node() == node {
+                    // The space it held is free again (idempotent: that node's agent sees it).
+                    // On a shared tier the demoter gives the space back itself once the folder
+                    // is gone (`stagehand_bus::placement`): a removal it undoes keeps it.
                     self.p()
                         .coordination
                         .release(&p.location.tier, node, &p.location.prefix)
@@ -743,6 +745,44 @@ impl Promoter {
         .await
     }
 
+    /// Notes in the replica's use record that `record` is answered from it — unless the
+    /// demoter is withdrawing it (`stagehand_bus::placement`): a compare-and-set, so a
+    /// withdrawal that read the record before this fails and looks at the holds again.
+    async fn serve(
+        &self,
+        record: &RequestRecord,
+        request: &StageRequested,
+        prefix: &str,
+    ) -> Result<Served, HandlerError> {
+        placement::serve(
+            self.p().coordination.store(),
+            &request.tier,
+            request.node.as_deref(),
+            prefix,
+            record.event.id.as_str(),
+        )
+        .await
+        .map_err(retry)
+    }
+
+    /// A request for a replica being removed waits until the removal has finished (the clock
+    /// looks again every `recheck_every`), then stages the version afresh.
+    async fn wait_for_removal(
+        &self,
+        record: &RequestRecord,
+        version: &str,
+        request: &StageRequested,
+        why: Option<String>,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let reason = format!(
+            "version {version} is being removed from tier {} ({}); it is staged again once the removal has finished",
+            request.tier,
+            why.as_deref().unwrap_or("demoted")
+        );
+        self.wait(record, WaitingFor::Copy, reason, WaitGuard::None)
+            .await
+    }
+
     fn limits(&self, tier: &str, project: &str) -> Limits {
         let limits = self.tier_policy(tier).and_then(|t| t.limits.as_ref());
         Limits {
@@ -772,7 +812,25 @@ impl Promoter {
         };
         let prefix = replica_prefix(project, &request.dataset, &plan.version);
         let limits = self.limits(&request.tier, project);
+        // A replica the demoter is removing is neither handed out nor copied over until the
+        // removal has finished (its space is given back then, not before).
+        let withdrawing =
+            placement::read_use(self.p().coordination.store(), &request.tier, node, &prefix)
+                .await
+                .map_err(retry)?
+                .value
+                .filter(|u| u.state == UseState::Withdrawing);
+        if let Some(u) = withdrawing {
+            return self
+                .wait_for_removal(record, &plan.version, request, u.reason)
+                .await;
+        }
         if dst.set_present(&prefix).await.map_err(retry)? {
+            if let Served::Withdrawing { reason } = self.serve(record, request, &prefix).await? {
+                return self
+                    .wait_for_removal(record, &plan.version, request, reason)
+                    .await;
+            }
             // Placed before (by this request's copy, another's, another instance's): it
             // already holds its reservation, which this makes sure of (a no-op then).
             if let Ok(Err(refused)) = self
@@ -1029,6 +1087,11 @@ impl Promoter {
                         }),
                     )
                 });
+                if let Served::Withdrawing { reason } = self.serve(record, request, prefix).await? {
+                    return self
+                        .wait_for_removal(record, &plan.version, request, reason)
+                        .await;
+                }
                 self.ready(record, request, &plan.version, dst, prefix, replica)
                     .await
             }
