@@ -609,10 +609,30 @@ impl Bus {
                         replicas = self.replicas,
                         "creating KV bucket"
                     );
-                    self.js
-                        .create_key_value(wanted)
+                    // Services that share a bucket (the promoter and the demoter) create it
+                    // at the same start, and a replicated create can outlast the request
+                    // timeout while a cluster is busy and still happen. So a failed create
+                    // looks for the bucket before trying again, a bounded number of times.
+                    let create = || async {
+                        match self.js.create_key_value(wanted.clone()).await {
+                            Ok(store) => Ok(store),
+                            Err(create_error) => match self.js.get_key_value(spec.bucket).await {
+                                Ok(store) => Ok(store),
+                                Err(_) => Err(perr(create_error.into())),
+                            },
+                        }
+                    };
+                    create
+                        .retry(
+                            ExponentialBuilder::default()
+                                .with_min_delay(Duration::from_millis(200))
+                                .with_max_delay(Duration::from_secs(2))
+                                .with_max_times(4),
+                        )
+                        .notify(|e, delay| {
+                            warn!(error = %e, ?delay, "creating a KV bucket failed; retrying")
+                        })
                         .await
-                        .map_err(|e| perr(e.into()))
                 }
                 _ => Err(perr(e.into())),
             },

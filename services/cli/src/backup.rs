@@ -252,6 +252,14 @@ pub async fn restore(
     Ok(restored?)
 }
 
+/// Whether a failed restore is the answer "no" — the backup is damaged, missing or refused by
+/// the rules, so the same restore would fail again — rather than a fault to retry: exit 1
+/// instead of the exit code of an error.
+pub fn restore_refused(err: &anyhow::Error) -> bool {
+    err.downcast_ref::<stagehand_backup_copier::BackupError>()
+        .is_some_and(|e| !e.is_retryable())
+}
+
 fn remove_scratch(dir: &Path) {
     if let Err(e) = std::fs::remove_dir_all(dir)
         && e.kind() != std::io::ErrorKind::NotFound

@@ -380,24 +380,26 @@ pub struct RestoreArgs {
 
 impl RestoreArgs {
     /// The request, checked before anything connects.
-    fn request(&self) -> anyhow::Result<stagehand_backup_copier::RestoreRequest> {
+    /// The restore asked for, its arguments checked before anything connects.
+    fn request(&self) -> Result<stagehand_backup_copier::RestoreRequest, UsageError> {
         let (dataset, version) = crate::catalogue::parse_target(&self.target);
         let Some(version) = version else {
-            anyhow::bail!("restore needs DATASET@VERSION, got {:?}", self.target);
+            return Err(UsageError(format!(
+                "restore needs DATASET@VERSION, got {:?}",
+                self.target
+            )));
         };
         if version.len() < stagehand_catalogue::MIN_VERSION_PREFIX
             || !version.bytes().all(|b| b.is_ascii_hexdigit())
         {
-            anyhow::bail!(
+            return Err(UsageError(format!(
                 "version {version:?} must be {} or more hex characters of the digest",
                 stagehand_catalogue::MIN_VERSION_PREFIX
-            );
+            )));
         }
-        crate::ingest::check_name("dataset", &dataset)?;
-        if let Some(project) = &self.project
-            && !stagehand_schemas::subject::is_subject_token(project)
-        {
-            anyhow::bail!("project {project:?} must be 1-64 characters of [a-z0-9_-]");
+        args::dataset("DATASET", &dataset)?;
+        if let Some(project) = &self.project {
+            args::project("--project", project)?;
         }
         Ok(stagehand_backup_copier::RestoreRequest {
             project: self.project.clone(),
@@ -931,7 +933,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
                 .with_timeout(crate::catalogue::TIMEOUT);
             let opts = crate::backup::RestoreOptions { request, policies };
-            let report = crate::backup::restore(&bus, &catalogue, &opts).await?;
+            let report = match crate::backup::restore(&bus, &catalogue, &opts).await {
+                Ok(report) => report,
+                Err(e) if crate::backup::restore_refused(&e) => {
+                    eprintln!("{}", args::error_line(&e));
+                    return Ok(1);
+                }
+                Err(e) => return Err(e),
+            };
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
