@@ -93,9 +93,10 @@ const META: TableDefinition<S, u64> = TableDefinition::new("meta");
 const COMPLETE: &str = "complete_through";
 /// Meta key: the layout the tables follow.
 const LAYOUT: &str = "layout";
-/// This layout: typed tables, file lists in chunks. A store of another layout (the one-table
-/// layout of key prefixes was 1) is emptied and rebuilt from the streams.
-const LAYOUT_VERSION: u64 = 2;
+/// This layout: typed tables, file lists in chunks, each committed checkpoint also a version
+/// of its run's dataset. A store of another layout (the one-table layout of key prefixes was
+/// 1; 2 recorded checkpoints in their own table only) is emptied and rebuilt from the streams.
+const LAYOUT_VERSION: u64 = 3;
 
 /// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;

@@ -91,6 +91,12 @@ pub async fn placed_on(
                 let Some(here) = rs.iter().filter(present).find(|r| r.tier == tier) else {
                     continue;
                 };
+                // A checkpoint's own copy (where its run wrote it, or retention put it) is
+                // retention's to move, not the watermarks'; a restored copy is a stage's.
+                if here.verified_by.as_deref() == Some(stagehand_catalogue::CHECKPOINT_VERIFIED_BY)
+                {
+                    continue;
+                }
                 out.push(Placed {
                     project: d.project.clone(),
                     dataset: d.dataset.clone(),
