@@ -1,8 +1,9 @@
 //! `stagehand checkpoint` as the real binary: commits of every recognised format against a
-//! real nats-server with the real catalogue recorder (in-process, as `stagehand up` runs it),
-//! the same step committed twice as one fact, a manifest too large to inline put in the
-//! project's upload bucket, the list of a run with the recorder's states and retention's
-//! decisions; and, with no server at all, the refusals of incomplete checkpoints (refused
+//! real nats-server with the real services of `stagehand up` (in-process: the catalogue
+//! recorder, the demoter carrying out retention, the promoter), the same step committed twice
+//! as one fact, a manifest too large to inline put in the project's upload bucket, the list of
+//! a run with the states the demoter left and retention's decisions, a demoted checkpoint
+//! restored onto hot; and, with no server at all, the refusals of incomplete checkpoints (refused
 //! before any connection is tried) and the exit codes of bad arguments and an unreachable NATS.
 
 use std::path::{Path, PathBuf};
@@ -12,9 +13,7 @@ use std::time::Duration;
 use stagehand::up::{Stack, UpOptions};
 use stagehand_bus::{Bus, BusConfig};
 use stagehand_catalogue::{Catalogue, CheckpointState};
-use stagehand_schemas::{
-    Body, CheckpointDemoted, CheckpointExpired, Event, EventId, FileRef, Location, sha256_hex,
-};
+use stagehand_schemas::{Body, EventId, FileRef, sha256_hex};
 use stagehand_testkit::{NatsServer, wait_for};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -266,51 +265,8 @@ async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow:
     let counts: std::collections::HashMap<String, usize> = info.try_collect().await?;
     assert_eq!(counts.get(subject).copied(), Some(6));
 
-    // What the demoter would publish for two of them: the recorder folds both.
-    let from = Location {
-        tier: "hot".into(),
-        prefix: "lab-a/runs/r1/step-100".into(),
-    };
-    let commit_id = EventId::for_checkpoint("lab-a", "r1", 100);
-    let cause = Event::request(
-        commit_id.clone(),
-        "lab-a",
-        Body::CheckpointCommitted(fact.clone()),
-    );
-    bus.publish(&cause.caused(
-        "expired",
-        Body::CheckpointExpired(CheckpointExpired {
-            run: "r1".into(),
-            step: 100,
-            location: from,
-            rule: "expired".into(),
-        }),
-    ))
-    .await?;
-    let cause = Event::request(
-        EventId::for_checkpoint("lab-a", "r1", 200),
-        "lab-a",
-        Body::CheckpointCommitted(fact.clone()),
-    );
-    bus.publish(&cause.caused(
-        "demoted",
-        Body::CheckpointDemoted(CheckpointDemoted {
-            run: "r1".into(),
-            step: 200,
-            from: Location {
-                tier: "hot".into(),
-                prefix: "lab-a/runs/r1/orbax/200".into(),
-            },
-            to: Location {
-                tier: "capacity".into(),
-                prefix: "lab-a/runs/r1/orbax/200".into(),
-            },
-            total_bytes: 23,
-            rule: Some("keep_last".into()),
-        }),
-    ))
-    .await?;
-
+    // The stack's demoter carries out retention (keep_last 5, hot_keep_last 2): the recorder
+    // folds its demotions and expiry.
     let catalogue = Catalogue::new(bus.client().clone());
     wait_for(
         WAIT,
@@ -324,6 +280,10 @@ async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow:
         },
     )
     .await?;
+    let capacity = home.path().join("tiers/capacity/lab-a/runs/r1");
+    assert!(!run_dir.join("step-100").exists() && !capacity.join("step-100").exists());
+    assert!(!run_dir.join("orbax/200").exists() && capacity.join("orbax/200").exists());
+    assert!(run_dir.join("step-500").exists() && run_dir.join("step-600").exists());
 
     let out = stagehand(
         &url,
