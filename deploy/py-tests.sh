@@ -8,7 +8,8 @@
 #
 # It builds the service binaries with cargo, starts a private nats-server with JetStream on a
 # free port (or uses PY_TESTS_NATS_URL when set), writes policies whose posix source tier lives
-# in a temp folder, starts the services (the ingest validator and the catalogue recorder), and
+# in a temp folder, starts the services (the ingest validator, the catalogue recorder and the
+# resharder), and
 # runs schemas/examples/python/test_ingest_roundtrip.py with the checks of deploy/py-checks/
 # (the catalogue lists the validated version and the rejection), then
 # schemas/examples/python/test_checkpoint_commit.py (a DCP save committed with the `stagehand`
@@ -65,12 +66,12 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-"$PYTHON" -c 'import nats, msgpack' 2>/dev/null ||
-    die "$PYTHON lacks nats-py or msgpack; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
+"$PYTHON" -c 'import nats, msgpack, webdataset' 2>/dev/null ||
+    die "$PYTHON lacks nats-py, msgpack or webdataset; run deploy/servers.sh install (or pip install -r deploy/requirements.txt)"
 
 # --- build -----------------------------------------------------------------------------------
 # Services the test runs; a later service adds its package here and a start_service line below.
-PACKAGES=(stagehand-ingest-validator stagehand-catalogue-recorder)
+PACKAGES=(stagehand-ingest-validator stagehand-catalogue-recorder stagehand-resharder)
 log "building ${PACKAGES[*]}"
 cargo build --quiet $(printf -- '-p %s ' "${PACKAGES[@]}")
 # The CLI, for the checkpoint commit test.
@@ -118,9 +119,20 @@ fi
 # The shipped policies, with every posix tier under this run's folder.
 export STAGEHAND_HOME="$WORK/home"
 TIER_ROOT="$STAGEHAND_HOME/tiers/source"
+PREPARED_ROOT="$STAGEHAND_HOME/tiers/capacity"
 HOT_ROOT="$STAGEHAND_HOME/tiers/hot"
-mkdir -p "$TIER_ROOT" "$HOT_ROOT" "$WORK/state"
+mkdir -p "$TIER_ROOT" "$PREPARED_ROOT" "$HOT_ROOT" "$WORK/state"
 cp -r "$REPO/policies" "$WORK/policies"
+# The resharder packs the dataset of deploy/py-checks/resharder_webdataset.py (few files, so
+# named here; the shipped thresholds select none of the test's datasets).
+cat >>"$WORK/policies/packing.toml" <<TOML
+
+[datasets."lab-py/py-shards"]
+pack = true
+seed = 20261129
+shard_size = "1 MiB"
+require_extensions = ["cls", "jpg"]
+TOML
 
 # --- services --------------------------------------------------------------------------------
 start_service() {
@@ -149,8 +161,16 @@ instance = "py-tests"
 store_path = "$WORK/state/catalogue-recorder/catalogue.redb"
 ledger_dir = "$WORK/state/catalogue-recorder/ledger"
 TOML
+cat >"$WORK/resharder.toml" <<TOML
+[bus]
+servers = ["$NATS_URL"]
+[service]
+policies_dir = "$WORK/policies"
+state_dir = "$WORK/state/resharder"
+TOML
 start_service stagehand-ingest-validator --config "$WORK/ingest-validator.toml"
 start_service stagehand-catalogue-recorder --config "$WORK/catalogue-recorder.toml"
+start_service stagehand-resharder --config "$WORK/resharder.toml"
 
 # --- the test --------------------------------------------------------------------------------
 mkdir -p "$WORK/scratch"
@@ -160,6 +180,7 @@ SUMMARY_PRINTED=1
 status=0
 PY_TEST_NATS_URL="$NATS_URL" \
     PY_TEST_TIER_ROOT="$TIER_ROOT" \
+    PY_TEST_PREPARED_ROOT="$PREPARED_ROOT" \
     PY_TEST_WORK="$WORK/scratch" \
     PY_TEST_CHECKS_DIR="$REPO/deploy/py-checks" \
     PY_TEST_PIDS="$service_pids" \

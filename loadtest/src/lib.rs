@@ -32,3 +32,52 @@ pub fn load_average() -> Option<String> {
             .join(" "),
     )
 }
+
+/// Every fact of `kind` in `project` the facts stream holds, oldest first: what happened, once
+/// per fact id (the stream's duplicate window drops a second publish of an id, which a core
+/// subscriber still sees: services publish an answer again when they are not sure it was
+/// stored, and the promoter publishes each of its answers as it makes it and again through
+/// the worker runtime).
+pub async fn stored_facts(
+    bus: &stagehand_bus::Bus,
+    kind: &str,
+    project: &str,
+) -> anyhow::Result<Vec<stagehand_schemas::Event>> {
+    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+    use futures::StreamExt;
+    let stream = bus
+        .jetstream()
+        .get_stream(stagehand_schemas::subject::FACTS.name)
+        .await?;
+    let mut consumer = stream
+        .create_consumer(pull::Config {
+            filter_subject: format!("stagehand.fact.{kind}.{project}"),
+            ack_policy: AckPolicy::None,
+            deliver_policy: DeliverPolicy::All,
+            inactive_threshold: std::time::Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await?;
+    let pending = consumer.info().await?.num_pending as usize;
+    let mut out = Vec::with_capacity(pending);
+    if pending == 0 {
+        return Ok(out);
+    }
+    let mut messages = consumer
+        .fetch()
+        .max_messages(pending)
+        .expires(std::time::Duration::from_secs(5))
+        .messages()
+        .await?;
+    while out.len() < pending {
+        let Some(m) = messages.next().await else {
+            anyhow::bail!(
+                "the facts stream gave {} of {pending} {kind} facts",
+                out.len()
+            );
+        };
+        let m = m.map_err(|e| anyhow::anyhow!("reading the facts stream: {e}"))?;
+        out.push(stagehand_schemas::wire::decode(&m.payload)?);
+    }
+    Ok(out)
+}

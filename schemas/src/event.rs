@@ -480,6 +480,10 @@ pub struct ReplicaCreated {
     pub total_bytes: u64,
     /// How the copy was proven: `read-back`, `hashed-in-flight`, `s3-checksum`.
     pub verified_by: String,
+    /// The node whose node-local tier holds the copy (a `local` tier: each node has its own
+    /// copy under the same prefix); absent for a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// A replica was removed (demoted, expired, drained).
@@ -494,6 +498,9 @@ pub struct ReplicaRemoved {
     pub version: String,
     pub location: Location,
     pub reason: String,
+    /// The node whose node-local copy was removed; absent for a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// A training run wrote a checkpoint.

@@ -50,6 +50,7 @@ fn built_events_round_trip_with_derived_ids() {
             files: ingest.files.len() as u64,
             total_bytes: stagehand_schemas::total_bytes(&ingest.files),
             verified_by: "read-back".into(),
+            node: None,
         }),
     );
     assert_eq!(fact.schema, SCHEMA_VERSION);
@@ -592,4 +593,50 @@ fn the_largest_instance_of_every_kind_fits_a_stock_nats_server() {
     }
     check("dead.letter of the largest event and history", &dead);
     assert!(largest.len() > ALL_KINDS.len());
+}
+
+/// `node` on `replica.created`/`replica.removed` (added within schema 2) travels when a node
+/// agent names its node, is left out (not `nil`) for a shared tier, and older writers' facts
+/// without it decode as shared replicas; the JSON Schema accepts both forms.
+#[test]
+fn replica_facts_carry_their_node_only_for_a_node_local_copy() {
+    for kind in ["replica.created", "replica.removed"] {
+        let shared = example_event(kind);
+        let mut local = shared.clone();
+        match &mut local.body {
+            Body::ReplicaCreated(p) => {
+                assert_eq!(p.node, None, "examples/{kind}.json");
+                p.node = Some("gpu-07".into());
+            }
+            Body::ReplicaRemoved(p) => {
+                assert_eq!(p.node, None, "examples/{kind}.json");
+                p.node = Some("gpu-07".into());
+            }
+            other => panic!("{kind}: {other:?}"),
+        }
+        assert_eq!(
+            wire::decode(&wire::encode(&local).unwrap()).unwrap(),
+            local,
+            "{kind}"
+        );
+        let local_json = serde_json::to_value(&local).unwrap();
+        assert_eq!(local_json["payload"]["node"], json!("gpu-07"), "{kind}");
+        assert!(schema_errors(kind, &local_json).is_empty(), "{kind}");
+        // A shared replica's fact has no `node` key at all, in JSON and on the wire.
+        let shared_json = serde_json::to_value(&shared).unwrap();
+        assert!(
+            shared_json["payload"].get("node").is_none(),
+            "{kind}: {shared_json}"
+        );
+        let shared_wire: Value = rmp_serde::from_slice(&wire::encode(&shared).unwrap()).unwrap();
+        assert!(
+            shared_wire["payload"].get("node").is_none(),
+            "{kind}: {shared_wire}"
+        );
+        assert_eq!(
+            wire::decode(&wire::encode(&shared).unwrap()).unwrap(),
+            shared,
+            "{kind}"
+        );
+    }
 }

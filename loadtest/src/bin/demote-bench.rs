@@ -192,6 +192,7 @@ async fn main() -> anyhow::Result<()> {
                 files: refs.len() as u64,
                 total_bytes: size,
                 verified_by: "read-back".into(),
+                node: None,
             }),
         ))
         .await?;

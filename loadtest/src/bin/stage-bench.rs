@@ -399,24 +399,38 @@ async fn main() -> anyhow::Result<()> {
     bench.await_ready(&mut sub, &ids).await?;
     let took = started.elapsed();
     drop(sub);
-    // A fact may be published more than once (the stream stores it once; a core subscriber
-    // sees each publish): copies are counted by fact id.
-    let mut copies = std::collections::HashSet::new();
+    // Copies are the `replica.created` facts the facts stream stored (one per copy: its id
+    // comes from the copying request). A core subscriber sees every publish of a fact, and
+    // each answer is published twice (by the promoter as it answers, then by the worker
+    // runtime with the handler's result; the stream's duplicate window drops the second), so
+    // counting those messages would count each copy twice: they are reported as `publishes`.
+    let mut publishes = 0;
+    let mut ids = std::collections::HashSet::new();
     while let Ok(Some(msg)) =
         tokio::time::timeout(Duration::from_millis(500), replicas.next()).await
     {
         if let Ok(e) = stagehand_schemas::wire::decode(&msg.payload)
             && matches!(&e.body, Body::ReplicaCreated(r) if r.dataset == "fifty")
         {
-            copies.insert(e.id);
+            publishes += 1;
+            ids.insert(e.id);
         }
     }
-    let copies = copies.len();
+    let copies = stagehand_loadtest::stored_facts(&bus, "replica.created", PROJECT)
+        .await?
+        .iter()
+        .filter(|e| matches!(&e.body, Body::ReplicaCreated(r) if r.dataset == "fifty"))
+        .count();
+    anyhow::ensure!(
+        copies == ids.len(),
+        "{copies} replica.created stored for fifty, {} distinct ids published",
+        ids.len()
+    );
     report(
         "fifty",
         serde_json::json!({
             "requests": args.concurrent, "files": fifty.len(), "bytes": bytes(&fifty),
-            "seconds": took.as_secs_f64(), "copies": copies,
+            "seconds": took.as_secs_f64(), "copies": copies, "publishes": publishes,
         }),
     );
 

@@ -85,6 +85,23 @@ pub const STAGES: KvSpec = KvSpec {
 /// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
 pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS, STAGES];
 
+/// The promoter's coordination bucket: space reserved per bounded tier (`quota.<tier>[.<node>]`)
+/// and copy leases (`copy.<tier>[.<node>].<hash of prefix>`), shared by promoter instances.
+pub const PROMOTER_BUCKET: &str = "stagehand_promoter";
+
+/// The promoter's coordination bucket's declaration.
+pub const PROMOTER: KvSpec = KvSpec {
+    bucket: PROMOTER_BUCKET,
+    description: "Stagehand promoter: space reserved per bounded tier, copy leases",
+    history: 1,
+    max_age: Duration::ZERO,
+};
+
+/// KV buckets that belong to one service: created by `stagehand provision` (the operator) and
+/// by that service when it provisions, never by [`Bus::provision`], because other services'
+/// users have no right even to look them up (`deploy/nats/accounts.conf`).
+pub const SERVICE_KV_BUCKETS: &[KvSpec] = &[PROMOTER];
+
 /// The Object Store buckets [`Bus::provision`] declares: the services' manifest bucket. Each
 /// project's upload bucket is created by [`Bus::provision_object_bucket`] with
 /// `stagehand_schemas::subject::upload_bucket_spec(project)` (`stagehand provision --project`),

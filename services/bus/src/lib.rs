@@ -60,12 +60,14 @@ mod claim;
 mod config;
 mod error;
 pub mod ledger;
+pub mod placement;
 pub mod runner;
 mod worker;
 
 pub use bus::{
     Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, KV_BUCKETS, KvSpec, MSG_ID_HEADER, OBJECT_BUCKETS,
-    PublishAck, READINESS, READINESS_BUCKET, STAGES, STAGES_BUCKET, stream_config,
+    PROMOTER, PROMOTER_BUCKET, PublishAck, READINESS, READINESS_BUCKET, SERVICE_KV_BUCKETS, STAGES,
+    STAGES_BUCKET, stream_config,
 };
 pub use config::{
     BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,

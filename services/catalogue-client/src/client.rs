@@ -381,6 +381,27 @@ impl Catalogue {
         }
     }
 
+    /// One page of versions with their backup copies (of `project`, or of all; on `tier`, or
+    /// on every backup tier), after the cursor `after`.
+    pub async fn backup_status(
+        &self,
+        project: Option<&str>,
+        tier: Option<&str>,
+        protected_only: bool,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<Page<VersionBackups>, CatalogueError> {
+        let q = Query::BackupStatus {
+            project: project.map(Into::into),
+            tier: tier.map(Into::into),
+            protected_only,
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "backup_status",
+            Answer::BackupStatus { versions, next } => Page { items: versions, next })
+    }
+
     /// One page of the facts the recorder could not fold, and how many there are in all.
     pub async fn problems(
         &self,
@@ -393,5 +414,26 @@ impl Catalogue {
         };
         expect!(self.ask(&q).await?, "problems",
             Answer::Problems { problems, total, next } => (Page { items: problems, next }, total))
+    }
+
+    /// One page of a dataset's lineage (raw versions, their derived versions, replicas), or
+    /// the lineage of one `version`.
+    pub async fn lineage(
+        &self,
+        project: Option<&str>,
+        dataset: &str,
+        version: Option<&str>,
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<Page<LineageNode>, CatalogueError> {
+        let q = Query::Lineage {
+            project: project.map(Into::into),
+            dataset: dataset.into(),
+            version: version.map(Into::into),
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "lineage",
+            Answer::Lineage { lineage, next } => Page { items: lineage, next })
     }
 }

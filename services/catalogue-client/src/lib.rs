@@ -16,10 +16,13 @@
 //!                                                → {"answer":"files","version":"3f2a9c01…","files":[…],"next":"train/0199.jpg"}
 //! {"query":"stage_requests","project":"lab-a","job_id":"4815162"}
 //!                                                → {"answer":"stage_requests","stages":[{"state":"copying",…}],"next":null}
+//! {"query":"lineage","dataset":"cats"}         → {"answer":"lineage","lineage":[{"version":{…},"replicas":[…],"derived":[…]}],"next":null}
 //! {"query":"checkpoints","project":"lab-a","run":"r1","limit":2}
 //!                                                → {"answer":"checkpoints","checkpoints":[{"step":100,"state":"demoted","location":{"tier":"capacity",…},"rule":"keep_every",…},…],"next":"200"}
 //! {"query":"file","dataset":"cats","version":"3f2a9c01","path":"labels.csv"}
 //!                                                → {"answer":"file","version":"3f2a…","file":{"path":…,"size":…,"sha256":…}}
+//! {"query":"backup_status","project":"lab-a","tier":"backup","protected_only":true}
+//!                                                → {"answer":"backup_status","versions":[{"version":…,"backups":[…]}],"next":null}
 //! ```
 //! A failed query answers `{"answer":"error","code":"not_found"|"ambiguous"|"bad_query"|
 //! "internal","message":"…"}`. Times are RFC 3339 in UTC.
@@ -47,8 +50,8 @@ pub mod time;
 
 pub use client::{AskError, Catalogue, CatalogueError, FilesPage, Page, ask};
 pub use query::{
-    Answer, DEFAULT_DETAIL, DEFAULT_PAGE, DatasetDetail, ErrorCode, MAX_ANSWER_BYTES, MAX_PAGE,
-    MIN_VERSION_PREFIX, QUEUE_GROUP, Query, VersionDetail, cursor,
+    Answer, DEFAULT_DETAIL, DEFAULT_PAGE, DatasetDetail, ErrorCode, LineageNode, MAX_ANSWER_BYTES,
+    MAX_PAGE, MIN_VERSION_PREFIX, QUEUE_GROUP, Query, VersionDetail, cursor,
 };
 pub use readiness::{
     BUCKET as READINESS_BUCKET, CopyProgress, JobCounts, Readiness, ReadinessKey, ReadinessState,

@@ -76,7 +76,8 @@ pub enum Query {
         #[serde(default)]
         limit: Option<u32>,
     },
-    /// A version's replicas in tier order. `after`: a tier name.
+    /// A version's replicas in tier order, a node-local tier's by node. `after`: a tier name,
+    /// or `<tier>/<node>` after a node's replica (the `next` of the answer before).
     Replicas {
         #[serde(default)]
         project: Option<String>,
@@ -165,6 +166,24 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// Versions with their backup copies, in (project, dataset, version) order, of every
+    /// project or of one: each version the catalogue knows (validated, prepared, or only
+    /// backed up, as a checkpoint is) with its replicas on backup tiers (on `tier` only, when
+    /// given) and their last restore drills. `protected_only` leaves out versions with no
+    /// backup replica. `after`: `<project>/<dataset>/<version>` (the `next` of the previous
+    /// page).
+    BackupStatus {
+        #[serde(default)]
+        project: Option<String>,
+        #[serde(default)]
+        tier: Option<String>,
+        #[serde(default)]
+        protected_only: bool,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
     /// Dead letters counted per service, in service order. `after`: a service name.
     DeadLetters {
         #[serde(default)]
@@ -174,6 +193,21 @@ pub enum Query {
     },
     /// Facts the recorder could not fold, in event id order. `after`: an event id.
     Problems {
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
+    /// Where a dataset's versions come from: each raw version (oldest first) with the
+    /// versions derived from it and every version's replicas per tier. With `version`, the one
+    /// lineage that version belongs to. `after`: a raw version's digest (the `next` of the
+    /// previous page).
+    Lineage {
+        #[serde(default)]
+        project: Option<String>,
+        dataset: String,
+        #[serde(default)]
+        version: Option<String>,
         #[serde(default)]
         limit: Option<u32>,
         #[serde(default)]
@@ -252,6 +286,10 @@ pub enum Answer {
         checkpoints: Vec<CheckpointRecord>,
         next: Option<String>,
     },
+    BackupStatus {
+        versions: Vec<VersionBackups>,
+        next: Option<String>,
+    },
     DeadLetters {
         services: Vec<DeadLetterRecord>,
         next: Option<String>,
@@ -260,6 +298,11 @@ pub enum Answer {
         problems: Vec<FoldProblem>,
         /// Every fact listed as a problem, on every page.
         total: u64,
+        next: Option<String>,
+    },
+    Lineage {
+        /// One tree per raw version.
+        lineage: Vec<LineageNode>,
         next: Option<String>,
     },
     Error {
@@ -300,6 +343,18 @@ pub struct VersionDetail {
     pub replicas: Vec<ReplicaRecord>,
     /// `after` for the `replicas` query, when more replicas remain.
     pub replicas_next: Option<String>,
+}
+
+/// A version in a lineage: its record, its replicas per tier (the first [`DEFAULT_DETAIL`]),
+/// and the versions derived from it (a prepared version's `derived_from` names its parent).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LineageNode {
+    pub version: VersionRecord,
+    pub replicas: Vec<ReplicaRecord>,
+    pub derived: Vec<LineageNode>,
+    /// Whether replicas or derived versions were left out to keep the answer bounded.
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 /// Cursors of two parts (`<project>/<dataset>`, `<tier>/<job>`): the first part with `%` and

@@ -107,6 +107,10 @@ pub struct ReplicaRecord {
     pub dataset: String,
     pub version: String,
     pub tier: String,
+    /// The node holding this copy, on a node-local tier (each node has its own replica there,
+    /// under the same prefix); `None` on a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
     /// Where the copy is, beneath the tier's root.
     pub prefix: String,
     pub state: ReplicaState,
@@ -123,6 +127,52 @@ pub struct ReplicaRecord {
     /// The fact that made the copy.
     pub copied: Option<Stamp>,
     pub last_drill: Option<Drill>,
+}
+
+/// One version and its copies on backup tiers: an item of the `backup_status` answer (what
+/// `stagehand backup status` shows and what the backup copier's restore drills choose from).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionBackups {
+    pub project: String,
+    pub dataset: String,
+    pub version: String,
+    /// Files and bytes of the version (from its version record, else from a backup copy).
+    pub files: u64,
+    pub total_bytes: u64,
+    /// Whether the catalogue holds a version record (validated or prepared); a checkpoint's
+    /// backup has none.
+    pub recorded: bool,
+    /// Its replicas on backup tiers, in tier order, with each one's last drill.
+    pub backups: Vec<ReplicaRecord>,
+}
+
+impl VersionBackups {
+    /// The present backup copy on `tier`, if there is one.
+    pub fn on(&self, tier: &str) -> Option<&ReplicaRecord> {
+        self.backups
+            .iter()
+            .find(|r| r.tier == tier && r.state == ReplicaState::Present)
+    }
+
+    /// Whether some backup tier holds a present copy.
+    pub fn is_protected(&self) -> bool {
+        self.backups
+            .iter()
+            .any(|r| r.state == ReplicaState::Present)
+    }
+}
+
+/// The cursor of a (project, dataset, version) in the `backup_status` query.
+pub fn backup_cursor(project: &str, dataset: &str, version: &str) -> String {
+    crate::query::cursor::join(project, &format!("{dataset}/{version}"))
+}
+
+/// The (project, dataset, version) of a [`backup_cursor`]; `None` when it is not one.
+pub fn split_backup_cursor(cursor: &str) -> Option<(String, String, String)> {
+    let (project, rest) = crate::query::cursor::split(cursor)?;
+    // A version is a hex digest: the last `/` ends the dataset.
+    let (dataset, version) = rest.rsplit_once('/')?;
+    Some((project, dataset.to_owned(), version.to_owned()))
 }
 
 /// Where one stage request stands. Stored states are `pending`, `ready`, `failed` and
@@ -344,6 +394,18 @@ pub struct FoldProblem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backup_cursors_split_where_they_were_joined() {
+        for (p, d, v) in [("lab-a", "cats", "ab12"), ("p%/x", "a/b", "ff")] {
+            let c = backup_cursor(p, d, v);
+            assert_eq!(
+                split_backup_cursor(&c),
+                Some((p.to_owned(), d.to_owned(), v.to_owned()))
+            );
+        }
+        assert_eq!(split_backup_cursor("no-slash"), None);
+    }
 
     #[test]
     fn stage_keys_keep_any_request_id_one_token() {

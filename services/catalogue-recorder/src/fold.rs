@@ -135,8 +135,8 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
         Body::StagePending(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
         Body::StageReady(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::StageFailed(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
-        Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier, None),
-        Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
@@ -229,7 +229,7 @@ fn dataset_validated(
         txn,
         event,
         (&p.dataset, &p.version),
-        &p.source,
+        (&p.source, None),
         stamp,
         state,
         Some(copy),
@@ -272,7 +272,7 @@ fn dataset_prepared(
         txn,
         event,
         (&p.dataset, &p.version),
-        &p.location,
+        (&p.location, None),
         stamp,
         state,
         Some(copy),
@@ -357,7 +357,7 @@ fn replica_created(
         txn,
         event,
         (&p.dataset, &p.version),
-        &p.location,
+        (&p.location, p.node.as_deref()),
         stamp,
         state,
         Some(copy),
@@ -376,7 +376,7 @@ fn replica_removed(
         txn,
         event,
         (&p.dataset, &p.version),
-        &p.location,
+        (&p.location, p.node.as_deref()),
         stamp,
         state,
         None,
@@ -401,7 +401,7 @@ fn backup_completed(
         txn,
         event,
         (&p.dataset, &p.version),
-        &p.location,
+        (&p.location, None),
         stamp,
         state,
         Some(copy),
@@ -420,7 +420,13 @@ fn restore_verified(
         problems: vec![],
         stamp: stamp.clone(),
     };
-    set_drill(txn, event, (&p.dataset, &p.version), &p.location, drill)
+    set_drill(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        (&p.location, None),
+        drill,
+    )
 }
 
 fn restore_failed(
@@ -435,7 +441,13 @@ fn restore_failed(
         problems: p.problems.clone(),
         stamp: stamp.clone(),
     };
-    set_drill(txn, event, (&p.dataset, &p.version), &p.location, drill)
+    set_drill(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        (&p.location, None),
+        drill,
+    )
 }
 
 fn stage_requested(
@@ -633,12 +645,13 @@ fn checkpoint_committed(
         verified_by: CHECKPOINT_VERIFIED_BY.into(),
         backup: false,
     };
+    // Checkpoints live on shared tiers (hot, capacity): their copies carry no node.
     let present = (ReplicaState::Present, None);
     set_replica(
         txn,
         event,
         version,
-        &p.location,
+        (&p.location, None),
         stamp,
         present.clone(),
         Some(copy()),
@@ -655,10 +668,26 @@ fn checkpoint_committed(
                 )),
             );
             if record.location.tier != p.location.tier {
-                set_replica(txn, event, version, &p.location, later, removed, None)?;
+                set_replica(
+                    txn,
+                    event,
+                    version,
+                    (&p.location, None),
+                    later,
+                    removed,
+                    None,
+                )?;
             }
             let to = &record.location;
-            set_replica(txn, event, version, to, later, present, Some(copy()))
+            set_replica(
+                txn,
+                event,
+                version,
+                (to, None),
+                later,
+                present,
+                Some(copy()),
+            )
         }
         CheckpointState::Expired => {
             let removed = (
@@ -671,13 +700,21 @@ fn checkpoint_committed(
                     txn,
                     event,
                     version,
-                    &p.location,
+                    (&p.location, None),
                     later,
                     removed.clone(),
                     None,
                 )?;
             }
-            set_replica(txn, event, version, &record.location, later, removed, None)
+            set_replica(
+                txn,
+                event,
+                version,
+                (&record.location, None),
+                later,
+                removed,
+                None,
+            )
         }
     }
 }
@@ -725,10 +762,18 @@ fn checkpoint_demoted(
     let why = demoted_reason(&p.to.tier, p.rule.as_deref());
     if p.from.tier != p.to.tier {
         let removed = (ReplicaState::Removed, Some(why));
-        set_replica(txn, event, version, &p.from, stamp, removed, None)?;
+        set_replica(txn, event, version, (&p.from, None), stamp, removed, None)?;
     }
     let present = (ReplicaState::Present, None);
-    set_replica(txn, event, version, &p.to, stamp, present, Some(copy))
+    set_replica(
+        txn,
+        event,
+        version,
+        (&p.to, None),
+        stamp,
+        present,
+        Some(copy),
+    )
 }
 
 /// An expiry: the checkpoint's replica where it was is removed (once the version is known).
@@ -749,7 +794,7 @@ fn checkpoint_expired(
         txn,
         event,
         (&dataset, digest),
-        &p.location,
+        (&p.location, None),
         stamp,
         removed,
         None,
@@ -915,13 +960,14 @@ struct Copy {
 fn empty_replica(
     project: &str,
     (dataset, version): (&str, &str),
-    location: &Location,
+    (location, node): (&Location, Option<&str>),
 ) -> ReplicaRecord {
     ReplicaRecord {
         project: project.into(),
         dataset: dataset.into(),
         version: version.into(),
         tier: location.tier.clone(),
+        node: node.map(str::to_owned),
         prefix: location.prefix.clone(),
         state: ReplicaState::Staging,
         reason: None,
@@ -935,19 +981,27 @@ fn empty_replica(
     }
 }
 
+/// The replica on `location`'s tier (and on `node`, for a node-local tier: each node has its
+/// own), or a new record of it.
 fn read_replica(
     txn: &WriteTransaction,
     project: &str,
     (dataset, version): (&str, &str),
-    location: &Location,
+    (location, node): (&Location, Option<&str>),
 ) -> Result<ReplicaRecord, FoldError> {
-    let what = || format!("replica {project}/{dataset}/{version}/{}", location.tier);
+    let node_key = node.unwrap_or("");
+    let what = || {
+        format!(
+            "replica {project}/{dataset}/{version}/{}/{node_key}",
+            location.tier
+        )
+    };
     let table = txn.open_table(REPLICAS)?;
     let old = table
-        .get((project, dataset, version, location.tier.as_str()))?
+        .get((project, dataset, version, location.tier.as_str(), node_key))?
         .map(|v| decode::<ReplicaRecord>(v.value(), what))
         .transpose()?;
-    Ok(old.unwrap_or_else(|| empty_replica(project, (dataset, version), location)))
+    Ok(old.unwrap_or_else(|| empty_replica(project, (dataset, version), (location, node))))
 }
 
 fn write_replica(txn: &WriteTransaction, record: &ReplicaRecord) -> Result<(), FoldError> {
@@ -956,17 +1010,17 @@ fn write_replica(txn: &WriteTransaction, record: &ReplicaRecord) -> Result<(), F
         record.dataset.as_str(),
         record.version.as_str(),
         record.tier.as_str(),
+        record.node.as_deref().unwrap_or(""),
     );
     let value = encode(record, || format!("replica {key:?}"))?;
     txn.open_table(REPLICAS)?.insert(key, value.as_slice())?;
-    // Every tier with a replica has a readiness record to list and mirror.
+    // Every tier (and node) with a replica has a readiness record to list and mirror.
     let mut readiness = txn.open_table(READINESS)?;
-    let rkey = (key.0, key.1, key.2, key.3, "");
-    if readiness.get(rkey)?.is_none() {
+    if readiness.get(key)?.is_none() {
         let value = encode(&ReadinessAggregate::default(), || {
-            format!("readiness {rkey:?}")
+            format!("readiness {key:?}")
         })?;
-        readiness.insert(rkey, value.as_slice())?;
+        readiness.insert(key, value.as_slice())?;
     }
     Ok(())
 }
@@ -975,17 +1029,17 @@ fn set_replica(
     txn: &WriteTransaction,
     event: &Event,
     version: (&str, &str),
-    location: &Location,
+    place: (&Location, Option<&str>),
     stamp: &Stamp,
     (state, reason): (ReplicaState, Option<String>),
     copy: Option<Copy>,
 ) -> Result<(), FoldError> {
-    let mut record = read_replica(txn, &event.project, version, location)?;
+    let mut record = read_replica(txn, &event.project, version, place)?;
     let mut changed = false;
     if record.stamp.as_ref().is_none_or(|old| stamp > old) {
         record.state = state;
         record.reason = reason;
-        record.prefix.clone_from(&location.prefix);
+        record.prefix.clone_from(&place.0.prefix);
         record.stamp = Some(stamp.clone());
         changed = true;
     }
@@ -1009,12 +1063,12 @@ fn set_drill(
     txn: &WriteTransaction,
     event: &Event,
     version: (&str, &str),
-    location: &Location,
+    place: (&Location, Option<&str>),
     drill: Drill,
 ) -> Result<(), FoldError> {
     // The drill of a replica the catalogue does not know yet is still recorded, so that a
     // later `backup.completed` finds it.
-    let mut record = read_replica(txn, &event.project, version, location)?;
+    let mut record = read_replica(txn, &event.project, version, place)?;
     if record
         .last_drill
         .as_ref()
@@ -1324,6 +1378,106 @@ mod tests {
         };
         let hot = v.replicas.iter().find(|r| r.tier == "hot").unwrap();
         assert_eq!(hot.state, ReplicaState::Removed);
+    }
+
+    /// Node-local replicas are one per (tier, node): two nodes' copies of a version on `local`
+    /// and the shared `hot` one are three replicas, in (tier, node) order, paged with
+    /// `<tier>/<node>` cursors; removing one node's leaves the other's, in any fact order; each
+    /// node's readiness stands on its own replica.
+    #[test]
+    fn node_local_replicas_fold_per_tier_and_node() {
+        let events = vec![
+            validated(1),
+            replica(1, false),
+            node_replica(1, "gpu-07", false, 10),
+            node_replica(1, "gpu-02", false, 11),
+            node_replica(1, "gpu-07", true, 20),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "n.redb", &events);
+        let mut reversed = events.clone();
+        reversed.reverse();
+        let backward = store_with(dir.path(), "r.redb", &reversed);
+        assert_eq!(store.dump().unwrap(), backward.dump().unwrap());
+        let version = version_of(&validated(1));
+        let page = |limit, after: Option<String>| match crate::answer(
+            &store,
+            &Query::Replicas {
+                project: Some("lab-a".into()),
+                dataset: "cats".into(),
+                version: version.clone(),
+                limit,
+                after,
+            },
+        ) {
+            Answer::Replicas { replicas, next } => (replicas, next),
+            other => panic!("{other:?}"),
+        };
+        let summary = |rs: &[ReplicaRecord]| -> Vec<(String, Option<String>, ReplicaState)> {
+            rs.iter()
+                .map(|r| (r.tier.clone(), r.node.clone(), r.state))
+                .collect()
+        };
+        let (all, next) = page(None, None);
+        assert_eq!(next, None);
+        assert_eq!(
+            summary(&all),
+            vec![
+                ("hot".into(), None, ReplicaState::Present),
+                ("local".into(), Some("gpu-02".into()), ReplicaState::Present),
+                ("local".into(), Some("gpu-07".into()), ReplicaState::Removed),
+                ("source".into(), None, ReplicaState::Present),
+            ]
+        );
+        let removed = &all[2];
+        assert_eq!(
+            (removed.files, removed.reason.as_deref()),
+            (2, Some("idle"))
+        );
+        // Paged one at a time, each cursor is the replica's (tier, node).
+        let mut cursors = Vec::new();
+        let mut after = None;
+        let mut paged = Vec::new();
+        loop {
+            let (rs, next) = page(Some(1), after.clone());
+            paged.extend(rs);
+            match next {
+                Some(n) => {
+                    cursors.push(n.clone());
+                    after = Some(n);
+                }
+                None => break,
+            }
+        }
+        assert_eq!(summary(&paged), summary(&all));
+        assert_eq!(cursors, ["hot", "local/gpu-02", "local/gpu-07"]);
+        // Each node's readiness follows its own replica.
+        let key = |node: &str| ReadinessKey {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: version.clone(),
+            tier: "local".into(),
+            node: Some(node.into()),
+        };
+        let on = |node| {
+            crate::readiness::current(&store, &key(node))
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(
+            on("gpu-02").state,
+            ReadinessState::Ready {
+                path: "lab-a/cats/v".into()
+            }
+        );
+        assert_eq!(on("gpu-02").replica, Some(ReplicaState::Present));
+        assert!(!on("gpu-07").ready);
+        assert_eq!(on("gpu-07").replica, Some(ReplicaState::Removed));
+        // The facts touch the node's readiness key, so the live recorder mirrors it.
+        assert_eq!(
+            crate::fold::touched(&node_replica(1, "gpu-07", true, 20)),
+            Some(key("gpu-07"))
+        );
     }
 
     /// Guards the O(n²) rejection list: each rejected request is one record of its own, and

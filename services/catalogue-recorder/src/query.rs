@@ -341,6 +341,23 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             let (checkpoints, next) = checkpoints(txn, project, run, *limit, after.as_deref())?;
             Answer::Checkpoints { checkpoints, next }
         }
+        Query::BackupStatus {
+            project,
+            tier,
+            protected_only,
+            limit,
+            after,
+        } => {
+            let (versions, next) = backup_status(
+                txn,
+                project.as_deref(),
+                tier.as_deref(),
+                *protected_only,
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::BackupStatus { versions, next }
+        }
         Query::DeadLetters { limit, after } => {
             let (services, next) =
                 by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
@@ -354,6 +371,23 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
                 total,
                 next,
             }
+        }
+        Query::Lineage {
+            project,
+            dataset,
+            version,
+            limit,
+            after,
+        } => {
+            let (lineage, next) = lineage(
+                txn,
+                project,
+                dataset,
+                version.as_deref(),
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::Lineage { lineage, next }
         }
     })
 }
@@ -580,25 +614,45 @@ fn replicas(
         version.dataset.as_str(),
         version.version.as_str(),
     );
+    let after = after.map(replica_cursor_parts);
+    let (t0, n0) = after.clone().unwrap_or_default();
     let table = txn.open_table(REPLICAS)?;
     let mut page = Page::new(limit, default, budget);
     page.first_always = first_always;
-    for row in table.range((p, d, v, after.unwrap_or(""))..)? {
+    for row in table.range((p, d, v, t0.as_str(), n0.as_str())..)? {
         let (k, val) = row?;
         let key = k.value();
         if (key.0, key.1, key.2) != (p, d, v) {
             break;
         }
-        if after == Some(key.3) {
+        if after
+            .as_ref()
+            .is_some_and(|(t, n)| (t.as_str(), n.as_str()) == (key.3, key.4))
+        {
             continue;
         }
         let record: ReplicaRecord = read(val.value(), || format!("replica {key:?}"))?;
-        let tier = key.3.to_owned();
-        if !page.offer(record, || tier) {
+        let cursor = replica_cursor(key.3, key.4);
+        if !page.offer(record, || cursor) {
             break;
         }
     }
     Ok(page.done())
+}
+
+/// The `after` of the replica after (tier, node): the tier name for a shared tier's replica,
+/// `<tier>/<node>` for a node's.
+fn replica_cursor(tier: &str, node: &str) -> String {
+    if node.is_empty() {
+        tier.to_owned()
+    } else {
+        cursor::join(tier, node)
+    }
+}
+
+/// (tier, node or "") of a [`replica_cursor`]; a bare tier name is the shared replica's.
+fn replica_cursor_parts(after: &str) -> (String, String) {
+    cursor::split(after).unwrap_or_else(|| (after.to_owned(), String::new()))
 }
 
 fn files(
@@ -723,6 +777,136 @@ fn rejections(
     Ok(page.done())
 }
 
+/// How deep a lineage is followed (raw → prepared → a version derived from that …).
+const LINEAGE_DEPTH: usize = 4;
+
+/// A dataset's lineage: its versions grouped into trees by `derived_from`, one tree per
+/// raw version (a version whose parent is not a version of the dataset counts as raw),
+/// oldest first; with `version`, only the tree holding it. One pass over the dataset's
+/// versions finds every parent link, so a page costs a read of the dataset's version records.
+fn lineage(
+    txn: &ReadTransaction,
+    project: &Option<String>,
+    dataset: &str,
+    version: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<LineageNode>, Option<String>), Fail> {
+    let project = resolve_project(txn, project, dataset)?;
+    let table = txn.open_table(VERSIONS)?;
+    let order = txn.open_table(VERSION_ORDER)?;
+    // Every version in version order, and its parent.
+    let mut versions: Vec<VersionRecord> = Vec::new();
+    for row in order.range((project.as_str(), dataset, i128::MIN, "")..)? {
+        let (k, _) = row?;
+        let (p, d, _, digest) = k.value();
+        if p != project || d != dataset {
+            break;
+        }
+        if let Some(v) = table.get((p, d, digest))? {
+            versions.push(read(v.value(), || format!("version {p}/{d}/{digest}"))?);
+        }
+    }
+    let index: std::collections::HashMap<&str, usize> = versions
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (v.version.as_str(), i))
+        .collect();
+    let parent = |v: &VersionRecord| {
+        v.provenance
+            .derived_from
+            .as_deref()
+            .and_then(|p| index.get(p).copied())
+            .filter(|&p| versions[p].version != v.version)
+    };
+    let mut children: Vec<Vec<usize>> = vec![Vec::new(); versions.len()];
+    for (i, v) in versions.iter().enumerate() {
+        if let Some(p) = parent(v) {
+            children[p].push(i);
+        }
+    }
+    let roots: Vec<usize> = match version {
+        Some(wanted) => {
+            let found = resolve_version(txn, &Some(project.clone()), dataset, wanted)?;
+            let Some(&found_at) = index.get(found.version.as_str()) else {
+                return Err(not_found(format!(
+                    "version {} of {project}/{dataset} is not in the version order",
+                    found.version
+                )));
+            };
+            let mut at = found_at;
+            for _ in 0..LINEAGE_DEPTH {
+                match parent(&versions[at]) {
+                    Some(p) => at = p,
+                    None => break,
+                }
+            }
+            vec![at]
+        }
+        None => (0..versions.len())
+            .filter(|&i| parent(&versions[i]).is_none())
+            .collect(),
+    };
+    let start = match after {
+        Some(after) => match roots.iter().position(|&r| versions[r].version == after) {
+            Some(i) => i + 1,
+            None => {
+                return Err(bad_query(format!(
+                    "{after:?} is not a raw version of {project}/{dataset}"
+                )));
+            }
+        },
+        None => 0,
+    };
+    let mut page = Page::new(limit, DEFAULT_DETAIL, BUDGET);
+    for &root in &roots[start..] {
+        let mut left = BUDGET.saturating_sub(page.used);
+        let node = lineage_node(txn, &versions, &children, root, LINEAGE_DEPTH, &mut left)?;
+        let digest = versions[root].version.clone();
+        if !page.offer(node, || digest) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+/// One version's node: its replicas and, while `left` bytes allow, its derived versions.
+fn lineage_node(
+    txn: &ReadTransaction,
+    versions: &[VersionRecord],
+    children: &[Vec<usize>],
+    at: usize,
+    depth: usize,
+    left: &mut usize,
+) -> Result<LineageNode, Fail> {
+    let version = versions[at].clone();
+    *left = left.saturating_sub(json_len(&version));
+    let (replicas, replicas_next) =
+        replicas(txn, &version, None, DEFAULT_DETAIL, None, *left, false)?;
+    *left = left.saturating_sub(replicas.iter().map(|r| json_len(r) + 1).sum());
+    let mut node = LineageNode {
+        version,
+        replicas,
+        derived: Vec::new(),
+        truncated: replicas_next.is_some(),
+    };
+    for &child in &children[at] {
+        if depth == 0 || *left < ANSWER_RESERVE / 16 {
+            node.truncated = true;
+            break;
+        }
+        node.derived.push(lineage_node(
+            txn,
+            versions,
+            children,
+            child,
+            depth - 1,
+            left,
+        )?);
+    }
+    Ok(node)
+}
+
 fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail> {
     after
         .map(|c| {
@@ -730,6 +914,101 @@ fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail
                 .ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor")))
         })
         .transpose()
+}
+
+/// Versions in (project, dataset, version) order with their backup replicas: one pass over
+/// the replicas table (every recorded version has its source replica there, a checkpoint's
+/// backup its backup replica), grouped by version.
+fn backup_status(
+    txn: &ReadTransaction,
+    project: Option<&str>,
+    tier: Option<&str>,
+    protected_only: bool,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<VersionBackups>, Option<String>), Fail> {
+    let start: (String, String, String) = match after {
+        Some(c) => split_backup_cursor(c).ok_or_else(|| {
+            bad_query(format!(
+                "{c:?} is not a <project>/<dataset>/<version> cursor"
+            ))
+        })?,
+        None => (
+            project.unwrap_or("").to_owned(),
+            String::new(),
+            String::new(),
+        ),
+    };
+    let table = txn.open_table(REPLICAS)?;
+    let versions = txn.open_table(VERSIONS)?;
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    // Offers a finished group; false once the page is full.
+    let offer = |mut g: VersionBackups, page: &mut Page<VersionBackups>| -> Result<bool, Fail> {
+        if protected_only && g.backups.is_empty() {
+            return Ok(true);
+        }
+        let key = (g.project.as_str(), g.dataset.as_str(), g.version.as_str());
+        if let Some(v) = versions.get(key)? {
+            let record: VersionRecord = read(v.value(), || format!("version {key:?}"))?;
+            g.files = record.file_count;
+            g.total_bytes = record.total_bytes;
+            g.recorded = true;
+        }
+        let cursor = backup_cursor(&g.project, &g.dataset, &g.version);
+        Ok(page.offer(g, || cursor))
+    };
+    // After a cursor, start past every tier of its version: those were on the previous page.
+    let past_tiers = if after.is_some() { "\u{10FFFF}" } else { "" };
+    let from = (
+        start.0.as_str(),
+        start.1.as_str(),
+        start.2.as_str(),
+        past_tiers,
+        "",
+    );
+    let mut group: Option<VersionBackups> = None;
+    for row in table.range(from..)? {
+        let (k, v) = row?;
+        // Backup tiers are shared, never node-local: the node part of the key is empty.
+        let (p, d, ver, t, _node) = k.value();
+        if project.is_some_and(|want| want != p) {
+            break;
+        }
+        let same = group.as_ref().is_some_and(|g| {
+            (g.project.as_str(), g.dataset.as_str(), g.version.as_str()) == (p, d, ver)
+        });
+        if !same {
+            if let Some(done) = group.take()
+                && !offer(done, &mut page)?
+            {
+                return Ok(page.done());
+            }
+            group = Some(VersionBackups {
+                project: p.to_owned(),
+                dataset: d.to_owned(),
+                version: ver.to_owned(),
+                files: 0,
+                total_bytes: 0,
+                recorded: false,
+                backups: Vec::new(),
+            });
+        }
+        let record: ReplicaRecord = read(v.value(), || format!("replica {p}/{d}/{ver}/{t}"))?;
+        if let Some(g) = group.as_mut()
+            && record.backup
+            && tier.is_none_or(|want| want == t)
+        {
+            if g.backups.is_empty() {
+                g.files = record.files;
+                g.total_bytes = record.total_bytes;
+            }
+            g.backups.push(record);
+        }
+    }
+    if let Some(done) = group.take() {
+        offer(done, &mut page)?;
+    }
+    Ok(page.done())
 }
 
 fn stage_requests(
@@ -944,6 +1223,129 @@ mod tests {
     use super::*;
     use crate::testing::*;
 
+    /// `backup_status` lists every version with its backup copies and their drills, pages
+    /// without repeating or skipping a version, and can leave out unprotected versions.
+    #[test]
+    fn backup_status_lists_versions_with_their_backups_and_drills() {
+        use stagehand_schemas::{
+            BackupCompleted, Body, Event, Location, Problem, RestoreFailed, RestoreVerified,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (v1, v2, v3) = (validated(1), validated(2), validated(3));
+        let backup = |v: &Event, tier: &str| {
+            v.caused(
+                &format!("backup:{tier}"),
+                Body::BackupCompleted(BackupCompleted {
+                    dataset: "cats".into(),
+                    version: version_of(v),
+                    location: Location {
+                        tier: tier.into(),
+                        prefix: format!("lab-a/cats/{}", version_of(v)),
+                    },
+                    files: 2,
+                    total_bytes: 3,
+                }),
+            )
+        };
+        let location = |v: &Event| Location {
+            tier: "backup".into(),
+            prefix: format!("lab-a/cats/{}", version_of(v)),
+        };
+        let ok = v1.caused(
+            "drill",
+            Body::RestoreVerified(RestoreVerified {
+                dataset: "cats".into(),
+                version: version_of(&v1),
+                location: location(&v1),
+                sampled_files: 2,
+                sampled_bytes: 3,
+            }),
+        );
+        let failed = v2.caused(
+            "drill",
+            Body::RestoreFailed(RestoreFailed {
+                dataset: "cats".into(),
+                version: version_of(&v2),
+                location: location(&v2),
+                problems: vec![Problem::new("checksum_mismatch", Some("f2.bin"), "bad")],
+                problem_counts: vec![("checksum_mismatch".into(), 1)],
+                problems_total: Some(1),
+            }),
+        );
+        let events = [
+            v1.clone(),
+            v2.clone(),
+            v3.clone(),
+            backup(&v1, "backup"),
+            backup(&v1, "offsite"),
+            backup(&v2, "backup"),
+            ok,
+            failed,
+        ];
+        let store = store_with(dir.path(), "a.redb", &events);
+        let ask =
+            |tier: Option<&str>, protected_only: bool, limit, after: Option<String>| match answer(
+                &store,
+                &Query::BackupStatus {
+                    project: Some("lab-a".into()),
+                    tier: tier.map(Into::into),
+                    protected_only,
+                    limit,
+                    after,
+                },
+            ) {
+                Answer::BackupStatus { versions, next } => (versions, next),
+                other => panic!("{other:?}"),
+            };
+        let (all, next) = ask(None, false, None, None);
+        assert_eq!(next, None);
+        assert_eq!(all.len(), 3, "{all:#?}");
+        let of = |v: &Event| {
+            all.iter()
+                .find(|e| e.version == version_of(v))
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(of(&v1).backups.len(), 2);
+        assert!(of(&v1).recorded);
+        assert_eq!((of(&v1).files, of(&v1).total_bytes), (2, 3));
+        assert!(
+            of(&v1)
+                .on("backup")
+                .unwrap()
+                .last_drill
+                .as_ref()
+                .unwrap()
+                .ok
+        );
+        let drill = of(&v2).on("backup").unwrap().last_drill.clone().unwrap();
+        assert!(!drill.ok);
+        assert_eq!(drill.problems[0].path.as_deref(), Some("f2.bin"));
+        assert!(of(&v3).backups.is_empty());
+        assert!(!of(&v3).is_protected());
+
+        // One tier only, protected versions only.
+        let (on_backup, _) = ask(Some("backup"), true, None, None);
+        assert_eq!(on_backup.len(), 2);
+        assert!(on_backup.iter().all(|e| e.backups.len() == 1));
+
+        // Pages of one meet exactly.
+        let mut seen = Vec::new();
+        let mut after = None;
+        loop {
+            let (page, next) = ask(None, false, Some(1), after);
+            assert_eq!(page.len(), 1);
+            seen.push(page[0].version.clone());
+            match next {
+                Some(n) => after = Some(n),
+                None => break,
+            }
+        }
+        let mut expected: Vec<String> = [&v1, &v2, &v3].iter().map(|v| version_of(v)).collect();
+        expected.sort();
+        assert_eq!(seen, expected);
+    }
+
     #[test]
     fn pages_of_files_meet_exactly_across_chunks() {
         let dir = tempfile::tempdir().unwrap();
@@ -1024,6 +1426,126 @@ mod tests {
             panic!()
         };
         assert_eq!(rejection.requested_by, "mallory");
+    }
+
+    /// A prepared version derived from raw version `n`, on the capacity tier.
+    fn prepared_from(n: u32) -> stagehand_schemas::Event {
+        use stagehand_schemas::{Body, DatasetPrepared, Location, version_digest};
+        let v = validated(n);
+        let files = vec![
+            FileRef::new("prepared.json", 2, sha256_hex(b"{}")),
+            FileRef::new("shard-000000.tar", 3, sha256_hex(b"tar")),
+        ];
+        let version = version_digest(&files);
+        v.caused(
+            "prepared",
+            Body::DatasetPrepared(DatasetPrepared {
+                dataset: "cats".into(),
+                version: version.clone(),
+                derived_from: version_of(&v),
+                location: Location {
+                    tier: "capacity".into(),
+                    prefix: format!("lab-a/cats/{version}"),
+                },
+                files,
+                manifest: None,
+                total_bytes: 5,
+                layout: "webdataset".into(),
+                samples: 1,
+                seed: 7,
+            }),
+        )
+    }
+
+    /// Guards `catalogue show D --lineage`: each raw version with the versions prepared from
+    /// it and every version's replicas per tier, paged by raw version; a prepared version's
+    /// lineage is its raw version's.
+    #[test]
+    fn lineage_puts_prepared_versions_under_their_raw_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let prepared = prepared_from(1);
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[
+                validated(1),
+                validated(2),
+                prepared.clone(),
+                replica(1, false),
+            ],
+        );
+        let (raw1, raw2) = (version_of(&validated(1)), version_of(&validated(2)));
+        let stagehand_schemas::Body::DatasetPrepared(p) = &prepared.body else {
+            unreachable!()
+        };
+        let q = |version: Option<&str>, limit: Option<u32>, after: Option<&str>| Query::Lineage {
+            project: None,
+            dataset: "cats".into(),
+            version: version.map(Into::into),
+            limit,
+            after: after.map(Into::into),
+        };
+        let Answer::Lineage { lineage, next } = answer(&store, &q(None, None, None)) else {
+            panic!()
+        };
+        assert_eq!(next, None);
+        // The two raw versions are the roots; the prepared one is not.
+        let mut roots: Vec<&str> = lineage.iter().map(|n| n.version.version.as_str()).collect();
+        roots.sort();
+        let mut want = vec![raw1.as_str(), raw2.as_str()];
+        want.sort();
+        assert_eq!(roots, want);
+        let one = lineage.iter().find(|n| n.version.version == raw1).unwrap();
+        let tiers: Vec<&str> = one.replicas.iter().map(|r| r.tier.as_str()).collect();
+        assert_eq!(tiers, ["hot", "source"]);
+        assert_eq!(one.derived.len(), 1);
+        let derived = &one.derived[0];
+        assert_eq!(derived.version.version, p.version);
+        assert_eq!(
+            derived.version.provenance.layout.as_deref(),
+            Some("webdataset")
+        );
+        assert_eq!(
+            derived
+                .replicas
+                .iter()
+                .map(|r| r.tier.as_str())
+                .collect::<Vec<_>>(),
+            ["capacity"]
+        );
+        assert!(derived.derived.is_empty() && !one.truncated);
+        let two = lineage.iter().find(|n| n.version.version == raw2).unwrap();
+        assert!(two.derived.is_empty());
+
+        // Paged by raw version.
+        let Answer::Lineage {
+            lineage: first,
+            next,
+        } = answer(&store, &q(None, Some(1), None))
+        else {
+            panic!()
+        };
+        assert_eq!(first.len(), 1);
+        let next = next.expect("a second page");
+        let Answer::Lineage {
+            lineage: second,
+            next,
+        } = answer(&store, &q(None, Some(1), Some(&next)))
+        else {
+            panic!()
+        };
+        assert_eq!((second.len(), next), (1, None));
+        assert_ne!(first[0].version.version, second[0].version.version);
+
+        // A prepared version (by prefix) answers with its raw version's lineage.
+        let Answer::Lineage { lineage, .. } =
+            answer(&store, &q(Some(&p.version[..10]), None, None))
+        else {
+            panic!()
+        };
+        assert_eq!(lineage.len(), 1);
+        assert_eq!(lineage[0].version.version, raw1);
+        assert_eq!(lineage[0].derived[0].version.version, p.version);
     }
 
     #[test]

@@ -98,20 +98,18 @@ pub fn current(store: &Store, key: &ReadinessKey) -> Result<Option<Readiness>, S
     Ok(Some(derive(key.clone(), &aggregate, replica.as_ref())))
 }
 
-/// The replica record a readiness key stands on (node-local replicas have no record of their
-/// own yet: the promoter's facts will add them).
+/// The replica record a readiness key stands on: the tier's, or the node's on a node-local
+/// tier.
 pub(crate) fn replica_of(
     txn: &redb::ReadTransaction,
     key: &ReadinessKey,
 ) -> Result<Option<ReplicaRecord>, StoreError> {
-    if key.node.is_some() {
-        return Ok(None);
-    }
     let rkey = (
         key.project.as_str(),
         key.dataset.as_str(),
         key.version.as_str(),
         key.tier.as_str(),
+        key.node.as_deref().unwrap_or(""),
     );
     txn.open_table(REPLICAS)?
         .get(rkey)?

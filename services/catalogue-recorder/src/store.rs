@@ -9,7 +9,7 @@
 //! | `version_requests` | (project, dataset, version, request id) | — |
 //! | `file_lists` | version digest | [`FileListRecord`]: the list is complete |
 //! | `file_chunks` | (version digest, first path) | a chunk of entries ([`crate::chunk`]) |
-//! | `replicas` | (project, dataset, version, tier) | [`stagehand_catalogue::ReplicaRecord`] |
+//! | `replicas` | (project, dataset, version, tier, node or "") | [`stagehand_catalogue::ReplicaRecord`]: one per tier, one per node on a node-local tier |
 //! | `stage_requests` | (project, request id) | [`crate::model::StageRecord`]: a stage request's status |
 //! | `stages_by_job` | (project, job, request id) | — |
 //! | `stages_by_version` | (project, dataset, version — the full digest once known, else as requested, request id) | — |
@@ -67,7 +67,8 @@ pub(crate) const VERSION_REQUESTS: TableDefinition<(S, S, S, S), ()> =
     TableDefinition::new("version_requests");
 pub(crate) const FILE_LISTS: TableDefinition<S, Bytes> = TableDefinition::new("file_lists");
 pub(crate) const FILE_CHUNKS: TableDefinition<(S, S), Bytes> = TableDefinition::new("file_chunks");
-pub(crate) const REPLICAS: TableDefinition<(S, S, S, S), Bytes> = TableDefinition::new("replicas");
+pub(crate) const REPLICAS: TableDefinition<(S, S, S, S, S), Bytes> =
+    TableDefinition::new("replicas");
 pub(crate) const STAGE_REQUESTS: TableDefinition<(S, S), Bytes> =
     TableDefinition::new("stage_requests");
 pub(crate) const STAGES_BY_JOB: TableDefinition<(S, S, S), ()> =
@@ -93,10 +94,12 @@ const META: TableDefinition<S, u64> = TableDefinition::new("meta");
 const COMPLETE: &str = "complete_through";
 /// Meta key: the layout the tables follow.
 const LAYOUT: &str = "layout";
-/// This layout: typed tables, file lists in chunks, each committed checkpoint also a version
-/// of its run's dataset. A store of another layout (the one-table layout of key prefixes was
-/// 1; 2 recorded checkpoints in their own table only) is emptied and rebuilt from the streams.
-const LAYOUT_VERSION: u64 = 3;
+/// This layout: typed tables, file lists in chunks, replicas per (tier, node), each committed
+/// checkpoint also a version of its run's dataset. A store of another layout is emptied and
+/// rebuilt from the streams: the one-table layout of key prefixes was 1; 2 kept one replica per
+/// tier and checkpoints in their own table only; 3 had either replicas per node or checkpoint
+/// versions, not both.
+const LAYOUT_VERSION: u64 = 4;
 
 /// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;

@@ -88,6 +88,7 @@ pub fn replica(n: u32, removed: bool) -> Event {
             version: version_of(&v),
             location,
             reason: "idle".into(),
+            node: None,
         })
     } else {
         Body::ReplicaCreated(ReplicaCreated {
@@ -97,9 +98,46 @@ pub fn replica(n: u32, removed: bool) -> Event {
             files: 2,
             total_bytes: 3,
             verified_by: "read-back".into(),
+            node: None,
         })
     };
     v.caused(if removed { "removed" } else { "created" }, body)
+}
+
+/// `replica.created` (or `.removed`) of version `n` on the `local` tier of `node`, at `at`
+/// seconds.
+pub fn node_replica(n: u32, node: &str, removed: bool, at: i64) -> Event {
+    let v = validated(n);
+    let location = Location {
+        tier: "local".into(),
+        prefix: "lab-a/cats/v".into(),
+    };
+    let body = if removed {
+        Body::ReplicaRemoved(ReplicaRemoved {
+            dataset: "cats".into(),
+            version: version_of(&v),
+            location,
+            reason: "idle".into(),
+            node: Some(node.into()),
+        })
+    } else {
+        Body::ReplicaCreated(ReplicaCreated {
+            dataset: "cats".into(),
+            version: version_of(&v),
+            location,
+            files: 2,
+            total_bytes: 3,
+            verified_by: "read-back".into(),
+            node: Some(node.into()),
+        })
+    };
+    let step = format!(
+        "{}:local:{node}",
+        if removed { "removed" } else { "replica" }
+    );
+    let mut e = v.caused(&step, body);
+    e.occurred_at = time::OffsetDateTime::from_unix_timestamp(1_700_000_000 + at).unwrap();
+    e
 }
 
 pub fn stage(n: u32, job: &str, ready: bool) -> Event {

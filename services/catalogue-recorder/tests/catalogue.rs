@@ -169,6 +169,7 @@ fn facts() -> Vec<Event> {
             files: 3,
             total_bytes: 3,
             verified_by: "read-back".into(),
+            node: None,
         }),
     ));
     out.push(v1.caused(
@@ -203,6 +204,7 @@ fn facts() -> Vec<Event> {
             version: "f".repeat(64),
             location: hot,
             reason: "idle".into(),
+            node: None,
         }),
     ));
     out

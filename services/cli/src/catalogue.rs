@@ -10,8 +10,8 @@ use anyhow::Context;
 use futures::TryStreamExt;
 use stagehand_catalogue::time::human;
 use stagehand_catalogue::{
-    Catalogue, DatasetDetail, DatasetRecord, FoldProblem, MAX_PAGE, Page, ReplicaRecord,
-    VersionDetail,
+    Catalogue, DatasetDetail, DatasetRecord, FoldProblem, LineageNode, MAX_PAGE, Page,
+    ReplicaRecord, ReplicaState, StageStatus, VersionDetail,
 };
 use stagehand_schemas::FileRef;
 
@@ -41,6 +41,8 @@ pub struct ShowOptions {
     /// One file's entry (`D@V`).
     pub path: Option<String>,
     pub json: bool,
+    /// The lineage instead: raw versions → prepared versions → replicas per tier.
+    pub lineage: bool,
 }
 
 fn more(out: &mut dyn Write, command: &str, next: &Option<String>) -> std::io::Result<()> {
@@ -80,11 +82,16 @@ pub fn datasets_text(page: &Page<DatasetRecord>, out: &mut dyn Write) -> std::io
     more(out, "stagehand catalogue datasets", &page.next)
 }
 
+/// One replica: its tier, and its node on a node-local tier (`local@gpu-07`).
 fn replica_line(out: &mut dyn Write, r: &ReplicaRecord) -> std::io::Result<()> {
+    let place = match &r.node {
+        Some(node) => format!("{}@{node}", r.tier),
+        None => r.tier.clone(),
+    };
     writeln!(
         out,
         "    {:<10} {:<8} {:>8} files {:>14} bytes  {}{}{}",
-        r.tier,
+        place,
         format!("{:?}", r.state).to_lowercase(),
         r.files,
         r.total_bytes,
@@ -177,7 +184,47 @@ pub fn dataset_text(d: &DatasetDetail, out: &mut dyn Write) -> std::io::Result<(
     Ok(())
 }
 
-pub fn version_text(v: &VersionDetail, out: &mut dyn Write) -> std::io::Result<()> {
+/// Under a present replica, why it is held: the live stage requests of it (the demoter never
+/// removes a replica one holds), or that none does.
+fn holds_line(
+    out: &mut dyn Write,
+    r: &ReplicaRecord,
+    version: &str,
+    requests: &[StageStatus],
+) -> std::io::Result<()> {
+    if r.state != ReplicaState::Present {
+        return Ok(());
+    }
+    let holding: Vec<String> = requests
+        .iter()
+        .filter(|s| {
+            stagehand_demoter::view::stages(s, version, &r.tier, r.node.as_deref())
+                && stagehand_demoter::view::holds_now(s)
+        })
+        .map(|s| {
+            format!(
+                "job {} ({} since {}, request {})",
+                s.job_id,
+                format!("{:?}", s.state).to_lowercase(),
+                human(s.updated_at),
+                s.request_id
+            )
+        })
+        .collect();
+    if holding.is_empty() {
+        writeln!(out, "      held by no live stage")
+    } else {
+        writeln!(out, "      held by {}", holding.join(", "))
+    }
+}
+
+/// A version and its replicas, each present one with the live stage requests holding it
+/// (`requests`: the version's stage requests).
+pub fn version_text(
+    v: &VersionDetail,
+    requests: &[StageStatus],
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
     let r = &v.version;
     writeln!(
         out,
@@ -193,8 +240,97 @@ pub fn version_text(v: &VersionDetail, out: &mut dyn Write) -> std::io::Result<(
     )?;
     for replica in &v.replicas {
         replica_line(out, replica)?;
+        holds_line(out, replica, &r.version, requests)?;
     }
     Ok(())
+}
+
+/// `catalogue show D --lineage`: one tree per raw version, each version with its replicas.
+pub fn lineage_text(
+    dataset: &str,
+    page: &Page<LineageNode>,
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
+    fn node(out: &mut dyn Write, n: &LineageNode, depth: usize) -> std::io::Result<()> {
+        let v = &n.version;
+        let pad = "  ".repeat(depth);
+        let what = match (&v.provenance.derived_from, &v.provenance.layout) {
+            (None, _) => "raw".to_owned(),
+            (Some(_), Some(layout)) => format!("prepared ({layout})"),
+            (Some(_), None) => "derived".to_owned(),
+        };
+        writeln!(
+            out,
+            "{pad}{what} {}  {} files, {} bytes, by {} at {}",
+            v.version,
+            v.file_count,
+            v.total_bytes,
+            v.provenance.by,
+            human(v.provenance.at)
+        )?;
+        if depth == 0
+            && let Some(from) = &v.provenance.derived_from
+        {
+            writeln!(
+                out,
+                "{pad}  derived from {from} (not a version of this dataset)"
+            )?;
+        }
+        for r in &n.replicas {
+            write!(out, "{pad}")?;
+            replica_line(out, r)?;
+        }
+        for child in &n.derived {
+            writeln!(out, "{pad}  ↳")?;
+            node(out, child, depth + 1)?;
+        }
+        if n.truncated {
+            writeln!(
+                out,
+                "{pad}  … more replicas or derived versions (show that version with --lineage)"
+            )?;
+        }
+        Ok(())
+    }
+    if page.items.is_empty() {
+        writeln!(out, "no version of {dataset}")?;
+    }
+    for root in &page.items {
+        node(out, root, 0)?;
+    }
+    more(
+        out,
+        &format!("stagehand catalogue show {dataset} --lineage"),
+        &page.next,
+    )
+}
+
+/// Every stage request of one version, page by page.
+async fn stage_requests_of(
+    catalogue: &Catalogue,
+    project: &str,
+    dataset: &str,
+    version: &str,
+) -> anyhow::Result<Vec<StageStatus>> {
+    let mut all = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue
+            .stage_requests(
+                project,
+                None,
+                Some(dataset),
+                Some(version),
+                after.as_deref(),
+            )
+            .await
+            .context("catalogue show: the version's stage requests")?;
+        all.extend(page.items);
+        match page.next {
+            Some(n) => after = Some(n),
+            None => return Ok(all),
+        }
+    }
 }
 
 fn file_line(out: &mut dyn Write, f: &FileRef) -> std::io::Result<()> {
@@ -229,6 +365,25 @@ pub async fn show(
 ) -> anyhow::Result<()> {
     let (dataset, version) = parse_target(target);
     let project = opts.project.as_deref();
+    if opts.lineage {
+        let page = catalogue
+            .lineage(
+                project,
+                &dataset,
+                version.as_deref(),
+                opts.limit,
+                opts.after.as_deref(),
+            )
+            .await
+            .context("catalogue show --lineage")?;
+        if opts.json {
+            let value = serde_json::json!({"lineage": page.items, "next": page.next});
+            writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+        } else {
+            lineage_text(&dataset, &page, out)?;
+        }
+        return Ok(());
+    }
     let Some(version) = version else {
         let q = stagehand_catalogue::Query::Dataset {
             project: opts.project.clone(),
@@ -290,7 +445,14 @@ pub async fn show(
         )
         .await
         .context("catalogue show")?;
-    version_text(&detail, out)?;
+    let requests = stage_requests_of(
+        catalogue,
+        &detail.version.project,
+        &dataset,
+        &detail.version.version,
+    )
+    .await?;
+    version_text(&detail, &requests, out)?;
     writeln!(out, "  files:")?;
     for f in &page.files {
         file_line(out, f)?;
@@ -417,6 +579,121 @@ mod tests {
         assert!(text.contains("  2026-12-01T06:44:25Z\n"), "{text}");
         assert!(
             text.ends_with("more: stagehand catalogue datasets --after lab-a/cats\n"),
+            "{text}"
+        );
+    }
+
+    /// `catalogue show D@V` tells node-local replicas apart: each line names its node.
+    #[test]
+    fn a_node_local_replica_is_shown_with_its_node() {
+        let replica = |node: Option<&str>| ReplicaRecord {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: "ab".repeat(32),
+            tier: "local".into(),
+            node: node.map(Into::into),
+            prefix: "lab-a/cats/v".into(),
+            state: stagehand_catalogue::ReplicaState::Present,
+            reason: None,
+            stamp: None,
+            files: 2,
+            total_bytes: 3,
+            verified_by: Some("read-back".into()),
+            backup: false,
+            copied: None,
+            last_drill: None,
+        };
+        let mut out = Vec::new();
+        replica_line(&mut out, &replica(Some("gpu-07"))).unwrap();
+        replica_line(&mut out, &replica(None)).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("    local@gpu-07 present"), "{text}");
+        assert!(lines[1].starts_with("    local      present"), "{text}");
+    }
+
+    /// Guards `show D --lineage`: a raw version, its replicas, and the prepared version under
+    /// it with its own replicas, then the command for the next page.
+    #[test]
+    fn lineage_shows_prepared_versions_under_their_raw_version() {
+        use stagehand_catalogue::{Provenance, ReplicaState, VersionRecord};
+        use stagehand_schemas::{EventId, Location};
+        let at = time::macros::datetime!(2026-12-01 06:44:25 UTC);
+        let version = |digest: &str, derived_from: Option<&str>, tier: &str| {
+            let provenance = Provenance {
+                by: if derived_from.is_some() {
+                    "resharder"
+                } else {
+                    "alice"
+                }
+                .into(),
+                at,
+                request_id: EventId::new("req-1").unwrap(),
+                event_id: EventId::new("ev-1").unwrap(),
+                labels: vec![],
+                derived_from: derived_from.map(Into::into),
+                layout: derived_from.map(|_| "webdataset".into()),
+                location: Location {
+                    tier: tier.into(),
+                    prefix: "p".into(),
+                },
+            };
+            let replica = ReplicaRecord {
+                project: "lab".into(),
+                dataset: "cats".into(),
+                version: digest.into(),
+                tier: tier.into(),
+                node: None,
+                prefix: "p".into(),
+                state: ReplicaState::Present,
+                reason: None,
+                stamp: None,
+                files: 2,
+                total_bytes: 9,
+                verified_by: Some("prepared".into()),
+                backup: false,
+                copied: None,
+                last_drill: None,
+            };
+            LineageNode {
+                version: VersionRecord {
+                    project: "lab".into(),
+                    dataset: "cats".into(),
+                    version: digest.into(),
+                    file_count: 2,
+                    total_bytes: 9,
+                    provenance,
+                    request_count: 1,
+                },
+                replicas: vec![replica],
+                derived: vec![],
+                truncated: false,
+            }
+        };
+        let mut raw = version("aaaa1111", None, "source");
+        raw.derived
+            .push(version("bbbb2222", Some("aaaa1111"), "capacity"));
+        let page = Page {
+            items: vec![raw],
+            next: Some("aaaa1111".into()),
+        };
+        let mut out = Vec::new();
+        lineage_text("cats", &page, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[0].starts_with("raw aaaa1111  2 files, 9 bytes, by alice"),
+            "{text}"
+        );
+        assert!(lines[1].trim_start().starts_with("source"), "{text}");
+        assert_eq!(lines[2].trim(), "↳", "{text}");
+        assert!(
+            lines[3].starts_with("  prepared (webdataset) bbbb2222"),
+            "{text}"
+        );
+        assert!(lines[4].trim_start().starts_with("capacity"), "{text}");
+        assert!(
+            text.ends_with("more: stagehand catalogue show cats --lineage --after aaaa1111\n"),
             "{text}"
         );
     }

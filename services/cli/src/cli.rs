@@ -82,6 +82,11 @@ pub enum Command {
     /// Ask the catalogue.
     #[command(subcommand)]
     Catalogue(CatalogueCommand),
+    /// Backups: what is protected, and what the restore drills found.
+    #[command(subcommand)]
+    Backup(BackupCommand),
+    /// Restore a version from its backup onto a tier, verified, and record it there.
+    Restore(RestoreArgs),
     /// Dead letters: list them, replay one.
     #[command(subcommand)]
     Dlq(DlqCommand),
@@ -296,6 +301,11 @@ pub enum CatalogueCommand {
         /// JSON; for `D@V`, one line per file for the whole version (after `--after`).
         #[arg(long)]
         json: bool,
+        /// Where the versions come from: each raw version, the versions prepared from it, and
+        /// their replicas per tier (`D`: every raw version, `--after` a raw version's digest;
+        /// `D@V`: the lineage of that version).
+        #[arg(long, conflicts_with = "path")]
+        lineage: bool,
     },
     /// Dead letters counted per service.
     DeadLetters {
@@ -313,6 +323,75 @@ pub enum CatalogueCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BackupCommand {
+    /// Per version: protected or not, last backup, last drill and its result. Versions nothing
+    /// protects, never drilled, or whose last drill failed are flagged.
+    Status {
+        #[arg(long)]
+        project: Option<String>,
+        /// Only copies on this backup tier count.
+        #[arg(long)]
+        tier: Option<String>,
+        /// Show only flagged versions.
+        #[arg(long)]
+        flagged: bool,
+        /// Exit 1 when any version is flagged.
+        #[arg(long)]
+        check: bool,
+        /// One JSON line per version.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    /// `DATASET@VERSION` (a unique prefix of 8 or more characters of the digest).
+    pub target: String,
+    /// The tier to restore onto (declared in the policies; not a backup tier).
+    #[arg(long)]
+    pub to: String,
+    /// Needed only when several projects have a dataset of that name.
+    #[arg(long)]
+    pub project: Option<String>,
+    /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl RestoreArgs {
+    /// The request, checked before anything connects.
+    fn request(&self) -> anyhow::Result<stagehand_backup_copier::RestoreRequest> {
+        let (dataset, version) = crate::catalogue::parse_target(&self.target);
+        let Some(version) = version else {
+            anyhow::bail!("restore needs DATASET@VERSION, got {:?}", self.target);
+        };
+        if version.len() < stagehand_catalogue::MIN_VERSION_PREFIX
+            || !version.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            anyhow::bail!(
+                "version {version:?} must be {} or more hex characters of the digest",
+                stagehand_catalogue::MIN_VERSION_PREFIX
+            );
+        }
+        crate::ingest::check_name("dataset", &dataset)?;
+        if let Some(project) = &self.project
+            && !stagehand_schemas::subject::is_subject_token(project)
+        {
+            anyhow::bail!("project {project:?} must be 1-64 characters of [a-z0-9_-]");
+        }
+        Ok(stagehand_backup_copier::RestoreRequest {
+            project: self.project.clone(),
+            dataset,
+            version: version.to_ascii_lowercase(),
+            to: self.to.clone(),
+        })
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -472,7 +551,7 @@ fn check_ingest(a: &IngestArgs) -> Result<PathBuf, UsageError> {
     // An `s3://` source is checked against the tiers once the policies are read; a folder
     // must exist before anything connects.
     if !a.source.starts_with("s3://") {
-        args::folder("source", Path::new(&a.source))?;
+        args::folder("source folder", Path::new(&a.source))?;
     }
     args::project("--project", &a.project)?;
     args::dataset("--dataset", &a.dataset)?;
@@ -750,6 +829,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                     after,
                     path,
                     json,
+                    lineage,
                 } => {
                     let opts = crate::catalogue::ShowOptions {
                         project,
@@ -757,6 +837,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                         after,
                         path,
                         json,
+                        lineage,
                     };
                     crate::catalogue::show(&catalogue, &target, &opts, &mut out).await?
                 }
@@ -799,8 +880,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             cfg.replicas = replicas;
             let bus = args::connect(&cfg, timeout).await?;
             bus.provision().await?;
-            // The promoter's own bucket (space reservations, copy leases).
-            bus.provision_kv(&stagehand_promoter::kv::SPEC).await?;
+            // The buckets of one service each (the promoter's reservations and leases).
+            for spec in stagehand_bus::SERVICE_KV_BUCKETS {
+                bus.provision_kv(spec).await?;
+            }
             let mut objects: Vec<String> = stagehand_bus::OBJECT_BUCKETS
                 .iter()
                 .map(|b| b.bucket.to_string())
@@ -816,7 +899,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .collect();
             let buckets: Vec<&str> = stagehand_bus::KV_BUCKETS
                 .iter()
-                .chain([&stagehand_promoter::kv::SPEC])
+                .chain(stagehand_bus::SERVICE_KV_BUCKETS)
                 .map(|b| b.bucket)
                 .collect();
             println!(
@@ -828,6 +911,51 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 bus.replicas(),
                 bus.servers()
             );
+            Ok(0)
+        }
+        Command::Backup(BackupCommand::Status {
+            project,
+            tier,
+            flagged,
+            check,
+            json,
+        }) => {
+            args::init_logs();
+            let bus = connect(&cli.connection).await?;
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
+            let opts = crate::backup::StatusOptions {
+                project,
+                tier,
+                flagged_only: flagged,
+                json,
+            };
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            let summary = crate::backup::status(&catalogue, &opts, &mut out).await?;
+            std::io::Write::flush(&mut out)?;
+            Ok(i32::from(check && summary.flagged > 0))
+        }
+        Command::Restore(args) => {
+            args::init_logs();
+            let request = args.request()?;
+            let policies = args.policies.clone().unwrap_or_else(default_policies);
+            if !policies.join("tiers.toml").exists() {
+                anyhow::bail!(
+                    "no tiers.toml in {} (give --policies DIR)",
+                    policies.display()
+                );
+            }
+            let bus = connect(&cli.connection).await?;
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
+            let opts = crate::backup::RestoreOptions { request, policies };
+            let report = crate::backup::restore(&bus, &catalogue, &opts).await?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", crate::backup::restore_text(&report));
+            }
             Ok(0)
         }
         Command::Dlq(cmd) => {

@@ -1,10 +1,11 @@
-//! The `stagehand` command: ingest, catalogue queries, checkpoints, dead letters, `cp`, `up` —
-//! Stagehand on one machine — and `stage`, what scheduler plugins call.
+//! The `stagehand` command: ingest, catalogue queries, checkpoints, backup status and restores,
+//! dead letters, `cp`, `up` — Stagehand on one machine — and `stage`, what scheduler plugins call.
 //!
 //! The binary only parses arguments ([`cli::Cli`]) and calls [`cli::run`]; each command's logic
 //! is a module here, so the tests drive the same code paths the command runs.
 
 pub mod args;
+pub mod backup;
 pub mod catalogue;
 pub mod checkpoint;
 pub mod cli;

@@ -112,8 +112,10 @@ macro_rules! service {
 pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_ingest_validator, Settings),
     service!(stagehand_catalogue_recorder, RecorderConfig),
+    service!(stagehand_resharder, Settings),
     service!(stagehand_promoter, Settings),
     service!(stagehand_demoter, Settings),
+    service!(stagehand_backup_copier, Settings),
 ];
 
 /// How long services may take to drain after Ctrl-C.

@@ -451,6 +451,62 @@ fn a_comma_separated_server_list_works_in_the_cli() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `stagehand provision` creates every KV bucket declared in `stagehand-bus`, those of one
+/// service too (the promoter's reservations and leases, [`stagehand_bus::SERVICE_KV_BUCKETS`]),
+/// as declared, and says so; the promoter's own user then opens its bucket without creating it.
+#[tokio::test]
+async fn provision_creates_every_declared_kv_bucket_the_services_own_included() -> anyhow::Result<()>
+{
+    let server = start_server();
+    let out = stagehand(&user_url(&server, "operator", "OPERATOR"), &["provision"])?;
+    ensure!(out.status.success(), "{}", said(&out));
+    let declared: Vec<_> = stagehand_bus::KV_BUCKETS
+        .iter()
+        .chain(stagehand_bus::SERVICE_KV_BUCKETS)
+        .collect();
+    ensure!(
+        declared
+            .iter()
+            .any(|b| b.bucket == stagehand_bus::PROMOTER_BUCKET),
+        "the promoter's bucket is declared"
+    );
+    let text = said(&out);
+    let operator = Bus::connect(&BusConfig::new(user_url(&server, "operator", "OPERATOR"))).await?;
+    for spec in &declared {
+        ensure!(
+            text.contains(spec.bucket),
+            "{} not listed: {text}",
+            spec.bucket
+        );
+        let mut stream = operator
+            .jetstream()
+            .get_stream(format!("KV_{}", spec.bucket))
+            .await
+            .with_context(|| format!("bucket {} missing", spec.bucket))?;
+        let config = stream.info().await?.config.clone();
+        ensure!(
+            config.max_messages_per_subject == spec.history,
+            "{}",
+            spec.bucket
+        );
+        ensure!(
+            config.description.as_deref() == Some(spec.description),
+            "{}",
+            spec.bucket
+        );
+    }
+    let mut cfg = BusConfig::new(user_url(&server, "promoter", "PROMOTER"));
+    cfg.provision = false;
+    let promoter = Bus::connect(&cfg).await?;
+    promoter.provision_kv(&stagehand_bus::PROMOTER).await?;
+    ensure!(
+        promoter.permission_violations().is_empty(),
+        "{:?}",
+        promoter.permission_violations()
+    );
+    Ok(())
+}
+
 /// Runs `stagehand checkpoint commit` as `user_url` for `project`; returns its output.
 fn commit_checkpoint(
     user_url: &str,

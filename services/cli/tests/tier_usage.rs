@@ -48,7 +48,14 @@ fn policies(dir: &Path, root: &Path) {
 
 /// A 2 MiB version of `project/dataset` on hot (and capacity), announced as the promoter and
 /// the validator would; staged by `job` (released unless `held`).
-async fn place(bus: &Bus, root: &Path, project: &str, dataset: &str, held: bool, minutes: i64) {
+async fn place(
+    bus: &Bus,
+    root: &Path,
+    project: &str,
+    dataset: &str,
+    held: bool,
+    minutes: i64,
+) -> String {
     let body: Vec<u8> = (0..2 * MIB)
         .map(|i| (i % 251) as u8 ^ dataset.len() as u8)
         .collect();
@@ -95,6 +102,7 @@ async fn place(bus: &Bus, root: &Path, project: &str, dataset: &str, held: bool,
                 files: 1,
                 total_bytes: 2 * MIB,
                 verified_by: "read-back".into(),
+                node: None,
             }),
         ),
     ];
@@ -152,6 +160,22 @@ async fn place(bus: &Bus, root: &Path, project: &str, dataset: &str, held: bool,
     })
     .await
     .unwrap();
+    version
+}
+
+/// `stagehand catalogue show D@V` as text.
+fn show(nats: &NatsServer, project: &str, dataset: &str, version: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["catalogue", "show", &format!("{dataset}@{version}")])
+        .args(["--project", project, "--nats", &nats.url()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
 
 fn usage(nats: &NatsServer, policies: &Path) -> serde_json::Value {
@@ -184,11 +208,11 @@ async fn tier_usage_shows_a_hot_tier_filling_and_the_demoter_draining_it() {
     let recorder = tokio::spawn(stagehand_catalogue_recorder::run(recorder, stop.clone()));
 
     // lab-a: three versions, one held by its job; lab-b: two. 10 MiB in all: 100 %.
-    place(&bus, &tiers, "lab-a", "a0", true, 60).await;
+    let a0 = place(&bus, &tiers, "lab-a", "a0", true, 60).await;
     place(&bus, &tiers, "lab-a", "a1", false, 50).await;
     place(&bus, &tiers, "lab-a", "a2", false, 40).await;
     place(&bus, &tiers, "lab-b", "b0", false, 30).await;
-    place(&bus, &tiers, "lab-b", "b1", false, 20).await;
+    let b1 = place(&bus, &tiers, "lab-b", "b1", false, 20).await;
 
     let before = usage(&nats, &policy_dir);
     assert_eq!(before["tier"], "hot");
@@ -221,6 +245,20 @@ async fn tier_usage_shows_a_hot_tier_filling_and_the_demoter_draining_it() {
     let projects = after["projects"].as_array().unwrap();
     assert_eq!(projects[0]["used"], 2 * MIB);
     assert_eq!(projects[1]["used"], 2 * MIB);
+
+    // `catalogue show D@V` says why each replica stays: a0's hot replica is held by its job's
+    // live stage request, b1's by none (it stays because the tier is at its low watermark).
+    let held = show(&nats, "lab-a", "a0", &a0);
+    let hot = held
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("hot "))
+        .nth(1)
+        .unwrap_or_default();
+    assert!(hot.trim_start().starts_with("held by job job ("), "{held}");
+    let id = EventId::for_stage("lab-a", "job", "a0", &a0, "hot", None);
+    assert!(hot.contains(&format!("request {id})")), "{held}");
+    let unheld = show(&nats, "lab-b", "b1", &b1);
+    assert!(unheld.contains("      held by no live stage"), "{unheld}");
 
     // The text form names the tier and its watermarks.
     let text = Command::new(env!("CARGO_BIN_EXE_stagehand"))

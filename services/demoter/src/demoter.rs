@@ -27,8 +27,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
+use stagehand_bus::placement;
 use stagehand_bus::{Bus, CancellationToken, HandlerError};
-use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
+use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, StageState, kv_key};
 use stagehand_manifest::{ManifestBuilder, Spool};
 use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement};
@@ -41,6 +42,7 @@ use time::OffsetDateTime;
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
+use crate::STOP_BEFORE_RENAME_ENV;
 use crate::plan::{self, Candidate, FsUsage, Reason, Rules, TierUsage};
 use crate::state::{CheckpointNote, CheckpointPlace, CheckpointStep, Phase, State, Step};
 use crate::view::{self, Holds, Placed};
@@ -164,8 +166,14 @@ pub struct Parts {
     pub spool_dir: PathBuf,
     /// The readiness bucket (read only: the recorder writes it).
     pub readiness: kv::Store,
+    /// The promoter's bucket: the replicas' use records and the tiers' reservations
+    /// (`stagehand_bus::placement`), which the demoter takes part in.
+    pub placement: kv::Store,
     /// A fault-test seam: after recording this phase the demoter stops where it is.
     pub halt_after: Option<Phase>,
+    /// A test seam: right before a rename (every check made) the process stops itself with
+    /// `SIGSTOP`, so a test can interleave a stage request there and continue it (`SIGCONT`).
+    pub stop_before_rename: bool,
     pub shutdown: CancellationToken,
 }
 
@@ -507,6 +515,9 @@ impl Demoter {
             }
             self.advance(&mut step, Phase::CopiedDown).await?;
         }
+        if step.phase == Phase::CopiedDown && !self.take_use(&step, report).await? {
+            return Ok(());
+        }
         if step.phase == Phase::CopiedDown
             && let Some(c) = step.checkpoint.clone()
         {
@@ -530,13 +541,6 @@ impl Demoter {
             self.advance(&mut step, Phase::Withdrawn).await?;
         }
         if step.phase == Phase::CopiedDown {
-            // A job may have asked for it since the pass looked: it stays.
-            if self.held_again(&step).await? {
-                info!(prefix = %step.prefix, "a job asked for the replica meanwhile; it stays");
-                self.p().state.finish(&step)?;
-                report.deferred += 1;
-                return Ok(());
-            }
             let removed = Event::request(
                 EventId::for_fact(&step.project, &step.id, "removed"),
                 step.project.clone(),
@@ -548,6 +552,7 @@ impl Demoter {
                         prefix: step.prefix.clone(),
                     },
                     reason: step.reason.clone(),
+                    node: None,
                 }),
             );
             self.p().bus.publish(&removed).await.map_err(step_err)?;
@@ -583,9 +588,14 @@ impl Demoter {
                         .verified_by
                         .clone()
                         .unwrap_or_else(|| COPY_DOWN_VERIFY.as_str().into()),
+                    node: None,
                 }),
             );
             self.p().bus.publish(&restored).await.map_err(step_err)?;
+            // Handed out again; its space was never given back.
+            placement::end_withdraw(&self.p().placement, &step.tier, None, &step.prefix)
+                .await
+                .map_err(step_err)?;
             warn!(prefix = %step.prefix, "a job asked for the replica while it was being removed; removal undone");
             self.p().state.finish(&step)?;
             report.deferred += 1;
@@ -596,6 +606,15 @@ impl Demoter {
                 if tier.set_present(&hidden).await.map_err(step_err)? {
                     // An earlier removal of the same version that never finished.
                     remove_tree(posix, &hidden).await?;
+                }
+                if self.p().stop_before_rename {
+                    warn!(prefix = %step.prefix, "demoter stops itself before the rename ({STOP_BEFORE_RENAME_ENV})");
+                    // To this thread (a signal to the process may be taken by another thread
+                    // while this one goes on to the rename); the whole process stops.
+                    // SAFETY: raise has no preconditions; SIGSTOP cannot be caught.
+                    if unsafe { libc::raise(libc::SIGSTOP) } != 0 {
+                        return Err(step_err(std::io::Error::last_os_error()));
+                    }
                 }
                 let (p, from, to) = (posix.clone(), step.prefix.clone(), hidden.clone());
                 tokio::task::spawn_blocking(move || p.rename_dir_noreplace(&from, &to))
@@ -609,6 +628,14 @@ impl Demoter {
             if tier.set_present(&hidden).await.map_err(step_err)? {
                 remove_tree(posix, &hidden).await?;
             }
+            // The folder is gone: its space is free, and a request may stage it afresh.
+            let store = &self.p().placement;
+            placement::release_reservation(store, &step.tier, None, &step.prefix)
+                .await
+                .map_err(step_err)?;
+            placement::forget_use(store, &step.tier, None, &step.prefix)
+                .await
+                .map_err(step_err)?;
             if let Some(c) = &step.checkpoint {
                 let place = if step.copy_to.is_some() {
                     CheckpointPlace::Demoted
@@ -630,6 +657,75 @@ impl Demoter {
                 .push((step.tier.clone(), step.prefix.clone()));
         }
         Ok(())
+    }
+
+    /// Takes the replica's use record into `withdrawing` (`stagehand_bus::placement`) before
+    /// anything of the removal is visible: read, look at the holds, compare-and-set on what
+    /// was read, look at the holds again (those the catalogue lists, and the requests the
+    /// record says were served, which it may not have folded yet). `false`: the replica stays
+    /// (held, or a request was answered from it meanwhile), and the step is forgotten — the
+    /// next pass decides again.
+    async fn take_use(&self, step: &Step, report: &mut PassReport) -> Result<bool, PassError> {
+        let store = &self.p().placement;
+        let seen = placement::read_use(store, &step.tier, None, &step.prefix)
+            .await
+            .map_err(step_err)?;
+        // A job may have asked for it since the pass looked.
+        if step.checkpoint.is_none() && self.held_again(step).await? {
+            self.stays(step, "a job asked for the replica meanwhile")
+                .await?;
+            report.deferred += 1;
+            return Ok(false);
+        }
+        let Some(taken) =
+            placement::begin_withdraw(store, &step.tier, None, &step.prefix, &seen, &step.reason)
+                .await
+                .map_err(step_err)?
+        else {
+            info!(prefix = %step.prefix, "a request was answered from the replica meanwhile; the replica stays");
+            self.p().state.finish(step)?;
+            report.deferred += 1;
+            return Ok(false);
+        };
+        if (step.checkpoint.is_none() && self.held_again(step).await?)
+            || self.served_live(step, &taken.served).await?
+        {
+            self.stays(step, "a job holds the replica").await?;
+            report.deferred += 1;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The step is given up and its replica stays: a record an earlier run of this step
+    /// took is given back.
+    async fn stays(&self, step: &Step, why: &str) -> Result<(), PassError> {
+        placement::end_withdraw(&self.p().placement, &step.tier, None, &step.prefix)
+            .await
+            .map_err(step_err)?;
+        info!(prefix = %step.prefix, "{why}; the replica stays");
+        self.p().state.finish(step)?;
+        Ok(())
+    }
+
+    /// Whether any of the requests a replica was handed to is live, or not folded by the
+    /// catalogue yet (so not known to be released).
+    async fn served_live(&self, step: &Step, served: &[String]) -> Result<bool, PassError> {
+        for id in served {
+            match self.p().catalogue.stage_request(&step.project, id).await {
+                Ok(s) => {
+                    if matches!(
+                        s.state,
+                        StageState::Pending | StageState::Copying | StageState::Ready
+                    ) {
+                        return Ok(true);
+                    }
+                }
+                Err(e) if e.is_not_found() => return Ok(true),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(false)
     }
 
     /// Whether a live stage holds the step's replica now.
@@ -811,6 +907,7 @@ impl Demoter {
                 files: step.files,
                 total_bytes: step.bytes,
                 verified_by: COPY_DOWN_VERIFY.as_str().into(),
+                node: None,
             }),
         );
         self.p().bus.publish(&created).await.map_err(step_err)?;

@@ -59,6 +59,10 @@ pub const SERVICE: &str = "demoter";
 /// running, right after recording that phase of its first step, so a test can kill it there.
 pub const HALT_AFTER_ENV: &str = "STAGEHAND_DEMOTER_HALT_AFTER";
 
+/// A test seam: set (to anything), the process stops itself with `SIGSTOP` right before it
+/// renames a replica out of the namespace, every check made, until it is sent `SIGCONT`.
+pub const STOP_BEFORE_RENAME_ENV: &str = "STAGEHAND_DEMOTER_STOP_BEFORE_RENAME";
+
 /// The demoter's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -260,6 +264,7 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
     }
     let state = state::State::open(&s.state_dir.join("demoter-state.redb"))?;
     let readiness = ctx.bus.provision_kv(&stagehand_bus::READINESS).await?;
+    let placement = ctx.bus.provision_kv(&stagehand_bus::PROMOTER).await?;
     let mover = Mover::new(s.mover.clone()).map_err(|e| DemoterError::Mover(Box::new(e)))?;
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
@@ -273,7 +278,9 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
         mover,
         spool_dir,
         readiness,
+        placement,
         halt_after,
+        stop_before_rename: std::env::var_os(STOP_BEFORE_RENAME_ENV).is_some(),
         shutdown: token.clone(),
     });
     tracing::info!("demoter ready");

@@ -7,7 +7,8 @@
 use std::collections::{BTreeMap, HashSet};
 
 use stagehand_catalogue::{
-    Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageState, VersionRecord,
+    Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageState, StageStatus,
+    VersionRecord,
 };
 use time::OffsetDateTime;
 
@@ -88,7 +89,11 @@ pub async fn placed_on(
                     continue;
                 };
                 let present = |r: &&ReplicaRecord| r.state == ReplicaState::Present;
-                let Some(here) = rs.iter().filter(present).find(|r| r.tier == tier) else {
+                let Some(here) = rs
+                    .iter()
+                    .filter(present)
+                    .find(|r| r.tier == tier && r.node.is_none())
+                else {
                     continue;
                 };
                 // A checkpoint's own copy (where its run wrote it, or retention put it) is
@@ -117,6 +122,25 @@ pub async fn placed_on(
     }
 }
 
+/// Whether stage request `s` asks for the replica of `version` (full digest) on `tier` (and
+/// `node`, on a node-local tier): its resolved version, else the prefix it asked for.
+pub fn stages(s: &StageStatus, version: &str, tier: &str, node: Option<&str>) -> bool {
+    let same_version = s
+        .resolved_version
+        .as_deref()
+        .map_or(version.starts_with(&s.version), |v| v == version);
+    s.tier == tier && s.node.as_deref() == node && same_version
+}
+
+/// Whether a stage request holds its replica: requested and not released (pending, copying
+/// or ready). A replica a request holds is never removed.
+pub fn holds_now(s: &StageStatus) -> bool {
+    matches!(
+        s.state,
+        StageState::Pending | StageState::Copying | StageState::Ready
+    )
+}
+
 /// The stage requests of one version on a shared tier: which jobs hold it, and when it was
 /// last staged.
 pub async fn holds(
@@ -137,19 +161,10 @@ pub async fn holds(
             )
             .await?;
         for s in &page.items {
-            let same_version = s
-                .resolved_version
-                .as_deref()
-                .map_or(placed.version.starts_with(&s.version), |v| {
-                    v == placed.version
-                });
-            if s.tier != tier || s.node.is_some() || !same_version {
+            if !stages(s, &placed.version, tier, None) {
                 continue;
             }
-            if matches!(
-                s.state,
-                StageState::Pending | StageState::Copying | StageState::Ready
-            ) {
+            if holds_now(s) {
                 holds.live_jobs.push(s.job_id.clone());
             }
             holds.last_staged = holds.last_staged.max(Some(s.updated_at));

@@ -38,8 +38,9 @@ use std::path::{Path, PathBuf};
 
 pub use error::PolicyError;
 pub use pipeline::{
-    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DemotionPolicy, Expiry,
-    PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy, RetentionPolicy, ShardLayout,
+    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DatasetPacking, DemotionPolicy,
+    Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked, ObjectLockPolicy, Packing, PackingPolicy,
+    PriorityClass, PriorityPolicy, PromotionPolicy, RetentionMode, RetentionPolicy, ShardLayout,
     VerifyMode,
 };
 pub use tiers::{

@@ -3,7 +3,8 @@
 //!
 //! They are parsed and validated at start-up like the others (so a mistake is caught the day it
 //! is written, not the day the service that reads it ships), including their references to
-//! tiers. Checkpoint retention's decisions are in [`crate::retention`].
+//! tiers. The resharder acts on the packing policy, the backup copier on [`BackupPolicy`];
+//! checkpoint retention's decisions are in [`crate::retention`].
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -50,6 +51,39 @@ pub enum ShardLayout {
     Webdataset,
 }
 
+impl ShardLayout {
+    /// The name events and the catalogue use (`dataset.prepared`'s `layout`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShardLayout::Webdataset => "webdataset",
+        }
+    }
+}
+
+/// What the resharder does with a sample that lacks an extension the policy requires (or
+/// with a file that cannot be part of any sample).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IncompletePolicy {
+    /// The derivation fails, listing every problem; nothing is published.
+    #[default]
+    Abort,
+    /// The sample is packed as it is; the problem is logged and listed in the version.
+    Warn,
+    /// The sample is left out and listed in the version.
+    Exclude,
+}
+
+impl IncompletePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IncompletePolicy::Abort => "abort",
+            IncompletePolicy::Warn => "warn",
+            IncompletePolicy::Exclude => "exclude",
+        }
+    }
+}
+
 /// `packing.toml`: when and how validated datasets of many small files are packed into shards.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -67,6 +101,146 @@ pub struct PackingPolicy {
     pub seed: u64,
     /// Tier the shards are written to.
     pub target_tier: String,
+    /// Projects whose datasets the thresholds select; empty means every project.
+    #[serde(default)]
+    pub projects: Vec<String>,
+    /// Extensions (without the dot, lowercase) every sample must have; empty requires none.
+    #[serde(default)]
+    pub require_extensions: Vec<String>,
+    /// What happens to an incomplete sample.
+    #[serde(default)]
+    pub incomplete: IncompletePolicy,
+    /// Settings of single datasets, keyed `<project>/<dataset>`.
+    #[serde(default)]
+    pub datasets: BTreeMap<String, DatasetPacking>,
+}
+
+/// `[datasets."<project>/<dataset>"]` in `packing.toml`: one dataset's own settings; each key
+/// left out follows the file's.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetPacking {
+    /// `true`: packed whatever `projects`, `min_files` and `max_mean_file_size` say;
+    /// `false`: never packed. Absent: those keys decide.
+    #[serde(default)]
+    pub pack: Option<bool>,
+    /// The shuffle seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Target size of one shard.
+    #[serde(default)]
+    pub shard_size: Option<ByteSize>,
+    /// Extensions every sample must have.
+    #[serde(default)]
+    pub require_extensions: Option<Vec<String>>,
+    /// What happens to an incomplete sample.
+    #[serde(default)]
+    pub incomplete: Option<IncompletePolicy>,
+}
+
+/// How one dataset version is packed: [`PackingPolicy::packing_for`] with the dataset's own
+/// settings applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Packing {
+    pub layout: ShardLayout,
+    pub seed: u64,
+    /// Target shard size in bytes.
+    pub shard_size: u64,
+    /// Lowercase extensions, sorted, without duplicates.
+    pub require_extensions: Vec<String>,
+    pub incomplete: IncompletePolicy,
+    pub target_tier: String,
+}
+
+/// Why a dataset version is not packed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotPacked {
+    #[error("packing is disabled (packing.toml: enabled = false)")]
+    Disabled,
+    #[error("packing.toml sets pack = false for this dataset")]
+    Excluded,
+    #[error("project {0:?} is not among packing.toml's projects")]
+    ProjectNotSelected(String),
+    #[error("{files} files, fewer than min_files ({min})")]
+    TooFewFiles { files: u64, min: u64 },
+    #[error("mean file size {mean} bytes is above max_mean_file_size ({max})")]
+    FilesTooLarge { mean: u64, max: ByteSize },
+}
+
+impl PackingPolicy {
+    /// How the version of `project`/`dataset` with `files` files of `bytes` bytes in all is
+    /// packed, or why it is not.
+    pub fn packing_for(
+        &self,
+        project: &str,
+        dataset: &str,
+        files: u64,
+        bytes: u64,
+    ) -> Result<Packing, NotPacked> {
+        if !self.enabled {
+            return Err(NotPacked::Disabled);
+        }
+        let own = self.datasets.get(&format!("{project}/{dataset}"));
+        match own.and_then(|d| d.pack) {
+            Some(false) => return Err(NotPacked::Excluded),
+            Some(true) => {}
+            None => {
+                if !self.projects.is_empty() && !self.projects.iter().any(|p| p == project) {
+                    return Err(NotPacked::ProjectNotSelected(project.to_owned()));
+                }
+                if files < self.min_files || files == 0 {
+                    return Err(NotPacked::TooFewFiles {
+                        files,
+                        min: self.min_files,
+                    });
+                }
+                let mean = bytes / files;
+                if mean > self.max_mean_file_size.bytes() {
+                    return Err(NotPacked::FilesTooLarge {
+                        mean,
+                        max: self.max_mean_file_size,
+                    });
+                }
+            }
+        }
+        let own = own.cloned().unwrap_or_default();
+        let mut require_extensions = own
+            .require_extensions
+            .unwrap_or_else(|| self.require_extensions.clone());
+        require_extensions.sort();
+        require_extensions.dedup();
+        Ok(Packing {
+            layout: self.layout,
+            seed: own.seed.unwrap_or(self.seed),
+            shard_size: own.shard_size.unwrap_or(self.shard_size).bytes(),
+            require_extensions,
+            incomplete: own.incomplete.unwrap_or(self.incomplete),
+            target_tier: self.target_tier.clone(),
+        })
+    }
+}
+
+/// The smallest shard a policy may ask for.
+pub const MIN_SHARD_SIZE: u64 = 1 << 20;
+
+fn check_extensions(src: &Source<'_>, key: &str, exts: &[String]) -> Result<(), PolicyError> {
+    for ext in exts {
+        let problem = if ext.is_empty() {
+            Some("an extension cannot be empty")
+        } else if ext.starts_with('.') {
+            Some("write extensions without the leading dot (\"jpg\", not \".jpg\")")
+        } else if ext.contains('/') || ext.chars().any(char::is_control) {
+            Some("an extension cannot hold a slash or a control character")
+        } else if ext.chars().any(char::is_uppercase) {
+            Some("write extensions in lowercase; files match them whatever their case")
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(src.invalid(key, format!("{ext:?}: {problem}")));
+        }
+    }
+    Ok(())
 }
 
 /// How a copy onto a hot or local tier is proven: the mover's one definition
@@ -195,7 +369,19 @@ pub enum BackupSelect {
     CheckpointCommitted,
 }
 
-/// `backup.toml`: what is copied to the backup tier, and how often restores are drilled.
+impl BackupSelect {
+    /// The event kind, as written on the wire (`dataset.validated`, ...).
+    pub fn kind(self) -> &'static str {
+        match self {
+            BackupSelect::DatasetValidated => "dataset.validated",
+            BackupSelect::DatasetPrepared => "dataset.prepared",
+            BackupSelect::CheckpointCommitted => "checkpoint.committed",
+        }
+    }
+}
+
+/// `backup.toml`: what is copied to the backup tier, how it is proven and held there, and
+/// how often restores are drilled.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackupPolicy {
@@ -207,6 +393,13 @@ pub struct BackupPolicy {
     pub projects: Vec<String>,
     /// Checkpoints are backed up only with one of these tags; empty means every checkpoint.
     pub checkpoint_tags: Vec<String>,
+    /// How a copy onto the backup tier is proven before it is published: `read-back` (every
+    /// file, or object, read again from the backup tier and hashed) or `hashed-in-flight`.
+    #[serde(default = "default_backup_verify")]
+    pub verify: VerifyMode,
+    /// S3 backup tiers only: every object the copier writes is held under S3 Object Lock.
+    #[serde(default)]
+    pub object_lock: Option<ObjectLockPolicy>,
     /// How often a restore drill runs.
     #[serde(with = "duration")]
     pub drill_every: Duration,
@@ -214,6 +407,26 @@ pub struct BackupPolicy {
     pub drill_sample_files: u32,
     /// Upper bound on bytes read back per drill.
     pub drill_sample_bytes: ByteSize,
+}
+
+fn default_backup_verify() -> VerifyMode {
+    VerifyMode::ReadBack
+}
+
+/// How an S3 Object Lock retention holds each object: the mover's one definition
+/// (`"governance"` or `"compliance"`).
+pub use stagehand_mover::s3::RetentionMode;
+
+/// `backup.toml`'s `[object_lock]`: the retention the S3 backup bucket gives every object
+/// version written to it (its default retention, set by the backup copier at start-up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectLockPolicy {
+    /// `compliance` (nobody may delete a version or shorten its hold) or `governance` (users
+    /// with the bypass right may).
+    pub mode: RetentionMode,
+    /// Days each object version is held from its write; 1 to 36500.
+    pub days: u32,
 }
 
 /// A bandwidth class of transfers: the mover's one definition of the classes, named in
@@ -247,7 +460,7 @@ impl PriorityPolicy {
 
 pub(crate) fn parse_packing(src: &Source<'_>, tiers: &Tiers) -> Result<PackingPolicy, PolicyError> {
     let p: PackingPolicy = src.parse()?;
-    if p.shard_size.bytes() < 1 << 20 {
+    if p.shard_size.bytes() < MIN_SHARD_SIZE {
         return Err(src.invalid(
             "shard_size",
             format!("{} is below the minimum of 1 MiB", p.shard_size),
@@ -263,6 +476,42 @@ pub(crate) fn parse_packing(src: &Source<'_>, tiers: &Tiers) -> Result<PackingPo
         &p.target_tier,
         &[TierRole::Capacity, TierRole::Source],
     )?;
+    if let Some(bad) = p
+        .projects
+        .iter()
+        .find(|p| !stagehand_schemas::subject::is_subject_token(p))
+    {
+        return Err(src.invalid(
+            "projects",
+            format!("{bad:?} is not a project name (1-64 characters of [a-z0-9_-])"),
+        ));
+    }
+    check_extensions(src, "require_extensions", &p.require_extensions)?;
+    for (name, own) in &p.datasets {
+        let key = |field: &str| format!("datasets.{name}.{field}");
+        let valid_name = name.split_once('/').is_some_and(|(project, dataset)| {
+            stagehand_schemas::subject::is_subject_token(project)
+                && !dataset.is_empty()
+                && !dataset.contains('/')
+        });
+        if !valid_name {
+            return Err(src.invalid(
+                format!("datasets.{name}"),
+                "a dataset is named \"<project>/<dataset>\"",
+            ));
+        }
+        if let Some(size) = own.shard_size
+            && size.bytes() < MIN_SHARD_SIZE
+        {
+            return Err(src.invalid(
+                key("shard_size"),
+                format!("{size} is below the minimum of 1 MiB"),
+            ));
+        }
+        if let Some(exts) = &own.require_extensions {
+            check_extensions(src, &key("require_extensions"), exts)?;
+        }
+    }
     Ok(p)
 }
 
@@ -399,6 +648,29 @@ pub(crate) fn parse_backup(src: &Source<'_>, tiers: &Tiers) -> Result<BackupPoli
     }
     if p.drill_sample_files == 0 {
         return Err(src.invalid("drill_sample_files", "must be at least 1"));
+    }
+    if p.drill_sample_bytes.bytes() == 0 {
+        return Err(src.invalid("drill_sample_bytes", "must be more than 0 bytes"));
+    }
+    if let Some(lock) = &p.object_lock {
+        if !(1..=36_500).contains(&lock.days) {
+            return Err(src.invalid(
+                "object_lock.days",
+                format!("{} is not between 1 and 36500", lock.days),
+            ));
+        }
+        // check_tier_ref above found the target.
+        if let Some(tier) = tiers.get(&p.target)
+            && !matches!(tier.kind, crate::tiers::TierKind::S3(_))
+        {
+            return Err(src.invalid(
+                "object_lock",
+                format!(
+                    "tier {:?} is a posix tier; Object Lock holds objects of an S3 backup tier only",
+                    p.target
+                ),
+            ));
+        }
     }
     Ok(p)
 }

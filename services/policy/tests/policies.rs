@@ -371,6 +371,54 @@ fn validation_errors_name_their_key() {
 }
 
 #[test]
+fn object_lock_holds_s3_backups_only_and_for_a_bounded_time() {
+    let (_tmp, dir) = with_edit("backup.toml", |t| {
+        format!("{t}\n[object_lock]\nmode = \"compliance\"\ndays = 30\n")
+    });
+    expect_invalid(&dir, "backup.toml", "object_lock", "posix tier");
+    let (_tmp, dir) = with_edit("backup.toml", |t| {
+        format!("{t}\n[object_lock]\nmode = \"forever\"\ndays = 30\n")
+    });
+    expect_invalid(&dir, "backup.toml", "object_lock.mode", "unknown variant");
+    let s3_backup = |t: String| {
+        t.replace(
+            "kind = \"posix\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nroot = \"tiers/backup\"",
+            "kind = \"s3\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"stagehand-backup\"",
+        )
+    };
+    let (_tmp, dir) = with_edit("tiers.toml", s3_backup);
+    let backup = dir.join("backup.toml");
+    let text = std::fs::read_to_string(&backup).unwrap();
+    std::fs::write(
+        &backup,
+        format!("{text}\n[object_lock]\nmode = \"governance\"\ndays = 0\n"),
+    )
+    .unwrap();
+    expect_invalid(
+        &dir,
+        "backup.toml",
+        "object_lock.days",
+        "between 1 and 36500",
+    );
+    std::fs::write(
+        &backup,
+        format!("{text}\n[object_lock]\nmode = \"governance\"\ndays = 7\n"),
+    )
+    .unwrap();
+    let home = dir.parent().unwrap().join("home");
+    let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+    let lock = policies.backup().unwrap().object_lock.unwrap();
+    assert_eq!(
+        (lock.mode, lock.days),
+        (stagehand_policy::RetentionMode::Governance, 7)
+    );
+    assert_eq!(
+        policies.backup().unwrap().verify,
+        stagehand_policy::VerifyMode::ReadBack
+    );
+}
+
+#[test]
 fn later_policies_check_their_tier_references() {
     let (_tmp, dir) = with_edit("promotion.toml", |t| {
         t.replace("default_tier = \"hot\"", "default_tier = \"capacity\"")
@@ -474,4 +522,102 @@ fn posix_tiers_open_through_the_mover() {
     source.create_root().unwrap();
     let tier = source.open().unwrap();
     assert_eq!(tier.name(), "source");
+}
+
+/// The packing policy selects by its thresholds and projects, and a dataset's own table wins
+/// over both; a dataset's settings replace the file's key by key.
+#[test]
+fn packing_selects_by_thresholds_and_dataset_tables() {
+    use stagehand_policy::{IncompletePolicy, NotPacked};
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("projects = []", "projects = [\"vision-lab\"]")
+            .replace("require_extensions = []", "require_extensions = [\"jpg\"]")
+            + "\n[datasets.\"audio/speech\"]\npack = true\nseed = 7\nshard_size = \"256 MiB\"\nincomplete = \"exclude\"\n\n[datasets.\"vision-lab/private\"]\npack = false\n"
+    });
+    let home = dir.parent().unwrap().join("home");
+    let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+    let p = policies.packing().unwrap();
+
+    let packing = p
+        .packing_for("vision-lab", "street", 20_000, 20_000 * 100_000)
+        .unwrap();
+    assert_eq!(packing.seed, 0);
+    assert_eq!(packing.shard_size, 1 << 30);
+    assert_eq!(packing.require_extensions, ["jpg"]);
+    assert_eq!(packing.incomplete, IncompletePolicy::Abort);
+    assert_eq!(packing.target_tier, "capacity");
+
+    assert_eq!(
+        p.packing_for("vision-lab", "street", 9_999, 1),
+        Err(NotPacked::TooFewFiles {
+            files: 9_999,
+            min: 10_000
+        })
+    );
+    assert!(matches!(
+        p.packing_for("vision-lab", "street", 20_000, 20_000 * (5 << 20)),
+        Err(NotPacked::FilesTooLarge { .. })
+    ));
+    assert_eq!(
+        p.packing_for("other-lab", "street", 20_000, 1),
+        Err(NotPacked::ProjectNotSelected("other-lab".into()))
+    );
+    assert_eq!(
+        p.packing_for("vision-lab", "private", 20_000, 1),
+        Err(NotPacked::Excluded)
+    );
+    // Listed with pack = true: packed although its project is not selected and it is small.
+    let speech = p.packing_for("audio", "speech", 3, 3 << 30).unwrap();
+    assert_eq!(
+        (speech.seed, speech.shard_size, speech.incomplete),
+        (7, 256 << 20, IncompletePolicy::Exclude)
+    );
+    assert_eq!(speech.require_extensions, ["jpg"]);
+}
+
+#[test]
+fn packing_mistakes_are_named() {
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("require_extensions = []", "require_extensions = [\".jpg\"]")
+    });
+    expect_invalid(&dir, "packing.toml", "require_extensions", "leading dot");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("require_extensions = []", "require_extensions = [\"JPG\"]")
+    });
+    expect_invalid(&dir, "packing.toml", "require_extensions", "lowercase");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("incomplete = \"abort\"", "incomplete = \"ignore\"")
+    });
+    expect_invalid(&dir, "packing.toml", "incomplete", "unknown variant");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t.replace("projects = []", "projects = [\"Vision Lab\"]")
+    });
+    expect_invalid(&dir, "packing.toml", "projects", "not a project name");
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t + "\n[datasets.\"no-slash\"]\nseed = 1\n"
+    });
+    expect_invalid(
+        &dir,
+        "packing.toml",
+        "datasets.no-slash",
+        "<project>/<dataset>",
+    );
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t + "\n[datasets.\"lab/cats\"]\nshard_size = \"1 KiB\"\n"
+    });
+    expect_invalid(
+        &dir,
+        "packing.toml",
+        "datasets.lab/cats.shard_size",
+        "below the minimum",
+    );
+    let (_tmp, dir) = with_edit("packing.toml", |t| {
+        t + "\n[datasets.\"lab/cats\"]\nsead = 1\n"
+    });
+    expect_invalid(
+        &dir,
+        "packing.toml",
+        "datasets.lab/cats.sead",
+        "unknown field",
+    );
 }

@@ -1,5 +1,6 @@
-//! What promoter instances agree on through the JetStream KV bucket [`BUCKET`]: the space
-//! reserved on each bounded tier, and who copies which version onto which tier.
+//! What promoter instances agree on through the JetStream KV bucket [`PROMOTER_BUCKET`]
+//! (declared in `stagehand-bus` beside the other buckets, [`stagehand_bus::PROMOTER`]): the
+//! space reserved on each bounded tier, and who copies which version onto which tier.
 //!
 //! **Reservations** (`quota.<tier>` or `quota.<tier>.<node>`): one value per tier (per node for
 //! a node-local tier) listing every replica placed or being placed there and its bytes. A
@@ -8,8 +9,11 @@
 //! requests (in one instance or several) that race both read the same revision, one write
 //! wins, the other reads again and sees the first one's bytes. So concurrent requests can
 //! never together exceed a quota, and a reservation is one durable, atomic step. Reserving a
-//! replica already listed is a no-op (a second request for the same version costs nothing);
-//! `replica.removed` releases it.
+//! replica already listed is a no-op (a second request for the same version costs nothing).
+//! The value and its key are defined once, in [`stagehand_bus::placement`], which the demoter
+//! uses too: on a shared tier it gives a replica's space back once the folder is gone; on a
+//! node-local tier the node's agent does on a `replica.removed` naming the node. The replicas'
+//! use records (handed out / withdrawing) live there as well.
 //!
 //! **Copy leases** (`copy.<hash of tier, node, prefix>`): the instance that creates the key
 //! copies the version; the others wait for its `replica.created`. The holder renews the lease
@@ -17,62 +21,35 @@
 //! taken over with a compare-and-set (a lease held by an earlier run of the same instance name
 //! at once: instance names are unique among running promoters).
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use stagehand_bus::KvSpec;
+use stagehand_bus::PROMOTER_BUCKET;
+pub use stagehand_bus::placement::{self, Reservations, place};
 use time::OffsetDateTime;
-
-/// The promoter's coordination bucket.
-pub const BUCKET: &str = "stagehand_promoter";
-
-/// Its declaration: created by the promoter when it provisions (`bus.provision = true`), else
-/// by `stagehand provision`.
-pub const SPEC: KvSpec = KvSpec {
-    bucket: BUCKET,
-    description: "Stagehand promoter: space reserved per bounded tier, copy leases",
-    history: 1,
-    max_age: Duration::ZERO,
-};
 
 /// A KV operation that failed (NATS unreachable, the bucket missing): retryable.
 #[derive(Debug, thiserror::Error)]
-#[error("promoter bucket {BUCKET}, key {key}: {detail}")]
+#[error("promoter bucket {PROMOTER_BUCKET}, key {key}: {detail}")]
 pub struct KvError {
     pub key: String,
     pub detail: String,
+}
+
+fn from_placement(e: placement::PlacementError) -> KvError {
+    KvError {
+        key: e.key,
+        detail: e.detail,
+    }
 }
 
 fn kv_err(key: &str, e: impl std::fmt::Display) -> KvError {
     KvError {
         key: key.to_owned(),
         detail: e.to_string(),
-    }
-}
-
-/// Every replica reserved on one tier (or one node's local tier): prefix → bytes.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Reservations {
-    pub replicas: BTreeMap<String, u64>,
-}
-
-impl Reservations {
-    /// Bytes reserved by `project` (replicas under `<project>/`).
-    pub fn used_by(&self, project: &str) -> u64 {
-        let start = format!("{project}/");
-        self.replicas
-            .range(start.clone()..)
-            .take_while(|(k, _)| k.starts_with(&start))
-            .map(|(_, b)| b)
-            .sum()
-    }
-
-    pub fn total(&self) -> u64 {
-        self.replicas.values().sum()
     }
 }
 
@@ -128,25 +105,6 @@ pub enum LeaseState {
     },
 }
 
-/// The key token of a tier (and node).
-fn place(tier: &str, node: Option<&str>) -> String {
-    let token = |s: &str| {
-        s.bytes()
-            .map(|b| {
-                if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
-                    (b as char).to_string()
-                } else {
-                    format!("={b:02X}")
-                }
-            })
-            .collect::<String>()
-    };
-    match node {
-        Some(n) => format!("{}.{}", token(tier), token(n)),
-        None => token(tier),
-    }
-}
-
 impl Coordination {
     pub fn new(store: kv::Store, instance: &str, lease_lifetime: Duration) -> Self {
         Coordination {
@@ -167,56 +125,15 @@ impl Coordination {
         tier: &str,
         node: Option<&str>,
     ) -> Result<(Reservations, Option<u64>), KvError> {
-        let key = format!("quota.{}", place(tier, node));
-        match self.store.entry(&key).await.map_err(|e| kv_err(&key, e))? {
-            Some(entry) if matches!(entry.operation, kv::Operation::Put) => {
-                let r = serde_json::from_slice(&entry.value).map_err(|e| kv_err(&key, e))?;
-                Ok((r, Some(entry.revision)))
-            }
-            Some(entry) => Ok((Reservations::default(), Some(entry.revision))),
-            None => Ok((Reservations::default(), None)),
-        }
+        let r = placement::reservations(&self.store, tier, node)
+            .await
+            .map_err(from_placement)?;
+        Ok((r.value.unwrap_or_default(), r.revision))
     }
 
-    async fn write(
-        &self,
-        key: &str,
-        value: &Reservations,
-        revision: Option<u64>,
-    ) -> Result<bool, KvError> {
-        let bytes = Bytes::from(serde_json::to_vec(value).map_err(|e| kv_err(key, e))?);
-        let written = match revision {
-            None => self
-                .store
-                .create(key, bytes)
-                .await
-                .map(|_| ())
-                .map_err(|e| {
-                    if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                        None
-                    } else {
-                        Some(kv_err(key, e))
-                    }
-                }),
-            Some(rev) => self
-                .store
-                .update(key, bytes, rev)
-                .await
-                .map(|_| ())
-                .map_err(|e| {
-                    if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-                        None
-                    } else {
-                        Some(kv_err(key, e))
-                    }
-                }),
-        };
-        match written {
-            Ok(()) => Ok(true),
-            // Another writer won the compare-and-set: read again.
-            Err(None) => Ok(false),
-            Err(Some(e)) => Err(e),
-        }
+    /// The bucket, for the records [`placement`] defines.
+    pub fn store(&self) -> &kv::Store {
+        &self.store
     }
 
     /// Reserves `bytes` for the replica at `prefix` of `project` on a tier: `Ok(Ok(()))` when
@@ -231,7 +148,6 @@ impl Coordination {
         bytes: u64,
         limits: Limits,
     ) -> Result<Result<(), Refused>, KvError> {
-        let key = format!("quota.{}", place(tier, node));
         loop {
             let (mut r, revision) = self.reservations(tier, node).await?;
             if r.replicas.contains_key(prefix) {
@@ -251,7 +167,10 @@ impl Coordination {
                 }));
             }
             r.replicas.insert(prefix.to_owned(), bytes);
-            if self.write(&key, &r, revision).await? {
+            if placement::write_reservations(&self.store, tier, node, &r, revision)
+                .await
+                .map_err(from_placement)?
+            {
                 return Ok(Ok(()));
             }
         }
@@ -264,21 +183,17 @@ impl Coordination {
         node: Option<&str>,
         prefix: &str,
     ) -> Result<bool, KvError> {
-        let key = format!("quota.{}", place(tier, node));
-        loop {
-            let (mut r, revision) = self.reservations(tier, node).await?;
-            if r.replicas.remove(prefix).is_none() {
-                return Ok(false);
-            }
-            if self.write(&key, &r, revision).await? {
-                return Ok(true);
-            }
-        }
+        placement::release_reservation(&self.store, tier, node, prefix)
+            .await
+            .map_err(from_placement)
     }
 
     fn lease_key(tier: &str, node: Option<&str>, prefix: &str) -> String {
-        let digest = Sha256::digest(prefix.as_bytes());
-        format!("copy.{}.{}", place(tier, node), hex::encode(&digest[..16]))
+        format!(
+            "copy.{}.{}",
+            place(tier, node),
+            placement::prefix_hash(prefix)
+        )
     }
 
     /// Asks for the lease on copying `prefix` onto a tier for `request_id`.
@@ -383,21 +298,4 @@ fn uuid_like() -> String {
             .to_be_bytes(),
     );
     hex::encode(&h.finalize()[..8])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn usage_is_counted_per_project_prefix() {
-        let mut r = Reservations::default();
-        r.replicas.insert("lab-a/cats/v1".into(), 10);
-        r.replicas.insert("lab-a/dogs/v2".into(), 5);
-        r.replicas.insert("lab-ab/cats/v1".into(), 100);
-        assert_eq!(r.used_by("lab-a"), 15);
-        assert_eq!(r.used_by("lab-ab"), 100);
-        assert_eq!(r.total(), 115);
-        assert_eq!(place("local", Some("gpu.07")), "local.gpu=2E07");
-    }
 }

@@ -29,7 +29,7 @@
 //!
 //! Several instances share the requests consumer (the runtime's claims keep each message to
 //! one); the copy of one version to one tier is leased in the KV bucket
-//! [`kv::BUCKET`] so it is done once across instances, and space is reserved there with a
+//! [`stagehand_bus::PROMOTER_BUCKET`] so it is done once across instances, and space is reserved there with a
 //! compare-and-set ([`kv`]).
 
 pub mod kv;
@@ -338,7 +338,7 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
     let instance = s.instance_name();
     let consumer = s.requests_consumer();
     let state = state::State::open(&s.state_dir.join(format!("{consumer}-state.redb")))?;
-    let bucket = ctx.bus.provision_kv(&kv::SPEC).await?;
+    let bucket = ctx.bus.provision_kv(&stagehand_bus::PROMOTER).await?;
     let coordination = kv::Coordination::new(bucket, &instance, s.lease_lifetime);
     let mover = Mover::new(s.mover.clone()).map_err(|e| PromoterError::Mover(Box::new(e)))?;
     let spool_dir = s.state_dir.join("spool");

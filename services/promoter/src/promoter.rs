@@ -3,7 +3,7 @@
 //! first: the request's own message, a fact that wakes it, or the policy clock.
 //!
 //! Every answer is a fact with an id derived from the request (`pending:<waiting_for>`,
-//! `ready`, `failed`, `replica:<tier>`), recorded in the state store before it is published,
+//! `ready`, `failed`, `replica:<tier>[:<node>]`), recorded in the state store before it is published,
 //! so any driver may publish it again without harm (the duplicate window drops the copy).
 
 use std::collections::{HashMap, HashSet};
@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use stagehand_bus::placement::{self, Served, UseState};
 use stagehand_bus::{Bus, HandlerError, WorkContext};
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::{Manifest, ManifestBuilder, ManifestErrorKind, ManifestStore, Spool};
@@ -342,24 +343,27 @@ impl Promoter {
                 project,
                 dataset: p.dataset.clone(),
                 replica: self
-                    .shared(&p.location.tier)
+                    .follows(&p.location.tier, p.node.as_deref())
                     .then(|| (p.location.tier.clone(), p.location.prefix.clone(), true)),
                 ..FactNote::default()
             },
             Body::ReplicaRemoved(p) => {
-                if self.node().is_none() && self.shared(&p.location.tier) {
-                    // The space it held is free again (idempotent: every instance sees it).
+                let node = p.node.as_deref();
+                let follows = self.follows(&p.location.tier, node);
+                if follows && node.is_some() && self.node() == node {
+                    // The space it held is free again (idempotent: that node's agent sees it).
+                    // On a shared tier the demoter gives the space back itself once the folder
+                    // is gone (`stagehand_bus::placement`): a removal it undoes keeps it.
                     self.p()
                         .coordination
-                        .release(&p.location.tier, None, &p.location.prefix)
+                        .release(&p.location.tier, node, &p.location.prefix)
                         .await
                         .map_err(retry)?;
                 }
                 FactNote {
                     project,
                     dataset: p.dataset.clone(),
-                    replica: self
-                        .shared(&p.location.tier)
+                    replica: follows
                         .then(|| (p.location.tier.clone(), p.location.prefix.clone(), false)),
                     ..FactNote::default()
                 }
@@ -414,6 +418,21 @@ impl Promoter {
     fn shared(&self, tier: &str) -> bool {
         self.tier_policy(tier)
             .is_some_and(|t| t.role == TierRole::Hot)
+    }
+
+    /// Whether this instance keeps track of the replicas a fact names on `tier` (on `node`):
+    /// every instance those of the shared tiers (a node agent copies from them), a node agent
+    /// those of its own node's `local` tier, which is the only copy there it may use.
+    fn follows(&self, tier: &str, node: Option<&str>) -> bool {
+        match node {
+            None => self.shared(tier),
+            Some(n) => {
+                self.node() == Some(n)
+                    && self
+                        .tier_policy(tier)
+                        .is_some_and(|t| t.role == TierRole::Local)
+            }
+        }
     }
 
     /// Moves one request on as far as it can go now; returns the facts it published. A
@@ -726,6 +745,44 @@ impl Promoter {
         .await
     }
 
+    /// Notes in the replica's use record that `record` is answered from it — unless the
+    /// demoter is withdrawing it (`stagehand_bus::placement`): a compare-and-set, so a
+    /// withdrawal that read the record before this fails and looks at the holds again.
+    async fn serve(
+        &self,
+        record: &RequestRecord,
+        request: &StageRequested,
+        prefix: &str,
+    ) -> Result<Served, HandlerError> {
+        placement::serve(
+            self.p().coordination.store(),
+            &request.tier,
+            request.node.as_deref(),
+            prefix,
+            record.event.id.as_str(),
+        )
+        .await
+        .map_err(retry)
+    }
+
+    /// A request for a replica being removed waits until the removal has finished (the clock
+    /// looks again every `recheck_every`), then stages the version afresh.
+    async fn wait_for_removal(
+        &self,
+        record: &RequestRecord,
+        version: &str,
+        request: &StageRequested,
+        why: Option<String>,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let reason = format!(
+            "version {version} is being removed from tier {} ({}); it is staged again once the removal has finished",
+            request.tier,
+            why.as_deref().unwrap_or("demoted")
+        );
+        self.wait(record, WaitingFor::Copy, reason, WaitGuard::None)
+            .await
+    }
+
     fn limits(&self, tier: &str, project: &str) -> Limits {
         let limits = self.tier_policy(tier).and_then(|t| t.limits.as_ref());
         Limits {
@@ -755,7 +812,25 @@ impl Promoter {
         };
         let prefix = replica_prefix(project, &request.dataset, &plan.version);
         let limits = self.limits(&request.tier, project);
+        // A replica the demoter is removing is neither handed out nor copied over until the
+        // removal has finished (its space is given back then, not before).
+        let withdrawing =
+            placement::read_use(self.p().coordination.store(), &request.tier, node, &prefix)
+                .await
+                .map_err(retry)?
+                .value
+                .filter(|u| u.state == UseState::Withdrawing);
+        if let Some(u) = withdrawing {
+            return self
+                .wait_for_removal(record, &plan.version, request, u.reason)
+                .await;
+        }
         if dst.set_present(&prefix).await.map_err(retry)? {
+            if let Served::Withdrawing { reason } = self.serve(record, request, &prefix).await? {
+                return self
+                    .wait_for_removal(record, &plan.version, request, reason)
+                    .await;
+            }
             // Placed before (by this request's copy, another's, another instance's): it
             // already holds its reservation, which this makes sure of (a no-op then).
             if let Ok(Err(refused)) = self
@@ -995,7 +1070,7 @@ impl Promoter {
         match outcome {
             Ok(report) => {
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
-                let replica = (node.is_none() && !report.existed).then(|| {
+                let replica = (!report.existed).then(|| {
                     record.event.caused(
                         &step_replica(&request.tier, node),
                         Body::ReplicaCreated(ReplicaCreated {
@@ -1008,9 +1083,15 @@ impl Promoter {
                             files: plan.files,
                             total_bytes: plan.bytes,
                             verified_by: self.p().promotion.verify.as_str().into(),
+                            node: node.map(str::to_owned),
                         }),
                     )
                 });
+                if let Served::Withdrawing { reason } = self.serve(record, request, prefix).await? {
+                    return self
+                        .wait_for_removal(record, &plan.version, request, reason)
+                        .await;
+                }
                 self.ready(record, request, &plan.version, dst, prefix, replica)
                     .await
             }

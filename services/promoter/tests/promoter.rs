@@ -7,6 +7,7 @@
 mod common;
 
 use common::*;
+use stagehand_catalogue::ReplicaState;
 use stagehand_schemas::{Body, progress::WorkProgress};
 use stagehand_testkit::{wait_for, wait_until};
 
@@ -405,7 +406,9 @@ async fn a_long_copy_publishes_its_progress() {
 
 /// A node agent answers its own node's `local` requests from the hot tier (where the
 /// shared promoter put the version), and skips another node's; the shared promoter ignores
-/// `local` requests.
+/// `local` requests. The agent's copy is a fact like a shared one: `replica.created` names
+/// its node, the catalogue lists that replica per node beside the hot one, and the demoter's
+/// `replica.removed` naming the node gives the node's reserved space back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_agent_fills_its_local_tier_from_hot() {
     let mut stack = Stack::start().await;
@@ -462,8 +465,94 @@ async fn a_node_agent_fills_its_local_tier_from_hot() {
     for kind in ["stage.ready", "stage.failed", "stage.pending"] {
         assert!(answers(&js, kind, &elsewhere.id).await.is_empty(), "{kind}");
     }
-    // Local copies make no replica.created (the fact has no node field yet).
-    assert_eq!(facts(&js, "replica.created").await.len(), 1);
+    // Each copy is a replica.created: the hot one shared, the local one naming its node.
+    let replicas = wait_for(WAIT, "both replica.created", || async {
+        let all = facts(&js, "replica.created").await;
+        (all.len() >= 2).then_some(all)
+    })
+    .await
+    .unwrap();
+    let mut placed: Vec<(String, Option<String>, String, u64)> = replicas
+        .iter()
+        .map(|e| match &e.body {
+            Body::ReplicaCreated(r) => (
+                r.location.tier.clone(),
+                r.node.clone(),
+                r.location.prefix.clone(),
+                r.files,
+            ),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    placed.sort();
+    let prefix = format!("{PROJECT}/ckpt-run7/{version}");
+    assert_eq!(
+        placed,
+        [
+            ("hot".into(), None, prefix.clone(), 1),
+            ("local".into(), Some("n1".into()), prefix.clone(), 1),
+        ]
+    );
+    // The catalogue lists the node's replica as its own, beside the hot one.
+    let catalogue = stagehand_catalogue::Catalogue::new(stack.bus.client().clone());
+    let listed = |want: Vec<(&'static str, Option<&'static str>, ReplicaState)>| {
+        let catalogue = catalogue.clone();
+        let version = version.clone();
+        async move {
+            let detail = catalogue
+                .version(Some(PROJECT), "ckpt-run7", &version)
+                .await
+                .ok()?;
+            let got: Vec<_> = detail
+                .replicas
+                .iter()
+                .map(|r| (r.tier.as_str(), r.node.as_deref(), r.state))
+                .filter(|(t, _, _)| *t != "capacity")
+                .collect();
+            (got == want).then_some(())
+        }
+    };
+    wait_for(WAIT, "the catalogue lists hot and local@n1", || {
+        listed(vec![
+            ("hot", None, ReplicaState::Present),
+            ("local", Some("n1"), ReplicaState::Present),
+        ])
+    })
+    .await
+    .unwrap();
+    // n1's space holds the copy until the demoter removes it there; then it is given back,
+    // and the catalogue shows that node's replica removed, the hot one still present.
+    let quota = js
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await
+        .unwrap();
+    let reserved = |quota: async_nats::jetstream::kv::Store, prefix: String| async move {
+        let value = quota
+            .get("quota.local.n1")
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        let r: stagehand_promoter::kv::Reservations =
+            serde_json::from_slice(&value).unwrap_or_default();
+        r.replicas.contains_key(&prefix)
+    };
+    assert!(reserved(quota.clone(), prefix.clone()).await);
+    stack
+        .removed("ckpt-run7", &version, ("local", Some("n1")), &prefix)
+        .await;
+    wait_until(WAIT, "n1's reservation released", || async {
+        !reserved(quota.clone(), prefix.clone()).await
+    })
+    .await
+    .unwrap();
+    wait_for(WAIT, "the catalogue shows local@n1 removed", || {
+        listed(vec![
+            ("hot", None, ReplicaState::Present),
+            ("local", Some("n1"), ReplicaState::Removed),
+        ])
+    })
+    .await
+    .unwrap();
     stack.stop().await;
 }
 

@@ -102,8 +102,16 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
         check::<stagehand_ingest_validator::Settings>,
     ),
     (
+        stagehand_backup_copier::SERVICE,
+        check::<stagehand_backup_copier::Settings>,
+    ),
+    (
         stagehand_catalogue_recorder::SERVICE,
         check::<stagehand_catalogue_recorder::RecorderConfig>,
+    ),
+    (
+        stagehand_resharder::SERVICE,
+        check::<stagehand_resharder::Settings>,
     ),
     (
         stagehand_promoter::SERVICE,

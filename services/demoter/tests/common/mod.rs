@@ -155,6 +155,9 @@ impl Stack {
         };
         let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
         bus.provision().await.unwrap();
+        // The promoter's bucket, whose use records and reservations the demoter takes part in
+        // (created by `stagehand provision` in a deployment).
+        bus.provision_kv(&stagehand_bus::PROMOTER).await.unwrap();
         let catalogue = Catalogue::new(bus.client().clone()).with_timeout(Duration::from_secs(5));
         let shutdown = CancellationToken::new();
         let mut stack = Stack {
@@ -222,6 +225,31 @@ impl Stack {
 
     pub async fn publish(&self, event: &Event) {
         self.bus.publish(event).await.unwrap();
+    }
+
+    /// Runs the real promoter in-process until the stack stops, copying to hot from capacity
+    /// and looking at waiting requests again every 200 ms.
+    pub fn run_promoter(&mut self) {
+        std::fs::write(
+            self.policies.join("promotion.toml"),
+            "default_tier = \"hot\"\nsources = [\"capacity\", \"source\"]\n\
+             max_concurrent = 2\ndefault_deadline = \"1h\"\nverify = \"read-back\"\n\
+             recheck_every = \"200ms\"\n",
+        )
+        .unwrap();
+        let mut config = stagehand_promoter::config(
+            &self.url_as("promoter", "PROMOTER"),
+            &self.policies,
+            self.root().join("state/promoter"),
+        );
+        config.bus.provision = !self.accounts;
+        config.service.instance = Some("p1".into());
+        let token = self.shutdown.clone();
+        self.tasks.push(tokio::spawn(async move {
+            stagehand_promoter::run(config, token)
+                .await
+                .expect("promoter");
+        }));
     }
 
     /// Places a version of `dataset` on the hot tier as the promoter leaves one, with `n`
@@ -295,6 +323,7 @@ impl Stack {
                 files: n as u64,
                 total_bytes: total,
                 verified_by: "read-back".into(),
+                node: None,
             }),
         );
         self.publish(&created).await;

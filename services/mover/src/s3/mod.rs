@@ -26,6 +26,7 @@ mod config;
 mod copy;
 mod download;
 mod errors;
+mod lock;
 mod upload;
 
 use std::sync::Arc;
@@ -42,6 +43,7 @@ use crate::transfer::{FileDigest, ReadLimit};
 pub use config::{MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Config};
 pub use copy::copy_within;
 pub use download::{download, download_pending};
+pub use lock::{BucketLock, DefaultRetention, ObjectRetention, RetentionMode};
 pub use upload::upload;
 
 use errors::{Site, map_sdk_error};

@@ -125,9 +125,9 @@ impl Stack {
         let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
         // What `stagehand provision` does: the streams and buckets, the promoter's included.
         bus.provision().await.unwrap();
-        bus.provision_kv(&stagehand_promoter::kv::SPEC)
-            .await
-            .unwrap();
+        for spec in stagehand_bus::SERVICE_KV_BUCKETS {
+            bus.provision_kv(spec).await.unwrap();
+        }
         let shutdown = CancellationToken::new();
         let mut stack = Stack {
             accounts: opts.accounts,
@@ -294,11 +294,22 @@ impl Stack {
         version
     }
 
-    /// Publishes `replica.removed` of the replica at `prefix` on `tier` (what the demoter does
-    /// after removing it).
-    pub async fn removed(&self, dataset: &str, version: &str, tier: &str, prefix: &str) {
+    /// Publishes `replica.removed` of the replica at `prefix` on `tier` (on `node`'s local
+    /// tier when given): what the demoter does after removing it.
+    pub async fn removed(
+        &self,
+        dataset: &str,
+        version: &str,
+        (tier, node): (&str, Option<&str>),
+        prefix: &str,
+    ) {
         let fact = Event::request(
-            EventId::for_content(&[b"removed", tier.as_bytes(), prefix.as_bytes()]),
+            EventId::for_content(&[
+                b"removed",
+                tier.as_bytes(),
+                node.unwrap_or("").as_bytes(),
+                prefix.as_bytes(),
+            ]),
             PROJECT,
             Body::ReplicaRemoved(stagehand_schemas::ReplicaRemoved {
                 dataset: dataset.into(),
@@ -308,6 +319,7 @@ impl Stack {
                     prefix: prefix.into(),
                 },
                 reason: "demoted".into(),
+                node: node.map(str::to_owned),
             }),
         );
         self.publish(&fact).await;

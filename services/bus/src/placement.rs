@@ -1,0 +1,377 @@
+//! What the promoters and the demoter agree on about a replica on a shared or node-local tier,
+//! through the promoter's bucket [`PROMOTER_BUCKET`]: one definition of the keys and records
+//! both services write.
+//!
+//! **Space** (`quota.<tier>[.<node>]`, [`Reservations`]): every replica placed or being placed
+//! on a bounded tier and its bytes. Promoters reserve there; the space of a replica is given
+//! back ([`release_reservation`]) by whoever finishes its removal, after the folder is gone —
+//! never when the removal is only announced, so a removal that is undone keeps its space.
+//!
+//! **Use** (`replica.<tier>[.<node>].<hash of prefix>`, [`ReplicaUse`]): whether the replica
+//! may be handed to a job, and the requests it was last handed to. A promoter answers a
+//! request "ready" from a replica only after [`serve`] bumped the record with a
+//! compare-and-set, and never while it is [`UseState::Withdrawing`]. The demoter takes the
+//! record into `withdrawing` with a compare-and-set on the revision it read *before* it looked
+//! at the replica's holds ([`begin_withdraw`]): a request served in between moved the revision,
+//! the demoter's write fails, and it backs off. Once it holds the record no promoter hands the
+//! replica out, so the readiness can be withdrawn and the folder renamed away with no job told
+//! it is ready meanwhile; an undone removal gives the record back ([`end_withdraw`]), a finished
+//! one deletes it ([`forget_use`]) after the folder and its space are gone, and a request that
+//! found it withdrawing stages afresh.
+
+use std::collections::BTreeMap;
+
+use async_nats::jetstream::kv;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::PROMOTER_BUCKET;
+
+/// How many of the latest served request ids a [`ReplicaUse`] keeps: the requests whose holds
+/// the catalogue may not have folded yet when the demoter looks (older ones it has).
+pub const SERVED_KEPT: usize = 16;
+
+/// A read or write of the bucket that failed (NATS unreachable, the bucket missing, a value
+/// that does not decode): retryable.
+#[derive(Debug, thiserror::Error)]
+#[error("bucket {PROMOTER_BUCKET}, key {key}: {detail}")]
+pub struct PlacementError {
+    pub key: String,
+    pub detail: String,
+}
+
+fn err(key: &str, e: impl std::fmt::Display) -> PlacementError {
+    PlacementError {
+        key: key.to_owned(),
+        detail: e.to_string(),
+    }
+}
+
+/// The key token of a tier (and node): characters outside `[A-Za-z0-9_-]` as `=XX`.
+pub fn place(tier: &str, node: Option<&str>) -> String {
+    let token = |s: &str| {
+        s.bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+                    (b as char).to_string()
+                } else {
+                    format!("={b:02X}")
+                }
+            })
+            .collect::<String>()
+    };
+    match node {
+        Some(n) => format!("{}.{}", token(tier), token(n)),
+        None => token(tier),
+    }
+}
+
+/// The hash of a replica's prefix that keys it (prefixes are not key tokens).
+pub fn prefix_hash(prefix: &str) -> String {
+    let digest = Sha256::digest(prefix.as_bytes());
+    hex::encode(&digest[..16])
+}
+
+/// The reservations key of a tier (or one node's local tier).
+pub fn quota_key(tier: &str, node: Option<&str>) -> String {
+    format!("quota.{}", place(tier, node))
+}
+
+/// The use record's key of the replica at `prefix` on a tier.
+pub fn use_key(tier: &str, node: Option<&str>, prefix: &str) -> String {
+    format!("replica.{}.{}", place(tier, node), prefix_hash(prefix))
+}
+
+/// Every replica reserved on one tier (or one node's local tier): prefix → bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservations {
+    pub replicas: BTreeMap<String, u64>,
+}
+
+impl Reservations {
+    /// Bytes reserved by `project` (replicas under `<project>/`).
+    pub fn used_by(&self, project: &str) -> u64 {
+        let start = format!("{project}/");
+        self.replicas
+            .range(start.clone()..)
+            .take_while(|(k, _)| k.starts_with(&start))
+            .map(|(_, b)| b)
+            .sum()
+    }
+
+    pub fn total(&self) -> u64 {
+        self.replicas.values().sum()
+    }
+}
+
+/// Whether a replica may be handed to a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UseState {
+    /// Handed out on request.
+    Serving,
+    /// Being removed by the demoter: handed to no one until the record is gone or given back.
+    Withdrawing,
+}
+
+/// The use record of one replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaUse {
+    pub state: UseState,
+    /// The latest requests answered from it (at most [`SERVED_KEPT`], the newest last).
+    pub served: Vec<String>,
+    /// Why it is withdrawn (the sentence its `replica.removed` carries), while it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// A value as read, with the revision a compare-and-set must name (`None`: never written).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read<T> {
+    pub value: Option<T>,
+    pub revision: Option<u64>,
+}
+
+async fn read<T: for<'de> Deserialize<'de>>(
+    store: &kv::Store,
+    key: &str,
+) -> Result<Read<T>, PlacementError> {
+    match store.entry(key).await.map_err(|e| err(key, e))? {
+        Some(entry) if matches!(entry.operation, kv::Operation::Put) => Ok(Read {
+            value: Some(serde_json::from_slice(&entry.value).map_err(|e| err(key, e))?),
+            revision: Some(entry.revision),
+        }),
+        // Deleted: a compare-and-set names the tombstone's revision.
+        Some(entry) => Ok(Read {
+            value: None,
+            revision: Some(entry.revision),
+        }),
+        None => Ok(Read {
+            value: None,
+            revision: None,
+        }),
+    }
+}
+
+/// Writes `value` if the key is still at `revision`: `Ok(false)` when another writer won.
+async fn write<T: Serialize>(
+    store: &kv::Store,
+    key: &str,
+    value: &T,
+    revision: Option<u64>,
+) -> Result<bool, PlacementError> {
+    let bytes = Bytes::from(serde_json::to_vec(value).map_err(|e| err(key, e))?);
+    match revision {
+        None => match store.create(key, bytes).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(err(key, e)),
+        },
+        Some(rev) => match store.update(key, bytes, rev).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(false),
+            Err(e) => Err(err(key, e)),
+        },
+    }
+}
+
+/// The reservations of a tier (or one node's local tier).
+pub async fn reservations(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+) -> Result<Read<Reservations>, PlacementError> {
+    read(store, &quota_key(tier, node)).await
+}
+
+/// Writes a tier's reservations back if unchanged since `revision` was read.
+pub async fn write_reservations(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    value: &Reservations,
+    revision: Option<u64>,
+) -> Result<bool, PlacementError> {
+    write(store, &quota_key(tier, node), value, revision).await
+}
+
+/// Gives back the space of the replica at `prefix` (idempotent); whether it was reserved.
+pub async fn release_reservation(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<bool, PlacementError> {
+    loop {
+        let mut r = reservations(store, tier, node).await?;
+        let Some(value) = r.value.as_mut() else {
+            return Ok(false);
+        };
+        if value.replicas.remove(prefix).is_none() {
+            return Ok(false);
+        }
+        if write_reservations(store, tier, node, value, r.revision).await? {
+            return Ok(true);
+        }
+    }
+}
+
+/// The use record of the replica at `prefix`, as read now.
+pub async fn read_use(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<Read<ReplicaUse>, PlacementError> {
+    read(store, &use_key(tier, node, prefix)).await
+}
+
+/// What [`serve`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Served {
+    /// The record is bumped: the request may be answered from the replica.
+    Yes,
+    /// The demoter is removing it, for this reason: the request must not be answered from it.
+    Withdrawing { reason: Option<String> },
+}
+
+/// Notes that `request_id` is about to be answered from the replica, unless it is withdrawing:
+/// a compare-and-set on the revision read, so a withdrawal that read before it fails.
+pub async fn serve(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+    request_id: &str,
+) -> Result<Served, PlacementError> {
+    let key = use_key(tier, node, prefix);
+    loop {
+        let r: Read<ReplicaUse> = read(store, &key).await?;
+        let mut value = match r.value {
+            Some(v) if v.state == UseState::Withdrawing => {
+                return Ok(Served::Withdrawing { reason: v.reason });
+            }
+            Some(v) => v,
+            None => ReplicaUse {
+                state: UseState::Serving,
+                served: Vec::new(),
+                reason: None,
+            },
+        };
+        value.served.retain(|id| id != request_id);
+        value.served.push(request_id.to_owned());
+        let excess = value.served.len().saturating_sub(SERVED_KEPT);
+        value.served.drain(..excess);
+        if write(store, &key, &value, r.revision).await? {
+            return Ok(Served::Yes);
+        }
+    }
+}
+
+/// Takes the record into `withdrawing`, if it is still as `seen` (read before the holds were
+/// looked at): `Ok(Some(record))` when taken (or already taken by an earlier run of this step),
+/// with the requests served from it for the caller to check again; `Ok(None)` when a request
+/// was served since (the caller backs off and looks at the holds again).
+pub async fn begin_withdraw(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+    seen: &Read<ReplicaUse>,
+    reason: &str,
+) -> Result<Option<ReplicaUse>, PlacementError> {
+    let key = use_key(tier, node, prefix);
+    let served = match &seen.value {
+        Some(v) if v.state == UseState::Withdrawing => return Ok(Some(v.clone())),
+        Some(v) => v.served.clone(),
+        None => Vec::new(),
+    };
+    let taken = ReplicaUse {
+        state: UseState::Withdrawing,
+        served,
+        reason: Some(reason.to_owned()),
+    };
+    Ok(write(store, &key, &taken, seen.revision)
+        .await?
+        .then_some(taken))
+}
+
+/// Gives a withdrawing record back to serving (the removal is undone); idempotent.
+pub async fn end_withdraw(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<(), PlacementError> {
+    let key = use_key(tier, node, prefix);
+    loop {
+        let r: Read<ReplicaUse> = read(store, &key).await?;
+        let Some(mut value) = r.value else {
+            return Ok(());
+        };
+        if value.state != UseState::Withdrawing {
+            return Ok(());
+        }
+        value.state = UseState::Serving;
+        value.reason = None;
+        if write(store, &key, &value, r.revision).await? {
+            return Ok(());
+        }
+    }
+}
+
+/// Deletes the record once the replica and its space are gone: requests stage it afresh.
+pub async fn forget_use(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<(), PlacementError> {
+    let key = use_key(tier, node, prefix);
+    loop {
+        let r: Read<ReplicaUse> = read(store, &key).await?;
+        // Only a withdrawing record is this removal's (a repeat after a new copy was served
+        // leaves that one's record alone).
+        if r.value
+            .as_ref()
+            .is_none_or(|v| v.state != UseState::Withdrawing)
+        {
+            return Ok(());
+        }
+        if let Err(e) = store.delete_expect_revision(&key, r.revision).await {
+            // A lost compare-and-set is not told apart by the client: look again.
+            if read::<ReplicaUse>(store, &key).await?.revision == r.revision {
+                return Err(err(&key, e));
+            }
+        } else {
+            return Ok(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_counted_per_project_prefix() {
+        let mut r = Reservations::default();
+        r.replicas.insert("lab-a/cats/v1".into(), 10);
+        r.replicas.insert("lab-a/dogs/v2".into(), 5);
+        r.replicas.insert("lab-ab/cats/v1".into(), 100);
+        assert_eq!(r.used_by("lab-a"), 15);
+        assert_eq!(r.used_by("lab-ab"), 100);
+        assert_eq!(r.total(), 115);
+        assert_eq!(place("local", Some("gpu.07")), "local.gpu=2E07");
+    }
+
+    #[test]
+    fn keys_are_tokens_of_tier_node_and_prefix() {
+        let key = use_key("hot", None, "lab/cats/v1");
+        assert!(key.starts_with("replica.hot."), "{key}");
+        assert_eq!(key.len(), "replica.hot.".len() + 32);
+        assert_ne!(key, use_key("hot", Some("n1"), "lab/cats/v1"));
+        assert_eq!(quota_key("local", Some("n1")), "quota.local.n1");
+    }
+}

@@ -1,0 +1,439 @@
+//! The resharder as a worker-runtime handler: one `dataset.validated` in, nothing (not
+//! selected) or one `dataset.prepared` out.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use async_nats::jetstream;
+use stagehand_bus::{Bus, Handler, HandlerError, WorkContext};
+use stagehand_manifest::{
+    BucketOptions, ManifestBuilder, ManifestSource, ManifestStore, Spool, inline_or_stored,
+};
+use stagehand_mover::{
+    CancellationToken, EngineChoice, Mover, MoverConfig, PosixTier, Progress, RateLimiter, SetCopy,
+    StagedSet, SweepOptions, Tier, TransferError,
+};
+use stagehand_policy::{IncompletePolicy, Packing, PackingPolicy, Policies, TierRole};
+use stagehand_schemas::{Body, DatasetPrepared, DatasetValidated, Event, EventId, Location};
+use tracing::{info, warn};
+
+use crate::derive::{DeriveError, Job, Tuning, derive};
+use crate::{ReshardError, Settings};
+
+/// The fact-id step of `dataset.prepared` (see `stagehand_schemas::id`).
+pub const STEP_PREPARED: &str = "prepared";
+
+/// Where a prepared version lives on the target tier: `<project>/<dataset>/<version>`.
+pub fn prepared_prefix(project: &str, dataset: &str, version: &str) -> String {
+    format!("{project}/{dataset}/{version}")
+}
+
+/// Where the full list of problems of an aborted derivation goes, beneath the target tier's
+/// root (the dead letter names it).
+pub fn problem_report_path(project: &str, event: &EventId) -> String {
+    format!(".stagehand/resharder/{project}/{event}.problems.jsonl")
+}
+
+/// The staging set's name: fixed by what is derived, so that the retry of a killed run finds
+/// (and clears) what it left.
+fn staging_prefix(project: &str, dataset: &str, derived_from: &str, seed: u64) -> String {
+    format!("{project}/{dataset}/prepare-{derived_from}-{seed}")
+}
+
+/// Packs validated versions the packing policy selects.
+pub struct Resharder {
+    packing: PackingPolicy,
+    /// Every declared tier's role, and the opened posix tier for source tiers.
+    sources: HashMap<String, (TierRole, Option<PosixTier>)>,
+    target: Tier,
+    mover: Mover,
+    js: jetstream::Context,
+    replicas: usize,
+    tuning: Tuning,
+    spool: Spool,
+    /// Derivations of the same set in this process run one after another (they would share
+    /// one staging folder).
+    busy: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+fn open_err(name: &str, location: String) -> impl FnOnce(TransferError) -> ReshardError + '_ {
+    move |source| ReshardError::Tier {
+        tier: name.to_owned(),
+        location,
+        source: Box::new(source),
+    }
+}
+
+impl Resharder {
+    /// Loads the policies, opens the source tiers and the target tier, and removes what
+    /// killed writers left on the target tier (their staging folders stay for their retry).
+    pub async fn open(settings: &Settings, bus: &Bus) -> Result<Resharder, ReshardError> {
+        let policies = Policies::load_dir(&settings.policies_dir)?;
+        let Some(packing) = policies.packing().cloned() else {
+            return Err(ReshardError::NoPackingPolicy {
+                dir: settings.policies_dir.clone(),
+            });
+        };
+        let mut sources = HashMap::new();
+        for (name, tier) in policies.tiers() {
+            let opened = match (tier.role, tier.open()) {
+                (TierRole::Source, Ok(Tier::Posix(p))) => Some(p),
+                (TierRole::Source, Ok(Tier::S3(_))) => None,
+                (TierRole::Source, Err(e)) => return Err(open_err(name, tier.location())(e)),
+                _ => None,
+            };
+            sources.insert(name.clone(), (tier.role, opened));
+        }
+        let target_policy = policies
+            .tier(&packing.target_tier)
+            .expect("packing.toml's target tier is checked to exist");
+        let target = match target_policy.open() {
+            Ok(Tier::Posix(p)) => p,
+            Ok(Tier::S3(_)) => {
+                return Err(ReshardError::Target {
+                    tier: packing.target_tier.clone(),
+                    reason: "is an s3 tier; the resharder writes shards to posix tiers only (copy them to S3 afterwards with the mover)".into(),
+                });
+            }
+            Err(e) => return Err(open_err(&packing.target_tier, target_policy.location())(e)),
+        };
+        for dir in [settings.state_dir.clone(), settings.spool_dir()] {
+            std::fs::create_dir_all(&dir)
+                .map_err(|source| ReshardError::StateDir { path: dir, source })?;
+        }
+        let swept = {
+            let t = target.clone();
+            tokio::task::spawn_blocking(move || t.sweep_stale("", SweepOptions::default()))
+                .await
+                .map_err(|e| ReshardError::StateDir {
+                    path: target.root().to_owned(),
+                    source: std::io::Error::other(e),
+                })?
+                .map_err(open_err(&packing.target_tier, target_policy.location()))?
+        };
+        let mover = Mover::new(MoverConfig {
+            // Only the set's staging and publishing run through the mover; the shards are
+            // written by the derivation's own threads.
+            engine: EngineChoice::Pread,
+            pread_threads: 1,
+            hash_threads: 1,
+            ..MoverConfig::default()
+        })
+        .map_err(open_err(&packing.target_tier, target_policy.location()))?;
+        let tuning = Tuning {
+            read_threads: settings.read_threads,
+            batch_bytes: settings.batch_bytes.bytes(),
+            window: 2 * settings.read_threads + 2,
+            stream_above: settings.stream_above.bytes(),
+            sort_run_bytes: usize::try_from(settings.sort_memory.bytes()).unwrap_or(usize::MAX),
+            spool_dir: settings.spool_dir(),
+            limiter: settings
+                .max_read_bytes_per_sec
+                .map(|b| Arc::new(RateLimiter::new(b.bytes()))),
+        };
+        info!(
+            enabled = packing.enabled,
+            min_files = packing.min_files,
+            target = %packing.target_tier,
+            target_root = %target.root().display(),
+            swept_files = swept.files_removed,
+            swept_sets = swept.sets_removed,
+            "resharder ready"
+        );
+        Ok(Resharder {
+            packing,
+            sources,
+            target: Tier::Posix(target),
+            mover,
+            js: bus.jetstream().clone(),
+            replicas: bus.replicas(),
+            tuning,
+            spool: Spool::in_dir(settings.spool_dir()),
+            busy: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The raw version's files: its source tier beneath its prefix.
+    fn source(&self, location: &Location) -> Result<PosixTier, HandlerError> {
+        match self.sources.get(&location.tier) {
+            Some((TierRole::Source, Some(tier))) => {
+                tier.beneath(&location.prefix, false).map_err(transfer_err)
+            }
+            Some((TierRole::Source, None)) => Err(HandlerError::permanent(format!(
+                "the raw version is on tier {:?}, an s3 tier; the resharder reads members from posix source tiers only",
+                location.tier
+            ))),
+            Some((role, _)) => Err(HandlerError::permanent(format!(
+                "the raw version names tier {:?}, whose role is {}, not source",
+                location.tier,
+                role.as_str()
+            ))),
+            None => Err(HandlerError::permanent(format!(
+                "the raw version names tier {:?}, which tiers.toml does not declare",
+                location.tier
+            ))),
+        }
+    }
+
+    fn lock_for(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        busy.retain(|_, lock| Arc::strong_count(lock) > 1);
+        busy.entry(key.to_owned()).or_default().clone()
+    }
+
+    /// Creates the staging folder of a set, clearing what a dead run left in it first.
+    async fn stage(&self, prefix: &str) -> Result<StagedSet, HandlerError> {
+        let set = SetCopy {
+            src_prefix: String::new(),
+            dst_prefix: prefix.to_owned(),
+            ..SetCopy::default()
+        };
+        let progress = Progress::new();
+        let cancel = CancellationToken::new();
+        for _ in 0..2 {
+            let staged = self
+                .mover
+                .stage_set(
+                    &self.target,
+                    &self.target,
+                    &set,
+                    futures::stream::empty(),
+                    &progress,
+                    &cancel,
+                    |_| {},
+                )
+                .await
+                .map_err(transfer_err)?;
+            if !staged.report().resumed {
+                return Ok(staged);
+            }
+            // The shards a dead run left are not trusted to be this run's: derive afresh.
+            let removed = staged.abandon().await.map_err(transfer_err)?;
+            info!(
+                prefix,
+                files = removed.files_removed,
+                "cleared the staging folder a killed derivation left"
+            );
+        }
+        Err(HandlerError::retryable(format!(
+            "the staging folder of {prefix} kept being taken over"
+        )))
+    }
+
+    /// Packs the version, or says why it is not packed.
+    async fn prepare(
+        &self,
+        event: &Event,
+        v: &DatasetValidated,
+        packing: Packing,
+        ctx: &WorkContext,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let source = self.source(&v.source)?;
+        let manifest = match ManifestSource::of(event).map_err(manifest_err)? {
+            Some(m) => m.open(&self.js, &self.spool).await.map_err(manifest_err)?,
+            None => {
+                return Err(HandlerError::permanent(
+                    "dataset.validated carries no manifest",
+                ));
+            }
+        };
+        if manifest.digest() != v.version {
+            return Err(HandlerError::permanent(format!(
+                "the manifest's digest {} is not the version {} the fact names",
+                manifest.digest(),
+                v.version
+            )));
+        }
+        let project = event.project.as_str();
+        let staging = staging_prefix(project, &v.dataset, &v.version, packing.seed);
+        let lock = self.lock_for(&staging);
+        let _guard = lock.lock().await;
+        let staged = self.stage(&staging).await?;
+        let Some(Tier::Posix(stage_tier)) = staged.staging_tier().cloned() else {
+            return Err(HandlerError::permanent(
+                "the target tier gave no posix staging folder",
+            ));
+        };
+        let cancel = ctx.shutdown().child_token();
+        let result = {
+            let (manifest, packing, tuning) =
+                (manifest.clone(), packing.clone(), self.tuning.clone());
+            let cancel = cancel.clone();
+            let _stop = cancel.clone().drop_guard();
+            tokio::task::spawn_blocking(move || {
+                derive(&Job {
+                    source: &source,
+                    staging: &stage_tier,
+                    manifest: &manifest,
+                    packing: &packing,
+                    tuning: &tuning,
+                    cancel: &cancel,
+                })
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(DeriveError::Internal(format!(
+                    "the derivation panicked: {e}"
+                )))
+            })
+        };
+        let derived = match result {
+            Ok(derived) => derived,
+            Err(e) => {
+                if let Err(cleanup) = staged.abandon().await {
+                    warn!(error = %cleanup, prefix = staging, "could not remove the staging folder; the start-up sweep will");
+                }
+                return Err(self.failed(event, e).await);
+            }
+        };
+
+        // The derived version: its manifest's digest names it and its folder.
+        let files = derived.files.clone();
+        let spool = self.spool.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let mut builder = ManifestBuilder::new(&spool);
+            for f in &files {
+                builder.push(f)?;
+            }
+            builder.finish()
+        })
+        .await
+        .map_err(|e| HandlerError::retryable(format!("building the shard manifest: {e}")))?
+        .map_err(manifest_err)?;
+        let version = built.digest().to_owned();
+        let prefix = prepared_prefix(project, &v.dataset, &version);
+        let report = staged.publish_as(&prefix).await.map_err(transfer_err)?;
+        let store = ManifestStore::catalogue(
+            &self.js,
+            BucketOptions {
+                replicas: self.replicas,
+            },
+        )
+        .await
+        .map_err(manifest_err)?;
+        let (inline, reference) = inline_or_stored(&built, &store)
+            .await
+            .map_err(manifest_err)?;
+        info!(
+            event_id = %event.id,
+            dataset = %v.dataset,
+            derived_from = %v.version,
+            %version,
+            shards = derived.shards,
+            samples = derived.samples,
+            members = derived.members,
+            bytes = derived.member_bytes,
+            incomplete = derived.incomplete,
+            existed = report.existed,
+            "prepared"
+        );
+        if derived.incomplete > 0 && packing.incomplete == IncompletePolicy::Warn {
+            warn!(dataset = %v.dataset, %version, problems = derived.incomplete, "packed with incomplete samples; see incomplete.jsonl in the version");
+        }
+        Ok(vec![event.caused(
+            STEP_PREPARED,
+            Body::DatasetPrepared(DatasetPrepared {
+                dataset: v.dataset.clone(),
+                version,
+                derived_from: v.version.clone(),
+                location: Location {
+                    tier: self.packing.target_tier.clone(),
+                    prefix,
+                },
+                files: inline,
+                manifest: reference,
+                total_bytes: built.bytes(),
+                layout: packing.layout.as_str().to_owned(),
+                samples: derived.samples,
+                seed: packing.seed,
+            }),
+        )])
+    }
+
+    /// The handler error of a failed derivation; an aborted one first leaves its full
+    /// problem list on the target tier.
+    async fn failed(&self, event: &Event, e: DeriveError) -> HandlerError {
+        let DeriveError::Incomplete { log } = e else {
+            warn!(event_id = %event.id, error = %e, "derivation failed");
+            return if e.is_retryable() {
+                HandlerError::retryable(e)
+            } else {
+                HandlerError::permanent(e)
+            };
+        };
+        let summary = log.summary();
+        let rel = problem_report_path(&event.project, &event.id);
+        let Tier::Posix(target) = &self.target else {
+            return HandlerError::permanent(summary);
+        };
+        let target = target.clone();
+        let at = format!("{}:{rel}", self.packing.target_tier);
+        let written = tokio::task::spawn_blocking(move || -> Result<(), String> {
+            let (mut file, len) = log.into_file().map_err(|e| e.to_string())?;
+            let (parent, name) = rel.rsplit_once('/').expect("the report path has folders");
+            let dir = target.beneath(parent, true).map_err(|e| e.to_string())?;
+            match crate::shard::copy_file(&dir, name, &mut file, len) {
+                Ok(_) => Ok(()),
+                // The same event aborted before (a replay): the report is the same.
+                Err(crate::shard::ShardError::Tier(t))
+                    if t.kind == stagehand_mover::ErrorKind::DestinationConflict =>
+                {
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+        let report = match written {
+            Ok(()) => format!("every problem: {at}"),
+            Err(e) => format!("the full list could not be written to {at}: {e}"),
+        };
+        warn!(event_id = %event.id, problems = %summary, %report, "derivation aborted: incomplete samples");
+        HandlerError::permanent(format!(
+            "incomplete samples under incomplete = \"abort\": {summary}; {report}"
+        ))
+    }
+}
+
+fn transfer_err(e: TransferError) -> HandlerError {
+    if e.is_retryable() {
+        HandlerError::retryable(e)
+    } else {
+        HandlerError::permanent(e)
+    }
+}
+
+fn manifest_err(e: stagehand_manifest::ManifestError) -> HandlerError {
+    if e.is_retryable() {
+        HandlerError::retryable(e)
+    } else {
+        HandlerError::permanent(e)
+    }
+}
+
+impl Handler for Resharder {
+    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        let Body::DatasetValidated(v) = &event.body else {
+            return Err(HandlerError::permanent(format!(
+                "the resharder handles dataset.validated, not {}",
+                event.kind()
+            )));
+        };
+        let (files, bytes) = match &v.manifest {
+            Some(m) => (m.files, m.bytes),
+            None => (v.files.len() as u64, v.total_bytes),
+        };
+        match self
+            .packing
+            .packing_for(&event.project, &v.dataset, files, bytes)
+        {
+            // Boxed: the derivation's future is deep, and the runtime nests it further.
+            Ok(packing) => Box::pin(self.prepare(event, v, packing, ctx)).await,
+            Err(why) => {
+                info!(event_id = %event.id, project = %event.project, dataset = %v.dataset, version = %v.version, reason = %why, "not packed");
+                Ok(Vec::new())
+            }
+        }
+    }
+}
