@@ -293,8 +293,24 @@ pub enum CheckpointState {
     Expired,
 }
 
+/// The dataset under which the catalogue lists a run's checkpoints as versions: `ckpt-<run>`
+/// (one version per committed step, its digest the manifest's), so that a checkpoint is
+/// staged like any version (`stagehand checkpoint restore`) and at the checkpoint priority
+/// (`promotion.toml`'s `checkpoint_datasets` default `ckpt-*`).
+pub fn checkpoint_dataset(run: &str) -> String {
+    format!("{CHECKPOINT_DATASET_PREFIX}{run}")
+}
+
+/// What [`checkpoint_dataset`] puts before the run's name.
+pub const CHECKPOINT_DATASET_PREFIX: &str = "ckpt-";
+
+/// The `verified_by` of a replica a checkpoint fact records (the committed copy where the run
+/// wrote it, the demoted copy where retention put it): retention owns these replicas, not the
+/// watermarks (the demoter leaves them to `retention.toml`).
+pub const CHECKPOINT_VERIFIED_BY: &str = "checkpoint";
+
 /// A checkpoint. The state register (`state`, `location`, `stamp`, `rule`) follows every
-/// checkpoint fact; `total_bytes` and `tags` come from its commit.
+/// checkpoint fact; `total_bytes`, `tags` and `digest` come from its commit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointRecord {
     pub project: String,
@@ -313,6 +329,10 @@ pub struct CheckpointRecord {
     /// `expired`, ...); `None` while committed, or for a demotion that named none.
     #[serde(default)]
     pub rule: Option<String>,
+    /// The digest of its manifest: its version in dataset [`checkpoint_dataset`]`(run)`.
+    /// `None` until its commit is folded.
+    #[serde(default)]
+    pub digest: Option<String>,
 }
 
 impl CheckpointRecord {

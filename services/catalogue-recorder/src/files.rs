@@ -1,6 +1,9 @@
 //! A fact's file list into the store: the manifest the fact carries (inline, or by reference
-//! into the services' manifest bucket) opened through `stagehand-manifest` — verified against
-//! the version digest before any entry is used — and written in chunks ([`Store::put_file_list`]).
+//! into the services' manifest bucket, or a checkpoint's in its project's upload bucket)
+//! opened through `stagehand-manifest` — verified against the version digest before any entry
+//! is used — and written in chunks ([`Store::put_file_list`]). The facts with a file list are
+//! `dataset.validated`, `dataset.prepared` and `checkpoint.committed` (whose version is its
+//! manifest's digest).
 //!
 //! Memory stays bounded whatever the file count: `stagehand-manifest` spools a large manifest
 //! to a local file, the store writes it a transaction's worth of chunks at a time, and only a
@@ -57,18 +60,22 @@ impl FileLists {
     /// Makes sure the file list of the version `event` records is in the store (nothing to do
     /// for a fact that records no version).
     pub async fn ensure(&self, event: &Event) -> Result<(), FoldError> {
-        let version = match &event.body {
-            Body::DatasetValidated(p) => p.version.clone(),
-            Body::DatasetPrepared(p) => p.version.clone(),
+        let stated = match &event.body {
+            Body::DatasetValidated(p) => Some(&p.version),
+            Body::DatasetPrepared(p) => Some(&p.version),
+            // A checkpoint's version is its manifest's digest (it states none of its own).
+            Body::CheckpointCommitted(_) => None,
             _ => return Ok(()),
         };
         let source = ManifestSource::of(event)
             .map_err(FoldError::manifest)?
             .ok_or_else(|| FoldError::malformed("the fact carries no manifest"))?;
-        let declared = source.digest();
-        if declared != version {
+        let version = source.digest();
+        if let Some(stated) = stated
+            && *stated != version
+        {
             return Err(FoldError::malformed(format!(
-                "version {version} is not the digest of the fact's manifest ({declared})"
+                "version {stated} is not the digest of the fact's manifest ({version})"
             )));
         }
         let store = self.store.clone();

@@ -12,7 +12,7 @@
 
 use redb::{ReadableTable, WriteTransaction};
 use stagehand_catalogue::*;
-use stagehand_manifest::{ManifestError, ManifestErrorKind};
+use stagehand_manifest::{ManifestError, ManifestErrorKind, ManifestSource};
 use stagehand_schemas::problem::ProblemTally;
 use stagehand_schemas::*;
 
@@ -140,6 +140,8 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
         Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
+        // A checkpoint's own copies (its version of `ckpt-<run>`) are no stage's: no
+        // readiness; a restored copy's is the promoter's stage facts'.
         _ => return None,
     };
     // A stage fact may name a version prefix: its readiness is found through its request.
@@ -587,24 +589,151 @@ pub fn stage_request_of(event: &Event) -> Option<EventId> {
     }
 }
 
+/// The version a checkpoint commit records: its manifest's digest.
+fn checkpoint_digest(event: &Event) -> Result<String, FoldError> {
+    Ok(ManifestSource::of(event)
+        .map_err(FoldError::manifest)?
+        .ok_or_else(|| FoldError::malformed("the fact carries no manifest"))?
+        .digest())
+}
+
+/// A checkpoint commit: the checkpoint's record, and a version of its run's dataset
+/// ([`checkpoint_dataset`]) with the committed copy as its replica, so that it is staged
+/// like any other version. A demotion or expiry folded before the commit (the digest was
+/// unknown then) is carried out on the replicas now, from the record.
 fn checkpoint_committed(
     txn: &WriteTransaction,
     event: &Event,
     p: &CheckpointCommitted,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let commit = (p.total_bytes, p.tags.clone());
+    let digest = checkpoint_digest(event)?;
+    let dataset = checkpoint_dataset(&p.run);
+    let provenance = Provenance {
+        by: format!("checkpoint commit of run {} step {}", p.run, p.step),
+        at: event.occurred_at,
+        request_id: event.id.clone(),
+        event_id: event.id.clone(),
+        labels: vec![("step".into(), p.step.to_string())],
+        derived_from: None,
+        layout: None,
+        location: p.location.clone(),
+    };
+    let list = record_version(
+        txn,
+        event,
+        &dataset,
+        &digest,
+        p.total_bytes,
+        provenance,
+        stamp,
+    )?;
+    let commit = (p.total_bytes, p.tags.clone(), digest.clone());
     let state = (CheckpointState::Committed, &p.location, None);
-    set_checkpoint(
+    let record = set_checkpoint(
         txn,
         &event.project,
         (&p.run, p.step),
         stamp,
         state,
         Some(commit),
+    )?;
+    let version = (dataset.as_str(), digest.as_str());
+    let copy = || Copy {
+        files: list.files,
+        total_bytes: list.bytes,
+        verified_by: CHECKPOINT_VERIFIED_BY.into(),
+        backup: false,
+    };
+    // Checkpoints live on shared tiers (hot, capacity): their copies carry no node.
+    let present = (ReplicaState::Present, None);
+    set_replica(
+        txn,
+        event,
+        version,
+        (&p.location, None),
+        stamp,
+        present.clone(),
+        Some(copy()),
+    )?;
+    let later = &record.stamp;
+    match record.state {
+        CheckpointState::Committed => Ok(()),
+        CheckpointState::Demoted => {
+            let removed = (
+                ReplicaState::Removed,
+                Some(demoted_reason(
+                    &record.location.tier,
+                    record.rule.as_deref(),
+                )),
+            );
+            if record.location.tier != p.location.tier {
+                set_replica(
+                    txn,
+                    event,
+                    version,
+                    (&p.location, None),
+                    later,
+                    removed,
+                    None,
+                )?;
+            }
+            let to = &record.location;
+            set_replica(
+                txn,
+                event,
+                version,
+                (to, None),
+                later,
+                present,
+                Some(copy()),
+            )
+        }
+        CheckpointState::Expired => {
+            let removed = (
+                ReplicaState::Removed,
+                Some(expired_reason(record.rule.as_deref())),
+            );
+            // Expired elsewhere than where it was committed: it was demoted there first.
+            if record.location.tier != p.location.tier {
+                set_replica(
+                    txn,
+                    event,
+                    version,
+                    (&p.location, None),
+                    later,
+                    removed.clone(),
+                    None,
+                )?;
+            }
+            set_replica(
+                txn,
+                event,
+                version,
+                (&record.location, None),
+                later,
+                removed,
+                None,
+            )
+        }
+    }
+}
+
+/// The `reason` of a checkpoint replica removed by a demotion to `tier`.
+fn demoted_reason(tier: &str, rule: Option<&str>) -> String {
+    format!(
+        "checkpoint demoted to {tier} ({})",
+        rule.unwrap_or("retention")
     )
 }
 
+/// The `reason` of a checkpoint replica removed by an expiry.
+fn expired_reason(rule: Option<&str>) -> String {
+    format!("checkpoint expired ({})", rule.unwrap_or("retention"))
+}
+
+/// A demotion: the checkpoint's replica moves from the tier it was on to the one it went to
+/// (once the commit, and so the version, is known).
 fn checkpoint_demoted(
     txn: &WriteTransaction,
     event: &Event,
@@ -612,9 +741,42 @@ fn checkpoint_demoted(
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
     let state = (CheckpointState::Demoted, &p.to, p.rule.as_deref());
-    set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)
+    let record = set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)?;
+    let Some(digest) = record.digest.as_deref() else {
+        return Ok(());
+    };
+    let dataset = checkpoint_dataset(&p.run);
+    let version = (dataset.as_str(), digest);
+    let files = txn
+        .open_table(FILE_LISTS)?
+        .get(digest)?
+        .map(|v| decode::<FileListRecord>(v.value(), || format!("file list {digest}")))
+        .transpose()?
+        .map_or(0, |l| l.files);
+    let copy = Copy {
+        files,
+        total_bytes: p.total_bytes,
+        verified_by: CHECKPOINT_VERIFIED_BY.into(),
+        backup: false,
+    };
+    let why = demoted_reason(&p.to.tier, p.rule.as_deref());
+    if p.from.tier != p.to.tier {
+        let removed = (ReplicaState::Removed, Some(why));
+        set_replica(txn, event, version, (&p.from, None), stamp, removed, None)?;
+    }
+    let present = (ReplicaState::Present, None);
+    set_replica(
+        txn,
+        event,
+        version,
+        (&p.to, None),
+        stamp,
+        present,
+        Some(copy),
+    )
 }
 
+/// An expiry: the checkpoint's replica where it was is removed (once the version is known).
 fn checkpoint_expired(
     txn: &WriteTransaction,
     event: &Event,
@@ -622,7 +784,21 @@ fn checkpoint_expired(
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
     let state = (CheckpointState::Expired, &p.location, Some(p.rule.as_str()));
-    set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)
+    let record = set_checkpoint(txn, &event.project, (&p.run, p.step), stamp, state, None)?;
+    let Some(digest) = record.digest.as_deref() else {
+        return Ok(());
+    };
+    let dataset = checkpoint_dataset(&p.run);
+    let removed = (ReplicaState::Removed, Some(expired_reason(Some(&p.rule))));
+    set_replica(
+        txn,
+        event,
+        (&dataset, digest),
+        (&p.location, None),
+        stamp,
+        removed,
+        None,
+    )
 }
 
 fn dead_letter(txn: &WriteTransaction, p: &DeadLetter, stamp: &Stamp) -> Result<(), FoldError> {
@@ -910,8 +1086,8 @@ fn set_checkpoint(
     (run, step): (&str, u64),
     stamp: &Stamp,
     (state, location, rule): (CheckpointState, &Location, Option<&str>),
-    commit: Option<(u64, Vec<String>)>,
-) -> Result<(), FoldError> {
+    commit: Option<(u64, Vec<String>, String)>,
+) -> Result<CheckpointRecord, FoldError> {
     let what = || format!("checkpoint {project}/{run}/{step}");
     let mut table = txn.open_table(CHECKPOINTS)?;
     let existing: Option<CheckpointRecord> = table
@@ -930,6 +1106,7 @@ fn set_checkpoint(
         tags: vec![],
         committed: None,
         rule: rule.map(str::to_owned),
+        digest: None,
     });
     if *stamp > record.stamp {
         record.state = state;
@@ -938,18 +1115,19 @@ fn set_checkpoint(
         record.rule = rule.map(str::to_owned);
         changed = true;
     }
-    if let Some((total_bytes, tags)) = commit
+    if let Some((total_bytes, tags, digest)) = commit
         && record.committed.as_ref().is_none_or(|old| stamp > old)
     {
         record.total_bytes = total_bytes;
         record.tags = tags;
+        record.digest = Some(digest);
         record.committed = Some(stamp.clone());
         changed = true;
     }
     if changed {
         table.insert((project, run, step), encode(&record, what)?.as_slice())?;
     }
-    Ok(())
+    Ok(record)
 }
 
 #[cfg(test)]
@@ -987,6 +1165,73 @@ mod tests {
         };
         assert_eq!(services.len(), 1);
         assert_eq!(services[0].count, 2);
+    }
+
+    /// The replicas of step `step`'s version of `ckpt-r1`: (tier, present) in tier order.
+    fn checkpoint_replicas(store: &crate::store::Store, step: u64) -> Vec<(String, bool)> {
+        let Answer::Checkpoints { checkpoints, .. } = crate::answer(
+            store,
+            &Query::Checkpoints {
+                project: "lab-a".into(),
+                run: "r1".into(),
+                limit: None,
+                after: None,
+            },
+        ) else {
+            panic!("not a checkpoints answer")
+        };
+        let record = checkpoints.iter().find(|c| c.step == step).unwrap();
+        let Answer::Version(detail) = crate::answer(
+            store,
+            &Query::Version {
+                project: Some("lab-a".into()),
+                dataset: checkpoint_dataset("r1"),
+                version: record.digest.clone().expect("the commit's digest"),
+                limit: None,
+            },
+        ) else {
+            panic!("not a version answer")
+        };
+        assert_eq!(detail.version.file_count, 1);
+        let mut replicas: Vec<(String, bool)> = detail
+            .replicas
+            .iter()
+            .map(|r| (r.tier.clone(), r.state == ReplicaState::Present))
+            .collect();
+        replicas.sort();
+        replicas
+    }
+
+    /// Guards restore's source: each committed checkpoint is a version of `ckpt-<run>` whose
+    /// replicas follow its facts — committed on hot, demoted to capacity (gone from hot),
+    /// expired (gone) — in whatever order the facts are folded.
+    #[test]
+    fn checkpoints_are_versions_with_replicas_where_retention_put_them() {
+        let dir = tempfile::tempdir().unwrap();
+        // Expired from where it was demoted to, as the demoter does.
+        let mut expired_on_capacity = checkpoint_expired(30, 60);
+        if let stagehand_schemas::Body::CheckpointExpired(p) = &mut expired_on_capacity.body {
+            p.location.tier = "capacity".into();
+        }
+        let in_order = vec![
+            checkpoint_committed(10, &[], 10),
+            checkpoint_committed(20, &[], 20),
+            checkpoint_demoted(20, Some("keep_last"), 50),
+            checkpoint_committed(30, &[], 30),
+            checkpoint_demoted(30, Some("keep_last"), 40),
+            expired_on_capacity,
+        ];
+        let mut reversed = in_order.clone();
+        reversed.reverse();
+        for (name, events) in [("a.redb", in_order), ("b.redb", reversed)] {
+            let store = store_with(dir.path(), name, &events);
+            let hot_only = vec![("hot".to_owned(), true)];
+            assert_eq!(checkpoint_replicas(&store, 10), hot_only, "{name}");
+            let demoted = vec![("capacity".to_owned(), true), ("hot".to_owned(), false)];
+            assert_eq!(checkpoint_replicas(&store, 20), demoted, "{name}");
+            let gone = vec![("capacity".to_owned(), false), ("hot".to_owned(), false)];
+            assert_eq!(checkpoint_replicas(&store, 30), gone, "{name}");
+        }
     }
 
     /// A run's checkpoints fold into one record per step whose state, tier and rule follow the

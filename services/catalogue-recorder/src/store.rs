@@ -94,10 +94,12 @@ const META: TableDefinition<S, u64> = TableDefinition::new("meta");
 const COMPLETE: &str = "complete_through";
 /// Meta key: the layout the tables follow.
 const LAYOUT: &str = "layout";
-/// This layout: typed tables, file lists in chunks, replicas per (tier, node). A store of
-/// another layout (the one-table layout of key prefixes was 1; 2 kept one replica per tier)
-/// is emptied and rebuilt from the streams.
-const LAYOUT_VERSION: u64 = 3;
+/// This layout: typed tables, file lists in chunks, replicas per (tier, node), each committed
+/// checkpoint also a version of its run's dataset. A store of another layout is emptied and
+/// rebuilt from the streams: the one-table layout of key prefixes was 1; 2 kept one replica per
+/// tier and checkpoints in their own table only; 3 had either replicas per node or checkpoint
+/// versions, not both.
+const LAYOUT_VERSION: u64 = 4;
 
 /// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;

@@ -229,9 +229,14 @@ pub fn checkpoint_committed(step: u64, tags: &[&str], second: i64) -> Event {
                 tier: "hot".into(),
                 prefix: format!("lab-a/checkpoints/r1/step-{step}"),
             },
-            files: vec![FileRef::new("model.pt", 3, sha256_hex(b"abc"))],
+            // Each step's own content, so each is its own version of `ckpt-r1`.
+            files: vec![FileRef::new(
+                "model.pt",
+                8,
+                sha256_hex(format!("{step:08}").as_bytes()),
+            )],
             manifest: None,
-            total_bytes: 3,
+            total_bytes: 8,
             tags: tags.iter().map(|t| (*t).to_owned()).collect(),
         }),
     );

@@ -26,8 +26,18 @@
 //! the latest demotion or expiry) and, when `retention.toml` is at hand, what retention decides
 //! for each now ([`stagehand_policy::retention::decide`]).
 //!
+//! `restore` brings a checkpoint back onto a hot (or node-local) tier: the step asked for, or
+//! the newest not expired. Each committed checkpoint is the version (its manifest's digest) of
+//! the dataset `ckpt-<run>` in the catalogue, with its replicas where it was committed and
+//! where retention demoted it, so `restore` is a stage request of that version through
+//! [`crate::stage::request`] and [`crate::stage::wait`], and prints the staged folder as
+//! `stagehand stage wait` does (a checkpoint still where its run committed it, on the tier
+//! asked for, is not copied: its folder there is printed). The stage is the job's (`--job`)
+//! until `stagehand stage release ckpt-<run>@<digest> --tier T --job J` releases it.
+//!
 //! Exit codes: 0 done, 1 refused (an incomplete checkpoint, a file that cannot be read as it
-//! was listed), 64 a bad argument, 69 NATS unreachable.
+//! was listed; for `restore`, no such step, expired, or the stage failed), 2 `restore` timed
+//! out, 64 a bad argument, 69 NATS unreachable.
 
 use std::io::Write;
 use std::path::{Component, Path, PathBuf};
@@ -36,7 +46,7 @@ use std::time::Duration;
 use clap::{Args, Subcommand};
 use futures::{StreamExt, TryStreamExt};
 use stagehand_bus::Bus;
-use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState};
+use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState, checkpoint_dataset};
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_mover::{ReadLimit, Tier};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
@@ -44,6 +54,7 @@ use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Loca
 
 use crate::args::{EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE};
 use crate::cli::Connection;
+use crate::stage::{RequestOptions, Stage, WaitOutcome};
 
 /// Exit code of a refused checkpoint.
 pub const EXIT_REFUSED: i32 = 1;
@@ -61,6 +72,9 @@ pub enum CheckpointCommand {
     Commit(CommitArgs),
     /// A run's checkpoints: step, tags, tier(s), and why each is kept or expired.
     List(ListArgs),
+    /// Bring a checkpoint back onto a hot (or node-local) tier: a stage request for its
+    /// version of `ckpt-<run>`, waited for like `stagehand stage wait` (prints the path).
+    Restore(RestoreArgs),
 }
 
 #[derive(Debug, Args)]
@@ -106,6 +120,23 @@ pub struct ListArgs {
     /// `$STAGEHAND_HOME/policies`, skipped when absent.
     #[arg(long)]
     pub policies: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    /// Training run name.
+    pub run: String,
+    /// The step to restore; default the newest one not expired.
+    #[arg(long)]
+    pub step: Option<String>,
+    #[command(flatten)]
+    pub place: crate::cli::StagePlaceArgs,
+    /// How long to wait for it (90, 90s, 30m, 1h); 0 looks once.
+    #[arg(long, default_value = "1h")]
+    pub timeout: String,
+    /// Print the stage's status as JSON.
     #[arg(long)]
     pub json: bool,
 }
@@ -401,7 +432,14 @@ fn check_project(project: &str) -> Result<(), CheckpointError> {
 }
 
 fn check_run(run: &str) -> Result<(), CheckpointError> {
-    crate::ingest::check_name("run", run).map_err(|e| usage(e.to_string()))
+    crate::ingest::check_name("run", run).map_err(|e| usage(e.to_string()))?;
+    // The run's checkpoints are versions of the dataset `ckpt-<run>`, which must be a name too.
+    crate::args::dataset("run", &checkpoint_dataset(run)).map_err(|_| {
+        usage(format!(
+            "run {run:?} is too long: its checkpoints' dataset {:?} must be at most 128 characters",
+            checkpoint_dataset(run)
+        ))
+    })
 }
 
 /// A checkpoint recognised and hashed, ready to announce.
@@ -859,6 +897,129 @@ pub async fn list(
     Ok(listing(&records, retention))
 }
 
+/// The checkpoint `restore` stages: step `step` of the run, or the newest not expired; one
+/// that expired, or whose commit the catalogue has not folded (no digest), is refused.
+pub fn restorable<'a>(
+    run: &str,
+    records: &'a [CheckpointRecord],
+    step: Option<u64>,
+) -> Result<(&'a CheckpointRecord, String), CheckpointError> {
+    let live = |r: &&CheckpointRecord| r.state != CheckpointState::Expired;
+    let record = match step {
+        Some(step) => records.iter().find(|r| r.step == step).ok_or_else(|| {
+            refused(format!(
+                "run {run} has no checkpoint of step {step} in the catalogue"
+            ))
+        })?,
+        None => records
+            .iter()
+            .filter(live)
+            .max_by_key(|r| r.step)
+            .ok_or_else(|| refused(format!("run {run} has no checkpoint that is not expired")))?,
+    };
+    if record.state == CheckpointState::Expired {
+        return Err(refused(format!(
+            "step {} of run {run} expired ({}); nothing is left to restore",
+            record.step,
+            record.rule.as_deref().unwrap_or("retention")
+        )));
+    }
+    let digest = record.digest.clone().ok_or_else(|| {
+        refused(format!(
+            "step {} of run {run}: the catalogue has not recorded its commit yet; try again",
+            record.step
+        ))
+    })?;
+    Ok((record, digest))
+}
+
+/// How `restore` brought a checkpoint back.
+#[derive(Debug)]
+pub enum Restored {
+    /// Staged onto the tier: the stage and how its wait ended.
+    Staged(Box<(Stage, WaitOutcome)>),
+    /// Still where the run committed it, on the tier asked for: its folder there.
+    InPlace(PathBuf),
+}
+
+/// The folder of a checkpoint still where its run committed it, on the shared tier `tier`.
+fn in_place(
+    record: &CheckpointRecord,
+    place: &crate::cli::StagePlaceArgs,
+) -> Result<Option<PathBuf>, CheckpointError> {
+    let on_tier = record.state == CheckpointState::Committed
+        && record.location.tier == place.tier
+        && place.node.is_none();
+    if !on_tier {
+        return Ok(None);
+    }
+    let dir = place.policies.clone().unwrap_or_else(default_policies);
+    let policies = stagehand_policy::Policies::load_dir(&dir)
+        .map_err(|e| usage(format!("policies {}: {e}", dir.display())))?;
+    let tier = policies
+        .tier(&place.tier)
+        .and_then(|t| t.open().ok())
+        .ok_or_else(|| {
+            usage(format!(
+                "tier {:?} cannot be opened from {}",
+                place.tier,
+                dir.display()
+            ))
+        })?;
+    let Tier::Posix(tier) = tier else {
+        return Err(usage(format!("tier {:?} is not a posix tier", place.tier)));
+    };
+    Ok(Some(tier.root().join(&record.location.prefix)))
+}
+
+/// `stagehand checkpoint restore`: finds the step's version, then (unless it is still on the
+/// tier where the run committed it) requests and waits for its stage with `stagehand stage`'s
+/// own calls.
+pub async fn restore(
+    connection: &Connection,
+    args: &RestoreArgs,
+) -> Result<Restored, CheckpointError> {
+    check_run(&args.run)?;
+    let step = args
+        .step
+        .as_deref()
+        .map(|s| {
+            s.parse::<u64>()
+                .map_err(|_| usage(format!("--step {s:?}: expected a whole number")))
+        })
+        .transpose()?;
+    let timeout = crate::args::duration("--timeout", &args.timeout).map_err(|e| usage(e.0))?;
+    // The version is found in the catalogue; everything else is checked before connecting.
+    let mut stage = crate::cli::stage_at(checkpoint_dataset(&args.run), String::new(), &args.place)
+        .map_err(|e| usage(e.0))?;
+    let bus = crate::cli::connect(connection)
+        .await
+        .map_err(CheckpointError::Unavailable)?;
+    let catalogue = Catalogue::new(bus.client().clone()).with_timeout(LIST_TIMEOUT);
+    let records = catalogue
+        .all_checkpoints(&stage.project, &args.run)
+        .await
+        .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+    let (record, digest) = restorable(&args.run, &records, step)?;
+    // Not demoted yet: it is where the run wrote it, which is the tier asked for.
+    if let Some(path) = in_place(record, &args.place)? {
+        return Ok(Restored::InPlace(path));
+    }
+    stage.version = digest;
+    let opts = RequestOptions {
+        requested_by: crate::cli::who(None),
+        deadline: None,
+        form: None,
+    };
+    crate::stage::request(&bus, &stage, &opts)
+        .await
+        .map_err(CheckpointError::Unavailable)?;
+    let outcome = crate::stage::wait(&bus, &stage, timeout)
+        .await
+        .map_err(CheckpointError::Unavailable)?;
+    Ok(Restored::Staged(Box::new((stage, outcome))))
+}
+
 /// Runs a `stagehand checkpoint` command, printing its answer; returns the exit code.
 pub async fn run(connection: &Connection, cmd: CheckpointCommand) -> anyhow::Result<i32> {
     let result = match cmd {
@@ -882,6 +1043,38 @@ pub async fn run(connection: &Connection, cmd: CheckpointCommand) -> anyhow::Res
                 .and_then(|()| out.flush())
                 .map_err(|e| CheckpointError::Other(e.into()))
         }),
+        CheckpointCommand::Restore(args) => {
+            return match restore(connection, &args).await {
+                Ok(Restored::InPlace(path)) => {
+                    if args.json {
+                        let out = serde_json::json!({ "state": "in_place", "path": path });
+                        println!("{}", serde_json::to_string_pretty(&out)?);
+                    } else {
+                        println!("{}", path.display());
+                    }
+                    Ok(0)
+                }
+                Ok(Restored::Staged(staged)) => {
+                    let (stage, outcome) = *staged;
+                    if args.json {
+                        let status = match &outcome {
+                            WaitOutcome::Ready(s)
+                            | WaitOutcome::Failed(s)
+                            | WaitOutcome::TimedOut(Some(s)) => Some(s),
+                            WaitOutcome::TimedOut(None) => None,
+                        };
+                        println!("{}", serde_json::to_string_pretty(&status)?);
+                    } else {
+                        println!("{}", outcome.text(&stage));
+                    }
+                    Ok(outcome.exit_code())
+                }
+                Err(e) => {
+                    eprintln!("stagehand checkpoint: {e}");
+                    Ok(e.exit_code())
+                }
+            };
+        }
     };
     match result {
         Ok(()) => Ok(0),

@@ -141,22 +141,8 @@ pub enum StageCommand {
 pub struct StageTargetArgs {
     /// DATASET@VERSION; VERSION is a digest or a unique prefix of 12 or more hex characters.
     pub target: String,
-    /// The tier to stage onto (a hot or local tier of the policies).
-    #[arg(long)]
-    pub tier: String,
-    /// The scheduler's job id (e.g. slurm-<cluster>-<job id>, or a pod uid).
-    #[arg(long)]
-    pub job: String,
-    /// The node, for a node-local tier (and only then).
-    #[arg(long)]
-    pub node: Option<String>,
-    /// Project (tenant): [a-z0-9_-].
-    #[arg(long, env = "STAGEHAND_PROJECT")]
-    pub project: Option<String>,
-    /// Policy folder used to check that the tier exists and whether it needs --node; default
-    /// `$STAGEHAND_HOME/policies` when present (without policies, the promoter judges).
-    #[arg(long)]
-    pub policies: Option<PathBuf>,
+    #[command(flatten)]
+    pub place: StagePlaceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -471,6 +457,39 @@ fn policies_for_check(given: Option<&Path>) -> Result<Option<PathBuf>, UsageErro
 /// the tier is a hot or local tier and that `--node` is given exactly for a local one.
 fn stage_from(a: &StageTargetArgs) -> Result<Stage, UsageError> {
     let (dataset, version) = args::dataset_at_version("DATASET@VERSION", &a.target)?;
+    stage_at(dataset, version, &a.place)
+}
+
+/// Where a stage goes and for whom: `stage request|wait|release`'s and `checkpoint
+/// restore`'s options besides the data.
+#[derive(Debug, Args)]
+pub struct StagePlaceArgs {
+    /// The tier to stage onto (a hot or local tier of the policies).
+    #[arg(long)]
+    pub tier: String,
+    /// The scheduler's job id (e.g. slurm-<cluster>-<job id>, or a pod uid).
+    #[arg(long)]
+    pub job: String,
+    /// The node, for a node-local tier (and only then).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Project (tenant): [a-z0-9_-].
+    #[arg(long, env = "STAGEHAND_PROJECT")]
+    pub project: Option<String>,
+    /// Policy folder used to check that the tier exists and whether it needs --node; default
+    /// `$STAGEHAND_HOME/policies` when present (without policies, the promoter judges).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+}
+
+/// The stage of `dataset@version` at `a`'s place, its arguments checked (project, tier, job,
+/// node iff the tier is node-local) before anything connects; the version is the caller's
+/// to check.
+pub(crate) fn stage_at(
+    dataset: String,
+    version: String,
+    a: &StagePlaceArgs,
+) -> Result<Stage, UsageError> {
     let project = a
         .project
         .clone()
@@ -524,7 +543,7 @@ fn stage_from(a: &StageTargetArgs) -> Result<Stage, UsageError> {
     })
 }
 
-fn who(by: Option<String>) -> String {
+pub(crate) fn who(by: Option<String>) -> String {
     by.or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| "unknown".into())
 }

@@ -1,8 +1,9 @@
 //! `stagehand checkpoint` as the real binary: commits of every recognised format against a
-//! real nats-server with the real catalogue recorder (in-process, as `stagehand up` runs it),
-//! the same step committed twice as one fact, a manifest too large to inline put in the
-//! project's upload bucket, the list of a run with the recorder's states and retention's
-//! decisions; and, with no server at all, the refusals of incomplete checkpoints (refused
+//! real nats-server with the real services of `stagehand up` (in-process: the catalogue
+//! recorder, the demoter carrying out retention, the promoter), the same step committed twice
+//! as one fact, a manifest too large to inline put in the project's upload bucket, the list of
+//! a run with the states the demoter left and retention's decisions, a demoted checkpoint
+//! restored onto hot; and, with no server at all, the refusals of incomplete checkpoints (refused
 //! before any connection is tried) and the exit codes of bad arguments and an unreachable NATS.
 
 use std::path::{Path, PathBuf};
@@ -12,9 +13,7 @@ use std::time::Duration;
 use stagehand::up::{Stack, UpOptions};
 use stagehand_bus::{Bus, BusConfig};
 use stagehand_catalogue::{Catalogue, CheckpointState};
-use stagehand_schemas::{
-    Body, CheckpointDemoted, CheckpointExpired, Event, EventId, FileRef, Location, sha256_hex,
-};
+use stagehand_schemas::{Body, EventId, FileRef, sha256_hex};
 use stagehand_testkit::{NatsServer, wait_for};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -266,64 +265,25 @@ async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow:
     let counts: std::collections::HashMap<String, usize> = info.try_collect().await?;
     assert_eq!(counts.get(subject).copied(), Some(6));
 
-    // What the demoter would publish for two of them: the recorder folds both.
-    let from = Location {
-        tier: "hot".into(),
-        prefix: "lab-a/runs/r1/step-100".into(),
-    };
-    let commit_id = EventId::for_checkpoint("lab-a", "r1", 100);
-    let cause = Event::request(
-        commit_id.clone(),
-        "lab-a",
-        Body::CheckpointCommitted(fact.clone()),
-    );
-    bus.publish(&cause.caused(
-        "expired",
-        Body::CheckpointExpired(CheckpointExpired {
-            run: "r1".into(),
-            step: 100,
-            location: from,
-            rule: "expired".into(),
-        }),
-    ))
-    .await?;
-    let cause = Event::request(
-        EventId::for_checkpoint("lab-a", "r1", 200),
-        "lab-a",
-        Body::CheckpointCommitted(fact.clone()),
-    );
-    bus.publish(&cause.caused(
-        "demoted",
-        Body::CheckpointDemoted(CheckpointDemoted {
-            run: "r1".into(),
-            step: 200,
-            from: Location {
-                tier: "hot".into(),
-                prefix: "lab-a/runs/r1/orbax/200".into(),
-            },
-            to: Location {
-                tier: "capacity".into(),
-                prefix: "lab-a/runs/r1/orbax/200".into(),
-            },
-            total_bytes: 23,
-            rule: Some("keep_last".into()),
-        }),
-    ))
-    .await?;
-
+    // The stack's demoter carries out retention (keep_last 5, hot_keep_last 2): the recorder
+    // folds its demotions and expiry.
     let catalogue = Catalogue::new(bus.client().clone());
     wait_for(
         WAIT,
-        "six checkpoints, one demoted and one expired",
+        "six checkpoints: the oldest expired, the next three demoted, the newest two on hot",
         || async {
+            use CheckpointState::{Committed, Demoted, Expired};
             let all = catalogue.all_checkpoints("lab-a", "r1").await.ok()?;
-            let settled = all.len() == 6
-                && all[0].state == CheckpointState::Expired
-                && all[1].state == CheckpointState::Demoted;
+            let states: Vec<CheckpointState> = all.iter().map(|c| c.state).collect();
+            let settled = states == [Expired, Demoted, Demoted, Demoted, Committed, Committed];
             settled.then_some(())
         },
     )
     .await?;
+    let capacity = home.path().join("tiers/capacity/lab-a/runs/r1");
+    assert!(!run_dir.join("step-100").exists() && !capacity.join("step-100").exists());
+    assert!(!run_dir.join("orbax/200").exists() && capacity.join("orbax/200").exists());
+    assert!(run_dir.join("step-500").exists() && run_dir.join("step-600").exists());
 
     let out = stagehand(
         &url,
@@ -379,17 +339,17 @@ async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow:
             ),
             (
                 300,
-                "committed".into(),
-                vec!["hot".into()],
-                None,
+                "demoted".into(),
+                vec!["capacity".into()],
+                s("keep_last"),
                 s("demote"),
                 s("keep_last")
             ),
             (
                 400,
-                "committed".into(),
-                vec!["hot".into()],
-                None,
+                "demoted".into(),
+                vec!["capacity".into()],
+                s("keep_last"),
                 s("demote"),
                 s("keep_last")
             ),
@@ -451,6 +411,162 @@ async fn every_format_commits_once_and_lists_with_its_tier_and_rule() -> anyhow:
 
     stack.stop().await?;
     Ok(())
+}
+
+/// Guards `checkpoint restore` end to end through the real services (`stagehand up`: the
+/// recorder, the demoter, the promoter): three steps committed, retention (hot_keep_last 2)
+/// demotes the oldest to capacity, so it is on capacity only; restoring it stages its version
+/// of `ckpt-<run>` onto hot, the printed path holds every file with its committed hash; the
+/// newest, still where it was committed, is printed in place; an unknown step is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_checkpoint_restores_onto_hot_with_every_hash() -> anyhow::Result<()> {
+    let nats = NatsServer::start();
+    let home = tempfile::tempdir()?;
+    let stack = Stack::start(UpOptions {
+        home: home.path().to_owned(),
+        nats: Some(BusConfig::new(nats.url())),
+        port: 0,
+        policies: None,
+    })
+    .await?;
+    stack.ready(WAIT).await?;
+    let url = nats.url();
+    let policies = stack.env.policies.clone();
+    let hot = home.path().join("tiers/hot");
+    let capacity = home.path().join("tiers/capacity");
+    let contents = |step: u64| -> Vec<(String, Vec<u8>)> {
+        vec![
+            (
+                "model.pt".into(),
+                format!("weights of step {step}").into_bytes(),
+            ),
+            ("optim/state.bin".into(), vec![step as u8; 4096]),
+        ]
+    };
+    for step in 1..=3 {
+        let dir = hot.join(format!("lab-a/runs/r7/step-{step}"));
+        for (name, bytes) in contents(step) {
+            std::fs::create_dir_all(dir.join(&name).parent().unwrap())?;
+            std::fs::write(dir.join(&name), bytes)?;
+        }
+        let step = step.to_string();
+        let out = stagehand(
+            &url,
+            &[
+                "checkpoint",
+                "commit",
+                "--project",
+                "lab-a",
+                "--run",
+                "r7",
+                "--step",
+                &step,
+                "--complete",
+                "--policies",
+                policies.to_str().unwrap(),
+                dir.to_str().unwrap(),
+            ],
+        );
+        assert!(out.status.success(), "commit {step}: {}", stderr(&out));
+    }
+
+    // Retention demotes step 1: present on capacity only, in the checkpoints and as a version.
+    let bus = Bus::connect(&BusConfig::new(&url)).await?;
+    let catalogue = Catalogue::new(bus.client().clone());
+    let digest = wait_for(WAIT, "step 1 demoted by retention", || async {
+        let records = catalogue.all_checkpoints("lab-a", "r7").await.ok()?;
+        let first = records.iter().find(|r| r.step == 1)?;
+        (first.state == CheckpointState::Demoted).then(|| first.digest.clone())?
+    })
+    .await?;
+    let version = catalogue.version(Some("lab-a"), "ckpt-r7", &digest).await?;
+    assert_eq!(version.version.file_count, 2);
+    let mut present: Vec<&str> = version
+        .replicas
+        .iter()
+        .filter(|r| r.state == stagehand_catalogue::ReplicaState::Present)
+        .map(|r| r.tier.as_str())
+        .collect();
+    present.sort();
+    assert_eq!(present, ["capacity"]);
+    assert!(!hot.join("lab-a/runs/r7/step-1").exists());
+    assert!(capacity.join("lab-a/runs/r7/step-1/model.pt").exists());
+
+    // Restore it onto hot: the staged folder holds every file as committed.
+    let restore = |step: Option<&str>| {
+        let mut args = vec![
+            "checkpoint",
+            "restore",
+            "r7",
+            "--tier",
+            "hot",
+            "--job",
+            "resume-1",
+            "--project",
+            "lab-a",
+            "--policies",
+            policies.to_str().unwrap(),
+            "--timeout",
+            "60s",
+        ];
+        if let Some(step) = step {
+            args.extend(["--step", step]);
+        }
+        stagehand(&url, &args)
+    };
+    let out = restore(Some("1"));
+    assert_eq!(out.status.code(), Some(0), "restore: {}", stderr(&out));
+    let path = PathBuf::from(String::from_utf8(out.stdout)?.trim());
+    assert_eq!(path, hot.join(format!("lab-a/ckpt-r7/{digest}")));
+    for (name, bytes) in contents(1) {
+        let landed = std::fs::read(path.join(&name))?;
+        assert_eq!(sha256_hex(&landed), sha256_hex(&bytes), "{name}");
+    }
+    let mut landed: Vec<String> = walkdir(&path);
+    landed.sort();
+    assert_eq!(landed, ["model.pt", "optim/state.bin"]);
+
+    // The newest (the default) is still where it was committed: printed in place.
+    let out = restore(None);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "restore newest: {}",
+        stderr(&out)
+    );
+    assert_eq!(
+        PathBuf::from(String::from_utf8(out.stdout)?.trim()),
+        hot.join("lab-a/runs/r7/step-3")
+    );
+    // A step never committed is refused, naming it.
+    let out = restore(Some("9"));
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("run r7 has no checkpoint of step 9"),
+        "{}",
+        stderr(&out)
+    );
+
+    stack.stop().await?;
+    Ok(())
+}
+
+/// The files beneath `dir`, relative, with `/` between components.
+fn walkdir(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_dir() {
+                todo.push(entry.path());
+            } else {
+                let rel = entry.path().strip_prefix(dir).unwrap().to_owned();
+                out.push(rel.to_string_lossy().into_owned());
+            }
+        }
+    }
+    out
 }
 
 /// Policies with a hot tier under `home`, as `stagehand up` writes them.

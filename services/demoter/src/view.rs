@@ -96,6 +96,12 @@ pub async fn placed_on(
                 else {
                     continue;
                 };
+                // A checkpoint's own copy (where its run wrote it, or retention put it) is
+                // retention's to move, not the watermarks'; a restored copy is a stage's.
+                if here.verified_by.as_deref() == Some(stagehand_catalogue::CHECKPOINT_VERIFIED_BY)
+                {
+                    continue;
+                }
                 out.push(Placed {
                     project: d.project.clone(),
                     dataset: d.dataset.clone(),
