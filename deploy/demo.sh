@@ -2,11 +2,16 @@
 # The README's first command: Stagehand end to end on this machine.
 #
 # Installs (if missing) and starts nats-server through deploy/servers.sh, runs `stagehand up` in
-# the background (ingest validator + catalogue recorder, posix tiers under
-# $STAGEHAND_HOME/demo/home), ingests a generated sample dataset of a few hundred files and waits
-# until it is validated, shows the catalogue, then ingests a corrupted upload (a wrong hash, a
-# wrong size, a `../` path, a missing file) and shows it rejected with every reason. Stops
-# everything it started on exit.
+# the background (every service, posix tiers under $STAGEHAND_HOME/demo/home), ingests a
+# generated sample dataset of a few hundred files and waits until it is validated, shows the
+# catalogue, then ingests a corrupted upload (a wrong hash, a wrong size, a `../` path, a
+# missing file) and shows it rejected with every reason. Then a job's view: the version is
+# staged onto the hot tier (`stagehand stage request` / `wait`, what the Slurm and Kubernetes
+# plugins run), read there and compared with the original, released, and — the demo's policies
+# make an unheld replica idle after a few seconds — demoted by the demoter, which removes it
+# from hot only while a verified copy exists on a durable tier (here the backup copier's; else
+# it copies one down to capacity first) (`stagehand tier usage` before and after).
+# Stops everything it started on exit.
 #
 # Settings: STAGEHAND_HOME (default <repo>/.stagehand), STAGEHAND_NATS_PORT (4222),
 # DEMO_FILES (300).
@@ -29,6 +34,16 @@ BIN="${CARGO_TARGET_DIR:-$REPO/target}/debug/stagehand"
 
 rm -rf "$DEMO"
 mkdir -p "$DEMO"
+# The shipped policies, with a hot tier small enough to watch and a demoter that acts within
+# seconds (an unheld replica is idle after 5 s; it looks every 2 s) instead of hours.
+# `up` keeps policies it finds in its home; tier roots made absolute under that home, as `up`
+# writes them.
+POLICIES="$DEMO/home/policies"
+mkdir -p "$DEMO/home"
+cp -r "$REPO/policies" "$POLICIES"
+sed -i "s|^root = \"\([^/]\)|root = \"$DEMO/home/\1|" "$POLICIES"/*.toml
+sed -i 's/^idle_after = .*/idle_after = "5s"/; s/^check_every = .*/check_every = "2s"/' "$POLICIES/demotion.toml"
+sed -i '/^\[tiers.hot\]/,/^\[tiers.local\]/ { s/^capacity = .*/capacity = "64 MiB"/; s/^default = .*/default = "32 MiB"/ }' "$POLICIES/tiers.toml"
 say "stagehand up (log: $DEMO/up.log)"
 "$BIN" up --external-nats --home "$DEMO/home" >"$DEMO/up.log" 2>&1 &
 UP_PID=$!
@@ -46,7 +61,6 @@ for _ in $(seq 1 600); do
     sleep 0.1
 done
 grep -q "stagehand is up" "$DEMO/up.log" || { cat "$DEMO/up.log"; echo "stagehand up did not start within 60 s" >&2; exit 1; }
-POLICIES="$DEMO/home/policies"
 
 say "generating a sample dataset of $FILES files"
 python3 - "$DEMO/sample" "$FILES" <<'PY'
@@ -90,5 +104,30 @@ set -e
 
 say "stagehand catalogue show corrupt"
 "$BIN" catalogue show corrupt
+
+VERSION="$("$BIN" catalogue show sample --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["versions"][0]["version"])')"
+JOB="demo-job-1"
+STAGE=(sample@"$VERSION" --tier hot --job "$JOB" --project demo --policies "$POLICIES")
+say "a job asks for sample@${VERSION:0:12} on the hot tier: stagehand stage request, then wait"
+"$BIN" stage request "${STAGE[@]}"
+STAGED="$("$BIN" stage wait "${STAGE[@]}" --timeout 2m)"
+echo "ready at $STAGED"
+say "the job reads it: every file is there, byte for byte"
+diff -r "$DEMO/sample" "$STAGED" && echo "identical: $(find "$STAGED" -type f | wc -l) files"
+"$BIN" stage status "$JOB" --project demo
+say "stagehand tier usage hot (held by the job)"
+"$BIN" tier usage hot --policies "$POLICIES"
+
+say "the job ends: stagehand stage release; the demoter removes the idle replica (a verified durable copy exists)"
+"$BIN" stage release "${STAGE[@]}"
+for _ in $(seq 1 600); do
+    [ -e "$STAGED" ] || break
+    sleep 0.1
+done
+[ ! -e "$STAGED" ] || { tail -n 30 "$DEMO/up.log"; echo "the demoter did not demote the released replica within 60 s" >&2; exit 1; }
+say "stagehand tier usage hot (after the demoter)"
+"$BIN" tier usage hot --policies "$POLICIES"
+say "stagehand catalogue show sample@${VERSION:0:12} (removed from hot, why, and the copies that remain)"
+"$BIN" catalogue show "sample@${VERSION:0:12}" --limit 3
 
 say "done: stopping stagehand and nats-server"
