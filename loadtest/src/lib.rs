@@ -43,41 +43,11 @@ pub async fn stored_facts(
     kind: &str,
     project: &str,
 ) -> anyhow::Result<Vec<stagehand_schemas::Event>> {
-    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-    use futures::StreamExt;
-    let stream = bus
-        .jetstream()
-        .get_stream(stagehand_schemas::subject::FACTS.name)
-        .await?;
-    let mut consumer = stream
-        .create_consumer(pull::Config {
-            filter_subject: format!("stagehand.fact.{kind}.{project}"),
-            ack_policy: AckPolicy::None,
-            deliver_policy: DeliverPolicy::All,
-            inactive_threshold: std::time::Duration::from_secs(30),
-            ..Default::default()
-        })
-        .await?;
-    let pending = consumer.info().await?.num_pending as usize;
-    let mut out = Vec::with_capacity(pending);
-    if pending == 0 {
-        return Ok(out);
-    }
-    let mut messages = consumer
-        .fetch()
-        .max_messages(pending)
-        .expires(std::time::Duration::from_secs(5))
-        .messages()
-        .await?;
-    while out.len() < pending {
-        let Some(m) = messages.next().await else {
-            anyhow::bail!(
-                "the facts stream gave {} of {pending} {kind} facts",
-                out.len()
-            );
-        };
-        let m = m.map_err(|e| anyhow::anyhow!("reading the facts stream: {e}"))?;
-        out.push(stagehand_schemas::wire::decode(&m.payload)?);
-    }
-    Ok(out)
+    stagehand_testkit::stored_events(
+        bus.jetstream(),
+        stagehand_schemas::subject::FACTS.name,
+        format!("stagehand.fact.{kind}.{project}"),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("reading the {kind} facts: {e}"))
 }

@@ -80,14 +80,7 @@ impl BackupError {
 
     /// The copier's own error back out of the runner, or the runner's.
     pub(crate) fn from_run(e: runner::RunError) -> Self {
-        match e {
-            runner::RunError::Bus(e) => BackupError::Bus(e),
-            runner::RunError::Service(source) => match source.downcast::<BackupError>() {
-                Ok(own) => *own,
-                Err(other) => BackupError::Run(Box::new(runner::RunError::Service(other))),
-            },
-            other => BackupError::Run(Box::new(other)),
-        }
+        e.into_service_error(BackupError::Run)
     }
 }
 

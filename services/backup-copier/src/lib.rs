@@ -226,7 +226,7 @@ async fn serve_with(copier: Copier, ctx: Context<Settings>) -> Result<(), Backup
     let token = tasks.shutdown().clone();
     let handler = Backups::new(copier.clone(), ctx.bus.jetstream().clone());
     let worker = ctx.run_worker_until(cfg, handler, token.clone());
-    tasks.spawn("backups", async move { worker.await.map(|_| ()) });
+    tasks.spawn("backups", worker);
     let clock = DrillClock::new(copier.clone(), ctx.bus.clone());
     let check = ctx.settings.drill_check.min(copier.policy().drill_every);
     let stop = token.clone();

@@ -183,14 +183,7 @@ impl DemoterError {
     }
 
     fn from_run(e: runner::RunError) -> Self {
-        match e {
-            runner::RunError::Bus(e) => DemoterError::Bus(e),
-            runner::RunError::Service(source) => match source.downcast::<DemoterError>() {
-                Ok(own) => *own,
-                Err(other) => DemoterError::Run(Box::new(runner::RunError::Service(other))),
-            },
-            other => DemoterError::Run(Box::new(other)),
-        }
+        e.into_service_error(DemoterError::Run)
     }
 }
 
@@ -307,23 +300,16 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
 
     tasks.spawn(
         "requests",
-        worker(ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone())),
+        ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone()),
     );
     tasks.spawn(
         "facts",
-        worker(ctx.run_worker_until(facts, Wakes(demoter.clone()), token.clone())),
+        ctx.run_worker_until(facts, Wakes(demoter.clone()), token.clone()),
     );
     tasks.spawn("clock", demoter.clone().clock());
     let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
     tasks.join(deadline).await?;
     Ok(())
-}
-
-async fn worker(
-    run: impl std::future::Future<Output = Result<stagehand_bus::WorkerStats, BusError>>,
-) -> Result<(), BusError> {
-    run.await
-        .map(|stats| tracing::info!(?stats, "worker stopped"))
 }
 
 /// The consumers' handler: a checkpoint commit is noted for retention, and a fact or release

@@ -246,14 +246,7 @@ impl ValidatorError {
 
     /// The validator's own error back out of the runner, or the runner's.
     fn from_run(e: runner::RunError) -> Self {
-        match e {
-            runner::RunError::Bus(e) => ValidatorError::Bus(e),
-            runner::RunError::Service(source) => match source.downcast::<ValidatorError>() {
-                Ok(own) => *own,
-                Err(other) => ValidatorError::Run(Box::new(runner::RunError::Service(other))),
-            },
-            other => ValidatorError::Run(Box::new(other)),
-        }
+        e.into_service_error(ValidatorError::Run)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use stagehand_mover::cp::{CpOptions, CpSummary, run_cp};
@@ -52,21 +52,19 @@ fn run_process(o: &CpOptions) -> CpSummary {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// Waits (polling the filesystem, which is what is waited for) until `done` holds, while the
-/// child still runs.
-fn wait_while_running(child: &mut Child, what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the copy finished before {what}"
-        );
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "{what} never happened"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+/// Waits until `done` holds (the filesystem shows what is waited for), failing if the copy
+/// finished first: the state must be seen while the child still runs.
+fn wait_while_running(child: &mut Child, what: &str, mut done: impl FnMut() -> bool + Send) {
+    let mut finished_first = false;
+    stagehand_testkit::wait_until_blocking(Duration::from_secs(60), what, || {
+        if done() {
+            return true;
+        }
+        finished_first = child.try_wait().unwrap().is_some();
+        finished_first
+    })
+    .unwrap();
+    assert!(!finished_first, "the copy finished before {what}");
 }
 
 fn sha(bytes: &[u8]) -> String {

@@ -2,7 +2,7 @@
 //! fallback is held to the same behaviour.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use stagehand_mover::{
@@ -257,14 +257,11 @@ pub async fn source_modified_during_copy(engine: EngineChoice) {
         r.results.into_iter().next().unwrap().result
     };
     let modify = async {
-        let start = Instant::now();
-        while progress.bytes_done() == 0 {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "the copy never started"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        stagehand_testkit::wait_until(Duration::from_secs(60), "the copy to start", || async {
+            progress.bytes_done() > 0
+        })
+        .await
+        .unwrap();
         use std::io::Write;
         let mut w = std::fs::OpenOptions::new()
             .append(true)

@@ -272,14 +272,7 @@ impl PromoterError {
     }
 
     fn from_run(e: runner::RunError) -> Self {
-        match e {
-            runner::RunError::Bus(e) => PromoterError::Bus(e),
-            runner::RunError::Service(source) => match source.downcast::<PromoterError>() {
-                Ok(own) => *own,
-                Err(other) => PromoterError::Run(Box::new(runner::RunError::Service(other))),
-            },
-            other => PromoterError::Run(Box::new(other)),
-        }
+        e.into_service_error(PromoterError::Run)
     }
 }
 
@@ -427,27 +420,20 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
 
     tasks.spawn(
         "requests",
-        worker(ctx.run_worker_until(requests, Requests(promoter.clone()), token.clone())),
+        ctx.run_worker_until(requests, Requests(promoter.clone()), token.clone()),
     );
     tasks.spawn(
         "facts",
-        worker(ctx.run_worker_until(facts, Facts(promoter.clone()), token.clone())),
+        ctx.run_worker_until(facts, Facts(promoter.clone()), token.clone()),
     );
     tasks.spawn(
         "ingests",
-        worker(ctx.run_worker_until(ingests, Facts(promoter.clone()), token.clone())),
+        ctx.run_worker_until(ingests, Facts(promoter.clone()), token.clone()),
     );
     tasks.spawn("clock", promoter.clone().clock());
     let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
     tasks.join(deadline).await?;
     Ok(())
-}
-
-async fn worker(
-    run: impl std::future::Future<Output = Result<stagehand_bus::WorkerStats, BusError>>,
-) -> Result<(), BusError> {
-    run.await
-        .map(|stats| tracing::info!(?stats, "worker stopped"))
 }
 
 /// The requests consumer's handler.

@@ -265,14 +265,7 @@ impl ReshardError {
     }
 
     fn from_run(e: runner::RunError) -> Self {
-        match e {
-            runner::RunError::Bus(e) => ReshardError::Bus(e),
-            runner::RunError::Service(source) => match source.downcast::<ReshardError>() {
-                Ok(own) => *own,
-                Err(other) => ReshardError::Run(Box::new(runner::RunError::Service(other))),
-            },
-            other => ReshardError::Run(Box::new(other)),
-        }
+        e.into_service_error(ReshardError::Run)
     }
 }
 

@@ -24,6 +24,7 @@
 //! ```
 
 mod accounts;
+mod facts;
 mod nats;
 mod process;
 mod prometheus;
@@ -32,11 +33,12 @@ mod tmpfs;
 mod wait;
 
 pub use accounts::{accounts_conf, accounts_roles, role_password, user_url};
+pub use facts::{StoredEventsError, stored_events};
 pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
 pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
 pub use tmpfs::Tmpfs;
-pub use wait::{WaitTimeout, wait_for, wait_until};
+pub use wait::{WaitTimeout, wait_for, wait_until, wait_until_blocking};
 
 pub(crate) use wait::block_on;
 

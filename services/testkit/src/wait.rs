@@ -76,6 +76,16 @@ where
     }
 }
 
+/// [`wait_until`] for a test that has no async runtime of its own (one that drives a child
+/// process, say): polls `check` the same way, on a runtime of its own.
+pub fn wait_until_blocking(
+    timeout: Duration,
+    what: &str,
+    mut check: impl FnMut() -> bool + Send,
+) -> Result<(), WaitTimeout> {
+    block_on(wait_until(timeout, what, || std::future::ready(check())))
+}
+
 /// Runs a future to completion on a private runtime in its own thread, so that the synchronous
 /// start-up helpers work both inside and outside a tokio test.
 pub(crate) fn block_on<F>(fut: F) -> F::Output

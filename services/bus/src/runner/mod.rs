@@ -220,6 +220,23 @@ pub enum RunError {
 }
 
 impl RunError {
+    /// What the runner returned as the service's own error type `E`: the service's own error
+    /// as it returned it, a bus error through `E: From<BusError>`, anything else (configuration,
+    /// telemetry, another error type) wrapped by `wrap`.
+    pub fn into_service_error<E>(self, wrap: impl FnOnce(Box<RunError>) -> E) -> E
+    where
+        E: std::error::Error + From<BusError> + Send + Sync + 'static,
+    {
+        match self {
+            RunError::Bus(e) => E::from(e),
+            RunError::Service(source) => match source.downcast::<E>() {
+                Ok(own) => *own,
+                Err(other) => wrap(Box::new(RunError::Service(other))),
+            },
+            other => wrap(Box::new(other)),
+        }
+    }
+
     /// The process exit status for this error: [`EXIT_CONFIG`] when only a change of the
     /// configuration can help, else [`EXIT_FAILED`].
     pub fn exit_code(&self) -> u8 {

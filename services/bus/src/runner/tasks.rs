@@ -58,14 +58,16 @@ impl TaskGroup {
     }
 
     /// Runs `task` in the group under a fixed `name` (a metric label: keep it one of a few).
-    pub fn spawn<F, E>(&mut self, name: &'static str, task: F)
+    /// What a task returns on success is dropped: a worker's statistics are logged by the
+    /// worker itself when it stops.
+    pub fn spawn<F, T, E>(&mut self, name: &'static str, task: F)
     where
-        F: Future<Output = Result<(), E>> + Send + 'static,
+        F: Future<Output = Result<T, E>> + Send + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     {
         let shutdown = self.shutdown.clone();
         self.tasks.spawn(async move {
-            let result = task.await.map_err(Into::into);
+            let result = task.await.map(drop).map_err(Into::into);
             if result.is_err() {
                 // The others drain; the error is reported by `join`.
                 shutdown.cancel();

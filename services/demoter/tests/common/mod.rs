@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, kv};
-use futures::StreamExt;
+use async_nats::jetstream::{self, kv};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Catalogue, ReadinessKey, ReplicaState, kv_key};
 use stagehand_schemas::{
@@ -512,36 +511,9 @@ pub async fn is_ready(bucket: &kv::Store, key: &str) -> bool {
 
 /// Every fact of `kind` stored in the facts stream, in stream order.
 pub async fn facts(js: &jetstream::Context, kind: &str) -> Vec<Event> {
-    let stream = js.get_stream(subject::FACTS.name).await.unwrap();
-    let mut consumer = stream
-        .create_consumer(pull::Config {
-            filter_subject: subject::kind_filter("fact", kind),
-            ack_policy: jetstream::consumer::AckPolicy::None,
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
-            inactive_threshold: Duration::from_secs(30),
-            ..Default::default()
-        })
+    stagehand_testkit::stored_events(js, subject::FACTS.name, subject::kind_filter("fact", kind))
         .await
-        .unwrap();
-    let pending = consumer.info().await.unwrap().num_pending as usize;
-    let mut out = Vec::new();
-    if pending == 0 {
-        return out;
-    }
-    let mut messages = consumer
-        .fetch()
-        .max_messages(pending)
-        .expires(Duration::from_secs(5))
-        .messages()
-        .await
-        .unwrap();
-    while let Some(Ok(m)) = messages.next().await {
-        out.push(stagehand_schemas::wire::decode(&m.payload).unwrap());
-        if out.len() == pending {
-            break;
-        }
-    }
-    out
+        .unwrap()
 }
 
 /// The replica facts (`replica.created` and `replica.removed`) in stream order, each as
