@@ -111,8 +111,87 @@ pub const OBJECT_BUCKETS: &[ObjectBucketSpec] = &[MANIFESTS];
 /// Longest wait for a new or re-replicated stream to have a leader and current replicas.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Longest a provisioning step is tried again while JetStream cannot answer (see
+/// [`through_elections`]): a cluster that lost a node elects a new meta leader in seconds,
+/// longer on a loaded machine.
+const ELECTION_BUDGET: Duration = Duration::from_secs(60);
+
 /// How many permission violations a connection remembers (see [`Bus::permission_violations`]).
 const VIOLATIONS_KEPT: usize = 16;
+
+/// Runs a provisioning step again while it fails because JetStream cannot answer for now
+/// ([`passes_by_itself`]), for at most [`ELECTION_BUDGET`]. A service that starts while a
+/// cluster node is down would otherwise exit on the first API request sent during the
+/// election of a new meta leader; any other failure (a refusal, a conflict) returns at once.
+async fn through_elections<T, F, Fut>(step: F) -> Result<T, BusError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, BusError>>,
+{
+    step.retry(
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(5))
+            .with_max_times(usize::MAX)
+            .with_total_delay(Some(ELECTION_BUDGET)),
+    )
+    .when(|e| passes_by_itself(e))
+    .notify(|e, delay| warn!(error = %e, ?delay, "JetStream did not answer; provisioning again"))
+    .await
+}
+
+/// Whether an error (or one of its causes) is JetStream not answering for now: an API request
+/// that timed out or found no responder, or a server answering 503 (JetStream temporarily
+/// unavailable) — what a cluster electing a leader looks like to a client.
+fn passes_by_itself(e: &(dyn std::error::Error + 'static)) -> bool {
+    use jetstream::context::{
+        CreateKeyValueError, CreateKeyValueErrorKind, CreateStreamError, CreateStreamErrorKind,
+        GetStreamError, GetStreamErrorKind, RequestError, RequestErrorKind, UpdateKeyValueError,
+        UpdateKeyValueErrorKind,
+    };
+    let unavailable = |js: &jetstream::Error| js.code() == 503;
+    let mut cause = Some(e);
+    while let Some(e) = cause {
+        let passes = if let Some(r) = e.downcast_ref::<RequestError>() {
+            matches!(
+                r.kind(),
+                RequestErrorKind::TimedOut | RequestErrorKind::NoResponders
+            )
+        } else if let Some(r) = e.downcast_ref::<async_nats::RequestError>() {
+            matches!(
+                r.kind(),
+                async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
+            )
+        } else if let Some(r) = e.downcast_ref::<GetStreamError>() {
+            match r.kind() {
+                GetStreamErrorKind::Request => true,
+                GetStreamErrorKind::JetStream(js) => unavailable(&js),
+                _ => false,
+            }
+        } else if let Some(r) = e.downcast_ref::<CreateStreamError>() {
+            match r.kind() {
+                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
+                    true
+                }
+                CreateStreamErrorKind::JetStream(js) => unavailable(&js),
+                _ => false,
+            }
+        } else if let Some(r) = e.downcast_ref::<CreateKeyValueError>() {
+            r.kind() == CreateKeyValueErrorKind::TimedOut
+        } else if let Some(r) = e.downcast_ref::<UpdateKeyValueError>() {
+            r.kind() == UpdateKeyValueErrorKind::TimedOut
+        } else if let Some(js) = e.downcast_ref::<jetstream::Error>() {
+            unavailable(js)
+        } else {
+            false
+        };
+        if passes {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
 
 /// A connection to NATS with JetStream.
 #[derive(Clone)]
@@ -326,6 +405,10 @@ impl Bus {
     /// and direct gets (readers' NATS rights are direct gets by subject); with
     /// `provision = false`, only checks that it exists.
     pub async fn provision_object_bucket(&self, spec: &ObjectBucketSpec) -> Result<(), BusError> {
+        through_elections(|| self.provision_object_bucket_once(spec)).await
+    }
+
+    async fn provision_object_bucket_once(&self, spec: &ObjectBucketSpec) -> Result<(), BusError> {
         let perr = |e: BoxError| {
             BusError::with_source(
                 BusErrorKind::Provision,
@@ -403,6 +486,10 @@ impl Bus {
 
     /// Creates one stream, or updates it where its configuration drifted from `spec`.
     pub async fn provision_stream(&self, spec: &StreamSpec) -> Result<(), BusError> {
+        through_elections(|| self.provision_stream_once(spec)).await
+    }
+
+    async fn provision_stream_once(&self, spec: &StreamSpec) -> Result<(), BusError> {
         let wanted = stream_config(spec, self.replicas);
         let perr = |e: BoxError| {
             BusError::with_source(
@@ -539,6 +626,10 @@ impl Bus {
     /// Opens the KV bucket of `spec`, creating it when missing and correcting the drift of its
     /// history, age and replicas (with `provision = false`, only opens it).
     pub async fn provision_kv(&self, spec: &KvSpec) -> Result<kv::Store, BusError> {
+        through_elections(|| self.provision_kv_once(spec)).await
+    }
+
+    async fn provision_kv_once(&self, spec: &KvSpec) -> Result<kv::Store, BusError> {
         let perr = |e: BoxError| {
             BusError::with_source(
                 BusErrorKind::Provision,
@@ -802,5 +893,46 @@ fn on_event(event: async_nats::Event, seen: &Mutex<VecDeque<String>>) {
             warn!("the NATS server entered lame duck mode; moving to another")
         }
         other => debug!(event = %other, "NATS connection event"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jetstream::context::{
+        CreateKeyValueError, CreateKeyValueErrorKind, GetStreamError, GetStreamErrorKind,
+        RequestError, RequestErrorKind,
+    };
+
+    fn provision_error(source: impl Into<BoxError>) -> BusError {
+        BusError::with_source(BusErrorKind::Provision, "could not provision X", source)
+    }
+
+    /// Guards the classification provisioning retries on: what an election looks like passes
+    /// (also when wrapped, as the API request inside a stream lookup is), a refusal does not.
+    #[test]
+    fn an_api_request_that_timed_out_passes_and_a_refusal_does_not() {
+        let timed_out = GetStreamError::with_source(
+            GetStreamErrorKind::Request,
+            RequestError::new(RequestErrorKind::TimedOut),
+        );
+        assert!(passes_by_itself(&provision_error(timed_out)));
+        assert!(passes_by_itself(&provision_error(
+            CreateKeyValueError::new(CreateKeyValueErrorKind::TimedOut)
+        )));
+        assert!(passes_by_itself(&provision_error(
+            async_nats::RequestError::new(async_nats::RequestErrorKind::NoResponders)
+        )));
+
+        assert!(!passes_by_itself(&provision_error(
+            CreateKeyValueError::new(CreateKeyValueErrorKind::InvalidStoreName)
+        )));
+        assert!(!passes_by_itself(&provision_error(GetStreamError::new(
+            GetStreamErrorKind::InvalidStreamName
+        ))));
+        assert!(!passes_by_itself(&BusError::new(
+            BusErrorKind::RetentionMismatch,
+            "stream X has retention Limits"
+        )));
     }
 }

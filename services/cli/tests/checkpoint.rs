@@ -489,8 +489,14 @@ async fn a_demoted_checkpoint_restores_onto_hot_with_every_hash() -> anyhow::Res
         .collect();
     present.sort();
     assert_eq!(present, ["capacity"]);
-    assert!(!hot.join("lab-a/runs/r7/step-1").exists());
     assert!(capacity.join("lab-a/runs/r7/step-1/model.pt").exists());
+    // The demoter withdraws the hot replica (the catalogue says removed) before its folder
+    // goes, so that no job is handed a folder being deleted: the folder follows.
+    let step_1_on_hot = hot.join("lab-a/runs/r7/step-1");
+    wait_for(WAIT, "step 1's folder on hot removed", || async {
+        (!step_1_on_hot.exists()).then_some(())
+    })
+    .await?;
 
     // Restore it onto hot: the staged folder holds every file as committed.
     let restore = |step: Option<&str>| {
