@@ -210,6 +210,7 @@ async fn main() -> anyhow::Result<()> {
                 deadline: None,
                 node: None,
                 form: None,
+                hold_until: None,
             }),
         );
         req.occurred_at = at;

@@ -381,6 +381,17 @@ impl Stack {
 
     /// Job `job` asks for `p` on the hot tier at `at`.
     pub async fn stage(&self, p: &Placed, job: &str, at: OffsetDateTime) {
+        self.stage_until(p, job, at, None).await;
+    }
+
+    /// Job `job` asks for `p` on the hot tier at `at`, its hold ending at `hold_until`.
+    pub async fn stage_until(
+        &self,
+        p: &Placed,
+        job: &str,
+        at: OffsetDateTime,
+        hold_until: Option<OffsetDateTime>,
+    ) {
         let id = EventId::for_stage(PROJECT, job, &p.dataset, &p.version, "hot", None);
         let mut e = Event::request(
             id,
@@ -394,6 +405,7 @@ impl Stack {
                 deadline: None,
                 node: None,
                 form: None,
+                hold_until,
             }),
         );
         e.occurred_at = at;
