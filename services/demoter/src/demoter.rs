@@ -226,6 +226,11 @@ pub struct PassReport {
     pub deferred: usize,
 }
 
+/// The first pause before a pass that stopped on a passing failure is tried again.
+const RETRY_PASS_MIN: Duration = Duration::from_millis(500);
+/// The longest such pause (never longer than `check_every`).
+const RETRY_PASS_MAX: Duration = Duration::from_secs(30);
+
 impl Demoter {
     pub fn new(parts: Parts) -> Demoter {
         Demoter {
@@ -370,24 +375,36 @@ impl Demoter {
     /// service; anything else waits for the next pass.
     pub async fn clock(self) -> Result<(), PassError> {
         let every = self.p().demotion.check_every;
+        // After a pass that stopped on a passing failure (the catalogue slow to answer, a
+        // tier briefly away), the next one comes after this pause, doubling up to
+        // RETRY_PASS_MAX: the facts that asked for it were taken, and none may follow.
+        let mut retry_pause: Option<Duration> = None;
         loop {
+            let mut wait = every;
             match self.pass().await {
-                Ok(report) if report != PassReport::default() => {
-                    info!(
-                        removed = report.removed.len(),
-                        copied_down = report.copied_down.len(),
-                        deferred = report.deferred,
-                        "demotion pass"
-                    );
+                Ok(report) => {
+                    retry_pause = None;
+                    if report != PassReport::default() {
+                        info!(
+                            removed = report.removed.len(),
+                            copied_down = report.copied_down.len(),
+                            deferred = report.deferred,
+                            "demotion pass"
+                        );
+                    }
                 }
-                Ok(_) => {}
                 Err(e) if e.is_retryable() => {
-                    warn!(error = %e, "demotion pass stopped; the next pass tries again")
+                    let pause = retry_pause
+                        .map_or(RETRY_PASS_MIN, |p| (p * 2).min(RETRY_PASS_MAX))
+                        .min(every);
+                    retry_pause = Some(pause);
+                    wait = pause;
+                    warn!(error = %e, ?pause, "demotion pass stopped; trying again")
                 }
                 Err(e) => return Err(e),
             }
             tokio::select! {
-                _ = tokio::time::sleep(every) => {}
+                _ = tokio::time::sleep(wait) => {}
                 _ = self.inner.wake.notified() => {}
                 _ = self.p().shutdown.cancelled() => return Ok(()),
             }

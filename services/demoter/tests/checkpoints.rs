@@ -95,3 +95,52 @@ async fn a_runs_checkpoints_are_kept_demoted_and_expired_as_retention_decides() 
     assert!(whole_on(&stack, "hot", &committed[5].1));
     stack.stop().await;
 }
+
+/// Guards the clock's retry: a pass that stops because the catalogue does not answer (the
+/// recorder not up yet) is tried again by itself — the commits that asked for it were already
+/// taken, and no other fact follows — so retention is carried out once the catalogue answers,
+/// long before `check_every` (1 h here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pass_stopped_by_a_silent_catalogue_is_tried_again_without_new_facts() {
+    let mut stack = Stack::start(Options {
+        checkpoints: "keep_last = 1\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 1\ndemote_to = \"capacity\"",
+        recorder: false,
+        ..Options::default()
+    })
+    .await;
+    stack.run_demoter();
+    for step in [1u64, 2] {
+        stack.commit_checkpoint("run-r", step, &[]).await;
+    }
+    // The demoter took both commits (its passes find no catalogue).
+    let js = stack.bus.jetstream().clone();
+    wait_until(WAIT, "the demoter to take both commits", || async {
+        let Ok(mut consumer) = js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                "demoter",
+                stagehand_schemas::subject::FACTS.name,
+            )
+            .await
+        else {
+            return false;
+        };
+        consumer.info().await.is_ok_and(|i| {
+            i.num_pending == 0 && i.num_ack_pending == 0 && i.delivered.stream_sequence > 0
+        })
+    })
+    .await
+    .unwrap();
+    stack.start_recorder();
+    let run_dir = stack.tier("hot").join(format!("{PROJECT}/ckpt/run-r"));
+    wait_until(
+        WAIT,
+        "step 1 expired once the catalogue answers",
+        || async {
+            list(&run_dir) == vec!["step-2".to_owned()]
+                && facts(&js, "checkpoint.expired").await.len() == 1
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: hot {:?}", list(&run_dir)));
+    stack.stop().await;
+}

@@ -47,6 +47,8 @@ pub struct Options {
     pub checkpoints: &'static str,
     /// An S3 capacity tier (endpoint, bucket) instead of the posix one.
     pub s3_capacity: Option<(String, String)>,
+    /// Start the catalogue recorder with the stack (else: [`Stack::start_recorder`] later).
+    pub recorder: bool,
 }
 
 impl Default for Options {
@@ -59,6 +61,7 @@ impl Default for Options {
             unstaged_replica_after: "30d",
             accounts: false,
             s3_capacity: None,
+            recorder: true,
             checkpoints: "keep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"",
         }
     }
@@ -170,18 +173,25 @@ impl Stack {
             shutdown,
             tasks: Vec::new(),
         };
+        if opts.recorder {
+            stack.start_recorder();
+        }
+        stack
+    }
+
+    /// Runs the real catalogue recorder in-process until the stack stops.
+    pub fn start_recorder(&mut self) {
         let mut recorder = stagehand_catalogue_recorder::config(
-            &stack.url_as("catalogue-recorder", "CATALOGUE_RECORDER"),
-            stack.tmp.path().join("recorder"),
+            &self.url_as("catalogue-recorder", "CATALOGUE_RECORDER"),
+            self.tmp.path().join("recorder"),
         );
-        recorder.bus.provision = !stack.accounts;
-        let token = stack.shutdown.clone();
-        stack.tasks.push(tokio::spawn(async move {
+        recorder.bus.provision = !self.accounts;
+        let token = self.shutdown.clone();
+        self.tasks.push(tokio::spawn(async move {
             stagehand_catalogue_recorder::run(recorder, token)
                 .await
                 .expect("recorder");
         }));
-        stack
     }
 
     pub fn root(&self) -> &Path {
