@@ -56,8 +56,8 @@ echo "load before: $(uptime)" >&2
 rm -rf "$BENCH_DIR/hot/bench"
 
 now() { date +%s.%N; }
-record() { # case tool seconds
-    printf '{"case":"%s","tool":"%s","seconds":%s}\n' "$1" "$2" "$3" | tee -a "$OUT"
+record() { # case tool seconds (bc writes ".56" for less than a second: printf makes it JSON)
+    printf '{"case":"%s","tool":"%s","seconds":%.6f}\n' "$1" "$2" "$3" | tee -a "$OUT"
 }
 for case in small large; do
     src=$BENCH_DIR/capacity/bench/$case/v1
