@@ -290,7 +290,7 @@ fn sha256_limit(files: &[PathBuf]) -> f64 {
 /// tmpfs every byte is copied into newly allocated memory; `O_DIRECT` to a disk costs little).
 fn copy_limit(files: &[PathBuf], dir: &Path) -> anyhow::Result<(f64, f64)> {
     let cpu_before = stagehand_loadtest::process_cpu_seconds(std::process::id()).unwrap_or(0.0);
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::os::unix::fs::FileExt;
     const BLOCK: usize = 4 << 20;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
@@ -304,17 +304,18 @@ fn copy_limit(files: &[PathBuf], dir: &Path) -> anyhow::Result<(f64, f64)> {
                 scope.spawn(move || -> anyhow::Result<u64> {
                     let src = std::fs::File::open(src)?;
                     let size = src.metadata()?.len();
-                    let mut open = std::fs::OpenOptions::new();
-                    open.write(true).create_new(true);
-                    let dst = open
-                        .clone()
-                        .custom_flags(libc::O_DIRECT)
-                        .open(&dst)
-                        .or_else(|_| open.open(&dst))?;
-                    // SAFETY: plain syscall on an open descriptor.
+                    let dst = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(&dst)?;
+                    let fd = std::os::fd::AsRawFd::as_raw_fd(&dst);
+                    // SAFETY: plain syscalls on an open descriptor. O_DIRECT is turned on after
+                    // the open, as the mover does, and stays off where the filesystem refuses it.
                     unsafe {
-                        libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&dst), 0, 0, size as i64)
-                    };
+                        let flags = libc::fcntl(fd, libc::F_GETFL);
+                        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT);
+                        libc::fallocate(fd, 0, 0, size as i64);
+                    }
                     let layout = std::alloc::Layout::from_size_align(BLOCK, 4096)?;
                     // SAFETY: the layout is non-zero; the block is freed below.
                     let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -324,8 +325,13 @@ fn copy_limit(files: &[PathBuf], dir: &Path) -> anyhow::Result<(f64, f64)> {
                     let mut off = 0u64;
                     let result = (|| {
                         while off < size {
-                            let n = src.read_at(buf, off)?;
-                            anyhow::ensure!(n > 0, "the source ended early");
+                            let want = ((size - off) as usize).min(BLOCK);
+                            let mut n = 0;
+                            while n < want {
+                                let got = src.read_at(&mut buf[n..want], off + n as u64)?;
+                                anyhow::ensure!(got > 0, "the source ended early");
+                                n += got;
+                            }
                             // A short final block is written whole (O_DIRECT wants aligned
                             // lengths) and the file cut back to its size after.
                             let len = n.next_multiple_of(4096);
