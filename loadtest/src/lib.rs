@@ -51,3 +51,53 @@ pub async fn stored_facts(
     .await
     .map_err(|e| anyhow::anyhow!("reading the {kind} facts: {e}"))
 }
+
+/// CPU seconds each live thread of the process `pid` has used so far, summed by thread name
+/// with its trailing number dropped (`stagehand-hash-0` and `-1` are `stagehand-hash`,
+/// io_uring's `iou-wrk-1234` workers are `iou-wrk`): where a run's CPU went, inside the
+/// process. Threads that exited are not listed (the process total still counts them).
+pub fn thread_cpu_seconds(pid: u32) -> std::collections::BTreeMap<String, f64> {
+    let mut by_name = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return by_name;
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].trim_end_matches(|c: char| c.is_ascii_digit() || c == '-');
+        let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        let ticks = fields
+            .get(11)
+            .and_then(|u| u.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            + fields
+                .get(12)
+                .and_then(|s| s.parse::<f64>().ok())
+                .unwrap_or(0.0);
+        *by_name.entry(name.to_owned()).or_insert(0.0) += ticks / hz;
+    }
+    by_name
+}
+
+/// The machine's CPU time so far, in seconds summed over every core: `(busy, idle, iowait)`
+/// from `/proc/stat` (busy is user, nice, system, irq and softirq: this process, the kernel's
+/// own workers such as writeback and filesystem completions, and everything else running).
+pub fn machine_cpu_seconds() -> Option<(f64, f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let at = |i: usize| v.get(i).copied().unwrap_or(0.0) / hz;
+    Some((at(0) + at(1) + at(2) + at(5) + at(6), at(3), at(4)))
+}

@@ -20,6 +20,7 @@ use clap::Parser;
 use futures::StreamExt;
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
+use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::{
     Body, DatasetValidated, Event, EventId, FileRef, Location, StageRequested, sha256_hex,
 };
@@ -46,6 +47,12 @@ struct Args {
     /// `read-back` or `hashed-in-flight`.
     #[arg(long, default_value = "hashed-in-flight")]
     verify: String,
+    /// The promoter's mover block size in KiB (default: the mover's).
+    #[arg(long)]
+    block_kib: Option<usize>,
+    /// The promoter's mover buffers in flight (default: the mover's).
+    #[arg(long)]
+    buffers: Option<usize>,
 }
 
 fn file_bytes(seed: u64, len: usize) -> Vec<u8> {
@@ -163,12 +170,43 @@ impl Bench {
 
     /// Publishes a stage request and waits for its `stage.ready`; returns the wall time.
     async fn stage(&self, dataset: &str, version: &str, job: &str) -> anyhow::Result<Duration> {
+        Ok(self.stage_timed(dataset, version, job).await?.0)
+    }
+
+    /// [`Bench::stage`], and when the promoter's last progress report of the copy (every byte
+    /// staged, sent before the set is made durable and published) arrived, from the request.
+    async fn stage_timed(
+        &self,
+        dataset: &str,
+        version: &str,
+        job: &str,
+    ) -> anyhow::Result<(Duration, Option<Duration>)> {
         let request = request(dataset, version, job);
+        let mut progress = self
+            .bus
+            .client()
+            .subscribe(progress_subject("stage.requested", PROJECT, &request.id))
+            .await?;
         let started = Instant::now();
+        let staged_at = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let seen = staged_at.clone();
+        let watch = tokio::spawn(async move {
+            while let Some(msg) = progress.next().await {
+                if let Ok(p) = WorkProgress::decode(&msg.payload)
+                    && p.bytes_total > 0
+                    && p.bytes_done == p.bytes_total
+                {
+                    *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(started.elapsed());
+                }
+            }
+        });
         self.bus.publish(&request).await?;
         let mut ready = self.ready.lock().await;
         self.await_ready(&mut ready, &[request.id]).await?;
-        Ok(started.elapsed())
+        let took = started.elapsed();
+        watch.abort();
+        let staged = *staged_at.lock().unwrap_or_else(|e| e.into_inner());
+        Ok((took, staged))
     }
 
     async fn await_ready(
@@ -244,6 +282,142 @@ fn sha256_limit(files: &[PathBuf]) -> f64 {
     total as f64 / started.elapsed().as_secs_f64()
 }
 
+/// The rate a plain copy of `files` into `dir` reaches, in bytes per second, and the CPU it
+/// cost (core-seconds of this process per byte): every file at once on its own thread, read
+/// from the page cache in 4 MiB blocks and written with `O_DIRECT` into preallocated space
+/// (buffered where the filesystem refuses it), each `fdatasync`ed; no hashing. The device's
+/// (or tmpfs's) write rate as a copy sees it: a ceiling for the stage when it is below the
+/// SHA-256 limit. Its CPU cost says whether the copy competes with the hash for the cores (on
+/// tmpfs every byte is copied into newly allocated memory; `O_DIRECT` to a disk costs little).
+fn copy_limit(files: &[PathBuf], dir: &Path) -> anyhow::Result<(f64, f64)> {
+    let cpu_before = stagehand_loadtest::process_cpu_seconds(std::process::id()).unwrap_or(0.0);
+    use std::os::unix::fs::FileExt;
+    const BLOCK: usize = 4 << 20;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let started = Instant::now();
+    let total: u64 = std::thread::scope(|scope| {
+        let handles: Vec<_> = files
+            .iter()
+            .enumerate()
+            .map(|(i, src)| {
+                let dst = dir.join(format!("copy-{i}"));
+                scope.spawn(move || -> anyhow::Result<u64> {
+                    let src = std::fs::File::open(src)?;
+                    let size = src.metadata()?.len();
+                    let dst = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .open(&dst)?;
+                    let fd = std::os::fd::AsRawFd::as_raw_fd(&dst);
+                    // SAFETY: plain syscalls on an open descriptor. O_DIRECT is turned on after
+                    // the open, as the mover does, and stays off where the filesystem refuses it.
+                    unsafe {
+                        let flags = libc::fcntl(fd, libc::F_GETFL);
+                        libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT);
+                        libc::fallocate(fd, 0, 0, size as i64);
+                    }
+                    let layout = std::alloc::Layout::from_size_align(BLOCK, 4096)?;
+                    // SAFETY: the layout is non-zero; the block is freed below.
+                    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+                    anyhow::ensure!(!ptr.is_null(), "no memory for a copy block");
+                    // SAFETY: `ptr` points at BLOCK bytes this thread alone uses.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(ptr, BLOCK) };
+                    let mut off = 0u64;
+                    let result = (|| {
+                        while off < size {
+                            let want = ((size - off) as usize).min(BLOCK);
+                            let mut n = 0;
+                            while n < want {
+                                let got = src.read_at(&mut buf[n..want], off + n as u64)?;
+                                anyhow::ensure!(got > 0, "the source ended early");
+                                n += got;
+                            }
+                            // A short final block is written whole (O_DIRECT wants aligned
+                            // lengths) and the file cut back to its size after.
+                            let len = n.next_multiple_of(4096);
+                            dst.write_all_at(&buf[..len], off)?;
+                            off += n as u64;
+                        }
+                        dst.set_len(size)?;
+                        dst.sync_data()?;
+                        Ok(size)
+                    })();
+                    // SAFETY: allocated above with this layout.
+                    unsafe { std::alloc::dealloc(ptr, layout) };
+                    result
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("copy thread panicked")))
+            })
+            .sum::<anyhow::Result<u64>>()
+    })?;
+    let rate = total as f64 / started.elapsed().as_secs_f64();
+    let cpu =
+        stagehand_loadtest::process_cpu_seconds(std::process::id()).unwrap_or(0.0) - cpu_before;
+    std::fs::remove_dir_all(dir)?;
+    Ok((rate, cpu / total.max(1) as f64))
+}
+
+/// CPU seconds spent between two points, by thread of this process (see
+/// [`stagehand_loadtest::thread_cpu_seconds`]) and for the whole machine.
+struct CpuMark {
+    threads: std::collections::BTreeMap<String, f64>,
+    process: f64,
+    machine: Option<(f64, f64, f64)>,
+}
+
+impl CpuMark {
+    fn now() -> CpuMark {
+        let pid = std::process::id();
+        CpuMark {
+            threads: stagehand_loadtest::thread_cpu_seconds(pid),
+            process: stagehand_loadtest::process_cpu_seconds(pid).unwrap_or(0.0),
+            machine: stagehand_loadtest::machine_cpu_seconds(),
+        }
+    }
+
+    /// What was spent since `self`, as JSON: per thread name, threads that exited meanwhile,
+    /// and the machine's busy, idle and iowait core-seconds (busy includes other processes
+    /// and the kernel's workers).
+    fn since(&self) -> serde_json::Value {
+        let now = CpuMark::now();
+        let mut threads = serde_json::Map::new();
+        let mut listed = 0.0;
+        for (name, secs) in &now.threads {
+            let d = secs - self.threads.get(name).copied().unwrap_or(0.0);
+            listed += d;
+            if d >= 0.005 {
+                threads.insert(
+                    name.clone(),
+                    serde_json::json!((d * 1000.0).round() / 1000.0),
+                );
+            }
+        }
+        let exited = (now.process - self.process - listed).max(0.0);
+        threads.insert(
+            "(exited)".into(),
+            serde_json::json!((exited * 1000.0).round() / 1000.0),
+        );
+        let machine = match (self.machine, now.machine) {
+            (Some(a), Some(b)) => serde_json::json!({
+                "busy": b.0 - a.0, "idle": b.1 - a.1, "iowait": b.2 - a.2,
+            }),
+            _ => serde_json::Value::Null,
+        };
+        serde_json::json!({
+            "process": now.process - self.process,
+            "threads": threads,
+            "machine": machine,
+        })
+    }
+}
+
 fn report(case: &str, fields: serde_json::Value) {
     let mut v = serde_json::json!({ "case": case });
     v.as_object_mut()
@@ -317,6 +491,12 @@ async fn main() -> anyhow::Result<()> {
     let mut promoter =
         stagehand_promoter::config(&nats.url(), &policies, dir.join("state/promoter"));
     promoter.service.instance = Some("bench".into());
+    if let Some(kib) = args.block_kib {
+        promoter.service.mover.block_size = kib << 10;
+    }
+    if let Some(n) = args.buffers {
+        promoter.service.mover.buffers = n;
+    }
     let p_token = shutdown.clone();
     let promoter = tokio::spawn(async move { stagehand_promoter::run(promoter, p_token).await });
 
@@ -350,20 +530,30 @@ async fn main() -> anyhow::Result<()> {
     ] {
         // The all-core SHA-256 rate right before and right after the large stage: the load of
         // the machine moves both, so the stage is compared with the better of the two.
-        let before = (case == "large").then(|| sha256_limit(&large_paths));
-        let took = bench
-            .stage(dataset, version, &format!("{case}-first"))
+        let large_case = case == "large";
+        let before = large_case.then(|| sha256_limit(&large_paths));
+        let copy = match large_case {
+            true => Some(copy_limit(&large_paths, &hot.join(".copy-limit"))?),
+            false => None,
+        };
+        let cpu = CpuMark::now();
+        let (took, staged) = bench
+            .stage_timed(dataset, version, &format!("{case}-first"))
             .await?;
-        let after = (case == "large").then(|| sha256_limit(&large_paths));
+        let cpu = cpu.since();
+        let after = large_case.then(|| sha256_limit(&large_paths));
         let b = bytes(refs);
         report(
             case,
             serde_json::json!({
                 "files": refs.len(), "bytes": b, "seconds": took.as_secs_f64(),
+                "staged_seconds": staged.map(|d| d.as_secs_f64()),
                 "mib_per_s": b as f64 / (1 << 20) as f64 / took.as_secs_f64(),
                 "files_per_s": refs.len() as f64 / took.as_secs_f64(),
                 "path": hot.join(PROJECT).join(dataset).join(version),
                 "sha256_limit_before": before, "sha256_limit_after": after,
+                "copy_limit": copy.map(|c| c.0), "copy_cpu_per_byte": copy.map(|c| c.1),
+                "cpu_seconds": cpu,
             }),
         );
     }
