@@ -211,6 +211,7 @@ impl Manifest {
         let seen = end.clone();
         let files = self
             .chunks(chunk)
+            .fuse()
             .scan((), move |_, chunk| {
                 futures::future::ready(match chunk {
                     Ok(files) => Some(futures::stream::iter(files)),

@@ -1219,24 +1219,8 @@ impl Promoter {
             });
         };
         let manifest = self.manifest(project, &request.dataset, plan).await?;
-        let bad_list: Arc<Mutex<Option<stagehand_manifest::ManifestError>>> = Arc::default();
-        let seen_bad = bad_list.clone();
-        let files = manifest
-            .chunks(4096)
-            .fuse()
-            .scan((), move |_, chunk| {
-                futures::future::ready(match chunk {
-                    Ok(files) => Some(futures::stream::iter(files)),
-                    Err(e) => {
-                        *seen_bad.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        None
-                    }
-                })
-            })
-            .flatten()
-            // The mover may ask again after the end: a fused stream keeps answering `None`.
-            .fuse()
-            .boxed();
+        // A list that ends early is caught below, before anything is published.
+        let (files, listed) = manifest.file_stream(4096);
         let set = SetCopy {
             src_prefix: src_prefix.to_owned(),
             dst_prefix: prefix.to_owned(),
@@ -1287,7 +1271,7 @@ impl Promoter {
             }
         };
         let staged = staged.map_err(|e| self.copy_error(src_tier, e))?;
-        if let Some(e) = bad_list.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(e) = listed.take_error() {
             // The list ended early: publishing now would publish part of the version.
             return Err(if e.is_retryable() {
                 CopyFailed::Retry(retry(e))
