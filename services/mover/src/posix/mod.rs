@@ -942,7 +942,7 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     while offset < cap {
         let want = (cap - offset).min(buf.len() as u64) as usize;
         let aligned = want / DIRECT_READ_ALIGN * DIRECT_READ_ALIGN;
-        let direct_ok = offset % DIRECT_READ_ALIGN as u64 == 0 && aligned > 0;
+        let direct_ok = offset.is_multiple_of(DIRECT_READ_ALIGN as u64) && aligned > 0;
         let mut n = None;
         if probe && !direct {
             match rustix::io::preadv2(
