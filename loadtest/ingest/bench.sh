@@ -7,20 +7,29 @@
 # the peak RSS of the CLI and of `stagehand up` (nats-server aside: the validator, the recorder
 # and the other services run inside it).
 #
-#   loadtest/ingest/bench.sh                                # 100,000 × 1 KiB, 8 × 64 MiB
+#   loadtest/ingest/bench.sh                                # 100,000 × 1 KiB, 40 × 64 MiB
 #   SMALL_FILES=1000000 LARGE_FILES=1000 loadtest/ingest/bench.sh   # the issue's sizes
-#   PROFILE=release loadtest/ingest/bench.sh                # an optimised `stagehand`
+#   PROFILE=release SETS=large loadtest/ingest/bench.sh     # an optimised `stagehand`, large only
 #
-# Settings (environment): SMALL_FILES, SMALL_FOLDERS, SMALL_BYTES (per file), LARGE_FILES,
-# LARGE_MIB (per file), PROFILE (dev | release; dev is what the suite builds — deps at
+# Settings (environment): SETS (which data sets: `small large`), SMALL_FILES, SMALL_FOLDERS,
+# SMALL_BYTES (per file), LARGE_FILES, LARGE_MIB (per file; the default 40 × 64 MiB = 2.5 GiB
+# is on the disk at most three times at once: the source, the copy and its backup), PROFILE
+# (dev | release; dev is what the suite builds — deps at
 # opt-level 1, sha2 at 3, Stagehand's own crates unoptimised), BENCH_DIR (where the data and
 # the home go; default a temp folder on the local disk; everything is deleted at the end),
-# STAGEHAND_NATS_SERVER (default: deploy/servers.sh's venv).
+# STAGEHAND_BIN (a `stagehand` binary to run instead of building one, e.g. to compare two
+# builds), STAGEHAND_NATS_SERVER (default: deploy/servers.sh's venv).
 #
 # Every run is warm: the source tree was just written and sits in the page cache for all three
-# pipelines alike. Stagehand makes its copy durable (one syncfs per batch of renames); `cp -r`
+# pipelines alike, and was flushed (`sync`) before the first one, so that no pipeline pays for
+# the generator's writeback (Stagehand's `syncfs` would otherwise write the whole source tree
+# back; `cp -r` never waits for it). `stagehand up` backs every validated version up
+# (policies/backup.toml); the copy is deleted and the next pipeline timed only once that backup
+# is done, so it does not run beside them. Stagehand makes its copy durable (one syncfs per batch of renames); `cp -r`
 # and rclone do not sync. The load average is printed first: other work on the machine moves
-# every figure.
+# every figure. Under the table, Stagehand's time by phase (the CLI's `--json` `seconds`):
+# placing (walk, copy, hash, flush, publish), the request (manifest carried, published), the
+# verdict (the validator reading and hashing every file) and the catalogue's fold.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -28,19 +37,27 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
 SMALL_FILES=${SMALL_FILES:-100000}
 SMALL_FOLDERS=${SMALL_FOLDERS:-100}
 SMALL_BYTES=${SMALL_BYTES:-1024}
-LARGE_FILES=${LARGE_FILES:-8}
+SETS=${SETS:-small large}
+LARGE_FILES=${LARGE_FILES:-40}
 LARGE_MIB=${LARGE_MIB:-64}
 PROFILE=${PROFILE:-dev}
 NATS_SERVER=${STAGEHAND_NATS_SERVER:-$REPO/.stagehand/venv/bin/nats-server}
-[ -x "$NATS_SERVER" ] || NATS_SERVER=$(command -v nats-server)
+[ -x "$NATS_SERVER" ] || NATS_SERVER=$(command -v nats-server) || {
+    echo "bench.sh: no nats-server (set STAGEHAND_NATS_SERVER, e.g. from deploy/servers.sh env)" >&2
+    exit 1
+}
 command -v rclone >/dev/null || { echo "bench.sh: rclone is needed" >&2; exit 1; }
 
 cd "$REPO"
-case "$PROFILE" in
-dev) cargo build -q -p stagehand --bin stagehand; BIN=$CARGO_TARGET_DIR/debug/stagehand ;;
-release) cargo build -q --release -p stagehand --bin stagehand; BIN=$CARGO_TARGET_DIR/release/stagehand ;;
-*) echo "bench.sh: PROFILE is dev or release, not $PROFILE" >&2; exit 1 ;;
-esac
+if [ -n "${STAGEHAND_BIN:-}" ]; then
+    BIN=$STAGEHAND_BIN PROFILE="given ($STAGEHAND_BIN)"
+else
+    case "$PROFILE" in
+    dev) cargo build -q -p stagehand --bin stagehand; BIN=$CARGO_TARGET_DIR/debug/stagehand ;;
+    release) cargo build -q --release -p stagehand --bin stagehand; BIN=$CARGO_TARGET_DIR/release/stagehand ;;
+    *) echo "bench.sh: PROFILE is dev or release, not $PROFILE" >&2; exit 1 ;;
+    esac
+fi
 
 WORK=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/stagehand-ingest-bench.XXXXXX")
 UP_PID=
@@ -77,7 +94,8 @@ rm -f "$WORK/sha-probe"
 echo "sha256 limit of $(nproc) cores: $SHA_GIBS GiB/s"
 
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-env -u STAGEHAND_HOME -u STAGEHAND_NATS_URL STAGEHAND_NATS_SERVER="$NATS_SERVER" RUST_LOG=warn \
+env -u STAGEHAND_HOME -u STAGEHAND_NATS_URL STAGEHAND_NATS_SERVER="$NATS_SERVER" \
+    RUST_LOG=warn,stagehand_backup_copier=info \
     "$BIN" up --home "$WORK/home" --port "$PORT" >"$WORK/up.out" 2>"$WORK/up.err" &
 UP_PID=$!
 for _ in $(seq 600); do
@@ -97,6 +115,7 @@ run() {
     echo "== $name: $files files, $bytes bytes"
     printf '%-28s %9s %12s %9s %10s %s\n' pipeline seconds files/s GiB/s "ratio" "peak RSS MiB"
 
+    sync
     # Stagehand: the CLI (placing, the manifest), then the validator and the recorder.
     local t0 t1 st
     t0=$(now)
@@ -108,7 +127,14 @@ run() {
     local cli_rss up_rss
     cli_rss=$(peak_mib "$WORK/time-$name")
     up_rss=$(hwm_mib "$UP_PID")
-    rm -rf "$WORK/home/tiers/source/bench/$name"
+    # The backup of the new version, before its copy goes and the next pipeline starts.
+    for _ in $(seq 6000); do
+        grep -q "backed up.*dataset=$name" "$WORK/up.err" && break
+        sleep 0.1
+    done
+    grep -q "backed up.*dataset=$name" "$WORK/up.err" ||
+        echo "bench.sh: the backup of $name did not finish in 600 s; going on" >&2
+    rm -rf "$WORK/home/tiers/source/bench/$name" "$WORK/home/tiers/backup/bench/$name"
 
     # cp -r, then sha256sum of the copy.
     t0=$(now)
@@ -136,10 +162,18 @@ run() {
     printf '%-28s %9.2f %12s %9s %10s\n' "rclone copy --checksum" "$rt" "$(rate "$files" "$rt")" \
         "$(gibs "$bytes" "$rt")" "$(ratio "$ct" "$rt")x"
     echo "(ratio: the cp -r + sha256sum time over the pipeline's time; above 1 is faster)"
+    python3 - "$WORK/report-$name.json" <<'EOF'
+import json, sys
+s = json.load(open(sys.argv[1])).get("seconds")
+if s:
+    print("stagehand by phase: place %.2f s, request %.2f s, verdict %.2f s, catalogue %.2f s"
+          % (s["place"], s["request"], s["verdict"], s["catalogue"]))
+EOF
     rm -rf "$src"
 }
 
 # Small files: distinct bytes per file, in folders.
+if [[ " $SETS " == *" small "* ]]; then
 SRC=$WORK/src-small
 mkdir -p "$SRC"
 python3 - "$SRC" "$SMALL_FILES" "$SMALL_FOLDERS" "$SMALL_BYTES" <<'EOF'
@@ -154,13 +188,16 @@ for i in range(files):
         f.write(body)
 EOF
 run small "$SMALL_FILES" $((SMALL_FILES * SMALL_BYTES))
+fi
 
 # Large files.
+if [[ " $SETS " == *" large "* ]]; then
 SRC=$WORK/src-large
 mkdir -p "$SRC"
 for i in $(seq "$LARGE_FILES"); do
     head -c $((LARGE_MIB << 20)) /dev/urandom >"$SRC/shard-$i.bin"
 done
 run large "$LARGE_FILES" $((LARGE_FILES * (LARGE_MIB << 20)))
+fi
 echo
 echo "load after: $(uptime | sed 's/.*load average/load average/')"

@@ -297,10 +297,35 @@ pub struct IngestReport {
     /// Whether the outcome is an answer recorded before this run (the same request validated
     /// before).
     pub answered_before: bool,
+    /// How long each phase took.
+    pub phases: Phases,
+}
+
+/// How long each phase of an ingest took, for the benchmark and for a user asking where the
+/// time went (`--json`). Each is measured from the end of the one before.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Phases {
+    /// Policies loaded, the folder placed (walked, copied, hashed, made durable, published)
+    /// or the in-place files hashed, and the manifest built.
+    pub place: Duration,
+    /// The manifest carried (inline, or put into the upload bucket) and the request
+    /// published.
+    pub request: Duration,
+    /// From the publication to the verdict: the validator reading and hashing every file.
+    pub verdict: Duration,
+    /// From the verdict until the catalogue shows it.
+    pub catalogue: Duration,
 }
 
 /// Places or registers the files, publishes the request and optionally waits for the answer.
 pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestReport> {
+    let mut phases = Phases::default();
+    let mut phase_started = tokio::time::Instant::now();
+    let mut phase_done = |phase: &mut Duration| {
+        let now = tokio::time::Instant::now();
+        *phase = now - phase_started;
+        phase_started = now;
+    };
     check_name("project", &opts.project)?;
     check_name("dataset", &opts.dataset)?;
     if !stagehand_schemas::subject::is_subject_token(&opts.project) {
@@ -413,6 +438,7 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
         (None, Some(measured)) => measured,
         (None, None) => unreachable!("a manifest is measured unless one is declared"),
     };
+    phase_done(&mut phases.place);
     let carried = request::carry(bus, &opts.project, &requested).await?;
     let parts = RequestParts {
         project: opts.project.clone(),
@@ -440,11 +466,12 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
             .with_context(|| format!("publishing ingest request {id}"))?;
         if attempt == 0 {
             published_new = !ack.duplicate;
+            phase_done(&mut phases.request);
         }
         let counts = (attempt, earlier_rejections, published_new);
         let (Some(watch), Some(deadline)) = (watch, deadline) else {
             return Ok(report(
-                event, location, &source, existed, requested, &carried, counts, None, false,
+                event, location, &source, existed, requested, &carried, counts, None, false, phases,
             ));
         };
         if ack.duplicate {
@@ -476,7 +503,9 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
             earlier_rejections += 1;
             continue;
         }
+        phase_done(&mut phases.verdict);
         wait_catalogued(bus, &opts.project, &verdict.outcome, deadline).await;
+        phase_done(&mut phases.catalogue);
         return Ok(report(
             event,
             location,
@@ -487,6 +516,7 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
             counts,
             Some(verdict.outcome),
             recorded,
+            phases,
         ));
     }
 }
@@ -504,6 +534,7 @@ fn report(
     (attempt, earlier_rejections, published_new): (u32, u32, bool),
     outcome: Option<Outcome>,
     answered_before: bool,
+    phases: Phases,
 ) -> IngestReport {
     IngestReport {
         request,
@@ -520,6 +551,7 @@ fn report(
         published_new,
         outcome,
         answered_before,
+        phases,
     }
 }
 
@@ -590,6 +622,13 @@ pub fn report_json(report: &IngestReport) -> serde_json::Value {
         // window, or answered from the validator's record.
         "duplicate": report.existed || !report.published_new || report.answered_before,
         "outcome": outcome,
+        // Seconds per phase (see `Phases`); a phase not reached is 0.
+        "seconds": {
+            "place": report.phases.place.as_secs_f64(),
+            "request": report.phases.request.as_secs_f64(),
+            "verdict": report.phases.verdict.as_secs_f64(),
+            "catalogue": report.phases.catalogue.as_secs_f64(),
+        },
     })
 }
 

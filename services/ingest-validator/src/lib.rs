@@ -28,8 +28,12 @@
 //!    `max_file_size` is found from `fstat` or the GET's `Content-Length` before any byte is
 //!    read, and no file is read past its declared size + 1 byte; a path too long for the tier
 //!    and an object store's 4xx about one object are that file's problems, not a retry.
-//!    Memory does not grow with the file count: no list of entries or set of paths is kept,
-//!    only a bounded window of entries in flight.
+//!    A posix file the page cache does not hold — the CLI writes its large copies with direct
+//!    I/O, so an upload just placed is one — is read with `O_DIRECT` straight into the
+//!    hashing buffer: the kernel's read-ahead and page-cache copy would otherwise cost about
+//!    as much CPU as the hash, on the same two cores. Memory does not grow with the file
+//!    count: no list of entries or set of paths is kept, only a bounded window of entries in
+//!    flight.
 //! 4. **Progress**: about once a second a `WorkProgress` (files and bytes done of the total,
 //!    phase `hashing`, an estimate of the time left) on core NATS at
 //!    `progress_subject("ingest.requested", project, request id)`, for `stagehand ingest

@@ -414,7 +414,7 @@ impl PosixTier {
         limit
             .check_size(size)
             .map_err(|(kind, detail)| self.err(kind, Side::Source, rel, detail))?;
-        let digest = hash_open_file_capped(&file, limit.read_cap())
+        let digest = hash_uncached_file_capped(&file, limit.read_cap())
             .map_err(|e| TransferError::from_io(e, Side::Source, self.name(), rel, "read"))?;
         limit
             .check_read(digest.size)
@@ -912,6 +912,111 @@ fn hash_open_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     })
 }
 
+/// Offset, length and buffer alignment of a direct read (the largest logical block size in
+/// common use).
+const DIRECT_READ_ALIGN: usize = 4096;
+
+/// [`hash_open_file_capped`] for a file this call may switch to `O_DIRECT` (its caller opened
+/// it for this read alone): each block is first read from the page cache only
+/// (`preadv2(RWF_NOWAIT)`); from the first block the cache does not hold, the rest is read
+/// with `O_DIRECT`. A file written with direct writes (the mover's large copies), or evicted,
+/// is then read from the device into the hashing buffer in one step, instead of through the
+/// kernel's read-ahead into the page cache and copied out again, which costs as much CPU as
+/// the hash itself when memory is full of cache and halves the rate on two cores; a cached
+/// file is still read from memory. A filesystem without direct reads (or without
+/// `RWF_NOWAIT`) is read as before. No more than `cap` bytes are read either way: the
+/// unaligned end of a read goes through the cache.
+fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
+    use rustix::io::{Errno, ReadWriteFlags};
+    let block = HASH_BLOCK.min(usize::try_from(cap).unwrap_or(usize::MAX).max(1));
+    let mut raw = vec![0u8; block + DIRECT_READ_ALIGN];
+    let start = raw.as_ptr().align_offset(DIRECT_READ_ALIGN);
+    let buf = &mut raw[start..start + block];
+    let mut hasher = Sha256::new();
+    let mut offset = 0u64;
+    // Whether blocks are probed in the cache first; off once the device is read directly, or
+    // when the kernel has no RWF_NOWAIT.
+    let mut probe = true;
+    // Whether the file is open `O_DIRECT` (only ever switched on, once).
+    let mut direct = false;
+    while offset < cap {
+        let want = (cap - offset).min(buf.len() as u64) as usize;
+        let aligned = want / DIRECT_READ_ALIGN * DIRECT_READ_ALIGN;
+        let direct_ok = offset.is_multiple_of(DIRECT_READ_ALIGN as u64) && aligned > 0;
+        let mut n = None;
+        if probe && !direct {
+            match rustix::io::preadv2(
+                file,
+                &mut [io::IoSliceMut::new(&mut buf[..want])],
+                offset,
+                ReadWriteFlags::NOWAIT,
+            ) {
+                Ok(read) => n = Some(read),
+                Err(Errno::INTR) => continue,
+                // Not (all) in the page cache: read the rest from the device.
+                Err(Errno::AGAIN) => {
+                    probe = false;
+                    direct = set_direct(file);
+                }
+                // No RWF_NOWAIT here: plain reads.
+                Err(Errno::OPNOTSUPP | Errno::INVAL) => probe = false,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let n = match n {
+            Some(n) => n,
+            None if direct && direct_ok => {
+                match rustix::io::pread(file, &mut buf[..aligned], offset) {
+                    Ok(n) => n,
+                    Err(Errno::INTR) => continue,
+                    // A direct read the filesystem refuses after all: buffered from here on.
+                    Err(Errno::INVAL) => {
+                        leave_direct(file)?;
+                        direct = false;
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            None => {
+                if direct {
+                    // An unaligned offset or end: through the cache.
+                    leave_direct(file)?;
+                    direct = false;
+                }
+                match file.read_at(&mut buf[..want], offset) {
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        offset += n as u64;
+    }
+    Ok(FileDigest {
+        size: offset,
+        sha256: hex::encode(hasher.finalize()),
+    })
+}
+
+/// Switches `file` to `O_DIRECT`; `false` when the filesystem does not take it.
+fn set_direct(file: &File) -> bool {
+    rustix::fs::fcntl_getfl(file)
+        .and_then(|flags| rustix::fs::fcntl_setfl(file, flags | OFlags::DIRECT))
+        .is_ok()
+}
+
+/// Switches `file` back to reads through the page cache.
+fn leave_direct(file: &File) -> io::Result<()> {
+    let flags = rustix::fs::fcntl_getfl(file)?;
+    rustix::fs::fcntl_setfl(file, flags - OFlags::DIRECT)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -926,5 +1031,48 @@ mod tests {
         assert_eq!(d.size, 4);
         assert_eq!(d.sha256, stagehand_schemas::manifest::sha256_hex(b"0123"));
         assert_eq!(hash_open_file(&file).unwrap().size, 10);
+    }
+
+    /// The validator's reader: a file out of the page cache (read with `O_DIRECT`), partly in
+    /// it, or wholly in it hashes to its bytes, its unaligned end included, and a cap is
+    /// honoured to the byte.
+    #[test]
+    fn an_uncached_file_hashes_to_its_bytes_within_its_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let body: Vec<u8> = (0..(3 * HASH_BLOCK + 12345))
+            .map(|i| (i * 7 + i / 4096) as u8)
+            .collect();
+        std::fs::write(&path, &body).unwrap();
+        let evict = |from: u64| {
+            let file = File::open(&path).unwrap();
+            file.sync_all().unwrap();
+            rustix::fs::fadvise(&file, from, None, rustix::fs::Advice::DontNeed).unwrap();
+        };
+        let sha = stagehand_schemas::manifest::sha256_hex;
+        for (evicted_from, cap) in [
+            (0, u64::MAX),
+            (HASH_BLOCK as u64, u64::MAX),
+            (0, body.len() as u64 + 1),
+            (0, 2 * HASH_BLOCK as u64 + 4097),
+            (0, 100),
+        ] {
+            evict(evicted_from);
+            let file = File::open(&path).unwrap();
+            let d = hash_uncached_file_capped(&file, cap).unwrap();
+            let expect = &body[..body.len().min(usize::try_from(cap).unwrap_or(usize::MAX))];
+            assert_eq!(d.size, expect.len() as u64, "cap {cap}");
+            assert_eq!(
+                d.sha256,
+                sha(expect),
+                "cap {cap}, evicted from {evicted_from}"
+            );
+        }
+        // Cached: the same answer.
+        let file = File::open(&path).unwrap();
+        assert_eq!(
+            hash_uncached_file_capped(&file, u64::MAX).unwrap().sha256,
+            sha(&body)
+        );
     }
 }
