@@ -39,11 +39,13 @@ pub struct Holds {
     pub last_staged: Option<OffsetDateTime>,
 }
 
-/// Every replica the catalogue lists as present on `tier`, with whether a verified copy of the
-/// same version is present on one of the `durable` tiers.
+/// Every replica the catalogue lists as present on `tier` (on a node-local tier: `node`'s
+/// replicas only; `None`: the shared tier's), with whether a verified copy of the same version
+/// is present on one of the `durable` tiers.
 pub async fn placed_on(
     catalogue: &Catalogue,
     tier: &str,
+    node: Option<&str>,
     durable: &HashSet<String>,
 ) -> Result<Vec<Placed>, CatalogueError> {
     let mut out = Vec::new();
@@ -92,7 +94,7 @@ pub async fn placed_on(
                 let Some(here) = rs
                     .iter()
                     .filter(present)
-                    .find(|r| r.tier == tier && r.node.is_none())
+                    .find(|r| r.tier == tier && r.node.as_deref() == node)
                 else {
                     continue;
                 };
@@ -141,12 +143,13 @@ pub fn holds_now(s: &StageStatus) -> bool {
     )
 }
 
-/// The stage requests of one version on a shared tier: which jobs hold it, and when it was
-/// last staged.
+/// The stage requests of one version on `tier` (and `node`, on a node-local tier): which jobs
+/// hold it, and when it was last staged.
 pub async fn holds(
     catalogue: &Catalogue,
     placed: &Placed,
     tier: &str,
+    node: Option<&str>,
 ) -> Result<Holds, CatalogueError> {
     let mut holds = Holds::default();
     let mut after: Option<String> = None;
@@ -161,7 +164,7 @@ pub async fn holds(
             )
             .await?;
         for s in &page.items {
-            if !stages(s, &placed.version, tier, None) {
+            if !stages(s, &placed.version, tier, node) {
                 continue;
             }
             if holds_now(s) {
