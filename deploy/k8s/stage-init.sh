@@ -14,6 +14,11 @@
 #                                                          upper-cased, other characters '_'
 #   STAGEHAND_TIMEOUT                                      how long to wait (default 1h)
 #   STAGEHAND_DEADLINE                                     the request's deadline (optional)
+#   STAGEHAND_HOLD_UNTIL                                   how long the data is held at most if
+#                                                          the stage is never released (a
+#                                                          duration from the request, or an
+#                                                          RFC 3339 time; optional: held until
+#                                                          released)
 #   STAGEHAND_ENV_FILE                                     where the path is written as
 #                                                          STAGEHAND_DATA_<NAME>=<path>, for the
 #                                                          app container (default
@@ -55,11 +60,17 @@ if [ -n "${STAGEHAND_NATS_URL:-}" ]; then
     set -- "$@" --nats "$STAGEHAND_NATS_URL"
 fi
 
-if [ -n "${STAGEHAND_DEADLINE:-}" ]; then
-    err="$("$bin" stage request "$target" "$@" --deadline "$STAGEHAND_DEADLINE" --by "pod/$STAGEHAND_JOB" 2>&1 >/dev/null)"
-else
-    err="$("$bin" stage request "$target" "$@" --by "pod/$STAGEHAND_JOB" 2>&1 >/dev/null)"
-fi
+# The request's own options, after the ones it shares with `stage wait` ("$@").
+request() {
+    if [ -n "${STAGEHAND_DEADLINE:-}" ]; then
+        set -- "$@" --deadline "$STAGEHAND_DEADLINE"
+    fi
+    if [ -n "${STAGEHAND_HOLD_UNTIL:-}" ]; then
+        set -- "$@" --hold-until "$STAGEHAND_HOLD_UNTIL"
+    fi
+    "$bin" stage request "$target" "$@" --by "pod/$STAGEHAND_JOB"
+}
+err="$(request "$@" 2>&1 >/dev/null)"
 rc=$?
 [ "$rc" -eq 0 ] || fail "$rc" "requesting $target on $STAGEHAND_TIER: $err"
 

@@ -4,7 +4,7 @@ names are on the tier it asks for, and runs with their paths in its environment.
 
 A job asks with directive lines in the leading comment block of its batch script:
 
-  #BB_LUA stage dataset=D version=V tier=T [project=P] [name=NAME] [form=raw|prepared] [deadline=DURATION]
+  #BB_LUA stage dataset=D version=V tier=T [project=P] [name=NAME] [form=raw|prepared] [deadline=DURATION] [hold=DURATION]
 
   D         dataset name, 1-128 characters of [A-Za-z0-9._-], not starting with '.'
   V         version digest, or a unique prefix of it of at least 12 lowercase hex characters
@@ -14,7 +14,11 @@ A job asks with directive lines in the leading comment block of its batch script
   P         project (tenant), [a-z0-9_-]; default STAGEHAND_PROJECT of stagehand-slurm.conf
   NAME      the job finds the data at $STAGEHAND_DATA_<NAME> ([A-Za-z0-9_]); default the
             dataset name upper-cased, every other character turned into '_'
-  DURATION  how long the promoter may take, e.g. 90s, 30m, 2h, 1d (default: promotion policy)
+  DURATION  deadline: how long the promoter may take, e.g. 90s, 30m, 2h, 1d (default: promotion
+            policy); hold: how long the staged data is held at most if the job never releases it
+            (a job lost with slurmctld's state, a teardown that failed), counted from the stage
+            request — default on 23.02+ the job's time limit plus STAGEHAND_HOLD_SLACK seconds
+            (the time it may still queue); on 22.05 (no job_info) held until released
 
 The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
 
@@ -57,6 +61,7 @@ local defaults = {
 	STAGEHAND_STAGE_TIMEOUT = "3600",
 	STAGEHAND_HOT_TIER = "hot",
 	STAGEHAND_LOCAL_TIERS = "local",
+	STAGEHAND_HOLD_SLACK = "86400",
 }
 
 -- Reads KEY=VALUE lines (comments and blank lines skipped) over the defaults. Read at every hook
@@ -91,7 +96,7 @@ end
 
 --- Directives -----------------------------------------------------------------------------------
 
-local KEYS = { dataset = true, version = true, tier = true, project = true, name = true, form = true, deadline = true }
+local KEYS = { dataset = true, version = true, tier = true, project = true, name = true, form = true, deadline = true, hold = true }
 
 local function valid_dataset(s)
 	return #s >= 1 and #s <= 128 and s:sub(1, 1) ~= "." and s:match("^[A-Za-z0-9._-]+$") ~= nil
@@ -148,7 +153,7 @@ local function parse_directives(conf, script_path)
 				if not KEYS[k] then
 					f:close()
 					return nil, where .. ": unknown key '" .. k
-						.. "' (known: dataset, version, tier, project, name, form, deadline)"
+						.. "' (known: dataset, version, tier, project, name, form, deadline, hold)"
 				end
 				if d[k] then
 					f:close()
@@ -178,6 +183,8 @@ local function parse_directives(conf, script_path)
 				problem = "form '" .. d.form .. "' must be raw or prepared"
 			elseif d.deadline and not valid_duration(d.deadline) then
 				problem = "deadline '" .. d.deadline .. "' must be a duration such as 90s, 30m, 2h or 1d"
+			elseif d.hold and not valid_duration(d.hold) then
+				problem = "hold '" .. d.hold .. "' must be a duration such as 90s, 30m, 2h or 1d"
 			elseif d.name and not d.name:match("^[A-Za-z0-9_]+$") then
 				problem = "name '" .. d.name .. "' must be letters, digits and '_'"
 			end
@@ -213,6 +220,7 @@ local function shared_stages(conf, directives)
 			project = d.project,
 			form = d.form,
 			deadline = d.deadline,
+			hold = d.hold,
 			tier = tier,
 			name = d.name,
 			exported = not d.local_tier,
@@ -285,10 +293,23 @@ local function pace(started)
 	end
 end
 
+-- The hold of a job's stages when its directive gives none: the job's time limit (job_info,
+-- 23.02+, in minutes) plus STAGEHAND_HOLD_SLACK seconds for the time it may still queue after
+-- stage-in, as a duration for `--hold-until`; nil when unknown (22.05, or no limit: Slurm's
+-- INFINITE and NO_VAL are 0xfffffffe and 0xffffffff), which holds until released.
+local function job_hold(conf, job_info)
+	local limit = type(job_info) == "table" and tonumber(job_info.time_limit) or nil
+	if not limit or limit <= 0 or limit >= 0xfffffffe then
+		return nil
+	end
+	local slack = tonumber(conf.STAGEHAND_HOLD_SLACK) or 86400
+	return tostring(math.floor(limit * 60 + slack)) .. "s"
+end
+
 -- Asks for every stage; nil on success, else a message. An unreachable NATS is asked again
 -- (each attempt waits STAGEHAND_CONNECT_TIMEOUT) until `budget` seconds have passed, so a short
 -- outage delays jobs instead of holding them.
-local function request_all(conf, run, stages, requested_by, budget)
+local function request_all(conf, run, stages, requested_by, budget, default_hold)
 	local deadline = os.time() + (budget or 0)
 	for _, s in ipairs(stages) do
 		local args = stage_args("request", run, s)
@@ -299,6 +320,11 @@ local function request_all(conf, run, stages, requested_by, budget)
 		if s.deadline then
 			args[#args + 1] = "--deadline"
 			args[#args + 1] = s.deadline
+		end
+		local hold = s.hold or default_hold
+		if hold then
+			args[#args + 1] = "--hold-until"
+			args[#args + 1] = hold
 		end
 		args[#args + 1] = "--by"
 		args[#args + 1] = requested_by
@@ -487,7 +513,7 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 	-- Stagehand's last word rather than a bare timeout.
 	local budget = math.max((tonumber(conf.STAGEHAND_STAGE_TIMEOUT) or 3600) - 5, 1)
 	local started = os.time()
-	local rerr = request_all(conf, run, stages, requested_by(uid), budget)
+	local rerr = request_all(conf, run, stages, requested_by(uid), budget, job_hold(conf, job_info))
 	if rerr then
 		return slurm.ERROR, rerr
 	end

@@ -377,6 +377,16 @@ pub struct StageRequested {
     /// (the resharded version derived from it, when one exists).
     #[serde(default)]
     pub form: Option<String>,
+    /// When the job's hold on the staged data ends at the latest: its lifetime (a time limit
+    /// plus the time it may still queue). Until then, or until `stage.released`, the replica
+    /// is held; past it, a stage never released (a lost job, a teardown that failed) no
+    /// longer holds it. Absent: held until released.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(with = "Option<crate::json_schema::Timestamp>")
+    )]
+    pub hold_until: Option<OffsetDateTime>,
 }
 
 /// A job no longer needs its staged data.

@@ -216,6 +216,7 @@ async fn main() -> anyhow::Result<()> {
                 deadline: None,
                 node: None,
                 form: None,
+                hold_until: None,
             }),
         );
         req.occurred_at = at;

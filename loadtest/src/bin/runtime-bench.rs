@@ -143,6 +143,7 @@ fn request(i: usize, pad: usize) -> Event {
             deadline: None,
             node: None,
             form: None,
+            hold_until: None,
         }),
     )
 }

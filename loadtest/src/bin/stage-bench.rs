@@ -204,6 +204,7 @@ fn request(dataset: &str, version: &str, job: &str) -> Event {
             deadline: None,
             node: None,
             form: None,
+            hold_until: None,
         }),
     )
 }

@@ -234,6 +234,22 @@ pub struct StageStatus {
     pub progress: Option<StageProgress>,
     #[serde(with = "utc")]
     pub updated_at: OffsetDateTime,
+    /// When the job's hold ends at the latest (the request's `hold_until`); absent: held
+    /// until released. See [`StageStatus::holds_at`].
+    #[serde(default, with = "utc::option")]
+    pub hold_until: Option<OffsetDateTime>,
+}
+
+impl StageStatus {
+    /// Whether this stage holds its replica at `now`: requested and not released (pending,
+    /// copying or ready), and within its job's lifetime (`hold_until`). A replica a stage
+    /// holds is never removed.
+    pub fn holds_at(&self, now: OffsetDateTime) -> bool {
+        matches!(
+            self.state,
+            StageState::Pending | StageState::Copying | StageState::Ready
+        ) && self.hold_until.is_none_or(|until| now < until)
+    }
 }
 
 /// The KV bucket of [`StageStatus`] records (declared with Stagehand's other buckets in the

@@ -469,6 +469,7 @@ fn stage_requested(
         reason: Some("waiting for the promoter".into()),
         retryable: None,
         ready: None,
+        hold_until: p.hold_until,
     };
     stage::record(txn, event, change, stamp)
 }
@@ -492,6 +493,7 @@ fn stage_pending(
         reason: Some(p.reason.clone()),
         retryable: None,
         ready: None,
+        hold_until: None,
     };
     stage::record(txn, event, change, stamp)
 }
@@ -515,6 +517,7 @@ fn stage_ready(
         reason: None,
         retryable: None,
         ready: Some((p.path.clone(), p.location.prefix.clone())),
+        hold_until: None,
     };
     stage::record(txn, event, change, stamp)
 }
@@ -538,6 +541,7 @@ fn stage_failed(
         reason: Some(p.reason.clone()),
         retryable: Some(p.retryable),
         ready: None,
+        hold_until: None,
     };
     stage::record(txn, event, change, stamp)
 }
@@ -561,6 +565,7 @@ fn stage_released(
         reason: None,
         retryable: None,
         ready: None,
+        hold_until: None,
     };
     stage::record(txn, event, change, stamp)
 }

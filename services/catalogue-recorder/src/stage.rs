@@ -15,6 +15,7 @@
 use redb::{Durability, ReadTransaction, ReadableTable, WriteTransaction};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageState, StageStatus, Stamp};
 use stagehand_schemas::{Event, EventId, is_sha256_hex};
+use time::OffsetDateTime;
 
 use crate::error::StoreError;
 use crate::fold::FoldError;
@@ -44,6 +45,8 @@ pub struct StageChange<'a> {
     /// For `stage.ready`: the absolute path on the tier's mount, and the prefix beneath its
     /// root.
     pub ready: Option<(Option<String>, String)>,
+    /// For `stage.requested`: when the job's hold ends at the latest.
+    pub hold_until: Option<OffsetDateTime>,
 }
 
 /// The readiness key a record counts in, once its full version is known.
@@ -131,6 +134,7 @@ pub fn record(
             path: None,
             progress: None,
             updated_at: stamp.at,
+            hold_until: None,
         },
         rank: change.rank,
         stamp: stamp.clone(),
@@ -154,6 +158,10 @@ pub fn record(
         record.status.reason.clone_from(&change.reason);
         record.status.retryable = change.retryable;
         record.status.updated_at = stamp.at;
+    }
+    // Only the request names it, whichever order the facts came in.
+    if change.hold_until.is_some() {
+        record.status.hold_until = change.hold_until;
     }
     if let Some((Some(path), _)) = &change.ready
         && record.path_stamp.as_ref().is_none_or(|s| stamp > s)
@@ -322,6 +330,7 @@ mod tests {
                 deadline: None,
                 node: Some("gpu-07".into()),
                 form: None,
+                hold_until: Some(hold_until()),
             }),
         );
         request.occurred_at -= ::time::Duration::seconds(10);
@@ -369,6 +378,11 @@ mod tests {
         (id, vec![validated(1), request, pending, ready, release])
     }
 
+    /// The end of the chain's job's lifetime.
+    fn hold_until() -> ::time::OffsetDateTime {
+        ::time::OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
     fn key() -> ReadinessKey {
         ReadinessKey {
             project: "lab-a".into(),
@@ -387,6 +401,7 @@ mod tests {
         let (status, counted) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
         assert_eq!(status.state, StageState::Pending);
         assert_eq!(status.waiting_for.as_deref(), Some("validation"));
+        assert_eq!(status.hold_until, Some(hold_until()));
         assert_eq!(status.resolved_version, None);
         assert_eq!(
             counted, None,
@@ -438,6 +453,11 @@ mod tests {
         fold_into(&store, &events[4..]);
         let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
         assert_eq!(status.state, StageState::Released);
+        assert_eq!(
+            status.hold_until,
+            Some(hold_until()),
+            "kept through every answer"
+        );
         let r = crate::readiness::current(&store, &key()).unwrap().unwrap();
         assert_eq!((r.jobs.ready, r.jobs.released), (0, 1));
     }

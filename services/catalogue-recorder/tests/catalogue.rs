@@ -343,6 +343,7 @@ async fn the_catalogue_rebuilt_from_the_stream_equals_the_one_built_live() -> an
             deadline: None,
             node: None,
             form: None,
+            hold_until: None,
         }),
     );
     bus.publish(&stage).await?;
@@ -1082,6 +1083,7 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
             deadline: None,
             node: node.map(Into::into),
             form: None,
+            hold_until: None,
         }),
     );
     bus.publish(&request).await?;

@@ -199,7 +199,7 @@ fn holds_line(
         .iter()
         .filter(|s| {
             stagehand_demoter::view::stages(s, version, &r.tier, r.node.as_deref())
-                && stagehand_demoter::view::holds_now(s)
+                && s.holds_at(time::OffsetDateTime::now_utc())
         })
         .map(|s| {
             format!(

@@ -1009,6 +1009,7 @@ pub async fn restore(
     let opts = RequestOptions {
         requested_by: crate::cli::who(None),
         deadline: None,
+        hold_until: None,
         form: None,
     };
     crate::stage::request(&bus, &stage, &opts)

@@ -153,6 +153,11 @@ pub struct StageRequestArgs {
     /// the promotion policy's.
     #[arg(long)]
     pub deadline: Option<String>,
+    /// When the job's hold on the data ends at the latest if it is never released (a lost
+    /// job, a teardown that failed): a duration from now — the job's time limit plus the time
+    /// it may still queue — or an RFC 3339 time. Default: held until released.
+    #[arg(long)]
+    pub hold_until: Option<String>,
     /// Which form of the dataset.
     #[arg(long, value_parser = ["raw", "prepared"])]
     pub form: Option<String>,
@@ -583,14 +588,21 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
     match cmd {
         StageCommand::Request(a) => {
             let stage = stage_from(&a.stage)?;
+            let now = stagehand_schemas::event::now();
             let deadline = a
                 .deadline
                 .as_deref()
-                .map(|d| args::deadline("--deadline", d, stagehand_schemas::event::now()))
+                .map(|d| args::deadline("--deadline", d, now))
+                .transpose()?;
+            let hold_until = a
+                .hold_until
+                .as_deref()
+                .map(|d| args::deadline("--hold-until", d, now))
                 .transpose()?;
             let opts = RequestOptions {
                 requested_by: who(a.by),
                 deadline,
+                hold_until,
                 form: a.form,
             };
             let bus = connect(connection).await?;

@@ -93,6 +93,8 @@ impl Stage {
 pub struct RequestOptions {
     pub requested_by: String,
     pub deadline: Option<OffsetDateTime>,
+    /// When the job's hold ends at the latest (`StageRequested::hold_until`).
+    pub hold_until: Option<OffsetDateTime>,
     /// `raw` or `prepared`; `None` leaves the promoter's default (`raw`).
     pub form: Option<String>,
 }
@@ -133,6 +135,7 @@ pub async fn request(bus: &Bus, stage: &Stage, opts: &RequestOptions) -> anyhow:
             deadline: opts.deadline,
             node: stage.node.clone(),
             form: opts.form.clone(),
+            hold_until: opts.hold_until,
         }),
     );
     let ack = bus
@@ -373,6 +376,22 @@ pub fn status_summary(s: &StageStatus) -> String {
         } else {
             line.push_str(&format!(" at {path}"));
         }
+    }
+    if let Some(until) = s.hold_until
+        && matches!(
+            s.state,
+            StageState::Pending | StageState::Copying | StageState::Ready
+        )
+    {
+        let word = if s.holds_at(stagehand_schemas::event::now()) {
+            "held until"
+        } else {
+            "hold lapsed at"
+        };
+        let until = until
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_else(|_| until.to_string());
+        line.push_str(&format!(" ({word} {until})"));
     }
     line
 }

@@ -544,11 +544,24 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
     let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
     let mut ready = InitContainer::new(&url, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
     ready.set("STAGEHAND_VERSION", &digest[..16]);
+    ready.set("STAGEHAND_HOLD_UNTIL", "2d");
+    let asked_at = time::OffsetDateTime::now_utc();
     let (code, err) = finish(ready.spawn()?)?;
     ensure!(code == 0, "exit {code}: {err}");
     ensure!(
         was_requested(&url, &ready.stage())?,
         "the init container did not request"
+    );
+    // stagehand.io/hold: the stage holds its data at most two days unless released.
+    let status = stagehand
+        .status_where(&ready.stage(), "the stage ready", |s| {
+            s.state == stagehand::stage::StageState::Ready
+        })
+        .await?;
+    let held_for = status.hold_until.context("the stage's hold_until")? - asked_at;
+    ensure!(
+        held_for > time::Duration::hours(47) && held_for <= time::Duration::hours(49),
+        "held {held_for} after the request"
     );
     let path = stagehand
         .home

@@ -365,17 +365,24 @@ async fn a_job_runs_after_stage_in_reads_its_data_and_releases_it() -> anyhow::R
     let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
     let version = &digest[..16];
     let submitted = Instant::now();
+    let asked_at = time::OffsetDateTime::now_utc();
+    let mut directives = directive("imagenet-mini", version, "hot");
+    directives[0].push_str(" hold=2d");
     let job = slurm.submit(
         "reads",
-        &reading_job(
-            &directive("imagenet-mini", version, "hot"),
-            "STAGEHAND_DATA_IMAGENET_MINI",
-        ),
+        &reading_job(&directives, "STAGEHAND_DATA_IMAGENET_MINI"),
     )?;
     let st = stage(job, "imagenet-mini", version, "hot", None);
     let ready = stagehand
         .status_where(&st, "the stage ready", |s| s.state == StageState::Ready)
         .await?;
+    // hold=2d: the stage holds its data at most two days from its request.
+    let hold_until = ready.hold_until.context("the stage's hold_until")?;
+    let held_for = hold_until - asked_at;
+    ensure!(
+        held_for > time::Duration::hours(47) && held_for <= time::Duration::hours(49),
+        "held until {hold_until}, {held_for} after the request"
+    );
     let ready_at = Instant::now();
     slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")

@@ -122,6 +122,7 @@ async fn place(
             deadline: None,
             node: None,
             form: None,
+            hold_until: None,
         }),
     );
     request.occurred_at = at;

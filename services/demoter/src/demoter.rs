@@ -29,7 +29,7 @@ use async_nats::jetstream::kv;
 use futures::{StreamExt, TryStreamExt};
 use stagehand_bus::placement;
 use stagehand_bus::{Bus, CancellationToken, HandlerError};
-use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, StageState, kv_key};
+use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
 use stagehand_manifest::{ManifestBuilder, Spool};
 use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement};
@@ -846,10 +846,7 @@ impl Demoter {
         for id in served {
             match self.p().catalogue.stage_request(&step.project, id).await {
                 Ok(s) => {
-                    if matches!(
-                        s.state,
-                        StageState::Pending | StageState::Copying | StageState::Ready
-                    ) {
+                    if s.holds_at(OffsetDateTime::now_utc()) {
                         return Ok(true);
                     }
                 }

@@ -7,8 +7,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use stagehand_catalogue::{
-    Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageState, StageStatus,
-    VersionRecord,
+    Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageStatus, VersionRecord,
 };
 use time::OffsetDateTime;
 
@@ -134,15 +133,6 @@ pub fn stages(s: &StageStatus, version: &str, tier: &str, node: Option<&str>) ->
     s.tier == tier && s.node.as_deref() == node && same_version
 }
 
-/// Whether a stage request holds its replica: requested and not released (pending, copying
-/// or ready). A replica a request holds is never removed.
-pub fn holds_now(s: &StageStatus) -> bool {
-    matches!(
-        s.state,
-        StageState::Pending | StageState::Copying | StageState::Ready
-    )
-}
-
 /// The stage requests of one version on `tier` (and `node`, on a node-local tier): which jobs
 /// hold it, and when it was last staged.
 pub async fn holds(
@@ -152,6 +142,7 @@ pub async fn holds(
     node: Option<&str>,
 ) -> Result<Holds, CatalogueError> {
     let mut holds = Holds::default();
+    let now = OffsetDateTime::now_utc();
     let mut after: Option<String> = None;
     loop {
         let page = catalogue
@@ -167,7 +158,7 @@ pub async fn holds(
             if !stages(s, &placed.version, tier, node) {
                 continue;
             }
-            if holds_now(s) {
+            if s.holds_at(now) {
                 holds.live_jobs.push(s.job_id.clone());
             }
             holds.last_staged = holds.last_staged.max(Some(s.updated_at));

@@ -149,6 +149,46 @@ async fn a_released_stage_another_live_job_still_holds_is_not_removed() {
     stack.stop().await;
 }
 
+/// Guards the job-lifetime rule: a stage never released holds its replica only until its
+/// `hold_until` (the job's lifetime): one whose lifetime ended is demoted like any idle
+/// replica, one whose job may still run stays, though both look equally idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stage_past_its_jobs_lifetime_no_longer_holds_its_replica() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let lapsed = stack.place("lapsed", 1, 1, 4096, true).await;
+    let living = stack.place("living", 2, 1, 4096, true).await;
+    let in_a_day = time::OffsetDateTime::now_utc() + time::Duration::days(1);
+    stack
+        .stage_until(&lapsed, "job-lost", ago(240), Some(ago(60)))
+        .await;
+    stack
+        .stage_until(&living, "job-long", ago(240), Some(in_a_day))
+        .await;
+    stack.recorded(&lapsed, 1, 0).await;
+    stack.recorded(&living, 1, 0).await;
+
+    stack.run_demoter();
+    wait_until(
+        WAIT,
+        "the replica whose job's lifetime ended removed",
+        || async {
+            !removed_from_hot(&js).await.is_empty()
+                && !stack.tier("hot").join(lapsed.prefix()).exists()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(removed_from_hot(&js).await, vec![lapsed.version.clone()]);
+    assert!(whole_on(&stack, "hot", &living));
+    assert!(is_ready(&stack.readiness().await, &hot_key(&living)).await);
+    stack.stop().await;
+}
+
 /// Guards removal atomicity for readers: while every replica on the tier is demoted, a reader
 /// that reads the readiness key, then the folder, then the key again never finds the key
 /// `ready` after finding the folder gone (the folder leaves only after readiness is withdrawn).

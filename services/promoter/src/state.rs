@@ -539,6 +539,7 @@ mod tests {
                 deadline: None,
                 node: None,
                 form: None,
+                hold_until: None,
             }),
         );
         RequestRecord {

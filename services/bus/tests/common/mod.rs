@@ -223,6 +223,7 @@ pub fn stage_request(id: &str) -> Event {
             deadline: None,
             node: None,
             form: None,
+            hold_until: None,
         }),
     )
 }

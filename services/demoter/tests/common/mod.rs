@@ -413,7 +413,18 @@ impl Stack {
 
     /// Job `job` asks for `p` on the hot tier at `at`.
     pub async fn stage(&self, p: &Placed, job: &str, at: OffsetDateTime) {
-        self.stage_on(p, job, "hot", None, at).await
+        self.stage_until(p, job, at, None).await;
+    }
+
+    /// Job `job` asks for `p` on the hot tier at `at`, its hold ending at `hold_until`.
+    pub async fn stage_until(
+        &self,
+        p: &Placed,
+        job: &str,
+        at: OffsetDateTime,
+        hold_until: Option<OffsetDateTime>,
+    ) {
+        self.stage_as(p, job, "hot", None, at, hold_until).await;
     }
 
     /// Job `job` asks for `p` on `tier` (of `node`, a node-local tier) at `at`.
@@ -424,6 +435,19 @@ impl Stack {
         tier: &str,
         node: Option<&str>,
         at: OffsetDateTime,
+    ) {
+        self.stage_as(p, job, tier, node, at, None).await;
+    }
+
+    /// Job `job` asks for `p` on `tier` (of `node`) at `at`, its hold ending at `hold_until`.
+    async fn stage_as(
+        &self,
+        p: &Placed,
+        job: &str,
+        tier: &str,
+        node: Option<&str>,
+        at: OffsetDateTime,
+        hold_until: Option<OffsetDateTime>,
     ) {
         let id = EventId::for_stage(PROJECT, job, &p.dataset, &p.version, tier, node);
         let mut e = Event::request(
@@ -438,6 +462,7 @@ impl Stack {
                 deadline: None,
                 node: node.map(str::to_owned),
                 form: None,
+                hold_until,
             }),
         );
         e.occurred_at = at;

@@ -433,6 +433,7 @@ pub fn stage_request_form(
             deadline,
             node: node.map(Into::into),
             form: form.map(Into::into),
+            hold_until: None,
         }),
     )
 }
