@@ -28,10 +28,10 @@ MAX_CONCURRENT=${MAX_CONCURRENT:-8}
 command -v rsync >/dev/null || { echo "bench.sh needs rsync (Debian: apt-get install rsync)" >&2; exit 1; }
 [ -n "${STAGEHAND_NATS_SERVER:-}" ] || eval "$("$REPO/deploy/servers.sh" env)"
 if [ "$PROFILE" = dev ]; then
-    (cd "$REPO" && cargo build -p stagehand-loadtest --bin demote-bench -p stagehand-demoter >&2)
+    (cd "$REPO" && cargo build -p stagehand-loadtest -p stagehand-demoter --bin demote-bench --bin stagehand-demoter >&2)
     OUT_DIR=$CARGO_TARGET_DIR/debug
 else
-    (cd "$REPO" && cargo build --release -p stagehand-loadtest --bin demote-bench -p stagehand-demoter >&2)
+    (cd "$REPO" && cargo build --release -p stagehand-loadtest -p stagehand-demoter --bin demote-bench --bin stagehand-demoter >&2)
     OUT_DIR=$CARGO_TARGET_DIR/release
 fi
 echo "load before: $(uptime)" >&2
