@@ -7,6 +7,7 @@
 #
 #   loadtest/demote/bench.sh                                  # 200 versions, 1.5 GiB, low 0.5
 #   VERSIONS=200 TOTAL_MIB=1024 LOW=0.7 loadtest/demote/bench.sh
+#   MAX_CONCURRENT=1 loadtest/demote/bench.sh                 # one step at a time (default 8)
 #   PROFILE=dev loadtest/demote/bench.sh                      # no release build (slower code)
 #
 # The issue's benchmark holds 20 GiB; the default here is scaled down to 1.5 GiB (the disk is
@@ -22,26 +23,27 @@ VERSIONS=${VERSIONS:-200}
 TOTAL_MIB=${TOTAL_MIB:-1536}
 LOW=${LOW:-0.5}
 PROFILE=${PROFILE:-release}
+MAX_CONCURRENT=${MAX_CONCURRENT:-8}
 
 command -v rsync >/dev/null || { echo "bench.sh needs rsync (Debian: apt-get install rsync)" >&2; exit 1; }
 [ -n "${STAGEHAND_NATS_SERVER:-}" ] || eval "$("$REPO/deploy/servers.sh" env)"
 if [ "$PROFILE" = dev ]; then
-    (cd "$REPO" && cargo build -p stagehand-loadtest --bin demote-bench -p stagehand-demoter >&2)
+    (cd "$REPO" && cargo build -p stagehand-loadtest -p stagehand-demoter --bin demote-bench --bin stagehand-demoter >&2)
     OUT_DIR=$CARGO_TARGET_DIR/debug
 else
-    (cd "$REPO" && cargo build --release -p stagehand-loadtest --bin demote-bench -p stagehand-demoter >&2)
+    (cd "$REPO" && cargo build --release -p stagehand-loadtest -p stagehand-demoter --bin demote-bench --bin stagehand-demoter >&2)
     OUT_DIR=$CARGO_TARGET_DIR/release
 fi
 echo "load before: $(uptime)" >&2
 RESULTS=$("$OUT_DIR/demote-bench" --dir "$BENCH_DIR" --demoter "$OUT_DIR/stagehand-demoter" \
-    --versions "$VERSIONS" --total-mib "$TOTAL_MIB" --low "$LOW")
+    --versions "$VERSIONS" --total-mib "$TOTAL_MIB" --low "$LOW" --max-concurrent "$MAX_CONCURRENT")
 echo "load after: $(uptime)" >&2
 echo "$RESULTS"
 python3 - "$PROFILE" <<PY
 import json, sys
 rows = {r["case"]: r for r in (json.loads(l) for l in """$RESULTS""".splitlines() if l.strip())}
 d, r = rows["demote"], rows["rsync"]
-print(f"profile {sys.argv[1]}: {d['moved_versions']} of {d['versions']} versions, {d['moved_bytes'] / 2**20:.0f} MiB moved")
+print(f"profile {sys.argv[1]}, max_concurrent $MAX_CONCURRENT: {d['moved_versions']} of {d['versions']} versions, {d['moved_bytes'] / 2**20:.0f} MiB moved")
 print(f"demoter (copy down + read back + facts + removal): {d['seconds']:.2f} s, {d['mib_per_s']:.0f} MiB/s, CPU {d['cpu_seconds']:.2f} s, peak RSS {d['peak_rss_bytes'] / 2**20:.0f} MiB")
 print(f"rsync -a --remove-source-files (unverified):       {r['seconds']:.2f} s, {r['mib_per_s']:.0f} MiB/s")
 print(f"rsync, then sync -f of the destination (durable):  {r['seconds_with_sync']:.2f} s")

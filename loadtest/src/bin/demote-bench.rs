@@ -37,6 +37,9 @@ struct Args {
     /// The hot tier's low watermark (the high one is 0.85; the tier starts at 0.95).
     #[arg(long, default_value_t = 0.5)]
     low: f64,
+    /// demotion.toml's `max_concurrent` (steps carried at once).
+    #[arg(long, default_value_t = stagehand_policy::DEFAULT_DEMOTION_CONCURRENCY)]
+    max_concurrent: u32,
 }
 
 const PROJECT: &str = "bench";
@@ -139,7 +142,10 @@ async fn main() -> anyhow::Result<()> {
     )?;
     std::fs::write(
         policies.join("demotion.toml"),
-        "idle_after = \"30d\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\n",
+        format!(
+            "idle_after = \"30d\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\nmax_concurrent = {}\n",
+            args.max_concurrent
+        ),
     )?;
 
     let nats = NatsServer::start();

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use stagehand_bus::placement;
 use stagehand_bus::{Bus, CancellationToken, HandlerError};
 use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
@@ -60,6 +60,10 @@ pub const CHECKPOINT_PRIORITY: Priority = Priority::Checkpoint;
 /// How long a step waits for the catalogue to withdraw a replica's readiness before it is left
 /// for the next pass.
 const WITHDRAW_WAIT: Duration = Duration::from_secs(30);
+
+/// Questions about holds a survey has in flight at once: one per replica, each a round trip
+/// to the catalogue, so a tier of many replicas is surveyed in a few round trips' time.
+const SURVEY_QUESTIONS_AT_ONCE: usize = 16;
 
 /// The hidden name a removed replica's folder gets before its bytes are deleted.
 pub fn removed_name(prefix: &str) -> String {
@@ -114,22 +118,37 @@ pub fn durable_tiers(policies: &Policies) -> HashSet<String> {
         .collect()
 }
 
-/// Surveys one bounded tier: the catalogue's replicas on it, their holds, and `statfs` of a
-/// posix tier's root.
+/// Surveys one bounded shared tier: the catalogue's replicas on it, their holds, and `statfs`
+/// of a posix tier's root.
 pub async fn survey(
     catalogue: &Catalogue,
     policies: &Policies,
     tier: &TierPolicy,
 ) -> Result<Option<TierSurvey>, CatalogueError> {
+    survey_on_node(catalogue, policies, tier, None).await
+}
+
+/// [`survey`] of a bounded tier as seen from `node` (`None`: a shared tier): on a node-local
+/// tier only that node's replicas count, and `statfs` is of the tier's root on this machine
+/// (the node's own disk, where its demoter runs).
+pub async fn survey_on_node(
+    catalogue: &Catalogue,
+    policies: &Policies,
+    tier: &TierPolicy,
+    node: Option<&str>,
+) -> Result<Option<TierSurvey>, CatalogueError> {
     let Some(limits) = tier.limits.clone() else {
         return Ok(None);
     };
-    let placed = view::placed_on(catalogue, &tier.name, &durable_tiers(policies)).await?;
-    let mut replicas = Vec::with_capacity(placed.len());
-    for p in placed {
-        let h = view::holds(catalogue, &p, &tier.name).await?;
-        replicas.push((p, h));
-    }
+    let placed = view::placed_on(catalogue, &tier.name, node, &durable_tiers(policies)).await?;
+    let replicas: Vec<(Placed, Holds)> = futures::stream::iter(placed)
+        .map(|p| async move {
+            let h = view::holds(catalogue, &p, &tier.name, node).await?;
+            Ok::<_, CatalogueError>((p, h))
+        })
+        .buffered(SURVEY_QUESTIONS_AT_ONCE)
+        .try_collect()
+        .await?;
     let fs = match &tier.kind {
         stagehand_policy::TierKind::Posix { root } => {
             rustix::fs::statvfs(root).ok().map(|s| FsUsage {
@@ -171,6 +190,10 @@ pub struct Parts {
     pub placement: kv::Store,
     /// A fault-test seam: after recording this phase the demoter stops where it is.
     pub halt_after: Option<Phase>,
+    /// Set for a node's demoter: it demotes that node's replicas on the `local` tiers (and
+    /// nothing else); `None`: the shared demoter, which demotes the hot tiers and carries out
+    /// checkpoint retention.
+    pub node: Option<String>,
     /// A test seam: right before a rename (every check made) the process stops itself with
     /// `SIGSTOP`, so a test can interleave a stage request there and continue it (`SIGCONT`).
     pub stop_before_rename: bool,
@@ -230,6 +253,22 @@ pub struct PassReport {
 const RETRY_PASS_MIN: Duration = Duration::from_millis(500);
 /// The longest such pause (never longer than `check_every`).
 const RETRY_PASS_MAX: Duration = Duration::from_secs(30);
+/// Whether the steps handed to [`Demoter::carry_all`] are recorded already (taken up after a
+/// crash or an earlier pass) or begin now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Begun {
+    Already,
+    Now,
+}
+
+impl PassReport {
+    /// Adds what another part of the pass did.
+    fn absorb(&mut self, other: PassReport) {
+        self.removed.extend(other.removed);
+        self.copied_down.extend(other.copied_down);
+        self.deferred += other.deferred;
+    }
+}
 
 impl Demoter {
     pub fn new(parts: Parts) -> Demoter {
@@ -278,6 +317,10 @@ impl Demoter {
         let Some(retention) = self.p().policies.retention().cloned() else {
             return Ok(());
         };
+        // Checkpoints are written to shared tiers: the shared demoter's to move.
+        if self.p().node.is_some() {
+            return Ok(());
+        }
         for run in self.p().state.runs()? {
             let committed: Vec<CommittedCheckpoint> = run
                 .iter()
@@ -361,8 +404,9 @@ impl Demoter {
                         rule,
                     }),
                     verified_by: None,
+                    node: None,
                 };
-                self.p().state.put(&step)?;
+                self.p().state.record(&step).await?;
                 info!(run = %c.run, step = c.step, rule = %step.reason, demote_to = ?step.copy_to, "checkpoint retention");
                 self.carry(step, report).await?;
             }
@@ -411,12 +455,14 @@ impl Demoter {
         }
     }
 
-    /// One pass: unfinished steps first, then every hot posix tier.
+    /// One pass: unfinished steps first, then every hot posix tier (a node's demoter: every
+    /// `local` posix tier, its node's replicas on it); each tier's chosen
+    /// replicas are demoted `max_concurrent` at a time.
     pub async fn pass(&self) -> Result<PassReport, PassError> {
         let mut report = PassReport::default();
-        for step in self.p().state.steps()? {
-            self.carry(step, &mut report).await?;
-        }
+        let unfinished = self.p().state.steps()?;
+        self.carry_all(unfinished, Begun::Already, &mut report)
+            .await?;
         let now = OffsetDateTime::now_utc();
         let rules = Rules {
             idle_after: self.p().demotion.idle_after,
@@ -431,7 +477,7 @@ impl Demoter {
             .policies
             .tiers()
             .values()
-            .filter(|t| t.role == TierRole::Hot)
+            .filter(|t| t.role == self.demoted_role())
             .filter(|t| matches!(t.kind, stagehand_policy::TierKind::Posix { .. }))
             .cloned()
             .collect();
@@ -439,7 +485,14 @@ impl Demoter {
             if !self.p().tiers.contains_key(&tier.name) {
                 continue;
             }
-            let Some(survey) = survey(&self.p().catalogue, &self.p().policies, &tier).await? else {
+            let Some(survey) = survey_on_node(
+                &self.p().catalogue,
+                &self.p().policies,
+                &tier,
+                self.p().node.as_deref(),
+            )
+            .await?
+            else {
                 continue;
             };
             let candidates: Vec<Candidate> = survey
@@ -455,28 +508,92 @@ impl Demoter {
                     held: !h.live_jobs.is_empty(),
                 })
                 .collect();
-            let chosen = plan::choose(&survey.usage, &survey.limits, &candidates, &rules, now);
-            for (i, reason) in chosen {
-                let (placed, _) = &survey.replicas[i];
-                let step = self.begin(&tier.name, placed, reason, &survey.limits, &rules)?;
-                self.carry(step, &mut report).await?;
+            // A step left unfinished (its readiness not withdrawn in time) keeps its replica:
+            // the next pass takes it up at its phase, never begins it afresh.
+            let unfinished: HashSet<(String, String)> = self
+                .p()
+                .state
+                .steps()?
+                .into_iter()
+                .map(|s| (s.tier, s.prefix))
+                .collect();
+            let mut steps = Vec::new();
+            for (i, reason) in plan::choose(&survey.usage, &survey.limits, &candidates, &rules, now)
+            {
+                let placed = &survey.replicas[i].0;
+                if !unfinished.contains(&(tier.name.clone(), placed.prefix.clone())) {
+                    steps.push(self.plan_step(&tier.name, placed, reason, &survey.limits, &rules));
+                }
             }
+            self.carry_all(steps, Begun::Now, &mut report).await?;
         }
         self.checkpoints(&mut report).await?;
         Ok(report)
     }
 
-    fn begin(
+    /// The role of the tiers this demoter keeps under their watermarks: `local` for a node's
+    /// demoter, `hot` for the shared one.
+    fn demoted_role(&self) -> TierRole {
+        match self.p().node {
+            Some(_) => TierRole::Local,
+            None => TierRole::Hot,
+        }
+    }
+
+    /// Carries `steps` `max_concurrent` at a time, in the order given. After a step fails no
+    /// further step begins (those under way go to their end), and the first failure is
+    /// returned: the next pass takes the failed step up again.
+    async fn carry_all(
+        &self,
+        steps: Vec<Step>,
+        begun: Begun,
+        report: &mut PassReport,
+    ) -> Result<(), PassError> {
+        let at_once = self.p().demotion.max_concurrent.max(1) as usize;
+        let mut waiting = steps.into_iter();
+        let mut running = futures::stream::FuturesUnordered::new();
+        let mut first_error = None;
+        loop {
+            while first_error.is_none() && running.len() < at_once {
+                match waiting.next() {
+                    Some(step) => running.push(self.carry_one(step, begun)),
+                    None => break,
+                }
+            }
+            match running.next().await {
+                Some(Ok(done)) => report.absorb(done),
+                Some(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                None => break,
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// One step of [`Demoter::carry_all`]: a new one is recorded before its first effect.
+    async fn carry_one(&self, step: Step, begun: Begun) -> Result<PassReport, PassError> {
+        if begun == Begun::Now {
+            self.p().state.record(&step).await?;
+            info!(tier = %step.tier, prefix = %step.prefix, reason = %step.reason, copy_down = step.copy_to.is_some(), "demoting");
+        }
+        let mut done = PassReport::default();
+        self.carry(step, &mut done).await?;
+        Ok(done)
+    }
+
+    /// The step that demotes `placed` from `tier` for `reason` (not recorded yet).
+    fn plan_step(
         &self,
         tier: &str,
         placed: &Placed,
         reason: Reason,
         limits: &TierLimits,
         rules: &Rules,
-    ) -> Result<Step, PassError> {
+    ) -> Step {
         let begun_at = OffsetDateTime::now_utc();
         let stamp = begun_at.unix_timestamp_nanos().to_string();
-        let step = Step {
+        Step {
             id: EventId::for_content(&[
                 b"demote",
                 tier.as_bytes(),
@@ -497,16 +614,14 @@ impl Demoter {
             begun_at,
             checkpoint: None,
             verified_by: placed.verified_by.clone(),
-        };
-        self.p().state.put(&step)?;
-        info!(tier, prefix = %step.prefix, reason = reason.as_str(), copy_down = step.copy_to.is_some(), "demoting");
-        Ok(step)
+            node: self.p().node.clone(),
+        }
     }
 
     /// Records `phase` for `step`, then halts there if the fault seam asks.
     async fn advance(&self, step: &mut Step, phase: Phase) -> Result<(), PassError> {
         step.phase = phase;
-        self.p().state.put(step)?;
+        self.p().state.record(step).await?;
         if self.p().halt_after == Some(phase) {
             warn!(prefix = %step.prefix, phase = phase.as_str(), "demoter halted after {} (STAGEHAND_DEMOTER_HALT_AFTER)", phase.as_str());
             std::future::pending::<()>().await;
@@ -569,7 +684,7 @@ impl Demoter {
                         prefix: step.prefix.clone(),
                     },
                     reason: step.reason.clone(),
-                    node: None,
+                    node: step.node.clone(),
                 }),
             );
             self.p().bus.publish(&removed).await.map_err(step_err)?;
@@ -605,16 +720,21 @@ impl Demoter {
                         .verified_by
                         .clone()
                         .unwrap_or_else(|| COPY_DOWN_VERIFY.as_str().into()),
-                    node: None,
+                    node: step.node.clone(),
                 }),
             );
             self.p().bus.publish(&restored).await.map_err(step_err)?;
             // Handed out again; its space was never given back.
-            placement::end_withdraw(&self.p().placement, &step.tier, None, &step.prefix)
-                .await
-                .map_err(step_err)?;
+            placement::end_withdraw(
+                &self.p().placement,
+                &step.tier,
+                step.node.as_deref(),
+                &step.prefix,
+            )
+            .await
+            .map_err(step_err)?;
             warn!(prefix = %step.prefix, "a job asked for the replica while it was being removed; removal undone");
-            self.p().state.finish(&step)?;
+            self.p().state.forget(&step).await?;
             report.deferred += 1;
             return Ok(());
         }
@@ -647,10 +767,10 @@ impl Demoter {
             }
             // The folder is gone: its space is free, and a request may stage it afresh.
             let store = &self.p().placement;
-            placement::release_reservation(store, &step.tier, None, &step.prefix)
+            placement::release_reservation(store, &step.tier, step.node.as_deref(), &step.prefix)
                 .await
                 .map_err(step_err)?;
-            placement::forget_use(store, &step.tier, None, &step.prefix)
+            placement::forget_use(store, &step.tier, step.node.as_deref(), &step.prefix)
                 .await
                 .map_err(step_err)?;
             if let Some(c) = &step.checkpoint {
@@ -667,7 +787,7 @@ impl Demoter {
                     step.copy_to.as_deref(),
                 )?;
             }
-            self.p().state.finish(&step)?;
+            self.p().state.forget(&step).await?;
             info!(tier = %step.tier, prefix = %step.prefix, reason = %step.reason, "replica removed");
             report
                 .removed
@@ -684,7 +804,7 @@ impl Demoter {
     /// next pass decides again.
     async fn take_use(&self, step: &Step, report: &mut PassReport) -> Result<bool, PassError> {
         let store = &self.p().placement;
-        let seen = placement::read_use(store, &step.tier, None, &step.prefix)
+        let seen = placement::read_use(store, &step.tier, step.node.as_deref(), &step.prefix)
             .await
             .map_err(step_err)?;
         // A job may have asked for it since the pass looked.
@@ -694,13 +814,19 @@ impl Demoter {
             report.deferred += 1;
             return Ok(false);
         }
-        let Some(taken) =
-            placement::begin_withdraw(store, &step.tier, None, &step.prefix, &seen, &step.reason)
-                .await
-                .map_err(step_err)?
+        let Some(taken) = placement::begin_withdraw(
+            store,
+            &step.tier,
+            step.node.as_deref(),
+            &step.prefix,
+            &seen,
+            &step.reason,
+        )
+        .await
+        .map_err(step_err)?
         else {
             info!(prefix = %step.prefix, "a request was answered from the replica meanwhile; the replica stays");
-            self.p().state.finish(step)?;
+            self.p().state.forget(step).await?;
             report.deferred += 1;
             return Ok(false);
         };
@@ -717,11 +843,16 @@ impl Demoter {
     /// The step is given up and its replica stays: a record an earlier run of this step
     /// took is given back.
     async fn stays(&self, step: &Step, why: &str) -> Result<(), PassError> {
-        placement::end_withdraw(&self.p().placement, &step.tier, None, &step.prefix)
-            .await
-            .map_err(step_err)?;
+        placement::end_withdraw(
+            &self.p().placement,
+            &step.tier,
+            step.node.as_deref(),
+            &step.prefix,
+        )
+        .await
+        .map_err(step_err)?;
         info!(prefix = %step.prefix, "{why}; the replica stays");
-        self.p().state.finish(step)?;
+        self.p().state.forget(step).await?;
         Ok(())
     }
 
@@ -755,7 +886,13 @@ impl Demoter {
             durable_elsewhere: true,
             verified_by: None,
         };
-        let holds = view::holds(&self.p().catalogue, &placed, &step.tier).await?;
+        let holds = view::holds(
+            &self.p().catalogue,
+            &placed,
+            &step.tier,
+            step.node.as_deref(),
+        )
+        .await?;
         Ok(!holds.live_jobs.is_empty())
     }
 
@@ -863,23 +1000,8 @@ impl Demoter {
                     manifest.digest()
                 )));
             }
-            let bad = Arc::new(std::sync::Mutex::new(None));
-            let seen_bad = bad.clone();
-            let files = manifest
-                .chunks(4096)
-                .fuse()
-                .scan((), move |_, chunk| {
-                    futures::future::ready(match chunk {
-                        Ok(files) => Some(futures::stream::iter(files)),
-                        Err(e) => {
-                            *seen_bad.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                            None
-                        }
-                    })
-                })
-                .flatten()
-                .fuse()
-                .boxed();
+            // A list that ends early is caught below, before anything is published.
+            let (files, listed) = manifest.file_stream(4096);
             let set = SetCopy {
                 src_prefix: step.prefix.clone(),
                 dst_prefix: step.prefix.clone(),
@@ -900,7 +1022,7 @@ impl Demoter {
                 .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
                 .await
                 .map_err(step_err)?;
-            if let Some(e) = bad.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Some(e) = listed.take_error() {
                 return Err(step_err(format!(
                     "reading the file list of {}: {e}",
                     step.prefix
@@ -936,7 +1058,7 @@ impl Demoter {
             dataset: step.dataset.clone(),
             version: step.version.clone(),
             tier: step.tier.clone(),
-            node: None,
+            node: step.node.clone(),
         });
         let not_ready = |e: &kv::Entry| {
             e.operation != kv::Operation::Put

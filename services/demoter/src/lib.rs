@@ -28,7 +28,12 @@
 //! | `facts` | `demoter` on the facts stream | `replica.created`, `replica.removed`, `checkpoint.committed`: usage changed |
 //! | `clock` | — | a pass at start, every `check_every`, and whenever a consumer asks |
 //!
-//! One demoter runs per deployment (its consumers are not shared).
+//! One shared demoter runs per deployment (its consumers are not shared). A node's demoter
+//! (`node = "<name>"` in `[service]`, beside that node's promoter agent) keeps the node's
+//! `local` tiers under their watermarks by the same rules: it sees only the replicas the
+//! catalogue keys by (tier, that node), withdraws their per-node readiness, publishes its facts
+//! with the node, and has consumers of its own (`demoter-node-<node>`). Steps run
+//! `demotion.toml`'s `max_concurrent` at a time, each recorded on its own.
 
 pub mod demoter;
 pub mod plan;
@@ -77,6 +82,12 @@ pub struct Settings {
     /// The mover's tunables (a `bytes_per_second` limit keeps copies down in the background).
     #[serde(default)]
     pub mover: MoverConfig,
+    /// Run as the demoter of this node (the name its promoter agent has, the `node` of its
+    /// replicas' facts): keep the node's `local` tiers under their watermarks, demoting only
+    /// this node's replicas there, and nothing on the shared tiers. Unset: the shared demoter
+    /// (hot tiers and checkpoint retention), one per deployment.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 fn default_catalogue_timeout() -> Duration {
@@ -93,6 +104,7 @@ impl Settings {
             state_dir: state_dir.into(),
             catalogue_timeout: default_catalogue_timeout(),
             mover: MoverConfig::default(),
+            node: None,
         }
     }
 
@@ -102,12 +114,31 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// The name of this demoter's consumers: `demoter` for the shared one, one per node's
+    /// demoter (`demoter-node-<node>`), since each must see every fact.
+    pub fn consumer(&self) -> String {
+        match &self.node {
+            Some(node) => format!("{SERVICE}-node-{}", runner::consumer_token(node)),
+            None => SERVICE.to_owned(),
+        }
+    }
+}
+
 impl ServiceSettings for Settings {
     fn validate(&self) -> Result<(), InvalidKey> {
         if self.policies_dir.as_os_str().is_empty() {
             return Err(InvalidKey::new(
                 "policies_dir",
                 "must name the policy folder",
+            ));
+        }
+        if let Some(node) = &self.node
+            && (node.is_empty() || node.len() > 64)
+        {
+            return Err(InvalidKey::new(
+                "node",
+                "must be a node name of 1-64 characters",
             ));
         }
         if self.catalogue_timeout.is_zero() {
@@ -219,18 +250,25 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
         })?;
     let halt_after = halt_after()?;
     let mut tiers = HashMap::new();
+    // The bounded tiers this demoter keeps under their watermarks: a node's demoter its node's
+    // local tiers, the shared one the hot tiers; either opens the durable tiers it copies to.
+    let demoted = match s.node {
+        Some(_) => TierRole::Local,
+        None => TierRole::Hot,
+    };
     for (name, tier) in policies.tiers() {
-        if tier.role == TierRole::Local {
-            // Node-local replicas are not in the catalogue yet (their facts carry no node).
-            tracing::info!(tier = %name, "local tier not demoted by the shared demoter");
+        if matches!(tier.role, TierRole::Hot | TierRole::Local) && tier.role != demoted {
+            tracing::info!(tier = %name, node = s.node.as_deref().unwrap_or("-"), "tier not demoted by this demoter");
             continue;
         }
         match tier.open() {
             Ok(t) => {
                 // Temporaries of dead writers on the tiers the demoter writes (its copies down,
-                // its removals) are removed at start.
+                // its removals) are removed at start; the shared capacity tier by the shared
+                // demoter only.
                 if let stagehand_mover::Tier::Posix(p) = &t
-                    && matches!(tier.role, TierRole::Hot | TierRole::Capacity)
+                    && (tier.role == demoted
+                        || (s.node.is_none() && tier.role == TierRole::Capacity))
                 {
                     let p = p.clone();
                     let swept = tokio::task::spawn_blocking(move || {
@@ -273,25 +311,29 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
         readiness,
         placement,
         halt_after,
+        node: s.node.clone(),
         stop_before_rename: std::env::var_os(STOP_BEFORE_RENAME_ENV).is_some(),
         shutdown: token.clone(),
     });
-    tracing::info!("demoter ready");
+    let consumer = s.consumer();
+    tracing::info!(node = s.node.as_deref().unwrap_or("-"), %consumer, "demoter ready");
 
-    // One durable consumer named `demoter` on each stream (deploy/nats/accounts.conf grants
-    // those names), each with its own ledger.
+    // One durable consumer on each stream, named `demoter` (deploy/nats/accounts.conf grants
+    // those names) or `demoter-node-<node>`, each with its own ledger.
     let mut requests = ctx.worker_config_named(
-        SERVICE,
+        &consumer,
         subject::REQUESTS.name,
         vec![subject::kind_filter("req", "stage.released")],
         s.state_dir.join("demoter-requests.redb"),
     );
     requests.claims = ctx.worker.claims.unwrap_or(false);
     let mut facts = ctx.worker_config_named(
-        SERVICE,
+        &consumer,
         subject::FACTS.name,
         ["replica.created", "replica.removed", "checkpoint.committed"]
             .iter()
+            // Retention is the shared demoter's: a node's demoter notes no checkpoints.
+            .filter(|k| s.node.is_none() || **k != "checkpoint.committed")
             .map(|k| subject::kind_filter("fact", k))
             .collect(),
         s.state_dir.join("demoter-facts.redb"),

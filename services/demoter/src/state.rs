@@ -105,10 +105,14 @@ pub struct Step {
     /// How the replica was proven when it was made (announced again if the step is undone).
     #[serde(default)]
     pub verified_by: Option<String>,
+    /// The node whose `local` tier holds the replica (a node demoter's step); `None` on a
+    /// shared tier.
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 /// A failure of the state store: the demoter cannot go on safely.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("demoter state {what}: {detail}")]
 pub struct StateError {
     pub what: &'static str,
@@ -119,15 +123,99 @@ fn err(what: &'static str) -> impl Fn(String) -> StateError {
     move |detail| StateError { what, detail }
 }
 
-/// The demoter's state store. Clones share one database.
+/// The demoter's state store. Clones share one database and one committer.
 #[derive(Clone)]
 pub struct State {
     db: Arc<Database>,
+    /// To the committer thread: the writes of steps carried at once, each acknowledged once
+    /// the transaction holding it is durable.
+    committer: std::sync::mpsc::Sender<Queued>,
 }
 
 impl std::fmt::Debug for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("State").finish_non_exhaustive()
+    }
+}
+
+/// One change to the `steps` table.
+#[derive(Debug, Clone)]
+enum StepWrite {
+    /// A new step, or its next phase.
+    Put {
+        tier: String,
+        prefix: String,
+        json: Vec<u8>,
+    },
+    /// A finished (or abandoned) step forgotten.
+    Forget { tier: String, prefix: String },
+}
+
+impl StepWrite {
+    fn put(step: &Step) -> Result<StepWrite, StateError> {
+        Ok(StepWrite::Put {
+            tier: step.tier.clone(),
+            prefix: step.prefix.clone(),
+            json: serde_json::to_vec(step).map_err(|x| err("write")(x.to_string()))?,
+        })
+    }
+
+    fn forget(step: &Step) -> StepWrite {
+        StepWrite::Forget {
+            tier: step.tier.clone(),
+            prefix: step.prefix.clone(),
+        }
+    }
+}
+
+/// A write waiting for the committer, and who to tell when it is durable.
+type Queued = (
+    StepWrite,
+    tokio::sync::oneshot::Sender<Result<(), StateError>>,
+);
+
+/// Applies `writes` in one transaction and commits it (durably: redb's default).
+fn commit_steps<'a>(
+    db: &Database,
+    writes: impl IntoIterator<Item = &'a StepWrite>,
+) -> Result<(), StateError> {
+    let e = err("write");
+    let txn = db.begin_write().map_err(|x| e(x.to_string()))?;
+    {
+        let mut table = txn.open_table(STEPS).map_err(|x| e(x.to_string()))?;
+        for w in writes {
+            match w {
+                StepWrite::Put { tier, prefix, json } => table
+                    .insert((tier.as_str(), prefix.as_str()), json.as_slice())
+                    .map(drop),
+                StepWrite::Forget { tier, prefix } => {
+                    table.remove((tier.as_str(), prefix.as_str())).map(drop)
+                }
+            }
+            .map_err(|x| e(x.to_string()))?;
+        }
+    }
+    txn.commit().map_err(|x| e(x.to_string()))
+}
+
+/// The committer: takes the first write waiting, then every other one queued meanwhile, and
+/// makes them durable in one commit (one flush for several steps carried at once, where each
+/// alone would pay its own). Each write is acknowledged only after that commit; a failed
+/// commit fails every write it held. Ends when the last [`State`] is dropped; between
+/// batches it holds the database only weakly, so dropping the last [`State`] closes it (and a
+/// reopening in the same process finds it closed).
+fn committer(db: std::sync::Weak<Database>, queue: std::sync::mpsc::Receiver<Queued>) {
+    while let Ok(first) = queue.recv() {
+        let mut batch = vec![first];
+        batch.extend(queue.try_iter());
+        let result = match db.upgrade() {
+            Some(db) => commit_steps(&db, batch.iter().map(|(w, _)| w)),
+            None => Err(err("write")("the database is closed".into())),
+        };
+        for (_, done) in batch {
+            // A step whose future was dropped no longer waits; the write stands anyway.
+            let _ = done.send(result.clone());
+        }
     }
 }
 
@@ -140,30 +228,46 @@ impl State {
         txn.open_table(CHECKPOINTS)
             .map_err(|e| open(e.to_string()))?;
         txn.commit().map_err(|e| open(e.to_string()))?;
-        Ok(State { db: Arc::new(db) })
+        let db = Arc::new(db);
+        let (committer_tx, queue) = std::sync::mpsc::channel();
+        let committer_db = Arc::downgrade(&db);
+        std::thread::Builder::new()
+            .name("demoter-state".into())
+            .spawn(move || committer(committer_db, queue))
+            .map_err(|e| open(format!("starting the committer: {e}")))?;
+        Ok(State {
+            db,
+            committer: committer_tx,
+        })
     }
 
-    /// Writes `step` (a new one, or its next phase) durably.
+    /// Writes `step` (a new one, or its next phase) durably, in a transaction of its own.
     pub fn put(&self, step: &Step) -> Result<(), StateError> {
-        let e = err("write");
-        let bytes = serde_json::to_vec(step).map_err(|x| e(x.to_string()))?;
-        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
-        txn.open_table(STEPS)
-            .map_err(|x| e(x.to_string()))?
-            .insert((step.tier.as_str(), step.prefix.as_str()), bytes.as_slice())
-            .map_err(|x| e(x.to_string()))?;
-        txn.commit().map_err(|x| e(x.to_string()))
+        commit_steps(&self.db, [&StepWrite::put(step)?])
     }
 
-    /// Forgets a finished (or abandoned) step.
+    /// Forgets a finished (or abandoned) step, in a transaction of its own.
     pub fn finish(&self, step: &Step) -> Result<(), StateError> {
-        let e = err("write");
-        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
-        txn.open_table(STEPS)
-            .map_err(|x| e(x.to_string()))?
-            .remove((step.tier.as_str(), step.prefix.as_str()))
-            .map_err(|x| e(x.to_string()))?;
-        txn.commit().map_err(|x| e(x.to_string()))
+        commit_steps(&self.db, [&StepWrite::forget(step)])
+    }
+
+    /// Writes `step` durably, committed with the writes of other steps queued at the same
+    /// time; returns once it is durable. What [`State::put`] does, for steps carried at once.
+    pub async fn record(&self, step: &Step) -> Result<(), StateError> {
+        self.queue(StepWrite::put(step)?).await
+    }
+
+    /// Forgets a finished (or abandoned) step, committed with other steps' writes as
+    /// [`State::record`].
+    pub async fn forget(&self, step: &Step) -> Result<(), StateError> {
+        self.queue(StepWrite::forget(step)).await
+    }
+
+    async fn queue(&self, write: StepWrite) -> Result<(), StateError> {
+        let (done, durable) = tokio::sync::oneshot::channel();
+        let gone = || err("write")("the committer thread has stopped".into());
+        self.committer.send((write, done)).map_err(|_| gone())?;
+        durable.await.map_err(|_| gone())?
     }
 
     /// Every step begun and not finished, in (tier, prefix) order.
@@ -281,6 +385,7 @@ mod tests {
             begun_at: OffsetDateTime::UNIX_EPOCH,
             checkpoint: None,
             verified_by: None,
+            node: None,
         };
         {
             let s = State::open(&path).unwrap();

@@ -38,11 +38,13 @@ pub struct Holds {
     pub last_staged: Option<OffsetDateTime>,
 }
 
-/// Every replica the catalogue lists as present on `tier`, with whether a verified copy of the
-/// same version is present on one of the `durable` tiers.
+/// Every replica the catalogue lists as present on `tier` (on a node-local tier: `node`'s
+/// replicas only; `None`: the shared tier's), with whether a verified copy of the same version
+/// is present on one of the `durable` tiers.
 pub async fn placed_on(
     catalogue: &Catalogue,
     tier: &str,
+    node: Option<&str>,
     durable: &HashSet<String>,
 ) -> Result<Vec<Placed>, CatalogueError> {
     let mut out = Vec::new();
@@ -91,7 +93,7 @@ pub async fn placed_on(
                 let Some(here) = rs
                     .iter()
                     .filter(present)
-                    .find(|r| r.tier == tier && r.node.is_none())
+                    .find(|r| r.tier == tier && r.node.as_deref() == node)
                 else {
                     continue;
                 };
@@ -131,12 +133,13 @@ pub fn stages(s: &StageStatus, version: &str, tier: &str, node: Option<&str>) ->
     s.tier == tier && s.node.as_deref() == node && same_version
 }
 
-/// The stage requests of one version on a shared tier: which jobs hold it, and when it was
-/// last staged.
+/// The stage requests of one version on `tier` (and `node`, on a node-local tier): which jobs
+/// hold it, and when it was last staged.
 pub async fn holds(
     catalogue: &Catalogue,
     placed: &Placed,
     tier: &str,
+    node: Option<&str>,
 ) -> Result<Holds, CatalogueError> {
     let mut holds = Holds::default();
     let now = OffsetDateTime::now_utc();
@@ -152,7 +155,7 @@ pub async fn holds(
             )
             .await?;
         for s in &page.items {
-            if !stages(s, &placed.version, tier, None) {
+            if !stages(s, &placed.version, tier, node) {
                 continue;
             }
             if s.holds_at(now) {

@@ -9,11 +9,11 @@ mod common;
 use common::*;
 use stagehand_testkit::wait_until;
 
-/// Places two idle versions whose only verified copy is on hot (the demoter must copy both
-/// down first); returns them.
-async fn two_idle_versions_only_on_hot(stack: &Stack) -> Vec<Placed> {
+/// Places `n` idle versions whose only verified copy is on hot (the demoter must copy each
+/// down first), released a minute apart, oldest first; returns them.
+async fn idle_versions_only_on_hot(stack: &Stack, n: u8) -> Vec<Placed> {
     let mut placed = Vec::new();
-    for i in 0..2u8 {
+    for i in 0..n {
         let p = stack
             .place(&format!("crash{i}"), i * 7, 4, 256 * 1024, false)
             .await;
@@ -70,10 +70,12 @@ async fn end_state(stack: &Stack, placed: &[Placed], name: &str) {
 async fn killed_between_the_copy_down_and_the_removal_the_restart_finishes_the_step() {
     let stack = Stack::start(Options {
         idle_after: "1h",
+        // One step at a time: the kill point is the first version's.
+        max_concurrent: 1,
         ..Options::default()
     })
     .await;
-    let placed = two_idle_versions_only_on_hot(&stack).await;
+    let placed = idle_versions_only_on_hot(&stack, 2).await;
     let mut first = spawn(
         &stack,
         "first",
@@ -104,10 +106,12 @@ async fn killed_between_the_copy_down_and_the_removal_the_restart_finishes_the_s
 async fn killed_between_the_rename_and_the_delete_the_restart_leaves_nothing_behind() {
     let stack = Stack::start(Options {
         idle_after: "1h",
+        // One step at a time: the kill point is the first version's.
+        max_concurrent: 1,
         ..Options::default()
     })
     .await;
-    let placed = two_idle_versions_only_on_hot(&stack).await;
+    let placed = idle_versions_only_on_hot(&stack, 2).await;
     let mut first = spawn(
         &stack,
         "first",
@@ -127,6 +131,66 @@ async fn killed_between_the_rename_and_the_delete_the_restart_leaves_nothing_beh
         removed_from_hot(stack.bus.jetstream()).await,
         vec![p.version.clone()]
     );
+    first.kill().unwrap();
+    first.wait().unwrap();
+
+    let mut second = spawn(&stack, "second", &[]);
+    end_state(&stack, &placed, "second").await;
+    second.kill().unwrap();
+    second.wait().unwrap();
+    stack.stop().await;
+}
+
+/// Guards steps carried at once: with `max_concurrent = 3` and six idle versions, the first
+/// three steps each halt right after their rename (their folders hidden, their readiness
+/// withdrawn) and the other three have not begun; killed there, the restarted demoter
+/// finishes the three, demotes the rest, and every version ends whole on capacity, gone from
+/// hot, announced created and removed exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_with_several_steps_under_way_the_restart_finishes_each_once() {
+    let stack = Stack::start(Options {
+        idle_after: "1h",
+        max_concurrent: 3,
+        ..Options::default()
+    })
+    .await;
+    let placed = idle_versions_only_on_hot(&stack, 6).await;
+    let mut first = spawn(
+        &stack,
+        "first",
+        &[(stagehand_demoter::HALT_AFTER_ENV, "renamed")],
+    );
+    let halted = || {
+        log_of(&stack, "first")
+            .matches("demoter halted after renamed")
+            .count()
+    };
+    wait_until(WAIT, "three steps halted after their rename", || async {
+        halted() == 3
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "first")));
+    let hidden: Vec<&Placed> = placed
+        .iter()
+        .filter(|p| {
+            list(&stack.tier("hot").join(format!("{PROJECT}/{}", p.dataset)))
+                == vec![format!(".{}.stagehand-removed", p.version)]
+        })
+        .collect();
+    assert_eq!(hidden.len(), 3, "{}", log_of(&stack, "first"));
+    // The three under way are the three least recently staged; the rest are untouched.
+    for p in &placed[..3] {
+        assert!(
+            hidden.iter().any(|h| h.version == p.version),
+            "{}",
+            p.dataset
+        );
+        assert!(whole_on(&stack, "capacity", p));
+    }
+    for p in &placed[3..] {
+        assert!(whole_on(&stack, "hot", p));
+    }
+    assert_eq!(removed_from_hot(stack.bus.jetstream()).await.len(), 3);
     first.kill().unwrap();
     first.wait().unwrap();
 

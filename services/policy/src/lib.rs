@@ -38,10 +38,10 @@ use std::path::{Path, PathBuf};
 
 pub use error::PolicyError;
 pub use pipeline::{
-    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DatasetPacking, DemotionPolicy,
-    Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked, ObjectLockPolicy, Packing, PackingPolicy,
-    PriorityClass, PriorityPolicy, PromotionPolicy, RetentionMode, RetentionPolicy, ShardLayout,
-    VerifyMode,
+    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DEFAULT_DEMOTION_CONCURRENCY,
+    DatasetPacking, DemotionPolicy, Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked,
+    ObjectLockPolicy, Packing, PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy,
+    RetentionMode, RetentionPolicy, ShardLayout, VerifyMode,
 };
 pub use tiers::{
     DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, TierKind, TierLimits, TierPolicy, TierRole,

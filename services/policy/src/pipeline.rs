@@ -321,6 +321,19 @@ pub struct DemotionPolicy {
     pub check_every: Duration,
     /// Where a demoted replica goes when no other verified copy exists.
     pub target: String,
+    /// Demotion steps one demoter carries at once (each its own copy down, announcement and
+    /// removal); at least 1. Default [`DEFAULT_DEMOTION_CONCURRENCY`].
+    #[serde(default = "default_demotion_concurrency")]
+    pub max_concurrent: u32,
+}
+
+/// Demotion steps carried at once when `demotion.toml` sets no `max_concurrent`: enough to
+/// overlap one step's round trips and flushes with the others' copies, few enough that a
+/// background drain does not crowd a tier's disks.
+pub const DEFAULT_DEMOTION_CONCURRENCY: u32 = 8;
+
+fn default_demotion_concurrency() -> u32 {
+    DEFAULT_DEMOTION_CONCURRENCY
 }
 
 /// `retention.toml`: which checkpoints are kept, and when unused replicas expire.
@@ -582,6 +595,9 @@ pub(crate) fn parse_demotion(
     let p: DemotionPolicy = src.parse()?;
     if p.check_every.is_zero() {
         return Err(src.invalid("check_every", "must be longer than 0"));
+    }
+    if p.max_concurrent == 0 {
+        return Err(src.invalid("max_concurrent", "must be at least 1"));
     }
     check_tier_ref(src, tiers, "target", &p.target, &[TierRole::Capacity])?;
     Ok(p)

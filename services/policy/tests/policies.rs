@@ -456,6 +456,10 @@ fn later_policies_check_their_tier_references() {
         t.replace("check_every = \"5m\"", "check_every = \"5 minutes\"")
     });
     expect_invalid(&dir, "demotion.toml", "check_every", "unknown unit");
+    let (_tmp, dir) = with_edit("demotion.toml", |t| {
+        t.replace("max_concurrent = 8", "max_concurrent = 0")
+    });
+    expect_invalid(&dir, "demotion.toml", "max_concurrent", "at least 1");
     let (_tmp, dir) = with_edit("packing.toml", |t| {
         t.replace("shard_size = \"1 GiB\"", "shard_size = \"4 KiB\"")
     });

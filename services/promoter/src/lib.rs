@@ -152,22 +152,10 @@ impl Settings {
     /// The requests consumer: shared by every shared promoter; one per node agent.
     pub fn requests_consumer(&self) -> String {
         match &self.node {
-            Some(node) => format!("{SERVICE}-node-{}", token(node)),
+            Some(node) => format!("{SERVICE}-node-{}", runner::consumer_token(node)),
             None => SERVICE.to_owned(),
         }
     }
-}
-
-fn token(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect()
 }
 
 impl ServiceSettings for Settings {

@@ -338,6 +338,20 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// `name` made one subject token, as a consumer name must be (a node's name in the consumer
+/// of that node's agent): every character outside `[A-Za-z0-9_-]` becomes `-`.
+pub fn consumer_token(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
 /// The whole life of a service binary: reads `--config FILE`, sets up telemetry, runs the
 /// service with [`run`] until SIGINT or SIGTERM, and returns its exit status.
 pub fn main<S, F, Fut, T, E>(name: &'static str, serve: F) -> ExitCode

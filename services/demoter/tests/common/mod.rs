@@ -49,6 +49,8 @@ pub struct Options {
     pub s3_capacity: Option<(String, String)>,
     /// Start the catalogue recorder with the stack (else: [`Stack::start_recorder`] later).
     pub recorder: bool,
+    /// demotion.toml's `max_concurrent`: steps carried at once.
+    pub max_concurrent: u32,
 }
 
 impl Default for Options {
@@ -62,6 +64,8 @@ impl Default for Options {
             accounts: false,
             s3_capacity: None,
             recorder: true,
+            // Several at once, as deployed: every test runs its steps concurrently.
+            max_concurrent: 4,
             checkpoints: "keep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"",
         }
     }
@@ -103,7 +107,7 @@ impl Stack {
         };
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path();
-        for t in ["source", "capacity", "hot"] {
+        for t in ["source", "capacity", "hot", "local"] {
             std::fs::create_dir_all(root.join("tiers").join(t)).unwrap();
         }
         let policies = root.join("policies");
@@ -114,6 +118,8 @@ impl Stack {
                 "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{src}\"\n\n\
                  [tiers.capacity]\n{cap}\nrole = \"capacity\"\nfailure_domain = \"cap\"\n\n\
                  [tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"{hot}\"\ncapacity = \"{hotcap}\"\n\
+                 high_watermark = {high}\nlow_watermark = {low}\n\n\
+                 [tiers.local]\nkind = \"posix\"\nrole = \"local\"\nfailure_domain = \"nvme\"\nroot = \"{local}\"\ncapacity = \"{hotcap}\"\n\
                  high_watermark = {high}\nlow_watermark = {low}\n",
                 src = root.join("tiers/source").display(),
                 cap = match &opts.s3_capacity {
@@ -126,6 +132,9 @@ impl Stack {
                     ),
                 },
                 hot = root.join("tiers/hot").display(),
+                // Every node's local tier at one root here: a node's demoter that touched
+                // another node's replica would find its folder.
+                local = root.join("tiers/local").display(),
                 hotcap = opts.hot_capacity,
                 high = opts.high,
                 low = opts.low,
@@ -137,8 +146,8 @@ impl Stack {
             policies.join("demotion.toml"),
             // A long clock: passes come at start and from facts, so each test knows when.
             format!(
-                "idle_after = \"{}\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\n",
-                opts.idle_after
+                "idle_after = \"{}\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\nmax_concurrent = {}\n",
+                opts.idle_after, opts.max_concurrent
             ),
         )
         .unwrap();
@@ -273,6 +282,23 @@ impl Stack {
         size: usize,
         durable: bool,
     ) -> Placed {
+        self.place_on("hot", None, dataset, seed, n, size, durable)
+            .await
+    }
+
+    /// [`Stack::place`] on `tier`, for `node` on a node-local tier (its `replica.created`
+    /// carries the node).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn place_on(
+        &self,
+        tier: &str,
+        node: Option<&str>,
+        dataset: &str,
+        seed: u8,
+        n: usize,
+        size: usize,
+        durable: bool,
+    ) -> Placed {
         let files: Vec<(String, Vec<u8>)> = (0..n)
             .map(|i| {
                 (
@@ -288,9 +314,9 @@ impl Stack {
         let version = version_digest(&refs);
         let prefix = format!("{PROJECT}/{dataset}/{version}");
         let source_tier = if durable { "capacity" } else { "source" };
-        for tier in [source_tier, "hot"] {
+        for t in [source_tier, tier] {
             for (p, b) in &files {
-                let path = self.tier(tier).join(&prefix).join(p);
+                let path = self.tier(t).join(&prefix).join(p);
                 std::fs::create_dir_all(path.parent().unwrap()).unwrap();
                 std::fs::write(path, b).unwrap();
             }
@@ -320,19 +346,25 @@ impl Stack {
             std::fs::remove_dir_all(self.tier("source").join(&prefix)).unwrap();
         }
         let created = Event::request(
-            EventId::derive(&ingest, "replica:hot"),
+            EventId::derive(
+                &ingest,
+                &match node {
+                    None => format!("replica:{tier}"),
+                    Some(node) => format!("replica:{tier}:{node}"),
+                },
+            ),
             PROJECT,
             Body::ReplicaCreated(ReplicaCreated {
                 dataset: dataset.into(),
                 version: version.clone(),
                 location: Location {
-                    tier: "hot".into(),
+                    tier: tier.into(),
                     prefix: prefix.clone(),
                 },
                 files: n as u64,
                 total_bytes: total,
                 verified_by: "read-back".into(),
-                node: None,
+                node: node.map(str::to_owned),
             }),
         );
         self.publish(&created).await;
@@ -402,18 +434,43 @@ impl Stack {
         at: OffsetDateTime,
         hold_until: Option<OffsetDateTime>,
     ) {
-        let id = EventId::for_stage(PROJECT, job, &p.dataset, &p.version, "hot", None);
+        self.stage_as(p, job, "hot", None, at, hold_until).await;
+    }
+
+    /// Job `job` asks for `p` on `tier` (of `node`, a node-local tier) at `at`.
+    pub async fn stage_on(
+        &self,
+        p: &Placed,
+        job: &str,
+        tier: &str,
+        node: Option<&str>,
+        at: OffsetDateTime,
+    ) {
+        self.stage_as(p, job, tier, node, at, None).await;
+    }
+
+    /// Job `job` asks for `p` on `tier` (of `node`) at `at`, its hold ending at `hold_until`.
+    async fn stage_as(
+        &self,
+        p: &Placed,
+        job: &str,
+        tier: &str,
+        node: Option<&str>,
+        at: OffsetDateTime,
+        hold_until: Option<OffsetDateTime>,
+    ) {
+        let id = EventId::for_stage(PROJECT, job, &p.dataset, &p.version, tier, node);
         let mut e = Event::request(
             id,
             PROJECT,
             Body::StageRequested(StageRequested {
                 dataset: p.dataset.clone(),
                 version: p.version.clone(),
-                tier: "hot".into(),
+                tier: tier.into(),
                 job_id: job.into(),
                 requested_by: "slurm".into(),
                 deadline: None,
-                node: None,
+                node: node.map(str::to_owned),
                 form: None,
                 hold_until,
             }),
@@ -424,16 +481,28 @@ impl Stack {
 
     /// Job `job` releases `p` on the hot tier at `at`.
     pub async fn release(&self, p: &Placed, job: &str, at: OffsetDateTime) {
-        let id = EventId::for_stage_release(PROJECT, job, &p.dataset, &p.version, "hot", None);
+        self.release_on(p, job, "hot", None, at).await
+    }
+
+    /// Job `job` releases `p` on `tier` (of `node`, a node-local tier) at `at`.
+    pub async fn release_on(
+        &self,
+        p: &Placed,
+        job: &str,
+        tier: &str,
+        node: Option<&str>,
+        at: OffsetDateTime,
+    ) {
+        let id = EventId::for_stage_release(PROJECT, job, &p.dataset, &p.version, tier, node);
         let mut e = Event::request(
             id,
             PROJECT,
             Body::StageReleased(StageReleased {
                 dataset: p.dataset.clone(),
                 version: p.version.clone(),
-                tier: "hot".into(),
+                tier: tier.into(),
                 job_id: job.into(),
-                node: None,
+                node: node.map(str::to_owned),
             }),
         );
         e.occurred_at = at;
@@ -514,12 +583,17 @@ impl Stack {
 
 /// The readiness key of `p` on the hot tier.
 pub fn hot_key(p: &Placed) -> String {
+    key_on(p, "hot", None)
+}
+
+/// The readiness key of `p` on `tier` (of `node`, a node-local tier).
+pub fn key_on(p: &Placed, tier: &str, node: Option<&str>) -> String {
     kv_key(&ReadinessKey {
         project: PROJECT.into(),
         dataset: p.dataset.clone(),
         version: p.version.clone(),
-        tier: "hot".into(),
-        node: None,
+        tier: tier.into(),
+        node: node.map(str::to_owned),
     })
 }
 
