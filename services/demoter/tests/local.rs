@@ -45,8 +45,11 @@ async fn removed_from_local(stack: &Stack) -> Vec<(String, Option<String>)> {
 /// readiness withdrawn) and leaves n2's two idle replicas whole, ready and unannounced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_nodes_demoter_demotes_only_its_own_nodes_local_replicas() {
+    // Under deploy/nats/accounts.conf: the node's demoter connects as the `demoter` user and
+    // creates its own consumers (demoter-node-n1) with that user's rights.
     let stack = Stack::start(Options {
         idle_after: "1h",
+        accounts: true,
         ..Options::default()
     })
     .await;
