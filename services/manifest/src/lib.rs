@@ -41,6 +41,8 @@ mod store;
 
 pub use builder::{DEFAULT_RUN_BYTES, ManifestBuilder};
 pub use error::{ManifestError, ManifestErrorKind};
-pub use manifest::{DEFAULT_CHUNK, Entries, IN_MEMORY_BELOW, MAX_LINE_BYTES, Manifest, Spool};
+pub use manifest::{
+    DEFAULT_CHUNK, Entries, IN_MEMORY_BELOW, ListEnd, MAX_LINE_BYTES, Manifest, Spool,
+};
 pub use source::{ManifestSource, inline_or_stored, open_manifest};
 pub use store::{BucketOptions, CHUNK_BYTES, ManifestStore, UPLOAD_MAX_AGE};

@@ -195,6 +195,38 @@ impl Manifest {
         futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
     }
 
+    /// The entries as one stream of files, `chunk` read at a time (see [`Manifest::chunks`]),
+    /// for a copy that takes a stream of [`FileRef`]s: a list that fails to read ends the
+    /// stream early, and the error is kept in the returned [`ListEnd`]. A caller checks it
+    /// before publishing what it copied — an early end would publish part of a version.
+    pub fn file_stream(
+        &self,
+        chunk: usize,
+    ) -> (
+        impl futures::Stream<Item = FileRef> + Send + Unpin + 'static,
+        ListEnd,
+    ) {
+        use futures::StreamExt;
+        let end = ListEnd::default();
+        let seen = end.clone();
+        let files = self
+            .chunks(chunk)
+            .scan((), move |_, chunk| {
+                futures::future::ready(match chunk {
+                    Ok(files) => Some(futures::stream::iter(files)),
+                    Err(e) => {
+                        *seen.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        None
+                    }
+                })
+            })
+            .flatten()
+            // A copy may ask again after the end: a fused stream keeps answering `None`.
+            .fuse()
+            .boxed();
+        (files, end)
+    }
+
     /// The canonical manifest bytes, for storing the manifest: an async reader over the spool
     /// (or, for inline entries, over bytes built from them).
     pub(crate) fn canonical_reader(
@@ -298,6 +330,17 @@ impl Read for ReadAt {
 enum EntriesInner {
     Listed(Arc<Vec<FileRef>>, usize),
     Lines(Box<BufReader<ReadAt>>),
+}
+
+/// How the stream of [`Manifest::file_stream`] ended: the read error that cut it short, if any.
+#[derive(Debug, Clone, Default)]
+pub struct ListEnd(Arc<std::sync::Mutex<Option<ManifestError>>>);
+
+impl ListEnd {
+    /// The error that ended the list early (taken: a second call answers `None`).
+    pub fn take_error(&self) -> Option<ManifestError> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 /// The entries of a [`Manifest`] in path order.

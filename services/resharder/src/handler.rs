@@ -10,8 +10,8 @@ use stagehand_manifest::{
     BucketOptions, ManifestBuilder, ManifestSource, ManifestStore, Spool, inline_or_stored,
 };
 use stagehand_mover::{
-    CancellationToken, EngineChoice, Mover, MoverConfig, PosixTier, Progress, RateLimiter, SetCopy,
-    StagedSet, SweepOptions, Tier, TransferError,
+    CancellationToken, EngineChoice, Mover, MoverConfig, Progress, RateLimiter, SetCopy, StagedSet,
+    SweepOptions, Tier, TransferError,
 };
 use stagehand_policy::{IncompletePolicy, Packing, PackingPolicy, Policies, TierRole};
 use stagehand_schemas::{Body, DatasetPrepared, DatasetValidated, Event, EventId, Location};
@@ -43,14 +43,16 @@ fn staging_prefix(project: &str, dataset: &str, derived_from: &str, seed: u64) -
 /// Packs validated versions the packing policy selects.
 pub struct Resharder {
     packing: PackingPolicy,
-    /// Every declared tier's role, and the opened posix tier for source tiers.
-    sources: HashMap<String, (TierRole, Option<PosixTier>)>,
+    /// Every declared tier's role, and the opened tier for source tiers.
+    sources: HashMap<String, (TierRole, Option<Tier>)>,
     target: Tier,
     mover: Mover,
     js: jetstream::Context,
     replicas: usize,
     tuning: Tuning,
     spool: Spool,
+    /// Where raw versions on S3 source tiers are fetched to (see [`crate::fetch`]).
+    fetch_root: std::path::PathBuf,
     /// Derivations of the same set in this process run one after another (they would share
     /// one staging folder).
     busy: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -77,8 +79,7 @@ impl Resharder {
         let mut sources = HashMap::new();
         for (name, tier) in policies.tiers() {
             let opened = match (tier.role, tier.open()) {
-                (TierRole::Source, Ok(Tier::Posix(p))) => Some(p),
-                (TierRole::Source, Ok(Tier::S3(_))) => None,
+                (TierRole::Source, Ok(opened)) => Some(opened),
                 (TierRole::Source, Err(e)) => return Err(open_err(name, tier.location())(e)),
                 _ => None,
             };
@@ -100,6 +101,18 @@ impl Resharder {
         for dir in [settings.state_dir.clone(), settings.spool_dir()] {
             std::fs::create_dir_all(&dir)
                 .map_err(|source| ReshardError::StateDir { path: dir, source })?;
+        }
+        // Versions a killed run was fetching from S3 are fetched afresh.
+        let fetch_root = crate::fetch::fetch_root(&settings.spool_dir());
+        match std::fs::remove_dir_all(&fetch_root) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(ReshardError::StateDir {
+                    path: fetch_root,
+                    source,
+                });
+            }
         }
         let swept = {
             let t = target.clone();
@@ -149,20 +162,15 @@ impl Resharder {
             replicas: bus.replicas(),
             tuning,
             spool: Spool::in_dir(settings.spool_dir()),
+            fetch_root,
             busy: Mutex::new(HashMap::new()),
         })
     }
 
-    /// The raw version's files: its source tier beneath its prefix.
-    fn source(&self, location: &Location) -> Result<PosixTier, HandlerError> {
+    /// The raw version's source tier.
+    fn source(&self, location: &Location) -> Result<&Tier, HandlerError> {
         match self.sources.get(&location.tier) {
-            Some((TierRole::Source, Some(tier))) => {
-                tier.beneath(&location.prefix, false).map_err(transfer_err)
-            }
-            Some((TierRole::Source, None)) => Err(HandlerError::permanent(format!(
-                "the raw version is on tier {:?}, an s3 tier; the resharder reads members from posix source tiers only",
-                location.tier
-            ))),
+            Some((TierRole::Source, Some(tier))) => Ok(tier),
             Some((role, _)) => Err(HandlerError::permanent(format!(
                 "the raw version names tier {:?}, whose role is {}, not source",
                 location.tier,
@@ -228,7 +236,7 @@ impl Resharder {
         packing: Packing,
         ctx: &WorkContext,
     ) -> Result<Vec<Event>, HandlerError> {
-        let source = self.source(&v.source)?;
+        let source_tier = self.source(&v.source)?;
         let manifest = match ManifestSource::of(event).map_err(manifest_err)? {
             Some(m) => m.open(&self.js, &self.spool).await.map_err(manifest_err)?,
             None => {
@@ -248,13 +256,41 @@ impl Resharder {
         let staging = staging_prefix(project, &v.dataset, &v.version, packing.seed);
         let lock = self.lock_for(&staging);
         let _guard = lock.lock().await;
-        let staged = self.stage(&staging).await?;
+        let cancel = ctx.shutdown().child_token();
+        let (source, fetched) = match source_tier {
+            Tier::Posix(p) => (
+                p.beneath(&v.source.prefix, false).map_err(transfer_err)?,
+                None,
+            ),
+            Tier::S3(_) => {
+                let name = staging.replace('/', "-");
+                let fetched = crate::fetch::fetch(
+                    &self.mover,
+                    source_tier,
+                    &v.source.prefix,
+                    &manifest,
+                    &self.fetch_root,
+                    &name,
+                    &cancel,
+                )
+                .await?;
+                (fetched.tier().clone(), Some(fetched))
+            }
+        };
+        let staged = match self.stage(&staging).await {
+            Ok(staged) => staged,
+            Err(e) => {
+                if let Some(fetched) = fetched {
+                    fetched.remove().await;
+                }
+                return Err(e);
+            }
+        };
         let Some(Tier::Posix(stage_tier)) = staged.staging_tier().cloned() else {
             return Err(HandlerError::permanent(
                 "the target tier gave no posix staging folder",
             ));
         };
-        let cancel = ctx.shutdown().child_token();
         let result = {
             let (manifest, packing, tuning) =
                 (manifest.clone(), packing.clone(), self.tuning.clone());
@@ -277,6 +313,9 @@ impl Resharder {
                 )))
             })
         };
+        if let Some(fetched) = fetched {
+            fetched.remove().await;
+        }
         let derived = match result {
             Ok(derived) => derived,
             Err(e) => {
@@ -396,7 +435,7 @@ impl Resharder {
     }
 }
 
-fn transfer_err(e: TransferError) -> HandlerError {
+pub(crate) fn transfer_err(e: TransferError) -> HandlerError {
     if e.is_retryable() {
         HandlerError::retryable(e)
     } else {
@@ -404,7 +443,7 @@ fn transfer_err(e: TransferError) -> HandlerError {
     }
 }
 
-fn manifest_err(e: stagehand_manifest::ManifestError) -> HandlerError {
+pub(crate) fn manifest_err(e: stagehand_manifest::ManifestError) -> HandlerError {
     if e.is_retryable() {
         HandlerError::retryable(e)
     } else {

@@ -9,6 +9,8 @@
 //!    hash, an external sort — keys, never bytes, in bounded memory);
 //! 3. groups members into samples, judges them against the policy (required extensions;
 //!    abort, warn or exclude) and places them in shards of the target size ([`plan`]);
+//!    A raw version on an S3 source tier is fetched into the spool first (`fetch.rs`),
+//!    every object checked against the manifest on the way;
 //! 4. reads every member from the source tier on several threads, re-hashing it and comparing
 //!    with the manifest, while one writer appends them to deterministic tar shards with a
 //!    per-sample index of offsets, sizes and SHA-256 ([`derive`], [`shard`]);
@@ -32,6 +34,7 @@
 //! ```
 
 pub mod derive;
+mod fetch;
 mod handler;
 pub mod plan;
 pub mod sample;

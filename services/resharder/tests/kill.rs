@@ -5,50 +5,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
 use common::*;
 use stagehand_bus::{Bus, BusConfig};
 use stagehand_testkit::{NatsServer, wait_until};
-
-/// The binary with `config`, its environment cleared of `STAGEHAND_NATS_*`.
-fn resharder(config: &Path, log: &Path) -> Child {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand-resharder"));
-    cmd.arg("--config")
-        .arg(config)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap());
-    for var in stagehand_bus::env::ALL {
-        cmd.env_remove(var);
-    }
-    cmd.spawn().unwrap()
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn write_config(path: &Path, nats: &str, policies: &Path, state: &Path, limit: Option<&str>) {
-    std::fs::write(
-        path,
-        format!(
-            "[bus]\nservers = [\"{nats}\"]\n\n[worker]\nack_wait = \"2s\"\nmax_attempts = 5\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\nread_threads = 2\n{}",
-            policies.display(),
-            state.display(),
-            limit
-                .map(|l| format!("max_read_bytes_per_sec = \"{l}\"\n"))
-                .unwrap_or_default()
-        ),
-    )
-    .unwrap();
-}
 
 /// A finished shard inside a hidden staging folder beneath `dir`: the derivation is under way.
 fn staged_shard(dir: &Path) -> bool {
@@ -93,7 +53,7 @@ async fn kill_9_mid_derivation_leaves_no_partial_version_and_the_retry_completes
     let event = publish_validated(&bus, "video", "video", "lab/video/up", manifest, true).await;
 
     write_config(&config, &nats.url(), &policies, &state, Some("4 MiB"));
-    let first = Killed(resharder(&config, &tmp.path().join("first.log")));
+    let first = spawn_resharder(&config, &tmp.path().join("first.log"), &[]);
     let dataset_dir = capacity.join("lab/video");
     wait_until(TIMEOUT, "a shard written in the staging folder", || async {
         staged_shard(&dataset_dir)
@@ -114,7 +74,7 @@ async fn kill_9_mid_derivation_leaves_no_partial_version_and_the_retry_completes
     );
 
     write_config(&config, &nats.url(), &policies, &state, None);
-    let _second = Killed(resharder(&config, &tmp.path().join("second.log")));
+    let _second = spawn_resharder(&config, &tmp.path().join("second.log"), &[]);
     let (_, p) = prepared(&js, &event).await;
     assert_eq!(p.samples, 400);
     let left = names(&dataset_dir);

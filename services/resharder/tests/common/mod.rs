@@ -105,6 +105,19 @@ pub async fn publish_validated(
     files: Vec<FileRef>,
     by_reference: bool,
 ) -> Event {
+    publish_validated_on(bus, id, dataset, "source", prefix, files, by_reference).await
+}
+
+/// [`publish_validated`] for a raw version on the source tier `tier`.
+pub async fn publish_validated_on(
+    bus: &Bus,
+    id: &str,
+    dataset: &str,
+    tier: &str,
+    prefix: &str,
+    files: Vec<FileRef>,
+    by_reference: bool,
+) -> Event {
     let version = version_digest(&files);
     let total_bytes = files.iter().map(|f| f.size).sum();
     let (files, manifest) = if by_reference {
@@ -123,7 +136,7 @@ pub async fn publish_validated(
         Body::IngestRequested(stagehand_schemas::IngestRequested {
             dataset: dataset.into(),
             source: Location {
-                tier: "source".into(),
+                tier: tier.into(),
                 prefix: prefix.into(),
             },
             files: Vec::new(),
@@ -138,7 +151,7 @@ pub async fn publish_validated(
             dataset: dataset.into(),
             version,
             source: Location {
-                tier: "source".into(),
+                tier: tier.into(),
                 prefix: prefix.into(),
             },
             files,
@@ -323,4 +336,48 @@ pub fn seeded_order(keys: &[String], seed: u64) -> Vec<String> {
         .collect();
     keyed.sort();
     keyed.into_iter().map(|(_, k)| k).collect()
+}
+
+/// The `stagehand-resharder` binary with `config` and `env`, its environment cleared of
+/// `STAGEHAND_NATS_*`, its log in `log`; killed and reaped when dropped.
+pub fn spawn_resharder(config: &Path, log: &Path, env: &[(&str, &str)]) -> Running {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_stagehand-resharder"));
+    cmd.arg("--config")
+        .arg(config)
+        .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap());
+    for var in stagehand_bus::env::ALL {
+        cmd.env_remove(var);
+    }
+    Running(cmd.spawn().unwrap())
+}
+
+/// A resharder process, SIGKILLed and reaped when dropped.
+pub struct Running(pub std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The resharder's configuration file: `nats`, the policies and state folders, two read
+/// threads, and `limit` as its read rate limit.
+pub fn write_config(path: &Path, nats: &str, policies: &Path, state: &Path, limit: Option<&str>) {
+    std::fs::write(
+        path,
+        format!(
+            "[bus]\nservers = [\"{nats}\"]\n\n[worker]\nack_wait = \"2s\"\nmax_attempts = 5\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\nread_threads = 2\n{}",
+            policies.display(),
+            state.display(),
+            limit
+                .map(|l| format!("max_read_bytes_per_sec = \"{l}\"\n"))
+                .unwrap_or_default()
+        ),
+    )
+    .unwrap();
 }
