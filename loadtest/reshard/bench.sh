@@ -16,7 +16,8 @@
 # tool's output stay under 2 GiB of disk together.
 #
 # Settings: FILES (28000), MIN_SIZE / MAX_SIZE (4096 / 65536 bytes), SHARD_SIZE ("256 MiB"),
-# REPS (3), READ_THREADS (4), BENCH_DIR (where the data goes; default /tmp), PYTHON (default:
+# REPS (3), READ_THREADS (4), BENCH_DIR (where the data goes; default /tmp), PROFILE (release
+# | dev: the build the resharder is timed with), BIN_DIR (prebuilt binaries: nothing is built), PYTHON (default:
 # the venv of deploy/servers.sh), STAGEHAND_NATS_SERVER (nats-server; the venv's by default).
 # The data (the raw files, and one tool's output at a time) is deleted when the script ends.
 # Targets: the resharder >= 2x ShardWriter and within 1.5x of plain tar (tar hashes nothing,
@@ -33,6 +34,7 @@ SHARD_SIZE=${SHARD_SIZE:-256 MiB}
 REPS=${REPS:-3}
 READ_THREADS=${READ_THREADS:-4}
 BENCH_DIR=${BENCH_DIR:-/tmp}
+PROFILE=${PROFILE:-release}
 STAGEHAND_HOME_DEFAULT="$REPO/.stagehand"
 PYTHON=${PYTHON:-$STAGEHAND_HOME_DEFAULT/venv/bin/python}
 if [ -z "${STAGEHAND_NATS_SERVER:-}" ] && [ -x "$STAGEHAND_HOME_DEFAULT/venv/bin/nats-server" ]; then
@@ -50,9 +52,14 @@ PY
 
 cd "$REPO"
 echo "# load before building: $(uptime)"
-cargo build --quiet --profile bench-release -p stagehand-resharder -p stagehand-loadtest \
-    --bin stagehand-resharder --bin reshard-bench
-BIN="$CARGO_TARGET_DIR/bench-release"
+case "${BIN_DIR:+prebuilt}${BIN_DIR:-$PROFILE}" in
+prebuilt*) BIN="$BIN_DIR" ;;
+release) cargo build --quiet --release -p stagehand-resharder -p stagehand-loadtest \
+    --bin stagehand-resharder --bin reshard-bench; BIN="$CARGO_TARGET_DIR/release" ;;
+dev) cargo build --quiet -p stagehand-resharder -p stagehand-loadtest \
+    --bin stagehand-resharder --bin reshard-bench; BIN="$CARGO_TARGET_DIR/debug" ;;
+*) echo "bench.sh: PROFILE is release or dev, not $PROFILE" >&2; exit 1 ;;
+esac
 
 WORK=$(mktemp -d "$BENCH_DIR/stagehand-reshard-bench.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT

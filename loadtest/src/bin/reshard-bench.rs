@@ -11,6 +11,13 @@
 //! and hashing every shard, making them durable, publishing the set and the fact. Prints one
 //! JSON line: seconds, files, bytes, samples, shards, the resharder's CPU seconds in that time
 //! and its peak RSS. The prepared version is removed afterwards.
+//!
+//! With `--stage-to-hot` (for `loadtest/reshard/stage.sh`), the catalogue recorder and the
+//! promoter run in this process too, on a posix hot tier under `--work`; once the version is
+//! prepared, the raw version (form `raw`, from the source tier) and then its prepared version
+//! (form `prepared`, from the capacity tier) are staged to hot, each timed from the publish of
+//! `stage.requested` to the arrival of its `stage.ready`, and one JSON line is printed for
+//! each (`"tool": "stage raw"` / `"stage prepared"`: seconds, files and bytes staged).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -49,6 +56,9 @@ struct Args {
     /// The dataset name (one per round, so that rounds do not share a version folder).
     #[arg(long, default_value = "small-files")]
     dataset: String,
+    /// Stage the raw and the prepared version to a hot tier through the promoter, timed.
+    #[arg(long)]
+    stage_to_hot: bool,
 }
 
 const PROJECT: &str = "bench";
@@ -113,17 +123,33 @@ fn manifest(root: &Path, cache: &Path) -> anyhow::Result<Vec<FileRef>> {
     Ok(files)
 }
 
-fn write_policies(args: &Args, dir: &Path, capacity: &Path) -> anyhow::Result<()> {
+fn write_policies(
+    args: &Args,
+    dir: &Path,
+    capacity: &Path,
+    hot: Option<&Path>,
+) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    std::fs::write(
-        dir.join("tiers.toml"),
-        format!(
-            "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{}\"\n\n\
-             [tiers.capacity]\nkind = \"posix\"\nrole = \"capacity\"\nfailure_domain = \"store\"\nroot = \"{}\"\n",
-            args.source_root.display(),
-            capacity.display()
-        ),
-    )?;
+    let mut tiers = format!(
+        "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{}\"\n\n\
+         [tiers.capacity]\nkind = \"posix\"\nrole = \"capacity\"\nfailure_domain = \"store\"\nroot = \"{}\"\n",
+        args.source_root.display(),
+        capacity.display()
+    );
+    if let Some(hot) = hot {
+        tiers.push_str(&format!(
+            "\n[tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"{}\"\ncapacity = \"1 PiB\"\n\n\
+             [tiers.hot.quotas]\ndefault = \"1 PiB\"\n",
+            hot.display()
+        ));
+        // The promoter's own defaults but for the sources: the raw version lives on the
+        // source tier, its prepared version on capacity.
+        std::fs::write(
+            dir.join("promotion.toml"),
+            "default_tier = \"hot\"\nsources = [\"capacity\", \"source\"]\nmax_concurrent = 4\ndefault_deadline = \"2h\"\nverify = \"hashed-in-flight\"\nrecheck_every = \"1h\"\n",
+        )?;
+    }
+    std::fs::write(dir.join("tiers.toml"), tiers)?;
     std::fs::write(
         dir.join("validation.toml"),
         "max_file_size = \"1 GiB\"\nmax_entries = 20000000\nmax_total_bytes = \"10 TiB\"\nallowed_suffixes = []\ndenied_suffixes = []\nallow_hidden = false\n",
@@ -193,7 +219,16 @@ async fn main() -> anyhow::Result<()> {
     let capacity = args.work.join("capacity");
     std::fs::create_dir_all(&capacity)?;
     let policies = args.work.join("policies");
-    write_policies(&args, &policies, &capacity)?;
+    let hot = args.work.join("hot");
+    if args.stage_to_hot {
+        std::fs::create_dir_all(&hot)?;
+    }
+    write_policies(
+        &args,
+        &policies,
+        &capacity,
+        args.stage_to_hot.then_some(hot.as_path()),
+    )?;
 
     let nats = NatsServer::start();
     let bus = Bus::connect(&BusConfig::new(nats.url())).await?;
@@ -299,7 +334,138 @@ async fn main() -> anyhow::Result<()> {
             "version": p.version,
         })
     );
-    drop(child);
+    if args.stage_to_hot {
+        let raw_version = match &event.body {
+            Body::DatasetValidated(v) => v.version.clone(),
+            _ => bail!("the published fact is not dataset.validated"),
+        };
+        // The resharder is done; the promoter and the recorder start now, so that the
+        // resharding above was timed alone.
+        drop(child);
+        stage_both(&args, &bus, &nats, &policies, &raw_version, p).await?;
+        std::fs::remove_dir_all(&hot)?;
+    } else {
+        drop(child);
+    }
     std::fs::remove_dir_all(&capacity)?;
     Ok(())
+}
+
+/// The staging comparison of `--stage-to-hot` (see the module docs).
+async fn stage_both(
+    args: &Args,
+    bus: &Bus,
+    nats: &NatsServer,
+    policies: &Path,
+    raw_version: &str,
+    prepared: &DatasetPrepared,
+) -> anyhow::Result<()> {
+    let shutdown = stagehand_bus::CancellationToken::new();
+    let recorder =
+        stagehand_catalogue_recorder::config(&nats.url(), args.work.join("state-recorder"));
+    let token = shutdown.clone();
+    let recorder =
+        tokio::spawn(async move { stagehand_catalogue_recorder::run(recorder, token).await });
+    let mut promoter =
+        stagehand_promoter::config(&nats.url(), policies, args.work.join("state-promoter"));
+    promoter.service.instance = Some("bench".into());
+    let token = shutdown.clone();
+    let promoter = tokio::spawn(async move { stagehand_promoter::run(promoter, token).await });
+
+    // Both versions folded into the catalogue before either request is timed.
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone());
+    let folded = Instant::now();
+    for version in [raw_version, prepared.version.as_str()] {
+        while catalogue
+            .version(Some(PROJECT), &args.dataset, version)
+            .await
+            .is_err()
+        {
+            if folded.elapsed() > Duration::from_secs(120) {
+                bail!(
+                    "the catalogue never folded version {version} of {}",
+                    args.dataset
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    let mut ready = bus
+        .client()
+        .subscribe(format!("stagehand.fact.stage.ready.{PROJECT}"))
+        .await?;
+    for (form, staged_version) in [
+        ("raw", raw_version),
+        ("prepared", prepared.version.as_str()),
+    ] {
+        let request = Event::request(
+            EventId::for_stage(PROJECT, form, &args.dataset, raw_version, "hot", None),
+            PROJECT,
+            Body::StageRequested(StageRequested {
+                dataset: args.dataset.clone(),
+                version: raw_version.to_owned(),
+                tier: "hot".into(),
+                job_id: form.into(),
+                requested_by: "bench".into(),
+                deadline: None,
+                node: None,
+                form: Some(form.into()),
+            }),
+        );
+        let start = Instant::now();
+        bus.publish(&request).await?;
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(3600), ready.next())
+                .await
+                .context("no stage.ready within an hour")?
+                .context("subscription ended")?;
+            if wire::decode(&msg.payload)?.causation_id.as_ref() == Some(&request.id) {
+                break;
+            }
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        // What is on hot now: every file of the staged version, counted and summed.
+        let (files, bytes) = tree_size(
+            &args
+                .work
+                .join("hot")
+                .join(PROJECT)
+                .join(&args.dataset)
+                .join(staged_version),
+        )?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "tool": format!("stage {form}"),
+                "seconds": seconds,
+                "files": files,
+                "bytes": bytes,
+                "version": staged_version,
+            })
+        );
+    }
+    shutdown.cancel();
+    recorder.await??;
+    promoter.await??;
+    Ok(())
+}
+
+/// Files beneath `dir` and their total size.
+fn tree_size(dir: &Path) -> anyhow::Result<(u64, u64)> {
+    let (mut files, mut bytes) = (0, 0);
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).with_context(|| format!("listing {d:?}"))? {
+            let entry = entry?;
+            let meta = entry.metadata()?;
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else {
+                files += 1;
+                bytes += meta.len();
+            }
+        }
+    }
+    Ok((files, bytes))
 }

@@ -14,8 +14,10 @@
 //!    hash it and compare with the manifest. A member above `stream_above` is not held in
 //!    memory: the writer streams it and proves it the same way.
 //! 3. **The writer** (the calling thread) puts the read batches back in plan order and
-//!    appends each sample to its shard ([`crate::shard`]), hashing the shard as it goes; a
-//!    finished shard and its index are made durable inside the staging folder.
+//!    frames each sample into its shard ([`crate::shard`]); **the sink** (its own thread)
+//!    hashes the shard's bytes, writes them with writeback started early, and makes each
+//!    finished shard and its index durable inside the staging folder while the writer
+//!    frames the next.
 //!
 //! Batches in flight are bounded by a window of tokens the writer hands back as it finishes
 //! each, so a slow reader cannot make the others pile up read bytes. The first failure stops
@@ -40,7 +42,7 @@ use stagehand_schemas::FileRef;
 
 use crate::plan::{Grouper, Placed, Planner, ProblemLog, Rules, Sample};
 use crate::sample::{SHUFFLE_RULE, order_hash, split_key};
-use crate::shard::{Bytes, ShardError, ShardWriter, copy_file, write_file};
+use crate::shard::{Bytes, ShardError, ShardWriter, Sink, copy_file, write_file, write_shards};
 use crate::sort::{Member, SortError, Sorter};
 
 /// The file of a prepared version that describes it.
@@ -181,6 +183,9 @@ impl From<ShardError> for DeriveError {
                 expected,
                 found,
             },
+            ShardError::Abandoned(n) => {
+                DeriveError::Internal(format!("shard {n} was left unfinished"))
+            }
         }
     }
 }
@@ -629,9 +634,29 @@ struct Written {
     member_bytes: u64,
 }
 
-/// The writer: read batches back in plan order, into shards.
+/// The writer: read batches back in plan order, framed into shards while the sink thread
+/// hashes, writes and commits them ([`write_shards`]).
 fn write_all(
     job: &Job<'_>,
+    rx: &Receiver<ReadBatch>,
+    tokens: &SyncSender<()>,
+    halt: &Halt,
+) -> Result<Written, DeriveError> {
+    let (mut written, shards) = write_shards(job.staging, job.packing.shard_size, |sink| {
+        frame_all(job, sink, rx, tokens, halt)
+    })?;
+    written.shards = shards.len() as u32;
+    for shard in shards {
+        for (name, size, sha) in shard {
+            written.files.push(FileRef::new(name, size, sha));
+        }
+    }
+    Ok(written)
+}
+
+fn frame_all(
+    job: &Job<'_>,
+    sink: &Sink,
     rx: &Receiver<ReadBatch>,
     tokens: &SyncSender<()>,
     halt: &Halt,
@@ -655,13 +680,9 @@ fn write_all(
                 }
                 if shard.as_ref().is_none_or(|s| s.number != number) {
                     if let Some(done) = shard.take() {
-                        finish_shard(done, &mut written)?;
+                        done.finish()?;
                     }
-                    shard = Some(ShardWriter::create(
-                        job.staging,
-                        number,
-                        job.packing.shard_size,
-                    )?);
+                    shard = Some(ShardWriter::create(sink, number)?);
                 }
                 let writer = shard.as_mut().expect("a shard is open");
                 let mut members = Vec::with_capacity(sample.members.len());
@@ -686,17 +707,9 @@ fn write_all(
         return Err(DeriveError::Stopped);
     }
     if let Some(done) = shard.take() {
-        finish_shard(done, &mut written)?;
+        done.finish()?;
     }
     Ok(written)
-}
-
-fn finish_shard(shard: ShardWriter, written: &mut Written) -> Result<(), DeriveError> {
-    for (name, size, sha) in shard.finish()? {
-        written.files.push(FileRef::new(name, size, sha));
-    }
-    written.shards += 1;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -12,9 +12,15 @@
 //! where `offset` is where the member's bytes start in the shard, `size` their length and
 //! `sha256` the raw file's hash from the upload — re-checked against the bytes read before the
 //! member was written. Any reader can check any member at any hop with one ranged read.
+//!
+//! Framing and writing are two threads ([`write_shards`]): the writer frames members into
+//! pooled 4 MiB chunks of tar stream and index; the sink hashes each chunk, writes it, asks
+//! the kernel to start its writeback early (`sync_file_range`), and commits each finished
+//! shard (`fdatasync`, rename, directory `fsync`) while the next one is framed.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -174,45 +180,123 @@ pub enum ShardError {
         expected: String,
         found: String,
     },
+    /// The framing stopped before this shard was finished (its temp files are removed).
+    #[error("shard {0} was left unfinished")]
+    Abandoned(u32),
 }
 
-/// A shard being written into the staging folder, with its index.
-pub struct ShardWriter {
+/// Bytes of a shard's tar stream (or of its index) handed to the sink at once.
+pub const CHUNK_BYTES: usize = 4 << 20;
+/// Chunks in the pool shared by the framing writer and the sink: one being filled for the
+/// tar, one for the index, the rest queued for (or being written by) the sink.
+const POOL_CHUNKS: usize = 6;
+
+/// What the framing writer asks of the sink, in order.
+enum Op {
+    /// Shard `n` starts: create its temp files.
+    Begin(u32),
+    /// The next bytes of the open shard's tar stream.
+    Tar(Vec<u8>),
+    /// The next bytes of the open shard's index.
+    Index(Vec<u8>),
+    /// The open shard is complete: make it and its index durable and visible.
+    End,
+}
+
+/// The framing side's handle on the sink thread: where chunks go and where emptied ones
+/// come back from. Chunks are recycled (a fresh multi-MiB buffer per chunk would cost a
+/// page fault per 4 KiB), and the pool is the backpressure: a writer that runs ahead of the
+/// disk waits for a chunk to come back.
+pub struct Sink {
+    ops: SyncSender<Op>,
+    free: Receiver<Vec<u8>>,
+}
+
+fn sink_gone() -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, "the shard sink stopped")
+}
+
+impl Sink {
+    fn send(&self, op: Op) -> io::Result<()> {
+        self.ops.send(op).map_err(|_| sink_gone())
+    }
+
+    fn chunk(&self) -> io::Result<Vec<u8>> {
+        self.free.recv().map_err(|_| sink_gone())
+    }
+}
+
+/// A `Write` that fills pooled chunks and hands each full one to the sink.
+struct ChunkWriter<'s> {
+    sink: &'s Sink,
+    buf: Vec<u8>,
+    written: u64,
+    op: fn(Vec<u8>) -> Op,
+}
+
+impl<'s> ChunkWriter<'s> {
+    fn new(sink: &'s Sink, op: fn(Vec<u8>) -> Op) -> io::Result<Self> {
+        Ok(ChunkWriter {
+            buf: sink.chunk()?,
+            sink,
+            written: 0,
+            op,
+        })
+    }
+
+    /// Bytes written so far (handed over or not).
+    fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Hands over what is left (even nothing: the sink returns the chunk to the pool).
+    fn finish(self) -> io::Result<()> {
+        self.sink.send((self.op)(self.buf))
+    }
+}
+
+impl Write for ChunkWriter<'_> {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let room = CHUNK_BYTES - self.buf.len();
+        let n = data.len().min(room);
+        self.buf.extend_from_slice(&data[..n]);
+        self.written += n as u64;
+        if self.buf.len() == CHUNK_BYTES {
+            let next = self.sink.chunk()?;
+            let full = std::mem::replace(&mut self.buf, next);
+            self.sink.send((self.op)(full))?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Shard `number` being framed: its tar stream and index go to the sink, which hashes and
+/// writes them while this thread frames the next samples.
+pub struct ShardWriter<'s> {
     pub number: u32,
-    tar_file: AtomicFile,
-    tar: tar::Builder<HashingWriter<BufWriter<File>>>,
-    index_file: AtomicFile,
-    index: HashingWriter<BufWriter<File>>,
+    tar: tar::Builder<ChunkWriter<'s>>,
+    index: ChunkWriter<'s>,
     pub samples: u64,
     pub members: u64,
 }
 
-fn own_handle(file: &AtomicFile) -> Result<File, ShardError> {
-    file.file().try_clone().map_err(|source| ShardError::Io {
-        file: file.rel().to_owned(),
-        source,
-    })
-}
-
-impl ShardWriter {
-    /// Creates shard `number` and its index (temp files, invisible until [`Self::finish`]).
-    pub fn create(staging: &PosixTier, number: u32, size_hint: u64) -> Result<Self, ShardError> {
-        let tar_file = staging.create_atomic(&shard_name(number), size_hint)?;
-        let index_file = staging.create_atomic(&index_name(number), 0)?;
-        let tar = tar::Builder::new(HashingWriter::new(BufWriter::with_capacity(
-            1 << 20,
-            own_handle(&tar_file)?,
-        )));
-        let index = HashingWriter::new(BufWriter::with_capacity(
-            256 << 10,
-            own_handle(&index_file)?,
-        ));
+impl<'s> ShardWriter<'s> {
+    /// Starts shard `number` (its files stay invisible temp files until the sink commits
+    /// them after [`Self::finish`]).
+    pub fn create(sink: &'s Sink, number: u32) -> Result<Self, ShardError> {
+        let err = |source| ShardError::Io {
+            file: shard_name(number),
+            source,
+        };
+        sink.send(Op::Begin(number)).map_err(err)?;
         Ok(ShardWriter {
             number,
-            tar_file,
-            tar,
-            index_file,
-            index,
+            tar: tar::Builder::new(ChunkWriter::new(sink, Op::Tar).map_err(err)?),
+            index: ChunkWriter::new(sink, Op::Index).map_err(err)?,
             samples: 0,
             members: 0,
         })
@@ -220,7 +304,14 @@ impl ShardWriter {
 
     fn tar_err(&self, source: io::Error) -> ShardError {
         ShardError::Io {
-            file: self.tar_file.rel().to_owned(),
+            file: shard_name(self.number),
+            source,
+        }
+    }
+
+    fn index_err(&self, source: io::Error) -> ShardError {
+        ShardError::Io {
+            file: index_name(self.number),
             source,
         }
     }
@@ -266,49 +357,191 @@ impl ShardWriter {
             });
             self.members += 1;
         }
-        serde_json::to_writer(&mut self.index, &line).map_err(|e| ShardError::Io {
-            file: self.index_file.rel().to_owned(),
-            source: io::Error::other(e),
-        })?;
-        self.index
-            .write_all(b"\n")
-            .map_err(|source| ShardError::Io {
-                file: self.index_file.rel().to_owned(),
-                source,
-            })?;
+        serde_json::to_writer(&mut self.index, &line)
+            .map_err(|e| self.index_err(io::Error::other(e)))?;
+        self.index.write_all(b"\n").map_err(|e| self.index_err(e))?;
         self.samples += 1;
         Ok(())
     }
 
-    /// Ends the archive, makes both files durable and visible inside the staging folder, and
-    /// returns (name, size, SHA-256) of the shard and of its index.
-    pub fn finish(self) -> Result<[(String, u64, String); 2], ShardError> {
-        let ShardWriter {
-            number,
-            tar_file,
-            tar,
-            index_file,
-            index,
-            ..
-        } = self;
-        let io_err = |file: &AtomicFile| {
-            let file = file.rel().to_owned();
-            move |source: io::Error| ShardError::Io { file, source }
+    /// Ends the archive and hands the shard to the sink to commit.
+    pub fn finish(self) -> Result<(), ShardError> {
+        let number = self.number;
+        let tar_err = |source| ShardError::Io {
+            file: shard_name(number),
+            source,
         };
-        let hashing = tar.into_inner().map_err(io_err(&tar_file))?;
-        let (mut buf, tar_bytes, tar_sha) = hashing.finish();
-        buf.flush().map_err(io_err(&tar_file))?;
-        drop(buf);
-        let (mut buf, index_bytes, index_sha) = index.finish();
-        buf.flush().map_err(io_err(&index_file))?;
-        drop(buf);
-        tar_file.commit()?;
-        index_file.commit()?;
-        Ok([
-            (shard_name(number), tar_bytes, tar_sha),
-            (index_name(number), index_bytes, index_sha),
-        ])
+        let tar = self.tar.into_inner().map_err(tar_err)?;
+        let sink = tar.sink;
+        tar.finish().map_err(tar_err)?;
+        self.index.finish().map_err(|source| ShardError::Io {
+            file: index_name(number),
+            source,
+        })?;
+        sink.send(Op::End).map_err(tar_err)
     }
+}
+
+/// A shard and its index as committed: (name, size, SHA-256) of each.
+pub type ShardFiles = [(String, u64, String); 2];
+
+/// Frames shards on the calling thread (`frame` creates a [`ShardWriter`] per shard on the
+/// [`Sink`] it is given) while a sink thread hashes their bytes, writes them into `staging`,
+/// starts their writeback as it goes and makes each finished shard and its index durable
+/// and visible there — so hashing a shard, and waiting for the disk, happen beside the
+/// framing of the next samples instead of after them. Returns what `frame` returned and the
+/// committed shards in order.
+///
+/// When the sink fails, `frame`'s next hand-over fails and the sink's error is the one
+/// returned; when `frame` fails, the sink removes the shard it had open.
+pub fn write_shards<T, E: From<ShardError>>(
+    staging: &PosixTier,
+    size_hint: u64,
+    frame: impl FnOnce(&Sink) -> Result<T, E>,
+) -> Result<(T, Vec<ShardFiles>), E> {
+    let (ops_tx, ops_rx) = sync_channel::<Op>(POOL_CHUNKS + 4);
+    let (free_tx, free_rx) = sync_channel::<Vec<u8>>(POOL_CHUNKS);
+    for _ in 0..POOL_CHUNKS {
+        // Cannot fail: the channel has room for every chunk and its receiver is alive.
+        let _ = free_tx.send(Vec::with_capacity(CHUNK_BYTES));
+    }
+    std::thread::scope(|scope| {
+        let sunk = scope.spawn(move || run_sink(staging, size_hint, ops_rx, free_tx));
+        let sink = Sink {
+            ops: ops_tx,
+            free: free_rx,
+        };
+        let framed = frame(&sink);
+        // The sink ends once every op is handled and the sender is gone.
+        drop(sink);
+        let sunk = sunk.join().unwrap_or_else(|_| {
+            Err(ShardError::Io {
+                file: "the shards".into(),
+                source: io::Error::other("the shard sink panicked"),
+            })
+        });
+        match (framed, sunk) {
+            (Ok(value), Ok(files)) => Ok((value, files)),
+            // The framing stopped: the sink merely removed what it had open.
+            (Err(e), Ok(_) | Err(ShardError::Abandoned(_))) => Err(e),
+            // The sink failed first; what the framing saw is its echo.
+            (_, Err(e)) => Err(e.into()),
+        }
+    })
+}
+
+/// The open shard, on the sink's side.
+struct OpenShard {
+    number: u32,
+    tar: AtomicFile,
+    tar_hash: Sha256,
+    tar_len: u64,
+    /// Where writeback was last started (bytes before it are on their way to the disk).
+    flushed_to: u64,
+    index: AtomicFile,
+    index_hash: Sha256,
+    index_len: u64,
+}
+
+/// Start writeback once this many bytes of a shard are dirty, so the disk writes while the
+/// rest of the shard is framed and the commit's `fdatasync` waits only for the tail.
+const WRITEBACK_EVERY: u64 = 8 << 20;
+
+/// The sink thread (see [`write_shards`]).
+fn run_sink(
+    staging: &PosixTier,
+    size_hint: u64,
+    ops: Receiver<Op>,
+    free: SyncSender<Vec<u8>>,
+) -> Result<Vec<ShardFiles>, ShardError> {
+    let mut done = Vec::new();
+    let mut open: Option<OpenShard> = None;
+    let not_open = |what: &str| ShardError::Io {
+        file: what.to_owned(),
+        source: io::Error::other("bytes for a shard that was not begun"),
+    };
+    for op in ops.iter() {
+        match op {
+            Op::Begin(number) => {
+                // A shard left open would be an unfinished one: removed when dropped.
+                open = Some(OpenShard {
+                    number,
+                    tar: staging.create_atomic(&shard_name(number), size_hint)?,
+                    tar_hash: Sha256::new(),
+                    tar_len: 0,
+                    flushed_to: 0,
+                    index: staging.create_atomic(&index_name(number), 0)?,
+                    index_hash: Sha256::new(),
+                    index_len: 0,
+                });
+            }
+            Op::Tar(mut chunk) => {
+                let shard = open.as_mut().ok_or_else(|| not_open("a shard"))?;
+                shard.tar_hash.update(&chunk);
+                shard.tar.write_all_at(&chunk, shard.tar_len)?;
+                shard.tar_len += chunk.len() as u64;
+                if shard.tar_len - shard.flushed_to >= WRITEBACK_EVERY {
+                    start_writeback(shard.tar.file(), shard.flushed_to, shard.tar_len);
+                    shard.flushed_to = shard.tar_len;
+                }
+                chunk.clear();
+                // The framing side may be gone (it stopped); the chunk is then dropped.
+                let _ = free.send(chunk);
+            }
+            Op::Index(mut chunk) => {
+                let shard = open.as_mut().ok_or_else(|| not_open("an index"))?;
+                shard.index_hash.update(&chunk);
+                shard.index.write_all_at(&chunk, shard.index_len)?;
+                shard.index_len += chunk.len() as u64;
+                chunk.clear();
+                let _ = free.send(chunk);
+            }
+            Op::End => {
+                let shard = open.take().ok_or_else(|| not_open("a shard"))?;
+                shard.tar.commit()?;
+                shard.index.commit()?;
+                done.push([
+                    (
+                        shard_name(shard.number),
+                        shard.tar_len,
+                        hex::encode(shard.tar_hash.finalize()),
+                    ),
+                    (
+                        index_name(shard.number),
+                        shard.index_len,
+                        hex::encode(shard.index_hash.finalize()),
+                    ),
+                ]);
+            }
+        }
+    }
+    match open {
+        Some(shard) => Err(ShardError::Abandoned(shard.number)),
+        None => Ok(done),
+    }
+}
+
+/// Asks the kernel to start writing `from..to` of `file` to the disk now, without waiting
+/// for it (`sync_file_range(SYNC_FILE_RANGE_WRITE)`). Only a hint: durability still comes
+/// from the commit's `fdatasync`, so a failure here (a filesystem without it) changes
+/// nothing but timing.
+fn start_writeback(file: &File, from: u64, to: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (i64::try_from(from), i64::try_from(to - from)) else {
+        return;
+    };
+    // SAFETY: a plain system call on an open descriptor this function borrows; it reads no
+    // memory of ours.
+    unsafe {
+        libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE);
+    }
+}
+
+fn own_handle(file: &AtomicFile) -> Result<File, ShardError> {
+    file.file().try_clone().map_err(|source| ShardError::Io {
+        file: file.rel().to_owned(),
+        source,
+    })
 }
 
 /// Writes a small file of the version (`prepared.json`) into the staging folder; returns its
@@ -376,22 +609,24 @@ mod tests {
         for _ in 0..2 {
             let dir = tempfile::tempdir().unwrap();
             let tier = PosixTier::open("t", dir.path()).unwrap();
-            let mut w = ShardWriter::create(&tier, 3, 0).unwrap();
             let members: Vec<Member> = files.iter().map(|(p, d)| member(p, d)).collect();
-            w.add_sample(
-                "a/0001",
-                members[..2]
-                    .iter()
-                    .zip(&files[..2])
-                    .map(|(m, (_, d))| (m, Bytes::Loaded(d))),
-            )
+            let ((), shards) = write_shards(&tier, 0, |sink| {
+                let mut w = ShardWriter::create(sink, 3)?;
+                w.add_sample(
+                    "a/0001",
+                    members[..2]
+                        .iter()
+                        .zip(&files[..2])
+                        .map(|(m, (_, d))| (m, Bytes::Loaded(d))),
+                )?;
+                w.add_sample(
+                    long.trim_end_matches(".bin"),
+                    [(&members[2], Bytes::Stream(Box::new(&files[2].1[..])))],
+                )?;
+                w.finish()
+            })
             .unwrap();
-            w.add_sample(
-                long.trim_end_matches(".bin"),
-                [(&members[2], Bytes::Stream(Box::new(&files[2].1[..])))],
-            )
-            .unwrap();
-            let [(name, size, sha), (index, ..)] = w.finish().unwrap();
+            let [[(name, size, sha), (index, ..)]] = shards.try_into().unwrap();
             assert_eq!(name, "shard-000003.tar");
             let bytes = std::fs::read(dir.path().join(&name)).unwrap();
             assert_eq!(bytes.len() as u64, size);
@@ -430,21 +665,69 @@ mod tests {
         assert_eq!(shas[0], shas[1]);
     }
 
+    /// Guards the chunked sink: shards spanning many chunks (and writeback hints) hold
+    /// exactly the bytes one `tar::Builder` writes for the same members, hashed as one stream,
+    /// and come back in shard order.
+    #[test]
+    fn shards_larger_than_a_chunk_are_the_bytes_of_one_tar_stream() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = PosixTier::open("t", dir.path()).unwrap();
+        let data: Vec<(String, Vec<u8>)> = (0..60u32)
+            .map(|i| {
+                let bytes: Vec<u8> = (0..300_001 + i * 7).map(|b| (b ^ i) as u8).collect();
+                (format!("s/{i:04}.bin"), bytes)
+            })
+            .collect();
+        let members: Vec<Member> = data.iter().map(|(p, d)| member(p, d)).collect();
+        let ((), shards) = write_shards(&tier, 0, |sink| {
+            for shard in 0..2u32 {
+                let mut w = ShardWriter::create(sink, shard)?;
+                for i in (shard as usize * 30)..(shard as usize * 30 + 30) {
+                    let key = data[i].0.trim_end_matches(".bin");
+                    w.add_sample(key, [(&members[i], Bytes::Loaded(&data[i].1))])?;
+                }
+                w.finish()?;
+            }
+            Ok::<_, ShardError>(())
+        })
+        .unwrap();
+        assert_eq!(shards.len(), 2);
+        for (n, [(name, size, sha), (index, index_size, _)]) in shards.into_iter().enumerate() {
+            assert_eq!(name, shard_name(n as u32));
+            assert_eq!(index, index_name(n as u32));
+            let mut want = tar::Builder::new(Vec::new());
+            for (path, bytes) in &data[n * 30..n * 30 + 30] {
+                let mut header = member_header(bytes.len() as u64);
+                want.append_data(&mut header, path, &bytes[..]).unwrap();
+            }
+            let want = want.into_inner().unwrap();
+            assert!(want.len() > 2 * CHUNK_BYTES, "{} bytes", want.len());
+            let got = std::fs::read(dir.path().join(&name)).unwrap();
+            assert!(got == want, "shard {n} differs from one tar stream");
+            assert_eq!(size, want.len() as u64);
+            assert_eq!(sha, hex::encode(Sha256::digest(&want)));
+            let lines = std::fs::read_to_string(dir.path().join(&index)).unwrap();
+            assert_eq!(lines.len() as u64, index_size);
+            assert_eq!(lines.lines().count(), 30);
+        }
+    }
+
     /// A streamed member whose bytes are not the manifest's fails the shard with its path.
     #[test]
     fn a_streamed_member_that_does_not_match_fails_with_its_path() {
         let dir = tempfile::tempdir().unwrap();
         let tier = PosixTier::open("t", dir.path()).unwrap();
-        let mut w = ShardWriter::create(&tier, 0, 0).unwrap();
         let m = member("k.bin", b"expected");
-        let err = w
-            .add_sample("k", [(&m, Bytes::Stream(Box::new(&b"tampered"[..])))])
-            .unwrap_err();
+        let err = write_shards(&tier, 0, |sink| {
+            let mut w = ShardWriter::create(sink, 0)?;
+            w.add_sample("k", [(&m, Bytes::Stream(Box::new(&b"tampered"[..])))])?;
+            w.finish()
+        })
+        .unwrap_err();
         assert!(
             matches!(&err, ShardError::Mismatch { path, .. } if path == "k.bin"),
             "{err}"
         );
-        drop(w);
         // Nothing is left under a real name.
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
