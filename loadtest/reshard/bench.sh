@@ -52,14 +52,8 @@ PY
 
 cd "$REPO"
 echo "# load before building: $(uptime)"
-case "${BIN_DIR:+prebuilt}${BIN_DIR:-$PROFILE}" in
-prebuilt*) BIN="$BIN_DIR" ;;
-release) cargo build --quiet --release -p stagehand-resharder -p stagehand-loadtest \
-    --bin stagehand-resharder --bin reshard-bench; BIN="$CARGO_TARGET_DIR/release" ;;
-dev) cargo build --quiet -p stagehand-resharder -p stagehand-loadtest \
-    --bin stagehand-resharder --bin reshard-bench; BIN="$CARGO_TARGET_DIR/debug" ;;
-*) echo "bench.sh: PROFILE is release or dev, not $PROFILE" >&2; exit 1 ;;
-esac
+. "$HERE/bins.sh"
+reshard_bins bench.sh
 
 WORK=$(mktemp -d "$BENCH_DIR/stagehand-reshard-bench.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT

@@ -35,14 +35,8 @@ if [ -z "${STAGEHAND_NATS_SERVER:-}" ] && [ -x "$STAGEHAND_HOME_DEFAULT/venv/bin
 fi
 
 cd "$REPO"
-case "${BIN_DIR:+prebuilt}${BIN_DIR:-$PROFILE}" in
-prebuilt*) BIN="$BIN_DIR" ;;
-release) cargo build --quiet --release -p stagehand-resharder -p stagehand-loadtest \
-    --bin stagehand-resharder --bin reshard-bench; BIN="$CARGO_TARGET_DIR/release" ;;
-dev) cargo build --quiet -p stagehand-resharder -p stagehand-loadtest \
-    --bin stagehand-resharder --bin reshard-bench; BIN="$CARGO_TARGET_DIR/debug" ;;
-*) echo "stage.sh: PROFILE is release or dev, not $PROFILE" >&2; exit 1 ;;
-esac
+. "$HERE/bins.sh"
+reshard_bins stage.sh
 
 WORK=$(mktemp -d "$BENCH_DIR/stagehand-reshard-stage.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT

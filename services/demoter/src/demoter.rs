@@ -725,16 +725,11 @@ impl Demoter {
             );
             self.p().bus.publish(&restored).await.map_err(step_err)?;
             // Handed out again; its space was never given back.
-            placement::end_withdraw(
-                &self.p().placement,
-                &step.tier,
-                step.node.as_deref(),
-                &step.prefix,
+            self.stays(
+                &step,
+                "a job asked for the replica while it was being removed; removal undone",
             )
-            .await
-            .map_err(step_err)?;
-            warn!(prefix = %step.prefix, "a job asked for the replica while it was being removed; removal undone");
-            self.p().state.forget(&step).await?;
+            .await?;
             report.deferred += 1;
             return Ok(());
         }
