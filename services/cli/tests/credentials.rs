@@ -625,27 +625,30 @@ async fn a_training_job_commits_its_projects_checkpoints_and_nothing_else() -> a
         anyhow::bail!("not a checkpoint commit");
     };
     let reference = fact.manifest.context("step 200 by reference")?;
-    let mut cfg = BusConfig::new(user_url(
-        &server,
-        "catalogue-recorder",
-        "CATALOGUE_RECORDER",
-    ));
-    cfg.provision = false;
-    let recorder = Bus::connect(&cfg).await?;
-    let manifest = ManifestStore::open(recorder.jetstream(), "stagehand_uploads_demo")
-        .await?
-        .fetch(&reference, &stagehand_manifest::Spool::default())
-        .await?;
-    ensure!(
-        manifest.files() == MANY_FILES as u64 && manifest.digest() == reference.digest,
-        "{} entries",
-        manifest.files()
-    );
-    ensure!(
-        recorder.permission_violations().is_empty(),
-        "{:?}",
-        recorder.permission_violations()
-    );
+    // Read (verified) by the recorder, which catalogues it, and by the demoter, which moves it.
+    for (user, role) in [
+        ("catalogue-recorder", "CATALOGUE_RECORDER"),
+        ("demoter", "DEMOTER"),
+    ] {
+        let mut cfg = BusConfig::new(user_url(&server, user, role));
+        cfg.provision = false;
+        let reader = Bus::connect(&cfg).await?;
+        let manifest = ManifestStore::open(reader.jetstream(), "stagehand_uploads_demo")
+            .await?
+            .fetch(&reference, &stagehand_manifest::Spool::default())
+            .await
+            .with_context(|| format!("{user} reading the checkpoint's manifest"))?;
+        ensure!(
+            manifest.files() == MANY_FILES as u64 && manifest.digest() == reference.digest,
+            "{user}: {} entries",
+            manifest.files()
+        );
+        ensure!(
+            reader.permission_violations().is_empty(),
+            "{user}: {:?}",
+            reader.permission_violations()
+        );
+    }
 
     // Nothing else: another project's commit (its fact subject and its upload bucket), a
     // verdict, a request, a catalogue query, a direct get by sequence (any project's fact), a

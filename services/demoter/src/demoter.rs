@@ -30,7 +30,7 @@ use futures::{StreamExt, TryStreamExt};
 use stagehand_bus::placement;
 use stagehand_bus::{Bus, CancellationToken, HandlerError};
 use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
-use stagehand_manifest::{ManifestBuilder, Spool};
+use stagehand_manifest::{ManifestBuilder, ManifestSource, Spool};
 use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement};
 use stagehand_policy::{DemotionPolicy, Policies, TierLimits, TierPolicy, TierRole};
@@ -364,10 +364,6 @@ impl Demoter {
                 // A run's checkpoint lies beneath its project's folder, as everything does.
                 if !c.location.prefix.starts_with(&format!("{}/", note.project)) {
                     warn!(run = %c.run, step = c.step, prefix = %c.location.prefix, "checkpoint outside its project's folder; not moved");
-                    continue;
-                }
-                if demote_to.is_some() && c.files.is_empty() {
-                    warn!(run = %c.run, step = c.step, "checkpoint committed with its manifest by reference; the demoter moves checkpoints listed inline only");
                     continue;
                 }
                 if self
@@ -915,7 +911,29 @@ impl Demoter {
             .ok_or_else(|| {
                 step_err(format!("checkpoint {} step {} is not noted", c.run, c.step))
             })?;
-        let files = note.committed.files.clone();
+        // Its file list: inline, or by reference in the project's upload bucket (where
+        // `stagehand checkpoint commit` puts a large one), fetched and verified first.
+        let committed = &note.committed;
+        let source = match &committed.manifest {
+            None => ManifestSource::Inline(committed.files.clone()),
+            Some(reference) => ManifestSource::Stored {
+                bucket: stagehand_schemas::subject::manifest_bucket_for(
+                    &Body::CheckpointCommitted(committed.clone()),
+                    &step.project,
+                ),
+                reference: reference.clone(),
+            },
+        };
+        let spool = Spool::in_dir(self.p().spool_dir.clone());
+        let manifest = source
+            .open(self.p().bus.jetstream(), &spool)
+            .await
+            .map_err(|e| {
+                step_err(format!(
+                    "the file list of checkpoint {} step {}: {e}",
+                    c.run, c.step
+                ))
+            })?;
         let set = SetCopy {
             src_prefix: step.prefix.clone(),
             dst_prefix: step.prefix.clone(),
@@ -926,23 +944,25 @@ impl Demoter {
                 expected_hash_unknown: false,
             },
             chunk_files: 0,
-            totals: Some((files.len() as u64, files.iter().map(|f| f.size).sum())),
+            totals: Some((manifest.files(), manifest.bytes())),
         };
         let progress = Progress::new();
         let cancel = self.p().shutdown.child_token();
-        self.p()
+        // A list that ends early is caught before anything is published.
+        let (files, listed) = manifest.file_stream(4096);
+        let staged = self
+            .p()
             .mover
-            .copy_set(
-                src,
-                dst,
-                &set,
-                futures::stream::iter(files),
-                &progress,
-                &cancel,
-                |_| {},
-            )
+            .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
             .await
             .map_err(step_err)?;
+        if let Some(e) = listed.take_error() {
+            return Err(step_err(format!(
+                "reading the file list of checkpoint {} step {}: {e}",
+                c.run, c.step
+            )));
+        }
+        staged.publish().await.map_err(step_err)?;
         let demoted = Event::request(
             EventId::for_fact(&step.project, &step.id, &format!("demoted:{target}")),
             step.project.clone(),

@@ -144,3 +144,31 @@ async fn a_pass_stopped_by_a_silent_catalogue_is_tried_again_without_new_facts()
     .unwrap_or_else(|e| panic!("{e}: hot {:?}", list(&run_dir)));
     stack.stop().await;
 }
+
+/// Guards demotion of a checkpoint committed with its file list by reference (a large one:
+/// `stagehand checkpoint commit` puts its manifest in the project's upload bucket): the older
+/// step is copied down whole, every file verified, announced `checkpoint.demoted`, and gone
+/// from hot; the newest stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_checkpoint_listed_by_reference_is_demoted_whole() {
+    let mut stack = Stack::start(Options {
+        checkpoints: "keep_last = 2\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 1\ndemote_to = \"capacity\"",
+        ..Options::default()
+    })
+    .await;
+    let older = stack.commit_checkpoint_as("run-big", 1, &[], true).await;
+    let newest = stack.commit_checkpoint_as("run-big", 2, &[], true).await;
+    stack.run_demoter();
+    let js = stack.bus.jetstream().clone();
+    let run_dir = stack.tier("hot").join(format!("{PROJECT}/ckpt/run-big"));
+    wait_until(WAIT, "step 1 demoted from hot", || async {
+        list(&run_dir) == vec!["step-2".to_owned()]
+            && facts(&js, "checkpoint.demoted").await.len() == 1
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: hot {:?}", list(&run_dir)));
+    assert!(whole_on(&stack, "capacity", &older));
+    assert!(whole_on(&stack, "hot", &newest));
+    assert!(!whole_on(&stack, "capacity", &newest));
+    stack.stop().await;
+}

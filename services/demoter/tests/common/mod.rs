@@ -379,6 +379,18 @@ impl Stack {
     /// `<project>/ckpt/<run>/step-<step>` on the hot tier, then `checkpoint.committed` (its
     /// files inline) with `tags`.
     pub async fn commit_checkpoint(&self, run: &str, step: u64, tags: &[&str]) -> Placed {
+        self.commit_checkpoint_as(run, step, tags, false).await
+    }
+
+    /// [`Stack::commit_checkpoint`], its file list by reference in the project's upload bucket
+    /// (as `stagehand checkpoint commit` sends a large one) when `by_reference`.
+    pub async fn commit_checkpoint_as(
+        &self,
+        run: &str,
+        step: u64,
+        tags: &[&str],
+        by_reference: bool,
+    ) -> Placed {
         let prefix = format!("{PROJECT}/ckpt/{run}/step-{step}");
         let files: Vec<(String, Vec<u8>)> = (0..3)
             .map(|i| {
@@ -397,6 +409,23 @@ impl Stack {
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
             std::fs::write(path, b).unwrap();
         }
+        let total_bytes = refs.iter().map(|f| f.size).sum();
+        let (refs, manifest) = if by_reference {
+            let store = stagehand_manifest::ManifestStore::uploads(
+                self.bus.jetstream(),
+                PROJECT,
+                stagehand_manifest::BucketOptions::default(),
+            )
+            .await
+            .unwrap();
+            let reference = store
+                .put(&stagehand_manifest::Manifest::from_entries(refs))
+                .await
+                .unwrap();
+            (Vec::new(), Some(reference))
+        } else {
+            (refs, None)
+        };
         let e = Event::request(
             EventId::for_checkpoint(PROJECT, run, step),
             PROJECT,
@@ -407,9 +436,9 @@ impl Stack {
                     tier: "hot".into(),
                     prefix: prefix.clone(),
                 },
-                total_bytes: refs.iter().map(|f| f.size).sum(),
+                total_bytes,
                 files: refs,
-                manifest: None,
+                manifest,
                 tags: tags.iter().map(|t| (*t).to_owned()).collect(),
             }),
         );
