@@ -1,14 +1,10 @@
-//! Issue 7: a dataset of 100,000 files ingested end to end through `stagehand up` as it runs
+//! Issue 7: a dataset of 300,000 files ingested end to end through `stagehand up` as it runs
 //! for users — the real `stagehand up` process with its own nats-server (stock `max_payload`),
 //! the real `stagehand ingest --wait` — validated as one version, whose files the catalogue
 //! lists exactly, page after page, with `stagehand catalogue show D@V --limit/--after`, and
-//! streams with `--json`.
-//!
-//! The issue asks for 300,000 files; this is scaled down to keep the suite lean. With
-//! `FILES = 300_000` (300 folders, a 3g tmpfs) the same test passes in 56 s on two cores at a
-//! load of 11, which is not the "well under a minute" a suite test must be; 100,000 files
-//! (40 times the inline manifest bound, ten pages) take about a third of that. The
-//! 1,000,000-file figures are `loadtest/ingest`'s.
+//! streams with `--json`. It is the suite's longest test (about a minute on two cores: 120
+//! times the inline manifest bound, thirty pages); the 1,000,000-file figures are
+//! `loadtest/ingest`'s.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -21,8 +17,8 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use stagehand_testkit::wait_for;
 
-const FILES: usize = 100_000;
-const FOLDERS: usize = 100;
+const FILES: usize = 300_000;
+const FOLDERS: usize = 300;
 
 /// A `stagehand up` child in its own process group; killed (and with it its nats-server,
 /// which dies with its parent) if the test fails before stopping it.
@@ -99,13 +95,13 @@ fn said(out: &Output) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hundred_thousand_files_through_stagehand_up_are_one_version_paged_exactly()
+async fn three_hundred_thousand_files_through_stagehand_up_are_one_version_paged_exactly()
 -> anyhow::Result<()> {
     // Everything (the folder, the home with its tiers and nats-server's store) on a tmpfs of
     // its own: the test is about counts and pages, and a disk shared with other builds makes
     // tens of thousands of creates and unlinks take minutes.
     let scratch = tempfile::tempdir()?;
-    let tmpfs = stagehand_testkit::Tmpfs::mount(scratch.path().join("fs"), "2g");
+    let tmpfs = stagehand_testkit::Tmpfs::mount(scratch.path().join("fs"), "5g");
     let home = tempfile::tempdir_in(tmpfs.path())?;
     // The shipped policies, as `up` writes them (max_entries far above this version's).
     let policies = home.path().join("policies");
