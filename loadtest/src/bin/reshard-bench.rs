@@ -411,6 +411,7 @@ async fn stage_both(
                 deadline: None,
                 node: None,
                 form: Some(form.into()),
+                hold_until: None,
             }),
         );
         let start = Instant::now();
