@@ -955,11 +955,12 @@ async fn services_read_the_services_manifests_and_only_the_resharder_and_validat
     let spool_dir = tempfile::tempdir()?;
     let spool = Spool::in_dir(spool_dir.path());
 
-    // The recorder also reads upload buckets (checkpoint manifests training jobs put there).
+    // The recorder and the demoter also read upload buckets (checkpoint manifests training
+    // jobs put there: the one catalogues them, the other moves them).
     for (user, role, writes, reads_uploads) in [
         ("catalogue-recorder", "CATALOGUE_RECORDER", false, true),
         ("promoter", "PROMOTER", false, false),
-        ("demoter", "DEMOTER", false, false),
+        ("demoter", "DEMOTER", false, true),
         ("backup-copier", "BACKUP_COPIER", false, false),
         ("resharder", "RESHARDER", true, false),
     ] {
