@@ -39,9 +39,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{
-    Bus, BusConfig, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, WorkerConfig,
-};
+use stagehand_bus::{Bus, BusError, BusErrorKind, CLAIMS_BUCKET, CancellationToken, WorkerConfig};
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::MoverConfig;
 use stagehand_policy::Policies;
@@ -170,13 +168,7 @@ pub fn config(
     policies_dir: impl Into<PathBuf>,
     state_dir: impl Into<PathBuf>,
 ) -> Config {
-    ServiceConfig::new(
-        BusConfig {
-            client_name: SERVICE.into(),
-            ..BusConfig::new(nats_url)
-        },
-        Settings::new(policies_dir, state_dir),
-    )
+    ServiceConfig::in_process(SERVICE, nats_url, Settings::new(policies_dir, state_dir))
 }
 
 /// Loads the policies and opens the tiers (so that a mistake there fails before anything

@@ -76,7 +76,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{BusConfig, BusError, CancellationToken, WorkerConfig, WorkerStats};
+use stagehand_bus::{BusError, CancellationToken, WorkerConfig, WorkerStats};
 use stagehand_mover::TransferError;
 use stagehand_policy::{Policies, PolicyError};
 use stagehand_schemas::subject;
@@ -194,13 +194,7 @@ pub fn config(
     policies_dir: impl Into<PathBuf>,
     state_dir: impl Into<PathBuf>,
 ) -> Config {
-    ServiceConfig::new(
-        BusConfig {
-            client_name: SERVICE.into(),
-            ..BusConfig::new(nats_url)
-        },
-        Settings::new(policies_dir, state_dir),
-    )
+    ServiceConfig::in_process(SERVICE, nats_url, Settings::new(policies_dir, state_dir))
 }
 
 /// Why the validator could not start or stopped.

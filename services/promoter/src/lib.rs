@@ -44,7 +44,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
 use stagehand_bus::{
-    BusConfig, BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
+    BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
 };
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::Spool;
@@ -202,13 +202,7 @@ pub fn config(
     policies_dir: impl Into<PathBuf>,
     state_dir: impl Into<PathBuf>,
 ) -> Config {
-    ServiceConfig::new(
-        BusConfig {
-            client_name: SERVICE.into(),
-            ..BusConfig::new(nats_url)
-        },
-        Settings::new(policies_dir, state_dir),
-    )
+    ServiceConfig::in_process(SERVICE, nats_url, Settings::new(policies_dir, state_dir))
 }
 
 /// Why the promoter could not start or stopped.

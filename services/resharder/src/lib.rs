@@ -45,7 +45,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{BusConfig, BusError, CancellationToken, WorkerConfig, WorkerStats};
+use stagehand_bus::{BusError, CancellationToken, WorkerConfig, WorkerStats};
 use stagehand_mover::TransferError;
 use stagehand_policy::{ByteSize, PolicyError};
 use stagehand_schemas::subject;
@@ -209,13 +209,7 @@ pub fn config(
     policies_dir: impl Into<PathBuf>,
     state_dir: impl Into<PathBuf>,
 ) -> Config {
-    ServiceConfig::new(
-        BusConfig {
-            client_name: SERVICE.into(),
-            ..BusConfig::new(nats_url)
-        },
-        Settings::new(policies_dir, state_dir),
-    )
+    ServiceConfig::in_process(SERVICE, nats_url, Settings::new(policies_dir, state_dir))
 }
 
 /// Why the resharder could not start or stopped.

@@ -191,6 +191,18 @@ impl<S> ServiceConfig<S> {
             service,
         }
     }
+
+    /// [`ServiceConfig::new`] for the service `name` against `nats_url`, its connections
+    /// named after it: what each service's `config(nats_url, …)` builds.
+    pub fn in_process(name: &str, nats_url: &str, service: S) -> Self {
+        Self::new(
+            BusConfig {
+                client_name: name.into(),
+                ..BusConfig::new(nats_url)
+            },
+            service,
+        )
+    }
 }
 
 /// Why a configuration file could not be used. Permanent: the file must be fixed.
