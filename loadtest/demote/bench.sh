@@ -9,9 +9,11 @@
 #   VERSIONS=200 TOTAL_MIB=1024 LOW=0.7 loadtest/demote/bench.sh
 #   MAX_CONCURRENT=1 loadtest/demote/bench.sh                 # one step at a time (default 8)
 #   PROFILE=dev loadtest/demote/bench.sh                      # no release build (slower code)
+#   LOG_LEVEL=info loadtest/demote/bench.sh                   # each step's timeline in demote-bench.demoter.log
 #
-# The issue's benchmark holds 20 GiB; the default here is scaled down to 1.5 GiB (the disk is
-# shared). Everything is made under $BENCH_DIR (default $CARGO_TARGET_DIR/demote-bench), on one
+# The issue's benchmark holds 20 GiB (TOTAL_MIB=20480: about 30 GB of free disk at the peak); the
+# default is 1.5 GiB. Both tools start from data on disk (flushed after it is written).
+# Everything is made under $BENCH_DIR (default $CARGO_TARGET_DIR/demote-bench), on one
 # filesystem for both tools, and removed at the end. The load average is printed: other work on
 # the machine moves every figure.
 set -euo pipefail
@@ -36,7 +38,7 @@ else
 fi
 echo "load before: $(uptime)" >&2
 RESULTS=$("$OUT_DIR/demote-bench" --dir "$BENCH_DIR" --demoter "$OUT_DIR/stagehand-demoter" \
-    --versions "$VERSIONS" --total-mib "$TOTAL_MIB" --low "$LOW" --max-concurrent "$MAX_CONCURRENT")
+    --versions "$VERSIONS" --total-mib "$TOTAL_MIB" --low "$LOW" --max-concurrent "$MAX_CONCURRENT" --log-level "${LOG_LEVEL:-warn}")
 echo "load after: $(uptime)" >&2
 echo "$RESULTS"
 python3 - "$PROFILE" <<PY

@@ -40,6 +40,9 @@ struct Args {
     /// demotion.toml's `max_concurrent` (steps carried at once).
     #[arg(long, default_value_t = stagehand_policy::DEFAULT_DEMOTION_CONCURRENCY)]
     max_concurrent: u32,
+    /// The demoter's log level (`info` gives each step's timeline in the kept log).
+    #[arg(long, default_value = "warn")]
+    log_level: String,
 }
 
 const PROJECT: &str = "bench";
@@ -90,6 +93,15 @@ fn write_version(
         std::fs::write(dir.join(p), b)?;
     }
     Ok((format!("ds{v:03}"), version, refs))
+}
+
+/// `sync -f`: one `syncfs` of the filesystem holding `dir`.
+fn flush(dir: &std::path::Path) -> anyhow::Result<()> {
+    let synced = Command::new("sync").arg("-f").arg(dir).status()?;
+    if !synced.success() {
+        bail!("sync -f {} failed: {synced}", dir.display());
+    }
+    Ok(())
 }
 
 fn proc_cpu_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
@@ -236,6 +248,10 @@ async fn main() -> anyhow::Result<()> {
         bus.publish(&rel).await?;
         placed.push((dataset, version, prefix, size));
     }
+    // A hot tier's replicas were written long before they are demoted: on disk, not dirty in
+    // the page cache. Without this the demoter's first flush would write them out first
+    // (the rsync run below starts from the same flushed state).
+    flush(&tiers.join("hot"))?;
     // The versions the demoter must move: least recently staged first until at the low mark.
     let low = (capacity as f64 * args.low) as u64;
     let mut left: u64 = placed.iter().map(|p| p.3).sum();
@@ -274,8 +290,9 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(
         &config,
         format!(
-            "[bus]\nservers = [\"{}\"]\n\n[telemetry]\nlog_level = \"warn\"\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            "[bus]\nservers = [\"{}\"]\n\n[telemetry]\nlog_level = \"{}\"\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
             nats.url(),
+            args.log_level,
             policies.display(),
             root.join("state").display()
         ),
@@ -332,6 +349,7 @@ async fn main() -> anyhow::Result<()> {
     for (v, w) in weights.iter().enumerate().take(moved) {
         write_version(&src, v, total * w / weight_sum)?;
     }
+    flush(&src)?;
     let dst = tiers.join("rsync-dst");
     let started = Instant::now();
     let status = Command::new("rsync")
@@ -346,11 +364,8 @@ async fn main() -> anyhow::Result<()> {
     }
     // What rsync left in the page cache, made durable (the demoter's copies are durable before
     // anything is removed): `sync -f` is one syncfs of the destination's filesystem.
-    let synced = Command::new("sync").arg("-f").arg(&dst).status()?;
+    flush(&dst)?;
     let rsync_sync_secs = started.elapsed().as_secs_f64();
-    if !synced.success() {
-        bail!("sync failed: {synced}");
-    }
     println!(
         "{}",
         serde_json::json!({
