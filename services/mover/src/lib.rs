@@ -48,7 +48,9 @@ pub mod transfer;
 pub use engine::EngineChoice;
 pub use error::{ErrorKind, Side, TransferError};
 pub use mover::{BatchReport, FileResult, Mover, MoverConfig};
-pub use posix::{AtomicFile, CommitMode, PendingRename, PosixTier, SweepOptions, SweepReport};
+pub use posix::{
+    AtomicFile, CommitMode, DIRECT_ALIGN, PendingRename, PosixTier, SweepOptions, SweepReport,
+};
 pub use sched::{Permit, RateLimiter, Scheduler};
 pub use set::{SET_COMPLETE_MARKER, SetCopy, SetReport, StagedSet};
 pub use tier::Tier;

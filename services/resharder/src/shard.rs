@@ -13,18 +13,23 @@
 //! `sha256` the raw file's hash from the upload — re-checked against the bytes read before the
 //! member was written. Any reader can check any member at any hop with one ranged read.
 //!
-//! Framing and writing are two threads ([`write_shards`]): the writer frames members into
-//! pooled 4 MiB chunks of tar stream and index; the sink hashes each chunk, writes it, asks
-//! the kernel to start its writeback early (`sync_file_range`), and commits each finished
-//! shard (`fdatasync`, rename, directory `fsync`) while the next one is framed.
+//! Framing, hashing and writing are three threads ([`write_shards`]): the writer frames
+//! members into pooled 4 MiB chunks of tar stream and index; the hasher hashes each chunk;
+//! the disk thread writes it — the tar stream with `O_DIRECT` where the filesystem takes it
+//! (a shard is large and sequential, and is not read again by this process: writing it
+//! through the page cache would cost a copy into the cache and the writeback's work later,
+//! as much CPU as hashing it), its unaligned end and the index through the cache — and
+//! commits each finished shard (`fdatasync`, rename, directory `fsync`) while the next one
+//! is framed and hashed.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use stagehand_mover::{AtomicFile, PosixTier, TransferError};
+use stagehand_mover::{AtomicFile, DIRECT_ALIGN, PosixTier, TransferError};
 
 use crate::sort::Member;
 
@@ -185,31 +190,82 @@ pub enum ShardError {
     Abandoned(u32),
 }
 
-/// Bytes of a shard's tar stream (or of its index) handed to the sink at once.
+/// Bytes of a shard's tar stream (or of its index) handed to the sink at once: a multiple
+/// of [`DIRECT_ALIGN`], so every full chunk of a shard is written directly.
 pub const CHUNK_BYTES: usize = 4 << 20;
 /// Chunks in the pool shared by the framing writer and the sink: one being filled for the
-/// tar, one for the index, the rest queued for (or being written by) the sink.
-const POOL_CHUNKS: usize = 6;
+/// tar, one for the index, the rest queued for (or being hashed or written by) the sink.
+const POOL_CHUNKS: usize = 8;
+
+/// A pooled buffer of up to [`CHUNK_BYTES`] whose bytes start at an address aligned for a
+/// direct write.
+struct Chunk {
+    raw: Box<[u8]>,
+    start: usize,
+    len: usize,
+}
+
+impl Chunk {
+    fn new() -> Chunk {
+        let raw = vec![0u8; CHUNK_BYTES + DIRECT_ALIGN].into_boxed_slice();
+        let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
+        Chunk { raw, start, len: 0 }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.raw[self.start..self.start + self.len]
+    }
+
+    /// Appends as much of `data` as fits; returns how much did.
+    fn push(&mut self, data: &[u8]) -> usize {
+        let n = data.len().min(CHUNK_BYTES - self.len);
+        let at = self.start + self.len;
+        self.raw[at..at + n].copy_from_slice(&data[..n]);
+        self.len += n;
+        n
+    }
+
+    fn is_full(&self) -> bool {
+        self.len == CHUNK_BYTES
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+}
 
 /// What the framing writer asks of the sink, in order.
 enum Op {
     /// Shard `n` starts: create its temp files.
     Begin(u32),
     /// The next bytes of the open shard's tar stream.
-    Tar(Vec<u8>),
+    Tar(Chunk),
     /// The next bytes of the open shard's index.
-    Index(Vec<u8>),
+    Index(Chunk),
     /// The open shard is complete: make it and its index durable and visible.
     End,
 }
 
-/// The framing side's handle on the sink thread: where chunks go and where emptied ones
+/// What the hasher passes on to the disk thread: the framing writer's ops, the end of a
+/// shard carrying what the hasher found.
+enum DiskOp {
+    Begin(u32),
+    Tar(Chunk),
+    Index(Chunk),
+    /// (length, SHA-256) of the tar stream and of the index.
+    End {
+        tar: (u64, String),
+        index: (u64, String),
+    },
+}
+
+/// The framing side's handle on the sink threads: where chunks go and where emptied ones
 /// come back from. Chunks are recycled (a fresh multi-MiB buffer per chunk would cost a
 /// page fault per 4 KiB), and the pool is the backpressure: a writer that runs ahead of the
 /// disk waits for a chunk to come back.
 pub struct Sink {
     ops: SyncSender<Op>,
-    free: Receiver<Vec<u8>>,
+    free: Receiver<Chunk>,
 }
 
 fn sink_gone() -> io::Error {
@@ -221,7 +277,7 @@ impl Sink {
         self.ops.send(op).map_err(|_| sink_gone())
     }
 
-    fn chunk(&self) -> io::Result<Vec<u8>> {
+    fn chunk(&self) -> io::Result<Chunk> {
         self.free.recv().map_err(|_| sink_gone())
     }
 }
@@ -229,13 +285,13 @@ impl Sink {
 /// A `Write` that fills pooled chunks and hands each full one to the sink.
 struct ChunkWriter<'s> {
     sink: &'s Sink,
-    buf: Vec<u8>,
+    buf: Chunk,
     written: u64,
-    op: fn(Vec<u8>) -> Op,
+    op: fn(Chunk) -> Op,
 }
 
 impl<'s> ChunkWriter<'s> {
-    fn new(sink: &'s Sink, op: fn(Vec<u8>) -> Op) -> io::Result<Self> {
+    fn new(sink: &'s Sink, op: fn(Chunk) -> Op) -> io::Result<Self> {
         Ok(ChunkWriter {
             buf: sink.chunk()?,
             sink,
@@ -257,11 +313,9 @@ impl<'s> ChunkWriter<'s> {
 
 impl Write for ChunkWriter<'_> {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        let room = CHUNK_BYTES - self.buf.len();
-        let n = data.len().min(room);
-        self.buf.extend_from_slice(&data[..n]);
+        let n = self.buf.push(data);
         self.written += n as u64;
-        if self.buf.len() == CHUNK_BYTES {
+        if self.buf.is_full() {
             let next = self.sink.chunk()?;
             let full = std::mem::replace(&mut self.buf, next);
             self.sink.send((self.op)(full))?;
@@ -386,11 +440,11 @@ impl<'s> ShardWriter<'s> {
 pub type ShardFiles = [(String, u64, String); 2];
 
 /// Frames shards on the calling thread (`frame` creates a [`ShardWriter`] per shard on the
-/// [`Sink`] it is given) while a sink thread hashes their bytes, writes them into `staging`,
-/// starts their writeback as it goes and makes each finished shard and its index durable
-/// and visible there — so hashing a shard, and waiting for the disk, happen beside the
-/// framing of the next samples instead of after them. Returns what `frame` returned and the
-/// committed shards in order.
+/// [`Sink`] it is given) while a hasher thread hashes their bytes and a disk thread writes
+/// them into `staging` and makes each finished shard and its index durable and visible there
+/// — so hashing a shard, and waiting for the disk, happen beside the framing of the next
+/// samples instead of after them. Returns what `frame` returned and the committed shards in
+/// order.
 ///
 /// When the sink fails, `frame`'s next hand-over fails and the sink's error is the one
 /// returned; when `frame` fails, the sink removes the shard it had open.
@@ -400,13 +454,15 @@ pub fn write_shards<T, E: From<ShardError>>(
     frame: impl FnOnce(&Sink) -> Result<T, E>,
 ) -> Result<(T, Vec<ShardFiles>), E> {
     let (ops_tx, ops_rx) = sync_channel::<Op>(POOL_CHUNKS + 4);
-    let (free_tx, free_rx) = sync_channel::<Vec<u8>>(POOL_CHUNKS);
+    let (disk_tx, disk_rx) = sync_channel::<DiskOp>(POOL_CHUNKS + 4);
+    let (free_tx, free_rx) = sync_channel::<Chunk>(POOL_CHUNKS);
     for _ in 0..POOL_CHUNKS {
         // Cannot fail: the channel has room for every chunk and its receiver is alive.
-        let _ = free_tx.send(Vec::with_capacity(CHUNK_BYTES));
+        let _ = free_tx.send(Chunk::new());
     }
     std::thread::scope(|scope| {
-        let sunk = scope.spawn(move || run_sink(staging, size_hint, ops_rx, free_tx));
+        let hashed = scope.spawn(move || run_hasher(ops_rx, disk_tx));
+        let sunk = scope.spawn(move || run_disk(staging, size_hint, disk_rx, free_tx));
         let sink = Sink {
             ops: ops_tx,
             free: free_rx,
@@ -414,45 +470,138 @@ pub fn write_shards<T, E: From<ShardError>>(
         let framed = frame(&sink);
         // The sink ends once every op is handled and the sender is gone.
         drop(sink);
-        let sunk = sunk.join().unwrap_or_else(|_| {
-            Err(ShardError::Io {
-                file: "the shards".into(),
-                source: io::Error::other("the shard sink panicked"),
-            })
-        });
-        match (framed, sunk) {
-            (Ok(value), Ok(files)) => Ok((value, files)),
+        let panicked = |who: &str| ShardError::Io {
+            file: "the shards".into(),
+            source: io::Error::other(format!("the shard {who} panicked")),
+        };
+        let hashed = hashed.join().unwrap_or_else(|_| Err(panicked("hasher")));
+        let sunk = sunk.join().unwrap_or_else(|_| Err(panicked("disk thread")));
+        match (framed, hashed, sunk) {
+            (Ok(value), Ok(()), Ok(files)) => Ok((value, files)),
+            // The disk thread failed first: what the hasher and the framing saw is its echo.
+            (_, _, Err(e)) if !matches!(e, ShardError::Abandoned(_)) => Err(e.into()),
+            (_, Err(e), _) => Err(e.into()),
             // The framing stopped: the sink merely removed what it had open.
-            (Err(e), Ok(_) | Err(ShardError::Abandoned(_))) => Err(e),
-            // The sink failed first; what the framing saw is its echo.
-            (_, Err(e)) => Err(e.into()),
+            (Err(e), Ok(()), _) => Err(e),
+            (Ok(_), Ok(()), Err(e)) => Err(e.into()),
         }
     })
 }
 
-/// The open shard, on the sink's side.
+/// The hasher thread (see [`write_shards`]): hashes each shard's tar stream and index as
+/// they pass, and hands every op on to the disk thread with the digests at each shard's end.
+fn run_hasher(ops: Receiver<Op>, disk: SyncSender<DiskOp>) -> Result<(), ShardError> {
+    let mut tar = (Sha256::new(), 0u64);
+    let mut index = (Sha256::new(), 0u64);
+    let gone = || ShardError::Io {
+        file: "the shards".into(),
+        source: sink_gone(),
+    };
+    for op in ops.iter() {
+        let next = match op {
+            Op::Begin(number) => {
+                tar = (Sha256::new(), 0);
+                index = (Sha256::new(), 0);
+                DiskOp::Begin(number)
+            }
+            Op::Tar(chunk) => {
+                tar.0.update(chunk.bytes());
+                tar.1 += chunk.len as u64;
+                DiskOp::Tar(chunk)
+            }
+            Op::Index(chunk) => {
+                index.0.update(chunk.bytes());
+                index.1 += chunk.len as u64;
+                DiskOp::Index(chunk)
+            }
+            Op::End => {
+                let (t, i) = (
+                    std::mem::replace(&mut tar, (Sha256::new(), 0)),
+                    std::mem::replace(&mut index, (Sha256::new(), 0)),
+                );
+                DiskOp::End {
+                    tar: (t.1, hex::encode(t.0.finalize())),
+                    index: (i.1, hex::encode(i.0.finalize())),
+                }
+            }
+        };
+        // The disk thread stopped (its error is the one reported).
+        disk.send(next).map_err(|_| gone())?;
+    }
+    Ok(())
+}
+
+/// The open shard, on the disk thread's side.
 struct OpenShard {
     number: u32,
     tar: AtomicFile,
-    tar_hash: Sha256,
     tar_len: u64,
-    /// Where writeback was last started (bytes before it are on their way to the disk).
+    /// Whether the tar stream is being written with `O_DIRECT`.
+    direct: bool,
+    /// Where writeback was last started (buffered writes: bytes before it are on their way
+    /// to the disk).
     flushed_to: u64,
     index: AtomicFile,
-    index_hash: Sha256,
     index_len: u64,
 }
 
-/// Start writeback once this many bytes of a shard are dirty, so the disk writes while the
-/// rest of the shard is framed and the commit's `fdatasync` waits only for the tail.
+impl OpenShard {
+    /// Writes the next bytes of the tar stream: directly while they are whole aligned
+    /// blocks, through the cache from the first that is not (the shard's end) or when the
+    /// filesystem refuses a direct write after all.
+    fn write_tar(&mut self, bytes: &[u8]) -> Result<(), ShardError> {
+        let mut bytes = bytes;
+        if self.direct {
+            let aligned = bytes.len() / DIRECT_ALIGN * DIRECT_ALIGN;
+            if aligned > 0 {
+                match self
+                    .tar
+                    .file()
+                    .write_all_at(&bytes[..aligned], self.tar_len)
+                {
+                    Ok(()) => {
+                        self.tar_len += aligned as u64;
+                        bytes = &bytes[aligned..];
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                    Err(source) => {
+                        return Err(ShardError::Io {
+                            file: shard_name(self.number),
+                            source,
+                        });
+                    }
+                }
+            }
+            if !bytes.is_empty() {
+                self.tar.end_direct()?;
+                self.direct = false;
+                self.flushed_to = self.tar_len;
+            }
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.tar.write_all_at(bytes, self.tar_len)?;
+        self.tar_len += bytes.len() as u64;
+        if self.tar_len - self.flushed_to >= WRITEBACK_EVERY {
+            start_writeback(self.tar.file(), self.flushed_to, self.tar_len);
+            self.flushed_to = self.tar_len;
+        }
+        Ok(())
+    }
+}
+
+/// Buffered writes start writeback once this many bytes of a shard are dirty, so the disk
+/// writes while the rest of the shard is framed and the commit's `fdatasync` waits only for
+/// the tail.
 const WRITEBACK_EVERY: u64 = 8 << 20;
 
-/// The sink thread (see [`write_shards`]).
-fn run_sink(
+/// The disk thread (see [`write_shards`]).
+fn run_disk(
     staging: &PosixTier,
     size_hint: u64,
-    ops: Receiver<Op>,
-    free: SyncSender<Vec<u8>>,
+    ops: Receiver<DiskOp>,
+    free: SyncSender<Chunk>,
 ) -> Result<Vec<ShardFiles>, ShardError> {
     let mut done = Vec::new();
     let mut open: Option<OpenShard> = None;
@@ -462,55 +611,50 @@ fn run_sink(
     };
     for op in ops.iter() {
         match op {
-            Op::Begin(number) => {
+            DiskOp::Begin(number) => {
                 // A shard left open would be an unfinished one: removed when dropped.
+                let tar = staging.create_atomic(&shard_name(number), size_hint)?;
+                let direct = tar.begin_direct();
                 open = Some(OpenShard {
                     number,
-                    tar: staging.create_atomic(&shard_name(number), size_hint)?,
-                    tar_hash: Sha256::new(),
+                    tar,
                     tar_len: 0,
+                    direct,
                     flushed_to: 0,
                     index: staging.create_atomic(&index_name(number), 0)?,
-                    index_hash: Sha256::new(),
                     index_len: 0,
                 });
             }
-            Op::Tar(mut chunk) => {
+            DiskOp::Tar(mut chunk) => {
                 let shard = open.as_mut().ok_or_else(|| not_open("a shard"))?;
-                shard.tar_hash.update(&chunk);
-                shard.tar.write_all_at(&chunk, shard.tar_len)?;
-                shard.tar_len += chunk.len() as u64;
-                if shard.tar_len - shard.flushed_to >= WRITEBACK_EVERY {
-                    start_writeback(shard.tar.file(), shard.flushed_to, shard.tar_len);
-                    shard.flushed_to = shard.tar_len;
-                }
+                shard.write_tar(chunk.bytes())?;
                 chunk.clear();
                 // The framing side may be gone (it stopped); the chunk is then dropped.
                 let _ = free.send(chunk);
             }
-            Op::Index(mut chunk) => {
+            DiskOp::Index(mut chunk) => {
                 let shard = open.as_mut().ok_or_else(|| not_open("an index"))?;
-                shard.index_hash.update(&chunk);
-                shard.index.write_all_at(&chunk, shard.index_len)?;
-                shard.index_len += chunk.len() as u64;
+                shard.index.write_all_at(chunk.bytes(), shard.index_len)?;
+                shard.index_len += chunk.len as u64;
                 chunk.clear();
                 let _ = free.send(chunk);
             }
-            Op::End => {
+            DiskOp::End { tar, index } => {
                 let shard = open.take().ok_or_else(|| not_open("a shard"))?;
+                if (shard.tar_len, shard.index_len) != (tar.0, index.0) {
+                    return Err(ShardError::Io {
+                        file: shard_name(shard.number),
+                        source: io::Error::other(format!(
+                            "wrote {} and {} bytes, hashed {} and {}",
+                            shard.tar_len, shard.index_len, tar.0, index.0
+                        )),
+                    });
+                }
                 shard.tar.commit()?;
                 shard.index.commit()?;
                 done.push([
-                    (
-                        shard_name(shard.number),
-                        shard.tar_len,
-                        hex::encode(shard.tar_hash.finalize()),
-                    ),
-                    (
-                        index_name(shard.number),
-                        shard.index_len,
-                        hex::encode(shard.index_hash.finalize()),
-                    ),
+                    (shard_name(shard.number), tar.0, tar.1),
+                    (index_name(shard.number), index.0, index.1),
                 ]);
             }
         }
@@ -702,6 +846,9 @@ mod tests {
             }
             let want = want.into_inner().unwrap();
             assert!(want.len() > 2 * CHUNK_BYTES, "{} bytes", want.len());
+            // Whole chunks written directly, the end that is not a whole block through
+            // the cache: both must be in the shard.
+            assert_ne!(want.len() % DIRECT_ALIGN, 0, "{} bytes", want.len());
             let got = std::fs::read(dir.path().join(&name)).unwrap();
             assert!(got == want, "shard {n} differs from one tar stream");
             assert_eq!(size, want.len() as u64);

@@ -24,7 +24,7 @@
 //! single-core hash rate. The destination is sized up front so direct writes overwrite the
 //! preallocated extents instead of extending the file (an extending direct write takes the
 //! inode lock exclusively and runs one at a time). A final block whose length is not a
-//! multiple of [`DIO_ALIGN`] is written through the page cache once every direct write of
+//! multiple of [`DIRECT_ALIGN`] is written through the page cache once every direct write of
 //! the file is done. A direct write the filesystem refuses (`EINVAL`) is retried buffered.
 //!
 //! A byte-rate limit delays the reads of the job that is over budget (a ring timeout wakes
@@ -32,19 +32,17 @@
 //! hashes and replies keep flowing.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::mpsc::{self, TryRecvError};
 use std::time::{Duration, Instant};
 
-use rustix::fs::OFlags;
-
 use io_uring::{IoUring, opcode, squeue, types};
 use sha2::{Digest, Sha256};
 
 use super::{EngineError, EngineParams, Job};
+use crate::posix::{DIRECT_ALIGN, set_direct};
 use crate::sched::RateLimiter;
 
 const OP_READ: u64 = 1;
@@ -54,23 +52,6 @@ const OP_TIMER: u64 = 4;
 const BUF_ALIGN: usize = 4096;
 /// Files at least this large are written with `O_DIRECT` (see the module docs).
 pub(crate) const DIRECT_FROM: u64 = 1 << 20;
-/// Offset and length alignment of a direct write (the largest logical block size in common
-/// use; buffers and block sizes are multiples of it).
-pub(crate) const DIO_ALIGN: usize = 4096;
-
-/// Turns `O_DIRECT` on or off for the open file description behind `file`.
-fn set_direct(file: &File, on: bool) -> io::Result<()> {
-    let flags = rustix::fs::fcntl_getfl(file)?;
-    let new = if on {
-        flags | OFlags::DIRECT
-    } else {
-        flags - OFlags::DIRECT
-    };
-    if new != flags {
-        rustix::fs::fcntl_setfl(file, new)?;
-    }
-    Ok(())
-}
 
 /// Prepares a job's destination for direct writes; `false` when it stays buffered.
 fn start_direct(job: &Job) -> bool {
@@ -202,7 +183,7 @@ unsafe impl Send for Buffers {}
 
 impl Buffers {
     fn new(count: usize, size: usize) -> io::Result<Buffers> {
-        let size = size.max(DIO_ALIGN).next_multiple_of(DIO_ALIGN);
+        let size = size.max(DIRECT_ALIGN).next_multiple_of(DIRECT_ALIGN);
         let layout = std::alloc::Layout::from_size_align(count * size, BUF_ALIGN)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         // SAFETY: layout has a non-zero size.
@@ -797,7 +778,7 @@ impl RingThread {
                         },
                     );
                     let direct = self.active.get(&st.job).is_some_and(|a| a.direct);
-                    if direct && !st.len.is_multiple_of(DIO_ALIGN) {
+                    if direct && !st.len.is_multiple_of(DIRECT_ALIGN) {
                         // Held as if writing, so the buffer is not reused before the tail lands.
                         self.states[buf].write_pending = true;
                         if let Some(a) = self.active.get_mut(&st.job) {

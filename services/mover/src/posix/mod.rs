@@ -733,6 +733,28 @@ impl AtomicFile {
         })
     }
 
+    /// Switches the temp file to direct writes (`O_DIRECT`: the page cache skipped, so a
+    /// large sequential write costs no copy into the cache and no writeback later, and its
+    /// commit's `fdatasync` waits for metadata only). Each later write's offset, length and
+    /// buffer address must then be multiples of [`DIRECT_ALIGN`] until [`Self::end_direct`].
+    /// `false` when the filesystem does not take it: the file stays buffered.
+    pub fn begin_direct(&self) -> bool {
+        set_direct(&self.file, true).is_ok()
+    }
+
+    /// Back to writes through the page cache (for an unaligned tail).
+    pub fn end_direct(&self) -> Result<(), TransferError> {
+        set_direct(&self.file, false).map_err(|e| {
+            TransferError::from_io(
+                e,
+                Side::Destination,
+                self.tier.name(),
+                &self.rel,
+                "leave O_DIRECT",
+            )
+        })
+    }
+
     /// Reads the temp file back and hashes it (for [`crate::VerifyMode::ReadBack`]).
     pub fn hash_written(&self) -> Result<FileDigest, TransferError> {
         hash_open_file(&self.file).map_err(|e| {
@@ -912,9 +934,9 @@ fn hash_open_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     })
 }
 
-/// Offset, length and buffer alignment of a direct read (the largest logical block size in
-/// common use).
-const DIRECT_READ_ALIGN: usize = 4096;
+/// Offset, length and buffer-address alignment of a direct (`O_DIRECT`) read or write: the
+/// largest logical block size in common use.
+pub const DIRECT_ALIGN: usize = 4096;
 
 /// [`hash_open_file_capped`] for a file this call may switch to `O_DIRECT` (its caller opened
 /// it for this read alone): each block is first read from the page cache only
@@ -929,8 +951,8 @@ const DIRECT_READ_ALIGN: usize = 4096;
 fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     use rustix::io::{Errno, ReadWriteFlags};
     let block = HASH_BLOCK.min(usize::try_from(cap).unwrap_or(usize::MAX).max(1));
-    let mut raw = vec![0u8; block + DIRECT_READ_ALIGN];
-    let start = raw.as_ptr().align_offset(DIRECT_READ_ALIGN);
+    let mut raw = vec![0u8; block + DIRECT_ALIGN];
+    let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
     let buf = &mut raw[start..start + block];
     let mut hasher = Sha256::new();
     let mut offset = 0u64;
@@ -941,8 +963,8 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     let mut direct = false;
     while offset < cap {
         let want = (cap - offset).min(buf.len() as u64) as usize;
-        let aligned = want / DIRECT_READ_ALIGN * DIRECT_READ_ALIGN;
-        let direct_ok = offset.is_multiple_of(DIRECT_READ_ALIGN as u64) && aligned > 0;
+        let aligned = want / DIRECT_ALIGN * DIRECT_ALIGN;
+        let direct_ok = offset.is_multiple_of(DIRECT_ALIGN as u64) && aligned > 0;
         let mut n = None;
         if probe && !direct {
             match rustix::io::preadv2(
@@ -956,7 +978,7 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
                 // Not (all) in the page cache: read the rest from the device.
                 Err(Errno::AGAIN) => {
                     probe = false;
-                    direct = set_direct(file);
+                    direct = set_direct(file, true).is_ok();
                 }
                 // No RWF_NOWAIT here: plain reads.
                 Err(Errno::OPNOTSUPP | Errno::INVAL) => probe = false,
@@ -971,7 +993,7 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
                     Err(Errno::INTR) => continue,
                     // A direct read the filesystem refuses after all: buffered from here on.
                     Err(Errno::INVAL) => {
-                        leave_direct(file)?;
+                        set_direct(file, false)?;
                         direct = false;
                         continue;
                     }
@@ -981,7 +1003,7 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
             None => {
                 if direct {
                     // An unaligned offset or end: through the cache.
-                    leave_direct(file)?;
+                    set_direct(file, false)?;
                     direct = false;
                 }
                 match file.read_at(&mut buf[..want], offset) {
@@ -1003,17 +1025,18 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     })
 }
 
-/// Switches `file` to `O_DIRECT`; `false` when the filesystem does not take it.
-fn set_direct(file: &File) -> bool {
-    rustix::fs::fcntl_getfl(file)
-        .and_then(|flags| rustix::fs::fcntl_setfl(file, flags | OFlags::DIRECT))
-        .is_ok()
-}
-
-/// Switches `file` back to reads through the page cache.
-fn leave_direct(file: &File) -> io::Result<()> {
+/// Turns `O_DIRECT` on or off for the open file description behind `file`; turning it on
+/// fails on a filesystem that does not take it (the file stays as it was).
+pub(crate) fn set_direct(file: &File, on: bool) -> io::Result<()> {
     let flags = rustix::fs::fcntl_getfl(file)?;
-    rustix::fs::fcntl_setfl(file, flags - OFlags::DIRECT)?;
+    let new = if on {
+        flags | OFlags::DIRECT
+    } else {
+        flags - OFlags::DIRECT
+    };
+    if new != flags {
+        rustix::fs::fcntl_setfl(file, new)?;
+    }
     Ok(())
 }
 
