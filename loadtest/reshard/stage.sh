@@ -10,10 +10,15 @@
 #   loadtest/reshard/stage.sh                       # 100,000 × 4 KiB (~0.4 GiB raw)
 #   FILES=20000 loadtest/reshard/stage.sh           # a smaller run
 #   BENCH_DIR=/dev/shm loadtest/reshard/stage.sh    # every tier in memory (no disk)
+#   SOURCE_CACHE=warm loadtest/reshard/stage.sh     # both versions read from the page cache
+#
+# Both versions start from the same place: evicted from the page cache (SOURCE_CACHE=cold, the
+# default: a version on a capacity tier is read from its disks) or read into it first (warm).
 #
 # Settings: FILES (100000), FILE_SIZE (4096), SHARD_SIZE ("256 MiB"), READ_THREADS (4),
-# BENCH_DIR (default /tmp), PROFILE (release | dev), BIN_DIR (prebuilt
-# stagehand-resharder and reshard-bench binaries: nothing is built), PYTHON, STAGEHAND_NATS_SERVER.
+# SOURCE_CACHE (cold | warm), BENCH_DIR (default /tmp), PROFILE (release | dev), BIN_DIR
+# (prebuilt stagehand-resharder and reshard-bench binaries: nothing is built), PYTHON,
+# STAGEHAND_NATS_SERVER.
 # Disk: the raw files, the shards and both hot copies (~1.7 GiB at the default), all deleted
 # when the script ends. Target: staging the prepared version >= 5x faster than the raw one.
 set -euo pipefail
@@ -25,6 +30,7 @@ FILES=${FILES:-100000}
 FILE_SIZE=${FILE_SIZE:-4096}
 SHARD_SIZE=${SHARD_SIZE:-256 MiB}
 READ_THREADS=${READ_THREADS:-4}
+SOURCE_CACHE=${SOURCE_CACHE:-cold}
 BENCH_DIR=${BENCH_DIR:-/tmp}
 PROFILE=${PROFILE:-release}
 STAGEHAND_HOME_DEFAULT="$REPO/.stagehand"
@@ -47,7 +53,8 @@ RESULTS="$WORK/results.jsonl"
 echo "# load before: $(uptime)"
 "$BIN/reshard-bench" --source-root "$SRC" --prefix bench/raw --work "$WORK/stagehand" \
     --resharder "$BIN/stagehand-resharder" --shard-size "$SHARD_SIZE" \
-    --read-threads "$READ_THREADS" --dataset small-files --stage-to-hot | tee "$RESULTS"
+    --read-threads "$READ_THREADS" --dataset small-files --stage-to-hot \
+    --source-cache "$SOURCE_CACHE" | tee "$RESULTS"
 echo "# load after: $(uptime)"
 
 "$PYTHON" - "$RESULTS" <<'PY'

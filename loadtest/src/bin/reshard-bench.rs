@@ -59,6 +59,17 @@ struct Args {
     /// Stage the raw and the prepared version to a hot tier through the promoter, timed.
     #[arg(long)]
     stage_to_hot: bool,
+    /// Where each staged version's files are when its request is published: `cold` (evicted
+    /// from the page cache, read from the disk, as a version on a capacity tier is in
+    /// practice) or `warm` (read into the cache first).
+    #[arg(long, value_enum, default_value_t = SourceCache::Cold)]
+    source_cache: SourceCache,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum SourceCache {
+    Cold,
+    Warm,
 }
 
 const PROJECT: &str = "bench";
@@ -414,6 +425,11 @@ async fn stage_both(
                 hold_until: None,
             }),
         );
+        let files = match form {
+            "raw" => args.source_root.join(&args.prefix),
+            _ => args.work.join("capacity").join(&prepared.location.prefix),
+        };
+        set_cached(&files, args.source_cache)?;
         let start = Instant::now();
         bus.publish(&request).await?;
         loop {
@@ -449,6 +465,47 @@ async fn stage_both(
     shutdown.cancel();
     recorder.await??;
     promoter.await??;
+    Ok(())
+}
+
+/// Puts every file beneath `dir` in the page cache (`warm`: read whole) or out of it
+/// (`cold`: the filesystem flushed, then `POSIX_FADV_DONTNEED` on each file), so that both
+/// staged versions start from the same place.
+fn set_cached(dir: &Path, cache: SourceCache) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    let flushed = Command::new("sync").arg("-f").arg(dir).status()?;
+    if !flushed.success() {
+        bail!("sync -f {}: {flushed}", dir.display());
+    }
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).with_context(|| format!("listing {d:?}"))? {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                stack.push(entry.path());
+                continue;
+            }
+            let mut file = std::fs::File::open(entry.path())?;
+            match cache {
+                SourceCache::Warm => {
+                    std::io::copy(&mut file, &mut std::io::sink())?;
+                }
+                SourceCache::Cold => {
+                    // SAFETY: a plain system call on a descriptor this function owns.
+                    let err = unsafe {
+                        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
+                    };
+                    if err != 0 {
+                        bail!(
+                            "evicting {:?}: {}",
+                            entry.path(),
+                            std::io::Error::from_raw_os_error(err)
+                        );
+                    }
+                }
+            }
+        }
+    }
     Ok(())
 }
 
