@@ -6,9 +6,10 @@
 #   loadtest/backup/bench.sh
 #
 # Settings (environment): BENCH_FILES files of BENCH_FILE_MIB MiB (default 32 x 64 MiB = 2 GiB;
-# the 20 GiB is BENCH_FILES=320, about 42 GB of free disk at the peak), BENCH_JOBS requests in flight (default 8), BENCH_PART_MIB
-# part size (default 16), BENCH_ROUNDS (default 2), BENCH_DRILL_GIB (default 1), BENCH_DIR
-# (scratch space, default a temp dir, removed at the end), PROFILE (bench-release).
+# the 20 GiB is BENCH_FILES=320, about 42 GB of free disk at the peak), BENCH_JOBS
+# requests in flight (default 8), BENCH_PART_MIB part size (default 16), BENCH_ROUNDS (default
+# 2), BENCH_DRILL_GIB (default 1), BENCH_DIR (scratch space, default a temp dir, removed at the
+# end), PROFILE (bench-release).
 #
 # Per round, in alternating order: the copier with `verify = "read-back"` (the shipped policy:
 # every object read back and hashed before the completion marker), the copier with
