@@ -14,10 +14,10 @@
 //!    hash it and compare with the manifest. A member above `stream_above` is not held in
 //!    memory: the writer streams it and proves it the same way.
 //! 3. **The writer** (the calling thread) puts the read batches back in plan order and
-//!    frames each sample into its shard ([`crate::shard`]); **the sink** (its own thread)
-//!    hashes the shard's bytes, writes them with writeback started early, and makes each
-//!    finished shard and its index durable inside the staging folder while the writer
-//!    frames the next.
+//!    frames each sample into its shard ([`crate::shard`]); **the sink** (a hasher thread
+//!    and a disk thread) hashes the shard's bytes, writes them directly (`O_DIRECT`) where
+//!    the filesystem allows, and makes each finished shard and its index durable inside the
+//!    staging folder while the writer frames the next.
 //!
 //! Batches in flight are bounded by a window of tokens the writer hands back as it finishes
 //! each, so a slow reader cannot make the others pile up read bytes. The first failure stops
@@ -634,8 +634,8 @@ struct Written {
     member_bytes: u64,
 }
 
-/// The writer: read batches back in plan order, framed into shards while the sink thread
-/// hashes, writes and commits them ([`write_shards`]).
+/// The writer: read batches back in plan order, framed into shards while the sink's threads
+/// hash, write and commit them ([`write_shards`]).
 fn write_all(
     job: &Job<'_>,
     rx: &Receiver<ReadBatch>,
