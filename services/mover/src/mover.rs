@@ -74,6 +74,12 @@ pub struct MoverConfig {
     /// allows: no second copy through the page cache and no gigabytes of dirty pages for the
     /// final `fdatasync` to wait on. Off, every write goes through the page cache.
     pub direct_writes: bool,
+    /// Read files of 1 MiB and more with `O_DIRECT` (io_uring engine) when the page cache
+    /// holds less than half of them: a cold source (a capacity tier's version, a replica
+    /// written long ago) goes from the device straight into the registered buffers instead
+    /// of through the kernel's read-ahead and a copy out of the cache. A cached file is read
+    /// from memory as before. Off, every read goes through the page cache.
+    pub direct_reads: bool,
 }
 
 impl Default for MoverConfig {
@@ -91,6 +97,7 @@ impl Default for MoverConfig {
             inline_below: 128 << 10,
             inline_threads: 0,
             direct_writes: true,
+            direct_reads: true,
         }
     }
 }
@@ -182,6 +189,7 @@ impl Mover {
             buffers: config.buffers.max(2),
             threads: config.pread_threads.max(1),
             direct_writes: config.direct_writes,
+            direct_reads: config.direct_reads,
             hash_threads: match config.hash_threads {
                 0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
                 n => n,

@@ -514,6 +514,52 @@ pub async fn direct_buffered_and_inline_paths_agree(engine: EngineChoice) {
     }
 }
 
+/// Sources out of the page cache (as a capacity tier's files are) copied with direct reads
+/// on — the io_uring engine reads files of 1 MiB and more that the cache holds less than
+/// half of with `O_DIRECT`, each read rounded up to the alignment, the file's end making the
+/// last one short — and, read back into the cache, copied again: every byte lands and the
+/// in-flight hash is the file's either way.
+pub async fn cold_and_cached_sources_copy_every_byte(engine: EngineChoice) {
+    let sizes = [1usize << 20, (1 << 20) + 1, (3 << 20) + 4095, 8 << 20];
+    for cold in [true, false] {
+        let e = env();
+        let files: Vec<FileRef> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| write(&e.src_root, &format!("c/f{i}"), &data(90 + i as u64, n)))
+            .collect();
+        for f in &files {
+            let file = std::fs::File::open(e.src_root.join(&f.path)).unwrap();
+            file.sync_all().unwrap();
+            if cold {
+                rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+            } else {
+                std::io::copy(&mut &file, &mut std::io::sink()).unwrap();
+            }
+        }
+        let mover = Mover::new(config(engine)).unwrap();
+        let report = mover
+            .copy_all(
+                &e.src,
+                &e.dst,
+                &files,
+                &CopyOptions::default(),
+                &Progress::new(),
+            )
+            .await;
+        assert_eq!(report.files_failed, 0, "{:?}", report.failures().next());
+        for (f, r) in files.iter().zip(&report.results) {
+            let Ok(CopyOutcome::Copied { sha256, .. }) = &r.result else {
+                panic!("cold {cold}: {r:?}")
+            };
+            assert_eq!(sha256, &f.sha256, "cold {cold}: {}", f.path);
+            let got = std::fs::read(e.dst_root.join(&f.path)).unwrap();
+            assert_eq!(got.len() as u64, f.size, "cold {cold}: {}", f.path);
+            assert_eq!(sha(&got), f.sha256, "cold {cold}: {}", f.path);
+        }
+    }
+}
+
 macro_rules! engine_tests {
     ($module:ident, $engine:expr) => {
         mod $module {
@@ -557,6 +603,11 @@ macro_rules! engine_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn direct_buffered_inline() {
                 direct_buffered_and_inline_paths_agree($engine).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cold_and_cached_sources() {
+                cold_and_cached_sources_copy_every_byte($engine).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,6 +57,8 @@ pub(crate) struct EngineParams {
     pub threads: usize,
     /// Write large files with `O_DIRECT` where the filesystem allows (io_uring engine).
     pub direct_writes: bool,
+    /// Read large, mostly uncached files with `O_DIRECT` (io_uring engine).
+    pub direct_reads: bool,
     /// Hashing threads of the io_uring engine.
     pub hash_threads: usize,
 }

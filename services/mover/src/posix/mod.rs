@@ -1025,6 +1025,50 @@ fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
     })
 }
 
+/// Whether the page cache holds less than half of the first `len` bytes of `file`, asked
+/// with `cachestat(2)` (Linux 6.5): one call, no data read. `false` when the kernel cannot
+/// say (older, or the call refused), so a caller keeps to buffered reads.
+pub(crate) fn mostly_uncached(file: &File, len: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    /// `struct cachestat_range` of the kernel's uapi.
+    #[repr(C)]
+    struct CachestatRange {
+        off: u64,
+        len: u64,
+    }
+    /// `struct cachestat` of the kernel's uapi (pages).
+    #[repr(C)]
+    #[derive(Default)]
+    struct Cachestat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    /// The system call's number: new calls share one number on every architecture.
+    const SYS_CACHESTAT: libc::c_long = 451;
+    if len == 0 {
+        return false;
+    }
+    let range = CachestatRange { off: 0, len };
+    let mut stat = Cachestat::default();
+    // SAFETY: both pointers are to live values of the layouts the kernel expects; the call
+    // writes only `stat`.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const CachestatRange,
+            &mut stat as *mut Cachestat,
+            0u32,
+        )
+    };
+    let pages = len.div_ceil(DIRECT_ALIGN as u64);
+    // Dirty pages would be written back before a direct read of them: those files stay buffered.
+    rc == 0 && stat.nr_dirty == 0 && stat.nr_cache * 2 < pages
+}
+
 /// Turns `O_DIRECT` on or off for the open file description behind `file`; turning it on
 /// fails on a filesystem that does not take it (the file stays as it was).
 pub(crate) fn set_direct(file: &File, on: bool) -> io::Result<()> {
@@ -1097,5 +1141,28 @@ mod tests {
             hash_uncached_file_capped(&file, u64::MAX).unwrap().sha256,
             sha(&body)
         );
+    }
+
+    /// Guards the io_uring engine's choice of direct reads: a file evicted from the page
+    /// cache is mostly uncached, the same file read back into it is not, and a file with
+    /// dirty pages never is (a direct read would have to write them back first).
+    #[test]
+    fn a_file_out_of_the_page_cache_is_mostly_uncached_and_a_read_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let body = vec![7u8; 4 << 20];
+        std::fs::write(&path, &body).unwrap();
+        let file = File::open(&path).unwrap();
+        let len = body.len() as u64;
+        assert!(
+            !mostly_uncached(&file, len),
+            "just written: dirty or cached"
+        );
+        file.sync_all().unwrap();
+        rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        assert!(mostly_uncached(&file, len), "evicted");
+        std::io::copy(&mut &file, &mut std::io::sink()).unwrap();
+        assert!(!mostly_uncached(&file, len), "read back into the cache");
+        assert!(!mostly_uncached(&file, 0), "nothing to read");
     }
 }
