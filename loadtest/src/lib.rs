@@ -14,6 +14,17 @@ pub fn process_cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks / hz)
 }
 
+/// `sync -f DIR`: one `syncfs` of the filesystem holding `dir`, so a benchmark starts from
+/// data on disk rather than dirty in the page cache.
+pub fn flush_filesystem(dir: &std::path::Path) -> anyhow::Result<()> {
+    let synced = std::process::Command::new("sync")
+        .arg("-f")
+        .arg(dir)
+        .status()?;
+    anyhow::ensure!(synced.success(), "sync -f {}: {synced}", dir.display());
+    Ok(())
+}
+
 /// The peak resident set size of the process `pid` (`VmHWM`), in bytes.
 pub fn peak_rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

@@ -14,6 +14,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Catalogue, ReplicaState};
+use stagehand_loadtest::{flush_filesystem, peak_rss_bytes, process_cpu_seconds};
 use stagehand_schemas::{
     Body, DatasetValidated, Event, EventId, FileRef, Location, ReplicaCreated, StageReleased,
     StageRequested, sha256_hex, version_digest,
@@ -93,31 +94,6 @@ fn write_version(
         std::fs::write(dir.join(p), b)?;
     }
     Ok((format!("ds{v:03}"), version, refs))
-}
-
-/// `sync -f`: one `syncfs` of the filesystem holding `dir`.
-fn flush(dir: &std::path::Path) -> anyhow::Result<()> {
-    let synced = Command::new("sync").arg("-f").arg(dir).status()?;
-    if !synced.success() {
-        bail!("sync -f {} failed: {synced}", dir.display());
-    }
-    Ok(())
-}
-
-fn proc_cpu_rss(pid: u32) -> anyhow::Result<(f64, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let after = stat.rsplit_once(')').context("stat")?.1;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    // SAFETY: sysconf reads a constant of the running system.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let cpu = (fields[11].parse::<f64>()? + fields[12].parse::<f64>()?) / ticks;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let hwm = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
-        .unwrap_or(0);
-    Ok((cpu, hwm * 1024))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -251,7 +227,7 @@ async fn main() -> anyhow::Result<()> {
     // A hot tier's replicas were written long before they are demoted: on disk, not dirty in
     // the page cache. Without this the demoter's first flush would write them out first
     // (the rsync run below starts from the same flushed state).
-    flush(&tiers.join("hot"))?;
+    flush_filesystem(&tiers.join("hot"))?;
     // The versions the demoter must move: least recently staged first until at the low mark.
     let low = (capacity as f64 * args.low) as u64;
     let mut left: u64 = placed.iter().map(|p| p.3).sum();
@@ -314,7 +290,10 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let demote_secs = started.elapsed().as_secs_f64();
-    let (cpu, rss) = proc_cpu_rss(child.id())?;
+    let (cpu, rss) = (
+        process_cpu_seconds(child.id()).context("the demoter's CPU time")?,
+        peak_rss_bytes(child.id()).context("the demoter's peak RSS")?,
+    );
     child.kill()?;
     child.wait()?;
     // Every moved version is whole on capacity (the demoter verified it; this checks it).
@@ -349,7 +328,7 @@ async fn main() -> anyhow::Result<()> {
     for (v, w) in weights.iter().enumerate().take(moved) {
         write_version(&src, v, total * w / weight_sum)?;
     }
-    flush(&src)?;
+    flush_filesystem(&src)?;
     let dst = tiers.join("rsync-dst");
     let started = Instant::now();
     let status = Command::new("rsync")
@@ -364,7 +343,7 @@ async fn main() -> anyhow::Result<()> {
     }
     // What rsync left in the page cache, made durable (the demoter's copies are durable before
     // anything is removed): `sync -f` is one syncfs of the destination's filesystem.
-    flush(&dst)?;
+    flush_filesystem(&dst)?;
     let rsync_sync_secs = started.elapsed().as_secs_f64();
     println!(
         "{}",

@@ -28,7 +28,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use futures::StreamExt;
 use stagehand_bus::{Bus, BusConfig};
-use stagehand_loadtest::{peak_rss_bytes, process_cpu_seconds};
+use stagehand_loadtest::{flush_filesystem, peak_rss_bytes, process_cpu_seconds};
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_schemas::*;
 use stagehand_testkit::NatsServer;
@@ -473,10 +473,7 @@ async fn stage_both(
 /// staged versions start from the same place.
 fn set_cached(dir: &Path, cache: SourceCache) -> anyhow::Result<()> {
     use std::os::fd::AsRawFd;
-    let flushed = Command::new("sync").arg("-f").arg(dir).status()?;
-    if !flushed.success() {
-        bail!("sync -f {}: {flushed}", dir.display());
-    }
+    flush_filesystem(dir)?;
     let mut stack = vec![dir.to_owned()];
     while let Some(d) = stack.pop() {
         for entry in std::fs::read_dir(&d).with_context(|| format!("listing {d:?}"))? {

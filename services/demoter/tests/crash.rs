@@ -63,6 +63,18 @@ async fn end_state(stack: &Stack, placed: &[Placed], name: &str) {
     }
 }
 
+/// Kills the halted first demoter, starts a second and waits for [`end_state`], then stops
+/// everything.
+async fn restarted_after_kill(stack: Stack, mut first: std::process::Child, placed: &[Placed]) {
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let mut second = spawn(&stack, "second", &[]);
+    end_state(&stack, placed, "second").await;
+    second.kill().unwrap();
+    second.wait().unwrap();
+    stack.stop().await;
+}
+
 /// Guards "copy down, then remove" as one recorded step: killed after the copy down is
 /// recorded, the replica is whole on both tiers and still ready on hot; the restarted demoter
 /// removes it without copying again or announcing it twice.
@@ -76,7 +88,7 @@ async fn killed_between_the_copy_down_and_the_removal_the_restart_finishes_the_s
     })
     .await;
     let placed = idle_versions_only_on_hot(&stack, 2).await;
-    let mut first = spawn(
+    let first = spawn(
         &stack,
         "first",
         &[(stagehand_demoter::HALT_AFTER_ENV, "copied-down")],
@@ -89,14 +101,7 @@ async fn killed_between_the_copy_down_and_the_removal_the_restart_finishes_the_s
     assert!(whole_on(&stack, "hot", &placed[1]));
     assert!(is_ready(&stack.readiness().await, &hot_key(p)).await);
     assert!(removed_from_hot(stack.bus.jetstream()).await.is_empty());
-    first.kill().unwrap();
-    first.wait().unwrap();
-
-    let mut second = spawn(&stack, "second", &[]);
-    end_state(&stack, &placed, "second").await;
-    second.kill().unwrap();
-    second.wait().unwrap();
-    stack.stop().await;
+    restarted_after_kill(stack, first, &placed).await;
 }
 
 /// Guards "rename out of the namespace, then delete": killed after the rename is recorded, the
@@ -112,7 +117,7 @@ async fn killed_between_the_rename_and_the_delete_the_restart_leaves_nothing_beh
     })
     .await;
     let placed = idle_versions_only_on_hot(&stack, 2).await;
-    let mut first = spawn(
+    let first = spawn(
         &stack,
         "first",
         &[(stagehand_demoter::HALT_AFTER_ENV, "renamed")],
@@ -131,14 +136,7 @@ async fn killed_between_the_rename_and_the_delete_the_restart_leaves_nothing_beh
         removed_from_hot(stack.bus.jetstream()).await,
         vec![p.version.clone()]
     );
-    first.kill().unwrap();
-    first.wait().unwrap();
-
-    let mut second = spawn(&stack, "second", &[]);
-    end_state(&stack, &placed, "second").await;
-    second.kill().unwrap();
-    second.wait().unwrap();
-    stack.stop().await;
+    restarted_after_kill(stack, first, &placed).await;
 }
 
 /// Guards steps carried at once: with `max_concurrent = 3` and six idle versions, the first
@@ -155,7 +153,7 @@ async fn killed_with_several_steps_under_way_the_restart_finishes_each_once() {
     })
     .await;
     let placed = idle_versions_only_on_hot(&stack, 6).await;
-    let mut first = spawn(
+    let first = spawn(
         &stack,
         "first",
         &[(stagehand_demoter::HALT_AFTER_ENV, "renamed")],
@@ -191,14 +189,7 @@ async fn killed_with_several_steps_under_way_the_restart_finishes_each_once() {
         assert!(whole_on(&stack, "hot", p));
     }
     assert_eq!(removed_from_hot(stack.bus.jetstream()).await.len(), 3);
-    first.kill().unwrap();
-    first.wait().unwrap();
-
-    let mut second = spawn(&stack, "second", &[]);
-    end_state(&stack, &placed, "second").await;
-    second.kill().unwrap();
-    second.wait().unwrap();
-    stack.stop().await;
+    restarted_after_kill(stack, first, &placed).await;
 }
 
 /// Guards a stage request racing a removal: the demoter is stopped right after the replica's

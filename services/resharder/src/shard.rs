@@ -234,8 +234,9 @@ impl Chunk {
     }
 }
 
-/// What the framing writer asks of the sink, in order.
-enum Op {
+/// What the framing writer asks of the sink, in order (`Op<()>`), and what the hasher passes
+/// on to the disk thread (`Op<ShardDigests>`: the end of a shard carries its digests).
+enum Op<End> {
     /// Shard `n` starts: create its temp files.
     Begin(u32),
     /// The next bytes of the open shard's tar stream.
@@ -243,20 +244,13 @@ enum Op {
     /// The next bytes of the open shard's index.
     Index(Chunk),
     /// The open shard is complete: make it and its index durable and visible.
-    End,
+    End(End),
 }
 
-/// What the hasher passes on to the disk thread: the framing writer's ops, the end of a
-/// shard carrying what the hasher found.
-enum DiskOp {
-    Begin(u32),
-    Tar(Chunk),
-    Index(Chunk),
-    /// (length, SHA-256) of the tar stream and of the index.
-    End {
-        tar: (u64, String),
-        index: (u64, String),
-    },
+/// The SHA-256 (hex) of a finished shard's tar stream and of its index.
+struct ShardDigests {
+    tar: String,
+    index: String,
 }
 
 /// The framing side's handle on the sink threads: where chunks go and where emptied ones
@@ -264,7 +258,7 @@ enum DiskOp {
 /// page fault per 4 KiB), and the pool is the backpressure: a writer that runs ahead of the
 /// disk waits for a chunk to come back.
 pub struct Sink {
-    ops: SyncSender<Op>,
+    ops: SyncSender<Op<()>>,
     free: Receiver<Chunk>,
 }
 
@@ -273,7 +267,7 @@ fn sink_gone() -> io::Error {
 }
 
 impl Sink {
-    fn send(&self, op: Op) -> io::Result<()> {
+    fn send(&self, op: Op<()>) -> io::Result<()> {
         self.ops.send(op).map_err(|_| sink_gone())
     }
 
@@ -287,11 +281,11 @@ struct ChunkWriter<'s> {
     sink: &'s Sink,
     buf: Chunk,
     written: u64,
-    op: fn(Chunk) -> Op,
+    op: fn(Chunk) -> Op<()>,
 }
 
 impl<'s> ChunkWriter<'s> {
-    fn new(sink: &'s Sink, op: fn(Chunk) -> Op) -> io::Result<Self> {
+    fn new(sink: &'s Sink, op: fn(Chunk) -> Op<()>) -> io::Result<Self> {
         Ok(ChunkWriter {
             buf: sink.chunk()?,
             sink,
@@ -432,7 +426,7 @@ impl<'s> ShardWriter<'s> {
             file: index_name(number),
             source,
         })?;
-        sink.send(Op::End).map_err(tar_err)
+        sink.send(Op::End(())).map_err(tar_err)
     }
 }
 
@@ -453,8 +447,8 @@ pub fn write_shards<T, E: From<ShardError>>(
     size_hint: u64,
     frame: impl FnOnce(&Sink) -> Result<T, E>,
 ) -> Result<(T, Vec<ShardFiles>), E> {
-    let (ops_tx, ops_rx) = sync_channel::<Op>(POOL_CHUNKS + 4);
-    let (disk_tx, disk_rx) = sync_channel::<DiskOp>(POOL_CHUNKS + 4);
+    let (ops_tx, ops_rx) = sync_channel::<Op<()>>(POOL_CHUNKS + 4);
+    let (disk_tx, disk_rx) = sync_channel::<Op<ShardDigests>>(POOL_CHUNKS + 4);
     let (free_tx, free_rx) = sync_channel::<Chunk>(POOL_CHUNKS);
     for _ in 0..POOL_CHUNKS {
         // Cannot fail: the channel has room for every chunk and its receiver is alive.
@@ -489,44 +483,33 @@ pub fn write_shards<T, E: From<ShardError>>(
 }
 
 /// The hasher thread (see [`write_shards`]): hashes each shard's tar stream and index as
-/// they pass, and hands every op on to the disk thread with the digests at each shard's end.
-fn run_hasher(ops: Receiver<Op>, disk: SyncSender<DiskOp>) -> Result<(), ShardError> {
-    let mut tar = (Sha256::new(), 0u64);
-    let mut index = (Sha256::new(), 0u64);
-    let gone = || ShardError::Io {
-        file: "the shards".into(),
-        source: sink_gone(),
-    };
+/// they pass, and hands every op on to the disk thread, the digests with each shard's end.
+fn run_hasher(ops: Receiver<Op<()>>, disk: SyncSender<Op<ShardDigests>>) -> Result<(), ShardError> {
+    let (mut tar, mut index) = (Sha256::new(), Sha256::new());
     for op in ops.iter() {
         let next = match op {
             Op::Begin(number) => {
-                tar = (Sha256::new(), 0);
-                index = (Sha256::new(), 0);
-                DiskOp::Begin(number)
+                (tar, index) = (Sha256::new(), Sha256::new());
+                Op::Begin(number)
             }
             Op::Tar(chunk) => {
-                tar.0.update(chunk.bytes());
-                tar.1 += chunk.len as u64;
-                DiskOp::Tar(chunk)
+                tar.update(chunk.bytes());
+                Op::Tar(chunk)
             }
             Op::Index(chunk) => {
-                index.0.update(chunk.bytes());
-                index.1 += chunk.len as u64;
-                DiskOp::Index(chunk)
+                index.update(chunk.bytes());
+                Op::Index(chunk)
             }
-            Op::End => {
-                let (t, i) = (
-                    std::mem::replace(&mut tar, (Sha256::new(), 0)),
-                    std::mem::replace(&mut index, (Sha256::new(), 0)),
-                );
-                DiskOp::End {
-                    tar: (t.1, hex::encode(t.0.finalize())),
-                    index: (i.1, hex::encode(i.0.finalize())),
-                }
-            }
+            Op::End(()) => Op::End(ShardDigests {
+                tar: hex::encode(std::mem::take(&mut tar).finalize()),
+                index: hex::encode(std::mem::take(&mut index).finalize()),
+            }),
         };
         // The disk thread stopped (its error is the one reported).
-        disk.send(next).map_err(|_| gone())?;
+        disk.send(next).map_err(|_| ShardError::Io {
+            file: "the shards".into(),
+            source: sink_gone(),
+        })?;
     }
     Ok(())
 }
@@ -600,7 +583,7 @@ const WRITEBACK_EVERY: u64 = 8 << 20;
 fn run_disk(
     staging: &PosixTier,
     size_hint: u64,
-    ops: Receiver<DiskOp>,
+    ops: Receiver<Op<ShardDigests>>,
     free: SyncSender<Chunk>,
 ) -> Result<Vec<ShardFiles>, ShardError> {
     let mut done = Vec::new();
@@ -611,7 +594,7 @@ fn run_disk(
     };
     for op in ops.iter() {
         match op {
-            DiskOp::Begin(number) => {
+            Op::Begin(number) => {
                 // A shard left open would be an unfinished one: removed when dropped.
                 let tar = staging.create_atomic(&shard_name(number), size_hint)?;
                 let direct = tar.begin_direct();
@@ -625,36 +608,27 @@ fn run_disk(
                     index_len: 0,
                 });
             }
-            DiskOp::Tar(mut chunk) => {
+            Op::Tar(mut chunk) => {
                 let shard = open.as_mut().ok_or_else(|| not_open("a shard"))?;
                 shard.write_tar(chunk.bytes())?;
                 chunk.clear();
                 // The framing side may be gone (it stopped); the chunk is then dropped.
                 let _ = free.send(chunk);
             }
-            DiskOp::Index(mut chunk) => {
+            Op::Index(mut chunk) => {
                 let shard = open.as_mut().ok_or_else(|| not_open("an index"))?;
                 shard.index.write_all_at(chunk.bytes(), shard.index_len)?;
                 shard.index_len += chunk.len as u64;
                 chunk.clear();
                 let _ = free.send(chunk);
             }
-            DiskOp::End { tar, index } => {
+            Op::End(digests) => {
                 let shard = open.take().ok_or_else(|| not_open("a shard"))?;
-                if (shard.tar_len, shard.index_len) != (tar.0, index.0) {
-                    return Err(ShardError::Io {
-                        file: shard_name(shard.number),
-                        source: io::Error::other(format!(
-                            "wrote {} and {} bytes, hashed {} and {}",
-                            shard.tar_len, shard.index_len, tar.0, index.0
-                        )),
-                    });
-                }
                 shard.tar.commit()?;
                 shard.index.commit()?;
                 done.push([
-                    (shard_name(shard.number), tar.0, tar.1),
-                    (index_name(shard.number), index.0, index.1),
+                    (shard_name(shard.number), shard.tar_len, digests.tar),
+                    (index_name(shard.number), shard.index_len, digests.index),
                 ]);
             }
         }
