@@ -4,6 +4,11 @@
 //! nats-server refuses to start while one is unset. The roles are read from the file itself, so
 //! a role added there needs no edit in any test; each test connects as a role's user with
 //! [`role_password`] / [`user_url`].
+//!
+//! The shipped file declares one tenant, project `demo`. Tests of what one tenant can do to
+//! another add more with [`accounts_conf_with_projects`], which applies the recipe the file's
+//! own comments give an operator (deploy/README.md, *Adding a project*): a copy of each
+//! per-project user block and of every per-project grant in the services' blocks.
 
 use std::path::PathBuf;
 
@@ -14,12 +19,20 @@ pub fn accounts_conf() -> PathBuf {
     repo_root().join("deploy/nats/accounts.conf")
 }
 
+/// The project the shipped accounts config declares its tenant users for.
+pub const SHIPPED_PROJECT: &str = "demo";
+
 /// Every role whose password the shipped accounts config reads (`UPLOADER_DEMO`, `PROMOTER`,
 /// …), sorted, each once.
 pub fn accounts_roles() -> Vec<String> {
     let path = accounts_conf();
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    roles_of(&text)
+}
+
+/// Every role whose password an accounts config text reads, sorted, each once.
+pub fn roles_of(text: &str) -> Vec<String> {
     let mut roles: Vec<String> = text
         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
         .filter_map(|t| t.strip_prefix("$STAGEHAND_NATS_"))
@@ -45,15 +58,95 @@ pub fn user_url(server: &NatsServer, user: &str, role: &str) -> String {
     )
 }
 
+/// The shipped accounts config with tenant users and grants for `projects` besides `demo`:
+/// every block named `<ROLE>_DEMO` (the project's uploader and training jobs) is copied for each
+/// project, every other line naming the demo project's upload bucket
+/// (`stagehand_uploads_demo`, granted to the services that read it) is repeated for each, and
+/// so is each `users` entry of a demo user. Panics when the shipped file no longer has that
+/// shape, so a change to it cannot silently leave a test's second tenant without users.
+pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
+    let path = accounts_conf();
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let demo_upper = format!("_{}", SHIPPED_PROJECT.to_ascii_uppercase());
+    let demo_bucket = format!("stagehand_uploads_{SHIPPED_PROJECT}");
+    let demo_user = format!("-{SHIPPED_PROJECT},");
+    let for_project = |line: &str, project: &str| {
+        line.replace(&demo_upper, &format!("_{}", project.to_ascii_uppercase()))
+            .replace(&demo_bucket, &format!("stagehand_uploads_{project}"))
+            .replace(&format!("-{SHIPPED_PROJECT}"), &format!("-{project}"))
+            .replace(&format!(".{SHIPPED_PROJECT}"), &format!(".{project}"))
+    };
+    let mut out = String::with_capacity(text.len() * 2);
+    let mut block: Option<Vec<&str>> = None;
+    let (mut blocks, mut grants, mut users) = (0, 0, 0);
+    for line in text.lines() {
+        if let Some(lines) = block.as_mut() {
+            lines.push(line);
+            out.push_str(line);
+            out.push('\n');
+            if line == "}" {
+                for project in projects {
+                    out.push('\n');
+                    for l in lines.iter() {
+                        out.push_str(&for_project(l, project));
+                        out.push('\n');
+                    }
+                }
+                block = None;
+                blocks += 1;
+            }
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+        let head = line.split_whitespace().next().unwrap_or("");
+        if head.ends_with(&demo_upper) && line.trim_end().ends_with("= {") {
+            block = Some(vec![line]);
+        } else if line.contains(&demo_bucket) && !line.trim_start().starts_with('#') {
+            for project in projects {
+                out.push_str(&for_project(line, project));
+                out.push('\n');
+            }
+            grants += 1;
+        } else if line.trim_start().starts_with("{ user:") && line.contains(&demo_user) {
+            for project in projects {
+                out.push_str(&for_project(line, project));
+                out.push('\n');
+            }
+            users += 1;
+        }
+    }
+    assert!(
+        blocks >= 2 && grants > 0 && users >= 2,
+        "{}: expected per-project blocks, bucket grants and users of project {SHIPPED_PROJECT} \
+         to copy (found {blocks} blocks, {grants} grants, {users} users)",
+        path.display()
+    );
+    out
+}
+
 impl NatsServerBuilder {
     /// Runs the server with the shipped accounts config, every role's password set.
     pub fn shipped_accounts(self) -> Self {
-        accounts_roles()
-            .into_iter()
-            .fold(self.config_file(accounts_conf()), |b, role| {
-                let password = role_password(&role);
-                b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
-            })
+        self.shipped_accounts_with_projects(&[])
+    }
+
+    /// Runs the server with the shipped accounts config extended to tenant users of `projects`
+    /// besides `demo` ([`accounts_conf_with_projects`]), every role's password set: for tests
+    /// of what one project's users can do to another's.
+    pub fn shipped_accounts_with_projects(self, projects: &[&str]) -> Self {
+        let (builder, text) = if projects.is_empty() {
+            let text = std::fs::read_to_string(accounts_conf()).unwrap_or_default();
+            (self.config_file(accounts_conf()), text)
+        } else {
+            let text = accounts_conf_with_projects(projects);
+            (self.config_text(text.clone()), text)
+        };
+        roles_of(&text).into_iter().fold(builder, |b, role| {
+            let password = role_password(&role);
+            b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
+        })
     }
 }
 
@@ -79,5 +172,32 @@ mod tests {
             roles.iter().all(|r| !r.is_empty() && !r.contains('$')),
             "{roles:?}"
         );
+    }
+
+    #[test]
+    fn a_second_project_gets_its_own_users_and_grants() {
+        let text = accounts_conf_with_projects(&["labb"]);
+        let roles = roles_of(&text);
+        for role in ["UPLOADER_LABB", "TRAINER_LABB", "UPLOADER_DEMO"] {
+            assert!(
+                roles.iter().any(|r| r == role),
+                "{role} missing from {roles:?}"
+            );
+        }
+        assert!(text.contains("\"stagehand.req.ingest.requested.labb\""));
+        assert!(text.contains("\"stagehand.fact.checkpoint.committed.labb\""));
+        assert!(text.contains("{ user: uploader-labb,"));
+        assert!(text.contains("_INBOX_trainer-labb.>"));
+        // The services that read upload buckets read labb's too.
+        assert_eq!(
+            text.matches("\"$JS.FC.OBJ_stagehand_uploads_labb.>\"")
+                .count(),
+            text.matches("\"$JS.FC.OBJ_stagehand_uploads_demo.>\"")
+                .count()
+        );
+        // Nothing of demo's own block names labb.
+        let demo_block = text.split("UPLOADER_DEMO = {").nth(1).unwrap();
+        let demo_block = &demo_block[..demo_block.find("\n}").unwrap()];
+        assert!(!demo_block.contains("labb"), "{demo_block}");
     }
 }

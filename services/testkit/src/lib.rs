@@ -32,7 +32,10 @@ mod s3;
 mod tmpfs;
 mod wait;
 
-pub use accounts::{accounts_conf, accounts_roles, role_password, user_url};
+pub use accounts::{
+    SHIPPED_PROJECT, accounts_conf, accounts_conf_with_projects, accounts_roles, role_password,
+    roles_of, user_url,
+};
 pub use facts::{StoredEventsError, stored_events};
 pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
 pub use prometheus::Prometheus;

@@ -46,6 +46,7 @@ pub struct NatsServer {
 #[derive(Debug, Default, Clone)]
 pub struct NatsServerBuilder {
     config: Option<PathBuf>,
+    config_text: Option<String>,
     env: Vec<(String, String)>,
 }
 
@@ -53,6 +54,14 @@ impl NatsServerBuilder {
     /// Starts the server with `-c path`. Port, address and store dir still come from the testkit.
     pub fn config_file(mut self, path: impl AsRef<Path>) -> Self {
         self.config = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// Starts the server with a configuration made by the test: `text` is written into the
+    /// server's own directory and passed as `-c`.
+    pub fn config_text(mut self, text: impl Into<String>) -> Self {
+        self.config_text = Some(text.into());
+        self.config = None;
         self
     }
 
@@ -65,7 +74,7 @@ impl NatsServerBuilder {
     /// Starts the server and waits until it accepts connections. Panics, with the log tail,
     /// when it does not within 20 s.
     pub fn start(self) -> NatsServer {
-        NatsServer::launch(self.config, self.env, None)
+        NatsServer::launch(self.config, self.config_text, self.env, None)
     }
 }
 
@@ -87,6 +96,7 @@ impl NatsServer {
 
     fn launch(
         config: Option<PathBuf>,
+        config_text: Option<String>,
         env: Vec<(String, String)>,
         cluster: Option<ClusterNode>,
     ) -> NatsServer {
@@ -94,6 +104,14 @@ impl NatsServer {
             .prefix("stagehand-nats-")
             .tempdir()
             .expect("create a temp dir for nats-server");
+        let config = match config_text {
+            Some(text) => {
+                let path = dir.path().join("server.conf");
+                std::fs::write(&path, text).expect("write the test's nats config");
+                Some(path)
+            }
+            None => config,
+        };
         let mut server = NatsServer {
             dir,
             config,
@@ -270,7 +288,7 @@ impl NatsCluster {
                     port: *port,
                     routes: routes.clone(),
                 };
-                NatsServer::launch(None, Vec::new(), Some(node))
+                NatsServer::launch(None, None, Vec::new(), Some(node))
             })
             .collect();
         let cluster = NatsCluster { nodes };

@@ -163,6 +163,48 @@ async fn each_role_publishes_only_its_subjects() -> Result<()> {
     Ok(())
 }
 
+/// The two-tenant config tests of one project against another run with
+/// (`shipped_accounts_with_projects`): each project's uploader and training jobs publish their
+/// own project's subjects and are refused the other's.
+#[tokio::test]
+async fn a_second_project_has_its_own_confined_users() -> Result<()> {
+    let server = NatsServer::builder()
+        .shipped_accounts_with_projects(&["labb"])
+        .start();
+    let (operator, _) = connect(&server, "operator", "OPERATOR").await?;
+    let mut watcher = operator.subscribe("stagehand.>").await?;
+    operator.flush().await?;
+    for (user, role, own, other) in [
+        ("uploader-labb", "UPLOADER_LABB", "labb", "demo"),
+        ("uploader-demo", "UPLOADER_DEMO", "demo", "labb"),
+    ] {
+        check_role(
+            &server,
+            &mut watcher,
+            user,
+            role,
+            &format!("stagehand.req.ingest.requested.{own}"),
+            &format!("stagehand.req.ingest.requested.{other}"),
+        )
+        .await?;
+    }
+    for (user, role, own, other) in [
+        ("trainer-labb", "TRAINER_LABB", "labb", "demo"),
+        ("trainer-demo", "TRAINER_DEMO", "demo", "labb"),
+    ] {
+        check_role(
+            &server,
+            &mut watcher,
+            user,
+            role,
+            &format!("stagehand.fact.checkpoint.committed.{own}"),
+            &format!("stagehand.fact.checkpoint.committed.{other}"),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn uploader_gets_a_jetstream_ack_for_its_project_only() -> Result<()> {
     let server = start_server();
