@@ -126,6 +126,43 @@ pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
     out
 }
 
+/// The subjects `role`'s block of an accounts config `text` (such as
+/// [`accounts_conf_with_projects`] returns) allows it to publish, in the order written:
+/// the quoted entries of the block's `publish: { allow: [ … ] }`, comments left out. Empty when
+/// the block or its publish list is missing. Tests of what a role can do read its subjects
+/// here, so a grant added to or removed from the config is tried without an edit to a test.
+pub fn publish_allowed(text: &str, role: &str) -> Vec<String> {
+    let head = format!("{role} = {{");
+    let mut lines = text.lines().skip_while(|l| l.trim_end() != head).skip(1);
+    let mut subjects = Vec::new();
+    let mut in_publish = false;
+    let mut in_allow = false;
+    for line in lines.by_ref() {
+        if line == "}" {
+            break;
+        }
+        let code = line.split_once('#').map_or(line, |(code, _)| code).trim();
+        if !in_publish {
+            in_publish = code.starts_with("publish:");
+            if !in_publish {
+                continue;
+            }
+        }
+        if !in_allow {
+            match code.find("allow:") {
+                Some(at) => in_allow = code[at..].contains('['),
+                None => continue,
+            }
+        }
+        // Quoted entries: every other piece between double quotes.
+        subjects.extend(code.split('"').skip(1).step_by(2).map(str::to_string));
+        if code.contains(']') {
+            break;
+        }
+    }
+    subjects
+}
+
 impl NatsServerBuilder {
     /// Runs the server with the shipped accounts config, every role's password set.
     pub fn shipped_accounts(self) -> Self {
@@ -199,5 +236,32 @@ mod tests {
         let demo_block = text.split("UPLOADER_DEMO = {").nth(1).unwrap();
         let demo_block = &demo_block[..demo_block.find("\n}").unwrap()];
         assert!(!demo_block.contains("labb"), "{demo_block}");
+    }
+
+    #[test]
+    fn a_roles_publish_grants_are_read_from_its_block() {
+        let text = accounts_conf_with_projects(&["labb"]);
+        let uploader = publish_allowed(&text, "UPLOADER_LABB");
+        assert_eq!(
+            uploader.first().map(String::as_str),
+            Some("stagehand.req.ingest.requested.labb"),
+            "{uploader:?}"
+        );
+        assert!(uploader.contains(&"$O.stagehand_uploads_labb.M.>".to_string()));
+        assert!(
+            uploader
+                .iter()
+                .all(|s| !s.contains("demo") && !s.contains('#'))
+        );
+        let scheduler = publish_allowed(&text, "SCHEDULER");
+        assert!(scheduler.contains(&"stagehand.catalogue.query".to_string()));
+        // Subscribe grants are not publish grants.
+        assert!(
+            !scheduler.iter().any(|s| s.starts_with("_INBOX")),
+            "{scheduler:?}"
+        );
+        assert!(publish_allowed(&text, "NO_SUCH_ROLE").is_empty());
+        // The operator has no block: no list (it may publish anything).
+        assert!(publish_allowed(&text, "OPERATOR").is_empty());
     }
 }

@@ -33,8 +33,8 @@ mod tmpfs;
 mod wait;
 
 pub use accounts::{
-    SHIPPED_PROJECT, accounts_conf, accounts_conf_with_projects, accounts_roles, role_password,
-    roles_of, user_url,
+    SHIPPED_PROJECT, accounts_conf, accounts_conf_with_projects, accounts_roles, publish_allowed,
+    role_password, roles_of, user_url,
 };
 pub use facts::{StoredEventsError, stored_events};
 pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
