@@ -7,6 +7,9 @@
 
 #![allow(dead_code)] // each test binary uses part of this
 
+pub mod attacks;
+pub mod tenants;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
