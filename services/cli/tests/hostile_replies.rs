@@ -266,10 +266,7 @@ async fn reply_sweep(who: (String, String), tag: &str) -> anyhow::Result<()> {
             None if subject == stagehand_schemas::subject::CATALOGUE_QUERY => {
                 vec![(subject.clone(), a_query())]
             }
-            None => vec![(
-                subject.replace('>', "probe").replace('*', "probe"),
-                b"{}".to_vec(),
-            )],
+            None => vec![(subject.replace(['>', '*'], "probe"), b"{}".to_vec())],
         };
         for (subject, payload) in targets {
             for reply in &replies {
