@@ -73,9 +73,10 @@ async fn each_request_yields_its_facts_with_trace_context_and_a_ledger_outcome()
             .find(|(_, _, f)| f.id == expected.id)
             .expect("fact published");
         assert_eq!(subj, &subject_for(&fact.body, &fact.project));
+        // The fact id scoped by its subject: no other project's or kind's message shares it.
         assert_eq!(
             headers.get("Nats-Msg-Id").unwrap().as_str(),
-            expected.id.as_str()
+            stagehand_bus::msg_id_for(subj, expected.id.as_str())
         );
         assert_eq!(fact.causation_id.as_ref(), Some(&r.id));
         let tp = headers
