@@ -135,7 +135,7 @@ async def test_python_request_is_validated(ctx) -> None:
     assert fact["kind"] == "dataset.validated", f"expected dataset.validated, got {fact['kind']}: {fact['payload']}"
     assert fact["_subject"] == "stagehand.fact.dataset.validated.lab-py", fact["_subject"]
     assert fact["id"] == producer.fact_id(request["project"], request["id"], "validated"), "fact id follows the id rules"
-    assert fact["_msg_id"] == fact["id"], "Nats-Msg-Id is the fact id"
+    assert fact["_msg_id"] == producer.msg_id_for(fact["_subject"], fact["id"]), "Nats-Msg-Id is the fact id scoped by its subject"
     payload = fact["payload"]
     assert payload["version"] == expected_version, (payload["version"], expected_version)
     assert payload["request_id"] == request["id"]
