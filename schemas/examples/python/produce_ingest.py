@@ -420,6 +420,7 @@ async def publish(js, event: dict):
     try:
         last = await js.get_last_msg(ack.stream, subject, direct=True)
         if msgpack.unpackb(last.data, raw=False).get("id") == event["id"]:
+            ack.seq = last.seq  # where this request is stored
             return ack
     except Exception:  # noqa: BLE001 - unreadable is unproven
         pass
