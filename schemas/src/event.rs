@@ -27,7 +27,7 @@ pub const SCHEMA_VERSION: u32 = 2;
 /// One event: the envelope fields and a kind-tagged payload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {
-    /// Deterministic id; also the `Nats-Msg-Id` (see [`crate::id`]).
+    /// Deterministic id; scoped by the subject, also the `Nats-Msg-Id` (see [`crate::id`]).
     pub id: EventId,
     /// Version of the contract the producer wrote.
     pub schema: u32,

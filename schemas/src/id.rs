@@ -10,9 +10,11 @@
 //!    [`EventId::for_content`]`(["fact", project, cause, step])` (defined below). `step` names
 //!    what the service did (`"validated"`, `"rejected"`, `"replica:hot"`). A redelivered cause
 //!    therefore yields the very same fact ids, and JetStream's duplicate window (the
-//!    `Nats-Msg-Id` header is the event id) drops the copies. The project is part of it
-//!    because the duplicate window spans every project's subjects: two projects' requests
-//!    that happen to share an id must not have one's facts dropped as copies of the other's.
+//!    `Nats-Msg-Id` header is the event id scoped by its subject, `<subject>:<id>`) drops the
+//!    copies. The project is part of it so that two projects' requests that happen to share an
+//!    id cause facts of different ids. Ids follow from public names, so no id is secret: a
+//!    publisher proves a duplicate acknowledgement against what is stored (`schemas/README.md`,
+//!    *A duplicate is proven, not believed*).
 //!    (Schema-1 writers used [`EventId::derive`]`(cause, step)`; facts they recorded keep
 //!    those ids.)
 //! 3. A **dead letter**'s id is [`EventId::for_dead_letter`]: [`EventId::for_content`] over
@@ -30,7 +32,7 @@ use sha2::{Digest, Sha256};
 /// The longest id accepted.
 pub const MAX_ID_LEN: usize = 128;
 
-/// An event id. Also the `Nats-Msg-Id` of the message that carries the event.
+/// An event id. Scoped by its subject, also the `Nats-Msg-Id` of the message that carries it.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct EventId(String);

@@ -17,7 +17,11 @@ It follows the contract in schemas/ exactly, as any producer outside this reposi
 4. publishes one ``ingest.requested`` event (schema 2) to JetStream: a MessagePack map with
    field names, the envelope fields (id, schema, occurred_at, project, correlation_id,
    causation_id, kind, payload), on subject ``stagehand.req.ingest.requested.<project>``,
-   with the ``Nats-Msg-Id`` header set to the event id, and waits for the PubAck.
+   with the ``Nats-Msg-Id`` header set to ``<subject>:<event id>`` (the id scoped by the
+   subject, as the contract asks), and waits for the PubAck. A PubAck that says
+   ``duplicate`` is believed only when the last request on the project's subject is this one;
+   otherwise another message holds the id, and the request is published again under a
+   message id nobody can predict.
 
 The request id is derived from (project, dataset, version digest) as
 ``EventId::for_ingest`` does, so running the same upload twice is the same request and
@@ -45,6 +49,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -391,14 +396,36 @@ async def upload_manifest(js, project: str, manifest: Manifest) -> None:
         raise ProducerError(f"the object store recorded {info.digest} for manifest {manifest.digest}")
 
 
+def msg_id_for(subject: str, event_id: str) -> str:
+    """The Nats-Msg-Id of an event on a subject: the id scoped by the subject (schemas/README.md)."""
+    return f"{subject}:{event_id}"
+
+
 async def publish(js, event: dict):
-    """Publishes on the request subject with Nats-Msg-Id = event id; returns the PubAck."""
-    return await js.publish(
-        subject_for(event["project"]),
-        encode(event),
-        headers={"Nats-Msg-Id": event["id"]},
-        timeout=10,
-    )
+    """Publishes on the request subject under the scoped message id; returns the PubAck.
+
+    A duplicate PubAck names the stored message's sequence: it is this request only when the
+    last message on the project's request subject is at that sequence (or later, a copy stored
+    before) and carries this event id. Anything else is another message holding the id, so the
+    request is published again under an unpredictable message id: consumers handle each
+    (subject, id) once, so a second copy costs nothing, a lost request would."""
+    import msgpack
+
+    subject = subject_for(event["project"])
+    msg_id = msg_id_for(subject, event["id"])
+    data = encode(event)
+    ack = await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id}, timeout=10)
+    if not ack.duplicate:
+        return ack
+    try:
+        last = await js.get_last_msg(ack.stream, subject, direct=True)
+        if msgpack.unpackb(last.data, raw=False).get("id") == event["id"]:
+            ack.seq = last.seq  # where this request is stored
+            return ack
+    except Exception:  # noqa: BLE001 - unreadable is unproven
+        pass
+    fresh = f"{msg_id}.{uuid.uuid4().hex}"
+    return await js.publish(subject, data, headers={"Nats-Msg-Id": fresh}, timeout=10)
 
 
 async def produce(args) -> dict:

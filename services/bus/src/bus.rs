@@ -1,5 +1,5 @@
 //! The connection: connect with retries, provision streams and the claims bucket, publish
-//! events with their id as `Nats-Msg-Id` and the current trace context.
+//! events with their id, scoped by subject, as `Nats-Msg-Id` and the current trace context.
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -18,6 +18,7 @@ use tracing::{debug, error, info, warn};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials, without_credentials};
+use crate::dedup::scope_msg_id;
 use crate::error::{BoxError, BusError, BusErrorKind};
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
@@ -34,7 +35,9 @@ pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 pub struct PublishAck {
     pub stream: String,
     pub sequence: u64,
-    /// The id was already stored within the duplicate window; this copy was dropped.
+    /// The id was already stored within the duplicate window and the stored message is this
+    /// one (same subject, same event id); this copy was dropped. A message id found taken by
+    /// another message is published again under a fresh one, and that PubAck is returned.
     pub duplicate: bool,
 }
 
@@ -202,6 +205,8 @@ pub struct Bus {
     provision: bool,
     violations: Arc<Mutex<VecDeque<String>>>,
     servers: String,
+    /// Whether a duplicate's stored message may be read by its sequence (see `dedup`).
+    pub(crate) reads_by_sequence: bool,
 }
 
 impl std::fmt::Debug for Bus {
@@ -344,6 +349,7 @@ impl Bus {
             provision: cfg.provision,
             violations,
             servers: servers.clone(),
+            reads_by_sequence: true,
         })
     }
 
@@ -753,13 +759,17 @@ impl Bus {
         self.publish_prepared(subject, headers, payload).await
     }
 
-    /// Publishes already-encoded bytes with the given headers and waits for the PubAck.
+    /// Publishes already-encoded bytes with the given headers and waits for the PubAck. The
+    /// `Nats-Msg-Id` given is scoped by the subject, and a PubAck that says "duplicate" is
+    /// believed only once the stored message is proven to be this one (`dedup`).
     pub(crate) async fn publish_prepared(
         &self,
         subject: String,
-        headers: HeaderMap,
+        mut headers: HeaderMap,
         payload: Bytes,
     ) -> Result<PublishAck, BusError> {
+        scope_msg_id(&subject, &mut headers);
+        let (sent_headers, sent_payload) = (headers.clone(), payload.clone());
         let perr = |e: BoxError| {
             BusError::with_source(
                 BusErrorKind::Publish,
@@ -774,11 +784,13 @@ impl Bus {
             .map_err(|e| perr(e.into()))?
             .await
             .map_err(|e| perr(e.into()))?;
-        Ok(PublishAck {
+        let ack = PublishAck {
             stream: ack.stream,
             sequence: ack.sequence,
             duplicate: ack.duplicate,
-        })
+        };
+        self.unless_shadowed(subject, sent_headers, sent_payload, ack)
+            .await
     }
 }
 

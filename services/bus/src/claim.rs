@@ -5,7 +5,7 @@
 //! keep it from being redelivered elsewhere while the work runs. But two distinct messages can
 //! carry the same event (a producer retrying after the duplicate window, or publishing with
 //! another `Nats-Msg-Id`), and each instance has its own ledger. So before working (step 3 of
-//! the consume loop) a worker claims the key `<service>.<project>.<hex(event id)>` in the
+//! the consume loop) a worker claims the key `<service>.<project>.<kind>.<hex(event id)>` in the
 //! `stagehand_claims` bucket. Its value is a [`Record`]: a state and the history of failed
 //! attempts, so that every instance counts the same attempts toward giving up.
 //!
@@ -234,9 +234,14 @@ impl Claims {
     }
 
     /// Key of an event's claim. Hex keeps every id a valid key (ids may hold ':' and '..');
-    /// the project token is one already.
-    fn key(&self, project: &str, id: &EventId) -> String {
-        format!("{}.{project}.{}", self.service, hex::encode(id.as_str()))
+    /// the project token and the kind (`stage.requested`) are valid tokens already. The kind is
+    /// part of it so that an event of one kind never holds or finishes another kind's claim.
+    fn key(&self, project: &str, kind: &str, id: &EventId) -> String {
+        format!(
+            "{}.{project}.{kind}.{}",
+            self.service,
+            hex::encode(id.as_str())
+        )
     }
 
     fn registration_key(&self) -> String {
@@ -319,10 +324,11 @@ impl Claims {
     pub async fn claim(
         &self,
         project: &str,
+        kind: &str,
         id: &EventId,
         sequence: u64,
     ) -> Result<Claim, BusError> {
-        let key = self.key(project, id);
+        let key = self.key(project, kind, id);
         match self.store.create(&key, self.held(sequence, &[])?).await {
             Ok(revision) => {
                 return Ok(Claim::Owned(Lease {
@@ -583,10 +589,11 @@ impl Claims {
     pub async fn take_for_replay(
         &self,
         project: &str,
+        kind: &str,
         id: &EventId,
         sequence: u64,
     ) -> Result<Claim, BusError> {
-        let key = self.key(project, id);
+        let key = self.key(project, kind, id);
         let entry = self
             .store
             .entry(&key)
@@ -596,7 +603,7 @@ impl Claims {
             Some(e) if matches!(e.operation, kv::Operation::Put) => {
                 self.take(&key, e.revision, sequence, Vec::new()).await
             }
-            _ => self.claim(project, id, sequence).await,
+            _ => self.claim(project, kind, id, sequence).await,
         }
     }
 }

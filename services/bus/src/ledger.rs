@@ -2,7 +2,8 @@
 //!
 //! One redb file per service. For every event handled to the end it holds the outcome — the
 //! encoded facts, exact bytes, so that a replay republishes the very same events — keyed by
-//! [`EventKey`] (the event's project *and* id: two projects' events never share a record).
+//! [`EventKey`] (the event's project, kind *and* id: no event of another project or kind
+//! shares a record, so nothing one publisher sends can make another's event look finished).
 //! Dead letters are kept apart, keyed by the dead letter's own id, so that a replayed copy of a
 //! dead-lettered event is worked on again rather than answered with its old dead letter
 //! (step G of the consume loop). While an event is still being retried the ledger also holds the
@@ -53,6 +54,9 @@ const BY_TIME: TableDefinition<(u64, &str), ()> = TableDefinition::new("by_time_
 /// The ledger's identity, so that a reopen can tell its own file from a replaced one.
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const LEDGER_ID: &str = "ledger_id";
+/// Meta key: since when (µs since the epoch, big-endian) keys name the event's kind. A record
+/// under an earlier key answers only for messages stored before then ([`EventKey`]).
+const KINDS_SINCE: &str = "kinds_since";
 
 /// Schema-1 tables (keyed by bare event id), migrated into the scoped ones at open.
 const OUTCOMES_V1: TableDefinition<&str, &[u8]> = TableDefinition::new("outcomes");
@@ -153,24 +157,66 @@ fn is_io(e: &redb::Error) -> bool {
     )
 }
 
-/// Where the ledger keeps an event: `<project>/<event id>`. Project tokens are `[a-z0-9_-]`
-/// and ids `[A-Za-z0-9._:-]`, so no two (project, id) pairs share a key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EventKey(String);
+/// Where the ledger keeps an event: `<project>/<kind>/<event id>`. Project tokens are
+/// `[a-z0-9_-]`, kinds `[a-z.]` and ids `[A-Za-z0-9._:-]`, so no two (project, kind, id)
+/// triples share a key: an event of one kind (a training job's checkpoint commit) can never
+/// answer for another kind's with the same id (the validator's verdict of the same project).
+///
+/// Ledgers written before kinds were part of the key keyed an event `<project>/<event id>`.
+/// Such a record still answers for a message the stream stored before this ledger began
+/// scoping by kind (see [`Ledger::open`]), never for a later one: an event finished before the
+/// upgrade is not done twice, and nothing published after it can borrow an old record.
+#[derive(Debug, Clone)]
+pub struct EventKey {
+    key: String,
+    /// The key an earlier ledger used, and when the stream stored the message (µs since the
+    /// epoch, the server's clock).
+    earlier: Option<(String, u64)>,
+}
 
 impl EventKey {
-    pub fn new(project: &str, id: &EventId) -> Self {
-        Self(format!("{project}/{id}"))
+    pub fn new(project: &str, kind: &str, id: &EventId) -> Self {
+        Self {
+            key: format!("{project}/{kind}/{id}"),
+            earlier: None,
+        }
+    }
+
+    /// The key of `event` as delivered in a message the stream stored at `stored_at`.
+    pub(crate) fn of_message(event: &Event, stored_at: OffsetDateTime) -> Self {
+        Self {
+            earlier: Some((earlier_key(&event.project, &event.id), micros(stored_at))),
+            ..Self::new(&event.project, event.kind(), &event.id)
+        }
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.key
+    }
+}
+
+/// The key ledgers written before kind-scoped keys gave `project`'s event `id`.
+fn earlier_key(project: &str, id: &EventId) -> String {
+    format!("{project}/{id}")
+}
+
+impl PartialEq for EventKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+
+impl Eq for EventKey {}
+
+impl std::hash::Hash for EventKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key.hash(state);
     }
 }
 
 impl std::fmt::Display for EventKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.key)
     }
 }
 
@@ -261,6 +307,8 @@ struct Store {
     /// Set by a reader that met an I/O failure, so the writer reopens even without a write.
     reopen_wanted: AtomicBool,
     reopens: AtomicU64,
+    /// Since when keys name the kind ([`KINDS_SINCE`]); 0 for a ledger created with them.
+    kinds_since: u64,
 }
 
 /// A service's ledger (a redb file). Cheap to clone.
@@ -279,8 +327,10 @@ impl std::fmt::Debug for Ledger {
 
 impl Ledger {
     /// Opens the ledger at `path`, creating it (and its tables) if missing, and migrating a
-    /// schema-1 ledger (keyed by bare event ids) to project-scoped keys. The file is locked to
-    /// this process while open.
+    /// schema-1 ledger (keyed by bare event ids) to project-scoped keys. A ledger whose keys
+    /// do not name the kind yet notes when it began to ([`EventKey`]): its records stay where
+    /// they are, answer for messages stored before then, and age out with pruning. The file is
+    /// locked to this process while open.
     pub fn open(path: impl AsRef<Path>) -> Result<Ledger, LedgerError> {
         let path = path.as_ref().to_path_buf();
         let open_err =
@@ -291,7 +341,7 @@ impl Ledger {
             })?;
         }
         let db = Database::create(&path).map_err(|e| open_err("opening", e.into()))?;
-        let id = init(&db).map_err(|e| open_err("initialising", e))?;
+        let (id, kinds_since) = init(&db).map_err(|e| open_err("initialising", e))?;
         let migrated = migrate_v1(&db).map_err(|e| open_err("migrating schema-1 records", e))?;
         if migrated > 0 {
             info!(ledger = %path.display(), migrated, "ledger records moved to project-scoped keys");
@@ -304,6 +354,7 @@ impl Ledger {
                 failed: Mutex::new(None),
                 reopen_wanted: AtomicBool::new(false),
                 reopens: AtomicU64::new(0),
+                kinds_since,
             }),
         })
     }
@@ -362,9 +413,14 @@ impl Ledger {
         }
     }
 
-    /// The recorded outcome of `project`'s event `id`, if it finished.
-    pub fn outcome(&self, project: &str, id: &EventId) -> Result<Option<Outcome>, LedgerError> {
-        let key = EventKey::new(project, id);
+    /// The recorded outcome of `project`'s event `id` of `kind`, if it finished.
+    pub fn outcome(
+        &self,
+        project: &str,
+        kind: &str,
+        id: &EventId,
+    ) -> Result<Option<Outcome>, LedgerError> {
+        let key = EventKey::new(project, kind, id);
         self.decoded(OUTCOMES, key.as_str())
     }
 
@@ -408,10 +464,15 @@ impl Ledger {
         }))
     }
 
-    /// Failed attempts of `project`'s event `id` recorded so far (empty once it finished:
-    /// they move into the outcome or the dead letter).
-    pub fn attempts(&self, project: &str, id: &EventId) -> Result<Vec<Attempt>, LedgerError> {
-        self.attempts_of(&EventKey::new(project, id))
+    /// Failed attempts of `project`'s event `id` of `kind` recorded so far (empty once it
+    /// finished: they move into the outcome or the dead letter).
+    pub fn attempts(
+        &self,
+        project: &str,
+        kind: &str,
+        id: &EventId,
+    ) -> Result<Vec<Attempt>, LedgerError> {
+        self.attempts_of(&EventKey::new(project, kind, id))
     }
 
     pub(crate) fn attempts_of(&self, key: &EventKey) -> Result<Vec<Attempt>, LedgerError> {
@@ -457,9 +518,15 @@ impl Ledger {
         &self,
         key: &EventKey,
     ) -> Result<Option<RecordedBytes>, LedgerError> {
-        Ok(self
-            .stored(OUTCOMES, key.as_str())?
-            .map(RecordedBytes::from))
+        if let Some(stored) = self.stored(OUTCOMES, key.as_str())? {
+            return Ok(Some(RecordedBytes::from(stored)));
+        }
+        match &key.earlier {
+            Some((earlier, stored_at)) if *stored_at < self.store.kinds_since => {
+                Ok(self.stored(OUTCOMES, earlier)?.map(RecordedBytes::from))
+            }
+            _ => Ok(None),
+        }
     }
 
     pub(crate) fn recorded_dead_letter(
@@ -659,9 +726,12 @@ impl From<StoredOutcome> for RecordedBytes {
     }
 }
 
-/// Creates the tables of a fresh ledger and returns its id (writing one if missing).
-fn init(db: &Database) -> Result<Vec<u8>, redb::Error> {
+/// Creates the tables of a fresh ledger and returns its id (writing one if missing) and since
+/// when its keys name the kind (noting it now for a ledger of earlier keys, 0 for a new one).
+fn init(db: &Database) -> Result<(Vec<u8>, u64), redb::Error> {
     let txn = db.begin_write()?;
+    // A file without tables is a new ledger: none of its keys will be of the earlier form.
+    let fresh = txn.list_tables()?.next().is_none();
     let id = {
         txn.open_table(OUTCOMES)?;
         txn.open_table(DEAD_LETTERS)?;
@@ -678,8 +748,27 @@ fn init(db: &Database) -> Result<Vec<u8>, redb::Error> {
             }
         }
     };
+    let kinds_since = {
+        let mut meta = txn.open_table(META)?;
+        let noted = meta
+            .get(KINDS_SINCE)?
+            .and_then(|v| <[u8; 8]>::try_from(v.value()).ok())
+            .map(u64::from_be_bytes);
+        match noted {
+            Some(since) => since,
+            None => {
+                let since = if fresh {
+                    0
+                } else {
+                    micros(stagehand_schemas::now())
+                };
+                meta.insert(KINDS_SINCE, since.to_be_bytes().as_slice())?;
+                since
+            }
+        }
+    };
     txn.commit()?;
-    Ok(id)
+    Ok((id, kinds_since))
 }
 
 /// Moves schema-1 outcomes (keyed by bare event id) to project-scoped keys: the project comes
@@ -718,7 +807,9 @@ fn migrate_v1(db: &Database) -> Result<u64, redb::Error> {
             } else if let Some(first) = stored.facts.first().and_then(|b| wire::decode(b).ok())
                 && let Ok(id) = EventId::new(k.value())
             {
-                let key = EventKey::new(&first.project, &id);
+                // The kind of the event is not recorded: the key of the ledgers that followed,
+                // consulted for messages stored before kinds were part of keys.
+                let key = earlier_key(&first.project, &id);
                 outcomes.insert(key.as_str(), v.value())?;
                 by_time.insert((at, Tag::Outcome.tagged(key.as_str()).as_str()), ())?;
                 moved += 1;
@@ -1172,7 +1263,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.redb");
         let req = event("lab-a", "req-1");
-        let key = EventKey::new("lab-a", &req.id);
+        let key = EventKey::new("lab-a", req.kind(), &req.id);
         let fact = req.caused("done", req.body.clone());
         let other = req.caused("other", req.body.clone());
         {
@@ -1185,7 +1276,10 @@ mod tests {
                 permanent: false,
             };
             writer.record_attempt(&key, attempt.clone()).await.unwrap();
-            assert_eq!(ledger.attempts("lab-a", &req.id).unwrap(), vec![attempt]);
+            assert_eq!(
+                ledger.attempts("lab-a", req.kind(), &req.id).unwrap(),
+                vec![attempt]
+            );
             let bytes = wire::encode(&fact).unwrap();
             let recorded = writer
                 .record_outcome(&key, vec![bytes.clone()])
@@ -1202,12 +1296,25 @@ mod tests {
             thread.join().unwrap();
         }
         let ledger = Ledger::open(&path).unwrap();
-        let outcome = ledger.outcome("lab-a", &req.id).unwrap().unwrap();
+        let outcome = ledger
+            .outcome("lab-a", req.kind(), &req.id)
+            .unwrap()
+            .unwrap();
         assert_eq!(outcome.facts, vec![fact]);
         assert_eq!(outcome.attempts.len(), 1);
-        assert!(ledger.attempts("lab-a", &req.id).unwrap().is_empty());
+        assert!(
+            ledger
+                .attempts("lab-a", req.kind(), &req.id)
+                .unwrap()
+                .is_empty()
+        );
         // Scoped by project: the same id in another project has no outcome.
-        assert!(ledger.outcome("lab-b", &req.id).unwrap().is_none());
+        assert!(
+            ledger
+                .outcome("lab-b", req.kind(), &req.id)
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[tokio::test]
@@ -1219,7 +1326,11 @@ mod tests {
         for i in 0..500 {
             let w = writer.clone();
             tasks.spawn(async move {
-                let key = EventKey::new("p", &EventId::new(format!("e{i}")).unwrap());
+                let key = EventKey::new(
+                    "p",
+                    "stage.released",
+                    &EventId::new(format!("e{i}")).unwrap(),
+                );
                 w.record_outcome(&key, vec![]).await.unwrap()
             });
         }
@@ -1241,7 +1352,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ledger = Ledger::open(dir.path().join("l.redb")).unwrap();
         let (writer, thread) = writer(&ledger);
-        let key = |i: usize| EventKey::new("p", &EventId::new(format!("old-{i}")).unwrap());
+        let key = |i: usize| {
+            EventKey::new(
+                "p",
+                "stage.released",
+                &EventId::new(format!("old-{i}")).unwrap(),
+            )
+        };
         for i in 0..25 {
             writer.record_outcome(&key(i), vec![]).await.unwrap();
         }
@@ -1250,7 +1367,7 @@ mod tests {
             .record_dead_letter(&dl, None, b"x".to_vec(), None)
             .await
             .unwrap();
-        let stale = EventKey::new("p", &EventId::new("stale").unwrap());
+        let stale = EventKey::new("p", "stage.released", &EventId::new("stale").unwrap());
         let long_ago = stagehand_schemas::now() - time::Duration::days(40);
         let attempt = Attempt {
             delivery: 1,
@@ -1260,7 +1377,7 @@ mod tests {
         };
         writer.record_attempt(&stale, attempt).await.unwrap();
         let cutoff = stagehand_schemas::now() + time::Duration::milliseconds(1);
-        let live = EventKey::new("p", &EventId::new("live").unwrap());
+        let live = EventKey::new("p", "stage.released", &EventId::new("live").unwrap());
         // Recorded "after the cutoff": the injected clock says the cutoff is before it.
         std::thread::sleep(Duration::from_millis(2));
         writer.record_outcome(&live, vec![]).await.unwrap();
@@ -1272,14 +1389,14 @@ mod tests {
         assert_eq!(ledger.len().unwrap(), 1);
         assert!(
             ledger
-                .outcome("p", &EventId::new("live").unwrap())
+                .outcome("p", "stage.released", &EventId::new("live").unwrap())
                 .unwrap()
                 .is_some()
         );
         assert_eq!(ledger.dead_letter_count().unwrap(), 0);
         assert!(
             ledger
-                .attempts("p", &EventId::new("stale").unwrap())
+                .attempts("p", "stage.released", &EventId::new("stale").unwrap())
                 .unwrap()
                 .is_empty()
         );
@@ -1319,10 +1436,106 @@ mod tests {
             txn.commit().unwrap();
         }
         let ledger = Ledger::open(&path).unwrap();
+        // Under the project-scoped key of the ledgers that followed: it answers for a message
+        // stored before kinds were part of keys.
+        let before = EventKey::of_message(&req, stagehand_schemas::now() - Duration::from_secs(60));
         assert_eq!(
-            ledger.outcome("lab-a", &req.id).unwrap().unwrap().facts,
-            vec![fact]
+            ledger.recorded_bytes(&before).unwrap().unwrap().facts,
+            vec![wire::encode(&fact).unwrap()]
         );
         assert_eq!(ledger.len().unwrap(), 1);
+    }
+
+    /// Guards the kind in the key: an event of another kind with the same project and id (a
+    /// training job's checkpoint commit carrying the id of the project's next verdict) never
+    /// answers for this one; a record of a ledger written before kinds were part of keys answers
+    /// only for messages the stream stored before the upgrade, never for later ones.
+    #[test]
+    fn records_are_scoped_by_kind_and_earlier_records_answer_only_for_earlier_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v2.redb");
+        let req = event("lab-a", "req-1");
+        let fact = req.caused("done", req.body.clone());
+        let stored = StoredOutcome {
+            facts: vec![serde_bytes::ByteBuf::from(wire::encode(&fact).unwrap())],
+            dead_letter: None,
+            permanent_error: None,
+            attempts: vec![],
+            recorded_at: stagehand_schemas::now(),
+        };
+        let bytes = rmp_serde::to_vec_named(&stored).unwrap();
+        {
+            // A ledger of project-scoped keys without kinds, as written before.
+            let db = Database::create(&path).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                txn.open_table(OUTCOMES)
+                    .unwrap()
+                    .insert("lab-a/req-1", bytes.as_slice())
+                    .unwrap();
+                txn.open_table(META)
+                    .unwrap()
+                    .insert(LEDGER_ID, b"an earlier ledger".as_slice())
+                    .unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let ledger = Ledger::open(&path).unwrap();
+        let at = |secs: i64| stagehand_schemas::now() + time::Duration::seconds(secs);
+        assert!(
+            ledger
+                .recorded_bytes(&EventKey::of_message(&req, at(-60)))
+                .unwrap()
+                .is_some(),
+            "a message stored before the upgrade is not done twice"
+        );
+        assert!(
+            ledger
+                .recorded_bytes(&EventKey::of_message(&req, at(60)))
+                .unwrap()
+                .is_none(),
+            "a message stored after the upgrade cannot borrow an earlier record"
+        );
+        assert!(
+            ledger
+                .outcome("lab-a", req.kind(), &req.id)
+                .unwrap()
+                .is_none()
+        );
+        drop(ledger);
+
+        // Kinds: the same project and id recorded for one kind says nothing of another.
+        let (ledger, _dir) = {
+            let dir = tempfile::tempdir().unwrap();
+            (Ledger::open(dir.path().join("v3.redb")).unwrap(), dir)
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (writer, thread) = writer(&ledger);
+        let key = EventKey::of_message(&req, at(0));
+        rt.block_on(writer.record_outcome(&key, vec![wire::encode(&fact).unwrap()]))
+            .unwrap();
+        let mut other_kind = req.clone();
+        other_kind.body = Body::StageRequested(stagehand_schemas::StageRequested {
+            dataset: "d".into(),
+            version: "v".into(),
+            tier: "hot".into(),
+            job_id: "j".into(),
+            requested_by: "s".into(),
+            deadline: None,
+            node: None,
+            form: None,
+            hold_until: None,
+        });
+        assert!(ledger.recorded_bytes(&key).unwrap().is_some());
+        assert!(
+            ledger
+                .recorded_bytes(&EventKey::of_message(&other_kind, at(0)))
+                .unwrap()
+                .is_none()
+        );
+        drop(writer);
+        thread.join().unwrap();
     }
 }

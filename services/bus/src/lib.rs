@@ -58,6 +58,7 @@
 mod bus;
 mod claim;
 mod config;
+mod dedup;
 mod error;
 pub mod ledger;
 pub mod placement;
@@ -73,6 +74,7 @@ pub use config::{
     BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,
     split_servers,
 };
+pub use dedup::msg_id_for;
 pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
 pub use ledger::{EventKey, Ledger, LedgerError, LedgerErrorKind, Outcome};
 pub use worker::{

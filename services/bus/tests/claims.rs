@@ -163,7 +163,10 @@ async fn a_copy_of_an_event_in_flight_elsewhere_is_acked_as_redundant() {
 /// The one fact the ledger at `path` recorded for `request`.
 fn recorded_fact(path: &std::path::Path, request: &Event) -> Event {
     let ledger = Ledger::open(path).unwrap();
-    let outcome = ledger.outcome("lab-a", &request.id).unwrap().unwrap();
+    let outcome = ledger
+        .outcome("lab-a", request.kind(), &request.id)
+        .unwrap()
+        .unwrap();
     assert_eq!(outcome.facts.len(), 1);
     outcome.facts[0].clone()
 }
@@ -284,14 +287,18 @@ async fn a_lost_claim_cancels_the_handler_and_records_nothing() {
     })
     .await
     .unwrap();
-    // The claim key is `<service>.<project>.<hex(event id)>` (claim.rs).
+    // The claim key is `<service>.<project>.<kind>.<hex(event id)>` (claim.rs).
     let kv = env
         .bus
         .jetstream()
         .get_key_value(CLAIMS_BUCKET)
         .await
         .unwrap();
-    let key = format!("svc.lab-a.{}", hex_of(request.id.as_str()));
+    let key = format!(
+        "svc.lab-a.{}.{}",
+        request.kind(),
+        hex_of(request.id.as_str())
+    );
     kv.put(&key, Bytes::from_static(b"taken by an operator"))
         .await
         .unwrap();
@@ -308,8 +315,18 @@ async fn a_lost_claim_cancels_the_handler_and_records_nothing() {
     );
     assert_eq!(env.fact_count().await, 0);
     let ledger = Ledger::open(&cfg.ledger_path).unwrap();
-    assert!(ledger.outcome("lab-a", &request.id).unwrap().is_none());
-    assert!(ledger.attempts("lab-a", &request.id).unwrap().is_empty());
+    assert!(
+        ledger
+            .outcome("lab-a", request.kind(), &request.id)
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        ledger
+            .attempts("lab-a", request.kind(), &request.id)
+            .unwrap()
+            .is_empty()
+    );
 }
 
 fn hex_of(s: &str) -> String {

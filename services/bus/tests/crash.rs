@@ -92,7 +92,10 @@ async fn run_crash_case(flag: &str, signal: &str) {
         let ledger = Ledger::open(env.ledger("testworker")).unwrap();
         let id = stagehand_schemas::EventId::new(victim.clone()).unwrap();
         assert!(
-            ledger.outcome("lab-a", &id).unwrap().is_some(),
+            ledger
+                .outcome("lab-a", "stage.requested", &id)
+                .unwrap()
+                .is_some(),
             "recorded before the kill"
         );
     }
@@ -127,7 +130,7 @@ async fn run_crash_case(flag: &str, signal: &str) {
     let ledger = Ledger::open(env.ledger("testworker")).unwrap();
     assert_eq!(ledger.len().unwrap(), 3);
     for r in &requests {
-        let outcome = ledger.outcome("lab-a", &r.id).unwrap().unwrap();
+        let outcome = ledger.outcome("lab-a", r.kind(), &r.id).unwrap().unwrap();
         let published = facts
             .iter()
             .find(|(_, _, f)| f.causation_id.as_ref() == Some(&r.id))
@@ -204,7 +207,7 @@ async fn two_processes_racing_on_one_event_publish_exactly_one_verdict() {
     for ledger in ["a", "b"] {
         let recorded = Ledger::open(env.ledger(ledger))
             .unwrap()
-            .outcome("lab-a", &request.id)
+            .outcome("lab-a", request.kind(), &request.id)
             .unwrap()
             .expect("both ledgers hold the outcome");
         assert_eq!(

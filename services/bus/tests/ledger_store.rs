@@ -99,7 +99,7 @@ async fn a_full_disk_then_space_again_loses_no_event_and_does_none_twice() {
             .filter(|(_, _, f)| f.causation_id.as_ref() == Some(&r.id))
             .collect();
         assert_eq!(published.len(), 1, "one fact for {}", r.id);
-        let recorded = ledger.outcome("lab-a", &r.id).unwrap().unwrap();
+        let recorded = ledger.outcome("lab-a", r.kind(), &r.id).unwrap().unwrap();
         assert_eq!(recorded.facts, vec![published[0].2.clone()]);
     }
 }

@@ -141,7 +141,10 @@ async fn an_event_reusing_another_projects_id_is_worked_on_as_its_own() {
     assert_eq!(projects, ["lab-a", "lab-b"]);
     let ledger = Ledger::open(&cfg.ledger_path).unwrap();
     for project in ["lab-a", "lab-b"] {
-        let outcome = ledger.outcome(project, &original.id).unwrap().unwrap();
+        let outcome = ledger
+            .outcome(project, original.kind(), &original.id)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             outcome.facts[0].project, project,
             "each project's own record"

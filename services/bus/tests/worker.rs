@@ -73,9 +73,10 @@ async fn each_request_yields_its_facts_with_trace_context_and_a_ledger_outcome()
             .find(|(_, _, f)| f.id == expected.id)
             .expect("fact published");
         assert_eq!(subj, &subject_for(&fact.body, &fact.project));
+        // The fact id scoped by its subject: no other project's or kind's message shares it.
         assert_eq!(
             headers.get("Nats-Msg-Id").unwrap().as_str(),
-            expected.id.as_str()
+            stagehand_bus::msg_id_for(subj, expected.id.as_str())
         );
         assert_eq!(fact.causation_id.as_ref(), Some(&r.id));
         let tp = headers
@@ -87,7 +88,7 @@ async fn each_request_yields_its_facts_with_trace_context_and_a_ledger_outcome()
     let ledger = Ledger::open(env.ledger("svc")).unwrap();
     for r in &requests {
         let outcome = ledger
-            .outcome("lab-a", &r.id)
+            .outcome("lab-a", r.kind(), &r.id)
             .unwrap()
             .expect("outcome recorded");
         assert_eq!(outcome.facts.len(), 1);
@@ -240,7 +241,7 @@ async fn a_retryable_failure_is_retried_after_its_delay_then_succeeds() {
     assert_eq!(env.dead_letter_count().await, 0);
     let outcome = Ledger::open(env.ledger("svc"))
         .unwrap()
-        .outcome("lab-a", &request.id)
+        .outcome("lab-a", request.kind(), &request.id)
         .unwrap()
         .unwrap();
     assert_eq!(outcome.facts, vec![env.facts().await[0].2.clone()]);
@@ -296,7 +297,12 @@ async fn a_permanent_failure_is_dead_lettered_at_once() {
     let recorded = ledger.dead_letter(&dl.id).unwrap().unwrap();
     assert!(recorded.permanent_error.unwrap().contains("nowhere"));
     assert_eq!(recorded.dead_letter.unwrap().id, dl.id);
-    assert!(ledger.outcome("lab-a", &request.id).unwrap().is_none());
+    assert!(
+        ledger
+            .outcome("lab-a", request.kind(), &request.id)
+            .unwrap()
+            .is_none()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -411,7 +417,12 @@ async fn shutdown_during_work_loses_nothing_and_records_nothing_twice() {
     assert_eq!(ledger.len().unwrap(), 10);
     for r in &requests {
         assert_eq!(
-            ledger.outcome("lab-a", &r.id).unwrap().unwrap().facts.len(),
+            ledger
+                .outcome("lab-a", r.kind(), &r.id)
+                .unwrap()
+                .unwrap()
+                .facts
+                .len(),
             1
         );
     }
@@ -780,7 +791,10 @@ async fn a_replayed_dead_letter_is_worked_on_again() {
     assert_eq!((stats.dead_lettered, stats.handled), (1, 1), "{stats:?}");
     let ledger = Ledger::open(&cfg.ledger_path).unwrap();
     assert!(ledger.dead_letter(&dl.id).unwrap().is_some());
-    let outcome = ledger.outcome("lab-a", &request.id).unwrap().unwrap();
+    let outcome = ledger
+        .outcome("lab-a", request.kind(), &request.id)
+        .unwrap()
+        .unwrap();
     assert_eq!(outcome.facts.len(), 1);
     assert_eq!(outcome.facts[0].id, ready_fact(&request).id);
 }
@@ -805,7 +819,7 @@ async fn a_replay_is_not_answered_by_an_old_runtimes_done_marker() {
         .map(|b| format!("{b:02x}"))
         .collect();
     kv.put(
-        format!("svc.lab-a.{hex}"),
+        format!("svc.lab-a.{}.{hex}", request.kind()),
         bytes::Bytes::from_static(b"done"),
     )
     .await

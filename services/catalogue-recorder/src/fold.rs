@@ -157,9 +157,11 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
     })
 }
 
-/// Applies one event. Returns whether it changed anything (false for an event applied before).
+/// Applies one event. Returns whether it changed anything (false for an event applied before:
+/// one of the same project, kind and id).
 pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
-    if txn.open_table(APPLIED)?.get(event.id.as_str())?.is_some() {
+    let scope = (event.project.as_str(), event.kind(), event.id.as_str());
+    if txn.open_table(APPLIED)?.get(scope)?.is_some() {
         return Ok(false);
     }
     let stamp = Stamp {
@@ -189,7 +191,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         // are marked applied too, so that a replay skips them the same way.
         _ => {}
     }
-    txn.open_table(APPLIED)?.insert(event.id.as_str(), ())?;
+    txn.open_table(APPLIED)?.insert(scope, ())?;
     Ok(true)
 }
 

@@ -38,9 +38,11 @@ mod store;
 pub use chunk::{CHUNK_BYTES, CHUNK_ENTRIES};
 pub use error::{RecorderError, StoreError};
 pub use files::FileLists;
-pub use query::{answer, encode_answer, serve as serve_queries};
+pub use query::{Replies, answer, encode_answer, serve as serve_queries};
 pub use replay::{MAX_REPLAY_BATCH_BYTES, Replayed, replay};
-pub use service::{Config, RecorderConfig, RecorderStats, SERVICE, config, run, serve};
+pub use service::{
+    Config, DEFAULT_INBOX_PREFIXES, RecorderConfig, RecorderStats, SERVICE, config, run, serve,
+};
 pub use store::{Dump, FoldItem, Folded, MAX_BATCH, MAX_RECORD_BYTES, Store, Writer, WriterThread};
 #[cfg(test)]
 mod testing;

@@ -6,8 +6,15 @@
 //! JSON it becomes), so no answer exceeds [`MAX_ANSWER_BYTES`] whatever the catalogue holds.
 //! A page of a version's files costs one range lookup and the decoding of the chunks it
 //! touches, so it is as fast on a version of 14 million files as on one of ten.
+//!
+//! An answer goes only to an inbox: a reply subject that begins with one of the configured
+//! inbox prefixes ([`Replies`]). A query's reply subject is the asker's to choose, so anything
+//! else — a KV key (`$KV.stagehand_promoter.quota.hot`), a facts subject, an inbox of a user
+//! the recorder does not answer — is refused without publishing a byte, logged and counted
+//! (`stagehand_queries_refused_total`): the recorder's user would otherwise write there.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
 use redb::{ReadTransaction, ReadableTableMetadata};
@@ -1161,10 +1168,70 @@ pub fn encode_answer(answer: &Answer) -> Vec<u8> {
     .unwrap_or_default()
 }
 
-/// Serves queries until `shutdown` is cancelled.
+/// Where answers may go: reply subjects beginning with one of these inbox prefixes, and how
+/// many queries asked for another.
+#[derive(Debug, Clone)]
+pub struct Replies {
+    /// Each ends with `.`, so `_INBOX_scheduler.` admits no `_INBOX_schedulerX.…`.
+    prefixes: Vec<String>,
+    refused: Arc<AtomicU64>,
+}
+
+/// The longest reply subject shown in a log line: the asker chooses it.
+const SHOWN_REPLY_CHARS: usize = 160;
+
+impl Replies {
+    /// Answers to inboxes of `prefixes` (each with or without its trailing `.`).
+    pub fn new<S: AsRef<str>>(prefixes: impl IntoIterator<Item = S>) -> Self {
+        let mut prefixes: Vec<String> = prefixes
+            .into_iter()
+            .map(|p| format!("{}.", p.as_ref().trim_end_matches('.')))
+            .collect();
+        prefixes.sort();
+        prefixes.dedup();
+        Self {
+            prefixes,
+            refused: Arc::default(),
+        }
+    }
+
+    /// Whether an answer may be published on `reply`: an inbox of a configured prefix (one more
+    /// token at least) and a plain subject, no wildcard, no blank.
+    pub fn admits(&self, reply: &str) -> bool {
+        let plain = !reply
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '*' | '>'));
+        plain
+            && !reply.contains("..")
+            && !reply.ends_with('.')
+            && self
+                .prefixes
+                .iter()
+                .any(|p| reply.len() > p.len() && reply.starts_with(p.as_str()))
+    }
+
+    /// Queries refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    fn refuse(&self, reply: &str) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(
+            stagehand_telemetry::names::QUERIES_REFUSED_TOTAL,
+            stagehand_telemetry::names::label::SERVICE => crate::SERVICE
+        )
+        .increment(1);
+        let shown: String = reply.chars().take(SHOWN_REPLY_CHARS).collect();
+        tracing::warn!(reply = %shown, "a catalogue query asked for its answer on a subject that is no inbox the recorder answers: refused, nothing published");
+    }
+}
+
+/// Serves queries until `shutdown` is cancelled, answering only where `replies` admits.
 pub async fn serve(
     client: async_nats::Client,
     store: Arc<Store>,
+    replies: Replies,
     shutdown: CancellationToken,
 ) -> Result<(), RecorderError> {
     let mut subscription = client
@@ -1184,6 +1251,10 @@ pub async fn serve(
         let Some(reply) = message.reply.clone() else {
             continue;
         };
+        if !replies.admits(reply.as_str()) {
+            replies.refuse(reply.as_str());
+            continue;
+        }
         let Ok(slot) = slots.clone().acquire_owned().await else {
             break;
         };
@@ -1218,6 +1289,35 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use stagehand_manifest::Manifest;
+
+    /// Guards the reply rule: only inboxes of the configured prefixes, never a KV key, a
+    /// facts subject, a prefix's look-alike or a wildcard.
+    #[test]
+    fn answers_go_only_to_inboxes_of_the_configured_prefixes() {
+        let replies = super::Replies::new(["_INBOX", "_INBOX_scheduler.", "_INBOX_operator"]);
+        for ok in [
+            "_INBOX.abc.1",
+            "_INBOX_scheduler.Xy7.2",
+            "_INBOX_operator.q",
+        ] {
+            assert!(replies.admits(ok), "{ok}");
+        }
+        for refused in [
+            "$KV.stagehand_promoter.quota.hot",
+            "stagehand.fact.dataset.validated.labb",
+            "_INBOX_promoter.abc",
+            "_INBOX_schedulerX.abc",
+            "_INBOX_scheduler.",
+            "_INBOX_scheduler",
+            "_INBOX.>",
+            "_INBOX.*.x",
+            "_INBOX.a b",
+            "_INBOX..x",
+            "",
+        ] {
+            assert!(!replies.admits(refused), "{refused:?}");
+        }
+    }
     use stagehand_schemas::{FileRef, sha256_hex};
 
     use super::*;

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{RecorderError, StoreError};
 use crate::files::FileLists;
 use crate::live::{LiveFold, Mirror, follow_progress, mirror_all};
-use crate::query::serve as serve_queries;
+use crate::query::{Replies, serve as serve_queries};
 use crate::replay::replay;
 use crate::store::{Store, Writer};
 
@@ -51,7 +51,24 @@ pub struct RecorderConfig {
         with = "stagehand_bus::duration_str"
     )]
     pub manifest_timeout: std::time::Duration,
+    /// Inbox prefixes whose inboxes catalogue queries are answered on, besides
+    /// [`DEFAULT_INBOX_PREFIXES`]: those of clients that set their own (`bus.inbox_prefix`, a
+    /// creds or NKey user). A query with any other reply subject is refused and counted.
+    #[serde(default)]
+    pub inbox_prefixes: Vec<String>,
 }
+
+/// The inbox prefixes queries are answered on as shipped: the unauthenticated default
+/// (`_INBOX`, a one-machine stack) and `_INBOX_<user>` of each shipped user that queries the
+/// catalogue (`deploy/nats/accounts.conf` grants the recorder's user exactly these).
+pub const DEFAULT_INBOX_PREFIXES: &[&str] = &[
+    "_INBOX",
+    "_INBOX_scheduler",
+    "_INBOX_promoter",
+    "_INBOX_demoter",
+    "_INBOX_backup-copier",
+    "_INBOX_operator",
+];
 
 /// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`RecorderConfig`] as
 /// `[service]`.
@@ -87,7 +104,18 @@ impl RecorderConfig {
             dead_letters: true,
             manifest_spool: None,
             manifest_timeout: default_manifest_timeout(),
+            inbox_prefixes: Vec::new(),
         }
+    }
+
+    /// Where answers to queries may go: the shipped inbox prefixes and the configured ones.
+    pub fn replies(&self) -> Replies {
+        Replies::new(
+            DEFAULT_INBOX_PREFIXES
+                .iter()
+                .copied()
+                .chain(self.inbox_prefixes.iter().map(String::as_str)),
+        )
     }
 
     /// The file lists reader this configuration asks for.
@@ -123,6 +151,24 @@ impl ServiceSettings for RecorderConfig {
                 ),
             ));
         }
+        for prefix in &self.inbox_prefixes {
+            let body = prefix.trim_end_matches('.');
+            let plain = !body.is_empty()
+                && !body.split('.').any(str::is_empty)
+                && !body
+                    .chars()
+                    .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '*' | '>'));
+            if !plain || body.starts_with('$') || body.starts_with("stagehand.") {
+                return Err(InvalidKey::new(
+                    "inbox_prefixes",
+                    format!(
+                        "{prefix:?} is no inbox prefix: it must be a plain subject prefix \
+                         (no wildcard, blank or empty token), and neither a `$` API subject \
+                         nor a `stagehand.` one"
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -148,6 +194,8 @@ pub struct RecorderStats {
     pub dead_letters: WorkerStats,
     /// Stage requests and releases (from the requests stream).
     pub stage_requests: WorkerStats,
+    /// Catalogue queries refused because their reply subject was no inbox it answers.
+    pub queries_refused: u64,
 }
 
 /// Rebuilds `store` from the facts, dead-letter and (stage) request streams if it is not
@@ -187,6 +235,35 @@ pub(crate) async fn rebuild_if_needed(
     Ok(Some((facts.events, dead.events)))
 }
 
+/// For a store just upgraded from layout 4, notes each stream's last sequence before anything
+/// is folded: layout 4's applied events (by bare id) answer for messages up to it only.
+async fn note_upgrade_through(bus: &Bus, store: &Arc<Store>) -> Result<(), RecorderError> {
+    let s = store.clone();
+    if !tokio::task::spawn_blocking(move || s.upgrade_pending()).await?? {
+        return Ok(());
+    }
+    let mut through = Vec::new();
+    for stream in [FACTS.name, DEAD_LETTERS.name, REQUESTS.name] {
+        let mut handle = bus
+            .jetstream()
+            .get_stream(stream)
+            .await
+            .map_err(|e| RecorderError::nats("reading a stream's last sequence", e))?;
+        let info = handle
+            .info()
+            .await
+            .map_err(|e| RecorderError::nats("reading a stream's last sequence", e))?;
+        through.push((stream, info.state.last_sequence));
+    }
+    tracing::info!(
+        ?through,
+        "upgraded catalogue: earlier applied events answer for messages up to these sequences"
+    );
+    let s = store.clone();
+    tokio::task::spawn_blocking(move || s.note_upgrade_through(&through)).await??;
+    Ok(())
+}
+
 /// Runs a recorder through the service runner (connect, provision, serve, drain) until
 /// `shutdown` is cancelled.
 pub async fn run(
@@ -213,6 +290,7 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     let config = ctx.settings.clone();
     let path = config.store_path.clone();
     let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(path)).await??);
+    note_upgrade_through(&ctx.bus, &store).await?;
     let mirror = Mirror::open(&ctx.bus).await?;
     let files = config.file_lists(&ctx.bus, &store);
     let rebuilt = rebuild_if_needed(&ctx.bus, &store, &files, &mirror).await?;
@@ -259,9 +337,15 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     let facts_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
     let dlq_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
     let stages_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
+    let replies = config.replies();
     tasks.spawn(
         "queries",
-        serve_queries(ctx.bus.client().clone(), store.clone(), token.clone()),
+        serve_queries(
+            ctx.bus.client().clone(),
+            store.clone(),
+            replies.clone(),
+            token.clone(),
+        ),
     );
     tasks.spawn(
         "progress",
@@ -324,6 +408,7 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
         facts,
         dead_letters,
         stage_requests,
+        queries_refused: replies.refused(),
     })
 }
 

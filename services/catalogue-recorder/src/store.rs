@@ -18,9 +18,10 @@
 //! | `rejections` | (project, dataset, request id) | [`stagehand_catalogue::RejectionRecord`], one per request |
 //! | `dead_letters` | service | [`stagehand_catalogue::DeadLetterRecord`] |
 //! | `checkpoints` | (project, run, step) | [`stagehand_catalogue::CheckpointRecord`] |
-//! | `problems` | event id | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
-//! | `applied` | event id | — (facts folded) |
-//! | `meta` | name | layout version, rebuild completion |
+//! | `problems` | `<project>/<kind>/<event id>` | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
+//! | `applied_scoped` | (project, kind, event id) | — (events folded) |
+//! | `applied` | event id | — (events folded by layout 4, kept by an upgraded store: see below) |
+//! | `meta` | name | layout version, rebuild completion, the upgrade's stream sequences |
 //!
 //! File lists are keyed by digest alone: a version is content-addressed, so two datasets (or
 //! projects) holding the same bytes share one list, and only a `versions` record of the asking
@@ -28,9 +29,19 @@
 //! because redb's `Value::from_bytes` cannot fail and a damaged value must become an error, not
 //! a panic; no record may exceed [`MAX_RECORD_BYTES`], so every answer stays bounded.
 //!
+//! "Already applied" is scoped by project and kind as well as id, like every other
+//! deduplication: a fact whose id equals another project's (or another kind's) future fact id
+//! is applied under its own scope and cannot make the catalogue skip that fact.
+//!
 //! A store is *complete* once a replay of the facts stream into it finished; a store that is
 //! missing, of another layout, or left incomplete by a crash during its rebuild is rebuilt on
-//! start. Metadata folds go through one [`Writer`] thread that folds every event waiting in its
+//! start — except a store of layout 4, which is upgraded in place, since a rebuild would lose
+//! what the streams no longer hold (stage requests older than the requests stream keeps, dead
+//! letters counted before their stream aged them out). Layout 4 kept applied events by bare
+//! id, which cannot be scoped after the fact; its table stays, read-only, and answers only for
+//! messages stored before the upgrade ([`Store::note_upgrade_through`]: each stream's last
+//! sequence when the upgraded store first started), so that nothing is folded twice and
+//! nothing published after the upgrade can borrow an old entry. Metadata folds go through one [`Writer`] thread that folds every event waiting in its
 //! queue in one transaction and one commit. File lists are written beside it
 //! ([`Store::put_file_list`]) in transactions of bounded size without an fsync of their own:
 //! the next durable commit (the fold of the fact that needs the list) makes them durable, and a
@@ -87,19 +98,27 @@ pub(crate) const DEAD_LETTERS: TableDefinition<S, Bytes> = TableDefinition::new(
 pub(crate) const CHECKPOINTS: TableDefinition<(S, S, u64), Bytes> =
     TableDefinition::new("checkpoints");
 pub(crate) const PROBLEMS: TableDefinition<S, Bytes> = TableDefinition::new("problems");
-pub(crate) const APPLIED: TableDefinition<S, ()> = TableDefinition::new("applied");
+pub(crate) const APPLIED: TableDefinition<(S, S, S), ()> = TableDefinition::new("applied_scoped");
+/// Layout 4's applied events, by bare id: kept by an upgraded store (see the module docs).
+pub(crate) const APPLIED_BY_ID: TableDefinition<S, ()> = TableDefinition::new("applied");
 const META: TableDefinition<S, u64> = TableDefinition::new("meta");
 
 /// Meta key: the facts stream sequence through which a rebuild replayed; present once complete.
 const COMPLETE: &str = "complete_through";
 /// Meta key: the layout the tables follow.
 const LAYOUT: &str = "layout";
+/// Meta key: set (1) by the upgrade from layout 4, whose applied events by bare id are kept.
+const UPGRADED_FROM_4: &str = "upgraded_from_4";
+/// Meta key prefix: `<prefix><stream>` is the stream's last sequence when an upgraded store first
+/// started; layout 4's applied events answer for messages up to it only.
+const UPGRADE_THROUGH: &str = "upgrade_through.";
 /// This layout: typed tables, file lists in chunks, replicas per (tier, node), each committed
-/// checkpoint also a version of its run's dataset. A store of another layout is emptied and
+/// checkpoint also a version of its run's dataset, applied events and problems scoped by project
+/// and kind. A store of layout 4 is upgraded in place; one of another layout is emptied and
 /// rebuilt from the streams: the one-table layout of key prefixes was 1; 2 kept one replica per
 /// tier and checkpoints in their own table only; 3 had either replicas per node or checkpoint
-/// versions, not both.
-const LAYOUT_VERSION: u64 = 4;
+/// versions, not both; 4 kept applied events and problems by bare event id.
+const LAYOUT_VERSION: u64 = 5;
 
 /// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;
@@ -212,7 +231,10 @@ impl Store {
             Ok(meta) => meta.get(LAYOUT)?.map(|v| v.value()),
             Err(e) => return Err(e.into()),
         };
-        if layout != Some(LAYOUT_VERSION) {
+        if layout == Some(4) {
+            upgrade_from_4(&txn)?;
+            tracing::info!(store = %path.display(), "catalogue store upgraded in place from layout 4: applied events and problems scoped by project and kind");
+        } else if layout != Some(LAYOUT_VERSION) {
             let old: Vec<_> = txn.list_tables()?.collect();
             // A new file holds only the `meta` table just opened.
             if layout.is_some() || old.len() > 1 {
@@ -249,6 +271,38 @@ impl Store {
     /// A write transaction beside the writer's (live-only state).
     pub(crate) fn writer_txn(&self) -> Result<WriteTransaction, StoreError> {
         Ok(self.db.begin_write()?)
+    }
+
+    /// Whether this store was upgraded from layout 4 and has not yet noted the streams' last
+    /// sequences ([`Store::note_upgrade_through`]): the service does so before it folds.
+    pub fn upgrade_pending(&self) -> Result<bool, StoreError> {
+        let txn = self.db.begin_read()?;
+        let meta = txn.open_table(META)?;
+        if meta.get(UPGRADED_FROM_4)?.is_none() {
+            return Ok(false);
+        }
+        Ok(meta
+            .range(UPGRADE_THROUGH..)?
+            .next()
+            .transpose()?
+            .is_none_or(|(k, _)| !k.value().starts_with(UPGRADE_THROUGH)))
+    }
+
+    /// Notes, for a store upgraded from layout 4, each stream's last sequence now: layout 4's
+    /// applied events answer for messages up to it only. Noted once; later calls change nothing.
+    pub fn note_upgrade_through(&self, streams: &[(&str, u64)]) -> Result<(), StoreError> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut meta = txn.open_table(META)?;
+            for (stream, last) in streams {
+                let key = format!("{UPGRADE_THROUGH}{stream}");
+                if meta.get(key.as_str())?.is_none() {
+                    meta.insert(key.as_str(), *last)?;
+                }
+            }
+        }
+        txn.commit()?;
+        Ok(())
     }
 
     /// Whether a rebuild completed into this store.
@@ -359,9 +413,13 @@ impl Store {
                     record_problem(&txn, problem)?;
                     continue;
                 }
+                if already_applied(&txn, &item.event, item.sequence)? {
+                    continue;
+                }
                 match fold::apply(&txn, &item.event) {
                     Ok(true) => {
-                        txn.open_table(PROBLEMS)?.remove(item.event.id.as_str())?;
+                        txn.open_table(PROBLEMS)?
+                            .remove(problem_key(&item.event).as_str())?;
                     }
                     Ok(false) => {}
                     Err(e) => match e.problem_code() {
@@ -437,8 +495,88 @@ impl Store {
 
 fn record_problem(txn: &WriteTransaction, problem: &FoldProblem) -> Result<(), StoreError> {
     let value = encode(problem, || format!("problem {}", problem.event_id))?;
+    let key = scoped_key(&problem.project, &problem.kind, problem.event_id.as_str());
     txn.open_table(PROBLEMS)?
-        .insert(problem.event_id.as_str(), value.as_slice())?;
+        .insert(key.as_str(), value.as_slice())?;
+    Ok(())
+}
+
+/// `<project>/<kind>/<id>`: project tokens, kinds and ids hold no `/`, so no two events of
+/// different scope share it.
+fn scoped_key(project: &str, kind: &str, id: &str) -> String {
+    format!("{project}/{kind}/{id}")
+}
+
+/// The key of `event`'s row in `problems`.
+fn problem_key(event: &Event) -> String {
+    scoped_key(&event.project, event.kind(), event.id.as_str())
+}
+
+/// The stream an event travels on, by the class of its subject.
+fn stream_of(event: &Event) -> &'static str {
+    use stagehand_schemas::subject::{DEAD_LETTERS as DLQ, FACTS, REQUESTS};
+    let subject = stagehand_schemas::subject::subject_for(&event.body, &event.project);
+    if subject.starts_with("stagehand.req.") {
+        REQUESTS.name
+    } else if subject.starts_with("stagehand.dlq.") {
+        DLQ.name
+    } else {
+        FACTS.name
+    }
+}
+
+/// Whether `event` (at `sequence` of its stream, when known) was folded before: under its own
+/// scope, or — in a store upgraded from layout 4, for a message stored before the upgrade —
+/// by its bare id in layout 4's table.
+pub(crate) fn already_applied(
+    txn: &WriteTransaction,
+    event: &Event,
+    sequence: Option<u64>,
+) -> Result<bool, StoreError> {
+    let scope = (event.project.as_str(), event.kind(), event.id.as_str());
+    if txn.open_table(APPLIED)?.get(scope)?.is_some() {
+        return Ok(true);
+    }
+    let meta = txn.open_table(META)?;
+    if meta.get(UPGRADED_FROM_4)?.is_none() {
+        return Ok(false);
+    }
+    // Until the service noted the streams' sequences, every message counts as an earlier one.
+    let through = meta
+        .get(format!("{UPGRADE_THROUGH}{}", stream_of(event)).as_str())?
+        .map(|v| v.value());
+    let earlier = match (through, sequence) {
+        (Some(through), Some(sequence)) => sequence <= through,
+        _ => true,
+    };
+    if !earlier {
+        return Ok(false);
+    }
+    Ok(txn
+        .open_table(APPLIED_BY_ID)?
+        .get(event.id.as_str())?
+        .is_some())
+}
+
+/// The upgrade from layout 4 within `txn`: problems move to scoped keys (their records name
+/// project and kind), the applied events by bare id stay where they are for messages stored
+/// before the upgrade, and every other table is kept as it is.
+fn upgrade_from_4(txn: &WriteTransaction) -> Result<(), StoreError> {
+    let mut problems = txn.open_table(PROBLEMS)?;
+    let old: Vec<(String, Vec<u8>)> = problems
+        .iter()?
+        .map(|row| row.map(|(k, v)| (k.value().to_owned(), v.value().to_vec())))
+        .collect::<Result<_, _>>()?;
+    for (key, value) in old {
+        let problem: FoldProblem = decode(&value, || format!("problem {key}"))?;
+        problems.remove(key.as_str())?;
+        let scoped = scoped_key(&problem.project, &problem.kind, problem.event_id.as_str());
+        problems.insert(scoped.as_str(), value.as_slice())?;
+    }
+    drop(problems);
+    let mut meta = txn.open_table(META)?;
+    meta.insert(UPGRADED_FROM_4, 1)?;
+    meta.insert(LAYOUT, LAYOUT_VERSION)?;
     Ok(())
 }
 
@@ -560,5 +698,139 @@ fn clone_store_error(e: &StoreError) -> StoreError {
             bytes: *bytes,
             max: *max,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use stagehand_schemas::subject::{DEAD_LETTERS as DLQ, FACTS, REQUESTS};
+    use stagehand_schemas::{Body, Event};
+
+    use super::*;
+    use crate::testing::*;
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name)
+    }
+
+    /// The rows of every table but the applied events, as `table\trow` lines.
+    fn catalogue_rows(dump: &Dump) -> Vec<String> {
+        dump.tables
+            .iter()
+            .filter(|(table, _)| table != "applied")
+            .flat_map(|(table, rows)| rows.iter().map(move |r| format!("{table}\t{r}")))
+            .collect()
+    }
+
+    fn items(events: &[Event], sequence: u64) -> Vec<FoldItem> {
+        events
+            .iter()
+            .map(|e| FoldItem {
+                event: e.clone(),
+                sequence: Some(sequence),
+                problem: None,
+            })
+            .collect()
+    }
+
+    /// A store written by layout 4 (applied events by bare id; `tests/fixtures/layout4.redb`,
+    /// made by that layout's code with its dump beside it) is upgraded in place: every record
+    /// of its catalogue is still there, the facts it folded are not folded again when they
+    /// come back (a dead letter is not counted twice), and an event of another scope that
+    /// borrows one of their ids after the upgrade is folded.
+    #[test]
+    fn a_layout_4_store_is_upgraded_in_place_with_its_catalogue_intact() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("catalogue.redb");
+        std::fs::copy(fixture("layout4.redb"), &path).unwrap();
+        let before: Vec<String> = std::fs::read_to_string(fixture("layout4.dump"))
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("applied\t"))
+            .map(str::to_owned)
+            .collect();
+        let events: Vec<Event> = std::fs::read_to_string(fixture("layout4.events.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(before.iter().any(|l| l.starts_with("dead_letters\t")));
+
+        let store = Store::open(&path).unwrap();
+        assert_eq!(catalogue_rows(&store.dump().unwrap()), before);
+        assert!(store.upgrade_pending().unwrap());
+        store
+            .note_upgrade_through(&[(FACTS.name, 100), (DLQ.name, 100), (REQUESTS.name, 100)])
+            .unwrap();
+        assert!(!store.upgrade_pending().unwrap());
+        drop(store);
+
+        // Reopened: still layout 5, still the same catalogue.
+        let store = Store::open(&path).unwrap();
+        assert_eq!(catalogue_rows(&store.dump().unwrap()), before);
+        // The same facts delivered again (stored before the upgrade): nothing changes, and
+        // the two dead letters still count two.
+        let results = store.apply_batch(&items(&events, 50)).unwrap();
+        assert!(results.iter().all(|r| *r == Folded::Done), "{results:?}");
+        assert_eq!(catalogue_rows(&store.dump().unwrap()), before);
+
+        // After the upgrade, another project's fact under an id layout 4 applied is folded.
+        let borrowed = events
+            .iter()
+            .find(|e| matches!(e.body, Body::DatasetValidated(_)))
+            .unwrap();
+        let mut foreign = borrowed.clone();
+        foreign.project = "labb".into();
+        fold_files(&store, &foreign);
+        store.apply_batch(&items(&[foreign], 101)).unwrap();
+        let rows = catalogue_rows(&store.dump().unwrap());
+        assert!(
+            rows.iter()
+                .any(|r| r.starts_with("versions\t(\"labb\", \"cats\""))
+        );
+    }
+
+    fn fold_files(store: &Store, event: &Event) {
+        if let Some(stagehand_manifest::ManifestSource::Inline(files)) =
+            stagehand_manifest::ManifestSource::of(event).unwrap()
+        {
+            store
+                .put_file_list(&stagehand_manifest::Manifest::from_entries(files))
+                .unwrap();
+        }
+    }
+
+    /// Guards the scope of "already applied": a fact whose id equals another project's future
+    /// fact id (a training job's commit carrying the id of `labb`'s next verdict) is applied
+    /// under its own project and kind, and `labb`'s fact is folded when it comes.
+    #[test]
+    fn a_fact_borrowing_another_projects_id_does_not_make_the_catalogue_skip_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("c.redb")).unwrap();
+        let mut victim = validated(1);
+        victim.project = "labb".into();
+        let mut shadow = checkpoint_committed(1, &[], 0);
+        shadow.project = "demo".into();
+        shadow.id = victim.id.clone();
+        fold_files(&store, &shadow);
+        fold_files(&store, &victim);
+        store.apply_batch(&items(&[shadow], 1)).unwrap();
+        store.apply_batch(&items(&[victim.clone()], 2)).unwrap();
+        let rows = catalogue_rows(&store.dump().unwrap());
+        assert!(
+            rows.iter().any(|r| r.starts_with(&format!(
+                "versions\t(\"labb\", \"cats\", \"{}\")",
+                version_of(&victim)
+            ))),
+            "{rows:#?}"
+        );
+        // Folded once: the same fact again changes nothing.
+        let dump = store.dump().unwrap();
+        store.apply_batch(&items(&[victim], 3)).unwrap();
+        assert_eq!(store.dump().unwrap(), dump);
     }
 }

@@ -107,7 +107,9 @@ pub async fn connect(cfg: &BusConfig, timeout: Duration) -> anyhow::Result<Bus> 
         ..cfg.clone()
     };
     match Bus::connect(&bounded).await {
-        Ok(bus) => Ok(bus),
+        // The CLI acts as a tenant (an uploader, a scheduler, a training job): it may read only
+        // its own subjects, so a duplicate ack is proven by those alone.
+        Ok(bus) => Ok(bus.reading_own_subjects_only()),
         Err(e) => match e.kind() {
             stagehand_bus::BusErrorKind::Unauthorized => Err(Unreachable(e.to_string()).into()),
             stagehand_bus::BusErrorKind::Connect => Err(Unreachable(format!(

@@ -62,9 +62,6 @@ pub const EXIT_REFUSED: i32 = 1;
 /// Files hashed at once.
 const HASH_AT_ONCE: usize = 4;
 
-/// How long a duplicate commit waits to read the stored one it is compared with.
-const COMPARE_TIMEOUT: Duration = Duration::from_secs(2);
-
 #[derive(Debug, Subcommand)]
 pub enum CheckpointCommand {
     /// Announce a complete checkpoint: recognise its format, hash its files, publish
@@ -644,10 +641,9 @@ pub async fn publish(
 /// A commit the duplicate window dropped must be the commit stored first: a step saved again
 /// with other files (a run restarted from an earlier checkpoint) or other tags would otherwise
 /// vanish without a word. The stored fact is the one at the sequence the duplicate's ack
-/// names. It is read first as the last commit on the project's subject (a direct get by
-/// subject: all a project's training-job user may read), which it is unless the project
-/// committed since; else by its sequence (a direct get any project's fact could be read by,
-/// which such a user may not do). When neither answers the commit stands as a duplicate.
+/// names, which the bus has proven to be this step's commit (`stagehand_bus::dedup`); it is
+/// read as the last commit on the project's subject (a direct get by subject: all a project's
+/// training-job user may read). When it cannot be read the commit stands as a duplicate.
 async fn same_as_earlier(
     bus: &Bus,
     ack: &stagehand_bus::PublishAck,
@@ -655,20 +651,10 @@ async fn same_as_earlier(
 ) -> Result<(), CheckpointError> {
     let subject = stagehand_schemas::subject::subject_for(&event.body, &event.project);
     let stored = async {
-        let stream = bus.jetstream().get_stream_no_info(&ack.stream).await?;
-        let last =
-            tokio::time::timeout(COMPARE_TIMEOUT, stream.direct_get_last_for_subject(subject))
-                .await;
-        let message = match last {
-            Ok(Ok(last)) if last.sequence == ack.sequence => last,
-            _ => {
-                // A user without the right gets no answer at all: a short wait, not the
-                // client's default.
-                tokio::time::timeout(COMPARE_TIMEOUT, stream.direct_get(ack.sequence))
-                    .await
-                    .map_err(|_| anyhow::anyhow!("no answer within {COMPARE_TIMEOUT:?}"))??
-            }
-        };
+        let message = bus
+            .stored_message(ack, &subject)
+            .await
+            .ok_or_else(|| anyhow::anyhow!("the stored commit could not be read"))?;
         anyhow::Ok(stagehand_schemas::wire::decode(&message.payload)?)
     };
     let earlier = match stored.await {

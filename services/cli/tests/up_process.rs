@@ -417,7 +417,11 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
     drop(store);
     let ledger = Ledger::open(home.join("state/ingest-validator/ingest-validator.redb"))?;
     let outcome = ledger
-        .outcome("lab-up", &EventId::new(request_id.clone())?)?
+        .outcome(
+            "lab-up",
+            "ingest.requested",
+            &EventId::new(request_id.clone())?,
+        )?
         .context("the validator's ledger has the request's outcome")?;
     ensure!(
         matches!(

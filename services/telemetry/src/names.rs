@@ -27,6 +27,13 @@ pub const MESSAGES_TOTAL: &str = "stagehand_messages_total";
 pub const LEDGER_COMMITS_TOTAL: &str = "stagehand_ledger_commits_total";
 /// Counter: messages sent to the dead-letter stream.
 pub const DEAD_LETTERS_TOTAL: &str = "stagehand_dead_letters_total";
+/// Counter: publishes acknowledged as duplicates of a message that is not theirs (another
+/// subject or event under the same `Nats-Msg-Id`, or one that could not be read), published
+/// again under a fresh id; labelled by `stream`.
+pub const PUBLISHES_SHADOWED_TOTAL: &str = "stagehand_publishes_shadowed_total";
+/// Counter: catalogue queries refused because their reply subject is no inbox of the
+/// configured prefixes; labelled by `service`.
+pub const QUERIES_REFUSED_TOTAL: &str = "stagehand_queries_refused_total";
 
 /// Outcome label values for [`MESSAGES_TOTAL`].
 pub mod outcome {
@@ -58,6 +65,7 @@ pub mod label {
     pub const RESULT: &str = "result";
     pub const TASK: &str = "task";
     pub const OUTCOME: &str = "outcome";
+    pub const STREAM: &str = "stream";
 }
 
 /// Result label values for [`HANDLER_CALLS_TOTAL`].

@@ -61,13 +61,23 @@ impl<H: Handler> Shared<H> {
         let mut lease = None;
         if let Some(claims) = &self.claims {
             let mut claim = claims
-                .claim(&event.project, &event.id, d.info.stream_sequence)
+                .claim(
+                    &event.project,
+                    event.kind(),
+                    &event.id,
+                    d.info.stream_sequence,
+                )
                 .await;
             if d.replay_of.is_some() && matches!(claim, Ok(Claim::Done(None))) {
                 // A marker without facts may be an older runtime's mark of a dead letter: a
                 // replay must do the work again.
                 claim = claims
-                    .take_for_replay(&event.project, &event.id, d.info.stream_sequence)
+                    .take_for_replay(
+                        &event.project,
+                        event.kind(),
+                        &event.id,
+                        d.info.stream_sequence,
+                    )
                     .await;
             }
             match claim {

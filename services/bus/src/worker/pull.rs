@@ -216,7 +216,7 @@ async fn process<H: Handler>(
                 )),
                 None => None,
             };
-            let key = EventKey::new(&event.project, &event.id);
+            let key = EventKey::of_message(&event, info.published);
             (Some((event, key)), mismatch)
         }
     };
