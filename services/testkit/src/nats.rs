@@ -174,7 +174,9 @@ impl NatsServer {
         std::fs::create_dir_all(self.store_dir()).expect("create the store dir");
         let mut cmd = Command::new(&bin);
         match &self.config {
-            Some(config) => cmd.arg("-c").arg(config),
+            // A free monitoring port: a configuration's own (`http: ...:8222`, as the shipped
+            // ones say) would be taken by another server of this test or another.
+            Some(config) => cmd.arg("-c").arg(config).args(["-m", "-1"]),
             None => {
                 // Tests run with the settings development uses (deploy/nats/dev.conf): the
                 // server's default limits, max_payload included.
@@ -195,9 +197,6 @@ impl NatsServer {
             .arg("--ports_file_dir")
             .arg(&ports_dir);
         if let Some(c) = &self.cluster {
-            // A free monitoring port: a configuration's own (`http: ...:8222`) would be taken
-            // by the next node, or by another test.
-            cmd.args(["-m", "-1"]);
             cmd.args(["-n", &c.name, "--cluster_name", &c.cluster_name])
                 .args(["--cluster", &format!("nats://127.0.0.1:{}", c.port)])
                 .args(["--routes", &c.routes.join(",")]);

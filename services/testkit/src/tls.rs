@@ -138,6 +138,15 @@ impl TestCa {
     /// Panics when the file names no certificate to replace, so a shipped config that lost its
     /// TLS cannot pass a TLS test.
     pub fn shipped_nats_config(&self, name: &str) -> String {
+        let accounts_path = crate::accounts_conf();
+        let accounts = std::fs::read_to_string(&accounts_path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", accounts_path.display()));
+        self.shipped_nats_config_with_accounts(name, &accounts)
+    }
+
+    /// [`TestCa::shipped_nats_config`] with `accounts` (such as
+    /// [`crate::accounts_conf_with_projects`]) in place of the shipped accounts config.
+    pub fn shipped_nats_config_with_accounts(&self, name: &str, accounts: &str) -> String {
         let path = crate::repo_root().join("deploy/nats").join(name);
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
@@ -147,14 +156,11 @@ impl TestCa {
             path.display()
         );
         let dir = format!("{}/", self.dir().display());
-        let accounts_path = crate::accounts_conf();
-        let accounts = std::fs::read_to_string(&accounts_path)
-            .unwrap_or_else(|e| panic!("reading {}: {e}", accounts_path.display()));
         text.lines()
             .filter(|l| !l.trim_start().starts_with("store_dir:"))
             .collect::<Vec<_>>()
             .join("\n")
             .replace(DEPLOY_TLS_DIR, &dir)
-            .replace("include ./accounts.conf", &accounts)
+            .replace("include ./accounts.conf", accounts)
     }
 }

@@ -67,7 +67,7 @@ fn every_nats_config_is_valid() {
         );
     }
     let vars = password_vars();
-    assert_eq!(vars.len(), 11, "{vars:?}");
+    assert_eq!(vars.len(), 12, "{vars:?}");
     for conf in &confs {
         let out = check_config(conf, &vars);
         assert!(

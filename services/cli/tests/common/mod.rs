@@ -53,6 +53,8 @@ pub struct Options {
     /// The URL the services and the test's own clients use: a user of the server's accounts
     /// (default the server's URL, for a server without users).
     pub nats_url: Option<String>,
+    /// The CA of a server that requires TLS, trusted by the services and the test's clients.
+    pub tls_ca: Option<PathBuf>,
 }
 
 fn spawn<S, F, Fut, T, E>(
@@ -125,7 +127,10 @@ impl Stagehand {
             home.path().join("tiers"),
             std::fs::Permissions::from_mode(0o755),
         )?;
-        let bus_config = BusConfig::new(&url);
+        let bus_config = BusConfig {
+            tls_ca: opts.tls_ca.clone(),
+            ..BusConfig::new(&url)
+        };
         let bus = Bus::connect(&bus_config).await?;
         bus.provision().await?;
         let stop = CancellationToken::new();
@@ -213,7 +218,11 @@ impl Stagehand {
         wait: bool,
     ) -> anyhow::Result<String> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
-        cmd.args(["--nats", &self.url, "ingest"])
+        cmd.args(["--nats", &self.url]);
+        if let Some(ca) = &self.bus_config.tls_ca {
+            cmd.arg("--tls-ca").arg(ca);
+        }
+        cmd.arg("ingest")
             .arg(folder)
             .args(["--project", project, "--dataset", dataset, "--json"])
             .arg("--policies")
