@@ -394,6 +394,15 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 	end
 	local stages = shared_stages(conf, directives)
 	local record, rerr = job_record(job_id)
+	if type(record) ~= "table" and uid ~= nil then
+		-- 23.02+ names the job's user here too: enough to check against when slurmctld
+		-- cannot be asked.
+		local info = type(job_info) == "table" and job_info or {}
+		record = {
+			restarts = 0,
+			who = { user = info.user_name, uid = tonumber(uid), gid = tonumber(gid), account = info.account },
+		}
+	end
 	if type(record) ~= "table" then
 		return slurm.ERROR, "stagehand: cannot tell who submitted job " .. job_id .. ": " .. (rerr or "slurmctld no longer knows it")
 	end
