@@ -23,7 +23,11 @@
 #                                                          STAGEHAND_DATA_<NAME>=<path>, for the
 #                                                          app container (default
 #                                                          /stagehand/env)
-#   STAGEHAND_NATS_URL (and _CREDS ...)                    how the CLI reaches NATS
+#   STAGEHAND_NATS_URL, STAGEHAND_NATS_PASSWORD_FILE,      how the CLI reaches NATS: the URL
+#   STAGEHAND_NATS_TLS_CA (or _CREDS, _NKEY)               names the namespace's user, the
+#                                                          password is in a file (the CLI reads
+#                                                          these itself: none is on a command
+#                                                          line)
 #   STAGEHAND_BIN                                          the CLI (default: stagehand on PATH)
 #   STAGEHAND_TERMINATION_LOG                              default /dev/termination-log
 #
@@ -55,9 +59,6 @@ name="${STAGEHAND_NAME:-$(printf '%s' "$STAGEHAND_DATASET" | tr '[:lower:]' '[:u
 set -- --tier "$STAGEHAND_TIER" --job "$STAGEHAND_JOB" --project "$STAGEHAND_PROJECT"
 if [ -n "${STAGEHAND_NODE:-}" ]; then
     set -- "$@" --node "$STAGEHAND_NODE"
-fi
-if [ -n "${STAGEHAND_NATS_URL:-}" ]; then
-    set -- "$@" --nats "$STAGEHAND_NATS_URL"
 fi
 
 # The request's own options, after the ones it shares with `stage wait` ("$@").

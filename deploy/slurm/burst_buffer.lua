@@ -23,8 +23,13 @@ A job asks with directive lines in the leading comment block of its batch script
 The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
 
   slurm_bb_job_process  at submit, inside slurmctld: checks every directive (no I/O but the
-                        script); a bad one refuses the job and sbatch prints the reason
-  slurm_bb_data_in      asks Stagehand (`stagehand stage request`) for each staged version; on
+                        script and stagehand-slurm.conf); a bad one refuses the job and sbatch
+                        prints the reason. On 23.02+ it also refuses a project the job may not
+                        stage (`allow` lines, stagehand_slurm.lua); 22.05 passes no uid here, so
+                        job_submit.lua (JobSubmitPlugins=lua) refuses it at submit instead
+  slurm_bb_data_in      checks who may stage what again, with the job as slurmctld knows it now
+                        (`scontrol show job`: user, gid, account); then asks Stagehand
+                        (`stagehand stage request`) for each staged version; on
                         22.05 it then waits (`stagehand stage wait`) bounded by
                         STAGEHAND_STAGE_TIMEOUT (<= StageInTimeout); on 24.05+ it only asks
   slurm_bb_test_data_in 24.05+: looks once (`stage wait --timeout 0`); BUSY until ready
@@ -33,7 +38,13 @@ The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
   slurm_bb_job_teardown `stagehand stage release` for each staged version, unless the job is
                         pending again (slurmctld restarted during stage-in: it tears down and
                         stages in again later, and the job still needs its data)
+  slurm_bb_get_status   `scontrol show bbstat`: the stages of the caller's own projects
+                        (23.02+); nothing on 22.05, which does not say who asks
   the others            nothing to do; defined because 24.05 refuses to start without them
+
+The CLI is run with the NATS credentials named by path only (STAGEHAND_NATS_PASSWORD_FILE,
+_CREDS or _NKEY, each readable by the hooks' user alone): no secret is on a command line, where
+any user could read it in /proc/<pid>/cmdline.
 
 A failed or timed-out stage returns slurm.ERROR with Stagehand's reason: Slurm holds the job
 (priority 0) and squeue's REASON shows "burst_buffer/lua: slurm_bb_data_in: stagehand: ...".
@@ -48,163 +59,14 @@ stagehand-node.sh); see that file for each key.
 
 local script_dir = (debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$")) or "."
 
---- Settings -----------------------------------------------------------------------------------
+local stagehand_slurm = dofile(script_dir .. "/stagehand_slurm.lua")
 
-local defaults = {
-	STAGEHAND_BIN = "stagehand",
-	STAGEHAND_NATS_URL = "nats://127.0.0.1:4222",
-	STAGEHAND_NATS_CREDS = "",
-	STAGEHAND_PROJECT = "",
-	STAGEHAND_JOB_PREFIX = "slurm-",
-	STAGEHAND_STATE_DIR = "/run/stagehand-slurm",
-	STAGEHAND_CONNECT_TIMEOUT = "10",
-	STAGEHAND_STAGE_TIMEOUT = "3600",
-	STAGEHAND_HOT_TIER = "hot",
-	STAGEHAND_LOCAL_TIERS = "local",
-	STAGEHAND_HOLD_SLACK = "86400",
-}
-
--- Reads KEY=VALUE lines (comments and blank lines skipped) over the defaults. Read at every hook
--- call: an edit takes effect without restarting slurmctld.
 local function load_settings()
-	local conf = {}
-	for k, v in pairs(defaults) do
-		conf[k] = v
-	end
-	local path = script_dir .. "/stagehand-slurm.conf"
-	local f = io.open(path, "r")
-	if f then
-		for line in f:lines() do
-			local k, v = line:match("^%s*([A-Z_][A-Z0-9_]*)=(.-)%s*$")
-			if k then
-				conf[k] = v
-			end
-		end
-		f:close()
-	end
-	return conf
+	return stagehand_slurm.load_settings(script_dir)
 end
 
-local function is_local_tier(conf, tier)
-	for t in conf.STAGEHAND_LOCAL_TIERS:gmatch("[^%s,]+") do
-		if t == tier then
-			return true
-		end
-	end
-	return false
-end
-
---- Directives -----------------------------------------------------------------------------------
-
-local KEYS = { dataset = true, version = true, tier = true, project = true, name = true, form = true, deadline = true, hold = true }
-
-local function valid_dataset(s)
-	return #s >= 1 and #s <= 128 and s:sub(1, 1) ~= "." and s:match("^[A-Za-z0-9._-]+$") ~= nil
-end
-
-local function valid_token(s)
-	return #s >= 1 and #s <= 64 and s:match("^[a-z0-9_-]+$") ~= nil
-end
-
-local function valid_version(s)
-	return #s >= 12 and #s <= 64 and s:match("^[0-9a-f]+$") ~= nil
-end
-
-local function valid_duration(s)
-	return s:match("^[0-9]+[smhd]?$") ~= nil
-end
-
-local function default_name(dataset)
-	return (dataset:upper():gsub("[^A-Z0-9]", "_"))
-end
-
--- The directives of a job script: a list of { line, dataset, version, tier, project, name, form,
--- deadline, local_tier }, or nil and a message naming the line and what is wrong.
 local function parse_directives(conf, script_path)
-	local f, err = io.open(script_path, "r")
-	if not f then
-		return nil, "cannot read the job script: " .. tostring(err)
-	end
-	local directives, names, lineno = {}, {}, 0
-	for line in f:lines() do
-		lineno = lineno + 1
-		-- Directives live in the leading comment block, like #SBATCH lines.
-		if not (line:match("^%s*$") or line:match("^#")) then
-			break
-		end
-		local rest = line:match("^#BB_LUA%s*(.*)$")
-		if rest then
-			local where = "line " .. lineno .. " (" .. line .. ")"
-			local words = {}
-			for w in rest:gmatch("%S+") do
-				words[#words + 1] = w
-			end
-			if words[1] ~= "stage" then
-				f:close()
-				return nil, where .. ": a #BB_LUA line must start with 'stage'"
-			end
-			local d = { line = lineno }
-			for i = 2, #words do
-				local k, v = words[i]:match("^([a-z]+)=(.*)$")
-				if not k then
-					f:close()
-					return nil, where .. ": '" .. words[i] .. "' is not key=value"
-				end
-				if not KEYS[k] then
-					f:close()
-					return nil, where .. ": unknown key '" .. k
-						.. "' (known: dataset, version, tier, project, name, form, deadline, hold)"
-				end
-				if d[k] then
-					f:close()
-					return nil, where .. ": '" .. k .. "' given twice"
-				end
-				d[k] = v
-			end
-			local problem
-			d.project = d.project or (conf.STAGEHAND_PROJECT ~= "" and conf.STAGEHAND_PROJECT or nil)
-			if not d.dataset then
-				problem = "dataset= is missing"
-			elseif not valid_dataset(d.dataset) then
-				problem = "dataset '" .. d.dataset .. "' must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
-			elseif not d.version then
-				problem = "version= is missing"
-			elseif not valid_version(d.version) then
-				problem = "version '" .. d.version .. "' must be a digest or a prefix of at least 12 lowercase hex characters"
-			elseif not d.tier then
-				problem = "tier= is missing"
-			elseif not valid_token(d.tier) then
-				problem = "tier '" .. d.tier .. "' must be 1-64 characters of [a-z0-9_-]"
-			elseif not d.project then
-				problem = "project= is missing and stagehand-slurm.conf sets no STAGEHAND_PROJECT"
-			elseif not valid_token(d.project) then
-				problem = "project '" .. d.project .. "' must be 1-64 characters of [a-z0-9_-]"
-			elseif d.form and d.form ~= "raw" and d.form ~= "prepared" then
-				problem = "form '" .. d.form .. "' must be raw or prepared"
-			elseif d.deadline and not valid_duration(d.deadline) then
-				problem = "deadline '" .. d.deadline .. "' must be a duration such as 90s, 30m, 2h or 1d"
-			elseif d.hold and not valid_duration(d.hold) then
-				problem = "hold '" .. d.hold .. "' must be a duration such as 90s, 30m, 2h or 1d"
-			elseif d.name and not d.name:match("^[A-Za-z0-9_]+$") then
-				problem = "name '" .. d.name .. "' must be letters, digits and '_'"
-			end
-			if problem then
-				f:close()
-				return nil, where .. ": " .. problem
-			end
-			d.name = d.name or default_name(d.dataset)
-			if names[d.name] then
-				f:close()
-				return nil, where .. ": STAGEHAND_DATA_" .. d.name .. " is already named by line " .. names[d.name]
-					.. " (give one of them name=...)"
-			end
-			names[d.name] = lineno
-			d.local_tier = is_local_tier(conf, d.tier)
-			directives[#directives + 1] = d
-		end
-	end
-	f:close()
-	return directives
+	return stagehand_slurm.parse_file(conf, script_path)
 end
 
 -- The shared-tier stages data_in makes for the directives: each directive's own tier, or for a
@@ -231,28 +93,22 @@ end
 
 --- Calling the CLI ------------------------------------------------------------------------------
 
-local function quote(s)
-	return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
-end
+local quote = stagehand_slurm.quote
 
 local function first_line(s)
 	return (s:match("^%s*([^\n]*[^%s])") or "")
 end
 
--- Runs `stagehand <args>`; returns its exit code, stdout and stderr.
+-- Runs `stagehand <args>`; returns its exit code, stdout and stderr. The NATS credentials are
+-- only named by path on its command line (stagehand_slurm.command): settings that would put a
+-- secret there, or a credentials file others may read, fail the call (exit 64) with the reason.
 local function stagehand(conf, args)
+	local problem = stagehand_slurm.credentials_problem(conf)
+	if problem then
+		return 64, "", problem
+	end
 	local err_file = os.tmpname()
-	local parts = { "env" }
-	if conf.STAGEHAND_NATS_CREDS ~= "" then
-		parts[#parts + 1] = "STAGEHAND_NATS_CREDS=" .. quote(conf.STAGEHAND_NATS_CREDS)
-	end
-	parts[#parts + 1] = quote(conf.STAGEHAND_BIN)
-	parts[#parts + 1] = "--nats " .. quote(conf.STAGEHAND_NATS_URL)
-	parts[#parts + 1] = "--connect-timeout " .. quote(conf.STAGEHAND_CONNECT_TIMEOUT)
-	for _, a in ipairs(args) do
-		parts[#parts + 1] = quote(a)
-	end
-	local cmd = table.concat(parts, " ") .. " 2>" .. quote(err_file) .. "; echo \"stagehand-exit=$?\""
+	local cmd = stagehand_slurm.command(conf, args) .. " 2>" .. quote(err_file) .. "; echo \"stagehand-exit=$?\""
 	local p = io.popen(cmd, "r")
 	local out = p:read("*a")
 	p:close()
@@ -363,15 +219,31 @@ end
 
 --- Which run of the job -----------------------------------------------------------------------
 
--- slurmctld's view of the job: { state = "PENDING", restarts = 0 }, "gone" when it no longer
--- knows the job, or nil and a message when it cannot be asked.
+-- slurmctld's view of the job: { state = "PENDING", restarts = 0, who = { user, uid, gid,
+-- account } }, "gone" when it no longer knows the job, or nil and a message when it cannot be
+-- asked. `who` is what the job's directives are checked against (stagehand_slurm.check_access):
+-- the account as it is now, after any `scontrol update Account=` since submit.
 local function job_record(job_id)
 	local p = io.popen("scontrol -o show job " .. quote(job_id) .. " 2>&1; echo \"scontrol-exit=$?\"", "r")
 	local out = p:read("*a")
 	p:close()
 	local state = out:match("JobState=(%S+)")
 	if state then
-		return { state = state, restarts = tonumber(out:match("Restarts=(%d+)")) or 0 }
+		local user, uid = out:match("UserId=([^%s(]*)%((%d+)%)")
+		local account = out:match("Account=(%S+)")
+		if account == "(null)" then
+			account = nil
+		end
+		return {
+			state = state,
+			restarts = tonumber(out:match("Restarts=(%d+)")) or 0,
+			who = {
+				user = user ~= "" and user or nil,
+				uid = tonumber(uid),
+				gid = tonumber(out:match("GroupId=[^%s(]*%((%d+)%)")),
+				account = account,
+			},
+		}
 	end
 	if out:match("Invalid job id") then
 		return "gone"
@@ -479,11 +351,29 @@ end
 -- 24.05+ polls test_data_in; 22.05 never calls it, so its data_in must wait itself.
 local polled = slurm.SLURM_BB_BUSY ~= nil
 
+-- 23.02+ tells the hooks who asks: uid and gid (and job_info) to job_process and data_in, the
+-- caller's uid and gid to get_status. 22.05 does not; its errtab lacks this error name too.
+local caller_known = slurm.ESLURM_INVALID_BURST_BUFFER_REQUEST ~= nil
+
 function slurm_bb_job_process(job_script, uid, gid, job_info)
 	local conf = load_settings()
 	local directives, err = parse_directives(conf, job_script)
 	if not directives then
 		return slurm.ERROR, "stagehand: " .. err
+	end
+	-- 23.02+: refuse a project the job may not stage here, at submit. On 22.05 job_process
+	-- sees only the script: job_submit.lua refuses it at submit, and data_in checks again.
+	if uid ~= nil then
+		local info = type(job_info) == "table" and job_info or {}
+		local denied = stagehand_slurm.check_access(conf, directives, {
+			user = info.user_name,
+			uid = tonumber(uid),
+			gid = tonumber(gid),
+			account = info.account,
+		})
+		if denied then
+			return slurm.ERROR, "stagehand: " .. denied
+		end
 	end
 	return slurm.SUCCESS
 end
@@ -503,8 +393,26 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.ERROR, "stagehand: " .. err
 	end
 	local stages = shared_stages(conf, directives)
-	local record = job_record(job_id)
-	local run = run_of(conf, job_id, type(record) == "table" and record.restarts or 0)
+	local record, rerr = job_record(job_id)
+	if type(record) ~= "table" and uid ~= nil then
+		-- 23.02+ names the job's user here too: enough to check against when slurmctld
+		-- cannot be asked.
+		local info = type(job_info) == "table" and job_info or {}
+		record = {
+			restarts = 0,
+			who = { user = info.user_name, uid = tonumber(uid), gid = tonumber(gid), account = info.account },
+		}
+	end
+	if type(record) ~= "table" then
+		return slurm.ERROR, "stagehand: cannot tell who submitted job " .. job_id .. ": " .. (rerr or "slurmctld no longer knows it")
+	end
+	-- Checked again here, with the job as it is now: the check at submit may be missing
+	-- (22.05 without job_submit.lua) or its account changed since.
+	local denied = stagehand_slurm.check_access(conf, directives, record.who)
+	if denied then
+		return slurm.ERROR, "stagehand: " .. denied
+	end
+	local run = run_of(conf, job_id, record.restarts)
 	local werr = write_whole(conf, run_file(conf, job_id), { run })
 	if werr then
 		return slurm.ERROR, werr
@@ -513,9 +421,9 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 	-- Stagehand's last word rather than a bare timeout.
 	local budget = math.max((tonumber(conf.STAGEHAND_STAGE_TIMEOUT) or 3600) - 5, 1)
 	local started = os.time()
-	local rerr = request_all(conf, run, stages, requested_by(uid), budget, job_hold(conf, job_info))
-	if rerr then
-		return slurm.ERROR, rerr
+	local qerr = request_all(conf, run, stages, requested_by(uid), budget, job_hold(conf, job_info))
+	if qerr then
+		return slurm.ERROR, qerr
 	end
 	if polled then
 		return slurm.SUCCESS
@@ -618,6 +526,12 @@ function slurm_bb_job_teardown(job_id, job_script, hurry, uid, gid)
 		os.remove(run_file(conf, job_id))
 		return slurm.SUCCESS
 	end
+	if asked == nil and type(record) == "table" and stagehand_slurm.check_access(conf, directives, record.who) then
+		-- data_in refused the job's projects and asked nothing: nothing to release, and no
+		-- release is published for a project this job may not stage.
+		os.remove(env_file(conf, job_id))
+		return slurm.SUCCESS
+	end
 	for _, s in ipairs(shared_stages(conf, directives)) do
 		local code, out, rerr = stagehand(conf, stage_args("release", run, s))
 		if code ~= 0 then
@@ -630,22 +544,82 @@ function slurm_bb_job_teardown(job_id, job_script, hurry, uid, gid)
 	return slurm.SUCCESS
 end
 
+-- `scontrol show bbstat [JOB | D@V] [--project P | project=P]`: Stagehand's view of the stages
+-- of the projects the caller may stage (the uid=, user= and gid= rules of stagehand-slurm.conf;
+-- accounts belong to jobs, not to callers), or of P when it is one of them; root sees any P it
+-- names. 23.02+ passes the caller's uid and gid before the words typed after "bbstat"; 22.05
+-- passes only the words, so it cannot tell who asks and shows no stages at all.
 function slurm_bb_get_status(...)
-	-- `scontrol show bbstat [JOB | D@V]`: Stagehand's view of the stages. 23.02+ passes uid
-	-- and gid before the words typed after "bbstat".
 	local args = { ... }
-	local first = 1
-	if #args >= 2 and tostring(args[1]):match("^%d+$") and tostring(args[2]):match("^%d+$") then
-		first = 3
+	local words = args
+	if caller_known then
+		words = {}
+		for i = 3, #args do
+			words[#words + 1] = args[i]
+		end
+	end
+	local target, project
+	local i = 1
+	while i <= #words do
+		local w = tostring(words[i])
+		if w == "--project" or w == "-p" then
+			project = words[i + 1] and tostring(words[i + 1]) or ""
+			i = i + 1
+		elseif w:match("^--project=") or w:match("^project=") then
+			project = w:match("=(.*)$")
+		elseif w:sub(1, 1) == "-" or target then
+			return slurm.SUCCESS, "stagehand: bbstat takes [JOB | DATASET@VERSION] [project=P]; '" .. w .. "' is neither\n"
+		else
+			target = w
+		end
+		i = i + 1
+	end
+	if not caller_known then
+		return slurm.SUCCESS, "stagehand: this Slurm does not tell bbstat who asks (23.02+ does), so it "
+			.. "shows no stages; ask `stagehand stage status` with your project's own NATS user\n"
 	end
 	local conf = load_settings()
-	local query = { "stage", "status" }
-	for i = first, #args do
-		query[#query + 1] = tostring(args[i])
+	local uid, gid = tonumber(args[1]), tonumber(args[2])
+	local projects
+	if uid == 0 then
+		if not project then
+			return slurm.SUCCESS, "stagehand: name the project: bbstat [JOB | DATASET@VERSION] project=P\n"
+		end
+		projects = { project }
+	else
+		local p = io.popen("getent passwd " .. quote(tostring(uid)) .. " 2>/dev/null")
+		local user = (p:read("*a") or ""):match("^([^:\n]+):")
+		p:close()
+		local mine = stagehand_slurm.projects_of(conf, { user = user, uid = uid, gid = gid })
+		projects = mine
+		if project then
+			projects = {}
+			for _, m in ipairs(mine) do
+				if m == project then
+					projects = { project }
+				end
+			end
+			if #projects == 0 then
+				return slurm.SUCCESS, "stagehand: uid " .. tostring(uid) .. " may not see project '" .. project .. "'\n"
+			end
+		end
 	end
-	local code, out, err = stagehand(conf, query)
-	if code ~= 0 then
-		return slurm.ERROR, first_line(err ~= "" and err or out)
+	local shown = {}
+	for _, p in ipairs(projects) do
+		local query = { "stage", "status" }
+		if target then
+			query[#query + 1] = target
+		end
+		query[#query + 1] = "--project"
+		query[#query + 1] = p
+		local code, out, err = stagehand(conf, query)
+		if code ~= 0 then
+			return slurm.ERROR, first_line(err ~= "" and err or out)
+		end
+		shown[#shown + 1] = out
 	end
-	return slurm.SUCCESS, out
+	if #shown == 0 then
+		return slurm.SUCCESS, "stagehand: no project of yours (uid " .. tostring(uid) .. ") in " .. conf.path .. "\n"
+	end
+	return slurm.SUCCESS, table.concat(shown)
 end

@@ -27,7 +27,14 @@
 #                              buffers); created when missing. Default stagehand-job
 #   STAGEHAND_BIN              the stagehand CLI the hooks call. Default: `stagehand` on PATH
 #   STAGEHAND_NATS_URL         NATS server(s) the hooks' CLI talks to. Default nats://127.0.0.1:4222
+#   STAGEHAND_NATS_PASSWORD_FILE  a file (mode 0600) holding the password of the user
+#                              STAGEHAND_NATS_URL names (nats://scheduler@host:4222); or
 #   STAGEHAND_NATS_CREDS       a .creds file for the hooks' NATS user (optional)
+#   STAGEHAND_NATS_TLS_CA      the CA bundle of the servers' TLS certificates (optional)
+#   STAGEHAND_SLURM_ALLOW      who may stage which project: `allow` rules of
+#                              stagehand-slurm.conf separated by ';', e.g.
+#                              "account=demo demo;user=alice demo,labb". Default: the test
+#                              user may stage ${STAGEHAND_PROJECT:-lab} (the walk-through's project)
 #   STAGEHAND_PROJECT          project of directives that name none (optional)
 #   STAGEHAND_STAGE_IN_TIMEOUT seconds a job may wait for its data (burst_buffer.conf
 #                              StageInTimeout; also the bound of 22.05's waiting data_in).
@@ -175,11 +182,16 @@ EOF
         echo "PollInterval=1" >>"$etc/burst_buffer.conf"
     fi
     install -m 0644 "$HERE/burst_buffer.lua" "$etc/burst_buffer.lua"
+    install -m 0644 "$HERE/job_submit.lua" "$etc/job_submit.lua"
+    install -m 0644 "$HERE/stagehand_slurm.lua" "$etc/stagehand_slurm.lua"
     install -m 0755 "$HERE/stagehand-node.sh" "$etc/stagehand-node.sh"
     # The shipped template with this cluster's values.
     sed -e "s|^STAGEHAND_BIN=.*|STAGEHAND_BIN=$stagehand_bin|" \
         -e "s|^STAGEHAND_NATS_URL=.*|STAGEHAND_NATS_URL=${STAGEHAND_NATS_URL:-nats://127.0.0.1:4222}|" \
         -e "s|^STAGEHAND_NATS_CREDS=.*|STAGEHAND_NATS_CREDS=${STAGEHAND_NATS_CREDS:-}|" \
+        -e "s|^STAGEHAND_NATS_NKEY=.*|STAGEHAND_NATS_NKEY=${STAGEHAND_NATS_NKEY:-}|" \
+        -e "s|^STAGEHAND_NATS_PASSWORD_FILE=.*|STAGEHAND_NATS_PASSWORD_FILE=${STAGEHAND_NATS_PASSWORD_FILE:-}|" \
+        -e "s|^STAGEHAND_NATS_TLS_CA=.*|STAGEHAND_NATS_TLS_CA=${STAGEHAND_NATS_TLS_CA:-}|" \
         -e "s|^STAGEHAND_PROJECT=.*|STAGEHAND_PROJECT=${STAGEHAND_PROJECT:-}|" \
         -e "s|^STAGEHAND_JOB_PREFIX=.*|STAGEHAND_JOB_PREFIX=slurm-stagehand-|" \
         -e "s|^STAGEHAND_STATE_DIR=.*|STAGEHAND_STATE_DIR=$DIR/stagehand|" \
@@ -187,6 +199,14 @@ EOF
         -e "s|^STAGEHAND_STAGE_TIMEOUT=.*|STAGEHAND_STAGE_TIMEOUT=${STAGEHAND_STAGE_IN_TIMEOUT:-3600}|" \
         -e "s|^STAGEHAND_PROLOG_TIMEOUT=.*|STAGEHAND_PROLOG_TIMEOUT=${STAGEHAND_PROLOG_TIMEOUT:-600}|" \
         "$HERE/stagehand-slurm.conf" >"$etc/stagehand-slurm.conf"
+    local rule rules allow="${STAGEHAND_SLURM_ALLOW-user=$JOB_USER ${STAGEHAND_PROJECT:-lab}}"
+    {
+        echo "# Written by slurm.sh from STAGEHAND_SLURM_ALLOW."
+        IFS=';' read -ra rules <<<"$allow"
+        for rule in ${rules[@]+"${rules[@]}"}; do
+            [ -z "${rule// /}" ] || echo "allow $rule"
+        done
+    } >>"$etc/stagehand-slurm.conf"
     chmod 0644 "$etc/stagehand-slurm.conf"
 }
 

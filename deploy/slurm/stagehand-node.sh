@@ -29,6 +29,9 @@ export PATH="${PATH:-}:/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/s
 STAGEHAND_BIN=stagehand
 STAGEHAND_NATS_URL=nats://127.0.0.1:4222
 STAGEHAND_NATS_CREDS=
+STAGEHAND_NATS_NKEY=
+STAGEHAND_NATS_PASSWORD_FILE=
+STAGEHAND_NATS_TLS_CA=
 STAGEHAND_PROJECT=
 STAGEHAND_JOB_PREFIX=slurm-
 STAGEHAND_STATE_DIR=/run/stagehand-slurm
@@ -54,13 +57,53 @@ run_record="$STAGEHAND_STATE_DIR/$job.node.run"
 
 say() { printf 'stagehand-node: job %s: %s\n' "$job" "$*" >&2; }
 
+# Why the settings would put a NATS secret where other users see it, or nothing: a password in
+# STAGEHAND_NATS_URL (it would be on the CLI's command line, in /proc/<pid>/cmdline), or a
+# credentials file group or others may read. As burst_buffer.lua's credentials_problem.
+credentials_problem() {
+    local authority key path mode
+    for authority in $(printf '%s' "$STAGEHAND_NATS_URL" | tr ',' ' '); do
+        authority="${authority#*://}"
+        authority="${authority%%/*}"
+        case "$authority" in
+        *:*@*)
+            echo "STAGEHAND_NATS_URL in $CONF carries a password, which would be on every command line the hooks run: name only the user (nats://<user>@host:4222) and put the password in a root-only file named by STAGEHAND_NATS_PASSWORD_FILE"
+            return
+            ;;
+        esac
+    done
+    for key in STAGEHAND_NATS_CREDS STAGEHAND_NATS_NKEY STAGEHAND_NATS_PASSWORD_FILE; do
+        path="${!key}"
+        [ -n "$path" ] || continue
+        if ! mode="$(stat -L -c '%a' -- "$path" 2>&1)"; then
+            echo "$key $path: $mode"
+            return
+        fi
+        case "$mode" in
+        *00) ;;
+        *)
+            echo "$key $path has mode $mode: group and others may read it (make it 0400 or 0600, owned by the user the hooks run as)"
+            return
+            ;;
+        esac
+    done
+}
+
+# The CLI with the connection of the settings: credentials named by path only, so its command
+# line holds no secret.
 stagehand() {
-    local extra=()
-    if [ -n "$STAGEHAND_NATS_CREDS" ]; then
-        extra+=(--creds "$STAGEHAND_NATS_CREDS")
+    local extra=() problem
+    problem="$(credentials_problem)"
+    if [ -n "$problem" ]; then
+        echo "$problem" >&2
+        return 64
     fi
+    [ -z "$STAGEHAND_NATS_CREDS" ] || extra+=(--creds "$STAGEHAND_NATS_CREDS")
+    [ -z "$STAGEHAND_NATS_NKEY" ] || extra+=(--nkey "$STAGEHAND_NATS_NKEY")
+    [ -z "$STAGEHAND_NATS_PASSWORD_FILE" ] || extra+=(--password-file "$STAGEHAND_NATS_PASSWORD_FILE")
+    [ -z "$STAGEHAND_NATS_TLS_CA" ] || extra+=(--tls-ca "$STAGEHAND_NATS_TLS_CA")
     "$STAGEHAND_BIN" --nats "$STAGEHAND_NATS_URL" --connect-timeout "$STAGEHAND_CONNECT_TIMEOUT" \
-        "${extra[@]}" "$@"
+        ${extra[@]+"${extra[@]}"} "$@"
 }
 
 is_local_tier() {

@@ -138,6 +138,7 @@ kind = "s3"
 role = "backup"
 failure_domain = "backup-site"
 endpoint = "http://127.0.0.1:$S3_PORT"
+allow_plaintext = true
 bucket = "backup"
 prefix = "stagehand"
 concurrency = $JOBS

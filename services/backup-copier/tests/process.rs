@@ -74,7 +74,7 @@ fn write_config(path: &Path, nats: &str, policies: &Path, state: &Path, mover: &
 
 fn s3_backup(server: &S3Server, bucket: &str, extra: &str) -> String {
     format!(
-        "kind = \"s3\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nendpoint = \"{}\"\nbucket = \"{bucket}\"\nprefix = \"stagehand\"\nprotects = [\"source\", \"capacity\"]\n{extra}",
+        "kind = \"s3\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nendpoint = \"{}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"stagehand\"\nprotects = [\"source\", \"capacity\"]\n{extra}",
         server.endpoint()
     )
 }

@@ -246,6 +246,12 @@ impl Bus {
             })?),
             None => None,
         };
+        let password = match &cfg.password_file {
+            Some(path) => Some(read_password(path).map_err(|e| {
+                BusError::with_source(BusErrorKind::Config, "reading the password file", e)
+            })?),
+            None => None,
+        };
         let violations: Arc<Mutex<VecDeque<String>>> = Arc::default();
         // The client library gets the addresses only; the credentials go through its options.
         let addrs: Vec<String> = cfg.servers.iter().map(|s| without_credentials(s)).collect();
@@ -271,12 +277,16 @@ impl Bus {
             }
             // async-nats ignores credentials in the URL: pass them on (the first URL with
             // credentials gives them; a cluster's nodes share their users).
-            match cfg.servers.iter().find_map(|s| url_credentials(s)) {
-                Some(UrlCredentials::UserPassword(user, password)) => {
-                    opts = opts.user_and_password(user, password);
+            if let (Some(user), Some(password)) = (cfg.user(), &password) {
+                opts = opts.user_and_password(user, password.clone());
+            } else {
+                match cfg.servers.iter().find_map(|s| url_credentials(s)) {
+                    Some(UrlCredentials::UserPassword(user, password)) => {
+                        opts = opts.user_and_password(user, password);
+                    }
+                    Some(UrlCredentials::Token(token)) => opts = opts.token(token),
+                    None => {}
                 }
-                Some(UrlCredentials::Token(token)) => opts = opts.token(token),
-                None => {}
             }
             if let Some(ca) = &cfg.tls_ca {
                 opts = opts.add_root_certificates(ca.clone());
@@ -881,6 +891,40 @@ fn read_seed(path: &Path) -> Result<String, std::io::Error> {
                 format!("NKey seed file {} holds no user seed (SU…)", path.display()),
             )
         })
+}
+
+/// The password in `path`: its first line. A file that group or others may read is refused
+/// (its mode named): a password file is there so that nobody else sees the password.
+fn read_password(path: &Path) -> Result<String, std::io::Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let named = |e: std::io::Error| {
+        std::io::Error::new(e.kind(), format!("password file {}: {e}", path.display()))
+    };
+    let mode = std::fs::metadata(path).map_err(named)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "password file {} has mode {:04o}: group and others may read it (chmod 0600, or \
+                 0400, for the user that connects)",
+                path.display(),
+                mode & 0o7777
+            ),
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(named)?;
+    let password = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches('\r');
+    if password.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("password file {} is empty", path.display()),
+        ));
+    }
+    Ok(password.to_owned())
 }
 
 /// Logs what the server says about the connection; permission violations are kept so that a

@@ -24,6 +24,10 @@ pub struct BusConfig {
     pub creds_file: Option<PathBuf>,
     /// A file holding an NKey seed (`SU...`) for this service's NATS user.
     pub nkey_seed_file: Option<PathBuf>,
+    /// A file holding the password of the user the server URLs name without one
+    /// (`nats://scheduler@host:4222`): the password is then on no command line, in no
+    /// environment and in no configuration file. Refused when group or others may read it.
+    pub password_file: Option<PathBuf>,
     /// A PEM file of CA certificates to trust for the server's TLS certificate.
     pub tls_ca: Option<PathBuf>,
     /// A PEM client certificate, for servers that verify clients (with `tls_client_key`).
@@ -57,6 +61,7 @@ impl Default for BusConfig {
             servers: vec!["nats://127.0.0.1:4222".into()],
             creds_file: None,
             nkey_seed_file: None,
+            password_file: None,
             tls_ca: None,
             tls_client_cert: None,
             tls_client_key: None,
@@ -76,6 +81,7 @@ impl std::fmt::Debug for BusConfig {
             .field("servers", &self.servers_display())
             .field("creds_file", &self.creds_file)
             .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("password_file", &self.password_file)
             .field("tls_ca", &self.tls_ca)
             .field("tls_client_cert", &self.tls_client_cert)
             .field("tls_client_key", &self.tls_client_key)
@@ -106,12 +112,21 @@ pub mod env {
     pub const NATS_CREDS: &str = "STAGEHAND_NATS_CREDS";
     /// An NKey seed file.
     pub const NATS_NKEY: &str = "STAGEHAND_NATS_NKEY";
+    /// A file holding the password of the user the URL names.
+    pub const NATS_PASSWORD_FILE: &str = "STAGEHAND_NATS_PASSWORD_FILE";
     /// A CA bundle for the servers' TLS certificates.
     pub const NATS_TLS_CA: &str = "STAGEHAND_NATS_TLS_CA";
     /// Stream and bucket replicas.
     pub const NATS_REPLICAS: &str = "STAGEHAND_NATS_REPLICAS";
     /// Every variable above, for documentation and tests.
-    pub const ALL: &[&str] = &[NATS_URL, NATS_CREDS, NATS_NKEY, NATS_TLS_CA, NATS_REPLICAS];
+    pub const ALL: &[&str] = &[
+        NATS_URL,
+        NATS_CREDS,
+        NATS_NKEY,
+        NATS_PASSWORD_FILE,
+        NATS_TLS_CA,
+        NATS_REPLICAS,
+    ];
 }
 
 impl BusConfig {
@@ -146,6 +161,9 @@ impl BusConfig {
         }
         if let Some(v) = set(env::NATS_NKEY) {
             self.nkey_seed_file = Some(v.into());
+        }
+        if let Some(v) = set(env::NATS_PASSWORD_FILE) {
+            self.password_file = Some(v.into());
         }
         if let Some(v) = set(env::NATS_TLS_CA) {
             self.tls_ca = Some(v.into());
@@ -187,6 +205,28 @@ impl BusConfig {
                 "give either creds_file or nkey_seed_file, not both".into(),
             );
         }
+        if self.password_file.is_some() {
+            if self.creds_file.is_some() || self.nkey_seed_file.is_some() {
+                return bad(
+                    "password_file",
+                    "give one of creds_file, nkey_seed_file and password_file".into(),
+                );
+            }
+            if self.servers.iter().any(|s| {
+                url_credentials(s).is_some_and(|c| matches!(c, UrlCredentials::UserPassword(..)))
+            }) {
+                return bad(
+                    "password_file",
+                    "the server URLs carry a password too: name only the user (nats://<user>@host:4222)".into(),
+                );
+            }
+            if self.user().is_none() {
+                return bad(
+                    "password_file",
+                    "no server URL names the user whose password it holds (nats://<user>@host:4222)".into(),
+                );
+            }
+        }
         if self.tls_client_cert.is_some() != self.tls_client_key.is_some() {
             return bad(
                 "tls_client_key",
@@ -213,10 +253,26 @@ impl BusConfig {
         if let Some(p) = &self.inbox_prefix {
             return p.clone();
         }
-        match self.servers.iter().find_map(|s| url_user(s)) {
+        match self.user() {
             Some(user) => format!("_INBOX_{user}"),
             None => "_INBOX".into(),
         }
+    }
+
+    /// The user the server URLs name: `nats://user:password@host`, or `nats://user@host`
+    /// with a [`password_file`](Self::password_file) (without one, a bare name there is a
+    /// token, not a user).
+    pub fn user(&self) -> Option<String> {
+        self.servers.iter().find_map(|s| {
+            let userinfo = url_userinfo(s)?;
+            match userinfo.split_once(':') {
+                Some((user, _)) if !user.is_empty() => Some(percent_decode(user)),
+                None if self.password_file.is_some() && !userinfo.is_empty() => {
+                    Some(percent_decode(userinfo))
+                }
+                _ => None,
+            }
+        })
     }
 }
 
@@ -252,9 +308,7 @@ mod server_list {
 /// `nats://token@host` a token (percent-decoded). async-nats does not read them from the URL
 /// itself, so [`crate::Bus::connect`] passes them on.
 pub(crate) fn url_credentials(url: &str) -> Option<UrlCredentials> {
-    let (_, rest) = url.split_once("://")?;
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-    let (userinfo, _) = authority.rsplit_once('@')?;
+    let userinfo = url_userinfo(url)?;
     Some(match userinfo.split_once(':') {
         Some((user, password)) => {
             UrlCredentials::UserPassword(percent_decode(user), percent_decode(password))
@@ -301,13 +355,11 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The user name a URL carries (`nats://user:pass@host`), if any.
-fn url_user(url: &str) -> Option<&str> {
+/// The userinfo of a URL (`user:pass` of `nats://user:pass@host`), if any.
+fn url_userinfo(url: &str) -> Option<&str> {
     let (_, rest) = url.split_once("://")?;
     let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-    let (userinfo, _) = authority.rsplit_once('@')?;
-    let user = userinfo.split(':').next().unwrap_or(userinfo);
-    (!user.is_empty() && userinfo.contains(':')).then_some(user)
+    authority.rsplit_once('@').map(|(userinfo, _)| userinfo)
 }
 
 /// A URL with its secret replaced: `nats://user:pass@host` → `nats://user:***@host`, and a

@@ -43,6 +43,16 @@ pub struct Connection {
     /// A file holding an NKey seed (`SU...`).
     #[arg(long, global = true, env = stagehand_bus::env::NATS_NKEY, conflicts_with = "creds")]
     pub nkey: Option<PathBuf>,
+    /// A file holding the password of the user `--nats` names without one
+    /// (`nats://scheduler@host:4222`): no password on the command line or in the environment.
+    /// Refused when group or others may read it.
+    #[arg(
+        long,
+        global = true,
+        env = stagehand_bus::env::NATS_PASSWORD_FILE,
+        conflicts_with_all = ["creds", "nkey"]
+    )]
+    pub password_file: Option<PathBuf>,
     /// A PEM bundle of CAs to trust for the servers' TLS certificates.
     #[arg(long, global = true, env = stagehand_bus::env::NATS_TLS_CA)]
     pub tls_ca: Option<PathBuf>,
@@ -66,6 +76,7 @@ impl Connection {
         BusConfig {
             creds_file: self.creds.clone(),
             nkey_seed_file: self.nkey.clone(),
+            password_file: self.password_file.clone(),
             tls_ca: self.tls_ca.clone(),
             inbox_prefix: self.inbox_prefix.clone(),
             connect_timeout: timeout,

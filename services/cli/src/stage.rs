@@ -254,8 +254,7 @@ pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result
     }
     // The watch delivers the latest value first, so nothing written since the read above is
     // missed.
-    let mut watch = store
-        .watch_with_history(&key)
+    let mut watch = watch_key(bus, &store, &key)
         .await
         .with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
     loop {
@@ -263,19 +262,57 @@ pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result
         match tokio::time::timeout(left, watch.next()).await {
             Err(_) => return Ok(WaitOutcome::TimedOut(last)),
             Ok(None) => anyhow::bail!("the watch of {STAGES_BUCKET} key {key} ended"),
-            Ok(Some(entry)) => {
-                let entry = entry.with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
-                if entry.operation != async_nats::jetstream::kv::Operation::Put {
+            Ok(Some(message)) => {
+                let message =
+                    message.with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
+                // A delete or purge marker carries KV-Operation; a put carries none.
+                let removed = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("KV-Operation"))
+                    .is_some_and(|op| op.as_str() != "PUT");
+                if removed {
                     last = None;
                     continue;
                 }
-                match outcome(decode(&key, &entry.value)?) {
+                match outcome(decode(&key, &message.payload)?) {
                     Ok(done) => return Ok(done),
                     Err(status) => last = Some(*status),
                 }
             }
         }
     }
+}
+
+/// The values of one key of `store` from its latest on: an ordered consumer of the bucket's
+/// stream filtered to that key. Unlike the KV watch, the consumer has a name, so it is created
+/// on `$JS.API.CONSUMER.CREATE.<stream>.<name>.<key's subject>`, where the server checks the
+/// filter against the subject: a user allowed one project's keys (`scheduler-<project>` of
+/// deploy/nats/accounts.conf) can watch them, and no other project's.
+async fn watch_key(
+    bus: &Bus,
+    store: &async_nats::jetstream::kv::Store,
+    key: &str,
+) -> anyhow::Result<async_nats::jetstream::consumer::push::Ordered> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, ReplayPolicy, push};
+    let inbox = bus.client().new_inbox();
+    let name = format!(
+        "stage-wait-{}",
+        inbox.rsplit('.').next().unwrap_or_default()
+    );
+    let consumer: async_nats::jetstream::consumer::Consumer<push::OrderedConfig> = store
+        .stream
+        .create_consumer(push::OrderedConfig {
+            deliver_subject: inbox,
+            name: Some(name),
+            description: Some("stagehand stage wait".to_owned()),
+            filter_subject: format!("{}{key}", store.prefix),
+            replay_policy: ReplayPolicy::Instant,
+            deliver_policy: DeliverPolicy::LastPerSubject,
+            ..Default::default()
+        })
+        .await?;
+    Ok(consumer.messages().await?)
 }
 
 /// Which stage requests `stage status` lists: a project's, of one job or of one dataset

@@ -691,3 +691,48 @@ async fn a_training_job_commits_its_projects_checkpoints_and_nothing_else() -> a
     );
     Ok(())
 }
+
+/// A password file (what the Slurm hooks use, so that no command line holds the password)
+/// connects the user the URL names, and is refused when group or others may read it, or when
+/// the URL carries a password too.
+#[test]
+fn a_password_file_connects_the_named_user_and_must_be_private() -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let server = start_server();
+    let out = stagehand(&user_url(&server, "operator", "OPERATOR"), &["provision"])?;
+    ensure!(out.status.success(), "provision: {}", said(&out));
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("scheduler.password");
+    std::fs::write(&file, format!("{}\n", role_password("SCHEDULER")))?;
+    let file_arg = file.to_str().context("a UTF-8 temp path")?;
+    let url = format!("nats://scheduler@127.0.0.1:{}", server.port());
+    let status = [
+        "--password-file",
+        file_arg,
+        "stage",
+        "status",
+        "--project",
+        "demo",
+    ];
+
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644))?;
+    let out = stagehand(&url, &status)?;
+    ensure!(
+        !out.status.success() && said(&out).contains("has mode 0644"),
+        "a world-readable password file was used: {}",
+        said(&out)
+    );
+
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))?;
+    let out = stagehand(&url, &status)?;
+    ensure!(out.status.success(), "as scheduler: {}", said(&out));
+    no_secrets(&said(&out))?;
+
+    let out = stagehand(&user_url(&server, "scheduler", "SCHEDULER"), &status)?;
+    ensure!(
+        !out.status.success() && said(&out).contains("password_file"),
+        "a URL with a password and a password file: {}",
+        said(&out)
+    );
+    Ok(())
+}

@@ -48,7 +48,7 @@ impl Home {
             let mut tiers = std::fs::read_to_string(policies.join("tiers.toml"))?;
             tiers.push_str(&format!(
                 "\n[tiers.lab]\nkind = \"s3\"\nrole = \"source\"\nfailure_domain = \"lab-bucket\"\n\
-                 endpoint = \"{endpoint}\"\nbucket = \"{bucket}\"\nprefix = \"drop\"\n"
+                 endpoint = \"{endpoint}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"drop\"\n"
             ));
             std::fs::write(policies.join("tiers.toml"), tiers)?;
         }

@@ -6,21 +6,29 @@
 //!   pinned nats-server version, ConfigMaps and keys, volumes, claims and the annotations the
 //!   downward API reads. The NATS config passes `nats-server -t`; the policies ConfigMap loads
 //!   as Stagehand's policies.
+//! - The NATS manifests have users (deploy/nats/accounts.conf as a ConfigMap), TLS for clients
+//!   and routes, and route authentication; their config passes `nats-server -t` with them.
 //! - The init container's command (`deploy/k8s/stage-init.sh`) runs as a process against a real
-//!   nats-server and the real catalogue recorder (the promoter's answers published as its facts): ready writes the env file, a failed stage exits 1 with the reason in the
-//!   termination log, a missing annotation exits 64.
+//!   nats-server running the shipped single.conf (TLS on, a chain made here, the shipped users)
+//!   with the real validator, promoter and catalogue recorder, authenticating as its
+//!   namespace's user (scheduler-lab) with the Secrets stage-pod.yaml mounts: ready writes the
+//!   env file, a failed stage exits 1 with the reason in the termination log, another
+//!   project's stage is refused, a missing annotation exits 64.
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, bail, ensure};
 use serde::Deserialize;
 use serde_json::Value;
 use stagehand::stage::Stage;
+use stagehand_testkit::{
+    NatsServer, TestCa, accounts_conf_with_projects, role_password, roles_of, user_url,
+};
 
 fn k8s_dir() -> PathBuf {
     stagehand_testkit::repo_root().join("deploy/k8s")
@@ -183,6 +191,14 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
             _ => {}
         }
     }
+    // ConfigMaps the README makes with kubectl from the repository's own files.
+    for (name, key, file) in FILE_CONFIG_MAPS {
+        let text = std::fs::read_to_string(stagehand_testkit::repo_root().join(file))?;
+        config_maps
+            .entry(name.to_string())
+            .or_default()
+            .insert(key.to_string(), text);
+    }
     for doc in docs
         .iter()
         .filter_map(|(_, d)| d.pointer("/spec/volumeClaimTemplates"))
@@ -304,20 +320,51 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
         "expected the NATS, service and stage pods, found {pods}"
     );
 
-    // The NATS configuration is one nats-server accepts.
+    // The NATS configuration is one nats-server accepts, with the accounts beside it, every
+    // role's password in the environment (the Secret stagehand-nats-passwords) and the TLS
+    // Secret's files (cert-manager's names) where it mounts them.
     let dir = tempfile::tempdir()?;
+    let ca = stagehand_testkit::TestCa::new("Stagehand k8s test CA");
     let nats_conf = dir.path().join("nats.conf");
     let text = config_maps
         .get("stagehand-nats-config")
         .and_then(|m| m.get("nats.conf"))
         .context("no nats.conf in ConfigMap stagehand-nats-config")?;
-    std::fs::write(&nats_conf, text)?;
-    let out = Command::new(stagehand_testkit::nats_server_binary())
+    let tls_dir = dir.path().join("tls");
+    std::fs::create_dir(&tls_dir)?;
+    for (name, from) in [
+        ("tls.crt", ca.server_cert()),
+        ("tls.key", ca.server_key()),
+        ("ca.crt", ca.ca()),
+    ] {
+        std::fs::copy(from, tls_dir.join(name))?;
+    }
+    ensure!(
+        text.contains(NATS_TLS_DIR) && text.contains("verify: true"),
+        "nats.conf has no TLS for clients and routes:\n{text}"
+    );
+    std::fs::write(
+        &nats_conf,
+        text.replace(NATS_TLS_DIR, &format!("{}/", tls_dir.display())),
+    )?;
+    let accounts = config_maps
+        .get("stagehand-nats-accounts")
+        .and_then(|m| m.get("accounts.conf"))
+        .context("no accounts.conf in ConfigMap stagehand-nats-accounts")?;
+    std::fs::write(dir.path().join("accounts.conf"), accounts)?;
+    let mut check = Command::new(stagehand_testkit::nats_server_binary());
+    check
         .arg("-t")
         .arg("-c")
         .arg(&nats_conf)
-        .env("POD_NAME", "stagehand-nats-0")
-        .output()?;
+        .env("POD_NAME", "stagehand-nats-0");
+    for role in stagehand_testkit::roles_of(accounts) {
+        check.env(
+            format!("STAGEHAND_NATS_{role}_PASSWORD"),
+            stagehand_testkit::role_password(&role),
+        );
+    }
+    let out = check.output()?;
     ensure!(
         out.status.success(),
         "nats-server -t refuses nats.conf: {}{}",
@@ -388,6 +435,17 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
     Ok(())
 }
 
+/// ConfigMaps made from a file of the repository (deploy/k8s/README.md, "Users and TLS"):
+/// name, key, file.
+const FILE_CONFIG_MAPS: &[(&str, &str, &str)] = &[(
+    "stagehand-nats-accounts",
+    "accounts.conf",
+    "deploy/nats/accounts.conf",
+)];
+
+/// Where nats.yaml mounts the Secret stagehand-nats-tls.
+const NATS_TLS_DIR: &str = "/etc/nats/tls/";
+
 /// Parses one service configuration the way the service's binary does (unknown keys refused,
 /// every table validated); no `STAGEHAND_NATS_*` variables apply.
 type Check = fn(&std::path::Path, &str) -> Result<(), String>;
@@ -425,22 +483,67 @@ struct InitContainer {
     env: Vec<(String, String)>,
 }
 
+/// The init container's NATS settings as stage-pod.yaml gives them (every `STAGEHAND_NATS_*`
+/// with a value), for a pod of the namespace whose user is `user`, against a server here: the
+/// Service's name becomes `127.0.0.1:<port>`, and the folders the pod mounts its Secrets at
+/// (`/etc/stagehand/…`) folders under `secrets`.
+fn pod_nats_env(port: u16, user: &str, secrets: &Path) -> anyhow::Result<Vec<(String, String)>> {
+    let text = std::fs::read_to_string(k8s_dir().join("stage-pod.yaml"))?;
+    let pod: Value = serde_yaml_ng::from_str(&text)?;
+    let env = pod
+        .pointer("/spec/initContainers/0/env")
+        .and_then(Value::as_array)
+        .context("stage-pod.yaml: no init container env")?;
+    let mut nats = Vec::new();
+    for e in env {
+        let (Some(name), Some(value)) = (str_of(e, "/name"), str_of(e, "/value")) else {
+            continue;
+        };
+        if !name.starts_with("STAGEHAND_NATS_") {
+            continue;
+        }
+        let value = value
+            .replace("$(STAGEHAND_NATS_USER)", user)
+            .replace(
+                "stagehand-nats.stagehand.svc:4222",
+                &format!("127.0.0.1:{port}"),
+            )
+            .replace("/etc/stagehand/", &format!("{}/", secrets.display()));
+        nats.push((name, value));
+    }
+    for wanted in [
+        "STAGEHAND_NATS_URL",
+        "STAGEHAND_NATS_PASSWORD_FILE",
+        "STAGEHAND_NATS_TLS_CA",
+    ] {
+        ensure!(
+            nats.iter().any(|(k, _)| k == wanted),
+            "stage-pod.yaml: the init container sets no {wanted}"
+        );
+    }
+    ensure!(
+        nats.iter().all(|(_, v)| !v.contains('$')),
+        "stage-pod.yaml: an unresolved reference in {nats:?}"
+    );
+    Ok(nats)
+}
+
 impl InitContainer {
-    fn new(nats_url: &str, dataset: &str, job: &str) -> anyhow::Result<InitContainer> {
+    fn new(nats: &[(String, String)], dataset: &str, job: &str) -> anyhow::Result<InitContainer> {
         let dir = tempfile::tempdir()?;
-        let env = vec![
+        let mut env: Vec<(String, String)> = vec![
             ("STAGEHAND_PROJECT", "lab"),
             ("STAGEHAND_DATASET", dataset),
             ("STAGEHAND_VERSION", "5f2c9a0e11b34d7a"),
             ("STAGEHAND_TIER", "hot"),
             ("STAGEHAND_JOB", job),
-            ("STAGEHAND_NATS_URL", nats_url),
             ("STAGEHAND_TIMEOUT", "30s"),
             ("STAGEHAND_BIN", env!("CARGO_BIN_EXE_stagehand")),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
+        env.extend(nats.iter().cloned());
         Ok(InitContainer { dir, env })
     }
 
@@ -494,10 +597,14 @@ impl InitContainer {
     }
 }
 
-/// Whether the stage's request is stored: publishing it again is a duplicate.
-fn was_requested(nats_url: &str, stage: &Stage) -> anyhow::Result<bool> {
+/// Whether the stage's request is stored: publishing it again (as the operator) is a
+/// duplicate.
+fn was_requested(nats_url: &str, tls_ca: &Path, stage: &Stage) -> anyhow::Result<bool> {
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["--nats", nats_url, "stage", "request"])
+        .args(["--nats", nats_url])
+        .arg("--tls-ca")
+        .arg(tls_ca)
+        .args(["stage", "request"])
         .arg(format!("{}@{}", stage.dataset, stage.version))
         .args([
             "--tier",
@@ -527,13 +634,44 @@ fn finish(child: std::process::Child) -> anyhow::Result<(i32, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_reason()
 -> anyhow::Result<()> {
-    let stagehand = common::Stagehand::start(common::Options {
-        validator: true,
-        promoter: true,
-        ..common::Options::default()
-    })
+    // The shipped single-server config (TLS on) with the shipped accounts extended to project
+    // lab: the pod's namespace user is scheduler-lab, the services run as the operator.
+    let ca = TestCa::new("Stagehand k8s test CA");
+    let accounts = accounts_conf_with_projects(&["lab"]);
+    let server = roles_of(&accounts)
+        .into_iter()
+        .fold(
+            NatsServer::builder()
+                .config_text(ca.shipped_nats_config_with_accounts("single.conf", &accounts)),
+            |b, role| {
+                let password = role_password(&role);
+                b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
+            },
+        )
+        .start();
+    let url = user_url(&server, "operator", "OPERATOR");
+    let port = server.port();
+    let stagehand = common::Stagehand::start_on(
+        server,
+        common::Options {
+            validator: true,
+            promoter: true,
+            nats_url: Some(url.clone()),
+            tls_ca: Some(ca.ca()),
+            ..common::Options::default()
+        },
+    )
     .await?;
-    let url = stagehand.url.clone();
+    // The namespace's Secrets as the pod mounts them: the user's password (0400), the CA.
+    let secrets = tempfile::tempdir()?;
+    for sub in ["nats-user", "nats-ca"] {
+        std::fs::create_dir(secrets.path().join(sub))?;
+    }
+    let password = secrets.path().join("nats-user/password");
+    std::fs::write(&password, role_password("SCHEDULER_LAB"))?;
+    std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o400))?;
+    std::fs::copy(ca.ca(), secrets.path().join("nats-ca/ca.crt"))?;
+    let nats = pod_nats_env(port, "scheduler-lab", secrets.path())?;
 
     // Ready: the promoter staged the validated version; the env file names its path.
     let folder = tempfile::tempdir()?;
@@ -542,14 +680,14 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
         &[("a.bin", b"pod data"), ("b/c.bin", &[9u8; 5000])],
     )?;
     let digest = stagehand.ingest(folder.path(), "imagenet-mini", true)?;
-    let mut ready = InitContainer::new(&url, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
+    let mut ready = InitContainer::new(&nats, "imagenet-mini", "0b8f7c3e-pod-uid-1")?;
     ready.set("STAGEHAND_VERSION", &digest[..16]);
     ready.set("STAGEHAND_HOLD_UNTIL", "2d");
     let asked_at = time::OffsetDateTime::now_utc();
     let (code, err) = finish(ready.spawn()?)?;
     ensure!(code == 0, "exit {code}: {err}");
     ensure!(
-        was_requested(&url, &ready.stage())?,
+        was_requested(&url, &ca.ca(), &ready.stage())?,
         "the init container did not request"
     );
     // stagehand.io/hold: the stage holds its data at most two days unless released.
@@ -581,7 +719,7 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
 
     // Failed (a dataset nobody uploaded): exit 1, the promoter's reason in the termination
     // log Kubernetes shows.
-    let failed = InitContainer::new(&url, "nosuch", "0b8f7c3e-pod-uid-2")?;
+    let failed = InitContainer::new(&nats, "nosuch", "0b8f7c3e-pod-uid-2")?;
     let (code, err) = finish(failed.spawn()?)?;
     ensure!(code == 1, "exit {code}: {err}");
     let message = std::fs::read_to_string(failed.termination_log())?;
@@ -595,7 +733,17 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
     );
 
     // A missing annotation: exit 64, named.
-    let mut broken = InitContainer::new(&url, "x", "uid-3")?;
+    // The namespace's user acts for its own project only: a pod of namespace lab naming
+    // project demo is refused, and nothing is staged for it.
+    let mut foreign = InitContainer::new(&nats, "imagenet-mini", "0b8f7c3e-pod-uid-4")?;
+    foreign.set("STAGEHAND_VERSION", &digest[..16]);
+    foreign.set("STAGEHAND_PROJECT", "demo");
+    let (code, err) = finish(foreign.spawn()?)?;
+    ensure!(code != 0, "scheduler-lab staged for project demo: {err}");
+    ensure!(!foreign.env_file().exists(), "{err}");
+    eprintln!("lab's user asking for demo: exit {code}: {err}");
+
+    let mut broken = InitContainer::new(&nats, "x", "uid-3")?;
     broken.env.retain(|(k, _)| k != "STAGEHAND_VERSION");
     let (code, _) = finish(broken.spawn()?)?;
     ensure!(code == 64, "exit {code}");

@@ -58,6 +58,12 @@ fn said(out: &Output) -> String {
 
 impl Slurm {
     fn start(nats_url: &str) -> anyhow::Result<Slurm> {
+        Slurm::start_with(nats_url, &[])
+    }
+
+    /// [`Slurm::start`] with more of slurm.sh's settings (`STAGEHAND_SLURM_ALLOW`, the hooks'
+    /// NATS credentials, their `STAGEHAND_BIN`).
+    fn start_with(nats_url: &str, settings: &[(&str, String)]) -> anyhow::Result<Slurm> {
         let dir = tempfile::Builder::new()
             .prefix("stagehand-slurm-")
             .tempdir()?;
@@ -74,6 +80,7 @@ impl Slurm {
             .env("STAGEHAND_STAGE_IN_TIMEOUT", "120")
             .env("STAGEHAND_PROLOG_TIMEOUT", "60")
             .env("STAGEHAND_CONNECT_TIMEOUT", "2")
+            .envs(settings.iter().map(|(k, v)| (*k, v.as_str())))
             .output()
             .context("running deploy/slurm/slurm.sh start")?;
         let slurm = Slurm {
@@ -109,6 +116,11 @@ impl Slurm {
 
     /// `sbatch` of `script` as the test user.
     fn sbatch(&self, name: &str, script: &str) -> anyhow::Result<Output> {
+        self.sbatch_with(name, script, &[])
+    }
+
+    /// `sbatch <options> script` as the test user.
+    fn sbatch_with(&self, name: &str, script: &str, options: &[&str]) -> anyhow::Result<Output> {
         let path = self.dir.path().join("jobs").join(format!("{name}.sh"));
         std::fs::write(&path, script)?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
@@ -121,13 +133,18 @@ impl Slurm {
                 "--output={}/%j.out",
                 self.dir.path().join("out").display()
             ))
+            .args(options)
             .arg(&path)
             .output()?;
         Ok(out)
     }
 
     fn submit(&self, name: &str, script: &str) -> anyhow::Result<u32> {
-        let out = self.sbatch(name, script)?;
+        self.submit_with(name, script, &[])
+    }
+
+    fn submit_with(&self, name: &str, script: &str, options: &[&str]) -> anyhow::Result<u32> {
+        let out = self.sbatch_with(name, script, options)?;
         ensure!(out.status.success(), "sbatch {name}: {}", said(&out));
         let id = String::from_utf8(out.stdout)?;
         id.trim()
@@ -866,4 +883,165 @@ async fn a_controller_restart_during_stage_in_keeps_the_request_and_the_job_runs
     ensure!(sums == expected, "{sums:?}");
     stagehand.released(&st).await?;
     Ok(())
+}
+
+/// A `stagehand` for the hooks that writes down the command line and environment it was run
+/// with, and those of the shell that ran it, then runs the real binary: what any user of the
+/// machine could read in `/proc/<pid>/cmdline` (and root in `environ`) while a hook runs.
+fn recording_bin(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let log = dir.join("seen.log");
+    let bin = dir.join("stagehand");
+    std::fs::write(
+        &bin,
+        format!(
+            "#!/bin/sh\n\
+             {{ echo \"cmdline: $(tr '\\0' ' ' </proc/$$/cmdline)\"\n\
+                echo \"parent: $(tr '\\0' ' ' </proc/$PPID/cmdline)\"\n\
+                echo \"environ: $(tr '\\0' ' ' </proc/$$/environ)\"; }} >>'{}'\n\
+             exec '{}' \"$@\"\n",
+            log.display(),
+            env!("CARGO_BIN_EXE_stagehand")
+        ),
+    )?;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
+    Ok((bin, log))
+}
+
+/// Issue 19, "Schedulers act for their users only", on a real Slurm and a nats-server with the
+/// shipped accounts. stagehand-slurm.conf allows the test user project `lab` and account `labb`
+/// project `labb`: a job of account `demo` naming `project=labb` is refused at sbatch with the
+/// reason (before, it ran and printed labb's bytes), a job of account `labb` runs and reads
+/// labb's data, a waiting job's account cannot be changed to one that may not stage its
+/// project, and `scontrol show bbstat` shows a user no stage of labb (22.05 cannot tell who
+/// asks). The hooks run as the shipped `scheduler` user with its password in a root-only file:
+/// no command line they run, and no environment, holds the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_stage_only_their_users_projects_and_the_hooks_show_no_secret() -> anyhow::Result<()> {
+    use stagehand_testkit::{role_password, user_url};
+    let server = stagehand_testkit::NatsServer::builder()
+        .shipped_accounts_with_projects(&["labb"])
+        .start();
+    let operator = user_url(&server, "operator", "OPERATOR");
+    let password = role_password("SCHEDULER");
+    let secrets = tempfile::tempdir()?;
+    std::fs::set_permissions(secrets.path(), std::fs::Permissions::from_mode(0o700))?;
+    let password_file = secrets.path().join("stagehand-nats.password");
+    std::fs::write(&password_file, format!("{password}\n"))?;
+    std::fs::set_permissions(&password_file, std::fs::Permissions::from_mode(0o600))?;
+    let (bin, seen) = recording_bin(secrets.path())?;
+    let hooks_url = format!("nats://scheduler@127.0.0.1:{}", server.port());
+    let settings = vec![
+        ("STAGEHAND_BIN", bin.display().to_string()),
+        (
+            "STAGEHAND_NATS_PASSWORD_FILE",
+            password_file.display().to_string(),
+        ),
+        (
+            "STAGEHAND_SLURM_ALLOW",
+            "user=stagehand-job lab;account=labb labb".to_owned(),
+        ),
+    ];
+    let slurm = tokio::task::spawn_blocking(move || Slurm::start_with(&hooks_url, &settings));
+    let stagehand = Stagehand::start_on(
+        server,
+        Options {
+            nats_url: Some(operator),
+            ..with_validator()
+        },
+    )
+    .await?;
+    let slurm = slurm.await??;
+    let (folder, expected) = dataset_folder(&[("weights.bin", &[5u8; 4099]), ("notes", b"labb")])?;
+    let digest = stagehand.ingest_to("labb", folder.path(), "labb-private", true)?;
+    let version = &digest[..16];
+    let directives = vec![format!(
+        "#BB_LUA stage dataset=labb-private version={version} tier=hot project=labb"
+    )];
+    let script = reading_job(&directives, "STAGEHAND_DATA_LABB_PRIVATE");
+
+    // Account demo may not stage labb: refused at submit, sbatch says why.
+    let out = slurm.sbatch_with("demo-asks-labb", &script, &["--account=demo"])?;
+    ensure!(
+        !out.status.success(),
+        "a job of account demo naming project=labb was accepted: {}",
+        said(&out)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        err.contains("sbatch: error: stagehand: line 2 (")
+            && err.contains("account demo may not stage project 'labb'")
+            && err.contains("allows this job: lab)"),
+        "sbatch said {err:?}"
+    );
+
+    // Account labb may: the job runs and reads labb's files.
+    let job = slurm.submit_with("labb-asks-labb", &script, &["--account=labb"])?;
+    slurm
+        .wait_job(job, "the labb job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(sums == expected, "the labb job read {sums:?} at {path}");
+    let labb = Stage {
+        project: "labb".to_owned(),
+        ..stage(job, "labb-private", version, "hot", None)
+    };
+    stagehand.released(&labb).await?;
+
+    // A waiting job of account labb cannot be moved to account demo.
+    let held = slurm.submit_with("held", &script, &["--account=labb", "--hold"])?;
+    let out = slurm
+        .cmd("runuser")
+        .args(["-u", &slurm.user, "--", "env"])
+        .arg(format!("SLURM_CONF={}", slurm.conf.display()))
+        .args([
+            "scontrol",
+            "update",
+            &format!("JobId={held}"),
+            "Account=demo",
+        ])
+        .output()?;
+    ensure!(
+        !out.status.success(),
+        "the account of a job naming labb was changed to demo: {}",
+        said(&out)
+    );
+    ensure!(
+        slurm.show_job(held)?.contains("Account=labb"),
+        "{}",
+        slurm.show_job(held)?
+    );
+
+    // bbstat shows the test user no stage of labb (22.05 does not say who asks).
+    for words in [vec!["project=labb"], vec![&st_job(job)[..], "project=labb"]] {
+        let out = slurm
+            .cmd("runuser")
+            .args(["-u", &slurm.user, "--", "env"])
+            .arg(format!("SLURM_CONF={}", slurm.conf.display()))
+            .args(["scontrol", "show", "bbstat"])
+            .args(&words)
+            .output()?;
+        let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+        ensure!(
+            !shown.contains("labb-private") && shown.contains("does not tell bbstat who asks"),
+            "bbstat {words:?} showed {shown:?}"
+        );
+    }
+
+    // The hooks ran the CLI as `scheduler` (the job above got its data), with the password in
+    // no command line and no environment.
+    let seen = std::fs::read_to_string(&seen)?;
+    ensure!(
+        seen.contains("--password-file") && seen.contains("stage request"),
+        "the hooks ran no stagehand: {seen:?}"
+    );
+    ensure!(
+        !seen.contains(&password),
+        "a hook's command line or environment holds the password:\n{seen}"
+    );
+    Ok(())
+}
+
+/// The job id Stagehand sees for Slurm job `job`.
+fn st_job(job: u32) -> String {
+    format!("{JOB_PREFIX}{job}")
 }

@@ -130,6 +130,7 @@ struct RawTier {
     part_size: Option<ByteSize>,
     concurrency: Option<usize>,
     send_checksums: Option<bool>,
+    allow_plaintext: Option<bool>,
     // hot / local
     capacity: Option<ByteSize>,
     high_watermark: Option<f64>,
@@ -200,6 +201,7 @@ fn parse_tier(
                 (raw.part_size.is_some(), "part_size"),
                 (raw.concurrency.is_some(), "concurrency"),
                 (raw.send_checksums.is_some(), "send_checksums"),
+                (raw.allow_plaintext.is_some(), "allow_plaintext"),
             ] {
                 refuse(present, field, "s3 tiers")?;
             }
@@ -223,6 +225,22 @@ fn parse_tier(
                 .bucket
                 .ok_or_else(|| src.invalid(key("bucket"), "an s3 tier needs `bucket`"))?;
             let mut config = S3Config::new(bucket, raw.prefix.unwrap_or_default());
+            // Bytes and signed requests travel unencrypted over http://: only where the tier
+            // says the network is trusted.
+            if let Some(endpoint) = &raw.endpoint
+                && endpoint
+                    .get(..7)
+                    .is_some_and(|scheme| scheme.eq_ignore_ascii_case("http://"))
+                && raw.allow_plaintext != Some(true)
+            {
+                return Err(src.invalid(
+                    key("endpoint"),
+                    format!(
+                        "{endpoint:?} is plaintext http: use https://, or set \
+                         `allow_plaintext = true` on tier {name} for a network you trust"
+                    ),
+                ));
+            }
             config.endpoint = raw.endpoint;
             if let Some(region) = raw.region {
                 config.region = region;

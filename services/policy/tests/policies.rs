@@ -300,7 +300,7 @@ fn nested_tier_roots_are_refused() {
 #[test]
 fn s3_tiers_are_typed_and_checked_by_the_mover_rules() {
     let s3 = "\n[tiers.archive]\nkind = \"s3\"\nrole = \"capacity\"\nfailure_domain = \"object-store\"\n\
-              endpoint = \"http://127.0.0.1:8333\"\nbucket = \"stagehand-archive\"\nprefix = \"v1\"\n\
+              endpoint = \"http://127.0.0.1:8333\"\nallow_plaintext = true\nbucket = \"stagehand-archive\"\nprefix = \"v1\"\n\
               region = \"eu-west-1\"\npart_size = \"8 MiB\"\n";
     let (tmp, dir) = with_edit("tiers.toml", |t| t + s3);
     let policies = Policies::load_dir_with_home(&dir, tmp.path()).unwrap();
@@ -321,6 +321,42 @@ fn s3_tiers_are_typed_and_checked_by_the_mover_rules() {
         t + &s3.replace("kind = \"s3\"", "kind = \"nfs\"")
     });
     expect_invalid(&dir, "tiers.toml", "tiers.archive.kind", "unknown variant");
+}
+
+/// An `http://` endpoint sends bytes and signed requests in the clear: refused at load, naming
+/// the file, the tier and the key, unless the tier says `allow_plaintext = true`; https needs
+/// nothing, and a posix tier takes no such key.
+#[test]
+fn a_plaintext_s3_endpoint_needs_allow_plaintext() {
+    let s3 = "\n[tiers.archive]\nkind = \"s3\"\nrole = \"capacity\"\nfailure_domain = \"object-store\"\n\
+              endpoint = \"http://127.0.0.1:8333\"\nbucket = \"stagehand-archive\"\n";
+    let (_tmp, dir) = with_edit("tiers.toml", |t| t + s3);
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.archive.endpoint",
+        "set `allow_plaintext = true` on tier archive",
+    );
+    let (_tmp, dir) = with_edit("tiers.toml", |t| t + &s3.replace("http://", "HTTP://"));
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.archive.endpoint",
+        "plaintext http",
+    );
+    let (tmp, dir) = with_edit("tiers.toml", |t| t + s3 + "allow_plaintext = true\n");
+    Policies::load_dir_with_home(&dir, tmp.path()).unwrap();
+    let (tmp, dir) = with_edit("tiers.toml", |t| t + &s3.replace("http://", "https://"));
+    Policies::load_dir_with_home(&dir, tmp.path()).unwrap();
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        t.replace("[tiers.local]", "[tiers.local]\nallow_plaintext = true")
+    });
+    expect_invalid(
+        &dir,
+        "tiers.toml",
+        "tiers.local.allow_plaintext",
+        "s3 tiers",
+    );
 }
 
 #[test]
@@ -383,7 +419,7 @@ fn object_lock_holds_s3_backups_only_and_for_a_bounded_time() {
     let s3_backup = |t: String| {
         t.replace(
             "kind = \"posix\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nroot = \"tiers/backup\"",
-            "kind = \"s3\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nendpoint = \"http://127.0.0.1:8333\"\nbucket = \"stagehand-backup\"",
+            "kind = \"s3\"\nrole = \"backup\"\nfailure_domain = \"backup-site\"\nendpoint = \"http://127.0.0.1:8333\"\nallow_plaintext = true\nbucket = \"stagehand-backup\"",
         )
     };
     let (_tmp, dir) = with_edit("tiers.toml", s3_backup);

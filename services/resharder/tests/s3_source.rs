@@ -25,7 +25,7 @@ async fn a_raw_version_on_s3_packs_like_the_same_files_on_posix() {
     std::fs::write(
         policies.join("tiers.toml"),
         format!(
-            "{tiers}\n[tiers.objects]\nkind = \"s3\"\nrole = \"source\"\nfailure_domain = \"objects\"\nendpoint = \"{}\"\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"{}\"\n",
+            "{tiers}\n[tiers.objects]\nkind = \"s3\"\nrole = \"source\"\nfailure_domain = \"objects\"\nendpoint = \"{}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"{}\"\n",
             s3.endpoint(),
             s3.region()
         ),

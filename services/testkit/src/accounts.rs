@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use crate::{NatsServer, NatsServerBuilder, repo_root};
+use crate::{NatsClusterBuilder, NatsServer, NatsServerBuilder, repo_root};
 
 /// The shipped accounts config.
 pub fn accounts_conf() -> PathBuf {
@@ -181,6 +181,17 @@ impl NatsServerBuilder {
             (self.config_text(text.clone()), text)
         };
         roles_of(&text).into_iter().fold(builder, |b, role| {
+            let password = role_password(&role);
+            b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
+        })
+    }
+}
+
+impl NatsClusterBuilder {
+    /// Every role's password that `accounts_text` (an accounts config the nodes include, such
+    /// as the shipped one) reads, set for every node.
+    pub fn role_passwords(self, accounts_text: &str) -> Self {
+        roles_of(accounts_text).into_iter().fold(self, |b, role| {
             let password = role_password(&role);
             b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
         })

@@ -29,6 +29,7 @@ mod nats;
 mod process;
 mod prometheus;
 mod s3;
+mod tls;
 mod tmpfs;
 mod wait;
 
@@ -37,9 +38,10 @@ pub use accounts::{
     role_password, roles_of, user_url,
 };
 pub use facts::{StoredEventsError, stored_events};
-pub use nats::{NatsCluster, NatsServer, NatsServerBuilder};
+pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
 pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
+pub use tls::{DEPLOY_TLS_DIR, TestCa};
 pub use tmpfs::Tmpfs;
 pub use wait::{WaitTimeout, wait_for, wait_until, wait_until_blocking};
 

@@ -174,7 +174,9 @@ impl NatsServer {
         std::fs::create_dir_all(self.store_dir()).expect("create the store dir");
         let mut cmd = Command::new(&bin);
         match &self.config {
-            Some(config) => cmd.arg("-c").arg(config),
+            // A free monitoring port: a configuration's own (`http: ...:8222`, as the shipped
+            // ones say) would be taken by another server of this test or another.
+            Some(config) => cmd.arg("-c").arg(config).args(["-m", "-1"]),
             None => {
                 // Tests run with the settings development uses (deploy/nats/dev.conf): the
                 // server's default limits, max_payload included.
@@ -247,16 +249,70 @@ pub struct NatsCluster {
     nodes: Vec<NatsServer>,
 }
 
-impl NatsCluster {
-    /// Starts `size` nodes (3 for replicated streams) and waits until the cluster accepts a
-    /// stream with `num_replicas = size`. Panics when it does not within 60 s.
-    pub fn start(size: usize) -> NatsCluster {
+/// How the testkit's own client reaches a cluster that has users or TLS, to see that it is
+/// ready: options made afresh for each connection.
+type ClientOptions = std::sync::Arc<dyn Fn() -> async_nats::ConnectOptions + Send + Sync>;
+
+/// Options for a cluster other than the defaults: each node's configuration (a shipped
+/// `cluster-<n>.conf`, say; ports, store and routes still come from the testkit, overriding
+/// it) and environment, and how to connect to it.
+#[derive(Clone)]
+pub struct NatsClusterBuilder {
+    size: usize,
+    configs: Vec<String>,
+    env: Vec<(String, String)>,
+    client: ClientOptions,
+}
+
+impl std::fmt::Debug for NatsClusterBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsClusterBuilder")
+            .field("size", &self.size)
+            .field("configs", &self.configs.len())
+            .finish()
+    }
+}
+
+impl NatsClusterBuilder {
+    /// Node `i` (from 0) runs with configuration `texts[i]` (written into its own folder).
+    /// The monitoring port a configuration names is replaced by a free one.
+    pub fn config_texts(mut self, texts: Vec<String>) -> Self {
+        self.configs = texts;
+        self
+    }
+
+    /// Sets an environment variable for every node (a config can read secrets as `$VAR`).
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// How the testkit connects to see that the cluster is ready (a user, TLS roots).
+    pub fn client_options(
+        mut self,
+        options: impl Fn() -> async_nats::ConnectOptions + Send + Sync + 'static,
+    ) -> Self {
+        self.client = std::sync::Arc::new(options);
+        self
+    }
+
+    /// Starts the nodes and waits until the cluster accepts a stream with `num_replicas =
+    /// size`. Panics when it does not within 60 s.
+    pub fn start(self) -> NatsCluster {
+        let size = self.size;
         assert!(size >= 1, "a cluster needs at least one node");
+        assert!(
+            self.configs.is_empty() || self.configs.len() == size,
+            "{} configurations for {size} nodes",
+            self.configs.len()
+        );
         // JetStream clustering needs explicit routes on every node, so the route ports are
         // chosen up front. Another process can take one before the nodes bind it: retry.
         let mut last_err = String::new();
         for _attempt in 0..3 {
-            match std::panic::catch_unwind(|| Self::try_start(size)) {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                NatsCluster::try_start(&self)
+            })) {
                 Ok(Ok(cluster)) => return cluster,
                 Ok(Err(e)) => last_err = e,
                 Err(panic) => {
@@ -270,8 +326,27 @@ impl NatsCluster {
         }
         panic!("NATS cluster of {size} did not start: {last_err}");
     }
+}
 
-    fn try_start(size: usize) -> Result<NatsCluster, String> {
+impl NatsCluster {
+    /// Starts `size` nodes (3 for replicated streams) and waits until the cluster accepts a
+    /// stream with `num_replicas = size`. Panics when it does not within 60 s.
+    pub fn start(size: usize) -> NatsCluster {
+        Self::builder(size).start()
+    }
+
+    /// Options for a cluster of `size` nodes: configurations, environment, client options.
+    pub fn builder(size: usize) -> NatsClusterBuilder {
+        NatsClusterBuilder {
+            size,
+            configs: Vec::new(),
+            env: Vec::new(),
+            client: std::sync::Arc::new(async_nats::ConnectOptions::new),
+        }
+    }
+
+    fn try_start(b: &NatsClusterBuilder) -> Result<NatsCluster, String> {
+        let size = b.size;
         let cluster_name = crate::unique_name("stagehand-c");
         let route_ports = process::free_ports(size);
         let routes: Vec<String> = route_ports
@@ -288,20 +363,26 @@ impl NatsCluster {
                     port: *port,
                     routes: routes.clone(),
                 };
-                NatsServer::launch(None, None, Vec::new(), Some(node))
+                NatsServer::launch(None, b.configs.get(i).cloned(), b.env.clone(), Some(node))
             })
             .collect();
         let cluster = NatsCluster { nodes };
-        cluster.wait_for_replicated_stream(size)?;
+        cluster.wait_for_replicated_stream(size, &b.client)?;
         Ok(cluster)
     }
 
     /// Creates and deletes an R`size` stream until the meta leader and peers accept it.
-    fn wait_for_replicated_stream(&self, size: usize) -> Result<(), String> {
+    fn wait_for_replicated_stream(
+        &self,
+        size: usize,
+        client: &ClientOptions,
+    ) -> Result<(), String> {
         let addrs = self.server_addrs();
         let probe = crate::unique_name("READY");
+        let options = client();
         let run = async move {
-            let client = async_nats::connect(addrs.as_slice())
+            let client = options
+                .connect(addrs.as_slice())
                 .await
                 .map_err(|e| format!("connect: {e}"))?;
             let js = async_nats::jetstream::new(client);

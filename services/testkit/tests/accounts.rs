@@ -133,6 +133,17 @@ async fn each_role_publishes_only_its_subjects() -> Result<()> {
         "stagehand.req.ingest.requested.demo",
     )
     .await?;
+    // A project's own scheduler user (a Kubernetes namespace's init containers): its
+    // project's stage requests only.
+    check_role(
+        &server,
+        &mut watcher,
+        "scheduler-demo",
+        "SCHEDULER_DEMO",
+        "stagehand.req.stage.requested.demo",
+        "stagehand.req.stage.requested.other-lab",
+    )
+    .await?;
     check_role(
         &server,
         &mut watcher,

@@ -239,6 +239,7 @@ kind = "s3"
 role = "source"
 failure_domain = "lab-bucket"
 endpoint = "http://127.0.0.1:1"
+allow_plaintext = true
 bucket = "lab-drop"
 prefix = "incoming"
 "#,

@@ -53,6 +53,11 @@ pub struct Options {
     pub node_agent: Option<String>,
     /// Lines replacing `[tiers.local.quotas]` of the default tiers.toml.
     pub local_quota: Option<String>,
+    /// The URL the services and the test's own clients use: a user of the server's accounts
+    /// (default the server's URL, for a server without users).
+    pub nats_url: Option<String>,
+    /// The CA of a server that requires TLS, trusted by the services and the test's clients.
+    pub tls_ca: Option<PathBuf>,
 }
 
 fn spawn<S, F, Fut, T, E>(
@@ -88,7 +93,7 @@ impl Stagehand {
     /// The services on a nats-server the caller started (so that it can start something else
     /// that needs the server's address, such as a Slurm cluster, meanwhile).
     pub async fn start_on(server: NatsServer, opts: Options) -> anyhow::Result<Stagehand> {
-        let url = server.url();
+        let url = opts.nats_url.clone().unwrap_or_else(|| server.url());
         let home = tempfile::Builder::new()
             .prefix("stagehand-home-")
             .tempdir()?;
@@ -125,7 +130,10 @@ impl Stagehand {
             home.path().join("tiers"),
             std::fs::Permissions::from_mode(0o755),
         )?;
-        let bus_config = BusConfig::new(&url);
+        let bus_config = BusConfig {
+            tls_ca: opts.tls_ca.clone(),
+            ..BusConfig::new(&url)
+        };
         let bus = Bus::connect(&bus_config).await?;
         bus.provision().await?;
         let stop = CancellationToken::new();
@@ -201,10 +209,25 @@ impl Stagehand {
     /// Runs the real `stagehand ingest` of `folder` as `dataset` (with `--wait` when
     /// `wait`); returns the version digest of the folder's files.
     pub fn ingest(&self, folder: &Path, dataset: &str, wait: bool) -> anyhow::Result<String> {
+        self.ingest_to(PROJECT, folder, dataset, wait)
+    }
+
+    /// [`Stagehand::ingest`] into `project`.
+    pub fn ingest_to(
+        &self,
+        project: &str,
+        folder: &Path,
+        dataset: &str,
+        wait: bool,
+    ) -> anyhow::Result<String> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
-        cmd.args(["--nats", &self.url, "ingest"])
+        cmd.args(["--nats", &self.url]);
+        if let Some(ca) = &self.bus_config.tls_ca {
+            cmd.arg("--tls-ca").arg(ca);
+        }
+        cmd.arg("ingest")
             .arg(folder)
-            .args(["--project", PROJECT, "--dataset", dataset, "--json"])
+            .args(["--project", project, "--dataset", dataset, "--json"])
             .arg("--policies")
             .arg(&self.policies)
             .env("STAGEHAND_HOME", self.home.path());

@@ -128,7 +128,7 @@ impl Stack {
                         root.join("tiers/capacity").display()
                     ),
                     Some((endpoint, bucket)) => format!(
-                        "kind = \"s3\"\nendpoint = \"{endpoint}\"\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
+                        "kind = \"s3\"\nendpoint = \"{endpoint}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
                     ),
                 },
                 hot = root.join("tiers/hot").display(),

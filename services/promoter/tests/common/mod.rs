@@ -86,7 +86,7 @@ impl Stack {
             ),
             Some((endpoint, bucket)) => {
                 format!(
-                    "kind = \"s3\"\nendpoint = \"{endpoint}\"\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
+                    "kind = \"s3\"\nendpoint = \"{endpoint}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
                 )
             }
         };
