@@ -1159,6 +1159,7 @@ mod tests {
                 tier: "hot".into(),
                 job_id: "j".into(),
                 node: None,
+                reason: None,
             }),
         )
     }
