@@ -404,6 +404,21 @@ pub struct StageReleased {
     /// The node, for a `local` tier.
     #[serde(default)]
     pub node: Option<String>,
+    /// Who released it and why, when it is not the job's own end (a reconciler that found the
+    /// job gone from its scheduler): shown as the stage's reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl StageReleased {
+    /// Whether this release names a request for `requested` (the version as the request wrote
+    /// it, or as it was resolved): the same stage however either spelled the version, a unique
+    /// prefix or the full digest.
+    pub fn names_version(&self, requested: &str) -> bool {
+        !requested.is_empty()
+            && !self.version.is_empty()
+            && (requested.starts_with(&self.version) || self.version.starts_with(requested))
+    }
 }
 
 /// A stage request cannot be answered yet, and this says why (the version is not validated or

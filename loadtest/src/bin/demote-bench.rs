@@ -218,6 +218,7 @@ async fn main() -> anyhow::Result<()> {
                 tier: "hot".into(),
                 job_id: "job".into(),
                 node: None,
+                reason: None,
             }),
         );
         rel.occurred_at = at + time::Duration::seconds(1);

@@ -1250,6 +1250,7 @@ mod tests {
                 tier: "hot".into(),
                 job_id: "j".into(),
                 node: None,
+                reason: None,
             }),
         )
     }

@@ -3,9 +3,16 @@
 //! both services write.
 //!
 //! **Space** (`quota.<tier>[.<node>]`, [`Reservations`]): every replica placed or being placed
-//! on a bounded tier and its bytes. Promoters reserve there; the space of a replica is given
-//! back ([`release_reservation`]) by whoever finishes its removal, after the folder is gone —
-//! never when the removal is only announced, so a removal that is undone keeps its space.
+//! on a bounded tier and its bytes. Promoters reserve there. The space of a placed replica is
+//! given back ([`release_removed`]) by whoever finishes its removal, after the folder is gone —
+//! never when the removal is only announced, so a removal that is undone keeps its space. A
+//! removal marks the entry `withdrawing` when it takes the use record ([`begin_withdraw`]) and
+//! gives back only a marked entry: a reserve of a marked entry is refused (the request waits
+//! for the removal), and a reservation made afresh once the removal is over (a new copy after
+//! the use record was forgotten) is never given back by that removal, even when it runs its
+//! last step again after a crash. A reserver gives back a reservation it made and never placed
+//! ([`release_reservation`]: a failed copy, a request that ended before its copy), never a
+//! marked one.
 //!
 //! **Use** (`replica.<tier>[.<node>].<hash of prefix>`, [`ReplicaUse`]): whether the replica
 //! may be handed to a job, and the requests it was last handed to. A promoter answers a
@@ -19,7 +26,7 @@
 //! one deletes it ([`forget_use`]) after the folder and its space are gone, and a request that
 //! found it withdrawing stages afresh.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use async_nats::jetstream::kv;
 use bytes::Bytes;
@@ -87,6 +94,10 @@ pub fn use_key(tier: &str, node: Option<&str>, prefix: &str) -> String {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Reservations {
     pub replicas: BTreeMap<String, u64>,
+    /// The replicas listed whose removal has begun ([`begin_withdraw`]): their space comes back
+    /// through [`release_removed`] only, and a reserve of one is refused until then.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub withdrawing: BTreeSet<String>,
 }
 
 impl Reservations {
@@ -196,23 +207,86 @@ pub async fn write_reservations(
     write(store, &quota_key(tier, node), value, revision).await
 }
 
-/// Gives back the space of the replica at `prefix` (idempotent); whether it was reserved.
-pub async fn release_reservation(
+/// Which entries a release may give back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Giving {
+    /// The reserver's own: an entry no removal has marked.
+    Unmarked,
+    /// A removal's: an entry it marked `withdrawing`.
+    Withdrawn,
+}
+
+async fn release(
     store: &kv::Store,
     tier: &str,
     node: Option<&str>,
     prefix: &str,
+    giving: Giving,
 ) -> Result<bool, PlacementError> {
     loop {
         let mut r = reservations(store, tier, node).await?;
         let Some(value) = r.value.as_mut() else {
             return Ok(false);
         };
-        if value.replicas.remove(prefix).is_none() {
+        let marked = value.withdrawing.contains(prefix);
+        if !value.replicas.contains_key(prefix) && !marked {
             return Ok(false);
         }
+        if marked != (giving == Giving::Withdrawn) {
+            return Ok(false);
+        }
+        value.replicas.remove(prefix);
+        value.withdrawing.remove(prefix);
         if write_reservations(store, tier, node, value, r.revision).await? {
             return Ok(true);
+        }
+    }
+}
+
+/// The reserver gives back the space of the replica at `prefix` it reserved and never placed
+/// (idempotent): whether it was reserved. An entry a removal has marked is left to the removal.
+pub async fn release_reservation(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<bool, PlacementError> {
+    release(store, tier, node, prefix, Giving::Unmarked).await
+}
+
+/// The remover gives back the space of the replica at `prefix` once its folder is gone
+/// (idempotent): only the entry its [`begin_withdraw`] marked, so a reservation made afresh
+/// since (by a new copy) is never given back by an old removal.
+pub async fn release_removed(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<bool, PlacementError> {
+    release(store, tier, node, prefix, Giving::Withdrawn).await
+}
+
+/// Marks (or unmarks) the reservation of the replica at `prefix` as being removed; a replica
+/// with no reservation is left as it is.
+async fn mark_withdrawing(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+    on: bool,
+) -> Result<(), PlacementError> {
+    loop {
+        let mut r = reservations(store, tier, node).await?;
+        let Some(value) = r.value.as_mut() else {
+            return Ok(());
+        };
+        let changed = if on {
+            value.replicas.contains_key(prefix) && value.withdrawing.insert(prefix.to_owned())
+        } else {
+            value.withdrawing.remove(prefix)
+        };
+        if !changed || write_reservations(store, tier, node, value, r.revision).await? {
+            return Ok(());
         }
     }
 }
@@ -282,28 +356,41 @@ pub async fn begin_withdraw(
     reason: &str,
 ) -> Result<Option<ReplicaUse>, PlacementError> {
     let key = use_key(tier, node, prefix);
-    let served = match &seen.value {
-        Some(v) if v.state == UseState::Withdrawing => return Ok(Some(v.clone())),
-        Some(v) => v.served.clone(),
-        None => Vec::new(),
+    let taken = match &seen.value {
+        // Taken by an earlier run of this step, which may have stopped before marking.
+        Some(v) if v.state == UseState::Withdrawing => v.clone(),
+        seen_value => {
+            let taken = ReplicaUse {
+                state: UseState::Withdrawing,
+                served: seen_value
+                    .as_ref()
+                    .map(|v| v.served.clone())
+                    .unwrap_or_default(),
+                reason: Some(reason.to_owned()),
+            };
+            if !write(store, &key, &taken, seen.revision).await? {
+                return Ok(None);
+            }
+            taken
+        }
     };
-    let taken = ReplicaUse {
-        state: UseState::Withdrawing,
-        served,
-        reason: Some(reason.to_owned()),
-    };
-    Ok(write(store, &key, &taken, seen.revision)
-        .await?
-        .then_some(taken))
+    // Before anything of the removal is visible (the rename comes later): a promoter that
+    // finds the folder gone finds its space marked too, and waits instead of copying onto a
+    // reservation about to be given back.
+    mark_withdrawing(store, tier, node, prefix, true).await?;
+    Ok(Some(taken))
 }
 
-/// Gives a withdrawing record back to serving (the removal is undone); idempotent.
+/// Gives a withdrawing record back to serving (the removal is undone), and its space back to
+/// the replica; idempotent.
 pub async fn end_withdraw(
     store: &kv::Store,
     tier: &str,
     node: Option<&str>,
     prefix: &str,
 ) -> Result<(), PlacementError> {
+    // The mark first: while the record still says withdrawing, no promoter copies or reserves.
+    mark_withdrawing(store, tier, node, prefix, false).await?;
     let key = use_key(tier, node, prefix);
     loop {
         let r: Read<ReplicaUse> = read(store, &key).await?;

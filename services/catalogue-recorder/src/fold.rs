@@ -554,22 +554,9 @@ fn stage_released(
     p: &StageReleased,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let change = StageChange {
-        request_id: released_request(event, p),
-        dataset: &p.dataset,
-        version: &p.version,
-        tier: &p.tier,
-        node: p.node.as_deref(),
-        job_id: &p.job_id,
-        rank: stage::RELEASED,
-        state: StageState::Released,
-        waiting_for: None,
-        reason: None,
-        retryable: None,
-        ready: None,
-        hold_until: None,
-    };
-    stage::record(txn, event, change, stamp)
+    // Applied to every request of the job it names, however either spelled the version: now
+    // to those folded, and to those folded later as they come (`stage::release`).
+    stage::release(txn, &event.project, p, stamp)
 }
 
 /// The stage request a release ends: the one the same job, data, tier and node asked with.

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
 use crate::files::FileLists;
-use crate::fold::{self, FoldError, stage_request_of, touched};
+use crate::fold::{self, FoldError, touched};
 use crate::readiness::{current, mirror, open_bucket};
 use crate::store::{FoldItem, Folded, Store, Writer};
 
@@ -127,7 +127,12 @@ impl Mirror {
         if let Some(key) = touched(event) {
             self.readiness_of(store, key).await?;
         }
-        if let Some(id) = stage_request_of(event) {
+        // A release names its requests however either spelled the version: each is rewritten.
+        let (s, e) = (store.clone(), event.clone());
+        let stages = tokio::task::spawn_blocking(move || s.stages_touched(&e))
+            .await
+            .map_err(|e| RecorderError::nats("reading stage requests", e))??;
+        for id in stages {
             self.stage(store, &event.project, &id).await?;
         }
         Ok(())

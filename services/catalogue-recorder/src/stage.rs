@@ -8,13 +8,20 @@
 //! request counts in the readiness of its (version, tier, node) once a fact named the full
 //! version; the counts move as its state does.
 //!
+//! A release names its request however either wrote the version (a unique prefix or the full
+//! digest, [`StageReleased::names_version`]): it is kept as written (table `stage_releases`)
+//! and applied to every request of the same job, dataset, tier and node it names — those
+//! folded already, and each one folded later as it comes — so whichever is folded first the
+//! catalogue ends the same, and a release never makes a record of its own.
+//!
 //! Progress messages (core NATS, about once a second per copy) are not folded: the last one is
 //! kept in the live-only table `stage_progress` (throttled, without an fsync) and shown as
 //! `copying` until a fact ends the wait.
 
 use redb::{Durability, ReadTransaction, ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageState, StageStatus, Stamp};
-use stagehand_schemas::{Event, EventId, is_sha256_hex};
+use stagehand_schemas::{Event, EventId, StageReleased, is_sha256_hex};
 use time::OffsetDateTime;
 
 use crate::error::StoreError;
@@ -101,14 +108,193 @@ fn rkey(key: &ReadinessKey) -> (&str, &str, &str, &str, &str) {
     )
 }
 
-/// Folds one fact about a stage request.
+/// Folds one fact about a stage request (not a release: [`release`]), then the releases
+/// already folded that name it.
 pub fn record(
     txn: &WriteTransaction,
     event: &Event,
     change: StageChange<'_>,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
-    let project = event.project.as_str();
+    let id = change.request_id.clone();
+    record_in(txn, &event.project, change, stamp)?;
+    apply_releases(txn, &event.project, &id)
+}
+
+/// A release as written, kept in `stage_releases`: the newest one's stamp and reason.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct WrittenRelease {
+    stamp: Stamp,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+}
+
+/// The change a release makes to a request it names.
+fn released<'a>(request_id: EventId, p: &'a StageReleased) -> StageChange<'a> {
+    StageChange {
+        request_id,
+        dataset: &p.dataset,
+        version: &p.version,
+        tier: &p.tier,
+        node: p.node.as_deref(),
+        job_id: &p.job_id,
+        rank: RELEASED,
+        state: StageState::Released,
+        waiting_for: None,
+        reason: p.reason.clone(),
+        retryable: None,
+        ready: None,
+        hold_until: None,
+    }
+}
+
+/// Whether `status` is a request `p` releases: same job, dataset, tier and node, and a version
+/// the release names as the request wrote it or as it was resolved.
+fn names(p: &StageReleased, status: &StageStatus) -> bool {
+    status.job_id == p.job_id
+        && status.dataset == p.dataset
+        && status.tier == p.tier
+        && status.node == p.node
+        && (p.names_version(&status.version)
+            || status
+                .resolved_version
+                .as_deref()
+                .is_some_and(|v| p.names_version(v)))
+}
+
+fn stage_record(
+    txn: &WriteTransaction,
+    project: &str,
+    id: &str,
+) -> Result<Option<StageRecord>, StoreError> {
+    txn.open_table(STAGE_REQUESTS)?
+        .get((project, id))?
+        .map(|v| decode(v.value(), || format!("stage request {project}/{id}")))
+        .transpose()
+}
+
+/// Folds a `stage.released`: kept as written (the newest of the same spelling), and applied
+/// to every request of its job it names.
+pub fn release(
+    txn: &WriteTransaction,
+    project: &str,
+    p: &StageReleased,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let key = (
+        project,
+        p.job_id.as_str(),
+        p.dataset.as_str(),
+        p.tier.as_str(),
+        p.node.as_deref().unwrap_or(""),
+        p.version.as_str(),
+    );
+    let what = || {
+        format!(
+            "stage release {project}/{}/{}@{}",
+            p.job_id, p.dataset, p.version
+        )
+    };
+    let kept: Option<WrittenRelease> = txn
+        .open_table(STAGE_RELEASES)?
+        .get(key)?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    if kept.as_ref().is_none_or(|k| *stamp > k.stamp) {
+        let value = encode(
+            &WrittenRelease {
+                stamp: stamp.clone(),
+                reason: p.reason.clone(),
+            },
+            what,
+        )?;
+        txn.open_table(STAGE_RELEASES)?
+            .insert(key, value.as_slice())?;
+    }
+    for id in requests_of_job(txn, project, &p.job_id)? {
+        if let Some(record) = stage_record(txn, project, &id)?
+            && names(p, &record.status)
+        {
+            record_in(txn, project, released(record.status.request_id, p), stamp)?;
+        }
+    }
+    Ok(())
+}
+
+/// The request ids of a job, as indexed.
+fn requests_of_job(
+    txn: &WriteTransaction,
+    project: &str,
+    job: &str,
+) -> Result<Vec<String>, StoreError> {
+    let table = txn.open_table(STAGES_BY_JOB)?;
+    let mut ids = Vec::new();
+    for row in table.range((project, job, "")..)? {
+        let (k, _) = row?;
+        let (p, j, id) = k.value();
+        if p != project || j != job {
+            break;
+        }
+        ids.push(id.to_owned());
+    }
+    Ok(ids)
+}
+
+/// Applies to request `id` every release already folded that names it.
+fn apply_releases(txn: &WriteTransaction, project: &str, id: &EventId) -> Result<(), FoldError> {
+    let Some(record) = stage_record(txn, project, id.as_str())? else {
+        return Ok(());
+    };
+    let s = &record.status;
+    let node = s.node.as_deref().unwrap_or("");
+    let mut found = Vec::new();
+    {
+        let table = txn.open_table(STAGE_RELEASES)?;
+        let start = (
+            project,
+            s.job_id.as_str(),
+            s.dataset.as_str(),
+            s.tier.as_str(),
+            node,
+            "",
+        );
+        for row in table.range(start..)? {
+            let (k, v) = row?;
+            let (p, job, dataset, tier, n, version) = k.value();
+            if (p, job, dataset, tier, n) != (project, &s.job_id, &s.dataset, &s.tier, node) {
+                break;
+            }
+            let written: WrittenRelease = decode(v.value(), || {
+                format!("stage release {project}/{job}/{dataset}@{version}")
+            })?;
+            found.push((
+                StageReleased {
+                    dataset: dataset.to_owned(),
+                    version: version.to_owned(),
+                    tier: tier.to_owned(),
+                    job_id: job.to_owned(),
+                    node: s.node.clone(),
+                    reason: written.reason,
+                },
+                written.stamp,
+            ));
+        }
+    }
+    for (p, stamp) in &found {
+        if names(p, &record.status) {
+            record_in(txn, project, released(id.clone(), p), stamp)?;
+        }
+    }
+    Ok(())
+}
+
+/// Folds one change into its request's record, its indexes and readiness.
+fn record_in(
+    txn: &WriteTransaction,
+    project: &str,
+    change: StageChange<'_>,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
     let id = change.request_id.as_str();
     let what = || format!("stage request {project}/{id}");
     let old: Option<StageRecord> = txn
@@ -140,8 +326,9 @@ pub fn record(
         stamp: stamp.clone(),
         path_stamp: None,
     });
-    // Every fact but `stage.ready` names the version as the request gave it.
-    if change.ready.is_none() {
+    // Every fact but `stage.ready` and a release (which may spell it otherwise) names the
+    // version as the request gave it.
+    if change.ready.is_none() && change.rank != RELEASED {
         record.status.version = change.version.into();
     }
     if record.status.resolved_version.is_none() {
@@ -266,6 +453,34 @@ pub fn status_in(
 }
 
 impl Store {
+    /// The stage requests `event` is about: its own, or for a release every folded request it
+    /// names (what the schedulers' mirror rewrites after it is folded).
+    pub fn stages_touched(&self, event: &Event) -> Result<Vec<EventId>, StoreError> {
+        let stagehand_schemas::Body::StageReleased(p) = &event.body else {
+            return Ok(crate::fold::stage_request_of(event).into_iter().collect());
+        };
+        let project = event.project.as_str();
+        let txn = self.reader()?;
+        let by_job = txn.open_table(STAGES_BY_JOB)?;
+        let requests = txn.open_table(STAGE_REQUESTS)?;
+        let mut out = Vec::new();
+        for row in by_job.range((project, p.job_id.as_str(), "")..)? {
+            let (k, _) = row?;
+            let (pr, job, id) = k.value();
+            if pr != project || job != p.job_id {
+                break;
+            }
+            if let Some(v) = requests.get((project, id))? {
+                let record: StageRecord =
+                    decode(v.value(), || format!("stage request {project}/{id}"))?;
+                if names(p, &record.status) {
+                    out.push(record.status.request_id);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The status of one stage request as a scheduler sees it, and the readiness key it counts
     /// in.
     pub fn stage_status(
@@ -316,7 +531,14 @@ mod tests {
     /// A job's request by version prefix, the promoter's answers, and its release.
     fn chain() -> (EventId, Vec<Event>) {
         let v = version_of(&validated(1));
-        let prefix = &v[..12];
+        chain_spelled(&v[..12], &v[..12])
+    }
+
+    /// [`chain`] with the version written as `asked` by the request and as `released` by the
+    /// release.
+    fn chain_spelled(asked: &str, released: &str) -> (EventId, Vec<Event>) {
+        let v = version_of(&validated(1));
+        let prefix = asked;
         let id = EventId::for_stage("lab-a", "4815162", "cats", prefix, "local", Some("gpu-07"));
         let mut request = Event::request(
             id.clone(),
@@ -363,14 +585,22 @@ mod tests {
             }),
         );
         let mut release = Event::request(
-            EventId::for_stage_release("lab-a", "4815162", "cats", prefix, "local", Some("gpu-07")),
+            EventId::for_stage_release(
+                "lab-a",
+                "4815162",
+                "cats",
+                released,
+                "local",
+                Some("gpu-07"),
+            ),
             "lab-a",
             Body::StageReleased(StageReleased {
                 dataset: "cats".into(),
-                version: prefix.into(),
+                version: released.into(),
                 tier: "local".into(),
                 job_id: "4815162".into(),
                 node: Some("gpu-07".into()),
+                reason: None,
             }),
         );
         // The scheduler's clock runs behind the promoter's: the release is still final.
@@ -489,6 +719,56 @@ mod tests {
                     "start {start}, reversed {reverse}"
                 );
             }
+        }
+    }
+
+    /// A release written with the full digest ends the request written with a prefix, and the
+    /// other way round, in every order the facts come in; no record is made for the release's
+    /// own spelling.
+    #[test]
+    fn a_release_names_its_request_however_either_spelled_the_version() {
+        let v = version_of(&validated(1));
+        let dir = tempfile::tempdir().unwrap();
+        for (asked, released) in [(&v[..12], v.as_str()), (v.as_str(), &v[..16])] {
+            let (id, events) = chain_spelled(asked, released);
+            let n = events.len();
+            let mut dumps = Vec::new();
+            for start in 0..n {
+                for reverse in [false, true] {
+                    let mut order: Vec<Event> =
+                        (0..n).map(|i| events[(start + i) % n].clone()).collect();
+                    if reverse {
+                        order.reverse();
+                    }
+                    let store = crate::store::Store::open(
+                        dir.path()
+                            .join(format!("{}-{start}-{reverse}.redb", asked.len())),
+                    )
+                    .unwrap();
+                    for e in &order {
+                        fold_into(&store, std::slice::from_ref(e));
+                    }
+                    let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+                    assert_eq!(status.state, StageState::Released, "{asked} / {released}");
+                    assert_eq!(status.version, asked, "as the request wrote it");
+                    let own = EventId::for_stage(
+                        "lab-a",
+                        "4815162",
+                        "cats",
+                        released,
+                        "local",
+                        Some("gpu-07"),
+                    );
+                    assert!(store.stage_status("lab-a", own.as_str()).unwrap().is_none());
+                    let r = crate::readiness::current(&store, &key()).unwrap().unwrap();
+                    assert_eq!((r.jobs.ready, r.jobs.released), (0, 1));
+                    dumps.push(store.dump().unwrap());
+                }
+            }
+            assert!(
+                dumps.windows(2).all(|w| w[0] == w[1]),
+                "{asked} / {released}"
+            );
         }
     }
 

@@ -86,6 +86,11 @@ pub(crate) const STAGES_BY_JOB: TableDefinition<(S, S, S), ()> =
     TableDefinition::new("stages_by_job");
 pub(crate) const STAGES_BY_VERSION: TableDefinition<(S, S, S, S), ()> =
     TableDefinition::new("stages_by_version");
+/// Releases as written, (project, job, dataset, tier, node, version as the release wrote it) →
+/// the newest one's stamp and reason: applied to every request of the job they name, whichever
+/// of the two is folded first.
+pub(crate) const STAGE_RELEASES: TableDefinition<(S, S, S, S, S, S), Bytes> =
+    TableDefinition::new("stage_releases");
 /// Progress of copies as the promoter last reported it: live state, not folded from the
 /// streams (progress messages are not stored), so not part of a [`Dump`] and empty after a
 /// rebuild until the next report.
@@ -206,6 +211,7 @@ macro_rules! for_each_table {
         $m!(STAGE_REQUESTS);
         $m!(STAGES_BY_JOB);
         $m!(STAGES_BY_VERSION);
+        $m!(STAGE_RELEASES);
         $m!(READINESS);
         $m!(REJECTIONS);
         $m!(DEAD_LETTERS);

@@ -1189,6 +1189,7 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
             tier: "local".into(),
             job_id: "4815162".into(),
             node: node.map(Into::into),
+            reason: None,
         }),
     ))
     .await?;

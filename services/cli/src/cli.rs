@@ -145,6 +145,31 @@ pub enum StageCommand {
     Status(StageStatusArgs),
     /// The job no longer needs the staged data; prints the release id once stored.
     Release(StageReleaseArgs),
+    /// Release the stages still held whose job the scheduler no longer runs (a teardown that
+    /// never ran): asks Slurm (`squeue`, then `sacct`) or Kubernetes (the pods) about the jobs
+    /// of held stages; prints one line per stage released. A scheduler that cannot be asked
+    /// releases nothing (exit 69). Run it periodically (`deploy/systemd`).
+    Reconcile(StageReconcileArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StageReconcileArgs {
+    /// Whose jobs the stages are.
+    #[arg(long, value_parser = ["slurm", "kubernetes"])]
+    pub scheduler: String,
+    /// Slurm: the prefix the hooks give Slurm job ids (`STAGEHAND_JOB_PREFIX` of
+    /// `stagehand-slurm.conf`); stages of other job ids are left alone.
+    #[arg(long, env = "STAGEHAND_JOB_PREFIX", default_value = "slurm-")]
+    pub job_prefix: String,
+    /// Only the stages of this project (repeatable); default every project.
+    #[arg(long = "project", value_name = "PROJECT")]
+    pub projects: Vec<String>,
+    /// Say which stages would be released, and release none.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the stages released as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Which stage: the arguments its request id is derived from.
@@ -681,6 +706,36 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
                 println!("{}", serde_json::to_string_pretty(&published)?);
             } else {
                 println!("{}", published.id);
+            }
+            Ok(0)
+        }
+        StageCommand::Reconcile(a) => {
+            for p in &a.projects {
+                args::project("--project", p)?;
+            }
+            let scheduler = match a.scheduler.as_str() {
+                "slurm" => {
+                    args::job("--job-prefix", &a.job_prefix)?;
+                    crate::reconcile::Scheduler::Slurm {
+                        job_prefix: a.job_prefix,
+                    }
+                }
+                _ => crate::reconcile::Scheduler::Kubernetes,
+            };
+            let bus = connect(connection).await?;
+            let released =
+                crate::reconcile::reconcile(&bus, &scheduler, &a.projects, a.dry_run).await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&released)?);
+            } else {
+                let verb = if a.dry_run {
+                    "would release"
+                } else {
+                    "released"
+                };
+                for r in &released {
+                    println!("{verb} {}", r.line());
+                }
             }
             Ok(0)
         }

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod cp;
 pub mod dlq;
 pub mod ingest;
+pub mod reconcile;
 pub mod stage;
 pub mod tier;
 pub mod up;

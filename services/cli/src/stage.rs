@@ -157,6 +157,7 @@ pub async fn release(bus: &Bus, stage: &Stage) -> anyhow::Result<Published> {
             tier: stage.tier.clone(),
             job_id: stage.job.clone(),
             node: stage.node.clone(),
+            reason: None,
         }),
     );
     let ack = bus

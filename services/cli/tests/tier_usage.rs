@@ -137,6 +137,7 @@ async fn place(
                 tier: "hot".into(),
                 job_id: "job".into(),
                 node: None,
+                reason: None,
             }),
         );
         release.occurred_at = at + time::Duration::minutes(1);

@@ -758,7 +758,7 @@ impl Demoter {
             }
             // The folder is gone: its space is free, and a request may stage it afresh.
             let store = &self.p().placement;
-            placement::release_reservation(store, &step.tier, step.node.as_deref(), &step.prefix)
+            placement::release_removed(store, &step.tier, step.node.as_deref(), &step.prefix)
                 .await
                 .map_err(step_err)?;
             placement::forget_use(store, &step.tier, step.node.as_deref(), &step.prefix)

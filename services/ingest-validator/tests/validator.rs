@@ -550,6 +550,7 @@ async fn poison_messages_are_dead_lettered_and_the_next_request_is_validated() {
             tier: "hot".into(),
             job_id: "1".into(),
             node: None,
+            reason: None,
         });
         wire::encode(&event).unwrap()
     };

@@ -271,6 +271,11 @@ pub struct PromotionPolicy {
     /// facts wake a waiting request at once, the clock is the backstop). Default 30 s.
     #[serde(default = "default_recheck_every", with = "duration")]
     pub recheck_every: Duration,
+    /// How often the promoter reconciles the space reserved on its tiers with the live
+    /// requests and the replicas there (and once at start): a reservation with neither is
+    /// released, its hidden staging folder removed. Default 5 min.
+    #[serde(default = "default_reconcile_every", with = "duration")]
+    pub reconcile_every: Duration,
     /// Dataset names staged at the `checkpoint` priority class instead of `stage`, so that a
     /// checkpoint restore is not starved by bulk stages: exact names, or a prefix ending in
     /// `*` (`"ckpt-*"`).
@@ -280,6 +285,10 @@ pub struct PromotionPolicy {
 
 fn default_recheck_every() -> Duration {
     Duration::from_secs(30)
+}
+
+fn default_reconcile_every() -> Duration {
+    Duration::from_secs(300)
 }
 
 impl PromotionPolicy {
@@ -575,6 +584,9 @@ pub(crate) fn parse_promotion(
     if p.recheck_every.is_zero() {
         return Err(src.invalid("recheck_every", "must be longer than 0"));
     }
+    if p.reconcile_every.is_zero() {
+        return Err(src.invalid("reconcile_every", "must be longer than 0"));
+    }
     if let Some(bad) = p
         .checkpoint_datasets
         .iter()
@@ -729,6 +741,7 @@ mod promotion_tests {
             default_deadline: Duration::from_secs(60),
             verify: VerifyMode::ReadBack,
             recheck_every: Duration::from_secs(30),
+            reconcile_every: Duration::from_secs(300),
             checkpoint_datasets: checkpoint_datasets.iter().map(|s| s.to_string()).collect(),
         }
     }

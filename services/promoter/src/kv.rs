@@ -9,7 +9,11 @@
 //! requests (in one instance or several) that race both read the same revision, one write
 //! wins, the other reads again and sees the first one's bytes. So concurrent requests can
 //! never together exceed a quota, and a reservation is one durable, atomic step. Reserving a
-//! replica already listed is a no-op (a second request for the same version costs nothing).
+//! replica already listed is a no-op (a second request for the same version costs nothing),
+//! unless the demoter has marked it `withdrawing`: then the request waits for the removal.
+//! A reservation is made only under the copy lease of its prefix (or for a replica already on
+//! the tier), which is what lets the reconciler give back one with no live request and no
+//! replica without racing a reserve on another instance: it takes the same lease first.
 //! The value and its key are defined once, in [`stagehand_bus::placement`], which the demoter
 //! uses too: on a shared tier it gives a replica's space back once the folder is gone; on a
 //! node-local tier the node's agent does on a `replica.removed` naming the node. The replicas'
@@ -56,8 +60,17 @@ fn kv_err(key: &str, e: impl std::fmt::Display) -> KvError {
 /// Why space could not be reserved.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refused {
-    Quota { used: u64, quota: u64 },
-    Full { used: u64, capacity: u64 },
+    Quota {
+        used: u64,
+        quota: u64,
+    },
+    Full {
+        used: u64,
+        capacity: u64,
+    },
+    /// The demoter is removing the replica at that prefix: its space is given back once the
+    /// folder is gone, and only then may a copy reserve it afresh.
+    Withdrawing,
 }
 
 /// The limits a reservation is checked against.
@@ -150,6 +163,9 @@ impl Coordination {
     ) -> Result<Result<(), Refused>, KvError> {
         loop {
             let (mut r, revision) = self.reservations(tier, node).await?;
+            if r.withdrawing.contains(prefix) {
+                return Ok(Err(Refused::Withdrawing));
+            }
             if r.replicas.contains_key(prefix) {
                 return Ok(Ok(()));
             }
@@ -176,7 +192,8 @@ impl Coordination {
         }
     }
 
-    /// Releases the reservation of the replica at `prefix` (idempotent).
+    /// Gives back the reservation of the replica at `prefix` that a copy made and never
+    /// placed (idempotent); one the demoter is removing is left to it.
     pub async fn release(
         &self,
         tier: &str,

@@ -26,6 +26,7 @@
 //! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`: wake the requests this instance holds |
 //! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
+//! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
 //!
 //! Several instances share the requests consumer (the runtime's claims keep each message to
 //! one); the copy of one version to one tier is leased in the KV bucket
@@ -413,6 +414,7 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         ctx.run_worker_until(ingests, Facts(promoter.clone()), token.clone()),
     );
     tasks.spawn("clock", promoter.clone().clock());
+    tasks.spawn("reconciler", promoter.clone().reconciler());
     let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
     tasks.join(deadline).await?;
     Ok(())

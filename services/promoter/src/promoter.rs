@@ -269,6 +269,7 @@ impl Promoter {
                         reason: "received".into(),
                     },
                     answer: Vec::new(),
+                    reserved: None,
                 })?;
                 self.advance(record, ctx).await
             }
@@ -276,7 +277,7 @@ impl Promoter {
                 if !self.answers(&r.tier, r.node.as_deref()) {
                     return Ok(Vec::new());
                 }
-                let id = EventId::for_stage(
+                let exact = EventId::for_stage(
                     &event.project,
                     &r.job_id,
                     &r.dataset,
@@ -284,15 +285,17 @@ impl Promoter {
                     &r.tier,
                     r.node.as_deref(),
                 );
-                // The replica stays on the tier until the demoter reclaims it; the release
-                // only ends the request (a waiting one stops waiting).
-                if self
-                    .p()
-                    .state
-                    .finish(&id, Standing::Released, Vec::new())?
-                    .is_some()
-                {
-                    info!(request = %id, "stage released");
+                // The request the release names however either spelled the version. A
+                // replica stays on the tier until the demoter reclaims it; the release only
+                // ends the request (a waiting one stops waiting) and gives back the space of a
+                // copy it reserved and never placed.
+                for id in self.p().state.released_by(&event.project, &exact, r)? {
+                    if let Some(record) =
+                        self.p().state.finish(&id, Standing::Released, Vec::new())?
+                    {
+                        info!(request = %id, release = %event.id, "stage released");
+                        self.give_back(&record, "its job released it").await;
+                    }
                 }
                 Ok(Vec::new())
             }
@@ -351,14 +354,18 @@ impl Promoter {
                 let node = p.node.as_deref();
                 let follows = self.follows(&p.location.tier, node);
                 if follows && node.is_some() && self.node() == node {
-                    // The space it held is free again (idempotent: that node's agent sees it).
-                    // On a shared tier the demoter gives the space back itself once the folder
-                    // is gone (`stagehand_bus::placement`): a removal it undoes keeps it.
-                    self.p()
-                        .coordination
-                        .release(&p.location.tier, node, &p.location.prefix)
-                        .await
-                        .map_err(retry)?;
+                    // The space it held is free again once the folder is gone (that node's
+                    // agent sees it). The demoter gives back the space it marked itself
+                    // (`stagehand_bus::placement`); this gives back an unmarked one, and only
+                    // when no copy and no live request of this node holds it — never a
+                    // reservation a new copy made since.
+                    self.reclaim(
+                        &p.location.tier,
+                        node,
+                        &p.location.prefix,
+                        "replica.removed names it",
+                    )
+                    .await?;
                 }
                 FactNote {
                     project,
@@ -470,6 +477,11 @@ impl Promoter {
         let Some(request) = stage_request(&record.event).cloned() else {
             return Err(HandlerError::permanent("not a stage request"));
         };
+        // A request whose deadline passed (while its promoter was down, say) is not started
+        // again: it fails, and gives back what it reserved.
+        if OffsetDateTime::now_utc() >= record.deadline {
+            return self.deadline_passed(&record).await;
+        }
         if let Some(reason) = self.check(&request) {
             return self.fail(&record, reason, false).await;
         }
@@ -617,14 +629,171 @@ impl Promoter {
         standing: Standing,
         facts: Vec<Event>,
     ) -> Result<Vec<Event>, HandlerError> {
-        let stored = self
-            .p()
-            .state
-            .finish(&record.event.id, standing, facts)?
-            .map(|r| r.answer)
-            .unwrap_or_default();
+        let stored = self.p().state.finish(&record.event.id, standing, facts)?;
+        if let Some(r) = &stored
+            && matches!(r.standing, Standing::Failed { .. } | Standing::Released)
+        {
+            self.give_back(r, "the request failed").await;
+        }
+        let stored = stored.map(|r| r.answer).unwrap_or_default();
         self.emit(&stored).await?;
         Ok(stored)
+    }
+
+    /// Gives back the space a request that ended without its replica reserved, and removes its
+    /// hidden staging folder ([`Promoter::reclaim`]); a failure to is logged, and the
+    /// reconciler gives it back later.
+    async fn give_back(&self, record: &RequestRecord, why: &str) {
+        let (Some(prefix), Some(r)) = (&record.reserved, record.stage()) else {
+            return;
+        };
+        let why = format!("request {} ended: {why}", record.event.id);
+        if let Err(e) = self.reclaim(&r.tier, r.node.as_deref(), prefix, &why).await {
+            warn!(request = %record.event.id, %prefix, error = %e, "reservation not given back yet; the reconciler gives it back");
+        }
+    }
+
+    /// The key of a copy of `prefix` onto `tier` (and `node`) in the in-process copy table.
+    fn copy_key(tier: &str, node: Option<&str>, prefix: &str) -> String {
+        format!("{tier}|{}|{prefix}", node.unwrap_or(""))
+    }
+
+    /// Gives back the space reserved for the replica at `prefix` on `tier` (and `node`) and
+    /// removes its hidden staging folder, unless something still justifies them: the replica
+    /// is on the tier, a copy of it runs in this process, a request of this instance still
+    /// waiting (its deadline ahead) reserved it, or another instance holds its copy lease. The
+    /// decision is taken under the copy lease of the prefix — the lease every reservation of
+    /// an absent replica is made under — so no reserve on any instance runs meanwhile, and the
+    /// release itself is a compare-and-set on the revision it read. A reservation the demoter
+    /// marked is left to the demoter. Returns whether a reservation was given back.
+    pub async fn reclaim(
+        &self,
+        tier: &str,
+        node: Option<&str>,
+        prefix: &str,
+        why: &str,
+    ) -> Result<bool, HandlerError> {
+        let Some(dst) = self.p().tiers.get(tier) else {
+            return Ok(false);
+        };
+        if dst.set_present(prefix).await.map_err(retry)? {
+            return Ok(false);
+        }
+        let Some(_copying) = Held::take(&self.inner.copies, Self::copy_key(tier, node, prefix))
+        else {
+            return Ok(false);
+        };
+        if self
+            .p()
+            .state
+            .reserved_by_live_request(tier, node, prefix, OffsetDateTime::now_utc())?
+        {
+            return Ok(false);
+        }
+        let coord = &self.p().coordination;
+        let revision = match coord
+            .lease(tier, node, prefix, RECLAIM_LEASE)
+            .await
+            .map_err(retry)?
+        {
+            LeaseState::Owned(rev) => rev,
+            LeaseState::Held { .. } => return Ok(false),
+        };
+        let result = async {
+            // Under the lease no copy of it runs anywhere: absent now, absent until it ends.
+            if dst.set_present(prefix).await.map_err(retry)? {
+                return Ok(false);
+            }
+            // The folder first: a crash in between leaves a reservation the next pass finds.
+            discard_staging(dst, prefix).await;
+            coord.release(tier, node, prefix).await.map_err(retry)
+        }
+        .await;
+        if let Err(e) = coord.end_lease(tier, node, prefix, revision).await {
+            debug!(error = %e, "reconciler's copy lease not ended; it ages out");
+        }
+        if let Ok(true) = result {
+            info!(%tier, node = node.unwrap_or("-"), %prefix, %why, "reservation with no live request and no replica released; its staging folder removed");
+            // A request that found the copy table taken meanwhile is looked at again now.
+            let mut parts = prefix.splitn(3, '/');
+            if let (Some(project), Some(dataset)) = (parts.next(), parts.next()) {
+                self.wake_dataset(project, dataset, None);
+            }
+        }
+        result
+    }
+
+    /// The tiers (and node) whose space this promoter reserves: the shared promoter's hot
+    /// tiers, a node agent's own node's local tiers.
+    fn bounded_places(&self) -> Vec<(String, Option<String>)> {
+        let mut places: Vec<(String, Option<String>)> = self
+            .p()
+            .tiers
+            .keys()
+            .filter_map(|name| {
+                let role = self.tier_policy(name)?.role;
+                match (self.node(), role) {
+                    (None, TierRole::Hot) => Some((name.clone(), None)),
+                    (Some(n), TierRole::Local) => Some((name.clone(), Some(n.to_owned()))),
+                    _ => None,
+                }
+            })
+            .collect();
+        places.sort();
+        places
+    }
+
+    /// One pass of the reconciler: every reservation on this promoter's tiers with neither a
+    /// live request nor a replica is given back (and logged), its staging folder removed
+    /// ([`Promoter::reclaim`]); those the demoter marked are its own. Returns how many.
+    pub async fn reconcile(&self) -> Result<usize, HandlerError> {
+        let mut released = 0;
+        for (tier, node) in self.bounded_places() {
+            let (reserved, _) = self
+                .p()
+                .coordination
+                .reservations(&tier, node.as_deref())
+                .await
+                .map_err(retry)?;
+            for prefix in reserved.replicas.keys() {
+                if self.p().shutdown.is_cancelled() {
+                    return Ok(released);
+                }
+                if reserved.withdrawing.contains(prefix) {
+                    continue;
+                }
+                if self
+                    .reclaim(
+                        &tier,
+                        node.as_deref(),
+                        prefix,
+                        "the reconciler found no live request and no replica",
+                    )
+                    .await?
+                {
+                    released += 1;
+                }
+            }
+        }
+        Ok(released)
+    }
+
+    /// Reconciles reservations at start and every `reconcile_every` until shutdown.
+    pub async fn reconciler(self) -> Result<(), HandlerError> {
+        let every = self.p().promotion.reconcile_every;
+        loop {
+            match self.reconcile().await {
+                Ok(0) => debug!("reservations reconciled: none to give back"),
+                Ok(n) => info!(released = n, "reservations reconciled"),
+                Err(e) => {
+                    warn!(error = %e, "reconciling reservations failed; the next pass tries again")
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = self.p().shutdown.cancelled() => return Ok(()),
+            }
+        }
     }
 
     async fn emit(&self, facts: &[Event]) -> Result<(), HandlerError> {
@@ -647,19 +816,8 @@ impl Promoter {
         guard: WaitGuard,
     ) -> Result<Vec<Event>, HandlerError> {
         if OffsetDateTime::now_utc() >= record.deadline {
-            let deadline = record
-                .deadline
-                .format(&time::format_description::well_known::Rfc3339)
-                .unwrap_or_default();
             return self
-                .fail(
-                    record,
-                    format!(
-                        "the deadline {deadline} passed while waiting for {}: {reason}",
-                        waiting_for.as_str()
-                    ),
-                    true,
-                )
+                .fail(record, deadline_reason(record, waiting_for, &reason), true)
                 .await;
         }
         let already = matches!(&record.standing,
@@ -862,7 +1020,7 @@ impl Promoter {
                 )
                 .await;
         };
-        let copy_key = format!("{}|{}|{prefix}", request.tier, node.unwrap_or(""));
+        let copy_key = Self::copy_key(&request.tier, node, &prefix);
         let recent_failure = {
             let mut failed = self.inner.failed.lock().unwrap_or_else(|p| p.into_inner());
             failed.retain(|_, (_, _, at)| at.elapsed() < FAILED_COPY_REMEMBERED);
@@ -993,12 +1151,19 @@ impl Promoter {
             Some(n) => format!("tier {} on node {n}", request.tier),
             None => format!("tier {}", request.tier),
         };
+        self.p().state.note_reserved(&record.event.id, prefix)?;
         match coord
             .reserve(&request.tier, node, project, prefix, plan.bytes, limits)
             .await
             .map_err(retry)?
         {
             Ok(()) => {}
+            Err(Refused::Withdrawing) => {
+                // Found gone with its space not given back yet: the demoter is removing it.
+                return self
+                    .wait_for_removal(record, &plan.version, request, None)
+                    .await;
+            }
             Err(Refused::Quota { used, quota }) => {
                 return self
                     .fail(
@@ -1059,8 +1224,22 @@ impl Promoter {
                 );
                 let fact = self.pending_fact(record, WaitingFor::Copy, &reason);
                 self.emit(std::slice::from_ref(&fact)).await?;
-                self.hold(ticket, &request.tier, node, prefix, record, revision, ctx)
-                    .await?
+                let held = self
+                    .hold(ticket, &request.tier, node, prefix, record, revision, ctx)
+                    .await?;
+                let Some(permit) = held else {
+                    // The deadline passed while queued: nothing of it stays on the tier.
+                    discard_staging(dst, prefix).await;
+                    let _ = coord.release(&request.tier, node, prefix).await;
+                    return self
+                        .fail(
+                            record,
+                            deadline_reason(record, WaitingFor::Copy, &reason),
+                            true,
+                        )
+                        .await;
+                };
+                permit
             }
         };
         let outcome = Box::pin(self.run_copy(
@@ -1105,7 +1284,8 @@ impl Promoter {
         }
     }
 
-    /// Waits for a copy slot, keeping the lease and the message alive.
+    /// Waits for a copy slot, keeping the lease and the message alive; `None` once the
+    /// request's deadline passes first.
     #[allow(clippy::too_many_arguments)]
     async fn hold<F: std::future::Future<Output = stagehand_mover::Permit> + Unpin>(
         &self,
@@ -1116,12 +1296,17 @@ impl Promoter {
         record: &RequestRecord,
         revision: &mut u64,
         ctx: Option<&WorkContext>,
-    ) -> Result<stagehand_mover::Permit, HandlerError> {
+    ) -> Result<Option<stagehand_mover::Permit>, HandlerError> {
         let period = self.p().coordination.lease_lifetime() / 3;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let left =
+            Duration::try_from(record.deadline - OffsetDateTime::now_utc()).unwrap_or_default();
+        let deadline = tokio::time::sleep(left);
+        tokio::pin!(deadline);
         loop {
             tokio::select! {
-                permit = &mut ticket => return Ok(permit),
+                permit = &mut ticket => return Ok(Some(permit)),
+                _ = &mut deadline => return Ok(None),
                 _ = tick.tick() => {
                     *revision = self.p().coordination
                         .renew(tier, node, prefix, record.event.id.as_str(), *revision)
@@ -1403,23 +1588,36 @@ impl Promoter {
         let Some(_active) = Active::take(&self.inner.active, &record.event.id) else {
             return Ok(Vec::new());
         };
+        self.deadline_passed(&record).await
+    }
+
+    /// Answers a request whose deadline has passed with what it was waiting for.
+    async fn deadline_passed(&self, record: &RequestRecord) -> Result<Vec<Event>, HandlerError> {
         let Standing::Waiting {
             waiting_for,
             reason,
         } = &record.standing
         else {
-            return Ok(record.answer);
+            return Ok(record.answer.clone());
         };
-        let deadline = record
-            .deadline
-            .format(&time::format_description::well_known::Rfc3339)
-            .unwrap_or_default();
-        let reason = format!(
-            "the deadline {deadline} passed while waiting for {}: {reason}",
-            waiting_for.as_str()
-        );
-        self.fail(&record, reason, true).await
+        let reason = deadline_reason(record, *waiting_for, reason);
+        self.fail(record, reason, true).await
     }
+}
+
+/// The lease holder named while the reconciler decides about a reservation.
+const RECLAIM_LEASE: &str = "reconcile";
+
+/// Why a request failed at its deadline: the deadline and what it waited for.
+fn deadline_reason(record: &RequestRecord, waiting_for: WaitingFor, reason: &str) -> String {
+    let deadline = record
+        .deadline
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    format!(
+        "the deadline {deadline} passed while waiting for {}: {reason}",
+        waiting_for.as_str()
+    )
 }
 
 /// How a copy ended when it did not publish.

@@ -8,6 +8,7 @@
 //! | `seen` | (project, dataset, version) | [`Seen`] bits | versions validated, prepared, rejected, or with a prepared form |
 //! | `replicas` | (tier, prefix) | — | shared-tier replicas made (`replica.created`) and not removed since |
 //! | `ingests` | (project, dataset, ingest request id) | declared version | uploads asked for and not answered yet |
+//! | `jobs` | (project, job id, request id) | — | the requests of a job, which a release names however it spells the version |
 //!
 //! **No lost wake-up.** A wait is recorded only in a write transaction that first checks
 //! `seen` (and `replicas`) for the fact that would end it; a fact is noted, and the waits it
@@ -19,9 +20,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
-use stagehand_schemas::{Event, EventId};
+use stagehand_schemas::{Body, Event, EventId, StageReleased, StageRequested};
 use time::OffsetDateTime;
 
 const REQUESTS: TableDefinition<&str, &[u8]> = TableDefinition::new("requests");
@@ -29,6 +30,7 @@ const WAITS: TableDefinition<(&str, &str, &str), &str> = TableDefinition::new("w
 const SEEN: TableDefinition<(&str, &str, &str), u8> = TableDefinition::new("seen");
 const REPLICAS: TableDefinition<(&str, &str), ()> = TableDefinition::new("replicas");
 const INGESTS: TableDefinition<(&str, &str, &str), &str> = TableDefinition::new("ingests");
+const JOBS: TableDefinition<(&str, &str, &str), ()> = TableDefinition::new("jobs");
 
 /// What the facts seen say about one version (bits of `seen`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -109,6 +111,20 @@ pub struct RequestRecord {
     /// same request comes again.
     #[serde(default)]
     pub answer: Vec<Event>,
+    /// The replica prefix whose space this request reserved for its copy (noted before the
+    /// reservation is made): what a request that ends without the replica gives back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved: Option<String>,
+}
+
+impl RequestRecord {
+    /// The stage request this record holds (every record does: only they are accepted).
+    pub fn stage(&self) -> Option<&StageRequested> {
+        match &self.event.body {
+            Body::StageRequested(r) => Some(r),
+            _ => None,
+        }
+    }
 }
 
 /// A failure of the state store: the service cannot go on safely (its redb file failed).
@@ -176,6 +192,27 @@ impl State {
             txn.open_table(SEEN).map_err(e!("open"))?;
             txn.open_table(REPLICAS).map_err(e!("open"))?;
             txn.open_table(INGESTS).map_err(e!("open"))?;
+            let mut jobs = txn.open_table(JOBS).map_err(e!("open"))?;
+            // A state written before the table existed: index the requests it holds, once.
+            if jobs.is_empty().map_err(e!("open"))? {
+                let requests = txn.open_table(REQUESTS).map_err(e!("open"))?;
+                for row in requests.iter().map_err(e!("open"))? {
+                    let (_, v) = row.map_err(e!("open"))?;
+                    if let Ok(record) = serde_json::from_slice::<RequestRecord>(v.value())
+                        && let Some(r) = record.stage()
+                    {
+                        jobs.insert(
+                            (
+                                record.event.project.as_str(),
+                                r.job_id.as_str(),
+                                record.event.id.as_str(),
+                            ),
+                            (),
+                        )
+                        .map_err(e!("open"))?;
+                    }
+                }
+            }
         }
         txn.commit().map_err(e!("open"))?;
         Ok(State { db: Arc::new(db) })
@@ -209,6 +246,19 @@ impl State {
                     table
                         .insert(record.event.id.as_str(), bytes.as_slice())
                         .map_err(e!("accept"))?;
+                    if let Some(r) = record.stage() {
+                        txn.open_table(JOBS)
+                            .map_err(e!("accept"))?
+                            .insert(
+                                (
+                                    record.event.project.as_str(),
+                                    r.job_id.as_str(),
+                                    record.event.id.as_str(),
+                                ),
+                                (),
+                            )
+                            .map_err(e!("accept"))?;
+                    }
                     // Listed as waiting at once: the clock moves it on even if its message
                     // is never handled to the end.
                     if let Standing::Waiting { waiting_for, .. } = &record.standing {
@@ -273,6 +323,95 @@ impl State {
         };
         txn.commit().map_err(e!("finish"))?;
         Ok(Some(stored))
+    }
+
+    /// Notes that `id` is about to reserve the space of the replica at `prefix` for its copy.
+    pub fn note_reserved(&self, id: &EventId, prefix: &str) -> Result<(), StateError> {
+        let txn = self.db.begin_write().map_err(e!("note reserved"))?;
+        {
+            let mut table = txn.open_table(REQUESTS).map_err(e!("note reserved"))?;
+            let current = table
+                .get(id.as_str())
+                .map_err(e!("note reserved"))?
+                .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
+                .transpose()
+                .map_err(e!("decode request"))?;
+            if let Some(mut record) = current
+                && record.reserved.as_deref() != Some(prefix)
+            {
+                record.reserved = Some(prefix.to_owned());
+                let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
+                table
+                    .insert(id.as_str(), bytes.as_slice())
+                    .map_err(e!("note reserved"))?;
+            }
+        }
+        txn.commit().map_err(e!("note reserved"))?;
+        Ok(())
+    }
+
+    /// Whether a request still waiting, its deadline not passed at `now`, reserved the
+    /// replica at `prefix` on `tier` (and `node`): its copy will go on (or is taken up again).
+    pub fn reserved_by_live_request(
+        &self,
+        tier: &str,
+        node: Option<&str>,
+        prefix: &str,
+        now: OffsetDateTime,
+    ) -> Result<bool, StateError> {
+        Ok(self.waiting()?.iter().any(|record| {
+            record.deadline > now
+                && record.reserved.as_deref() == Some(prefix)
+                && record
+                    .stage()
+                    .is_some_and(|r| r.tier == tier && r.node.as_deref() == node)
+        }))
+    }
+
+    /// The requests a release names: the one its own spelling of the version derives
+    /// (`exact`), and every other of the same job, dataset, tier and node whose version the
+    /// release names however either was written (a unique prefix or the full digest).
+    pub fn released_by(
+        &self,
+        project: &str,
+        exact: &EventId,
+        release: &StageReleased,
+    ) -> Result<Vec<EventId>, StateError> {
+        let txn = self.db.begin_read().map_err(e!("read"))?;
+        let jobs = txn.open_table(JOBS).map_err(e!("read"))?;
+        let requests = txn.open_table(REQUESTS).map_err(e!("read"))?;
+        let mut out = Vec::new();
+        for row in jobs
+            .range((project, release.job_id.as_str(), "")..)
+            .map_err(e!("read"))?
+        {
+            let (k, _) = row.map_err(e!("read"))?;
+            let (p, job, id) = k.value();
+            if p != project || job != release.job_id {
+                break;
+            }
+            let Some(v) = requests.get(id).map_err(e!("read"))? else {
+                continue;
+            };
+            let record: RequestRecord =
+                serde_json::from_slice(v.value()).map_err(e!("decode request"))?;
+            let resolved = match &record.standing {
+                Standing::Ready { version, .. } => Some(version.as_str()),
+                _ => None,
+            };
+            let named = id == exact.as_str()
+                || record.stage().is_some_and(|r| {
+                    r.dataset == release.dataset
+                        && r.tier == release.tier
+                        && r.node == release.node
+                        && (release.names_version(&r.version)
+                            || resolved.is_some_and(|v| release.names_version(v)))
+                });
+            if named {
+                out.push(record.event.id.clone());
+            }
+        }
+        Ok(out)
     }
 
     /// Records that a request waits, unless a fact already seen (`guard`) would end the wait:
@@ -550,6 +689,7 @@ mod tests {
                 reason: "new".into(),
             },
             answer: vec![],
+            reserved: None,
         }
     }
 

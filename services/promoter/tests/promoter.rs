@@ -537,6 +537,9 @@ async fn a_node_agent_fills_its_local_tier_from_hot() {
         r.replicas.contains_key(&prefix)
     };
     assert!(reserved(quota.clone(), prefix.clone()).await);
+    // What the node's demoter does: the folder goes, then `replica.removed` names the node
+    // (space is never given back for a folder still on the tier).
+    std::fs::remove_dir_all(&path).unwrap();
     stack
         .removed("ckpt-run7", &version, ("local", Some("n1")), &prefix)
         .await;

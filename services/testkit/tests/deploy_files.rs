@@ -190,6 +190,19 @@ fn systemd_units_run_binaries_of_this_workspace() {
             );
             continue;
         }
+        if name == "stagehand" {
+            // A periodic CLI run (the stage reconciler): a oneshot started by its timer.
+            let cli = std::fs::read_to_string(repo_root().join("services/cli/Cargo.toml")).unwrap();
+            assert!(cli.contains("name = \"stagehand\""), "{}", unit.display());
+            assert!(
+                text.contains("Type=oneshot")
+                    && unit.with_extension("timer").is_file()
+                    && exec.split_whitespace().nth(1).is_some(),
+                "{}: a CLI unit is a oneshot with a timer beside it and a verb",
+                unit.display()
+            );
+            continue;
+        }
         let crate_dir = repo_root()
             .join("services")
             .join(name.strip_prefix("stagehand-").unwrap_or(name));

@@ -532,6 +532,7 @@ impl Stack {
                 tier: tier.into(),
                 job_id: job.into(),
                 node: node.map(str::to_owned),
+                reason: None,
             }),
         );
         e.occurred_at = at;

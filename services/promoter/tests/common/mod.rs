@@ -449,6 +449,7 @@ pub fn stage_release(dataset: &str, version: &str, tier: &str, job: &str) -> Eve
             tier: tier.into(),
             job_id: job.into(),
             node: None,
+            reason: None,
         }),
     )
 }
