@@ -59,10 +59,14 @@ pub struct RecorderConfig {
 }
 
 /// The inbox prefixes queries are answered on as shipped: the unauthenticated default
-/// (`_INBOX`, a one-machine stack) and `_INBOX_<user>` of each shipped user that queries the
-/// catalogue (`deploy/nats/accounts.conf` grants the recorder's user exactly these).
+/// (`_INBOX`, a one-machine stack), `_R_`, the one-off reply subjects nats-server gives
+/// requests that cross from another account (a tenant's or scheduler's: the server delivers the
+/// answer into the asker's own account, so it can land nowhere in Stagehand's), and
+/// `_INBOX_<user>` of each shipped user in Stagehand's own account that queries the catalogue
+/// (`deploy/nats/accounts.conf` grants the recorder's user exactly these).
 pub const DEFAULT_INBOX_PREFIXES: &[&str] = &[
     "_INBOX",
+    "_R_",
     "_INBOX_scheduler",
     "_INBOX_promoter",
     "_INBOX_demoter",

@@ -5,11 +5,17 @@
 //! a role added there needs no edit in any test; each test connects as a role's user with
 //! [`role_password`] / [`user_url`].
 //!
-//! The shipped file declares one tenant, project `demo`. Tests of what one tenant can do to
-//! another add more with [`accounts_conf_with_projects`], which applies the recipe the file's
-//! own comments give an operator (deploy/README.md, *Adding a project*): a copy of each
-//! per-project user block and of every per-project grant in the services' blocks.
+//! The shipped file declares one tenant, project `demo`, in an account of its own
+//! (`PROJECT_DEMO`), the schedulers in another (`SCHEDULERS`), and Stagehand's services in
+//! [`STAGEHAND_ACCOUNT`], which exports to each exactly what its users are granted. Tests of
+//! what one tenant can do to another add more projects with [`accounts_conf_with_projects`],
+//! which applies the recipe the file's own comments give an operator (deploy/README.md,
+//! *Adding a project*): a copy of each per-project block (permissions, account) and of every
+//! per-project grant and export. [`crossing_gaps`] holds a config to its shape: every grant of
+//! a user outside Stagehand's account crosses into it by an import matched by an export
+//! restricted to that account, and nothing more crosses.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crate::{NatsClusterBuilder, NatsServer, NatsServerBuilder, repo_root};
@@ -58,19 +64,27 @@ pub fn user_url(server: &NatsServer, user: &str, role: &str) -> String {
     )
 }
 
-/// The shipped accounts config with tenant users and grants for `projects` besides `demo`:
-/// every block named `<ROLE>_DEMO` (the project's uploader and training jobs) is copied for each
-/// project, every other line naming the demo project's upload bucket
-/// (`stagehand_uploads_demo`, granted to the services that read it) is repeated for each, and
-/// so is each `users` entry of a demo user. Panics when the shipped file no longer has that
-/// shape, so a change to it cannot silently leave a test's second tenant without users.
+/// The account a project's tenant users (its uploader and training jobs) are in.
+pub fn project_account(project: &str) -> String {
+    format!("PROJECT_{}", project.to_ascii_uppercase())
+}
+
+/// The shipped accounts config with tenants of `projects` besides `demo`, by the recipe the
+/// file's own comments give an operator (deploy/README.md, *Adding a project*): every block
+/// whose name ends in `_DEMO` (the uploader's and training jobs' permissions, the account
+/// `PROJECT_DEMO` with their users and imports) is copied for each project; every other line
+/// naming the demo project's upload bucket (the services' grants on it) or exporting to
+/// `PROJECT_DEMO` alone is repeated for each; and an export shared by every project
+/// (`accounts: [SCHEDULERS, PROJECT_DEMO]`) lists each project's account too. Panics when the
+/// shipped file no longer has that shape, so a change to it cannot silently leave a test's
+/// second tenant without users, imports or exports.
 pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
     let path = accounts_conf();
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let demo_upper = format!("_{}", SHIPPED_PROJECT.to_ascii_uppercase());
     let demo_bucket = format!("stagehand_uploads_{SHIPPED_PROJECT}");
-    let demo_user = format!("-{SHIPPED_PROJECT},");
+    let demo_account = project_account(SHIPPED_PROJECT);
     let for_project = |line: &str, project: &str| {
         line.replace(&demo_upper, &format!("_{}", project.to_ascii_uppercase()))
             .replace(&demo_bucket, &format!("stagehand_uploads_{project}"))
@@ -78,14 +92,15 @@ pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
             .replace(&format!(".{SHIPPED_PROJECT}"), &format!(".{project}"))
     };
     let mut out = String::with_capacity(text.len() * 2);
-    let mut block: Option<Vec<&str>> = None;
-    let (mut blocks, mut grants, mut users) = (0, 0, 0);
+    // A block being copied: its lines so far and the line that closes it.
+    let mut block: Option<(Vec<&str>, String)> = None;
+    let (mut blocks, mut grants, mut shared) = (0, 0, 0);
     for line in text.lines() {
-        if let Some(lines) = block.as_mut() {
+        out.push_str(line);
+        out.push('\n');
+        if let Some((lines, close)) = block.as_mut() {
             lines.push(line);
-            out.push_str(line);
-            out.push('\n');
-            if line == "}" {
+            if line == close.as_str() {
                 for project in projects {
                     out.push('\n');
                     for l in lines.iter() {
@@ -98,29 +113,45 @@ pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
             }
             continue;
         }
-        out.push_str(line);
-        out.push('\n');
-        let head = line.split_whitespace().next().unwrap_or("");
-        if head.ends_with(&demo_upper) && line.trim_end().ends_with("= {") {
-            block = Some(vec![line]);
-        } else if line.contains(&demo_bucket) && !line.trim_start().starts_with('#') {
+        let code = line.trim_start();
+        if code.starts_with('#') {
+            continue;
+        }
+        let head = code.split_whitespace().next().unwrap_or("");
+        // The accounts an export line names, and where that list is in the line.
+        let exports_to = line.find("accounts: [").and_then(|at| {
+            let open = at + "accounts: [".len();
+            let close = open + line[open..].find(']')?;
+            let to: Vec<&str> = line[open..close].split(',').map(str::trim).collect();
+            Some((open..close, to))
+        });
+        if head.ends_with(&demo_upper) && code.trim_end().ends_with('{') {
+            let indent = &line[..line.len() - code.len()];
+            block = Some((vec![line], format!("{indent}}}")));
+        } else if let Some((span, to)) = exports_to.filter(|(_, to)| to.len() > 1) {
+            if to.contains(&demo_account.as_str()) {
+                let mut with: Vec<String> = to.iter().map(|a| a.to_string()).collect();
+                with.extend(projects.iter().map(|p| project_account(p)));
+                out.truncate(out.len() - line.len() - 1);
+                out.push_str(&line[..span.start]);
+                out.push_str(&with.join(", "));
+                out.push_str(&line[span.end..]);
+                out.push('\n');
+                shared += 1;
+            }
+        } else if line.contains(&demo_bucket) || line.contains(&format!("[{demo_account}]")) {
             for project in projects {
                 out.push_str(&for_project(line, project));
                 out.push('\n');
             }
             grants += 1;
-        } else if line.trim_start().starts_with("{ user:") && line.contains(&demo_user) {
-            for project in projects {
-                out.push_str(&for_project(line, project));
-                out.push('\n');
-            }
-            users += 1;
         }
     }
     assert!(
-        blocks >= 2 && grants > 0 && users >= 2,
-        "{}: expected per-project blocks, bucket grants and users of project {SHIPPED_PROJECT} \
-         to copy (found {blocks} blocks, {grants} grants, {users} users)",
+        blocks >= 3 && grants > 0 && shared > 0,
+        "{}: expected per-project blocks (permissions, account), grants and exports of project \
+         {SHIPPED_PROJECT} to copy and exports shared with it (found {blocks} blocks, {grants} \
+         lines, {shared} shared exports)",
         path.display()
     );
     out
@@ -132,19 +163,31 @@ pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
 /// the block or its publish list is missing. Tests of what a role can do read its subjects
 /// here, so a grant added to or removed from the config is tried without an edit to a test.
 pub fn publish_allowed(text: &str, role: &str) -> Vec<String> {
+    allowed(text, role, "publish:")
+}
+
+/// The subjects `role`'s block of an accounts config `text` allows it to subscribe to, as
+/// [`publish_allowed`] reads its publish list.
+pub fn subscribe_allowed(text: &str, role: &str) -> Vec<String> {
+    allowed(text, role, "subscribe:")
+}
+
+/// The quoted entries of the `allow` list of `section` (`publish:` or `subscribe:`) in
+/// `role`'s block.
+fn allowed(text: &str, role: &str, section: &str) -> Vec<String> {
     let head = format!("{role} = {{");
     let mut lines = text.lines().skip_while(|l| l.trim_end() != head).skip(1);
     let mut subjects = Vec::new();
-    let mut in_publish = false;
+    let mut in_section = false;
     let mut in_allow = false;
     for line in lines.by_ref() {
         if line == "}" {
             break;
         }
         let code = line.split_once('#').map_or(line, |(code, _)| code).trim();
-        if !in_publish {
-            in_publish = code.starts_with("publish:");
-            if !in_publish {
+        if !in_section {
+            in_section = code.starts_with(section);
+            if !in_section {
                 continue;
             }
         }
@@ -161,6 +204,212 @@ pub fn publish_allowed(text: &str, role: &str) -> Vec<String> {
         }
     }
     subjects
+}
+
+/// The account that holds Stagehand's streams and buckets, its services and the operator;
+/// every other account reaches them only through what it exports.
+pub const STAGEHAND_ACCOUNT: &str = "STAGEHAND";
+
+/// How a subject crosses from one account into another: a service export carries a publish
+/// in and its one answer back (to the asker's reply subject, in the asker's account), a
+/// stream export carries messages out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Crossing {
+    Service,
+    Stream,
+}
+
+impl std::fmt::Display for Crossing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Crossing::Service => "service",
+            Crossing::Stream => "stream",
+        })
+    }
+}
+
+/// One account of an accounts config, as written in its `accounts` block.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Account {
+    /// Each user's name and the permissions block it names (`None`: all permissions).
+    pub users: Vec<(String, Option<String>)>,
+    /// What it imports: how, from which account, which subject.
+    pub imports: Vec<(Crossing, String, String)>,
+    /// What it exports: how, which subject, to which accounts (none listed: any account).
+    pub exports: Vec<(Crossing, String, Vec<String>)>,
+}
+
+/// Every account of an accounts config `text` by name, read from the one-entry-a-line shape
+/// `deploy/nats/accounts.conf` is written in: an account opens with `  NAME {`, a user is
+/// `{ user: NAME, …, permissions: $BLOCK }`, an import `{ service: { account: A, subject: "S" } }`
+/// (or `stream:`), an export `{ service: "S", accounts: [A, B] }` (or `stream:`).
+pub fn accounts_of(text: &str) -> BTreeMap<String, Account> {
+    let mut accounts = BTreeMap::new();
+    let mut current: Option<String> = None;
+    let mut inside = false;
+    for line in text.lines() {
+        if !inside {
+            inside = line.trim_end() == "accounts {";
+            continue;
+        }
+        if line == "}" {
+            break;
+        }
+        let code = line.split_once('#').map_or(line, |(code, _)| code).trim();
+        if let Some(name) = line.strip_prefix("  ").and_then(|l| l.strip_suffix(" {"))
+            && !name.starts_with(' ')
+        {
+            current = Some(name.to_owned());
+            accounts.insert(name.to_owned(), Account::default());
+            continue;
+        }
+        let Some(account) = current.as_ref().and_then(|c| accounts.get_mut(c)) else {
+            continue;
+        };
+        let quoted = code.split('"').nth(1).map(str::to_owned);
+        let crossing = if code.starts_with("{ service:") {
+            Some(Crossing::Service)
+        } else if code.starts_with("{ stream:") {
+            Some(Crossing::Stream)
+        } else {
+            None
+        };
+        if let Some(rest) = code.strip_prefix("{ user:") {
+            let user = rest.split(',').next().unwrap_or("").trim().to_owned();
+            let block = rest
+                .split("permissions: $")
+                .nth(1)
+                .map(|b| b.trim_end_matches(['}', ' ']).trim().to_owned());
+            account.users.push((user, block));
+        } else if let (Some(crossing), Some(subject)) = (crossing, quoted) {
+            if let Some((_, from)) = code.split_once("account:") {
+                let from = from.split(',').next().unwrap_or("").trim().to_owned();
+                account.imports.push((crossing, from, subject));
+            } else {
+                let to = code
+                    .split_once("accounts: [")
+                    .and_then(|(_, rest)| rest.split_once(']'))
+                    .map(|(list, _)| list.split(',').map(|a| a.trim().to_owned()).collect())
+                    .unwrap_or_default();
+                account.exports.push((crossing, subject, to));
+            }
+        }
+    }
+    accounts
+}
+
+/// Whether the subject pattern `pattern` matches every subject `subject` (itself possibly a
+/// pattern) matches: `*` stands for any one token, a final `>` for one or more.
+pub fn covers(pattern: &str, subject: &str) -> bool {
+    let mut p = pattern.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (p.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(t)) if t != ">" => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// What keeps a tenant or scheduler from doing what its grants allow, or lets an account
+/// reach more than its users are granted, in an accounts config `text`: each line one
+/// finding, none when every account but [`STAGEHAND_ACCOUNT`] imports exactly what its users
+/// may publish (services) and subscribe to (streams; a user's own inbox needs none), each
+/// import matches an export of Stagehand's restricted to that account, and every such export
+/// is imported by each account it names. An account that imports any JetStream API request
+/// imports `$JS.API.INFO` too (see accounts.conf: otherwise the server's own answers race
+/// Stagehand's).
+pub fn crossing_gaps(text: &str) -> Vec<String> {
+    let accounts = accounts_of(text);
+    let mut gaps = Vec::new();
+    let Some(home) = accounts.get(STAGEHAND_ACCOUNT) else {
+        return vec![format!("no account {STAGEHAND_ACCOUNT}")];
+    };
+    for (name, account) in accounts.iter().filter(|(n, _)| *n != STAGEHAND_ACCOUNT) {
+        let imports = |crossing: Crossing, subject: &str| {
+            account
+                .imports
+                .iter()
+                .any(|(c, _, s)| *c == crossing && covers(s, subject))
+        };
+        let mut needed: Vec<(Crossing, String)> = Vec::new();
+        for (user, block) in &account.users {
+            let Some(block) = block else { continue };
+            let inbox = format!("_INBOX_{user}.>");
+            for (crossing, granted) in publish_allowed(text, block)
+                .into_iter()
+                .map(|s| (Crossing::Service, s))
+                .chain(
+                    subscribe_allowed(text, block)
+                        .into_iter()
+                        .map(|s| (Crossing::Stream, s)),
+                )
+            {
+                let own_inbox = crossing == Crossing::Stream && granted == inbox;
+                if !own_inbox && !imports(crossing, &granted) {
+                    gaps.push(format!(
+                        "user {user} of {name} may use {granted} ({block}), but {name} has no \
+                         {crossing} import of it"
+                    ));
+                }
+                needed.push((crossing, granted));
+            }
+        }
+        let uses_js_api = account
+            .imports
+            .iter()
+            .any(|(_, _, s)| s.starts_with("$JS.API."));
+        if uses_js_api && !imports(Crossing::Service, "$JS.API.INFO") {
+            gaps.push(format!(
+                "{name} imports JetStream API requests but not $JS.API.INFO"
+            ));
+        }
+        for (crossing, from, subject) in &account.imports {
+            let granted = needed
+                .iter()
+                .any(|(c, g)| c == crossing && covers(subject, g));
+            if !granted && subject != "$JS.API.INFO" {
+                gaps.push(format!(
+                    "{name} imports {subject} ({crossing}), which none of its users is granted"
+                ));
+            }
+            let exported = accounts.get(from).is_some_and(|a| {
+                a.exports.iter().any(|(c, s, to)| {
+                    c == crossing && covers(s, subject) && to.iter().any(|t| t == name)
+                })
+            });
+            if !exported {
+                gaps.push(format!(
+                    "{name} imports {subject} ({crossing}) from {from}, which exports no such \
+                     {crossing} to {name}"
+                ));
+            }
+        }
+    }
+    for (crossing, subject, to) in &home.exports {
+        if to.is_empty() {
+            gaps.push(format!(
+                "{STAGEHAND_ACCOUNT} exports {subject} ({crossing}) to any account"
+            ));
+        }
+        for name in to {
+            let imported = accounts.get(name).is_some_and(|a| {
+                a.imports
+                    .iter()
+                    .any(|(c, from, s)| c == crossing && from == STAGEHAND_ACCOUNT && s == subject)
+            });
+            if !imported {
+                gaps.push(format!(
+                    "{STAGEHAND_ACCOUNT} exports {subject} ({crossing}) to {name}, which does \
+                     not import it"
+                ));
+            }
+        }
+    }
+    gaps
 }
 
 impl NatsServerBuilder {
@@ -247,6 +496,137 @@ mod tests {
         let demo_block = text.split("UPLOADER_DEMO = {").nth(1).unwrap();
         let demo_block = &demo_block[..demo_block.find("\n}").unwrap()];
         assert!(!demo_block.contains("labb"), "{demo_block}");
+        // Its tenants are in an account of their own, which Stagehand exports its subjects
+        // to (and only to it), and which shares the exports every project imports.
+        let accounts = accounts_of(&text);
+        let labb = &accounts[&project_account("labb")];
+        let users: Vec<&str> = labb.users.iter().map(|(u, _)| u.as_str()).collect();
+        assert!(
+            users.contains(&"uploader-labb") && users.contains(&"trainer-labb"),
+            "{users:?}"
+        );
+        assert!(users.iter().all(|u| u.ends_with("-labb")), "{users:?}");
+        let home = &accounts[STAGEHAND_ACCOUNT];
+        let to_labb: Vec<&(Crossing, String, Vec<String>)> = home
+            .exports
+            .iter()
+            .filter(|(_, _, to)| to.contains(&"PROJECT_LABB".to_string()))
+            .collect();
+        assert!(
+            to_labb
+                .iter()
+                .any(|(_, s, to)| s == "stagehand.req.ingest.requested.labb" && to.len() == 1),
+            "{to_labb:?}"
+        );
+        assert!(
+            to_labb
+                .iter()
+                .any(|(_, s, to)| s == "$JS.API.INFO" && to.contains(&"PROJECT_DEMO".into())),
+            "{to_labb:?}"
+        );
+        assert!(
+            to_labb
+                .iter()
+                .all(|(_, s, to)| !s.contains("demo") && (to.len() == 1 || !s.contains("labb"))),
+            "{to_labb:?}"
+        );
+    }
+
+    #[test]
+    fn the_shipped_accounts_keep_tenants_and_schedulers_out_of_stagehands_account() {
+        let accounts = accounts_of(&std::fs::read_to_string(accounts_conf()).unwrap());
+        let home: Vec<&str> = accounts[STAGEHAND_ACCOUNT]
+            .users
+            .iter()
+            .map(|(u, _)| u.as_str())
+            .collect();
+        for outsider in ["uploader-demo", "trainer-demo", "scheduler"] {
+            assert!(!home.contains(&outsider), "{outsider} in {home:?}");
+        }
+        assert!(
+            home.contains(&"promoter") && home.contains(&"operator"),
+            "{home:?}"
+        );
+        let demo: Vec<&str> = accounts[&project_account(SHIPPED_PROJECT)]
+            .users
+            .iter()
+            .map(|(u, _)| u.as_str())
+            .collect();
+        assert!(
+            demo.contains(&"uploader-demo") && demo.contains(&"trainer-demo"),
+            "{demo:?}"
+        );
+        // A project's account holds its own users only.
+        assert!(demo.iter().all(|u| u.ends_with("-demo")), "{demo:?}");
+    }
+
+    /// Guards the accounts' crossings: every grant of a tenant or scheduler is imported into
+    /// its account and exported to it alone, nothing more is, in the shipped config and with a
+    /// second project added by the recipe.
+    #[test]
+    fn every_account_imports_what_its_users_are_granted_and_nothing_else() {
+        let shipped = std::fs::read_to_string(accounts_conf()).unwrap();
+        assert_eq!(crossing_gaps(&shipped), Vec::<String>::new());
+        let two = accounts_conf_with_projects(&["labb"]);
+        assert_eq!(crossing_gaps(&two), Vec::<String>::new());
+    }
+
+    /// The check finds each kind of gap: a grant with no import, an import with no export to
+    /// the account, an import no user needs, an export nobody imports.
+    #[test]
+    fn a_grant_without_its_crossing_is_found() {
+        let shipped = std::fs::read_to_string(accounts_conf()).unwrap();
+        let cut = |text: &str, needle: &str| -> String {
+            let lines: Vec<&str> = text.lines().filter(|l| !l.contains(needle)).collect();
+            assert!(
+                lines.len() < text.lines().count(),
+                "{needle} not in the config"
+            );
+            lines.join("\n")
+        };
+        let import = r#"{ service: { account: STAGEHAND, subject: "stagehand.req.ingest.requested.demo" } }"#;
+        let gaps = crossing_gaps(&cut(&shipped, import));
+        assert!(
+            gaps.iter().any(|g| g.contains("uploader-demo")
+                && g.contains("stagehand.req.ingest.requested.demo")),
+            "{gaps:?}"
+        );
+        assert!(
+            gaps.iter().any(|g| g.contains("does not import it")),
+            "{gaps:?}"
+        );
+        let export = r#"{ stream: "_INBOX_scheduler.>", accounts: [SCHEDULERS] }"#;
+        let gaps = crossing_gaps(&cut(&shipped, export));
+        assert!(
+            gaps.iter()
+                .any(|g| g.contains("_INBOX_scheduler.>") && g.contains("exports no such stream")),
+            "{gaps:?}"
+        );
+        let grant = r#""$JS.API.STREAM.MSG.GET.OBJ_stagehand_uploads_demo","#;
+        let gaps = crossing_gaps(&cut(&shipped, grant));
+        assert!(
+            gaps.iter()
+                .any(|g| g.contains("none of its users is granted")),
+            "{gaps:?}"
+        );
+        let info = r#"{ service: { account: STAGEHAND, subject: "$JS.API.INFO" } }"#;
+        let gaps = crossing_gaps(&cut(&shipped, info));
+        assert!(
+            gaps.iter().any(|g| g.contains("but not $JS.API.INFO")),
+            "{gaps:?}"
+        );
+    }
+
+    #[test]
+    fn a_pattern_covers_what_it_matches() {
+        assert!(covers("a.>", "a.b.c"));
+        assert!(covers("a.*", "a.*"));
+        assert!(covers("a.*.c", "a.b.c"));
+        assert!(covers("a.b", "a.b"));
+        assert!(!covers("a.*", "a.>"));
+        assert!(!covers("a.*", "a.b.c"));
+        assert!(!covers("a.>", "a"));
+        assert!(!covers("a.b", "a.*"));
     }
 
     #[test]
@@ -266,10 +646,20 @@ mod tests {
         );
         let scheduler = publish_allowed(&text, "SCHEDULER");
         assert!(scheduler.contains(&"stagehand.catalogue.query".to_string()));
-        // Subscribe grants are not publish grants.
+        // Subscribe grants are not publish grants, and read the same way.
         assert!(
             !scheduler.iter().any(|s| s.starts_with("_INBOX")),
             "{scheduler:?}"
+        );
+        assert_eq!(
+            subscribe_allowed(&text, "TRAINER_LABB"),
+            ["_INBOX_trainer-labb.>"]
+        );
+        let reads = subscribe_allowed(&text, "SCHEDULER");
+        assert!(
+            reads.contains(&"_INBOX_scheduler.>".to_string())
+                && reads.contains(&"stagehand.progress.stage.requested.*.*".to_string()),
+            "{reads:?}"
         );
         assert!(publish_allowed(&text, "NO_SUCH_ROLE").is_empty());
         // The operator has no block: no list (it may publish anything).

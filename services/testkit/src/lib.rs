@@ -34,8 +34,9 @@ mod tmpfs;
 mod wait;
 
 pub use accounts::{
-    SHIPPED_PROJECT, accounts_conf, accounts_conf_with_projects, accounts_roles, publish_allowed,
-    role_password, roles_of, user_url,
+    Account, Crossing, SHIPPED_PROJECT, STAGEHAND_ACCOUNT, accounts_conf,
+    accounts_conf_with_projects, accounts_of, accounts_roles, covers, crossing_gaps,
+    project_account, publish_allowed, role_password, roles_of, subscribe_allowed, user_url,
 };
 pub use facts::{StoredEventsError, stored_events};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};

@@ -3,7 +3,9 @@
 //! service deletes, purges or reconfigures a stream, touches another service's consumer or
 //! claims, no uploader touches another project's manifests or the services' bucket), and every
 //! grant a role needs works (manifests put and fetched with `stagehand_manifest::ManifestStore`,
-//! as the services do).
+//! as the services do) — for tenants and schedulers, from their own accounts through what
+//! Stagehand's account exports to them (flow-controlled watches and custom inbox prefixes
+//! included).
 
 use std::time::Duration;
 
@@ -1154,5 +1156,112 @@ async fn schedulers_and_uploaders_follow_progress_of_their_own_requests() -> Res
             violation_naming(errors, denied).await?;
         }
     }
+    Ok(())
+}
+
+/// Guards the schedulers' account: a scheduler watching a bucket gets every entry even when
+/// they are more than the server sends before its flow control is answered (2 MiB
+/// outstanding). The watch's consumer lives in Stagehand's account: its deliveries reach the
+/// scheduler through the export of the scheduler's inbox, and the scheduler's flow-control
+/// answers reach the consumer through the `$JS.FC…` service export; without either it stalls.
+#[tokio::test]
+async fn a_schedulers_watch_is_flow_controlled_across_accounts() -> Result<()> {
+    let server = start_server();
+    provision_as_operator(&server).await?;
+    let operator = operator_bus(&server).await?;
+    let readiness = operator
+        .jetstream()
+        .get_key_value("stagehand_readiness")
+        .await?;
+    let value = vec![b'r'; 400 * 1024];
+    let keys: Vec<String> = (0..12).map(|n| format!("demo.fc.v1.{n}")).collect();
+    for key in &keys {
+        readiness.put(key, value.clone().into()).await?;
+    }
+    let (scheduler, _) = jetstream_as(&server, "scheduler", "SCHEDULER").await?;
+    let view = scheduler.get_key_value("stagehand_readiness").await?;
+    let mut watch = view.watch_with_history("demo.fc.>").await?;
+    let mut seen = std::collections::BTreeSet::new();
+    while seen.len() < keys.len() {
+        let entry = tokio::time::timeout(Duration::from_secs(20), watch.next())
+            .await
+            .with_context(|| {
+                format!(
+                    "the watch stalled after {} of {} entries",
+                    seen.len(),
+                    keys.len()
+                )
+            })?
+            .context("watch ended")??;
+        assert_eq!(entry.value.len(), value.len(), "{}", entry.key);
+        seen.insert(entry.key);
+    }
+    Ok(())
+}
+
+/// Clients that set their own inbox prefix (`--inbox-prefix`, nats-py's `inbox_prefix=`) get
+/// their answers across the accounts too, as long as it lies within the inbox their user may
+/// read: a tenant's PubAcks and JetStream API answers (mapped back into its account), a
+/// scheduler's answers and its watch's deliveries (exported from Stagehand's account). Each
+/// answer is Stagehand's: the tenant and scheduler accounts import `$JS.API.INFO`, so the
+/// server adds no `$JS.API.>` import of its own for them, whose "JetStream not enabled"
+/// answers would race Stagehand's.
+#[tokio::test]
+async fn custom_inbox_prefixes_get_their_answers_across_accounts() -> Result<()> {
+    let server = start_server();
+    provision_with_projects(&server, &["demo"]).await?;
+    let (uploader, _) = connect_with_inbox(
+        &server,
+        "uploader-demo",
+        "UPLOADER_DEMO",
+        "_INBOX_uploader-demo.lab-7",
+    )
+    .await?;
+    let mut js = jetstream::new(uploader);
+    js.set_timeout(Duration::from_secs(5));
+    let ack = js
+        .publish("stagehand.req.ingest.requested.demo", "req".into())
+        .await?
+        .await?;
+    assert_eq!(ack.stream, "STAGEHAND_REQUESTS");
+    for _ in 0..20 {
+        let info = js
+            .get_stream("OBJ_stagehand_uploads_demo")
+            .await
+            .context("the upload bucket's stream info, asked from the project's account")?;
+        assert_eq!(info.cached_info().config.name, "OBJ_stagehand_uploads_demo");
+    }
+
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    operator
+        .get_key_value("stagehand_stages")
+        .await?
+        .put("demo.0042", "queued".into())
+        .await?;
+    let (scheduler, _) = connect_with_inbox(
+        &server,
+        "scheduler",
+        "SCHEDULER",
+        "_INBOX_scheduler.slurm-1",
+    )
+    .await?;
+    let mut js = jetstream::new(scheduler);
+    js.set_timeout(Duration::from_secs(5));
+    for _ in 0..20 {
+        js.query_account()
+            .await
+            .context("$JS.API.INFO, asked from the schedulers' account")?;
+    }
+    let stages = js.get_key_value("stagehand_stages").await?;
+    assert_eq!(
+        stages.get("demo.0042").await?.as_deref(),
+        Some(&b"queued"[..])
+    );
+    let mut watch = stages.watch_with_history("demo.0042").await?;
+    let entry = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .context("no stage status delivered")?
+        .context("watch ended")??;
+    assert_eq!(entry.value.as_ref(), b"queued");
     Ok(())
 }
