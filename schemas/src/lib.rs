@@ -32,11 +32,13 @@ pub mod event;
 pub mod id;
 #[cfg(feature = "json-schema")]
 pub mod json_schema;
+pub mod layout;
 pub mod manifest;
 pub mod path;
 pub mod problem;
 pub mod progress;
 pub mod subject;
+pub mod trust;
 pub mod wire;
 
 pub use event::*;
@@ -47,3 +49,4 @@ pub use manifest::{
 };
 pub use path::{PathError, RelPath, check_relative_path};
 pub use problem::Problem;
+pub use trust::{Refusal, Role};
