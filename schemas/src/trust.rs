@@ -173,7 +173,8 @@ pub enum Refusal {
         kind: &'static str,
         /// The payload field, e.g. `payload.location`.
         field: &'static str,
-        location: LocationError,
+        /// Boxed: the common answer, `Ok`, stays small.
+        location: Box<LocationError>,
     },
 }
 
@@ -214,7 +215,7 @@ impl Event {
                     id: self.id.to_string(),
                     kind: self.kind(),
                     field,
-                    location,
+                    location: Box::new(location),
                 }
             })?;
         }
