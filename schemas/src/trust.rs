@@ -226,9 +226,13 @@ impl Event {
 /// The checks a consumer applies to an event that arrived on `subject`, before anything else:
 /// on a Stagehand subject (`stagehand.<class>.…`) the subject must be exactly the one the event
 /// is published on ([`subject_for`]): its kind and its project (a dead letter: its service);
-/// and, on any subject, every location must belong to the event's project
+/// and, on any subject, every location a fact names must belong to the event's project
 /// ([`Event::check_locations`]). Subjects outside Stagehand's (a test's own stream) carry no
 /// kind or project to compare.
+///
+/// A request's locations (an `ingest.requested` source) are its consumer's to answer: the
+/// ingest validator rejects one outside the project with `outside_project` through the same
+/// rule, reading nothing, so that the uploader gets a verdict rather than a dead letter.
 pub fn check_published(event: &Event, subject: &str) -> Result<(), Refusal> {
     let stagehand = subject
         .strip_prefix(ROOT)
@@ -256,6 +260,9 @@ pub fn check_published(event: &Event, subject: &str) -> Result<(), Refusal> {
                 subject_project: last.to_owned(),
             });
         }
+    }
+    if event.body.is_request() {
+        return Ok(());
     }
     event.check_locations()
 }

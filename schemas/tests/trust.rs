@@ -169,6 +169,23 @@ fn an_event_on_another_kinds_or_projects_subject_is_refused() {
     assert!(check_published(&commit("demo", "labb/x"), "test.stream.x").is_err());
 }
 
+/// An ingest request outside its project reaches the validator, which rejects it naming the
+/// same rule (a verdict for the uploader, not a dead letter); a fact never passes.
+#[test]
+fn a_requests_location_is_its_consumers_to_answer() {
+    let mut request = common::example_event("ingest.requested");
+    let Body::IngestRequested(p) = &mut request.body else {
+        unreachable!()
+    };
+    p.source.prefix = "other-lab/uploads/1".into();
+    let subject = subject_for(&request.body, &request.project);
+    assert_eq!(check_published(&request, &subject), Ok(()));
+    assert_eq!(
+        request.check_locations().unwrap_err().rule(),
+        rule::OUTSIDE_PROJECT
+    );
+}
+
 /// The publish allow-list of every permissions block (`NAME = { publish: { allow: [...] } }`)
 /// of an accounts config: the quoted strings between `publish:` and `subscribe:`.
 fn publish_allows(text: &str) -> BTreeMap<String, BTreeSet<String>> {
