@@ -115,6 +115,10 @@ pub const ALL_KINDS: &[&str] = &[
     "dead.letter.replayed",
 ];
 
+/// The kinds that are requests (class `req`: they ask for work); every other kind but the
+/// dead-letter kinds is a fact (class `fact`).
+pub const REQUEST_KINDS: &[&str] = &["ingest.requested", "stage.requested", "stage.released"];
+
 impl Body {
     /// The wire name of this kind, e.g. `"dataset.validated"`.
     pub fn kind(&self) -> &'static str {
@@ -143,10 +147,7 @@ impl Body {
 
     /// Whether this kind is a request (asks for work) rather than a fact (says what happened).
     pub fn is_request(&self) -> bool {
-        matches!(
-            self,
-            Body::IngestRequested(_) | Body::StageRequested(_) | Body::StageReleased(_)
-        )
+        REQUEST_KINDS.contains(&self.kind())
     }
 
     /// The dataset this event concerns, when it concerns one (for spans and subjects).
@@ -171,6 +172,37 @@ impl Body {
             | Body::CheckpointExpired(_)
             | Body::DeadLetter(_)
             | Body::DeadLetterReplayed(_) => None,
+        }
+    }
+
+    /// Every location this event names, with the field that names it (`payload.location`).
+    /// The match names every kind, so a kind added later cannot be forgotten here; consumers
+    /// check each against the event's project before reading anything
+    /// ([`Event::check_locations`]).
+    pub fn locations(&self) -> Vec<(&'static str, &Location)> {
+        match self {
+            Body::IngestRequested(p) => vec![("payload.source", &p.source)],
+            Body::DatasetValidated(p) => vec![("payload.source", &p.source)],
+            // A rejection quotes the request's source, possibly the very prefix it was
+            // rejected for (`outside_project`): nothing is read there, copied or recorded as
+            // data, and refusing the rejection would hide the answer from its uploader.
+            Body::DatasetRejected(_) => vec![],
+            Body::DatasetPrepared(p) => vec![("payload.location", &p.location)],
+            Body::StageReady(p) => vec![("payload.location", &p.location)],
+            Body::ReplicaCreated(p) => vec![("payload.location", &p.location)],
+            Body::ReplicaRemoved(p) => vec![("payload.location", &p.location)],
+            Body::CheckpointCommitted(p) => vec![("payload.location", &p.location)],
+            Body::CheckpointDemoted(p) => vec![("payload.from", &p.from), ("payload.to", &p.to)],
+            Body::CheckpointExpired(p) => vec![("payload.location", &p.location)],
+            Body::BackupCompleted(p) => vec![("payload.location", &p.location)],
+            Body::RestoreVerified(p) => vec![("payload.location", &p.location)],
+            Body::RestoreFailed(p) => vec![("payload.location", &p.location)],
+            Body::StageRequested(_)
+            | Body::StageReleased(_)
+            | Body::StagePending(_)
+            | Body::StageFailed(_)
+            | Body::DeadLetter(_)
+            | Body::DeadLetterReplayed(_) => vec![],
         }
     }
 }

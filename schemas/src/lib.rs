@@ -5,6 +5,11 @@
 //! Go or Lua producers; tests keep them in step with these types. `schemas/README.md` is the
 //! contract in prose: subjects, streams, headers, id rules, the version digest, compatibility.
 //!
+//! Two modules hold the rules every crate shares rather than restates: [`layout`] (names, the
+//! folders of versions, uploads and staging sets, and the location rule) and [`trust`] (which
+//! role may state which kind, and the checks a consumer applies to an event against its subject
+//! before reading anything it names).
+//!
 //! The `json-schema` feature adds the `json_schema` module, which generates those schemas
 //! from the types.
 //!
@@ -32,11 +37,13 @@ pub mod event;
 pub mod id;
 #[cfg(feature = "json-schema")]
 pub mod json_schema;
+pub mod layout;
 pub mod manifest;
 pub mod path;
 pub mod problem;
 pub mod progress;
 pub mod subject;
+pub mod trust;
 pub mod wire;
 
 pub use event::*;
@@ -47,3 +54,4 @@ pub use manifest::{
 };
 pub use path::{PathError, RelPath, check_relative_path};
 pub use problem::Problem;
+pub use trust::{Refusal, Role};

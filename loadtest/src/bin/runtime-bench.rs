@@ -119,7 +119,9 @@ impl Handler for OneFact {
                 version: r.version.clone(),
                 location: Location {
                     tier: r.tier.clone(),
-                    prefix: String::new(),
+                    prefix: stagehand_schemas::layout::version_folder(
+                        &e.project, &r.dataset, &r.version,
+                    ),
                 },
                 job_id: r.job_id.clone(),
                 request_id: e.id.clone(),

@@ -11,7 +11,7 @@
 //! after its run: `<project>/<run>/<digest of its manifest>/`.
 
 use stagehand_policy::{BackupPolicy, BackupSelect};
-use stagehand_schemas::{Body, Event, Location, check_relative_path, is_sha256_hex};
+use stagehand_schemas::{Body, Event, Location};
 
 use crate::error::BackupError;
 
@@ -63,24 +63,13 @@ pub fn selected(policy: &BackupPolicy, event: &Event) -> Option<Protect> {
     })
 }
 
-/// The folder a version's backup is published as: `<project>/<dataset>/<version>`. Refuses a
-/// dataset name that is not one path component, or a version that is not a digest.
+/// The folder a version's backup is published as: `<project>/<dataset>/<version>`
+/// (`stagehand_schemas::layout::checked_version_folder`). Refuses a project or dataset that is
+/// not a name, or a version that is not a digest.
 pub fn set_prefix(project: &str, dataset: &str, version: &str) -> Result<String, BackupError> {
-    let refuse = |why: String| BackupError::Refused(why);
-    if !stagehand_schemas::subject::is_subject_token(project) {
-        return Err(refuse(format!("project {project:?} is not a project name")));
-    }
-    if dataset.contains('/') || check_relative_path(dataset).is_err() || dataset.starts_with('.') {
-        return Err(refuse(format!(
-            "dataset {dataset:?} cannot name a folder on the backup tier (one path component, not hidden)"
-        )));
-    }
-    if !is_sha256_hex(version) {
-        return Err(refuse(format!(
-            "version {version:?} is not a SHA-256 digest"
-        )));
-    }
-    Ok(format!("{project}/{dataset}/{version}"))
+    stagehand_schemas::layout::checked_version_folder(project, dataset, version).map_err(|e| {
+        BackupError::Refused(format!("{e}: it cannot name a folder on the backup tier"))
+    })
 }
 
 /// The name of the manifest inside a backup set. A version holding a file of that name at

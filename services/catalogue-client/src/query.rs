@@ -18,8 +18,9 @@ use crate::records::*;
 /// The queue group recorders answer queries in: each query is answered once.
 pub const QUEUE_GROUP: &str = "catalogue-recorder";
 
-/// The shortest version prefix a query may use.
-pub const MIN_VERSION_PREFIX: usize = 8;
+/// The shortest version prefix a query may use (`stagehand_schemas::layout`, where the rule
+/// and why it is shorter than an event's are written once).
+pub const MIN_VERSION_PREFIX: usize = stagehand_schemas::layout::MIN_QUERY_VERSION_PREFIX;
 
 /// Items in a page when a query gives no `limit`.
 pub const DEFAULT_PAGE: u32 = 100;

@@ -382,6 +382,12 @@ pub enum FoldProblemCode {
     RecordTooLarge,
     /// A catalogue record the fact needs does not decode (the store is damaged).
     CorruptRecord,
+    /// A location the fact names is not beneath its project's folder (the rule
+    /// `outside_project`, `stagehand_schemas::layout`): nothing of it was read or folded.
+    OutsideProject,
+    /// The fact travelled on another kind's or another project's subject (the rules
+    /// `subject_kind`, `subject_project`, `stagehand_schemas::trust`): nothing was folded.
+    WrongSubject,
     /// A code this client does not know yet.
     #[serde(other)]
     Other,

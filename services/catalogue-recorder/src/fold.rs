@@ -69,6 +69,20 @@ impl FoldError {
         }
     }
 
+    /// A fact refused before folding: its subject or a location it names breaks a rule of
+    /// `stagehand_schemas::trust` (the detail names it).
+    pub fn refused(refusal: &Refusal) -> Self {
+        let code = match refusal.rule() {
+            stagehand_schemas::trust::rule::OUTSIDE_PROJECT => FoldProblemCode::OutsideProject,
+            _ => FoldProblemCode::WrongSubject,
+        };
+        FoldError::Problem {
+            code,
+            detail: refusal.to_string(),
+            retryable: false,
+        }
+    }
+
     /// A fact that contradicts itself.
     pub fn malformed(detail: impl Into<String>) -> Self {
         FoldError::Problem {
@@ -108,13 +122,24 @@ pub fn problem(
     let version = match &event.body {
         Body::DatasetValidated(p) => Some(p.version.clone()),
         Body::DatasetPrepared(p) => Some(p.version.clone()),
+        // A checkpoint's version is its manifest's digest, known without fetching anything.
+        Body::CheckpointCommitted(_) => {
+            ManifestSource::of(event).ok().flatten().map(|m| m.digest())
+        }
         _ => None,
+    };
+    // A checkpoint's problems are listed under its run's dataset, where a restore looks.
+    let dataset = match &event.body {
+        Body::CheckpointCommitted(p) => Some(checkpoint_dataset(&p.run)),
+        Body::CheckpointDemoted(p) => Some(checkpoint_dataset(&p.run)),
+        Body::CheckpointExpired(p) => Some(checkpoint_dataset(&p.run)),
+        other => other.dataset().map(str::to_owned),
     };
     FoldProblem {
         event_id: event.id.clone(),
         kind: event.kind().to_owned(),
         project: event.project.clone(),
-        dataset: event.body.dataset().map(str::to_owned),
+        dataset,
         version,
         stream_sequence: sequence,
         code,
@@ -160,6 +185,11 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
 /// Applies one event. Returns whether it changed anything (false for an event applied before:
 /// one of the same project, kind and id).
 pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
+    // Nothing of a fact naming another project's location is folded, however it got here
+    // (a rebuild, a recorder whose consumer did not check): the one location rule.
+    event
+        .check_locations()
+        .map_err(|r| FoldError::refused(&r))?;
     let scope = (event.project.as_str(), event.kind(), event.id.as_str());
     if txn.open_table(APPLIED)?.get(scope)?.is_some() {
         return Ok(false);

@@ -12,6 +12,10 @@
 //! - for a reason no retry can fix (its manifest does not match its digest, it contradicts
 //!   itself): recorded as a catalogue problem, logged at ERROR, and a permanent error, so the
 //!   runtime dead-letters it (replayable once the cause is fixed).
+//! - refused by the runtime before it is handled (it travelled on another kind's or project's
+//!   subject, or names a location outside its project: `stagehand_schemas::trust`): recorded
+//!   as a catalogue problem naming the rule ([`LiveFold`]'s `refused`), then dead-lettered;
+//!   nothing of it is fetched or folded.
 //! - redb latched an I/O failure: the recorder stops (its run returns the error) instead of
 //!   consuming on with a dead store; the supervisor restarts it and redb reopens.
 
@@ -27,7 +31,7 @@ use stagehand_bus::{Handler, HandlerError, WorkContext};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::subject::ROOT;
-use stagehand_schemas::{Event, EventId};
+use stagehand_schemas::{Event, EventId, Refusal};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
@@ -102,6 +106,31 @@ impl Handler for LiveFold {
             .await
             .map_err(HandlerError::retryable)?;
         Ok(Vec::new())
+    }
+
+    /// A fact the runtime refused (another kind's or project's subject, a location outside
+    /// its project) is listed as a catalogue problem naming the rule before it is
+    /// dead-lettered: nothing of it is fetched or folded.
+    async fn refused(&self, event: &Event, stream_sequence: u64, refusal: &Refusal) {
+        let error = FoldError::refused(refusal);
+        let code = error
+            .problem_code()
+            .unwrap_or(stagehand_catalogue::FoldProblemCode::Other);
+        tracing::error!(event_id = %event.id, kind = event.kind(), rule = refusal.rule(), detail = %refusal, "a fact was refused: listed as a catalogue problem and dead-lettered");
+        let item = FoldItem {
+            event: event.clone(),
+            sequence: Some(stream_sequence),
+            problem: Some(fold::problem(
+                event,
+                Some(stream_sequence),
+                code,
+                error.to_string(),
+            )),
+        };
+        if let Err(e) = self.writer.apply(item).await {
+            // The dead letter still records it; a latched store stops the recorder.
+            let _ = self.store_error(event, e);
+        }
     }
 }
 

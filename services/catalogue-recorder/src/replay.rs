@@ -8,8 +8,10 @@
 //!
 //! Batches are cut by bytes ([`MAX_REPLAY_BATCH_BYTES`] of messages), one commit each. Before a
 //! batch is folded, each version's file list is fetched once and written in chunks
-//! ([`FileLists`]). A fact that cannot be folded — its manifest object is gone or damaged, a
-//! record it needs is corrupt, it contradicts itself — does not stop the rebuild: it is logged
+//! ([`FileLists`]). A fact that cannot be folded — it travelled on another kind's or project's
+//! subject or names a location outside its project (checked first, as live consumption does:
+//! nothing of it is fetched), its manifest object is gone or damaged, a record it needs is
+//! corrupt, it contradicts itself — does not stop the rebuild: it is logged
 //! at ERROR with its event id, counted, recorded as a problem on-call can list (`stagehand
 //! catalogue problems`), and skipped. Only a failure of the store or of NATS itself stops it
 //! (the store then stays incomplete and the next start rebuilds again).
@@ -107,7 +109,15 @@ pub async fn replay(
         let (sequence, pending) = (info.stream_sequence, info.pending);
         match wire::decode(&message.payload) {
             Ok(event) => {
-                let problem = match files.ensure_retrying(&event, REBUILD_FETCH_ATTEMPTS).await {
+                // Held to its subject, as live consumption holds it, before its manifest is
+                // fetched: a refused fact is listed as a problem naming the rule.
+                let checked = stagehand_schemas::trust::check_published(&event, &message.subject)
+                    .map_err(|r| fold::FoldError::refused(&r));
+                let ensured = match checked {
+                    Ok(()) => files.ensure_retrying(&event, REBUILD_FETCH_ATTEMPTS).await,
+                    Err(refused) => Err(refused),
+                };
+                let problem = match ensured {
                     Ok(()) => None,
                     Err(e) => match e.problem_code() {
                         Some(code) => {

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusError, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats};
 use stagehand_manifest::Spool;
-use stagehand_schemas::Event;
 use stagehand_schemas::subject::{DEAD_LETTERS, FACTS, REQUESTS};
+use stagehand_schemas::{Event, Refusal};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
@@ -422,6 +422,10 @@ struct SharedFold(Arc<LiveFold>);
 impl Handler for SharedFold {
     async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
         self.0.handle(event, ctx).await
+    }
+
+    async fn refused(&self, event: &Event, stream_sequence: u64, refusal: &Refusal) {
+        self.0.refused(event, stream_sequence, refusal).await
     }
 }
 

@@ -80,7 +80,7 @@ pub fn replica(n: u32, removed: bool) -> Event {
     let v = validated(n);
     let location = Location {
         tier: "hot".into(),
-        prefix: "cats".into(),
+        prefix: "lab-a/cats/hot".into(),
     };
     let body = if removed {
         Body::ReplicaRemoved(ReplicaRemoved {

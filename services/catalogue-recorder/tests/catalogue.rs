@@ -134,7 +134,7 @@ fn facts() -> Vec<Event> {
     let v = version(&v1);
     let hot = Location {
         tier: "hot".into(),
-        prefix: "cats".into(),
+        prefix: "lab-a/cats/hot".into(),
     };
     out.push(v1.clone());
     out.push(validated(&ingest(5, "cats")));
@@ -518,7 +518,7 @@ async fn queries_over_request_reply_and_readiness_in_kv() -> anyhow::Result<()> 
     assert_eq!(
         ready.state,
         ReadinessState::Ready {
-            path: "cats".into()
+            path: "lab-a/cats/hot".into()
         }
     );
     assert_eq!(ready.jobs.ready, 1);
@@ -939,7 +939,8 @@ async fn a_rebuild_skips_and_lists_a_version_whose_manifest_is_gone() -> anyhow:
 }
 
 /// Facts of schema 1 (files inline, more of them than schema 2 lets travel inline) in an old
-/// stream still fold, with their file lists.
+/// stream still fold, with their file lists — unless they name a location outside their
+/// project, as the golden fixture does (the location rule holds for every schema).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_schema_1_fact_with_inline_files_still_folds() -> anyhow::Result<()> {
     let (_nats, bus) = setup().await?;
@@ -977,25 +978,31 @@ async fn an_old_schema_1_fact_with_inline_files_still_folds() -> anyhow::Result<
         drained(&bus, subject::FACTS.name, "catalogue-recorder").await
     })
     .await?;
-    let Body::DatasetValidated(g) = &golden.body else {
-        unreachable!()
-    };
-    let detail = cat
-        .version(Some(&golden.project), &g.dataset, &g.version)
-        .await?;
-    assert_eq!(detail.version.file_count, g.files.len() as u64);
-    let page = cat
-        .files(Some(&golden.project), &g.dataset, &g.version, None, None)
-        .await?;
-    let mut want = g.files.clone();
-    want.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
-    assert_eq!(page.files, want);
     let page = cat
         .files(None, "legacy", &version(&big), Some(MAX_PAGE), None)
         .await?;
     assert_eq!(page.files.len(), 3000);
     assert_eq!(page.next, None);
-    assert_eq!(cat.problems(None, None).await?.1, 0);
+    // The golden fact's source (`uploads/vision-lab/...`) is not beneath its project's folder,
+    // which schema-1 validators did not check: it decodes, and is listed as what it is — a
+    // fact naming a location outside its project — rather than folded.
+    let Body::DatasetValidated(g) = &golden.body else {
+        unreachable!()
+    };
+    let (problems, total) = cat.problems(None, None).await?;
+    assert_eq!(total, 1);
+    assert_eq!(problems.items[0].event_id, golden.id);
+    assert_eq!(problems.items[0].code, FoldProblemCode::OutsideProject);
+    assert_eq!(
+        problems.items[0].version.as_deref(),
+        Some(g.version.as_str())
+    );
+    assert!(
+        cat.version(Some(&golden.project), &g.dataset, &g.version)
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
     recorder.stop().await?;
     Ok(())
 }
@@ -1256,4 +1263,108 @@ async fn a_fact_whose_manifest_is_damaged_is_listed_and_dead_lettered() -> anyho
     assert_eq!(stats.facts.dead_lettered, 1);
     assert_eq!(stats.facts.handled, 0);
     Ok(())
+}
+
+/// Issue 19 item 1: a training job of `lab-a` commits a checkpoint at `lab-b`'s prefix, and a
+/// validation travels on another kind's subject. The recorder folds neither: each is listed as
+/// a catalogue problem naming its rule and dead-lettered, live and again in a rebuild from
+/// the stream, and no version, replica or checkpoint of them appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn facts_breaking_the_location_or_subject_rules_are_listed_and_never_folded()
+-> anyhow::Result<()> {
+    let (_nats, bus) = setup().await?;
+    let dir = tempfile::tempdir()?;
+    let live = start(&bus, &dir.path().join("live"));
+    let cat = catalogue(&bus);
+    answering(&cat).await?;
+    let stolen = files(1, "model");
+    let digest = version_digest(&stolen);
+    let commit = Event::request(
+        EventId::for_checkpoint("lab-a", "r1", 100),
+        "lab-a",
+        Body::CheckpointCommitted(CheckpointCommitted {
+            run: "r1".into(),
+            step: 100,
+            location: Location {
+                tier: "source".into(),
+                prefix: "lab-b/secret/run-7".into(),
+            },
+            files: stolen.clone(),
+            manifest: None,
+            total_bytes: total_bytes(&stolen),
+            tags: vec![],
+        }),
+    );
+    bus.publish(&commit).await?;
+    // A validation of lab-a, published where replicas are announced.
+    let misfiled = validated(&ingest(2, "cats"));
+    let mut headers = HeaderMap::new();
+    headers.insert(MSG_ID_HEADER, misfiled.id.as_str());
+    bus.jetstream()
+        .publish_with_headers(
+            "stagehand.fact.replica.created.lab-a",
+            headers,
+            wire::encode(&misfiled)?.into(),
+        )
+        .await?
+        .await?;
+    let check = |problems: &[FoldProblem]| {
+        let of = |id: &EventId| {
+            problems
+                .iter()
+                .find(|p| &p.event_id == id)
+                .unwrap_or_else(|| panic!("{id} not listed: {problems:?}"))
+        };
+        let p = of(&commit.id);
+        assert_eq!(p.code, FoldProblemCode::OutsideProject);
+        assert_eq!(p.dataset.as_deref(), Some("ckpt-r1"));
+        assert_eq!(p.version.as_deref(), Some(digest.as_str()));
+        for part in ["outside_project", "payload.location", "lab-b/secret/run-7"] {
+            assert!(p.detail.contains(part), "{part} missing: {}", p.detail);
+        }
+        let p = of(&misfiled.id);
+        assert_eq!(p.code, FoldProblemCode::WrongSubject);
+        assert!(p.detail.contains("subject_kind"), "{}", p.detail);
+    };
+    let (problems, _) = stagehand_testkit::wait_for(WAIT, "both listed", || async {
+        cat.problems(None, None)
+            .await
+            .ok()
+            .filter(|(_, total)| *total == 2)
+    })
+    .await?;
+    check(&problems.items);
+    wait_until(WAIT, "both dead-lettered", || async {
+        dead_letters_stored(&bus).await.is_ok_and(|n| n == 2)
+    })
+    .await?;
+    nothing_folded(&cat, &digest).await;
+    let stats = live.stop().await?;
+    assert_eq!((stats.facts.handled, stats.facts.dead_lettered), (0, 2));
+
+    let rebuilt = start(&bus, &dir.path().join("rebuilt"));
+    answering(&cat).await?;
+    let (problems, total) = cat.problems(None, None).await?;
+    assert_eq!(total, 2);
+    check(&problems.items);
+    nothing_folded(&cat, &digest).await;
+    let stats = rebuilt.stop().await?;
+    assert_eq!(stats.rebuilt, Some((2, 2)), "both replayed, both skipped");
+    Ok(())
+}
+
+/// Neither of the refused facts above left anything in the catalogue.
+async fn nothing_folded(cat: &Catalogue, digest: &str) {
+    assert!(
+        cat.version(Some("lab-a"), "ckpt-r1", digest)
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
+    assert!(
+        cat.dataset(Some("lab-a"), "cats")
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
 }

@@ -12,6 +12,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use stagehand_bus::{Bus, BusConfig};
+use stagehand_schemas::layout;
 use stagehand_schemas::subject::is_subject_token;
 use time::OffsetDateTime;
 
@@ -123,46 +124,27 @@ pub async fn connect(cfg: &BusConfig, timeout: Duration) -> anyhow::Result<Bus> 
     }
 }
 
-/// A project (tenant) name: a subject token.
+/// A project (tenant) name (`stagehand_schemas::layout::check_project`).
 pub fn project(arg: &str, name: &str) -> Result<(), UsageError> {
-    if is_subject_token(name) {
-        Ok(())
-    } else {
-        Err(usage(format!(
-            "{arg} {name:?}: a project is 1-64 characters of [a-z0-9_-]"
-        )))
-    }
+    layout::check_project(name).map_err(|e| usage(format!("{arg} {name:?}: {e}")))
 }
 
-/// A dataset name: a path component the catalogue and tiers accept.
+/// A dataset name (`stagehand_schemas::layout::check_dataset_name`).
 pub fn dataset(arg: &str, name: &str) -> Result<(), UsageError> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(usage(format!(
-            "{arg} {name:?}: a dataset name is 1-128 characters of [A-Za-z0-9._-], not starting with '.'"
-        )))
-    }
+    layout::check_dataset_name(name).map_err(|e| usage(format!("{arg} {name:?}: {e}")))
 }
 
-/// A version: a digest (64 lowercase hex) or a unique prefix of at least 12.
+/// A version in an event: a digest or a unique prefix of at least
+/// [`layout::MIN_VERSION_PREFIX`] (`stagehand_schemas::layout::check_version_prefix`).
 pub fn version(arg: &str, v: &str) -> Result<(), UsageError> {
-    let ok = (12..=64).contains(&v.len())
-        && v.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(usage(format!(
-            "{arg} {v:?}: a version is a digest or a prefix of it of 12-64 lowercase hex characters"
-        )))
-    }
+    layout::check_version_prefix(v, layout::MIN_VERSION_PREFIX)
+        .map_err(|e| usage(format!("{arg} {v:?}: {e}")))
+}
+
+/// A version in a catalogue query: a digest or a prefix of at least
+/// [`layout::MIN_QUERY_VERSION_PREFIX`].
+pub fn query_version(v: &str) -> Result<(), layout::NameError> {
+    layout::check_version_prefix(v, layout::MIN_QUERY_VERSION_PREFIX)
 }
 
 /// A tier name as the policies declare it.

@@ -50,7 +50,7 @@ use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState, checkpoi
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_mover::{ReadLimit, Tier};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
-use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Location};
+use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Location, layout};
 
 use crate::args::{EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE};
 use crate::cli::Connection;
@@ -420,18 +420,13 @@ fn default_policies() -> PathBuf {
 }
 
 fn check_project(project: &str) -> Result<(), CheckpointError> {
-    if !stagehand_schemas::subject::is_subject_token(project) {
-        return Err(usage(format!(
-            "project {project:?} must be 1-64 characters of [a-z0-9_-]"
-        )));
-    }
-    Ok(())
+    layout::check_project(project).map_err(|e| usage(e.to_string()))
 }
 
 fn check_run(run: &str) -> Result<(), CheckpointError> {
-    crate::ingest::check_name("run", run).map_err(|e| usage(e.to_string()))?;
+    layout::check_dataset_name(run).map_err(|e| usage(format!("run: {e}")))?;
     // The run's checkpoints are versions of the dataset `ckpt-<run>`, which must be a name too.
-    crate::args::dataset("run", &checkpoint_dataset(run)).map_err(|_| {
+    layout::check_dataset_name(&checkpoint_dataset(run)).map_err(|_| {
         usage(format!(
             "run {run:?} is too long: its checkpoints' dataset {:?} must be at most 128 characters",
             checkpoint_dataset(run)
@@ -545,14 +540,13 @@ fn prefix_in(root: &Path, dir: &Path, project: &str) -> Result<String, String> {
                 dir.display()
             )
         })?;
-    if parts.len() < 2 || parts[0] != project {
-        return Err(format!(
-            "{} is not inside project {project:?}'s folder <root>/{project}/ on the tier",
-            dir.display()
-        ));
-    }
     let prefix = parts.join("/");
-    stagehand_schemas::check_relative_path(&prefix).map_err(|e| format!("{prefix}: {e}"))?;
+    layout::check_prefix_in_project(project, &prefix).map_err(|why| {
+        format!(
+            "{} is not inside project {project:?}'s folder <root>/{project}/ on the tier: {why}",
+            dir.display()
+        )
+    })?;
     Ok(prefix)
 }
 

@@ -416,12 +416,10 @@ impl RestoreArgs {
                 self.target
             )));
         };
-        if version.len() < stagehand_catalogue::MIN_VERSION_PREFIX
-            || !version.bytes().all(|b| b.is_ascii_hexdigit())
-        {
+        if args::query_version(&version.to_ascii_lowercase()).is_err() {
             return Err(UsageError(format!(
                 "version {version:?} must be {} or more hex characters of the digest",
-                stagehand_catalogue::MIN_VERSION_PREFIX
+                stagehand_schemas::layout::MIN_QUERY_VERSION_PREFIX
             )));
         }
         args::dataset("DATASET", &dataset)?;
@@ -779,11 +777,8 @@ fn check_catalogue(cmd: &CatalogueCommand) -> Result<(), UsageError> {
             };
             args::dataset("D[@VERSION]", dataset)?;
             if let Some(v) = version {
-                let min = stagehand_catalogue::MIN_VERSION_PREFIX;
-                let ok = (min..=64).contains(&v.len())
-                    && v.bytes()
-                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-                if !ok {
+                let min = stagehand_schemas::layout::MIN_QUERY_VERSION_PREFIX;
+                if args::query_version(v).is_err() {
                     return Err(UsageError(format!(
                         "D@VERSION {target:?}: VERSION is {min}-64 lowercase hex characters (a digest or a unique prefix)"
                     )));
@@ -948,12 +943,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 .into());
             }
             for project in &projects {
-                if !stagehand_schemas::subject::is_subject_token(project) {
-                    return Err(UsageError(format!(
-                        "--project {project:?}: must be 1-64 characters of [a-z0-9_-]"
-                    ))
-                    .into());
-                }
+                args::project("--project", project)?;
             }
             let timeout = cli.connection.connect_timeout;
             let mut cfg = cli.connection.bus_config(timeout);

@@ -37,7 +37,9 @@ use stagehand_bus::Bus;
 use stagehand_manifest::{Manifest, Spool};
 use stagehand_mover::Progress;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
-use stagehand_schemas::{Body, DatasetRejected, DatasetValidated, Event, EventId, Location};
+use stagehand_schemas::{
+    Body, DatasetRejected, DatasetValidated, Event, EventId, Location, layout,
+};
 use time::OffsetDateTime;
 
 use self::bars::{Bars, ValidationBar};
@@ -46,20 +48,6 @@ use self::source::Source;
 
 /// The kind whose progress subject the validator publishes on.
 const KIND: &str = "ingest.requested";
-
-/// Checks that a project or dataset name can be a path component and a subject-safe name.
-pub fn check_name(what: &str, name: &str) -> anyhow::Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-    if !ok {
-        bail!("{what} {name:?} must be 1-128 characters of [A-Za-z0-9._-], not starting with '.'");
-    }
-    Ok(())
-}
 
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -326,14 +314,8 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
         *phase = now - phase_started;
         phase_started = now;
     };
-    check_name("project", &opts.project)?;
-    check_name("dataset", &opts.dataset)?;
-    if !stagehand_schemas::subject::is_subject_token(&opts.project) {
-        bail!(
-            "project {:?} must be 1-64 characters of [a-z0-9_-]",
-            opts.project
-        );
-    }
+    layout::check_project(&opts.project)?;
+    layout::check_dataset_name(&opts.dataset)?;
     let policies = stagehand_policy::Policies::load_dir(&opts.policies)
         .with_context(|| format!("loading policies from {}", opts.policies.display()))?;
     let source = source::resolve(
@@ -681,9 +663,9 @@ mod tests {
 
     #[test]
     fn names_are_checked() {
-        assert!(check_name("dataset", "imagenet-1k_v2.0").is_ok());
+        assert!(layout::check_dataset_name("imagenet-1k_v2.0").is_ok());
         for bad in ["", ".hidden", "a/b", "../x", "sp ace"] {
-            assert!(check_name("dataset", bad).is_err(), "{bad:?}");
+            assert!(layout::check_dataset_name(bad).is_err(), "{bad:?}");
         }
     }
 

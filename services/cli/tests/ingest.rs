@@ -632,7 +632,7 @@ async fn a_killed_ingest_leaves_nothing_behind_once_rerun() -> anyhow::Result<()
         let name = entry.file_name().to_string_lossy();
         assert!(
             !stagehand_mover::posix::is_temp_name(&name)
-                && !stagehand_mover::posix::is_staging_name(&name),
+                && !stagehand_schemas::layout::is_staging_folder_name(&name),
             "a temporary left: {}",
             entry.path().display()
         );

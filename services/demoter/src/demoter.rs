@@ -361,9 +361,12 @@ impl Demoter {
                 if !written_on_hot || !self.p().tiers.contains_key(&tier) {
                     continue;
                 }
-                // A run's checkpoint lies beneath its project's folder, as everything does.
-                if !c.location.prefix.starts_with(&format!("{}/", note.project)) {
-                    warn!(run = %c.run, step = c.step, prefix = %c.location.prefix, "checkpoint outside its project's folder; not moved");
+                // A run's checkpoint lies beneath its project's folder, as everything does (the
+                // location rule; its commit was refused otherwise, but this store may be older).
+                if let Err(e) =
+                    stagehand_schemas::layout::check_location(&note.project, &c.location)
+                {
+                    warn!(run = %c.run, step = c.step, error = %e, "checkpoint outside its project's folder; not moved");
                     continue;
                 }
                 if self

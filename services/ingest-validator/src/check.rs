@@ -15,7 +15,7 @@
 
 use stagehand_mover::FileDigest;
 use stagehand_policy::{SuffixVerdict, TierRole, ValidationPolicy};
-use stagehand_schemas::{FileRef, Location, Problem, check_relative_path, is_sha256_hex};
+use stagehand_schemas::{FileRef, Location, Problem, check_relative_path, is_sha256_hex, layout};
 
 /// Stable problem codes: the contract's (`stagehand_schemas::problem::code`).
 pub use stagehand_schemas::problem::code;
@@ -42,16 +42,6 @@ pub struct Declared {
     pub files: u64,
     /// The sum of the entries' sizes.
     pub bytes: u64,
-}
-
-/// Whether the tier-relative `prefix` lies beneath `project`'s own prefix on a shared tier:
-/// `<project>` itself or anything under `<project>/`. The prefix is assumed to have passed
-/// the path rules (no `..`, so a lexical test is exact).
-pub fn within_project(prefix: &str, project: &str) -> bool {
-    !project.is_empty()
-        && prefix
-            .strip_prefix(project)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 /// The request step: every problem with the request as a whole. When this is not empty the
@@ -99,12 +89,13 @@ pub fn request_problems(
             false
         }
     };
-    if prefix_ok && !within_project(prefix, project) {
+    // The one location rule (`stagehand_schemas::layout`), as every consumer applies it.
+    if prefix_ok && let Err(why) = layout::check_prefix_in_project(project, prefix) {
         problems.push(problem(
             code::OUTSIDE_PROJECT,
             (!prefix.is_empty()).then_some(prefix),
             format!(
-                "the source prefix {prefix:?} is not beneath the project's own prefix {project:?}/ on the tier; nothing was read"
+                "the source prefix {prefix:?} is not beneath the project's own prefix {project:?}/ on the tier ({why}); nothing was read"
             ),
         ));
     }
@@ -494,7 +485,8 @@ mod tests {
     /// Issue 6 item 5: a request may only name paths beneath its own project's prefix.
     #[test]
     fn a_prefix_outside_the_project_is_outside_project() {
-        for outside in ["lab-b/data", "labx/data", "la", "", "data/lab"] {
+        // The bare project folder holds all of the project's data: no one upload is all of it.
+        for outside in ["lab-b/data", "labx/data", "la", "", "data/lab", "lab"] {
             let problems =
                 request_problems("lab", &source(outside), FEW, &policy(), SourceTier::Usable);
             assert_eq!(
@@ -507,10 +499,11 @@ mod tests {
                 "{outside:?}"
             );
         }
-        for inside in ["lab", "lab/data", "lab/a/b/c"] {
-            assert!(within_project(inside, "lab"), "{inside:?}");
+        for inside in ["lab/data", "lab/a/b/c"] {
+            let problems =
+                request_problems("lab", &source(inside), FEW, &policy(), SourceTier::Usable);
+            assert!(problems.is_empty(), "{inside:?}: {problems:?}");
         }
-        assert!(!within_project("anything", ""));
     }
 
     #[test]

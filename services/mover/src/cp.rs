@@ -18,10 +18,11 @@ use serde::{Deserialize, Serialize};
 use crate::engine::EngineChoice;
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::mover::{Mover, MoverConfig};
-use crate::posix::{CommitMode, PosixTier, is_staging_name, is_temp_name};
+use crate::posix::{CommitMode, PosixTier, is_temp_name};
 use crate::s3::S3Tier;
 use crate::tier::Tier;
 use crate::transfer::{CopyOptions, FileRef, Priority, Progress, VerifyMode};
+use stagehand_schemas::layout::is_staging_folder_name;
 
 /// What to copy and how: the options of `stagehand cp`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -248,7 +249,7 @@ fn walk_local(root: &Path) -> Result<Vec<FileRef>, CpError> {
         .sort_by_file_name()
         .into_iter()
         // A set being staged inside the source is not part of it.
-        .filter_entry(|e| !is_staging_name(&e.file_name().to_string_lossy()))
+        .filter_entry(|e| !is_staging_folder_name(&e.file_name().to_string_lossy()))
     {
         let entry = entry.map_err(|e| CpError::Local {
             what: "walking",

@@ -53,9 +53,7 @@ use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
-pub use promoter::{
-    Parts, Promoter, STEP_FAILED, STEP_READY, replica_prefix, step_pending, step_replica,
-};
+pub use promoter::{Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica};
 
 /// The service name: its shared durable consumer, its dead-letter subject, its metric label.
 pub const SERVICE: &str = "promoter";

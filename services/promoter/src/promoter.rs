@@ -20,6 +20,7 @@ use stagehand_mover::{
     CopyOptions, ErrorKind, Mover, Progress, Scheduler, SetCopy, Tier, TransferError,
 };
 use stagehand_policy::{Policies, PromotionPolicy, TierPolicy, TierRole};
+use stagehand_schemas::layout;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::subject::MANIFEST_BUCKET;
 use stagehand_schemas::{
@@ -55,11 +56,6 @@ pub fn step_replica(tier: &str, node: Option<&str>) -> String {
         Some(n) => format!("replica:{tier}:{n}"),
         None => format!("replica:{tier}"),
     }
-}
-
-/// Where the promoter keeps a version on a tier: `<project>/<dataset>/<version>`.
-pub fn replica_prefix(project: &str, dataset: &str, version: &str) -> String {
-    format!("{project}/{dataset}/{version}")
 }
 
 /// What the promoter needs, built once at start.
@@ -181,11 +177,6 @@ fn stage_request(event: &Event) -> Option<&StageRequested> {
         Body::StageRequested(r) => Some(r),
         _ => None,
     }
-}
-
-/// Whether `v` can name a version: 12 to 64 lowercase hex characters.
-fn is_version_prefix(v: &str) -> bool {
-    (12..=64).contains(&v.len()) && v.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 impl Promoter {
@@ -552,17 +543,10 @@ impl Promoter {
 
     /// What is wrong with a request on its face, if anything.
     fn check(&self, r: &StageRequested) -> Option<String> {
-        if !is_component(&r.dataset) {
-            return Some(format!(
-                "dataset {:?} is not a dataset name (one path component: no '/', no leading '.', no control characters)",
-                r.dataset
-            ));
-        }
-        if !is_version_prefix(&r.version) {
-            return Some(format!(
-                "version {:?} is not a version digest or a prefix of one (12 to 64 lowercase hex characters)",
-                r.version
-            ));
+        if let Err(e) = layout::check_dataset_name(&r.dataset)
+            .and_then(|()| layout::check_version_prefix(&r.version, layout::MIN_VERSION_PREFIX))
+        {
+            return Some(e.to_string());
         }
         let Some(tier) = self.tier_policy(&r.tier) else {
             return Some(format!("tier {:?} is not declared in tiers.toml", r.tier));
@@ -968,7 +952,7 @@ impl Promoter {
                 )
                 .await;
         };
-        let prefix = replica_prefix(project, &request.dataset, &plan.version);
+        let prefix = layout::version_folder(project, &request.dataset, &plan.version);
         let limits = self.limits(&request.tier, project);
         // A replica the demoter is removing is neither handed out nor copied over until the
         // removal has finished (its space is given back then, not before).
@@ -1648,7 +1632,7 @@ async fn discard_staging(tier: &Tier, prefix: &str) {
     let (p, parent, mark) = (
         p.clone(),
         parent.to_owned(),
-        format!(".{name}.stagehand-set-"),
+        layout::staging_folder_prefix(name),
     );
     let removed = tokio::task::spawn_blocking(move || {
         let Ok(entries) = std::fs::read_dir(p.root().join(&parent)) else {
@@ -1657,7 +1641,6 @@ async fn discard_staging(tier: &Tier, prefix: &str) {
         for entry in entries.flatten() {
             let entry = entry.file_name().to_string_lossy().into_owned();
             if entry.starts_with(&mark)
-                && stagehand_mover::posix::is_staging_name(&entry)
                 && let Err(e) = p.remove_tree(&format!("{parent}/{entry}"))
             {
                 warn!(error = %e, "could not remove a failed copy's staging folder");
@@ -1668,18 +1651,6 @@ async fn discard_staging(tier: &Tier, prefix: &str) {
     if let Err(e) = removed {
         warn!(error = %e, "staging clean-up task failed");
     }
-}
-
-/// Whether `name` can be one folder of a tier path: a dataset or project name.
-fn is_component(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 255
-        && name != "."
-        && name != ".."
-        && !name.starts_with('.')
-        && !name
-            .bytes()
-            .any(|b| b == b'/' || b == b'\\' || b.is_ascii_control())
 }
 
 /// Bytes free on a posix tier's filesystem, if it can tell.

@@ -1,12 +1,16 @@
 //! From a stage request to a decision, through the catalogue: which version it names (a
 //! unique prefix is enough; an ambiguous one fails naming the candidates), in which form,
-//! whether it is there already, where to copy it from, or why it must wait or fail.
+//! whether it is there already, where to copy it from, or why it must wait or fail. A source
+//! is only ever a location of the request's own project (the location rule,
+//! `stagehand_schemas::layout`), and a version the catalogue refused for breaking that rule
+//! fails naming it.
 
 use stagehand_catalogue::{
-    Answer, Catalogue, CatalogueError, ErrorCode, Query, RejectionRecord, ReplicaState,
-    VersionDetail, VersionRecord,
+    Answer, Catalogue, CatalogueError, ErrorCode, FoldProblem, FoldProblemCode, Query,
+    RejectionRecord, ReplicaState, VersionDetail, VersionRecord,
 };
 use stagehand_policy::{PackingPolicy, PriorityClass};
+use stagehand_schemas::{Location, layout, trust};
 
 use crate::state::{WaitGuard, WaitingFor};
 
@@ -108,14 +112,36 @@ pub async fn decide(cx: &Context<'_>) -> Result<Decision, Unanswered> {
         raw
     };
     let mut sources = Vec::new();
+    let mut refused = Vec::new();
     for tier in cx.sources {
         if let Some(r) = detail
             .replicas
             .iter()
             .find(|r| &r.tier == tier && r.state == ReplicaState::Present)
         {
-            sources.push((r.tier.clone(), r.prefix.clone()));
+            // The location rule, again, on what the catalogue says: a catalogue folded before
+            // the rule held may list another project's folder, and nothing is read from one.
+            let location = Location {
+                tier: r.tier.clone(),
+                prefix: r.prefix.clone(),
+            };
+            match layout::check_location(cx.project, &location) {
+                Ok(()) => sources.push((r.tier.clone(), r.prefix.clone())),
+                Err(e) => refused.push(e.to_string()),
+            }
         }
+    }
+    if sources.is_empty() && !refused.is_empty() {
+        return Ok(Decision::Fail {
+            reason: format!(
+                "version {} of dataset {:?} is refused ({}): {}; nothing was read",
+                detail.version.version,
+                cx.dataset,
+                trust::rule::OUTSIDE_PROJECT,
+                refused.join("; ")
+            ),
+            retryable: false,
+        });
     }
     Ok(Decision::Stage(Plan {
         version: detail.version.version.clone(),
@@ -131,6 +157,15 @@ async fn not_validated(cx: &Context<'_>) -> Result<Decision, Unanswered> {
     if let Some(rejection) = rejection_of(cx).await? {
         return Ok(Decision::Fail {
             reason: rejection_reason(cx, &rejection),
+            retryable: false,
+        });
+    }
+    if let Some(refused) = refusal_of(cx).await? {
+        return Ok(Decision::Fail {
+            reason: format!(
+                "version {:?} of dataset {:?} was refused by the catalogue ({:?}, event {}): {}",
+                cx.version, cx.dataset, refused.code, refused.event_id, refused.detail
+            ),
             retryable: false,
         });
     }
@@ -302,6 +337,42 @@ async fn rejection_of(cx: &Context<'_>) -> Result<Option<RejectionRecord>, Unans
             return Ok(Some(r));
         }
         match next {
+            Some(n) => after = Some(n),
+            None => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// Pages of catalogue problems read when looking for a refused fact of the version asked for.
+const PROBLEM_PAGES: usize = 10;
+
+/// A fact of this project and dataset, naming a version the request's prefix matches, that
+/// the catalogue refused for breaking a rule of who may say what (a checkpoint committed at
+/// another project's prefix): the reason the version is not there. Its detail quotes only
+/// what the project's own event said.
+async fn refusal_of(cx: &Context<'_>) -> Result<Option<FoldProblem>, Unanswered> {
+    let mut after: Option<String> = None;
+    for _ in 0..PROBLEM_PAGES {
+        let (page, _) = cx
+            .catalogue
+            .problems(None, after.as_deref())
+            .await
+            .map_err(unanswered)?;
+        let found = page.items.into_iter().find(|p| {
+            matches!(
+                p.code,
+                FoldProblemCode::OutsideProject | FoldProblemCode::WrongSubject
+            ) && p.project == cx.project
+                && p.dataset.as_deref() == Some(cx.dataset)
+                && p.version
+                    .as_deref()
+                    .is_some_and(|v| v.starts_with(cx.version))
+        });
+        if found.is_some() {
+            return Ok(found);
+        }
+        match page.next {
             Some(n) => after = Some(n),
             None => return Ok(None),
         }

@@ -14,7 +14,9 @@ use stagehand_mover::{
     SweepOptions, Tier, TransferError,
 };
 use stagehand_policy::{IncompletePolicy, Packing, PackingPolicy, Policies, TierRole};
-use stagehand_schemas::{Body, DatasetPrepared, DatasetValidated, Event, EventId, Location};
+use stagehand_schemas::{
+    Body, DatasetPrepared, DatasetValidated, Event, EventId, Location, layout,
+};
 use tracing::{info, warn};
 
 use crate::derive::{DeriveError, Job, Tuning, derive};
@@ -23,21 +25,10 @@ use crate::{ReshardError, Settings};
 /// The fact-id step of `dataset.prepared` (see `stagehand_schemas::id`).
 pub const STEP_PREPARED: &str = "prepared";
 
-/// Where a prepared version lives on the target tier: `<project>/<dataset>/<version>`.
-pub fn prepared_prefix(project: &str, dataset: &str, version: &str) -> String {
-    format!("{project}/{dataset}/{version}")
-}
-
 /// Where the full list of problems of an aborted derivation goes, beneath the target tier's
 /// root (the dead letter names it).
 pub fn problem_report_path(project: &str, event: &EventId) -> String {
     format!(".stagehand/resharder/{project}/{event}.problems.jsonl")
-}
-
-/// The staging set's name: fixed by what is derived, so that the retry of a killed run finds
-/// (and clears) what it left.
-fn staging_prefix(project: &str, dataset: &str, derived_from: &str, seed: u64) -> String {
-    format!("{project}/{dataset}/prepare-{derived_from}-{seed}")
 }
 
 /// Packs validated versions the packing policy selects.
@@ -253,7 +244,7 @@ impl Resharder {
             )));
         }
         let project = event.project.as_str();
-        let staging = staging_prefix(project, &v.dataset, &v.version, packing.seed);
+        let staging = layout::prepare_folder(project, &v.dataset, &v.version, packing.seed);
         let lock = self.lock_for(&staging);
         let _guard = lock.lock().await;
         let cancel = ctx.shutdown().child_token();
@@ -340,7 +331,7 @@ impl Resharder {
         .map_err(|e| HandlerError::retryable(format!("building the shard manifest: {e}")))?
         .map_err(manifest_err)?;
         let version = built.digest().to_owned();
-        let prefix = prepared_prefix(project, &v.dataset, &version);
+        let prefix = layout::version_folder(project, &v.dataset, &version);
         let report = staged.publish_as(&prefix).await.map_err(transfer_err)?;
         let store = ManifestStore::catalogue(
             &self.js,

@@ -51,7 +51,7 @@ use stagehand_policy::{ByteSize, PolicyError};
 use stagehand_schemas::subject;
 
 pub use derive::{DeriveError, Derived, INCOMPLETE_FILE, PREPARED_FILE};
-pub use handler::{Resharder, STEP_PREPARED, prepared_prefix, problem_report_path};
+pub use handler::{Resharder, STEP_PREPARED, problem_report_path};
 
 /// The service name: its durable consumer, its dead-letter subject, its ledger file.
 pub const SERVICE: &str = "resharder";

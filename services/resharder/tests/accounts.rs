@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use common::*;
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
-use stagehand_resharder::{config, prepared_prefix, run};
+use stagehand_resharder::{config, run};
+use stagehand_schemas::layout::version_folder;
 use stagehand_testkit::{NatsServer, user_url};
 
 /// A connection as `user`; only the operator's manages streams (`stagehand provision`).
@@ -55,7 +56,7 @@ async fn the_resharder_packs_and_dead_letters_under_its_own_user() {
     let (fact, prepared_body) = prepared(&js, &good).await;
     assert_eq!(prepared_body.samples, 40);
     let version = prepared_files(&js, &fact).await;
-    let dir = capacity.join(prepared_prefix(PROJECT, "pets", &prepared_body.version));
+    let dir = capacity.join(version_folder(PROJECT, "pets", &prepared_body.version));
     let read = read_shards(&dir);
     assert_eq!(read.len(), raw.len());
     assert!(version.iter().any(|f| f.path == "prepared.json"));

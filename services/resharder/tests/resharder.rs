@@ -11,7 +11,8 @@ use std::path::PathBuf;
 
 use common::*;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, WorkerStats};
-use stagehand_resharder::{config, prepared_prefix, problem_report_path, run};
+use stagehand_resharder::{config, problem_report_path, run};
+use stagehand_schemas::layout::version_folder;
 use stagehand_schemas::{FileRef, subject};
 use stagehand_testkit::{NatsServer, wait_until};
 
@@ -137,7 +138,7 @@ async fn same_input_same_version_another_seed_another_order() {
     assert_ne!(pa.version, pc.version, "another seed: another version");
     assert_eq!(
         pa.location.prefix,
-        prepared_prefix("lab", "cats", &pa.version)
+        version_folder("lab", "cats", &pa.version)
     );
     assert_eq!(fa.id, a.caused("prepared", fa.body.clone()).id);
 

@@ -50,7 +50,11 @@ impl Handler for Ready {
                 version: req.version.clone(),
                 location: Location {
                     tier: req.tier.clone(),
-                    prefix: req.dataset.clone(),
+                    prefix: stagehand_schemas::layout::version_folder(
+                        &event.project,
+                        &req.dataset,
+                        &req.version,
+                    ),
                 },
                 job_id: req.job_id.clone(),
                 request_id: event.id.clone(),

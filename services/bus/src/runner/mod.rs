@@ -63,7 +63,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stagehand_schemas::Event;
+use stagehand_schemas::{Event, Refusal};
 use stagehand_telemetry::metrics::MetricsEndpoint;
 use stagehand_telemetry::names;
 use tokio_util::sync::CancellationToken;
@@ -195,6 +195,10 @@ impl<H: Handler> Handler for Metered<H> {
         metrics::histogram!(names::HANDLER_SECONDS, names::label::SERVICE => self.service)
             .record(started.elapsed().as_secs_f64());
         result
+    }
+
+    async fn refused(&self, event: &Event, stream_sequence: u64, refusal: &Refusal) {
+        self.inner.refused(event, stream_sequence, refusal).await
     }
 }
 

@@ -1,7 +1,8 @@
 //! The consume loop every service runs. The steps are numbered as in the crate docs and the
 //! README, and each step's code says its number:
 //!
-//! 1. decode, and check the envelope's project against the subject's ([`pull`]);
+//! 1. decode, and hold the event to its subject: its kind and project are the subject's, and
+//!    every location it names is its project's (`stagehand_schemas::trust`; [`pull`]);
 //! 2. ledger check: republish a recorded outcome ([`outcome`]);
 //! 3. claim ([`outcome`], `claim.rs`);
 //! 4. handle, renewing the claim with each progress ack ([`outcome`]);
@@ -28,7 +29,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use opentelemetry::Context as OtelContext;
-use stagehand_schemas::{Attempt, Event, EventId};
+use stagehand_schemas::{Attempt, Event, EventId, Refusal};
 use stagehand_telemetry::names;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -60,6 +61,21 @@ pub trait Handler: Send + Sync + 'static {
         event: &Event,
         ctx: &WorkContext,
     ) -> impl Future<Output = Result<Vec<Event>, HandlerError>> + Send;
+
+    /// Told of an event the runtime refuses at step 1, before it is handled: its subject or a
+    /// location it names breaks a rule of `stagehand_schemas::trust` (the error names it). The
+    /// runtime dead-letters it right after. A handler that lists what it could not take (the
+    /// catalogue recorder: a catalogue problem) records it here, reading nothing the event
+    /// names. The default does nothing.
+    fn refused(
+        &self,
+        event: &Event,
+        stream_sequence: u64,
+        refusal: &Refusal,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = (event, stream_sequence, refusal);
+        async {}
+    }
 }
 
 /// What a handler can see of and do with the message it handles.

@@ -1,5 +1,5 @@
-//! The pull loop, and step 1 of the consume loop: decode each message and check that its
-//! envelope's project is the project its subject names.
+//! The pull loop, and step 1 of the consume loop: decode each message and hold it to its
+//! subject (`stagehand_schemas::trust::check_published`: kind, project, locations).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -144,15 +144,6 @@ fn msg_info(msg: &jetstream::Message) -> Option<MsgInfo> {
     })
 }
 
-/// The project token of a request or fact subject, `Some(None)` when such a subject has no
-/// valid project token, and `None` for other subjects (dead letters), which name no project.
-fn subject_project(subject: &str) -> Option<Option<&str>> {
-    if !(subject.starts_with("stagehand.req.") || subject.starts_with("stagehand.fact.")) {
-        return None;
-    }
-    Some(stagehand_schemas::subject::project_of_subject(subject))
-}
-
 /// Step 1 for one message, then the rest of the loop. `handler_slot` is given back as soon as
 /// the handler has returned.
 async fn process<H: Handler>(
@@ -204,20 +195,17 @@ async fn process<H: Handler>(
             Some(format!("undecodable message on {}: {e}", msg.subject)),
         ),
         Ok(event) => {
-            let mismatch = match subject_project(&msg.subject) {
-                Some(Some(p)) if p == event.project => None,
-                Some(Some(p)) => Some(format!(
-                    "event {} of project {:?} was published on {} (project {p:?}): an event may only travel on its own project's subjects",
-                    event.id, event.project, msg.subject
-                )),
-                Some(None) => Some(format!(
-                    "event {} of project {:?} was published on {}, which names no valid project",
-                    event.id, event.project, msg.subject
-                )),
-                None => None,
-            };
+            // Held to its subject before anything it names is read: a refusal is permanent.
+            let refused = stagehand_schemas::trust::check_published(&event, &msg.subject).err();
+            if let Some(refusal) = &refused {
+                shared
+                    .handler
+                    .refused(&event, info.stream_sequence, refusal)
+                    .instrument(span.clone())
+                    .await;
+            }
             let key = EventKey::of_message(&event, info.published);
-            (Some((event, key)), mismatch)
+            (Some((event, key)), refused.map(|r| r.to_string()))
         }
     };
     let delivery = Delivery {

@@ -239,7 +239,11 @@ pub fn ready_fact(event: &Event) -> Event {
             version: req.version.clone(),
             location: Location {
                 tier: req.tier.clone(),
-                prefix: req.dataset.clone(),
+                prefix: stagehand_schemas::layout::version_folder(
+                    &event.project,
+                    &req.dataset,
+                    &req.version,
+                ),
             },
             job_id: req.job_id.clone(),
             request_id: event.id.clone(),

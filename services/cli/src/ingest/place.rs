@@ -30,7 +30,7 @@ use stagehand_mover::{
     CancellationToken, CopyOptions, Mover, MoverConfig, PosixTier, Priority, Progress, SetCopy,
     SetReport, StagedSet, SweepOptions, SweepReport, Tier,
 };
-use stagehand_schemas::EventId;
+use stagehand_schemas::{EventId, layout};
 
 use super::manifest::BuilderThread;
 use super::walk::{self, WalkOptions};
@@ -48,17 +48,6 @@ pub struct Placed {
     pub swept: SweepReport,
 }
 
-/// The folder beneath the tier root in which a dataset's versions (and its uploads' staging
-/// folders) live.
-pub fn dataset_dir(project: &str, dataset: &str) -> String {
-    format!("{project}/{dataset}")
-}
-
-/// The version prefix a measured digest names.
-pub fn version_prefix(project: &str, dataset: &str, digest: &str) -> String {
-    format!("{}/{}", dataset_dir(project, dataset), &digest[..16])
-}
-
 /// Copies `folder` onto `tier` as one version of `dataset` (see the module docs). `progress`
 /// counts files and bytes copied (its totals grow as the walk finds files).
 pub async fn place(
@@ -69,7 +58,7 @@ pub async fn place(
     spool: &Spool,
     progress: &Progress,
 ) -> anyhow::Result<Placed> {
-    let dir = dataset_dir(project, dataset);
+    let dir = layout::dataset_folder(project, dataset);
     let swept = {
         let (t, d) = (tier.clone(), dir.clone());
         tokio::task::spawn_blocking(move || {
@@ -144,7 +133,7 @@ pub async fn place(
             return Err(e);
         }
     };
-    let prefix = version_prefix(project, dataset, manifest.digest());
+    let prefix = layout::upload_folder(project, dataset, manifest.digest());
     let report = staged
         .publish_as(&prefix)
         .await
@@ -165,13 +154,13 @@ async fn discard(staged: StagedSet) {
 }
 
 /// Removes this run's staging folder after a failed copy (the mover keeps it for a resume,
-/// which ingest does not do). Its name starts with `.<run>.stagehand-set-`, and `run` is
-/// unique to this process.
+/// which ingest does not do). Its name starts with `layout::staging_folder_prefix(run)`, and
+/// `run` is unique to this process.
 async fn remove_run_staging(tier: &PosixTier, dir: &str, run: &str) {
     let (t, d, mark) = (
         tier.clone(),
         dir.to_owned(),
-        format!(".{run}.stagehand-set-"),
+        layout::staging_folder_prefix(run),
     );
     let removed = tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
         for name in t.list_dir(&d)? {

@@ -13,6 +13,7 @@ use anyhow::{Context, bail};
 use stagehand_mover::PosixTier;
 use stagehand_mover::s3::S3Tier;
 use stagehand_policy::{Policies, TierKind, TierPolicy, TierRole};
+use stagehand_schemas::layout;
 
 /// Where an ingest's files are and what is done with them.
 #[derive(Debug)]
@@ -60,15 +61,6 @@ impl Source {
     }
 }
 
-/// Whether `prefix` (tier-relative) lies beneath `project`'s own prefix.
-pub fn within_project(prefix: &str, project: &str) -> bool {
-    !project.is_empty()
-        && (prefix == project
-            || prefix
-                .strip_prefix(project)
-                .is_some_and(|rest| rest.starts_with('/')))
-}
-
 /// Resolves `source` (a folder or an `s3://` URL). `copy_tier` is the posix tier a local
 /// folder is copied onto; `in_place` demands that the folder already be beneath a posix
 /// source tier (without it, such a folder is detected and registered in place all the same).
@@ -107,9 +99,9 @@ pub fn resolve(
             .to_str()
             .with_context(|| format!("{} is not valid UTF-8", rel.display()))?
             .to_owned();
-        if !within_project(&prefix, project) {
+        if let Err(why) = layout::check_prefix_in_project(project, &prefix) {
             bail!(
-                "{} is on source tier {:?} at {prefix:?}, which is not beneath project {project:?}'s own prefix {project:?}/ on that tier: refused",
+                "{} is on source tier {:?} at {prefix:?}, which is not beneath project {project:?}'s own prefix {project:?}/ on that tier ({why}): refused",
                 folder.display(),
                 tier.name,
             );
@@ -196,14 +188,12 @@ fn resolve_s3(
         } else {
             continue;
         };
-        if !within_project(rel, project) {
+        if let Err(why) = layout::check_prefix_in_project(project, rel) {
             bail!(
-                "{url} is on source tier {:?} at {rel:?}, which is not beneath project {project:?}'s own prefix {project:?}/ on that tier: refused",
+                "{url} is on source tier {:?} at {rel:?}, which is not beneath project {project:?}'s own prefix {project:?}/ on that tier ({why}): refused",
                 tier.name
             );
         }
-        stagehand_schemas::check_relative_path(rel)
-            .with_context(|| format!("{url}: the prefix {rel:?} is not a relative path"))?;
         let tier_handle = S3Tier::connect(&tier.name, config.clone())
             .with_context(|| format!("opening tier {:?}", tier.name))?;
         return Ok(Source::S3InPlace {
@@ -251,11 +241,18 @@ prefix = "incoming"
 
     #[test]
     fn a_prefix_must_be_beneath_the_project() {
-        for inside in ["lab", "lab/data", "lab/a/b"] {
-            assert!(within_project(inside, "lab"), "{inside}");
+        for inside in ["lab/data", "lab/a/b"] {
+            assert!(
+                layout::check_prefix_in_project("lab", inside).is_ok(),
+                "{inside}"
+            );
         }
-        for outside in ["", "labx", "labx/data", "other/lab", "la"] {
-            assert!(!within_project(outside, "lab"), "{outside}");
+        // The bare project folder is all of the project's data, not one upload.
+        for outside in ["", "lab", "labx", "labx/data", "other/lab", "la"] {
+            assert!(
+                layout::check_prefix_in_project("lab", outside).is_err(),
+                "{outside}"
+            );
         }
     }
 

@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use stagehand_mover::EMPTY_SHA256;
-use stagehand_mover::posix::{is_staging_name, is_temp_name};
+use stagehand_mover::posix::is_temp_name;
+use stagehand_schemas::layout::is_staging_folder_name;
 use stagehand_schemas::{FileRef, check_relative_path};
 use tokio::sync::mpsc;
 
@@ -104,7 +105,7 @@ fn walk(
             continue;
         }
         let name = entry.file_name().to_string_lossy();
-        if opts.skip_temporaries && (is_temp_name(&name) || is_staging_name(&name)) {
+        if opts.skip_temporaries && (is_temp_name(&name) || is_staging_folder_name(&name)) {
             summary.temporaries_skipped += 1;
             if entry.file_type().is_dir() {
                 entries.skip_current_dir();

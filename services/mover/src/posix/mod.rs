@@ -39,7 +39,7 @@ use crate::transfer::{FileDigest, ReadLimit};
 mod temporaries;
 
 use temporaries::temp_name;
-pub use temporaries::{SweepOptions, SweepReport, is_staging_name, is_temp_name};
+pub use temporaries::{SweepOptions, SweepReport, is_temp_name};
 pub(crate) use temporaries::{Temporary, parse_temporary, staging_name};
 
 /// How a written file is made durable before its name appears.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{AtFlags, Mode, OFlags};
+use stagehand_schemas::layout;
 
 use super::{PosixTier, SWEPT_LIMIT, resolve};
 use crate::error::{ErrorKind, Side, TransferError};
@@ -346,15 +347,6 @@ impl PosixTier {
     }
 }
 
-/// Keeps a name that gets a temporary's prefix and suffix under NAME_MAX (255).
-fn cut_name(name: &str) -> &str {
-    let mut cut = name.len().min(160);
-    while !name.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    &name[..cut]
-}
-
 /// A temp-file name beside `name`: `.<name>.stagehand-<owner>-<n>.tmp`, unique within the
 /// process (a counter) and across processes (the owner token; `O_EXCL` makes a collision
 /// harmless anyway), and naming its writer so that it can later be proven stale.
@@ -363,25 +355,20 @@ pub(super) fn temp_name(name: &str) -> String {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     format!(
         ".{}.stagehand-{}-{n:x}.tmp",
-        cut_name(name),
+        layout::name_stem(name),
         Owner::current().token()
     )
 }
 
 /// The name of the hidden folder a set bound for `name` is staged in by `owner`:
-/// `.<name>.stagehand-set-<owner>`.
+/// `.<name>.stagehand-set-<owner>` (`stagehand_schemas::layout::staging_folder_name`).
 pub(crate) fn staging_name(name: &str, owner: &Owner) -> String {
-    format!(".{}.stagehand-set-{}", cut_name(name), owner.token())
+    layout::staging_folder_name(name, &owner.token())
 }
 
 /// Whether `name` (a final path component) is one of Stagehand's temp files.
 pub fn is_temp_name(name: &str) -> bool {
     name.starts_with('.') && name.ends_with(".tmp") && name.contains(".stagehand-")
-}
-
-/// Whether `name` is a hidden folder a set is staged in.
-pub fn is_staging_name(name: &str) -> bool {
-    name.starts_with('.') && name.contains(".stagehand-set-")
 }
 
 /// A temporary Stagehand left, recognised by its name.
@@ -397,7 +384,7 @@ pub(crate) enum Temporary {
 /// nothing unprovable is ever removed.
 pub(crate) fn parse_temporary(name: &str) -> Option<Temporary> {
     let rest = name.strip_prefix('.')?;
-    if let Some((final_name, token)) = rest.rsplit_once(".stagehand-set-") {
+    if let Some((final_name, token)) = rest.rsplit_once(layout::STAGING_MARK) {
         return Some(Temporary::Set {
             final_name: final_name.to_owned(),
             owner: Owner::parse(token)?,
@@ -474,7 +461,7 @@ mod tests {
             })
         );
         let s = staging_name("v1", &me);
-        assert!(is_staging_name(&s) && !is_temp_name(&s));
+        assert!(layout::is_staging_folder_name(&s) && !is_temp_name(&s));
         assert_eq!(
             parse_temporary(&s),
             Some(Temporary::Set {
