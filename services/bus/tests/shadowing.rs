@@ -99,6 +99,7 @@ fn stage_release(project: &str, job: &str) -> Event {
             tier: "hot".into(),
             job_id: job.into(),
             node: None,
+            reason: None,
         }),
     )
 }
