@@ -2,8 +2,7 @@
 //! serve queries, mirror readiness and stage statuses, until shutdown.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
@@ -219,7 +218,7 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     let (writer, writer_thread) = Writer::start(store.clone());
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
-    let store_failed = Arc::new(AtomicBool::new(false));
+    let store_failed: Arc<Mutex<Option<StoreError>>> = Arc::default();
     let handler = Arc::new(LiveFold {
         store: store.clone(),
         writer,
@@ -304,10 +303,12 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     if tokio::time::timeout(deadline, released).await.is_err() {
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
     }
-    if store_failed.load(Ordering::SeqCst) {
-        return Err(RecorderError::Store(StoreError::Redb(
-            redb::Error::PreviousIo,
-        )));
+    let failed = store_failed
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(e) = failed {
+        return Err(RecorderError::Store(e));
     }
     joined?;
     let facts = facts_stats

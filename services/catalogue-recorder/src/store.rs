@@ -560,5 +560,10 @@ fn clone_store_error(e: &StoreError) -> StoreError {
             bytes: *bytes,
             max: *max,
         },
+        StoreError::Spool(detail) => StoreError::Spool(detail.clone()),
+        StoreError::Failed { path, detail } => StoreError::Failed {
+            path: path.clone(),
+            detail: detail.clone(),
+        },
     }
 }
