@@ -346,7 +346,7 @@ async fn an_object_larger_than_its_reference_declares_is_refused_before_it_is_sp
         files: 10,
         bytes: u64::MAX,
     };
-    let mut more = canonical_bytes(&files(300));
+    let more = canonical_bytes(&files(300));
     uploads
         .object_store()
         .put(ten.digest.as_str(), &mut more.as_slice())
