@@ -108,6 +108,21 @@ pub const DEAD_LETTERS: StreamSpec = StreamSpec {
 /// Every stream Stagehand declares.
 pub const STREAMS: &[StreamSpec] = &[REQUESTS, FACTS, DEAD_LETTERS];
 
+/// Whether `subject` matches the NATS subject filter `filter`: `*` matches one token, a
+/// trailing `>` one or more.
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for token in filter.split('.') {
+        match (token, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (t, Some(s)) if t == s => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
+}
+
 /// The dead-letter subject of a service.
 pub fn dead_letter_subject(service: &str) -> String {
     format!("{ROOT}.dlq.dead.letter.{service}")

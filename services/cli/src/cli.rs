@@ -1011,6 +1011,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                             "replayed dead letter {} to {} as {} ({} sequence {})",
                             r.sequence, r.subject, r.msg_id, r.stream, r.stream_sequence
                         );
+                        if !r.dropped_headers.is_empty() {
+                            println!(
+                                "headers not set by Stagehand, not replayed: {}",
+                                r.dropped_headers.join(", ")
+                            );
+                        }
                     }
                 }
             }
