@@ -113,6 +113,7 @@ impl ManifestStore {
                 bucket: bucket.to_owned(),
                 description: Some(spec.description.to_owned()),
                 max_age: spec.max_age,
+                max_bytes: spec.stream_max_bytes(),
                 num_replicas: options.replicas.max(1),
                 storage: jetstream::stream::StorageType::File,
                 ..Default::default()
