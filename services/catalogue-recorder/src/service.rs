@@ -50,6 +50,21 @@ pub struct RecorderConfig {
         with = "stagehand_bus::duration_str"
     )]
     pub manifest_timeout: std::time::Duration,
+    /// How long a stage request's record is kept once it holds nothing (released, failed, or
+    /// past its job's `hold_until`) and has not changed (`"336h"`, 14 days, by default); then
+    /// it is pruned with its indexes.
+    #[serde(
+        default = "default_stage_retention",
+        with = "stagehand_bus::duration_str"
+    )]
+    pub stage_retention: std::time::Duration,
+    /// How often stage records are pruned (`"1h"` by default; the first time one interval
+    /// after start).
+    #[serde(
+        default = "default_stage_prune_interval",
+        with = "stagehand_bus::duration_str"
+    )]
+    pub stage_prune_interval: std::time::Duration,
 }
 
 /// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`RecorderConfig`] as
@@ -67,6 +82,12 @@ fn default_true() -> bool {
 }
 fn default_manifest_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(120)
+}
+fn default_stage_retention() -> std::time::Duration {
+    crate::prune::DEFAULT_STAGE_RETENTION
+}
+fn default_stage_prune_interval() -> std::time::Duration {
+    crate::prune::DEFAULT_STAGE_PRUNE_INTERVAL
 }
 /// Facts folded at once (the writer commits whatever is queued in one transaction), unless
 /// `[worker] concurrency` says otherwise.
@@ -86,6 +107,8 @@ impl RecorderConfig {
             dead_letters: true,
             manifest_spool: None,
             manifest_timeout: default_manifest_timeout(),
+            stage_retention: default_stage_retention(),
+            stage_prune_interval: default_stage_prune_interval(),
         }
     }
 
@@ -120,6 +143,12 @@ impl ServiceSettings for RecorderConfig {
                     "{:?} must be 1-60 characters of [a-z0-9_-] (it names durable consumers)",
                     self.instance
                 ),
+            ));
+        }
+        if self.stage_prune_interval.is_zero() {
+            return Err(InvalidKey::new(
+                "stage_prune_interval",
+                "must be longer than zero",
             ));
         }
         Ok(())
@@ -261,6 +290,15 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     tasks.spawn(
         "queries",
         serve_queries(ctx.bus.client().clone(), store.clone(), token.clone()),
+    );
+    tasks.spawn(
+        "stage-pruning",
+        crate::prune::every(
+            store.clone(),
+            config.stage_retention,
+            config.stage_prune_interval,
+            token.clone(),
+        ),
     );
     tasks.spawn(
         "progress",
