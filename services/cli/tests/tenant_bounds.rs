@@ -49,9 +49,19 @@ async fn provision_bounds_each_projects_requests_and_uploads_and_the_cli_names_t
     let nats = NatsServer::start();
     let url = nats.url();
     let home = tempfile::tempdir().unwrap();
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+    // A requests stream as an earlier release created it (no per-subject bound, discard old):
+    // provision brings it to the declared bounds in place.
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: REQUESTS.name.into(),
+        subjects: REQUESTS.subjects.iter().map(|s| (*s).to_owned()).collect(),
+        max_age: REQUESTS.max_age,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let out = stagehand(&url, home.path(), &["provision", "--project", "demo"]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
 
     // What provision set.
     let mut requests = js.get_stream(REQUESTS.name).await.unwrap();
