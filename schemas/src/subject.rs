@@ -61,6 +61,10 @@ pub struct StreamSpec {
     pub max_age: Duration,
     /// Zero means unlimited.
     pub max_bytes: u64,
+    /// Most messages kept per subject, zero for unlimited. When set, a publish past it is
+    /// refused (JetStream's `discard: new` with `discard_new_per_subject`, nats-server ≥ 2.9.2):
+    /// a flood on one subject is turned away rather than old, unconsumed messages dropped.
+    pub max_msgs_per_subject: i64,
     pub max_msg_size: u32,
     /// Window in which a repeated `Nats-Msg-Id` is dropped. Longer than any publisher's retry.
     pub duplicate_window: Duration,
@@ -68,6 +72,14 @@ pub struct StreamSpec {
 
 const HOUR: Duration = Duration::from_secs(3600);
 const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Most requests of one kind one project may have in [`REQUESTS`] at once (the stream keeps
+/// them 30 days): each request subject `stagehand.req.<kind>.<project>` holds at most this
+/// many, and a publish past it is refused — one tenant's flood can neither fill the server's
+/// storage (it bounds a project's requests to this many of at most 512 KiB per kind) nor push
+/// out other requests. About 8,000 a day for 30 days; the runtime benchmark publishes 100,000
+/// on one subject.
+pub const REQUEST_MAX_MSGS_PER_SUBJECT: i64 = 250_000;
 
 /// Requests: ingest, stage, release. A replayable log (limits), consumed by durable consumers
 /// with subject filters, kept 30 days so on-call can replay.
@@ -77,6 +89,7 @@ pub const REQUESTS: StreamSpec = StreamSpec {
     retention: Retention::Limits,
     max_age: Duration::from_secs(30 * 24 * 3600),
     max_bytes: 0,
+    max_msgs_per_subject: REQUEST_MAX_MSGS_PER_SUBJECT,
     max_msg_size: crate::wire::MAX_EVENT_BYTES as u32,
     duplicate_window: HOUR,
 };
@@ -89,6 +102,7 @@ pub const FACTS: StreamSpec = StreamSpec {
     retention: Retention::Limits,
     max_age: Duration::ZERO,
     max_bytes: 0,
+    max_msgs_per_subject: 0,
     max_msg_size: crate::wire::MAX_EVENT_BYTES as u32,
     duplicate_window: HOUR,
 };
@@ -100,6 +114,7 @@ pub const DEAD_LETTERS: StreamSpec = StreamSpec {
     retention: Retention::Limits,
     max_age: Duration::from_secs(90 * 24 * 3600),
     max_bytes: 0,
+    max_msgs_per_subject: 0,
     // A dead letter carries the original message plus its error history.
     max_msg_size: crate::wire::MAX_DEAD_LETTER_BYTES as u32,
     duplicate_window: DAY,
@@ -107,6 +122,21 @@ pub const DEAD_LETTERS: StreamSpec = StreamSpec {
 
 /// Every stream Stagehand declares.
 pub const STREAMS: &[StreamSpec] = &[REQUESTS, FACTS, DEAD_LETTERS];
+
+/// Whether `subject` matches the NATS subject filter `filter`: `*` matches one token, a
+/// trailing `>` one or more.
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for token in filter.split('.') {
+        match (token, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (t, Some(s)) if t == s => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
+}
 
 /// The dead-letter subject of a service.
 pub fn dead_letter_subject(service: &str) -> String {
@@ -157,12 +187,25 @@ pub struct ObjectBucketSpec {
     pub description: &'static str,
     /// How long an object is kept (zero: for ever).
     pub max_age: Duration,
+    /// Most bytes the bucket holds, zero for unlimited; a put past it is refused (Object Store
+    /// buckets discard new).
+    pub max_bytes: u64,
 }
 
 impl ObjectBucketSpec {
     /// The name of the bucket's stream.
     pub fn stream_name(&self) -> String {
         format!("OBJ_{}", self.bucket)
+    }
+
+    /// [`ObjectBucketSpec::max_bytes`] as a JetStream stream configuration takes it (-1 for
+    /// unlimited).
+    pub fn stream_max_bytes(&self) -> i64 {
+        if self.max_bytes == 0 {
+            -1
+        } else {
+            i64::try_from(self.max_bytes).unwrap_or(i64::MAX)
+        }
     }
 }
 
@@ -172,14 +215,22 @@ pub const MANIFESTS: ObjectBucketSpec = ObjectBucketSpec {
     bucket: std::borrow::Cow::Borrowed(MANIFEST_BUCKET),
     description: "Stagehand: manifests of validated and prepared dataset versions, by digest",
     max_age: Duration::ZERO,
+    max_bytes: 0,
 };
 
-/// A project's upload bucket ([`upload_manifest_bucket`]), kept [`UPLOAD_MAX_AGE`].
+/// Most bytes of manifests one project's upload bucket holds (for [`UPLOAD_MAX_AGE`]), so that
+/// one uploader cannot fill the account's storage: 4 GiB, about 40 uploads of a million files
+/// (a manifest is about 100 bytes a file) or one of 40 million.
+pub const UPLOAD_BUCKET_MAX_BYTES: u64 = 4 << 30;
+
+/// A project's upload bucket ([`upload_manifest_bucket`]), kept [`UPLOAD_MAX_AGE`], holding at
+/// most [`UPLOAD_BUCKET_MAX_BYTES`].
 pub fn upload_bucket_spec(project: &str) -> ObjectBucketSpec {
     ObjectBucketSpec {
         bucket: std::borrow::Cow::Owned(upload_manifest_bucket(project)),
         description: "Stagehand: manifests uploaders put for their ingest requests, by declared digest",
         max_age: UPLOAD_MAX_AGE,
+        max_bytes: UPLOAD_BUCKET_MAX_BYTES,
     }
 }
 

@@ -7,7 +7,9 @@ mod common;
 use common::*;
 use serde::Serialize;
 use serde_json::{Value, json};
-use stagehand_schemas::subject::{STREAMS, dead_letter_subject, replayed_subject, subject_for};
+use stagehand_schemas::subject::{
+    STREAMS, dead_letter_subject, replayed_subject, subject_for, subject_matches,
+};
 use stagehand_schemas::wire::{
     self, DecodeError, EncodeError, MAX_DEAD_LETTER_BYTES, MAX_DECODE_BYTES, MAX_EVENT_BYTES,
 };
@@ -358,7 +360,7 @@ fn subjects_follow_the_map_and_land_in_exactly_one_stream() {
         assert_eq!(subject, expected);
         let streams: Vec<&str> = STREAMS
             .iter()
-            .filter(|s| s.subjects.iter().any(|f| matches_filter(f, &subject)))
+            .filter(|s| s.subjects.iter().any(|f| subject_matches(f, &subject)))
             .map(|s| s.name)
             .collect();
         assert_eq!(streams.len(), 1, "{subject} is in {streams:?}");
@@ -369,20 +371,6 @@ fn subjects_follow_the_map_and_land_in_exactly_one_stream() {
             "{subject}: the stream and the decoder must agree on the size bound"
         );
     }
-}
-
-/// NATS subject filter match: `*` one token, `>` one or more trailing tokens.
-fn matches_filter(filter: &str, subject: &str) -> bool {
-    let mut subject_tokens = subject.split('.');
-    for token in filter.split('.') {
-        match (token, subject_tokens.next()) {
-            (">", Some(_)) => return true,
-            ("*", Some(_)) => {}
-            (t, Some(s)) if t == s => {}
-            _ => return false,
-        }
-    }
-    subject_tokens.next().is_none()
 }
 
 #[test]

@@ -439,6 +439,7 @@ impl Bus {
                 let mut updated = have.clone();
                 updated.num_replicas = self.replicas;
                 updated.max_age = spec.max_age;
+                updated.max_bytes = spec.stream_max_bytes();
                 updated.allow_direct = true;
                 if updated == have {
                     return Ok(());
@@ -486,6 +487,7 @@ impl Bus {
                             bucket: spec.bucket.to_string(),
                             description: Some(spec.description.to_owned()),
                             max_age: spec.max_age,
+                            max_bytes: spec.stream_max_bytes(),
                             num_replicas: self.replicas,
                             storage: stream::StorageType::File,
                             ..Default::default()
@@ -531,6 +533,9 @@ impl Bus {
                 updated.subjects = wanted.subjects.clone();
                 updated.max_age = wanted.max_age;
                 updated.max_bytes = wanted.max_bytes;
+                updated.max_messages_per_subject = wanted.max_messages_per_subject;
+                updated.discard = wanted.discard;
+                updated.discard_new_per_subject = wanted.discard_new_per_subject;
                 updated.max_message_size = wanted.max_message_size;
                 updated.duplicate_window = wanted.duplicate_window;
                 updated.num_replicas = wanted.num_replicas;
@@ -846,6 +851,19 @@ pub fn stream_config(spec: &StreamSpec, replicas: usize) -> stream::Config {
         } else {
             i64::try_from(spec.max_bytes).unwrap_or(i64::MAX)
         },
+        // A per-subject bound refuses what is past it: dropping the oldest would silently lose
+        // requests no one consumed yet.
+        max_messages_per_subject: if spec.max_msgs_per_subject > 0 {
+            spec.max_msgs_per_subject
+        } else {
+            -1
+        },
+        discard: if spec.max_msgs_per_subject > 0 {
+            stream::DiscardPolicy::New
+        } else {
+            stream::DiscardPolicy::Old
+        },
+        discard_new_per_subject: spec.max_msgs_per_subject > 0,
         max_message_size: i32::try_from(spec.max_msg_size).unwrap_or(i32::MAX),
         duplicate_window: spec.duplicate_window,
         num_replicas: replicas,

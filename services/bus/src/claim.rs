@@ -27,7 +27,10 @@
 //!   cut off, or the owner died and its claim has not expired): [`Claim::HeldElsewhere`] with
 //!   the claim's remaining lifetime, which the runtime waits out without counting an attempt;
 //! - **done**: another delivery finished the event; the record carries the facts it recorded
-//!   (the first outcome), which the runtime republishes — never facts of its own.
+//!   (the first outcome), which the runtime republishes — never facts of its own. An outcome
+//!   too large for one record (the bucket's messages share the server's `max_payload`) is
+//!   written first as parts beside the claim, under `<claim key>.o.<digest>.<n>`, and the `done`
+//!   record names their digest and count: every instance can still publish it, byte for byte.
 //!
 //! The owner renews the claim (compare-and-set on the revision it owns) with every progress
 //! ack; a renewal that finds another revision means the claim was lost, and the work is
@@ -74,12 +77,48 @@ pub(crate) enum State {
     },
     /// Released after a retryable failure: anyone may claim it.
     Free,
-    /// Finished; `facts` are the outcome's facts as recorded, wire-encoded (`None` when they
-    /// were too large for the bucket, or for a marker written by an older runtime).
+    /// Finished; `facts` are the outcome's facts as recorded, wire-encoded, or `parts` says
+    /// where they are kept when they were too large for one record. Neither: a marker written
+    /// by an older runtime.
     Done {
         #[serde(default)]
         facts: Option<Vec<serde_bytes::ByteBuf>>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parts: Option<Parts>,
     },
+}
+
+/// Where a `done` record's outcome is kept when it is too large for the record itself: `count`
+/// entries beside the claim, each a list of wire-encoded facts, which together hash to `digest`
+/// ([`outcome_digest`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Parts {
+    pub digest: String,
+    pub count: u32,
+}
+
+/// The digest naming an outcome kept in parts: a hash of its facts, each length-prefixed, so
+/// that two different outcomes never share part keys and a reader can tell a complete one.
+fn outcome_digest(facts: &[Vec<u8>]) -> String {
+    let slices: Vec<&[u8]> = facts.iter().map(Vec::as_slice).collect();
+    EventId::for_content(&slices).as_str().to_owned()
+}
+
+/// Splits `facts` into runs of at most `limit` bytes each (a fact larger than `limit` alone).
+fn split_facts(facts: &[Vec<u8>], limit: usize) -> Vec<&[Vec<u8>]> {
+    let mut runs = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, fact) in facts.iter().enumerate() {
+        if i > start && bytes + fact.len() > limit {
+            runs.push(&facts[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += fact.len();
+    }
+    if start < facts.len() {
+        runs.push(&facts[start..]);
+    }
+    runs
 }
 
 /// A claim this delivery owns.
@@ -354,10 +393,8 @@ impl Claims {
         };
         let record = decode(&entry.value);
         match record.state {
-            State::Done { facts } => {
-                Ok(Claim::Done(facts.map(|f| {
-                    f.into_iter().map(serde_bytes::ByteBuf::into_vec).collect()
-                })))
+            State::Done { facts, parts } => {
+                Ok(Claim::Done(self.outcome(&key, facts, parts).await?))
             }
             State::Free => {
                 self.take(&key, entry.revision, sequence, record.attempts)
@@ -490,23 +527,30 @@ impl Claims {
     /// When another delivery committed first, returns its facts.
     pub async fn commit(&self, lease: &Lease, facts: &[Vec<u8>]) -> Result<Commit, LeaseError> {
         let size: usize = facts.iter().map(Vec::len).sum();
-        let carried: Option<Vec<&serde_bytes::Bytes>> = (size <= self.max_facts_bytes)
-            .then(|| facts.iter().map(|f| serde_bytes::Bytes::new(f)).collect());
-        if carried.is_none() {
-            tracing::warn!(
-                bytes = size,
-                "outcome too large to carry in its claim; only this instance's ledger holds it"
-            );
-        }
+        let fits = size <= self.max_facts_bytes;
+        let carried: Option<Vec<&serde_bytes::Bytes>> =
+            fits.then(|| facts.iter().map(|f| serde_bytes::Bytes::new(f)).collect());
+        let parts = if fits {
+            None
+        } else {
+            Some(
+                self.put_parts(&lease.key, facts)
+                    .await
+                    .map_err(LeaseError::Unavailable)?,
+            )
+        };
         // The `done` record, encoded from borrowed facts: the same map a [`Record`] reads.
         #[derive(Serialize)]
         struct DoneRecord<'a> {
             state: &'static str,
             facts: Option<Vec<&'a serde_bytes::Bytes>>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            parts: Option<Parts>,
         }
         let value = rmp_serde::to_vec_named(&DoneRecord {
             state: "done",
             facts: carried,
+            parts,
         })
         .map(Bytes::from)
         .map_err(|e| {
@@ -532,10 +576,12 @@ impl Claims {
                     match decode(&entry.value).state {
                         // Someone's commit, or our own whose answer was lost: the facts in the
                         // claim are the outcome either way.
-                        State::Done { facts } => {
-                            return Ok(Commit::Theirs(facts.map(|f| {
-                                f.into_iter().map(serde_bytes::ByteBuf::into_vec).collect()
-                            })));
+                        State::Done { facts, parts } => {
+                            let facts = self
+                                .outcome(&lease.key, facts, parts)
+                                .await
+                                .map_err(LeaseError::Unavailable)?;
+                            return Ok(Commit::Theirs(facts));
                         }
                         // Still ours at a newer revision (a renewal's answer was lost).
                         State::Held {
@@ -561,6 +607,95 @@ impl Claims {
                 }
             }
         }
+    }
+
+    /// Key of part `n` of the outcome with `digest`, kept beside the claim `key` (and so under
+    /// the service's own keys, which are all its NATS user may touch).
+    fn part_key(key: &str, digest: &str, n: u32) -> String {
+        format!("{key}.o.{digest}.{n}")
+    }
+
+    /// Writes an outcome too large for one record as parts beside its claim, before the
+    /// `done` record that names them: a reader that finds the record finds its parts. Keys are
+    /// named by the outcome's digest, so a racing delivery with another outcome never
+    /// overwrites these; both expire with the bucket's `max_age`, like the claim.
+    async fn put_parts(&self, key: &str, facts: &[Vec<u8>]) -> Result<Parts, BusError> {
+        let digest = outcome_digest(facts);
+        let runs = split_facts(facts, self.max_facts_bytes);
+        let count = u32::try_from(runs.len())
+            .map_err(|_| BusError::new(BusErrorKind::Encode, "an outcome of too many parts"))?;
+        for (n, run) in (0..count).zip(runs) {
+            let run: Vec<&serde_bytes::Bytes> =
+                run.iter().map(|f| serde_bytes::Bytes::new(f)).collect();
+            let value = rmp_serde::to_vec_named(&run).map_err(|e| {
+                BusError::with_source(BusErrorKind::Encode, "encoding an outcome part", e)
+            })?;
+            let part = Self::part_key(key, &digest, n);
+            self.store
+                .put(&part, value.into())
+                .await
+                .map_err(|e| kv_err(format!("writing outcome part {part}"), e))?;
+        }
+        tracing::debug!(
+            bytes = facts.iter().map(Vec::len).sum::<usize>(),
+            parts = count,
+            "outcome too large for one claim record; kept in parts beside it"
+        );
+        Ok(Parts { digest, count })
+    }
+
+    /// The facts of a `done` record: carried in it, or read back from its parts and checked
+    /// against their digest. `None` only for an older runtime's marker.
+    async fn outcome(
+        &self,
+        key: &str,
+        facts: Option<Vec<serde_bytes::ByteBuf>>,
+        parts: Option<Parts>,
+    ) -> Result<Option<Vec<Vec<u8>>>, BusError> {
+        if let Some(facts) = facts {
+            return Ok(Some(
+                facts
+                    .into_iter()
+                    .map(serde_bytes::ByteBuf::into_vec)
+                    .collect(),
+            ));
+        }
+        let Some(parts) = parts else {
+            return Ok(None);
+        };
+        let mut out = Vec::new();
+        for n in 0..parts.count {
+            let part = Self::part_key(key, &parts.digest, n);
+            let value = self
+                .store
+                .get(&part)
+                .await
+                .map_err(|e| kv_err(format!("reading outcome part {part}"), e))?
+                .ok_or_else(|| {
+                    BusError::new(
+                        BusErrorKind::Claim,
+                        format!("outcome part {part} of a finished claim is missing"),
+                    )
+                })?;
+            let run: Vec<serde_bytes::ByteBuf> = rmp_serde::from_slice(&value).map_err(|e| {
+                BusError::with_source(
+                    BusErrorKind::Claim,
+                    format!("decoding outcome part {part}"),
+                    e,
+                )
+            })?;
+            out.extend(run.into_iter().map(serde_bytes::ByteBuf::into_vec));
+        }
+        if outcome_digest(&out) != parts.digest {
+            return Err(BusError::new(
+                BusErrorKind::Claim,
+                format!(
+                    "the outcome parts of claim {key} do not hash to {}",
+                    parts.digest
+                ),
+            ));
+        }
+        Ok(Some(out))
     }
 
     /// Gives the claim up after a retryable failure, leaving the attempt history in it.
@@ -650,7 +785,10 @@ fn decode(value: &[u8]) -> Record {
     match rmp_serde::from_slice::<Record>(value) {
         Ok(r) => r,
         Err(_) if value == b"done" => Record {
-            state: State::Done { facts: None },
+            state: State::Done {
+                facts: None,
+                parts: None,
+            },
             attempts: Vec::new(),
         },
         Err(_) => Record {
@@ -674,11 +812,18 @@ mod tests {
         let r = Record {
             state: State::Done {
                 facts: Some(vec![serde_bytes::ByteBuf::from(vec![1, 2, 3])]),
+                parts: None,
             },
             attempts: vec![],
         };
         assert_eq!(decode(&encode(&r).unwrap()), r);
-        assert_eq!(decode(b"done").state, State::Done { facts: None });
+        assert_eq!(
+            decode(b"done").state,
+            State::Done {
+                facts: None,
+                parts: None
+            }
+        );
         #[derive(Serialize)]
         struct DoneRecord<'a> {
             state: &'static str,
@@ -698,5 +843,23 @@ mod tests {
             decode(b"svc:abc:17").state,
             State::Held { ref instance, .. } if instance == "svc:abc:17"
         ));
+    }
+
+    #[test]
+    fn an_outcome_splits_into_runs_under_the_limit_in_order() {
+        let facts: Vec<Vec<u8>> = [400, 400, 400, 10, 900, 5]
+            .iter()
+            .map(|&n| vec![0u8; n])
+            .collect();
+        let runs = split_facts(&facts, 850);
+        let lens: Vec<Vec<usize>> = runs
+            .iter()
+            .map(|r| r.iter().map(Vec::len).collect())
+            .collect();
+        assert_eq!(
+            lens,
+            vec![vec![400, 400], vec![400, 10], vec![900], vec![5]]
+        );
+        assert!(split_facts(&[], 10).is_empty());
     }
 }

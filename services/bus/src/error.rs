@@ -122,6 +122,11 @@ impl BusError {
         self.kind
     }
 
+    /// What was being done (`could not publish to <subject>`), without the causes.
+    pub fn what(&self) -> &str {
+        &self.what
+    }
+
     /// Whether the same operation may succeed later; follows from the kind.
     pub fn is_retryable(&self) -> bool {
         self.kind.is_retryable()

@@ -421,3 +421,112 @@ async fn a_claim_this_process_left_behind_is_taken_over_on_redelivery() {
         "{stats:?}"
     );
 }
+
+/// Answers a stage request with three `stage.failed` facts of `reason_bytes` each: together
+/// more than one claim record can carry under nats-server's default `max_payload`.
+struct LargeOutcome {
+    reason_bytes: usize,
+    calls: AtomicU32,
+}
+
+impl LargeOutcome {
+    fn facts(&self, event: &Event) -> Vec<Event> {
+        let Body::StageRequested(r) = &event.body else {
+            unreachable!()
+        };
+        (0..3)
+            .map(|i| {
+                event.caused(
+                    &format!("failed-{i}"),
+                    Body::StageFailed(StageFailed {
+                        dataset: r.dataset.clone(),
+                        version: r.version.clone(),
+                        tier: r.tier.clone(),
+                        job_id: r.job_id.clone(),
+                        request_id: event.id.clone(),
+                        reason: "x".repeat(self.reason_bytes),
+                        retryable: false,
+                        node: None,
+                    }),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Handler for LargeOutcome {
+    async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Ok(self.facts(event))
+    }
+}
+
+/// Regression: an outcome too large for its claim was committed as `done` without facts. An
+/// instance that died after that commit and before publishing left the event finished with
+/// nothing said: the redelivery, in another instance, found `done`, had no facts to publish
+/// and acked. Now the outcome is kept beside the claim and the other instance publishes it,
+/// byte for byte, without running the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_too_large_for_its_claim_is_published_by_the_next_instance() {
+    let env = Env::start().await;
+    let handler = Arc::new(LargeOutcome {
+        reason_bytes: 400 * 1024,
+        calls: AtomicU32::new(0),
+    });
+    let request = stage_request("large-outcome");
+    let expected = handler.facts(&request);
+    let total: usize = expected
+        .iter()
+        .map(|f| wire::encode(f).unwrap().len())
+        .sum();
+    let max_payload = env.bus.client().server_info().max_payload;
+    assert!(total > max_payload, "{total} bytes must not fit one record");
+
+    // Instance a records the outcome, then dies before it publishes anything.
+    let recorded = Arc::new(tokio::sync::Notify::new());
+    let mut hooks = stagehand_bus::WorkerHooks::default();
+    let said = recorded.clone();
+    hooks.after_record = Some(Arc::new(move |_id| {
+        let said = said.clone();
+        Box::pin(async move {
+            said.notify_one();
+            std::future::pending::<()>().await;
+        })
+    }));
+    let a = tokio::spawn(stagehand_bus::run_worker_with_hooks(
+        env.bus.clone(),
+        instance(&env, "a"),
+        handler.clone(),
+        CancellationToken::new(),
+        hooks,
+    ));
+    env.bus.publish(&request).await.unwrap();
+    tokio::time::timeout(WAIT, recorded.notified())
+        .await
+        .expect("instance a recorded the outcome");
+    a.abort();
+    let _ = a.await;
+    assert_eq!(env.fact_count().await, 0);
+
+    let b = spawn(&env, instance(&env, "b"), handler.clone());
+    wait_until(WAIT, "the redelivery acked", || env.consumer_drained("svc"))
+        .await
+        .unwrap();
+    let sb = stop(b).await;
+    assert_eq!(handler.calls.load(Ordering::SeqCst), 1, "not handled twice");
+    let published: Vec<Event> = env.facts().await.into_iter().map(|(_, _, e)| e).collect();
+    let ids = |facts: &[Event]| facts.iter().map(|f| f.id.clone()).collect::<Vec<_>>();
+    assert_eq!(
+        ids(&published),
+        ids(&expected),
+        "the recorded outcome: {sb:?}"
+    );
+    assert!(
+        published
+            .iter()
+            .zip(&expected)
+            .all(|(p, e)| p.body == e.body),
+        "published whole"
+    );
+    assert_eq!((sb.replayed, sb.handled), (1, 0), "{sb:?}");
+}

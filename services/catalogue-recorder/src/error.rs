@@ -21,6 +21,16 @@ pub enum StoreError {
         bytes: usize,
         max: usize,
     },
+    /// Writing or reading the manifest spool beside the store failed (a full disk, EIO).
+    #[error("manifest spool: {0}")]
+    Spool(String),
+    /// The store failed while folding (the first failure, `detail`): the recorder stops and
+    /// exits non-zero, and its supervisor restarts it with the store reopened.
+    #[error("catalogue store {} failed: {detail}; the recorder stops so that it is restarted with the store reopened", path.display())]
+    Failed {
+        path: std::path::PathBuf,
+        detail: String,
+    },
 }
 
 impl StoreError {
@@ -28,16 +38,24 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         match self {
             // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
-            StoreError::Redb(_) | StoreError::WriterGone => true,
+            StoreError::Redb(_)
+            | StoreError::WriterGone
+            | StoreError::Spool(_)
+            | StoreError::Failed { .. } => true,
             StoreError::Corrupt { .. } | StoreError::TooLarge { .. } => false,
         }
     }
 
-    /// Whether redb latched an I/O failure (ENOSPC, EIO during a commit): every later call
-    /// fails until the database is reopened, so the recorder must stop rather than go on
-    /// consuming with a dead store.
-    pub fn is_latched(&self) -> bool {
-        matches!(self, StoreError::Redb(redb::Error::PreviousIo))
+    /// Whether the recorder's own disk failed rather than anything about a fact: any redb
+    /// error while folding (ENOSPC, EIO, a failed commit — which redb latches until the
+    /// database is reopened) or a failed spool. Retrying the fact would only spend its
+    /// attempts until it is dead-lettered and the catalogue lacks it for good, so the recorder
+    /// stops instead and the fact waits for the restart.
+    pub fn is_store_failure(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Redb(_) | StoreError::Spool(_) | StoreError::Failed { .. }
+        )
     }
 }
 

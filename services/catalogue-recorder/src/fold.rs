@@ -55,6 +55,10 @@ from_redb!(
 impl FoldError {
     /// A manifest that could not be opened or read.
     pub fn manifest(e: ManifestError) -> Self {
+        if e.kind == ManifestErrorKind::Io {
+            // The recorder's own spool failed, not the fact's manifest.
+            return FoldError::Store(StoreError::Spool(e.to_string()));
+        }
         let code = match e.kind {
             ManifestErrorKind::NotFound => FoldProblemCode::ManifestMissing,
             ManifestErrorKind::Mismatch => FoldProblemCode::ManifestMismatch,

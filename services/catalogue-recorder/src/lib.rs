@@ -28,6 +28,7 @@ mod files;
 pub mod fold;
 mod live;
 pub mod model;
+mod prune;
 mod query;
 pub mod readiness;
 mod replay;
@@ -38,6 +39,7 @@ mod store;
 pub use chunk::{CHUNK_BYTES, CHUNK_ENTRIES};
 pub use error::{RecorderError, StoreError};
 pub use files::FileLists;
+pub use prune::{DEFAULT_STAGE_PRUNE_INTERVAL, DEFAULT_STAGE_RETENTION, PrunePass};
 pub use query::{Replies, answer, encode_answer, serve as serve_queries};
 pub use replay::{MAX_REPLAY_BATCH_BYTES, Replayed, replay};
 pub use service::{

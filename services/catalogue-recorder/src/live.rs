@@ -16,11 +16,13 @@
 //!   subject, or names a location outside its project: `stagehand_schemas::trust`): recorded
 //!   as a catalogue problem naming the rule ([`LiveFold`]'s `refused`), then dead-lettered;
 //!   nothing of it is fetched or folded.
-//! - redb latched an I/O failure: the recorder stops (its run returns the error) instead of
-//!   consuming on with a dead store; the supervisor restarts it and redb reopens.
+//! - the store itself failed (ENOSPC, EIO, a failed commit — any redb error — or the manifest
+//!   spool beside it): the recorder stops at once (its run returns the first failure, naming the
+//!   store's file) instead of retrying the fact until it is dead-lettered; the fact is left for
+//!   redelivery without counting an attempt, and the supervisor restarts the recorder with the
+//!   store reopened.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -46,21 +48,30 @@ pub(crate) struct LiveFold {
     pub writer: Writer,
     pub files: FileLists,
     pub mirror: Mirror,
-    /// Cancelled when the store failed for good: stops the recorder.
+    /// Cancelled when the store failed: stops the recorder.
     pub stop: CancellationToken,
-    /// Set when the store failed for good.
-    pub store_failed: Arc<AtomicBool>,
+    /// The store's first failure, once it failed: what the recorder exits with.
+    pub store_failed: Arc<Mutex<Option<StoreError>>>,
 }
 
 impl LiveFold {
     fn store_error(&self, event: &Event, e: StoreError) -> HandlerError {
-        if e.is_latched() {
-            tracing::error!(event_id = %event.id, error = %e, "the catalogue store failed (I/O); stopping the recorder so that it is restarted with the store reopened");
-            self.store_failed.store(true, Ordering::SeqCst);
+        if e.is_store_failure() {
+            let failed = StoreError::Failed {
+                path: self.store.path().to_owned(),
+                detail: e.to_string(),
+            };
+            tracing::error!(event_id = %event.id, error = %failed, "stopping the recorder");
+            let mut first = self
+                .store_failed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let reported = first.get_or_insert(failed).to_string();
+            drop(first);
             self.stop.cancel();
             // Not the fact's fault: the runtime leaves it for redelivery without counting an
             // attempt (never dead-lettered and terminated) and stops the worker.
-            return HandlerError::fatal(e);
+            return HandlerError::fatal(reported);
         }
         HandlerError::retryable(e)
     }
@@ -101,11 +112,11 @@ impl Handler for LiveFold {
             }
             Err(e) => return Err(self.store_error(event, e)),
         }
-        self.mirror
-            .event(&self.store, event)
-            .await
-            .map_err(HandlerError::retryable)?;
-        Ok(Vec::new())
+        match self.mirror.event(&self.store, event).await {
+            Ok(()) => Ok(Vec::new()),
+            Err(RecorderError::Store(e)) => Err(self.store_error(event, e)),
+            Err(e) => Err(HandlerError::retryable(e)),
+        }
     }
 
     /// A fact the runtime refused (another kind's or project's subject, a location outside

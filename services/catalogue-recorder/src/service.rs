@@ -2,8 +2,7 @@
 //! serve queries, mirror readiness and stage statuses, until shutdown.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
@@ -56,6 +55,21 @@ pub struct RecorderConfig {
     /// creds or NKey user). A query with any other reply subject is refused and counted.
     #[serde(default)]
     pub inbox_prefixes: Vec<String>,
+    /// How long a stage request's record is kept once it holds nothing (released, failed, or
+    /// past its job's `hold_until`) and has not changed (`"336h"`, 14 days, by default); then
+    /// it is pruned with its indexes.
+    #[serde(
+        default = "default_stage_retention",
+        with = "stagehand_bus::duration_str"
+    )]
+    pub stage_retention: std::time::Duration,
+    /// How often stage records are pruned (`"1h"` by default; the first time one interval
+    /// after start).
+    #[serde(
+        default = "default_stage_prune_interval",
+        with = "stagehand_bus::duration_str"
+    )]
+    pub stage_prune_interval: std::time::Duration,
 }
 
 /// The inbox prefixes queries are answered on as shipped: the unauthenticated default
@@ -90,6 +104,12 @@ fn default_true() -> bool {
 fn default_manifest_timeout() -> std::time::Duration {
     std::time::Duration::from_secs(120)
 }
+fn default_stage_retention() -> std::time::Duration {
+    crate::prune::DEFAULT_STAGE_RETENTION
+}
+fn default_stage_prune_interval() -> std::time::Duration {
+    crate::prune::DEFAULT_STAGE_PRUNE_INTERVAL
+}
 /// Facts folded at once (the writer commits whatever is queued in one transaction), unless
 /// `[worker] concurrency` says otherwise.
 const DEFAULT_CONCURRENCY: usize = 64;
@@ -109,6 +129,8 @@ impl RecorderConfig {
             manifest_spool: None,
             manifest_timeout: default_manifest_timeout(),
             inbox_prefixes: Vec::new(),
+            stage_retention: default_stage_retention(),
+            stage_prune_interval: default_stage_prune_interval(),
         }
     }
 
@@ -172,6 +194,12 @@ impl ServiceSettings for RecorderConfig {
                     ),
                 ));
             }
+        }
+        if self.stage_prune_interval.is_zero() {
+            return Err(InvalidKey::new(
+                "stage_prune_interval",
+                "must be longer than zero",
+            ));
         }
         Ok(())
     }
@@ -301,7 +329,7 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     let (writer, writer_thread) = Writer::start(store.clone());
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
-    let store_failed = Arc::new(AtomicBool::new(false));
+    let store_failed: Arc<Mutex<Option<StoreError>>> = Arc::default();
     let handler = Arc::new(LiveFold {
         store: store.clone(),
         writer,
@@ -352,6 +380,15 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
         ),
     );
     tasks.spawn(
+        "stage-pruning",
+        crate::prune::every(
+            store.clone(),
+            config.stage_retention,
+            config.stage_prune_interval,
+            token.clone(),
+        ),
+    );
+    tasks.spawn(
         "progress",
         follow_progress(
             ctx.bus.client().clone(),
@@ -392,10 +429,12 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     if tokio::time::timeout(deadline, released).await.is_err() {
         tracing::warn!("catalogue writer still busy at the shutdown deadline");
     }
-    if store_failed.load(Ordering::SeqCst) {
-        return Err(RecorderError::Store(StoreError::Redb(
-            redb::Error::PreviousIo,
-        )));
+    let failed = store_failed
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(e) = failed {
+        return Err(RecorderError::Store(e));
     }
     joined?;
     let facts = facts_stats

@@ -67,14 +67,14 @@ pub fn counted_key(status: &StageStatus) -> Option<ReadinessKey> {
     })
 }
 
-fn version_key(status: &StageStatus) -> &str {
+pub(crate) fn version_key(status: &StageStatus) -> &str {
     status
         .resolved_version
         .as_deref()
         .unwrap_or(&status.version)
 }
 
-fn read_aggregate(
+pub(crate) fn read_aggregate(
     txn: &WriteTransaction,
     key: &ReadinessKey,
 ) -> Result<ReadinessAggregate, StoreError> {
@@ -87,7 +87,7 @@ fn read_aggregate(
         .unwrap_or_default())
 }
 
-fn write_aggregate(
+pub(crate) fn write_aggregate(
     txn: &WriteTransaction,
     key: &ReadinessKey,
     aggregate: &ReadinessAggregate,

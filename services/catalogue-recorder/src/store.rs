@@ -10,7 +10,7 @@
 //! | `file_lists` | version digest | [`FileListRecord`]: the list is complete |
 //! | `file_chunks` | (version digest, first path) | a chunk of entries ([`crate::chunk`]) |
 //! | `replicas` | (project, dataset, version, tier, node or "") | [`stagehand_catalogue::ReplicaRecord`]: one per tier, one per node on a node-local tier |
-//! | `stage_requests` | (project, request id) | [`crate::model::StageRecord`]: a stage request's status |
+//! | `stage_requests` | (project, request id) | [`crate::model::StageRecord`]: a stage request's status; pruned with its rows below once it holds nothing for `stage_retention` (`crate::prune`) |
 //! | `stages_by_job` | (project, job, request id) | — |
 //! | `stages_by_version` | (project, dataset, version — the full digest once known, else as requested, request id) | — |
 //! | `stage_progress` | (project, request id) | the copy's last progress (live only, not in a [`Dump`]) |
@@ -703,6 +703,11 @@ fn clone_store_error(e: &StoreError) -> StoreError {
             what: what.clone(),
             bytes: *bytes,
             max: *max,
+        },
+        StoreError::Spool(detail) => StoreError::Spool(detail.clone()),
+        StoreError::Failed { path, detail } => StoreError::Failed {
+            path: path.clone(),
+            detail: detail.clone(),
         },
     }
 }

@@ -51,8 +51,47 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
 
 /// The one line a failed command prints on stderr: the error and its causes, joined.
 pub fn error_line(err: &anyhow::Error) -> String {
-    let text = format!("stagehand: {err:#}");
+    let text = match bound_reached(err) {
+        Some(why) => format!("stagehand: {err}: {why}"),
+        None => format!("stagehand: {err:#}"),
+    };
     text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// When the server refused a publish or an upload because a per-project bound that
+/// `stagehand provision` sets is reached (schemas/README.md, *Subjects and streams*): what was
+/// refused and which bound, in place of the server's and the client's layers of wording.
+fn bound_reached(err: &anyhow::Error) -> Option<String> {
+    // The server's description of its refusal (JetStream error code 10077), which the Object
+    // Store client passes on as text only.
+    let refusal = err.chain().map(ToString::to_string).find(|text| {
+        text.contains("maximum messages per subject exceeded")
+            || text.contains("maximum bytes exceeded")
+    })?;
+    if refusal.contains("maximum messages per subject exceeded") {
+        let subject = err
+            .chain()
+            .find_map(|c| c.downcast_ref::<stagehand_bus::BusError>())
+            .and_then(|b| b.what().strip_prefix("could not publish to "))
+            .unwrap_or("its request subject");
+        return Some(format!(
+            "refused: {subject} holds as many requests as a project may keep of one kind              (max_msgs_per_subject of {}, set by `stagehand provision`; requests leave it after              30 days)",
+            stagehand_schemas::subject::REQUESTS.name
+        ));
+    }
+    if refusal.contains("maximum bytes exceeded") {
+        let bucket = err
+            .chain()
+            .find_map(|c| c.downcast_ref::<stagehand_manifest::ManifestError>())
+            .and_then(|m| m.what.strip_prefix("manifest "))
+            .and_then(|what| what.split('/').next())
+            .unwrap_or("the project's upload bucket");
+        return Some(format!(
+            "refused: {bucket} is full (the max_bytes `stagehand provision` sets on a project's              upload bucket: {} bytes unless changed; manifests leave it after 30 days)",
+            stagehand_schemas::subject::UPLOAD_BUCKET_MAX_BYTES
+        ));
+    }
+    None
 }
 
 /// Logging for a command whose stdout is its answer: warnings and errors on stderr

@@ -115,12 +115,17 @@ pub enum Command {
     /// Create Stagehand's streams, KV buckets and the services' manifest bucket, or correct
     /// their drift (replicas, limits): what an operator runs once for services whose users may
     /// not manage streams, and again for each new project (`--project`).
+    ///
+    /// Per-tenant bounds (schemas/README.md): every request subject
+    /// `stagehand.req.<kind>.<project>` keeps at most 250,000 requests and refuses the next
+    /// (`max_msgs_per_subject`, discard new per subject); every project's upload bucket holds
+    /// at most 4 GiB of manifests and refuses a put past it.
     Provision {
         /// Replicas of every stream and bucket (default: what the cluster can hold).
         #[arg(long)]
         replicas: Option<usize>,
-        /// Also the upload bucket of this project (`stagehand_uploads_<project>`), in which its
-        /// uploaders put manifests: their NATS users may not create it. Repeatable.
+        /// Also the upload bucket of this project (`stagehand_uploads_<project>`, at most 4 GiB),
+        /// in which its uploaders put manifests: their NATS users may not create it. Repeatable.
         #[arg(long = "project", value_name = "PROJECT")]
         projects: Vec<String>,
     },
@@ -1067,6 +1072,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                             "replayed dead letter {} to {} as {} ({} sequence {})",
                             r.sequence, r.subject, r.msg_id, r.stream, r.stream_sequence
                         );
+                        if !r.dropped_headers.is_empty() {
+                            println!(
+                                "headers not set by Stagehand, not replayed: {}",
+                                r.dropped_headers.join(", ")
+                            );
+                        }
                     }
                 }
             }

@@ -5,13 +5,20 @@
 //! letter with its stream sequence, the subject and id of the message it carries, how often it
 //! was delivered, its last error, and who replayed it when.
 //!
-//! `replay SEQ` republishes the carried message — its original bytes and headers — to its
-//! original subject, with a fresh `Nats-Msg-Id` (the old one would be dropped by the duplicate
-//! window) and the `Stagehand-Replay` header naming the dead letter, so that the service that
-//! gave up works on it again: the runtime keys dead letters by their own id, not as the event's
-//! outcome, and starts a replayed message with a clean attempt history. Only messages from
-//! request (`stagehand.req.…`) and fact (`stagehand.fact.…`) subjects are replayed. Each replay
-//! is recorded as a `dead.letter.replayed` event: who, when, which dead letter, the new id.
+//! `replay SEQ` republishes the carried message — its original bytes — to its original subject,
+//! with a fresh `Nats-Msg-Id` (the old one would be dropped by the duplicate window) and the
+//! `Stagehand-Replay` header naming the dead letter, so that the service that gave up works on
+//! it again: the runtime keys dead letters by their own id, not as the event's outcome, and
+//! starts a replayed message with a clean attempt history. Each replay is recorded as a
+//! `dead.letter.replayed` event: who, when, which dead letter, the new id.
+//!
+//! The replay publishes as the operator, so it must not become a way for a tenant to publish
+//! what it could not itself: a tenant chooses the subject (among its own) and the headers of a
+//! message it gets dead-lettered. So a replay goes only to a request (`stagehand.req.…`) or fact
+//! (`stagehand.fact.…`) subject that the dead letter's service consumes — checked against that
+//! service's durable consumer on the stream named, as the server holds it — and carries only the
+//! headers Stagehand itself sets: the trace context (`traceparent`, `tracestate`); every other
+//! header is dropped and named in the answer. Anything else is refused, saying why.
 
 use std::fmt::Write as _;
 
@@ -21,7 +28,9 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
 use futures::StreamExt;
 use serde::Serialize;
 use stagehand_bus::{Bus, MSG_ID_HEADER, REPLAY_HEADER};
-use stagehand_schemas::subject::{DEAD_LETTERS, dead_letter_subject, replayed_subject};
+use stagehand_schemas::subject::{
+    DEAD_LETTERS, FACTS, REQUESTS, dead_letter_subject, replayed_subject, subject_matches,
+};
 use stagehand_schemas::{Body, DeadLetter, DeadLetterReplayed, Event, EventId, wire};
 
 /// One dead letter as `list` shows it.
@@ -172,6 +181,85 @@ pub struct Replayed {
     pub stream: String,
     pub stream_sequence: u64,
     pub replayed_by: String,
+    /// Headers of the dead message that the replay did not carry (not set by Stagehand).
+    pub dropped_headers: Vec<String>,
+}
+
+/// Headers of a dead message a replay carries: the trace context, which Stagehand's producers
+/// set. `Nats-Msg-Id` and `Stagehand-Replay` are rebuilt by the replay; nothing else is
+/// Stagehand's, and a tenant's own headers must not ride on the operator's publish.
+const KEPT_HEADERS: &[&str] = &[stagehand_telemetry::propagation::TRACEPARENT, "tracestate"];
+
+/// Refuses a dead letter whose message the replay must not publish: stored anywhere but its
+/// service's dead-letter subject, from a stream other than requests or facts, or from a subject
+/// that its service's durable consumer does not take (as the server holds that consumer).
+async fn check_replayable(
+    bus: &Bus,
+    sequence: u64,
+    stored_on: &str,
+    dead: &DeadLetter,
+) -> anyhow::Result<()> {
+    if !(dead.subject.starts_with("stagehand.req.") || dead.subject.starts_with("stagehand.fact."))
+    {
+        bail!(
+            "dead letter {sequence} carries a message from {:?}; only request (stagehand.req.…) and fact (stagehand.fact.…) messages are replayed",
+            dead.subject
+        );
+    }
+    if stored_on != dead_letter_subject(&dead.service) {
+        bail!(
+            "dead letter {sequence} names service {:?} but is stored on {stored_on}, not on that service's dead-letter subject; not replayed",
+            dead.service
+        );
+    }
+    if ![REQUESTS.name, FACTS.name].contains(&dead.stream.as_str()) || dead.consumer != dead.service
+    {
+        bail!(
+            "dead letter {sequence} says service {:?} consumed it through consumer {:?} of stream {:?}; a service consumes through its own durable consumer on {} or {}; not replayed",
+            dead.service,
+            dead.consumer,
+            dead.stream,
+            REQUESTS.name,
+            FACTS.name
+        );
+    }
+    let literal = dead
+        .subject
+        .split('.')
+        .all(|t| !t.is_empty() && t != "*" && t != ">" && !t.contains(char::is_whitespace));
+    let stream = bus.jetstream().get_stream(&dead.stream).await?;
+    let consumer = match stream.consumer_info(&dead.service).await {
+        Ok(info) => info.config,
+        Err(e) => bail!(
+            "dead letter {sequence}: service {:?} has no consumer on {} ({e}), so nothing says it consumes {}; not replayed",
+            dead.service,
+            dead.stream,
+            dead.subject
+        ),
+    };
+    let filters: Vec<&str> = if consumer.filter_subjects.is_empty() {
+        vec![consumer.filter_subject.as_str()]
+    } else {
+        consumer
+            .filter_subjects
+            .iter()
+            .map(String::as_str)
+            .collect()
+    };
+    if !literal
+        || !filters
+            .iter()
+            .any(|f| f.is_empty() || subject_matches(f, &dead.subject))
+    {
+        bail!(
+            "dead letter {sequence} carries a message from {}, which service {} does not consume (its consumer on {} takes {}); not replayed",
+            dead.subject,
+            dead.service,
+            dead.stream,
+            filters.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// Who runs this command: `$USER@host` (or `$STAGEHAND_OPERATOR` when set).
@@ -206,17 +294,17 @@ pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::R
             event.body.kind()
         );
     };
-    if !(dead.subject.starts_with("stagehand.req.") || dead.subject.starts_with("stagehand.fact."))
-    {
-        bail!(
-            "dead letter {sequence} carries a message from {:?}; only request (stagehand.req.…) and fact (stagehand.fact.…) messages are replayed",
-            dead.subject
-        );
-    }
+    check_replayable(bus, sequence, &raw.subject, dead).await?;
     let mut headers = HeaderMap::new();
+    let mut dropped_headers = Vec::new();
     for (name, value) in &dead.headers {
-        if !name.eq_ignore_ascii_case(MSG_ID_HEADER) && !name.eq_ignore_ascii_case(REPLAY_HEADER) {
+        if KEPT_HEADERS.iter().any(|k| name.eq_ignore_ascii_case(k)) {
             headers.append(name.as_str(), value.as_str());
+        } else if !name.eq_ignore_ascii_case(MSG_ID_HEADER)
+            && !name.eq_ignore_ascii_case(REPLAY_HEADER)
+            && !dropped_headers.contains(name)
+        {
+            dropped_headers.push(name.clone());
         }
     }
     // Fresh, yet the same for the same replay of the same dead letter within a second: a
@@ -266,5 +354,6 @@ pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::R
         stream: ack.stream,
         stream_sequence: ack.sequence,
         replayed_by: replayed_by.to_owned(),
+        dropped_headers,
     })
 }

@@ -239,3 +239,155 @@ async fn replay_refuses_a_message_that_was_not_on_a_request_or_fact_subject() {
         "nothing republished, nothing recorded"
     );
 }
+
+/// A dead letter of `service` (consumer of the same name on `stream`) carrying `original`,
+/// the message at sequence `at`, from `subject` with `headers`, published on the service's dead-letter subject as the
+/// service would; returns its sequence in the dead-letter stream.
+async fn dead_letter_of(
+    bus: &Bus,
+    at: u64,
+    service: &str,
+    stream: &str,
+    subject: &str,
+    headers: &[(&str, &str)],
+    original: Vec<u8>,
+) -> u64 {
+    let id = EventId::for_dead_letter(stream, service, at);
+    let dead = Event {
+        id: id.clone(),
+        schema: stagehand_schemas::SCHEMA_VERSION,
+        occurred_at: stagehand_schemas::now(),
+        project: "unknown".into(),
+        correlation_id: id,
+        causation_id: None,
+        body: Body::DeadLetter(stagehand_schemas::DeadLetter {
+            service: service.into(),
+            stream: stream.into(),
+            consumer: service.into(),
+            stream_sequence: at,
+            subject: subject.into(),
+            delivered: 1,
+            original,
+            headers: headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            errors: vec![],
+            original_id: None,
+        }),
+    };
+    bus.publish(&dead).await.unwrap().sequence
+}
+
+async fn requests_stored(bus: &Bus) -> u64 {
+    let mut s = bus
+        .jetstream()
+        .get_stream(subject::REQUESTS.name)
+        .await
+        .unwrap();
+    s.info().await.unwrap().state.messages
+}
+
+/// Regression: `dlq replay` republished, as the operator, whatever subject and headers a dead
+/// letter held. A tenant whose message was dead-lettered could have the replay carry headers
+/// it chose, or land on a request subject it may not use. Now the replay keeps only the trace
+/// context (and rebuilds `Nats-Msg-Id` and `Stagehand-Replay`), naming what it dropped, and
+/// refuses a subject that the dead letter's service does not consume, or a service with no
+/// consumer on the stream named, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_keeps_only_stagehands_headers_and_the_subjects_the_service_consumes() {
+    let nats = NatsServer::start();
+    let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
+    bus.provision().await.unwrap();
+    // The validator's durable consumer, as its runtime declares it.
+    let cfg = Settings::new(
+        std::path::Path::new("/nonexistent"),
+        std::path::Path::new("/nonexistent"),
+    )
+    .worker_config();
+    stagehand_bus::provision_consumer(&bus, &cfg).await.unwrap();
+    let ingest = "stagehand.req.ingest.requested.labb";
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    let seq = dead_letter_of(
+        &bus,
+        1,
+        SERVICE,
+        subject::REQUESTS.name,
+        ingest,
+        &[
+            ("Nats-Msg-Id", "tenant-chosen"),
+            ("Stagehand-Replay", "tenant-chosen"),
+            ("X-Forged", "by labb"),
+            ("traceparent", traceparent),
+        ],
+        b"\xc1 undecodable".to_vec(),
+    )
+    .await;
+    let replayed = dlq::replay_as(&bus, seq, "oncall").await.unwrap();
+    assert_eq!(replayed.subject, ingest);
+    assert_eq!(replayed.dropped_headers, ["X-Forged"]);
+    let stream = bus
+        .jetstream()
+        .get_stream(subject::REQUESTS.name)
+        .await
+        .unwrap();
+    let copy = stream
+        .get_raw_message(replayed.stream_sequence)
+        .await
+        .unwrap();
+    let mut names: Vec<String> = copy
+        .headers
+        .iter()
+        .map(|(k, _)| k.to_string().to_ascii_lowercase())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["nats-msg-id", "stagehand-replay", "traceparent"]);
+    assert_eq!(
+        copy.headers.get("traceparent").unwrap().as_str(),
+        traceparent
+    );
+    assert_eq!(
+        copy.headers.get("Nats-Msg-Id").unwrap().as_str(),
+        replayed.msg_id
+    );
+
+    // A request subject the validator does not consume (a release an uploader may not publish).
+    let before = requests_stored(&bus).await;
+    let release = "stagehand.req.stage.released.labb";
+    let seq = dead_letter_of(
+        &bus,
+        2,
+        SERVICE,
+        subject::REQUESTS.name,
+        release,
+        &[],
+        b"\xc1".to_vec(),
+    )
+    .await;
+    let err = dlq::replay_as(&bus, seq, "oncall").await.unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains(release) && text.contains("does not consume") && text.contains(SERVICE),
+        "{text}"
+    );
+
+    // A service with no consumer on the stream it names: nothing says what it consumes.
+    let seq = dead_letter_of(
+        &bus,
+        3,
+        "ghost",
+        subject::REQUESTS.name,
+        ingest,
+        &[],
+        b"\xc1".to_vec(),
+    )
+    .await;
+    let err = dlq::replay_as(&bus, seq, "oncall").await.unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("no consumer") && text.contains("ghost"),
+        "{text}"
+    );
+    assert_eq!(requests_stored(&bus).await, before, "nothing republished");
+}

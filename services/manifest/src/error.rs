@@ -71,6 +71,16 @@ impl ManifestError {
         .at_line()
     }
 
+    /// More than the reference declares, found at `line`: the object is not the manifest the
+    /// request promised, and reading on would only spool what will be refused.
+    pub(crate) fn exceeds(what: &str, line: u64, detail: impl Into<String>) -> Self {
+        ManifestError {
+            line: Some(line),
+            ..ManifestError::new(ManifestErrorKind::Mismatch, what, detail)
+        }
+        .at_line()
+    }
+
     fn at_line(mut self) -> Self {
         if let Some(line) = self.line {
             self.detail = format!("line {line}: {}", self.detail);

@@ -8,7 +8,10 @@
 //! travel inline in their event. Either way a reader gets a [`Manifest`] only after its bytes
 //! were hashed and found to be the digest, its counts the declared ones and every line
 //! canonical — and iterates its entries in path order in bounded memory, whatever the file
-//! count (spooled to a local file beyond [`IN_MEMORY_BELOW`]).
+//! count (spooled to a local file beyond [`IN_MEMORY_BELOW`]). A fetch never spools more than
+//! the reference declares: an object larger than a manifest of the declared file count can be
+//! ([`max_manifest_bytes`]) is refused unread, and reading stops at the first entry past the
+//! declared count or byte total.
 //!
 //! - [`ManifestBuilder`]: entries in any order → a canonical manifest (external merge sort).
 //! - [`ManifestStore`]: the upload buckets (`stagehand_uploads_<project>`) and the services'
@@ -42,7 +45,8 @@ mod store;
 pub use builder::{DEFAULT_RUN_BYTES, ManifestBuilder};
 pub use error::{ManifestError, ManifestErrorKind};
 pub use manifest::{
-    DEFAULT_CHUNK, Entries, IN_MEMORY_BELOW, ListEnd, MAX_LINE_BYTES, Manifest, Spool,
+    DEFAULT_CHUNK, Entries, IN_MEMORY_BELOW, ListEnd, MAX_ENTRY_LINE_BYTES, MAX_LINE_BYTES,
+    Manifest, Spool, max_manifest_bytes,
 };
 pub use source::{ManifestSource, inline_or_stored, open_manifest};
 pub use store::{BucketOptions, CHUNK_BYTES, ManifestStore, UPLOAD_MAX_AGE};

@@ -23,6 +23,17 @@ use crate::error::{ManifestError, ManifestErrorKind};
 /// size and a hash fits many times over; anything longer is not a manifest.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
 
+/// The longest line a valid entry can have: a path of at most
+/// [`stagehand_schemas::path::MAX_PATH_BYTES`], a size of at most 20 digits, a SHA-256 in hex,
+/// two tabs and the newline. Longer lines parse, but name a path no reader accepts.
+pub const MAX_ENTRY_LINE_BYTES: u64 = stagehand_schemas::path::MAX_PATH_BYTES as u64 + 20 + 64 + 3;
+
+/// The most bytes a manifest of `files` valid entries can be: what a fetch reads at most
+/// before refusing an object named by a reference that declares `files`.
+pub fn max_manifest_bytes(files: u64) -> u64 {
+    files.saturating_mul(MAX_ENTRY_LINE_BYTES)
+}
+
 /// Canonical bytes at most this large are spooled in memory; larger ones go to a file.
 pub const IN_MEMORY_BELOW: u64 = 8 * 1024 * 1024;
 
@@ -406,6 +417,8 @@ pub(crate) struct LineChecker {
     line: u64,
     files: u64,
     bytes: u64,
+    /// At most this many entries and bytes of files (what a reference declares).
+    limits: (u64, u64),
 }
 
 impl LineChecker {
@@ -418,6 +431,16 @@ impl LineChecker {
             line: 0,
             files: 0,
             bytes: 0,
+            limits: (u64::MAX, u64::MAX),
+        }
+    }
+
+    /// A checker that refuses, at the entry that crosses it, more than `files` entries or
+    /// entries of more than `bytes` in all: a reference declares both.
+    pub fn bounded(what: impl Into<String>, files: u64, bytes: u64) -> LineChecker {
+        LineChecker {
+            limits: (files, bytes),
+            ..LineChecker::new(what)
         }
     }
 
@@ -472,6 +495,21 @@ impl LineChecker {
         self.previous_path.extend_from_slice(path);
         self.files += 1;
         self.bytes = self.bytes.saturating_add(file.size);
+        let (files, bytes) = self.limits;
+        if self.files > files {
+            return Err(ManifestError::exceeds(
+                &self.what,
+                self.line,
+                format!("more than the {files} files the reference declares"),
+            ));
+        }
+        if self.bytes > bytes {
+            return Err(ManifestError::exceeds(
+                &self.what,
+                self.line,
+                format!("entries of more than the {bytes} bytes the reference declares"),
+            ));
+        }
         Ok(())
     }
 

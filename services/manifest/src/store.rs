@@ -18,7 +18,7 @@ use tokio::io::AsyncReadExt;
 use tracing::debug;
 
 use crate::error::{ManifestError, ManifestErrorKind};
-use crate::manifest::{LineChecker, Manifest, Spool, SpoolWriter};
+use crate::manifest::{LineChecker, Manifest, Spool, SpoolWriter, max_manifest_bytes};
 
 /// Object Store chunk size: large enough that a manifest of millions of entries is a few
 /// thousand chunks, well under nats-server's default `max_payload`.
@@ -113,6 +113,7 @@ impl ManifestStore {
                 bucket: bucket.to_owned(),
                 description: Some(spec.description.to_owned()),
                 max_age: spec.max_age,
+                max_bytes: spec.stream_max_bytes(),
                 num_replicas: options.replicas.max(1),
                 storage: jetstream::stream::StorageType::File,
                 ..Default::default()
@@ -206,6 +207,11 @@ impl ManifestStore {
 
     /// Fetches the manifest `reference` names, spooling it, and checks it before returning:
     /// its bytes hash to the digest, its counts are the reference's, every line is canonical.
+    ///
+    /// Nothing larger than the reference declares is spooled: an object whose stored size is
+    /// more than a manifest of the declared file count can be ([`max_manifest_bytes`]) is
+    /// refused before it is read, and reading stops at the first entry past the declared file
+    /// count or byte total.
     pub async fn fetch(
         &self,
         reference: &ManifestRef,
@@ -224,7 +230,20 @@ impl ManifestStore {
             }
             Err(e) => return Err(nats_err(what, e)),
         };
-        let mut checker = LineChecker::new(what.clone());
+        let limit = max_manifest_bytes(reference.files);
+        let stored = object.info().size as u64;
+        if stored > limit {
+            return Err(ManifestError::new(
+                ManifestErrorKind::Mismatch,
+                what,
+                format!(
+                    "the object is {stored} bytes, more than a manifest of {} files can be ({limit} bytes): refused unread",
+                    reference.files
+                ),
+            ));
+        }
+        let mut read = 0u64;
+        let mut checker = LineChecker::bounded(what.clone(), reference.files, reference.bytes);
         let mut writer = SpoolWriter::new(spool);
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; CHUNK_BYTES];
@@ -245,10 +264,26 @@ impl ManifestStore {
             if n == 0 {
                 break;
             }
+            read += n as u64;
+            if read > limit {
+                // The stored size said otherwise: the object changed under the reader.
+                return Err(ManifestError::new(
+                    ManifestErrorKind::Mismatch,
+                    what,
+                    format!(
+                        "more than {limit} bytes read, more than a manifest of {} files can be",
+                        reference.files
+                    ),
+                ));
+            }
             hasher.update(&buf[..n]);
             // Lines are judged as they come, so that a huge object of garbage is not spooled
             // to its end first; nothing is returned before the digest is compared.
             if let Err(e) = checker.update(&buf[..n]) {
+                if e.kind == ManifestErrorKind::Mismatch {
+                    // More than declared: refused now, whatever the rest holds.
+                    return Err(e);
+                }
                 return Err(self
                     .mismatch_or(reference, &mut object, hasher, buf, e)
                     .await);

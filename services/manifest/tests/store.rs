@@ -166,9 +166,10 @@ async fn an_object_that_is_not_its_digest_is_refused_and_a_missing_one_is_retrya
     assert!(err.is_retryable());
     assert!(err.to_string().contains(&digest), "{err}");
 
-    // A hostile object under the good digest's name: other entries.
+    // A hostile object under the good digest's name: other entries (within the declared
+    // counts: more than declared is refused sooner, see the test below).
     let mut tampered = good.clone();
-    tampered[5].size += 1;
+    tampered[5].size -= 1;
     let mut bytes = canonical_bytes(&tampered);
     uploads
         .object_store()
@@ -299,4 +300,74 @@ fn an_event_with_both_inline_files_and_a_reference_is_refused() {
     let event = ingest("lab-a", few, Some(reference));
     let err = ManifestSource::of(&event).unwrap_err();
     assert_eq!(err.kind, ManifestErrorKind::Invalid);
+}
+
+/// An object far larger than any manifest of the declared file count could be is refused from
+/// its stored size, before a byte of it is read or spooled; one within that size but holding
+/// more entries (or more bytes of files) than the reference declares is refused at the first
+/// entry too many, not after spooling it all.
+#[tokio::test]
+async fn an_object_larger_than_its_reference_declares_is_refused_before_it_is_spooled() {
+    let nats = NatsServer::start();
+    let js = js(&nats).await;
+    let uploads = ManifestStore::uploads(&js, "lab-a", BucketOptions::default())
+        .await
+        .unwrap();
+    let declared = files(100);
+    let reference = ManifestRef {
+        digest: version_digest(&declared),
+        files: 100,
+        bytes: declared.iter().map(|f| f.size).sum(),
+    };
+    // 20,000 canonical lines (about 1.9 MB) under the declared digest's name.
+    let mut huge = canonical_bytes(&files(20_000));
+    uploads
+        .object_store()
+        .put(reference.digest.as_str(), &mut huge.as_slice())
+        .await
+        .unwrap();
+    huge.clear();
+    let err = uploads
+        .fetch(&reference, &Spool::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Mismatch, "{err}");
+    assert!(!err.is_retryable());
+    assert!(
+        err.to_string()
+            .contains("more than a manifest of 100 files can be"),
+        "{err}"
+    );
+    assert_eq!(err.line, None, "refused before reading a line: {err}");
+
+    // Within the size bound of 10 files, but 300 entries: refused at entry 11.
+    let ten = ManifestRef {
+        digest: version_digest(&declared[..10]),
+        files: 10,
+        bytes: u64::MAX,
+    };
+    let more = canonical_bytes(&files(300));
+    uploads
+        .object_store()
+        .put(ten.digest.as_str(), &mut more.as_slice())
+        .await
+        .unwrap();
+    let err = uploads.fetch(&ten, &Spool::default()).await.unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Mismatch, "{err}");
+    assert!(err.to_string().contains("more than the 10 files"), "{err}");
+    assert_eq!(err.line, Some(11), "{err}");
+
+    // The same entries, with the declared bytes of files exceeded before the count is.
+    let small = ManifestRef {
+        bytes: 1000,
+        files: 300,
+        ..ten.clone()
+    };
+    let err = uploads.fetch(&small, &Spool::default()).await.unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Mismatch, "{err}");
+    assert!(
+        err.to_string().contains("more than the 1000 bytes"),
+        "{err}"
+    );
+    assert!(err.line.is_some_and(|l| l < 300), "{err}");
 }

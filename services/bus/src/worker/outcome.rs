@@ -269,8 +269,9 @@ impl<H: Handler> Shared<H> {
     }
 
     /// A claim found `done`: record its facts in this ledger too and publish them — the first
-    /// outcome, never one of our own — then ack. Without facts (an outcome too large for the
-    /// claim, or an older runtime's marker), ack: the instance that committed it publishes.
+    /// outcome, never one of our own — then ack. Without facts (only an older runtime's
+    /// marker: a large outcome is kept in parts beside the claim), ack: the instance that
+    /// committed it published.
     async fn adopt(&self, d: &Delivery, key: &EventKey, facts: Option<Vec<Vec<u8>>>) {
         let Some(facts) = facts else {
             debug!("another delivery finished this event; acking");
