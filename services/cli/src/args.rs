@@ -41,7 +41,12 @@ fn usage(msg: String) -> UsageError {
 pub fn exit_code(err: &anyhow::Error) -> i32 {
     if err.downcast_ref::<UsageError>().is_some() {
         EX_USAGE
-    } else if err.downcast_ref::<Unreachable>().is_some() {
+    } else if err.downcast_ref::<Unreachable>().is_some()
+        || err
+            .downcast_ref::<stagehand_bus::BusError>()
+            .is_some_and(|e| e.kind() == stagehand_bus::BusErrorKind::Unavailable)
+    {
+        // A stream that did not answer within the command's time is NATS out of reach too.
         EX_UNAVAILABLE
     } else {
         EX_SOFTWARE
