@@ -87,6 +87,9 @@ impl Copier {
         let (version, backup) = self.find_backup(catalogue, request).await?;
         let (_, from) = self.tier(&backup.tier)?;
         let (_, to) = self.tier(&request.to)?;
+        // Restored onto a hot tier, a version is readable by its project's group only, as
+        // the promoter stages it.
+        let to = to.with_access(to_policy.set_access(&version.project));
         let manifest = self
             .read_manifest(&from, &backup.prefix, &version.version)
             .await?;

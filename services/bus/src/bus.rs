@@ -39,6 +39,11 @@ pub struct PublishAck {
     /// one (same subject, same event id); this copy was dropped. A message id found taken by
     /// another message is published again under a fresh one, and that PubAck is returned.
     pub duplicate: bool,
+    /// How many times the message was sent before this answer (1 unless the stream could not
+    /// answer at first, see [`BusConfig::publish_timeout`](crate::BusConfig)). A duplicate
+    /// after more than one try may be this publish's own earlier try, stored although its
+    /// acknowledgement was lost.
+    pub tries: u32,
 }
 
 /// A KV bucket Stagehand declares: provisioned, and its drift corrected, like a stream.
@@ -207,6 +212,8 @@ pub struct Bus {
     servers: String,
     /// Whether a duplicate's stored message may be read by its sequence (see `dedup`).
     pub(crate) reads_by_sequence: bool,
+    /// How long a publish rides out a stream that cannot answer ([`BusConfig::publish_timeout`]).
+    publish_timeout: Duration,
 }
 
 impl std::fmt::Debug for Bus {
@@ -360,7 +367,22 @@ impl Bus {
             violations,
             servers: servers.clone(),
             reads_by_sequence: true,
+            publish_timeout: cfg.publish_timeout,
         })
+    }
+
+    /// This connection with another publish timeout: how long its publishes ride out a stream
+    /// that cannot answer (a command's own timeout, a delivery's ack wait).
+    pub fn with_publish_timeout(&self, timeout: Duration) -> Bus {
+        Bus {
+            publish_timeout: timeout,
+            ..self.clone()
+        }
+    }
+
+    /// How long this connection's publishes ride out a stream that cannot answer.
+    pub fn publish_timeout(&self) -> Duration {
+        self.publish_timeout
     }
 
     pub fn client(&self) -> &async_nats::Client {
@@ -775,8 +797,10 @@ impl Bus {
     }
 
     /// Publishes already-encoded bytes with the given headers and waits for the PubAck. The
-    /// `Nats-Msg-Id` given is scoped by the subject, and a PubAck that says "duplicate" is
-    /// believed only once the stored message is proven to be this one (`dedup`).
+    /// `Nats-Msg-Id` given is scoped by the subject; a stream that cannot answer is ridden out
+    /// for at most this connection's publish timeout ([`Bus::publish_acked`]); and a PubAck that
+    /// says "duplicate" is believed only once the stored message is proven to be this one
+    /// (`dedup`).
     pub(crate) async fn publish_prepared(
         &self,
         subject: String,
@@ -785,27 +809,134 @@ impl Bus {
     ) -> Result<PublishAck, BusError> {
         scope_msg_id(&subject, &mut headers);
         let (sent_headers, sent_payload) = (headers.clone(), payload.clone());
-        let perr = |e: BoxError| {
-            BusError::with_source(
+        let ack = self
+            .publish_acked(&subject, headers, payload, self.publish_timeout)
+            .await?;
+        self.unless_shadowed(subject, sent_headers, sent_payload, ack)
+            .await
+    }
+
+    /// One message stored, or one error: publishes and waits for the PubAck, and while the
+    /// answer is one a JetStream leader election gives ([`unanswered`]: no responders, no
+    /// stream found on a clustered server, no acknowledgement in time) publishes the same
+    /// bytes again with backoff, for at most `budget` in all (each try is cut short by what is
+    /// left of it). The same `Nats-Msg-Id` makes a try that was stored after all a duplicate,
+    /// never a second message. A subject the server refused this connection
+    /// ([`Bus::was_denied`]) and any other answer end it at once. Past the budget the error is
+    /// [`BusErrorKind::Unavailable`], naming the subject, how long and how often it tried, and
+    /// the last answer.
+    async fn publish_acked(
+        &self,
+        subject: &str,
+        headers: HeaderMap,
+        payload: Bytes,
+        budget: Duration,
+    ) -> Result<PublishAck, BusError> {
+        let started = tokio::time::Instant::now();
+        let deadline = started + budget;
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let once = || async {
+            let first = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            // The first try always gets long enough for an answer, even with no budget left.
+            let left = if first {
+                left.max(MIN_PUBLISH_TRY)
+            } else {
+                left
+            };
+            let publish = async {
+                self.js
+                    .publish_with_headers(subject.to_owned(), headers.clone(), payload.clone())
+                    .await?
+                    .await
+            };
+            match tokio::time::timeout(left, publish).await {
+                Ok(acked) => acked,
+                Err(_) => Err(jetstream::context::PublishError::new(
+                    jetstream::context::PublishErrorKind::TimedOut,
+                )),
+            }
+        };
+        let retried = once
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(100))
+                    .with_max_delay(Duration::from_secs(2))
+                    .with_jitter()
+                    .without_max_times(),
+            )
+            .when(|e| {
+                unanswered(e, self.client.server_info().cluster.is_some())
+                    && tokio::time::Instant::now() < deadline
+                    && !self.was_denied(subject)
+            })
+            // No pause runs past the budget.
+            .adjust(|_, pause| {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                pause.map(|p| p.min(left)).filter(|p| !p.is_zero())
+            })
+            .notify(|e, delay| {
+                warn!(%subject, error = %e, ?delay, "the stream did not answer; publishing again")
+            })
+            .await;
+        match retried {
+            Ok(ack) => Ok(PublishAck {
+                stream: ack.stream,
+                sequence: ack.sequence,
+                duplicate: ack.duplicate,
+                tries: tries.load(std::sync::atomic::Ordering::Relaxed),
+            }),
+            Err(e)
+                if unanswered(&e, self.client.server_info().cluster.is_some())
+                    && !self.was_denied(subject) =>
+            {
+                Err(BusError::with_source(
+                    BusErrorKind::Unavailable,
+                    format!(
+                        "could not publish to {subject}: no stream answered within {:.1} s ({} tries; a JetStream leader being elected, or no stream for this subject)",
+                        started.elapsed().as_secs_f64(),
+                        tries.load(std::sync::atomic::Ordering::Relaxed),
+                    ),
+                    e,
+                ))
+            }
+            Err(e) => Err(BusError::with_source(
                 BusErrorKind::Publish,
                 format!("could not publish to {subject}"),
                 e,
-            )
-        };
-        let ack = self
-            .js
-            .publish_with_headers(subject.clone(), headers, payload)
-            .await
-            .map_err(|e| perr(e.into()))?
-            .await
-            .map_err(|e| perr(e.into()))?;
-        let ack = PublishAck {
-            stream: ack.stream,
-            sequence: ack.sequence,
-            duplicate: ack.duplicate,
-        };
-        self.unless_shadowed(subject, sent_headers, sent_payload, ack)
-            .await
+            )),
+        }
+    }
+}
+
+/// JetStream's error code for a publish refused because its subject holds as many messages as
+/// the stream allows per subject (a project's request subjects are bounded so).
+const MAX_MSGS_PER_SUBJECT_EXCEEDED: u64 = 10077;
+
+/// How long the first try of a publish may wait for its answer even with a budget shorter
+/// than that (or none): one try always happens.
+const MIN_PUBLISH_TRY: Duration = Duration::from_millis(500);
+
+/// Whether a publish's answer is what a stream without a leader gives, and so passes by
+/// itself: no responders (async-nats says "no stream found for given subject") — only on a
+/// clustered server, since a single server answers so for a subject no stream captures, and
+/// that lasts —, no acknowledgement in time, the connection dropped, too many acks pending,
+/// or JetStream answering 503 (temporarily unavailable).
+fn unanswered(e: &jetstream::context::PublishError, clustered: bool) -> bool {
+    use jetstream::context::PublishErrorKind;
+    match e.kind() {
+        PublishErrorKind::StreamNotFound => clustered,
+        PublishErrorKind::TimedOut
+        | PublishErrorKind::BrokenPipe
+        | PublishErrorKind::MaxAckPending => true,
+        // 503 is also how a subject at its per-subject limit is refused (error 10077,
+        // `discard_new_per_subject`): that lasts, and is no election to wait out.
+        PublishErrorKind::Other => std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<jetstream::Error>())
+            .is_some_and(|js| {
+                js.code() == 503 && js.error_code() != jetstream::ErrorCode(MAX_MSGS_PER_SUBJECT_EXCEEDED)
+            }),
+        _ => false,
     }
 }
 

@@ -53,7 +53,18 @@ pub struct BusConfig {
     /// How long to keep trying the first connection before giving up.
     #[serde(with = "duration_str")]
     pub connect_timeout: Duration,
+    /// How long a publish keeps trying while the stream cannot answer — no responders, no
+    /// stream found on a clustered server, no acknowledgement in time: what a JetStream leader
+    /// election looks like — before it gives up with one error. Default 60 s; a worker's
+    /// outcomes use its `ack_wait` instead (the delivery's own deadline).
+    #[serde(with = "duration_str")]
+    pub publish_timeout: Duration,
 }
+
+/// How long a publish rides out a stream that cannot answer unless configured otherwise
+/// ([`BusConfig::publish_timeout`]): several times the 8 s a three-node cluster took here to
+/// elect a new leader after losing one.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Default for BusConfig {
     fn default() -> Self {
@@ -71,6 +82,7 @@ impl Default for BusConfig {
             replicas: None,
             provision: true,
             connect_timeout: Duration::from_secs(30),
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
         }
     }
 }
@@ -91,6 +103,7 @@ impl std::fmt::Debug for BusConfig {
             .field("replicas", &self.replicas)
             .field("provision", &self.provision)
             .field("connect_timeout", &self.connect_timeout)
+            .field("publish_timeout", &self.publish_timeout)
             .finish()
     }
 }

@@ -28,6 +28,11 @@ pub enum BusErrorKind {
     RetentionMismatch,
     /// Publishing failed, or the stream did not acknowledge.
     Publish,
+    /// The stream did not answer a publish within the caller's time: no responders, no
+    /// stream found on a clustered server, or no acknowledgement, on every try. What a stream
+    /// without a leader looks like (a node lost, an election past its budget); the same
+    /// publish later may succeed.
+    Unavailable,
     /// An event could not be encoded (too large, invalid field).
     Encode,
     /// Pulling or acknowledging messages failed.
@@ -50,6 +55,7 @@ impl BusErrorKind {
             BusErrorKind::Connect
             | BusErrorKind::Provision
             | BusErrorKind::Publish
+            | BusErrorKind::Unavailable
             | BusErrorKind::Consume
             | BusErrorKind::Claim
             // A supervisor restarting the service is the retry for a fatal handler error and

@@ -42,7 +42,12 @@ fn usage(msg: String) -> UsageError {
 pub fn exit_code(err: &anyhow::Error) -> i32 {
     if err.downcast_ref::<UsageError>().is_some() {
         EX_USAGE
-    } else if err.downcast_ref::<Unreachable>().is_some() {
+    } else if err.downcast_ref::<Unreachable>().is_some()
+        || err
+            .downcast_ref::<stagehand_bus::BusError>()
+            .is_some_and(|e| e.kind() == stagehand_bus::BusErrorKind::Unavailable)
+    {
+        // A stream that did not answer within the command's time is NATS out of reach too.
         EX_UNAVAILABLE
     } else {
         EX_SOFTWARE
@@ -135,6 +140,37 @@ fn is_connect_retry(meta: &tracing::Metadata<'_>) -> bool {
 /// Whether stderr takes ANSI colour codes.
 pub fn colour_on_stderr() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// Runs `step` again while its error `passes` — a stream without a leader while a cluster
+/// elects one — with backoff, for at most `budget` in all: how a command rides out an election
+/// on a write that is not a plain publish (a manifest put into an upload bucket, which is
+/// content-addressed, so a second put is harmless). Plain publishes ride it out in the bus.
+pub async fn through_election<T, E, F, Fut>(
+    budget: Duration,
+    passes: impl Fn(&E) -> bool,
+    step: F,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    use backon::{ExponentialBuilder, Retryable};
+    let deadline = tokio::time::Instant::now() + budget;
+    step.retry(
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(2))
+            .with_jitter()
+            .without_max_times(),
+    )
+    .when(|e| passes(e) && tokio::time::Instant::now() < deadline)
+    // No pause runs past the budget.
+    .adjust(|_, pause| {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        pause.map(|p| p.min(left)).filter(|p| !p.is_zero())
+    })
+    .await
 }
 
 /// Connects within `timeout` in all (the bus retries until then); after that, one

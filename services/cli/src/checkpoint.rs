@@ -594,10 +594,14 @@ pub async fn publish(
             let store = ManifestStore::uploads(bus.jetstream(), &opts.project, options)
                 .await
                 .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
-            let reference = store
-                .put(&manifest)
-                .await
-                .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+            let put = || store.put(&manifest);
+            let reference = crate::args::through_election(
+                bus.publish_timeout(),
+                stagehand_manifest::ManifestError::is_retryable,
+                put,
+            )
+            .await
+            .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
             (Vec::new(), Some(reference))
         }
     };

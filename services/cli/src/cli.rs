@@ -64,6 +64,16 @@ pub struct Connection {
     /// 69): 500ms, 10s, 1m.
     #[arg(long, global = true, default_value = "10s", value_parser = parse_connect_timeout)]
     pub connect_timeout: Duration,
+    /// How long a command keeps trying to store what it publishes (a request, a release, a
+    /// commit) while the stream cannot answer — a JetStream leader being elected after a node
+    /// was lost — before it gives up with one line (exit 69): 500ms, 10s, 1m. `ingest --wait`
+    /// tries for as long as its --timeout leaves.
+    #[arg(long, global = true, default_value = "60s", value_parser = parse_publish_timeout)]
+    pub publish_timeout: Duration,
+}
+
+fn parse_publish_timeout(s: &str) -> Result<Duration, String> {
+    args::duration("--publish-timeout", s).map_err(|e| e.0)
 }
 
 fn parse_connect_timeout(s: &str) -> Result<Duration, String> {
@@ -80,6 +90,7 @@ impl Connection {
             tls_ca: self.tls_ca.clone(),
             inbox_prefix: self.inbox_prefix.clone(),
             connect_timeout: timeout,
+            publish_timeout: self.publish_timeout,
             ..BusConfig::new(&self.nats)
         }
     }

@@ -442,6 +442,13 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
             None => None,
         };
         let published_at = stagehand_schemas::event::now();
+        // A stream without a leader is waited out for as long as --wait's timeout leaves.
+        let bus = &match deadline {
+            Some(deadline) => bus.with_publish_timeout(
+                deadline.saturating_duration_since(tokio::time::Instant::now()),
+            ),
+            None => bus.clone(),
+        };
         let ack = bus
             .publish(&event)
             .await
@@ -456,7 +463,9 @@ pub async fn ingest(bus: &Bus, opts: &IngestOptions) -> anyhow::Result<IngestRep
                 event, location, &source, existed, requested, &carried, counts, None, false, phases,
             ));
         };
-        if ack.duplicate {
+        // A duplicate after several tries may be this run's own earlier try, stored though
+        // its acknowledgement was lost in an election: that copy reaches the validator.
+        if ack.duplicate && ack.tries == 1 {
             // Published within the duplicate window, so the stream dropped it and the
             // validator will not see it: its earlier copy may have been answered long ago, or
             // dead-lettered. The same request as a message of this run's reaches the

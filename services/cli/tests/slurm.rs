@@ -307,10 +307,15 @@ fn dataset_folder(
 async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
     let server = stagehand_testkit::NatsServer::start();
     let url = server.url();
-    let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url));
-    let stagehand = Stagehand::start_on(server, opts).await;
-    let slurm = slurm.await??;
-    Ok((stagehand?, slurm))
+    // Slurm first: slurm.sh makes the job user, whose group is the project's (staged data is
+    // readable by the project's group only), and the services look the group up at start.
+    let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url)).await??;
+    let opts = Options {
+        job_group: Some(slurm.user.clone()),
+        ..opts
+    };
+    let stagehand = Stagehand::start_on(server, opts).await?;
+    Ok((stagehand, slurm))
 }
 
 fn with_validator() -> Options {

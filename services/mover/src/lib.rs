@@ -49,7 +49,8 @@ pub use engine::EngineChoice;
 pub use error::{ErrorKind, Side, TransferError};
 pub use mover::{BatchReport, FileResult, Mover, MoverConfig};
 pub use posix::{
-    AtomicFile, CommitMode, DIRECT_ALIGN, PendingRename, PosixTier, SweepOptions, SweepReport,
+    AtomicFile, CommitMode, DIRECT_ALIGN, PendingRename, PosixTier, SetAccess, SweepOptions,
+    SweepReport,
 };
 pub use sched::{Permit, RateLimiter, Scheduler};
 pub use set::{SET_COMPLETE_MARKER, SetCopy, SetReport, StagedSet};

@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::mover::Mover;
 use crate::owner::{Liveness, Owner};
-use crate::posix::{PosixTier, Temporary, parse_temporary, staging_name};
+use crate::posix::{PRIVATE_DIR_MODE, PosixTier, Temporary, parse_temporary, staging_name};
 use crate::s3::S3Tier;
 use crate::tier::Tier;
 use crate::transfer::{CopyOptions, CopyOutcome, FileRef, Progress};
@@ -302,7 +302,32 @@ impl Mover {
                     blocking(p.name(), final_rel, move || prepare_posix_staging(&p2, &f)).await?;
                 report.resumed = adopted;
                 let (p2, r) = (p.clone(), rel.clone());
-                let tier = blocking(p.name(), &rel, move || p2.beneath(&r, true)).await?;
+                let tier = blocking(p.name(), &rel, move || {
+                    let staging = p2.beneath(&r, true)?;
+                    if adopted {
+                        // A run killed after making the set read-only, just before its rename.
+                        p2.make_tree_writable(staging.root_fd(), &r)?;
+                    }
+                    if p2.access().is_some() {
+                        // Private while it is filled: what is written inside is reachable by
+                        // nobody else before the set gets its own modes and group.
+                        rustix::fs::fchmod(
+                            staging.root_fd(),
+                            rustix::fs::Mode::from_raw_mode(PRIVATE_DIR_MODE),
+                        )
+                        .map_err(|e| {
+                            TransferError::from_errno(
+                                e,
+                                Side::Destination,
+                                p2.name(),
+                                &r,
+                                "make the staging folder private",
+                            )
+                        })?;
+                    }
+                    Ok(staging)
+                })
+                .await?;
                 (
                     Staging::Posix {
                         tier: p.clone(),
@@ -435,15 +460,31 @@ impl StagedSet {
             Staging::Posix { tier, rel } => {
                 let (t, from, to) = (tier.clone(), rel.clone(), prefix.to_owned());
                 let moved = blocking(tier.name(), prefix, move || {
+                    // The set's files and folders get their modes and group while the staging
+                    // folder is still private, so nothing is ever visible with wider rights.
+                    let staged = match t.access() {
+                        Some(access) => {
+                            let staged = t.beneath(&from, false)?;
+                            t.apply_access(staged.root_fd(), &from, &access, false)?;
+                            Some((staged, access))
+                        }
+                        None => None,
+                    };
                     // One flush for the whole set (copied and written files alike): every
-                    // file's data and every folder created in the staging area are durable
-                    // before the name that makes them visible is.
+                    // file's data and every folder created in the staging area, with their
+                    // modes, are durable before the name that makes them visible is.
                     rustix::fs::syncfs(t.root_fd()).map_err(|e| {
                         TransferError::from_errno(e, Side::Destination, t.name(), &from, "syncfs")
                     })?;
                     let moved = t.rename_dir_noreplace(&from, &to)?;
                     if !moved {
                         t.remove_tree(&from)?;
+                    } else if let Some((staged, access)) = staged {
+                        // Private (0700) until here: read-only for the group from now on.
+                        t.set_dir_mode(staged.root_fd(), &to, &access)?;
+                        rustix::fs::fsync(staged.root_fd()).map_err(|e| {
+                            TransferError::from_errno(e, Side::Destination, t.name(), &to, "fsync")
+                        })?;
                     }
                     Ok(moved)
                 })

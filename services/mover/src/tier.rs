@@ -75,6 +75,15 @@ impl Tier {
 }
 
 impl Tier {
+    /// This tier, publishing every set written through the returned handle with `access` on
+    /// posix (see [`crate::SetAccess`]); an S3 tier has no modes and is returned as it is.
+    pub fn with_access(&self, access: Option<crate::SetAccess>) -> Tier {
+        match self {
+            Tier::Posix(t) => Tier::Posix(t.with_access(access)),
+            Tier::S3(t) => Tier::S3(t.clone()),
+        }
+    }
+
     /// The tier rooted at `rel` beneath this one (confined like every path; `""` is this
     /// tier). A posix directory is opened, not created.
     pub fn beneath(&self, rel: &str) -> Result<Tier, TransferError> {

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use stagehand_mover::SetAccess;
 use stagehand_mover::s3::S3Config;
 
 use crate::error::{PolicyError, Source};
@@ -94,6 +95,24 @@ pub struct TierPolicy {
     pub limits: Option<TierLimits>,
     /// For a backup tier: the tiers it protects. Empty for other roles.
     pub protects: Vec<String>,
+    /// For a posix hot or local tier: each project's group (by gid), from the file's
+    /// `[groups]` table; what [`TierPolicy::set_access`] gives a project's staged sets. Empty
+    /// for other tiers.
+    pub groups: BTreeMap<String, u32>,
+}
+
+impl TierPolicy {
+    /// Who may read a set of `project` published on this tier: on a posix hot or local tier —
+    /// where jobs of every project read — read-only and readable by the project's group only
+    /// (files 0440, folders 0550, the group of `[groups]`, or the writer's own when the project
+    /// has none, so that only the services read it); `None` elsewhere. Source and capacity are
+    /// read by the services alone (and uploaders' copies land on source as the uploader's
+    /// files), backup by the backup copier; jobs never read them, and S3 tiers have no modes.
+    pub fn set_access(&self, project: &str) -> Option<SetAccess> {
+        let posix = matches!(self.kind, TierKind::Posix { .. });
+        (posix && self.role.is_bounded())
+            .then(|| SetAccess::read_only(self.groups.get(project).copied()))
+    }
 }
 
 /// All tiers by name.
@@ -103,6 +122,17 @@ pub type Tiers = BTreeMap<String, TierPolicy>;
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawTiersFile {
     tiers: BTreeMap<String, RawTier>,
+    /// Each project's group: a name on this host or a numeric gid.
+    #[serde(default)]
+    groups: BTreeMap<String, RawGroup>,
+}
+
+/// A project's group as written: `"lab-a-data"` or `1234` (or `"1234"`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawGroup {
+    Gid(u32),
+    Name(String),
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -162,7 +192,95 @@ pub(crate) fn parse(src: &Source<'_>, home: &Path) -> Result<Tiers, PolicyError>
     }
     check_roots_disjoint(src, &tiers)?;
     check_backups(src, &mut tiers)?;
+    let groups = parse_groups(src, raw.groups)?;
+    for tier in tiers.values_mut() {
+        if tier.role.is_bounded() && matches!(tier.kind, TierKind::Posix { .. }) {
+            tier.groups = groups.clone();
+        }
+    }
     Ok(tiers)
+}
+
+/// The `[groups]` table: each key a project name, each value a group that exists on this host
+/// (resolved to its gid now, so a typo stops the service at start, not a copy later) or a
+/// numeric gid, taken as given (a directory service may know it by number only).
+fn parse_groups(
+    src: &Source<'_>,
+    raw: BTreeMap<String, RawGroup>,
+) -> Result<BTreeMap<String, u32>, PolicyError> {
+    let mut groups = BTreeMap::new();
+    for (project, group) in raw {
+        let key = format!("groups.{project}");
+        if !stagehand_schemas::subject::is_subject_token(&project) {
+            return Err(src.invalid(
+                key,
+                format!("{project:?} is not a project name (1-64 characters of [a-z0-9_-])"),
+            ));
+        }
+        let gid = match group {
+            RawGroup::Gid(gid) => gid,
+            RawGroup::Name(name)
+                if !name.is_empty() && name.bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                name.parse().map_err(|_| {
+                    src.invalid(
+                        key.as_str(),
+                        format!("{name:?} is not a gid (0-4294967295)"),
+                    )
+                })?
+            }
+            RawGroup::Name(name) => match gid_of(&name) {
+                Ok(Some(gid)) => gid,
+                Ok(None) => {
+                    return Err(src.invalid(
+                        key,
+                        format!(
+                            "group {name:?} does not exist on this host (`getent group {name}`): \
+                             create it (`groupadd {name}`) or give its numeric gid"
+                        ),
+                    ));
+                }
+                Err(e) => {
+                    return Err(src.invalid(key, format!("cannot look up group {name:?}: {e}")));
+                }
+            },
+        };
+        groups.insert(project, gid);
+    }
+    Ok(groups)
+}
+
+/// The gid of the group `name` on this host (through NSS: `/etc/group`, LDAP, …), `None` when
+/// there is none.
+fn gid_of(name: &str) -> std::io::Result<Option<u32>> {
+    let Ok(cname) = std::ffi::CString::new(name) else {
+        return Ok(None);
+    };
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    loop {
+        // SAFETY: an all-zero `group` is a valid value of this plain C struct.
+        let mut group: libc::group = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: every pointer is to a live value of the type the call expects; `buf` is
+        // `buf.len()` bytes long and outlives the call; the result is read only through
+        // `group`'s `gr_gid`, which holds no pointer into `buf`.
+        let rc = unsafe {
+            libc::getgrnam_r(
+                cname.as_ptr(),
+                &mut group,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut found,
+            )
+        };
+        match rc {
+            0 if found.is_null() => return Ok(None),
+            0 => return Ok(Some(group.gr_gid)),
+            libc::ERANGE if buf.len() < (1 << 24) => buf.resize(buf.len() * 4, 0),
+            libc::ENOENT | libc::ESRCH | libc::EBADF | libc::EPERM => return Ok(None),
+            e => return Err(std::io::Error::from_raw_os_error(e)),
+        }
+    }
 }
 
 fn parse_tier(
@@ -339,6 +457,8 @@ fn parse_tier(
         limits,
         // Filled in by `check_backups` (the default needs every tier).
         protects: raw.protects.unwrap_or_default(),
+        // Filled in from the file's `[groups]` once every tier is known.
+        groups: BTreeMap::new(),
     })
 }
 

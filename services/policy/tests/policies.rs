@@ -661,3 +661,50 @@ fn packing_mistakes_are_named() {
         "unknown field",
     );
 }
+
+/// Each project's group: looked up on this host when the policies load (a group that does not
+/// exist is refused naming `groups.<project>`), a numeric gid taken as given, and given to the
+/// project's sets on posix hot and local tiers only, read-only (files 0440, folders 0550).
+#[test]
+fn project_groups_are_checked_at_load_and_apply_to_hot_and_local_tiers_only() {
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        format!("{t}\n[groups]\nlab-a = \"root\"\nlab-b = 4242\nlab-c = \"4343\"\n")
+    });
+    let home = dir.parent().unwrap().join("home");
+    let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+    let hot = policies.tier("hot").unwrap();
+    let access = |tier: &str, project: &str| policies.tier(tier).unwrap().set_access(project);
+    assert_eq!(
+        hot.set_access("lab-a"),
+        Some(stagehand_mover::SetAccess {
+            file_mode: 0o440,
+            dir_mode: 0o550,
+            gid: Some(0)
+        })
+    );
+    assert_eq!(access("local", "lab-b").and_then(|a| a.gid), Some(4242));
+    assert_eq!(access("hot", "lab-c").and_then(|a| a.gid), Some(4343));
+    // A project without a group: read-only all the same, the writer's own group.
+    assert_eq!(
+        access("hot", "other").map(|a| (a.file_mode, a.gid)),
+        Some((0o440, None))
+    );
+    for tier in ["source", "capacity", "backup"] {
+        assert_eq!(access(tier, "lab-a"), None, "{tier}");
+    }
+
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        format!("{t}\n[groups]\nlab-a = \"no-such-group-stagehand\"\n")
+    });
+    let text = expect_invalid(
+        &dir,
+        "tiers.toml",
+        "groups.lab-a",
+        "group \"no-such-group-stagehand\" does not exist on this host",
+    );
+    assert!(text.contains("groupadd"), "{text}");
+    let (_tmp, dir) = with_edit("tiers.toml", |t| {
+        format!("{t}\n[groups]\n\"Lab A\" = \"root\"\n")
+    });
+    expect_invalid(&dir, "tiers.toml", "groups.Lab A", "is not a project name");
+}

@@ -1388,6 +1388,12 @@ impl Promoter {
             });
         };
         let manifest = self.manifest(project, &request.dataset, plan).await?;
+        // Jobs of every project read a hot or local tier: the set is published read-only and
+        // readable by its project's group only (tiers.toml `[groups]`).
+        let dst = &dst.with_access(
+            self.tier_policy(&request.tier)
+                .and_then(|t| t.set_access(project)),
+        );
         // A list that ends early is caught below, before anything is published.
         let (files, listed) = manifest.file_stream(4096);
         let set = SetCopy {

@@ -1,6 +1,7 @@
 //! Real servers for Stagehand's tests: a `nats-server` with JetStream per test (and a
 //! three-node cluster), a SeaweedFS S3 server, and a Prometheus that scrapes a service, each on
-//! dynamic loopback ports with its own data directory, killed and cleaned up on drop.
+//! dynamic loopback ports with its own data directory, killed and cleaned up on drop; and users
+//! and groups of this host for one test ([`HostUser`], [`HostGroup`]), removed on drop.
 //!
 //! Binaries are found through `STAGEHAND_NATS_SERVER` / `STAGEHAND_WEED` /
 //! `STAGEHAND_PROMETHEUS`, then the venv that `deploy/servers.sh install` creates, then `PATH`
@@ -31,6 +32,7 @@ mod prometheus;
 mod s3;
 mod tls;
 mod tmpfs;
+mod users;
 mod wait;
 
 pub use accounts::{
@@ -44,6 +46,7 @@ pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
 pub use tls::{DEPLOY_TLS_DIR, TestCa};
 pub use tmpfs::Tmpfs;
+pub use users::{HostGroup, HostUser};
 pub use wait::{WaitTimeout, wait_for, wait_until, wait_until_blocking};
 
 pub(crate) use wait::block_on;

@@ -427,7 +427,9 @@ pub async fn run_worker_with_hooks<H: Handler>(
     let shared = Arc::new(Shared {
         hooks,
         counters: Counters::new(&cfg.service),
-        bus,
+        // A delivery's outcome is published within its own deadline: past the ack wait the
+        // message is redelivered, and the redelivery publishes the recorded outcome again.
+        bus: bus.with_publish_timeout(cfg.ack_wait),
         cfg,
         handler,
         ledger,

@@ -99,7 +99,14 @@ pub async fn carry(bus: &Bus, project: &str, manifest: &Manifest) -> anyhow::Res
                 .context(format!("opening the project's upload bucket {bucket}")));
         }
     };
-    let reference = store.put(manifest).await.map_err(|e| {
+    let put = || store.put(manifest);
+    let reference = crate::args::through_election(
+        bus.publish_timeout(),
+        stagehand_manifest::ManifestError::is_retryable,
+        put,
+    )
+    .await
+    .map_err(|e| {
         anyhow::Error::new(e).context(format!(
             "putting the manifest ({} files) into the project's upload bucket {bucket}",
             manifest.files()

@@ -58,6 +58,9 @@ pub struct Options {
     pub nats_url: Option<String>,
     /// The CA of a server that requires TLS, trusted by the services and the test's clients.
     pub tls_ca: Option<PathBuf>,
+    /// The group [`PROJECT`]'s jobs run with, declared as its group in tiers.toml's
+    /// `[groups]`: staged data is readable by that group only.
+    pub job_group: Option<String>,
 }
 
 fn spawn<S, F, Fut, T, E>(
@@ -120,6 +123,14 @@ impl Stagehand {
                 None => format!("{text}\n[tiers.local.quotas]\n{quota}\n"),
             };
             std::fs::write(&tiers, text)?;
+        }
+        if let Some(group) = &opts.job_group {
+            let tiers = policies.join("tiers.toml");
+            let text = std::fs::read_to_string(&tiers)?;
+            std::fs::write(
+                &tiers,
+                format!("{text}\n[groups]\n{PROJECT} = \"{group}\"\n"),
+            )?;
         }
         for tier in ["source", "capacity", "hot", "local"] {
             let dir = home.path().join("tiers").join(tier);

@@ -36,8 +36,11 @@ use stagehand_schemas::check_relative_path;
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::transfer::{FileDigest, ReadLimit};
 
+mod access;
 mod temporaries;
 
+pub(crate) use access::PRIVATE_DIR_MODE;
+pub use access::SetAccess;
 use temporaries::temp_name;
 pub use temporaries::{SweepOptions, SweepReport, is_temp_name};
 pub(crate) use temporaries::{Temporary, parse_temporary, staging_name};
@@ -64,7 +67,7 @@ const HASH_BLOCK: usize = 1 << 20;
 /// The longest path (with its terminating NUL) the kernel accepts in one call.
 const PATH_MAX: usize = libc::PATH_MAX as usize;
 
-fn resolve() -> ResolveFlags {
+pub(crate) fn resolve() -> ResolveFlags {
     ResolveFlags::BENEATH
         | ResolveFlags::NO_SYMLINKS
         | ResolveFlags::NO_MAGICLINKS
@@ -91,6 +94,9 @@ struct Inner {
     /// Stale temp files removed so far by writes into this tier.
     stale_files: AtomicU64,
     stale_bytes: AtomicU64,
+    /// The modes and group sets published through this handle get (see [`SetAccess`]);
+    /// `None` publishes them as written.
+    access: Option<SetAccess>,
 }
 
 impl PosixTier {
@@ -120,8 +126,32 @@ impl PosixTier {
                 swept: Mutex::new(HashSet::new()),
                 stale_files: AtomicU64::new(0),
                 stale_bytes: AtomicU64::new(0),
+                access: None,
             }),
         })
+    }
+
+    /// This tier, publishing every set written through the returned handle with `access`
+    /// (its files' and folders' modes and group, set before the set becomes visible; see
+    /// [`SetAccess`]); `None` publishes them as written. The root stays open once.
+    pub fn with_access(&self, access: Option<SetAccess>) -> PosixTier {
+        PosixTier {
+            inner: Arc::new(Inner {
+                name: self.inner.name.clone(),
+                root: self.inner.root.clone(),
+                root_fd: self.inner.root_fd.clone(),
+                dirs: Mutex::new(HashMap::new()),
+                swept: Mutex::new(HashSet::new()),
+                stale_files: AtomicU64::new(0),
+                stale_bytes: AtomicU64::new(0),
+                access,
+            }),
+        }
+    }
+
+    /// The modes and group sets published through this handle get.
+    pub fn access(&self) -> Option<SetAccess> {
+        self.inner.access
     }
 
     /// The directory `rel_dir` beneath the root as a tier of its own (same name), opened
@@ -163,6 +193,7 @@ impl PosixTier {
                 swept: Mutex::new(HashSet::new()),
                 stale_files: AtomicU64::new(0),
                 stale_bytes: AtomicU64::new(0),
+                access: self.inner.access,
             }),
         })
     }
@@ -894,7 +925,7 @@ impl Drop for PendingRename {
 }
 
 /// What `fstat` says a non-regular file is, for errors.
-fn describe_type(t: rustix::fs::FileType) -> &'static str {
+pub(crate) fn describe_type(t: rustix::fs::FileType) -> &'static str {
     use rustix::fs::FileType;
     match t {
         FileType::Directory => "a directory",

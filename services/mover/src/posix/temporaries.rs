@@ -224,6 +224,9 @@ impl PosixTier {
                                 // middle of is garbage either way.
                                 report.sets_kept += 1;
                                 if let Some(fd) = self.open_subdir(dir, &name, &join(&name))? {
+                                    // Made read-only already if its run died just before
+                                    // the rename.
+                                    self.make_writable(&fd, &join(&name))?;
                                     report.add(self.sweep_dir(&fd, &join(&name), None, false)?);
                                 }
                             }
@@ -287,6 +290,9 @@ impl PosixTier {
         let Some(fd) = self.open_subdir(dir, name, rel)? else {
             return Ok(report);
         };
+        // A published set's folders are read-only (0550): writable again just before their
+        // entries go, by the owner that wrote them.
+        self.make_writable(&fd, rel)?;
         let mut entries = Vec::new();
         let mut listing =
             rustix::fs::Dir::read_from(&fd).map_err(|e| io_err(e, "read directory"))?;

@@ -1,0 +1,96 @@
+//! A publish rides out a JetStream leader election (issue 19, item 10): on a three-node
+//! cluster, the node leading a stream is killed and the very next publish — answered "no
+//! stream found for given subject" while the survivors elect a new leader — is stored once the
+//! election is over, exactly once; past its budget a publish gives up with one
+//! `Unavailable` error naming the subject; and on a single server a subject no stream captures
+//! is refused at once, never waited on.
+
+use std::time::{Duration, Instant};
+
+use stagehand_bus::{Bus, BusConfig, BusErrorKind};
+use stagehand_schemas::{Body, Event, EventId, StageReleased, subject};
+use stagehand_testkit::{NatsCluster, NatsServer, stored_events};
+
+fn release(job: &str) -> Event {
+    Event::request(
+        EventId::for_stage_release("lab-e", job, "ds", "v1", "hot", None),
+        "lab-e",
+        Body::StageReleased(StageReleased {
+            dataset: "ds".into(),
+            version: "v1".into(),
+            tier: "hot".into(),
+            job_id: job.into(),
+            node: None,
+        }),
+    )
+}
+
+/// The index of the node (`n1`… in the testkit) leading `stream`.
+async fn leader_of(bus: &Bus, stream: &str) -> usize {
+    let info = bus
+        .jetstream()
+        .get_stream(stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    let leader = info.cluster.unwrap().leader.unwrap();
+    leader.trim_start_matches('n').parse::<usize>().unwrap() - 1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_right_after_the_streams_leader_is_killed_is_stored_once() {
+    let mut cluster = NatsCluster::start(3);
+    let bus = Bus::connect(&BusConfig::new(cluster.urls().join(",")))
+        .await
+        .unwrap();
+    bus.provision().await.unwrap();
+    bus.publish(&release("before")).await.unwrap();
+    let leader = leader_of(&bus, subject::REQUESTS.name).await;
+    cluster.node_mut(leader).kill();
+
+    // At once, while the survivors elect a new leader.
+    let ack = bus.publish(&release("during")).await.unwrap();
+    assert!(!ack.duplicate);
+    assert_ne!(leader_of(&bus, subject::REQUESTS.name).await, leader);
+    let stored = stored_events(bus.jetstream(), subject::REQUESTS.name, ">")
+        .await
+        .unwrap();
+    let ids: Vec<_> = stored.iter().map(|e| e.id.clone()).collect();
+    assert_eq!(ids, vec![release("before").id, release("during").id]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_never_answers_ends_the_publish_at_its_budget_with_one_error() {
+    let cluster = NatsCluster::start(3);
+    // No streams: on a cluster, "no responders" may be an election, so it is waited out.
+    let bus = Bus::connect(&BusConfig::new(cluster.urls().join(",")))
+        .await
+        .unwrap()
+        .with_publish_timeout(Duration::from_secs(2));
+    let started = Instant::now();
+    let err = bus.publish(&release("lost")).await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.kind(), BusErrorKind::Unavailable, "{err}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("stagehand.req.stage.released.lab-e") && text.contains("tries"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_single_server_a_subject_no_stream_captures_is_refused_at_once() {
+    let server = NatsServer::start();
+    let bus = Bus::connect(&BusConfig::new(server.url())).await.unwrap();
+    let started = Instant::now();
+    let err = bus.publish(&release("nowhere")).await.unwrap_err();
+    assert_eq!(err.kind(), BusErrorKind::Publish, "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
