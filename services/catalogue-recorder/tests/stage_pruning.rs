@@ -61,6 +61,7 @@ fn stage(job: &str, days: i64, released: bool) -> Vec<Event> {
                 tier: "hot".into(),
                 job_id: job.into(),
                 node: None,
+                reason: None,
             }),
         );
         release.occurred_at = events[0].occurred_at + ::time::Duration::seconds(2);
