@@ -80,6 +80,8 @@ pub enum Body {
     CheckpointDemoted(CheckpointDemoted),
     #[serde(rename = "checkpoint.expired")]
     CheckpointExpired(CheckpointExpired),
+    #[serde(rename = "checkpoint.held")]
+    CheckpointHeld(CheckpointHeld),
     #[serde(rename = "backup.completed")]
     BackupCompleted(BackupCompleted),
     #[serde(rename = "restore.verified")]
@@ -108,6 +110,7 @@ pub const ALL_KINDS: &[&str] = &[
     "checkpoint.committed",
     "checkpoint.demoted",
     "checkpoint.expired",
+    "checkpoint.held",
     "backup.completed",
     "restore.verified",
     "restore.failed",
@@ -137,6 +140,7 @@ impl Body {
             Body::CheckpointCommitted(_) => "checkpoint.committed",
             Body::CheckpointDemoted(_) => "checkpoint.demoted",
             Body::CheckpointExpired(_) => "checkpoint.expired",
+            Body::CheckpointHeld(_) => "checkpoint.held",
             Body::BackupCompleted(_) => "backup.completed",
             Body::RestoreVerified(_) => "restore.verified",
             Body::RestoreFailed(_) => "restore.failed",
@@ -170,6 +174,7 @@ impl Body {
             Body::CheckpointCommitted(_)
             | Body::CheckpointDemoted(_)
             | Body::CheckpointExpired(_)
+            | Body::CheckpointHeld(_)
             | Body::DeadLetter(_)
             | Body::DeadLetterReplayed(_) => None,
         }
@@ -194,6 +199,7 @@ impl Body {
             Body::CheckpointCommitted(p) => vec![("payload.location", &p.location)],
             Body::CheckpointDemoted(p) => vec![("payload.from", &p.from), ("payload.to", &p.to)],
             Body::CheckpointExpired(p) => vec![("payload.location", &p.location)],
+            Body::CheckpointHeld(p) => vec![("payload.location", &p.location)],
             Body::BackupCompleted(p) => vec![("payload.location", &p.location)],
             Body::RestoreVerified(p) => vec![("payload.location", &p.location)],
             Body::RestoreFailed(p) => vec![("payload.location", &p.location)],
@@ -605,6 +611,37 @@ pub struct CheckpointExpired {
     pub location: Location,
     /// The retention rule that allowed it (`keep_last`, `keep_every`, …).
     pub rule: String,
+}
+
+/// Retention decided to demote or expire a checkpoint, and the demoter did not: its folder
+/// holds what no verified copy would keep (files its commit does not list, written after the
+/// commit) or another live checkpoint's folder nests in or overlaps it. The folder is left
+/// whole and the decision is tried again each pass; on-call sees it in `stagehand checkpoint
+/// list` until a later demotion or expiry of the step folds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct CheckpointHeld {
+    pub run: String,
+    pub step: u64,
+    /// The folder that was left whole.
+    pub location: Location,
+    /// What retention decided and could not carry out (`demote to capacity (keep_last)`,
+    /// `expire (expired)`).
+    pub decision: String,
+    /// Why it was not carried out, for a person.
+    pub reason: String,
+    /// Paths (relative to `location`) the folder holds that the commit does not list: the
+    /// first [`CheckpointHeld::MAX_LISTED`] of them, in path order.
+    #[serde(default)]
+    pub unlisted: Vec<String>,
+    /// How many such paths there are in all.
+    #[serde(default)]
+    pub unlisted_total: u64,
+}
+
+impl CheckpointHeld {
+    /// The most unlisted paths one fact names (the count says how many there are).
+    pub const MAX_LISTED: usize = 32;
 }
 
 /// A dataset version was copied to the backup tier and verified.

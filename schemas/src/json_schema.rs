@@ -245,6 +245,7 @@ kinds! {
     "checkpoint.committed" => CheckpointCommitted,
     "checkpoint.demoted" => CheckpointDemoted,
     "checkpoint.expired" => CheckpointExpired,
+    "checkpoint.held" => CheckpointHeld,
     "backup.completed" => BackupCompleted,
     "restore.verified" => RestoreVerified,
     "restore.failed" => RestoreFailed,

@@ -52,6 +52,6 @@ pub use manifest::{
     FileRef, FileRefError, INLINE_MANIFEST_MAX_BYTES, ManifestRef, is_sha256_hex, sha256_hex,
     total_bytes, version_digest,
 };
-pub use path::{PathError, RelPath, check_relative_path};
+pub use path::{PathError, RelPath, check_relative_path, folders_overlap};
 pub use problem::Problem;
 pub use trust::{Refusal, Role};

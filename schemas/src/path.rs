@@ -41,6 +41,18 @@ pub enum PathError {
     Control(String),
 }
 
+/// Whether two folders (relative, normalised paths) are the same folder or one lies beneath
+/// the other: what makes two checkpoint steps overlap, so that removing one would remove
+/// (part of) the other. `a/b` and `a/bc` do not overlap.
+pub fn folders_overlap(a: &str, b: &str) -> bool {
+    let beneath = |inner: &str, outer: &str| {
+        inner
+            .strip_prefix(outer)
+            .is_some_and(|rest| rest.starts_with('/'))
+    };
+    a == b || beneath(a, b) || beneath(b, a)
+}
+
 /// Checks that `path` is a relative, normalised path of plain components.
 ///
 /// Accepted: `a`, `a/b.bin`, `shards/000001.tar`. Refused: ``, `/a`, `a/../b`, `./a`,
@@ -129,6 +141,16 @@ impl AsRef<str> for RelPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn folders_overlap_when_equal_or_nested_not_when_they_share_a_name_start() {
+        assert!(folders_overlap("p/run/step-1", "p/run/step-1"));
+        assert!(folders_overlap("p/run/step-1", "p/run/step-1/inner"));
+        assert!(folders_overlap("p/run/step-1/inner", "p/run/step-1"));
+        assert!(!folders_overlap("p/run/step-1", "p/run/step-10"));
+        assert!(!folders_overlap("p/run/step-10", "p/run/step-1"));
+        assert!(!folders_overlap("p/run/a", "p/run/b"));
+    }
 
     #[test]
     fn accepts_plain_relative_paths() {

@@ -114,7 +114,7 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "replica.created" => &[Promoter, Demoter],
         "replica.removed" => &[Demoter],
         "checkpoint.committed" => &[Trainer],
-        "checkpoint.demoted" | "checkpoint.expired" => &[Demoter],
+        "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],
         "dead.letter" => &[
             IngestValidator,

@@ -356,6 +356,21 @@ impl Catalogue {
             Answer::Checkpoints { checkpoints, next } => Page { items: checkpoints, next })
     }
 
+    /// The project's live checkpoints whose folder overlaps `prefix`
+    /// ([`Query::CheckpointsOverlapping`]).
+    pub async fn checkpoints_overlapping(
+        &self,
+        project: &str,
+        prefix: &str,
+    ) -> Result<Vec<CheckpointRecord>, CatalogueError> {
+        let q = Query::CheckpointsOverlapping {
+            project: project.into(),
+            prefix: prefix.into(),
+        };
+        expect!(self.ask(&q).await?, "checkpoints",
+            Answer::Checkpoints { checkpoints, .. } => checkpoints)
+    }
+
     /// Every checkpoint of a training run in step order, page after page.
     pub async fn all_checkpoints(
         &self,

@@ -167,6 +167,10 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// The live (not expired) checkpoints of a project, of any run, whose folder is `prefix`,
+    /// lies beneath it or above it (`stagehand_schemas::folders_overlap`): what a new step
+    /// committed at `prefix` would overlap. Unpaged (there are few).
+    CheckpointsOverlapping { project: String, prefix: String },
     /// Versions with their backup copies, in (project, dataset, version) order, of every
     /// project or of one: each version the catalogue knows (validated, prepared, or only
     /// backed up, as a checkpoint is) with its replicas on backup tiers (on `tier` only, when

@@ -349,9 +349,35 @@ pub struct CheckpointRecord {
     /// `None` until its commit is folded.
     #[serde(default)]
     pub digest: Option<String>,
+    /// The newest `checkpoint.held`: a demotion or expiry the demoter did not carry out, and
+    /// why. It concerns the checkpoint only while it is newer than the state register
+    /// ([`CheckpointRecord::held_now`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<CheckpointHold>,
+}
+
+/// A demotion or expiry of a checkpoint the demoter left undone, from `checkpoint.held`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointHold {
+    /// What retention decided (`demote to capacity (keep_last)`).
+    pub decision: String,
+    /// Why it was not carried out.
+    pub reason: String,
+    /// The first unlisted paths the folder holds, and how many there are.
+    #[serde(default)]
+    pub unlisted: Vec<String>,
+    #[serde(default)]
+    pub unlisted_total: u64,
+    pub stamp: Stamp,
 }
 
 impl CheckpointRecord {
+    /// The hold that stands now: one newer than the checkpoint's latest demotion, expiry or
+    /// commit (a later demotion or expiry carried it out).
+    pub fn held_now(&self) -> Option<&CheckpointHold> {
+        self.held.as_ref().filter(|h| h.stamp > self.stamp)
+    }
+
     /// The tiers holding the checkpoint: its location's, or none once expired.
     pub fn tiers(&self) -> Vec<&str> {
         match self.state {
@@ -388,6 +414,9 @@ pub enum FoldProblemCode {
     /// The fact travelled on another kind's or another project's subject (the rules
     /// `subject_kind`, `subject_project`, `stagehand_schemas::trust`): nothing was folded.
     WrongSubject,
+    /// A checkpoint commit whose folder is, contains or lies in the folder of another live
+    /// checkpoint of the project.
+    CheckpointOverlap,
     /// A code this client does not know yet.
     #[serde(other)]
     Other,

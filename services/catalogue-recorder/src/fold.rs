@@ -219,6 +219,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::CheckpointCommitted(p) => checkpoint_committed(txn, event, p, &stamp)?,
         Body::CheckpointDemoted(p) => checkpoint_demoted(txn, event, p, &stamp)?,
         Body::CheckpointExpired(p) => checkpoint_expired(txn, event, p, &stamp)?,
+        Body::CheckpointHeld(p) => checkpoint_held(txn, event, p, &stamp)?,
         Body::DeadLetter(p) => dead_letter(txn, p, &stamp)?,
         // Ingest requests are not facts (the validator answers them with one); a replay record
         // is on-call's, listed by `stagehand dlq list`. Kinds this recorder does not know yet
@@ -635,6 +636,7 @@ fn checkpoint_committed(
     p: &CheckpointCommitted,
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
+    refuse_overlapping_checkpoint(txn, event, p)?;
     let digest = checkpoint_digest(event)?;
     let dataset = checkpoint_dataset(&p.run);
     let provenance = Provenance {
@@ -745,6 +747,101 @@ fn checkpoint_committed(
             )
         }
     }
+}
+
+/// A step is one folder of its own: a commit whose folder is, contains or lies in the folder
+/// of another live step of the project (any run, any tier: a demotion keeps the prefix) is not
+/// folded — a problem naming both — so that removing one step never removes the other's files.
+fn refuse_overlapping_checkpoint(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &CheckpointCommitted,
+) -> Result<(), FoldError> {
+    let table = txn.open_table(CHECKPOINTS)?;
+    let found = overlapping_checkpoints(&table, &event.project, &p.location.prefix)?
+        .into_iter()
+        .find(|other| (other.run.as_str(), other.step) != (p.run.as_str(), p.step));
+    match found {
+        None => Ok(()),
+        Some(other) => Err(FoldError::Problem {
+            code: FoldProblemCode::CheckpointOverlap,
+            retryable: false,
+            detail: format!(
+                "checkpoint run {} step {} at {}:{} overlaps run {} step {} at {}:{}: a step is \
+                 one folder that no other live step is in, contains or lies in; not folded",
+                p.run,
+                p.step,
+                p.location.tier,
+                p.location.prefix,
+                other.run,
+                other.step,
+                other.location.tier,
+                other.location.prefix
+            ),
+        }),
+    }
+}
+
+/// The live (not expired) checkpoints of `project` whose folder overlaps `prefix`
+/// ([`folders_overlap`]), in (run, step) order. Scans the project's checkpoints: a project
+/// has hundreds, not millions.
+pub(crate) fn overlapping_checkpoints(
+    table: &impl ReadableTable<(&'static str, &'static str, u64), &'static [u8]>,
+    project: &str,
+    prefix: &str,
+) -> Result<Vec<CheckpointRecord>, StoreError> {
+    let mut out = Vec::new();
+    for row in table.range((project, "", 0)..)? {
+        let (k, v) = row?;
+        let (p, run, step) = k.value();
+        if p != project {
+            break;
+        }
+        let record: CheckpointRecord =
+            decode(v.value(), || format!("checkpoint {project}/{run}/{step}"))?;
+        if record.state != CheckpointState::Expired
+            && folders_overlap(&record.location.prefix, prefix)
+        {
+            out.push(record);
+        }
+    }
+    Ok(out)
+}
+
+/// A demotion or expiry the demoter left undone: kept on the checkpoint's record (the newest
+/// one), shown while no later demotion or expiry has folded. A hold of a step the catalogue
+/// does not hold (its commit refused) is dropped.
+fn checkpoint_held(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &CheckpointHeld,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let project = event.project.as_str();
+    let what = || format!("checkpoint {project}/{}/{}", p.run, p.step);
+    let mut table = txn.open_table(CHECKPOINTS)?;
+    let existing: Option<CheckpointRecord> = table
+        .get((project, p.run.as_str(), p.step))?
+        .map(|v| decode(v.value(), what))
+        .transpose()?;
+    let Some(mut record) = existing else {
+        return Ok(());
+    };
+    if record.held.as_ref().is_some_and(|h| &h.stamp >= stamp) {
+        return Ok(());
+    }
+    record.held = Some(CheckpointHold {
+        decision: p.decision.clone(),
+        reason: p.reason.clone(),
+        unlisted: p.unlisted.clone(),
+        unlisted_total: p.unlisted_total,
+        stamp: stamp.clone(),
+    });
+    table.insert(
+        (project, p.run.as_str(), p.step),
+        encode(&record, what)?.as_slice(),
+    )?;
+    Ok(())
 }
 
 /// The `reason` of a checkpoint replica removed by a demotion to `tier`.
@@ -1135,6 +1232,7 @@ fn set_checkpoint(
         committed: None,
         rule: rule.map(str::to_owned),
         digest: None,
+        held: None,
     });
     if *stamp > record.stamp {
         record.state = state;
@@ -1538,6 +1636,130 @@ mod tests {
             vec![("missing".to_owned(), 1), ("path_rule".to_owned(), 1)],
             "schema-1 rejections are counted per code"
         );
+    }
+
+    /// The checkpoint `step` of run r1 committed at `prefix`, `second` seconds in.
+    fn committed_at(step: u64, prefix: &str, second: i64) -> stagehand_schemas::Event {
+        let mut e = checkpoint_committed(step, &[], second);
+        if let stagehand_schemas::Body::CheckpointCommitted(c) = &mut e.body {
+            c.location.prefix = prefix.into();
+        }
+        e
+    }
+
+    fn run_r1(store: &crate::store::Store) -> Vec<CheckpointRecord> {
+        match crate::answer(
+            store,
+            &Query::Checkpoints {
+                project: "lab-a".into(),
+                run: "r1".into(),
+                limit: None,
+                after: None,
+            },
+        ) {
+            Answer::Checkpoints { checkpoints, .. } => checkpoints,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Guards issue 19's nested step: a step committed inside another live step's folder (or
+    /// around it) is not folded — a problem naming both steps and folders — and the catalogue
+    /// answers which steps a folder overlaps; once the outer step expired, its folder may be
+    /// used again.
+    #[test]
+    fn a_commit_overlapping_a_live_step_is_a_problem_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let outer = committed_at(10, "lab-a/ckpt/r1/step-10", 10);
+        let store = store_with(dir.path(), "o.redb", &[outer]);
+        let inner = committed_at(20, "lab-a/ckpt/r1/step-10/step-20", 20);
+        let around = committed_at(30, "lab-a/ckpt/r1", 30);
+        let beside = committed_at(40, "lab-a/ckpt/r1/step-100", 40);
+        let folded = fold_into(&store, &[inner.clone(), around, beside]);
+        for (i, (step, prefix)) in [(20, "lab-a/ckpt/r1/step-10/step-20"), (30, "lab-a/ckpt/r1")]
+            .into_iter()
+            .enumerate()
+        {
+            let Folded::Skipped { problem, retryable } = &folded[i] else {
+                panic!("{folded:?}")
+            };
+            assert!(!retryable);
+            assert_eq!(problem.code, FoldProblemCode::CheckpointOverlap);
+            for named in [
+                format!("step {step} at hot:{prefix}"),
+                "run r1 step 10 at hot:lab-a/ckpt/r1/step-10".to_owned(),
+            ] {
+                assert!(problem.detail.contains(&named), "{}", problem.detail);
+            }
+        }
+        assert_eq!(
+            folded[2],
+            Folded::Done,
+            "step-100 is beside step-10, not in it"
+        );
+        let steps: Vec<u64> = run_r1(&store).iter().map(|r| r.step).collect();
+        assert_eq!(steps, vec![10, 40]);
+        let overlapping = |prefix: &str| match crate::answer(
+            &store,
+            &Query::CheckpointsOverlapping {
+                project: "lab-a".into(),
+                prefix: prefix.into(),
+            },
+        ) {
+            Answer::Checkpoints { checkpoints, .. } => {
+                checkpoints.iter().map(|r| r.step).collect::<Vec<_>>()
+            }
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(overlapping("lab-a/ckpt/r1"), vec![10, 40]);
+        assert_eq!(overlapping("lab-a/ckpt/r1/step-10/x"), vec![10]);
+        assert_eq!(overlapping("lab-a/ckpt/r1/step-1"), Vec::<u64>::new());
+
+        // The outer step expired: its folder is gone, and the inner one folds.
+        let mut expired = checkpoint_expired(10, 50);
+        if let stagehand_schemas::Body::CheckpointExpired(x) = &mut expired.body {
+            x.location.prefix = "lab-a/ckpt/r1/step-10".into();
+        }
+        assert_eq!(
+            fold_into(&store, &[expired, inner]),
+            vec![Folded::Done, Folded::Done]
+        );
+        assert_eq!(overlapping("lab-a/ckpt/r1/step-10"), vec![20]);
+    }
+
+    /// Guards the report of a demotion the demoter left undone: `checkpoint.held` stands on
+    /// the step's record until a later demotion folds, in either order of the two.
+    #[test]
+    fn a_hold_stands_on_the_step_until_a_later_demotion() {
+        let commit = checkpoint_committed(10, &[], 10);
+        let stagehand_schemas::Body::CheckpointCommitted(c) = &commit.body else {
+            unreachable!()
+        };
+        let mut held = commit.caused(
+            "held",
+            stagehand_schemas::Body::CheckpointHeld(stagehand_schemas::CheckpointHeld {
+                run: "r1".into(),
+                step: 10,
+                location: c.location.clone(),
+                decision: "demote to capacity (keep_last)".into(),
+                reason: "the folder holds 1 file its commit does not list".into(),
+                unlisted: vec!["late.bin".into()],
+                unlisted_total: 1,
+            }),
+        );
+        held.occurred_at = commit.occurred_at + std::time::Duration::from_secs(10);
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(dir.path(), "h.redb", &[commit.clone(), held.clone()]);
+        let record = run_r1(&store).remove(0);
+        let hold = record.held_now().expect("held");
+        assert_eq!(hold.unlisted, vec!["late.bin".to_owned()]);
+        assert!(hold.reason.contains("does not list"));
+        let demoted = checkpoint_demoted(10, Some("keep_last"), 30);
+        fold_into(&store, std::slice::from_ref(&demoted));
+        let record = run_r1(&store).remove(0);
+        assert_eq!(record.state, CheckpointState::Demoted);
+        assert!(record.held_now().is_none(), "{record:?}");
+        let reversed = store_with(dir.path(), "r.redb", &[commit, demoted, held]);
+        assert_eq!(reversed.dump().unwrap(), store.dump().unwrap());
     }
 
     #[test]

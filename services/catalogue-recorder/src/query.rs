@@ -348,6 +348,14 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             let (checkpoints, next) = checkpoints(txn, project, run, *limit, after.as_deref())?;
             Answer::Checkpoints { checkpoints, next }
         }
+        Query::CheckpointsOverlapping { project, prefix } => {
+            let table = txn.open_table(CHECKPOINTS)?;
+            let checkpoints = crate::fold::overlapping_checkpoints(&table, project, prefix)?;
+            Answer::Checkpoints {
+                checkpoints,
+                next: None,
+            }
+        }
         Query::BackupStatus {
             project,
             tier,

@@ -10,7 +10,10 @@
 //! is the same fact: the stream's duplicate window drops it and the catalogue folds it once.
 //! A re-commit within the window whose files, tags or place differ from the stored commit is
 //! refused, naming what differs (the first commit stands); after the window (an hour) the
-//! catalogue still keeps the first, since it folds each fact id once.
+//! catalogue still keeps the first, since it folds each fact id once. A step is one folder of
+//! its own: a folder that is, contains or lies in the folder of another live step of the
+//! project (any run) is refused naming both (the catalogue says which steps overlap; without
+//! the right to ask it, the recorder refuses the commit when it folds it).
 //!
 //! When is a checkpoint complete (`/work/shared/SCHEDULERS.md`):
 //!
@@ -24,7 +27,9 @@
 //!
 //! `list` shows a run's checkpoints from the catalogue (step, tags, state, tiers, the rule of
 //! the latest demotion or expiry) and, when `retention.toml` is at hand, what retention decides
-//! for each now ([`stagehand_policy::retention::decide`]).
+//! for each now ([`stagehand_policy::retention::decide`]); under a step the demoter left whole
+//! (`checkpoint.held`: files its commit does not list, or an overlapping step), a `held:` line
+//! with the decision, the reason and the unlisted files.
 //!
 //! `restore` brings a checkpoint back onto a hot (or node-local) tier: the step asked for, or
 //! the newest not expired. Each committed checkpoint is the version (its manifest's digest) of
@@ -32,7 +37,10 @@
 //! where retention demoted it, so `restore` is a stage request of that version through
 //! [`crate::stage::request`] and [`crate::stage::wait`], and prints the staged folder as
 //! `stagehand stage wait` does (a checkpoint still where its run committed it, on the tier
-//! asked for, is not copied: its folder there is printed). The stage is the job's (`--job`)
+//! asked for, is not copied: its folder there is printed). A folder is printed only when it
+//! is there and holds every committed file with its committed size (sizes, not hashes: reading
+//! a checkpoint of hundreds of GiB to print its path is not a restore's job); otherwise
+//! `restore` is refused (exit 1) naming what is missing. The stage is the job's (`--job`)
 //! until `stagehand stage release ckpt-<run>@<digest> --tier T --job J` releases it.
 //!
 //! Exit codes: 0 done, 1 refused (an incomplete checkpoint, a file that cannot be read as it
@@ -704,7 +712,54 @@ pub async fn commit(
     let bus = crate::cli::connect(connection)
         .await
         .map_err(CheckpointError::Unavailable)?;
+    own_folder(&bus, opts, &prepared.location).await?;
     publish(&bus, opts, prepared).await
+}
+
+/// A step is one folder of its own: one that is, contains or lies in the folder of another
+/// live step of the project (of any run) is refused, naming both, so that removing one step
+/// never removes the other's files. The catalogue answers which steps overlap; a user without
+/// the right to ask it (a training job's, in the shipped accounts) or a catalogue that does not
+/// answer leaves the check to the recorder, which refuses such a commit when it folds it.
+async fn own_folder(
+    bus: &Bus,
+    opts: &CommitOptions,
+    location: &Location,
+) -> Result<(), CheckpointError> {
+    let catalogue = Catalogue::new(bus.client().clone()).with_timeout(COMPARE_TIMEOUT);
+    let overlapping = match catalogue
+        .checkpoints_overlapping(&opts.project, &location.prefix)
+        .await
+    {
+        Ok(found) => found,
+        Err(e) => {
+            eprintln!(
+                "stagehand checkpoint: note: the catalogue was not asked whether {}:{} overlaps \
+                 another step ({e}); the catalogue recorder refuses the commit if it does",
+                location.tier, location.prefix
+            );
+            return Ok(());
+        }
+    };
+    let other = overlapping
+        .iter()
+        .find(|r| (r.run.as_str(), r.step) != (opts.run.as_str(), opts.step));
+    match other {
+        None => Ok(()),
+        Some(other) => Err(refused(format!(
+            "step {} of run {} at {}:{} overlaps step {} of run {} at {}:{} (the same folder, one \
+             inside the other): a step is one folder of its own, so that removing one never \
+             removes the other; save this step in a folder of its own",
+            opts.step,
+            opts.run,
+            location.tier,
+            location.prefix,
+            other.step,
+            other.run,
+            other.location.tier,
+            other.location.prefix
+        ))),
+    }
 }
 
 /// One line of `checkpoint list`: the catalogue's record and what retention decides now.
@@ -719,6 +774,9 @@ pub struct ListedCheckpoint {
     /// What retention decides for it now (`None` without `retention.toml`, or once expired).
     pub retention: Option<Decision>,
     pub total_bytes: u64,
+    /// A demotion or expiry the demoter left undone, and why (the folder is whole).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held: Option<stagehand_catalogue::CheckpointHold>,
 }
 
 /// Retention's decision, as listed.
@@ -778,6 +836,7 @@ pub fn listing(
                 .find(|d| d.step == r.step)
                 .map(Decision::from),
             total_bytes: r.total_bytes,
+            held: r.held_now().cloned(),
         })
         .collect()
 }
@@ -840,6 +899,20 @@ pub fn list_text(
             tiers,
             c.rule.as_deref().unwrap_or("-"),
         )?;
+        if let Some(h) = &c.held {
+            let mut line = format!(
+                "{:>10}  held: {} not carried out: {}",
+                "", h.decision, h.reason
+            );
+            if !h.unlisted.is_empty() {
+                line.push_str(&format!(" (unlisted: {}", h.unlisted.join(", ")));
+                if h.unlisted_total > h.unlisted.len() as u64 {
+                    line.push_str(&format!(", … {} in all", h.unlisted_total));
+                }
+                line.push(')');
+            }
+            writeln!(out, "{line}")?;
+        }
     }
     Ok(())
 }
@@ -956,6 +1029,33 @@ fn in_place(
     Ok(Some(tier.root().join(&record.location.prefix)))
 }
 
+/// Whether the folder `dir` holds every file of `files` with its size (what `restore` checks
+/// before it prints a folder: never a path that is not there, or a folder a file is missing
+/// from or cut short in). Sizes, not hashes: the copy was verified when it was made, and a
+/// restore must not read a checkpoint of hundreds of GiB to print its path.
+pub fn whole_at(dir: &Path, files: &[FileRef]) -> Result<(), String> {
+    if !dir.is_dir() {
+        return Err(format!("{} is not there", dir.display()));
+    }
+    for f in files {
+        let path = dir.join(&f.path);
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.is_file() && m.len() == f.size => {}
+            Ok(m) if m.is_file() => {
+                return Err(format!(
+                    "{} holds {} bytes, committed with {}",
+                    path.display(),
+                    m.len(),
+                    f.size
+                ));
+            }
+            Ok(_) => return Err(format!("{} is not a regular file", path.display())),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        }
+    }
+    Ok(())
+}
+
 /// `stagehand checkpoint restore`: finds the step's version, then (unless it is still on the
 /// tier where the run committed it) requests and waits for its stage with `stagehand stage`'s
 /// own calls.
@@ -986,10 +1086,29 @@ pub async fn restore(
         .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
     let (record, digest) = restorable(&args.run, &records, step)?;
     // Not demoted yet: it is where the run wrote it, which is the tier asked for.
+    let files = || async {
+        catalogue
+            .all_files(
+                Some(stage.project.clone()),
+                checkpoint_dataset(&args.run),
+                digest.clone(),
+                stagehand_catalogue::MAX_PAGE,
+                None,
+            )
+            .try_collect::<Vec<FileRef>>()
+            .await
+            .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))
+    };
     if let Some(path) = in_place(record, &args.place)? {
+        whole_at(&path, &files().await?).map_err(|why| {
+            refused(format!(
+                "step {} of run {} was committed at {}:{}, but {why}: not restored",
+                record.step, args.run, record.location.tier, record.location.prefix
+            ))
+        })?;
         return Ok(Restored::InPlace(path));
     }
-    stage.version = digest;
+    stage.version = digest.clone();
     let opts = RequestOptions {
         requested_by: crate::cli::who(None),
         deadline: None,
@@ -1002,6 +1121,17 @@ pub async fn restore(
     let outcome = crate::stage::wait(&bus, &stage, timeout)
         .await
         .map_err(CheckpointError::Unavailable)?;
+    // A shared tier's folder is where this command runs too: it must be whole to be printed.
+    if let (WaitOutcome::Ready(status), None) = (&outcome, &args.place.node)
+        && let Some(path) = &status.path
+    {
+        whole_at(Path::new(path), &files().await?).map_err(|why| {
+            refused(format!(
+                "step {} of run {} was staged, but {why}: not restored",
+                record.step, args.run
+            ))
+        })?;
+    }
     Ok(Restored::Staged(Box::new((stage, outcome))))
 }
 

@@ -714,3 +714,191 @@ fn bad_arguments_exit_64_and_unreachable_nats_69() {
         stderr(&out)
     );
 }
+
+/// Commits `dir` as step `step` of `run` (`--complete`); returns the command's output.
+fn commit_plain(url: &str, policies: &Path, run: &str, step: u64, dir: &Path) -> Output {
+    let step = step.to_string();
+    stagehand(
+        url,
+        &[
+            "checkpoint",
+            "commit",
+            "--project",
+            "lab-a",
+            "--run",
+            run,
+            "--step",
+            &step,
+            "--complete",
+            "--policies",
+            policies.to_str().unwrap(),
+            dir.to_str().unwrap(),
+        ],
+    )
+}
+
+/// Guards issue 19's nested step: a step saved inside another live step's folder, or around
+/// it, of the same run or another, is refused at commit (exit 1) naming both steps and
+/// folders, and nothing is published; a step beside it (`step-100` next to `step-10`) is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_inside_or_around_another_steps_folder_is_refused_naming_both() -> anyhow::Result<()>
+{
+    let nats = NatsServer::start();
+    let home = tempfile::tempdir()?;
+    let stack = Stack::start(UpOptions {
+        home: home.path().to_owned(),
+        nats: Some(BusConfig::new(nats.url())),
+        port: 0,
+        policies: None,
+    })
+    .await?;
+    stack.ready(WAIT).await?;
+    let url = nats.url();
+    let policies = stack.env.policies.clone();
+    let run_dir = home.path().join("tiers/hot/lab-a/runs/r9");
+    let outer = run_dir.join("step-10");
+    write(&outer, &[("model.pt", b"weights of step 10")]);
+    let out = commit_plain(&url, &policies, "r9", 10, &outer);
+    assert!(out.status.success(), "commit 10: {}", stderr(&out));
+    let bus = Bus::connect(&BusConfig::new(&url)).await?;
+    let catalogue = Catalogue::new(bus.client().clone());
+    wait_for(WAIT, "step 10 in the catalogue", || async {
+        let records = catalogue.all_checkpoints("lab-a", "r9").await.ok()?;
+        records.iter().any(|r| r.step == 10).then_some(())
+    })
+    .await?;
+
+    let inner = outer.join("step-20");
+    write(&inner, &[("model.pt", b"weights of step 20")]);
+    let out = commit_plain(&url, &policies, "r9", 20, &inner);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(
+            "step 20 of run r9 at hot:lab-a/runs/r9/step-10/step-20 overlaps step 10 of run r9 \
+             at hot:lab-a/runs/r9/step-10"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    // Around it, from another run: refused the same way.
+    let out = commit_plain(&url, &policies, "r10", 1, &run_dir);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(
+            "step 1 of run r10 at hot:lab-a/runs/r9 overlaps step 10 of run r9 at \
+             hot:lab-a/runs/r9/step-10"
+        ),
+        "{}",
+        stderr(&out)
+    );
+    // Beside it: a folder whose name only starts the same is its own.
+    let beside = run_dir.join("step-100");
+    write(&beside, &[("model.pt", b"weights of step 100")]);
+    let out = commit_plain(&url, &policies, "r9", 100, &beside);
+    assert!(out.status.success(), "commit 100: {}", stderr(&out));
+
+    let commits = stagehand_testkit::stored_events(
+        bus.jetstream(),
+        "STAGEHAND_FACTS",
+        stagehand_schemas::subject::kind_filter("fact", "checkpoint.committed"),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let steps: Vec<u64> = commits
+        .iter()
+        .filter_map(|e| match &e.body {
+            Body::CheckpointCommitted(c) => Some(c.step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps, vec![10, 100], "only the steps of their own folders");
+    stack.stop().await?;
+    Ok(())
+}
+
+/// Guards issue 19's restore of a folder that is not there: a step still where its run
+/// committed it is printed only when its folder holds every committed file with its size —
+/// a file cut short, or the folder gone, is refused (exit 1) naming what is wrong, never
+/// printed with exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restore_never_prints_a_folder_that_is_not_there() -> anyhow::Result<()> {
+    let nats = NatsServer::start();
+    let home = tempfile::tempdir()?;
+    let stack = Stack::start(UpOptions {
+        home: home.path().to_owned(),
+        nats: Some(BusConfig::new(nats.url())),
+        port: 0,
+        policies: None,
+    })
+    .await?;
+    stack.ready(WAIT).await?;
+    let url = nats.url();
+    let policies = stack.env.policies.clone();
+    let dir = home.path().join("tiers/hot/lab-a/runs/r8/step-1");
+    write(
+        &dir,
+        &[
+            ("model.pt", b"weights of step 1"),
+            ("optim/state.bin", &[7; 4096]),
+        ],
+    );
+    let out = commit_plain(&url, &policies, "r8", 1, &dir);
+    assert!(out.status.success(), "commit: {}", stderr(&out));
+    let bus = Bus::connect(&BusConfig::new(&url)).await?;
+    let catalogue = Catalogue::new(bus.client().clone());
+    wait_for(WAIT, "step 1 in the catalogue", || async {
+        let records = catalogue.all_checkpoints("lab-a", "r8").await.ok()?;
+        records
+            .iter()
+            .any(|r| r.step == 1 && r.digest.is_some())
+            .then_some(())
+    })
+    .await?;
+    let restore = || {
+        stagehand(
+            &url,
+            &[
+                "checkpoint",
+                "restore",
+                "r8",
+                "--step",
+                "1",
+                "--tier",
+                "hot",
+                "--job",
+                "resume-8",
+                "--project",
+                "lab-a",
+                "--policies",
+                policies.to_str().unwrap(),
+                "--timeout",
+                "30s",
+            ],
+        )
+    };
+    let out = restore();
+    assert_eq!(out.status.code(), Some(0), "whole: {}", stderr(&out));
+    assert_eq!(PathBuf::from(String::from_utf8(out.stdout)?.trim()), dir);
+
+    std::fs::write(dir.join("optim/state.bin"), [7; 100])?;
+    let out = restore();
+    assert_eq!(out.status.code(), Some(1), "cut short: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("state.bin holds 100 bytes, committed with 4096"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(out.stdout.is_empty(), "no path printed");
+
+    std::fs::remove_dir_all(&dir)?;
+    let out = restore();
+    assert_eq!(out.status.code(), Some(1), "gone: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("is not there: not restored"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(out.stdout.is_empty(), "no path printed");
+    stack.stop().await?;
+    Ok(())
+}

@@ -18,7 +18,10 @@
 //! 4. `renamed`: the hidden folder is deleted and the step forgotten.
 //!
 //! A demoter killed anywhere takes every unfinished step up again on start, at its phase; a
-//! repeated effect is harmless (the copy finds its set present, facts carry the step's ids).
+//! repeated effect is harmless (the copy finds its set present and verifies every file of it,
+//! facts carry the step's ids). A checkpoint's folder is removed only when it holds nothing
+//! but its committed files and no other live step's folder overlaps it; otherwise
+//! `checkpoint.held` says why and the folder stays whole.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -30,13 +33,14 @@ use futures::{StreamExt, TryStreamExt};
 use stagehand_bus::placement;
 use stagehand_bus::{Bus, CancellationToken, HandlerError};
 use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
+use stagehand_manifest::Manifest;
 use stagehand_manifest::{ManifestBuilder, ManifestSource, Spool};
 use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement};
 use stagehand_policy::{DemotionPolicy, Policies, TierLimits, TierPolicy, TierRole};
 use stagehand_schemas::{
-    Body, CheckpointDemoted, CheckpointExpired, Event, EventId, Location, ReplicaCreated,
-    ReplicaRemoved,
+    Body, CheckpointCommitted, CheckpointDemoted, CheckpointExpired, CheckpointHeld, Event,
+    EventId, Location, ReplicaCreated, ReplicaRemoved, folders_overlap,
 };
 use time::OffsetDateTime;
 use tokio::sync::Notify;
@@ -294,13 +298,25 @@ impl Demoter {
     pub fn on_event(&self, event: &Event) -> Result<(), PassError> {
         match &event.body {
             Body::CheckpointCommitted(c) => {
-                self.p().state.note_checkpoint(&CheckpointNote {
+                // A step is one folder of its own: one overlapping a step noted before is
+                // not carried out (the recorder refuses it too), so that removing either never
+                // removes the other's files.
+                let refused = self.p().state.note_checkpoint(&CheckpointNote {
                     project: event.project.clone(),
                     committed: c.clone(),
                     committed_at: event.occurred_at,
                     place: CheckpointPlace::Committed,
                     demoted_to: None,
                 })?;
+                if let Some(other) = refused {
+                    warn!(
+                        run = %c.run, step = c.step, prefix = %c.location.prefix,
+                        other_run = %other.committed.run, other_step = other.committed.step,
+                        other_prefix = %other.committed.location.prefix,
+                        "checkpoint overlaps the folder of another live step; not noted for retention"
+                    );
+                    return Ok(());
+                }
                 self.wake();
             }
             Body::StageReleased(_) | Body::ReplicaCreated(_) | Body::ReplicaRemoved(_) => {
@@ -309,6 +325,21 @@ impl Demoter {
             _ => {}
         }
         Ok(())
+    }
+
+    /// A live (not expired) step of `project` noted before, other than `c` itself, whose
+    /// folder overlaps `c`'s ([`folders_overlap`]).
+    fn overlapping_note(
+        &self,
+        project: &str,
+        c: &CheckpointCommitted,
+    ) -> Result<Option<CheckpointNote>, PassError> {
+        Ok(self.p().state.runs()?.into_iter().flatten().find(|n| {
+            n.project == project
+                && n.place != CheckpointPlace::Expired
+                && (n.committed.run.as_str(), n.committed.step) != (c.run.as_str(), c.step)
+                && folders_overlap(&n.committed.location.prefix, &c.location.prefix)
+        }))
     }
 
     /// Carries out retention's decisions for every run noted: a checkpoint still where the run
@@ -636,6 +667,15 @@ impl Demoter {
         let Tier::Posix(posix) = &tier else {
             return Err(step_err(format!("tier {} is not posix", step.tier)));
         };
+        // Nothing of a checkpoint's folder goes unless everything in it is the step's own.
+        if step.phase == Phase::Planned
+            && let Some(c) = step.checkpoint.clone()
+            && self.held(&step, &c, posix, &step.prefix).await?
+        {
+            self.p().state.forget(&step).await?;
+            report.deferred += 1;
+            return Ok(());
+        }
         if step.phase == Phase::Planned {
             if let Some(target) = step.copy_to.clone() {
                 match &step.checkpoint {
@@ -732,6 +772,16 @@ impl Demoter {
             report.deferred += 1;
             return Ok(());
         }
+        // Looked at again right before the rename: a rank may have written since the copy.
+        if step.phase == Phase::Withdrawn
+            && let Some(c) = step.checkpoint.clone()
+            && self.held(&step, &c, posix, &step.prefix).await?
+        {
+            self.stays(&step, "the checkpoint's folder holds what is not its own")
+                .await?;
+            report.deferred += 1;
+            return Ok(());
+        }
         if step.phase == Phase::Withdrawn {
             if tier.set_present(&step.prefix).await.map_err(step_err)? {
                 if tier.set_present(&hidden).await.map_err(step_err)? {
@@ -756,6 +806,28 @@ impl Demoter {
             self.advance(&mut step, Phase::Renamed).await?;
         }
         if step.phase == Phase::Renamed {
+            // A file written in the instant before the rename (through a handle on the
+            // folder) is in the hidden folder: the folder is put back, never deleted with it.
+            if let Some(c) = step.checkpoint.clone()
+                && tier.set_present(&hidden).await.map_err(step_err)?
+                && self.held(&step, &c, posix, &hidden).await?
+            {
+                let (p, from, to) = (posix.clone(), hidden.clone(), step.prefix.clone());
+                let back = tokio::task::spawn_blocking(move || p.rename_dir_noreplace(&from, &to))
+                    .await
+                    .map_err(step_err)?
+                    .map_err(step_err)?;
+                if !back {
+                    warn!(prefix = %step.prefix, hidden = %hidden, "the checkpoint's folder could not be put back (its name is taken again): it is left whole under its hidden name");
+                }
+                self.stays(
+                    &step,
+                    "the checkpoint's folder held what is not its own; put back",
+                )
+                .await?;
+                report.deferred += 1;
+                return Ok(());
+            }
             if tier.set_present(&hidden).await.map_err(step_err)? {
                 remove_tree(posix, &hidden).await?;
             }
@@ -902,41 +974,7 @@ impl Demoter {
         let Some(dst) = self.p().tiers.get(target) else {
             return Err(step_err(format!("target tier {target} is not open")));
         };
-        let note = self
-            .p()
-            .state
-            .runs()?
-            .into_iter()
-            .flatten()
-            .find(|n| {
-                n.project == step.project && n.committed.run == c.run && n.committed.step == c.step
-            })
-            .ok_or_else(|| {
-                step_err(format!("checkpoint {} step {} is not noted", c.run, c.step))
-            })?;
-        // Its file list: inline, or by reference in the project's upload bucket (where
-        // `stagehand checkpoint commit` puts a large one), fetched and verified first.
-        let committed = &note.committed;
-        let source = match &committed.manifest {
-            None => ManifestSource::Inline(committed.files.clone()),
-            Some(reference) => ManifestSource::Stored {
-                bucket: stagehand_schemas::subject::manifest_bucket_for(
-                    &Body::CheckpointCommitted(committed.clone()),
-                    &step.project,
-                ),
-                reference: reference.clone(),
-            },
-        };
-        let spool = Spool::in_dir(self.p().spool_dir.clone());
-        let manifest = source
-            .open(self.p().bus.jetstream(), &spool)
-            .await
-            .map_err(|e| {
-                step_err(format!(
-                    "the file list of checkpoint {} step {}: {e}",
-                    c.run, c.step
-                ))
-            })?;
+        let manifest = self.checkpoint_manifest(step, c).await?;
         let set = SetCopy {
             src_prefix: step.prefix.clone(),
             dst_prefix: step.prefix.clone(),
@@ -949,23 +987,8 @@ impl Demoter {
             chunk_files: 0,
             totals: Some((manifest.files(), manifest.bytes())),
         };
-        let progress = Progress::new();
-        let cancel = self.p().shutdown.child_token();
-        // A list that ends early is caught before anything is published.
-        let (files, listed) = manifest.file_stream(4096);
-        let staged = self
-            .p()
-            .mover
-            .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
-            .await
-            .map_err(step_err)?;
-        if let Some(e) = listed.take_error() {
-            return Err(step_err(format!(
-                "reading the file list of checkpoint {} step {}: {e}",
-                c.run, c.step
-            )));
-        }
-        staged.publish().await.map_err(step_err)?;
+        self.copy_checkpoint(step, c, src, dst, &set, &manifest)
+            .await?;
         let demoted = Event::request(
             EventId::for_fact(&step.project, &step.id, &format!("demoted:{target}")),
             step.project.clone(),
@@ -989,65 +1012,242 @@ impl Demoter {
         Ok(())
     }
 
-    /// Copies the replica to `target` (unless a verified set is there already), proven by
-    /// reading it back, and announces it with `replica.created`.
+    /// The set copy of a checkpoint's listed files, published on `dst` (a set already there
+    /// counts only once every file of it verified; otherwise it is replaced).
+    async fn copy_checkpoint(
+        &self,
+        c_step: &Step,
+        c: &CheckpointStep,
+        src: &Tier,
+        dst: &Tier,
+        set: &SetCopy,
+        manifest: &Manifest,
+    ) -> Result<(), PassError> {
+        let progress = Progress::new();
+        let cancel = self.p().shutdown.child_token();
+        // A list that ends early is caught before anything is published.
+        let (files, listed) = manifest.file_stream(4096);
+        let staged = self
+            .p()
+            .mover
+            .stage_set(src, dst, set, files, &progress, &cancel, |_| {})
+            .await
+            .map_err(step_err)?;
+        if let Some(e) = listed.take_error() {
+            return Err(step_err(format!(
+                "reading the file list of checkpoint {} step {} ({}): {e}",
+                c.run, c.step, c_step.prefix
+            )));
+        }
+        staged.publish().await.map_err(step_err)?;
+        Ok(())
+    }
+
+    /// Whether the checkpoint's folder `folder` (its own, or its hidden name after the rename)
+    /// must stay: another live step's folder overlaps it, or it holds files its commit does
+    /// not list (a rank that wrote after the commit). Then `checkpoint.held` says so (its id
+    /// follows from what was found, so a pass finding the same says it once) and nothing of
+    /// the folder is removed.
+    async fn held(
+        &self,
+        step: &Step,
+        c: &CheckpointStep,
+        posix: &stagehand_mover::PosixTier,
+        folder: &str,
+    ) -> Result<bool, PassError> {
+        let decision = match &step.copy_to {
+            Some(t) => format!("demote to {t} ({})", c.rule),
+            None => format!("expire ({})", c.rule),
+        };
+        let note = self.note_of(step, c)?;
+        // The steps the catalogue holds (in stream order, the recorder's) and those noted
+        // here: a folder overlapping either's is not removed.
+        let cataloguer = self
+            .p()
+            .catalogue
+            .checkpoints_overlapping(&step.project, &note.committed.location.prefix)
+            .await?
+            .into_iter()
+            .find(|r| (r.run.as_str(), r.step) != (c.run.as_str(), c.step))
+            .map(|r| (r.run, r.step, r.location.prefix));
+        let noted = self
+            .overlapping_note(&step.project, &note.committed)?
+            .map(|n| {
+                (
+                    n.committed.run,
+                    n.committed.step,
+                    n.committed.location.prefix,
+                )
+            });
+        let (reason, unlisted, total) = if let Some((run, other, prefix)) = cataloguer.or(noted) {
+            let reason = format!(
+                "the folder overlaps the folder of run {run} step {other} ({prefix}): it is left \
+                 whole, so that the other step's files are never removed with it"
+            );
+            (reason, Vec::new(), 0)
+        } else {
+            let manifest = self.checkpoint_manifest(step, c).await?;
+            let (p, rel) = (posix.clone(), folder.to_owned());
+            let mut unlisted = tokio::task::spawn_blocking(move || {
+                let Some(found) = p.list_files(&rel).map_err(step_err)? else {
+                    return Ok(Vec::new());
+                };
+                let mut found: HashSet<String> = found.into_iter().collect();
+                for f in manifest.entries() {
+                    found.remove(&f.map_err(step_err)?.path);
+                }
+                Ok::<_, PassError>(found.into_iter().collect::<Vec<_>>())
+            })
+            .await
+            .map_err(step_err)??;
+            if unlisted.is_empty() {
+                return Ok(false);
+            }
+            unlisted.sort();
+            let total = unlisted.len() as u64;
+            unlisted.truncate(CheckpointHeld::MAX_LISTED);
+            let reason = format!(
+                "the folder holds {total} file(s) its commit does not list (written after the \
+                 commit?): it is left whole; move or delete them (or commit them as a step of \
+                 their own elsewhere), and the next pass carries the decision out"
+            );
+            (reason, unlisted, total)
+        };
+        let what = format!("{reason}|{}", unlisted.join("\n"));
+        let held = Event::request(
+            EventId::for_fact(
+                &step.project,
+                &EventId::for_checkpoint(&step.project, &c.run, c.step),
+                &format!(
+                    "held:{}:{}",
+                    step.tier,
+                    EventId::for_content(&[what.as_bytes()])
+                ),
+            ),
+            step.project.clone(),
+            Body::CheckpointHeld(CheckpointHeld {
+                run: c.run.clone(),
+                step: c.step,
+                location: Location {
+                    tier: step.tier.clone(),
+                    prefix: step.prefix.clone(),
+                },
+                decision: decision.clone(),
+                reason: reason.clone(),
+                unlisted: unlisted.clone(),
+                unlisted_total: total,
+            }),
+        );
+        self.p().bus.publish(&held).await.map_err(step_err)?;
+        tracing::error!(run = %c.run, step = c.step, tier = %step.tier, prefix = %step.prefix, %decision, %reason, unlisted = ?unlisted, "checkpoint held: its folder is left whole");
+        Ok(true)
+    }
+
+    /// The noted commit of a checkpoint step.
+    fn note_of(&self, step: &Step, c: &CheckpointStep) -> Result<CheckpointNote, PassError> {
+        self.p()
+            .state
+            .runs()?
+            .into_iter()
+            .flatten()
+            .find(|n| {
+                n.project == step.project && n.committed.run == c.run && n.committed.step == c.step
+            })
+            .ok_or_else(|| step_err(format!("checkpoint {} step {} is not noted", c.run, c.step)))
+    }
+
+    /// A checkpoint's file list: inline in its commit, or by reference in the project's upload
+    /// bucket (where `stagehand checkpoint commit` puts a large one), fetched and verified.
+    async fn checkpoint_manifest(
+        &self,
+        step: &Step,
+        c: &CheckpointStep,
+    ) -> Result<Manifest, PassError> {
+        let note = self.note_of(step, c)?;
+        // Its file list: inline, or by reference in the project's upload bucket (where
+        // `stagehand checkpoint commit` puts a large one), fetched and verified first.
+        let committed = &note.committed;
+        let source = match &committed.manifest {
+            None => ManifestSource::Inline(committed.files.clone()),
+            Some(reference) => ManifestSource::Stored {
+                bucket: stagehand_schemas::subject::manifest_bucket_for(
+                    &Body::CheckpointCommitted(committed.clone()),
+                    &step.project,
+                ),
+                reference: reference.clone(),
+            },
+        };
+        let spool = Spool::in_dir(self.p().spool_dir.clone());
+        source
+            .open(self.p().bus.jetstream(), &spool)
+            .await
+            .map_err(|e| {
+                step_err(format!(
+                    "the file list of checkpoint {} step {}: {e}",
+                    c.run, c.step
+                ))
+            })
+    }
+
+    /// Copies the replica to `target`, proven by reading it back, and announces it with
+    /// `replica.created`. A set already there counts as the copy only once every file of it
+    /// verified against the version's list (hashes, not names); otherwise the mover replaces
+    /// it with a verified copy in one atomic publish ([`Mover::stage_set`]).
     async fn copy_down(&self, step: &Step, src: &Tier, target: &str) -> Result<(), PassError> {
         let Some(dst) = self.p().tiers.get(target) else {
             return Err(step_err(format!("target tier {target} is not open")));
         };
-        if !dst.set_present(&step.prefix).await.map_err(step_err)? {
-            let spool = Spool::in_dir(self.p().spool_dir.clone());
-            let mut builder = ManifestBuilder::new(&spool);
-            let pages = self.p().catalogue.all_files(
-                Some(step.project.clone()),
-                step.dataset.clone(),
-                step.version.clone(),
-                stagehand_catalogue::MAX_PAGE,
-                None,
-            );
-            let mut pages = std::pin::pin!(pages);
-            while let Some(file) = pages.next().await {
-                builder.push(&file?).map_err(step_err)?;
-            }
-            let manifest = builder.finish().map_err(step_err)?;
-            // A list that is not the version's whole list would publish part of it.
-            if manifest.digest() != step.version {
-                return Err(step_err(format!(
-                    "the catalogue's file list of {} hashes to {}: not copying it down",
-                    step.prefix,
-                    manifest.digest()
-                )));
-            }
-            // A list that ends early is caught below, before anything is published.
-            let (files, listed) = manifest.file_stream(4096);
-            let set = SetCopy {
-                src_prefix: step.prefix.clone(),
-                dst_prefix: step.prefix.clone(),
-                opts: CopyOptions {
-                    priority: COPY_DOWN_PRIORITY,
-                    trust_recorded_hash: false,
-                    verify_destination: COPY_DOWN_VERIFY,
-                    expected_hash_unknown: false,
-                },
-                chunk_files: 0,
-                totals: Some((manifest.files(), manifest.bytes())),
-            };
-            let progress = Progress::new();
-            let cancel = self.p().shutdown.child_token();
-            let staged = self
-                .p()
-                .mover
-                .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
-                .await
-                .map_err(step_err)?;
-            if let Some(e) = listed.take_error() {
-                return Err(step_err(format!(
-                    "reading the file list of {}: {e}",
-                    step.prefix
-                )));
-            }
-            staged.publish().await.map_err(step_err)?;
+        let spool = Spool::in_dir(self.p().spool_dir.clone());
+        let mut builder = ManifestBuilder::new(&spool);
+        let pages = self.p().catalogue.all_files(
+            Some(step.project.clone()),
+            step.dataset.clone(),
+            step.version.clone(),
+            stagehand_catalogue::MAX_PAGE,
+            None,
+        );
+        let mut pages = std::pin::pin!(pages);
+        while let Some(file) = pages.next().await {
+            builder.push(&file?).map_err(step_err)?;
         }
+        let manifest = builder.finish().map_err(step_err)?;
+        // A list that is not the version's whole list would publish part of it.
+        if manifest.digest() != step.version {
+            return Err(step_err(format!(
+                "the catalogue's file list of {} hashes to {}: not copying it down",
+                step.prefix,
+                manifest.digest()
+            )));
+        }
+        // A list that ends early is caught below, before anything is published.
+        let (files, listed) = manifest.file_stream(4096);
+        let set = SetCopy {
+            src_prefix: step.prefix.clone(),
+            dst_prefix: step.prefix.clone(),
+            opts: CopyOptions {
+                priority: COPY_DOWN_PRIORITY,
+                trust_recorded_hash: false,
+                verify_destination: COPY_DOWN_VERIFY,
+                expected_hash_unknown: false,
+            },
+            chunk_files: 0,
+            totals: Some((manifest.files(), manifest.bytes())),
+        };
+        let progress = Progress::new();
+        let cancel = self.p().shutdown.child_token();
+        let staged = self
+            .p()
+            .mover
+            .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
+            .await
+            .map_err(step_err)?;
+        if let Some(e) = listed.take_error() {
+            return Err(step_err(format!(
+                "reading the file list of {}: {e}",
+                step.prefix
+            )));
+        }
+        staged.publish().await.map_err(step_err)?;
         let created = Event::request(
             EventId::for_fact(&step.project, &step.id, &format!("replica:{target}")),
             step.project.clone(),

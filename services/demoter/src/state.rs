@@ -285,8 +285,15 @@ impl State {
 }
 
 impl State {
-    /// Notes a committed checkpoint the first time its commit is seen.
-    pub fn note_checkpoint(&self, note: &CheckpointNote) -> Result<(), StateError> {
+    /// Notes a committed checkpoint the first time its commit is seen — unless a live (not
+    /// expired) step of the project noted before lies in the same folder, beneath it or above
+    /// it (`stagehand_schemas::folders_overlap`): then nothing is noted and that step is
+    /// returned. Looked at and written in one transaction, so of two overlapping commits
+    /// handled at once exactly one is noted.
+    pub fn note_checkpoint(
+        &self,
+        note: &CheckpointNote,
+    ) -> Result<Option<CheckpointNote>, StateError> {
         let e = err("write");
         let key = (
             note.project.as_str(),
@@ -295,15 +302,39 @@ impl State {
         );
         let bytes = serde_json::to_vec(note).map_err(|x| e(x.to_string()))?;
         let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        let mut overlapping = None;
         {
             let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
             if table.get(key).map_err(|x| e(x.to_string()))?.is_none() {
-                table
-                    .insert(key, bytes.as_slice())
-                    .map_err(|x| e(x.to_string()))?;
+                for row in table
+                    .range((note.project.as_str(), "", 0)..)
+                    .map_err(|x| e(x.to_string()))?
+                {
+                    let (k, v) = row.map_err(|x| e(x.to_string()))?;
+                    if k.value().0 != note.project {
+                        break;
+                    }
+                    let other: CheckpointNote =
+                        serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?;
+                    if other.place != CheckpointPlace::Expired
+                        && stagehand_schemas::folders_overlap(
+                            &other.committed.location.prefix,
+                            &note.committed.location.prefix,
+                        )
+                    {
+                        overlapping = Some(other);
+                        break;
+                    }
+                }
+                if overlapping.is_none() {
+                    table
+                        .insert(key, bytes.as_slice())
+                        .map_err(|x| e(x.to_string()))?;
+                }
             }
         }
-        txn.commit().map_err(|x| e(x.to_string()))
+        txn.commit().map_err(|x| e(x.to_string()))?;
+        Ok(overlapping)
     }
 
     /// Records where a checkpoint now is.
@@ -365,6 +396,44 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Guards the one-folder rule at noting: a step inside a noted live step's folder is not
+    /// noted, and the step it overlaps is said.
+    #[test]
+    fn a_step_overlapping_a_noted_one_is_not_noted() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = State::open(&dir.path().join("s.redb")).unwrap();
+        let note = |step: u64, prefix: &str| CheckpointNote {
+            project: "p".into(),
+            committed: CheckpointCommitted {
+                run: "r".into(),
+                step,
+                location: stagehand_schemas::Location {
+                    tier: "hot".into(),
+                    prefix: prefix.into(),
+                },
+                files: vec![],
+                manifest: None,
+                total_bytes: 0,
+                tags: vec![],
+            },
+            committed_at: OffsetDateTime::UNIX_EPOCH,
+            place: CheckpointPlace::Committed,
+            demoted_to: None,
+        };
+        assert_eq!(s.note_checkpoint(&note(1, "p/r/step-1")).unwrap(), None);
+        let refused = s.note_checkpoint(&note(2, "p/r/step-1/step-2")).unwrap();
+        assert_eq!(refused.map(|n| n.committed.step), Some(1));
+        assert_eq!(s.note_checkpoint(&note(10, "p/r/step-10")).unwrap(), None);
+        let steps: Vec<u64> = s
+            .runs()
+            .unwrap()
+            .concat()
+            .iter()
+            .map(|n| n.committed.step)
+            .collect();
+        assert_eq!(steps, vec![1, 10]);
+    }
 
     #[test]
     fn steps_survive_reopening_at_their_phase() {

@@ -172,3 +172,164 @@ async fn a_checkpoint_listed_by_reference_is_demoted_whole() {
     assert!(!whole_on(&stack, "capacity", &newest));
     stack.stop().await;
 }
+
+/// Waits until the demoter has taken (and acknowledged) at least `facts` facts, all there are.
+async fn took_every_fact(js: &async_nats::jetstream::Context, facts: u64) {
+    wait_until(WAIT, "the demoter to take every fact", || async {
+        let Ok(mut consumer) = js
+            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                "demoter",
+                stagehand_schemas::subject::FACTS.name,
+            )
+            .await
+        else {
+            return false;
+        };
+        consumer.info().await.is_ok_and(|i| {
+            i.num_pending == 0 && i.num_ack_pending == 0 && i.delivered.stream_sequence >= facts
+        })
+    })
+    .await
+    .unwrap();
+}
+
+/// The `checkpoint.held` facts stored, as (step, unlisted paths, reason).
+async fn held(js: &async_nats::jetstream::Context) -> Vec<(u64, Vec<String>, String)> {
+    facts(js, "checkpoint.held")
+        .await
+        .into_iter()
+        .filter_map(|e| match e.body {
+            Body::CheckpointHeld(h) => Some((h.step, h.unlisted, h.reason)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Guards issue 19's late file: a file a rank writes into a committed step's folder after
+/// the commit is not in the list the demotion copies, so the demotion stops — the folder
+/// stays whole on hot with the file, `checkpoint.held` names it and the catalogue keeps the
+/// hold on the step — and once the file is gone the next pass demotes the step whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_written_after_the_commit_stops_the_demotion_and_survives() {
+    let mut stack = Stack::start(Options {
+        checkpoints: "keep_last = 3\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 1\ndemote_to = \"capacity\"",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let older = stack.commit_checkpoint("run-late", 1, &[]).await;
+    let step_1 = stack.tier("hot").join(older.prefix());
+    std::fs::write(
+        step_1.join("late.bin"),
+        b"written by a rank after the commit",
+    )
+    .unwrap();
+    stack.commit_checkpoint("run-late", 2, &[]).await;
+    stack.run_demoter();
+    wait_until(WAIT, "the demotion of step 1 held", || async {
+        held(&js).await.iter().any(|(step, _, _)| *step == 1)
+    })
+    .await
+    .unwrap();
+    let (_, unlisted, reason) = held(&js).await.remove(0);
+    assert_eq!(unlisted, vec!["late.bin".to_owned()]);
+    assert!(reason.contains("does not list"), "{reason}");
+    assert_eq!(
+        std::fs::read(step_1.join("late.bin")).unwrap(),
+        b"written by a rank after the commit"
+    );
+    assert!(list(&step_1).len() == 4, "{:?}", list(&step_1));
+    assert!(facts(&js, "checkpoint.demoted").await.is_empty());
+    wait_until(WAIT, "the catalogue to keep the hold", || async {
+        stack
+            .catalogue
+            .all_checkpoints(PROJECT, "run-late")
+            .await
+            .is_ok_and(|r| {
+                r.iter().any(|c| {
+                    c.step == 1
+                        && c.held_now()
+                            .is_some_and(|h| h.unlisted == ["late.bin"] && h.unlisted_total == 1)
+                })
+            })
+    })
+    .await
+    .unwrap();
+
+    // Moved away by its owner: the next pass (a commit asks for one) demotes step 1 whole.
+    std::fs::rename(step_1.join("late.bin"), stack.root().join("late.bin")).unwrap();
+    stack.commit_checkpoint("run-late", 3, &[]).await;
+    wait_until(WAIT, "steps 1 and 2 demoted", || async {
+        facts(&js, "checkpoint.demoted").await.len() == 2 && !step_1.exists()
+    })
+    .await
+    .unwrap();
+    assert!(whole_on(&stack, "capacity", &older));
+    stack.stop().await;
+}
+
+/// Guards issue 19's nested step: a step committed inside an older step's folder is noted by
+/// neither the recorder (a problem naming both) nor the demoter, and when retention expires
+/// the outer step its folder is not deleted — it holds the inner step's files, which no list
+/// of the outer step names — and the hold names them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_outer_steps_expiry_never_deletes_a_step_inside_it() {
+    let mut stack = Stack::start(Options {
+        checkpoints: "keep_last = 1\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 1\ndemote_to = \"capacity\"",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    stack.run_demoter();
+    let outer = stack.commit_checkpoint("run-n", 1, &[]).await;
+    // The outer step is noted first (as the recorder folds it first, in stream order).
+    took_every_fact(&js, 1).await;
+    let outer_dir = stack.tier("hot").join(outer.prefix());
+    let inner_prefix = format!("{}/step-2", outer.prefix());
+    let inner = stack
+        .commit_checkpoint_at("run-n", 2, &[], false, &inner_prefix)
+        .await;
+    stack.commit_checkpoint("run-n", 3, &[]).await;
+    wait_until(WAIT, "the expiry of step 1 held", || async {
+        held(&js).await.iter().any(|(step, _, _)| *step == 1)
+    })
+    .await
+    .unwrap();
+    let (_, unlisted, reason) = held(&js).await.remove(0);
+    let mut want: Vec<String> = inner
+        .files
+        .iter()
+        .map(|(name, _)| format!("step-2/{name}"))
+        .collect();
+    want.sort();
+    assert_eq!(unlisted, want, "{reason}");
+    for (name, bytes) in &outer.files {
+        assert_eq!(
+            &std::fs::read(outer_dir.join(name)).unwrap(),
+            bytes,
+            "{name}"
+        );
+    }
+    for (name, bytes) in &inner.files {
+        let path = outer_dir.join("step-2").join(name);
+        assert_eq!(&std::fs::read(&path).unwrap(), bytes, "{}", path.display());
+    }
+    assert!(facts(&js, "checkpoint.expired").await.is_empty());
+    // The recorder did not fold the inner commit: a problem names both steps.
+    wait_until(WAIT, "the overlap listed as a problem", || async {
+        stack
+            .catalogue
+            .problems(None, None)
+            .await
+            .is_ok_and(|(page, _)| {
+                page.items.iter().any(|p| {
+                    p.code == stagehand_catalogue::FoldProblemCode::CheckpointOverlap
+                        && p.detail.contains("run-n step 2")
+                        && p.detail.contains("run run-n step 1")
+                })
+            })
+    })
+    .await
+    .unwrap();
+    stack.stop().await;
+}

@@ -307,3 +307,57 @@ async fn the_demoter_works_with_its_own_nats_user_only() {
     assert!(!is_ready(&stack.readiness().await, &hot_key(&only_on_hot)).await);
     stack.stop().await;
 }
+
+/// Guards issue 19's trusted copy-down: the capacity folder of a replica whose only verified
+/// copy is on hot is already there, and stale — two files with other bytes of the same size,
+/// one missing. It is not taken for the copy: every file is checked against the version's
+/// list (hashes, not names), the wrong ones are replaced by verified copies published in one
+/// exchange of folders, and the hot copy goes only after `replica.created` on capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_folder_already_on_capacity_is_replaced_before_the_hot_copy_goes() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let p = stack.place("stale", 5, 8, 4096, false).await;
+    let found = stack.tier("capacity").join(p.prefix());
+    std::fs::create_dir_all(&found).unwrap();
+    for (i, (name, bytes)) in p.files.iter().enumerate() {
+        let mut bytes = bytes.clone();
+        match i {
+            2 | 5 => bytes[100] ^= 0xff,
+            7 => continue,
+            _ => {}
+        }
+        std::fs::write(found.join(name), bytes).unwrap();
+    }
+    stack.stage(&p, "job", ago(120)).await;
+    stack.release(&p, "job", ago(90)).await;
+    stack.recorded(&p, 1, 1).await;
+    stack.run_demoter();
+    wait_until(WAIT, "the replica removed from hot", || async {
+        removed_from_hot(&js).await.len() == 1 && !stack.tier("hot").join(p.prefix()).exists()
+    })
+    .await
+    .unwrap();
+    assert!(whole_on(&stack, "capacity", &p), "{:?}", list(&found));
+    let facts = replica_facts(&js).await;
+    let created = facts
+        .iter()
+        .position(|(k, t, v, _)| k == "created" && t == "capacity" && v == &p.version)
+        .expect("replica.created on capacity");
+    let removed = facts
+        .iter()
+        .position(|(k, t, _, _)| k == "removed" && t == "hot")
+        .unwrap();
+    assert!(created < removed);
+    // Nothing of the stale folder or the staging is left beside it.
+    assert_eq!(
+        list(found.parent().unwrap()),
+        vec![p.version.clone()],
+        "only the verified set"
+    );
+    stack.stop().await;
+}

@@ -20,6 +20,11 @@
 //! writer died and that nobody resumes is removed by [`crate::PosixTier::sweep_stale`] once
 //! older than its [`crate::SweepOptions::keep_sets_for`].
 //!
+//! **Found in place.** A set already under its final name is never taken on its name: every
+//! listed file of it is hashed where it is, and the ones that do not verify are replaced (the
+//! replacement staged beside it, verified files hard-linked in, then swapped in with one
+//! `renameat2(RENAME_EXCHANGE)`; on S3 the marker withdrawn first and written last).
+//!
 //! **S3 destination.** S3 has no rename, so the closest honest equivalent: every object is
 //! written at its final key and is itself atomic (complete or absent); when every object of
 //! the set is in and verified, a completion marker object [`SET_COMPLETE_MARKER`] is written
@@ -90,6 +95,10 @@ pub struct SetReport {
     pub existed: bool,
     /// The staging folder of an earlier, dead run was adopted and completed.
     pub resumed: bool,
+    /// Files of a set found in place that did not verify (wrong bytes, wrong size, missing)
+    /// and were replaced by verified copies; 0 when the set was staged afresh or every file
+    /// found verified.
+    pub replaced: u64,
     /// What moved the bytes (`io_uring`, `pread`, `s3-upload`, ...).
     pub engine: &'static str,
     pub elapsed: Duration,
@@ -110,8 +119,13 @@ pub struct StagedSet {
 
 #[derive(Debug)]
 enum Staging {
-    /// posix: the staging folder's tier-relative path on `tier`.
-    Posix { tier: PosixTier, rel: String },
+    /// posix: the staging folder's tier-relative path on `tier`; `replace`: it replaces a
+    /// set found in place that did not verify (published by exchanging the two folders).
+    Posix {
+        tier: PosixTier,
+        rel: String,
+        replace: bool,
+    },
     /// S3: objects were written at their final keys beneath `tier`'s `prefix`.
     S3 { tier: S3Tier, prefix: String },
     /// The set was found present before anything was staged.
@@ -245,7 +259,10 @@ impl Mover {
     /// ingest builds its manifest from these without holding them all).
     ///
     /// When `set.dst_prefix` is already present (a posix folder, an S3 prefix with its
-    /// marker) nothing is read and the report says `existed`. The first file that fails ends
+    /// marker) every listed file of it is read and hashed where it is: all verified, nothing
+    /// is published and the report says `existed`; otherwise the ones that did not verify are
+    /// replaced by verified copies, published by [`StagedSet::publish`] in one exchange of
+    /// folders (posix) or with the marker last (S3), and the report counts them as `replaced`. The first file that fails ends
     /// the set with that file's error (its kind, side and path); files of the same chunk that
     /// landed stay in the staging folder for a resume, nothing is published. Cancelling
     /// `cancel` ends it with [`ErrorKind::Cancelled`] the same way.
@@ -283,17 +300,20 @@ impl Mover {
             bytes_copied: 0,
             existed: false,
             resumed: false,
+            replaced: 0,
             engine: self.path_name(src, dst),
             elapsed: Duration::ZERO,
         };
         if dst.set_present(final_rel).await? {
-            report.existed = true;
-            return Ok(StagedSet {
-                staging: Staging::Present,
-                tier: None,
-                report,
-                started,
-            });
+            return self
+                .verify_present(src, dst, set, files, progress, cancel, on_file, report)
+                .await
+                .map(|(staging, tier, report)| StagedSet {
+                    staging,
+                    tier,
+                    report,
+                    started,
+                });
         }
         let (staging, stage_tier) = match dst {
             Tier::Posix(p) => {
@@ -332,6 +352,7 @@ impl Mover {
                     Staging::Posix {
                         tier: p.clone(),
                         rel,
+                        replace: false,
                     },
                     Tier::Posix(tier),
                 )
@@ -420,6 +441,192 @@ impl Mover {
     }
 }
 
+impl Mover {
+    /// A set found in place counts as the copy only once every file of it verified against
+    /// the list (size and SHA-256 read from its bytes, never taken from its name or a marker).
+    /// Each file that does not verify is replaced by a copy from the source proven like any
+    /// other: on posix the replacement is staged beside the set (its verified files hard-linked
+    /// in, the others copied) and published by exchanging the two folders in one rename, so a
+    /// reader finds the old set or the new one whole; on S3 the completion marker is withdrawn
+    /// first (the set is not present while it is repaired), each object that did not verify is
+    /// written again, and [`StagedSet::publish`] writes the marker. When every file verified,
+    /// nothing is published and the report says `existed`.
+    #[allow(clippy::too_many_arguments)]
+    async fn verify_present<S, F>(
+        &self,
+        src: &Tier,
+        dst: &Tier,
+        set: &SetCopy,
+        mut files: S,
+        progress: &Progress,
+        cancel: &CancellationToken,
+        mut on_file: F,
+        mut report: SetReport,
+    ) -> Result<(Staging, Option<Tier>, SetReport), TransferError>
+    where
+        S: Stream<Item = FileRef> + Unpin,
+        F: FnMut(&FileRef),
+    {
+        let final_rel = set.dst_prefix.as_str();
+        let found = dst.beneath(final_rel)?;
+        let src_tier = src.beneath(&set.src_prefix)?;
+        // posix: the replacement's staging folder, made at once (every verified file is linked
+        // into it as it is checked, so that it is whole if any file turns out wrong).
+        let posix_staging = match (dst, &found) {
+            (Tier::Posix(p), Tier::Posix(_)) => {
+                let (p2, f) = (p.clone(), final_rel.to_owned());
+                let (rel, adopted) =
+                    blocking(p.name(), final_rel, move || prepare_posix_staging(&p2, &f)).await?;
+                report.resumed = adopted;
+                let (p2, r) = (p.clone(), rel.clone());
+                let tier = blocking(p.name(), &rel, move || p2.beneath(&r, true)).await?;
+                Some((p.clone(), rel, tier))
+            }
+            _ => None,
+        };
+        if let Some((n, bytes)) = set.totals {
+            progress.add_total(n, bytes);
+        }
+        let chunk_files = match set.chunk_files {
+            0 => self.config().batch_files.max(1),
+            n => n,
+        };
+        loop {
+            let mut chunk = Vec::with_capacity(chunk_files.min(1 << 16));
+            while chunk.len() < chunk_files {
+                let next = tokio::select! {
+                    next = files.next() => next,
+                    _ = cancel.cancelled() => return Err(cancelled(dst.name(), final_rel)),
+                };
+                match next {
+                    Some(f) => chunk.push(f),
+                    None => break,
+                }
+            }
+            if chunk.is_empty() {
+                break;
+            }
+            if set.totals.is_none() {
+                progress.add_total(chunk.len() as u64, chunk.iter().map(|f| f.size).sum());
+            }
+            report.files += chunk.len() as u64;
+            let checked: Vec<(FileRef, Result<bool, TransferError>)> = futures::stream::iter(chunk)
+                .map(|f| {
+                    let found = &found;
+                    async move {
+                        let limit = crate::ReadLimit::declared(f.size, None);
+                        let verdict = match found.hash_file_bounded(&f.path, limit).await {
+                            Ok(d) => Ok(d.size == f.size && d.sha256 == f.sha256),
+                            // Wrong size, missing, not a file: this file is not the one
+                            // listed. A failure to read at all says nothing about it.
+                            Err(e) if !e.is_retryable() => Ok(false),
+                            Err(e) => Err(e),
+                        };
+                        (f, verdict)
+                    }
+                })
+                .buffered(self.config().concurrency.max(1))
+                .collect()
+                .await;
+            let mut wrong = Vec::new();
+            for (f, verdict) in checked {
+                if verdict? {
+                    if let (Some((_, _, staging)), Tier::Posix(from)) = (&posix_staging, &found) {
+                        let (to, from, rel) = (staging.clone(), from.clone(), f.path.clone());
+                        blocking(staging.name(), &f.path, move || to.link_from(&from, &rel))
+                            .await?;
+                    }
+                    report.skipped += 1;
+                    progress.add_bytes(f.size);
+                    progress.file_skipped();
+                    on_file(&f);
+                } else {
+                    wrong.push(f);
+                }
+            }
+            if wrong.is_empty() {
+                continue;
+            }
+            if report.replaced == 0
+                && let Tier::S3(s3) = &found
+            {
+                // Not present while it is repaired: no reader takes part of it for the whole.
+                s3.delete(SET_COMPLETE_MARKER).await?;
+            }
+            report.replaced += wrong.len() as u64;
+            tracing::warn!(
+                tier = dst.name(),
+                prefix = final_rel,
+                files = wrong.len(),
+                "a set found in place holds files that do not verify; replacing them with verified copies"
+            );
+            let into = match (&posix_staging, &found) {
+                (Some((_, _, staging)), _) => Tier::Posix(staging.clone()),
+                (None, Tier::S3(s3)) => {
+                    for f in &wrong {
+                        s3.delete(&f.path).await?;
+                    }
+                    found.clone()
+                }
+                (None, Tier::Posix(_)) => unreachable!("a posix set is staged beside it"),
+            };
+            let batch = tokio::select! {
+                batch = self.copy_batch(&src_tier, &into, &wrong, &set.opts, progress) => batch,
+                _ = cancel.cancelled() => return Err(cancelled(dst.name(), final_rel)),
+            };
+            for (file, result) in wrong.iter().zip(batch.results) {
+                match result.result? {
+                    CopyOutcome::Copied { bytes, sha256, .. } => {
+                        report.copied += 1;
+                        report.bytes_copied += bytes;
+                        on_file(&FileRef::new(file.path.clone(), file.size, sha256));
+                    }
+                    CopyOutcome::Skipped { sha256, .. } => {
+                        report.skipped += 1;
+                        on_file(&FileRef::new(file.path.clone(), file.size, sha256));
+                    }
+                }
+            }
+        }
+        match (posix_staging, report.replaced) {
+            (Some((tier, rel, _)), 0) => {
+                // Every file verified where it is: the links are not needed.
+                let (t, r) = (tier.clone(), rel.clone());
+                blocking(tier.name(), &rel, move || t.remove_tree(&r)).await?;
+                report.existed = true;
+                Ok((Staging::Present, None, report))
+            }
+            (None, 0) => {
+                report.existed = true;
+                Ok((Staging::Present, None, report))
+            }
+            (Some((tier, rel, staging)), _) => Ok((
+                Staging::Posix {
+                    tier,
+                    rel,
+                    replace: true,
+                },
+                Some(Tier::Posix(staging)),
+                report,
+            )),
+            (None, _) => match found {
+                Tier::S3(s3) => Ok((
+                    Staging::S3 {
+                        tier: match dst {
+                            Tier::S3(d) => d.clone(),
+                            Tier::Posix(_) => unreachable!("found beneath an S3 tier"),
+                        },
+                        prefix: final_rel.to_owned(),
+                    },
+                    Some(Tier::S3(s3)),
+                    report,
+                )),
+                Tier::Posix(_) => unreachable!("a posix set is staged beside it"),
+            },
+        }
+    }
+}
+
 impl StagedSet {
     /// What has been staged so far (published nothing yet).
     pub fn report(&self) -> &SetReport {
@@ -457,7 +664,7 @@ impl StagedSet {
         self.report.prefix = prefix.to_owned();
         match std::mem::replace(&mut self.staging, Staging::Present) {
             Staging::Present => {}
-            Staging::Posix { tier, rel } => {
+            Staging::Posix { tier, rel, replace } => {
                 let (t, from, to) = (tier.clone(), rel.clone(), prefix.to_owned());
                 let moved = blocking(tier.name(), prefix, move || {
                     // The set's files and folders get their modes and group while the staging
@@ -476,6 +683,12 @@ impl StagedSet {
                     rustix::fs::syncfs(t.root_fd()).map_err(|e| {
                         TransferError::from_errno(e, Side::Destination, t.name(), &from, "syncfs")
                     })?;
+                    // The verified set takes the place of the one that did not verify in one
+                    // rename; the old one, now under the staging name, goes.
+                    if replace && t.exchange_dirs(&from, &to)? {
+                        t.remove_tree(&from)?;
+                        return Ok(true);
+                    }
                     let moved = t.rename_dir_noreplace(&from, &to)?;
                     if !moved {
                         t.remove_tree(&from)?;
@@ -523,7 +736,7 @@ impl StagedSet {
     /// retried. Returns what was removed.
     pub async fn abandon(self) -> Result<crate::SweepReport, TransferError> {
         match self.staging {
-            Staging::Posix { tier, rel } => {
+            Staging::Posix { tier, rel, .. } => {
                 let t = tier.clone();
                 let r = rel.clone();
                 blocking(tier.name(), &rel, move || t.remove_tree(&r)).await

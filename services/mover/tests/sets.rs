@@ -151,6 +151,9 @@ async fn a_set_appears_whole_under_its_final_name() {
     );
     assert!(top.iter().all(|e| !e.contains(".stagehand-")), "{top:?}");
 
+    // Found in place, the set is not taken on its name: every file is read and verified,
+    // nothing is copied or published.
+    let mut verified = 0;
     let again = mover
         .copy_set(
             &src,
@@ -159,12 +162,71 @@ async fn a_set_appears_whole_under_its_final_name() {
             futures::stream::iter(files.clone()),
             &Progress::new(),
             &CancellationToken::new(),
-            |_| panic!("a present set is not read"),
+            |_| verified += 1,
         )
         .await
         .unwrap();
     assert!(again.existed);
-    assert_eq!((again.files, again.copied), (0, 0));
+    assert_eq!(
+        (again.files, again.copied, again.skipped, again.replaced),
+        (300, 0, 300, 0)
+    );
+    assert_eq!(verified, 300);
+    let top = listing(&dst_dir.path().join("proj/ds"));
+    assert!(top.iter().all(|e| !e.contains(".stagehand-")), "{top:?}");
+}
+
+/// Guards issue 19's trusted set: a set already under its final name with two files of the
+/// same size but other bytes, one missing and one the list does not name is not taken for the
+/// copy: the three wrong files are replaced by verified copies, the set swapped in whole in
+/// one exchange of folders (the stray file goes with the old folder), and no staging folder is
+/// left beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_set_found_in_place_is_replaced_by_a_verified_one() {
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let files = source(&src_dir.path().join("lab/v1"), 40);
+    let (src, dst, _) = tiers(src_dir.path(), dst_dir.path());
+    let found = dst_dir.path().join("proj/ds/v1");
+    for (i, f) in files.iter().enumerate() {
+        let mut bytes = std::fs::read(src_dir.path().join("lab/v1").join(&f.path)).unwrap();
+        match i {
+            3 | 17 => {
+                let last = bytes.len() - 1;
+                bytes[last] ^= 0xff;
+            }
+            29 => continue,
+            _ => {}
+        }
+        let path = found.join(&f.path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, bytes).unwrap();
+    }
+    std::fs::write(found.join("stray.bin"), b"not in the list").unwrap();
+    let mover = Mover::new(MoverConfig::default()).unwrap();
+    let report = mover
+        .copy_set(
+            &src,
+            &dst,
+            &set_of("proj/ds/v1", VerifyMode::ReadBack),
+            futures::stream::iter(files.clone()),
+            &Progress::new(),
+            &CancellationToken::new(),
+            |_| {},
+        )
+        .await
+        .unwrap();
+    assert!(!report.existed);
+    assert_eq!(
+        (report.files, report.replaced, report.copied, report.skipped),
+        (40, 3, 3, 37)
+    );
+    for f in &files {
+        let landed = std::fs::read(found.join(&f.path)).unwrap();
+        assert_eq!(sha(&landed), f.sha256, "{}", f.path);
+    }
+    assert!(!found.join("stray.bin").exists());
+    let top = listing(&dst_dir.path().join("proj/ds"));
+    assert!(top.iter().all(|e| !e.contains(".stagehand-")), "{top:?}");
 }
 
 /// A source file whose bytes do not match its recorded hash fails the whole set with that

@@ -392,6 +392,21 @@ impl Stack {
         by_reference: bool,
     ) -> Placed {
         let prefix = format!("{PROJECT}/ckpt/{run}/step-{step}");
+        self.commit_checkpoint_at(run, step, tags, by_reference, &prefix)
+            .await
+    }
+
+    /// [`Stack::commit_checkpoint_as`] with its files written at `prefix` on the hot tier
+    /// (a step saved inside another's folder, say).
+    pub async fn commit_checkpoint_at(
+        &self,
+        run: &str,
+        step: u64,
+        tags: &[&str],
+        by_reference: bool,
+        prefix: &str,
+    ) -> Placed {
+        let prefix = prefix.to_owned();
         let files: Vec<(String, Vec<u8>)> = (0..3)
             .map(|i| {
                 (

@@ -343,6 +343,77 @@ impl PosixTier {
         }
     }
 
+    /// Every entry beneath the folder `rel` that is not a folder (regular files, and links,
+    /// FIFOs or sockets someone placed there), as paths relative to `rel` with `/` between
+    /// components, in no particular order; `None` when the folder is not there. Confined as
+    /// every open here: a symlink is listed as an entry, never followed. What a caller about
+    /// to remove a folder compares with the list of what it copied.
+    pub fn list_files(&self, rel: &str) -> Result<Option<Vec<String>>, TransferError> {
+        let folder = match self.beneath(rel, false) {
+            Ok(folder) => folder,
+            Err(e) if e.kind == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut out = Vec::new();
+        let root = folder
+            .root_fd()
+            .try_clone()
+            .map_err(|e| TransferError::from_io(e, Side::Destination, self.name(), rel, "dup"))?;
+        self.list_files_at(&root, rel, "", &mut out)?;
+        Ok(Some(out))
+    }
+
+    fn list_files_at(
+        &self,
+        dir: &OwnedFd,
+        rel: &str,
+        within: &str,
+        out: &mut Vec<String>,
+    ) -> Result<(), TransferError> {
+        let io_err = |e: rustix::io::Errno| {
+            TransferError::from_errno(e, Side::Destination, self.name(), rel, "read directory")
+        };
+        let mut entries = Vec::new();
+        let mut listing = rustix::fs::Dir::read_from(dir).map_err(io_err)?;
+        while let Some(entry) = listing.read() {
+            let entry = entry.map_err(io_err)?;
+            let Ok(name) = entry.file_name().to_str() else {
+                return Err(self.err(
+                    ErrorKind::Io,
+                    Side::Destination,
+                    rel,
+                    "holds a name that is not UTF-8",
+                ));
+            };
+            if name != "." && name != ".." {
+                entries.push((name.to_owned(), entry.file_type()));
+            }
+        }
+        drop(listing);
+        for (name, file_type) in entries {
+            let path = if within.is_empty() {
+                name.clone()
+            } else {
+                format!("{within}/{name}")
+            };
+            // Some filesystems do not say the type in the listing.
+            let file_type = match file_type {
+                rustix::fs::FileType::Unknown => {
+                    rustix::fs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+                        .map(|st| rustix::fs::FileType::from_raw_mode(st.st_mode))
+                        .unwrap_or(file_type)
+                }
+                known => known,
+            };
+            if file_type != rustix::fs::FileType::Directory {
+                out.push(path);
+            } else if let Some(fd) = self.open_subdir(dir, &name, &format!("{rel}/{path}"))? {
+                self.list_files_at(&fd, rel, &path, out)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Removes the directory `rel` and everything beneath it, confined.
     pub fn remove_tree(&self, rel: &str) -> Result<SweepReport, TransferError> {
         self.check_path(rel, Side::Destination)?;

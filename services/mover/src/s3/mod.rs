@@ -568,6 +568,31 @@ impl S3Tier {
             .map_err(|err| map_sdk_error("PutObject", self.site(Side::Destination, rel), err))
     }
 
+    /// Deletes the object at `rel` (absent already is fine): a set found in place with an
+    /// object that did not verify has that object replaced ([`crate::Mover::stage_set`]).
+    pub async fn delete(&self, rel: &str) -> Result<(), TransferError> {
+        let key = self.key_for(rel, Side::Destination)?;
+        let _slot = self.request_slot().await;
+        match self
+            .client()
+            .delete_object()
+            .bucket(self.bucket())
+            .key(&key)
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(err) => {
+                let err = map_sdk_error("DeleteObject", self.site(Side::Destination, rel), err);
+                if err.kind == ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(err)
+                }
+            }
+        }
+    }
+
     /// Creates the tier's bucket when it does not exist yet (for setting up a new tier).
     pub async fn create_bucket_if_missing(&self) -> Result<(), TransferError> {
         let _slot = self.request_slot().await;
