@@ -934,7 +934,8 @@ fn unanswered(e: &jetstream::context::PublishError, clustered: bool) -> bool {
         PublishErrorKind::Other => std::error::Error::source(e)
             .and_then(|s| s.downcast_ref::<jetstream::Error>())
             .is_some_and(|js| {
-                js.code() == 503 && js.error_code() != jetstream::ErrorCode(MAX_MSGS_PER_SUBJECT_EXCEEDED)
+                js.code() == 503
+                    && js.error_code() != jetstream::ErrorCode(MAX_MSGS_PER_SUBJECT_EXCEEDED)
             }),
         _ => false,
     }

@@ -21,6 +21,7 @@ fn release(job: &str) -> Event {
             tier: "hot".into(),
             job_id: job.into(),
             node: None,
+            reason: None,
         }),
     )
 }

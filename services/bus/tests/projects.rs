@@ -224,6 +224,7 @@ async fn an_event_on_another_kinds_subject_is_dead_lettered_naming_the_rule() {
             tier: "hot".into(),
             job_id: "job-1".into(),
             node: None,
+            reason: None,
         }),
     );
     env.publish_raw(

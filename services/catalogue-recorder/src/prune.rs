@@ -246,6 +246,7 @@ mod tests {
                     tier: "hot".into(),
                     job_id: job.into(),
                     node: None,
+                    reason: None,
                 }),
             );
             release.occurred_at = events[0].occurred_at + ::time::Duration::seconds(2);

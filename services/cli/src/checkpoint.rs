@@ -716,6 +716,10 @@ pub async fn commit(
     publish(&bus, opts, prepared).await
 }
 
+/// How long a commit waits for the catalogue's answer on overlapping steps: a user without the
+/// right to ask gets none at all, so a short wait, not the client's default.
+const OVERLAP_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// A step is one folder of its own: one that is, contains or lies in the folder of another
 /// live step of the project (of any run) is refused, naming both, so that removing one step
 /// never removes the other's files. The catalogue answers which steps overlap; a user without
@@ -726,7 +730,7 @@ async fn own_folder(
     opts: &CommitOptions,
     location: &Location,
 ) -> Result<(), CheckpointError> {
-    let catalogue = Catalogue::new(bus.client().clone()).with_timeout(COMPARE_TIMEOUT);
+    let catalogue = Catalogue::new(bus.client().clone()).with_timeout(OVERLAP_TIMEOUT);
     let overlapping = match catalogue
         .checkpoints_overlapping(&opts.project, &location.prefix)
         .await
