@@ -276,11 +276,14 @@ pub async fn wait_rereading(
     let deadline = Instant::now() + timeout;
     let store = stages_bucket(bus).await?;
     let key = stage.status_key();
+    if timeout.is_zero() {
+        return Ok(match read(&store, &key).await? {
+            Some(status) => outcome(status).unwrap_or_else(|s| WaitOutcome::TimedOut(Some(*s))),
+            None => WaitOutcome::TimedOut(None),
+        });
+    }
     // Subscribed before the first read: a fact published after it wakes the wait.
-    let mut wake = match timeout.is_zero() {
-        true => None,
-        false => Some(Wake::subscribe(bus, stage).await?),
-    };
+    let mut wake = Wake::subscribe(bus, stage).await?;
     let mut last = match read(&store, &key).await? {
         Some(status) => match outcome(status) {
             Ok(done) => return Ok(done),
@@ -288,23 +291,14 @@ pub async fn wait_rereading(
         },
         None => None,
     };
-    if timeout.is_zero() {
-        return Ok(WaitOutcome::TimedOut(last));
-    }
-    tracing::debug!(%key, reread = ?reread, "waiting for the stage's status: woken by its facts, read again every `reread`");
+    tracing::debug!(%key, ?reread, "waiting for the stage's status: woken by its facts, read again every `reread`");
     let mut pause = reread;
     let mut next = Instant::now() + pause;
     loop {
-        let woken = async {
-            match wake.as_mut() {
-                Some(w) => w.woken().await,
-                None => std::future::pending().await,
-            }
-        };
         let timed_out = tokio::select! {
             _ = tokio::time::sleep_until(deadline.into()) => true,
             _ = tokio::time::sleep_until(next.into()) => false,
-            () = woken => {
+            () = wake.woken() => {
                 pause = CATCH_UP;
                 false
             }
@@ -316,11 +310,11 @@ pub async fn wait_rereading(
             },
             Ok(None) => last = None,
             // The next read may well answer (a server restarting, a leader being elected):
-            // the timeout bounds the wait, not one read.
-            Err(e) if !timed_out => {
-                tracing::warn!(%key, error = %format!("{e:#}"), "reading the stage's status; reading again")
+            // the timeout bounds the wait, not one read; at the timeout the last status read
+            // stands.
+            Err(e) => {
+                tracing::warn!(%key, error = %format!("{e:#}"), "reading the stage's status failed")
             }
-            Err(e) => return Err(e),
         }
         if timed_out {
             return Ok(WaitOutcome::TimedOut(last));
