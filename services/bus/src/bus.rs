@@ -67,7 +67,7 @@ pub const CLAIMS: KvSpec = KvSpec {
     max_age: CLAIMS_MAX_AGE,
 };
 
-/// The readiness bucket the catalogue recorder mirrors and schedulers watch.
+/// The readiness bucket the catalogue recorder mirrors and schedulers read.
 pub const READINESS_BUCKET: &str = "stagehand_readiness";
 
 /// The readiness bucket: per (dataset version, tier) state, a few values of history.

@@ -1,6 +1,6 @@
 //! The Stagehand catalogue as its users see it: the queries it answers over NATS
-//! request/reply, the shape of its answers and records, the readiness record schedulers watch
-//! in the `stagehand_readiness` KV bucket, and a client ([`ask`], [`Catalogue`]).
+//! request/reply, the shape of its answers and records, the readiness record schedulers read
+//! from the `stagehand_readiness` KV bucket, and a client ([`ask`], [`Catalogue`]).
 //!
 //! Services, scheduler tools and the CLI depend on this crate, never on the recorder (and its
 //! store). A query is a JSON [`Query`] sent to `stagehand.catalogue.query`; recorders answer in

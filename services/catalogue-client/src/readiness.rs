@@ -3,8 +3,11 @@
 //!
 //! The catalogue recorder keeps it from the facts and mirrors it into the JetStream KV bucket
 //! [`BUCKET`] under [`kv_key`]: `<project>.<dataset>.<version>.<tier>` (and a fifth token
-//! `.<node>` for a node-local tier). A plugin watches one key, or
-//! `<project>.<dataset>.<version>.>` for every tier, and starts its job on `ready`.
+//! `.<node>` for a node-local tier). A plugin reads one key by a direct get and starts its job
+//! on `ready`; to wait, it reads again when its project's `stage.ready` or `stage.failed` fact
+//! names the version, and every few seconds besides. It never watches the bucket: a watch is a
+//! consumer, which no scheduler may create (schemas/README.md, *Readiness and stage status,
+//! for schedulers*).
 //!
 //! ```
 //! use stagehand_catalogue::{Readiness, ReadinessState};

@@ -1,6 +1,6 @@
 //! Readiness: derived per (project, dataset, version, tier, node) from the tier's replica
 //! record and the key's [`ReadinessAggregate`], and mirrored into the JetStream KV bucket
-//! schedulers watch ([`stagehand_catalogue::READINESS_BUCKET`], keys from
+//! schedulers read ([`stagehand_catalogue::READINESS_BUCKET`], keys from
 //! [`stagehand_catalogue::kv_key`]).
 //!
 //! The state follows this order: a verified replica on the tier (or a job's `stage.ready`)

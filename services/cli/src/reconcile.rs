@@ -25,13 +25,12 @@ use std::collections::BTreeMap;
 use std::process::Command;
 
 use anyhow::Context as _;
-use futures::StreamExt;
 use serde::Serialize;
 use stagehand_bus::Bus;
 use stagehand_schemas::{Body, Event, EventId, StageReleased};
 
 use crate::args::Unreachable;
-use crate::stage::{STAGES_BUCKET, StageStatus};
+use crate::stage::StageStatus;
 
 /// Which scheduler's jobs the stages belong to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -247,40 +246,15 @@ fn fates(scheduler: &Scheduler, jobs: &[&str]) -> Result<BTreeMap<String, Fate>,
 
 /// Every stage still held now, of the projects named (all when none).
 pub async fn held(bus: &Bus, projects: &[String]) -> anyhow::Result<Vec<StageStatus>> {
-    let store = bus
-        .jetstream()
-        .get_key_value(STAGES_BUCKET)
-        .await
-        .map_err(|e| {
-            anyhow::Error::from(Unreachable(format!(
-                "KV bucket {STAGES_BUCKET} is not there ({e}): is the catalogue recorder running?"
-            )))
-        })?;
-    let mut keys = store
-        .keys()
-        .await
-        .with_context(|| format!("listing {STAGES_BUCKET}"))?;
-    let now = stagehand_schemas::event::now();
-    let mut found = Vec::new();
-    while let Some(key) = keys.next().await {
-        let key = key.with_context(|| format!("listing {STAGES_BUCKET}"))?;
-        let project = key.split('.').next().unwrap_or_default();
-        if !projects.is_empty() && !projects.iter().any(|p| p == project) {
-            continue;
-        }
-        let Some(value) = store
-            .get(key.clone())
-            .await
-            .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?
-        else {
-            continue;
-        };
-        let status: StageStatus = serde_json::from_slice(&value)
-            .with_context(|| format!("{STAGES_BUCKET} key {key} does not hold a stage status"))?;
-        if status.holds_at(now) {
-            found.push(status);
-        }
+    let mut stored = Vec::new();
+    if projects.is_empty() {
+        stored = crate::stage::stored_statuses(bus, None).await?;
     }
+    for project in projects {
+        stored.extend(crate::stage::stored_statuses(bus, Some(project)).await?);
+    }
+    let now = stagehand_schemas::event::now();
+    let mut found: Vec<StageStatus> = stored.into_iter().filter(|s| s.holds_at(now)).collect();
     found.sort_by(|a, b| (&a.project, &a.job_id).cmp(&(&b.project, &b.job_id)));
     Ok(found)
 }

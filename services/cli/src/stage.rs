@@ -6,14 +6,24 @@
 //! [`EventId::for_stage`] derives from (project, job, dataset, version as given, tier, node), so
 //! a hook that runs twice asks the same request and JetStream's duplicate window drops the copy.
 //! The answer is read from the `stagehand_stages` KV bucket the catalogue recorder keeps: key
-//! `<project>.<hex of the request id>`, value a [`StageStatus`] as JSON. `wait` watches that one
-//! key, so it answers as soon as the recorder writes `ready` or `failed`.
+//! `<project>.<hex of the request id>`, value a [`StageStatus`] as JSON.
+//!
+//! Nothing here creates a JetStream consumer. Whoever creates one names its deliver subject in
+//! the request's body, which NATS permissions cannot see, so a user allowed to create consumers
+//! could have the server deliver a bucket's entries onto any subject with a live subscriber
+//! (another project's verdict subject included, where the facts stream stores them); schedulers
+//! and tenants are allowed none (deploy/nats/accounts.conf). `wait` reads its one key by a
+//! direct get by subject, which the accounts confine to the user's projects; it is woken early
+//! by the promoter's `stage.ready` and `stage.failed` facts of its project (plain
+//! subscriptions), and reads again every [`REREAD`] besides. `status` lists keys from the
+//! bucket's stream info (the subjects it holds), never from a KV watch.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
 use stagehand_bus::{Bus, PublishAck};
+use stagehand_schemas::subject::ROOT;
 use stagehand_schemas::{Body, Event, EventId, StageReleased, StageRequested};
 use time::OffsetDateTime;
 
@@ -232,88 +242,181 @@ fn outcome(status: StageStatus) -> Result<WaitOutcome, Box<StageStatus>> {
     }
 }
 
+/// How long a wait goes at most without reading its stage's status again when no fact woke
+/// it. A wake can be missed: the user may not read its project's stage facts (an accounts
+/// config without those grants), a fact published while the connection reconnects is not
+/// delivered again (core NATS), and some changes come with no fact at all (a release, a
+/// catalogue rebuilt). Two seconds keeps a missed wake well inside what a job waiting for its
+/// data notices — Slurm's burst buffer polls every `PollInterval` (15 s by default), a pod's
+/// init container is seconds from starting anyway — while a thousand jobs waiting at once cost
+/// the servers five hundred direct gets a second, each answered from the stream's index.
+pub const REREAD: Duration = Duration::from_secs(2);
+
+/// The first re-read after a fact woke the wait. The fact comes from the promoter; the
+/// recorder writes the status once it has folded that fact, usually within milliseconds, so
+/// the wait reads again at once and then after 10 ms, doubling up to [`REREAD`].
+const CATCH_UP: Duration = Duration::from_millis(10);
+
+/// The facts that end a stage request (the promoter publishes them on its project's subjects):
+/// a wait reads its status again when one names its request.
+const ENDING_FACTS: [&str; 2] = ["stage.ready", "stage.failed"];
+
 /// Waits until the stage is ready or failed, or `timeout` passes (zero: look once).
 pub async fn wait(bus: &Bus, stage: &Stage, timeout: Duration) -> anyhow::Result<WaitOutcome> {
+    wait_rereading(bus, stage, timeout, REREAD).await
+}
+
+/// [`wait`], reading the status again every `reread` when no fact wakes it.
+pub async fn wait_rereading(
+    bus: &Bus,
+    stage: &Stage,
+    timeout: Duration,
+    reread: Duration,
+) -> anyhow::Result<WaitOutcome> {
     let deadline = Instant::now() + timeout;
     let store = stages_bucket(bus).await?;
     let key = stage.status_key();
-    let current = store
-        .entry(key.clone())
-        .await
-        .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?;
-    let mut last = match current {
-        Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
-            match outcome(decode(&key, &entry.value)?) {
-                Ok(done) => return Ok(done),
-                Err(status) => Some(*status),
-            }
-        }
-        _ => None,
-    };
     if timeout.is_zero() {
-        return Ok(WaitOutcome::TimedOut(last));
+        return Ok(match read(&store, &key).await? {
+            Some(status) => outcome(status).unwrap_or_else(|s| WaitOutcome::TimedOut(Some(*s))),
+            None => WaitOutcome::TimedOut(None),
+        });
     }
-    // The watch delivers the latest value first, so nothing written since the read above is
-    // missed.
-    let mut watch = watch_key(bus, &store, &key)
-        .await
-        .with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
+    // Subscribed before the first read: a fact published after it wakes the wait.
+    let mut wake = Wake::subscribe(bus, stage).await?;
+    let mut last = match read(&store, &key).await? {
+        Some(status) => match outcome(status) {
+            Ok(done) => return Ok(done),
+            Err(status) => Some(*status),
+        },
+        None => None,
+    };
+    tracing::debug!(%key, ?reread, "waiting for the stage's status: woken by its facts, read again every `reread`");
+    let mut pause = reread;
+    let mut next = Instant::now() + pause;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, watch.next()).await {
-            Err(_) => return Ok(WaitOutcome::TimedOut(last)),
-            Ok(None) => anyhow::bail!("the watch of {STAGES_BUCKET} key {key} ended"),
-            Ok(Some(message)) => {
-                let message =
-                    message.with_context(|| format!("watching {STAGES_BUCKET} key {key}"))?;
-                // A delete or purge marker carries KV-Operation; a put carries none.
-                let removed = message
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get("KV-Operation"))
-                    .is_some_and(|op| op.as_str() != "PUT");
-                if removed {
-                    last = None;
-                    continue;
-                }
-                match outcome(decode(&key, &message.payload)?) {
-                    Ok(done) => return Ok(done),
-                    Err(status) => last = Some(*status),
-                }
+        let timed_out = tokio::select! {
+            _ = tokio::time::sleep_until(deadline.into()) => true,
+            _ = tokio::time::sleep_until(next.into()) => false,
+            () = wake.woken() => {
+                pause = CATCH_UP;
+                false
+            }
+        };
+        match read(&store, &key).await {
+            Ok(Some(status)) => match outcome(status) {
+                Ok(done) => return Ok(done),
+                Err(status) => last = Some(*status),
+            },
+            Ok(None) => last = None,
+            // The next read may well answer (a server restarting, a leader being elected):
+            // the timeout bounds the wait, not one read; at the timeout the last status read
+            // stands.
+            Err(e) => {
+                tracing::warn!(%key, error = %format!("{e:#}"), "reading the stage's status failed")
             }
         }
+        if timed_out {
+            return Ok(WaitOutcome::TimedOut(last));
+        }
+        next = Instant::now() + pause;
+        pause = (pause * 2).min(reread);
     }
 }
 
-/// The values of one key of `store` from its latest on: an ordered consumer of the bucket's
-/// stream filtered to that key. Unlike the KV watch, the consumer has a name, so it is created
-/// on `$JS.API.CONSUMER.CREATE.<stream>.<name>.<key's subject>`, where the server checks the
-/// filter against the subject: a user allowed one project's keys (`scheduler-<project>` of
-/// deploy/nats/accounts.conf) can watch them, and no other project's.
-async fn watch_key(
-    bus: &Bus,
+/// The stage's status as stored now: a direct get of its key (by subject, which the accounts
+/// confine to the user's projects); `None` while the recorder has written none, or after a
+/// delete.
+async fn read(
     store: &async_nats::jetstream::kv::Store,
     key: &str,
-) -> anyhow::Result<async_nats::jetstream::consumer::push::Ordered> {
-    use async_nats::jetstream::consumer::{DeliverPolicy, ReplayPolicy, push};
-    let inbox = bus.client().new_inbox();
-    let name = format!(
-        "stage-wait-{}",
-        inbox.rsplit('.').next().unwrap_or_default()
-    );
-    let consumer: async_nats::jetstream::consumer::Consumer<push::OrderedConfig> = store
-        .stream
-        .create_consumer(push::OrderedConfig {
-            deliver_subject: inbox,
-            name: Some(name),
-            description: Some("stagehand stage wait".to_owned()),
-            filter_subject: format!("{}{key}", store.prefix),
-            replay_policy: ReplayPolicy::Instant,
-            deliver_policy: DeliverPolicy::LastPerSubject,
-            ..Default::default()
+) -> anyhow::Result<Option<StageStatus>> {
+    let entry = store
+        .entry(key)
+        .await
+        .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?;
+    match entry {
+        Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
+            Ok(Some(decode(key, &entry.value)?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// What wakes a wait early: the facts that end its project's stage requests, live. Plain
+/// subscriptions, not consumers (see the module's doc). A user that may not read them gets
+/// nothing here and waits on re-reads alone.
+struct Wake {
+    request: EventId,
+    facts: futures::stream::SelectAll<async_nats::Subscriber>,
+}
+
+impl Wake {
+    async fn subscribe(bus: &Bus, stage: &Stage) -> anyhow::Result<Wake> {
+        let mut subscribers = Vec::new();
+        for kind in ENDING_FACTS {
+            let subject = format!("{ROOT}.fact.{kind}.{}", stage.project);
+            subscribers.push(
+                bus.client()
+                    .subscribe(subject.clone())
+                    .await
+                    .with_context(|| format!("subscribing to {subject}"))?,
+            );
+        }
+        Ok(Wake {
+            request: stage.request_id(),
+            facts: futures::stream::select_all(subscribers),
         })
-        .await?;
-    Ok(consumer.messages().await?)
+    }
+
+    /// Returns when a fact ending this wait's request arrives; never, once the subscriptions
+    /// have ended.
+    async fn woken(&mut self) {
+        while let Some(message) = self.facts.next().await {
+            let Ok(event) = stagehand_schemas::wire::decode(&message.payload) else {
+                continue;
+            };
+            let request = match &event.body {
+                Body::StageReady(ready) => &ready.request_id,
+                Body::StageFailed(failed) => &failed.request_id,
+                _ => continue,
+            };
+            if *request == self.request {
+                return;
+            }
+        }
+        std::future::pending().await
+    }
+}
+
+/// Every stage status stored in [`STAGES_BUCKET`] of `project` (of every project when
+/// `None`). The keys come from the bucket stream's info (the subjects it holds, listed by the
+/// server), each value from a direct get: no consumer, which schedulers may not create.
+pub async fn stored_statuses(bus: &Bus, project: Option<&str>) -> anyhow::Result<Vec<StageStatus>> {
+    let store = stages_bucket(bus).await?;
+    let filter = match project {
+        Some(p) => format!("{}{p}.>", store.prefix),
+        None => format!("{}>", store.prefix),
+    };
+    let mut subjects = store
+        .stream
+        .info_with_subjects(&filter)
+        .await
+        .with_context(|| format!("listing {STAGES_BUCKET}"))?;
+    let mut keys = Vec::new();
+    while let Some(subject) = subjects.next().await {
+        let (subject, _) = subject.with_context(|| format!("listing {STAGES_BUCKET}"))?;
+        if let Some(key) = subject.strip_prefix(store.prefix.as_str()) {
+            keys.push(key.to_owned());
+        }
+    }
+    let mut found = Vec::with_capacity(keys.len());
+    for key in keys {
+        if let Some(status) = read(&store, &key).await? {
+            found.push(status);
+        }
+    }
+    Ok(found)
 }
 
 /// Which stage requests `stage status` lists: a project's, of one job or of one dataset
@@ -366,26 +469,7 @@ pub async fn status(bus: &Bus, filter: &StatusFilter) -> anyhow::Result<Vec<Stag
 }
 
 async fn project_status(bus: &Bus, project: &str) -> anyhow::Result<Vec<StageStatus>> {
-    let store = stages_bucket(bus).await?;
-    let mut keys = store
-        .keys()
-        .await
-        .with_context(|| format!("listing {STAGES_BUCKET}"))?;
-    let prefix = format!("{project}.");
-    let mut found = Vec::new();
-    while let Some(key) = keys.next().await {
-        let key = key.with_context(|| format!("listing {STAGES_BUCKET}"))?;
-        if !key.starts_with(&prefix) {
-            continue;
-        }
-        let value = store
-            .get(key.clone())
-            .await
-            .with_context(|| format!("reading {STAGES_BUCKET} key {key}"))?;
-        if let Some(value) = value {
-            found.push(decode(&key, &value)?);
-        }
-    }
+    let mut found = stored_statuses(bus, Some(project)).await?;
     found.sort_by_key(|s| s.updated_at);
     Ok(found)
 }

@@ -17,7 +17,9 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use async_nats::jetstream;
 use common::attacks::{Attacker, forge, stream_subjects};
-use common::tenants::{ATTACKER, KvSnapshot, Plan, Tenants, VICTIM, scheduler, trainer, uploader};
+use common::tenants::{
+    ATTACKER, KvSnapshot, Plan, Tenants, VICTIM, project_scheduler, scheduler, trainer, uploader,
+};
 use futures::StreamExt;
 use stagehand_bus::Bus;
 use stagehand_catalogue::Query;
@@ -305,4 +307,160 @@ async fn no_subject_another_projects_training_job_may_publish_answers_into_what_
 async fn no_subject_the_shared_scheduler_may_publish_answers_into_what_is_not_its_inbox()
 -> anyhow::Result<()> {
     reply_sweep(scheduler(), "replies-sch").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_subject_another_projects_scheduler_may_publish_answers_into_what_is_not_its_inbox()
+-> anyhow::Result<()> {
+    reply_sweep(project_scheduler(ATTACKER), "replies-psch").await
+}
+
+/// Where a consumer the attacker asks for could deliver from, and what it would filter: each
+/// stream a tenant or scheduler could name, with a subject of the attacker's own project's part
+/// of it (what a filter checked against its grants would admit). Literal subjects: the form
+/// with the filter in the request's subject must name it there.
+fn streams_to_redirect() -> Vec<(String, String)> {
+    use stagehand_catalogue::READINESS_BUCKET;
+    use stagehand_schemas::subject::{FACTS, REQUESTS, upload_bucket_spec};
+    let stages = stagehand::stage::STAGES_BUCKET;
+    let uploads = upload_bucket_spec(ATTACKER);
+    vec![
+        (
+            format!("KV_{stages}"),
+            format!("$KV.{stages}.{ATTACKER}.6576696c"),
+        ),
+        (
+            format!("KV_{READINESS_BUCKET}"),
+            format!("$KV.{READINESS_BUCKET}.{ATTACKER}.evil.v1.hot"),
+        ),
+        (
+            FACTS.name.to_owned(),
+            format!("stagehand.fact.stage.ready.{ATTACKER}"),
+        ),
+        (
+            REQUESTS.name.to_owned(),
+            format!("stagehand.req.stage.requested.{ATTACKER}"),
+        ),
+        (
+            uploads.stream_name(),
+            format!("$O.{}.M.evil", uploads.bucket),
+        ),
+    ]
+}
+
+/// Every form of a consumer-create request on `stream` for a push consumer delivering to
+/// `deliver` (unnamed, named, named with its filter in the subject — the form whose filter the
+/// server checks against the subject — and the older durable form), each with its body.
+fn consumer_creates(
+    stream: &str,
+    filter: &str,
+    deliver: &str,
+    name: &str,
+) -> Vec<(String, serde_json::Value)> {
+    let config = |named: Option<&str>, durable: bool| {
+        let mut config = serde_json::json!({
+            "deliver_subject": deliver,
+            "deliver_policy": "all",
+            "ack_policy": "none",
+            "replay_policy": "instant",
+            "filter_subject": filter,
+            "mem_storage": true,
+        });
+        if let Some(n) = named {
+            config[if durable { "durable_name" } else { "name" }] = n.into();
+        }
+        serde_json::json!({"stream_name": stream, "config": config})
+    };
+    vec![
+        (
+            format!("$JS.API.CONSUMER.CREATE.{stream}"),
+            config(None, false),
+        ),
+        (
+            format!("$JS.API.CONSUMER.CREATE.{stream}.{name}"),
+            config(Some(name), false),
+        ),
+        (
+            format!("$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter}"),
+            config(Some(name), false),
+        ),
+        (
+            format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"),
+            config(Some(name), true),
+        ),
+    ]
+}
+
+/// Every consumer of the streams an attacker could name, as (stream, consumer).
+async fn consumers_of(
+    operator: &Bus,
+    streams: &[(String, String)],
+) -> anyhow::Result<std::collections::BTreeSet<(String, String)>> {
+    let mut all = std::collections::BTreeSet::new();
+    for (name, _) in streams {
+        let stream = operator.jetstream().get_stream(name).await?;
+        let mut names = stream.consumer_names();
+        while let Some(consumer) = names.next().await {
+            all.insert((name.clone(), consumer?));
+        }
+    }
+    Ok(all)
+}
+
+/// Issue 19, *Who may say what*: a push consumer's deliver subject. Whoever may create a
+/// consumer names where the server delivers its messages, and the server checks that subject
+/// against nothing (it is in the request's body, which permissions cannot see). Measured
+/// before this test: while `labb`'s uploader waited on its verdict subject (`stagehand ingest
+/// --wait`: a live subscription, imported into its account), a consumer the shared scheduler or
+/// `scheduler-demo` created on the readiness or stage-status bucket with that deliver subject
+/// made the server publish the bucket's entries there, and the facts stream stored one as
+/// `labb`'s verdict. Now no tenant or scheduler may create a consumer in any form on any
+/// stream: each request is refused, no consumer appears, nothing reaches the waiting uploader
+/// or is stored as its verdict, and `labb`'s next round goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_scheduler_creates_a_consumer_delivering_into_a_waiting_uploaders_verdicts()
+-> anyhow::Result<()> {
+    let (tenants, mut watch) = victim_with_data("deliver").await?;
+    // The victim's uploader waits for a verdict, as `stagehand ingest --wait` does: its live
+    // subscription is what makes the server deliver there at all.
+    let waiting = tenants.bus_as(&uploader(VICTIM)).await?;
+    let mut verdicts = waiting.client().subscribe(victims_verdicts()).await?;
+    waiting.client().flush().await?;
+    let operator = tenants.operator().await?;
+    let streams = streams_to_redirect();
+    let before = consumers_of(&operator, &streams).await?;
+
+    let mut log = Vec::new();
+    let mut created = Vec::new();
+    for who in [scheduler(), project_scheduler(ATTACKER)] {
+        let mut attacker = Attacker::connect(&tenants, who.clone()).await?;
+        for (stream, filter) in &streams {
+            for (subject, body) in consumer_creates(stream, filter, &victims_verdicts(), "evil") {
+                if let Ok(answer) = attacker.api_request(&subject, &body).await?
+                    && answer.get("error").is_none()
+                {
+                    created.push(format!("{} created {answer}", who.0));
+                }
+            }
+        }
+        log.extend(attacker.log);
+    }
+    let after = consumers_of(&operator, &streams).await?;
+    let new: Vec<&(String, String)> = after.difference(&before).collect();
+    ensure!(
+        created.is_empty() && new.is_empty(),
+        "consumers were created: {created:?}; new on the streams: {new:?}\nattacks:\n  {}",
+        log.join("\n  ")
+    );
+    // Nothing was delivered to the waiting uploader: whatever was sent before this round trip
+    // has arrived.
+    waiting.client().flush().await?;
+    if let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(1), verdicts.next()).await {
+        anyhow::bail!(
+            "the waiting uploader received {:?} on {}",
+            String::from_utf8_lossy(&msg.payload),
+            msg.subject
+        );
+    }
+    unharmed(&tenants, &mut watch, &log, "deliver-next").await
 }

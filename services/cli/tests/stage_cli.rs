@@ -9,8 +9,7 @@ mod common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use anyhow::ensure;
-use futures::StreamExt;
+use anyhow::{Context, ensure};
 use serde_json::{Value, json};
 use stagehand::stage::{STAGES_BUCKET, Stage};
 use stagehand_bus::{Bus, BusConfig};
@@ -156,7 +155,6 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
     })
     .await?;
     let url = stagehand.url.clone();
-    let js = stagehand.bus.jetstream().clone();
 
     // Uploaded; the validator starts later.
     let folder = tempfile::tempdir()?;
@@ -199,35 +197,38 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
         text(&out)
     );
 
-    // Ready while waiting: the watch sees it, exit 0, the path.
+    // Ready while waiting: exit 0, the path.
     let ready = at("j-ready");
     ensure!(run_stage(&url, "request", &ready, &[]).status.success());
-    let child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args(["--nats", &url, "stage", "wait"])
         .args(args_of(&ready))
         .args(["--timeout", "30s"])
+        .env("RUST_LOG", "stagehand::stage=debug")
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()?;
-    // Once it watches (a consumer filtered on the stage's key exists), the data arrives.
-    let subject = format!("$KV.{STAGES_BUCKET}.{}", ready.status_key());
-    stagehand_testkit::wait_until(Duration::from_secs(10), "wait to watch the key", || {
-        let (js, subject) = (js.clone(), subject.clone());
-        async move {
-            let Ok(stream) = js.get_stream(format!("KV_{STAGES_BUCKET}")).await else {
-                return false;
-            };
-            let mut consumers = stream.consumers();
-            while let Some(Ok(info)) = consumers.next().await {
-                if info.config.filter_subject == subject
-                    || info.config.filter_subjects.contains(&subject)
-                {
-                    return true;
-                }
+    // Once it waits (subscribed to the stage facts, the status read once and not ready), the
+    // data arrives. It says so on stderr at debug level.
+    let stderr = child.stderr.take().context("the child's stderr")?;
+    let waiting = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        let mut said = Vec::new();
+        for line in std::io::BufReader::new(stderr).lines() {
+            let line = line.unwrap_or_default();
+            let found = line.contains("waiting for the stage's status");
+            said.push(line);
+            if found {
+                return Ok(());
             }
-            false
         }
-    })
-    .await?;
+        Err(anyhow::anyhow!(
+            "stage wait ended without waiting: {said:?}"
+        ))
+    });
+    tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .context("stage wait did not start waiting within 10 s")???;
     stagehand.start_validator();
     let out = child.wait_with_output()?;
     ensure!(out.status.code() == Some(0), "{out:?}");
@@ -295,5 +296,116 @@ async fn wait_answers_ready_failed_or_timed_out_from_the_stage_status() -> anyho
     ensure!(text(&out).lines().count() == 3, "{out:?}");
     let out = stagehand_cmd(&url, &["stage", "status", "--project", "other"]);
     ensure!(text(&out) == "no stage requests\n", "{out:?}");
+    Ok(())
+}
+
+/// `wait` learns of a change without a consumer: the promoter's `stage.ready` fact for its
+/// request wakes it, and it reads the stage's status again (at once, then after 10 ms,
+/// doubling) until the recorder has written it there. Nothing else would read it again within
+/// the hour here, so the answer can only come through the wake. The server holds no facts
+/// stream, only the stage-status bucket: a request on a facts subject has a responder only
+/// once the wait has subscribed there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_is_woken_by_its_stage_fact_and_reads_the_status_again() -> anyhow::Result<()> {
+    let server = NatsServer::start();
+    let mut cfg = BusConfig::new(server.url());
+    cfg.provision = false;
+    let bus = Bus::connect(&cfg).await?;
+    let kv = bus
+        .jetstream()
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: STAGES_BUCKET.into(),
+            ..Default::default()
+        })
+        .await?;
+    let waited = stage("j-woken", "hot", None);
+    let path = "/tiers/hot/lab/imagenet-mini/5f2c9a0e11b34d7a";
+    let status = |state: &str| {
+        json!({
+            "request_id": waited.request_id(), "project": waited.project,
+            "dataset": waited.dataset, "version": waited.version, "tier": waited.tier,
+            "job_id": waited.job, "state": state,
+            "path": (state == "ready").then_some(path),
+            "updated_at": "2026-01-01T00:00:00Z",
+        })
+        .to_string()
+    };
+    kv.put(waited.status_key(), status("copying").into())
+        .await?;
+
+    let waiter = {
+        let (bus, waited) = (bus.clone(), waited.clone());
+        tokio::spawn(async move {
+            stagehand::stage::wait_rereading(
+                &bus,
+                &waited,
+                Duration::from_secs(30),
+                Duration::from_secs(3600),
+            )
+            .await
+        })
+    };
+    let ready_subject = format!("stagehand.fact.stage.ready.{}", waited.project);
+    stagehand_testkit::wait_until(Duration::from_secs(10), "the wait to subscribe", || {
+        let (client, subject) = (bus.client().clone(), ready_subject.clone());
+        async move {
+            // No responders is answered at once; a subscriber that does not reply lets the
+            // request time out.
+            tokio::time::timeout(
+                Duration::from_millis(200),
+                client.request(subject, "probe".into()),
+            )
+            .await
+            .is_err()
+        }
+    })
+    .await?;
+
+    // The promoter's fact, then (as the recorder folds it) the status.
+    let request = stagehand_schemas::Event::request(
+        waited.request_id(),
+        waited.project.clone(),
+        Body::StageRequested(stagehand_schemas::StageRequested {
+            dataset: waited.dataset.clone(),
+            version: waited.version.clone(),
+            tier: waited.tier.clone(),
+            job_id: waited.job.clone(),
+            requested_by: "test".into(),
+            deadline: None,
+            node: None,
+            form: None,
+            hold_until: None,
+        }),
+    );
+    let fact = request.caused(
+        "ready",
+        Body::StageReady(stagehand_schemas::StageReady {
+            dataset: waited.dataset.clone(),
+            version: waited.version.clone(),
+            location: stagehand_schemas::Location {
+                tier: waited.tier.clone(),
+                prefix: format!("lab/{}/{}", waited.dataset, waited.version),
+            },
+            job_id: waited.job.clone(),
+            request_id: waited.request_id(),
+            node: None,
+            path: Some(path.into()),
+        }),
+    );
+    bus.client()
+        .publish(ready_subject.clone(), wire::encode(&fact)?.into())
+        .await?;
+    bus.client().flush().await?;
+    kv.put(waited.status_key(), status("ready").into()).await?;
+
+    let outcome = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .context("the wait was not woken")???;
+    match outcome {
+        stagehand::stage::WaitOutcome::Ready(s) => {
+            ensure!(s.path.as_deref() == Some(path), "{s:?}")
+        }
+        other => anyhow::bail!("{other:?}"),
+    }
     Ok(())
 }

@@ -13,7 +13,8 @@
 //! *Adding a project*): a copy of each per-project block (permissions, account) and of every
 //! per-project grant and export. [`crossing_gaps`] holds a config to its shape: every grant of
 //! a user outside Stagehand's account crosses into it by an import matched by an export
-//! restricted to that account, and nothing more crosses.
+//! restricted to that account, nothing more crosses, and none of those users may create a
+//! consumer.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -321,7 +322,8 @@ pub fn covers(pattern: &str, subject: &str) -> bool {
 /// import matches an export of Stagehand's restricted to that account, and every such export
 /// is imported by each account it names. An account that imports any JetStream API request
 /// imports `$JS.API.INFO` too (see accounts.conf: otherwise the server's own answers race
-/// Stagehand's).
+/// Stagehand's). No user of those accounts may use the consumer API or its flow control
+/// ([`reaches_consumers`]): a consumer delivers to whatever subject its creator names.
 pub fn crossing_gaps(text: &str) -> Vec<String> {
     let accounts = accounts_of(text);
     let mut gaps = Vec::new();
@@ -348,6 +350,12 @@ pub fn crossing_gaps(text: &str) -> Vec<String> {
                         .map(|s| (Crossing::Stream, s)),
                 )
             {
+                if crossing == Crossing::Service && reaches_consumers(&granted) {
+                    gaps.push(format!(
+                        "user {user} of {name} may use {granted} ({block}): it could create a \
+                         consumer, whose deliver subject nothing checks"
+                    ));
+                }
                 let own_inbox = crossing == Crossing::Stream && granted == inbox;
                 if !own_inbox && !imports(crossing, &granted) {
                     gaps.push(format!(
@@ -410,6 +418,26 @@ pub fn crossing_gaps(text: &str) -> Vec<String> {
         }
     }
     gaps
+}
+
+/// Whether publishing on `granted` (a subject or pattern) reaches JetStream's consumer API or
+/// its flow control: creating, deleting or driving a consumer. A push consumer delivers to the
+/// subject its creator names in the request's body, which permissions cannot see, so such a
+/// right lets its holder have the server publish a stream's messages onto any subject that
+/// has a live subscriber (deploy/nats/accounts.conf, *Consumers*).
+pub fn reaches_consumers(granted: &str) -> bool {
+    const CONSUMER_API: [&str; 3] = ["$JS.API.CONSUMER.>", "$JS.FC.>", "$JS.ACK.>"];
+    // What a grant broader than those patterns (`$JS.API.>`, `>`) would also let through.
+    const PROBES: [&str; 6] = [
+        "$JS.API.CONSUMER.CREATE.S",
+        "$JS.API.CONSUMER.CREATE.S.N",
+        "$JS.API.CONSUMER.CREATE.S.N.F",
+        "$JS.API.CONSUMER.DURABLE.CREATE.S.N",
+        "$JS.FC.S.N",
+        "$JS.ACK.S.N",
+    ];
+    CONSUMER_API.iter().any(|api| covers(api, granted))
+        || PROBES.iter().any(|probe| covers(granted, probe))
 }
 
 impl NatsServerBuilder {
@@ -595,11 +623,12 @@ mod tests {
             gaps.iter().any(|g| g.contains("does not import it")),
             "{gaps:?}"
         );
-        let export = r#"{ stream: "_INBOX_scheduler.>", accounts: [SCHEDULERS] }"#;
+        let export = r#"{ stream: "stagehand.fact.stage.ready.*", accounts: [SCHEDULERS] }"#;
         let gaps = crossing_gaps(&cut(&shipped, export));
         assert!(
             gaps.iter()
-                .any(|g| g.contains("_INBOX_scheduler.>") && g.contains("exports no such stream")),
+                .any(|g| g.contains("stagehand.fact.stage.ready.*")
+                    && g.contains("exports no such stream")),
             "{gaps:?}"
         );
         let grant = r#""$JS.API.STREAM.MSG.GET.OBJ_stagehand_uploads_demo","#;
@@ -615,6 +644,58 @@ mod tests {
             gaps.iter().any(|g| g.contains("but not $JS.API.INFO")),
             "{gaps:?}"
         );
+    }
+
+    /// Guards the deliver-subject hole: a consumer-create right given back to a project's
+    /// scheduler (with its import and export, as it once was) is found, and so is a grant
+    /// broad enough to include one.
+    #[test]
+    fn a_consumer_right_outside_stagehands_account_is_found() {
+        let shipped = std::fs::read_to_string(accounts_conf()).unwrap();
+        // The grant as written in SCHEDULER_DEMO's block (its exports and imports name it in
+        // braces).
+        let grant =
+            "\n      \"$JS.API.DIRECT.GET.KV_stagehand_stages.$KV.stagehand_stages.demo.>\"";
+        let create =
+            r#""$JS.API.CONSUMER.CREATE.KV_stagehand_stages.*.$KV.stagehand_stages.demo.>""#;
+        assert_eq!(shipped.matches(grant).count(), 1, "{grant}");
+        let export = r#"{ service: "$JS.API.CONSUMER.CREATE.KV_stagehand_stages.*.$KV.stagehand_stages.demo.>", accounts: [PROJECT_DEMO] }"#;
+        let import = r#"{ service: { account: STAGEHAND, subject: "$JS.API.CONSUMER.CREATE.KV_stagehand_stages.*.$KV.stagehand_stages.demo.>" } }"#;
+        let text = shipped
+            .replace(grant, &format!("{grant}, {create}"))
+            .replace(
+                "    exports: [\n",
+                &format!("    exports: [\n      {export}\n"),
+            )
+            // The first account with imports is PROJECT_DEMO.
+            .replacen(
+                "    imports: [\n",
+                &format!("    imports: [\n      {import}\n"),
+                1,
+            );
+        let gaps = crossing_gaps(&text);
+        assert!(
+            gaps.iter().any(|g| g.contains("scheduler-demo")
+                && g.contains("$JS.API.CONSUMER.CREATE.KV_stagehand_stages")
+                && g.contains("deliver subject")),
+            "{gaps:?}"
+        );
+        for granted in [
+            "$JS.API.CONSUMER.CREATE.KV_stagehand_stages",
+            "$JS.API.CONSUMER.DURABLE.CREATE.STAGEHAND_FACTS.x",
+            "$JS.FC.KV_stagehand_stages.>",
+            "$JS.API.>",
+            ">",
+        ] {
+            assert!(reaches_consumers(granted), "{granted}");
+        }
+        for granted in [
+            "$JS.API.DIRECT.GET.KV_stagehand_stages.>",
+            "$JS.API.STREAM.INFO.KV_stagehand_stages",
+            "stagehand.req.stage.requested.*",
+        ] {
+            assert!(!reaches_consumers(granted), "{granted}");
+        }
     }
 
     #[test]

@@ -38,7 +38,8 @@ mod wait;
 pub use accounts::{
     Account, Crossing, SHIPPED_PROJECT, STAGEHAND_ACCOUNT, accounts_conf,
     accounts_conf_with_projects, accounts_of, accounts_roles, covers, crossing_gaps,
-    project_account, publish_allowed, role_password, roles_of, subscribe_allowed, user_url,
+    project_account, publish_allowed, reaches_consumers, role_password, roles_of,
+    subscribe_allowed, user_url,
 };
 pub use facts::{StoredEventsError, stored_events};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};

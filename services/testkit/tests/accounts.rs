@@ -4,8 +4,8 @@
 //! claims, no uploader touches another project's manifests or the services' bucket), and every
 //! grant a role needs works (manifests put and fetched with `stagehand_manifest::ManifestStore`,
 //! as the services do) — for tenants and schedulers, from their own accounts through what
-//! Stagehand's account exports to them (flow-controlled watches and custom inbox prefixes
-//! included).
+//! Stagehand's account exports to them (custom inbox prefixes included), none of whom may
+//! create a consumer.
 
 use std::time::Duration;
 
@@ -607,16 +607,27 @@ async fn a_scheduler_reads_readiness_but_cannot_write_it() -> Result<()> {
         .await?;
     readiness.put("demo.ds.v1.hot", "ready".into()).await?;
 
-    let (scheduler, _) = jetstream_as(&server, "scheduler", "SCHEDULER").await?;
+    let (scheduler, mut errors) = jetstream_as(&server, "scheduler", "SCHEDULER").await?;
     let view = scheduler.get_key_value("stagehand_readiness").await?;
     let value = view.get("demo.ds.v1.hot").await?;
     assert_eq!(value.as_deref(), Some(&b"ready"[..]));
-    let mut watch = view.watch_with_history("demo.>").await?;
-    let entry = tokio::time::timeout(Duration::from_secs(10), watch.next())
-        .await
-        .context("no readiness entry")?
-        .context("watch ended")??;
-    assert_eq!(entry.key, "demo.ds.v1.hot");
+    // The keys the bucket holds, from its stream's info: no consumer.
+    let mut keys = view
+        .stream
+        .info_with_subjects("$KV.stagehand_readiness.demo.>")
+        .await?;
+    let (subject, _) = keys.next().await.context("no key listed")??;
+    assert_eq!(subject, "$KV.stagehand_readiness.demo.ds.v1.hot");
+    // A watch is a consumer: refused.
+    assert!(
+        view.watch_with_history("demo.>").await.is_err(),
+        "a scheduler must not create a consumer"
+    );
+    violation_naming(
+        &mut errors,
+        "$JS.API.CONSUMER.CREATE.KV_stagehand_readiness",
+    )
+    .await?;
 
     assert!(
         view.put("demo.ds.v1.hot", "forged".into()).await.is_err(),
@@ -1159,50 +1170,94 @@ async fn schedulers_and_uploaders_follow_progress_of_their_own_requests() -> Res
     Ok(())
 }
 
-/// Guards the schedulers' account: a scheduler watching a bucket gets every entry even when
-/// they are more than the server sends before its flow control is answered (2 MiB
-/// outstanding). The watch's consumer lives in Stagehand's account: its deliveries reach the
-/// scheduler through the export of the scheduler's inbox, and the scheduler's flow-control
-/// answers reach the consumer through the `$JS.FC…` service export; without either it stalls.
+/// Guards issue 19's deliver-subject hole: whoever may create a consumer names, in the
+/// request's body, the subject the server delivers to, and nothing checks it. No tenant or
+/// scheduler may create one, on any stream, in any form (unnamed, named, with its filter in
+/// the subject, the older durable form), nor answer a consumer's flow control; and what they
+/// do instead works: a project's scheduler reads its own stage status by direct get and
+/// follows its own project's stage facts live, and no other project's.
 #[tokio::test]
-async fn a_schedulers_watch_is_flow_controlled_across_accounts() -> Result<()> {
+async fn no_tenant_or_scheduler_creates_a_consumer() -> Result<()> {
     let server = start_server();
-    provision_as_operator(&server).await?;
-    let operator = operator_bus(&server).await?;
-    let readiness = operator
-        .jetstream()
-        .get_key_value("stagehand_readiness")
-        .await?;
-    let value = vec![b'r'; 400 * 1024];
-    let keys: Vec<String> = (0..12).map(|n| format!("demo.fc.v1.{n}")).collect();
-    for key in &keys {
-        readiness.put(key, value.clone().into()).await?;
+    provision_with_projects(&server, &["demo"]).await?;
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let stages = operator.get_key_value("stagehand_stages").await?;
+    stages.put("demo.0042", "ready".into()).await?;
+    stages.put("other-lab.0042", "theirs".into()).await?;
+    for (user, role) in [
+        ("uploader-demo", "UPLOADER_DEMO"),
+        ("trainer-demo", "TRAINER_DEMO"),
+        ("scheduler-demo", "SCHEDULER_DEMO"),
+        ("scheduler", "SCHEDULER"),
+    ] {
+        let (client, mut errors) = connect(&server, user, role).await?;
+        for stream in [
+            "KV_stagehand_stages",
+            "KV_stagehand_readiness",
+            "STAGEHAND_FACTS",
+            "STAGEHAND_REQUESTS",
+            "OBJ_stagehand_uploads_demo",
+        ] {
+            for api in [
+                format!("$JS.API.CONSUMER.CREATE.{stream}"),
+                format!("$JS.API.CONSUMER.CREATE.{stream}.w"),
+                format!("$JS.API.CONSUMER.CREATE.{stream}.w.$KV.stagehand_stages.demo.0042"),
+                format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.w"),
+                format!("$JS.API.CONSUMER.DELETE.{stream}.w"),
+                format!("$JS.FC.{stream}.w"),
+            ] {
+                client.publish(api.clone(), "{}".into()).await?;
+                client.flush().await?;
+                violation_naming(&mut errors, &format!("\"{api}\""))
+                    .await
+                    .with_context(|| format!("{user} on {api}"))?;
+            }
+        }
     }
-    let (scheduler, _) = jetstream_as(&server, "scheduler", "SCHEDULER").await?;
-    let view = scheduler.get_key_value("stagehand_readiness").await?;
-    let mut watch = view.watch_with_history("demo.fc.>").await?;
-    let mut seen = std::collections::BTreeSet::new();
-    while seen.len() < keys.len() {
-        let entry = tokio::time::timeout(Duration::from_secs(20), watch.next())
+
+    // A project's scheduler reads its own status, by direct get, and nobody else's.
+    let (scheduler, mut errors) = jetstream_as(&server, "scheduler-demo", "SCHEDULER_DEMO").await?;
+    let view = scheduler.get_key_value("stagehand_stages").await?;
+    assert_eq!(view.get("demo.0042").await?.as_deref(), Some(&b"ready"[..]));
+    assert!(view.get("other-lab.0042").await.is_err());
+    violation_naming(
+        &mut errors,
+        "$JS.API.DIRECT.GET.KV_stagehand_stages.$KV.stagehand_stages.other-lab.0042",
+    )
+    .await?;
+    // It follows its own project's stage facts live (what wakes `stagehand stage wait`), and
+    // no other project's.
+    let (client, mut errors) = connect(&server, "scheduler-demo", "SCHEDULER_DEMO").await?;
+    let mut ready = client.subscribe("stagehand.fact.stage.ready.demo").await?;
+    let mut failed = client.subscribe("stagehand.fact.stage.failed.demo").await?;
+    client.flush().await?;
+    let (promoter, _) = jetstream_as(&server, "promoter", "PROMOTER").await?;
+    for subject in [
+        "stagehand.fact.stage.ready.demo",
+        "stagehand.fact.stage.failed.demo",
+    ] {
+        promoter.publish(subject, "fact".into()).await?.await?;
+    }
+    assert_eq!(next_message(&mut ready).await?.payload.as_ref(), b"fact");
+    assert_eq!(next_message(&mut failed).await?.payload.as_ref(), b"fact");
+    for denied in [
+        "stagehand.fact.stage.ready.other-lab",
+        "stagehand.fact.stage.ready.*",
+        "stagehand.fact.>",
+    ] {
+        let _sub = client.subscribe(denied.to_owned()).await?;
+        client.flush().await?;
+        violation_naming(&mut errors, denied)
             .await
-            .with_context(|| {
-                format!(
-                    "the watch stalled after {} of {} entries",
-                    seen.len(),
-                    keys.len()
-                )
-            })?
-            .context("watch ended")??;
-        assert_eq!(entry.value.len(), value.len(), "{}", entry.key);
-        seen.insert(entry.key);
+            .with_context(|| format!("scheduler-demo subscribing to {denied}"))?;
     }
     Ok(())
 }
 
 /// Clients that set their own inbox prefix (`--inbox-prefix`, nats-py's `inbox_prefix=`) get
 /// their answers across the accounts too, as long as it lies within the inbox their user may
-/// read: a tenant's PubAcks and JetStream API answers (mapped back into its account), a
-/// scheduler's answers and its watch's deliveries (exported from Stagehand's account). Each
+/// read: a tenant's PubAcks and JetStream API answers, a scheduler's JetStream API answers and
+/// direct gets (each mapped back into the asker's account). Each
 /// answer is Stagehand's: the tenant and scheduler accounts import `$JS.API.INFO`, so the
 /// server adds no `$JS.API.>` import of its own for them, whose "JetStream not enabled"
 /// answers would race Stagehand's.
@@ -1253,15 +1308,11 @@ async fn custom_inbox_prefixes_get_their_answers_across_accounts() -> Result<()>
             .context("$JS.API.INFO, asked from the schedulers' account")?;
     }
     let stages = js.get_key_value("stagehand_stages").await?;
-    assert_eq!(
-        stages.get("demo.0042").await?.as_deref(),
-        Some(&b"queued"[..])
-    );
-    let mut watch = stages.watch_with_history("demo.0042").await?;
-    let entry = tokio::time::timeout(Duration::from_secs(10), watch.next())
-        .await
-        .context("no stage status delivered")?
-        .context("watch ended")??;
-    assert_eq!(entry.value.as_ref(), b"queued");
+    for _ in 0..20 {
+        assert_eq!(
+            stages.get("demo.0042").await?.as_deref(),
+            Some(&b"queued"[..])
+        );
+    }
     Ok(())
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use async_nats::HeaderMap;
 use async_nats::jetstream;
+use futures::StreamExt;
 use serde_json::{Value, json};
 use stagehand_bus::Bus;
 use stagehand_schemas::{Event, EventId, wire};
@@ -65,6 +66,52 @@ impl Attacker {
             self.who.0
         ));
         Ok(())
+    }
+
+    /// Sends a JetStream API request, whatever its subject, and returns the server's answer
+    /// (`Ok`), or the permission violation that refused it (`Err`).
+    pub async fn api_request(
+        &mut self,
+        subject: &str,
+        body: &Value,
+    ) -> anyhow::Result<Result<Value, String>> {
+        // The connection keeps only its latest violations: the one refusing this request is
+        // the one naming its subject, quoted whole (a subject is asked once per connection).
+        let quoted = format!("\"{subject}\"");
+        let client = self.bus.client();
+        let inbox = client.new_inbox();
+        let mut answers = client.subscribe(inbox.clone()).await?;
+        client
+            .publish_with_reply(subject.to_owned(), inbox, body.to_string().into())
+            .await?;
+        client.flush().await?;
+        let bus = &self.bus;
+        let refused = stagehand_testkit::wait_for(
+            Duration::from_secs(10),
+            "an answer or a permission violation",
+            || async {
+                bus.permission_violations()
+                    .into_iter()
+                    .find(|v| v.contains(&quoted))
+            },
+        );
+        let outcome = tokio::select! {
+            answer = answers.next() => {
+                let answer = answer.context("the answer's subscription closed")?;
+                Ok(serde_json::from_slice(&answer.payload).with_context(|| {
+                    format!(
+                        "the answer to {subject}: {:?}",
+                        String::from_utf8_lossy(&answer.payload)
+                    )
+                })?)
+            }
+            violation = refused => Err(violation?),
+        };
+        self.log.push(format!(
+            "{} asked {subject} with {body}: {outcome:?}",
+            self.who.0
+        ));
+        Ok(outcome)
     }
 
     /// Publishes `event` on `subject` with `msg_id` as its Nats-Msg-Id.

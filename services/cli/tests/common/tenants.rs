@@ -67,6 +67,15 @@ pub fn scheduler() -> (String, String) {
     ("scheduler".into(), "SCHEDULER".into())
 }
 
+/// The NATS user and role of a project's own scheduler (the Kubernetes init containers of its
+/// namespace).
+pub fn project_scheduler(project: &str) -> (String, String) {
+    (
+        format!("scheduler-{project}"),
+        format!("SCHEDULER_{}", project.to_ascii_uppercase()),
+    )
+}
+
 /// The role of a service's user: its name in capitals, `-` as `_`.
 fn service_role(service: &str) -> String {
     service.to_ascii_uppercase().replace('-', "_")
