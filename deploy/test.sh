@@ -49,6 +49,7 @@ eval "$(deploy/servers.sh env)"
 # Slurm; install it once here rather than in the first test. Needs root, as CI runs; where it
 # cannot be installed, the Slurm tests fail with the reason (they are never skipped).
 check deploy/slurm/slurm.sh install
+check deploy/package.sh install-deps   # debootstrap for the package's install test (root)
 
 check cargo fmt --all --check
 check cargo clippy --workspace --all-targets -- -D warnings

@@ -145,6 +145,14 @@ pub enum Command {
     /// 64 bad argument, 69 NATS unreachable, 70 other error.
     #[command(subcommand)]
     Stage(StageCommand),
+    /// Write the man pages and shell completions generated from this command line's own
+    /// definition under DIR (`deploy/package.sh` ships them).
+    #[command(hide = true)]
+    GenerateDocs {
+        /// Where to write `man/man1/*.1` and `completions/`.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -810,6 +818,16 @@ fn check_catalogue(cmd: &CatalogueCommand) -> Result<(), UsageError> {
 /// Runs a parsed command; returns the exit code.
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
+        Command::GenerateDocs { out } => {
+            let generated = crate::docs::generate(&out)?;
+            println!(
+                "{} man pages and {} completion scripts under {}",
+                generated.man_pages.len(),
+                generated.completions.len(),
+                out.display()
+            );
+            Ok(0)
+        }
         Command::Up(args) => {
             let _telemetry = stagehand_telemetry::init("stagehand")?;
             crate::up::run(crate::up::UpOptions {

@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod cp;
 pub mod dlq;
+pub mod docs;
 pub mod ingest;
 pub mod reconcile;
 pub mod stage;

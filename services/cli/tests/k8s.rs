@@ -78,35 +78,11 @@ fn str_of(v: &Value, pointer: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The binaries the workspace builds: each crate's `[[bin]]` names, or its package name when
-/// it has a `src/main.rs` and no `[[bin]]`.
-fn workspace_binaries() -> anyhow::Result<BTreeSet<String>> {
-    let mut bins = BTreeSet::new();
-    let services = stagehand_testkit::repo_root().join("services");
-    for entry in std::fs::read_dir(&services)? {
-        let crate_dir = entry?.path();
-        let manifest = crate_dir.join("Cargo.toml");
-        let Ok(text) = std::fs::read_to_string(&manifest) else {
-            continue;
-        };
-        let doc: toml::Value = toml::from_str(&text)?;
-        let declared = doc.get("bin").and_then(|b| b.as_array());
-        for bin in declared.into_iter().flatten() {
-            if let Some(name) = bin.get("name").and_then(|n| n.as_str()) {
-                bins.insert(name.to_owned());
-            }
-        }
-        if declared.is_none() && crate_dir.join("src/main.rs").is_file() {
-            let package = doc.get("package").and_then(|p| p.get("name"));
-            if let Some(name) = package.and_then(|n| n.as_str()) {
-                bins.insert(name.to_owned());
-            }
-        }
-    }
-    Ok(bins)
-}
+/// Where the Dockerfile's build stage leaves the binaries it builds.
+const IMAGE_BUILD_DIR: &str = "/src/target/release/";
 
-/// What the Dockerfile installs: command name → what it copies there.
+/// What the Dockerfile installs: command name → what it copies there (a path of the build
+/// stage for `COPY --from=build`, else a file of the repository).
 fn image_commands() -> anyhow::Result<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(k8s_dir().join("Dockerfile"))?;
     let mut commands = BTreeMap::new();
@@ -114,15 +90,86 @@ fn image_commands() -> anyhow::Result<BTreeMap<String, String>> {
         let Some(rest) = line.strip_prefix("COPY ") else {
             continue;
         };
-        let (src, dst) = rest
-            .split_once(' ')
-            .with_context(|| format!("Dockerfile: {line}"))?;
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        let (src, dst) = match words.as_slice() {
+            ["--from=build", src, dst] => (*src, *dst),
+            [src, dst] if !src.starts_with("--") => (*src, *dst),
+            _ => bail!("Dockerfile: {line}: not COPY [--from=build] SRC DST"),
+        };
+        if dst == "." {
+            continue; // the build stage's copy of the sources
+        }
         let name = dst
             .strip_prefix("/usr/local/bin/")
             .with_context(|| format!("Dockerfile copies to {dst}, not /usr/local/bin"))?;
         commands.insert(name.to_owned(), src.to_owned());
     }
     Ok(commands)
+}
+
+/// The Dockerfile's `cargo build` in its build stage: the `--bin` names, and its stages' base
+/// images.
+fn image_build() -> anyhow::Result<(BTreeSet<String>, Vec<String>)> {
+    let text = std::fs::read_to_string(k8s_dir().join("Dockerfile"))?;
+    let joined = text.replace("\\\n", " ");
+    let build = joined
+        .lines()
+        .find(|l| l.trim_start().starts_with("RUN cargo build"))
+        .context("Dockerfile: no RUN cargo build")?;
+    ensure!(
+        build.contains("--release") && build.contains("--locked"),
+        "Dockerfile: {build}"
+    );
+    let words: Vec<&str> = build.split_whitespace().collect();
+    let bins = words
+        .windows(2)
+        .filter(|w| w[0] == "--bin")
+        .map(|w| w[1].to_owned())
+        .collect();
+    let bases = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("FROM "))
+        .map(|l| l.split_whitespace().next().unwrap_or_default().to_owned())
+        .collect();
+    Ok((bins, bases))
+}
+
+#[test]
+fn the_image_builds_and_installs_every_binary_the_workspace_ships() -> anyhow::Result<()> {
+    let shipped = common::shipped::workspace_binaries()?;
+    ensure!(
+        shipped == common::shipped::package_binaries()?,
+        "deploy/package.sh binaries is not the workspace's binaries ({shipped:?})"
+    );
+    let (built, bases) = image_build()?;
+    ensure!(
+        built == shipped,
+        "the Dockerfile builds {built:?}; the workspace ships {shipped:?}"
+    );
+    let commands = image_commands()?;
+    for bin in &shipped {
+        ensure!(
+            commands.get(bin).map(String::as_str) == Some(&format!("{IMAGE_BUILD_DIR}{bin}")),
+            "the image does not install {bin} from its build stage: {commands:?}"
+        );
+    }
+    // The builder is the toolchain of rust-toolchain.toml, on the runtime's distribution.
+    let toolchain =
+        std::fs::read_to_string(stagehand_testkit::repo_root().join("rust-toolchain.toml"))?;
+    let channel = toolchain
+        .lines()
+        .find_map(|l| l.strip_prefix("channel = "))
+        .map(|c| c.trim().trim_matches('"').to_owned())
+        .context("rust-toolchain.toml names no channel")?;
+    ensure!(
+        bases
+            == [
+                format!("rust:{channel}-bookworm"),
+                "debian:bookworm-slim".into()
+            ],
+        "the Dockerfile's stages are {bases:?}; expected rust:{channel}-bookworm then debian:bookworm-slim"
+    );
+    Ok(())
 }
 
 fn pinned_nats_version() -> anyhow::Result<String> {
@@ -153,11 +200,11 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
     let version = env!("CARGO_PKG_VERSION");
     let stagehand_image = format!("stagehand:{version}");
     let nats_image = format!("nats:{}", pinned_nats_version()?);
-    let bins = workspace_binaries()?;
+    let bins = common::shipped::workspace_binaries()?;
     let commands = image_commands()?;
     // What the Dockerfile copies exists: a workspace binary, or a file of the repository.
     for (name, src) in &commands {
-        match src.strip_prefix("target/release/") {
+        match src.strip_prefix(IMAGE_BUILD_DIR) {
             Some(bin) => ensure!(
                 bins.contains(bin) && bin == name,
                 "Dockerfile installs {name} from {src}, not a workspace binary (have {bins:?})"
@@ -435,6 +482,143 @@ fn manifests_parse_and_reference_only_images_config_keys_and_volumes_that_exist(
     Ok(())
 }
 
+/// The `stagehand-config` key a service container reads: the `.toml` it mounts from that
+/// ConfigMap (the DaemonSet's agent rewrites its copy before it starts).
+fn config_key_of(container: &Value, spec: &Value) -> Option<String> {
+    let from_config_map = |volume: &str| {
+        spec["volumes"].as_array().into_iter().flatten().any(|v| {
+            str_of(v, "/name").as_deref() == Some(volume)
+                && str_of(v, "/configMap/name").as_deref() == Some("stagehand-config")
+        })
+    };
+    container["volumeMounts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|m| from_config_map(&str_of(m, "/name").unwrap_or_default()))
+        .find_map(|m| str_of(m, "/subPath").filter(|p| p.ends_with(".toml")))
+}
+
+#[test]
+fn every_service_runs_with_probes_metrics_annotations_and_resource_requests() -> anyhow::Result<()>
+{
+    let docs = manifests()?;
+    let configs: BTreeMap<String, String> = docs
+        .iter()
+        .find(|(_, d)| {
+            d["kind"] == "ConfigMap"
+                && str_of(d, "/metadata/name").as_deref() == Some("stagehand-config")
+        })
+        .and_then(|(_, d)| d["data"].as_object())
+        .context("no ConfigMap stagehand-config")?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+        .collect();
+    // Where each configuration serves metrics: a port of its own, as on one host.
+    let mut ports: BTreeMap<String, u16> = BTreeMap::new();
+    for (key, text) in &configs {
+        let service = key.strip_suffix(".toml").unwrap_or(key);
+        let (_, check) = SERVICE_CONFIGS
+            .iter()
+            .find(|(name, _)| *name == service)
+            .with_context(|| format!("stagehand-config key {key}: no service {service}"))?;
+        let listen = check(Path::new(key), text)
+            .map_err(anyhow::Error::msg)?
+            .with_context(|| format!("stagehand-config {key}: no metrics_listen"))?;
+        ensure!(
+            listen.ip().is_unspecified(),
+            "{key}: metrics on {listen}, which the kubelet and Prometheus cannot reach"
+        );
+        if let Some((other, _)) = ports.iter().find(|(_, p)| **p == listen.port()) {
+            bail!(
+                "{key} and {other} both serve metrics on port {}",
+                listen.port()
+            );
+        }
+        ports.insert(key.clone(), listen.port());
+    }
+
+    let mut running = BTreeSet::new();
+    for (file, doc) in &docs {
+        let Some((meta, spec)) = pod_spec(doc) else {
+            continue;
+        };
+        for c in spec["containers"].as_array().into_iter().flatten() {
+            let Some(key) = config_key_of(c, spec) else {
+                continue;
+            };
+            let what = format!(
+                "{file}: {} {}",
+                doc["kind"],
+                str_of(doc, "/metadata/name").unwrap_or_default()
+            );
+            let port = *ports
+                .get(&key)
+                .with_context(|| format!("{what} reads {key}, which stagehand-config lacks"))?;
+            let command = c["command"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(" ");
+            if let Some(bin) = command
+                .split_whitespace()
+                .find(|w| w.starts_with("stagehand-"))
+            {
+                running.insert(bin.to_owned());
+            }
+            let annotations = &meta["annotations"];
+            ensure!(
+                annotations["prometheus.io/scrape"] == "true"
+                    && annotations["prometheus.io/port"]
+                        .as_str()
+                        .and_then(|p| p.parse::<u16>().ok())
+                        == Some(port)
+                    && annotations["prometheus.io/path"] == "/metrics",
+                "{what}: the pod's prometheus.io annotations do not say metrics are on {port} /metrics: {annotations}"
+            );
+            let named = c["ports"].as_array().into_iter().flatten().find(|p| {
+                str_of(p, "/name").as_deref() == Some("metrics")
+                    && p["containerPort"].as_u64() == Some(u64::from(port))
+            });
+            ensure!(
+                named.is_some(),
+                "{what}: no container port `metrics` = {port}: {}",
+                c["ports"]
+            );
+            for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+                let get = &c[probe]["httpGet"];
+                ensure!(
+                    get["path"] == path
+                        && (get["port"] == "metrics"
+                            || get["port"].as_u64() == Some(u64::from(port))),
+                    "{what}: {probe} is not GET {path} on the metrics port: {}",
+                    c[probe]
+                );
+            }
+            for resource in ["cpu", "memory"] {
+                ensure!(
+                    c.pointer(&format!("/resources/requests/{resource}"))
+                        .is_some(),
+                    "{what}: no {resource} request"
+                );
+            }
+        }
+    }
+    // Every service the workspace ships runs (the CLI runs as the provision Job).
+    let services: BTreeSet<String> = common::shipped::workspace_binaries()?
+        .into_iter()
+        .filter(|b| b != "stagehand")
+        .collect();
+    let missing: Vec<&String> = services.difference(&running).collect();
+    ensure!(
+        missing.is_empty(),
+        "deploy/k8s runs no {missing:?} (it runs {running:?})"
+    );
+    Ok(())
+}
+
 /// ConfigMaps made from a file of the repository (deploy/k8s/README.md, "Users and TLS"):
 /// name, key, file.
 const FILE_CONFIG_MAPS: &[(&str, &str, &str)] = &[(
@@ -447,15 +631,16 @@ const FILE_CONFIG_MAPS: &[(&str, &str, &str)] = &[(
 const NATS_TLS_DIR: &str = "/etc/nats/tls/";
 
 /// Parses one service configuration the way the service's binary does (unknown keys refused,
-/// every table validated); no `STAGEHAND_NATS_*` variables apply.
-type Check = fn(&std::path::Path, &str) -> Result<(), String>;
+/// every table validated); no `STAGEHAND_NATS_*` variables apply. Returns where it serves
+/// its metrics and probes.
+type Check = fn(&std::path::Path, &str) -> Result<Option<std::net::SocketAddr>, String>;
 
 fn check<S: stagehand_bus::runner::ServiceSettings>(
     path: &std::path::Path,
     text: &str,
-) -> Result<(), String> {
+) -> Result<Option<std::net::SocketAddr>, String> {
     stagehand_bus::runner::ServiceConfig::<S>::parse(path, text, |_| None)
-        .map(|_| ())
+        .map(|config| config.telemetry.metrics_listen)
         .map_err(|e| e.to_string())
 }
 
@@ -472,6 +657,18 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
     (
         stagehand_promoter::SERVICE,
         check::<stagehand_promoter::Settings>,
+    ),
+    (
+        stagehand_resharder::SERVICE,
+        check::<stagehand_resharder::Settings>,
+    ),
+    (
+        stagehand_demoter::SERVICE,
+        check::<stagehand_demoter::Settings>,
+    ),
+    (
+        stagehand_backup_copier::SERVICE,
+        check::<stagehand_backup_copier::Settings>,
     ),
     // The node agents' template (the DaemonSet puts the node's name in).
     ("promoter-agent", check::<stagehand_promoter::Settings>),

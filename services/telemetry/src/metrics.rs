@@ -1,5 +1,7 @@
 //! Prometheus metrics: one process-wide recorder behind the `metrics` facade, and a small
-//! scrape endpoint that serves `GET /metrics`.
+//! scrape endpoint that serves `GET /metrics` and the probes a supervisor asks: `GET /healthz`
+//! (the process answers) and `GET /readyz` (the service is ready for work, by a [`Readiness`]
+//! check its runner gives).
 //!
 //! Every metric name comes from [`crate::names`]; label values stay bounded (a service, an
 //! outcome), never an id or a path. The recorder is installed once per process ([`install`]),
@@ -9,7 +11,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -69,11 +71,25 @@ fn describe() {
     );
 }
 
-/// The scrape endpoint: a bound listener that serves the process-wide registry.
-#[derive(Debug)]
+/// What `GET /readyz` answers: `Ok` when the service is ready for work, else why it is not
+/// (one line, shown in the 503's body).
+pub type Readiness = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// The scrape endpoint: a bound listener that serves the process-wide registry and the
+/// health probes.
 pub struct MetricsEndpoint {
     listener: TcpListener,
     handle: &'static PrometheusHandle,
+    readiness: Option<Readiness>,
+}
+
+impl std::fmt::Debug for MetricsEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsEndpoint")
+            .field("listener", &self.listener)
+            .field("readiness", &self.readiness.is_some())
+            .finish()
+    }
 }
 
 impl MetricsEndpoint {
@@ -83,7 +99,14 @@ impl MetricsEndpoint {
         Ok(MetricsEndpoint {
             listener,
             handle: install(),
+            readiness: None,
         })
+    }
+
+    /// Answers `GET /readyz` with `check` (without one, ready whenever the process answers).
+    pub fn with_readiness(mut self, check: Readiness) -> MetricsEndpoint {
+        self.readiness = Some(check);
+        self
     }
 
     /// The address it listens on.
@@ -102,8 +125,9 @@ impl MetricsEndpoint {
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         let handle = self.handle;
+                        let readiness = self.readiness.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = respond(stream, handle).await {
+                            if let Err(e) = respond(stream, handle, readiness.as_ref()).await {
                                 tracing::debug!(error = %e, "metrics scrape failed");
                             }
                         });
@@ -119,8 +143,15 @@ impl MetricsEndpoint {
     }
 }
 
-/// Answers one HTTP request: `GET /metrics` gets the registry in the text exposition format.
-async fn respond(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
+/// Answers one HTTP request: `GET /metrics` gets the registry in the text exposition format,
+/// `GET /healthz` 200 (liveness: the process and its runtime answer; never NATS, so that an
+/// outage of the bus does not get every service restarted), `GET /readyz` 200 or 503 with the
+/// reason (readiness).
+async fn respond(
+    mut stream: TcpStream,
+    handle: &PrometheusHandle,
+    readiness: Option<&Readiness>,
+) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(512);
     let read = async {
         let mut buf = [0u8; 1024];
@@ -147,7 +178,20 @@ async fn respond(mut stream: TcpStream, handle: &PrometheusHandle) -> std::io::R
             "text/plain; version=0.0.4; charset=utf-8",
             handle.render(),
         ),
-        ("GET", _) => ("404 Not Found", "text/plain", "only /metrics here\n".into()),
+        ("GET", "/healthz") => ("200 OK", "text/plain", "ok\n".into()),
+        ("GET", "/readyz") => match readiness.map_or(Ok(()), |check| check()) {
+            Ok(()) => ("200 OK", "text/plain", "ready\n".into()),
+            Err(why) => (
+                "503 Service Unavailable",
+                "text/plain",
+                format!("not ready: {why}\n"),
+            ),
+        },
+        ("GET", _) => (
+            "404 Not Found",
+            "text/plain",
+            "only /metrics, /healthz and /readyz here\n".into(),
+        ),
         _ => (
             "405 Method Not Allowed",
             "text/plain",
@@ -191,10 +235,54 @@ mod tests {
                 ok.contains(r#"stagehand_handler_calls_total{service="unit-test",result="ok"} 3"#),
                 "{ok}"
             );
+            let live = get(addr, "GET /healthz HTTP/1.1\r\n\r\n").await;
+            assert!(
+                live.starts_with("HTTP/1.1 200 OK") && live.ends_with("ok\n"),
+                "{live}"
+            );
+            let ready = get(addr, "GET /readyz HTTP/1.1\r\n\r\n").await;
+            assert!(ready.starts_with("HTTP/1.1 200 OK"), "{ready}");
             let missing = get(addr, "GET /other HTTP/1.1\r\n\r\n").await;
             assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
             let post = get(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
             assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+            stop.notify_one();
+        };
+        tokio::join!(server, client);
+    }
+
+    #[tokio::test]
+    async fn readyz_answers_the_services_check_and_healthz_does_not() {
+        let ready = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = ready.clone();
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap()
+            .with_readiness(Arc::new(move || {
+                if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    Ok(())
+                } else {
+                    Err("connecting to NATS".into())
+                }
+            }));
+        let addr = endpoint.local_addr().unwrap();
+        let stop = tokio::sync::Notify::new();
+        let server = endpoint.serve(stop.notified());
+        let client = async {
+            let waiting = get(addr, "GET /readyz HTTP/1.1\r\n\r\n").await;
+            assert!(
+                waiting.starts_with("HTTP/1.1 503")
+                    && waiting.ends_with("not ready: connecting to NATS\n"),
+                "{waiting}"
+            );
+            let live = get(addr, "GET /healthz HTTP/1.1\r\n\r\n").await;
+            assert!(live.starts_with("HTTP/1.1 200 OK"), "{live}");
+            ready.store(true, std::sync::atomic::Ordering::SeqCst);
+            let now = get(addr, "GET /readyz HTTP/1.1\r\n\r\n").await;
+            assert!(
+                now.starts_with("HTTP/1.1 200 OK") && now.ends_with("ready\n"),
+                "{now}"
+            );
             stop.notify_one();
         };
         tokio::join!(server, client);

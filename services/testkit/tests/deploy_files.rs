@@ -1,7 +1,8 @@
 //! Every configuration file under `deploy/` is checked: the NATS configs parse with the server
 //! that runs them, every service configuration under `deploy/config/` parses and validates as
-//! its service reads it, and the systemd units name binaries this workspace builds with a
-//! shipped configuration file.
+//! its service reads it and binds its metrics to a port of its own (every service may run on
+//! one host), and the systemd units name binaries this workspace builds with a shipped
+//! configuration file.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -95,15 +96,16 @@ fn a_missing_password_variable_stops_the_server() {
 }
 
 /// Parses one service configuration the way the service's binary does (unknown keys refused,
-/// every table validated); no `STAGEHAND_NATS_*` variables apply.
-type Check = fn(&std::path::Path, &str) -> Result<(), String>;
+/// every table validated); no `STAGEHAND_NATS_*` variables apply. Returns where it serves
+/// its metrics.
+type Check = fn(&std::path::Path, &str) -> Result<Option<std::net::SocketAddr>, String>;
 
 fn check<S: stagehand_bus::runner::ServiceSettings>(
     path: &std::path::Path,
     text: &str,
-) -> Result<(), String> {
+) -> Result<Option<std::net::SocketAddr>, String> {
     stagehand_bus::runner::ServiceConfig::<S>::parse(path, text, |_| None)
-        .map(|_| ())
+        .map(|config| config.telemetry.metrics_listen)
         .map_err(|e| e.to_string())
 }
 
@@ -163,6 +165,45 @@ fn every_service_config_parses_and_validates() {
             "{err}"
         );
     }
+}
+
+/// `[telemetry] metrics_listen` of one shipped service configuration, read as its service
+/// reads it.
+fn metrics_listen(path: &std::path::Path) -> std::net::SocketAddr {
+    let service = path.file_stem().unwrap().to_string_lossy();
+    let (_, check) = SERVICE_CONFIGS
+        .iter()
+        .find(|(name, _)| *name == service)
+        .unwrap_or_else(|| panic!("{}: no service of that name", path.display()));
+    let text = std::fs::read_to_string(path).unwrap();
+    check(path, &text)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("{}: no [telemetry] metrics_listen", path.display()))
+}
+
+/// On one host every service runs beside the others (the systemd units): two that bind the
+/// same metrics port leave the second one exiting 78, which systemd does not restart.
+#[test]
+fn every_service_config_binds_its_own_metrics_port() {
+    let mut seen: Vec<(u16, PathBuf)> = Vec::new();
+    for path in files("deploy/config", ".toml") {
+        let port = metrics_listen(&path).port();
+        assert_ne!(
+            port,
+            0,
+            "{}: a fixed port, for Prometheus to find",
+            path.display()
+        );
+        if let Some((_, other)) = seen.iter().find(|(p, _)| *p == port) {
+            panic!(
+                "{} and {} both bind metrics port {port}",
+                other.display(),
+                path.display()
+            );
+        }
+        seen.push((port, path));
+    }
+    assert_eq!(seen.len(), SERVICE_CONFIGS.len(), "{seen:?}");
 }
 
 #[test]
@@ -235,6 +276,22 @@ fn systemd_units_run_binaries_of_this_workspace() {
                 .is_file(),
             "{}: deploy/config/{service}.toml is not shipped",
             unit.display()
+        );
+        // The header tells the operator where Prometheus finds the service: the config's port.
+        let shipped = repo_root()
+            .join("deploy/config")
+            .join(format!("{service}.toml"));
+        let said = text
+            .lines()
+            .find_map(|l| l.split_once("metrics_listen (").map(|(_, rest)| rest))
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{}: the header names no metrics address", unit.display()));
+        assert_eq!(
+            said,
+            metrics_listen(&shipped).to_string(),
+            "{}: the header's metrics address is not {}'s",
+            unit.display(),
+            shipped.display()
         );
         assert!(
             text.contains("RestartPreventExitStatus=78"),

@@ -7,7 +7,9 @@
 //!    naming the file, the key and its line; then the `STAGEHAND_NATS_*` environment overrides
 //!    ([`crate::env`](mod@crate::env));
 //! 2. **telemetry** — logs (text or JSON), traces (OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
-//!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`;
+//!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`, which also
+//!    answers the probes `GET /healthz` (the process answers) and `GET /readyz` (connected, and
+//!    every worker the service started consumes; `health`);
 //! 3. **connect** (with retries) and **provision** the streams and the claims bucket;
 //! 4. **signals** — SIGINT or SIGTERM starts a drain; a second one exits at once;
 //! 5. **serve** — the service's function gets a [`Context`] (its settings, the connection, the
@@ -55,6 +57,7 @@
 //! ```
 
 mod config;
+mod health;
 mod tasks;
 
 use std::future::Future;
@@ -74,7 +77,8 @@ pub use tasks::{TaskError, TaskGroup, every};
 use crate::bus::Bus;
 use crate::config::WorkerConfig;
 use crate::error::{BusError, HandlerError};
-use crate::worker::{Handler, WorkContext, WorkerStats, run_worker};
+use crate::worker::{Handler, WorkContext, WorkerHooks, WorkerStats, run_worker_with_hooks};
+use health::Health;
 
 /// Exit status for a configuration that cannot work (`EX_CONFIG` of sysexits.h); systemd
 /// units list it in `RestartPreventExitStatus` so that a broken file is not restarted in a loop.
@@ -100,18 +104,23 @@ pub struct Context<S> {
     pub worker: WorkerSettings,
     /// Cancelled when the service must stop.
     pub shutdown: CancellationToken,
+    /// What `/readyz` answers: the workers started through this context count.
+    health: Health,
 }
 
 impl<S> Context<S> {
     /// A context over an existing connection with default worker tunables: for running a
     /// service's `serve` in-process (tests).
     pub fn new(name: &'static str, settings: S, bus: Bus, shutdown: CancellationToken) -> Self {
+        let health = Health::new(&shutdown);
+        health.connected(bus.client());
         Self {
             name,
             settings,
             bus,
             worker: WorkerSettings::default(),
             shutdown,
+            health,
         }
     }
 
@@ -167,7 +176,18 @@ impl<S> Context<S> {
             service: self.name,
             inner: handler,
         });
-        run_worker(self.bus.clone(), cfg, handler, shutdown)
+        let started = self.health.clone();
+        let hooks = WorkerHooks {
+            started: Some(Arc::new(move || started.worker_started())),
+            ..WorkerHooks::default()
+        };
+        let worker = run_worker_with_hooks(self.bus.clone(), cfg, handler, shutdown, hooks);
+        let health = self.health.clone();
+        async move {
+            let stats = worker.await;
+            health.worker_stopped();
+            stats
+        }
     }
 }
 
@@ -272,13 +292,16 @@ where
         telemetry,
         service,
     } = config;
+    let health = Health::new(&shutdown);
     let metrics = match telemetry.metrics_listen {
         Some(addr) => {
+            let readiness = health.clone();
             let endpoint = MetricsEndpoint::bind(addr)
                 .await
-                .map_err(|source| RunError::Metrics { addr, source })?;
+                .map_err(|source| RunError::Metrics { addr, source })?
+                .with_readiness(Arc::new(move || readiness.check()));
             let bound = endpoint.local_addr().unwrap_or(addr);
-            tracing::info!(service = name, metrics = %bound, "serving Prometheus metrics on /metrics");
+            tracing::info!(service = name, metrics = %bound, "serving Prometheus metrics on /metrics, probes on /healthz and /readyz");
             let stop = shutdown.clone();
             Some(AbortOnDrop(tokio::spawn(
                 endpoint.serve(async move { stop.cancelled().await }),
@@ -291,6 +314,7 @@ where
     }
     let connected = Bus::connect(&bus).await?;
     connected.provision().await?;
+    health.connected(connected.client());
     tracing::info!(
         service = name,
         servers = %connected.servers(),
@@ -309,6 +333,7 @@ where
         bus: connected,
         worker: worker.clone(),
         shutdown: shutdown.clone(),
+        health,
     };
     let deadline = worker.shutdown_deadline_or(DEFAULT_DRAIN) + DRAIN_MARGIN;
     let served = serve(ctx);

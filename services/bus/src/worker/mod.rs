@@ -216,12 +216,16 @@ pub struct WorkerHooks {
     /// Awaited after an event's outcome is committed (claim and ledger) and before its facts
     /// are published and the message acked.
     pub after_record: Option<Hook>,
+    /// Called once the worker has its consumer, ledger and claims and starts pulling: the
+    /// service runner's readiness (`/readyz`).
+    pub started: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl std::fmt::Debug for WorkerHooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerHooks")
             .field("after_record", &self.after_record.is_some())
+            .field("started", &self.started.is_some())
             .finish()
     }
 }
@@ -440,6 +444,9 @@ pub async fn run_worker_with_hooks<H: Handler>(
         fatal: fatal.clone(),
     });
     info!(service = %shared.cfg.service, %instance, concurrency = shared.cfg.concurrency, "worker started");
+    if let Some(started) = &shared.hooks.started {
+        started();
+    }
 
     let duties = tokio::spawn(background_duties(shared.clone()));
     let abandoned = pull::pull_loop(&shared, &consumer, &stop).await;

@@ -8,6 +8,7 @@
 #![allow(dead_code)] // each test binary uses part of this
 
 pub mod attacks;
+pub mod shipped;
 pub mod tenants;
 
 use std::os::unix::fs::PermissionsExt;
