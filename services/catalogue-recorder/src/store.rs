@@ -796,6 +796,9 @@ mod tests {
             .unwrap();
         let mut foreign = borrowed.clone();
         foreign.project = "labb".into();
+        if let Body::DatasetValidated(p) = &mut foreign.body {
+            p.source.prefix = "labb/cats/x".into();
+        }
         fold_files(&store, &foreign);
         store.apply_batch(&items(&[foreign], 101)).unwrap();
         let rows = catalogue_rows(&store.dump().unwrap());
@@ -822,11 +825,18 @@ mod tests {
     fn a_fact_borrowing_another_projects_id_does_not_make_the_catalogue_skip_it() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path().join("c.redb")).unwrap();
+        // Each beneath its own project's folder, as the location rule requires.
         let mut victim = validated(1);
         victim.project = "labb".into();
+        if let Body::DatasetValidated(p) = &mut victim.body {
+            p.source.prefix = "labb/cats/x".into();
+        }
         let mut shadow = checkpoint_committed(1, &[], 0);
         shadow.project = "demo".into();
         shadow.id = victim.id.clone();
+        if let Body::CheckpointCommitted(p) = &mut shadow.body {
+            p.location.prefix = "demo/checkpoints/r1/step-1".into();
+        }
         fold_files(&store, &shadow);
         fold_files(&store, &victim);
         store.apply_batch(&items(&[shadow], 1)).unwrap();
