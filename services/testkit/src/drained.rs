@@ -77,13 +77,32 @@ pub async fn drained(js: &jetstream::Context, stream: &str, consumers: &[&str]) 
             Drained::Dropped {
                 ack_floor,
                 delivered,
-            } => panic!(
-                "consumer {consumer} of {stream} lost a message dropped at max_deliver: acked \
-                 up to stream sequence {ack_floor}, delivered up to {delivered}, nothing pending"
-            ),
+            } => lost(stream, consumer, ack_floor, delivered),
         }
     }
     true
+}
+
+fn lost(stream: &str, consumer: &str, ack_floor: u64, delivered: u64) -> ! {
+    panic!(
+        "consumer {consumer} of {stream} lost a message dropped at max_deliver: acked up to \
+         stream sequence {ack_floor}, delivered up to {delivered}, nothing pending"
+    )
+}
+
+/// The last stream sequence `consumer` of `stream` delivered, once it has handled everything
+/// it was given (`None` before, or while it does not exist); panics, as [`drained`] does, on
+/// a message the server dropped. For a test that waits for a consumer to have taken a given
+/// number of messages as well.
+pub async fn drained_through(js: &jetstream::Context, stream: &str, consumer: &str) -> Option<u64> {
+    match consumer_state(js, stream, consumer).await {
+        Drained::Yes { delivered } => Some(delivered),
+        Drained::No => None,
+        Drained::Dropped {
+            ack_floor,
+            delivered,
+        } => lost(stream, consumer, ack_floor, delivered),
+    }
 }
 
 /// Waits until every consumer named is [`drained`], within `timeout`.

@@ -53,7 +53,7 @@ pub use accounts::{
     accounts_conf_with_projects, accounts_of, accounts_roles, covers, crossing_gaps,
     project_account, publish_allowed, role_password, roles_of, subscribe_allowed, user_url,
 };
-pub use drained::{Drained, consumer_state, drained, wait_drained};
+pub use drained::{Drained, consumer_state, drained, drained_through, wait_drained};
 pub use events::{StageRequest, validated_fact};
 pub use facts::{
     StoredEventsError, StoredMessage, facts_caused_by, stored_events, stored_facts, stored_messages,
