@@ -25,7 +25,7 @@ async fn a_backup_verifies_drills_restores_and_a_corrupt_byte_fails_the_next_dri
         &tiers_toml(&root, "hot-fs", &posix_backup(&root)),
         &backup_toml("1s", ""),
     );
-    let mut stack = Stack::start(&root.join("state")).await;
+    let mut stack = Stack::start().await;
     stack.start_copier(&policies, &root.join("state/copier"));
 
     // A validated dataset of 5 files and a checkpoint tagged `keep` on the hot tier.
@@ -211,7 +211,7 @@ async fn a_source_in_the_backup_tiers_failure_domain_is_refused_at_run_time() ->
         &tiers_toml(&root, "backup-site", &posix_backup(&root)),
         &backup_toml("1h", ""),
     );
-    let mut stack = Stack::start(&root.join("state")).await;
+    let mut stack = Stack::start().await;
     let mut dead = stack
         .bus
         .client()
@@ -296,7 +296,7 @@ async fn two_facts_of_one_version_at_once_make_one_backup() -> anyhow::Result<()
         &tiers_toml(&root, "hot-fs", &posix_backup(&root)),
         &backup_toml("1h", ""),
     );
-    let mut stack = Stack::start(&root.join("state")).await;
+    let mut stack = Stack::start().await;
     let mut completed = stack
         .bus
         .client()

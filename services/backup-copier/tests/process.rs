@@ -123,7 +123,7 @@ async fn an_s3_backup_is_held_under_object_lock_and_a_replaced_object_fails_the_
         &tiers_toml(&root, "hot-fs", &s3_backup(server, &bucket, "")),
         &backup_toml("1s", "[object_lock]\nmode = \"compliance\"\ndays = 1\n"),
     );
-    let stack = Stack::start(&root.join("state")).await;
+    let stack = Stack::start().await;
     let config = root.join("copier.toml");
     write_config(
         &config,

@@ -22,7 +22,6 @@ use stagehand_mover::s3::{S3Config, S3Tier};
 use stagehand_policy::{Policies, TierRole};
 use stagehand_schemas::{
     Body, Event, EventId, FileRef, IngestRequested, Location, sha256_hex, subject, version_digest,
-    wire,
 };
 use stagehand_testkit::{NatsServer, S3Server, wait_for, wait_until};
 use tokio::net::{TcpListener, TcpStream};
@@ -148,16 +147,10 @@ async fn a_request_dead_lettered_while_its_tier_was_unreachable_is_validated_aft
     assert_eq!(replayed.subject, "stagehand.req.ingest.requested.lab-a");
     let js = bus.jetstream().clone();
     let verdict = wait_for(WAIT, "the replayed request's verdict", || async {
-        let mut stream = js.get_stream(subject::FACTS.name).await.ok()?;
-        let last = stream.info().await.ok()?.state.last_sequence;
-        for seq in 1..=last {
-            let m = stream.get_raw_message(seq).await.ok()?;
-            let e = wire::decode(&m.payload).ok()?;
-            if e.causation_id.as_ref() == Some(&request.id) {
-                return Some(e);
-            }
-        }
-        None
+        stagehand_testkit::facts_caused_by(&js, &request.id)
+            .await
+            .into_iter()
+            .next()
     })
     .await
     .unwrap();
@@ -179,12 +172,8 @@ async fn a_request_dead_lettered_while_its_tier_was_unreachable_is_validated_aft
     assert_eq!((stats.dead_lettered, stats.handled), (1, 1), "{stats:?}");
     forwarder.abort();
 
-    wait_until(WAIT, "the validator idle", || async {
-        let stream = js.get_stream(subject::REQUESTS.name).await.unwrap();
-        stream
-            .consumer_info(SERVICE)
-            .await
-            .is_ok_and(|i| i.num_pending == 0 && i.num_ack_pending == 0)
+    wait_until(WAIT, "the validator idle", || {
+        stagehand_testkit::drained(&js, subject::REQUESTS.name, &[SERVICE])
     })
     .await
     .unwrap();

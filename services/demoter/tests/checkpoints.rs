@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use stagehand_schemas::Body;
-use stagehand_testkit::wait_until;
+use stagehand_schemas::{Body, subject};
+use stagehand_testkit::{drained_through, wait_until};
 
 /// Guards the demoter's side of retention: keep_last 3, hot_keep_last 1, `best` tagged, over
 /// six checkpoints (step 200 tagged): 600 stays on hot; 500 and 400 (keep_last) and 200
@@ -115,18 +115,9 @@ async fn a_pass_stopped_by_a_silent_catalogue_is_tried_again_without_new_facts()
     // The demoter took both commits (its passes find no catalogue).
     let js = stack.bus.jetstream().clone();
     wait_until(WAIT, "the demoter to take both commits", || async {
-        let Ok(mut consumer) = js
-            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                "demoter",
-                stagehand_schemas::subject::FACTS.name,
-            )
+        drained_through(&js, subject::FACTS.name, "demoter")
             .await
-        else {
-            return false;
-        };
-        consumer.info().await.is_ok_and(|i| {
-            i.num_pending == 0 && i.num_ack_pending == 0 && i.delivered.stream_sequence > 0
-        })
+            .is_some_and(|delivered| delivered > 0)
     })
     .await
     .unwrap();
@@ -176,18 +167,9 @@ async fn a_checkpoint_listed_by_reference_is_demoted_whole() {
 /// Waits until the demoter has taken (and acknowledged) at least `facts` facts, all there are.
 async fn took_every_fact(js: &async_nats::jetstream::Context, facts: u64) {
     wait_until(WAIT, "the demoter to take every fact", || async {
-        let Ok(mut consumer) = js
-            .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
-                "demoter",
-                stagehand_schemas::subject::FACTS.name,
-            )
+        drained_through(js, subject::FACTS.name, "demoter")
             .await
-        else {
-            return false;
-        };
-        consumer.info().await.is_ok_and(|i| {
-            i.num_pending == 0 && i.num_ack_pending == 0 && i.delivered.stream_sequence >= facts
-        })
+            .is_some_and(|delivered| delivered >= facts)
     })
     .await
     .unwrap();

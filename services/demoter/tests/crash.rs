@@ -65,13 +65,11 @@ async fn end_state(stack: &Stack, placed: &[Placed], name: &str) {
 
 /// Kills the halted first demoter, starts a second and waits for [`end_state`], then stops
 /// everything.
-async fn restarted_after_kill(stack: Stack, mut first: std::process::Child, placed: &[Placed]) {
-    first.kill().unwrap();
-    first.wait().unwrap();
+async fn restarted_after_kill(stack: Stack, mut first: ServiceProcess, placed: &[Placed]) {
+    first.kill();
     let mut second = spawn(&stack, "second", &[]);
     end_state(&stack, placed, "second").await;
-    second.kill().unwrap();
-    second.wait().unwrap();
+    second.kill();
     stack.stop().await;
 }
 
@@ -216,8 +214,7 @@ async fn a_job_that_asks_while_the_replica_is_withdrawn_keeps_it() {
     let bucket = stack.readiness().await;
     assert!(!is_ready(&bucket, &hot_key(&p)).await);
     assert!(whole_on(&stack, "hot", &p));
-    first.kill().unwrap();
-    first.wait().unwrap();
+    first.kill();
 
     stack.stage(&p, "job-new", ago(0)).await;
     stack.recorded_requests(&p, 2, 1).await;
@@ -231,7 +228,6 @@ async fn a_job_that_asks_while_the_replica_is_withdrawn_keeps_it() {
     let parent = stack.tier("hot").join(format!("{PROJECT}/{}", p.dataset));
     assert_eq!(list(&parent), vec![p.version.clone()]);
     assert!(log_of(&stack, "second").contains("removal undone"));
-    second.kill().unwrap();
-    second.wait().unwrap();
+    second.kill();
     stack.stop().await;
 }

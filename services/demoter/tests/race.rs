@@ -48,7 +48,7 @@ async fn a_request_racing_a_removal_is_answered_ready_only_with_its_path_complet
         "racer",
         &[(stagehand_demoter::STOP_BEFORE_RENAME_ENV, "1")],
     );
-    let pid = demoter.id();
+    let pid = demoter.child().id();
     wait_until(WAIT, "the demoter to stop before its rename", || async {
         stopped(pid)
     })
@@ -93,7 +93,7 @@ async fn a_request_racing_a_removal_is_answered_ready_only_with_its_path_complet
     // The demoter goes on: rename, delete, space given back, record deleted; the promoter
     // then copies the version afresh from capacity.
     rustix::process::kill_process(
-        rustix::process::Pid::from_child(&demoter),
+        rustix::process::Pid::from_child(demoter.child()),
         rustix::process::Signal::CONT,
     )
     .unwrap();
@@ -153,7 +153,6 @@ async fn a_request_racing_a_removal_is_answered_ready_only_with_its_path_complet
         used.served
     );
 
-    demoter.kill().unwrap();
-    demoter.wait().unwrap();
+    demoter.kill();
     stack.stop().await;
 }

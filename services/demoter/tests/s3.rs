@@ -25,12 +25,7 @@ async fn a_last_copy_is_copied_down_to_an_s3_capacity_tier_before_it_leaves_hot(
     stack.stage(&p, "job", ago(120)).await;
     stack.release(&p, "job", ago(90)).await;
     stack.recorded(&p, 1, 1).await;
-    let env = [
-        ("AWS_ACCESS_KEY_ID", s3.access_key()),
-        ("AWS_SECRET_ACCESS_KEY", s3.secret_key()),
-        ("AWS_REGION", s3.region()),
-        ("NO_PROXY", "127.0.0.1,localhost"),
-    ];
+    let env = s3.client_env();
     let mut demoter = spawn(&stack, "s3", &env);
     let js = stack.bus.jetstream().clone();
     wait_until(WAIT, "the replica removed from hot", || async {
@@ -56,8 +51,7 @@ async fn a_last_copy_is_copied_down_to_an_s3_capacity_tier_before_it_leaves_hot(
         .position(|(k, t, _, _)| k == "removed" && t == "hot")
         .unwrap();
     assert!(created < removed);
-    demoter.kill().unwrap();
-    demoter.wait().unwrap();
+    demoter.kill();
     stack.stop().await;
 }
 
@@ -97,12 +91,7 @@ async fn a_damaged_set_already_on_s3_capacity_is_replaced_before_the_hot_copy_go
     stack.stage(&p, "job", ago(120)).await;
     stack.release(&p, "job", ago(90)).await;
     stack.recorded(&p, 1, 1).await;
-    let env = [
-        ("AWS_ACCESS_KEY_ID", s3.access_key()),
-        ("AWS_SECRET_ACCESS_KEY", s3.secret_key()),
-        ("AWS_REGION", s3.region()),
-        ("NO_PROXY", "127.0.0.1,localhost"),
-    ];
+    let env = s3.client_env();
     let mut demoter = spawn(&stack, "s3-stale", &env);
     let js = stack.bus.jetstream().clone();
     wait_until(WAIT, "the replica removed from hot", || async {
@@ -128,7 +117,6 @@ async fn a_damaged_set_already_on_s3_capacity_is_replaced_before_the_hot_copy_go
         .position(|(k, t, _, _)| k == "removed" && t == "hot")
         .unwrap();
     assert!(created < removed);
-    demoter.kill().unwrap();
-    demoter.wait().unwrap();
+    demoter.kill();
     stack.stop().await;
 }

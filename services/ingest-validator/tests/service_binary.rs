@@ -4,7 +4,7 @@
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -13,7 +13,7 @@ use stagehand_bus::{Bus, BusConfig};
 use stagehand_schemas::{
     Body, Event, EventId, FileRef, IngestRequested, Location, sha256_hex, subject, wire,
 };
-use stagehand_testkit::{NatsServer, Prometheus, wait_for};
+use stagehand_testkit::{NatsServer, PolicyFiles, Prometheus, ServiceProcess, wait_for};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -22,39 +22,16 @@ fn free_addr() -> anyhow::Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-/// The shipped policies with every posix tier beneath `home`.
-fn write_policies(dir: &Path) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let repo = stagehand_testkit::repo_root().join("policies");
-    for name in ["tiers.toml", "validation.toml"] {
-        std::fs::copy(repo.join(name), dir.join(name))?;
-    }
-    Ok(())
-}
-
-/// The binary, its environment cleared of `STAGEHAND_NATS_*` so that only the file counts.
-fn validator(config: &Path, home: &Path, stderr: &Path) -> anyhow::Result<Child> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand-ingest-validator"));
-    cmd.arg("--config")
-        .arg(config)
-        .env("STAGEHAND_HOME", home)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(stderr)?);
-    for var in stagehand_bus::env::ALL {
-        cmd.env_remove(var);
-    }
-    Ok(cmd.spawn()?)
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// The binary with its Stagehand environment cleared, so that only the file (and `home`)
+/// counts.
+fn validator(config: &Path, home: &Path, stderr: &Path) -> ServiceProcess {
+    let home = home.display().to_string();
+    ServiceProcess::spawn(
+        env!("CARGO_BIN_EXE_stagehand-ingest-validator"),
+        config,
+        stderr,
+        &[("STAGEHAND_HOME", &home), ("RUST_LOG", "info")],
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,7 +40,11 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
     let tmp = tempfile::tempdir()?;
     let home = tmp.path().join("home");
     let policies = tmp.path().join("policies");
-    write_policies(&policies)?;
+    // The shipped policies, every posix tier beneath `home`.
+    PolicyFiles::new()
+        .shipped("tiers.toml")
+        .shipped("validation.toml")
+        .write(&policies);
     let metrics = free_addr()?;
     let config = tmp.path().join("ingest-validator.toml");
     std::fs::write(
@@ -80,7 +61,7 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
     std::fs::create_dir_all(&root)?;
     std::fs::write(root.join("a.txt"), b"scraped")?;
     let stderr = tmp.path().join("validator.stderr");
-    let mut child = Killed(validator(&config, &home, &stderr)?);
+    let mut child = validator(&config, &home, &stderr);
     let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
 
     let bus = Bus::connect(&BusConfig::new(nats.url())).await?;
@@ -139,10 +120,10 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
     );
 
     // SIGTERM drains and exits 0.
-    let pid = rustix::process::Pid::from_child(&child.0);
+    let pid = rustix::process::Pid::from_child(child.child());
     rustix::process::kill_process(pid, rustix::process::Signal::TERM)?;
     let status = wait_for(WAIT, "the validator to exit after SIGTERM", || {
-        let status = child.0.try_wait().ok().flatten();
+        let status = child.child().try_wait().ok().flatten();
         async move { status }
     })
     .await?;
@@ -160,8 +141,8 @@ fn a_configuration_error_exits_78_naming_the_file_and_key() -> anyhow::Result<()
         "[bus]\nservers = [\"nats://127.0.0.1:1\"]\n\n[service]\npolicies_dir = \"/p\"\nstate_dir = \"/s\"\nread_concurency = 3\n",
     )?;
     let stderr = tmp.path().join("stderr");
-    let mut child = validator(&config, tmp.path(), &stderr)?;
-    let status = child.wait()?;
+    let mut child = validator(&config, tmp.path(), &stderr);
+    let status = child.child().wait()?;
     let said = std::fs::read_to_string(&stderr)?;
     assert_eq!(status.code(), Some(78), "{said}");
     assert!(

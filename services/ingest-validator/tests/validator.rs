@@ -496,7 +496,7 @@ async fn a_missing_manifest_is_retried_then_dead_lettered_with_the_reason() {
         let letters: Vec<Event> = stream_messages(&h.js, subject::DEAD_LETTERS.name)
             .await
             .iter()
-            .map(|m| wire::decode(&m.payload).unwrap())
+            .map(|m| m.event().unwrap())
             .collect();
         (letters.len() >= 2).then_some(letters)
     })
@@ -587,7 +587,7 @@ async fn poison_messages_are_dead_lettered_and_the_next_request_is_validated() {
         let letters: Vec<Event> = stream_messages(&h.js, subject::DEAD_LETTERS.name)
             .await
             .iter()
-            .map(|m| wire::decode(&m.payload).unwrap())
+            .map(|m| m.event().unwrap())
             .collect();
         (letters.len() >= 3).then_some(letters)
     })

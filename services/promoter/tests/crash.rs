@@ -51,8 +51,7 @@ async fn a_promoter_killed_mid_copy_leaves_nothing_visible_and_resumes_without_r
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "first")));
-    first.kill().unwrap();
-    first.wait().unwrap();
+    first.kill();
     // Nothing visible: only the hidden staging folder.
     assert!(!parent.join(&version).exists());
     assert!(answers(&js, "stage.ready", &request.id).await.is_empty());
@@ -85,7 +84,6 @@ async fn a_promoter_killed_mid_copy_leaves_nothing_visible_and_resumes_without_r
     );
     assert_eq!(facts(&js, "replica.created").await.len(), 1);
     assert!(before.len() < files.len(), "killed before the end");
-    second.kill().unwrap();
-    second.wait().unwrap();
+    second.kill();
     stack.stop().await;
 }

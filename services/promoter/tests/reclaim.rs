@@ -104,8 +104,7 @@ async fn a_deadline_passing_while_the_promoter_is_down_gives_space_and_staging_b
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", log_of(&stack, "first")));
-    first.kill().unwrap();
-    first.wait().unwrap();
+    first.kill();
     assert!(
         hot_reservations(&store)
             .await
@@ -164,8 +163,7 @@ async fn a_deadline_passing_while_the_promoter_is_down_gives_space_and_staging_b
             .display()
             .to_string()
     );
-    second.kill().unwrap();
-    second.wait().unwrap();
+    second.kill();
     stack.stop().await;
 }
 

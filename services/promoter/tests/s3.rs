@@ -33,12 +33,7 @@ async fn a_version_on_an_s3_capacity_tier_is_staged_to_hot() {
         ));
     }
     let version = stack.validated("ships", "capacity", &prefix, &refs).await;
-    let env = [
-        ("AWS_ACCESS_KEY_ID", s3.access_key()),
-        ("AWS_SECRET_ACCESS_KEY", s3.secret_key()),
-        ("AWS_REGION", s3.region()),
-        ("NO_PROXY", "127.0.0.1,localhost"),
-    ];
+    let env = s3.client_env();
     let mut promoter = spawn(&stack, "s3", None, &env);
     let request = stage_request("ships", &version, "hot", "job-s3", None, None);
     stack.publish(&request).await;
@@ -56,7 +51,6 @@ async fn a_version_on_an_s3_capacity_tier_is_staged_to_hot() {
             "{path}"
         );
     }
-    promoter.kill().unwrap();
-    promoter.wait().unwrap();
+    promoter.kill();
     stack.stop().await;
 }

@@ -67,12 +67,7 @@ async fn a_raw_version_on_s3_packs_like_the_same_files_on_posix() {
     let state = tmp.path().join("state");
     let config = tmp.path().join("resharder.toml");
     write_config(&config, &nats.url(), &policies, &state, None);
-    let env = [
-        ("AWS_ACCESS_KEY_ID", s3.access_key()),
-        ("AWS_SECRET_ACCESS_KEY", s3.secret_key()),
-        ("AWS_REGION", s3.region()),
-        ("NO_PROXY", "127.0.0.1,localhost"),
-    ];
+    let env = s3.client_env();
     let log = tmp.path().join("resharder.log");
     let _resharder = spawn_resharder(&config, &log, &env);
 

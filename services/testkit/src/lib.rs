@@ -3,6 +3,14 @@
 //! dynamic loopback ports with its own data directory, killed and cleaned up on drop; and users
 //! and groups of this host for one test ([`HostUser`], [`HostGroup`]), removed on drop.
 //!
+//! Above the servers, the shared stack of the services' tests ([`Stack`]: a server with or
+//! without the shipped accounts, provisioned, posix tiers and a policy folder written by
+//! [`PolicyFiles`], services in-process or as [`ServiceProcess`]es), the one check that a
+//! consumer has handled everything ([`drained`], which notices messages the server dropped),
+//! the one stream reader ([`stored_messages`], [`stored_events`], [`stored_facts`]), and the
+//! events and files tests lay down as another party would ([`StageRequest`],
+//! [`validated_fact`], [`put_files`]).
+//!
 //! Binaries are found through `STAGEHAND_NATS_SERVER` / `STAGEHAND_WEED` /
 //! `STAGEHAND_PROMETHEUS`, then the venv that `deploy/servers.sh install` creates, then `PATH`
 //! (Debian's `prometheus` package, which `deploy/servers.sh install` installs). Tests wait on real conditions with
@@ -25,11 +33,16 @@
 //! ```
 
 mod accounts;
+mod drained;
+mod events;
 mod facts;
+mod files;
 mod nats;
+mod policies;
 mod process;
 mod prometheus;
 mod s3;
+mod stack;
 mod tls;
 mod tmpfs;
 mod users;
@@ -41,10 +54,17 @@ pub use accounts::{
     project_account, publish_allowed, reaches_consumers, role_password, roles_of,
     subscribe_allowed, user_url,
 };
-pub use facts::{StoredEventsError, stored_events};
+pub use drained::{Drained, consumer_state, drained, drained_through, wait_drained};
+pub use events::{StageRequest, validated_fact};
+pub use facts::{
+    StoredEventsError, StoredMessage, facts_caused_by, stored_events, stored_facts, stored_messages,
+};
+pub use files::{list_dir, pattern_bytes, put_files};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
+pub use policies::{PolicyFiles, TierSpec, VALIDATION};
 pub use prometheus::Prometheus;
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
+pub use stack::{ServiceProcess, Stack, StackBuilder};
 pub use tls::{DEPLOY_TLS_DIR, TestCa};
 pub use tmpfs::Tmpfs;
 pub use users::{HostGroup, HostUser};

@@ -194,6 +194,17 @@ impl S3Server {
         REGION
     }
 
+    /// The environment a service process needs to reach this server: its credentials and
+    /// region, and no proxy for loopback.
+    pub fn client_env(&self) -> [(&'static str, &'static str); 4] {
+        [
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_REGION", REGION),
+            ("NO_PROXY", "127.0.0.1,localhost"),
+        ]
+    }
+
     /// The server's log file.
     pub fn log_path(&self) -> PathBuf {
         self.dir.path().join("weed.log")

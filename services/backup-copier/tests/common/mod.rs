@@ -1,19 +1,20 @@
-//! What the backup copier's tests share: policies with tiers under a temp dir, a real
-//! nats-server, a catalogue recorder in-process, facts published as the validator and a
-//! training job would publish them, and the catalogue's view of backups.
+//! What the backup copier's tests share: policies with tiers under a temp dir, the shared
+//! stack (stagehand_testkit::Stack: a real nats-server and the catalogue recorder
+//! in-process), facts published as the validator and a training job would publish them, and
+//! the catalogue's view of backups.
 
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use stagehand_bus::{Bus, BusConfig, CancellationToken};
+use std::ops::Deref;
+
 use stagehand_catalogue::{Catalogue, VersionBackups};
 use stagehand_schemas::{
-    Body, CheckpointCommitted, DatasetValidated, Event, EventId, FileRef, Location, sha256_hex,
-    version_digest,
+    Body, CheckpointCommitted, Event, EventId, FileRef, Location, version_digest,
 };
-use stagehand_testkit::{NatsServer, wait_for};
+use stagehand_testkit::{PolicyFiles, put_files, validated_fact, wait_for};
 
 pub const WAIT: Duration = Duration::from_secs(60);
 pub const PROJECT: &str = "lab-a";
@@ -65,32 +66,21 @@ pub fn backup_toml(drill_every: &str, extra: &str) -> String {
 
 /// Writes a policy folder: `tiers`, the shipped validation policy and `backup`.
 pub fn write_policies(dir: &Path, tiers: &str, backup: &str) {
-    std::fs::create_dir_all(dir).unwrap();
     // The posix tier roots exist, as `stagehand up` or a mount makes them.
     let root = dir.parent().unwrap();
     for tier in ["source", "capacity", "hot"] {
         std::fs::create_dir_all(root.join(tier)).unwrap();
     }
-    std::fs::write(dir.join("tiers.toml"), tiers).unwrap();
-    std::fs::copy(
-        stagehand_testkit::repo_root().join("policies/validation.toml"),
-        dir.join("validation.toml"),
-    )
-    .unwrap();
-    std::fs::write(dir.join("backup.toml"), backup).unwrap();
+    PolicyFiles::new()
+        .file("tiers.toml", tiers)
+        .shipped("validation.toml")
+        .file("backup.toml", backup)
+        .write(dir);
 }
 
 /// Writes `files` under `dir` and returns their references (paths relative to `dir`).
 pub fn write_files(dir: &Path, files: &[(&str, Vec<u8>)]) -> Vec<FileRef> {
-    files
-        .iter()
-        .map(|(rel, bytes)| {
-            let path = dir.join(rel);
-            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-            std::fs::write(&path, bytes).unwrap();
-            FileRef::new(*rel, bytes.len() as u64, sha256_hex(bytes))
-        })
-        .collect()
+    put_files(dir, files)
 }
 
 /// `n` files of `size` bytes each, different in every byte position.
@@ -109,38 +99,16 @@ pub fn sample_files(n: usize, size: usize) -> Vec<(String, Vec<u8>)> {
 /// validator publishes it (manifest inline).
 pub fn validated(dataset: &str, prefix: &str, files: Vec<FileRef>) -> Event {
     let version = version_digest(&files);
-    let request = EventId::for_ingest(PROJECT, dataset, &version);
-    Event::request(
-        request.clone(),
+    validated_fact(
         PROJECT,
-        Body::IngestRequested(stagehand_schemas::IngestRequested {
-            dataset: dataset.into(),
-            source: Location {
-                tier: "source".into(),
-                prefix: prefix.into(),
-            },
-            files: vec![],
-            manifest: None,
-            requested_by: "alice".into(),
-            labels: vec![],
-        }),
-    )
-    .caused(
-        "validated",
-        Body::DatasetValidated(DatasetValidated {
-            dataset: dataset.into(),
-            version,
-            source: Location {
-                tier: "source".into(),
-                prefix: prefix.into(),
-            },
-            total_bytes: files.iter().map(|f| f.size).sum(),
-            files,
-            manifest: None,
-            requested_by: "alice".into(),
-            request_id: request,
-            labels: vec![],
-        }),
+        EventId::for_ingest(PROJECT, dataset, &version),
+        dataset,
+        Location {
+            tier: "source".into(),
+            prefix: prefix.into(),
+        },
+        &files,
+        None,
     )
 }
 
@@ -172,36 +140,24 @@ pub fn checkpoint(
     )
 }
 
-/// A nats-server and an in-process catalogue recorder.
+/// The shared stack with the catalogue recorder running; the copier is started on it.
 pub struct Stack {
-    pub nats: NatsServer,
-    pub bus: Bus,
+    kit: stagehand_testkit::Stack,
     pub catalogue: Catalogue,
-    pub stop: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Deref for Stack {
+    type Target = stagehand_testkit::Stack;
+    fn deref(&self) -> &Self::Target {
+        &self.kit
+    }
 }
 
 impl Stack {
-    pub async fn start(state: &Path) -> Stack {
-        let nats = NatsServer::start();
-        let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
-        bus.provision().await.unwrap();
-        let stop = CancellationToken::new();
-        let recorder = stagehand_catalogue_recorder::config(&nats.url(), state.join("catalogue"));
-        let token = stop.clone();
-        let tasks = vec![tokio::spawn(async move {
-            if let Err(e) = stagehand_catalogue_recorder::run(recorder, token).await {
-                panic!("catalogue recorder failed: {e}");
-            }
-        })];
-        let catalogue = Catalogue::new(bus.client().clone()).with_timeout(Duration::from_secs(5));
-        Stack {
-            nats,
-            bus,
-            catalogue,
-            stop,
-            tasks,
-        }
+    pub async fn start() -> Stack {
+        let kit = stagehand_testkit::Stack::builder().recorder().start().await;
+        let catalogue = kit.catalogue();
+        Stack { kit, catalogue }
     }
 
     /// Runs the backup copier in-process with `policies`, state under `state`, the drill clock
@@ -209,12 +165,9 @@ impl Stack {
     pub fn start_copier(&mut self, policies: &Path, state: &Path) {
         let mut config = stagehand_backup_copier::config(&self.nats.url(), policies, state);
         config.service.drill_check = Duration::from_millis(100);
-        let token = self.stop.clone();
-        self.tasks.push(tokio::spawn(async move {
-            if let Err(e) = stagehand_backup_copier::run(config, token).await {
-                panic!("backup copier failed: {e}");
-            }
-        }));
+        self.kit.run(stagehand_backup_copier::SERVICE, |token| {
+            stagehand_backup_copier::run(config, token)
+        });
     }
 
     /// The catalogue's backup status of `dataset`'s version `version`.
@@ -245,10 +198,7 @@ impl Stack {
     }
 
     pub async fn stop(self) {
-        self.stop.cancel();
-        for task in self.tasks {
-            task.await.unwrap();
-        }
+        self.kit.stop().await;
     }
 }
 

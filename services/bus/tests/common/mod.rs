@@ -1,42 +1,31 @@
 //! Shared fixtures of the runtime's integration tests: a real nats-server with the Stagehand
-//! streams, requests, readers of the facts and dead-letter streams, and small handlers.
+//! streams, requests, readers of the facts and dead-letter streams, and small handlers. The
+//! drained check and the stream reader are the testkit's.
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use futures::StreamExt;
 use stagehand_bus::{Bus, BusConfig, Handler, HandlerError, WorkContext, WorkerConfig};
 use stagehand_schemas::{
     Body, Event, EventId, Location, StageReady, StageRequested, subject, wire,
 };
-use stagehand_testkit::NatsServer;
+#[allow(unused_imports)] // each test binary uses part of this
+pub use stagehand_testkit::Drained;
+use stagehand_testkit::{NatsServer, consumer_state, drained, stored_messages};
 
 pub const WAIT: Duration = Duration::from_secs(30);
-
-/// Where a consumer stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Drained {
-    /// Every message was acked or terminated.
-    Yes,
-    /// Work is pending or awaiting an ack.
-    No,
-    /// The server dropped this many messages at `max_deliver`.
-    Lost(u64),
-}
 
 pub struct Env {
     pub nats: NatsServer,
     pub bus: Bus,
     pub dir: tempfile::TempDir,
-    /// Messages the server dropped at `max_deliver`, per consumer, from its advisories.
-    dropped: Arc<Mutex<HashMap<String, u64>>>,
 }
 
 impl Env {
@@ -44,34 +33,11 @@ impl Env {
         let nats = NatsServer::start();
         let bus = Bus::connect(&BusConfig::new(nats.url())).await.unwrap();
         bus.provision().await.unwrap();
-        let dropped = Arc::new(Mutex::new(HashMap::new()));
-        // The server says, once and only to whoever listens, that it gave up on a message at
-        // max_deliver: listen from the start, so that no loss goes unseen.
-        let mut advisories = bus
-            .client()
-            .subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>")
-            .await
-            .unwrap();
-        bus.client().flush().await.unwrap();
-        let seen = dropped.clone();
-        tokio::spawn(async move {
-            while let Some(m) = advisories.next().await {
-                let consumer = m.subject.rsplit('.').next().unwrap_or_default().to_owned();
-                *seen.lock().unwrap().entry(consumer).or_insert(0) += 1;
-            }
-        });
         Env {
             nats,
             bus,
             dir: tempfile::tempdir().unwrap(),
-            dropped,
         }
-    }
-
-    /// Messages the server dropped at `max_deliver` for consumer `name`: lost, neither acked
-    /// nor dead-lettered.
-    pub fn dropped_at_max_deliver(&self, name: &str) -> u64 {
-        self.dropped.lock().unwrap().get(name).copied().unwrap_or(0)
     }
 
     pub fn ledger(&self, name: &str) -> PathBuf {
@@ -146,41 +112,15 @@ impl Env {
     }
 
     /// Whether the durable consumer `name` on the requests stream has handled every message
-    /// to the end: nothing pending, nothing awaiting an ack, the ack floor at the last message
-    /// delivered. Panics when the server dropped a message at `max_deliver`: such a message
-    /// also leaves nothing pending, but it was lost, not handled.
+    /// (the testkit's drained check). Panics when the server dropped a message at
+    /// `max_deliver`: such a message also leaves nothing pending, but it was lost, not handled.
     pub async fn consumer_drained(&self, name: &str) -> bool {
-        let state = self.consumer_state(name).await;
-        if let Drained::Lost(n) = state {
-            panic!(
-                "{n} message(s) of consumer {name} were dropped at max_deliver: lost, not drained"
-            );
-        }
-        state == Drained::Yes
+        drained(self.bus.jetstream(), subject::REQUESTS.name, &[name]).await
     }
 
     /// What [`consumer_drained`](Self::consumer_drained) judges, without panicking.
     pub async fn consumer_state(&self, name: &str) -> Drained {
-        let lost = self.dropped_at_max_deliver(name);
-        if lost > 0 {
-            return Drained::Lost(lost);
-        }
-        let stream = self
-            .bus
-            .jetstream()
-            .get_stream(subject::REQUESTS.name)
-            .await
-            .unwrap();
-        match stream.consumer_info(name).await {
-            Ok(info)
-                if info.num_pending == 0
-                    && info.num_ack_pending == 0
-                    && info.ack_floor.stream_sequence >= info.delivered.stream_sequence =>
-            {
-                Drained::Yes
-            }
-            _ => Drained::No,
-        }
+        consumer_state(self.bus.jetstream(), subject::REQUESTS.name, name).await
     }
 
     pub async fn dead_letter_count(&self) -> u64 {
@@ -196,18 +136,12 @@ impl Env {
 
 /// Every message of a stream, in order: (subject, headers, payload).
 pub async fn read_stream(bus: &Bus, name: &str) -> Vec<(String, HeaderMap, Vec<u8>)> {
-    let mut stream = bus.jetstream().get_stream(name).await.unwrap();
-    let state = stream.info().await.unwrap().state.clone();
-    let mut out = Vec::new();
-    if state.messages == 0 {
-        return out;
-    }
-    for seq in state.first_sequence..=state.last_sequence {
-        if let Ok(m) = stream.get_raw_message(seq).await {
-            out.push((m.subject.to_string(), m.headers, m.payload.to_vec()));
-        }
-    }
-    out
+    stored_messages(bus.jetstream(), name, "")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| (m.subject, m.headers, m.payload))
+        .collect()
 }
 
 pub fn stage_request(id: &str) -> Event {

@@ -17,12 +17,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use async_nats::jetstream;
-use futures::StreamExt;
 use stagehand::stage::{STAGES_BUCKET, Stage, StageStatus};
 use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
-use stagehand_schemas::{Event, EventId, FileRef, sha256_hex, version_digest, wire};
+use stagehand_schemas::{Event, EventId, FileRef, sha256_hex, version_digest};
 use stagehand_testkit::{NatsServer, wait_for};
 use tokio::task::JoinHandle;
 
@@ -268,27 +266,11 @@ impl Stagehand {
     }
 
     async fn scan(&self, subject: &str, id: &EventId) -> anyhow::Result<Option<Event>> {
-        let stream = self
-            .bus
-            .jetstream()
-            .get_stream("STAGEHAND_REQUESTS")
-            .await?;
-        let consumer = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subject: subject.to_owned(),
-                ..Default::default()
-            })
-            .await?;
-        let pending = consumer.cached_info().num_pending as usize;
-        let mut messages = consumer.messages().await?;
-        for _ in 0..pending {
-            let msg = messages.next().await.context("the stream ended")??;
-            let event = wire::decode(&msg.payload)?;
-            if event.id == *id {
-                return Ok(Some(event));
-            }
-        }
-        Ok(None)
+        let events =
+            stagehand_testkit::stored_events(self.bus.jetstream(), "STAGEHAND_REQUESTS", subject)
+                .await
+                .map_err(|e| anyhow::anyhow!("reading the requests: {e}"))?;
+        Ok(events.into_iter().find(|event| event.id == *id))
     }
 
     async fn find(&self, subject: &str, id: &EventId) -> anyhow::Result<Event> {

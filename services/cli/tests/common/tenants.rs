@@ -21,7 +21,6 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use async_nats::jetstream;
 use futures::StreamExt;
 use stagehand::ingest::{IngestOptions, IngestReport, Outcome};
 use stagehand::stage::{
@@ -30,7 +29,7 @@ use stagehand::stage::{
 use stagehand::up::{SERVICES, UpEnv};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Answer, Query, Readiness, ReadinessKey};
-use stagehand_schemas::{Body, Event, EventId, FileRef, sha256_hex, version_digest, wire};
+use stagehand_schemas::{Body, Event, EventId, FileRef, sha256_hex, version_digest};
 use stagehand_testkit::{NatsServer, accounts_conf_with_projects, user_url, wait_for};
 
 /// The project whose data the attacker goes after.
@@ -833,24 +832,11 @@ pub async fn dead_letters(bus: &Bus) -> anyhow::Result<Vec<Event>> {
 }
 
 async fn stored(bus: &Bus, stream: &str, filter: &str) -> anyhow::Result<Vec<Event>> {
-    let stream = bus.jetstream().get_stream(stream).await?;
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            filter_subject: filter.to_owned(),
-            ..Default::default()
-        })
-        .await?;
-    let pending = consumer.cached_info().num_pending as usize;
-    let mut messages = consumer.messages().await?;
-    let mut events = Vec::with_capacity(pending);
-    for _ in 0..pending {
-        let msg = messages.next().await.context("the stream ended")??;
-        // What an attacker stored may not decode: it is no event of anyone's.
-        if let Ok(event) = wire::decode(&msg.payload) {
-            events.push(event);
-        }
-    }
-    Ok(events)
+    let messages = stagehand_testkit::stored_messages(bus.jetstream(), stream, filter)
+        .await
+        .map_err(|e| anyhow::anyhow!("reading {stream}: {e}"))?;
+    // What an attacker stored may not decode: it is no event of anyone's.
+    Ok(messages.iter().filter_map(|m| m.event().ok()).collect())
 }
 
 /// Keys of Stagehand's KV buckets (readiness, stage statuses, the promoter's reservations and

@@ -1,36 +1,29 @@
-//! The demoter's test harness: a real nats-server, the real catalogue recorder, posix tiers in
-//! a temp dir, replicas placed on the hot tier as the promoter leaves them (a published folder
-//! and `replica.created`), stage requests and releases at chosen times, and the demoter
-//! in-process or as its real binary.
+//! The demoter's test harness on the shared stack (stagehand_testkit::Stack): its tiers and
+//! policies, the real catalogue recorder, replicas placed on the hot tier as the promoter
+//! leaves them (a published folder and `replica.created`), stage requests and releases at
+//! chosen times, and the demoter in-process or as its real binary.
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Catalogue, ReadinessKey, ReplicaState, kv_key};
 use stagehand_schemas::{
-    Body, DatasetValidated, Event, EventId, FileRef, Location, ReplicaCreated, StageReleased,
-    StageRequested, sha256_hex, subject, version_digest,
+    Body, DatasetValidated, Event, EventId, FileRef, Location, ReplicaCreated, sha256_hex,
+    version_digest,
 };
-use stagehand_testkit::{NatsServer, wait_until};
+use stagehand_testkit::{PolicyFiles, StageRequest, TierSpec, VALIDATION, wait_until};
+#[allow(unused_imports)] // each test binary uses part of this
+pub use stagehand_testkit::{
+    ServiceProcess, list_dir as list, pattern_bytes as bytes, stored_facts as facts,
+};
 use time::OffsetDateTime;
 
 pub const WAIT: Duration = Duration::from_secs(30);
 pub const PROJECT: &str = "lab-a";
 pub const MIB: usize = 1 << 20;
-
-pub const VALIDATION: &str = r#"
-max_file_size = "1 GiB"
-max_entries = 100000
-max_total_bytes = "10 GiB"
-allowed_suffixes = []
-denied_suffixes = [".exe"]
-allow_hidden = false
-"#;
 
 /// The policies of a test.
 pub struct Options {
@@ -71,17 +64,23 @@ impl Default for Options {
     }
 }
 
-/// A stack: NATS, the recorder, tiers and policies; demoters are started on it.
+/// The shared stack with the demoter's tiers and policies; demoters are started on it.
 pub struct Stack {
-    pub nats: NatsServer,
-    pub tmp: tempfile::TempDir,
-    pub bus: Bus,
+    kit: stagehand_testkit::Stack,
     pub catalogue: Catalogue,
-    pub policies: PathBuf,
-    pub shutdown: CancellationToken,
-    accounts: bool,
-    demoter_stop: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Deref for Stack {
+    type Target = stagehand_testkit::Stack;
+    fn deref(&self) -> &Self::Target {
+        &self.kit
+    }
+}
+
+impl DerefMut for Stack {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.kit
+    }
 }
 
 /// A version placed on the hot tier.
@@ -100,149 +99,70 @@ impl Placed {
 
 impl Stack {
     pub async fn start(opts: Options) -> Stack {
-        let nats = if opts.accounts {
-            NatsServer::builder().shipped_accounts().start()
-        } else {
-            NatsServer::start()
-        };
-        let tmp = tempfile::tempdir().unwrap();
-        let root = tmp.path();
-        for t in ["source", "capacity", "hot", "local"] {
-            std::fs::create_dir_all(root.join("tiers").join(t)).unwrap();
+        let mut builder = stagehand_testkit::Stack::builder();
+        if opts.accounts {
+            builder = builder.shipped_accounts();
         }
-        let policies = root.join("policies");
-        std::fs::create_dir_all(&policies).unwrap();
-        std::fs::write(
-            policies.join("tiers.toml"),
-            format!(
-                "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{src}\"\n\n\
-                 [tiers.capacity]\n{cap}\nrole = \"capacity\"\nfailure_domain = \"cap\"\n\n\
-                 [tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"{hot}\"\ncapacity = \"{hotcap}\"\n\
-                 high_watermark = {high}\nlow_watermark = {low}\n\n\
-                 [tiers.local]\nkind = \"posix\"\nrole = \"local\"\nfailure_domain = \"nvme\"\nroot = \"{local}\"\ncapacity = \"{hotcap}\"\n\
-                 high_watermark = {high}\nlow_watermark = {low}\n",
-                src = root.join("tiers/source").display(),
-                cap = match &opts.s3_capacity {
-                    None => format!(
-                        "kind = \"posix\"\nroot = \"{}\"",
-                        root.join("tiers/capacity").display()
-                    ),
-                    Some((endpoint, bucket)) => format!(
-                        "kind = \"s3\"\nendpoint = \"{endpoint}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"\"\nregion = \"us-east-1\""
-                    ),
-                },
-                hot = root.join("tiers/hot").display(),
-                // Every node's local tier at one root here: a node's demoter that touched
-                // another node's replica would find its folder.
-                local = root.join("tiers/local").display(),
-                hotcap = opts.hot_capacity,
-                high = opts.high,
-                low = opts.low,
-            ),
-        )
-        .unwrap();
-        std::fs::write(policies.join("validation.toml"), VALIDATION).unwrap();
-        std::fs::write(
-            policies.join("demotion.toml"),
-            // A long clock: passes come at start and from facts, so each test knows when.
-            format!(
-                "idle_after = \"{}\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\nmax_concurrent = {}\n",
-                opts.idle_after, opts.max_concurrent
-            ),
-        )
-        .unwrap();
-        std::fs::write(
-            policies.join("retention.toml"),
-            format!(
-                "[checkpoints]\n{}\n\n[expiry]\nunstaged_replica_after = \"{}\"\n",
-                opts.checkpoints, opts.unstaged_replica_after
-            ),
-        )
-        .unwrap();
-        let operator = if opts.accounts {
-            stagehand_testkit::user_url(&nats, "operator", "OPERATOR")
-        } else {
-            nats.url()
+        let capacity = match &opts.s3_capacity {
+            None => TierSpec::posix("capacity", "cap"),
+            Some((endpoint, bucket)) => TierSpec::s3_at("capacity", "cap", endpoint, bucket),
         };
-        let bus = Bus::connect(&BusConfig::new(operator)).await.unwrap();
-        bus.provision().await.unwrap();
-        // The promoter's bucket, whose use records and reservations the demoter takes part in
-        // (created by `stagehand provision` in a deployment).
-        bus.provision_kv(&stagehand_bus::PROMOTER).await.unwrap();
-        let catalogue = Catalogue::new(bus.client().clone()).with_timeout(Duration::from_secs(5));
-        let shutdown = CancellationToken::new();
-        let mut stack = Stack {
-            nats,
-            tmp,
-            bus,
-            catalogue,
-            policies,
-            accounts: opts.accounts,
-            demoter_stop: shutdown.child_token(),
-            shutdown,
-            tasks: Vec::new(),
-        };
+        let hot = TierSpec::posix("hot", "hot")
+            .capacity(opts.hot_capacity)
+            .watermarks(opts.high, opts.low);
+        // Every node's local tier at one root here: a node's demoter that touched another
+        // node's replica would find its folder.
+        let local = TierSpec::posix("local", "nvme")
+            .capacity(opts.hot_capacity)
+            .watermarks(opts.high, opts.low);
+        let policies = PolicyFiles::new()
+            .validation(VALIDATION)
+            .file(
+                "demotion.toml",
+                // A long clock: passes come at start and from facts, so each test knows when.
+                format!(
+                    "idle_after = \"{}\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\nmax_concurrent = {}\n",
+                    opts.idle_after, opts.max_concurrent
+                ),
+            )
+            .file(
+                "retention.toml",
+                format!(
+                    "[checkpoints]\n{}\n\n[expiry]\nunstaged_replica_after = \"{}\"\n",
+                    opts.checkpoints, opts.unstaged_replica_after
+                ),
+            );
+        let mut builder = builder
+            .tier("source", TierSpec::posix("source", "lab"))
+            .tier("capacity", capacity)
+            .tier("hot", hot)
+            .tier("local", local)
+            .tier_dir("capacity")
+            .policies(policies);
         if opts.recorder {
-            stack.start_recorder();
+            builder = builder.recorder();
         }
-        stack
-    }
-
-    /// Runs the real catalogue recorder in-process until the stack stops.
-    pub fn start_recorder(&mut self) {
-        let mut recorder = stagehand_catalogue_recorder::config(
-            &self.url_as("catalogue-recorder", "CATALOGUE_RECORDER"),
-            self.tmp.path().join("recorder"),
-        );
-        recorder.bus.provision = !self.accounts;
-        let token = self.shutdown.clone();
-        self.tasks.push(tokio::spawn(async move {
-            stagehand_catalogue_recorder::run(recorder, token)
-                .await
-                .expect("recorder");
-        }));
-    }
-
-    pub fn root(&self) -> &Path {
-        self.tmp.path()
-    }
-
-    pub fn tier(&self, name: &str) -> PathBuf {
-        self.root().join("tiers").join(name)
-    }
-
-    /// The server's URL for `user` (the plain URL without accounts).
-    pub fn url_as(&self, user: &str, role: &str) -> String {
-        if self.accounts {
-            stagehand_testkit::user_url(&self.nats, user, role)
-        } else {
-            self.nats.url()
-        }
+        let kit = builder.start().await;
+        let catalogue = kit.catalogue();
+        Stack { kit, catalogue }
     }
 
     pub fn demoter_config(&self) -> stagehand_demoter::Config {
         let mut config = stagehand_demoter::config(
-            &self.url_as("demoter", "DEMOTER"),
+            &self.url_of("demoter", "DEMOTER"),
             &self.policies,
             self.root().join("state/demoter"),
         );
-        config.bus.provision = !self.accounts;
+        config.bus.provision = !self.accounts();
         config
     }
 
     /// Runs the demoter in-process until the stack stops.
     pub fn run_demoter(&mut self) {
         let config = self.demoter_config();
-        let token = self.demoter_stop.clone();
-        self.tasks.push(tokio::spawn(async move {
+        self.run(stagehand_demoter::SERVICE, |token| {
             stagehand_demoter::run(config, token)
-                .await
-                .expect("demoter");
-        }));
-    }
-
-    pub async fn publish(&self, event: &Event) {
-        self.bus.publish(event).await.unwrap();
+        });
     }
 
     /// Runs the real promoter in-process until the stack stops, copying to hot from capacity
@@ -256,18 +176,15 @@ impl Stack {
         )
         .unwrap();
         let mut config = stagehand_promoter::config(
-            &self.url_as("promoter", "PROMOTER"),
+            &self.url_of("promoter", "PROMOTER"),
             &self.policies,
             self.root().join("state/promoter"),
         );
-        config.bus.provision = !self.accounts;
+        config.bus.provision = !self.accounts();
         config.service.instance = Some("p1".into());
-        let token = self.shutdown.clone();
-        self.tasks.push(tokio::spawn(async move {
+        self.run(stagehand_promoter::SERVICE, |token| {
             stagehand_promoter::run(config, token)
-                .await
-                .expect("promoter");
-        }));
+        });
     }
 
     /// Places a version of `dataset` on the hot tier as the promoter leaves one, with `n`
@@ -503,24 +420,11 @@ impl Stack {
         at: OffsetDateTime,
         hold_until: Option<OffsetDateTime>,
     ) {
-        let id = EventId::for_stage(PROJECT, job, &p.dataset, &p.version, tier, node);
-        let mut e = Event::request(
-            id,
-            PROJECT,
-            Body::StageRequested(StageRequested {
-                dataset: p.dataset.clone(),
-                version: p.version.clone(),
-                tier: tier.into(),
-                job_id: job.into(),
-                requested_by: "slurm".into(),
-                deadline: None,
-                node: node.map(str::to_owned),
-                form: None,
-                hold_until,
-            }),
-        );
-        e.occurred_at = at;
-        self.publish(&e).await;
+        let request = StageRequest::new(PROJECT, &p.dataset, &p.version, tier, job)
+            .node(node)
+            .hold_until(hold_until)
+            .at(at);
+        self.publish(&request.event()).await;
     }
 
     /// Job `job` releases `p` on the hot tier at `at`.
@@ -537,21 +441,10 @@ impl Stack {
         node: Option<&str>,
         at: OffsetDateTime,
     ) {
-        let id = EventId::for_stage_release(PROJECT, job, &p.dataset, &p.version, tier, node);
-        let mut e = Event::request(
-            id,
-            PROJECT,
-            Body::StageReleased(StageReleased {
-                dataset: p.dataset.clone(),
-                version: p.version.clone(),
-                tier: tier.into(),
-                job_id: job.into(),
-                node: node.map(str::to_owned),
-                reason: None,
-            }),
-        );
-        e.occurred_at = at;
-        self.publish(&e).await;
+        let request = StageRequest::new(PROJECT, &p.dataset, &p.version, tier, job)
+            .node(node)
+            .at(at);
+        self.publish(&request.release()).await;
     }
 
     /// Waits until the catalogue lists `p`'s hot replica as present and `requests` stage
@@ -617,12 +510,8 @@ impl Stack {
             .unwrap()
     }
 
-    pub async fn stop(mut self) {
-        self.demoter_stop.cancel();
-        self.shutdown.cancel();
-        for t in self.tasks.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
-        }
+    pub async fn stop(self) {
+        self.kit.stop().await;
     }
 }
 
@@ -648,13 +537,6 @@ pub async fn is_ready(bucket: &kv::Store, key: &str) -> bool {
         Some(v) => serde_json::from_slice::<serde_json::Value>(&v).unwrap()["ready"] == true,
         None => false,
     }
-}
-
-/// Every fact of `kind` stored in the facts stream, in stream order.
-pub async fn facts(js: &jetstream::Context, kind: &str) -> Vec<Event> {
-    stagehand_testkit::stored_events(js, subject::FACTS.name, subject::kind_filter("fact", kind))
-        .await
-        .unwrap()
 }
 
 /// The replica facts (`replica.created` and `replica.removed`) in stream order, each as
@@ -685,19 +567,6 @@ pub async fn removed_from_hot(js: &jetstream::Context) -> Vec<String> {
         .collect()
 }
 
-/// Entries of a directory (names), sorted; empty when it does not exist.
-pub fn list(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .map(|r| {
-            r.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
-}
-
 /// Whether every file of `p` is under `prefix` on `tier` with its bytes.
 pub fn whole_on(stack: &Stack, tier: &str, p: &Placed) -> bool {
     let dir = stack.tier(tier).join(p.prefix());
@@ -708,13 +577,6 @@ pub fn whole_on(stack: &Stack, tier: &str, p: &Placed) -> bool {
             .all(|(n, b)| std::fs::read(dir.join(n)).is_ok_and(|got| &got == b))
 }
 
-/// Deterministic bytes of a file.
-pub fn bytes(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-        .collect()
-}
-
 /// `minutes` before now.
 pub fn ago(minutes: i64) -> OffsetDateTime {
     OffsetDateTime::now_utc() - time::Duration::minutes(minutes)
@@ -722,36 +584,18 @@ pub fn ago(minutes: i64) -> OffsetDateTime {
 
 /// Starts the real `stagehand-demoter` binary with a configuration file of its own, its
 /// stderr in `proc-<name>/stderr.log`.
-pub fn spawn(stack: &Stack, name: &str, envs: &[(&str, &str)]) -> Child {
-    let dir = stack.root().join(format!("proc-{name}"));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("demoter.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "[bus]\nservers = [\"{url}\"]\n\n[telemetry]\nlog_level = \"info\"\n\n\
-             [service]\npolicies_dir = \"{policies}\"\nstate_dir = \"{state}\"\n",
-            url = stack.nats.url(),
-            policies = stack.policies.display(),
-            state = stack.root().join("state/demoter").display(),
-        ),
-    )
-    .unwrap();
-    let log = std::fs::File::create(dir.join("stderr.log")).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_stagehand-demoter"))
-        .env("STAGEHAND_NATS_URL", stack.nats.url())
-        .env_remove(stagehand_demoter::HALT_AFTER_ENV)
-        .envs(envs.iter().copied())
-        .arg("--config")
-        .arg(&file)
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap()
+pub fn spawn(stack: &Stack, name: &str, envs: &[(&str, &str)]) -> ServiceProcess {
+    let config = format!(
+        "[bus]\nservers = [\"{url}\"]\n\n[telemetry]\nlog_level = \"info\"\n\n\
+         [service]\npolicies_dir = \"{policies}\"\nstate_dir = \"{state}\"\n",
+        url = stack.nats.url(),
+        policies = stack.policies.display(),
+        state = stack.root().join("state/demoter").display(),
+    );
+    stack.spawn_process(name, env!("CARGO_BIN_EXE_stagehand-demoter"), &config, envs)
 }
 
 /// The stderr of a demoter process started by [`spawn`].
 pub fn log_of(stack: &Stack, name: &str) -> String {
-    std::fs::read_to_string(stack.root().join(format!("proc-{name}/stderr.log")))
-        .unwrap_or_default()
+    stack.kit.log_of(name)
 }

@@ -1,6 +1,7 @@
 //! What the validator's integration tests share: a real nats-server, a posix source tier in a
 //! temporary directory, the validator running in-process, and helpers to build requests,
-//! put manifests in the upload bucket and read what the validator published.
+//! put manifests in the upload bucket and read what the validator published (through the
+//! testkit's stream reader and drained check).
 
 #![allow(dead_code)]
 
@@ -22,7 +23,11 @@ use stagehand_schemas::{
     Body, Event, EventId, FileRef, IngestRequested, Location, ManifestRef, sha256_hex, subject,
     wire,
 };
-use stagehand_testkit::{NatsServer, wait_for, wait_until};
+#[allow(unused_imports)] // each test binary uses part of this
+pub use stagehand_testkit::stored_messages;
+use stagehand_testkit::{
+    NatsServer, PolicyFiles, StoredMessage, TierSpec, drained, stored_events, wait_for, wait_until,
+};
 
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 pub const PROJECT: &str = "lab-a";
@@ -36,18 +41,17 @@ denied_suffixes = [".exe"]
 allow_hidden = false
 "#;
 
+/// Writes the validator's policies into `dir`: a posix source tier at `source_root` and a
+/// hot tier, and [`VALIDATION`].
 pub fn write_policies(dir: &Path, source_root: &Path) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(
-        dir.join("tiers.toml"),
-        format!(
-            "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{}\"\n\n\
-             [tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"hot\"\ncapacity = \"1 GiB\"\n",
-            source_root.display()
-        ),
-    )
-    .unwrap();
-    std::fs::write(dir.join("validation.toml"), VALIDATION).unwrap();
+    PolicyFiles::new()
+        .tier("source", TierSpec::posix("source", "lab").root(source_root))
+        .tier(
+            "hot",
+            TierSpec::posix("hot", "hot").root("hot").capacity("1 GiB"),
+        )
+        .validation(VALIDATION)
+        .write(dir);
 }
 
 /// A nats-server, a posix source tier in a temp dir, and the validator running in-process.
@@ -225,30 +229,12 @@ pub fn request_in(
 }
 
 /// Every message in a stream, in order.
-pub async fn stream_messages(
-    js: &jetstream::Context,
-    stream: &str,
-) -> Vec<jetstream::message::StreamMessage> {
-    let mut stream = js.get_stream(stream).await.unwrap();
-    let info = stream.info().await.unwrap().clone();
-    let mut out = Vec::new();
-    for seq in info.state.first_sequence..=info.state.last_sequence {
-        if info.state.messages == 0 {
-            break;
-        }
-        if let Ok(msg) = stream.get_raw_message(seq).await {
-            out.push(msg);
-        }
-    }
-    out
+pub async fn stream_messages(js: &jetstream::Context, stream: &str) -> Vec<StoredMessage> {
+    stored_messages(js, stream, "").await.unwrap()
 }
 
 pub async fn facts(js: &jetstream::Context) -> Vec<Event> {
-    stream_messages(js, subject::FACTS.name)
-        .await
-        .iter()
-        .map(|m| wire::decode(&m.payload).expect("facts decode"))
-        .collect()
+    stored_events(js, subject::FACTS.name, "").await.unwrap()
 }
 
 pub async fn facts_caused_by(js: &jetstream::Context, id: &str) -> Vec<Event> {
@@ -285,13 +271,8 @@ pub async fn fact_bytes_for(js: &jetstream::Context, id: &str) -> usize {
 
 /// Waits until the validator's consumer has acked (or terminated) everything in the stream.
 pub async fn wait_idle(js: &jetstream::Context) {
-    wait_until(TIMEOUT, "the validator to finish every request", || async {
-        let mut stream = js.get_stream(subject::REQUESTS.name).await.unwrap();
-        let last = stream.info().await.unwrap().state.last_sequence;
-        let Ok(info) = stream.consumer_info(SERVICE).await else {
-            return false;
-        };
-        info.ack_floor.stream_sequence >= last && info.num_ack_pending == 0
+    wait_until(TIMEOUT, "the validator to finish every request", || {
+        drained(js, subject::REQUESTS.name, &[SERVICE])
     })
     .await
     .unwrap();

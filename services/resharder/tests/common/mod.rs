@@ -1,6 +1,7 @@
 //! What the resharder's tests share: policies on temp posix tiers, raw versions on the source
 //! tier, `dataset.validated` facts published as the validator publishes them, and readers of
-//! the facts and dead letters the resharder leaves.
+//! the facts and dead letters the resharder leaves (through the testkit's stream reader and
+//! service process).
 
 #![allow(dead_code)]
 
@@ -11,11 +12,13 @@ use async_nats::jetstream;
 use sha2::{Digest, Sha256};
 use stagehand_bus::Bus;
 use stagehand_manifest::{BucketOptions, Manifest, ManifestStore, Spool, open_manifest};
-use stagehand_schemas::{
-    Body, DatasetPrepared, DatasetValidated, Event, EventId, FileRef, Location, sha256_hex,
-    subject, version_digest, wire,
+use stagehand_schemas::{Body, DatasetPrepared, Event, EventId, FileRef, Location, subject};
+#[allow(unused_imports)] // each test binary uses part of this
+pub use stagehand_testkit::list_dir as names;
+use stagehand_testkit::{
+    PolicyFiles, ServiceProcess, StoredMessage, TierSpec, facts_caused_by, put_files,
+    stored_messages, validated_fact, wait_for,
 };
-use stagehand_testkit::wait_for;
 
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 pub const PROJECT: &str = "lab";
@@ -23,25 +26,14 @@ pub const PROJECT: &str = "lab";
 /// Writes `tiers.toml` (a posix source and capacity tier), `validation.toml` and
 /// `packing.toml` (`packing`) into `dir`.
 pub fn write_policies(dir: &Path, source: &Path, capacity: &Path, packing: &str) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::create_dir_all(source).unwrap();
-    std::fs::create_dir_all(capacity).unwrap();
-    std::fs::write(
-        dir.join("tiers.toml"),
-        format!(
-            "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{}\"\n\n\
-             [tiers.capacity]\nkind = \"posix\"\nrole = \"capacity\"\nfailure_domain = \"store\"\nroot = \"{}\"\n",
-            source.display(),
-            capacity.display()
-        ),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.join("validation.toml"),
-        "max_file_size = \"1 GiB\"\nmax_entries = 1000000\nmax_total_bytes = \"100 GiB\"\nallowed_suffixes = []\ndenied_suffixes = []\nallow_hidden = true\n",
-    )
-    .unwrap();
-    std::fs::write(dir.join("packing.toml"), packing).unwrap();
+    PolicyFiles::new()
+        .tier("source", TierSpec::posix("source", "lab").root(source))
+        .tier("capacity", TierSpec::posix("capacity", "store").root(capacity))
+        .validation(
+            "max_file_size = \"1 GiB\"\nmax_entries = 1000000\nmax_total_bytes = \"100 GiB\"\nallowed_suffixes = []\ndenied_suffixes = []\nallow_hidden = true\n",
+        )
+        .file("packing.toml", packing)
+        .write(dir);
 }
 
 /// A packing policy: the shipped keys with small thresholds, then `extra` (dataset tables).
@@ -84,15 +76,7 @@ pub fn image_samples(n: usize) -> Vec<(String, Vec<u8>)> {
 
 /// Writes `files` beneath `root/prefix` and returns their manifest entries.
 pub fn place(root: &Path, prefix: &str, files: &[(String, Vec<u8>)]) -> Vec<FileRef> {
-    files
-        .iter()
-        .map(|(path, data)| {
-            let full = root.join(prefix).join(path);
-            std::fs::create_dir_all(full.parent().unwrap()).unwrap();
-            std::fs::write(&full, data).unwrap();
-            FileRef::new(path.clone(), data.len() as u64, sha256_hex(data))
-        })
-        .collect()
+    put_files(&root.join(prefix), files)
 }
 
 /// Publishes the `dataset.validated` the validator would for `files` at `prefix`: inline, or
@@ -118,83 +102,42 @@ pub async fn publish_validated_on(
     files: Vec<FileRef>,
     by_reference: bool,
 ) -> Event {
-    let version = version_digest(&files);
-    let total_bytes = files.iter().map(|f| f.size).sum();
-    let (files, manifest) = if by_reference {
+    let manifest = if by_reference {
         let store = ManifestStore::catalogue(bus.jetstream(), BucketOptions::default())
             .await
             .unwrap();
-        let reference = store.put(&Manifest::from_entries(files)).await.unwrap();
-        (Vec::new(), Some(reference))
+        Some(
+            store
+                .put(&Manifest::from_entries(files.clone()))
+                .await
+                .unwrap(),
+        )
     } else {
-        (files, None)
+        None
     };
-    let request = EventId::new(format!("{id}-request")).unwrap();
-    let event = Event::request(
-        request.clone(),
+    let event = validated_fact(
         PROJECT,
-        Body::IngestRequested(stagehand_schemas::IngestRequested {
-            dataset: dataset.into(),
-            source: Location {
-                tier: tier.into(),
-                prefix: prefix.into(),
-            },
-            files: Vec::new(),
-            manifest: None,
-            requested_by: "alice".into(),
-            labels: vec![],
-        }),
-    )
-    .caused(
-        "validated",
-        Body::DatasetValidated(DatasetValidated {
-            dataset: dataset.into(),
-            version,
-            source: Location {
-                tier: tier.into(),
-                prefix: prefix.into(),
-            },
-            files,
-            manifest,
-            total_bytes,
-            requested_by: "alice".into(),
-            request_id: request,
-            labels: vec![],
-        }),
+        EventId::new(format!("{id}-request")).unwrap(),
+        dataset,
+        Location {
+            tier: tier.into(),
+            prefix: prefix.into(),
+        },
+        &files,
+        manifest,
     );
     bus.publish(&event).await.unwrap();
     event
 }
 
 /// Every message of a stream, in order.
-pub async fn stream_messages(
-    js: &jetstream::Context,
-    stream: &str,
-) -> Vec<jetstream::message::StreamMessage> {
-    let Ok(mut stream) = js.get_stream(stream).await else {
-        return Vec::new();
-    };
-    let info = stream.info().await.unwrap().clone();
-    let mut out = Vec::new();
-    if info.state.messages == 0 {
-        return out;
-    }
-    for seq in info.state.first_sequence..=info.state.last_sequence {
-        if let Ok(msg) = stream.get_raw_message(seq).await {
-            out.push(msg);
-        }
-    }
-    out
+pub async fn stream_messages(js: &jetstream::Context, stream: &str) -> Vec<StoredMessage> {
+    stored_messages(js, stream, "").await.unwrap()
 }
 
 /// The facts caused by `cause`.
 pub async fn facts_of(js: &jetstream::Context, cause: &EventId) -> Vec<Event> {
-    stream_messages(js, subject::FACTS.name)
-        .await
-        .into_iter()
-        .filter_map(|m| wire::decode(&m.payload).ok())
-        .filter(|e: &Event| e.causation_id.as_ref() == Some(cause))
-        .collect()
+    facts_caused_by(js, cause).await
 }
 
 /// Waits for the `dataset.prepared` caused by `cause`.
@@ -219,17 +162,21 @@ pub async fn prepared(js: &jetstream::Context, cause: &Event) -> (Event, Dataset
 /// Waits for the resharder's dead letter of `cause` and returns its last error.
 pub async fn dead_letter(js: &jetstream::Context, cause: &EventId) -> String {
     wait_for(TIMEOUT, &format!("a dead letter of {cause}"), || async {
-        stream_messages(js, subject::DEAD_LETTERS.name)
-            .await
-            .into_iter()
-            .filter(|m| m.subject.as_str() == "stagehand.dlq.dead.letter.resharder")
-            .filter_map(|m| wire::decode(&m.payload).ok())
-            .find_map(|e: Event| match e.body {
-                Body::DeadLetter(d) if d.original_id.as_ref() == Some(cause) => {
-                    d.errors.last().map(|a| a.error.clone())
-                }
-                _ => None,
-            })
+        stored_messages(
+            js,
+            subject::DEAD_LETTERS.name,
+            subject::dead_letter_subject("resharder"),
+        )
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|m| m.event().ok())
+        .find_map(|e: Event| match e.body {
+            Body::DeadLetter(d) if d.original_id.as_ref() == Some(cause) => {
+                d.errors.last().map(|a| a.error.clone())
+            }
+            _ => None,
+        })
     })
     .await
     .unwrap()
@@ -305,18 +252,6 @@ pub fn read_shards(dir: &Path) -> Vec<ReadMember> {
     out
 }
 
-/// Names beneath `dir` (one level), hidden ones included.
-pub fn names(dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = entries
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
 /// The sample keys in the seeded order the resharder promises, computed here from the
 /// documented rule: by the first 8 bytes of SHA-256("stagehand/shuffle/v1\0" ++ seed ++ key),
 /// then by key.
@@ -338,31 +273,14 @@ pub fn seeded_order(keys: &[String], seed: u64) -> Vec<String> {
     keyed.into_iter().map(|(_, k)| k).collect()
 }
 
-/// The `stagehand-resharder` binary with `config` and `env`, its environment cleared of
-/// `STAGEHAND_NATS_*`, its log in `log`; killed and reaped when dropped.
-pub fn spawn_resharder(config: &Path, log: &Path, env: &[(&str, &str)]) -> Running {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_stagehand-resharder"));
-    cmd.arg("--config")
-        .arg(config)
-        .env("RUST_LOG", "info")
-        .envs(env.iter().copied())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap());
-    for var in stagehand_bus::env::ALL {
-        cmd.env_remove(var);
-    }
-    Running(cmd.spawn().unwrap())
-}
-
-/// A resharder process, SIGKILLed and reaped when dropped.
-pub struct Running(pub std::process::Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// The `stagehand-resharder` binary with `config` and `env`, its Stagehand environment
+/// cleared, its log in `log`; killed and reaped when dropped.
+pub fn spawn_resharder(config: &Path, log: &Path, env: &[(&str, &str)]) -> ServiceProcess {
+    let env: Vec<(&str, &str)> = [("RUST_LOG", "info")]
+        .into_iter()
+        .chain(env.iter().copied())
+        .collect();
+    ServiceProcess::spawn(env!("CARGO_BIN_EXE_stagehand-resharder"), config, log, &env)
 }
 
 /// The resharder's configuration file: `nats`, the policies and state folders, two read
