@@ -174,9 +174,12 @@ async fn a_fact_whose_id_another_project_borrowed_is_folded() -> Result<()> {
 }
 
 /// Queries whose reply subject is the promoter's quota KV key, another user's inbox or one of
-/// `labb`'s facts subjects are refused and counted: the quota entry keeps its revision, the
-/// facts stream holds nothing on that subject, the inbox gets nothing. A query asked the
-/// ordinary way, after them, is answered.
+/// `labb`'s facts subjects, sent by a user of Stagehand's own account that may ask (a service's
+/// user: the promoter's), are refused and counted; the same crafted by the scheduler, whose
+/// queries cross from its own account, reach the recorder with a one-off `_R_.…` reply subject
+/// the server routes back into the scheduler's account. Either way the quota entry keeps its
+/// revision, the facts stream holds nothing on that subject, the inbox gets nothing. A query
+/// asked the ordinary way, after them, is answered.
 #[tokio::test]
 async fn a_query_with_a_reply_subject_that_is_no_inbox_is_refused_and_counted() -> Result<()> {
     let (server, operator) = server().await?;
@@ -211,15 +214,19 @@ async fn a_query_with_a_reply_subject_that_is_no_inbox_is_refused_and_counted() 
         "_INBOX_uploader-demo.stolen",
         "stagehand.fact.dataset.validated.labb",
     ];
-    for reply in crafted {
-        scheduler
-            .client()
-            .publish_with_reply(CATALOGUE_QUERY, reply.to_owned(), query.clone().into())
-            .await?;
+    let promoter = connect(&server, "promoter", "PROMOTER").await?;
+    for asker in [&scheduler, &promoter] {
+        for reply in crafted {
+            asker
+                .client()
+                .publish_with_reply(CATALOGUE_QUERY, reply.to_owned(), query.clone().into())
+                .await?;
+        }
+        asker.client().flush().await?;
     }
-    scheduler.client().flush().await?;
-    // Asked the ordinary way, after them on the same connection: answered.
+    // Asked the ordinary way, after them on the same connections: answered.
     answering(&catalogue).await?;
+    answering(&Catalogue::new(promoter.client().clone())).await?;
     let stats = recorder.stop().await?;
     ensure!(
         stats.queries_refused == crafted.len() as u64,

@@ -512,11 +512,21 @@ impl Mover {
             report.files += chunk.len() as u64;
             let checked: Vec<(FileRef, Result<bool, TransferError>)> = futures::stream::iter(chunk)
                 .map(|f| {
-                    let found = &found;
+                    let (found, src_tier) = (&found, &src_tier);
                     async move {
                         let limit = crate::ReadLimit::declared(f.size, None);
+                        // A list without hashes (`stagehand cp` with no manifest): the file
+                        // found must hash as its source does, which is read for it.
+                        let listed = if f.sha256.is_empty() {
+                            match src_tier.hash_file_bounded(&f.path, limit).await {
+                                Ok(d) => d.sha256,
+                                Err(e) => return (f, Err(e)),
+                            }
+                        } else {
+                            f.sha256.clone()
+                        };
                         let verdict = match found.hash_file_bounded(&f.path, limit).await {
-                            Ok(d) => Ok(d.size == f.size && d.sha256 == f.sha256),
+                            Ok(d) => Ok(d.size == f.size && d.sha256 == listed),
                             // Wrong size, missing, not a file: this file is not the one
                             // listed. A failure to read at all says nothing about it.
                             Err(e) if !e.is_retryable() => Ok(false),
