@@ -15,6 +15,7 @@ use super::schema::{LEDGER_ID, META};
 
 /// How long the writer keeps trying to reopen a failed store before the ledger is failed.
 pub const REOPEN_FOR: Duration = Duration::from_secs(30);
+
 impl Ledger {
     /// The database, unless the writer is reopening it or it failed.
     pub(super) fn db(&self) -> Result<Arc<Database>, LedgerError> {

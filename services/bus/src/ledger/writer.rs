@@ -24,6 +24,7 @@ const MAX_BATCH: usize = 4096;
 /// Longest error text kept per attempt: a dead letter carries the history and must stay
 /// under the message bound.
 const MAX_ERROR_CHARS: usize = 1024;
+
 impl Ledger {
     /// Starts the single writer thread. Dropping every [`LedgerWriter`] clone stops it once
     /// the queued requests are committed. `on_failed` runs once if the store fails for good.

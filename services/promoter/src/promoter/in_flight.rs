@@ -71,6 +71,7 @@ impl Drop for Active<'_> {
             .remove(&self.id);
     }
 }
+
 impl Promoter {
     /// The key of a copy of `prefix` onto `tier` (and `node`) in the in-process copy table.
     pub(super) fn copy_key(tier: &str, node: Option<&str>, prefix: &str) -> String {
