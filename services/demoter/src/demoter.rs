@@ -41,12 +41,10 @@ use crate::state::{CheckpointNote, CheckpointPlace, Phase, State};
 mod pass;
 mod retention;
 mod step;
-mod survey;
 
 pub use pass::PassReport;
 pub use retention::CHECKPOINT_PRIORITY;
 pub use step::{COPY_DOWN_PRIORITY, COPY_DOWN_VERIFY, removed_name};
-pub use survey::{TierSurvey, durable_tiers, survey, survey_on_node};
 
 /// What the demoter needs, built once at start.
 pub struct Parts {

@@ -5,6 +5,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use futures::StreamExt;
+use stagehand_catalogue::survey::survey_on_node;
+use stagehand_catalogue::views::Placed;
 use stagehand_policy::{TierLimits, TierPolicy, TierRole};
 use stagehand_schemas::EventId;
 use time::OffsetDateTime;
@@ -12,9 +14,8 @@ use tracing::{info, warn};
 
 use crate::plan::{self, Candidate, Reason, Rules};
 use crate::state::{Phase, Step};
-use crate::view::Placed;
 
-use super::{Demoter, PassError, survey_on_node};
+use super::{Demoter, PassError};
 
 /// What a pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

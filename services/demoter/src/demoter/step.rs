@@ -6,6 +6,7 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use stagehand_bus::placement;
+use stagehand_catalogue::views::{self as view, Placed};
 use stagehand_catalogue::{ReadinessKey, kv_key};
 use stagehand_manifest::{ManifestBuilder, Spool};
 use stagehand_mover::{CopyOptions, Priority, Progress, SetCopy, Tier, VerifyMode};
@@ -17,7 +18,6 @@ use tracing::{info, warn};
 
 use crate::STOP_BEFORE_RENAME_ENV;
 use crate::state::{CheckpointPlace, Phase, Step};
-use crate::view::{self, Placed};
 
 use super::{Demoter, PassError, PassReport, step_err};
 

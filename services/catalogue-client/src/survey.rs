@@ -1,18 +1,71 @@
 //! The survey of one bounded tier: the catalogue's replicas on it, what holds each, and
-//! the filesystem's usage under it.
+//! the filesystem's usage under it. The demoter acts on it and `stagehand tier usage` shows
+//! it, so what the operator sees is what the demoter acts on; it only asks questions.
 
 use std::collections::HashSet;
 
 use futures::{StreamExt, TryStreamExt};
-use stagehand_catalogue::{Catalogue, CatalogueError};
 use stagehand_policy::{Policies, TierLimits, TierPolicy, TierRole};
 
-use crate::plan::{FsUsage, TierUsage};
-use crate::view::{self, Holds, Placed};
+use crate::views::{self as view, Holds, Placed};
+use crate::{Catalogue, CatalogueError};
 
 /// Questions about holds a survey has in flight at once: one per replica, each a round trip
 /// to the catalogue, so a tier of many replicas is surveyed in a few round trips' time.
 const SURVEY_QUESTIONS_AT_ONCE: usize = 16;
+
+/// What `statfs` says of a posix tier's filesystem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsUsage {
+    /// Size of the filesystem, bytes.
+    pub total: u64,
+    /// Bytes an unprivileged writer can still use.
+    pub avail: u64,
+}
+
+impl FsUsage {
+    /// The filesystem's usage from an open directory on it.
+    pub fn of(fd: impl rustix::fd::AsFd) -> std::io::Result<FsUsage> {
+        let s = rustix::fs::fstatvfs(fd)?;
+        Ok(FsUsage {
+            total: s.f_blocks.saturating_mul(s.f_frsize),
+            avail: s.f_bavail.saturating_mul(s.f_frsize),
+        })
+    }
+
+    /// Bytes in use (what is neither free nor reserved for root counts as used).
+    pub fn used(&self) -> u64 {
+        self.total.saturating_sub(self.avail)
+    }
+}
+
+/// The usage of one bounded tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierUsage {
+    /// Bytes Stagehand may place on the tier (`tiers.toml`).
+    pub capacity: u64,
+    /// Bytes of the replicas the catalogue lists as present on the tier.
+    pub placed: u64,
+    /// The filesystem, when the tier is posix and `statfs` answered.
+    pub fs: Option<FsUsage>,
+}
+
+impl TierUsage {
+    /// Bytes on the filesystem that are not Stagehand's replicas.
+    pub fn others(&self) -> u64 {
+        self.fs
+            .map_or(0, |fs| fs.used().saturating_sub(self.placed))
+    }
+
+    /// Usage counted against the watermarks: Stagehand's own bytes plus the part of its budget
+    /// the filesystem cannot give any more because others filled it (the demoter's `plan`
+    /// module docs say why).
+    pub fn counted(&self) -> u64 {
+        let budget_left = self.capacity.saturating_sub(self.placed);
+        let unusable = self.fs.map_or(0, |fs| budget_left.saturating_sub(fs.avail));
+        self.placed.saturating_add(unusable)
+    }
+}
 
 /// What a survey of one bounded tier found.
 #[derive(Debug, Clone)]
