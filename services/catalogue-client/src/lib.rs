@@ -7,6 +7,8 @@
 //! the queue group [`QUEUE_GROUP`] with one JSON [`Answer`] of at most [`MAX_ANSWER_BYTES`].
 //! Lists are pages (`limit`, `after` → `next`), so an answer stays bounded however large the
 //! catalogue: a version of 14 million files is read page by page ([`Catalogue::all_files`]).
+//! [`survey`] and [`views`] are the read-only survey of a bounded tier built on these queries:
+//! the demoter acts on it and `stagehand tier usage` shows it.
 //!
 //! ```text
 //! {"query":"datasets","limit":2}                 → {"answer":"datasets","datasets":[…],"next":"lab-a/cats"}
@@ -46,7 +48,9 @@ mod client;
 mod query;
 mod readiness;
 mod records;
+pub mod survey;
 pub mod time;
+pub mod views;
 
 pub use client::{AskError, Catalogue, CatalogueError, FilesPage, Page, ask};
 pub use query::{

@@ -198,7 +198,7 @@ fn holds_line(
     let holding: Vec<String> = requests
         .iter()
         .filter(|s| {
-            stagehand_demoter::view::stages(s, version, &r.tier, r.node.as_deref())
+            stagehand_catalogue::views::stages(s, version, &r.tier, r.node.as_deref())
                 && s.holds_at(time::OffsetDateTime::now_utc())
         })
         .map(|s| {

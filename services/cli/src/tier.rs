@@ -1,13 +1,13 @@
 //! `stagehand tier usage`: per bounded tier, its capacity, the bytes Stagehand placed there
 //! (from the catalogue), the bytes others use on its filesystem (`statfs`), its watermarks,
 //! the bytes live stages hold, and each project's share — the demoter's own survey
-//! ([`stagehand_demoter::survey`]), so what it shows is what the demoter acts on.
+//! ([`stagehand_catalogue::survey::survey`]), so what it shows is what the demoter acts on.
 
 use std::io::Write;
 
 use serde::Serialize;
 use stagehand_catalogue::Catalogue;
-use stagehand_demoter::TierSurvey;
+use stagehand_catalogue::survey::TierSurvey;
 use stagehand_policy::Policies;
 
 /// One tier's line of the report (also its `--json` form).
@@ -96,7 +96,7 @@ pub async fn usage(
         if only.is_some_and(|n| n != tier.name) {
             continue;
         }
-        if let Some(s) = stagehand_demoter::survey(catalogue, policies, tier).await? {
+        if let Some(s) = stagehand_catalogue::survey::survey(catalogue, policies, tier).await? {
             rows.push(row(&s));
         }
     }

@@ -38,7 +38,6 @@
 pub mod demoter;
 pub mod plan;
 pub mod state;
-pub mod view;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -54,7 +53,7 @@ use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
-pub use demoter::{Demoter, Parts, PassError, PassReport, TierSurvey, removed_name, survey};
+pub use demoter::{Demoter, Parts, PassError, PassReport, removed_name};
 pub use state::Phase;
 
 /// The service name: its consumers' prefix, its dead-letter subject, its metric label.

@@ -10,59 +10,9 @@
 
 use std::time::Duration;
 
+use stagehand_catalogue::survey::TierUsage;
 use stagehand_policy::TierLimits;
 use time::OffsetDateTime;
-
-/// What `statfs` says of a posix tier's filesystem.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FsUsage {
-    /// Size of the filesystem, bytes.
-    pub total: u64,
-    /// Bytes an unprivileged writer can still use.
-    pub avail: u64,
-}
-
-impl FsUsage {
-    /// The filesystem's usage from an open directory on it.
-    pub fn of(fd: impl rustix::fd::AsFd) -> std::io::Result<FsUsage> {
-        let s = rustix::fs::fstatvfs(fd)?;
-        Ok(FsUsage {
-            total: s.f_blocks.saturating_mul(s.f_frsize),
-            avail: s.f_bavail.saturating_mul(s.f_frsize),
-        })
-    }
-
-    /// Bytes in use (what is neither free nor reserved for root counts as used).
-    pub fn used(&self) -> u64 {
-        self.total.saturating_sub(self.avail)
-    }
-}
-
-/// The usage of one bounded tier.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TierUsage {
-    /// Bytes Stagehand may place on the tier (`tiers.toml`).
-    pub capacity: u64,
-    /// Bytes of the replicas the catalogue lists as present on the tier.
-    pub placed: u64,
-    /// The filesystem, when the tier is posix and `statfs` answered.
-    pub fs: Option<FsUsage>,
-}
-
-impl TierUsage {
-    /// Bytes on the filesystem that are not Stagehand's replicas.
-    pub fn others(&self) -> u64 {
-        self.fs
-            .map_or(0, |fs| fs.used().saturating_sub(self.placed))
-    }
-
-    /// Usage counted against the watermarks (see the module docs).
-    pub fn counted(&self) -> u64 {
-        let budget_left = self.capacity.saturating_sub(self.placed);
-        let unusable = self.fs.map_or(0, |fs| budget_left.saturating_sub(fs.avail));
-        self.placed.saturating_add(unusable)
-    }
-}
 
 /// Why a replica leaves a tier: the reason `replica.removed` carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -188,6 +138,7 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stagehand_catalogue::survey::FsUsage;
 
     const MIB: u64 = 1 << 20;
 

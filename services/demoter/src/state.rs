@@ -13,6 +13,7 @@ use std::sync::Arc;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use stagehand_schemas::{CheckpointCommitted, EventId};
+use stagehand_store::{CommitError, GroupWriter};
 use time::OffsetDateTime;
 
 const STEPS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("steps");
@@ -129,7 +130,7 @@ pub struct State {
     db: Arc<Database>,
     /// To the committer thread: the writes of steps carried at once, each acknowledged once
     /// the transaction holding it is durable.
-    committer: std::sync::mpsc::Sender<Queued>,
+    committer: GroupWriter<StepWrite, (), StateError>,
 }
 
 impl std::fmt::Debug for State {
@@ -168,12 +169,6 @@ impl StepWrite {
     }
 }
 
-/// A write waiting for the committer, and who to tell when it is durable.
-type Queued = (
-    StepWrite,
-    tokio::sync::oneshot::Sender<Result<(), StateError>>,
-);
-
 /// Applies `writes` in one transaction and commits it (durably: redb's default).
 fn commit_steps<'a>(
     db: &Database,
@@ -198,26 +193,14 @@ fn commit_steps<'a>(
     txn.commit().map_err(|x| e(x.to_string()))
 }
 
-/// The committer: takes the first write waiting, then every other one queued meanwhile, and
-/// makes them durable in one commit (one flush for several steps carried at once, where each
-/// alone would pay its own). Each write is acknowledged only after that commit; a failed
-/// commit fails every write it held. Ends when the last [`State`] is dropped; between
-/// batches it holds the database only weakly, so dropping the last [`State`] closes it (and a
-/// reopening in the same process finds it closed).
-fn committer(db: std::sync::Weak<Database>, queue: std::sync::mpsc::Receiver<Queued>) {
-    while let Ok(first) = queue.recv() {
-        let mut batch = vec![first];
-        batch.extend(queue.try_iter());
-        let result = match db.upgrade() {
-            Some(db) => commit_steps(&db, batch.iter().map(|(w, _)| w)),
-            None => Err(err("write")("the database is closed".into())),
-        };
-        for (_, done) in batch {
-            // A step whose future was dropped no longer waits; the write stands anyway.
-            let _ = done.send(result.clone());
-        }
-    }
-}
+/// The committer ([`stagehand_store`]): takes the first write waiting, then every other one
+/// queued meanwhile, and makes them durable in one commit (one flush for several steps carried
+/// at once, where each alone would pay its own). Each write is acknowledged only after that
+/// commit; a failed commit fails every write it held. Unbounded: at most `max_concurrent` steps
+/// write at once. It ends when the last [`State`] is dropped; it holds the database only
+/// weakly, so dropping the last [`State`] closes it (and a reopening in the same process finds
+/// it closed).
+const COMMITTER_BATCH: usize = usize::MAX;
 
 impl State {
     pub fn open(path: &Path) -> Result<State, StateError> {
@@ -229,16 +212,21 @@ impl State {
             .map_err(|e| open(e.to_string()))?;
         txn.commit().map_err(|e| open(e.to_string()))?;
         let db = Arc::new(db);
-        let (committer_tx, queue) = std::sync::mpsc::channel();
         let committer_db = Arc::downgrade(&db);
-        std::thread::Builder::new()
-            .name("demoter-state".into())
-            .spawn(move || committer(committer_db, queue))
-            .map_err(|e| open(format!("starting the committer: {e}")))?;
-        Ok(State {
-            db,
-            committer: committer_tx,
-        })
+        // The thread is not joined: it ends by itself once the last `State` is dropped.
+        let (committer, _thread) = stagehand_store::spawn(
+            "demoter-state",
+            COMMITTER_BATCH,
+            move |batch: &[StepWrite]| {
+                let db = committer_db
+                    .upgrade()
+                    .ok_or_else(|| err("write")("the database is closed".into()))?;
+                commit_steps(&db, batch)?;
+                Ok(vec![(); batch.len()])
+            },
+        )
+        .map_err(|e| open(format!("starting the committer: {e}")))?;
+        Ok(State { db, committer })
     }
 
     /// Writes `step` (a new one, or its next phase) durably, in a transaction of its own.
@@ -264,10 +252,10 @@ impl State {
     }
 
     async fn queue(&self, write: StepWrite) -> Result<(), StateError> {
-        let (done, durable) = tokio::sync::oneshot::channel();
-        let gone = || err("write")("the committer thread has stopped".into());
-        self.committer.send((write, done)).map_err(|_| gone())?;
-        durable.await.map_err(|_| gone())?
+        self.committer.submit(write).await.map_err(|e| match e {
+            CommitError::Failed(e) => e,
+            CommitError::Stopped(_) => err("write")("the committer thread has stopped".into()),
+        })
     }
 
     /// Every step begun and not finished, in (tier, prefix) order.

@@ -1,12 +1,12 @@
 //! What the catalogue says is on a tier, and what holds it: the demoter's (and `stagehand tier
-//! usage`'s) view, asked through the catalogue client only.
+//! usage`'s) view, asked through this client only.
 //!
 //! Anything the view misses fails safe: a replica not listed is not demoted, and a durable
 //! copy not listed is made again before the replica above it is removed.
 
 use std::collections::{BTreeMap, HashSet};
 
-use stagehand_catalogue::{
+use crate::{
     Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageStatus, VersionRecord,
 };
 use time::OffsetDateTime;
@@ -69,7 +69,7 @@ pub async fn placed_on(
                         after: Some(cursor),
                     })
                     .await?;
-                let stagehand_catalogue::Answer::Versions {
+                let crate::Answer::Versions {
                     versions: more,
                     next: n,
                 } = answer
@@ -99,8 +99,7 @@ pub async fn placed_on(
                 };
                 // A checkpoint's own copy (where its run wrote it, or retention put it) is
                 // retention's to move, not the watermarks'; a restored copy is a stage's.
-                if here.verified_by.as_deref() == Some(stagehand_catalogue::CHECKPOINT_VERIFIED_BY)
-                {
+                if here.verified_by.as_deref() == Some(crate::CHECKPOINT_VERIFIED_BY) {
                     continue;
                 }
                 out.push(Placed {

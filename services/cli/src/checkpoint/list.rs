@@ -1,0 +1,205 @@
+//! `list`: a run's checkpoints from the catalogue, with what retention decides for each now.
+
+use std::io::Write;
+use std::time::Duration;
+
+use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState};
+use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
+
+use crate::cli::Connection;
+
+use super::args::{ListArgs, check_project, check_run, default_policies};
+use super::commit::unavailable_or_other;
+use super::{CheckpointError, usage};
+
+/// One line of `checkpoint list`: the catalogue's record and what retention decides now.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ListedCheckpoint {
+    pub step: u64,
+    pub tags: Vec<String>,
+    pub state: CheckpointState,
+    pub tiers: Vec<String>,
+    /// The rule of the latest demotion or expiry carried out.
+    pub rule: Option<String>,
+    /// What retention decides for it now (`None` without `retention.toml`, or once expired).
+    pub retention: Option<Decision>,
+    pub total_bytes: u64,
+    /// A demotion or expiry the demoter left undone, and why (the folder is whole).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held: Option<stagehand_catalogue::CheckpointHold>,
+}
+
+/// Retention's decision, as listed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Decision {
+    /// `hot`, `demote`, `expire`.
+    pub placement: &'static str,
+    /// The tier a demotion goes to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+    pub rule: String,
+    /// Every keep rule that holds.
+    pub kept_by: Vec<String>,
+}
+
+impl From<&RetentionDecision> for Decision {
+    fn from(d: &RetentionDecision) -> Self {
+        let (placement, tier) = match &d.placement {
+            Placement::Hot => ("hot", None),
+            Placement::Demote { tier } => ("demote", Some(tier.clone())),
+            Placement::Expire => ("expire", None),
+        };
+        Decision {
+            placement,
+            tier,
+            rule: d.rule.to_string(),
+            kept_by: d.kept_by.iter().map(ToString::to_string).collect(),
+        }
+    }
+}
+
+/// Joins the catalogue's records of a run with retention's decisions over its live ones.
+pub fn listing(
+    records: &[CheckpointRecord],
+    retention: Option<&stagehand_policy::CheckpointRetention>,
+) -> Vec<ListedCheckpoint> {
+    let live: Vec<CommittedCheckpoint> = records
+        .iter()
+        .filter(|r| r.state != CheckpointState::Expired)
+        .map(|r| CommittedCheckpoint {
+            step: r.step,
+            tags: r.tags.clone(),
+            committed_at: r.committed.as_ref().map(|s| s.at),
+        })
+        .collect();
+    let decisions = retention.map(|p| p.decide(&live)).unwrap_or_default();
+    records
+        .iter()
+        .map(|r| ListedCheckpoint {
+            step: r.step,
+            tags: r.tags.clone(),
+            state: r.state,
+            tiers: r.tiers().into_iter().map(str::to_owned).collect(),
+            rule: r.rule.clone(),
+            retention: decisions
+                .iter()
+                .find(|d| d.step == r.step)
+                .map(Decision::from),
+            total_bytes: r.total_bytes,
+            held: r.held_now().cloned(),
+        })
+        .collect()
+}
+
+fn state_name(state: CheckpointState) -> &'static str {
+    match state {
+        CheckpointState::Committed => "committed",
+        CheckpointState::Demoted => "demoted",
+        CheckpointState::Expired => "expired",
+    }
+}
+
+/// The text of `checkpoint list`.
+pub fn list_text(
+    run: &str,
+    items: &[ListedCheckpoint],
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
+    if items.is_empty() {
+        return writeln!(out, "no checkpoints of run {run} in the catalogue");
+    }
+    writeln!(
+        out,
+        "{:>10}  {:<16} {:<10} {:<12} {:<16} RETENTION NOW",
+        "STEP", "TAGS", "STATE", "TIERS", "RULE"
+    )?;
+    for c in items {
+        let tags = if c.tags.is_empty() {
+            "-".to_owned()
+        } else {
+            c.tags.join(",")
+        };
+        let tiers = if c.tiers.is_empty() {
+            "-".to_owned()
+        } else {
+            c.tiers.join(",")
+        };
+        let now = match &c.retention {
+            None => "-".to_owned(),
+            Some(d) => {
+                let place = match &d.tier {
+                    Some(tier) => format!("{} to {tier}", d.placement),
+                    None => d.placement.to_owned(),
+                };
+                let also: Vec<&String> = d.kept_by.iter().filter(|r| **r != d.rule).collect();
+                if also.is_empty() {
+                    format!("{place} ({})", d.rule)
+                } else {
+                    let also: Vec<&str> = also.iter().map(|s| s.as_str()).collect();
+                    format!("{place} ({}; also {})", d.rule, also.join(", "))
+                }
+            }
+        };
+        writeln!(
+            out,
+            "{:>10}  {:<16} {:<10} {:<12} {:<16} {now}",
+            c.step,
+            tags,
+            state_name(c.state),
+            tiers,
+            c.rule.as_deref().unwrap_or("-"),
+        )?;
+        if let Some(h) = &c.held {
+            let mut line = format!(
+                "{:>10}  held: {} not carried out: {}",
+                "", h.decision, h.reason
+            );
+            if !h.unlisted.is_empty() {
+                line.push_str(&format!(" (unlisted: {}", h.unlisted.join(", ")));
+                if h.unlisted_total > h.unlisted.len() as u64 {
+                    line.push_str(&format!(", … {} in all", h.unlisted_total));
+                }
+                line.push(')');
+            }
+            writeln!(out, "{line}")?;
+        }
+    }
+    Ok(())
+}
+
+/// How long `list` waits for the catalogue's answer to each page.
+pub(super) const LIST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `stagehand checkpoint list`: the run's checkpoints from the catalogue.
+pub async fn list(
+    connection: &Connection,
+    args: &ListArgs,
+) -> Result<Vec<ListedCheckpoint>, CheckpointError> {
+    let project = args
+        .project
+        .clone()
+        .ok_or_else(|| usage("--project (or STAGEHAND_PROJECT) is required"))?;
+    check_project(&project)?;
+    check_run(&args.run)?;
+    let dir = args.policies.clone().unwrap_or_else(default_policies);
+    let policies = match (&args.policies, dir.join("tiers.toml").exists()) {
+        (None, false) => None,
+        _ => Some(
+            stagehand_policy::Policies::load_dir(&dir)
+                .map_err(|e| usage(format!("policies {}: {e}", dir.display())))?,
+        ),
+    };
+    let bus = crate::cli::connect(connection)
+        .await
+        .map_err(CheckpointError::Unavailable)?;
+    let catalogue = Catalogue::new(bus.client().clone()).with_timeout(LIST_TIMEOUT);
+    let records = catalogue
+        .all_checkpoints(&project, &args.run)
+        .await
+        .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+    let retention = policies
+        .as_ref()
+        .and_then(|p| p.retention())
+        .map(|r| &r.checkpoints);
+    Ok(listing(&records, retention))
+}

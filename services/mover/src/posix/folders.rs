@@ -1,0 +1,127 @@
+//! Whole folders renamed or exchanged by one confined rename, and files linked in from
+//! another tier on the same filesystem.
+
+use std::os::fd::AsFd;
+
+use rustix::fs::{AtFlags, RenameFlags};
+
+use crate::error::{Side, TransferError};
+
+use super::PosixTier;
+
+impl PosixTier {
+    /// Renames the directory `from` to `to` (both tier-relative; `to`'s parents are created
+    /// confined) with `renameat2(RENAME_NOREPLACE)` between confined handles of the two
+    /// parents, then `fsync`s both parents. `Ok(false)` when something is already at `to`
+    /// (nothing was moved).
+    pub fn rename_dir_noreplace(&self, from: &str, to: &str) -> Result<bool, TransferError> {
+        self.check_path(from, Side::Destination)?;
+        self.check_path(to, Side::Destination)?;
+        let (from_parent, from_name) = from.rsplit_once('/').unwrap_or(("", from));
+        let (to_parent, to_name) = to.rsplit_once('/').unwrap_or(("", to));
+        let from_dir = self.dir_fd(from_parent, from)?;
+        let to_dir = self.dir_fd(to_parent, to)?;
+        match rustix::fs::renameat_with(
+            from_dir.as_fd(),
+            from_name,
+            to_dir.as_fd(),
+            to_name,
+            RenameFlags::NOREPLACE,
+        ) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::EXIST) => return Ok(false),
+            Err(e) => {
+                return Err(TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    to,
+                    "rename into place",
+                ));
+            }
+        }
+        // Handles opened beneath the old name now point beneath the new one.
+        self.forget_dirs();
+        for dir in [&to_dir, &from_dir] {
+            rustix::fs::fsync(&**dir).map_err(|e| {
+                TransferError::from_errno(e, Side::Destination, self.name(), to, "fsync directory")
+            })?;
+            if from_parent == to_parent {
+                break;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Swaps the directories `from` and `to` (both tier-relative, both present) with one
+    /// `renameat2(RENAME_EXCHANGE)` between confined handles of their parents, then `fsync`s
+    /// both parents: a reader finds either the old folder or the new one whole under `to`,
+    /// never neither. `Ok(false)` when `to` is not there (nothing was moved).
+    pub fn exchange_dirs(&self, from: &str, to: &str) -> Result<bool, TransferError> {
+        self.check_path(from, Side::Destination)?;
+        self.check_path(to, Side::Destination)?;
+        let (from_parent, from_name) = from.rsplit_once('/').unwrap_or(("", from));
+        let (to_parent, to_name) = to.rsplit_once('/').unwrap_or(("", to));
+        let from_dir = self.dir_fd(from_parent, from)?;
+        let to_dir = self.dir_fd(to_parent, to)?;
+        match rustix::fs::renameat_with(
+            from_dir.as_fd(),
+            from_name,
+            to_dir.as_fd(),
+            to_name,
+            RenameFlags::EXCHANGE,
+        ) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOENT) => return Ok(false),
+            Err(e) => {
+                return Err(TransferError::from_errno(
+                    e,
+                    Side::Destination,
+                    self.name(),
+                    to,
+                    "exchange into place",
+                ));
+            }
+        }
+        self.forget_dirs();
+        for dir in [&to_dir, &from_dir] {
+            rustix::fs::fsync(&**dir).map_err(|e| {
+                TransferError::from_errno(e, Side::Destination, self.name(), to, "fsync directory")
+            })?;
+            if from_parent == to_parent {
+                break;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Hard-links the file `rel` of `from` (a folder of the same filesystem: a tier beneath
+    /// this one's parent) to `rel` beneath this tier, creating parents confined: a verified
+    /// file of a set found in place joins its replacement without a copy. Already there is
+    /// fine (a resumed staging folder).
+    pub fn link_from(&self, from: &PosixTier, rel: &str) -> Result<(), TransferError> {
+        self.check_path(rel, Side::Destination)?;
+        from.check_path(rel, Side::Source)?;
+        let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+        let from_dir = from.dir_fd(parent, rel)?;
+        let to_dir = self.dir_fd(parent, rel)?;
+        let link = || {
+            rustix::fs::linkat(
+                from_dir.as_fd(),
+                name,
+                to_dir.as_fd(),
+                name,
+                AtFlags::empty(),
+            )
+        };
+        let linked = match link() {
+            // What a resumed staging folder holds under the name is not what was verified.
+            Err(rustix::io::Errno::EXIST) => {
+                rustix::fs::unlinkat(to_dir.as_fd(), name, AtFlags::empty()).and_then(|()| link())
+            }
+            other => other,
+        };
+        linked
+            .map_err(|e| TransferError::from_errno(e, Side::Destination, self.name(), rel, "link"))
+    }
+}

@@ -1,0 +1,663 @@
+//! Copying a version onto the requested tier: space reserved under the copy's lease, a copy
+//! slot held, the verified file list fetched, every file staged hidden and the set published
+//! by one rename, progress reported as it goes.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use stagehand_bus::placement::{self, Served, UseState};
+use stagehand_bus::{HandlerError, WorkContext};
+use stagehand_manifest::{Manifest, ManifestBuilder, ManifestErrorKind, ManifestStore};
+use stagehand_mover::{CopyOptions, ErrorKind, Progress, SetCopy, Tier, TransferError};
+use stagehand_policy::TierRole;
+use stagehand_schemas::layout;
+use stagehand_schemas::progress::{WorkProgress, progress_subject};
+use stagehand_schemas::subject::MANIFEST_BUCKET;
+use stagehand_schemas::{
+    Body, Event, EventId, Location, ManifestRef, ReplicaCreated, StageRequested,
+};
+use time::OffsetDateTime;
+use tracing::{debug, info, warn};
+
+use crate::kv::{LeaseState, Limits, Refused};
+use crate::resolve::Plan;
+use crate::state::{RequestRecord, WaitGuard, WaitingFor};
+
+use super::clock::deadline_reason;
+use super::in_flight::Held;
+use super::{FAILED_COPY_REMEMBERED, Promoter, retry, step_replica};
+
+impl Promoter {
+    fn limits(&self, tier: &str, project: &str) -> Limits {
+        let limits = self.tier_policy(tier).and_then(|t| t.limits.as_ref());
+        Limits {
+            capacity: limits.map_or(u64::MAX, |l| l.capacity),
+            quota: limits.and_then(|l| l.quota_for(project)),
+        }
+    }
+
+    /// The version is resolved: ready at once if it is on the tier, else copied once.
+    pub(super) async fn stage(
+        &self,
+        record: &RequestRecord,
+        request: &StageRequested,
+        plan: Plan,
+        ctx: Option<&WorkContext>,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let project = record.event.project.as_str();
+        let node = request.node.as_deref();
+        let Some(dst) = self.p().tiers.get(&request.tier) else {
+            return self
+                .fail(
+                    record,
+                    format!("tier {:?} is not open", request.tier),
+                    false,
+                )
+                .await;
+        };
+        let prefix = layout::version_folder(project, &request.dataset, &plan.version);
+        let limits = self.limits(&request.tier, project);
+        // A replica the demoter is removing is neither handed out nor copied over until the
+        // removal has finished (its space is given back then, not before).
+        let withdrawing =
+            placement::read_use(self.p().coordination.store(), &request.tier, node, &prefix)
+                .await
+                .map_err(retry)?
+                .value
+                .filter(|u| u.state == UseState::Withdrawing);
+        if let Some(u) = withdrawing {
+            return self
+                .wait_for_removal(record, &plan.version, request, u.reason)
+                .await;
+        }
+        if dst.set_present(&prefix).await.map_err(retry)? {
+            if let Served::Withdrawing { reason } = self.serve(record, request, &prefix).await? {
+                return self
+                    .wait_for_removal(record, &plan.version, request, reason)
+                    .await;
+            }
+            // Placed before (by this request's copy, another's, another instance's): it
+            // already holds its reservation, which this makes sure of (a no-op then).
+            if let Ok(Err(refused)) = self
+                .p()
+                .coordination
+                .reserve(&request.tier, node, project, &prefix, plan.bytes, limits)
+                .await
+            {
+                warn!(?refused, %prefix, "a replica already on the tier holds no reservation and does not fit one");
+            }
+            return self
+                .ready(record, request, &plan.version, dst, &prefix, None)
+                .await;
+        }
+        let Some((src_tier, src_prefix)) = plan.sources.first().cloned() else {
+            return self
+                .fail(
+                    record,
+                    format!(
+                        "version {} of dataset {:?} has no verified replica on any tier stage copies from ({}); restore one there first",
+                        plan.version,
+                        request.dataset,
+                        self.p()
+                            .promotion
+                            .sources_for(self.tier_policy(&request.tier).map_or(TierRole::Hot, |t| t.role))
+                            .join(", ")
+                    ),
+                    true,
+                )
+                .await;
+        };
+        let copy_key = Self::copy_key(&request.tier, node, &prefix);
+        let recent_failure = {
+            let mut failed = self.inner.failed.lock().unwrap_or_else(|p| p.into_inner());
+            failed.retain(|_, (_, _, at)| at.elapsed() < FAILED_COPY_REMEMBERED);
+            failed.get(&copy_key).cloned()
+        };
+        if let Some((reason, retryable, _)) = recent_failure {
+            return self.fail(record, reason, retryable).await;
+        }
+        let Some(_copying) = Held::take(&self.inner.copies, copy_key.clone()) else {
+            let reason = format!(
+                "version {} is being copied onto tier {} for another request; this one is answered when that copy is published",
+                plan.version, request.tier
+            );
+            let guard = WaitGuard::Replica {
+                tier: request.tier.clone(),
+                prefix: prefix.clone(),
+            };
+            return self.wait(record, WaitingFor::Copy, reason, guard).await;
+        };
+        let coord = &self.p().coordination;
+        let lease = coord
+            .lease(&request.tier, node, &prefix, record.event.id.as_str())
+            .await
+            .map_err(retry)?;
+        let mut revision = match lease {
+            LeaseState::Owned(rev) => rev,
+            LeaseState::Held {
+                instance,
+                request_id,
+            } => {
+                let reason = format!(
+                    "version {} is being copied onto tier {} by promoter {instance} (request {request_id}); this one is answered when that copy is published",
+                    plan.version, request.tier
+                );
+                let guard = WaitGuard::Replica {
+                    tier: request.tier.clone(),
+                    prefix: prefix.clone(),
+                };
+                return self.wait(record, WaitingFor::Copy, reason, guard).await;
+            }
+        };
+        let result = self
+            .copy_owned(
+                record,
+                request,
+                &plan,
+                dst,
+                &prefix,
+                &src_tier,
+                &src_prefix,
+                limits,
+                &mut revision,
+                ctx,
+            )
+            .await;
+        if let Err(e) = coord
+            .end_lease(&request.tier, node, &prefix, revision)
+            .await
+        {
+            debug!(error = %e, "copy lease not ended; it ages out");
+        }
+        let facts = result?;
+        let failed = facts.iter().find_map(|f| match &f.body {
+            Body::StageFailed(failed) => Some((failed.reason.clone(), failed.retryable)),
+            _ => None,
+        });
+        match failed {
+            // A damaged source (not retryable) fails every request the same way; a full tier
+            // or quota may have room for the next one.
+            Some((reason, retryable)) if !retryable => {
+                self.inner
+                    .failed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(copy_key, (reason, retryable, Instant::now()));
+                self.wake_dataset(project, &request.dataset, None);
+            }
+            Some(_) => self.wake_dataset(project, &request.dataset, None),
+            // Requests of this dataset waiting for this copy (here) can be answered now.
+            None => self.wake_dataset(project, &request.dataset, Some((&request.tier, &prefix))),
+        }
+        Ok(facts)
+    }
+
+    /// Reserves space and copies the version under an owned lease.
+    #[allow(clippy::too_many_arguments)]
+    async fn copy_owned(
+        &self,
+        record: &RequestRecord,
+        request: &StageRequested,
+        plan: &Plan,
+        dst: &Tier,
+        prefix: &str,
+        src_tier: &str,
+        src_prefix: &str,
+        limits: Limits,
+        revision: &mut u64,
+        ctx: Option<&WorkContext>,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let project = record.event.project.as_str();
+        let node = request.node.as_deref();
+        let coord = &self.p().coordination;
+        let place = match node {
+            Some(n) => format!("tier {} on node {n}", request.tier),
+            None => format!("tier {}", request.tier),
+        };
+        self.p().state.note_reserved(&record.event.id, prefix)?;
+        match coord
+            .reserve(&request.tier, node, project, prefix, plan.bytes, limits)
+            .await
+            .map_err(retry)?
+        {
+            Ok(()) => {}
+            Err(Refused::Withdrawing) => {
+                // Found gone with its space not given back yet: the demoter is removing it.
+                return self
+                    .wait_for_removal(record, &plan.version, request, None)
+                    .await;
+            }
+            Err(Refused::Quota { used, quota }) => {
+                return self
+                    .fail(
+                        record,
+                        format!(
+                            "quota exceeded: project {project:?} holds {used} bytes of its {quota}-byte quota on {place}, and version {} needs {} more; release finished stages or raise the quota in tiers.toml",
+                            plan.version, plan.bytes
+                        ),
+                        true,
+                    )
+                    .await;
+            }
+            Err(Refused::Full { used, capacity }) => {
+                return self
+                    .fail(
+                        record,
+                        format!(
+                            "{place} is full: {used} of its {capacity} bytes are reserved, and version {} needs {}; release finished stages or wait for the demoter",
+                            plan.version, plan.bytes
+                        ),
+                        true,
+                    )
+                    .await;
+            }
+        }
+        if let Some(free) = free_bytes(dst)
+            && free < plan.bytes
+        {
+            let _ = coord.release(&request.tier, node, prefix).await;
+            return self
+                .fail(
+                    record,
+                    format!(
+                        "{place} is full: its filesystem has {free} bytes free and version {} needs {}",
+                        plan.version, plan.bytes
+                    ),
+                    true,
+                )
+                .await;
+        }
+        // Recorded as copying, so that after a crash the clock takes the copy up again.
+        let reason = format!("copying version {} from tier {src_tier}", plan.version);
+        self.p().state.wait(
+            &record.event.id,
+            WaitingFor::Copy,
+            &reason,
+            &WaitGuard::None,
+        )?;
+        let ticket = self.inner.slots.enqueue(plan.priority);
+        tokio::pin!(ticket);
+        let _slot = match futures::poll!(&mut ticket) {
+            std::task::Poll::Ready(permit) => permit,
+            std::task::Poll::Pending => {
+                let reason = format!(
+                    "waiting for one of {} copy slots (class {})",
+                    self.p().promotion.max_concurrent,
+                    plan.priority
+                );
+                let fact = self.pending_fact(record, WaitingFor::Copy, &reason);
+                self.emit(std::slice::from_ref(&fact)).await?;
+                let held = self
+                    .hold(ticket, &request.tier, node, prefix, record, revision, ctx)
+                    .await?;
+                let Some(permit) = held else {
+                    // The deadline passed while queued: nothing of it stays on the tier.
+                    discard_staging(dst, prefix).await;
+                    let _ = coord.release(&request.tier, node, prefix).await;
+                    return self
+                        .fail(
+                            record,
+                            deadline_reason(record, WaitingFor::Copy, &reason),
+                            true,
+                        )
+                        .await;
+                };
+                permit
+            }
+        };
+        let outcome = Box::pin(self.run_copy(
+            record, request, plan, dst, prefix, src_tier, src_prefix, revision, ctx,
+        ))
+        .await;
+        match outcome {
+            Ok(report) => {
+                info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
+                let replica = (!report.existed).then(|| {
+                    record.event.caused(
+                        &step_replica(&request.tier, node),
+                        Body::ReplicaCreated(ReplicaCreated {
+                            dataset: request.dataset.clone(),
+                            version: plan.version.clone(),
+                            location: Location {
+                                tier: request.tier.clone(),
+                                prefix: prefix.to_owned(),
+                            },
+                            files: plan.files,
+                            total_bytes: plan.bytes,
+                            verified_by: self.p().promotion.verify.as_str().into(),
+                            node: node.map(str::to_owned),
+                        }),
+                    )
+                });
+                if let Served::Withdrawing { reason } = self.serve(record, request, prefix).await? {
+                    return self
+                        .wait_for_removal(record, &plan.version, request, reason)
+                        .await;
+                }
+                self.ready(record, request, &plan.version, dst, prefix, replica)
+                    .await
+            }
+            Err(CopyFailed::Retry(e)) => Err(e),
+            Err(CopyFailed::Fail { reason, retryable }) => {
+                // Nothing of a copy that will not be retried stays on the tier, hidden or not.
+                discard_staging(dst, prefix).await;
+                let _ = coord.release(&request.tier, node, prefix).await;
+                self.fail(record, reason, retryable).await
+            }
+        }
+    }
+
+    /// Waits for a copy slot, keeping the lease and the message alive; `None` once the
+    /// request's deadline passes first.
+    #[allow(clippy::too_many_arguments)]
+    async fn hold<F: std::future::Future<Output = stagehand_mover::Permit> + Unpin>(
+        &self,
+        mut ticket: F,
+        tier: &str,
+        node: Option<&str>,
+        prefix: &str,
+        record: &RequestRecord,
+        revision: &mut u64,
+        ctx: Option<&WorkContext>,
+    ) -> Result<Option<stagehand_mover::Permit>, HandlerError> {
+        let period = self.p().coordination.lease_lifetime() / 3;
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let left =
+            Duration::try_from(record.deadline - OffsetDateTime::now_utc()).unwrap_or_default();
+        let deadline = tokio::time::sleep(left);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                permit = &mut ticket => return Ok(Some(permit)),
+                _ = &mut deadline => return Ok(None),
+                _ = tick.tick() => {
+                    *revision = self.p().coordination
+                        .renew(tier, node, prefix, record.event.id.as_str(), *revision)
+                        .await
+                        .map_err(|e| retry(format!("copy lease lost while waiting for a slot: {e}")))?;
+                    if let Some(ctx) = ctx && let Err(e) = ctx.progress().await {
+                        debug!(error = %e, "progress ack failed");
+                    }
+                }
+                _ = self.p().shutdown.cancelled() => return Err(retry("shutting down")),
+            }
+        }
+    }
+
+    /// The version's verified file list: from the services' manifest bucket, or (a version
+    /// small enough to travel inline) the catalogue's pages, checked against the digest.
+    async fn manifest(
+        &self,
+        project: &str,
+        dataset: &str,
+        plan: &Plan,
+    ) -> Result<Manifest, CopyFailed> {
+        let reference = ManifestRef {
+            digest: plan.version.clone(),
+            files: plan.files,
+            bytes: plan.bytes,
+        };
+        let js = self.p().bus.jetstream();
+        let stored = match ManifestStore::open(js, MANIFEST_BUCKET).await {
+            Ok(store) => store.fetch(&reference, &self.p().spool).await,
+            Err(e) => Err(e),
+        };
+        match stored {
+            Ok(m) => return Ok(m),
+            Err(e) if e.kind == ManifestErrorKind::NotFound => {}
+            Err(e) if e.is_retryable() => return Err(CopyFailed::Retry(retry(e))),
+            Err(e) => {
+                return Err(CopyFailed::Fail {
+                    reason: format!("the manifest of version {} is damaged: {e}", plan.version),
+                    retryable: false,
+                });
+            }
+        }
+        let pages = self.p().catalogue.all_files(
+            Some(project.to_owned()),
+            dataset.to_owned(),
+            plan.version.clone(),
+            stagehand_catalogue::MAX_PAGE,
+            None,
+        );
+        let mut pages = std::pin::pin!(pages);
+        let mut builder = ManifestBuilder::new(&self.p().spool);
+        while let Some(file) = pages.next().await {
+            let file = file.map_err(|e| CopyFailed::Retry(retry(e)))?;
+            builder
+                .push(&file)
+                .map_err(|e| CopyFailed::Retry(retry(e)))?;
+        }
+        let manifest = builder.finish().map_err(|e| CopyFailed::Retry(retry(e)))?;
+        if manifest.digest() != plan.version || manifest.files() != plan.files {
+            return Err(CopyFailed::Fail {
+                reason: format!(
+                    "the catalogue's file list of version {} hashes to {} ({} files, {} expected): the catalogue is damaged; rebuild it",
+                    plan.version,
+                    manifest.digest(),
+                    manifest.files(),
+                    plan.files
+                ),
+                retryable: false,
+            });
+        }
+        Ok(manifest)
+    }
+
+    /// Stages every file under the hidden staging folder, then publishes the set, reporting
+    /// progress about once a second and renewing the lease.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_copy(
+        &self,
+        record: &RequestRecord,
+        request: &StageRequested,
+        plan: &Plan,
+        dst: &Tier,
+        prefix: &str,
+        src_tier: &str,
+        src_prefix: &str,
+        revision: &mut u64,
+        ctx: Option<&WorkContext>,
+    ) -> Result<stagehand_mover::SetReport, CopyFailed> {
+        let project = record.event.project.as_str();
+        let Some(src) = self.p().tiers.get(src_tier) else {
+            return Err(CopyFailed::Fail {
+                reason: format!("source tier {src_tier:?} is not open"),
+                retryable: false,
+            });
+        };
+        let manifest = self.manifest(project, &request.dataset, plan).await?;
+        // Jobs of every project read a hot or local tier: the set is published read-only and
+        // readable by its project's group only (tiers.toml `[groups]`).
+        let dst = &dst.with_access(
+            self.tier_policy(&request.tier)
+                .and_then(|t| t.set_access(project)),
+        );
+        // A list that ends early is caught below, before anything is published.
+        let (files, listed) = manifest.file_stream(4096);
+        let set = SetCopy {
+            src_prefix: src_prefix.to_owned(),
+            dst_prefix: prefix.to_owned(),
+            opts: CopyOptions {
+                priority: plan.priority,
+                trust_recorded_hash: false,
+                verify_destination: self.p().promotion.verify,
+                expected_hash_unknown: false,
+            },
+            chunk_files: 0,
+            totals: Some((plan.files, plan.bytes)),
+        };
+        let progress = Progress::new();
+        let cancel = self.p().shutdown.child_token();
+        let node = request.node.as_deref();
+        let mover = &self.p().mover;
+        let staging = async {
+            let staged = mover
+                .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
+                .await?;
+            Ok::<_, TransferError>(staged)
+        };
+        tokio::pin!(staging);
+        let started = Instant::now();
+        let lease_every = self.p().coordination.lease_lifetime() / 3;
+        let mut last_renew = Instant::now();
+        let mut tick = tokio::time::interval(self.p().progress_every);
+        tick.tick().await;
+        let subject = progress_subject("stage.requested", project, &record.event.id);
+        let staged = loop {
+            tokio::select! {
+                r = &mut staging => break r,
+                _ = tick.tick() => {
+                    self.report(&subject, &record.event.id, &progress, started).await;
+                    if let Some(ctx) = ctx && let Err(e) = ctx.progress().await {
+                        debug!(error = %e, "progress ack failed");
+                    }
+                    if last_renew.elapsed() >= lease_every {
+                        match self.p().coordination.renew(&request.tier, node, prefix, record.event.id.as_str(), *revision).await {
+                            Ok(rev) => { *revision = rev; last_renew = Instant::now(); }
+                            Err(e) => {
+                                warn!(error = %e, %prefix, "copy lease lost; stopping this copy (its staging folder is kept)");
+                                cancel.cancel();
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        let staged = staged.map_err(|e| self.copy_error(src_tier, e))?;
+        if let Some(e) = listed.take_error() {
+            // The list ended early: publishing now would publish part of the version.
+            return Err(if e.is_retryable() {
+                CopyFailed::Retry(retry(e))
+            } else {
+                CopyFailed::Fail {
+                    reason: format!("the manifest of version {} is damaged: {e}", plan.version),
+                    retryable: false,
+                }
+            });
+        }
+        self.report(&subject, &record.event.id, &progress, started)
+            .await;
+        let report = staged
+            .publish()
+            .await
+            .map_err(|e| self.copy_error(src_tier, e))?;
+        Ok(report)
+    }
+
+    fn copy_error(&self, src_tier: &str, e: TransferError) -> CopyFailed {
+        match e.kind {
+            ErrorKind::NoSpace => CopyFailed::Fail {
+                reason: format!("tier {} is full: {}", e.tier, e.detail),
+                retryable: true,
+            },
+            ErrorKind::ChecksumMismatch
+            | ErrorKind::SizeMismatch
+            | ErrorKind::NotFound
+            | ErrorKind::NotAFile
+                if e.side == stagehand_mover::Side::Source =>
+            {
+                CopyFailed::Fail {
+                    reason: format!(
+                        "the replica on source tier {src_tier} is damaged: file {:?}: {}; nothing was published on the target tier (on-call: restore that replica)",
+                        e.path, e.detail
+                    ),
+                    retryable: false,
+                }
+            }
+            _ if e.is_retryable() || e.kind == ErrorKind::Cancelled => CopyFailed::Retry(retry(
+                format!("copy interrupted (its staging folder is kept for a resume): {e}"),
+            )),
+            _ => CopyFailed::Fail {
+                reason: format!("copying failed: {e}"),
+                retryable: false,
+            },
+        }
+    }
+
+    async fn report(&self, subject: &str, id: &EventId, progress: &Progress, started: Instant) {
+        let done = progress.bytes_done();
+        let total = progress.bytes_total();
+        let secs = started.elapsed().as_secs_f64();
+        let eta = (done > 0 && secs > 0.0)
+            .then(|| ((total.saturating_sub(done)) as f64 / (done as f64 / secs)).ceil() as u64);
+        let p = WorkProgress {
+            request_id: id.clone(),
+            service: crate::SERVICE.into(),
+            phase: "copying".into(),
+            files_done: progress.files_done(),
+            files_total: progress.files_total(),
+            bytes_done: done,
+            bytes_total: total,
+            eta_seconds: eta,
+        };
+        if let Err(e) = self
+            .p()
+            .bus
+            .client()
+            .publish(subject.to_owned(), p.encode().into())
+            .await
+        {
+            debug!(error = %e, "progress not published");
+        }
+    }
+}
+
+/// How a copy ended when it did not publish.
+enum CopyFailed {
+    /// Try again later; the staging folder stays for a resume.
+    Retry(HandlerError),
+    /// Answer `stage.failed`.
+    Fail { reason: String, retryable: bool },
+}
+
+impl From<CopyFailed> for HandlerError {
+    fn from(c: CopyFailed) -> Self {
+        match c {
+            CopyFailed::Retry(e) => e,
+            CopyFailed::Fail { reason, .. } => HandlerError::permanent(reason),
+        }
+    }
+}
+
+/// Removes the staging folders of the set bound for `prefix` on a posix tier (called under
+/// the set's copy lease, so no live copy of it is anywhere). The listing reads the folder
+/// beneath the tier's root; the removal goes through the tier's confined handles.
+pub(super) async fn discard_staging(tier: &Tier, prefix: &str) {
+    let Tier::Posix(p) = tier else { return };
+    let Some((parent, name)) = prefix.rsplit_once('/') else {
+        return;
+    };
+    let (p, parent, mark) = (
+        p.clone(),
+        parent.to_owned(),
+        layout::staging_folder_prefix(name),
+    );
+    let removed = tokio::task::spawn_blocking(move || {
+        let Ok(entries) = std::fs::read_dir(p.root().join(&parent)) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let entry = entry.file_name().to_string_lossy().into_owned();
+            if entry.starts_with(&mark)
+                && let Err(e) = p.remove_tree(&format!("{parent}/{entry}"))
+            {
+                warn!(error = %e, "could not remove a failed copy's staging folder");
+            }
+        }
+    })
+    .await;
+    if let Err(e) = removed {
+        warn!(error = %e, "staging clean-up task failed");
+    }
+}
+
+/// Bytes free on a posix tier's filesystem, if it can tell.
+fn free_bytes(tier: &Tier) -> Option<u64> {
+    match tier {
+        Tier::Posix(p) => rustix::fs::fstatvfs(p.root_fd())
+            .ok()
+            .map(|s| s.f_bavail.saturating_mul(s.f_frsize)),
+        Tier::S3(_) => None,
+    }
+}
