@@ -70,10 +70,7 @@ pub struct Settings {
     pub scratch_dir: Option<PathBuf>,
     /// How often the drill clock looks whether a drill is due (never more often than
     /// `drill_every` asks). Default 60 s.
-    #[serde(
-        default = "defaults::drill_check",
-        with = "stagehand_bus::duration_str"
-    )]
+    #[serde(default = "defaults::drill_check", with = "stagehand_config::duration")]
     pub drill_check: Duration,
     /// The mover's tunables (engine, concurrency, bandwidth cap); defaults suit a small
     /// machine.

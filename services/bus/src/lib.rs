@@ -62,6 +62,7 @@ mod dedup;
 mod error;
 pub mod ledger;
 pub mod placement;
+mod retry;
 pub mod runner;
 mod worker;
 
@@ -70,13 +71,11 @@ pub use bus::{
     PROMOTER, PROMOTER_BUCKET, PublishAck, READINESS, READINESS_BUCKET, SERVICE_KV_BUCKETS, STAGES,
     STAGES_BUCKET, stream_config,
 };
-pub use config::{
-    BusConfig, RetrySchedule, WorkerConfig, duration_str, env, redact_text, redact_url,
-    split_servers,
-};
+pub use config::{BusConfig, WorkerConfig, env, redact_text, redact_url, split_servers};
 pub use dedup::msg_id_for;
 pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
 pub use ledger::{EventKey, Ledger, LedgerError, LedgerErrorKind, Outcome};
+pub use retry::{Delays, RetrySchedule};
 pub use worker::{
     Handler, Hook, REPLAY_HEADER, WorkContext, WorkerHooks, WorkerStats, default_instance_id,
     host_name, provision_consumer, run_worker, run_worker_with_hooks,

@@ -48,7 +48,7 @@ pub struct RecorderConfig {
     /// How long fetching one manifest may take before the fact is retried later.
     #[serde(
         default = "default_manifest_timeout",
-        with = "stagehand_bus::duration_str"
+        with = "stagehand_config::duration"
     )]
     pub manifest_timeout: std::time::Duration,
     /// Inbox prefixes whose inboxes catalogue queries are answered on, besides

@@ -46,9 +46,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{
-    BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
-};
+use stagehand_bus::{BusError, CancellationToken, Handler, HandlerError, WorkContext};
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
@@ -77,7 +75,10 @@ pub struct Settings {
     /// Where the demoter keeps its state and ledgers.
     pub state_dir: PathBuf,
     /// How long to wait for the catalogue's answers (`"10s"`).
-    #[serde(default = "default_catalogue_timeout", with = "duration_str")]
+    #[serde(
+        default = "default_catalogue_timeout",
+        with = "stagehand_config::duration"
+    )]
     pub catalogue_timeout: Duration,
     /// The mover's tunables (a `bytes_per_second` limit keeps copies down in the background).
     #[serde(default)]

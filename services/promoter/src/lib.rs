@@ -43,9 +43,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{
-    BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
-};
+use stagehand_bus::{BusError, CancellationToken, Handler, HandlerError, WorkContext};
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::Spool;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
@@ -76,14 +74,23 @@ pub struct Settings {
     #[serde(default)]
     pub instance: Option<String>,
     /// How often a copy publishes its progress (`"1s"`).
-    #[serde(default = "defaults::progress_every", with = "duration_str")]
+    #[serde(
+        default = "defaults::progress_every",
+        with = "stagehand_config::duration"
+    )]
     pub progress_every: Duration,
     /// How long a copy lease lasts without renewal before another instance takes the copy
     /// over (`"30s"`).
-    #[serde(default = "defaults::lease_lifetime", with = "duration_str")]
+    #[serde(
+        default = "defaults::lease_lifetime",
+        with = "stagehand_config::duration"
+    )]
     pub lease_lifetime: Duration,
     /// How long to wait for the catalogue's answers (`"10s"`).
-    #[serde(default = "defaults::catalogue_timeout", with = "duration_str")]
+    #[serde(
+        default = "defaults::catalogue_timeout",
+        with = "stagehand_config::duration"
+    )]
     pub catalogue_timeout: Duration,
     /// The mover's tunables (engine, concurrency, block size, bandwidth limit).
     #[serde(default)]
