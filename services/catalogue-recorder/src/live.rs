@@ -25,8 +25,7 @@ use async_nats::jetstream::kv;
 use futures::StreamExt;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
-use stagehand_schemas::progress::{WorkProgress, progress_subject};
-use stagehand_schemas::subject::ROOT;
+use stagehand_schemas::progress::{WorkProgress, progress_filter, progress_subject};
 use stagehand_schemas::{Event, EventId};
 use tokio_util::sync::CancellationToken;
 
@@ -203,7 +202,7 @@ pub(crate) async fn follow_progress(
     mirror: Mirror,
     shutdown: CancellationToken,
 ) -> Result<(), RecorderError> {
-    let filter = format!("{ROOT}.progress.stage.requested.>");
+    let filter = progress_filter("stage.requested");
     let mut subscription = client
         .subscribe(filter)
         .await

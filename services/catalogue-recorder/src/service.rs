@@ -10,7 +10,7 @@ use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSet
 use stagehand_bus::{Bus, BusError, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats};
 use stagehand_manifest::Spool;
 use stagehand_schemas::Event;
-use stagehand_schemas::subject::{DEAD_LETTERS, FACTS, REQUESTS};
+use stagehand_schemas::subject::{self, DEAD_LETTERS, FACTS, REQUESTS};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
@@ -22,8 +22,13 @@ use crate::store::{Store, Writer};
 
 /// The requests the recorder folds besides facts: stage requests and their releases, whose
 /// statuses it keeps for schedulers (a comma-separated list of filters).
-const STAGE_REQUESTS_FILTER: &str =
-    "stagehand.req.stage.requested.*,stagehand.req.stage.released.*";
+fn stage_requests_filter() -> String {
+    [
+        subject::kind_filter(subject::REQ, "stage.requested"),
+        subject::kind_filter(subject::REQ, "stage.released"),
+    ]
+    .join(",")
+}
 
 /// The recorder's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,7 +163,7 @@ impl ServiceSettings for RecorderConfig {
                 && !body
                     .chars()
                     .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '*' | '>'));
-            if !plain || body.starts_with('$') || body.starts_with("stagehand.") {
+            if !plain || body.starts_with('$') || subject::is_under_root(body) {
                 return Err(InvalidKey::new(
                     "inbox_prefixes",
                     format!(
@@ -214,9 +219,23 @@ pub(crate) async fn rebuild_if_needed(
     }
     tracing::info!(store = %store.path().display(), "catalogue store missing or incomplete: rebuilding from the facts stream");
     let js = bus.jetstream();
-    let facts = replay(js, FACTS.name, "stagehand.fact.>", store, files).await?;
-    let dead = replay(js, DEAD_LETTERS.name, "stagehand.dlq.>", store, files).await?;
-    let requests = replay(js, REQUESTS.name, STAGE_REQUESTS_FILTER, store, files).await?;
+    let facts = replay(
+        js,
+        FACTS.name,
+        &subject::class_filter(subject::FACT),
+        store,
+        files,
+    )
+    .await?;
+    let dead = replay(
+        js,
+        DEAD_LETTERS.name,
+        &subject::class_filter(subject::DLQ),
+        store,
+        files,
+    )
+    .await?;
+    let requests = replay(js, REQUESTS.name, &stage_requests_filter(), store, files).await?;
     let touched = [facts.touched.clone(), requests.touched.clone()].concat();
     let stages = [facts.stages.clone(), requests.stages.clone()].concat();
     mirror_all(store, mirror, touched, stages).await?;
@@ -321,16 +340,20 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
         cfg.claims = false;
         cfg
     };
-    let facts_cfg = worker(&config.instance, FACTS.name, "stagehand.fact.>");
+    let facts_cfg = worker(
+        &config.instance,
+        FACTS.name,
+        &subject::class_filter(subject::FACT),
+    );
     let dlq_cfg = worker(
         &format!("{}-dlq", config.instance),
         DEAD_LETTERS.name,
-        "stagehand.dlq.>",
+        &subject::class_filter(subject::DLQ),
     );
     let stages_cfg = worker(
         &format!("{}-stages", config.instance),
         REQUESTS.name,
-        STAGE_REQUESTS_FILTER,
+        &stage_requests_filter(),
     );
     let deadline = facts_cfg.shutdown_deadline;
 

@@ -21,7 +21,7 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull::OrderedConfig};
 use futures::StreamExt;
 use serde::Serialize;
 use stagehand_bus::{Bus, MSG_ID_HEADER, REPLAY_HEADER};
-use stagehand_schemas::subject::{DEAD_LETTERS, dead_letter_subject, replayed_subject};
+use stagehand_schemas::subject::{self, DEAD_LETTERS, dead_letter_subject, replayed_subject};
 use stagehand_schemas::{Body, DeadLetter, DeadLetterReplayed, Event, EventId, wire};
 
 /// One dead letter as `list` shows it.
@@ -64,7 +64,7 @@ pub async fn list(bus: &Bus, service: Option<&str>) -> anyhow::Result<Vec<Listed
             String::new(),
             vec![dead_letter_subject(s), replayed_subject(s)],
         ),
-        None => ("stagehand.dlq.>".to_owned(), Vec::new()),
+        None => (subject::class_filter(subject::DLQ), Vec::new()),
     };
     let consumer = stream
         .create_consumer(OrderedConfig {
@@ -206,8 +206,7 @@ pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::R
             event.body.kind()
         );
     };
-    if !(dead.subject.starts_with("stagehand.req.") || dead.subject.starts_with("stagehand.fact."))
-    {
+    if !subject::is_event_subject(&dead.subject) {
         bail!(
             "dead letter {sequence} carries a message from {:?}; only request (stagehand.req.…) and fact (stagehand.fact.…) messages are replayed",
             dead.subject

@@ -37,6 +37,7 @@ use stagehand_bus::Bus;
 use stagehand_manifest::{Manifest, Spool};
 use stagehand_mover::Progress;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
+use stagehand_schemas::subject;
 use stagehand_schemas::{Body, DatasetRejected, DatasetValidated, Event, EventId, Location};
 use time::OffsetDateTime;
 
@@ -86,8 +87,8 @@ pub fn is_recorded(verdict: &Verdict, published_at: OffsetDateTime, clock_skew: 
 /// The subjects of the facts that answer an ingest request of `project`.
 fn verdict_subjects(project: &str) -> [String; 2] {
     [
-        format!("stagehand.fact.dataset.validated.{project}"),
-        format!("stagehand.fact.dataset.rejected.{project}"),
+        subject::kind_subject(subject::FACT, "dataset.validated", project),
+        subject::kind_subject(subject::FACT, "dataset.rejected", project),
     ]
 }
 

@@ -147,7 +147,7 @@ fn msg_info(msg: &jetstream::Message) -> Option<MsgInfo> {
 /// The project token of a request or fact subject, `Some(None)` when such a subject has no
 /// valid project token, and `None` for other subjects (dead letters), which name no project.
 fn subject_project(subject: &str) -> Option<Option<&str>> {
-    if !(subject.starts_with("stagehand.req.") || subject.starts_with("stagehand.fact.")) {
+    if !stagehand_schemas::subject::is_event_subject(subject) {
         return None;
     }
     Some(stagehand_schemas::subject::project_of_subject(subject))
