@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
-use stagehand_bus::Bus;
+use stagehand_bus::{Bus, RetrySchedule};
 use stagehand_manifest::{Manifest, Spool};
 use stagehand_mover::Progress;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
@@ -210,7 +210,8 @@ async fn wait_catalogued(
             },
         ),
     };
-    let mut pause = Duration::from_millis(20);
+    let poll = RetrySchedule::exponential(Duration::from_millis(20), Duration::from_millis(500));
+    let mut polls = 0;
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
@@ -233,8 +234,8 @@ async fn wait_catalogued(
             }
             _ => {}
         }
-        tokio::time::sleep(pause.min(left)).await;
-        pause = (pause * 2).min(Duration::from_millis(500));
+        polls += 1;
+        tokio::time::sleep(poll.delay(polls).min(left)).await;
     }
 }
 
