@@ -36,6 +36,7 @@ pub mod manifest;
 pub mod path;
 pub mod problem;
 pub mod progress;
+pub mod retryable;
 pub mod subject;
 pub mod wire;
 
@@ -47,3 +48,4 @@ pub use manifest::{
 };
 pub use path::{PathError, RelPath, check_relative_path};
 pub use problem::Problem;
+pub use retryable::Retryable;

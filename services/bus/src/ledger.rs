@@ -37,6 +37,7 @@ use redb::{
     Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle,
 };
 use serde::{Deserialize, Serialize};
+use stagehand_schemas::Retryable;
 use stagehand_schemas::{Attempt, Event, EventId, wire};
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
@@ -93,8 +94,8 @@ pub enum LedgerErrorKind {
     WriterGone,
 }
 
-impl LedgerErrorKind {
-    pub fn is_retryable(self) -> bool {
+impl Retryable for LedgerErrorKind {
+    fn is_retryable(&self) -> bool {
         matches!(self, LedgerErrorKind::Io | LedgerErrorKind::WriterGone)
     }
 }
@@ -140,10 +141,12 @@ impl LedgerError {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
 
+impl Retryable for LedgerError {
     /// An I/O failure may pass (the store is reopened); a corrupt record, an unopenable or
     /// failed store will not.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         self.kind.is_retryable()
     }
 }

@@ -1,5 +1,7 @@
 //! Errors of the catalogue recorder, each able to say whether retrying can help.
 
+use stagehand_schemas::Retryable;
+
 /// A failure of the catalogue store.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -24,20 +26,22 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Whether retrying the same operation can succeed.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
-            StoreError::Redb(_) | StoreError::WriterGone => true,
-            StoreError::Corrupt { .. } | StoreError::TooLarge { .. } => false,
-        }
-    }
-
     /// Whether redb latched an I/O failure (ENOSPC, EIO during a commit): every later call
     /// fails until the database is reopened, so the recorder must stop rather than go on
     /// consuming with a dead store.
     pub fn is_latched(&self) -> bool {
         matches!(self, StoreError::Redb(redb::Error::PreviousIo))
+    }
+}
+
+impl Retryable for StoreError {
+    /// Whether retrying the same operation can succeed.
+    fn is_retryable(&self) -> bool {
+        match self {
+            // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
+            StoreError::Redb(_) | StoreError::WriterGone => true,
+            StoreError::Corrupt { .. } | StoreError::TooLarge { .. } => false,
+        }
     }
 }
 
@@ -91,8 +95,10 @@ impl RecorderError {
             detail: e.to_string(),
         }
     }
+}
 
-    pub fn is_retryable(&self) -> bool {
+impl Retryable for RecorderError {
+    fn is_retryable(&self) -> bool {
         match self {
             RecorderError::Store(e) => e.is_retryable(),
             RecorderError::Nats { .. } => true,

@@ -20,6 +20,7 @@ use crate::error::StoreError;
 use crate::model::{FileListRecord, ReadinessAggregate};
 use crate::stage::{self, StageChange};
 use crate::store::*;
+use stagehand_schemas::Retryable;
 
 /// Why one fact could not be folded.
 #[derive(Debug, thiserror::Error)]
@@ -88,9 +89,11 @@ impl FoldError {
             FoldError::Store(_) => None,
         }
     }
+}
 
+impl Retryable for FoldError {
     /// Whether folding the same fact later may succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             FoldError::Problem { retryable, .. } => *retryable,
             FoldError::Store(e) => e.is_retryable(),

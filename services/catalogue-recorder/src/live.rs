@@ -34,6 +34,7 @@ use crate::files::FileLists;
 use crate::fold::{self, FoldError, stage_request_of, touched};
 use crate::readiness::{current, mirror, open_bucket};
 use crate::store::{FoldItem, Folded, Store, Writer};
+use stagehand_schemas::Retryable;
 
 /// The handler of the recorder's two workers (facts, dead letters). It causes no facts.
 pub(crate) struct LiveFold {

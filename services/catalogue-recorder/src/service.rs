@@ -443,13 +443,3 @@ impl Handler for SharedFold {
         self.0.handle(event, ctx).await
     }
 }
-
-impl From<StoreError> for HandlerError {
-    fn from(e: StoreError) -> Self {
-        if e.is_retryable() {
-            HandlerError::retryable(e)
-        } else {
-            HandlerError::permanent(e)
-        }
-    }
-}

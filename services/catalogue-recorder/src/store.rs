@@ -65,6 +65,7 @@ use crate::chunk::ChunkBuilder;
 use crate::error::StoreError;
 use crate::fold::{self, FoldError};
 use crate::model::FileListRecord;
+use stagehand_schemas::Retryable;
 
 type S = &'static str;
 type Bytes = &'static [u8];

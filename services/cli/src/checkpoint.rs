@@ -55,6 +55,7 @@ use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Loca
 use crate::args::{EX_SOFTWARE, EX_UNAVAILABLE, EX_USAGE};
 use crate::cli::Connection;
 use crate::stage::{RequestOptions, Stage, WaitOutcome};
+use stagehand_schemas::Retryable;
 
 /// Exit code of a refused checkpoint.
 pub const EXIT_REFUSED: i32 = 1;

@@ -34,6 +34,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use futures::StreamExt;
 use stagehand_bus::{Bus, RetrySchedule};
+use stagehand_catalogue::AskError;
 use stagehand_manifest::{Manifest, Spool};
 use stagehand_mover::Progress;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
@@ -227,8 +228,8 @@ async fn wait_catalogued(
                 return;
             }
             // No recorder is subscribed at all (a deployment without one): nothing to wait
-            // for either. The client keeps only the text of the server's answer.
-            Err(e) if e.to_string().contains("no responders") => {
+            // for either.
+            Err(AskError::NoResponders) => {
                 tracing::debug!("no catalogue recorder answers; not waiting for it");
                 return;
             }

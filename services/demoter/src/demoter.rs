@@ -28,7 +28,7 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use futures::{StreamExt, TryStreamExt};
 use stagehand_bus::placement;
-use stagehand_bus::{Bus, CancellationToken, HandlerError, RetrySchedule};
+use stagehand_bus::{Bus, CancellationToken, RetrySchedule};
 use stagehand_catalogue::{Catalogue, CatalogueError, ReadinessKey, kv_key};
 use stagehand_manifest::{ManifestBuilder, ManifestSource, Spool};
 use stagehand_mover::{CopyOptions, Mover, Priority, Progress, SetCopy, Tier, VerifyMode};
@@ -46,6 +46,7 @@ use crate::STOP_BEFORE_RENAME_ENV;
 use crate::plan::{self, Candidate, FsUsage, Reason, Rules, TierUsage};
 use crate::state::{CheckpointNote, CheckpointPlace, CheckpointStep, Phase, State, Step};
 use crate::view::{self, Holds, Placed};
+use stagehand_schemas::Retryable;
 
 /// How the copy down is proven: read back before it is published, since it is about to become
 /// the only copy on a durable tier.
@@ -223,8 +224,8 @@ pub enum PassError {
     Step(String),
 }
 
-impl PassError {
-    pub fn is_retryable(&self) -> bool {
+impl Retryable for PassError {
+    fn is_retryable(&self) -> bool {
         match self {
             PassError::Catalogue(e) => e.is_retryable(),
             PassError::State(_) => false,
@@ -1113,10 +1114,4 @@ async fn remove_tree(posix: &stagehand_mover::PosixTier, rel: &str) -> Result<()
         .map_err(step_err)?
         .map_err(step_err)?;
     Ok(())
-}
-
-impl From<PassError> for HandlerError {
-    fn from(e: PassError) -> Self {
-        HandlerError::retryable(e.to_string())
-    }
 }

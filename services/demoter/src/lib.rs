@@ -53,6 +53,7 @@ use stagehand_policy::{Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
 pub use demoter::{Demoter, Parts, PassError, PassReport, TierSurvey, removed_name, survey};
+use stagehand_schemas::Retryable;
 pub use state::Phase;
 
 /// The service name: its consumers' prefix, its dead-letter subject, its metric label.
@@ -193,8 +194,14 @@ pub enum DemoterError {
 }
 
 impl DemoterError {
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(DemoterError::Run)
+    }
+}
+
+impl Retryable for DemoterError {
     /// Whether starting again unchanged can succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             DemoterError::Policy(_)
             | DemoterError::NoDemotionPolicy { .. }
@@ -206,10 +213,6 @@ impl DemoterError {
             DemoterError::Bus(e) => e.is_retryable(),
             DemoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(DemoterError::Run)
     }
 }
 
@@ -356,7 +359,9 @@ struct Wakes(Demoter);
 
 impl Handler for Wakes {
     async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        self.0.on_event(event)?;
+        // Noting a fact fails only when the state store does: not the fact's fault, so it is
+        // tried again rather than classified by the error.
+        self.0.on_event(event).map_err(HandlerError::retryable)?;
         Ok(Vec::new())
     }
 }

@@ -22,6 +22,7 @@ use crate::posix::{CommitMode, PosixTier, is_staging_name, is_temp_name};
 use crate::s3::S3Tier;
 use crate::tier::Tier;
 use crate::transfer::{CopyOptions, FileRef, Priority, Progress, VerifyMode};
+use stagehand_schemas::Retryable;
 
 /// What to copy and how: the options of `stagehand cp`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,9 +102,9 @@ pub enum CpError {
     Transfer(#[from] TransferError),
 }
 
-impl CpError {
+impl Retryable for CpError {
     /// Whether running the same copy again later can succeed without anyone changing anything.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             CpError::Transfer(e) => e.is_retryable(),
             CpError::Local { source, .. } => !matches!(

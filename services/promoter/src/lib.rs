@@ -48,7 +48,7 @@ use stagehand_catalogue::Catalogue;
 use stagehand_manifest::Spool;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
-use stagehand_schemas::{Event, subject};
+use stagehand_schemas::{Event, Retryable, subject};
 
 pub use promoter::{
     Parts, Promoter, STEP_FAILED, STEP_READY, replica_prefix, step_pending, step_replica,
@@ -246,8 +246,14 @@ pub enum PromoterError {
 }
 
 impl PromoterError {
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(PromoterError::Run)
+    }
+}
+
+impl Retryable for PromoterError {
     /// Whether starting again unchanged can succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             PromoterError::Policy(_)
             | PromoterError::NoPromotionPolicy { .. }
@@ -258,10 +264,6 @@ impl PromoterError {
             PromoterError::Bus(e) => e.is_retryable(),
             PromoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(PromoterError::Run)
     }
 }
 

@@ -36,6 +36,7 @@ use crate::resolve::{self, Decision, Plan};
 use crate::state::{
     FactNote, IngestNote, RequestRecord, Seen, Standing, State, WaitGuard, WaitingFor,
 };
+use stagehand_schemas::Retryable;
 
 /// How long a copy that failed for good answers the requests that waited for it.
 const FAILED_COPY_REMEMBERED: Duration = Duration::from_secs(60);

@@ -48,7 +48,7 @@ use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSet
 use stagehand_bus::{BusError, CancellationToken, WorkerConfig, WorkerStats};
 use stagehand_mover::TransferError;
 use stagehand_policy::{ByteSize, PolicyError};
-use stagehand_schemas::subject;
+use stagehand_schemas::{Retryable, subject};
 
 pub use derive::{DeriveError, Derived, INCOMPLETE_FILE, PREPARED_FILE};
 pub use handler::{Resharder, STEP_PREPARED, prepared_prefix, problem_report_path};
@@ -248,8 +248,14 @@ pub enum ReshardError {
 }
 
 impl ReshardError {
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(ReshardError::Run)
+    }
+}
+
+impl Retryable for ReshardError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             ReshardError::Policy(_)
             | ReshardError::NoPackingPolicy { .. }
@@ -259,10 +265,6 @@ impl ReshardError {
             ReshardError::Bus(e) => e.is_retryable(),
             ReshardError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(ReshardError::Run)
     }
 }
 

@@ -64,6 +64,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stagehand_schemas::Event;
+use stagehand_schemas::Retryable;
 use stagehand_telemetry::metrics::MetricsEndpoint;
 use stagehand_telemetry::names;
 use tokio_util::sync::CancellationToken;
