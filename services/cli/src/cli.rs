@@ -476,7 +476,7 @@ pub struct StagePlaceArgs {
     /// The tier to stage onto (a hot or local tier of the policies).
     #[arg(long)]
     pub tier: String,
-    /// The scheduler's job id (e.g. slurm-<cluster>-<job id>, or a pod uid).
+    /// The scheduler's job id (e.g. `slurm-<cluster>-<job id>`, or a pod uid).
     #[arg(long)]
     pub job: String,
     /// The node, for a node-local tier (and only then).

@@ -13,7 +13,7 @@
 //!    every object checked against the manifest on the way;
 //! 4. reads every member from the source tier on several threads, re-hashing it and comparing
 //!    with the manifest, while one writer appends them to deterministic tar shards with a
-//!    per-sample index of offsets, sizes and SHA-256 ([`derive`], [`shard`]);
+//!    per-sample index of offsets, sizes and SHA-256 ([`mod@derive`], [`shard`]);
 //! 5. publishes the shards, their indexes and `prepared.json` as one set, atomically, through
 //!    the mover (`Mover::stage_set` → `StagedSet::publish_as`) under
 //!    `<project>/<dataset>/<derived version>/` on the policy's target tier;
