@@ -2,9 +2,9 @@
 # Stagehand's test command, the same locally and in CI (.ci/run calls it):
 # installs the servers the tests start (deploy/servers.sh install, deploy/slurm/slurm.sh install),
 # then
-#   cargo fmt --check, clippy with warnings as errors, every test of the workspace against real
-#   servers (cargo-nextest when installed, else cargo test), the doctests, and the Python
-#   producer test (deploy/py-tests.sh) when present.
+#   cargo fmt --check, clippy with warnings as errors, the docs with warnings as errors, every
+#   test of the workspace against real servers (cargo-nextest when installed, else cargo test),
+#   the doctests, and the Python producer test (deploy/py-tests.sh) when present.
 #
 # Builds go to $CARGO_TARGET_DIR (default ~/.cache/stagehand/target) so that clones share them.
 # Tests start their own nats-server and S3 server on free ports through stagehand-testkit; no
@@ -53,6 +53,7 @@ check deploy/package.sh install-deps   # debootstrap for the package's install t
 
 check cargo fmt --all --check
 check cargo clippy --workspace --all-targets -- -D warnings
+check env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 if cargo nextest --version >/dev/null 2>&1; then
     check cargo nextest run --workspace --no-fail-fast
     check cargo test --doc --workspace

@@ -121,8 +121,10 @@ local function valid_version(s)
 	return #s >= 12 and #s <= 64 and s:match("^[0-9a-f]+$") ~= nil
 end
 
+-- A duration as `stagehand` flags take it (services/config/README.md): a whole number and one
+-- of ms, s, m, h, d, w, or a bare number of seconds.
 local function valid_duration(s)
-	return s:match("^[0-9]+[smhd]?$") ~= nil
+	return s:match("^[0-9]+[smhdw]?$") ~= nil or s:match("^[0-9]+ms$") ~= nil
 end
 
 function M.default_name(dataset)
@@ -195,9 +197,9 @@ function M.parse_lines(conf, lines, leading_only)
 			elseif d.form and d.form ~= "raw" and d.form ~= "prepared" then
 				problem = "form '" .. d.form .. "' must be raw or prepared"
 			elseif d.deadline and not valid_duration(d.deadline) then
-				problem = "deadline '" .. d.deadline .. "' must be a duration such as 90s, 30m, 2h or 1d"
+				problem = "deadline '" .. d.deadline .. "' must be a duration such as 90s, 30m, 2h, 1d or 2w"
 			elseif d.hold and not valid_duration(d.hold) then
-				problem = "hold '" .. d.hold .. "' must be a duration such as 90s, 30m, 2h or 1d"
+				problem = "hold '" .. d.hold .. "' must be a duration such as 90s, 30m, 2h, 1d or 2w"
 			elseif d.name and not d.name:match("^[A-Za-z0-9_]+$") then
 				problem = "name '" .. d.name .. "' must be letters, digits and '_'"
 			end

@@ -57,7 +57,7 @@ pub async fn stored_facts(
     stagehand_testkit::stored_events(
         bus.jetstream(),
         stagehand_schemas::subject::FACTS.name,
-        format!("stagehand.fact.{kind}.{project}"),
+        stagehand_schemas::subject::kind_subject(stagehand_schemas::subject::FACT, kind, project),
     )
     .await
     .map_err(|e| anyhow::anyhow!("reading the {kind} facts: {e}"))

@@ -42,6 +42,7 @@ pub mod manifest;
 pub mod path;
 pub mod problem;
 pub mod progress;
+pub mod retryable;
 pub mod subject;
 pub mod trust;
 pub mod wire;
@@ -54,4 +55,5 @@ pub use manifest::{
 };
 pub use path::{PathError, RelPath, check_relative_path, folders_overlap};
 pub use problem::Problem;
+pub use retryable::Retryable;
 pub use trust::{Refusal, Role};

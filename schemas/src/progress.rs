@@ -55,6 +55,12 @@ pub fn progress_subject(kind: &str, project: &str, request_id: &EventId) -> Stri
     )
 }
 
+/// The filter of every progress report of one request kind, across projects and requests:
+/// `stagehand.progress.<kind>.>` (what the catalogue recorder follows for `stage.requested`).
+pub fn progress_filter(kind: &str) -> String {
+    format!("{ROOT}.progress.{kind}.>")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +82,8 @@ mod tests {
         let subject = progress_subject("stage.requested", "vision-lab", &id);
         assert!(subject.starts_with("stagehand.progress.stage.requested.vision-lab."));
         assert_eq!(subject.split('.').count(), 6);
+        let filter = progress_filter("stage.requested");
+        assert_eq!(filter, "stagehand.progress.stage.requested.>");
+        assert!(subject.starts_with(filter.trim_end_matches('>')));
     }
 }

@@ -13,6 +13,13 @@ use crate::event::Body;
 /// Prefix of every Stagehand subject.
 pub const ROOT: &str = "stagehand";
 
+/// The class token of request subjects: `stagehand.req.<kind>.<project>`.
+pub const REQ: &str = "req";
+/// The class token of fact subjects: `stagehand.fact.<kind>.<project>`.
+pub const FACT: &str = "fact";
+/// The class token of dead-letter subjects: `stagehand.dlq.dead.letter.<service>`.
+pub const DLQ: &str = "dlq";
+
 /// Whether `s` can be a single subject token naming a project or service: 1–64 of `[a-z0-9_-]`.
 pub fn is_subject_token(s: &str) -> bool {
     !s.is_empty()
@@ -30,15 +37,49 @@ pub fn subject_for(body: &Body, project: &str) -> String {
     let class = match body {
         Body::DeadLetter(dead) => return dead_letter_subject(&dead.service),
         Body::DeadLetterReplayed(replay) => return replayed_subject(&replay.service),
-        b if b.is_request() => "req",
-        _ => "fact",
+        b if b.is_request() => REQ,
+        _ => FACT,
     };
-    format!("{ROOT}.{class}.{}.{project}", body.kind())
+    kind_subject(class, body.kind(), project)
+}
+
+/// The subject of one kind in one project, e.g. `stagehand.fact.dataset.validated.lab-a`
+/// (`class` is [`REQ`] or [`FACT`]): what a producer of that kind publishes on and a reader of
+/// one project's answers subscribes to.
+pub fn kind_subject(class: &str, kind: &str, project: &str) -> String {
+    format!("{ROOT}.{class}.{kind}.{project}")
 }
 
 /// The subject filter for one kind across all projects, e.g. `stagehand.req.ingest.requested.*`.
 pub fn kind_filter(class: &str, kind: &str) -> String {
     format!("{ROOT}.{class}.{kind}.*")
+}
+
+/// The subject filter for every subject of one class, e.g. `stagehand.fact.>`: what a stream
+/// holds and a replay of all facts or dead letters reads.
+pub fn class_filter(class: &str) -> String {
+    format!("{ROOT}.{class}.>")
+}
+
+/// Whether `subject` (or a subject prefix) lies beneath [`ROOT`]: `stagehand.…`.
+pub fn is_under_root(subject: &str) -> bool {
+    subject
+        .strip_prefix(ROOT)
+        .is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// The class token of a Stagehand subject (`req`, `fact`, `dlq`, `progress`, …); `None` for a
+/// subject outside [`ROOT`] or with nothing after its class.
+pub fn class_of_subject(subject: &str) -> Option<&str> {
+    let rest = subject.strip_prefix(ROOT)?.strip_prefix('.')?;
+    let (class, _) = rest.split_once('.')?;
+    Some(class)
+}
+
+/// Whether `subject` is a request or fact subject (`stagehand.req.…`, `stagehand.fact.…`): the
+/// subjects that name a project and carry work or facts, as opposed to dead letters.
+pub fn is_event_subject(subject: &str) -> bool {
+    matches!(class_of_subject(subject), Some(REQ | FACT))
 }
 
 /// How long a stream keeps messages.
@@ -140,22 +181,24 @@ pub fn subject_matches(filter: &str, subject: &str) -> bool {
 
 /// The dead-letter subject of a service.
 pub fn dead_letter_subject(service: &str) -> String {
-    format!("{ROOT}.dlq.dead.letter.{service}")
+    format!("{ROOT}.{DLQ}.dead.letter.{service}")
 }
 
 /// The subject on which replays of a service's dead letters are recorded.
 pub fn replayed_subject(service: &str) -> String {
-    format!("{ROOT}.dlq.replayed.{service}")
+    format!("{ROOT}.{DLQ}.replayed.{service}")
 }
 
 /// The project token of a request or fact subject (`stagehand.req.<kind>.<project>`,
 /// `stagehand.fact.<kind>.<project>`); `None` for other subjects. An event whose envelope
 /// `project` differs from it was published on another project's subject.
 pub fn project_of_subject(subject: &str) -> Option<&str> {
-    let rest = subject
-        .strip_prefix("stagehand.req.")
-        .or_else(|| subject.strip_prefix("stagehand.fact."))?;
-    let (_, project) = rest.rsplit_once('.')?;
+    if !is_event_subject(subject) {
+        return None;
+    }
+    // Past `stagehand.<class>.`: `<kind>.<project>`, the kind itself holding dots.
+    let kind_and_project = subject.splitn(3, '.').nth(2)?;
+    let (_, project) = kind_and_project.rsplit_once('.')?;
     is_subject_token(project).then_some(project)
 }
 
@@ -246,3 +289,45 @@ pub fn manifest_bucket_for(body: &Body, project: &str) -> String {
 
 /// Request/reply subject on which the catalogue recorder answers queries.
 pub const CATALOGUE_QUERY: &str = "stagehand.catalogue.query";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_are_built_and_read_by_class() {
+        assert_eq!(
+            kind_subject(FACT, "dataset.validated", "lab-a"),
+            "stagehand.fact.dataset.validated.lab-a"
+        );
+        assert_eq!(class_filter(FACT), FACTS.subjects[0]);
+        assert_eq!(class_filter(REQ), REQUESTS.subjects[0]);
+        assert_eq!(class_filter(DLQ), DEAD_LETTERS.subjects[0]);
+        assert_eq!(
+            kind_filter(REQ, "stage.requested"),
+            "stagehand.req.stage.requested.*"
+        );
+        assert_eq!(
+            class_of_subject("stagehand.dlq.dead.letter.promoter"),
+            Some(DLQ)
+        );
+        assert_eq!(class_of_subject("stagehand"), None);
+        assert_eq!(class_of_subject("stagehand.req"), None);
+        assert!(is_under_root("stagehand.x") && !is_under_root("stagehandx.y"));
+        assert_eq!(class_of_subject("stagehandx.req.a.b"), None);
+        assert_eq!(class_of_subject("other.req.a.b"), None);
+        assert!(is_event_subject("stagehand.req.stage.requested.lab-a"));
+        assert!(is_event_subject("stagehand.fact.stage.ready.lab-a"));
+        assert!(!is_event_subject(&dead_letter_subject("promoter")));
+        assert!(!is_event_subject(
+            "stagehand.progress.stage.requested.lab-a.00"
+        ));
+        assert_eq!(
+            project_of_subject("stagehand.req.stage.requested.lab-a"),
+            Some("lab-a")
+        );
+        assert_eq!(project_of_subject("stagehand.req.lab-a"), None);
+        assert_eq!(project_of_subject("stagehand.fact.x.Lab"), None);
+        assert_eq!(project_of_subject(&dead_letter_subject("promoter")), None);
+    }
+}

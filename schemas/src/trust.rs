@@ -198,9 +198,11 @@ impl Refusal {
             Refusal::OutsideProject { .. } => rule::OUTSIDE_PROJECT,
         }
     }
+}
 
+impl crate::Retryable for Refusal {
     /// Always false: the same event is refused the same way on every delivery.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         false
     }
 }

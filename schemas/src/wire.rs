@@ -5,6 +5,7 @@ use serde::Deserialize;
 use crate::event::{ALL_KINDS, Body, Event, SCHEMA_VERSION};
 use crate::id::EventId;
 use crate::id::is_valid_id;
+use crate::retryable::Retryable;
 use crate::subject::is_subject_token;
 
 /// The largest event a writer encodes (and the request and fact streams' `max_msg_size`).
@@ -55,9 +56,9 @@ pub enum DecodeError {
     UnknownKind { kind: String, schema: u32 },
 }
 
-impl DecodeError {
+impl Retryable for DecodeError {
     /// Always false: the same bytes fail the same way on every delivery.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         false
     }
 }
@@ -74,9 +75,9 @@ pub enum EncodeError {
     TooLarge { len: usize },
 }
 
-impl EncodeError {
+impl Retryable for EncodeError {
     /// Always false: encoding the same event fails the same way again.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         false
     }
 }

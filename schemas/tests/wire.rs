@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use serde::Serialize;
 use serde_json::{Value, json};
+use stagehand_schemas::Retryable;
 use stagehand_schemas::subject::{
     STREAMS, dead_letter_subject, replayed_subject, subject_for, subject_matches,
 };

@@ -298,7 +298,11 @@ async fn main() -> anyhow::Result<()> {
     let event = validated(&args, &files, reference);
     let mut prepared = bus
         .client()
-        .subscribe(format!("stagehand.fact.dataset.prepared.{PROJECT}"))
+        .subscribe(subject::kind_subject(
+            subject::FACT,
+            "dataset.prepared",
+            PROJECT,
+        ))
         .await?;
 
     let cpu0 = process_cpu_seconds(pid).unwrap_or(0.0);
@@ -404,7 +408,7 @@ async fn stage_both(
 
     let mut ready = bus
         .client()
-        .subscribe(format!("stagehand.fact.stage.ready.{PROJECT}"))
+        .subscribe(subject::kind_subject(subject::FACT, "stage.ready", PROJECT))
         .await?;
     for (form, staged_version) in [
         ("raw", raw_version),

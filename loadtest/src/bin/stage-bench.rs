@@ -22,7 +22,7 @@ use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::{
-    Body, DatasetValidated, Event, EventId, FileRef, Location, StageRequested, sha256_hex,
+    Body, DatasetValidated, Event, EventId, FileRef, Location, StageRequested, sha256_hex, subject,
 };
 use stagehand_testkit::NatsServer;
 
@@ -502,11 +502,15 @@ async fn main() -> anyhow::Result<()> {
 
     let ready = bus
         .client()
-        .subscribe(format!("stagehand.fact.stage.ready.{PROJECT}"))
+        .subscribe(subject::kind_subject(subject::FACT, "stage.ready", PROJECT))
         .await?;
     let mut replicas = bus
         .client()
-        .subscribe(format!("stagehand.fact.replica.created.{PROJECT}"))
+        .subscribe(subject::kind_subject(
+            subject::FACT,
+            "replica.created",
+            PROJECT,
+        ))
         .await?;
     let bench = Bench {
         catalogue: stagehand_catalogue::Catalogue::new(bus.client().clone()),

@@ -20,6 +20,7 @@ use tracing::info;
 use crate::copier::Copier;
 use crate::error::BackupError;
 use crate::layout::{MANIFEST_NAME, selected, set_prefix};
+use stagehand_schemas::Retryable;
 
 /// The step of a `backup.completed` fact's id: `backup:<backup tier>`.
 pub fn backup_step(tier: &str) -> String {

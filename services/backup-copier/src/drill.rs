@@ -46,6 +46,7 @@ use tracing::{info, warn};
 
 use crate::copier::Copier;
 use crate::error::BackupError;
+use stagehand_schemas::Retryable;
 
 /// Versions asked of the catalogue per page while listing what to drill.
 const PAGE: u32 = 1000;

@@ -8,6 +8,7 @@ use stagehand_catalogue::CatalogueError;
 use stagehand_manifest::ManifestError;
 use stagehand_mover::TransferError;
 use stagehand_policy::PolicyError;
+use stagehand_schemas::Retryable;
 
 /// Everything that can go wrong, each able to say whether trying again can help.
 #[derive(Debug, thiserror::Error)]
@@ -59,9 +60,16 @@ pub enum BackupError {
 }
 
 impl BackupError {
+    /// The copier's own error back out of the runner, or the runner's.
+    pub(crate) fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(BackupError::Run)
+    }
+}
+
+impl Retryable for BackupError {
     /// Whether doing the same again later can succeed (a tier, NATS or the catalogue was
     /// briefly unavailable), as opposed to a configuration or data problem.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             BackupError::Policy(_)
             | BackupError::NoBackupPolicy { .. }
@@ -75,21 +83,6 @@ impl BackupError {
             BackupError::Catalogue(e) => e.is_retryable(),
             BackupError::Bus(e) => e.is_retryable(),
             BackupError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
-        }
-    }
-
-    /// The copier's own error back out of the runner, or the runner's.
-    pub(crate) fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(BackupError::Run)
-    }
-}
-
-impl From<BackupError> for stagehand_bus::HandlerError {
-    fn from(e: BackupError) -> Self {
-        if e.is_retryable() {
-            stagehand_bus::HandlerError::retryable(e)
-        } else {
-            stagehand_bus::HandlerError::permanent(e)
         }
     }
 }

@@ -8,7 +8,7 @@
 //!   ([`layout`]), and publishes `backup.completed`. A source in the backup tier's failure
 //!   domain is refused at run time (tiers.toml already refuses a backup tier that shares one
 //!   with a tier it protects, at start-up).
-//! - **Object Lock** ([`lock`]): on an S3 backup tier with `[object_lock]`, the bucket's
+//! - **Object Lock** (`src/lock.rs`): on an S3 backup tier with `[object_lock]`, the bucket's
 //!   default retention holds every object from the moment it is written.
 //! - **Restore drills** ([`drill`]): on the policy's clock, a sample of protected versions
 //!   (oldest untested first, bounded by files and bytes) is restored to a scratch folder,
@@ -70,10 +70,7 @@ pub struct Settings {
     pub scratch_dir: Option<PathBuf>,
     /// How often the drill clock looks whether a drill is due (never more often than
     /// `drill_every` asks). Default 60 s.
-    #[serde(
-        default = "defaults::drill_check",
-        with = "stagehand_bus::duration_str"
-    )]
+    #[serde(default = "defaults::drill_check", with = "stagehand_config::duration")]
     pub drill_check: Duration,
     /// The mover's tunables (engine, concurrency, bandwidth cap); defaults suit a small
     /// machine.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, kv, object_store, stream};
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use bytes::Bytes;
 use stagehand_schemas::subject::{
     MANIFESTS, ObjectBucketSpec, Retention, STREAMS, StreamSpec, subject_for,
@@ -20,6 +20,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use crate::config::{BusConfig, UrlCredentials, redact_text, url_credentials, without_credentials};
 use crate::dedup::scope_msg_id;
 use crate::error::{BoxError, BusError, BusErrorKind};
+use crate::retry::RetrySchedule;
 
 /// The KV bucket in which workers claim event ids (see the crate docs, "Claims").
 pub const CLAIMS_BUCKET: &str = "stagehand_claims";
@@ -137,11 +138,9 @@ where
     Fut: std::future::Future<Output = Result<T, BusError>>,
 {
     step.retry(
-        ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(200))
-            .with_max_delay(Duration::from_secs(5))
-            .with_max_times(usize::MAX)
-            .with_total_delay(Some(ELECTION_BUDGET)),
+        RetrySchedule::exponential(Duration::from_millis(200), Duration::from_secs(5))
+            .delays()
+            .within(ELECTION_BUDGET),
     )
     .when(|e| passes_by_itself(e))
     .notify(|e, delay| warn!(error = %e, ?delay, "JetStream did not answer; provisioning again"))
@@ -319,11 +318,9 @@ impl Bus {
         let last = Mutex::new(String::new());
         let retried = attempt
             .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(100))
-                    .with_max_delay(Duration::from_secs(5))
-                    .without_max_times()
-                    .with_jitter(),
+                RetrySchedule::exponential(Duration::from_millis(100), Duration::from_secs(5))
+                    .with_jitter(0.5)
+                    .delays(),
             )
             .when(|e| e.kind() != BusErrorKind::Unauthorized)
             .notify(|e, delay| {
@@ -637,7 +634,9 @@ impl Bus {
             return;
         }
         let started = std::time::Instant::now();
-        let mut pause = Duration::from_millis(20);
+        let poll =
+            RetrySchedule::exponential(Duration::from_millis(20), Duration::from_millis(500));
+        let mut polls = 0;
         loop {
             let settled = match self.js.get_stream(stream).await {
                 Ok(mut s) => s.info().await.ok().is_some_and(|info| {
@@ -661,8 +660,8 @@ impl Bus {
                 return;
             }
             // Polling the cluster's view of the stream: JetStream offers no event for it.
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
+            polls += 1;
+            tokio::time::sleep(poll.delay(polls)).await;
         }
     }
 
@@ -758,10 +757,12 @@ impl Bus {
                     };
                     create
                         .retry(
-                            ExponentialBuilder::default()
-                                .with_min_delay(Duration::from_millis(200))
-                                .with_max_delay(Duration::from_secs(2))
-                                .with_max_times(4),
+                            RetrySchedule::exponential(
+                                Duration::from_millis(200),
+                                Duration::from_secs(2),
+                            )
+                            .delays()
+                            .times(4),
                         )
                         .notify(|e, delay| {
                             warn!(error = %e, ?delay, "creating a KV bucket failed; retrying")
@@ -859,11 +860,9 @@ impl Bus {
         };
         let retried = once
             .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(100))
-                    .with_max_delay(Duration::from_secs(2))
-                    .with_jitter()
-                    .without_max_times(),
+                RetrySchedule::exponential(Duration::from_millis(100), Duration::from_secs(2))
+                    .with_jitter(0.5)
+                    .delays(),
             )
             .when(|e| {
                 unanswered(e, self.client.server_info().cluster.is_some())

@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::error::BusError;
+use crate::retry::RetrySchedule;
 
 /// How to reach NATS: the `[bus]` table of every service's configuration file.
 ///
@@ -51,13 +51,13 @@ pub struct BusConfig {
     /// `stagehand provision`.
     pub provision: bool,
     /// How long to keep trying the first connection before giving up.
-    #[serde(with = "duration_str")]
+    #[serde(with = "stagehand_config::duration")]
     pub connect_timeout: Duration,
     /// How long a publish keeps trying while the stream cannot answer — no responders, no
     /// stream found on a clustered server, no acknowledgement in time: what a JetStream leader
     /// election looks like — before it gives up with one error. Default 60 s; a worker's
     /// outcomes use its `ack_wait` instead (the delivery's own deadline).
-    #[serde(with = "duration_str")]
+    #[serde(with = "stagehand_config::duration")]
     pub publish_timeout: Duration,
 }
 
@@ -413,59 +413,6 @@ pub fn redact_text(text: &str) -> String {
     out
 }
 
-/// Negative-ack delays: exponential from `initial`, times `factor` per delivery, capped at
-/// `max`, with up to `jitter` of each delay taken off at random so that many messages failing
-/// together do not all come back at once.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RetrySchedule {
-    /// Delay after the first failed delivery.
-    #[serde(with = "duration_str")]
-    pub initial: Duration,
-    /// Longest delay.
-    #[serde(with = "duration_str")]
-    pub max: Duration,
-    /// Growth per delivery (≥ 1).
-    pub factor: f64,
-    /// Fraction (0–1) of each delay that may be removed at random.
-    pub jitter: f64,
-}
-
-impl Default for RetrySchedule {
-    fn default() -> Self {
-        Self {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(300),
-            factor: 2.0,
-            jitter: 0.2,
-        }
-    }
-}
-
-impl RetrySchedule {
-    /// The delay before redelivering a message whose delivery number `delivery` (1-based)
-    /// failed.
-    pub fn delay(&self, delivery: u64) -> Duration {
-        let base = self.base_delay(delivery);
-        if self.jitter <= 0.0 {
-            return base;
-        }
-        let cut = rand::rng().random_range(0.0..=self.jitter.min(1.0));
-        base.mul_f64(1.0 - cut)
-    }
-
-    /// The delay without jitter.
-    pub fn base_delay(&self, delivery: u64) -> Duration {
-        let exp = delivery.saturating_sub(1).min(64) as i32;
-        let secs = self.initial.as_secs_f64() * self.factor.max(1.0).powi(exp);
-        if !secs.is_finite() || secs >= self.max.as_secs_f64() {
-            self.max
-        } else {
-            Duration::from_secs_f64(secs)
-        }
-    }
-}
-
 /// One worker: which consumer it is, where its ledger lives, and how it paces work.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -497,31 +444,43 @@ pub struct WorkerConfig {
     #[serde(default = "defaults::max_deliver")]
     pub max_deliver: i64,
     /// How long the server waits for an ack before redelivering; progress acks restart it.
-    #[serde(default = "defaults::ack_wait", with = "duration_str")]
+    #[serde(default = "defaults::ack_wait", with = "stagehand_config::duration")]
     pub ack_wait: Duration,
     /// How long a claim not renewed stays valid before another instance may take it over
     /// (judged by the server's clock). Default: 2 × `ack_wait`.
-    #[serde(default, with = "duration_str::option")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub claim_lifetime: Option<Duration>,
     /// Delays of negative acks after retryable failures.
     #[serde(default)]
     pub retry: RetrySchedule,
     /// After shutdown is asked for, how long in-flight work may take to finish and be recorded.
-    #[serde(default = "defaults::shutdown_deadline", with = "duration_str")]
+    #[serde(
+        default = "defaults::shutdown_deadline",
+        with = "stagehand_config::duration"
+    )]
     pub shutdown_deadline: Duration,
     /// Claim each event in the `stagehand_claims` KV bucket before working on it, so that two
     /// instances never do the same work (needed when several instances share a consumer).
     #[serde(default = "defaults::claims")]
     pub claims: bool,
     /// How long a pull request waits on the server for messages before it is renewed.
-    #[serde(default = "defaults::pull_expires", with = "duration_str")]
+    #[serde(
+        default = "defaults::pull_expires",
+        with = "stagehand_config::duration"
+    )]
     pub pull_expires: Duration,
     /// How long the ledger keeps an outcome: past the requests stream's retention plus its
     /// duplicate window, no copy of the event can still arrive within either.
-    #[serde(default = "defaults::ledger_retention", with = "duration_str")]
+    #[serde(
+        default = "defaults::ledger_retention",
+        with = "stagehand_config::duration"
+    )]
     pub ledger_retention: Duration,
     /// How often the ledger is pruned of outcomes older than `ledger_retention`.
-    #[serde(default = "defaults::prune_interval", with = "duration_str")]
+    #[serde(
+        default = "defaults::prune_interval",
+        with = "stagehand_config::duration"
+    )]
     pub prune_interval: Duration,
 }
 
@@ -673,110 +632,9 @@ impl WorkerConfig {
     }
 }
 
-/// Durations in configuration files as `"250ms"`, `"30s"`, `"5m"` or `"1h"`.
-pub mod duration_str {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        if d.subsec_millis() != 0 || d.as_secs() == 0 {
-            s.serialize_str(&format!("{}ms", d.as_millis()))
-        } else {
-            s.serialize_str(&format!("{}s", d.as_secs()))
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        parse(&text).map_err(serde::de::Error::custom)
-    }
-
-    /// Parses `"250ms"`, `"30s"`, `"5m"`, `"1h"`.
-    pub fn parse(text: &str) -> Result<Duration, String> {
-        let t = text.trim();
-        let split = t
-            .find(|c: char| !c.is_ascii_digit())
-            .ok_or_else(|| format!("duration {text:?} needs a unit (ms, s, m, h)"))?;
-        let (num, unit) = t.split_at(split);
-        let n: u64 = num
-            .parse()
-            .map_err(|_| format!("duration {text:?} must start with a whole number"))?;
-        let ms = match unit {
-            "ms" => Some(n),
-            "s" => n.checked_mul(1000),
-            "m" => n.checked_mul(60_000),
-            "h" => n.checked_mul(3_600_000),
-            _ => {
-                return Err(format!(
-                    "duration {text:?} has unknown unit {unit:?} (ms, s, m, h)"
-                ));
-            }
-        };
-        ms.map(Duration::from_millis)
-            .ok_or_else(|| format!("duration {text:?} is too long"))
-    }
-
-    /// `Option<Duration>` in the same notation; absent means `None`.
-    pub mod option {
-        use std::time::Duration;
-
-        use serde::{Deserialize, Deserializer, Serializer};
-
-        pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-            match d {
-                Some(d) => super::serialize(d, s),
-                None => s.serialize_none(),
-            }
-        }
-
-        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-            match Option::<String>::deserialize(d)? {
-                Some(text) => super::parse(&text)
-                    .map(Some)
-                    .map_err(serde::de::Error::custom),
-                None => Ok(None),
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn schedule_grows_caps_and_jitters_down() {
-        let s = RetrySchedule {
-            initial: Duration::from_millis(100),
-            max: Duration::from_secs(1),
-            factor: 2.0,
-            jitter: 0.5,
-        };
-        assert_eq!(s.base_delay(1), Duration::from_millis(100));
-        assert_eq!(s.base_delay(3), Duration::from_millis(400));
-        assert_eq!(s.base_delay(10), Duration::from_secs(1));
-        assert_eq!(s.base_delay(u64::MAX), Duration::from_secs(1));
-        for d in 1..10 {
-            let j = s.delay(d);
-            assert!(j <= s.base_delay(d) && j >= s.base_delay(d) / 2, "{j:?}");
-        }
-    }
-
-    #[test]
-    fn durations_parse_with_units_and_reject_garbage() {
-        assert_eq!(
-            duration_str::parse("250ms").unwrap(),
-            Duration::from_millis(250)
-        );
-        assert_eq!(duration_str::parse("5m").unwrap(), Duration::from_secs(300));
-        assert!(duration_str::parse("5").unwrap_err().contains("unit"));
-        assert!(
-            duration_str::parse("5d")
-                .unwrap_err()
-                .contains("unknown unit")
-        );
-    }
 
     #[test]
     fn worker_config_rejects_bad_values_by_key() {

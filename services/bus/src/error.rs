@@ -5,6 +5,7 @@
 //! being done, and the cause kept as the error's `source` — a NATS error stays a NATS error,
 //! never a string.
 
+use stagehand_schemas::Retryable;
 use std::fmt;
 
 /// A cause of any type, as kept in [`BusError`] and [`HandlerError`].
@@ -47,10 +48,10 @@ pub enum BusErrorKind {
     HandlerFatal,
 }
 
-impl BusErrorKind {
+impl Retryable for BusErrorKind {
     /// Whether the same operation may succeed later (a server down, a timeout) rather than
     /// failing again for the same reason (bad configuration, a stream of the wrong kind).
-    pub fn is_retryable(self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             BusErrorKind::Connect
             | BusErrorKind::Provision
@@ -132,9 +133,11 @@ impl BusError {
     pub fn what(&self) -> &str {
         &self.what
     }
+}
 
+impl Retryable for BusError {
     /// Whether the same operation may succeed later; follows from the kind.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         self.kind.is_retryable()
     }
 }
@@ -242,6 +245,21 @@ impl HandlerError {
     /// The error, for the worker to return when it stops on it.
     pub(crate) fn into_source(self) -> BoxError {
         self.source
+    }
+}
+
+/// The runtime's reading of a [`Retryable`] error: retryable, or permanent. A handler returns
+/// such an error with `?` (or `HandlerError::from`) instead of deciding again which it is.
+impl<E> From<E> for HandlerError
+where
+    E: Retryable + std::error::Error + Send + Sync + 'static,
+{
+    fn from(e: E) -> Self {
+        if e.is_retryable() {
+            Self::retryable(e)
+        } else {
+            Self::permanent(e)
+        }
     }
 }
 

@@ -62,6 +62,7 @@ mod dedup;
 mod error;
 pub mod ledger;
 pub mod placement;
+mod retry;
 pub mod runner;
 mod worker;
 
@@ -71,12 +72,12 @@ pub use bus::{
     STAGES_BUCKET, stream_config,
 };
 pub use config::{
-    BusConfig, DEFAULT_PUBLISH_TIMEOUT, RetrySchedule, WorkerConfig, duration_str, env,
-    redact_text, redact_url, split_servers,
+    BusConfig, DEFAULT_PUBLISH_TIMEOUT, WorkerConfig, env, redact_text, redact_url, split_servers,
 };
 pub use dedup::msg_id_for;
 pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
 pub use ledger::{EventKey, Ledger, LedgerError, LedgerErrorKind, Outcome};
+pub use retry::{Delays, RetrySchedule};
 pub use worker::{
     Handler, Hook, REPLAY_HEADER, WorkContext, WorkerHooks, WorkerStats, default_instance_id,
     host_name, provision_consumer, run_worker, run_worker_with_hooks,

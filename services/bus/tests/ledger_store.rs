@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use stagehand_bus::{BusErrorKind, CancellationToken, Ledger, LedgerErrorKind, run_worker};
-use stagehand_schemas::subject;
+use stagehand_schemas::{Retryable, subject};
 use stagehand_testkit::{Tmpfs, wait_until};
 
 /// While the disk is full every commit fails and the requests come back; once space is back

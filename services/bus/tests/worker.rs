@@ -13,7 +13,7 @@ use stagehand_bus::{
     HandlerError, Ledger, REPLAY_HEADER, WorkContext, WorkerStats, provision_consumer, run_worker,
 };
 use stagehand_schemas::subject::{self, dead_letter_subject, subject_for};
-use stagehand_schemas::{Body, Event, wire};
+use stagehand_schemas::{Body, Event, Retryable, wire};
 use stagehand_testkit::{wait_for, wait_until};
 use tokio::task::JoinHandle;
 

@@ -11,23 +11,40 @@ use stagehand_schemas::subject::CATALOGUE_QUERY;
 use crate::query::*;
 use crate::readiness::Readiness;
 use crate::records::*;
+use stagehand_schemas::Retryable;
 
 /// Why asking the catalogue failed (the catalogue's own `error` answers are not failures of
-/// [`ask`]).
+/// [`ask`]). Callers branch on the variant, never on the text.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum AskError {
-    /// No recorder answered in time, or NATS failed. Retryable.
+    /// No catalogue recorder is subscribed to the query subject: the server said so at once.
+    /// Retryable (a recorder may be starting), and for a caller that only hoped for an answer,
+    /// a sign that this deployment runs none.
+    #[error("catalogue query over NATS failed (is a catalogue recorder running?): no responders")]
+    NoResponders,
+    /// No answer within the caller's timeout. Retryable.
+    #[error(
+        "catalogue query over NATS failed (is a catalogue recorder running?): no answer within {0:?}"
+    )]
+    TimedOut(Duration),
+    /// NATS failed otherwise (the connection, the client's own request timeout). Retryable.
     #[error("catalogue query over NATS failed (is a catalogue recorder running?): {0}")]
-    Request(String),
+    Request(async_nats::RequestError),
+    /// The query could not be encoded. Permanent.
+    #[error("catalogue query could not be encoded: {0}")]
+    Encode(serde_json::Error),
     /// What came back is not an answer. Permanent.
     #[error("catalogue answered something that is not an answer: {0}")]
-    BadAnswer(String),
+    BadAnswer(serde_json::Error),
 }
 
-impl AskError {
-    pub fn is_retryable(&self) -> bool {
-        matches!(self, AskError::Request(_))
+impl Retryable for AskError {
+    fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            AskError::NoResponders | AskError::TimedOut(_) | AskError::Request(_)
+        )
     }
 }
 
@@ -37,12 +54,15 @@ pub async fn ask(
     query: &Query,
     timeout: Duration,
 ) -> Result<Answer, AskError> {
-    let bytes = serde_json::to_vec(query).map_err(|e| AskError::Request(e.to_string()))?;
+    let bytes = serde_json::to_vec(query).map_err(AskError::Encode)?;
     let response = tokio::time::timeout(timeout, client.request(CATALOGUE_QUERY, bytes.into()))
         .await
-        .map_err(|_| AskError::Request(format!("no answer within {timeout:?}")))?
-        .map_err(|e| AskError::Request(e.to_string()))?;
-    serde_json::from_slice(&response.payload).map_err(|e| AskError::BadAnswer(e.to_string()))
+        .map_err(|_| AskError::TimedOut(timeout))?
+        .map_err(|e| match e.kind() {
+            async_nats::RequestErrorKind::NoResponders => AskError::NoResponders,
+            _ => AskError::Request(e),
+        })?;
+    serde_json::from_slice(&response.payload).map_err(AskError::BadAnswer)
 }
 
 /// Why a typed question to the catalogue got no result.
@@ -60,15 +80,6 @@ pub enum CatalogueError {
 }
 
 impl CatalogueError {
-    /// Whether asking again later may succeed (no recorder answered, or it failed inside).
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            CatalogueError::Ask(e) => e.is_retryable(),
-            CatalogueError::Answered { code, .. } => *code == ErrorCode::Internal,
-            CatalogueError::Unexpected { .. } => false,
-        }
-    }
-
     /// Whether the catalogue said it has no such thing.
     pub fn is_not_found(&self) -> bool {
         matches!(
@@ -78,6 +89,17 @@ impl CatalogueError {
                 ..
             }
         )
+    }
+}
+
+impl Retryable for CatalogueError {
+    /// Whether asking again later may succeed (no recorder answered, or it failed inside).
+    fn is_retryable(&self) -> bool {
+        match self {
+            CatalogueError::Ask(e) => e.is_retryable(),
+            CatalogueError::Answered { code, .. } => *code == ErrorCode::Internal,
+            CatalogueError::Unexpected { .. } => false,
+        }
     }
 }
 

@@ -1,5 +1,7 @@
 //! Errors of the catalogue recorder, each able to say whether retrying can help.
 
+use stagehand_schemas::Retryable;
+
 /// A failure of the catalogue store.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -34,18 +36,6 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Whether retrying the same operation can succeed.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
-            StoreError::Redb(_)
-            | StoreError::WriterGone
-            | StoreError::Spool(_)
-            | StoreError::Failed { .. } => true,
-            StoreError::Corrupt { .. } | StoreError::TooLarge { .. } => false,
-        }
-    }
-
     /// Whether the recorder's own disk failed rather than anything about a fact: any redb
     /// error while folding (ENOSPC, EIO, a failed commit — which redb latches until the
     /// database is reopened) or a failed spool. Retrying the fact would only spend its
@@ -56,6 +46,20 @@ impl StoreError {
             self,
             StoreError::Redb(_) | StoreError::Spool(_) | StoreError::Failed { .. }
         )
+    }
+}
+
+impl Retryable for StoreError {
+    /// Whether retrying the same operation can succeed.
+    fn is_retryable(&self) -> bool {
+        match self {
+            // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
+            StoreError::Redb(_)
+            | StoreError::WriterGone
+            | StoreError::Spool(_)
+            | StoreError::Failed { .. } => true,
+            StoreError::Corrupt { .. } | StoreError::TooLarge { .. } => false,
+        }
     }
 }
 
@@ -109,8 +113,10 @@ impl RecorderError {
             detail: e.to_string(),
         }
     }
+}
 
-    pub fn is_retryable(&self) -> bool {
+impl Retryable for RecorderError {
+    fn is_retryable(&self) -> bool {
         match self {
             RecorderError::Store(e) => e.is_retryable(),
             RecorderError::Nats { .. } => true,

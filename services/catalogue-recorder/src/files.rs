@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use stagehand_bus::RetrySchedule;
 use stagehand_manifest::{ManifestSource, Spool};
 use stagehand_schemas::{Body, Event};
 use tokio::sync::Semaphore;
@@ -116,7 +117,7 @@ impl FileLists {
     /// (NATS timed out) up to `attempts` times; a manifest that is not in the bucket is not
     /// waited for. What a rebuild uses: it must go on.
     pub async fn ensure_retrying(&self, event: &Event, attempts: u32) -> Result<(), FoldError> {
-        let mut delay = Duration::from_millis(200);
+        let retry = RetrySchedule::exponential(Duration::from_millis(200), Duration::from_secs(5));
         let mut attempt = 1;
         loop {
             match self.ensure(event).await {
@@ -124,8 +125,7 @@ impl FileLists {
                     code: FoldProblemCode::ManifestUnreachable,
                     ..
                 }) if attempt < attempts => {
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
+                    tokio::time::sleep(retry.delay(u64::from(attempt))).await;
                     attempt += 1;
                 }
                 other => return other,

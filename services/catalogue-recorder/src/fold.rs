@@ -1,13 +1,13 @@
 //! The fold: facts in, catalogue records out, one function per kind of fact.
 //!
 //! [`apply`] takes one event and the store's write transaction and changes the records the
-//! event concerns (the tables are listed in [`crate::store`]). Applying an event whose id was
+//! event concerns (the tables are listed in `src/store.rs`). Applying an event whose id was
 //! applied before changes nothing, and every record keeps the newest [`Stamp`] — counts move
 //! only when a record is created or replaced, and the "newest" registers are maxima — so any
 //! order and any number of copies of the same facts fold to the same catalogue.
 //!
 //! A fact that carries a file list (`dataset.validated`, `dataset.prepared`) is folded only
-//! once its list is in the store ([`crate::files`] fetches it, verified, and writes it in
+//! once its list is in the store (`src/files.rs` fetches it, verified, and writes it in
 //! chunks first); here the version record only points at it.
 
 use redb::{ReadableTable, WriteTransaction};
@@ -20,6 +20,7 @@ use crate::error::StoreError;
 use crate::model::{FileListRecord, ReadinessAggregate};
 use crate::stage::{self, StageChange};
 use crate::store::*;
+use stagehand_schemas::Retryable;
 
 /// Why one fact could not be folded.
 #[derive(Debug, thiserror::Error)]
@@ -106,9 +107,11 @@ impl FoldError {
             FoldError::Store(_) => None,
         }
     }
+}
 
+impl Retryable for FoldError {
     /// Whether folding the same fact later may succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             FoldError::Problem { retryable, .. } => *retryable,
             FoldError::Store(e) => e.is_retryable(),

@@ -31,8 +31,7 @@ use async_nats::jetstream::kv;
 use futures::StreamExt;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
-use stagehand_schemas::progress::{WorkProgress, progress_subject};
-use stagehand_schemas::subject::ROOT;
+use stagehand_schemas::progress::{WorkProgress, progress_filter, progress_subject};
 use stagehand_schemas::{Event, EventId, Refusal};
 use tokio_util::sync::CancellationToken;
 
@@ -41,6 +40,7 @@ use crate::files::FileLists;
 use crate::fold::{self, FoldError, touched};
 use crate::readiness::{current, mirror, open_bucket};
 use crate::store::{FoldItem, Folded, Store, Writer};
+use stagehand_schemas::Retryable;
 
 /// The handler of the recorder's two workers (facts, dead letters). It causes no facts.
 pub(crate) struct LiveFold {
@@ -248,7 +248,7 @@ pub(crate) async fn follow_progress(
     mirror: Mirror,
     shutdown: CancellationToken,
 ) -> Result<(), RecorderError> {
-    let filter = format!("{ROOT}.progress.stage.requested.>");
+    let filter = progress_filter("stage.requested");
     let mut subscription = client
         .subscribe(filter)
         .await

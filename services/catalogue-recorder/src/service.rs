@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusError, Handler, HandlerError, WorkContext, WorkerConfig, WorkerStats};
 use stagehand_manifest::Spool;
-use stagehand_schemas::subject::{DEAD_LETTERS, FACTS, REQUESTS};
+use stagehand_schemas::subject::{self, DEAD_LETTERS, FACTS, REQUESTS};
 use stagehand_schemas::{Event, Refusal};
 use tokio_util::sync::CancellationToken;
 
@@ -21,8 +21,13 @@ use crate::store::{Store, Writer};
 
 /// The requests the recorder folds besides facts: stage requests and their releases, whose
 /// statuses it keeps for schedulers (a comma-separated list of filters).
-const STAGE_REQUESTS_FILTER: &str =
-    "stagehand.req.stage.requested.*,stagehand.req.stage.released.*";
+fn stage_requests_filter() -> String {
+    [
+        subject::kind_filter(subject::REQ, "stage.requested"),
+        subject::kind_filter(subject::REQ, "stage.released"),
+    ]
+    .join(",")
+}
 
 /// The recorder's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,7 +52,7 @@ pub struct RecorderConfig {
     /// How long fetching one manifest may take before the fact is retried later.
     #[serde(
         default = "default_manifest_timeout",
-        with = "stagehand_bus::duration_str"
+        with = "stagehand_config::duration"
     )]
     pub manifest_timeout: std::time::Duration,
     /// Inbox prefixes whose inboxes catalogue queries are answered on, besides
@@ -60,14 +65,14 @@ pub struct RecorderConfig {
     /// it is pruned with its indexes.
     #[serde(
         default = "default_stage_retention",
-        with = "stagehand_bus::duration_str"
+        with = "stagehand_config::duration"
     )]
     pub stage_retention: std::time::Duration,
     /// How often stage records are pruned (`"1h"` by default; the first time one interval
     /// after start).
     #[serde(
         default = "default_stage_prune_interval",
-        with = "stagehand_bus::duration_str"
+        with = "stagehand_config::duration"
     )]
     pub stage_prune_interval: std::time::Duration,
 }
@@ -184,7 +189,7 @@ impl ServiceSettings for RecorderConfig {
                 && !body
                     .chars()
                     .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '*' | '>'));
-            if !plain || body.starts_with('$') || body.starts_with("stagehand.") {
+            if !plain || body.starts_with('$') || subject::is_under_root(body) {
                 return Err(InvalidKey::new(
                     "inbox_prefixes",
                     format!(
@@ -246,9 +251,23 @@ pub(crate) async fn rebuild_if_needed(
     }
     tracing::info!(store = %store.path().display(), "catalogue store missing or incomplete: rebuilding from the facts stream");
     let js = bus.jetstream();
-    let facts = replay(js, FACTS.name, "stagehand.fact.>", store, files).await?;
-    let dead = replay(js, DEAD_LETTERS.name, "stagehand.dlq.>", store, files).await?;
-    let requests = replay(js, REQUESTS.name, STAGE_REQUESTS_FILTER, store, files).await?;
+    let facts = replay(
+        js,
+        FACTS.name,
+        &subject::class_filter(subject::FACT),
+        store,
+        files,
+    )
+    .await?;
+    let dead = replay(
+        js,
+        DEAD_LETTERS.name,
+        &subject::class_filter(subject::DLQ),
+        store,
+        files,
+    )
+    .await?;
+    let requests = replay(js, REQUESTS.name, &stage_requests_filter(), store, files).await?;
     let touched = [facts.touched.clone(), requests.touched.clone()].concat();
     let stages = [facts.stages.clone(), requests.stages.clone()].concat();
     mirror_all(store, mirror, touched, stages).await?;
@@ -353,16 +372,20 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
         cfg.claims = false;
         cfg
     };
-    let facts_cfg = worker(&config.instance, FACTS.name, "stagehand.fact.>");
+    let facts_cfg = worker(
+        &config.instance,
+        FACTS.name,
+        &subject::class_filter(subject::FACT),
+    );
     let dlq_cfg = worker(
         &format!("{}-dlq", config.instance),
         DEAD_LETTERS.name,
-        "stagehand.dlq.>",
+        &subject::class_filter(subject::DLQ),
     );
     let stages_cfg = worker(
         &format!("{}-stages", config.instance),
         REQUESTS.name,
-        STAGE_REQUESTS_FILTER,
+        &stage_requests_filter(),
     );
     let deadline = facts_cfg.shutdown_deadline;
 
@@ -465,15 +488,5 @@ impl Handler for SharedFold {
 
     async fn refused(&self, event: &Event, stream_sequence: u64, refusal: &Refusal) {
         self.0.refused(event, stream_sequence, refusal).await
-    }
-}
-
-impl From<StoreError> for HandlerError {
-    fn from(e: StoreError) -> Self {
-        if e.is_retryable() {
-            HandlerError::retryable(e)
-        } else {
-            HandlerError::permanent(e)
-        }
     }
 }

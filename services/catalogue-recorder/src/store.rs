@@ -65,6 +65,7 @@ use crate::chunk::ChunkBuilder;
 use crate::error::StoreError;
 use crate::fold::{self, FoldError};
 use crate::model::FileListRecord;
+use stagehand_schemas::Retryable;
 
 type S = &'static str;
 type Bytes = &'static [u8];
@@ -520,14 +521,12 @@ fn problem_key(event: &Event) -> String {
 
 /// The stream an event travels on, by the class of its subject.
 fn stream_of(event: &Event) -> &'static str {
-    use stagehand_schemas::subject::{DEAD_LETTERS as DLQ, FACTS, REQUESTS};
-    let subject = stagehand_schemas::subject::subject_for(&event.body, &event.project);
-    if subject.starts_with("stagehand.req.") {
-        REQUESTS.name
-    } else if subject.starts_with("stagehand.dlq.") {
-        DLQ.name
-    } else {
-        FACTS.name
+    use stagehand_schemas::subject::{self, DEAD_LETTERS, FACTS, REQUESTS};
+    let subject = subject::subject_for(&event.body, &event.project);
+    match subject::class_of_subject(&subject) {
+        Some(subject::REQ) => REQUESTS.name,
+        Some(subject::DLQ) => DEAD_LETTERS.name,
+        _ => FACTS.name,
     }
 }
 

@@ -155,14 +155,15 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    use backon::{ExponentialBuilder, Retryable};
+    use backon::Retryable;
     let deadline = tokio::time::Instant::now() + budget;
     step.retry(
-        ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(Duration::from_secs(2))
-            .with_jitter()
-            .without_max_times(),
+        stagehand_bus::RetrySchedule::exponential(
+            Duration::from_millis(100),
+            Duration::from_secs(2),
+        )
+        .with_jitter(0.5)
+        .delays(),
     )
     .when(|e| passes(e) && tokio::time::Instant::now() < deadline)
     // No pause runs past the budget.
@@ -278,25 +279,15 @@ pub fn dataset_at_version(arg: &str, s: &str) -> Result<(String, String), UsageE
     Ok((d.to_owned(), v.to_owned()))
 }
 
-/// A duration: a whole number with an optional unit `ms`, `s` (default), `m`, `h` or `d`.
+/// A duration flag in the one grammar of `stagehand-config` (`500ms`, `90s`, `30m`, `2h`, `1d`,
+/// `2w`); a bare number is seconds.
 pub fn duration(arg: &str, s: &str) -> Result<Duration, UsageError> {
-    let bad = || {
-        usage(format!(
-            "{arg} {s:?}: expected a duration such as 500ms, 90s, 30m, 2h or 1d"
-        ))
-    };
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    let ms = match unit {
-        "ms" => 1,
-        "" | "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(ms).map(Duration::from_millis).ok_or_else(bad)
+    stagehand_config::parse_duration_arg(s).map_err(|e| usage(format!("{arg} {s:?}: {e}")))
+}
+
+/// A size flag in the one grammar of `stagehand-config` (`1048576`, `64K`, `100 MiB`, `2 GB`).
+pub fn size(arg: &str, s: &str) -> Result<u64, UsageError> {
+    stagehand_config::parse_size(s).map_err(|e| usage(format!("{arg} {s:?}: {e}")))
 }
 
 /// A deadline: a duration from `now` (`30m`) or an RFC 3339 time, which must be in the future.
@@ -378,9 +369,26 @@ mod tests {
         assert_eq!(duration("T", "500ms").unwrap(), Duration::from_millis(500));
         assert_eq!(duration("T", "30m").unwrap(), Duration::from_secs(1800));
         assert_eq!(duration("T", "1d").unwrap(), Duration::from_secs(86400));
-        for bad in ["", "m", "1.5s", "10w", "-1s", "99999999999999999999d"] {
+        // Weeks, as policies write them: one grammar for flags and files.
+        assert_eq!(
+            duration("T", "2w").unwrap(),
+            Duration::from_secs(14 * 86400)
+        );
+        for bad in ["", "m", "1.5s", "10y", "-1s", "99999999999999999999d"] {
             assert!(duration("T", bad).is_err(), "{bad:?}");
         }
+        let e = duration("--timeout", "10 years").unwrap_err();
+        assert!(
+            e.0.starts_with("--timeout \"10 years\": duration \"10 years\" has unknown unit"),
+            "{e}"
+        );
+        assert_eq!(size("--bwlimit", "64K").unwrap(), 64 << 10);
+        assert!(
+            size("--bwlimit", "fast")
+                .unwrap_err()
+                .0
+                .starts_with("--bwlimit \"fast\": size")
+        );
         let now = datetime!(2026-12-01 10:00 UTC);
         assert_eq!(
             deadline("--deadline", "2h", now).unwrap(),

@@ -24,6 +24,7 @@ use stagehand_catalogue::{
     Catalogue, Drill, MAX_PAGE, ReplicaRecord, ReplicaState, VersionBackups,
 };
 use stagehand_mover::{CancellationToken, MoverConfig, Progress};
+use stagehand_schemas::Retryable;
 
 /// Why a version is flagged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

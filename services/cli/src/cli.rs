@@ -80,6 +80,10 @@ fn parse_connect_timeout(s: &str) -> Result<Duration, String> {
     args::duration("--connect-timeout", s).map_err(|e| e.0)
 }
 
+fn parse_ingest_timeout(s: &str) -> Result<Duration, String> {
+    args::duration("--timeout", s).map_err(|e| e.0)
+}
+
 impl Connection {
     /// The connection as a [`BusConfig`], giving up on the first connection after `timeout`.
     pub fn bus_config(&self, timeout: Duration) -> BusConfig {
@@ -312,9 +316,9 @@ pub struct IngestArgs {
     /// Wait for the validator's answer and print it; exit 1 when rejected.
     #[arg(long)]
     pub wait: bool,
-    /// How long `--wait` waits, in seconds.
-    #[arg(long, default_value_t = 300)]
-    pub timeout: u64,
+    /// How long `--wait` waits: a duration such as 5m or 1h; a bare number is seconds.
+    #[arg(long, default_value = "5m", value_parser = parse_ingest_timeout)]
+    pub timeout: Duration,
     /// How many milliseconds the validator's clock may lag this machine's: with `--wait`, a
     /// rejection older than this run's request by more than that is an earlier run's recorded
     /// answer, and the request is asked again as its next attempt.
@@ -530,7 +534,7 @@ pub struct StagePlaceArgs {
     /// The tier to stage onto (a hot or local tier of the policies).
     #[arg(long)]
     pub tier: String,
-    /// The scheduler's job id (e.g. slurm-<cluster>-<job id>, or a pod uid).
+    /// The scheduler's job id (e.g. `slurm-<cluster>-<job id>`, or a pod uid).
     #[arg(long)]
     pub job: String,
     /// The node, for a node-local tier (and only then).
@@ -867,7 +871,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 requested_by: who(args.by),
                 labels: args.labels,
                 manifest: args.manifest,
-                wait: args.wait.then(|| Duration::from_secs(args.timeout)),
+                wait: args.wait.then_some(args.timeout),
                 progress: std::io::stderr().is_terminal(),
                 clock_skew: Duration::from_millis(args.clock_skew_ms),
                 spool: None,

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::PossibleValue;
-use stagehand_mover::cp::{CpOptions, CpSummary, parse_bytes, run_cp};
+use stagehand_mover::cp::{CpOptions, CpSummary, run_cp};
 use stagehand_mover::{EngineChoice, Priority, Progress, VerifyMode};
 
 /// A mover enum as a command-line value: its names are the mover's own (`as_str`; the
@@ -116,8 +116,9 @@ pub struct CpArgs {
     /// The same as --verify read-back.
     #[arg(long, conflicts_with = "verify")]
     pub read_back: bool,
-    /// Limit reads to this many bytes per second (suffixes K, M, G: powers of 1024).
-    #[arg(long, value_name = "RATE", value_parser = parse_bytes)]
+    /// Limit reads to this many bytes per second: a size such as 64K, 100M, 2G (powers of
+    /// 1024), 100 MB (powers of 1000) or 1048576.
+    #[arg(long, value_name = "RATE", value_parser = parse_rate)]
     pub bwlimit: Option<u64>,
     /// Publish every file with its own fdatasync and directory fsync instead of in batches.
     #[arg(long)]
@@ -128,6 +129,15 @@ pub struct CpArgs {
     /// Never show a progress bar (it is shown only when stderr is a terminal).
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// `--bwlimit`: a size in the one grammar (`64K` is 64 KiB, as it always was), above zero.
+fn parse_rate(s: &str) -> Result<u64, String> {
+    match crate::args::size("--bwlimit", s) {
+        Ok(0) => Err(format!("--bwlimit {s:?}: a rate must be above zero")),
+        Ok(rate) => Ok(rate),
+        Err(e) => Err(e.0),
+    }
 }
 
 impl CpArgs {
@@ -263,5 +273,35 @@ mod tests {
             assert_eq!(parse(&["a", "b", "--priority", p.as_str()]).priority.0, p);
         }
         assert!(Cli::try_parse_from(["x", "a", "b", "--priority", "urgent"]).is_err());
+    }
+
+    /// `--bwlimit` reads sizes in the grammar policies use; what scripts wrote before (a bare
+    /// count, or one letter K, M, G in either case: powers of 1024) means what it meant.
+    #[test]
+    fn bwlimit_takes_the_one_size_grammar_and_keeps_old_spellings() {
+        let rate = |r: &str| {
+            parse(&["a", "b", "--bwlimit", r])
+                .options()
+                .bytes_per_second
+        };
+        assert_eq!(rate("1048576"), Some(1 << 20));
+        assert_eq!(rate("64K"), Some(64 << 10));
+        assert_eq!(rate("2g"), Some(2 << 30));
+        assert_eq!(rate("64 KiB"), Some(64 << 10));
+        assert_eq!(rate("100 MB"), Some(100_000_000));
+        for (bad, says) in [
+            ("0", "above zero"),
+            ("fast", "is not a number"),
+            ("10 gigs", "unknown unit"),
+        ] {
+            let err = match Cli::try_parse_from(["x", "a", "b", "--bwlimit", bad]) {
+                Ok(_) => panic!("--bwlimit {bad} was taken"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                err.contains("--bwlimit") && err.contains(says),
+                "{bad}: {err}"
+            );
+        }
     }
 }

@@ -29,7 +29,7 @@ use futures::StreamExt;
 use serde::Serialize;
 use stagehand_bus::{Bus, MSG_ID_HEADER, REPLAY_HEADER};
 use stagehand_schemas::subject::{
-    DEAD_LETTERS, FACTS, REQUESTS, dead_letter_subject, replayed_subject, subject_matches,
+    self, DEAD_LETTERS, FACTS, REQUESTS, dead_letter_subject, replayed_subject, subject_matches,
 };
 use stagehand_schemas::{Body, DeadLetter, DeadLetterReplayed, Event, EventId, wire};
 
@@ -73,7 +73,7 @@ pub async fn list(bus: &Bus, service: Option<&str>) -> anyhow::Result<Vec<Listed
             String::new(),
             vec![dead_letter_subject(s), replayed_subject(s)],
         ),
-        None => ("stagehand.dlq.>".to_owned(), Vec::new()),
+        None => (subject::class_filter(subject::DLQ), Vec::new()),
     };
     let consumer = stream
         .create_consumer(OrderedConfig {
@@ -199,8 +199,7 @@ async fn check_replayable(
     stored_on: &str,
     dead: &DeadLetter,
 ) -> anyhow::Result<()> {
-    if !(dead.subject.starts_with("stagehand.req.") || dead.subject.starts_with("stagehand.fact."))
-    {
+    if !subject::is_event_subject(&dead.subject) {
         bail!(
             "dead letter {sequence} carries a message from {:?}; only request (stagehand.req.…) and fact (stagehand.fact.…) messages are replayed",
             dead.subject

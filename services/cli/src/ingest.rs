@@ -33,10 +33,12 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use futures::StreamExt;
-use stagehand_bus::Bus;
+use stagehand_bus::{Bus, RetrySchedule};
+use stagehand_catalogue::AskError;
 use stagehand_manifest::{Manifest, Spool};
 use stagehand_mover::Progress;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
+use stagehand_schemas::subject;
 use stagehand_schemas::{
     Body, DatasetRejected, DatasetValidated, Event, EventId, Location, layout,
 };
@@ -74,8 +76,8 @@ pub fn is_recorded(verdict: &Verdict, published_at: OffsetDateTime, clock_skew: 
 /// The subjects of the facts that answer an ingest request of `project`.
 fn verdict_subjects(project: &str) -> [String; 2] {
     [
-        format!("stagehand.fact.dataset.validated.{project}"),
-        format!("stagehand.fact.dataset.rejected.{project}"),
+        subject::kind_subject(subject::FACT, "dataset.validated", project),
+        subject::kind_subject(subject::FACT, "dataset.rejected", project),
     ]
 }
 
@@ -197,7 +199,8 @@ async fn wait_catalogued(
             },
         ),
     };
-    let mut pause = Duration::from_millis(20);
+    let poll = RetrySchedule::exponential(Duration::from_millis(20), Duration::from_millis(500));
+    let mut polls = 0;
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
@@ -213,15 +216,15 @@ async fn wait_catalogued(
                 return;
             }
             // No recorder is subscribed at all (a deployment without one): nothing to wait
-            // for either. The client keeps only the text of the server's answer.
-            Err(e) if e.to_string().contains("no responders") => {
+            // for either.
+            Err(AskError::NoResponders) => {
                 tracing::debug!("no catalogue recorder answers; not waiting for it");
                 return;
             }
             _ => {}
         }
-        tokio::time::sleep(pause.min(left)).await;
-        pause = (pause * 2).min(Duration::from_millis(500));
+        polls += 1;
+        tokio::time::sleep(poll.delay(polls).min(left)).await;
     }
 }
 

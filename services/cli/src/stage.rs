@@ -28,6 +28,7 @@ use stagehand_schemas::{Body, Event, EventId, StageReleased, StageRequested};
 use time::OffsetDateTime;
 
 use crate::args::Unreachable;
+use stagehand_schemas::Retryable;
 
 pub use stagehand_catalogue::{STAGES_BUCKET, StageState, StageStatus};
 

@@ -1,9 +1,13 @@
-//! Where a key is written in a TOML file: the one place that turns a parser's byte offset into
-//! the dotted key and the line an error should name, and a key into the line it is written on.
-//! The policies (`stagehand-policy`) and the service runner's configuration files
-//! (`stagehand_bus::runner`) both report `file:line: \`key\`: what is wrong` through it.
+//! What every configuration file, policy file and command-line flag shares: the one grammar
+//! of sizes and durations ([`parse_size`], [`parse_duration`], [`ByteSize`], the
+//! [`duration`](mod@duration) serde helpers; see the [`units`] module for the grammar), and
+//! where a key is written in a TOML file.
 //!
-//! It reads the text line by line (table headers and `key = value` lines), which is all the
+//! [`key_at`] and [`line_of`] are the one place that turns a parser's byte offset into the
+//! dotted key and the line an error should name, and a key into the line it is written on.
+//! The policies (`stagehand-policy`) and the service runner's configuration files
+//! (`stagehand_bus::runner`) both report `file:line: \`key\`: what is wrong` through them.
+//! They read the text line by line (table headers and `key = value` lines), which is all the
 //! precision an error message needs; values spanning several lines count as their first.
 //!
 //! ```
@@ -12,6 +16,12 @@
 //! let at = text.find("colour").unwrap();
 //! assert_eq!(stagehand_config::key_at(text, at), ("bus.colour".to_owned(), Some(3)));
 //! ```
+
+pub mod units;
+
+pub use units::{
+    ByteSize, UnitError, duration, format_duration, parse_duration, parse_duration_arg, parse_size,
+};
 
 /// Each line's byte offset, 1-based number and dotted key path: the table header it is under
 /// plus its own key.

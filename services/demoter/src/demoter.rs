@@ -28,11 +28,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_nats::jetstream::kv;
-use stagehand_bus::{Bus, CancellationToken, HandlerError};
+use stagehand_bus::{Bus, CancellationToken};
 use stagehand_catalogue::{Catalogue, CatalogueError};
 use stagehand_mover::{Mover, Tier};
 use stagehand_policy::{DemotionPolicy, Policies};
-use stagehand_schemas::{Body, Event};
+use stagehand_schemas::{Body, Event, Retryable};
 use tokio::sync::Notify;
 use tracing::warn;
 
@@ -97,8 +97,8 @@ pub enum PassError {
     Step(String),
 }
 
-impl PassError {
-    pub fn is_retryable(&self) -> bool {
+impl Retryable for PassError {
+    fn is_retryable(&self) -> bool {
         match self {
             PassError::Catalogue(e) => e.is_retryable(),
             PassError::State(_) => false,
@@ -162,11 +162,5 @@ impl Demoter {
             _ => {}
         }
         Ok(())
-    }
-}
-
-impl From<PassError> for HandlerError {
-    fn from(e: PassError) -> Self {
-        HandlerError::retryable(e.to_string())
     }
 }

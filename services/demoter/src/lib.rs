@@ -45,15 +45,14 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{
-    BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
-};
+use stagehand_bus::{BusError, CancellationToken, Handler, HandlerError, WorkContext};
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
 pub use demoter::{Demoter, Parts, PassError, PassReport, removed_name};
+use stagehand_schemas::Retryable;
 pub use state::Phase;
 
 /// The service name: its consumers' prefix, its dead-letter subject, its metric label.
@@ -76,7 +75,10 @@ pub struct Settings {
     /// Where the demoter keeps its state and ledgers.
     pub state_dir: PathBuf,
     /// How long to wait for the catalogue's answers (`"10s"`).
-    #[serde(default = "default_catalogue_timeout", with = "duration_str")]
+    #[serde(
+        default = "default_catalogue_timeout",
+        with = "stagehand_config::duration"
+    )]
     pub catalogue_timeout: Duration,
     /// The mover's tunables (a `bytes_per_second` limit keeps copies down in the background).
     #[serde(default)]
@@ -191,8 +193,14 @@ pub enum DemoterError {
 }
 
 impl DemoterError {
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(DemoterError::Run)
+    }
+}
+
+impl Retryable for DemoterError {
     /// Whether starting again unchanged can succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             DemoterError::Policy(_)
             | DemoterError::NoDemotionPolicy { .. }
@@ -204,10 +212,6 @@ impl DemoterError {
             DemoterError::Bus(e) => e.is_retryable(),
             DemoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(DemoterError::Run)
     }
 }
 
@@ -354,7 +358,9 @@ struct Wakes(Demoter);
 
 impl Handler for Wakes {
     async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        self.0.on_event(event)?;
+        // Noting a fact fails only when the state store does: not the fact's fault, so it is
+        // tried again rather than classified by the error.
+        self.0.on_event(event).map_err(HandlerError::retryable)?;
         Ok(Vec::new())
     }
 }

@@ -26,6 +26,7 @@ use crate::check::{self, Declared, SourceTier};
 use crate::report::{Findings, QUARANTINE_DIR, ReportHeader, SpooledReport, report_path};
 use crate::source::SourceFiles;
 use crate::validate::{ReadOptions, ReadProgress, validate};
+use stagehand_schemas::Retryable;
 
 /// The fact-id steps (see `stagehand_schemas::id`).
 pub const STEP_VALIDATED: &str = "validated";
@@ -289,11 +290,13 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
                     ManifestErrorKind::Malformed | ManifestErrorKind::Invalid => {
                         code::MANIFEST_MALFORMED
                     }
-                    _ if e.is_retryable() => {
-                        warn!(event_id = %event.id, error = %e, "manifest unavailable; the request will be retried");
-                        return Err(HandlerError::retryable(e));
+                    _ => {
+                        let e = HandlerError::from(e);
+                        if e.is_retryable() {
+                            warn!(event_id = %event.id, error = %e, "manifest unavailable; the request will be retried");
+                        }
+                        return Err(e);
                     }
-                    _ => return Err(HandlerError::permanent(e)),
                 };
                 findings
                     .add(Problem::new(code, None, e.to_string()))

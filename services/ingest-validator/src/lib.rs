@@ -85,6 +85,7 @@ pub use handler::{
     IngestValidator, PHASE_HASHING, STEP_REJECTED, STEP_VALIDATED, SourceChecks, ValidatorOptions,
 };
 pub use report::report_path;
+use stagehand_schemas::Retryable;
 
 /// The service name: its durable consumer, its dead-letter subject, its ledger file.
 pub const SERVICE: &str = "ingest-validator";
@@ -230,8 +231,15 @@ pub enum ValidatorError {
 }
 
 impl ValidatorError {
+    /// The validator's own error back out of the runner, or the runner's.
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(ValidatorError::Run)
+    }
+}
+
+impl Retryable for ValidatorError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             ValidatorError::Policy(_)
             | ValidatorError::StateDir { .. }
@@ -240,11 +248,6 @@ impl ValidatorError {
             ValidatorError::Bus(e) => e.is_retryable(),
             ValidatorError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    /// The validator's own error back out of the runner, or the runner's.
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(ValidatorError::Run)
     }
 }
 

@@ -20,6 +20,7 @@ use stagehand_mover::{
 
 use crate::check::Observed;
 use crate::report::SpooledReport;
+use stagehand_schemas::Retryable;
 
 /// A source tier as the validator uses it.
 pub trait SourceFiles: Send + Sync {

@@ -299,7 +299,7 @@ mod tests {
     use std::sync::Mutex;
 
     use stagehand_mover::{ErrorKind, FileDigest, Mover, Side};
-    use stagehand_schemas::{EventId, Location, sha256_hex, version_digest};
+    use stagehand_schemas::{EventId, Location, Retryable, sha256_hex, version_digest};
 
     use super::*;
     use crate::report::{ReportHeader, SpooledReport, Tallied};

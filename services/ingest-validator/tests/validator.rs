@@ -23,6 +23,7 @@ use stagehand_manifest::{BucketOptions, ManifestStore};
 use stagehand_mover::s3::{S3Config, S3Tier};
 use stagehand_mover::{Mover, ReadLimit, Tier, TransferError};
 use stagehand_policy::{Policies, TierRole};
+use stagehand_schemas::Retryable;
 use stagehand_schemas::manifest::canonical_bytes;
 use stagehand_schemas::{
     Body, Event, EventId, FileRef, ManifestRef, sha256_hex, subject, version_digest, wire,

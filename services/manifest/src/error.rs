@@ -1,5 +1,6 @@
 //! Why a manifest could not be built, stored, fetched or read.
 
+use stagehand_schemas::Retryable;
 use std::path::Path;
 
 /// What kind of failure, so callers branch on it: a missing or unreachable manifest is worth
@@ -25,8 +26,8 @@ pub enum ManifestErrorKind {
     Io,
 }
 
-impl ManifestErrorKind {
-    pub fn is_retryable(self) -> bool {
+impl Retryable for ManifestErrorKind {
+    fn is_retryable(&self) -> bool {
         matches!(
             self,
             ManifestErrorKind::NotFound | ManifestErrorKind::Nats | ManifestErrorKind::Io
@@ -113,8 +114,10 @@ impl ManifestError {
         )
         .with_source(e)
     }
+}
 
-    pub fn is_retryable(&self) -> bool {
+impl Retryable for ManifestError {
+    fn is_retryable(&self) -> bool {
         self.kind.is_retryable()
     }
 }

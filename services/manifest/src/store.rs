@@ -250,9 +250,9 @@ impl ManifestStore {
         loop {
             let n = match object.read(&mut buf).await {
                 Ok(n) => n,
-                // The client checks the store's own digest at the end; a mismatch there is a
-                // damaged object, reported as ours below when it is about the bytes.
-                Err(e) if e.to_string().contains("digest") => {
+                // The client checks the store's own digest at the end and reports a mismatch
+                // as invalid data (its other read failures are NATS's): a damaged object.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                     return Err(ManifestError::new(
                         ManifestErrorKind::Mismatch,
                         what,

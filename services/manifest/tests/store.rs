@@ -7,6 +7,7 @@ use stagehand_manifest::{
     BucketOptions, ManifestBuilder, ManifestErrorKind, ManifestSource, ManifestStore, Spool,
     inline_or_stored, open_manifest,
 };
+use stagehand_schemas::Retryable;
 use stagehand_schemas::manifest::{INLINE_MANIFEST_MAX_BYTES, canonical_bytes};
 use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_manifest_bucket};
 use stagehand_schemas::{

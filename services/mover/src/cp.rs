@@ -22,6 +22,7 @@ use crate::posix::{CommitMode, PosixTier, is_temp_name};
 use crate::s3::S3Tier;
 use crate::tier::Tier;
 use crate::transfer::{CopyOptions, FileRef, Priority, Progress, VerifyMode};
+use stagehand_schemas::Retryable;
 use stagehand_schemas::layout::is_staging_folder_name;
 
 /// What to copy and how: the options of `stagehand cp`.
@@ -102,9 +103,9 @@ pub enum CpError {
     Transfer(#[from] TransferError),
 }
 
-impl CpError {
+impl Retryable for CpError {
     /// Whether running the same copy again later can succeed without anyone changing anything.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             CpError::Transfer(e) => e.is_retryable(),
             CpError::Local { source, .. } => !matches!(
@@ -606,36 +607,9 @@ async fn copy_renamed(
     }
 }
 
-/// A rate of bytes per second as `stagehand cp --bwlimit` writes it: `1048576`, `64K`, `100M`,
-/// `2G` (powers of 1024).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
-        Some('K') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M') => (&s[..s.len() - 1], 1 << 20),
-        Some('G') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count like 1048576, 64K, 100M or 2G"))?;
-    n.checked_mul(mult)
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("{s:?} is out of range"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn byte_counts_parse() {
-        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
-        assert_eq!(parse_bytes("64K"), Ok(64 << 10));
-        assert_eq!(parse_bytes("2g"), Ok(2 << 30));
-        assert!(parse_bytes("fast").is_err());
-        assert!(parse_bytes("0").is_err());
-    }
 
     #[test]
     fn manifest_lines_are_checked() {

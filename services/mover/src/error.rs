@@ -1,5 +1,6 @@
 //! What can go wrong moving a file, said with what, where, and whether a retry can help.
 
+use stagehand_schemas::Retryable;
 use std::fmt;
 
 /// Which side of a transfer an error happened on.
@@ -62,9 +63,9 @@ pub enum ErrorKind {
     Config,
 }
 
-impl ErrorKind {
+impl Retryable for ErrorKind {
     /// Whether trying the same transfer again later can succeed without anyone changing anything.
-    pub fn is_retryable(self) -> bool {
+    fn is_retryable(&self) -> bool {
         matches!(
             self,
             ErrorKind::Unreachable
@@ -114,8 +115,10 @@ impl TransferError {
         self.source = Some(Box::new(source));
         self
     }
+}
 
-    pub fn is_retryable(&self) -> bool {
+impl Retryable for TransferError {
+    fn is_retryable(&self) -> bool {
         self.kind.is_retryable()
     }
 }

@@ -43,6 +43,7 @@
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
+use stagehand_schemas::Retryable;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{ErrorKind, Side, TransferError};

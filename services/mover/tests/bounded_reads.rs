@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 use stagehand_mover::{
     CopyOptions, ErrorKind, FileRef, Mover, MoverConfig, PosixTier, ReadLimit, Tier,
 };
+use stagehand_schemas::Retryable;
 
 const TIB: u64 = 1 << 40;
 

@@ -9,6 +9,7 @@ use stagehand_mover::{
     CommitMode, CopyOptions, CopyOutcome, EngineChoice, ErrorKind, FileRef, Mover, MoverConfig,
     PosixTier, Progress, SkipReason, Tier, VerifyMode,
 };
+use stagehand_schemas::Retryable;
 
 /// Deterministic pseudo-random bytes (xorshift), different per seed.
 fn data(seed: u64, len: usize) -> Vec<u8> {

@@ -12,6 +12,7 @@ use stagehand_mover::s3::{self, S3Config, S3Tier};
 use stagehand_mover::{
     CopyOptions, CopyOutcome, ErrorKind, FileRef, PosixTier, Progress, SkipReason,
 };
+use stagehand_schemas::Retryable;
 use stagehand_testkit::{ACCESS_KEY, S3Server, SECRET_KEY};
 
 const MIB: u64 = 1024 * 1024;

@@ -10,6 +10,7 @@ use stagehand_mover::{
     CancellationToken, CopyOptions, EngineChoice, ErrorKind, FileRef, Mover, MoverConfig,
     PosixTier, Progress, SetCopy, Tier, VerifyMode,
 };
+use stagehand_schemas::Retryable;
 
 fn data(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

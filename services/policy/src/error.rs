@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use stagehand_config::{key_at, line_of};
+use stagehand_schemas::Retryable;
 
 /// Why the policies could not be loaded. Every error is permanent: the files must be fixed,
 /// and loading them again unchanged gives the same answer.
@@ -38,11 +39,6 @@ pub enum PolicyError {
 }
 
 impl PolicyError {
-    /// Always false: a policy file does not fix itself.
-    pub fn is_retryable(&self) -> bool {
-        false
-    }
-
     /// The file concerned.
     pub fn file(&self) -> &Path {
         match self {
@@ -60,6 +56,13 @@ impl PolicyError {
             PolicyError::Invalid { key, .. } => Some(key),
             _ => None,
         }
+    }
+}
+
+impl Retryable for PolicyError {
+    /// Always false: a policy file does not fix itself.
+    fn is_retryable(&self) -> bool {
+        false
     }
 }
 

@@ -31,7 +31,6 @@ mod error;
 mod pipeline;
 pub mod retention;
 mod tiers;
-pub mod units;
 mod validation;
 
 use std::path::{Path, PathBuf};
@@ -43,11 +42,12 @@ pub use pipeline::{
     ObjectLockPolicy, Packing, PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy,
     RetentionMode, RetentionPolicy, ShardLayout, VerifyMode,
 };
+/// Sizes in policy files follow the one grammar of `stagehand-config` (its README).
+pub use stagehand_config::ByteSize;
 pub use tiers::{
     DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, TierKind, TierLimits, TierPolicy, TierRole,
     Tiers,
 };
-pub use units::ByteSize;
 pub use validation::{SuffixVerdict, ValidationPolicy};
 
 use error::Source;

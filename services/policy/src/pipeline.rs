@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use crate::error::{PolicyError, Source};
 use crate::tiers::{TierRole, Tiers};
-use crate::units::{ByteSize, duration};
+use stagehand_config::{ByteSize, duration};
 
 /// Checks that `tier` is declared and has one of `roles`.
 fn check_tier_ref(

@@ -8,7 +8,7 @@ use stagehand_mover::SetAccess;
 use stagehand_mover::s3::S3Config;
 
 use crate::error::{PolicyError, Source};
-use crate::units::ByteSize;
+use stagehand_config::ByteSize;
 
 /// What a tier is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]

@@ -3,7 +3,7 @@
 use serde::Deserialize;
 
 use crate::error::{PolicyError, Source};
-use crate::units::ByteSize;
+use stagehand_config::ByteSize;
 
 /// The rules the ingest validator applies to every manifest, validated.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use stagehand_policy::{Policies, PolicyError, SuffixVerdict, TierKind, TierRole};
+use stagehand_schemas::Retryable;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

@@ -44,14 +44,12 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{
-    BusError, CancellationToken, Handler, HandlerError, WorkContext, duration_str,
-};
+use stagehand_bus::{BusError, CancellationToken, Handler, HandlerError, WorkContext};
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::Spool;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Policies, PolicyError, TierRole};
-use stagehand_schemas::{Event, subject};
+use stagehand_schemas::{Event, Retryable, subject};
 
 pub use promoter::{Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica};
 
@@ -75,14 +73,23 @@ pub struct Settings {
     #[serde(default)]
     pub instance: Option<String>,
     /// How often a copy publishes its progress (`"1s"`).
-    #[serde(default = "defaults::progress_every", with = "duration_str")]
+    #[serde(
+        default = "defaults::progress_every",
+        with = "stagehand_config::duration"
+    )]
     pub progress_every: Duration,
     /// How long a copy lease lasts without renewal before another instance takes the copy
     /// over (`"30s"`).
-    #[serde(default = "defaults::lease_lifetime", with = "duration_str")]
+    #[serde(
+        default = "defaults::lease_lifetime",
+        with = "stagehand_config::duration"
+    )]
     pub lease_lifetime: Duration,
     /// How long to wait for the catalogue's answers (`"10s"`).
-    #[serde(default = "defaults::catalogue_timeout", with = "duration_str")]
+    #[serde(
+        default = "defaults::catalogue_timeout",
+        with = "stagehand_config::duration"
+    )]
     pub catalogue_timeout: Duration,
     /// The mover's tunables (engine, concurrency, block size, bandwidth limit).
     #[serde(default)]
@@ -238,8 +245,14 @@ pub enum PromoterError {
 }
 
 impl PromoterError {
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(PromoterError::Run)
+    }
+}
+
+impl Retryable for PromoterError {
     /// Whether starting again unchanged can succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             PromoterError::Policy(_)
             | PromoterError::NoPromotionPolicy { .. }
@@ -250,10 +263,6 @@ impl PromoterError {
             PromoterError::Bus(e) => e.is_retryable(),
             PromoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(PromoterError::Run)
     }
 }
 

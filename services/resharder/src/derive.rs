@@ -44,6 +44,7 @@ use crate::plan::{Grouper, Placed, Planner, ProblemLog, Rules, Sample};
 use crate::sample::{SHUFFLE_RULE, order_hash, split_key};
 use crate::shard::{Bytes, ShardError, ShardWriter, Sink, copy_file, write_file, write_shards};
 use crate::sort::{Member, SortError, Sorter};
+use stagehand_schemas::Retryable;
 
 /// The file of a prepared version that describes it.
 pub const PREPARED_FILE: &str = "prepared.json";
@@ -146,10 +147,10 @@ pub enum DeriveError {
     Internal(String),
 }
 
-impl DeriveError {
+impl Retryable for DeriveError {
     /// Whether deriving again later can succeed (a tier or disk briefly failing, a shutdown),
     /// as opposed to a problem of the data or the policy.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             DeriveError::ChecksumMismatch { .. }
             | DeriveError::SizeChanged { .. }

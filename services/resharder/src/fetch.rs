@@ -15,8 +15,6 @@ use stagehand_mover::{
 };
 use tracing::{info, warn};
 
-use crate::handler::{manifest_err, transfer_err};
-
 /// Where fetched raw versions live beneath the spool; emptied at start-up (what is in it was
 /// left by a killed run and is fetched again).
 pub(crate) fn fetch_root(spool_dir: &Path) -> PathBuf {
@@ -80,7 +78,7 @@ pub(crate) async fn fetch(
     made.map_err(|e| {
         HandlerError::retryable(format!("creating the fetch folder {}: {e}", dir.display()))
     })?;
-    let scratch = PosixTier::open("fetched", &dir).map_err(transfer_err)?;
+    let scratch = PosixTier::open("fetched", &dir).map_err(HandlerError::from)?;
     let set = SetCopy {
         src_prefix: prefix.to_owned(),
         dst_prefix: "raw".to_owned(),
@@ -113,10 +111,10 @@ pub(crate) async fn fetch(
                 bytes = report.bytes_copied,
                 "fetched the raw version from S3"
             );
-            scratch.beneath("raw", false).map_err(transfer_err)
+            scratch.beneath("raw", false).map_err(HandlerError::from)
         }
-        (_, Some(e)) => Err(manifest_err(e)),
-        (Err(e), None) => Err(transfer_err(e)),
+        (_, Some(e)) => Err(HandlerError::from(e)),
+        (Err(e), None) => Err(HandlerError::from(e)),
     };
     match tier {
         Ok(tier) => Ok(Fetched { dir, tier }),

@@ -202,12 +202,12 @@ impl Resharder {
                     |_| {},
                 )
                 .await
-                .map_err(transfer_err)?;
+                .map_err(HandlerError::from)?;
             if !staged.report().resumed {
                 return Ok(staged);
             }
             // The shards a dead run left are not trusted to be this run's: derive afresh.
-            let removed = staged.abandon().await.map_err(transfer_err)?;
+            let removed = staged.abandon().await.map_err(HandlerError::from)?;
             info!(
                 prefix,
                 files = removed.files_removed,
@@ -228,8 +228,11 @@ impl Resharder {
         ctx: &WorkContext,
     ) -> Result<Vec<Event>, HandlerError> {
         let source_tier = self.source(&v.source)?;
-        let manifest = match ManifestSource::of(event).map_err(manifest_err)? {
-            Some(m) => m.open(&self.js, &self.spool).await.map_err(manifest_err)?,
+        let manifest = match ManifestSource::of(event).map_err(HandlerError::from)? {
+            Some(m) => m
+                .open(&self.js, &self.spool)
+                .await
+                .map_err(HandlerError::from)?,
             None => {
                 return Err(HandlerError::permanent(
                     "dataset.validated carries no manifest",
@@ -250,7 +253,8 @@ impl Resharder {
         let cancel = ctx.shutdown().child_token();
         let (source, fetched) = match source_tier {
             Tier::Posix(p) => (
-                p.beneath(&v.source.prefix, false).map_err(transfer_err)?,
+                p.beneath(&v.source.prefix, false)
+                    .map_err(HandlerError::from)?,
                 None,
             ),
             Tier::S3(_) => {
@@ -329,10 +333,13 @@ impl Resharder {
         })
         .await
         .map_err(|e| HandlerError::retryable(format!("building the shard manifest: {e}")))?
-        .map_err(manifest_err)?;
+        .map_err(HandlerError::from)?;
         let version = built.digest().to_owned();
         let prefix = layout::version_folder(project, &v.dataset, &version);
-        let report = staged.publish_as(&prefix).await.map_err(transfer_err)?;
+        let report = staged
+            .publish_as(&prefix)
+            .await
+            .map_err(HandlerError::from)?;
         let store = ManifestStore::catalogue(
             &self.js,
             BucketOptions {
@@ -340,10 +347,10 @@ impl Resharder {
             },
         )
         .await
-        .map_err(manifest_err)?;
+        .map_err(HandlerError::from)?;
         let (inline, reference) = inline_or_stored(&built, &store)
             .await
-            .map_err(manifest_err)?;
+            .map_err(HandlerError::from)?;
         info!(
             event_id = %event.id,
             dataset = %v.dataset,
@@ -385,11 +392,7 @@ impl Resharder {
     async fn failed(&self, event: &Event, e: DeriveError) -> HandlerError {
         let DeriveError::Incomplete { log } = e else {
             warn!(event_id = %event.id, error = %e, "derivation failed");
-            return if e.is_retryable() {
-                HandlerError::retryable(e)
-            } else {
-                HandlerError::permanent(e)
-            };
+            return HandlerError::from(e);
         };
         let summary = log.summary();
         let rel = problem_report_path(&event.project, &event.id);
@@ -423,22 +426,6 @@ impl Resharder {
         HandlerError::permanent(format!(
             "incomplete samples under incomplete = \"abort\": {summary}; {report}"
         ))
-    }
-}
-
-pub(crate) fn transfer_err(e: TransferError) -> HandlerError {
-    if e.is_retryable() {
-        HandlerError::retryable(e)
-    } else {
-        HandlerError::permanent(e)
-    }
-}
-
-pub(crate) fn manifest_err(e: stagehand_manifest::ManifestError) -> HandlerError {
-    if e.is_retryable() {
-        HandlerError::retryable(e)
-    } else {
-        HandlerError::permanent(e)
     }
 }
 

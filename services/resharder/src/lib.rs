@@ -13,7 +13,7 @@
 //!    every object checked against the manifest on the way;
 //! 4. reads every member from the source tier on several threads, re-hashing it and comparing
 //!    with the manifest, while one writer appends them to deterministic tar shards with a
-//!    per-sample index of offsets, sizes and SHA-256 ([`derive`], [`shard`]);
+//!    per-sample index of offsets, sizes and SHA-256 ([`mod@derive`], [`shard`]);
 //! 5. publishes the shards, their indexes and `prepared.json` as one set, atomically, through
 //!    the mover (`Mover::stage_set` → `StagedSet::publish_as`) under
 //!    `<project>/<dataset>/<derived version>/` on the policy's target tier;
@@ -48,7 +48,7 @@ use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSet
 use stagehand_bus::{BusError, CancellationToken, WorkerConfig, WorkerStats};
 use stagehand_mover::TransferError;
 use stagehand_policy::{ByteSize, PolicyError};
-use stagehand_schemas::subject;
+use stagehand_schemas::{Retryable, subject};
 
 pub use derive::{DeriveError, Derived, INCOMPLETE_FILE, PREPARED_FILE};
 pub use handler::{Resharder, STEP_PREPARED, problem_report_path};
@@ -248,8 +248,14 @@ pub enum ReshardError {
 }
 
 impl ReshardError {
+    fn from_run(e: runner::RunError) -> Self {
+        e.into_service_error(ReshardError::Run)
+    }
+}
+
+impl Retryable for ReshardError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         match self {
             ReshardError::Policy(_)
             | ReshardError::NoPackingPolicy { .. }
@@ -259,10 +265,6 @@ impl ReshardError {
             ReshardError::Bus(e) => e.is_retryable(),
             ReshardError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
         }
-    }
-
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(ReshardError::Run)
     }
 }
 

@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use stagehand_schemas::Retryable;
+
 /// What kind of ledger failure this is, for callers to branch on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -20,8 +22,8 @@ pub enum LedgerErrorKind {
     WriterGone,
 }
 
-impl LedgerErrorKind {
-    pub fn is_retryable(self) -> bool {
+impl Retryable for LedgerErrorKind {
+    fn is_retryable(&self) -> bool {
         matches!(self, LedgerErrorKind::Io | LedgerErrorKind::WriterGone)
     }
 }
@@ -67,10 +69,12 @@ impl LedgerError {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
 
+impl Retryable for LedgerError {
     /// An I/O failure may pass (the store is reopened); a corrupt record, an unopenable or
     /// failed store will not.
-    pub fn is_retryable(&self) -> bool {
+    fn is_retryable(&self) -> bool {
         self.kind.is_retryable()
     }
 }

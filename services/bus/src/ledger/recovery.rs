@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableDatabase};
+use stagehand_schemas::Retryable;
 use tracing::warn;
 
 use super::Ledger;
@@ -90,7 +91,9 @@ impl Ledger {
                 }
             }
         }
-        let mut delay = Duration::from_millis(50);
+        let mut delays =
+            crate::RetrySchedule::exponential(Duration::from_millis(50), Duration::from_secs(5))
+                .delays();
         loop {
             match self.open_checked() {
                 Ok(db) => {
@@ -103,10 +106,13 @@ impl Ledger {
                     self.store.reopen_wanted.store(false, Ordering::Release);
                     return Ok(());
                 }
-                Err(e) if started.elapsed() + delay < REOPEN_FOR && e.is_retryable() => {
+                Err(e)
+                    if e.is_retryable()
+                        && let Some(delay) = delays.next()
+                        && started.elapsed() + delay < REOPEN_FOR =>
+                {
                     warn!(ledger = %self.store.path.display(), error = %e, ?delay, "reopening the ledger failed; retrying");
                     std::thread::sleep(delay);
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
                     return Err(LedgerError {

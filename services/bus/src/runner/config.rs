@@ -21,8 +21,9 @@ use serde::{Deserialize, Serialize};
 use stagehand_config::{key_at, line_of};
 use stagehand_telemetry::TelemetryConfig;
 
-use crate::config::{BusConfig, RetrySchedule, WorkerConfig, duration_str};
+use crate::config::{BusConfig, WorkerConfig};
 use crate::error::BusError;
+use crate::retry::RetrySchedule;
 
 /// A service's own settings: the `[service]` table. [`validate`](ServiceSettings::validate)
 /// checks what serde cannot (ranges, paths that must be absolute, …).
@@ -64,27 +65,27 @@ pub struct WorkerSettings {
     /// This instance's stable id (default: host, service and a digest of the ledger path).
     pub instance_id: Option<String>,
     /// How long an unrenewed claim stays valid (`"60s"`; default 2 × `ack_wait`).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub claim_lifetime: Option<Duration>,
     /// How long the ledger keeps an outcome (`"721h"`; default the requests stream's retention
     /// plus its duplicate window).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub ledger_retention: Option<Duration>,
     /// How often the ledger is pruned (`"1h"`).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub prune_interval: Option<Duration>,
     /// How long the server waits for an ack before redelivering (`"30s"`).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub ack_wait: Option<Duration>,
     /// Delays of negative acks after retryable failures.
     pub retry: Option<RetrySchedule>,
     /// How long in-flight work may take to finish after shutdown is asked for (`"20s"`).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub shutdown_deadline: Option<Duration>,
     /// Claim event ids before working (needed when several instances share a consumer).
     pub claims: Option<bool>,
     /// How long a pull request waits on the server before it is renewed (`"5s"`).
-    #[serde(default, with = "opt_duration")]
+    #[serde(default, with = "stagehand_config::duration::option")]
     pub pull_expires: Option<Duration>,
 }
 
@@ -140,26 +141,6 @@ impl WorkerSettings {
         let mut probe = WorkerConfig::new("probe", "STREAM", vec!["s.>".into()], "probe.redb");
         self.apply(&mut probe);
         probe.validate()
-    }
-}
-
-mod opt_duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => super::duration_str::serialize(d, s),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        let text = String::deserialize(d)?;
-        super::duration_str::parse(&text)
-            .map(Some)
-            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -407,6 +388,28 @@ mod tests {
         assert!(err.to_string().contains(":2:"), "{err}");
         let err = parse("[bus]\n").unwrap_err();
         assert!(err.to_string().contains("missing field `service`"), "{err}");
+    }
+
+    /// `[worker]` durations take the grammar policies use: `ack_wait = "1d"` was refused while
+    /// a policy's `idle_after = "1d"` was accepted.
+    #[test]
+    fn worker_durations_read_the_grammar_policies_use() {
+        let c = parse(
+            "[worker]\nack_wait = \"1d\"\nledger_retention = \"5w\"\nclaim_lifetime = \"2 d\"\n[service]\nwidth = 1\n",
+        )
+        .unwrap();
+        assert_eq!(c.worker.ack_wait, Some(Duration::from_secs(86_400)));
+        assert_eq!(
+            c.worker.ledger_retention,
+            Some(Duration::from_secs(35 * 86_400))
+        );
+        assert_eq!(
+            c.worker.claim_lifetime,
+            Some(Duration::from_secs(2 * 86_400))
+        );
+        let err = parse("[worker]\nack_wait = \"30\"\n[service]\nwidth = 1\n").unwrap_err();
+        assert_eq!(err.key(), Some("worker.ack_wait"), "{err}");
+        assert!(err.to_string().contains("write \"30s\""), "{err}");
     }
 
     #[test]

@@ -66,7 +66,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stagehand_schemas::{Event, Refusal};
+use stagehand_schemas::{Event, Refusal, Retryable};
 use stagehand_telemetry::metrics::MetricsEndpoint;
 use stagehand_telemetry::names;
 use tokio_util::sync::CancellationToken;

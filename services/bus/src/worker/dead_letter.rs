@@ -33,6 +33,7 @@ use crate::claim::Lease;
 use crate::config::WorkerConfig;
 use crate::error::{BoxError, BusError, BusErrorKind, HandlerError};
 use crate::ledger::{LedgerError, bounded};
+use crate::retry::RetrySchedule;
 
 /// One failure of one delivery, as step G needs it.
 pub(super) struct Failure {
@@ -247,7 +248,7 @@ impl<H: Handler> Shared<H> {
         }
         let subject = dead_letter_subject(&self.cfg.service);
         let cx = outgoing_context(&d.parent);
-        let mut delay = Duration::from_millis(100);
+        let retry = RetrySchedule::exponential(Duration::from_millis(100), Duration::from_secs(5));
         let mut tries = 0u32;
         loop {
             let headers = headers_for(id.as_str(), &cx);
@@ -267,12 +268,12 @@ impl<H: Handler> Shared<H> {
                     }
                     // The last delivery: JetStream will not bring this message back, so the
                     // dead letter is retried here until it is stored or the worker stops.
+                    let delay = retry.delay(u64::from(tries));
                     warn!(error = %e, ?delay, "could not publish the dead letter; retrying");
                     if let Err(e) = d.msg.ack_with(AckKind::Progress).await {
                         warn!(error = %e, "progress ack failed");
                     }
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
         }

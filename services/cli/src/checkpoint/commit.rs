@@ -9,6 +9,7 @@ use stagehand_bus::Bus;
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_mover::{ReadLimit, Tier};
+use stagehand_schemas::Retryable;
 use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Location, layout};
 
 use crate::cli::Connection;

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
+use stagehand_schemas::Retryable;
 
 use crate::cli::Connection;
 

@@ -7,6 +7,7 @@ use futures::TryStreamExt;
 use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState, checkpoint_dataset};
 use stagehand_mover::Tier;
 use stagehand_schemas::FileRef;
+use stagehand_schemas::Retryable;
 
 use crate::cli::Connection;
 use crate::stage::{RequestOptions, Stage, WaitOutcome};

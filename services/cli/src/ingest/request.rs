@@ -24,6 +24,7 @@
 use anyhow::bail;
 use stagehand_bus::Bus;
 use stagehand_manifest::{BucketOptions, Manifest, ManifestStore};
+use stagehand_schemas::Retryable;
 use stagehand_schemas::manifest::{INLINE_MANIFEST_MAX_BYTES, canonical_len};
 use stagehand_schemas::subject::upload_manifest_bucket;
 use stagehand_schemas::{Body, Event, EventId, FileRef, IngestRequested, Location, ManifestRef};

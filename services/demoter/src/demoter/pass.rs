@@ -5,10 +5,11 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use futures::StreamExt;
+use stagehand_bus::RetrySchedule;
 use stagehand_catalogue::survey::survey_on_node;
 use stagehand_catalogue::views::Placed;
 use stagehand_policy::{TierLimits, TierPolicy, TierRole};
-use stagehand_schemas::EventId;
+use stagehand_schemas::{EventId, Retryable};
 use time::OffsetDateTime;
 use tracing::{info, warn};
 
@@ -29,10 +30,10 @@ pub struct PassReport {
     pub deferred: usize,
 }
 
-/// The first pause before a pass that stopped on a passing failure is tried again.
-const RETRY_PASS_MIN: Duration = Duration::from_millis(500);
-/// The longest such pause (never longer than `check_every`).
-const RETRY_PASS_MAX: Duration = Duration::from_secs(30);
+/// The pauses before a pass that stopped on a passing failure is tried again: from half a
+/// second, doubling up to 30 s (and never longer than `check_every`).
+const RETRY_PASS: RetrySchedule =
+    RetrySchedule::exponential(Duration::from_millis(500), Duration::from_secs(30));
 /// Whether the steps handed to [`Demoter::carry_all`] are recorded already (taken up after a
 /// crash or an earlier pass) or begin now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,14 +58,14 @@ impl Demoter {
     pub async fn clock(self) -> Result<(), PassError> {
         let every = self.p().demotion.check_every;
         // After a pass that stopped on a passing failure (the catalogue slow to answer, a
-        // tier briefly away), the next one comes after this pause, doubling up to
-        // RETRY_PASS_MAX: the facts that asked for it were taken, and none may follow.
-        let mut retry_pause: Option<Duration> = None;
+        // tier briefly away), the next one comes after a pause of RETRY_PASS: the facts that
+        // asked for it were taken, and none may follow.
+        let mut failed_passes = 0;
         loop {
             let mut wait = every;
             match self.pass().await {
                 Ok(report) => {
-                    retry_pause = None;
+                    failed_passes = 0;
                     if report != PassReport::default() {
                         info!(
                             removed = report.removed.len(),
@@ -75,10 +76,8 @@ impl Demoter {
                     }
                 }
                 Err(e) if e.is_retryable() => {
-                    let pause = retry_pause
-                        .map_or(RETRY_PASS_MIN, |p| (p * 2).min(RETRY_PASS_MAX))
-                        .min(every);
-                    retry_pause = Some(pause);
+                    failed_passes += 1;
+                    let pause = RETRY_PASS.delay(failed_passes).min(every);
                     wait = pause;
                     warn!(error = %e, ?pause, "demotion pass stopped; trying again")
                 }

@@ -115,6 +115,7 @@ pub(crate) fn chain(err: &dyn StdError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stagehand_schemas::Retryable;
 
     #[test]
     fn statuses_and_codes_map_to_kinds() {

@@ -10,6 +10,7 @@ use stagehand_bus::{HandlerError, WorkContext};
 use stagehand_manifest::{Manifest, ManifestBuilder, ManifestErrorKind, ManifestStore};
 use stagehand_mover::{CopyOptions, ErrorKind, Progress, SetCopy, Tier, TransferError};
 use stagehand_policy::TierRole;
+use stagehand_schemas::Retryable;
 use stagehand_schemas::layout;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::subject::MANIFEST_BUCKET;
