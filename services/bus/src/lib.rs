@@ -71,8 +71,8 @@ pub use bus::{
     STAGES_BUCKET, stream_config,
 };
 pub use config::{
-    BusConfig, DEFAULT_PUBLISH_TIMEOUT, RetrySchedule, WorkerConfig, duration_str, env,
-    redact_text, redact_url, split_servers,
+    BusConfig, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_SHUTDOWN_DEADLINE, RetrySchedule, WorkerConfig,
+    duration_str, env, redact_text, redact_url, split_servers,
 };
 pub use dedup::msg_id_for;
 pub use error::{BoxError, BusError, BusErrorKind, HandlerError};
