@@ -617,14 +617,12 @@ async fn a_prepared_form_is_waited_for_and_staged() {
 
 /// `[worker] claims` used to be dropped for the facts and ingests workers, each on this
 /// instance's own consumer, after the table was applied: `claims = true` was silently
-/// ignored there. It cannot apply to them, so it is refused at start, naming the key and the
-/// consumer; nothing is consumed.
+/// ignored there, and a promoter with every policy it needs ran on. It cannot apply to them,
+/// so it is refused at start, naming the key and the consumer; nothing is consumed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_the_own_consumers_cannot_honour_are_refused_at_start() {
-    let nats = stagehand_testkit::NatsServer::start();
-    let tmp = tempfile::tempdir().unwrap();
-    let mut config = stagehand_promoter::config(&nats.url(), tmp.path(), tmp.path().join("state"));
-    config.service.instance = Some("p1".into());
+    let stack = Stack::start().await;
+    let mut config = stack.promoter_config("p1");
     config.worker.claims = Some(true);
     let ran = tokio::time::timeout(
         WAIT,
@@ -637,4 +635,5 @@ async fn claims_the_own_consumers_cannot_honour_are_refused_at_start() {
     assert!(text.contains("worker.claims"), "{text}");
     assert!(text.contains("promoter-facts-p1"), "{text}");
     assert!(!err.is_retryable(), "{text}");
+    stack.stop().await;
 }
