@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use futures::{StreamExt, TryStreamExt};
+use stagehand_bus::runner;
 use stagehand_manifest::{DEFAULT_CHUNK, Manifest, ManifestError, Spool};
 use stagehand_mover::{
     CancellationToken, CopyOptions, ErrorKind, FileRef, Mover, MoverConfig, PosixTier, Priority,
-    Progress, ReadLimit, SetCopy, SetReport, Side, SweepOptions, Tier, TransferError, VerifyMode,
+    Progress, ReadLimit, SetCopy, SetReport, Side, Tier, TransferError, VerifyMode,
 };
-use stagehand_policy::{BackupPolicy, Policies, TierKind, TierPolicy, TierRole};
+use stagehand_policy::{BackupPolicy, Policies, TierError, TierPolicy, TierRole, sweep_stale};
 
 use crate::error::BackupError;
 use crate::layout::{MANIFEST_NAME, manifest_path};
@@ -47,14 +48,6 @@ impl std::fmt::Debug for Copier {
     }
 }
 
-fn tier_error(tier: &TierPolicy, source: TransferError) -> BackupError {
-    BackupError::Tier {
-        tier: tier.name.clone(),
-        location: tier.location(),
-        source: Box::new(source),
-    }
-}
-
 /// A name for a scratch folder no other task of this process uses.
 fn scratch_name(what: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -66,8 +59,9 @@ fn scratch_name(what: &str) -> String {
 }
 
 impl Copier {
-    /// Opens the backup tier `policies`' backup policy names and the scratch folder (created
-    /// if missing). Refuses policies without `backup.toml`.
+    /// Opens the backup tier `policies`' backup policy names (its posix root created if
+    /// missing) and the scratch folder (created if missing). Refuses policies without
+    /// `backup.toml`.
     pub fn open(
         policies: Policies,
         scratch_dir: &Path,
@@ -76,34 +70,16 @@ impl Copier {
         let policy = policies
             .backup()
             .cloned()
-            .ok_or_else(|| BackupError::NoBackupPolicy {
-                dir: policies.dir().to_owned(),
-            })?;
+            .ok_or_else(|| policies.needed("backup.toml", crate::SERVICE))?;
         // The policy crate checked that the target exists with role backup.
         let target = policies
             .tier(&policy.target)
             .cloned()
             .ok_or_else(|| BackupError::Refused(format!("no tier {:?}", policy.target)))?;
-        target
-            .create_root()
-            .map_err(|source| BackupError::StateDir {
-                path: match &target.kind {
-                    TierKind::Posix { root } => root.clone(),
-                    TierKind::S3(_) => scratch_dir.to_owned(),
-                },
-                source,
-            })?;
-        let backup = target.open().map_err(|e| tier_error(&target, e))?;
-        std::fs::create_dir_all(scratch_dir).map_err(|source| BackupError::StateDir {
-            path: scratch_dir.to_owned(),
-            source,
-        })?;
-        let scratch = PosixTier::open("scratch", scratch_dir).map_err(BackupError::Transfer)?;
+        let backup = target.open_creating_root()?;
         let spool_dir = scratch_dir.join("spool");
-        std::fs::create_dir_all(&spool_dir).map_err(|source| BackupError::StateDir {
-            path: spool_dir.clone(),
-            source,
-        })?;
+        runner::create_state_dirs([scratch_dir, &spool_dir])?;
+        let scratch = PosixTier::open("scratch", scratch_dir).map_err(BackupError::Transfer)?;
         let mover = Mover::new(mover).map_err(BackupError::Transfer)?;
         Ok(Copier {
             policies,
@@ -131,14 +107,9 @@ impl Copier {
     /// Removes what killed runs left on the posix tiers this copier writes (the backup tier
     /// when it is posix, and the scratch folder), and every scratch folder of a dead drill.
     pub async fn sweep(&self) -> Result<(), BackupError> {
-        let mut tiers = vec![self.scratch.clone()];
+        sweep_stale(&self.scratch, "").await;
         if let Tier::Posix(p) = &self.backup {
-            tiers.push(p.clone());
-        }
-        for tier in tiers {
-            tokio::task::spawn_blocking(move || tier.sweep_stale("", SweepOptions::default()))
-                .await
-                .map_err(|e| BackupError::Refused(format!("sweep task failed: {e}")))??;
+            sweep_stale(p, "").await;
         }
         // Drill folders and manifests in transit are never resumed: whatever is there belongs
         // to a run that is over (this process has just started).
@@ -172,7 +143,7 @@ impl Copier {
         if let Some(tier) = opened.get(name) {
             return Ok((policy, tier.clone()));
         }
-        let tier = policy.open().map_err(|e| tier_error(&policy, e))?;
+        let tier = policy.open().map_err(|e| TierError::new(&policy, e))?;
         opened.insert(name.to_owned(), tier.clone());
         Ok((policy, tier))
     }

@@ -176,7 +176,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), Back
         serve_with(copier, ctx)
     })
     .await
-    .map_err(BackupError::from_run)
+    .map_err(runner::RunError::into_service_error)
 }
 
 /// What the runner calls (the binary's `main`): opens the policies and tiers, then serves.
@@ -190,13 +190,12 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), BackupError> {
 /// scratch folder opened.
 pub fn open(settings: &Settings) -> Result<Copier, BackupError> {
     let policies = Policies::load_dir(&settings.policies_dir)?;
-    std::fs::create_dir_all(&settings.state_dir).map_err(|source| BackupError::StateDir {
-        path: settings.state_dir.clone(),
-        source,
-    })?;
+    runner::create_state_dirs([settings.state_dir.as_path()])?;
     Copier::open(policies, &settings.scratch(), settings.mover.clone())
 }
 
+/// The backups worker and the drill clock, once the bucket's Object Lock is checked and what
+/// killed runs left is swept.
 async fn serve_with(copier: Copier, ctx: Context<Settings>) -> Result<(), BackupError> {
     copier.ensure_object_lock().await?;
     copier.sweep().await?;
@@ -208,31 +207,17 @@ async fn serve_with(copier: Copier, ctx: Context<Settings>) -> Result<(), Backup
         drill_every = ?copier.policy().drill_every,
         "backup copier ready"
     );
-    let mut cfg = ctx.settings.worker_config(copier.policy());
-    ctx.worker.apply(&mut cfg);
-    let deadline = cfg.shutdown_deadline;
+    let backups = ctx.worker(ctx.settings.worker_config(copier.policy()));
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
     let handler = Backups::new(copier.clone(), ctx.bus.jetstream().clone());
-    let worker = ctx.run_worker_until(cfg, handler, token.clone());
-    tasks.spawn("backups", worker);
-    let clock = DrillClock::new(copier.clone(), ctx.bus.clone());
-    let check = ctx.settings.drill_check.min(copier.policy().drill_every);
-    let stop = token.clone();
     tasks.spawn(
-        "drills",
-        runner::every(check, token.clone(), move || {
-            let (clock, stop) = (clock.clone(), stop.clone());
-            async move {
-                clock.tick(&stop).await;
-                Ok::<(), BackupError>(())
-            }
-        }),
+        "backups",
+        ctx.run_worker_until(backups, handler, token.clone()),
     );
-    tasks
-        .join(deadline)
-        .await
-        .map_err(|e| BackupError::Run(Box::new(runner::RunError::Service(Box::new(e)))))
+    let clock = DrillClock::new(copier, ctx.bus.clone());
+    tasks.spawn("drills", clock.every(ctx.settings.drill_check, token));
+    Ok(ctx.join(tasks).await?)
 }
 
 /// The restore-drill clock: on each tick, a drill if one is due (see [`drill`]).
@@ -254,6 +239,20 @@ impl DrillClock {
             catalogue,
             last: Arc::default(),
         }
+    }
+
+    /// Looks whether a drill is due every `check` (never less often than the policy's
+    /// `drill_every` asks) until `stop` is cancelled.
+    pub async fn every(self, check: Duration, stop: CancellationToken) -> Result<(), BackupError> {
+        let period = check.min(self.copier.policy().drill_every);
+        runner::every(period, stop.clone(), move || {
+            let (clock, stop) = (self.clone(), stop.clone());
+            async move {
+                clock.tick(&stop).await;
+                Ok(())
+            }
+        })
+        .await
     }
 
     /// Runs a drill when one is due. A drill that cannot run (the catalogue or NATS

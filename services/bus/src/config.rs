@@ -413,6 +413,11 @@ pub fn redact_text(text: &str) -> String {
     out
 }
 
+/// How long a service's in-flight work may take to finish after shutdown is asked for, unless
+/// `[worker] shutdown_deadline` says otherwise: every worker's deadline and the service
+/// runner's drain deadline (`runner::Context::drain_deadline`).
+pub const DEFAULT_SHUTDOWN_DEADLINE: Duration = Duration::from_secs(20);
+
 /// One worker: which consumer it is, where its ledger lives, and how it paces work.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -499,7 +504,7 @@ mod defaults {
         Duration::from_secs(30)
     }
     pub fn shutdown_deadline() -> Duration {
-        Duration::from_secs(20)
+        super::DEFAULT_SHUTDOWN_DEADLINE
     }
     pub fn claims() -> bool {
         true

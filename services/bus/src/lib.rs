@@ -72,7 +72,8 @@ pub use bus::{
     STAGES_BUCKET, stream_config,
 };
 pub use config::{
-    BusConfig, DEFAULT_PUBLISH_TIMEOUT, WorkerConfig, env, redact_text, redact_url, split_servers,
+    BusConfig, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_SHUTDOWN_DEADLINE, WorkerConfig, env, redact_text,
+    redact_url, split_servers,
 };
 pub use dedup::msg_id_for;
 pub use error::{BoxError, BusError, BusErrorKind, HandlerError};

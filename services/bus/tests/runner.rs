@@ -7,7 +7,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use stagehand_bus::runner::{self, EXIT_FAILED, RunError, ServiceConfig};
-use stagehand_bus::{BusConfig, CancellationToken, Handler, HandlerError, WorkContext};
+use stagehand_bus::{
+    BusConfig, CancellationToken, Handler, HandlerError, WorkContext, WorkerConfig,
+};
 use stagehand_schemas::{Event, subject};
 use stagehand_testkit::{NatsServer, wait_for};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -162,12 +164,13 @@ async fn readyz_follows_the_connection_and_the_workers_and_healthz_always_answer
         config,
         shutdown.clone(),
         move |ctx| async move {
-            let filter = vec![subject::kind_filter("req", "stage.released")];
-            let cfg = ctx.worker_config(
+            let filter = vec![subject::kind_filter(subject::REQ, "stage.released")];
+            let cfg = ctx.worker(WorkerConfig::new(
+                "svc-probed",
                 subject::REQUESTS.name,
                 filter.clone(),
                 ledgers.join("a.redb"),
-            );
+            ));
             let mut tasks = ctx.tasks();
             tasks.spawn(
                 "worker",
@@ -175,12 +178,12 @@ async fn readyz_follows_the_connection_and_the_workers_and_healthz_always_answer
             );
             // A second worker that stops on its own once told to (its consumer cannot be
             // made: concurrency 0 is refused), while the first one goes on.
-            let mut broken = ctx.worker_config_named(
+            let mut broken = ctx.worker(WorkerConfig::new(
                 "svc-probed-2",
                 subject::REQUESTS.name,
                 filter,
                 ledgers.join("b.redb"),
-            );
+            ));
             broken.concurrency = 0;
             let second = ctx.run_worker_until(broken, Idle, tasks.shutdown().clone());
             tasks.spawn("second", async move {

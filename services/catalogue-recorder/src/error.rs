@@ -92,12 +92,10 @@ pub enum RecorderError {
     /// The runtime or the connection failed; its kind says whether retrying can help.
     #[error(transparent)]
     Bus(#[from] stagehand_bus::BusError),
-    /// One of the recorder's tasks (facts, dead letters, queries) failed.
+    /// One of the recorder's tasks (facts, dead letters, queries) failed, or the service
+    /// runner could not run it (configuration, telemetry, metrics).
     #[error(transparent)]
-    Task(#[from] stagehand_bus::runner::TaskError),
-    /// The service runner could not run the recorder (configuration, telemetry, metrics).
-    #[error(transparent)]
-    Runner(#[from] stagehand_bus::runner::RunError),
+    Service(#[from] stagehand_bus::runner::ServiceError),
     /// A blocking task of the recorder (store access) panicked or was cancelled.
     #[error("catalogue store task: {0}")]
     Blocking(#[from] tokio::task::JoinError),
@@ -121,16 +119,7 @@ impl Retryable for RecorderError {
             RecorderError::Store(e) => e.is_retryable(),
             RecorderError::Nats { .. } => true,
             RecorderError::Bus(e) => e.is_retryable(),
-            RecorderError::Task(e) => {
-                if let Some(bus) = e.source.downcast_ref::<stagehand_bus::BusError>() {
-                    bus.is_retryable()
-                } else if let Some(own) = e.source.downcast_ref::<RecorderError>() {
-                    own.is_retryable()
-                } else {
-                    true
-                }
-            }
-            RecorderError::Runner(e) => e.exit_code() != stagehand_bus::runner::EXIT_CONFIG,
+            RecorderError::Service(e) => e.is_retryable(),
             RecorderError::Blocking(_) | RecorderError::Encode(_) => false,
         }
     }

@@ -43,7 +43,7 @@ pub use prune::{DEFAULT_STAGE_PRUNE_INTERVAL, DEFAULT_STAGE_RETENTION, PrunePass
 pub use query::{Replies, answer, encode_answer, serve as serve_queries};
 pub use replay::{MAX_REPLAY_BATCH_BYTES, Replayed, replay};
 pub use service::{
-    Config, DEFAULT_INBOX_PREFIXES, RecorderConfig, RecorderStats, SERVICE, config, run, serve,
+    Config, DEFAULT_INBOX_PREFIXES, RecorderStats, SERVICE, Settings, config, run, serve,
 };
 pub use store::{Dump, FoldItem, Folded, MAX_BATCH, MAX_RECORD_BYTES, Store, Writer, WriterThread};
 #[cfg(test)]

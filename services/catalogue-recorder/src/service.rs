@@ -1,8 +1,10 @@
 //! The recorder as a service: rebuild if needed, then fold live facts (and stage requests),
 //! serve queries, mirror readiness and stage statuses, until shutdown.
 
+use std::future::Future;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
@@ -17,7 +19,7 @@ use crate::files::FileLists;
 use crate::live::{LiveFold, Mirror, follow_progress, mirror_all};
 use crate::query::{Replies, serve as serve_queries};
 use crate::replay::replay;
-use crate::store::{Store, Writer};
+use crate::store::{Store, Writer, WriterThread};
 
 /// The requests the recorder folds besides facts: stage requests and their releases, whose
 /// statuses it keeps for schedulers (a comma-separated list of filters).
@@ -32,7 +34,7 @@ fn stage_requests_filter() -> String {
 /// The recorder's own settings: the `[service]` table of its configuration file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RecorderConfig {
+pub struct Settings {
     /// The instance name: its durable consumers are `<instance>` (facts), `<instance>-dlq`
     /// (dead letters) and `<instance>-stages` (stage requests and releases). Every recorder keeps a whole catalogue, so each instance needs its own
     /// name; queries are shared through the queue group.
@@ -93,9 +95,9 @@ pub const DEFAULT_INBOX_PREFIXES: &[&str] = &[
     "_INBOX_operator",
 ];
 
-/// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`RecorderConfig`] as
+/// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`Settings`] as
 /// `[service]`.
-pub type Config = ServiceConfig<RecorderConfig>;
+pub type Config = ServiceConfig<Settings>;
 
 /// The service name: the metrics label and the default instance name.
 pub const SERVICE: &str = "catalogue-recorder";
@@ -118,11 +120,8 @@ fn default_stage_prune_interval() -> std::time::Duration {
 /// Facts folded at once (the writer commits whatever is queued in one transaction), unless
 /// `[worker] concurrency` says otherwise.
 const DEFAULT_CONCURRENCY: usize = 64;
-/// How long in-flight folds may take after shutdown is asked for, unless `[worker]
-/// shutdown_deadline` says otherwise.
-const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
-impl RecorderConfig {
+impl Settings {
     /// A configuration with its store and ledgers under `dir`.
     pub fn under(dir: impl Into<PathBuf>) -> Self {
         let dir = dir.into();
@@ -168,9 +167,49 @@ impl RecorderConfig {
     pub fn dev(home: &std::path::Path, _policies_dir: &std::path::Path) -> Self {
         Self::under(home.join("state").join("catalogue"))
     }
+
+    /// The facts worker, before the `[worker]` table's overrides: every fact, on the
+    /// instance's own consumer `<instance>` (every recorder folds every fact).
+    pub fn facts_worker(&self) -> WorkerConfig {
+        self.worker(
+            &self.instance,
+            FACTS.name,
+            &subject::class_filter(subject::FACT),
+        )
+    }
+
+    /// The dead-letter counter's worker, on `<instance>-dlq`.
+    pub fn dead_letters_worker(&self) -> WorkerConfig {
+        let consumer = format!("{}-dlq", self.instance);
+        self.worker(
+            &consumer,
+            DEAD_LETTERS.name,
+            &subject::class_filter(subject::DLQ),
+        )
+    }
+
+    /// The worker of stage requests and releases (their statuses, for schedulers), on
+    /// `<instance>-stages`.
+    pub fn stage_requests_worker(&self) -> WorkerConfig {
+        let consumer = format!("{}-stages", self.instance);
+        self.worker(&consumer, REQUESTS.name, &stage_requests_filter())
+    }
+
+    /// A worker of `consumer` on `stream` for `filter` (comma-separated subjects), its ledger
+    /// under `ledger_dir`, folding [`DEFAULT_CONCURRENCY`] at once.
+    fn worker(&self, consumer: &str, stream: &str, filter: &str) -> WorkerConfig {
+        let mut cfg = WorkerConfig::new(
+            consumer,
+            stream,
+            filter.split(',').map(str::to_owned).collect(),
+            self.ledger_dir.join(format!("{consumer}.redb")),
+        );
+        cfg.concurrency = DEFAULT_CONCURRENCY;
+        cfg
+    }
 }
 
-impl ServiceSettings for RecorderConfig {
+impl ServiceSettings for Settings {
     fn validate(&self) -> Result<(), InvalidKey> {
         if !stagehand_schemas::subject::is_subject_token(&self.instance) || self.instance.len() > 60
         {
@@ -213,13 +252,7 @@ impl ServiceSettings for RecorderConfig {
 /// A configuration for running a recorder in-process against `nats_url` with its files under
 /// `dir` (tests, `stagehand up`).
 pub fn config(nats_url: &str, dir: impl Into<PathBuf>) -> Config {
-    ServiceConfig::new(
-        stagehand_bus::BusConfig {
-            client_name: SERVICE.into(),
-            ..stagehand_bus::BusConfig::new(nats_url)
-        },
-        RecorderConfig::under(dir),
-    )
+    ServiceConfig::in_process(SERVICE, nats_url, Settings::under(dir))
 }
 
 /// What a recorder did before it stopped.
@@ -323,80 +356,41 @@ pub async fn run(
 ) -> Result<RecorderStats, RecorderError> {
     runner::run(SERVICE, config, shutdown, serve)
         .await
-        .map_err(|e| match e {
-            runner::RunError::Service(source) => match source.downcast::<RecorderError>() {
-                Ok(own) => *own,
-                Err(other) => RecorderError::Runner(runner::RunError::Service(other)),
-            },
-            runner::RunError::Bus(e) => RecorderError::Bus(e),
-            other => RecorderError::Runner(other),
-        })
+        .map_err(runner::RunError::into_service_error)
 }
 
 /// Serves a recorder on a connected bus until `ctx.shutdown` is cancelled: rebuilds the store
 /// if needed, then folds facts (and dead letters) live through the worker runtime, answers
-/// queries and mirrors readiness and stage statuses — tasks of one group, so that any of them failing stops
-/// the recorder (its supervisor restarts it) instead of leaving a half-working one.
-pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, RecorderError> {
-    let config = ctx.settings.clone();
-    let path = config.store_path.clone();
-    let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(path)).await??);
-    note_upgrade_through(&ctx.bus, &store).await?;
-    let mirror = Mirror::open(&ctx.bus).await?;
-    let files = config.file_lists(&ctx.bus, &store);
-    let rebuilt = rebuild_if_needed(&ctx.bus, &store, &files, &mirror).await?;
+/// queries and mirrors readiness and stage statuses — tasks of one group, so that any of them
+/// failing stops the recorder (its supervisor restarts it) instead of leaving a half-working
+/// one.
+pub async fn serve(ctx: Context<Settings>) -> Result<RecorderStats, RecorderError> {
+    let settings = &ctx.settings;
+    let facts = ctx.own_worker(settings.facts_worker())?;
+    let dead_letters = ctx.own_worker(settings.dead_letters_worker())?;
+    let stage_requests = ctx.own_worker(settings.stage_requests_worker())?;
+    let (store, files, mirror, rebuilt) = open(&ctx).await?;
     let (writer, writer_thread) = Writer::start(store.clone());
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
     let store_failed: Arc<Mutex<Option<StoreError>>> = Arc::default();
-    let handler = Arc::new(LiveFold {
+    let fold = SharedFold(Arc::new(LiveFold {
         store: store.clone(),
         writer,
         files,
         mirror: mirror.clone(),
         stop: token.clone(),
         store_failed: store_failed.clone(),
-    });
-
-    let worker = |consumer: &str, stream: &str, filter: &str| {
-        let mut cfg = WorkerConfig::new(
-            consumer,
-            stream,
-            filter.split(',').map(str::to_owned).collect(),
-            config.ledger_dir.join(format!("{consumer}.redb")),
-        );
-        cfg.concurrency = DEFAULT_CONCURRENCY;
-        cfg.shutdown_deadline = DEFAULT_DEADLINE;
-        ctx.worker.apply(&mut cfg);
-        // Folding is idempotent and every instance folds every fact: nothing to claim.
-        cfg.claims = false;
-        cfg
-    };
-    let facts_cfg = worker(
-        &config.instance,
-        FACTS.name,
-        &subject::class_filter(subject::FACT),
-    );
-    let dlq_cfg = worker(
-        &format!("{}-dlq", config.instance),
-        DEAD_LETTERS.name,
-        &subject::class_filter(subject::DLQ),
-    );
-    let stages_cfg = worker(
-        &format!("{}-stages", config.instance),
-        REQUESTS.name,
-        &stage_requests_filter(),
-    );
-    let deadline = facts_cfg.shutdown_deadline;
-
-    let facts_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
-    let dlq_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
-    let stages_stats = Arc::new(std::sync::Mutex::new(WorkerStats::default()));
-    let replies = config.replies();
+    }));
+    let replies = settings.replies();
+    let (client, stats) = (ctx.bus.client().clone(), Stats::default());
+    let worker =
+        |cfg, into: &Slot| into.fill(ctx.run_worker_until(cfg, fold.clone(), token.clone()));
+    let (retention, every) = (settings.stage_retention, settings.stage_prune_interval);
     tasks.spawn(
         "queries",
         serve_queries(
-            ctx.bus.client().clone(),
+            client.clone(),
             store.clone(),
             replies.clone(),
             token.clone(),
@@ -404,81 +398,97 @@ pub async fn serve(ctx: Context<RecorderConfig>) -> Result<RecorderStats, Record
     );
     tasks.spawn(
         "stage-pruning",
-        crate::prune::every(
-            store.clone(),
-            config.stage_retention,
-            config.stage_prune_interval,
-            token.clone(),
-        ),
+        crate::prune::every(store.clone(), retention, every, token.clone()),
     );
     tasks.spawn(
         "progress",
-        follow_progress(
-            ctx.bus.client().clone(),
-            store.clone(),
-            mirror,
-            token.clone(),
-        ),
+        follow_progress(client, store, mirror, token.clone()),
     );
-    let stages = ctx.run_worker_until(stages_cfg, SharedFold(handler.clone()), token.clone());
-    let into = stages_stats.clone();
-    tasks.spawn("stage-requests", async move {
-        let stats = stages.await?;
-        *into.lock().unwrap_or_else(|p| p.into_inner()) = stats;
-        Ok::<(), BusError>(())
-    });
-    let facts = ctx.run_worker_until(facts_cfg, SharedFold(handler.clone()), token.clone());
-    let into = facts_stats.clone();
-    tasks.spawn("facts", async move {
-        let stats = facts.await?;
-        *into.lock().unwrap_or_else(|p| p.into_inner()) = stats;
-        Ok::<(), BusError>(())
-    });
-    if config.dead_letters {
-        let dead = ctx.run_worker_until(dlq_cfg, SharedFold(handler.clone()), token.clone());
-        let into = dlq_stats.clone();
-        tasks.spawn("dead-letters", async move {
-            let stats = dead.await?;
-            *into.lock().unwrap_or_else(|p| p.into_inner()) = stats;
-            Ok::<(), BusError>(())
-        });
+    tasks.spawn(
+        "stage-requests",
+        worker(stage_requests, &stats.stage_requests),
+    );
+    tasks.spawn("facts", worker(facts, &stats.facts));
+    if settings.dead_letters {
+        tasks.spawn("dead-letters", worker(dead_letters, &stats.dead_letters));
     }
-    let joined = tasks.join(deadline).await;
-    // Release the store (the writer thread holds it) before returning, so that whoever runs
-    // the recorder can reopen the file at once. A handler still held by an abandoned task would
-    // keep it; the wait is bounded by the shutdown deadline.
-    drop(handler);
-    let released = tokio::task::spawn_blocking(move || writer_thread.join());
-    if tokio::time::timeout(deadline, released).await.is_err() {
-        tracing::warn!("catalogue writer still busy at the shutdown deadline");
-    }
-    let failed = store_failed
+    let joined = ctx.join(tasks).await;
+    release(fold, writer_thread, ctx.drain_deadline()).await;
+    if let Some(e) = store_failed
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take();
-    if let Some(e) = failed {
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
+    {
         return Err(RecorderError::Store(e));
     }
     joined?;
-    let facts = facts_stats
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
-    let dead_letters = dlq_stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let stage_requests = stages_stats
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
     Ok(RecorderStats {
         rebuilt,
-        facts,
-        dead_letters,
-        stage_requests,
+        facts: stats.facts.take(),
+        dead_letters: stats.dead_letters.take(),
+        stage_requests: stats.stage_requests.take(),
         queries_refused: replies.refused(),
     })
 }
 
+/// The store opened (and upgraded, and rebuilt from the streams if it is missing or
+/// incomplete), its file lists and the readiness mirror; the events a rebuild replayed.
+async fn open(
+    ctx: &Context<Settings>,
+) -> Result<(Arc<Store>, FileLists, Mirror, Option<(u64, u64)>), RecorderError> {
+    let path = ctx.settings.store_path.clone();
+    let store = Arc::new(tokio::task::spawn_blocking(move || Store::open(path)).await??);
+    note_upgrade_through(&ctx.bus, &store).await?;
+    let mirror = Mirror::open(&ctx.bus).await?;
+    let files = ctx.settings.file_lists(&ctx.bus, &store);
+    let rebuilt = rebuild_if_needed(&ctx.bus, &store, &files, &mirror).await?;
+    Ok((store, files, mirror, rebuilt))
+}
+
+/// Releases the store (the writer thread holds it) before the recorder returns, so that
+/// whoever runs it can reopen the file at once. A handler still held by an abandoned task
+/// would keep it; the wait is bounded by `deadline`.
+async fn release(fold: SharedFold, writer_thread: WriterThread, deadline: Duration) {
+    drop(fold);
+    let released = tokio::task::spawn_blocking(move || writer_thread.join());
+    if tokio::time::timeout(deadline, released).await.is_err() {
+        tracing::warn!("catalogue writer still busy at the shutdown deadline");
+    }
+}
+
+/// What each of the recorder's workers did, filled as each stops.
+#[derive(Default)]
+struct Stats {
+    facts: Slot,
+    dead_letters: Slot,
+    stage_requests: Slot,
+}
+
+/// One worker's statistics, once it has stopped.
+#[derive(Default, Clone)]
+struct Slot(Arc<Mutex<WorkerStats>>);
+
+impl Slot {
+    /// `worker`, its statistics kept here when it stops cleanly.
+    fn fill<W>(&self, worker: W) -> impl Future<Output = Result<(), BusError>> + Send + use<W>
+    where
+        W: Future<Output = Result<WorkerStats, BusError>> + Send + 'static,
+    {
+        let slot = self.clone();
+        async move {
+            let stats = worker.await?;
+            *slot.0.lock().unwrap_or_else(PoisonError::into_inner) = stats;
+            Ok(())
+        }
+    }
+
+    fn take(&self) -> WorkerStats {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
 /// The fold handler shared by the recorder's workers.
+#[derive(Clone)]
 struct SharedFold(Arc<LiveFold>);
 
 impl Handler for SharedFold {

@@ -10,7 +10,7 @@ use stagehand_bus::runner;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, MSG_ID_HEADER};
 use stagehand_catalogue::*;
 use stagehand_catalogue_recorder::{
-    FoldItem, RecorderConfig, RecorderError, RecorderStats, SERVICE, Store, serve,
+    FoldItem, RecorderError, RecorderStats, SERVICE, Settings, Store, serve,
 };
 use stagehand_manifest::{BucketOptions, Manifest, ManifestStore};
 use stagehand_schemas::*;
@@ -269,7 +269,7 @@ fn start(bus: &Bus, dir: &std::path::Path) -> Running {
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(serve(runner::Context::new(
         SERVICE,
-        RecorderConfig::under(dir),
+        Settings::under(dir),
         bus.clone(),
         shutdown.clone(),
     )));
@@ -1363,4 +1363,27 @@ async fn nothing_folded(cat: &Catalogue, digest: &str) {
             .unwrap_err()
             .is_not_found()
     );
+}
+
+/// `[worker] claims` used to be overwritten with `false` after the table was applied, so
+/// `claims = true` was silently ignored. Every consumer of a recorder is its instance's own
+/// (every recorder folds every fact): it cannot apply, and is refused at start, naming the
+/// key and the consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_are_refused_rather_than_ignored() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = stagehand_catalogue_recorder::config(&nats.url(), dir.path());
+    config.worker.claims = Some(true);
+    let ran = tokio::time::timeout(
+        WAIT,
+        stagehand_catalogue_recorder::run(config, CancellationToken::new()),
+    )
+    .await
+    .expect("the recorder refuses to start instead of running");
+    let err = ran.unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("worker.claims"), "{text}");
+    assert!(text.contains("catalogue-recorder"), "{text}");
+    assert!(!err.is_retryable(), "{text}");
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use stagehand_bus::runner;
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Answer, Catalogue, Query, StageState};
-use stagehand_catalogue_recorder::{RecorderConfig, SERVICE, serve};
+use stagehand_catalogue_recorder::{SERVICE, Settings, serve};
 use stagehand_schemas::*;
 use stagehand_testkit::{NatsServer, wait_until};
 
@@ -97,7 +97,7 @@ async fn the_recorder_prunes_stages_that_held_nothing_for_its_retention() {
     bus.provision().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let start = |interval: Duration| {
-        let mut settings = RecorderConfig::under(dir.path());
+        let mut settings = Settings::under(dir.path());
         settings.stage_retention = Duration::from_secs(7 * 24 * 3600);
         settings.stage_prune_interval = interval;
         let shutdown = CancellationToken::new();

@@ -10,7 +10,7 @@ use async_nats::HeaderMap;
 use futures::StreamExt;
 use stagehand_bus::{Bus, BusConfig, CancellationToken, MSG_ID_HEADER, PROMOTER, runner};
 use stagehand_catalogue::{Catalogue, Query};
-use stagehand_catalogue_recorder::{RecorderConfig, RecorderError, RecorderStats, SERVICE, serve};
+use stagehand_catalogue_recorder::{RecorderError, RecorderStats, SERVICE, Settings, serve};
 use stagehand_schemas::subject::{CATALOGUE_QUERY, FACTS, subject_for};
 use stagehand_schemas::*;
 use stagehand_testkit::{NatsServer, stored_events, user_url, wait_until};
@@ -52,7 +52,7 @@ async fn start(server: &NatsServer, dir: &std::path::Path) -> Result<Running> {
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(serve(runner::Context::new(
         SERVICE,
-        RecorderConfig::under(dir),
+        Settings::under(dir),
         bus.clone(),
         shutdown.clone(),
     )));

@@ -111,7 +111,7 @@ macro_rules! service {
 /// Every service `stagehand up` runs, in start order. Adding a service is one line.
 pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_ingest_validator, Settings),
-    service!(stagehand_catalogue_recorder, RecorderConfig),
+    service!(stagehand_catalogue_recorder, Settings),
     service!(stagehand_resharder, Settings),
     service!(stagehand_promoter, Settings),
     service!(stagehand_demoter, Settings),

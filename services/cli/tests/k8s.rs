@@ -652,7 +652,7 @@ const SERVICE_CONFIGS: &[(&str, Check)] = &[
     ),
     (
         stagehand_catalogue_recorder::SERVICE,
-        check::<stagehand_catalogue_recorder::RecorderConfig>,
+        check::<stagehand_catalogue_recorder::Settings>,
     ),
     (
         stagehand_promoter::SERVICE,

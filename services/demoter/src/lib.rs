@@ -39,16 +39,19 @@ pub mod demoter;
 pub mod plan;
 pub mod state;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
-use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{BusError, CancellationToken, Handler, HandlerError, WorkContext};
+use stagehand_bus::runner::{
+    self, Context, InvalidKey, ServiceConfig, ServiceError, ServiceSettings,
+};
+use stagehand_bus::{
+    BusError, CancellationToken, Handler, HandlerError, WorkContext, WorkerConfig,
+};
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
-use stagehand_policy::{Policies, PolicyError, TierRole};
+use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
 pub use demoter::{Demoter, Parts, PassError, PassReport, removed_name};
@@ -124,6 +127,38 @@ impl Settings {
             None => SERVICE.to_owned(),
         }
     }
+
+    /// The releases worker with the demoter's defaults, before the `[worker]` table's:
+    /// `stage.released` on the requests stream, under [`Settings::consumer`] (the names
+    /// `deploy/nats/accounts.conf` grants), with a ledger of its own.
+    pub fn requests_worker(&self) -> WorkerConfig {
+        let mut cfg = WorkerConfig::new(
+            self.consumer(),
+            subject::REQUESTS.name,
+            vec![subject::kind_filter("req", "stage.released")],
+            self.state_dir.join("demoter-requests.redb"),
+        );
+        // One demoter per deployment (and per node): nothing to claim against.
+        cfg.claims = false;
+        cfg
+    }
+
+    /// The facts worker with the demoter's defaults: what changes a tier's usage, and, for
+    /// the shared demoter (retention is its), checkpoint commits.
+    pub fn facts_worker(&self) -> WorkerConfig {
+        let kinds = ["replica.created", "replica.removed", "checkpoint.committed"];
+        let mut cfg = WorkerConfig::new(
+            self.consumer(),
+            subject::FACTS.name,
+            (kinds.iter())
+                .filter(|k| self.node.is_none() || **k != "checkpoint.committed")
+                .map(|k| subject::kind_filter("fact", k))
+                .collect(),
+            self.state_dir.join("demoter-facts.redb"),
+        );
+        cfg.claims = false;
+        cfg
+    }
 }
 
 impl ServiceSettings for Settings {
@@ -166,18 +201,11 @@ pub fn config(
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DemoterError {
+    /// A policy file is wrong, or `demotion.toml`, which the demoter needs, is absent.
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    #[error("{file}: demotion.toml is required by the demoter")]
-    NoDemotionPolicy { file: String },
     #[error("{HALT_AFTER_ENV}={value:?}: expected copied-down, withdrawn or renamed")]
     BadHalt { value: String },
-    #[error("cannot create the state directory {}: {source}", path.display())]
-    StateDir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     State(#[from] state::StateError),
     #[error("starting the mover: {0}")]
@@ -186,31 +214,22 @@ pub enum DemoterError {
     Pass(#[from] PassError),
     #[error(transparent)]
     Bus(#[from] BusError),
-    #[error("task failed: {0}")]
-    Task(#[from] runner::TaskError),
+    /// The state folder, one of its tasks, or the runner (configuration, metrics endpoint).
     #[error(transparent)]
-    Run(Box<runner::RunError>),
-}
-
-impl DemoterError {
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(DemoterError::Run)
-    }
+    Service(#[from] ServiceError),
 }
 
 impl Retryable for DemoterError {
     /// Whether starting again unchanged can succeed.
     fn is_retryable(&self) -> bool {
         match self {
-            DemoterError::Policy(_)
-            | DemoterError::NoDemotionPolicy { .. }
-            | DemoterError::BadHalt { .. }
-            | DemoterError::StateDir { .. }
-            | DemoterError::Mover(_) => false,
-            DemoterError::State(_) | DemoterError::Task(_) => true,
+            DemoterError::Policy(_) | DemoterError::BadHalt { .. } | DemoterError::Mover(_) => {
+                false
+            }
+            DemoterError::State(_) => true,
             DemoterError::Pass(e) => e.is_retryable(),
             DemoterError::Bus(e) => e.is_retryable(),
-            DemoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+            DemoterError::Service(e) => e.is_retryable(),
         }
     }
 }
@@ -219,7 +238,7 @@ impl Retryable for DemoterError {
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DemoterError> {
     runner::run(SERVICE, config, shutdown, serve)
         .await
-        .map_err(DemoterError::from_run)
+        .map_err(runner::RunError::into_service_error)
 }
 
 fn halt_after() -> Result<Option<Phase>, DemoterError> {
@@ -234,69 +253,66 @@ fn halt_after() -> Result<Option<Phase>, DemoterError> {
     }
 }
 
-/// What the runner calls (the binary's `main`): opens policies, tiers, state and the mover,
-/// then runs the consumers and the clock until shutdown.
+/// What the runner calls (the binary's `main`): the two workers and the clock over one
+/// [`Demoter`], until shutdown.
 pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
+    let requests = ctx.worker(ctx.settings.requests_worker());
+    let facts = ctx.worker(ctx.settings.facts_worker());
+    let mut tasks = ctx.tasks();
+    let token = tasks.shutdown().clone();
+    let demoter = open(&ctx, token.clone()).await?;
+    tasks.spawn(
+        "requests",
+        ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone()),
+    );
+    tasks.spawn(
+        "facts",
+        ctx.run_worker_until(facts, Wakes(demoter.clone()), token),
+    );
+    tasks.spawn("clock", demoter.clock());
+    Ok(ctx.join(tasks).await?)
+}
+
+/// The demoter of `ctx`'s settings: its policies, the tiers it keeps and copies to (those it
+/// writes swept), its state, the readiness and placement buckets, its mover; `shutdown`
+/// stops its passes.
+async fn open(
+    ctx: &Context<Settings>,
+    shutdown: CancellationToken,
+) -> Result<Demoter, DemoterError> {
     let s = &ctx.settings;
     let policies = Policies::load_dir(&s.policies_dir)?;
-    let demotion = policies
-        .demotion()
-        .cloned()
-        .ok_or_else(|| DemoterError::NoDemotionPolicy {
-            file: s.policies_dir.join("demotion.toml").display().to_string(),
-        })?;
+    let demotion =
+        (policies.demotion().cloned()).ok_or_else(|| policies.needed("demotion.toml", SERVICE))?;
     let halt_after = halt_after()?;
-    let mut tiers = HashMap::new();
     // The bounded tiers this demoter keeps under their watermarks: a node's demoter its node's
     // local tiers, the shared one the hot tiers; either opens the durable tiers it copies to.
+    // Those it writes (its copies down, its removals) are swept of dead writers'
+    // temporaries; the shared capacity tier by the shared demoter only.
     let demoted = match s.node {
         Some(_) => TierRole::Local,
         None => TierRole::Hot,
     };
-    for (name, tier) in policies.tiers() {
-        if matches!(tier.role, TierRole::Hot | TierRole::Local) && tier.role != demoted {
-            tracing::info!(tier = %name, node = s.node.as_deref().unwrap_or("-"), "tier not demoted by this demoter");
-            continue;
-        }
-        match tier.open() {
-            Ok(t) => {
-                // Temporaries of dead writers on the tiers the demoter writes (its copies down,
-                // its removals) are removed at start; the shared capacity tier by the shared
-                // demoter only.
-                if let stagehand_mover::Tier::Posix(p) = &t
-                    && (tier.role == demoted
-                        || (s.node.is_none() && tier.role == TierRole::Capacity))
-                {
-                    let p = p.clone();
-                    let swept = tokio::task::spawn_blocking(move || {
-                        p.sweep_stale("", stagehand_mover::SweepOptions::default())
-                    })
-                    .await;
-                    if let Ok(Err(e)) = swept {
-                        tracing::warn!(tier = %name, error = %e, "sweeping stale temporaries failed");
-                    }
-                }
-                tiers.insert(name.clone(), t);
+    let tiers = policies
+        .open_tiers(|tier| match tier.role {
+            TierRole::Hot | TierRole::Local if tier.role != demoted => {
+                tracing::info!(tier = %tier.name, node = s.node.as_deref().unwrap_or("-"), "tier not demoted by this demoter");
+                None
             }
-            Err(source) => {
-                tracing::warn!(tier = %name, location = %tier.location(), error = %source, "tier not opened; it is not demoted");
+            role if role == demoted || (s.node.is_none() && role == TierRole::Capacity) => {
+                Some(Opening::write())
             }
-        }
-    }
+            _ => Some(Opening::read()),
+        })
+        .await;
     let spool_dir = s.state_dir.join("spool");
-    for dir in [&s.state_dir, &spool_dir] {
-        std::fs::create_dir_all(dir).map_err(|source| DemoterError::StateDir {
-            path: dir.clone(),
-            source,
-        })?;
-    }
+    runner::create_state_dirs([s.state_dir.as_path(), &spool_dir])?;
     let state = state::State::open(&s.state_dir.join("demoter-state.redb"))?;
     let readiness = ctx.bus.provision_kv(&stagehand_bus::READINESS).await?;
     let placement = ctx.bus.provision_kv(&stagehand_bus::PROMOTER).await?;
     let mover = Mover::new(s.mover.clone()).map_err(|e| DemoterError::Mover(Box::new(e)))?;
-    let mut tasks = ctx.tasks();
-    let token = tasks.shutdown().clone();
-    let demoter = Demoter::new(Parts {
+    tracing::info!(node = s.node.as_deref().unwrap_or("-"), consumer = %s.consumer(), "demoter ready");
+    Ok(Demoter::new(Parts {
         bus: ctx.bus.clone(),
         catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
         policies,
@@ -310,45 +326,8 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
         halt_after,
         node: s.node.clone(),
         stop_before_rename: std::env::var_os(STOP_BEFORE_RENAME_ENV).is_some(),
-        shutdown: token.clone(),
-    });
-    let consumer = s.consumer();
-    tracing::info!(node = s.node.as_deref().unwrap_or("-"), %consumer, "demoter ready");
-
-    // One durable consumer on each stream, named `demoter` (deploy/nats/accounts.conf grants
-    // those names) or `demoter-node-<node>`, each with its own ledger.
-    let mut requests = ctx.worker_config_named(
-        &consumer,
-        subject::REQUESTS.name,
-        vec![subject::kind_filter("req", "stage.released")],
-        s.state_dir.join("demoter-requests.redb"),
-    );
-    requests.claims = ctx.worker.claims.unwrap_or(false);
-    let mut facts = ctx.worker_config_named(
-        &consumer,
-        subject::FACTS.name,
-        ["replica.created", "replica.removed", "checkpoint.committed"]
-            .iter()
-            // Retention is the shared demoter's: a node's demoter notes no checkpoints.
-            .filter(|k| s.node.is_none() || **k != "checkpoint.committed")
-            .map(|k| subject::kind_filter("fact", k))
-            .collect(),
-        s.state_dir.join("demoter-facts.redb"),
-    );
-    facts.claims = ctx.worker.claims.unwrap_or(false);
-
-    tasks.spawn(
-        "requests",
-        ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone()),
-    );
-    tasks.spawn(
-        "facts",
-        ctx.run_worker_until(facts, Wakes(demoter.clone()), token.clone()),
-    );
-    tasks.spawn("clock", demoter.clone().clock());
-    let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
-    tasks.join(deadline).await?;
-    Ok(())
+        shutdown,
+    }))
 }
 
 /// The consumers' handler: a checkpoint commit is noted for retention, and a fact or release

@@ -13,8 +13,8 @@ use stagehand_manifest::{
     BucketOptions, ManifestError, ManifestErrorKind, ManifestSource, ManifestStore, Spool,
     inline_or_stored,
 };
-use stagehand_mover::{EngineChoice, Mover, MoverConfig, SweepOptions, Tier};
-use stagehand_policy::{Policies, TierRole, ValidationPolicy};
+use stagehand_mover::{EngineChoice, Mover, MoverConfig, Tier};
+use stagehand_policy::{Opening, Policies, TierError, TierRole, ValidationPolicy};
 use stagehand_schemas::problem::code;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::{Body, DatasetRejected, DatasetValidated, Event, IngestRequested, Problem};
@@ -55,27 +55,10 @@ impl SourceChecks<Tier> {
     /// Opens every source tier the policies declare, and removes from each posix one the
     /// temporaries of report copies a killed run left (only those whose writer is provably
     /// dead; see `PosixTier::sweep_stale`).
-    pub fn open(policies: &Policies) -> Result<Self, ValidatorError> {
-        let mut tiers = HashMap::new();
-        for (name, tier) in policies.tiers() {
-            let opened = if tier.role == TierRole::Source {
-                let opened = tier.open().map_err(|source| ValidatorError::Tier {
-                    tier: name.clone(),
-                    location: tier.location(),
-                    source: Box::new(source),
-                })?;
-                if let Tier::Posix(posix) = &opened
-                    && let Err(e) = posix.sweep_stale(QUARANTINE_DIR, SweepOptions::default())
-                {
-                    // Garbage left for the next start is no reason not to validate.
-                    warn!(tier = %name, error = %e, "cannot sweep stale report temporaries");
-                }
-                Some(opened)
-            } else {
-                None
-            };
-            tiers.insert(name.clone(), (tier.role, opened));
-        }
+    pub async fn open(policies: &Policies) -> Result<Self, ValidatorError> {
+        let tiers = policies
+            .open_sources(&Opening::read().sweeping(QUARANTINE_DIR))
+            .await?;
         Ok(Self::from_parts(policies.validation().clone(), tiers))
     }
 }
@@ -176,7 +159,7 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
             concurrency: 4,
             ..MoverConfig::default()
         })
-        .map_err(|source| ValidatorError::Tier {
+        .map_err(|source| TierError {
             tier: "quarantine-spool".into(),
             location: report_spool.display().to_string(),
             source: Box::new(source),

@@ -75,10 +75,11 @@ pub mod validate;
 use std::path::PathBuf;
 
 use serde::Deserialize;
-use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
+use stagehand_bus::runner::{
+    self, Context, InvalidKey, ServiceConfig, ServiceError, ServiceSettings,
+};
 use stagehand_bus::{BusError, CancellationToken, WorkerConfig, WorkerStats};
-use stagehand_mover::TransferError;
-use stagehand_policy::{Policies, PolicyError};
+use stagehand_policy::{Policies, PolicyError, TierError};
 use stagehand_schemas::subject;
 
 pub use handler::{
@@ -204,19 +205,8 @@ pub fn config(
 pub enum ValidatorError {
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    #[error("cannot open source tier {tier:?} at {location}: {source}")]
-    Tier {
-        tier: String,
-        location: String,
-        #[source]
-        source: Box<TransferError>,
-    },
-    #[error("cannot create the state directory {}: {source}", path.display())]
-    StateDir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Tier(#[from] TierError),
     #[error("cannot prepare the spool directory {}: {source}", path.display())]
     Spool {
         path: PathBuf,
@@ -225,28 +215,19 @@ pub enum ValidatorError {
     },
     #[error(transparent)]
     Bus(#[from] BusError),
-    /// The runner could not start or keep the service (configuration, metrics endpoint).
+    /// The state folder, or the runner (configuration, metrics endpoint).
     #[error(transparent)]
-    Run(Box<runner::RunError>),
-}
-
-impl ValidatorError {
-    /// The validator's own error back out of the runner, or the runner's.
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(ValidatorError::Run)
-    }
+    Service(#[from] ServiceError),
 }
 
 impl Retryable for ValidatorError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
     fn is_retryable(&self) -> bool {
         match self {
-            ValidatorError::Policy(_)
-            | ValidatorError::StateDir { .. }
-            | ValidatorError::Spool { .. } => false,
-            ValidatorError::Tier { source, .. } => source.is_retryable(),
+            ValidatorError::Policy(_) | ValidatorError::Spool { .. } => false,
+            ValidatorError::Tier(e) => e.is_retryable(),
             ValidatorError::Bus(e) => e.is_retryable(),
-            ValidatorError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+            ValidatorError::Service(e) => e.is_retryable(),
         }
     }
 }
@@ -259,28 +240,25 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, ValidatorError> {
-    let checks = open(&config.service)?;
+    let checks = open(&config.service).await?;
     runner::run(SERVICE, config, shutdown, move |ctx| {
         serve_with(checks, ctx)
     })
     .await
-    .map_err(ValidatorError::from_run)
+    .map_err(runner::RunError::into_service_error)
 }
 
 /// What the runner calls (the binary's `main`): opens the policies and tiers, then serves.
 pub async fn serve(ctx: Context<Settings>) -> Result<WorkerStats, ValidatorError> {
-    let checks = open(&ctx.settings)?;
+    let checks = open(&ctx.settings).await?;
     serve_with(checks, ctx).await
 }
 
 /// The policies loaded and the source tiers opened: what can fail before connecting.
-fn open(settings: &Settings) -> Result<SourceChecks, ValidatorError> {
+async fn open(settings: &Settings) -> Result<SourceChecks, ValidatorError> {
     let policies = Policies::load_dir(&settings.policies_dir)?;
-    let checks = SourceChecks::open(&policies)?;
-    std::fs::create_dir_all(&settings.state_dir).map_err(|source| ValidatorError::StateDir {
-        path: settings.state_dir.clone(),
-        source,
-    })?;
+    let checks = SourceChecks::open(&policies).await?;
+    runner::create_state_dirs([settings.state_dir.as_path()])?;
     tracing::info!(
         policies = %settings.policies_dir.display(),
         source_tiers = ?policies.tiers().values().filter(|t| t.role == stagehand_policy::TierRole::Source).map(|t| t.location()).collect::<Vec<_>>(),
@@ -297,7 +275,6 @@ async fn serve_with(
 ) -> Result<WorkerStats, ValidatorError> {
     let options = ctx.settings.options(ctx.bus.replicas());
     let handler = IngestValidator::new(checks, ctx.bus.jetstream().clone(), options)?;
-    let mut cfg = ctx.settings.worker_config();
-    ctx.worker.apply(&mut cfg);
-    Ok(ctx.run_worker(cfg, handler).await?)
+    let requests = ctx.worker(ctx.settings.worker_config());
+    Ok(ctx.run_worker(requests, handler).await?)
 }

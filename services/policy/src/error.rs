@@ -24,6 +24,9 @@ pub enum PolicyError {
     },
     #[error("{}: required policy file is missing", file.display())]
     Missing { file: PathBuf },
+    /// A policy file that is optional in general but that this service cannot run without.
+    #[error("{}: missing, and the {service} needs it (see policies/ for an example)", file.display())]
+    Needed { file: PathBuf, service: String },
     #[error("{}: not a known policy file (known: {known})", file.display())]
     UnknownFile { file: PathBuf, known: String },
     #[error("{}{}: `{key}`: {message}", file.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
@@ -45,6 +48,7 @@ impl PolicyError {
             PolicyError::ReadDir { dir, .. } => dir,
             PolicyError::ReadFile { file, .. }
             | PolicyError::Missing { file }
+            | PolicyError::Needed { file, .. }
             | PolicyError::UnknownFile { file, .. }
             | PolicyError::Invalid { file, .. } => file,
         }

@@ -28,6 +28,7 @@
 //! ```
 
 mod error;
+mod open;
 mod pipeline;
 pub mod retention;
 mod tiers;
@@ -36,6 +37,7 @@ mod validation;
 use std::path::{Path, PathBuf};
 
 pub use error::PolicyError;
+pub use open::{Opening, TierError, sweep_stale};
 pub use pipeline::{
     BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DEFAULT_DEMOTION_CONCURRENCY,
     DatasetPacking, DemotionPolicy, Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked,
@@ -234,6 +236,15 @@ impl Policies {
 
     pub fn priorities(&self) -> Option<&PriorityPolicy> {
         self.priorities.as_ref()
+    }
+
+    /// The error for a policy `file` (`"packing.toml"`) that is optional here but that
+    /// `service` cannot run without.
+    pub fn needed(&self, file: &str, service: &str) -> PolicyError {
+        PolicyError::Needed {
+            file: self.dir.join(file),
+            service: service.to_owned(),
+        }
     }
 }
 

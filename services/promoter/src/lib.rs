@@ -38,17 +38,20 @@ mod promoter;
 pub mod resolve;
 pub mod state;
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
-use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
-use stagehand_bus::{BusError, CancellationToken, Handler, HandlerError, WorkContext};
+use stagehand_bus::runner::{
+    self, Context, InvalidKey, ServiceConfig, ServiceError, ServiceSettings,
+};
+use stagehand_bus::{
+    BusError, CancellationToken, Handler, HandlerError, RetrySchedule, WorkContext, WorkerConfig,
+};
 use stagehand_catalogue::Catalogue;
 use stagehand_manifest::Spool;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
-use stagehand_policy::{Policies, PolicyError, TierRole};
+use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, Retryable, subject};
 
 pub use promoter::{Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica};
@@ -162,6 +165,83 @@ impl Settings {
             None => SERVICE.to_owned(),
         }
     }
+
+    /// The requests worker with the promoter's defaults, before the `[worker]` table's:
+    /// `stage.requested` and `stage.released` on [`Settings::requests_consumer`].
+    pub fn requests_worker(&self) -> WorkerConfig {
+        let consumer = self.requests_consumer();
+        let mut cfg = self.worker(
+            &consumer,
+            subject::REQUESTS.name,
+            &["stage.requested", "stage.released"],
+        );
+        // Copies run inside the handler of the request that asked (progress acks keep it),
+        // so handler slots are more than copy slots: a ready-at-once answer never waits for
+        // a copy.
+        cfg.concurrency = 16;
+        // A node agent is the only instance on its node: no claims needed for its consumer.
+        cfg.claims = self.node.is_none();
+        // A request is retried while the catalogue catches up with a fact this promoter saw,
+        // or a copy lease changes hands: often, and soon, before it could be given up on.
+        cfg.max_deliver = 50;
+        cfg.retry = soon();
+        cfg
+    }
+
+    /// The facts worker with the promoter's defaults, on this instance's own consumer (every
+    /// instance sees every fact): what wakes the requests it holds.
+    pub fn facts_worker(&self) -> WorkerConfig {
+        let consumer = format!("{SERVICE}-facts-{}", self.instance_name());
+        let kinds = [
+            "dataset.validated",
+            "dataset.prepared",
+            "dataset.rejected",
+            "replica.created",
+            "replica.removed",
+        ];
+        let mut cfg = self.worker(&consumer, subject::FACTS.name, &kinds);
+        cfg.concurrency = 16;
+        // A fact the catalogue has not folded yet is retried soon, and often enough to
+        // outlast a slow recorder; the clock is the backstop after that.
+        cfg.max_deliver = 30;
+        cfg.retry = soon();
+        cfg
+    }
+
+    /// The ingests worker, on this instance's own consumer: an upload in progress makes a
+    /// request for it wait instead of fail.
+    pub fn ingests_worker(&self) -> WorkerConfig {
+        let consumer = format!("{SERVICE}-ingests-{}", self.instance_name());
+        self.worker(&consumer, subject::REQUESTS.name, &["ingest.requested"])
+    }
+
+    /// A worker of `consumer` on `stream` for `kinds`, its ledger beside the state.
+    fn worker(&self, consumer: &str, stream: &str, kinds: &[&str]) -> WorkerConfig {
+        let class = if stream == subject::FACTS.name {
+            "fact"
+        } else {
+            "req"
+        };
+        WorkerConfig::new(
+            consumer,
+            stream,
+            kinds
+                .iter()
+                .map(|k| subject::kind_filter(class, k))
+                .collect(),
+            self.state_dir.join(format!("{consumer}.redb")),
+        )
+    }
+}
+
+/// Retries for what the promoter waits on to catch up (the catalogue, a copy lease): from
+/// 200 ms to 10 s.
+fn soon() -> RetrySchedule {
+    RetrySchedule {
+        initial: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+        ..RetrySchedule::default()
+    }
 }
 
 impl ServiceSettings for Settings {
@@ -215,53 +295,28 @@ pub fn config(
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PromoterError {
+    /// A policy file is wrong, or `promotion.toml`, which the promoter needs, is absent.
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    #[error("{file}: promotion.toml is required by the promoter")]
-    NoPromotionPolicy { file: String },
-    #[error("cannot open tier {tier:?} at {location}: {source}")]
-    Tier {
-        tier: String,
-        location: String,
-        #[source]
-        source: Box<TransferError>,
-    },
-    #[error("cannot create the state directory {}: {source}", path.display())]
-    StateDir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error(transparent)]
     State(#[from] state::StateError),
     #[error("starting the mover: {0}")]
     Mover(#[source] Box<TransferError>),
     #[error(transparent)]
     Bus(#[from] BusError),
-    #[error("task failed: {0}")]
-    Task(#[from] runner::TaskError),
+    /// The state folder, one of its tasks, or the runner (configuration, metrics endpoint).
     #[error(transparent)]
-    Run(Box<runner::RunError>),
-}
-
-impl PromoterError {
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(PromoterError::Run)
-    }
+    Service(#[from] ServiceError),
 }
 
 impl Retryable for PromoterError {
     /// Whether starting again unchanged can succeed.
     fn is_retryable(&self) -> bool {
         match self {
-            PromoterError::Policy(_)
-            | PromoterError::NoPromotionPolicy { .. }
-            | PromoterError::StateDir { .. }
-            | PromoterError::Mover(_) => false,
-            PromoterError::Tier { source, .. } => source.is_retryable(),
-            PromoterError::State(_) | PromoterError::Task(_) => true,
+            PromoterError::Policy(_) | PromoterError::Mover(_) => false,
+            PromoterError::State(_) => true,
             PromoterError::Bus(e) => e.is_retryable(),
-            PromoterError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+            PromoterError::Service(e) => e.is_retryable(),
         }
     }
 }
@@ -270,70 +325,62 @@ impl Retryable for PromoterError {
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), PromoterError> {
     runner::run(SERVICE, config, shutdown, serve)
         .await
-        .map_err(PromoterError::from_run)
+        .map_err(runner::RunError::into_service_error)
 }
 
-/// What the runner calls (the binary's `main`): opens policies, tiers, state and the mover,
-/// then runs the workers and the clock until shutdown.
+/// What the runner calls (the binary's `main`): the three workers, the clock and the
+/// reconciler over one [`Promoter`], until shutdown.
 pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
+    let requests = ctx.worker(ctx.settings.requests_worker());
+    let facts = ctx.own_worker(ctx.settings.facts_worker())?;
+    let ingests = ctx.own_worker(ctx.settings.ingests_worker())?;
+    let mut tasks = ctx.tasks();
+    let token = tasks.shutdown().clone();
+    let promoter = open(&ctx, [&facts, &ingests], token.clone()).await?;
+    let worker = |cfg, handler| ctx.run_worker_until(cfg, handler, token.clone());
+    tasks.spawn(
+        "requests",
+        worker(requests, Handlers::Requests(promoter.clone())),
+    );
+    tasks.spawn("facts", worker(facts, Handlers::Facts(promoter.clone())));
+    tasks.spawn(
+        "ingests",
+        worker(ingests, Handlers::Facts(promoter.clone())),
+    );
+    tasks.spawn("clock", promoter.clone().clock());
+    tasks.spawn("reconciler", promoter.reconciler());
+    Ok(ctx.join(tasks).await?)
+}
+
+/// The promoter of `ctx`'s settings: its policies, the tiers (those it writes created and
+/// swept), its state, its copy leases, its mover; `watched` are the workers whose consumers
+/// wake the requests it holds, `shutdown` stops its copies.
+async fn open(
+    ctx: &Context<Settings>,
+    watched: [&WorkerConfig; 2],
+    shutdown: CancellationToken,
+) -> Result<Promoter, PromoterError> {
     let s = &ctx.settings;
     let policies = Policies::load_dir(&s.policies_dir)?;
-    let promotion =
-        policies
-            .promotion()
-            .cloned()
-            .ok_or_else(|| PromoterError::NoPromotionPolicy {
-                file: s.policies_dir.join("promotion.toml").display().to_string(),
-            })?;
-    let mut tiers = HashMap::new();
-    for (name, tier) in policies.tiers() {
-        // The tiers this promoter writes are created; the others must exist.
-        if matches!(tier.role, TierRole::Hot | TierRole::Local) {
-            let _ = tier.create_root();
-        }
-        match tier.open() {
-            Ok(t) => {
-                // Temporaries of dead writers on the tiers this promoter writes are removed
-                // (a dead copy's young staging folder is kept for the resume).
-                if let (stagehand_mover::Tier::Posix(p), TierRole::Hot | TierRole::Local) =
-                    (&t, tier.role)
-                {
-                    let p = p.clone();
-                    let swept = tokio::task::spawn_blocking(move || {
-                        p.sweep_stale("", stagehand_mover::SweepOptions::default())
-                    })
-                    .await;
-                    if let Ok(Err(e)) = swept {
-                        tracing::warn!(tier = %name, error = %e, "sweeping stale temporaries failed");
-                    }
-                }
-                tiers.insert(name.clone(), t);
-            }
-            Err(source) => {
-                tracing::warn!(tier = %name, location = %tier.location(), error = %source, "tier not opened; requests needing it fail");
-            }
-        }
-    }
-    std::fs::create_dir_all(&s.state_dir).map_err(|source| PromoterError::StateDir {
-        path: s.state_dir.clone(),
-        source,
-    })?;
+    let promotion = (policies.promotion().cloned())
+        .ok_or_else(|| policies.needed("promotion.toml", SERVICE))?;
+    // The tiers it writes are created, and swept of dead writers' temporaries (a dead copy's
+    // young staging folder is kept for the resume); the others must exist.
+    let tiers = policies
+        .open_tiers(|tier| match tier.role {
+            TierRole::Hot | TierRole::Local => Some(Opening::write().creating_root()),
+            _ => Some(Opening::read()),
+        })
+        .await;
+    let spool_dir = s.state_dir.join("spool");
+    runner::create_state_dirs([s.state_dir.as_path(), &spool_dir])?;
     let instance = s.instance_name();
     let consumer = s.requests_consumer();
     let state = state::State::open(&s.state_dir.join(format!("{consumer}-state.redb")))?;
     let bucket = ctx.bus.provision_kv(&stagehand_bus::PROMOTER).await?;
-    let coordination = kv::Coordination::new(bucket, &instance, s.lease_lifetime);
     let mover = Mover::new(s.mover.clone()).map_err(|e| PromoterError::Mover(Box::new(e)))?;
-    let spool_dir = s.state_dir.join("spool");
-    std::fs::create_dir_all(&spool_dir).map_err(|source| PromoterError::StateDir {
-        path: spool_dir.clone(),
-        source,
-    })?;
-    let mut tasks = ctx.tasks();
-    let token = tasks.shutdown().clone();
-    let facts_consumer = format!("{SERVICE}-facts-{instance}");
-    let ingests_consumer = format!("{SERVICE}-ingests-{instance}");
-    let promoter = Promoter::new(Parts {
+    tracing::info!(%instance, node = s.node.as_deref().unwrap_or("-"), consumer = %consumer, "promoter ready");
+    Ok(Promoter::new(Parts {
         bus: ctx.bus.clone(),
         catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
         policies,
@@ -341,107 +388,36 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         tiers,
         node: s.node.clone(),
         state,
-        coordination,
+        coordination: kv::Coordination::new(bucket, &instance, s.lease_lifetime),
         mover,
         spool: Spool::in_dir(spool_dir),
         progress_every: s.progress_every,
-        shutdown: token.clone(),
-        watched: vec![
-            (subject::FACTS.name, facts_consumer.clone()),
-            (subject::REQUESTS.name, ingests_consumer.clone()),
-        ],
-    });
-    tracing::info!(%instance, node = s.node.as_deref().unwrap_or("-"), consumer = %consumer, "promoter ready");
-
-    let mut requests = ctx.worker_config_named(
-        &consumer,
-        subject::REQUESTS.name,
-        vec![
-            subject::kind_filter("req", "stage.requested"),
-            subject::kind_filter("req", "stage.released"),
-        ],
-        s.state_dir.join(format!("{consumer}.redb")),
-    );
-    // Copies run inside the handler of the request that asked (progress acks keep it), so
-    // handler slots are more than copy slots: a ready-at-once answer never waits for a copy.
-    requests.concurrency = ctx.worker.concurrency.unwrap_or(16);
-    requests.ack_wait = ctx.worker.ack_wait.unwrap_or(Duration::from_secs(30));
-    // A node agent is the only instance on its node: no claims needed for its own consumer.
-    requests.claims = ctx.worker.claims.unwrap_or(s.node.is_none());
-    // A request is retried while the catalogue catches up with a fact this promoter saw, or a
-    // copy lease changes hands: often, and soon, before it could be given up on.
-    requests.max_deliver = ctx.worker.max_deliver.unwrap_or(50);
-    if ctx.worker.retry.is_none() {
-        requests.retry.initial = Duration::from_millis(200);
-        requests.retry.max = Duration::from_secs(10);
-    }
-    let mut facts = ctx.worker_config_named(
-        &facts_consumer,
-        subject::FACTS.name,
-        [
-            "dataset.validated",
-            "dataset.prepared",
-            "dataset.rejected",
-            "replica.created",
-            "replica.removed",
-        ]
-        .iter()
-        .map(|k| subject::kind_filter("fact", k))
-        .collect(),
-        s.state_dir.join(format!("{facts_consumer}.redb")),
-    );
-    // Every instance sees every fact (its own consumer): claims would keep each to one.
-    facts.claims = false;
-    facts.concurrency = ctx.worker.concurrency.unwrap_or(16);
-    // A fact the catalogue has not folded yet is retried soon, and often enough to outlast
-    // a slow recorder; the clock is the backstop after that.
-    facts.max_deliver = ctx.worker.max_deliver.unwrap_or(30);
-    if ctx.worker.retry.is_none() {
-        facts.retry.initial = Duration::from_millis(200);
-        facts.retry.max = Duration::from_secs(10);
-    }
-    let mut ingests = ctx.worker_config_named(
-        &ingests_consumer,
-        subject::REQUESTS.name,
-        vec![subject::kind_filter("req", "ingest.requested")],
-        s.state_dir.join(format!("{ingests_consumer}.redb")),
-    );
-    ingests.claims = false;
-
-    tasks.spawn(
-        "requests",
-        ctx.run_worker_until(requests, Requests(promoter.clone()), token.clone()),
-    );
-    tasks.spawn(
-        "facts",
-        ctx.run_worker_until(facts, Facts(promoter.clone()), token.clone()),
-    );
-    tasks.spawn(
-        "ingests",
-        ctx.run_worker_until(ingests, Facts(promoter.clone()), token.clone()),
-    );
-    tasks.spawn("clock", promoter.clone().clock());
-    tasks.spawn("reconciler", promoter.clone().reconciler());
-    let deadline = ctx.worker.shutdown_deadline_or(Duration::from_secs(20));
-    tasks.join(deadline).await?;
-    Ok(())
+        shutdown,
+        // (stream, consumer) of each: the stream's name as the schemas declare it.
+        watched: watched
+            .iter()
+            .filter_map(|w| {
+                let stream = subject::STREAMS.iter().find(|st| st.name == w.stream)?;
+                Some((stream.name, w.service.clone()))
+            })
+            .collect(),
+    }))
 }
 
-/// The requests consumer's handler.
-struct Requests(Promoter);
-
-impl Handler for Requests {
-    async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        self.0.on_request(event, Some(ctx)).await
-    }
+/// The handlers of the promoter's workers.
+enum Handlers {
+    /// The requests consumer's: stage requests and releases.
+    Requests(Promoter),
+    /// The facts and ingests consumers': what wakes a request that waits.
+    Facts(Promoter),
 }
 
-/// The facts and ingests consumers' handler.
-struct Facts(Promoter);
-
-impl Handler for Facts {
+impl Handler for Handlers {
     async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        self.0.on_fact(event, Some(ctx)).await
+        match self {
+            Handlers::Requests(p) => p.on_request(event, Some(ctx)).await,
+            Handlers::Facts(p) => p.on_fact(event, Some(ctx)).await,
+        }
     }
 }
 

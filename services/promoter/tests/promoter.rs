@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use stagehand_catalogue::ReplicaState;
-use stagehand_schemas::{Body, progress::WorkProgress};
+use stagehand_schemas::{Body, Retryable, progress::WorkProgress};
 use stagehand_testkit::{wait_for, wait_until};
 
 /// A validated version on the capacity tier is copied to hot once, verified, published under
@@ -612,5 +612,28 @@ async fn a_prepared_form_is_waited_for_and_staged() {
         std::fs::read(path.join("shard-000000.tar")).unwrap(),
         shard[0].1
     );
+    stack.stop().await;
+}
+
+/// `[worker] claims` used to be dropped for the facts and ingests workers, each on this
+/// instance's own consumer, after the table was applied: `claims = true` was silently
+/// ignored there, and a promoter with every policy it needs ran on. It cannot apply to them,
+/// so it is refused at start, naming the key and the consumer; nothing is consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_the_own_consumers_cannot_honour_are_refused_at_start() {
+    let stack = Stack::start().await;
+    let mut config = stack.promoter_config("p1");
+    config.worker.claims = Some(true);
+    let ran = tokio::time::timeout(
+        WAIT,
+        stagehand_promoter::run(config, stagehand_bus::CancellationToken::new()),
+    )
+    .await
+    .expect("the promoter refuses to start instead of running");
+    let err = ran.unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("worker.claims"), "{text}");
+    assert!(text.contains("promoter-facts-p1"), "{text}");
+    assert!(!err.is_retryable(), "{text}");
     stack.stop().await;
 }

@@ -5,15 +5,18 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_nats::jetstream;
+use stagehand_bus::runner::{self, ServiceError};
 use stagehand_bus::{Bus, Handler, HandlerError, WorkContext};
 use stagehand_manifest::{
     BucketOptions, ManifestBuilder, ManifestSource, ManifestStore, Spool, inline_or_stored,
 };
 use stagehand_mover::{
     CancellationToken, EngineChoice, Mover, MoverConfig, Progress, RateLimiter, SetCopy, StagedSet,
-    SweepOptions, Tier, TransferError,
+    Tier,
 };
-use stagehand_policy::{IncompletePolicy, Packing, PackingPolicy, Policies, TierRole};
+use stagehand_policy::{
+    IncompletePolicy, Opening, Packing, PackingPolicy, Policies, TierError, TierRole,
+};
 use stagehand_schemas::{
     Body, DatasetPrepared, DatasetValidated, Event, EventId, Location, layout,
 };
@@ -49,72 +52,45 @@ pub struct Resharder {
     busy: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-fn open_err(name: &str, location: String) -> impl FnOnce(TransferError) -> ReshardError + '_ {
-    move |source| ReshardError::Tier {
-        tier: name.to_owned(),
-        location,
-        source: Box::new(source),
-    }
-}
-
 impl Resharder {
     /// Loads the policies, opens the source tiers and the target tier, and removes what
     /// killed writers left on the target tier (their staging folders stay for their retry).
     pub async fn open(settings: &Settings, bus: &Bus) -> Result<Resharder, ReshardError> {
         let policies = Policies::load_dir(&settings.policies_dir)?;
         let Some(packing) = policies.packing().cloned() else {
-            return Err(ReshardError::NoPackingPolicy {
-                dir: settings.policies_dir.clone(),
+            return Err(policies.needed("packing.toml", crate::SERVICE).into());
+        };
+        let sources = policies.open_sources(&Opening::read()).await?;
+        let Some(target_policy) = policies.tier(&packing.target_tier) else {
+            // The policy crate checks that it is declared; this is its second line.
+            return Err(ReshardError::Target {
+                tier: packing.target_tier.clone(),
+                reason: "is not declared in tiers.toml".into(),
             });
         };
-        let mut sources = HashMap::new();
-        for (name, tier) in policies.tiers() {
-            let opened = match (tier.role, tier.open()) {
-                (TierRole::Source, Ok(opened)) => Some(opened),
-                (TierRole::Source, Err(e)) => return Err(open_err(name, tier.location())(e)),
-                _ => None,
-            };
-            sources.insert(name.clone(), (tier.role, opened));
-        }
-        let target_policy = policies
-            .tier(&packing.target_tier)
-            .expect("packing.toml's target tier is checked to exist");
-        let target = match target_policy.open() {
-            Ok(Tier::Posix(p)) => p,
-            Ok(Tier::S3(_)) => {
+        let target = match target_policy.open_for(&Opening::write()).await? {
+            Tier::Posix(p) => p,
+            Tier::S3(_) => {
                 return Err(ReshardError::Target {
                     tier: packing.target_tier.clone(),
                     reason: "is an s3 tier; the resharder writes shards to posix tiers only (copy them to S3 afterwards with the mover)".into(),
                 });
             }
-            Err(e) => return Err(open_err(&packing.target_tier, target_policy.location())(e)),
         };
-        for dir in [settings.state_dir.clone(), settings.spool_dir()] {
-            std::fs::create_dir_all(&dir)
-                .map_err(|source| ReshardError::StateDir { path: dir, source })?;
-        }
+        runner::create_state_dirs([settings.state_dir.as_path(), &settings.spool_dir()])?;
         // Versions a killed run was fetching from S3 are fetched afresh.
         let fetch_root = crate::fetch::fetch_root(&settings.spool_dir());
         match std::fs::remove_dir_all(&fetch_root) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(source) => {
-                return Err(ReshardError::StateDir {
+                return Err(ServiceError::StateDir {
                     path: fetch_root,
                     source,
-                });
+                }
+                .into());
             }
         }
-        let swept = {
-            let t = target.clone();
-            tokio::task::spawn_blocking(move || t.sweep_stale("", SweepOptions::default()))
-                .await
-                .map_err(|e| ReshardError::StateDir {
-                    path: target.root().to_owned(),
-                    source: std::io::Error::other(e),
-                })?
-                .map_err(open_err(&packing.target_tier, target_policy.location()))?
-        };
         let mover = Mover::new(MoverConfig {
             // Only the set's staging and publishing run through the mover; the shards are
             // written by the derivation's own threads.
@@ -123,7 +99,7 @@ impl Resharder {
             hash_threads: 1,
             ..MoverConfig::default()
         })
-        .map_err(open_err(&packing.target_tier, target_policy.location()))?;
+        .map_err(|e| TierError::new(target_policy, e))?;
         let tuning = Tuning {
             read_threads: settings.read_threads,
             batch_bytes: settings.batch_bytes.bytes(),
@@ -140,8 +116,6 @@ impl Resharder {
             min_files = packing.min_files,
             target = %packing.target_tier,
             target_root = %target.root().display(),
-            swept_files = swept.files_removed,
-            swept_sets = swept.sets_removed,
             "resharder ready"
         );
         Ok(Resharder {

@@ -44,10 +44,11 @@ pub mod sort;
 use std::path::PathBuf;
 
 use serde::Deserialize;
-use stagehand_bus::runner::{self, Context, InvalidKey, ServiceConfig, ServiceSettings};
+use stagehand_bus::runner::{
+    self, Context, InvalidKey, ServiceConfig, ServiceError, ServiceSettings,
+};
 use stagehand_bus::{BusError, CancellationToken, WorkerConfig, WorkerStats};
-use stagehand_mover::TransferError;
-use stagehand_policy::{ByteSize, PolicyError};
+use stagehand_policy::{ByteSize, PolicyError, TierError};
 use stagehand_schemas::{Retryable, subject};
 
 pub use derive::{DeriveError, Derived, INCOMPLETE_FILE, PREPARED_FILE};
@@ -216,54 +217,29 @@ pub fn config(
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReshardError {
+    /// A policy file is wrong, or `packing.toml`, which the resharder needs, is absent.
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    /// `packing.toml` is absent: there is nothing the resharder could do.
-    #[error(
-        "{} has no packing.toml: the resharder needs a packing policy (see policies/packing.toml)",
-        dir.display()
-    )]
-    NoPackingPolicy { dir: PathBuf },
     /// The packing policy's target tier cannot hold shards written by this service.
     #[error("target tier {tier:?}: {reason}")]
     Target { tier: String, reason: String },
-    #[error("cannot open tier {tier:?} at {location}: {source}")]
-    Tier {
-        tier: String,
-        location: String,
-        #[source]
-        source: Box<TransferError>,
-    },
-    #[error("cannot create {}: {source}", path.display())]
-    StateDir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Tier(#[from] TierError),
     #[error(transparent)]
     Bus(#[from] BusError),
-    /// The runner could not start or keep the service (configuration, metrics endpoint).
+    /// The state folder, or the runner (configuration, metrics endpoint).
     #[error(transparent)]
-    Run(Box<runner::RunError>),
-}
-
-impl ReshardError {
-    fn from_run(e: runner::RunError) -> Self {
-        e.into_service_error(ReshardError::Run)
-    }
+    Service(#[from] ServiceError),
 }
 
 impl Retryable for ReshardError {
     /// Whether starting again unchanged can succeed (NATS or a tier was briefly unavailable).
     fn is_retryable(&self) -> bool {
         match self {
-            ReshardError::Policy(_)
-            | ReshardError::NoPackingPolicy { .. }
-            | ReshardError::Target { .. }
-            | ReshardError::StateDir { .. } => false,
-            ReshardError::Tier { source, .. } => source.is_retryable(),
+            ReshardError::Policy(_) | ReshardError::Target { .. } => false,
+            ReshardError::Tier(e) => e.is_retryable(),
             ReshardError::Bus(e) => e.is_retryable(),
-            ReshardError::Run(e) => e.exit_code() != runner::EXIT_CONFIG,
+            ReshardError::Service(e) => e.is_retryable(),
         }
     }
 }
@@ -273,14 +249,13 @@ impl Retryable for ReshardError {
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<WorkerStats, ReshardError> {
     runner::run(SERVICE, config, shutdown, serve)
         .await
-        .map_err(ReshardError::from_run)
+        .map_err(runner::RunError::into_service_error)
 }
 
 /// What the runner calls (the binary's `main`): loads the policies, opens the tiers, sweeps
-/// what a killed run left on the target tier, then serves.
+/// what a killed run left on the target tier, then serves `dataset.validated`.
 pub async fn serve(ctx: Context<Settings>) -> Result<WorkerStats, ReshardError> {
     let resharder = Resharder::open(&ctx.settings, &ctx.bus).await?;
-    let mut cfg = ctx.settings.worker_config();
-    ctx.worker.apply(&mut cfg);
-    Ok(ctx.run_worker(cfg, resharder).await?)
+    let validated = ctx.worker(ctx.settings.worker_config());
+    Ok(ctx.run_worker(validated, resharder).await?)
 }

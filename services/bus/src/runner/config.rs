@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use stagehand_config::{key_at, line_of};
 use stagehand_telemetry::TelemetryConfig;
 
-use crate::config::{BusConfig, WorkerConfig};
+use crate::config::{BusConfig, DEFAULT_SHUTDOWN_DEADLINE, WorkerConfig};
 use crate::error::BusError;
 use crate::retry::RetrySchedule;
 
@@ -52,7 +52,8 @@ impl InvalidKey {
 }
 
 /// The runtime's tunables, the `[worker]` table. Each key given replaces the value the service
-/// chose (or the runtime's default) in every worker the service runs.
+/// chose (or the runtime's default) in every worker the service runs: the one precedence rule,
+/// applied by `runner::Context::worker`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSettings {
@@ -90,8 +91,43 @@ pub struct WorkerSettings {
 }
 
 impl WorkerSettings {
+    /// `declared` — the runtime's defaults ([`WorkerConfig::new`]) with whatever the service
+    /// chose written over them — with every key given here written over that, and the
+    /// [drain deadline](WorkerSettings::drain_deadline) as its shutdown deadline: a worker on a
+    /// consumer the service's instances share.
+    pub fn worker(&self, declared: WorkerConfig) -> WorkerConfig {
+        let mut cfg = declared;
+        self.apply(&mut cfg);
+        cfg.shutdown_deadline = self.drain_deadline();
+        cfg
+    }
+
+    /// [`WorkerSettings::worker`] for a worker on a consumer of one instance's own, which
+    /// sees every message and so never claims. `claims = true` cannot apply to it: refused,
+    /// naming the key, `service` and the consumer.
+    pub fn own_worker(
+        &self,
+        service: &str,
+        declared: WorkerConfig,
+    ) -> Result<WorkerConfig, BusError> {
+        if self.claims == Some(true) {
+            return Err(BusError::config(
+                "worker.claims",
+                format!(
+                    "true cannot apply to the {service}'s worker on consumer {:?}: that \
+                     consumer is this instance's own, sees every message and never claims; \
+                     leave `claims` out",
+                    declared.service
+                ),
+            ));
+        }
+        let mut cfg = self.worker(declared);
+        cfg.claims = false;
+        Ok(cfg)
+    }
+
     /// Writes every key given into `cfg`.
-    pub fn apply(&self, cfg: &mut WorkerConfig) {
+    fn apply(&self, cfg: &mut WorkerConfig) {
         if let Some(v) = self.concurrency {
             cfg.concurrency = v;
         }
@@ -130,9 +166,11 @@ impl WorkerSettings {
         }
     }
 
-    /// The deadline given, or `default`.
-    pub fn shutdown_deadline_or(&self, default: Duration) -> Duration {
-        self.shutdown_deadline.unwrap_or(default)
+    /// The service's drain deadline: `shutdown_deadline` when given, else
+    /// [`DEFAULT_SHUTDOWN_DEADLINE`]. Every worker of the service stops within it, and the
+    /// runner waits that long (and a little more) for the service to return.
+    pub fn drain_deadline(&self) -> Duration {
+        self.shutdown_deadline.unwrap_or(DEFAULT_SHUTDOWN_DEADLINE)
     }
 
     /// Checks the values against what the runtime accepts, on a worker with every other
@@ -312,6 +350,7 @@ impl Located<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stagehand_schemas::Retryable;
 
     #[derive(Debug, Deserialize, PartialEq)]
     #[serde(deny_unknown_fields)]
@@ -425,5 +464,63 @@ mod tests {
             })
             .unwrap_err();
         assert_eq!(err.key(), Some(crate::env::NATS_REPLICAS));
+    }
+
+    /// The one precedence rule: the runtime's default, then the service's own, then each
+    /// key `[worker]` gives; the shutdown deadline is the drain deadline whatever the service
+    /// declared.
+    #[test]
+    fn a_worker_is_the_services_defaults_then_the_worker_table() {
+        let mut declared = WorkerConfig::new("svc", "S", vec!["s.>".into()], "x.redb");
+        declared.concurrency = 16;
+        declared.max_deliver = 50;
+        declared.shutdown_deadline = Duration::from_secs(3);
+        let none = WorkerSettings::default().worker(declared.clone());
+        assert_eq!((none.concurrency, none.max_deliver), (16, 50));
+        assert_eq!(
+            none.max_attempts,
+            WorkerConfig::new("e", "S", vec![], "x").max_attempts
+        );
+        assert_eq!(none.shutdown_deadline, DEFAULT_SHUTDOWN_DEADLINE);
+
+        let table = WorkerSettings {
+            concurrency: Some(4),
+            claims: Some(false),
+            shutdown_deadline: Some(Duration::from_secs(7)),
+            ..WorkerSettings::default()
+        };
+        let given = table.worker(declared);
+        assert_eq!((given.concurrency, given.max_deliver), (4, 50));
+        assert!(!given.claims);
+        assert_eq!(given.shutdown_deadline, Duration::from_secs(7));
+        assert_eq!(table.drain_deadline(), Duration::from_secs(7));
+    }
+
+    /// A worker on an instance's own consumer never claims, and `claims = true` is refused
+    /// with the key and the consumer named, not ignored.
+    #[test]
+    fn claims_cannot_be_asked_of_a_worker_on_its_own_consumer() {
+        let declared = WorkerConfig::new("svc-facts-a", "S", vec!["s.>".into()], "x.redb");
+        let own = WorkerSettings::default()
+            .own_worker("svc", declared.clone())
+            .unwrap();
+        assert!(!own.claims);
+        let off = WorkerSettings {
+            claims: Some(false),
+            ..WorkerSettings::default()
+        };
+        assert!(!off.own_worker("svc", declared.clone()).unwrap().claims);
+        let on = WorkerSettings {
+            claims: Some(true),
+            ..WorkerSettings::default()
+        };
+        let err = on.own_worker("svc", declared.clone()).unwrap_err();
+        assert_eq!(err.config_key().map(|(k, _)| k), Some("worker.claims"));
+        assert!(err.to_string().contains("svc-facts-a"), "{err}");
+        assert!(!err.is_retryable());
+        assert!(
+            on.worker(declared).claims,
+            "a shared consumer's worker claims"
+        );
     }
 }

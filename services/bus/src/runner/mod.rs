@@ -13,8 +13,9 @@
 //! 3. **connect** (with retries) and **provision** the streams and the claims bucket;
 //! 4. **signals** — SIGINT or SIGTERM starts a drain; a second one exits at once;
 //! 5. **serve** — the service's function gets a [`Context`] (its settings, the connection, the
-//!    worker tunables, the shutdown token) and runs its worker(s) and any other tasks in a
-//!    [`TaskGroup`];
+//!    worker tunables, the shutdown token), builds its worker(s) with [`Context::worker`] (the
+//!    service's defaults, then `[worker]`) and runs them and any other tasks in a
+//!    [`TaskGroup`] joined within the drain deadline ([`Context::join`]);
 //! 6. **drain** within the deadline, then the **exit code**: 0 after a clean stop, 1 when the
 //!    service failed (a dead store, a lost stream: the supervisor restarts it), 78 (`EX_CONFIG`)
 //!    when the configuration is wrong (restarting cannot help).
@@ -24,7 +25,7 @@
 //!
 //! ```no_run
 //! use stagehand_bus::runner::{self, Context, InvalidKey, ServiceSettings};
-//! use stagehand_bus::{BusError, Handler, HandlerError, WorkContext};
+//! use stagehand_bus::{BusError, Handler, HandlerError, WorkContext, WorkerConfig};
 //! use stagehand_schemas::{Event, subject};
 //!
 //! #[derive(serde::Deserialize)]
@@ -43,12 +44,13 @@
 //! }
 //!
 //! async fn serve(ctx: Context<Settings>) -> Result<(), BusError> {
-//!     let cfg = ctx.worker_config(
+//!     let echo = ctx.worker(WorkerConfig::new(
+//!         "echo",
 //!         subject::REQUESTS.name,
 //!         vec![subject::kind_filter("req", "stage.released")],
 //!         ctx.settings.state_dir.join("echo.redb"),
-//!     );
-//!     ctx.run_worker(cfg, Echo).await.map(|_| ())
+//!     ));
+//!     ctx.run_worker(echo, Echo).await.map(|_| ())
 //! }
 //!
 //! fn main() -> std::process::ExitCode {
@@ -61,7 +63,7 @@ mod health;
 mod tasks;
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,10 +87,8 @@ use health::Health;
 pub const EXIT_CONFIG: u8 = 78;
 /// Exit status for a service that failed while running; its supervisor restarts it.
 pub const EXIT_FAILED: u8 = 1;
-/// How much longer than the workers' own drain deadline the runner waits for a service.
+/// How much longer than the service's drain deadline the runner waits for it.
 const DRAIN_MARGIN: Duration = Duration::from_secs(2);
-/// The drain deadline when the `[worker]` table sets none.
-const DEFAULT_DRAIN: Duration = Duration::from_secs(20);
 
 /// What a service's `serve` function is given: its settings, a connected and provisioned bus,
 /// the `[worker]` tunables and the shutdown token.
@@ -100,7 +100,7 @@ pub struct Context<S> {
     pub settings: S,
     /// The connection, streams and claims bucket provisioned.
     pub bus: Bus,
-    /// The `[worker]` table: applied by [`Context::worker_config`].
+    /// The `[worker]` table: applied by [`Context::worker`] and [`Context::own_worker`].
     pub worker: WorkerSettings,
     /// Cancelled when the service must stop.
     pub shutdown: CancellationToken,
@@ -124,34 +124,40 @@ impl<S> Context<S> {
         }
     }
 
-    /// A worker of this service (its durable consumer is the service name) with the
-    /// `[worker]` tunables applied over the runtime's defaults.
-    pub fn worker_config(
-        &self,
-        stream: &str,
-        filter_subjects: Vec<String>,
-        ledger_path: impl Into<PathBuf>,
-    ) -> WorkerConfig {
-        self.worker_config_named(self.name, stream, filter_subjects, ledger_path)
+    /// A worker of this service on a consumer its instances share, by the one precedence rule:
+    /// the runtime's defaults ([`WorkerConfig::new`]), then the service's own (what `declared`
+    /// sets: its consumer, stream, filters, ledger and any tunable it chooses), then every key
+    /// the `[worker]` table gives. Its shutdown deadline is the service's
+    /// [drain deadline](Context::drain_deadline).
+    pub fn worker(&self, declared: WorkerConfig) -> WorkerConfig {
+        self.worker.worker(declared)
     }
 
-    /// [`Context::worker_config`] for a second worker of the service under another consumer
-    /// name (the recorder's dead-letter counter).
-    pub fn worker_config_named(
-        &self,
-        consumer: &str,
-        stream: &str,
-        filter_subjects: Vec<String>,
-        ledger_path: impl Into<PathBuf>,
-    ) -> WorkerConfig {
-        let mut cfg = WorkerConfig::new(consumer, stream, filter_subjects, ledger_path);
-        self.worker.apply(&mut cfg);
-        cfg
+    /// A worker on a consumer of this instance's own (the recorder's, the promoter's facts):
+    /// every instance sees every message, so there is no one to claim against and it never
+    /// claims. Built like [`Context::worker`]; `[worker] claims = true` cannot apply to it and
+    /// is refused with an error naming the key and the consumer, rather than ignored.
+    pub fn own_worker(&self, declared: WorkerConfig) -> Result<WorkerConfig, BusError> {
+        self.worker.own_worker(self.name, declared)
+    }
+
+    /// How long the service's work may take to finish once shutdown is asked for:
+    /// `[worker] shutdown_deadline`, else [`crate::DEFAULT_SHUTDOWN_DEADLINE`]. Every worker built
+    /// here stops within it, [`Context::join`] waits for a [`TaskGroup`] within it, and the runner
+    /// gives the service this long (and 2 s more) before it gives up on it.
+    pub fn drain_deadline(&self) -> Duration {
+        self.worker.drain_deadline()
     }
 
     /// A task group stopped by this context's shutdown token.
     pub fn tasks(&self) -> TaskGroup {
         TaskGroup::new(self.name, &self.shutdown)
+    }
+
+    /// Waits for every task of `tasks`, within the [drain deadline](Context::drain_deadline)
+    /// once shutdown is asked for; the first failure, as the service's.
+    pub async fn join(&self, tasks: TaskGroup) -> Result<(), ServiceError> {
+        Ok(tasks.join(self.drain_deadline()).await?)
     }
 
     /// Runs `handler` under `cfg` until shutdown, counting each call in the service's metrics
@@ -245,19 +251,19 @@ pub enum RunError {
 
 impl RunError {
     /// What the runner returned as the service's own error type `E`: the service's own error
-    /// as it returned it, a bus error through `E: From<BusError>`, anything else (configuration,
-    /// telemetry, another error type) wrapped by `wrap`.
-    pub fn into_service_error<E>(self, wrap: impl FnOnce(Box<RunError>) -> E) -> E
+    /// as it returned it, a bus error through `E: From<BusError>`, anything else
+    /// (configuration, telemetry, another error type) as [`ServiceError::Run`].
+    pub fn into_service_error<E>(self) -> E
     where
-        E: std::error::Error + From<BusError> + Send + Sync + 'static,
+        E: std::error::Error + From<BusError> + From<ServiceError> + Send + Sync + 'static,
     {
         match self {
             RunError::Bus(e) => E::from(e),
             RunError::Service(source) => match source.downcast::<E>() {
                 Ok(own) => *own,
-                Err(other) => wrap(Box::new(RunError::Service(other))),
+                Err(other) => E::from(ServiceError::Run(Box::new(RunError::Service(other)))),
             },
-            other => wrap(Box::new(other)),
+            other => E::from(ServiceError::Run(Box::new(other))),
         }
     }
 
@@ -270,6 +276,55 @@ impl RunError {
             RunError::Bus(_) | RunError::Service(_) => EXIT_FAILED,
         }
     }
+}
+
+/// What can stop any service, whichever it is: its state folder, one of its tasks, or the
+/// runner itself. Each service's error wraps it beside its own variants
+/// (`#[error(transparent)] Service(#[from] ServiceError)`), so these are written once.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServiceError {
+    /// A folder the service keeps its state, spool or scratch files in could not be created.
+    #[error("cannot create {}: {source}", path.display())]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// One of the service's tasks (a worker, a clock) failed, which stopped the others.
+    #[error(transparent)]
+    Task(#[from] TaskError),
+    /// The runner could not start or keep the service (configuration, metrics endpoint).
+    #[error(transparent)]
+    Run(Box<RunError>),
+}
+
+impl Retryable for ServiceError {
+    /// Whether starting again unchanged can succeed: a failed task (its cause is logged; the
+    /// supervisor's restart is the retry) unless it failed on a bus error that cannot be
+    /// retried, and a runner error unless the configuration must change.
+    fn is_retryable(&self) -> bool {
+        match self {
+            ServiceError::StateDir { .. } => false,
+            ServiceError::Task(e) => e
+                .source
+                .downcast_ref::<BusError>()
+                .is_none_or(BusError::is_retryable),
+            ServiceError::Run(e) => e.exit_code() != EXIT_CONFIG,
+        }
+    }
+}
+
+/// Creates `dirs` (and their parents) where they are missing: the folders a service keeps its
+/// state, spool or scratch files in.
+pub fn create_state_dirs<'a>(dirs: impl IntoIterator<Item = &'a Path>) -> Result<(), ServiceError> {
+    for dir in dirs {
+        std::fs::create_dir_all(dir).map_err(|source| ServiceError::StateDir {
+            path: dir.to_owned(),
+            source,
+        })?;
+    }
+    Ok(())
 }
 
 /// Runs a service in-process: the metrics endpoint (when configured) → connect → provision →
@@ -335,7 +390,7 @@ where
         shutdown: shutdown.clone(),
         health,
     };
-    let deadline = worker.shutdown_deadline_or(DEFAULT_DRAIN) + DRAIN_MARGIN;
+    let deadline = worker.drain_deadline() + DRAIN_MARGIN;
     let served = serve(ctx);
     tokio::pin!(served);
     // The service drains by itself once `shutdown` is cancelled; past the deadline it is cut

@@ -163,7 +163,7 @@ impl Stagehand {
             spawn(
                 &me.bus_config,
                 stagehand_catalogue_recorder::SERVICE,
-                stagehand_catalogue_recorder::RecorderConfig::dev(&home, &policies),
+                stagehand_catalogue_recorder::Settings::dev(&home, &policies),
                 stagehand_catalogue_recorder::serve,
                 me.stop.clone(),
             ),
