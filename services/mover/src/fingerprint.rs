@@ -874,9 +874,8 @@ impl Mover {
                     .await;
             for (f, verdict) in checked {
                 let change = verdict?;
-                if !matches!(change, Some(Change::Missing)) {
-                    listed.mark(&f.path);
-                }
+                // Listed, whatever state it is in: neither it nor its folders are strays.
+                listed.mark(&f.path);
                 if let Some(mut change) = change {
                     // The size the walk saw, where the read stopped before counting it.
                     if let Change::Size { found, .. } = &mut change

@@ -334,3 +334,31 @@ async fn an_s3_fingerprint_finds_a_rewritten_object_and_a_stray() {
     let now = dst.fingerprint("p/ds/v1").await.unwrap();
     assert!(report.fingerprint.unwrap().compare(&now).is_empty());
 }
+
+/// A listed file that is missing keeps its folders listed: a folder whose only file was deleted
+/// is that file `missing`, not a `stray` folder as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_whose_only_file_is_missing_is_no_stray() {
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut files = source(&src_dir.path().join("lab/v1"), 4);
+    files.push(write(
+        &src_dir.path().join("lab/v1"),
+        "solo/only.bin",
+        &data(99, 700),
+    ));
+    let src = Tier::Posix(PosixTier::open("capacity", src_dir.path()).unwrap());
+    let dst = Tier::Posix(PosixTier::open("hot", dst_dir.path()).unwrap());
+    let mover = Mover::new(MoverConfig::default()).unwrap();
+    copy(&mover, &src, &dst, &set("p/ds/v1"), &files).await;
+    let solo = dst_dir.path().join("p/ds/v1/solo");
+    std::fs::set_permissions(&solo, std::fs::Permissions::from_mode(0o750)).unwrap();
+    std::fs::remove_file(solo.join("only.bin")).unwrap();
+    let check = mover
+        .check_set(&dst, "p/ds/v1", futures::stream::iter(files.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        changes(&check.differences),
+        vec![("solo/only.bin".to_owned(), "missing")]
+    );
+}
