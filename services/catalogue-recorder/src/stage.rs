@@ -449,13 +449,70 @@ pub fn status_in(
         .map(|v| decode(v.value(), what))
         .transpose()?;
     let key = counted_key(&record.status);
-    Ok(Some((record.shown(progress), key)))
+    let mut shown = record.shown(progress);
+    // A job holding a replica found damaged since it was handed out sees why.
+    if shown.state == StageState::Ready
+        && let Some(k) = &key
+        && let Some(replica) = crate::readiness::replica_of(txn, k)?
+        && replica.state == stagehand_catalogue::ReplicaState::Damaged
+    {
+        shown.reason = Some(format!(
+            "the replica it was handed is {}",
+            replica.reason.as_deref().unwrap_or("damaged")
+        ));
+    }
+    Ok(Some((shown, key)))
+}
+
+/// The stage requests of the version on the (tier, node) a replica fact names: the holders
+/// whose shown status follows the replica's damage and repair.
+fn stages_of_replica(
+    txn: &ReadTransaction,
+    project: &str,
+    (dataset, version): (&str, &str),
+    (tier, node): (&str, Option<&str>),
+) -> Result<Vec<EventId>, StoreError> {
+    let by_version = txn.open_table(STAGES_BY_VERSION)?;
+    let requests = txn.open_table(STAGE_REQUESTS)?;
+    let mut out = Vec::new();
+    for row in by_version.range((project, dataset, version, "")..)? {
+        let (k, _) = row?;
+        let (pr, ds, v, id) = k.value();
+        if pr != project || ds != dataset || v != version {
+            break;
+        }
+        if let Some(value) = requests.get((project, id))? {
+            let record: StageRecord =
+                decode(value.value(), || format!("stage request {project}/{id}"))?;
+            if record.status.tier == tier && record.status.node.as_deref() == node {
+                out.push(record.status.request_id);
+            }
+        }
+    }
+    Ok(out)
 }
 
 impl Store {
     /// The stage requests `event` is about: its own, or for a release every folded request it
     /// names (what the schedulers' mirror rewrites after it is folded).
     pub fn stages_touched(&self, event: &Event) -> Result<Vec<EventId>, StoreError> {
+        let replica = match &event.body {
+            stagehand_schemas::Body::ReplicaDamaged(p) => {
+                Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
+            }
+            stagehand_schemas::Body::ReplicaCreated(p) => {
+                Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
+            }
+            _ => None,
+        };
+        if let Some((dataset, version, tier, node)) = replica {
+            return stages_of_replica(
+                &self.reader()?,
+                &event.project,
+                (dataset, version),
+                (tier, node),
+            );
+        }
         let stagehand_schemas::Body::StageReleased(p) = &event.body else {
             return Ok(crate::fold::stage_request_of(event).into_iter().collect());
         };
