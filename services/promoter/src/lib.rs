@@ -36,6 +36,7 @@
 pub mod kv;
 mod promoter;
 pub mod resolve;
+mod reuse;
 pub mod state;
 
 use std::collections::HashMap;
@@ -54,6 +55,7 @@ use stagehand_policy::{Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
 pub use promoter::{Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica};
+pub use reuse::step_damaged;
 
 /// The service name: its shared durable consumer, its dead-letter subject, its metric label.
 pub const SERVICE: &str = "promoter";

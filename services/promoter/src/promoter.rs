@@ -34,6 +34,7 @@ use tracing::{debug, info, warn};
 
 use crate::kv::{Coordination, LeaseState, Limits, Refused};
 use crate::resolve::{self, Decision, Plan};
+use crate::reuse::Reuse;
 use crate::state::{
     FactNote, IngestNote, RequestRecord, Seen, Standing, State, WaitGuard, WaitingFor,
 };
@@ -194,7 +195,7 @@ impl Promoter {
         }
     }
 
-    fn p(&self) -> &Parts {
+    pub(crate) fn p(&self) -> &Parts {
         &self.inner.parts
     }
 
@@ -780,7 +781,7 @@ impl Promoter {
         }
     }
 
-    async fn emit(&self, facts: &[Event]) -> Result<(), HandlerError> {
+    pub(crate) async fn emit(&self, facts: &[Event]) -> Result<(), HandlerError> {
         for fact in facts {
             self.p()
                 .bus
@@ -824,7 +825,12 @@ impl Promoter {
         Ok(vec![fact])
     }
 
-    fn pending_fact(&self, record: &RequestRecord, waiting_for: WaitingFor, reason: &str) -> Event {
+    pub(crate) fn pending_fact(
+        &self,
+        record: &RequestRecord,
+        waiting_for: WaitingFor,
+        reason: &str,
+    ) -> Event {
         let r = stage_request(&record.event).expect("a stage request");
         record.event.caused(
             &step_pending(waiting_for),
@@ -967,7 +973,13 @@ impl Promoter {
                 .wait_for_removal(record, &plan.version, request, u.reason)
                 .await;
         }
-        if dst.set_present(&prefix).await.map_err(retry)? {
+        // Checked before reuse (`crate::reuse`): a replica that is not what was verified is
+        // withdrawn and takes the copy path below, which verifies and repairs it.
+        if dst.set_present(&prefix).await.map_err(retry)?
+            && let Reuse::Intact = self
+                .check_before_reuse(record, request, &plan, dst, &prefix)
+                .await?
+        {
             if let Served::Withdrawing { reason } = self.serve(record, request, &prefix).await? {
                 return self
                     .wait_for_removal(record, &plan.version, request, reason)
@@ -1233,23 +1245,23 @@ impl Promoter {
         match outcome {
             Ok(report) => {
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
-                let replica = (!report.existed).then(|| {
-                    record.event.caused(
-                        &step_replica(&request.tier, node),
-                        Body::ReplicaCreated(ReplicaCreated {
-                            dataset: request.dataset.clone(),
-                            version: plan.version.clone(),
-                            location: Location {
-                                tier: request.tier.clone(),
-                                prefix: prefix.to_owned(),
-                            },
-                            files: plan.files,
-                            total_bytes: plan.bytes,
-                            verified_by: self.p().promotion.verify.as_str().into(),
-                            node: node.map(str::to_owned),
-                        }),
-                    )
-                });
+                // Also when it was found in place and verified (a repair, or a copy that
+                // raced this one): the catalogue may hold it withdrawn until told again.
+                let replica = Some(record.event.caused(
+                    &step_replica(&request.tier, node),
+                    Body::ReplicaCreated(ReplicaCreated {
+                        dataset: request.dataset.clone(),
+                        version: plan.version.clone(),
+                        location: Location {
+                            tier: request.tier.clone(),
+                            prefix: prefix.to_owned(),
+                        },
+                        files: plan.files,
+                        total_bytes: plan.bytes,
+                        verified_by: self.p().promotion.verify.as_str().into(),
+                        node: node.map(str::to_owned),
+                    }),
+                ));
                 if let Served::Withdrawing { reason } = self.serve(record, request, prefix).await? {
                     return self
                         .wait_for_removal(record, &plan.version, request, reason)
@@ -1307,7 +1319,7 @@ impl Promoter {
 
     /// The version's verified file list: from the services' manifest bucket, or (a version
     /// small enough to travel inline) the catalogue's pages, checked against the digest.
-    async fn manifest(
+    pub(crate) async fn manifest(
         &self,
         project: &str,
         dataset: &str,
@@ -1463,6 +1475,13 @@ impl Promoter {
             .publish()
             .await
             .map_err(|e| self.copy_error(src_tier, e))?;
+        crate::reuse::record(
+            self.p().coordination.store(),
+            (&request.tier, node),
+            prefix,
+            &report,
+        )
+        .await;
         Ok(report)
     }
 
@@ -1611,7 +1630,7 @@ fn deadline_reason(record: &RequestRecord, waiting_for: WaitingFor, reason: &str
 }
 
 /// How a copy ended when it did not publish.
-enum CopyFailed {
+pub(crate) enum CopyFailed {
     /// Try again later; the staging folder stays for a resume.
     Retry(HandlerError),
     /// Answer `stage.failed`.
