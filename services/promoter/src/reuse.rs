@@ -101,6 +101,14 @@ async fn record_print(
     }
 }
 
+/// What happens to a damaged replica of `plan`'s version next, for a person.
+fn repair_source(plan: &Plan) -> String {
+    plan.sources
+        .first()
+        .map(|(tier, _)| format!("being verified by hash and repaired from tier {tier}"))
+        .unwrap_or_else(|| "no verified replica to repair it from".to_owned())
+}
+
 impl Promoter {
     /// Checks the replica of `plan`'s version at `prefix` on the request's tier before it is
     /// handed out again (the module docs): [`Reuse::Intact`], or the damage found is published
@@ -115,6 +123,28 @@ impl Promoter {
     ) -> Result<Reuse, HandlerError> {
         let node = request.node.as_deref();
         let place = (request.tier.as_str(), node);
+        if plan
+            .damaged
+            .iter()
+            .any(|(t, n)| *t == request.tier && n.as_deref() == node)
+        {
+            // Withdrawn already (by a copy down, a scrub or an earlier check): the copy path
+            // verifies every file by hash and repairs it, and its replica.created makes it
+            // ready again. Its fingerprint may well match: bytes can rot under metadata.
+            info!(request = %record.event.id, tier = %request.tier, %prefix, "the catalogue holds this replica damaged: verifying by hash and repairing before it is handed out");
+            let waiting = self.pending_fact(
+                record,
+                WaitingFor::Copy,
+                &format!(
+                    "version {} on tier {} is recorded damaged; {}",
+                    plan.version,
+                    request.tier,
+                    repair_source(plan)
+                ),
+            );
+            self.emit(std::slice::from_ref(&waiting)).await?;
+            return Ok(Reuse::Repair);
+        }
         let store = self.p().coordination.store();
         let recorded = placement::fingerprint(store, &request.tier, node, prefix)
             .await
@@ -165,11 +195,7 @@ impl Promoter {
                 ("hash", check.differences)
             }
         };
-        let source = plan
-            .sources
-            .first()
-            .map(|(tier, _)| format!("being verified by hash and repaired from tier {tier}"))
-            .unwrap_or_else(|| "no verified replica to repair it from".to_owned());
+        let source = repair_source(plan);
         let reason = match found_by {
             "fingerprint" => format!(
                 "its files differ from the fingerprint recorded when it was staged; readiness withdrawn, {source}"

@@ -255,3 +255,90 @@ async fn a_replica_without_a_fingerprint_is_verified_by_hash_before_reuse() {
     );
     stack.stop().await;
 }
+
+/// Bytes can rot under unchanged metadata, where no fingerprint sees them. A replica the
+/// catalogue holds damaged — here stated by a scrub — is verified by hash and repaired before
+/// it is handed out again, even though its fingerprint matches the folder as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_recorded_damaged_is_verified_by_hash_even_when_its_fingerprint_matches() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let files = files();
+    let (prefix, refs) = stack.put_files("capacity", "cats", "v1", &files);
+    let version = stack.validated("cats", "capacity", &prefix, &refs).await;
+    let js = stack.bus.jetstream().clone();
+    let first = stage_request("cats", &version, "hot", "job-1", None, None);
+    stack.publish(&first).await;
+    let set = std::path::PathBuf::from(ready_path(&ready_of(&stack, &first).await));
+    stack
+        .publish(&stage_release("cats", &version, "hot", "job-1"))
+        .await;
+
+    let path = set.join("train/0001.jpg");
+    writable(&path);
+    let mut b = std::fs::read(&path).unwrap();
+    b[99] ^= 0x08;
+    std::fs::write(&path, b).unwrap();
+    // The rot as a failing disk leaves it: the recorded fingerprint is the folder as it is now.
+    let replica = format!("{PROJECT}/cats/{version}");
+    let hot = stagehand_mover::Tier::Posix(
+        stagehand_mover::PosixTier::open("hot", stack.tier("hot")).unwrap(),
+    );
+    let now = hot.fingerprint(&replica).await.unwrap();
+    let store = js
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await
+        .unwrap();
+    placement::put_fingerprint(&store, "hot", None, &replica, &now.encode())
+        .await
+        .unwrap();
+
+    let scrub = Event::request(
+        stagehand_schemas::EventId::for_content(&[b"scrub", replica.as_bytes()]),
+        PROJECT,
+        Body::ReplicaDamaged(stagehand_schemas::ReplicaDamaged {
+            dataset: "cats".into(),
+            version: version.clone(),
+            location: stagehand_schemas::Location {
+                tier: "hot".into(),
+                prefix: replica.clone(),
+            },
+            node: None,
+            found_by: "scrub".into(),
+            files: vec![stagehand_schemas::DamagedFile {
+                path: "train/0001.jpg".into(),
+                how: "hash".into(),
+                expected_size: None,
+                found_size: None,
+            }],
+            damaged_total: 1,
+            reason: "read back by a scrub".into(),
+        }),
+    );
+    stack.publish(&scrub).await;
+    wait_for(WAIT, "readiness withdrawn", || async {
+        readiness(&stack, &version).await.filter(|r| !r.ready)
+    })
+    .await
+    .unwrap();
+
+    let second = stage_request("cats", &version, "hot", "job-2", None, None);
+    stack.publish(&second).await;
+    let ready = ready_of(&stack, &second).await;
+    assert_eq!(std::fs::read(&path).unwrap(), files[0].1);
+    let stored = all_facts(&js).await;
+    let damaged_at = stored.iter().position(|e| e.id == scrub.id).unwrap();
+    let ready_at = stored.iter().position(|e| e.id == ready.id).unwrap();
+    assert!(
+        stored[damaged_at..ready_at]
+            .iter()
+            .any(|e| matches!(&e.body, Body::ReplicaCreated(c) if c.location.tier == "hot")),
+        "the repair's replica.created comes between the damage and the answer"
+    );
+    wait_for(WAIT, "readiness ready again", || async {
+        readiness(&stack, &version).await.filter(|r| r.ready)
+    })
+    .await
+    .unwrap();
+    stack.stop().await;
+}
