@@ -749,6 +749,79 @@ mod tests {
         assert_eq!((r.jobs.ready, r.jobs.released), (0, 1));
     }
 
+    /// A job holding a ready stage on a replica found damaged sees why in its status, and the
+    /// version's readiness is withdrawn; a newer `replica.created` of the same copy (its
+    /// repair) makes it ready again and the reason goes.
+    #[test]
+    fn a_holder_of_a_replica_found_damaged_sees_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let store = store_with(dir.path(), "a.redb", &events[..4]);
+        let v = key().version;
+        let location = Location {
+            tier: "local".into(),
+            prefix: format!("lab-a/cats/{v}"),
+        };
+        let mut damaged = events[3].caused(
+            "damaged:local:gpu-07",
+            Body::ReplicaDamaged(ReplicaDamaged {
+                dataset: "cats".into(),
+                version: v.clone(),
+                location: location.clone(),
+                node: Some("gpu-07".into()),
+                found_by: "fingerprint".into(),
+                files: vec![DamagedFile {
+                    path: "train/0003.jpg".into(),
+                    how: "missing".into(),
+                    expected_size: None,
+                    found_size: None,
+                }],
+                damaged_total: 1,
+                reason: "being repaired".into(),
+            }),
+        );
+        damaged.occurred_at = events[3].occurred_at + ::time::Duration::seconds(1);
+        fold_into(&store, std::slice::from_ref(&damaged));
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Ready);
+        let reason = status.reason.unwrap_or_default();
+        assert!(reason.contains("train/0003.jpg missing"), "{reason}");
+        assert!(
+            !crate::readiness::current(&store, &key())
+                .unwrap()
+                .unwrap()
+                .ready
+        );
+        assert_eq!(
+            store.stages_touched(&damaged).unwrap(),
+            vec![id.clone()],
+            "the schedulers' mirror of the holder is rewritten"
+        );
+
+        let mut repaired = events[3].caused(
+            "replica:local:gpu-07",
+            Body::ReplicaCreated(ReplicaCreated {
+                dataset: "cats".into(),
+                version: v,
+                location,
+                files: 2,
+                total_bytes: 3,
+                verified_by: "hashed-in-flight".into(),
+                node: Some("gpu-07".into()),
+            }),
+        );
+        repaired.occurred_at = damaged.occurred_at + ::time::Duration::seconds(1);
+        fold_into(&store, &[repaired]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.reason, None);
+        assert!(
+            crate::readiness::current(&store, &key())
+                .unwrap()
+                .unwrap()
+                .ready
+        );
+    }
+
     /// Guards order-independence of stage statuses and their readiness counts.
     #[test]
     fn every_order_of_a_stage_chain_folds_the_same() {
