@@ -74,6 +74,8 @@ pub enum Body {
     ReplicaCreated(ReplicaCreated),
     #[serde(rename = "replica.removed")]
     ReplicaRemoved(ReplicaRemoved),
+    #[serde(rename = "replica.damaged")]
+    ReplicaDamaged(ReplicaDamaged),
     #[serde(rename = "checkpoint.committed")]
     CheckpointCommitted(CheckpointCommitted),
     #[serde(rename = "checkpoint.demoted")]
@@ -107,6 +109,7 @@ pub const ALL_KINDS: &[&str] = &[
     "stage.failed",
     "replica.created",
     "replica.removed",
+    "replica.damaged",
     "checkpoint.committed",
     "checkpoint.demoted",
     "checkpoint.expired",
@@ -137,6 +140,7 @@ impl Body {
             Body::StageFailed(_) => "stage.failed",
             Body::ReplicaCreated(_) => "replica.created",
             Body::ReplicaRemoved(_) => "replica.removed",
+            Body::ReplicaDamaged(_) => "replica.damaged",
             Body::CheckpointCommitted(_) => "checkpoint.committed",
             Body::CheckpointDemoted(_) => "checkpoint.demoted",
             Body::CheckpointExpired(_) => "checkpoint.expired",
@@ -168,6 +172,7 @@ impl Body {
             Body::StageFailed(p) => Some(&p.dataset),
             Body::ReplicaCreated(p) => Some(&p.dataset),
             Body::ReplicaRemoved(p) => Some(&p.dataset),
+            Body::ReplicaDamaged(p) => Some(&p.dataset),
             Body::BackupCompleted(p) => Some(&p.dataset),
             Body::RestoreVerified(p) => Some(&p.dataset),
             Body::RestoreFailed(p) => Some(&p.dataset),
@@ -196,6 +201,7 @@ impl Body {
             Body::StageReady(p) => vec![("payload.location", &p.location)],
             Body::ReplicaCreated(p) => vec![("payload.location", &p.location)],
             Body::ReplicaRemoved(p) => vec![("payload.location", &p.location)],
+            Body::ReplicaDamaged(p) => vec![("payload.location", &p.location)],
             Body::CheckpointCommitted(p) => vec![("payload.location", &p.location)],
             Body::CheckpointDemoted(p) => vec![("payload.from", &p.from), ("payload.to", &p.to)],
             Body::CheckpointExpired(p) => vec![("payload.location", &p.location)],
@@ -564,6 +570,63 @@ pub struct ReplicaRemoved {
     /// The node whose node-local copy was removed; absent for a tier every node shares.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+}
+
+/// A replica was found not to be what was verified when it was made: files missing, of another
+/// size or content, changed since (their metadata differs from the fingerprint recorded when
+/// the set was published), or entries its file list does not name. Its readiness is withdrawn
+/// as this folds, before anything else is done about it; a later `replica.created` of the same
+/// (tier, node) — the repair, or a fresh copy — makes it present again. Stated by whoever
+/// finds it: the promoter before it hands a replica out again (`found_by` `fingerprint` or
+/// `hash`), and any later checker (a scrub) with its own `found_by`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct ReplicaDamaged {
+    pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
+    pub version: String,
+    pub location: Location,
+    /// The node whose node-local copy is damaged; absent for a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// How the damage was found: `fingerprint` (a metadata walk against what was recorded at
+    /// publish), `hash` (the files' bytes read and hashed against the manifest), or a later
+    /// checker's own word (`scrub`).
+    pub found_by: String,
+    /// The damaged paths (relative to `location`), the first [`ReplicaDamaged::MAX_LISTED`]
+    /// of them, each with how.
+    pub files: Vec<DamagedFile>,
+    /// How many damaged paths there are in all.
+    pub damaged_total: u64,
+    /// What happens next, for a person (`being repaired from tier capacity`).
+    pub reason: String,
+}
+
+impl ReplicaDamaged {
+    /// The most damaged paths one fact names (the total says how many there are).
+    pub const MAX_LISTED: usize = 32;
+}
+
+/// One damaged path of a replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct DamagedFile {
+    /// Relative to the replica's location.
+    pub path: String,
+    /// `missing`; `size` (another size than listed); `hash` (its bytes do not hash to the
+    /// listed SHA-256); `modified` (same size, other mtime, ctime, inode or ETag than
+    /// recorded: rewritten, touched, made writable or replaced); `kind` (not a regular file);
+    /// `stray` (an entry the file list does not name).
+    pub how: String,
+    /// The listed or recorded size, for `size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_size: Option<u64>,
+    /// The size found, for `size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub found_size: Option<u64>,
 }
 
 /// A training run wrote a checkpoint.

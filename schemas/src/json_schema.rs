@@ -242,6 +242,7 @@ kinds! {
     "stage.failed" => StageFailed,
     "replica.created" => ReplicaCreated,
     "replica.removed" => ReplicaRemoved,
+    "replica.damaged" => ReplicaDamaged,
     "checkpoint.committed" => CheckpointCommitted,
     "checkpoint.demoted" => CheckpointDemoted,
     "checkpoint.expired" => CheckpointExpired,

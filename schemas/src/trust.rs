@@ -113,6 +113,7 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "stage.pending" | "stage.ready" | "stage.failed" => &[Promoter],
         "replica.created" => &[Promoter, Demoter],
         "replica.removed" => &[Demoter],
+        "replica.damaged" => &[Promoter, Demoter],
         "checkpoint.committed" => &[Trainer],
         "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],

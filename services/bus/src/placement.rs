@@ -25,6 +25,17 @@
 //! it is ready meanwhile; an undone removal gives the record back ([`end_withdraw`]), a finished
 //! one deletes it ([`forget_use`]) after the folder and its space are gone, and a request that
 //! found it withdrawing stages afresh.
+//!
+//! **Fingerprint** (`replica.<tier>[.<node>].<hash of prefix>.fingerprint`, and its chunks
+//! `….fingerprint.<n>`): the encoded metadata of every file of the replica as it was published
+//! (`stagehand_mover::Fingerprint`), which whoever hands the replica out again — any promoter
+//! instance sharing the tier, a node agent on its own local tier, a restore — compares before
+//! answering ready. Kept here rather than in a promoter's own state (one per instance) or on the
+//! tier (where a job could change it with the data): every instance and the demoter read this
+//! bucket, and no job's user may write it. Written after the set is published ([`put_fingerprint`]),
+//! replaced by the next publish of the same replica, and deleted with its use record
+//! ([`forget_use`]). A head missing, or chunks that do not hash to what the head says, is an
+//! unknown fingerprint ([`fingerprint`] answers `None`): the replica is then verified by hash.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -185,6 +196,134 @@ async fn write<T: Serialize>(
             Err(e) => Err(err(key, e)),
         },
     }
+}
+
+/// The key of a replica's fingerprint head; its chunks are `<head>.<n>`.
+pub fn fingerprint_key(tier: &str, node: Option<&str>, prefix: &str) -> String {
+    format!("{}.fingerprint", use_key(tier, node, prefix))
+}
+
+/// Bytes of a fingerprint per KV value: well under a stock server's 1 MiB message.
+const FINGERPRINT_CHUNK: usize = 256 * 1024;
+
+/// Chunks of a fingerprint read at once.
+const FINGERPRINT_READS: usize = 8;
+
+/// What a fingerprint's head says of its chunks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct FingerprintHead {
+    chunks: u32,
+    bytes: u64,
+    /// SHA-256 (hex) of the chunks' bytes in order.
+    sha256: String,
+}
+
+/// Records the encoded fingerprint of the replica at `prefix` (replacing any earlier one):
+/// the head is deleted first and written last, so a reader never pairs new chunks with an old
+/// head (it finds none, or chunks that do not hash to the head: unknown either way).
+pub async fn put_fingerprint(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+    encoded: &[u8],
+) -> Result<(), PlacementError> {
+    let head_key = fingerprint_key(tier, node, prefix);
+    let old: Read<FingerprintHead> = read(store, &head_key).await.unwrap_or(Read {
+        value: None,
+        revision: None,
+    });
+    if old.value.is_some() {
+        store
+            .delete(&head_key)
+            .await
+            .map_err(|e| err(&head_key, e))?;
+    }
+    let chunks: Vec<&[u8]> = encoded.chunks(FINGERPRINT_CHUNK).collect();
+    for (n, chunk) in chunks.iter().enumerate() {
+        let key = format!("{head_key}.{n}");
+        store
+            .put(&key, Bytes::copy_from_slice(chunk))
+            .await
+            .map_err(|e| err(&key, e))?;
+    }
+    let head = FingerprintHead {
+        chunks: chunks.len() as u32,
+        bytes: encoded.len() as u64,
+        sha256: hex::encode(Sha256::digest(encoded)),
+    };
+    let bytes = Bytes::from(serde_json::to_vec(&head).map_err(|e| err(&head_key, e))?);
+    store
+        .put(&head_key, bytes)
+        .await
+        .map_err(|e| err(&head_key, e))?;
+    // Chunks an earlier, longer fingerprint left beyond this one's.
+    if let Some(old) = old.value {
+        for n in head.chunks..old.chunks {
+            let key = format!("{head_key}.{n}");
+            if let Err(e) = store.purge(&key).await {
+                tracing::debug!(%key, error = %e, "an earlier fingerprint's chunk not purged");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The recorded fingerprint of the replica at `prefix`, as encoded; `None` when none is
+/// recorded or what is recorded is not whole (unknown: verify by hash).
+pub async fn fingerprint(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<Option<Vec<u8>>, PlacementError> {
+    use futures::StreamExt;
+    let head_key = fingerprint_key(tier, node, prefix);
+    let Some(head) = read::<FingerprintHead>(store, &head_key).await?.value else {
+        return Ok(None);
+    };
+    let head_key = &head_key;
+    let chunks: Vec<Result<Option<Bytes>, PlacementError>> = futures::stream::iter(0..head.chunks)
+        .map(|n| async move {
+            let key = format!("{head_key}.{n}");
+            store.get(&key).await.map_err(|e| err(&key, e))
+        })
+        .buffered(FINGERPRINT_READS)
+        .collect()
+        .await;
+    let mut encoded = Vec::with_capacity(head.bytes.min(1 << 30) as usize);
+    for chunk in chunks {
+        match chunk? {
+            Some(bytes) => encoded.extend_from_slice(&bytes),
+            None => return Ok(None),
+        }
+    }
+    if encoded.len() as u64 != head.bytes || hex::encode(Sha256::digest(&encoded)) != head.sha256 {
+        return Ok(None);
+    }
+    Ok(Some(encoded))
+}
+
+/// Deletes the fingerprint of the replica at `prefix` (head first).
+pub async fn forget_fingerprint(
+    store: &kv::Store,
+    tier: &str,
+    node: Option<&str>,
+    prefix: &str,
+) -> Result<(), PlacementError> {
+    let head_key = fingerprint_key(tier, node, prefix);
+    let Some(head) = read::<FingerprintHead>(store, &head_key).await?.value else {
+        return Ok(());
+    };
+    store
+        .purge(&head_key)
+        .await
+        .map_err(|e| err(&head_key, e))?;
+    for n in 0..head.chunks {
+        let key = format!("{head_key}.{n}");
+        store.purge(&key).await.map_err(|e| err(&key, e))?;
+    }
+    Ok(())
 }
 
 /// The reservations of a tier (or one node's local tier).
@@ -432,7 +571,9 @@ pub async fn forget_use(
                 return Err(err(&key, e));
             }
         } else {
-            return Ok(());
+            // What was recorded of the removed folder goes with it (no copy of it is made
+            // while the record was withdrawing, so no new fingerprint is there yet).
+            return forget_fingerprint(store, tier, node, prefix).await;
         }
     }
 }

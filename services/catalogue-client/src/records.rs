@@ -84,6 +84,9 @@ pub enum ReplicaState {
     Present,
     /// Removed (demoted, expired, drained).
     Removed,
+    /// Found damaged (`replica.damaged`): handed to no job, its readiness withdrawn, until a
+    /// later copy of it (its repair) makes it present again. `reason` says what was found.
+    Damaged,
 }
 
 /// The last restore drill of a backup replica.

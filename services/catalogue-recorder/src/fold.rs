@@ -169,6 +169,7 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
         Body::StageFailed(p) => (&p.dataset, &p.version, &p.tier, p.node.as_ref()),
         Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::ReplicaDamaged(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
@@ -211,6 +212,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::DatasetRejected(p) => dataset_rejected(txn, event, p, &stamp)?,
         Body::ReplicaCreated(p) => replica_created(txn, event, p, &stamp)?,
         Body::ReplicaRemoved(p) => replica_removed(txn, event, p, &stamp)?,
+        Body::ReplicaDamaged(p) => replica_damaged(txn, event, p, &stamp)?,
         Body::BackupCompleted(p) => backup_completed(txn, event, p, &stamp)?,
         Body::RestoreVerified(p) => restore_verified(txn, event, p, &stamp)?,
         Body::RestoreFailed(p) => restore_failed(txn, event, p, &stamp)?,
@@ -420,6 +422,55 @@ fn replica_removed(
         stamp,
         state,
         None,
+    )
+}
+
+/// A damaged replica is withdrawn: its state `damaged` with what was found (readiness derives
+/// `pending` from it, whatever stages hold it) until a newer `replica.created` of it.
+fn replica_damaged(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaDamaged,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    let state = (ReplicaState::Damaged, Some(damage_reason(p)));
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        (&p.location, p.node.as_deref()),
+        stamp,
+        state,
+        None,
+    )
+}
+
+/// The sentence a damaged replica's record keeps: how it was found, the first paths and how
+/// each is damaged, and what happens next.
+pub fn damage_reason(p: &ReplicaDamaged) -> String {
+    const SHOWN: usize = 5;
+    let listed: Vec<String> = p
+        .files
+        .iter()
+        .take(SHOWN)
+        .map(|f| match (f.expected_size, f.found_size) {
+            (Some(e), Some(found)) => format!("{} {} ({found} bytes, {e} listed)", f.path, f.how),
+            _ => format!("{} {}", f.path, f.how),
+        })
+        .collect();
+    let more = p.damaged_total.saturating_sub(listed.len() as u64);
+    let more = if more > 0 {
+        format!(" and {more} more")
+    } else {
+        String::new()
+    };
+    format!(
+        "damaged (found by {}): {} path(s) — {}{more}; {}",
+        p.found_by,
+        p.damaged_total,
+        listed.join(", "),
+        p.reason
     )
 }
 

@@ -3,8 +3,10 @@
 //! schedulers read ([`stagehand_catalogue::READINESS_BUCKET`], keys from
 //! [`stagehand_catalogue::kv_key`]).
 //!
-//! The state follows this order: a verified replica on the tier (or a job's `stage.ready`)
-//! makes it `ready` with its path; else a newest stage fact that failed makes it `failed` with
+//! The state follows this order: a replica found damaged (`replica.damaged`) makes it
+//! `pending` with what was found, whatever stages still hold it (readiness is withdrawn first,
+//! before the replica is verified or repaired); a verified replica on the tier (or a job's
+//! `stage.ready`) makes it `ready` with its path; else a newest stage fact that failed makes it `failed` with
 //! the reason; else a job still waiting makes it `pending` (or `copying` while a replica is
 //! being made); else — nothing holds it and no copy is there — `released`. The bucket is a
 //! view like the redb file: writing the same state twice is harmless, and a rebuild rewrites
@@ -26,7 +28,15 @@ pub fn derive(
     replica: Option<&ReplicaRecord>,
 ) -> Readiness {
     let replica_state = replica.map(|r| r.state);
-    let state = if let Some(r) = replica.filter(|r| r.state == ReplicaState::Present) {
+    let state = if let Some(r) = replica.filter(|r| r.state == ReplicaState::Damaged) {
+        ReadinessState::Pending {
+            reason: format!(
+                "the replica on tier {} is {}",
+                key.tier,
+                r.reason.as_deref().unwrap_or("damaged")
+            ),
+        }
+    } else if let Some(r) = replica.filter(|r| r.state == ReplicaState::Present) {
         ReadinessState::Ready {
             path: r.prefix.clone(),
         }
@@ -198,5 +208,48 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(derive(key(), &a, None).state, ReadinessState::Released);
+    }
+
+    /// A replica found damaged withdraws readiness even while a job still holds a `ready`
+    /// stage on it; a newer `replica.created` (its repair) makes it ready again.
+    #[test]
+    fn a_damaged_replica_is_not_ready_whatever_holds_it() {
+        let a = ReadinessAggregate {
+            jobs: JobCounts {
+                ready: 1,
+                ..Default::default()
+            },
+            newest: None,
+            ready_path: Some((stamp(1), "/tiers/hot/p/d/v".into())),
+        };
+        let mut replica = ReplicaRecord {
+            project: "p".into(),
+            dataset: "d".into(),
+            version: "v".into(),
+            tier: "hot".into(),
+            node: None,
+            prefix: "p/d/v".into(),
+            state: ReplicaState::Damaged,
+            reason: Some(
+                "damaged (found by fingerprint): 1 path(s) — a.bin missing; being repaired".into(),
+            ),
+            stamp: Some(stamp(2)),
+            files: 1,
+            total_bytes: 1,
+            verified_by: Some("hashed-in-flight".into()),
+            backup: false,
+            copied: Some(stamp(1)),
+            last_drill: None,
+        };
+        let r = derive(key(), &a, Some(&replica));
+        assert!(!r.ready);
+        match r.state {
+            ReadinessState::Pending { reason } => {
+                assert!(reason.contains("a.bin missing"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        replica.state = ReplicaState::Present;
+        assert!(derive(key(), &a, Some(&replica)).ready);
     }
 }

@@ -449,13 +449,70 @@ pub fn status_in(
         .map(|v| decode(v.value(), what))
         .transpose()?;
     let key = counted_key(&record.status);
-    Ok(Some((record.shown(progress), key)))
+    let mut shown = record.shown(progress);
+    // A job holding a replica found damaged since it was handed out sees why.
+    if shown.state == StageState::Ready
+        && let Some(k) = &key
+        && let Some(replica) = crate::readiness::replica_of(txn, k)?
+        && replica.state == stagehand_catalogue::ReplicaState::Damaged
+    {
+        shown.reason = Some(format!(
+            "the replica it was handed is {}",
+            replica.reason.as_deref().unwrap_or("damaged")
+        ));
+    }
+    Ok(Some((shown, key)))
+}
+
+/// The stage requests of the version on the (tier, node) a replica fact names: the holders
+/// whose shown status follows the replica's damage and repair.
+fn stages_of_replica(
+    txn: &ReadTransaction,
+    project: &str,
+    (dataset, version): (&str, &str),
+    (tier, node): (&str, Option<&str>),
+) -> Result<Vec<EventId>, StoreError> {
+    let by_version = txn.open_table(STAGES_BY_VERSION)?;
+    let requests = txn.open_table(STAGE_REQUESTS)?;
+    let mut out = Vec::new();
+    for row in by_version.range((project, dataset, version, "")..)? {
+        let (k, _) = row?;
+        let (pr, ds, v, id) = k.value();
+        if pr != project || ds != dataset || v != version {
+            break;
+        }
+        if let Some(value) = requests.get((project, id))? {
+            let record: StageRecord =
+                decode(value.value(), || format!("stage request {project}/{id}"))?;
+            if record.status.tier == tier && record.status.node.as_deref() == node {
+                out.push(record.status.request_id);
+            }
+        }
+    }
+    Ok(out)
 }
 
 impl Store {
     /// The stage requests `event` is about: its own, or for a release every folded request it
     /// names (what the schedulers' mirror rewrites after it is folded).
     pub fn stages_touched(&self, event: &Event) -> Result<Vec<EventId>, StoreError> {
+        let replica = match &event.body {
+            stagehand_schemas::Body::ReplicaDamaged(p) => {
+                Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
+            }
+            stagehand_schemas::Body::ReplicaCreated(p) => {
+                Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
+            }
+            _ => None,
+        };
+        if let Some((dataset, version, tier, node)) = replica {
+            return stages_of_replica(
+                &self.reader()?,
+                &event.project,
+                (dataset, version),
+                (tier, node),
+            );
+        }
         let stagehand_schemas::Body::StageReleased(p) = &event.body else {
             return Ok(crate::fold::stage_request_of(event).into_iter().collect());
         };
@@ -690,6 +747,79 @@ mod tests {
         );
         let r = crate::readiness::current(&store, &key()).unwrap().unwrap();
         assert_eq!((r.jobs.ready, r.jobs.released), (0, 1));
+    }
+
+    /// A job holding a ready stage on a replica found damaged sees why in its status, and the
+    /// version's readiness is withdrawn; a newer `replica.created` of the same copy (its
+    /// repair) makes it ready again and the reason goes.
+    #[test]
+    fn a_holder_of_a_replica_found_damaged_sees_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let store = store_with(dir.path(), "a.redb", &events[..4]);
+        let v = key().version;
+        let location = Location {
+            tier: "local".into(),
+            prefix: format!("lab-a/cats/{v}"),
+        };
+        let mut damaged = events[3].caused(
+            "damaged:local:gpu-07",
+            Body::ReplicaDamaged(ReplicaDamaged {
+                dataset: "cats".into(),
+                version: v.clone(),
+                location: location.clone(),
+                node: Some("gpu-07".into()),
+                found_by: "fingerprint".into(),
+                files: vec![DamagedFile {
+                    path: "train/0003.jpg".into(),
+                    how: "missing".into(),
+                    expected_size: None,
+                    found_size: None,
+                }],
+                damaged_total: 1,
+                reason: "being repaired".into(),
+            }),
+        );
+        damaged.occurred_at = events[3].occurred_at + ::time::Duration::seconds(1);
+        fold_into(&store, std::slice::from_ref(&damaged));
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Ready);
+        let reason = status.reason.unwrap_or_default();
+        assert!(reason.contains("train/0003.jpg missing"), "{reason}");
+        assert!(
+            !crate::readiness::current(&store, &key())
+                .unwrap()
+                .unwrap()
+                .ready
+        );
+        assert_eq!(
+            store.stages_touched(&damaged).unwrap(),
+            vec![id.clone()],
+            "the schedulers' mirror of the holder is rewritten"
+        );
+
+        let mut repaired = events[3].caused(
+            "replica:local:gpu-07",
+            Body::ReplicaCreated(ReplicaCreated {
+                dataset: "cats".into(),
+                version: v,
+                location,
+                files: 2,
+                total_bytes: 3,
+                verified_by: "hashed-in-flight".into(),
+                node: Some("gpu-07".into()),
+            }),
+        );
+        repaired.occurred_at = damaged.occurred_at + ::time::Duration::seconds(1);
+        fold_into(&store, &[repaired]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.reason, None);
+        assert!(
+            crate::readiness::current(&store, &key())
+                .unwrap()
+                .unwrap()
+                .ready
+        );
     }
 
     /// Guards order-independence of stage statuses and their readiness counts.

@@ -35,6 +35,7 @@
 //! with the node, and has consumers of its own (`demoter-node-<node>`). Steps run
 //! `demotion.toml`'s `max_concurrent` at a time, each recorded on its own.
 
+mod damage;
 pub mod demoter;
 pub mod plan;
 pub mod state;

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use common::*;
-use stagehand_testkit::wait_until;
+use stagehand_schemas::Body;
+use stagehand_testkit::{wait_for, wait_until};
 
 /// Guards the watermark rule and the last-copy rule together: a hot tier at 100 % of its
 /// capacity (high 85 %, low 50 %) loses exactly the least recently staged unheld replicas
@@ -359,5 +360,63 @@ async fn a_damaged_folder_already_on_capacity_is_replaced_before_the_hot_copy_go
         vec![p.version.clone()],
         "only the verified set"
     );
+    stack.stop().await;
+}
+
+/// Checked before reuse, the copy down's source: the only verified copy of a version is on hot,
+/// and one byte of one of its files was flipped after its job released it. The copy down reads
+/// it against the manifest: nothing is copied down or removed, and `replica.damaged` (found by
+/// hash, naming the file) withdraws its readiness at once, so no job is told it is ready while
+/// the demotion waits for a stage request to repair it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_hot_copy_is_withdrawn_and_never_copied_down() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let p = stack.place("rotten", 6, 6, 4096, false).await;
+    stack.stage(&p, "job", ago(120)).await;
+    stack.release(&p, "job", ago(90)).await;
+    stack.recorded(&p, 1, 1).await;
+    let (name, bytes) = &p.files[3];
+    let mut flipped = bytes.clone();
+    flipped[7] ^= 0x10;
+    std::fs::write(stack.tier("hot").join(p.prefix()).join(name), flipped).unwrap();
+    stack.run_demoter();
+    let damaged = wait_for(WAIT, "replica.damaged for the hot copy", || async {
+        facts(&js, "replica.damaged")
+            .await
+            .into_iter()
+            .find_map(|e| match e.body {
+                Body::ReplicaDamaged(d) if d.location.tier == "hot" => Some(d),
+                _ => None,
+            })
+    })
+    .await
+    .unwrap();
+    assert_eq!(damaged.found_by, "hash");
+    assert_eq!(
+        damaged
+            .files
+            .iter()
+            .map(|f| (f.path.as_str(), f.how.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(name.as_str(), "hash")]
+    );
+    let readiness = stack.readiness().await;
+    wait_until(WAIT, "readiness withdrawn", || async {
+        !is_ready(&readiness, &hot_key(&p)).await
+    })
+    .await
+    .unwrap();
+    assert!(stack.tier("hot").join(p.prefix()).join(name).exists());
+    let copied = replica_facts(&js)
+        .await
+        .into_iter()
+        .any(|(k, t, _, _)| (k == "created" && t == "capacity") || k == "removed");
+    assert!(!copied, "nothing copied down, nothing removed");
+    assert!(!stack.tier("capacity").join(p.prefix()).exists());
     stack.stop().await;
 }

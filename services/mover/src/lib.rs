@@ -36,6 +36,7 @@
 pub mod cp;
 mod engine;
 pub mod error;
+mod fingerprint;
 mod mover;
 mod owner;
 pub mod posix;
@@ -47,6 +48,9 @@ pub mod transfer;
 
 pub use engine::EngineChoice;
 pub use error::{ErrorKind, Side, TransferError};
+pub use fingerprint::{
+    Change, Difference, Entry, Fingerprint, FingerprintError, SetCheck, Stamp, Time, walk_posix,
+};
 pub use mover::{BatchReport, FileResult, Mover, MoverConfig};
 pub use posix::{
     AtomicFile, CommitMode, DIRECT_ALIGN, PendingRename, PosixTier, SetAccess, SweepOptions,

@@ -47,6 +47,7 @@ use stagehand_schemas::Retryable;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{ErrorKind, Side, TransferError};
+use crate::fingerprint::Listed;
 use crate::mover::Mover;
 use crate::owner::{Liveness, Owner};
 use crate::posix::{PRIVATE_DIR_MODE, PosixTier, Temporary, parse_temporary, staging_name};
@@ -100,6 +101,16 @@ pub struct SetReport {
     /// and were replaced by verified copies; 0 when the set was staged afresh or every file
     /// found verified.
     pub replaced: u64,
+    /// Entries of a set found in place that its list does not name (stray files and folders):
+    /// removed with the replacement's exchange of folders (posix) or deleted (S3); 0 when the
+    /// set was staged afresh.
+    pub strays: u64,
+    /// The set's fingerprint as published (`crate::fingerprint`): taken after its modes and
+    /// group were applied, or — for a set found in place that verified whole — before its
+    /// files were hashed. `None` when nothing was verified under that name by this call (a
+    /// content-addressed name found taken by [`StagedSet::publish_as`]) or the walk failed:
+    /// unknown, which a reuse verifies by hash.
+    pub fingerprint: Option<crate::Fingerprint>,
     /// What moved the bytes (`io_uring`, `pread`, `s3-upload`, ...).
     pub engine: &'static str,
     pub elapsed: Duration,
@@ -302,6 +313,8 @@ impl Mover {
             existed: false,
             resumed: false,
             replaced: 0,
+            strays: 0,
+            fingerprint: None,
             engine: self.path_name(src, dst),
             elapsed: Duration::ZERO,
         };
@@ -469,6 +482,10 @@ impl Mover {
         F: FnMut(&FileRef),
     {
         let final_rel = set.dst_prefix.as_str();
+        // What is there, before a byte is read: the entries the list does not name are
+        // strays, and when every file verifies this is the fingerprint to record.
+        let walked = dst.fingerprint(final_rel).await?;
+        let mut listed = Listed::new(&walked);
         let found = dst.beneath(final_rel)?;
         let src_tier = src.beneath(&set.src_prefix)?;
         // posix: the replacement's staging folder, made at once (every verified file is linked
@@ -541,6 +558,7 @@ impl Mover {
                 .await;
             let mut wrong = Vec::new();
             for (f, verdict) in checked {
+                listed.mark(&f.path);
                 if verdict? {
                     if let (Some((_, _, staging)), Tier::Posix(from)) = (&posix_staging, &found) {
                         let (to, from, rel) = (staging.clone(), from.clone(), f.path.clone());
@@ -599,7 +617,34 @@ impl Mover {
                 }
             }
         }
-        match (posix_staging, report.replaced) {
+        let strays: Vec<String> = listed.strays().map(str::to_owned).collect();
+        drop(listed);
+        if !strays.is_empty() {
+            tracing::warn!(
+                tier = dst.name(),
+                prefix = final_rel,
+                strays = strays.len(),
+                first = strays[0].as_str(),
+                "a set found in place holds entries its list does not name; they go with the replacement"
+            );
+            report.strays = strays.len() as u64;
+            if let Tier::S3(s3) = &found {
+                if report.replaced == 0 {
+                    s3.delete(SET_COMPLETE_MARKER).await?;
+                }
+                for stray in &strays {
+                    s3.delete(stray).await?;
+                }
+            }
+        }
+        // Strays make the set another than listed: on posix the replacement (every listed
+        // file, linked or copied, and nothing else) takes its place; on S3 they were deleted
+        // and the marker is written again.
+        let renewed = report.replaced + report.strays;
+        if renewed == 0 {
+            report.fingerprint = Some(walked);
+        }
+        match (posix_staging, renewed) {
             (Some((tier, rel, _)), 0) => {
                 // Every file verified where it is: the links are not needed.
                 let (t, r) = (tier.clone(), rel.clone());
@@ -698,6 +743,10 @@ impl StagedSet {
                     // rename; the old one, now under the staging name, goes.
                     if replace && t.exchange_dirs(&from, &to)? {
                         t.remove_tree(&from)?;
+                        if let Some((staged, access)) = &staged {
+                            // The replacement's own folder was private while it was filled.
+                            t.set_dir_mode(staged.root_fd(), &to, access)?;
+                        }
                         return Ok(true);
                     }
                     let moved = t.rename_dir_noreplace(&from, &to)?;
@@ -714,6 +763,10 @@ impl StagedSet {
                 })
                 .await?;
                 self.report.existed = !moved;
+                if moved {
+                    self.report.fingerprint =
+                        fingerprint_published(&Tier::Posix(tier), prefix).await;
+                }
             }
             Staging::S3 {
                 tier,
@@ -737,6 +790,7 @@ impl StagedSet {
                 .to_string();
                 tier.put_small(&join(prefix, SET_COMPLETE_MARKER), marker.into_bytes())
                     .await?;
+                self.report.fingerprint = fingerprint_published(&Tier::S3(tier), prefix).await;
             }
         }
         self.report.elapsed = self.started.elapsed();
@@ -753,6 +807,18 @@ impl StagedSet {
                 blocking(tier.name(), &rel, move || t.remove_tree(&r)).await
             }
             _ => Ok(crate::SweepReport::default()),
+        }
+    }
+}
+
+/// The fingerprint of a set just published; `None` (unknown: a reuse verifies it by hash)
+/// when the walk fails, since the set itself is published and durable.
+async fn fingerprint_published(tier: &Tier, prefix: &str) -> Option<crate::Fingerprint> {
+    match tier.fingerprint(prefix).await {
+        Ok(print) => Some(print),
+        Err(e) => {
+            tracing::warn!(tier = tier.name(), prefix, error = %e, "the published set's fingerprint could not be taken; its next reuse verifies it by hash");
+            None
         }
     }
 }

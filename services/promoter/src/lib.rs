@@ -36,6 +36,7 @@
 pub mod kv;
 mod promoter;
 pub mod resolve;
+mod reuse;
 pub mod state;
 
 use std::path::PathBuf;
@@ -55,6 +56,7 @@ use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, Retryable, subject};
 
 pub use promoter::{Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica};
+pub use reuse::step_damaged;
 
 /// The service name: its shared durable consumer, its dead-letter subject, its metric label.
 pub const SERVICE: &str = "promoter";

@@ -28,6 +28,8 @@ mod in_flight;
 mod requests;
 mod reservations;
 
+pub(crate) use copying::CopyFailed;
+
 /// How long a copy that failed for good answers the requests that waited for it.
 const FAILED_COPY_REMEMBERED: Duration = Duration::from_secs(60);
 
@@ -120,7 +122,7 @@ impl Promoter {
         }
     }
 
-    fn p(&self) -> &Parts {
+    pub(crate) fn p(&self) -> &Parts {
         &self.inner.parts
     }
 
@@ -184,7 +186,7 @@ impl Promoter {
         }
     }
 
-    async fn emit(&self, facts: &[Event]) -> Result<(), HandlerError> {
+    pub(crate) async fn emit(&self, facts: &[Event]) -> Result<(), HandlerError> {
         for fact in facts {
             self.p()
                 .bus

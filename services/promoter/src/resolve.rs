@@ -47,6 +47,10 @@ pub struct Plan {
     pub files: u64,
     pub bytes: u64,
     pub priority: PriorityClass,
+    /// The (tier, node) copies of it the catalogue holds damaged (`replica.damaged`, from any
+    /// checker): none is handed out on its fingerprint, which cannot see bytes that rotted
+    /// under unchanged metadata; each is verified by hash and repaired first.
+    pub damaged: Vec<(String, Option<String>)>,
 }
 
 /// A catalogue that did not answer: retry later.
@@ -149,6 +153,12 @@ pub async fn decide(cx: &Context<'_>) -> Result<Decision, Unanswered> {
         files: detail.version.file_count,
         bytes: detail.version.total_bytes,
         priority: cx.priority,
+        damaged: detail
+            .replicas
+            .iter()
+            .filter(|r| r.state == ReplicaState::Damaged)
+            .map(|r| (r.tier.clone(), r.node.clone()))
+            .collect(),
     }))
 }
 

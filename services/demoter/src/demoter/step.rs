@@ -410,12 +410,15 @@ impl Demoter {
         };
         let progress = Progress::new();
         let cancel = self.p().shutdown.child_token();
-        let staged = self
+        let staged = match self
             .p()
             .mover
             .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
             .await
-            .map_err(step_err)?;
+        {
+            Ok(staged) => staged,
+            Err(e) => return Err(crate::damage::copy_down_failed(&self.p().bus, step, e).await),
+        };
         if let Some(e) = listed.take_error() {
             return Err(step_err(format!(
                 "reading the file list of {}: {e}",

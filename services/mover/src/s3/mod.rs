@@ -73,6 +73,9 @@ pub struct ListPage {
     pub next: Option<String>,
 }
 
+/// A listed object: its key relative to the tier root, size, ETag and last-modified time.
+pub(crate) type StampedObject = (String, u64, String, crate::fingerprint::Time);
+
 /// An S3 tier, cheap to clone (clones share the client and the request limit).
 #[derive(Clone)]
 pub struct S3Tier {
@@ -396,6 +399,24 @@ impl S3Tier {
         prefix: &str,
         token: Option<String>,
     ) -> Result<ListPage, TransferError> {
+        let (objects, next) = self.list_stamped_page(prefix, token).await?;
+        Ok(ListPage {
+            objects: objects
+                .into_iter()
+                .map(|(rel, size, _, _)| (rel, size))
+                .collect(),
+            next,
+        })
+    }
+
+    /// One page of the objects beneath `prefix`, as [`S3Tier::list_page`] gives them, with each
+    /// object's ETag and last-modified time (what a set's fingerprint records,
+    /// `crate::fingerprint`).
+    pub(crate) async fn list_stamped_page(
+        &self,
+        prefix: &str,
+        token: Option<String>,
+    ) -> Result<(Vec<StampedObject>, Option<String>), TransferError> {
         let list_prefix = match (self.prefix().is_empty(), prefix.is_empty()) {
             (true, true) => String::new(),
             (true, false) => format!("{prefix}/"),
@@ -437,13 +458,25 @@ impl S3Tier {
                     format!("listed key {key:?} is not a relative path Stagehand accepts: {e}"),
                 )
             })?;
-            objects.push((rel.to_owned(), object.size().unwrap_or(0).max(0) as u64));
+            let modified = object
+                .last_modified()
+                .map(|t| crate::fingerprint::Time {
+                    secs: t.secs(),
+                    nanos: t.subsec_nanos(),
+                })
+                .unwrap_or_default();
+            objects.push((
+                rel.to_owned(),
+                object.size().unwrap_or(0).max(0) as u64,
+                object.e_tag().unwrap_or_default().to_owned(),
+                modified,
+            ));
         }
         let next = match page.next_continuation_token() {
             Some(next) if page.is_truncated().unwrap_or(false) => Some(next.to_owned()),
             _ => None,
         };
-        Ok(ListPage { objects, next })
+        Ok((objects, next))
     }
 
     /// Streams the whole object and hashes it (on a blocking thread, so the runtime keeps

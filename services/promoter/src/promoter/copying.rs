@@ -22,6 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::kv::{LeaseState, Limits, Refused};
 use crate::resolve::Plan;
+use crate::reuse::Reuse;
 use crate::state::{RequestRecord, WaitGuard, WaitingFor};
 
 use super::clock::deadline_reason;
@@ -71,7 +72,13 @@ impl Promoter {
                 .wait_for_removal(record, &plan.version, request, u.reason)
                 .await;
         }
-        if dst.set_present(&prefix).await.map_err(retry)? {
+        // Checked before reuse (`crate::reuse`): a replica that is not what was verified is
+        // withdrawn and takes the copy path below, which verifies and repairs it.
+        if dst.set_present(&prefix).await.map_err(retry)?
+            && let Reuse::Intact = self
+                .check_before_reuse(record, request, &plan, dst, &prefix)
+                .await?
+        {
             if let Served::Withdrawing { reason } = self.serve(record, request, &prefix).await? {
                 return self
                     .wait_for_removal(record, &plan.version, request, reason)
@@ -313,23 +320,23 @@ impl Promoter {
         match outcome {
             Ok(report) => {
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
-                let replica = (!report.existed).then(|| {
-                    record.event.caused(
-                        &step_replica(&request.tier, node),
-                        Body::ReplicaCreated(ReplicaCreated {
-                            dataset: request.dataset.clone(),
-                            version: plan.version.clone(),
-                            location: Location {
-                                tier: request.tier.clone(),
-                                prefix: prefix.to_owned(),
-                            },
-                            files: plan.files,
-                            total_bytes: plan.bytes,
-                            verified_by: self.p().promotion.verify.as_str().into(),
-                            node: node.map(str::to_owned),
-                        }),
-                    )
-                });
+                // Also when it was found in place and verified (a repair, or a copy that
+                // raced this one): the catalogue may hold it withdrawn until told again.
+                let replica = Some(record.event.caused(
+                    &step_replica(&request.tier, node),
+                    Body::ReplicaCreated(ReplicaCreated {
+                        dataset: request.dataset.clone(),
+                        version: plan.version.clone(),
+                        location: Location {
+                            tier: request.tier.clone(),
+                            prefix: prefix.to_owned(),
+                        },
+                        files: plan.files,
+                        total_bytes: plan.bytes,
+                        verified_by: self.p().promotion.verify.as_str().into(),
+                        node: node.map(str::to_owned),
+                    }),
+                ));
                 if let Served::Withdrawing { reason } = self.serve(record, request, prefix).await? {
                     return self
                         .wait_for_removal(record, &plan.version, request, reason)
@@ -387,7 +394,7 @@ impl Promoter {
 
     /// The version's verified file list: from the services' manifest bucket, or (a version
     /// small enough to travel inline) the catalogue's pages, checked against the digest.
-    async fn manifest(
+    pub(crate) async fn manifest(
         &self,
         project: &str,
         dataset: &str,
@@ -543,6 +550,13 @@ impl Promoter {
             .publish()
             .await
             .map_err(|e| self.copy_error(src_tier, e))?;
+        crate::reuse::record(
+            self.p().coordination.store(),
+            (&request.tier, node),
+            prefix,
+            &report,
+        )
+        .await;
         Ok(report)
     }
 
@@ -605,7 +619,7 @@ impl Promoter {
 }
 
 /// How a copy ended when it did not publish.
-enum CopyFailed {
+pub(crate) enum CopyFailed {
     /// Try again later; the staging folder stays for a resume.
     Retry(HandlerError),
     /// Answer `stage.failed`.

@@ -422,7 +422,7 @@ impl Promoter {
         Ok(vec![fact])
     }
 
-    pub(super) fn pending_fact(
+    pub(crate) fn pending_fact(
         &self,
         record: &RequestRecord,
         waiting_for: WaitingFor,
