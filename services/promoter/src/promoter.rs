@@ -94,7 +94,7 @@ struct Inner {
     /// Requests being moved on in this process right now, and whether another driver asked
     /// for it meanwhile (then the one moving it looks again when it is done: no wake-up is
     /// lost to a request being busy).
-    active: Mutex<HashMap<EventId, bool>>,
+    active: Mutex<HashMap<RequestKey, bool>>,
     /// Copies that failed for good here lately, by copy key: the requests that waited for
     /// them get the same answer instead of each copying the same damaged source again.
     failed: Mutex<HashMap<String, (String, bool, Instant)>>,
@@ -124,15 +124,22 @@ impl<T: std::hash::Hash + Eq + Clone> Drop for Held<'_, T> {
     }
 }
 
+/// A request: its project and its id (another project's request may carry the same id).
+type RequestKey = (String, EventId);
+
+fn request_key(record: &RequestRecord) -> RequestKey {
+    (record.event.project.clone(), record.event.id.clone())
+}
+
 /// A request this process is moving on; dropped (whatever happened) it is free again.
 struct Active<'a> {
-    map: &'a Mutex<HashMap<EventId, bool>>,
-    id: EventId,
+    map: &'a Mutex<HashMap<RequestKey, bool>>,
+    id: RequestKey,
 }
 
 impl<'a> Active<'a> {
     /// Marks `id` active, or, when it already is, asks its driver to look again.
-    fn take(map: &'a Mutex<HashMap<EventId, bool>>, id: &EventId) -> Option<Active<'a>> {
+    fn take(map: &'a Mutex<HashMap<RequestKey, bool>>, id: &RequestKey) -> Option<Active<'a>> {
         let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
         match m.get_mut(id) {
             Some(again) => {
@@ -150,7 +157,7 @@ impl<'a> Active<'a> {
     }
 
     /// Whether another driver asked for `id` since it was taken (clearing the mark).
-    fn asked_again(map: &Mutex<HashMap<EventId, bool>>, id: &EventId) -> bool {
+    fn asked_again(map: &Mutex<HashMap<RequestKey, bool>>, id: &RequestKey) -> bool {
         let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
         m.get_mut(id)
             .is_some_and(|again| std::mem::replace(again, false))
@@ -281,9 +288,12 @@ impl Promoter {
                 // ends the request (a waiting one stops waiting) and gives back the space of a
                 // copy it reserved and never placed.
                 for id in self.p().state.released_by(&event.project, &exact, r)? {
-                    if let Some(record) =
-                        self.p().state.finish(&id, Standing::Released, Vec::new())?
-                    {
+                    if let Some(record) = self.p().state.finish(
+                        &event.project,
+                        &id,
+                        Standing::Released,
+                        Vec::new(),
+                    )? {
                         info!(request = %id, release = %event.id, "stage released");
                         self.give_back(&record, "its job released it").await;
                     }
@@ -389,8 +399,9 @@ impl Promoter {
             return Ok(Vec::new());
         }
         debug!(fact = %event.id, woken = woken.requests.len(), "fact wakes waiting requests");
+        let project = event.project.as_str();
         let runs = woken.requests.iter().map(|id| async move {
-            match self.p().state.request(id)? {
+            match self.p().state.request(project, id)? {
                 Some(record) => Box::pin(self.advance(record, ctx)).await,
                 None => Ok(Vec::new()),
             }
@@ -443,7 +454,7 @@ impl Promoter {
         if record.standing.is_final() {
             return Ok(record.answer);
         }
-        let id = record.event.id.clone();
+        let id = request_key(&record);
         let Some(_active) = Active::take(&self.inner.active, &id) else {
             return Ok(Vec::new());
         };
@@ -453,7 +464,7 @@ impl Promoter {
             if !Active::asked_again(&self.inner.active, &id) {
                 return result;
             }
-            match self.p().state.request(&id) {
+            match self.p().state.request(&id.0, &id.1) {
                 Ok(Some(next)) if !next.standing.is_final() => record = next,
                 _ => return result,
             }
@@ -613,7 +624,10 @@ impl Promoter {
         standing: Standing,
         facts: Vec<Event>,
     ) -> Result<Vec<Event>, HandlerError> {
-        let stored = self.p().state.finish(&record.event.id, standing, facts)?;
+        let stored =
+            self.p()
+                .state
+                .finish(&record.event.project, &record.event.id, standing, facts)?;
         if let Some(r) = &stored
             && matches!(r.standing, Standing::Failed { .. } | Standing::Released)
         {
@@ -806,11 +820,13 @@ impl Promoter {
         }
         let already = matches!(&record.standing,
             Standing::Waiting { waiting_for: w, reason: r } if *w == waiting_for && *r == reason);
-        if !self
-            .p()
-            .state
-            .wait(&record.event.id, waiting_for, &reason, &guard)?
-        {
+        if !self.p().state.wait(
+            &record.event.project,
+            &record.event.id,
+            waiting_for,
+            &reason,
+            &guard,
+        )? {
             return Err(retry(
                 "a fact this promoter has seen ends the wait, but the catalogue does not show it yet; asking again",
             ));
@@ -1104,7 +1120,7 @@ impl Promoter {
                 Err(e) => return warn!(error = %e, "cannot list the requests a copy wakes"),
             };
             for id in woken.requests {
-                if let Ok(Some(record)) = this.p().state.request(&id)
+                if let Ok(Some(record)) = this.p().state.request(&note.project, &id)
                     && let Err(e) = this.advance(record, None).await
                 {
                     debug!(request = %id, error = %e, "woken request not answered yet; the clock looks again");
@@ -1135,7 +1151,9 @@ impl Promoter {
             Some(n) => format!("tier {} on node {n}", request.tier),
             None => format!("tier {}", request.tier),
         };
-        self.p().state.note_reserved(&record.event.id, prefix)?;
+        self.p()
+            .state
+            .note_reserved(&record.event.project, &record.event.id, prefix)?;
         match coord
             .reserve(&request.tier, node, project, prefix, plan.bytes, limits)
             .await
@@ -1191,6 +1209,7 @@ impl Promoter {
         // Recorded as copying, so that after a crash the clock takes the copy up again.
         let reason = format!("copying version {} from tier {src_tier}", plan.version);
         self.p().state.wait(
+            &record.event.project,
             &record.event.id,
             WaitingFor::Copy,
             &reason,
@@ -1575,7 +1594,7 @@ impl Promoter {
     /// Answers a request whose deadline passed while it waited (one being copied here right
     /// now is left to its copy).
     async fn expire(&self, record: RequestRecord) -> Result<Vec<Event>, HandlerError> {
-        let Some(_active) = Active::take(&self.inner.active, &record.event.id) else {
+        let Some(_active) = Active::take(&self.inner.active, &request_key(&record)) else {
             return Ok(Vec::new());
         };
         self.deadline_passed(&record).await
