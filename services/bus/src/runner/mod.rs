@@ -360,23 +360,32 @@ where
     tokio::pin!(served);
     // The service drains by itself once `shutdown` is cancelled; past the deadline it is cut
     // off (its un-acked messages are redelivered to the next instance).
-    let result = tokio::select! {
-        r = &mut served => r,
+    // The service's own error becomes a `RunError` at once: the last heartbeat is awaited
+    // below, and the service's error type need not be `Send`.
+    let outcome = tokio::select! {
+        r = &mut served => Ok(r.map_err(|e| RunError::Service(e.into()))),
         _ = async {
             shutdown.cancelled().await;
             tokio::time::sleep(deadline).await;
-        } => {
-            tracing::warn!(service = name, ?deadline, "the service did not drain within its deadline");
-            info.set(0.0);
-            let message = format!("{name} did not stop within {deadline:?} of shutdown");
+        } => Err(format!("{name} did not stop within {deadline:?} of shutdown")),
+    };
+    info.set(0.0);
+    let result = match outcome {
+        Ok(result) => result,
+        Err(message) => {
+            tracing::warn!(
+                service = name,
+                ?deadline,
+                "the service did not drain within its deadline"
+            );
             if let Some(beating) = beating {
-                beating.finish(heartbeat::Ending::Failed(message.clone())).await;
+                beating
+                    .finish(heartbeat::Ending::Failed(message.clone()))
+                    .await;
             }
             return Err(RunError::Service(message.into()));
         }
     };
-    info.set(0.0);
-    let result = result.map_err(|e| RunError::Service(e.into()));
     if let Some(beating) = beating {
         let ending = match &result {
             Ok(_) => heartbeat::Ending::Stopped,
