@@ -491,59 +491,97 @@ async fn dead_letters(
     Ok(out)
 }
 
+/// Bounded tiers against their high watermark and projects against their quota: one catalogue
+/// question (bytes per tier, node and project, as the demoter counts them) and `statfs` of a
+/// posix tier's root for what others use — the demoter's arithmetic
+/// ([`stagehand_demoter::plan::TierUsage`]) without its per-replica holds, which status does
+/// not need. A node-local tier is counted per node, without `statfs` (its disks are elsewhere).
 async fn tiers(
     catalogue: &Catalogue,
     dir: &std::path::Path,
     findings: &mut Vec<Finding>,
 ) -> anyhow::Result<Vec<TierLine>> {
+    use stagehand_demoter::plan::{FsUsage, TierUsage};
+    use std::collections::BTreeMap;
     let policies = stagehand_policy::Policies::load_dir(dir)
         .with_context(|| format!("reading the policies in {}", dir.display()))?;
+    let usage = catalogue
+        .tier_usage(None)
+        .await
+        .context("the tiers' usage")?;
     let mut out = Vec::new();
     for tier in policies.tiers().values() {
-        let Some(s) = stagehand_demoter::survey(catalogue, &policies, tier).await? else {
+        let Some(limits) = &tier.limits else {
             continue;
         };
-        let capacity = s.limits.capacity.max(1) as f64;
-        let counted = s.usage.counted();
-        if counted as f64 > s.limits.high_watermark * capacity {
-            findings.push(Finding {
-                area: "tier",
-                subject: s.tier.clone(),
-                detail: format!(
-                    "{:.1} % used, above its high watermark of {:.0} %",
-                    100.0 * counted as f64 / capacity,
-                    100.0 * s.limits.high_watermark
-                ),
-                run: format!(
-                    "stagehand tier usage --tier {} (runbooks/tier-full.md)",
-                    s.tier
-                ),
-            });
+        // (node or "") → (placed bytes, per project bytes)
+        let mut places: BTreeMap<String, (u64, BTreeMap<String, u64>)> = BTreeMap::new();
+        for u in usage.iter().filter(|u| u.tier == tier.name) {
+            let place = places
+                .entry(u.node.clone().unwrap_or_default())
+                .or_default();
+            place.0 += u.bytes;
+            *place.1.entry(u.project.clone()).or_default() += u.bytes;
         }
-        for (project, (used, _)) in s.per_project() {
-            if let Some(quota) = s.limits.quota_for(&project)
-                && used as f64 > QUOTA_SHARE * quota.max(1) as f64
-            {
+        if places.is_empty() {
+            places.insert(String::new(), Default::default());
+        }
+        for (node, (placed, projects)) in places {
+            let fs = match (&tier.kind, node.is_empty()) {
+                (stagehand_policy::TierKind::Posix { root }, true) => {
+                    rustix::fs::statvfs(root).ok().map(|s| FsUsage {
+                        total: s.f_blocks.saturating_mul(s.f_frsize),
+                        avail: s.f_bavail.saturating_mul(s.f_frsize),
+                    })
+                }
+                _ => None,
+            };
+            let counted = TierUsage {
+                capacity: limits.capacity,
+                placed,
+                fs,
+            }
+            .counted();
+            let name = if node.is_empty() {
+                tier.name.clone()
+            } else {
+                format!("{}:{node}", tier.name)
+            };
+            let capacity = limits.capacity.max(1) as f64;
+            if counted as f64 > limits.high_watermark * capacity {
                 findings.push(Finding {
-                    area: "quota",
-                    subject: format!("{project} on {}", s.tier),
+                    area: "tier",
+                    subject: name.clone(),
                     detail: format!(
-                        "{:.1} % of its quota used",
-                        100.0 * used as f64 / quota.max(1) as f64
+                        "{:.1} % used, above its high watermark of {:.0} %",
+                        100.0 * counted as f64 / capacity,
+                        100.0 * limits.high_watermark
                     ),
-                    run: format!(
-                        "stagehand tier usage --tier {} (runbooks/tier-full.md)",
-                        s.tier
-                    ),
+                    run: format!("stagehand tier usage {} (runbooks/tier-full.md)", tier.name),
                 });
             }
+            for (project, used) in projects {
+                if let Some(quota) = limits.quota_for(&project)
+                    && used as f64 > QUOTA_SHARE * quota.max(1) as f64
+                {
+                    findings.push(Finding {
+                        area: "quota",
+                        subject: format!("{project} on {name}"),
+                        detail: format!(
+                            "{:.1} % of its quota used",
+                            100.0 * used as f64 / quota.max(1) as f64
+                        ),
+                        run: format!("stagehand tier usage {} (runbooks/tier-full.md)", tier.name),
+                    });
+                }
+            }
+            out.push(TierLine {
+                tier: name,
+                capacity: limits.capacity,
+                counted,
+                high_watermark: limits.high_watermark,
+            });
         }
-        out.push(TierLine {
-            tier: s.tier.clone(),
-            capacity: s.limits.capacity,
-            counted,
-            high_watermark: s.limits.high_watermark,
-        });
     }
     Ok(out)
 }

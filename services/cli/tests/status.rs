@@ -267,7 +267,7 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
         "ingest-validator",
         "stagehand dlq list --service ingest-validator"
     ));
-    assert!(has("tier", "hot", "stagehand tier usage --tier hot"));
+    assert!(has("tier", "hot", "stagehand tier usage hot"));
     assert!(has(
         "service",
         "promoter on ghost",
