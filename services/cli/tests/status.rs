@@ -1,8 +1,8 @@
 //! `stagehand status` as a real process against a real nats-server with the real catalogue
 //! recorder running under the service runner (so keeping its heartbeat): a quiet installation
-//! exits 0; a planted stuck stage, a dead letter, a hot tier above its high watermark and a
-//! silent service each appear with the command to run, and the exit code is 1; a replayed
-//! dead letter no longer counts as waiting.
+//! exits 0; a planted stuck stage, a dead letter, a hot tier above its high watermark, a
+//! silent service and a crash-looping one each appear with the command to run, and the exit
+//! code is 1; a replayed dead letter no longer counts as waiting.
 
 mod common;
 
@@ -238,6 +238,27 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
         )
         .await
         .unwrap();
+    // A demoter alive, but started four times in the last three minutes: a crash loop.
+    let now = OffsetDateTime::now_utc();
+    let flapping = Heartbeat {
+        service: "demoter".into(),
+        instance: "flappy".into(),
+        started_at: now,
+        beat_at: now,
+        starts: 4,
+        unclean_stops: 3,
+        recent_starts: (0..4)
+            .map(|m| now - time::Duration::minutes(3 - m))
+            .collect(),
+        ..ghost.clone()
+    };
+    beats
+        .put(
+            stagehand_bus::runner::heartbeat_key("demoter", "flappy"),
+            serde_json::to_vec(&flapping).unwrap().into(),
+        )
+        .await
+        .unwrap();
 
     let mut last = serde_json::Value::Null;
     wait_until(WAIT, "each planted thing to show", || {
@@ -246,7 +267,8 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
             && !findings(&report, "stage", "stuck-job").is_empty()
             && !findings(&report, "dead_letters", "ingest-validator").is_empty()
             && !findings(&report, "tier", "hot").is_empty()
-            && !findings(&report, "service", "promoter on ghost").is_empty();
+            && !findings(&report, "service", "promoter on ghost").is_empty()
+            && !findings(&report, "service", "demoter on flappy").is_empty();
         last = report;
         async move { all }
     })
@@ -273,6 +295,12 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
         "promoter on ghost",
         "runbooks/service-down.md"
     ));
+    assert!(
+        findings(&last, "service", "demoter on flappy")[0]
+            .0
+            .starts_with("started 4 times"),
+        "{last:#}"
+    );
     assert_eq!(last["needs_person"], true);
     assert_eq!(last["stages"]["counts"]["pending"], 1);
 
@@ -285,7 +313,7 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let text = String::from_utf8(out.stdout).unwrap();
-    assert!(text.starts_with("4 things need a person:"), "{text}");
+    assert!(text.starts_with("5 things need a person:"), "{text}");
     assert!(
         text.contains("run: stagehand dlq list --service ingest-validator"),
         "{text}"
