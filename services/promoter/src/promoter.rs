@@ -613,7 +613,11 @@ impl Promoter {
         standing: Standing,
         facts: Vec<Event>,
     ) -> Result<Vec<Event>, HandlerError> {
+        let first = !record.standing.is_final();
         let stored = self.p().state.finish(&record.event.id, standing, facts)?;
+        if first && let Some(r) = &stored {
+            record_answer(r);
+        }
         if let Some(r) = &stored
             && matches!(r.standing, Standing::Failed { .. } | Standing::Released)
         {
@@ -1667,4 +1671,22 @@ fn free_bytes(tier: &Tier) -> Option<u64> {
             .map(|s| s.f_bavail.saturating_mul(s.f_frsize)),
         Tier::S3(_) => None,
     }
+}
+
+/// Counts a stage request's first answer, ready or failed, in the work metrics
+/// ([`stagehand_telemetry::work::stage_answered`]): its tier and the time since it was asked.
+fn record_answer(record: &RequestRecord) {
+    let ready = match record.standing {
+        Standing::Ready { .. } => true,
+        Standing::Failed { .. } => false,
+        Standing::Waiting { .. } | Standing::Released => return,
+    };
+    let Some(request) = record.stage() else {
+        return;
+    };
+    let asked = record.event.occurred_at;
+    let waited = (time::OffsetDateTime::now_utc() - asked)
+        .try_into()
+        .unwrap_or_default();
+    stagehand_telemetry::work::stage_answered(&request.tier, ready, waited);
 }
