@@ -617,6 +617,8 @@ impl Promoter {
         let stored = self.p().state.finish(&record.event.id, standing, facts)?;
         if first && let Some(r) = &stored {
             record_answer(r);
+            // The clock recounts the requests still waiting (stagehand_stages).
+            self.inner.clock.notify_one();
         }
         if let Some(r) = &stored
             && matches!(r.standing, Standing::Failed { .. } | Standing::Released)
@@ -1535,6 +1537,7 @@ impl Promoter {
         let mut next_sweep = tokio::time::Instant::now();
         loop {
             let waiting = self.p().state.waiting()?;
+            record_waiting(&waiting);
             let sweep = tokio::time::Instant::now() >= next_sweep;
             if sweep {
                 next_sweep = tokio::time::Instant::now() + every;
@@ -1689,4 +1692,27 @@ fn record_answer(record: &RequestRecord) {
         .try_into()
         .unwrap_or_default();
     stagehand_telemetry::work::stage_answered(&request.tier, ready, waited);
+}
+
+/// Sets the requests this promoter has not answered yet in the work metrics
+/// ([`stagehand_telemetry::work::stages`]), by tier, state (`copying` while waiting for a
+/// copy, else `pending`) and what they wait for.
+fn record_waiting(waiting: &[RequestRecord]) {
+    let mut counts = stagehand_telemetry::work::StageCounts::new();
+    for record in waiting {
+        let (Some(request), Standing::Waiting { waiting_for, .. }) =
+            (record.stage(), &record.standing)
+        else {
+            continue;
+        };
+        let state = match waiting_for {
+            WaitingFor::Copy => "copying",
+            _ => "pending",
+        };
+        let waits = stagehand_telemetry::work::waiting_label(Some(waiting_for.as_str()));
+        *counts
+            .entry((request.tier.clone(), state, waits))
+            .or_default() += 1;
+    }
+    stagehand_telemetry::work::stages(&counts);
 }

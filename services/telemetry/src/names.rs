@@ -94,9 +94,10 @@ pub const COPY_THROUGHPUT: &str = "stagehand_copy_throughput_bytes_per_second";
 /// Histogram (seconds): from a stage request (its `occurred_at`) to its answer, labelled by
 /// `tier` and `outcome` ([`outcome::READY`] or [`outcome::FAILED`]).
 pub const STAGE_READY_SECONDS: &str = "stagehand_stage_ready_seconds";
-/// Gauge: stage requests the catalogue knows, by `tier`, `state` (pending, copying, ready,
-/// failed; released ones are not counted) and `waiting_for` (validation, preparation, quota,
-/// copy, other; `none` for a stage that waits for nothing).
+/// Gauge: stage requests a promoter has not answered yet, by `tier`, `state` (`copying` while
+/// waiting for a copy, else `pending`) and `waiting_for` (validation, preparation, copy; `other`
+/// for a reason a newer promoter adds). Answered requests are counted in
+/// [`STAGE_READY_SECONDS`].
 pub const STAGES: &str = "stagehand_stages";
 /// Gauge: the bytes Stagehand may place on a bounded tier (`tiers.toml`'s capacity), by `tier`.
 pub const TIER_CAPACITY_BYTES: &str = "stagehand_tier_capacity_bytes";
