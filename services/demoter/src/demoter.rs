@@ -110,6 +110,36 @@ impl TierSurvey {
         }
         out
     }
+
+    /// Sets the tier's fill in the work metrics ([`stagehand_telemetry::work::tier_fill`]):
+    /// capacity, Stagehand's bytes, the bytes counted against the watermarks, the bytes live
+    /// stages hold, and per project its bytes and quota (projects with a quota on the tier are
+    /// listed even with nothing on it, so their quota shows).
+    pub fn record_fill(&self) {
+        let mut projects: std::collections::BTreeMap<String, u64> = self
+            .per_project()
+            .into_iter()
+            .map(|(project, (placed, _))| (project, placed))
+            .collect();
+        for project in self.limits.quotas.keys() {
+            projects.entry(project.clone()).or_default();
+        }
+        stagehand_telemetry::work::tier_fill(&stagehand_telemetry::work::TierFill {
+            tier: self.tier.clone(),
+            capacity: self.usage.capacity,
+            used: self.usage.placed,
+            counted: self.usage.counted(),
+            held: self.held_bytes(),
+            high_watermark: self.limits.high_watermark,
+            projects: projects
+                .into_iter()
+                .map(|(project, used)| {
+                    let quota = self.limits.quota_for(&project);
+                    (project, used, quota)
+                })
+                .collect(),
+        });
+    }
 }
 
 /// The durable tiers: where a verified copy lets a replica above it go.
@@ -525,6 +555,7 @@ impl Demoter {
             else {
                 continue;
             };
+            survey.record_fill();
             let candidates: Vec<Candidate> = survey
                 .replicas
                 .iter()

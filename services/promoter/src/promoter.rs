@@ -624,10 +624,16 @@ impl Promoter {
         standing: Standing,
         facts: Vec<Event>,
     ) -> Result<Vec<Event>, HandlerError> {
-        let stored =
-            self.p()
-                .state
-                .finish(&record.event.project, &record.event.id, standing, facts)?;
+        let first = !record.standing.is_final();
+        let stored = self
+            .p()
+            .state
+            .finish(&record.event.project, &record.event.id, standing, facts)?;
+        if first && let Some(r) = &stored {
+            record_answer(r);
+            // The clock recounts the requests still waiting (stagehand_stages).
+            self.inner.clock.notify_one();
+        }
         if let Some(r) = &stored
             && matches!(r.standing, Standing::Failed { .. } | Standing::Released)
         {
@@ -1550,6 +1556,7 @@ impl Promoter {
         let mut next_sweep = tokio::time::Instant::now();
         loop {
             let waiting = self.p().state.waiting()?;
+            record_waiting(&waiting);
             let sweep = tokio::time::Instant::now() >= next_sweep;
             if sweep {
                 next_sweep = tokio::time::Instant::now() + every;
@@ -1686,4 +1693,45 @@ fn free_bytes(tier: &Tier) -> Option<u64> {
             .map(|s| s.f_bavail.saturating_mul(s.f_frsize)),
         Tier::S3(_) => None,
     }
+}
+
+/// Counts a stage request's first answer, ready or failed, in the work metrics
+/// ([`stagehand_telemetry::work::stage_answered`]): its tier and the time since it was asked.
+fn record_answer(record: &RequestRecord) {
+    let ready = match record.standing {
+        Standing::Ready { .. } => true,
+        Standing::Failed { .. } => false,
+        Standing::Waiting { .. } | Standing::Released => return,
+    };
+    let Some(request) = record.stage() else {
+        return;
+    };
+    let asked = record.event.occurred_at;
+    let waited = (time::OffsetDateTime::now_utc() - asked)
+        .try_into()
+        .unwrap_or_default();
+    stagehand_telemetry::work::stage_answered(&request.tier, ready, waited);
+}
+
+/// Sets the requests this promoter has not answered yet in the work metrics
+/// ([`stagehand_telemetry::work::stages`]), by tier, state (`copying` while waiting for a
+/// copy, else `pending`) and what they wait for.
+fn record_waiting(waiting: &[RequestRecord]) {
+    let mut counts = stagehand_telemetry::work::StageCounts::new();
+    for record in waiting {
+        let (Some(request), Standing::Waiting { waiting_for, .. }) =
+            (record.stage(), &record.standing)
+        else {
+            continue;
+        };
+        let state = match waiting_for {
+            WaitingFor::Copy => "copying",
+            _ => "pending",
+        };
+        let waits = stagehand_telemetry::work::waiting_label(Some(waiting_for.as_str()));
+        *counts
+            .entry((request.tier.clone(), state, waits))
+            .or_default() += 1;
+    }
+    stagehand_telemetry::work::stages(&counts);
 }

@@ -9,7 +9,8 @@
 //! 2. **telemetry** — logs (text or JSON), traces (OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
 //!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`, which also
 //!    answers the probes `GET /healthz` (the process answers) and `GET /readyz` (connected, and
-//!    every worker the service started consumes; `health`);
+//!    every worker the service started consumes; `health`), with each worker's consumer
+//!    backlog read into the metrics every few seconds (`backlog`);
 //! 3. **connect** (with retries) and **provision** the streams and the claims bucket; then
 //!    the instance's **heartbeat** (`heartbeat`: version, host, start, progress, restarts in
 //!    the `stagehand_heartbeats` bucket, for `stagehand status`) until it stops;
@@ -58,6 +59,7 @@
 //! }
 //! ```
 
+mod backlog;
 mod config;
 mod health;
 mod heartbeat;
@@ -195,10 +197,23 @@ impl<S> Context<S> {
             started: Some(Arc::new(move || started.worker_started())),
             ..WorkerHooks::default()
         };
+        let backlog = (self.bus.clone(), cfg.stream.clone(), cfg.service.clone());
         let worker = run_worker_with_hooks(self.bus.clone(), cfg, handler, shutdown, hooks);
         let health = self.health.clone();
+        let service = self.name;
         async move {
+            let stop_watching = CancellationToken::new();
+            let (bus, stream, consumer) = backlog;
+            let watcher = tokio::spawn(backlog::watch(
+                bus,
+                service,
+                stream,
+                consumer,
+                stop_watching.clone(),
+            ));
             let stats = worker.await;
+            stop_watching.cancel();
+            let _ = watcher.await;
             health.worker_stopped();
             stats
         }
