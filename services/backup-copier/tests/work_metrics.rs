@@ -30,7 +30,7 @@ async fn drills_count_verdicts_and_a_corrupt_backup_shows_a_failed_version() -> 
         &tiers_toml(&root, "hot-fs", &posix_backup(&root)),
         &backup_toml("1s", ""),
     );
-    let mut stack = Stack::start(&root.join("state")).await;
+    let mut stack = Stack::start().await;
     stack.start_copier(&policies, &root.join("state/copier"));
     let files = sample_files(3, 3000);
     let refs = write_files(

@@ -146,7 +146,10 @@ async fn the_shipped_service_silent_alert_fires_when_the_validator_stops() -> an
     let tmp = tempfile::tempdir()?;
     let home = tmp.path().join("home");
     let policies = tmp.path().join("policies");
-    write_policies(&policies)?;
+    PolicyFiles::new()
+        .shipped("tiers.toml")
+        .shipped("validation.toml")
+        .write(&policies);
     std::fs::create_dir_all(home.join("tiers/source"))?;
     let metrics = free_addr()?;
     let config = tmp.path().join("ingest-validator.toml");
@@ -160,7 +163,7 @@ async fn the_shipped_service_silent_alert_fires_when_the_validator_stops() -> an
         ),
     )?;
     let stderr = tmp.path().join("validator.stderr");
-    let mut child = Killed(validator(&config, &home, &stderr)?);
+    let mut child = validator(&config, &home, &stderr);
     let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
     let rules = stagehand_testkit::repo_root().join("deploy/prometheus");
     let prometheus = Prometheus::start_with_rules(
@@ -183,10 +186,10 @@ async fn the_shipped_service_silent_alert_fires_when_the_validator_stops() -> an
         "an answering service is not silent: {quiet:?}"
     );
 
-    let pid = rustix::process::Pid::from_child(&child.0);
+    let pid = rustix::process::Pid::from_child(child.child());
     rustix::process::kill_process(pid, rustix::process::Signal::TERM)?;
     wait_for(WAIT, "the validator to exit after SIGTERM", || {
-        let status = child.0.try_wait().ok().flatten();
+        let status = child.child().try_wait().ok().flatten();
         async move { status }
     })
     .await?;

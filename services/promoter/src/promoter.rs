@@ -625,10 +625,10 @@ impl Promoter {
         facts: Vec<Event>,
     ) -> Result<Vec<Event>, HandlerError> {
         let first = !record.standing.is_final();
-        let stored = self
-            .p()
-            .state
-            .finish(&record.event.project, &record.event.id, standing, facts)?;
+        let stored =
+            self.p()
+                .state
+                .finish(&record.event.project, &record.event.id, standing, facts)?;
         if first && let Some(r) = &stored {
             record_answer(r);
             // The clock recounts the requests still waiting (stagehand_stages).
