@@ -118,6 +118,52 @@ pub fn drill_due(candidates: &[Candidate], now: OffsetDateTime, every: Duration)
     }
 }
 
+/// Sets the drill gauges of backup tier `tier` in the work metrics
+/// ([`stagehand_telemetry::work::drill_survey`]): the versions protected there, those never
+/// drilled, those whose last drill failed, and when the newest drill ran. `drilled` (a drill
+/// just run at `now`) counts over what the catalogue said of the versions it reached a verdict
+/// on, so a failure shows before the catalogue has folded its fact.
+pub fn record_survey(
+    tier: &str,
+    candidates: &[Candidate],
+    drilled: Option<&DrillReport>,
+    now: OffsetDateTime,
+    every: Duration,
+) {
+    let verdict = |c: &Candidate| {
+        drilled.and_then(|r| {
+            r.results
+                .iter()
+                .find(|d| {
+                    d.project == c.version.project
+                        && d.dataset == c.version.dataset
+                        && d.version == c.version.version
+                })
+                .map(|d| (now, d.problems.is_empty()))
+        })
+    };
+    let last: Vec<Option<(OffsetDateTime, bool)>> = candidates
+        .iter()
+        .map(|c| verdict(c).or_else(|| c.replica.last_drill.as_ref().map(|d| (d.stamp.at, d.ok))))
+        .collect();
+    let count = |f: fn(&Option<(OffsetDateTime, bool)>) -> bool| {
+        last.iter().filter(|l| f(l)).count() as u64
+    };
+    stagehand_telemetry::work::drill_survey(&stagehand_telemetry::work::DrillSurvey {
+        tier: tier.to_owned(),
+        protected: candidates.len() as u64,
+        never: count(|l| l.is_none()),
+        failed: count(|l| matches!(l, Some((_, false)))),
+        last_drill_unix: last
+            .iter()
+            .flatten()
+            .map(|(at, _)| *at)
+            .max()
+            .map(|at| at.unix_timestamp_nanos() as f64 / 1e9),
+        interval: every,
+    });
+}
+
 /// Files of `manifest` a drill with `files_left` files and `bytes_left` bytes to spend
 /// restores, in path order: all of them when they fit, else a sample ranked by a hash of the
 /// drill id and each path, taken while it fits the bytes. Blocking (reads the manifest).
@@ -253,6 +299,10 @@ impl Copier {
                         &self.target.name,
                     );
                     bus.publish(&fact).await?;
+                    stagehand_telemetry::work::drill_verdict(
+                        &self.target.name,
+                        problems.is_empty(),
+                    );
                     if problems.is_empty() {
                         info!(version = %name, files, bytes, "restore drill verified");
                     } else {

@@ -286,6 +286,8 @@ impl DrillClock {
             return Ok(None);
         }
         let candidates = self.copier.drill_candidates(&self.catalogue).await?;
+        let tier = &self.copier.target().name;
+        drill::record_survey(tier, &candidates, None, now, every);
         if !drill::drill_due(&candidates, now, every) {
             return Ok(None);
         }
@@ -298,6 +300,7 @@ impl DrillClock {
             .copier
             .drill(&self.bus, &candidates, &id, cancel)
             .await?;
+        drill::record_survey(tier, &candidates, Some(&report), now, every);
         Ok(Some(report))
     }
 

@@ -91,8 +91,22 @@ pub const STAGES: KvSpec = KvSpec {
     max_age: Duration::ZERO,
 };
 
+/// The heartbeat bucket: one key per running service instance (`<service>.<instance>`),
+/// written by the service runner (`runner::heartbeat`), read by `stagehand status`.
+pub const HEARTBEATS_BUCKET: &str = "stagehand_heartbeats";
+
+/// The heartbeat bucket's declaration. An instance that stopped beating a week ago is
+/// forgotten: long enough for on-call to see it silent, short enough that a retired host does
+/// not haunt the view for ever.
+pub const HEARTBEATS: KvSpec = KvSpec {
+    bucket: HEARTBEATS_BUCKET,
+    description: "Stagehand: each service instance's heartbeat (version, host, start, progress)",
+    history: 1,
+    max_age: Duration::from_secs(7 * 24 * 3600),
+};
+
 /// Every KV bucket Stagehand declares, provisioned by [`Bus::provision`].
-pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS, STAGES];
+pub const KV_BUCKETS: &[KvSpec] = &[CLAIMS, READINESS, STAGES, HEARTBEATS];
 
 /// The promoter's coordination bucket: space reserved per bounded tier (`quota.<tier>[.<node>]`)
 /// and copy leases (`copy.<tier>[.<node>].<hash of prefix>`), shared by promoter instances.

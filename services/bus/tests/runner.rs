@@ -1,7 +1,8 @@
 //! The service runner in-process against a real nats-server: a service that fails stops with
 //! its error and the exit status of a failure, one that ignores shutdown is cut off at its
 //! drain deadline, a clean stop returns what the service returned, and the metrics endpoint's
-//! `/readyz` follows the connection and the workers while `/healthz` always answers.
+//! `/readyz` follows the connection and the workers while `/healthz` always answers; each run
+//! keeps its heartbeat in `stagehand_heartbeats`.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -215,4 +216,117 @@ async fn readyz_follows_the_connection_and_the_workers_and_healthz_always_answer
 
     shutdown.cancel();
     service.await.unwrap().unwrap();
+}
+
+/// The heartbeat of `service` on `instance`, as the runner last wrote it.
+async fn heartbeat(nats: &NatsServer, service: &str, instance: &str) -> Option<runner::Heartbeat> {
+    let bus = stagehand_bus::Bus::connect(&BusConfig::new(nats.url()))
+        .await
+        .ok()?;
+    let store = bus
+        .jetstream()
+        .get_key_value(stagehand_bus::HEARTBEATS_BUCKET)
+        .await
+        .ok()?;
+    let bytes = store
+        .get(runner::heartbeat_key(service, instance))
+        .await
+        .ok()??;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// Every run keeps the instance's heartbeat: written at start with its version, host and
+/// start, carrying the progress the service notes, marked stopped on a clean stop and failed
+/// with its error on a failure; the next start counts a restart, and a start after a run that
+/// never wrote its end counts an unclean stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_run_keeps_its_heartbeat_from_start_to_stop() {
+    let nats = NatsServer::start();
+    let mut cfg = config(&nats, Duration::from_secs(5));
+    cfg.worker.instance_id = Some("node-7".into());
+    let shutdown = CancellationToken::new();
+    let (noted, is_noted) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(runner::run(
+        "svc-beat",
+        cfg.clone(),
+        shutdown.clone(),
+        |ctx| async move {
+            ctx.progress().note();
+            let _ = noted.send(());
+            ctx.shutdown.cancelled().await;
+            Ok::<_, std::io::Error>(())
+        },
+    ));
+    is_noted.await.unwrap();
+    let first = wait_for(Duration::from_secs(30), "the first heartbeat", || async {
+        heartbeat(&nats, "svc-beat", "node-7").await
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (first.service.as_str(), first.instance.as_str()),
+        ("svc-beat", "node-7")
+    );
+    assert_eq!(first.version, env!("CARGO_PKG_VERSION"));
+    assert_eq!((first.starts, first.unclean_stops), (1, 0));
+    assert!(!first.ended());
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    let stopped = heartbeat(&nats, "svc-beat", "node-7").await.unwrap();
+    assert!(stopped.stopped_at.is_some() && stopped.failed_at.is_none());
+    assert!(
+        stopped.last_progress_at.is_some(),
+        "the noted progress is kept"
+    );
+
+    // Started again, failing: a restart, no unclean stop, and the failure with its error.
+    let err = runner::run(
+        "svc-beat",
+        cfg.clone(),
+        CancellationToken::new(),
+        |_ctx| async { Err::<(), _>(std::io::Error::other("the ledger's disk failed")) },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, RunError::Service(_)));
+    let failed = heartbeat(&nats, "svc-beat", "node-7").await.unwrap();
+    assert_eq!((failed.starts, failed.unclean_stops), (2, 0));
+    assert_eq!(failed.recent_starts.len(), 2);
+    assert!(failed.failed_at.is_some());
+    assert!(
+        failed
+            .error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("the ledger's disk failed")
+    );
+
+    // A run that ended without writing its end (killed): the next start counts it.
+    let store = stagehand_bus::Bus::connect(&BusConfig::new(nats.url()))
+        .await
+        .unwrap()
+        .jetstream()
+        .get_key_value(stagehand_bus::HEARTBEATS_BUCKET)
+        .await
+        .unwrap();
+    let mut killed = failed.clone();
+    killed.failed_at = None;
+    killed.error = None;
+    store
+        .put(
+            runner::heartbeat_key("svc-beat", "node-7"),
+            serde_json::to_vec(&killed).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    stop.cancel();
+    runner::run("svc-beat", cfg, stop, |ctx| async move {
+        ctx.shutdown.cancelled().await;
+        Ok::<_, std::io::Error>(())
+    })
+    .await
+    .unwrap();
+    let after = heartbeat(&nats, "svc-beat", "node-7").await.unwrap();
+    assert_eq!((after.starts, after.unclean_stops), (3, 1));
 }

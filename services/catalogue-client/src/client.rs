@@ -439,6 +439,48 @@ impl Catalogue {
             Answer::BackupStatus { versions, next } => Page { items: versions, next })
     }
 
+    /// One page of the open stage requests in `state` (pending or failed) of `projects` (empty:
+    /// every project), with the counts of all open ones.
+    pub async fn open_stages(
+        &self,
+        state: StageState,
+        projects: &[String],
+        limit: Option<u32>,
+        after: Option<&str>,
+    ) -> Result<(Page<StageStatus>, OpenStageCounts), CatalogueError> {
+        let q = Query::OpenStages {
+            state,
+            projects: projects.to_vec(),
+            limit,
+            after: after.map(Into::into),
+        };
+        expect!(self.ask(&q).await?, "open_stages",
+            Answer::OpenStages { stages, counts, next } => (Page { items: stages, next }, counts))
+    }
+
+    /// What every project's replicas take on every tier (or on `tier`), all pages.
+    pub async fn tier_usage(
+        &self,
+        tier: Option<&str>,
+    ) -> Result<Vec<TierProjectUsage>, CatalogueError> {
+        let mut out = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let q = Query::TierUsage {
+                tier: tier.map(Into::into),
+                limit: Some(MAX_PAGE),
+                after: after.take(),
+            };
+            let (usage, next) = expect!(self.ask(&q).await?, "tier_usage",
+                Answer::TierUsage { usage, next } => (usage, next))?;
+            out.extend(usage);
+            match next {
+                Some(n) => after = Some(n),
+                None => return Ok(out),
+            }
+        }
+    }
+
     /// One page of the facts the recorder could not fold, and how many there are in all.
     pub async fn problems(
         &self,

@@ -189,7 +189,33 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
-    /// Dead letters counted per service, in service order. `after`: a service name.
+    /// Stage requests that are `pending` (copying included: pending with progress) or
+    /// `failed`, across every project or those listed: pending ones oldest change first (the
+    /// longest wait first), failed ones newest first, each page with the counts of all of them.
+    /// Read from an index of open stages, not from every stage record. `after`: the `next` of
+    /// the previous page.
+    OpenStages {
+        state: StageState,
+        #[serde(default)]
+        projects: Vec<String>,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
+    /// Bytes and replicas present per (tier, node, project), on every tier or on `tier`, as
+    /// the demoter counts them against watermarks and quotas (a checkpoint's own copy is
+    /// retention's, not counted). `after`: the `next` of the previous page.
+    TierUsage {
+        #[serde(default)]
+        tier: Option<String>,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
+    /// Dead letters counted per service, in service order, each with how many still wait (not
+    /// replayed). `after`: a service name.
     DeadLetters {
         #[serde(default)]
         limit: Option<u32>,
@@ -293,6 +319,16 @@ pub enum Answer {
     },
     BackupStatus {
         versions: Vec<VersionBackups>,
+        next: Option<String>,
+    },
+    OpenStages {
+        stages: Vec<StageStatus>,
+        /// How many stages are open, in every page.
+        counts: OpenStageCounts,
+        next: Option<String>,
+    },
+    TierUsage {
+        usage: Vec<TierProjectUsage>,
         next: Option<String>,
     },
     DeadLetters {

@@ -301,6 +301,30 @@ pub struct DeadLetterRecord {
     pub last_stream_sequence: u64,
     pub last_error: Option<String>,
     pub stamp: Stamp,
+    /// Dead letters not replayed since (a replayed one no longer waits; one replayed twice
+    /// counts once); absent from a recorder that does not fold replays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<u64>,
+}
+
+/// How many stage requests are open (of the projects asked about): `pending` counts the
+/// `copying` ones too.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpenStageCounts {
+    pub pending: u64,
+    pub copying: u64,
+    pub failed: u64,
+}
+
+/// What a project's replicas take on a tier (on one node of a node-local tier).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierProjectUsage {
+    pub tier: String,
+    #[serde(default)]
+    pub node: Option<String>,
+    pub project: String,
+    pub replicas: u64,
+    pub bytes: u64,
 }
 
 /// The state of a checkpoint of a training run.

@@ -226,9 +226,10 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::CheckpointExpired(p) => checkpoint_expired(txn, event, p, &stamp)?,
         Body::CheckpointHeld(p) => checkpoint_held(txn, event, p, &stamp)?,
         Body::DeadLetter(p) => dead_letter(txn, p, &stamp)?,
-        // Ingest requests are not facts (the validator answers them with one); a replay record
-        // is on-call's, listed by `stagehand dlq list`. Kinds this recorder does not know yet
-        // are marked applied too, so that a replay skips them the same way.
+        Body::DeadLetterReplayed(p) => dead_letter_replayed(txn, p)?,
+        // Ingest requests are not facts (the validator answers them with one). Kinds this
+        // recorder does not know yet are marked applied too, so that a replay skips them the
+        // same way.
         _ => {}
     }
     txn.open_table(APPLIED)?.insert(scope, ())?;
@@ -994,6 +995,7 @@ fn dead_letter(txn: &WriteTransaction, p: &DeadLetter, stamp: &Stamp) -> Result<
         last_stream_sequence: 0,
         last_error: None,
         stamp: stamp.clone(),
+        waiting: None,
     });
     // The count is a sum, so it is order-free; "last" follows the stamp.
     record.count += 1;
@@ -1004,6 +1006,51 @@ fn dead_letter(txn: &WriteTransaction, p: &DeadLetter, stamp: &Stamp) -> Result<
         record.stamp = stamp.clone();
     }
     table.insert(p.service.as_str(), encode(&record, what)?.as_slice())?;
+    let id = stamp.event_id.as_str();
+    let was = dead_letter_state(txn, &p.service, id)?;
+    txn.open_table(DEAD_LETTER_STATES)?
+        .insert((p.service.as_str(), id), was | DEAD_LETTER_FOLDED)?;
+    // A replay folded before its dead letter (a redelivery can reorder them) leaves it done.
+    if was & DEAD_LETTER_REPLAYED == 0 {
+        add_waiting(txn, &p.service, 1)?;
+    }
+    Ok(())
+}
+
+fn dead_letter_state(txn: &WriteTransaction, service: &str, id: &str) -> Result<u8, FoldError> {
+    Ok(txn
+        .open_table(DEAD_LETTER_STATES)?
+        .get((service, id))?
+        .map_or(0, |v| v.value()))
+}
+
+fn add_waiting(txn: &WriteTransaction, service: &str, delta: i64) -> Result<(), FoldError> {
+    let mut table = txn.open_table(DEAD_LETTERS_WAITING)?;
+    let now = table.get(service)?.map_or(0, |v| v.value());
+    table.insert(service, now.saturating_add_signed(delta))?;
+    Ok(())
+}
+
+/// A replay (`stagehand dlq replay`): the dead letter no longer waits for a person. Counted
+/// once per dead letter, however often it was replayed; the dead letter itself stays counted
+/// in `count`, and the replayed message, if it fails again, is a new dead letter.
+fn dead_letter_replayed(txn: &WriteTransaction, p: &DeadLetterReplayed) -> Result<(), FoldError> {
+    let id = p.dead_letter_id.as_str();
+    let was = dead_letter_state(txn, &p.service, id)?;
+    if was & DEAD_LETTER_REPLAYED != 0 {
+        return Ok(());
+    }
+    // On a store upgraded from a layout that did not fold replays, an unknown dead letter
+    // is one counted then (see `dead_letters_counted_before_upgrade`).
+    let folded =
+        was & DEAD_LETTER_FOLDED != 0 || crate::store::dead_letters_counted_before_upgrade(txn)?;
+    txn.open_table(DEAD_LETTER_STATES)?.insert(
+        (p.service.as_str(), id),
+        was | DEAD_LETTER_REPLAYED | if folded { DEAD_LETTER_FOLDED } else { 0 },
+    )?;
+    if folded {
+        add_waiting(txn, &p.service, -1)?;
+    }
     Ok(())
 }
 

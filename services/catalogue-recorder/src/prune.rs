@@ -1,5 +1,5 @@
 //! Pruning stage records: a stage request's record (table `stage_requests`, with its rows in
-//! `stages_by_job`, `stages_by_version`, `stage_progress` and its count in the readiness of
+//! `stages_by_job`, `stages_by_version`, `stages_open`, `stage_progress` and its count in the readiness of
 //! its version) is removed once it holds nothing and has not changed for the recorder's
 //! `stage_retention`. Without it the store grows by a record per job for ever.
 //!
@@ -23,9 +23,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
 use crate::model::StageRecord;
-use crate::stage::{counted_key, read_aggregate, version_key, write_aggregate};
+use crate::stage::{counted_key, open_key, read_aggregate, version_key, write_aggregate};
 use crate::store::{
-    STAGE_PROGRESS, STAGE_REQUESTS, STAGES_BY_JOB, STAGES_BY_VERSION, Store, decode,
+    STAGE_PROGRESS, STAGE_REQUESTS, STAGES_BY_JOB, STAGES_BY_VERSION, STAGES_OPEN, Store, decode,
 };
 
 /// How long a stage record that holds nothing is kept after its last change, unless the
@@ -121,6 +121,10 @@ impl Store {
                 id,
             ))?;
             txn.open_table(STAGE_PROGRESS)?.remove((project, id))?;
+            if let Some((state, at)) = open_key(status) {
+                txn.open_table(STAGES_OPEN)?
+                    .remove((state, at, project, id))?;
+            }
             if let Some(key) = counted_key(status) {
                 let mut aggregate = read_aggregate(&txn, &key)?;
                 aggregate.left(status.state);

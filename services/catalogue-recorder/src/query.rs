@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
-use redb::{ReadTransaction, ReadableTableMetadata};
+use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use stagehand_catalogue::*;
@@ -374,9 +374,31 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             Answer::BackupStatus { versions, next }
         }
         Query::DeadLetters { limit, after } => {
-            let (services, next) =
+            let (mut services, next): (Vec<DeadLetterRecord>, _) =
                 by_name(txn, DEAD_LETTERS, *limit, after.as_deref(), "dead letters")?;
+            let waiting = txn.open_table(DEAD_LETTERS_WAITING)?;
+            for s in &mut services {
+                s.waiting = Some(waiting.get(s.service.as_str())?.map_or(0, |v| v.value()));
+            }
             Answer::DeadLetters { services, next }
+        }
+        Query::OpenStages {
+            state,
+            projects,
+            limit,
+            after,
+        } => {
+            let (stages, counts, next) =
+                open_stages(txn, *state, projects, *limit, after.as_deref())?;
+            Answer::OpenStages {
+                stages,
+                counts,
+                next,
+            }
+        }
+        Query::TierUsage { tier, limit, after } => {
+            let (usage, next) = tier_usage(txn, tier.as_deref(), *limit, after.as_deref())?;
+            Answer::TierUsage { usage, next }
         }
         Query::Problems { limit, after } => {
             let total = txn.open_table(PROBLEMS)?.len()?;
@@ -929,6 +951,179 @@ fn two_part_cursor(after: Option<&str>) -> Result<Option<(String, String)>, Fail
                 .ok_or_else(|| bad_query(format!("{c:?} is not a <tier>/<name> cursor")))
         })
         .transpose()
+}
+
+/// A page of open stages of one state from the `stages_open` index (pending oldest first,
+/// failed newest first), and the counts of every open stage of `projects` (all when empty):
+/// keys only, the records of the page's stages alone are read.
+fn open_stages(
+    txn: &ReadTransaction,
+    state: StageState,
+    projects: &[String],
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<StageStatus>, OpenStageCounts, Option<String>), Fail> {
+    use crate::stage::{OPEN_FAILED, OPEN_PENDING};
+    let code = match state {
+        StageState::Pending | StageState::Copying => OPEN_PENDING,
+        StageState::Failed => OPEN_FAILED,
+        StageState::Ready | StageState::Released => {
+            return Err(bad_query(
+                "open_stages lists pending or failed stages".into(),
+            ));
+        }
+    };
+    let wanted = |project: &str| projects.is_empty() || projects.iter().any(|p| p == project);
+    let open = txn.open_table(STAGES_OPEN)?;
+    let mut counts = OpenStageCounts::default();
+    for row in open.iter()? {
+        let (k, _) = row?;
+        let (s, _, project, _) = k.value();
+        if wanted(project) {
+            match s {
+                OPEN_PENDING => counts.pending += 1,
+                _ => counts.failed += 1,
+            }
+        }
+    }
+    for row in txn.open_table(STAGE_PROGRESS)?.iter()? {
+        let (k, _) = row?;
+        if wanted(k.value().0) {
+            counts.copying += 1;
+        }
+    }
+    // The cursor: `<ns>/<project>/<request id>` of the last stage of the previous page.
+    let start: Option<(i128, String, String)> = match after {
+        None => None,
+        Some(c) => {
+            let parsed = cursor::split(c).and_then(|(ns, rest)| {
+                let (project, id) = rest.split_once('/')?;
+                Some((ns.parse::<i128>().ok()?, project.to_owned(), id.to_owned()))
+            });
+            Some(parsed.ok_or_else(|| bad_query(format!("{c:?} is not an open_stages cursor")))?)
+        }
+    };
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    let mut offer = |at: i128, project: &str, id: &str| -> Result<bool, Fail> {
+        if !wanted(project) {
+            return Ok(true);
+        }
+        match crate::stage::status_in(txn, project, id)? {
+            Some((status, _)) => Ok(page.offer(status, || {
+                cursor::join(&at.to_string(), &format!("{project}/{id}"))
+            })),
+            None => Ok(true),
+        }
+    };
+    if code == OPEN_PENDING {
+        let from = match &start {
+            Some((at, p, id)) => (code, *at, p.as_str(), id.as_str()),
+            None => (code, i128::MIN, "", ""),
+        };
+        for row in open.range(from..(code + 1, i128::MIN, "", ""))? {
+            let (k, _) = row?;
+            let (_, at, project, id) = k.value();
+            if start
+                .as_ref()
+                .is_some_and(|(a, p, i)| (*a, p.as_str(), i.as_str()) == (at, project, id))
+            {
+                continue;
+            }
+            if !offer(at, project, id)? {
+                break;
+            }
+        }
+    } else {
+        let to = match &start {
+            Some((at, p, id)) => (code, *at, p.as_str(), id.as_str()),
+            None => (code + 1, i128::MIN, "", ""),
+        };
+        for row in open.range((code, i128::MIN, "", "")..to)?.rev() {
+            let (k, _) = row?;
+            let (_, at, project, id) = k.value();
+            if !offer(at, project, id)? {
+                break;
+            }
+        }
+    }
+    let (stages, next) = page.done();
+    Ok((stages, counts, next))
+}
+
+/// Bytes and replicas present per (tier, node, project): one pass over the replicas table
+/// (a few rows per version, whatever its file count), summed, then paged in (tier, node,
+/// project) order. A replica counts with the larger of its own and its version's byte count
+/// and is left out when it is a checkpoint's own copy, as the demoter's survey does.
+fn tier_usage(
+    txn: &ReadTransaction,
+    tier: Option<&str>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<TierProjectUsage>, Option<String>), Fail> {
+    use std::collections::BTreeMap;
+    let replicas = txn.open_table(REPLICAS)?;
+    let versions = txn.open_table(VERSIONS)?;
+    let mut sums: BTreeMap<(String, String, String), (u64, u64)> = BTreeMap::new();
+    for row in replicas.iter()? {
+        let (k, v) = row?;
+        let (project, dataset, version, t, node) = k.value();
+        if tier.is_some_and(|want| want != t) {
+            continue;
+        }
+        let r: ReplicaRecord = read(v.value(), || {
+            format!("replica {project}/{dataset}/{version} on {t}")
+        })?;
+        if r.state != ReplicaState::Present
+            || r.verified_by.as_deref() == Some(CHECKPOINT_VERIFIED_BY)
+        {
+            continue;
+        }
+        let version_bytes = match versions.get((project, dataset, version))? {
+            Some(v) => {
+                read::<VersionRecord>(v.value(), || {
+                    format!("version {project}/{dataset}/{version}")
+                })?
+                .total_bytes
+            }
+            None => 0,
+        };
+        let sum = sums
+            .entry((t.to_owned(), node.to_owned(), project.to_owned()))
+            .or_default();
+        sum.0 += 1;
+        sum.1 += r.total_bytes.max(version_bytes);
+    }
+    let start = match after {
+        None => None,
+        Some(c) => {
+            let parsed = cursor::split(c).and_then(|(t, rest)| {
+                let (node, project) = cursor::split(&rest)?;
+                Some((t, node, project))
+            });
+            Some(parsed.ok_or_else(|| bad_query(format!("{c:?} is not a tier_usage cursor")))?)
+        }
+    };
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for ((t, node, project), (replicas, bytes)) in sums {
+        if let Some((st, sn, sp)) = &start
+            && (t.as_str(), node.as_str(), project.as_str())
+                <= (st.as_str(), sn.as_str(), sp.as_str())
+        {
+            continue;
+        }
+        let cursor = cursor::join(&t, &cursor::join(&node, &project));
+        let usage = TierProjectUsage {
+            tier: t,
+            node: (!node.is_empty()).then_some(node),
+            project,
+            replicas,
+            bytes,
+        };
+        if !page.offer(usage, || cursor) {
+            break;
+        }
+    }
+    Ok(page.done())
 }
 
 /// Versions in (project, dataset, version) order with their backup replicas: one pass over

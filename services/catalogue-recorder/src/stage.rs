@@ -56,6 +56,22 @@ pub struct StageChange<'a> {
     pub hold_until: Option<OffsetDateTime>,
 }
 
+/// The first part of a pending request's key in `stages_open`.
+pub const OPEN_PENDING: u8 = 0;
+/// The first part of a failed request's key in `stages_open`.
+pub const OPEN_FAILED: u8 = 1;
+
+/// Where a request stands in `stages_open` — (state, last change in ns) — when it is pending or
+/// failed; `None` when ready or released (nothing waits on a person).
+pub fn open_key(status: &StageStatus) -> Option<(u8, i128)> {
+    let state = match status.state {
+        StageState::Pending | StageState::Copying => OPEN_PENDING,
+        StageState::Failed => OPEN_FAILED,
+        StageState::Ready | StageState::Released => return None,
+    };
+    Some((state, status.updated_at.unix_timestamp_nanos()))
+}
+
 /// The readiness key a record counts in, once its full version is known.
 pub fn counted_key(status: &StageStatus) -> Option<ReadinessKey> {
     status.resolved_version.as_ref().map(|v| ReadinessKey {
@@ -361,6 +377,15 @@ fn record_in(
         .insert((project, id), value.as_slice())?;
     txn.open_table(STAGES_BY_JOB)?
         .insert((project, record.status.job_id.as_str(), id), ())?;
+    {
+        let mut open = txn.open_table(STAGES_OPEN)?;
+        if let Some((state, at)) = old.as_ref().and_then(|o| open_key(&o.status)) {
+            open.remove((state, at, project, id))?;
+        }
+        if let Some((state, at)) = open_key(&record.status) {
+            open.insert((state, at, project, id), ())?;
+        }
+    }
     {
         let mut by_version = txn.open_table(STAGES_BY_VERSION)?;
         let dataset = record.status.dataset.as_str();

@@ -14,9 +14,12 @@
 //! | `stages_by_job` | (project, job, request id) | — |
 //! | `stages_by_version` | (project, dataset, version — the full digest once known, else as requested, request id) | — |
 //! | `stage_progress` | (project, request id) | the copy's last progress (live only, not in a [`Dump`]) |
+//! | `stages_open` | (0 pending or 1 failed, last change in ns, project, request id) | — (the stage requests that may need a person, oldest first: `stagehand status`) |
 //! | `readiness` | (project, dataset, version, tier, node or "") | [`crate::model::ReadinessAggregate`] |
 //! | `rejections` | (project, dataset, request id) | [`stagehand_catalogue::RejectionRecord`], one per request |
 //! | `dead_letters` | service | [`stagehand_catalogue::DeadLetterRecord`] |
+//! | `dead_letter_states` | (service, dead letter id) | 1: the dead letter was folded, 2: a replay of it was; 3: both |
+//! | `dead_letters_waiting` | service | dead letters folded and not replayed |
 //! | `checkpoints` | (project, run, step) | [`stagehand_catalogue::CheckpointRecord`] |
 //! | `problems` | `<project>/<kind>/<event id>` | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
 //! | `applied_scoped` | (project, kind, event id) | — (events folded) |
@@ -101,6 +104,22 @@ pub(crate) const READINESS: TableDefinition<(S, S, S, S, S), Bytes> =
     TableDefinition::new("readiness");
 pub(crate) const REJECTIONS: TableDefinition<(S, S, S), Bytes> = TableDefinition::new("rejections");
 pub(crate) const DEAD_LETTERS: TableDefinition<S, Bytes> = TableDefinition::new("dead_letters");
+/// (service, dead letter id) → [`DEAD_LETTER_FOLDED`] | [`DEAD_LETTER_REPLAYED`]: a dead letter
+/// waits until a replay of it is folded, whichever of the two comes first.
+pub(crate) const DEAD_LETTER_STATES: TableDefinition<(S, S), u8> =
+    TableDefinition::new("dead_letter_states");
+/// service → dead letters folded and not replayed.
+pub(crate) const DEAD_LETTERS_WAITING: TableDefinition<S, u64> =
+    TableDefinition::new("dead_letters_waiting");
+/// A `dead_letter_states` flag: the dead letter was folded.
+pub(crate) const DEAD_LETTER_FOLDED: u8 = 1;
+/// A `dead_letter_states` flag: a replay of the dead letter was folded.
+pub(crate) const DEAD_LETTER_REPLAYED: u8 = 2;
+/// (state, last change in ns, project, request id) of every stage request that is pending
+/// ([`crate::stage::OPEN_PENDING`]) or failed ([`crate::stage::OPEN_FAILED`]): an index, so
+/// that the stages needing a person are found without reading every stage record.
+pub(crate) const STAGES_OPEN: TableDefinition<(u8, i128, S, S), ()> =
+    TableDefinition::new("stages_open");
 pub(crate) const CHECKPOINTS: TableDefinition<(S, S, u64), Bytes> =
     TableDefinition::new("checkpoints");
 pub(crate) const PROBLEMS: TableDefinition<S, Bytes> = TableDefinition::new("problems");
@@ -115,6 +134,10 @@ const COMPLETE: &str = "complete_through";
 const LAYOUT: &str = "layout";
 /// Meta key: set (1) by the upgrade from layout 4, whose applied events by bare id are kept.
 const UPGRADED_FROM_4: &str = "upgraded_from_4";
+/// Meta key: set (1) by the upgrade from layout 5, which counted every dead letter folded
+/// before it as waiting without knowing which of them it was: a replay naming a dead letter
+/// `dead_letter_states` does not know is then taken as the replay of one counted then.
+const DEAD_LETTERS_COUNTED_BEFORE: &str = "dead_letters_counted_before_upgrade";
 /// Meta key prefix: `<prefix><stream>` is the stream's last sequence when an upgraded store first
 /// started; layout 4's applied events answer for messages up to it only.
 const UPGRADE_THROUGH: &str = "upgrade_through.";
@@ -123,8 +146,9 @@ const UPGRADE_THROUGH: &str = "upgrade_through.";
 /// and kind. A store of layout 4 is upgraded in place; one of another layout is emptied and
 /// rebuilt from the streams: the one-table layout of key prefixes was 1; 2 kept one replica per
 /// tier and checkpoints in their own table only; 3 had either replicas per node or checkpoint
-/// versions, not both; 4 kept applied events and problems by bare event id.
-const LAYOUT_VERSION: u64 = 5;
+/// versions, not both; 4 kept applied events and problems by bare event id; 5 had no index of
+/// open stages and counted dead letters without their replays (upgraded in place as well).
+const LAYOUT_VERSION: u64 = 6;
 
 /// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;
@@ -216,6 +240,9 @@ macro_rules! for_each_table {
         $m!(READINESS);
         $m!(REJECTIONS);
         $m!(DEAD_LETTERS);
+        $m!(DEAD_LETTER_STATES);
+        $m!(DEAD_LETTERS_WAITING);
+        $m!(STAGES_OPEN);
         $m!(CHECKPOINTS);
         $m!(PROBLEMS);
         $m!(APPLIED);
@@ -241,6 +268,10 @@ impl Store {
         if layout == Some(4) {
             upgrade_from_4(&txn)?;
             tracing::info!(store = %path.display(), "catalogue store upgraded in place from layout 4: applied events and problems scoped by project and kind");
+        }
+        if matches!(layout, Some(4 | 5)) {
+            upgrade_from_5(&txn)?;
+            tracing::info!(store = %path.display(), "catalogue store upgraded in place from layout 5: open stages indexed, dead letters counted as waiting until replayed");
         } else if layout != Some(LAYOUT_VERSION) {
             let old: Vec<_> = txn.list_tables()?.collect();
             // A new file holds only the `meta` table just opened.
@@ -581,8 +612,54 @@ fn upgrade_from_4(txn: &WriteTransaction) -> Result<(), StoreError> {
     drop(problems);
     let mut meta = txn.open_table(META)?;
     meta.insert(UPGRADED_FROM_4, 1)?;
+    meta.insert(LAYOUT, 5)?;
+    Ok(())
+}
+
+/// The upgrade from layout 5 within `txn`: every pending or failed stage request goes into
+/// `stages_open`, and every dead letter counted so far is taken as waiting (layout 5 did not
+/// fold replays, so which of them were replayed is not known: `dead-letters` shows them
+/// waiting until each is replayed again or, replayed before, the next replay of it is folded).
+fn upgrade_from_5(txn: &WriteTransaction) -> Result<(), StoreError> {
+    {
+        let requests = txn.open_table(STAGE_REQUESTS)?;
+        let mut open = txn.open_table(STAGES_OPEN)?;
+        for row in requests.iter()? {
+            let (k, v) = row?;
+            let (project, id) = k.value();
+            let record: crate::model::StageRecord =
+                decode(v.value(), || format!("stage request {project}/{id}"))?;
+            if let Some((state, at)) = crate::stage::open_key(&record.status) {
+                open.insert((state, at, project, id), ())?;
+            }
+        }
+    }
+    {
+        let counted = txn.open_table(DEAD_LETTERS)?;
+        let mut waiting = txn.open_table(DEAD_LETTERS_WAITING)?;
+        for row in counted.iter()? {
+            let (k, v) = row?;
+            let service = k.value();
+            let record: stagehand_catalogue::DeadLetterRecord =
+                decode(v.value(), || format!("dead letters of {service}"))?;
+            waiting.insert(service, record.count)?;
+        }
+    }
+    let mut meta = txn.open_table(META)?;
+    meta.insert(DEAD_LETTERS_COUNTED_BEFORE, 1)?;
     meta.insert(LAYOUT, LAYOUT_VERSION)?;
     Ok(())
+}
+
+/// Whether this store was upgraded from a layout that counted dead letters without their
+/// replays (see [`DEAD_LETTERS_COUNTED_BEFORE`]).
+pub(crate) fn dead_letters_counted_before_upgrade(
+    txn: &WriteTransaction,
+) -> Result<bool, StoreError> {
+    Ok(txn
+        .open_table(META)?
+        .get(DEAD_LETTERS_COUNTED_BEFORE)?
+        .is_some())
 }
 
 /// A stored value as a dump shows it: its text when it is text (the JSON records), else hex.
@@ -594,6 +671,19 @@ impl std::fmt::Display for Shown<'_, &[u8]> {
             Ok(text) => f.write_str(text),
             Err(_) => self.0.iter().try_for_each(|b| write!(f, "{b:02x}")),
         }
+    }
+}
+
+/// Counts and flags (`dead_letters_waiting`, `dead_letter_states`) show as numbers.
+impl std::fmt::Display for Shown<'_, u64> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl std::fmt::Display for Shown<'_, u8> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
     }
 }
 
@@ -769,6 +859,17 @@ mod tests {
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
         assert!(before.iter().any(|l| l.starts_with("dead_letters\t")));
+        // Upgraded through layout 5 as well: the two dead letters counted then wait (layout 5
+        // did not fold replays); the fixture's stage request is ready, so none is open.
+        let mut before = before;
+        let at = before
+            .iter()
+            .rposition(|l| l.starts_with("dead_letters\t"))
+            .unwrap();
+        before.insert(
+            at + 1,
+            "dead_letters_waiting\t\"ingest-validator\" = 2".to_owned(),
+        );
 
         let store = Store::open(&path).unwrap();
         assert_eq!(catalogue_rows(&store.dump().unwrap()), before);
@@ -779,7 +880,7 @@ mod tests {
         assert!(!store.upgrade_pending().unwrap());
         drop(store);
 
-        // Reopened: still layout 5, still the same catalogue.
+        // Reopened: still the current layout, still the same catalogue.
         let store = Store::open(&path).unwrap();
         assert_eq!(catalogue_rows(&store.dump().unwrap()), before);
         // The same facts delivered again (stored before the upgrade): nothing changes, and

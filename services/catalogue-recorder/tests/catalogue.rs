@@ -1387,3 +1387,158 @@ async fn claims_are_refused_rather_than_ignored() {
     assert!(text.contains("catalogue-recorder"), "{text}");
     assert!(!err.is_retryable(), "{text}");
 }
+
+fn replayed(dead: &Event) -> Event {
+    let Body::DeadLetter(d) = &dead.body else {
+        panic!("not a dead letter")
+    };
+    dead.caused(
+        "replayed",
+        Body::DeadLetterReplayed(DeadLetterReplayed {
+            service: d.service.clone(),
+            dead_letter_id: dead.id.clone(),
+            dead_letter_sequence: d.stream_sequence,
+            subject: d.subject.clone(),
+            original_id: None,
+            replay_msg_id: format!("replay-{}", d.stream_sequence),
+            replayed_by: "operator".into(),
+        }),
+    )
+}
+
+/// `dead-letters` counts every dead letter and, apart, those still waiting for a person: a
+/// replayed one stops waiting, one replayed twice (or whose replay record was redelivered)
+/// counts once, and a replay folded before its dead letter still leaves it done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_dead_letter_no_longer_waits() -> anyhow::Result<()> {
+    let (_nats, bus) = setup().await?;
+    let dir = tempfile::tempdir()?;
+    let recorder = start(&bus, dir.path());
+    let cat = catalogue(&bus);
+    answering(&cat).await?;
+    let (first, second, third) = (dead_letter(1), dead_letter(2), dead_letter(3));
+    // The third's replay is folded before the third itself.
+    bus.publish(&replayed(&third)).await?;
+    for dead in [&first, &second, &third] {
+        bus.publish(dead).await?;
+    }
+    bus.publish(&replayed(&first)).await?;
+    publish_copy(&bus, &replayed(&first)).await?;
+    wait_until(WAIT, "three dead letters, one waiting", || async {
+        let Ok(Answer::DeadLetters { services, .. }) = cat
+            .ask(&Query::DeadLetters {
+                limit: None,
+                after: None,
+            })
+            .await
+        else {
+            return false;
+        };
+        services
+            .iter()
+            .any(|s| s.service == "ingest-validator" && s.count == 3 && s.waiting == Some(1))
+    })
+    .await?;
+    recorder.stop().await?;
+    Ok(())
+}
+
+fn stage_request(project: &str, job: &str) -> Event {
+    let id = EventId::for_stage(project, job, "cats", "0123456789ab", "local", Some("gpu-1"));
+    Event::request(
+        id,
+        project,
+        Body::StageRequested(StageRequested {
+            dataset: "cats".into(),
+            version: "0123456789ab".into(),
+            tier: "local".into(),
+            job_id: job.into(),
+            requested_by: "slurm".into(),
+            deadline: None,
+            node: Some("gpu-1".into()),
+            form: None,
+            hold_until: None,
+        }),
+    )
+}
+
+/// `open_stages` lists the pending and the failed stage requests of every project (or of the
+/// projects asked for) from their index, pages without losing or repeating one, counts them
+/// all, and drops a request from it once it is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_stages_across_projects_page_and_count() -> anyhow::Result<()> {
+    let (_nats, bus) = setup().await?;
+    let dir = tempfile::tempdir()?;
+    let recorder = start(&bus, dir.path());
+    let cat = catalogue(&bus);
+    answering(&cat).await?;
+    let mut requests = Vec::new();
+    for project in ["lab-a", "lab-b", "lab-c"] {
+        for job in 0..5 {
+            let request = stage_request(project, &format!("{job}"));
+            bus.publish(&request).await?;
+            requests.push(request);
+        }
+    }
+    let failed = &requests[7];
+    bus.publish(&failed.caused(
+        "failed",
+        Body::StageFailed(StageFailed {
+            dataset: "cats".into(),
+            version: "0123456789ab".into(),
+            tier: "local".into(),
+            job_id: "2".into(),
+            request_id: failed.id.clone(),
+            reason: "no such version".into(),
+            retryable: false,
+            node: Some("gpu-1".into()),
+        }),
+    ))
+    .await?;
+    wait_until(WAIT, "14 pending, 1 failed", || async {
+        cat.open_stages(StageState::Failed, &[], None, None)
+            .await
+            .is_ok_and(|(_, c)| c.pending == 14 && c.failed == 1)
+    })
+    .await?;
+    let (page, _) = cat.open_stages(StageState::Failed, &[], None, None).await?;
+    assert_eq!(page.items.len(), 1);
+    assert_eq!(page.items[0].state, StageState::Failed);
+    assert_eq!(page.items[0].reason.as_deref(), Some("no such version"));
+    // Pending, three at a time, oldest change first: every one once.
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let (page, _) = cat
+            .open_stages(StageState::Pending, &[], Some(3), after.as_deref())
+            .await?;
+        seen.extend(
+            page.items
+                .iter()
+                .map(|s| (s.updated_at, s.request_id.clone())),
+        );
+        match page.next {
+            Some(n) => after = Some(n),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 14);
+    assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0), "oldest first");
+    let mut ids: Vec<_> = seen.iter().map(|(_, id)| id.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 14, "none repeated");
+    let (page, counts) = cat
+        .open_stages(StageState::Pending, &["lab-b".into()], None, None)
+        .await?;
+    assert_eq!((counts.pending, counts.failed), (4, 1));
+    assert!(page.items.iter().all(|s| s.project == "lab-b"));
+    assert!(
+        cat.open_stages(StageState::Ready, &[], None, None)
+            .await
+            .is_err(),
+        "only pending or failed stages are open"
+    );
+    recorder.stop().await?;
+    Ok(())
+}

@@ -490,15 +490,17 @@ pub async fn dead_letters(
     }
     writeln!(
         out,
-        "{:<24} {:>6}  {:<20}  LAST ERROR",
-        "SERVICE", "COUNT", "LAST"
+        "{:<24} {:>6} {:>8}  {:<20}  LAST ERROR",
+        "SERVICE", "COUNT", "WAITING", "LAST"
     )?;
     for s in &services {
         writeln!(
             out,
-            "{:<24} {:>6}  {:<20}  {}",
+            "{:<24} {:>6} {:>8}  {:<20}  {}",
             s.service,
             s.count,
+            // Not replayed since; a recorder that does not fold replays cannot tell.
+            s.waiting.map_or("-".into(), |w| w.to_string()),
             human(s.stamp.at),
             s.last_error.as_deref().unwrap_or("-")
         )?;

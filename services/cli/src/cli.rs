@@ -119,6 +119,11 @@ pub enum Command {
     /// The tiers: how full the bounded ones are.
     #[command(subcommand)]
     Tier(TierCommand),
+    /// One view for on-call: services alive (heartbeats), consumers' backlog, stages pending
+    /// or failed across projects, dead letters waiting, tiers above their high watermark,
+    /// quotas above 90 %, catalogue problems. Each thing that needs a person names what to
+    /// run. Exit 0 when nothing does, 1 when something does.
+    Status(StatusArgs),
     /// Training checkpoints: commit one (announce it to retention), list a run's.
     #[command(subcommand)]
     Checkpoint(crate::checkpoint::CheckpointCommand),
@@ -157,6 +162,30 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The policy folder, for the tiers' watermarks and quotas (default: Stagehand's home's
+    /// `policies`, when it exists; without one, tiers are not checked).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+    /// A service whose heartbeat is older than this is silent: 30s, 1m.
+    #[arg(long, default_value = "1m", value_parser = parse_status_duration)]
+    pub silent_after: Duration,
+    /// A consumer whose oldest unacknowledged message is older than this is stuck.
+    #[arg(long, default_value = "10m", value_parser = parse_status_duration)]
+    pub backlog_after: Duration,
+    /// A stage request pending unchanged for longer than this is stuck.
+    #[arg(long, default_value = "30m", value_parser = parse_status_duration)]
+    pub stuck_after: Duration,
+    /// One JSON object (its shape: `stagehand_cli::status::Report`, in the CLI docs).
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_status_duration(s: &str) -> Result<Duration, String> {
+    args::duration("duration", s).map_err(|e| e.0)
 }
 
 #[derive(Debug, Subcommand)]
@@ -909,6 +938,30 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
             std::io::Write::flush(&mut out)?;
             Ok(0)
+        }
+        Command::Status(a) => {
+            args::init_logs();
+            let policies = policies_for_check(a.policies.as_deref())?;
+            let bus = connect(&cli.connection).await?;
+            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+                .with_timeout(crate::catalogue::TIMEOUT);
+            let opts = crate::status::StatusOptions {
+                policies,
+                silent_after: a.silent_after,
+                backlog_after: a.backlog_after,
+                stuck_after: a.stuck_after,
+            };
+            let report = crate::status::gather(&bus, &catalogue, &opts).await?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            if a.json {
+                serde_json::to_writer_pretty(&mut out, &report)?;
+                std::io::Write::write_all(&mut out, b"\n")?;
+            } else {
+                crate::status::text(&report, &mut out)?;
+            }
+            std::io::Write::flush(&mut out)?;
+            Ok(i32::from(report.needs_person))
         }
         Command::Catalogue(cmd) => {
             args::init_logs();

@@ -1,5 +1,5 @@
 //! The `stagehand` command: ingest, catalogue queries, checkpoints, backup status and restores,
-//! dead letters, `cp`, `up` — Stagehand on one machine — and `stage`, what scheduler plugins call.
+//! dead letters, `status` for on-call, `cp`, `up` — Stagehand on one machine — and `stage`, what scheduler plugins call.
 //!
 //! The binary only parses arguments ([`cli::Cli`]) and calls [`cli::run`]; each command's logic
 //! is a module here, so the tests drive the same code paths the command runs.
@@ -15,5 +15,6 @@ pub mod docs;
 pub mod ingest;
 pub mod reconcile;
 pub mod stage;
+pub mod status;
 pub mod tier;
 pub mod up;

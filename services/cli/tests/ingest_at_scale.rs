@@ -101,7 +101,9 @@ async fn three_hundred_thousand_files_through_stagehand_up_are_one_version_paged
     // its own: the test is about counts and pages, and a disk shared with other builds makes
     // tens of thousands of creates and unlinks take minutes.
     let scratch = tempfile::tempdir()?;
-    let tmpfs = stagehand_testkit::Tmpfs::mount(scratch.path().join("fs"), "5g");
+    // 8g: nats-server gives JetStream 75 % of the space it finds, and the project's upload
+    // bucket reserves its 4 GiB bound at creation (the tmpfs takes memory only as written).
+    let tmpfs = stagehand_testkit::Tmpfs::mount(scratch.path().join("fs"), "8g");
     let home = tempfile::tempdir_in(tmpfs.path())?;
     // The shipped policies, as `up` writes them (max_entries far above this version's).
     let policies = home.path().join("policies");

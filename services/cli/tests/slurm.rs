@@ -311,7 +311,7 @@ async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
     // readable by the project's group only), and the services look the group up at start.
     let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url)).await??;
     let opts = Options {
-        job_group: Some(slurm.user.clone()),
+        job_groups: vec![(PROJECT.to_owned(), slurm.user.clone())],
         ..opts
     };
     let stagehand = Stagehand::start_on(server, opts).await?;
@@ -946,16 +946,22 @@ async fn jobs_stage_only_their_users_projects_and_the_hooks_show_no_secret() -> 
             "user=stagehand-job lab;account=labb labb".to_owned(),
         ),
     ];
-    let slurm = tokio::task::spawn_blocking(move || Slurm::start_with(&hooks_url, &settings));
+    // Slurm first: it makes the job user, whose group reads both projects' staged data here
+    // (what keeps labb's data from demo's jobs in this test is the accounts, not the files).
+    let slurm =
+        tokio::task::spawn_blocking(move || Slurm::start_with(&hooks_url, &settings)).await??;
     let stagehand = Stagehand::start_on(
         server,
         Options {
             nats_url: Some(operator),
+            job_groups: vec![
+                (PROJECT.to_owned(), slurm.user.clone()),
+                ("labb".to_owned(), slurm.user.clone()),
+            ],
             ..with_validator()
         },
     )
     .await?;
-    let slurm = slurm.await??;
     let (folder, expected) = dataset_folder(&[("weights.bin", &[5u8; 4099]), ("notes", b"labb")])?;
     let digest = stagehand.ingest_to("labb", folder.path(), "labb-private", true)?;
     let version = &digest[..16];

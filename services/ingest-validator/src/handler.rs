@@ -324,6 +324,7 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
             }
         };
         info!(event_id = %event.id, dataset = %request.dataset, version = %measured.digest, files = measured.files, bytes = measured.bytes, by_reference = reference.is_some(), "validated");
+        stagehand_telemetry::work::ingest_verdict(true);
         Ok(vec![event.caused(
             STEP_VALIDATED,
             Body::DatasetValidated(DatasetValidated {
@@ -358,6 +359,7 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
             _ => None,
         };
         info!(event_id = %event.id, dataset = %request.dataset, problems = tallied.total, listed = tallied.listed.len(), "rejected");
+        stagehand_telemetry::work::ingest_verdict(false);
         Ok(vec![event.caused(
             STEP_REJECTED,
             Body::DatasetRejected(DatasetRejected {

@@ -108,6 +108,11 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
     .await
     .with_context(|| format!("targets up: {:?}\n{}", prometheus.targets_up(), log()))?;
     assert_eq!(value, "1", "exactly one handled request");
+    let verdicts = prometheus
+        .query(r#"stagehand_ingest_verdicts_total{outcome="validated"}"#)
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(verdicts.len(), 1, "{verdicts:?}");
+    assert_eq!(verdicts[0]["value"][1], "1", "{verdicts:?}");
     let info = prometheus
         .query(r#"stagehand_service_info{service="ingest-validator"}"#)
         .map_err(anyhow::Error::msg)?;
@@ -129,6 +134,84 @@ async fn a_real_prometheus_scrapes_the_validators_handler_metrics() -> anyhow::R
     .await?;
     assert!(status.success(), "{status}\n{}", log());
     assert!(log().contains("draining"), "{}", log());
+    Ok(())
+}
+
+/// One alert of the shipped rules (`deploy/prometheus/alerts.rules.yml`) made to fire by a real
+/// Prometheus scraping the real binary: `StagehandServiceSilent` stays quiet while the
+/// validator answers and fires once it has been stopped for the alert's minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_service_silent_alert_fires_when_the_validator_stops() -> anyhow::Result<()> {
+    let nats = NatsServer::start();
+    let tmp = tempfile::tempdir()?;
+    let home = tmp.path().join("home");
+    let policies = tmp.path().join("policies");
+    PolicyFiles::new()
+        .shipped("tiers.toml")
+        .shipped("validation.toml")
+        .write(&policies);
+    std::fs::create_dir_all(home.join("tiers/source"))?;
+    let metrics = free_addr()?;
+    let config = tmp.path().join("ingest-validator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[bus]\nservers = \"{}\"\n\n[telemetry]\nmetrics_listen = \"{metrics}\"\n\n[service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            nats.url(),
+            policies.display(),
+            tmp.path().join("state").display()
+        ),
+    )?;
+    let stderr = tmp.path().join("validator.stderr");
+    let mut child = validator(&config, &home, &stderr);
+    let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
+    let rules = stagehand_testkit::repo_root().join("deploy/prometheus");
+    let prometheus = Prometheus::start_with_rules(
+        &[metrics],
+        &[
+            rules.join("recording.rules.yml"),
+            rules.join("alerts.rules.yml"),
+        ],
+    );
+    wait_for(WAIT, "Prometheus to scrape the validator", || {
+        let up = prometheus.targets_up();
+        async move { up.ok().filter(|up| *up) }
+    })
+    .await
+    .with_context(log)?;
+    let silent = r#"ALERTS{alertname="StagehandServiceSilent"}"#;
+    let quiet = prometheus.query(silent).map_err(anyhow::Error::msg)?;
+    assert!(
+        quiet.is_empty(),
+        "an answering service is not silent: {quiet:?}"
+    );
+
+    let pid = rustix::process::Pid::from_child(child.child());
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM)?;
+    wait_for(WAIT, "the validator to exit after SIGTERM", || {
+        let status = child.child().try_wait().ok().flatten();
+        async move { status }
+    })
+    .await?;
+    // The alert's `for: 1m` after the first failed scrape, and an evaluation to notice.
+    let firing = wait_for(
+        Duration::from_secs(150),
+        "StagehandServiceSilent to fire",
+        || {
+            let alerts = prometheus
+                .query(r#"ALERTS{alertname="StagehandServiceSilent",alertstate="firing"}"#);
+            async move { alerts.ok().filter(|a| !a.is_empty()) }
+        },
+    )
+    .await
+    .with_context(|| format!("alerts: {:?}", prometheus.query(silent)))?;
+    assert_eq!(firing.len(), 1, "{firing:?}");
+    assert_eq!(
+        firing[0]["metric"]["instance"],
+        metrics.to_string(),
+        "{firing:?}"
+    );
+    assert_eq!(firing[0]["metric"]["severity"], "page", "{firing:?}");
     Ok(())
 }
 

@@ -238,18 +238,27 @@ impl Mover {
     ) -> Result<CopyOutcome, TransferError> {
         let _permit = self.sched.acquire(opts.priority).await;
         let progress = Progress::new();
-        match (src, dst) {
+        let started = Instant::now();
+        let outcome = match (src, dst) {
             (Tier::Posix(s), Tier::Posix(d)) => {
                 // Durable mode publishes before returning, so there is never a pending rename.
                 let (outcome, _) = self
                     .copy_posix(s, d, file, &file.path, opts, &progress, CommitMode::Durable)
                     .await?;
-                Ok(outcome)
+                outcome
             }
-            (Tier::S3(s), Tier::Posix(d)) => crate::s3::download(s, d, file, opts, &progress).await,
-            (Tier::Posix(s), Tier::S3(d)) => crate::s3::upload(s, d, file, opts, &progress).await,
-            (Tier::S3(s), Tier::S3(d)) => crate::s3::copy_within(s, d, file, opts, &progress).await,
+            (Tier::S3(s), Tier::Posix(d)) => {
+                crate::s3::download(s, d, file, opts, &progress).await?
+            }
+            (Tier::Posix(s), Tier::S3(d)) => crate::s3::upload(s, d, file, opts, &progress).await?,
+            (Tier::S3(s), Tier::S3(d)) => {
+                crate::s3::copy_within(s, d, file, opts, &progress).await?
+            }
+        };
+        if let CopyOutcome::Copied { bytes, .. } = &outcome {
+            record_moved(src, dst, opts, 1, *bytes, started.elapsed());
         }
+        Ok(outcome)
     }
 
     /// Copies every file, `concurrency` at a time, and reports each result. Files published
@@ -390,6 +399,14 @@ impl Mover {
                 Err(_) => report.files_failed += 1,
             }
         }
+        record_moved(
+            src,
+            dst,
+            opts,
+            report.files_copied,
+            report.bytes_copied,
+            report.elapsed,
+        );
         report
     }
 
@@ -981,4 +998,24 @@ fn finish(
         }
         CommitMode::Batched => Ok((outcome, Some(prep.atomic.into_pending()))),
     }
+}
+
+/// Counts a finished copy in the work metrics ([`stagehand_telemetry::work::moved`]): the
+/// tiers by their names (declared in `tiers.toml`, a bounded set) and the priority class.
+fn record_moved(
+    src: &Tier,
+    dst: &Tier,
+    opts: &CopyOptions,
+    files: u64,
+    bytes: u64,
+    elapsed: Duration,
+) {
+    stagehand_telemetry::work::moved(
+        src.name(),
+        dst.name(),
+        opts.priority.as_str(),
+        files,
+        bytes,
+        elapsed,
+    );
 }

@@ -113,8 +113,16 @@ async fn a_set_published_read_only_by_an_unprivileged_writer_is_its_groups_alone
     std::fs::create_dir_all(dir.join("hot")).unwrap();
     std::os::unix::fs::chown(dir.join("hot"), Some(service.uid), Some(service.gid)).unwrap();
 
+    // The test binary may lie beneath a folder the writer cannot enter (a clone in root's
+    // home): the child runs from a copy of it that every user may execute.
+    let bin = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = bin.path().join("access-test");
+    std::fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
     let out = service
-        .command(std::env::current_exe().unwrap())
+        .command(&exe)
+        .current_dir(bin.path())
         .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
         .env(CHILD_DIR, dir)
         .env(CHILD_GID, project.gid.to_string())

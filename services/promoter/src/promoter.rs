@@ -15,7 +15,7 @@ use stagehand_catalogue::Catalogue;
 use stagehand_manifest::Spool;
 use stagehand_mover::{Mover, Scheduler, Tier};
 use stagehand_policy::{Policies, PromotionPolicy, TierPolicy, TierRole};
-use stagehand_schemas::{Body, Event, EventId, StageRequested};
+use stagehand_schemas::{Body, Event, StageRequested};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -86,7 +86,7 @@ struct Inner {
     /// Requests being moved on in this process right now, and whether another driver asked
     /// for it meanwhile (then the one moving it looks again when it is done: no wake-up is
     /// lost to a request being busy).
-    active: Mutex<HashMap<EventId, bool>>,
+    active: Mutex<HashMap<in_flight::RequestKey, bool>>,
     /// Copies that failed for good here lately, by copy key: the requests that waited for
     /// them get the same answer instead of each copying the same damaged source again.
     failed: Mutex<HashMap<String, (String, bool, Instant)>>,

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use stagehand_schemas::{Body, Event, EventId, StageReleased, StageRequested};
 use time::OffsetDateTime;
 
+/// Requests by [`request_key`]: their project and id.
 const REQUESTS: TableDefinition<&str, &[u8]> = TableDefinition::new("requests");
 const WAITS: TableDefinition<(&str, &str, &str), &str> = TableDefinition::new("waits");
 const SEEN: TableDefinition<(&str, &str, &str), u8> = TableDefinition::new("seen");
@@ -179,6 +180,13 @@ pub struct Woken {
     pub requests: Vec<EventId>,
 }
 
+/// A request's key in the requests table: its project and its id. The id alone is its
+/// publisher's word, and another project's request may carry the same one: keyed by the id
+/// alone, the first would stand for the second (which would never be served).
+fn request_key(project: &str, id: &str) -> String {
+    format!("{project}/{id}")
+}
+
 impl State {
     pub fn open(path: &Path) -> Result<State, StateError> {
         let db = Database::create(path).map_err(|e| StateError {
@@ -187,7 +195,26 @@ impl State {
         })?;
         let txn = db.begin_write().map_err(e!("open"))?;
         {
-            txn.open_table(REQUESTS).map_err(e!("open"))?;
+            let mut requests = txn.open_table(REQUESTS).map_err(e!("open"))?;
+            // A state written when requests were keyed by id alone: keyed again by project
+            // and id, once.
+            let mut unscoped = Vec::new();
+            for row in requests.iter().map_err(e!("open"))? {
+                let (k, v) = row.map_err(e!("open"))?;
+                if !k.value().contains('/') {
+                    unscoped.push((k.value().to_owned(), v.value().to_vec()));
+                }
+            }
+            for (id, bytes) in unscoped {
+                requests.remove(id.as_str()).map_err(e!("open"))?;
+                if let Ok(record) = serde_json::from_slice::<RequestRecord>(&bytes) {
+                    let key = request_key(&record.event.project, record.event.id.as_str());
+                    requests
+                        .insert(key.as_str(), bytes.as_slice())
+                        .map_err(e!("open"))?;
+                }
+            }
+            drop(requests);
             txn.open_table(WAITS).map_err(e!("open"))?;
             txn.open_table(SEEN).map_err(e!("open"))?;
             txn.open_table(REPLICAS).map_err(e!("open"))?;
@@ -218,10 +245,17 @@ impl State {
         Ok(State { db: Arc::new(db) })
     }
 
-    pub fn request(&self, id: &EventId) -> Result<Option<RequestRecord>, StateError> {
+    pub fn request(
+        &self,
+        project: &str,
+        id: &EventId,
+    ) -> Result<Option<RequestRecord>, StateError> {
         let txn = self.db.begin_read().map_err(e!("read"))?;
         let table = txn.open_table(REQUESTS).map_err(e!("read"))?;
-        match table.get(id.as_str()).map_err(e!("read"))? {
+        match table
+            .get(request_key(project, id.as_str()).as_str())
+            .map_err(e!("read"))?
+        {
             Some(v) => serde_json::from_slice(v.value())
                 .map(Some)
                 .map_err(e!("decode request")),
@@ -233,10 +267,11 @@ impl State {
     /// earlier one when it was seen before).
     pub fn accept(&self, record: RequestRecord) -> Result<RequestRecord, StateError> {
         let txn = self.db.begin_write().map_err(e!("accept"))?;
+        let key = request_key(&record.event.project, record.event.id.as_str());
         let stored = {
             let mut table = txn.open_table(REQUESTS).map_err(e!("accept"))?;
             let existing = table
-                .get(record.event.id.as_str())
+                .get(key.as_str())
                 .map_err(e!("accept"))?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()));
             match existing {
@@ -244,7 +279,7 @@ impl State {
                 _ => {
                     let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
                     table
-                        .insert(record.event.id.as_str(), bytes.as_slice())
+                        .insert(key.as_str(), bytes.as_slice())
                         .map_err(e!("accept"))?;
                     if let Some(r) = record.stage() {
                         txn.open_table(JOBS)
@@ -287,15 +322,17 @@ impl State {
     /// record as stored.
     pub fn finish(
         &self,
+        project: &str,
         id: &EventId,
         standing: Standing,
         answer: Vec<Event>,
     ) -> Result<Option<RequestRecord>, StateError> {
         let txn = self.db.begin_write().map_err(e!("finish"))?;
         let stored = {
+            let key = request_key(project, id.as_str());
             let mut table = txn.open_table(REQUESTS).map_err(e!("finish"))?;
             let current = table
-                .get(id.as_str())
+                .get(key.as_str())
                 .map_err(e!("finish"))?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
                 .transpose()
@@ -311,7 +348,7 @@ impl State {
                 }
                 let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
                 table
-                    .insert(id.as_str(), bytes.as_slice())
+                    .insert(key.as_str(), bytes.as_slice())
                     .map_err(e!("finish"))?;
             }
             let (project, dataset) = (record.event.project.clone(), dataset_of(&record));
@@ -326,12 +363,18 @@ impl State {
     }
 
     /// Notes that `id` is about to reserve the space of the replica at `prefix` for its copy.
-    pub fn note_reserved(&self, id: &EventId, prefix: &str) -> Result<(), StateError> {
+    pub fn note_reserved(
+        &self,
+        project: &str,
+        id: &EventId,
+        prefix: &str,
+    ) -> Result<(), StateError> {
         let txn = self.db.begin_write().map_err(e!("note reserved"))?;
         {
+            let key = request_key(project, id.as_str());
             let mut table = txn.open_table(REQUESTS).map_err(e!("note reserved"))?;
             let current = table
-                .get(id.as_str())
+                .get(key.as_str())
                 .map_err(e!("note reserved"))?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
                 .transpose()
@@ -342,7 +385,7 @@ impl State {
                 record.reserved = Some(prefix.to_owned());
                 let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
                 table
-                    .insert(id.as_str(), bytes.as_slice())
+                    .insert(key.as_str(), bytes.as_slice())
                     .map_err(e!("note reserved"))?;
             }
         }
@@ -390,7 +433,10 @@ impl State {
             if p != project || job != release.job_id {
                 break;
             }
-            let Some(v) = requests.get(id).map_err(e!("read"))? else {
+            let Some(v) = requests
+                .get(request_key(project, id).as_str())
+                .map_err(e!("read"))?
+            else {
                 continue;
             };
             let record: RequestRecord =
@@ -418,6 +464,7 @@ impl State {
     /// then nothing is written and `false` comes back (look again: the catalogue lags).
     pub fn wait(
         &self,
+        project: &str,
         id: &EventId,
         waiting_for: WaitingFor,
         reason: &str,
@@ -425,9 +472,10 @@ impl State {
     ) -> Result<bool, StateError> {
         let txn = self.db.begin_write().map_err(e!("wait"))?;
         {
+            let key = request_key(project, id.as_str());
             let mut table = txn.open_table(REQUESTS).map_err(e!("wait"))?;
             let Some(mut record) = table
-                .get(id.as_str())
+                .get(key.as_str())
                 .map_err(e!("wait"))?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
                 .transpose()
@@ -483,7 +531,7 @@ impl State {
             };
             let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
             table
-                .insert(id.as_str(), bytes.as_slice())
+                .insert(key.as_str(), bytes.as_slice())
                 .map_err(e!("wait"))?;
             txn.open_table(WAITS)
                 .map_err(e!("wait"))?
@@ -625,8 +673,11 @@ impl State {
         let mut out = Vec::new();
         for row in waits.iter().map_err(e!("read"))? {
             let (k, _) = row.map_err(e!("read"))?;
-            let (_, _, id) = k.value();
-            if let Some(v) = requests.get(id).map_err(e!("read"))? {
+            let (project, _, id) = k.value();
+            if let Some(v) = requests
+                .get(request_key(project, id).as_str())
+                .map_err(e!("read"))?
+            {
                 let record: RequestRecord =
                     serde_json::from_slice(v.value()).map_err(e!("decode request"))?;
                 out.push(record);
@@ -694,6 +745,27 @@ mod tests {
     }
 
     #[test]
+    fn two_projects_requests_with_one_id_are_two_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = State::open(&dir.path().join("s.redb")).unwrap();
+        let ours = request("r1", "aaaabbbbcccc");
+        let mut theirs = ours.clone();
+        theirs.event.project = "lab-b".into();
+        state.accept(theirs.clone()).unwrap();
+        let stored = state.accept(ours.clone()).unwrap();
+        assert_eq!(
+            stored.event.project, "lab-a",
+            "the first stood for the second"
+        );
+        state
+            .finish("lab-b", &theirs.event.id, Standing::Released, vec![])
+            .unwrap();
+        let ours_now = state.request("lab-a", &ours.event.id).unwrap().unwrap();
+        assert!(!ours_now.standing.is_final(), "{:?}", ours_now.standing);
+        assert_eq!(state.waiting().unwrap(), vec![ours_now]);
+    }
+
+    #[test]
     fn a_wait_is_refused_once_its_fact_was_noted_and_a_fact_lists_earlier_waits() {
         let dir = tempfile::tempdir().unwrap();
         let state = State::open(&dir.path().join("s.redb")).unwrap();
@@ -707,7 +779,13 @@ mod tests {
         // Recorded before the fact: the fact lists it.
         assert!(
             state
-                .wait(&early.event.id, WaitingFor::Validation, "x", &guard)
+                .wait(
+                    "lab-a",
+                    &early.event.id,
+                    WaitingFor::Validation,
+                    "x",
+                    &guard
+                )
                 .unwrap()
         );
         let woken = state
@@ -726,7 +804,7 @@ mod tests {
         // Recorded after the fact: refused, so the caller looks again.
         assert!(
             !state
-                .wait(&late.event.id, WaitingFor::Validation, "x", &guard)
+                .wait("lab-a", &late.event.id, WaitingFor::Validation, "x", &guard)
                 .unwrap()
         );
         // A wait for another version is not refused by it.
@@ -735,12 +813,12 @@ mod tests {
         };
         assert!(
             state
-                .wait(&late.event.id, WaitingFor::Validation, "x", &other)
+                .wait("lab-a", &late.event.id, WaitingFor::Validation, "x", &other)
                 .unwrap()
         );
         // Finishing ends the wait: the next fact no longer lists it.
         state
-            .finish(&early.event.id, Standing::Released, vec![])
+            .finish("lab-a", &early.event.id, Standing::Released, vec![])
             .unwrap();
         let woken = state
             .note(&FactNote {

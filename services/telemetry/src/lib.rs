@@ -10,11 +10,14 @@
 //! ([`TelemetryConfig`]): log format and level, and the address of the Prometheus scrape
 //! endpoint ([`metrics`]) that the service runner starts.
 //!
-//! Field and metric names live in [`names`], so that logs and dashboards agree on them.
+//! Field and metric names live in [`names`], so that logs and dashboards agree on them; the
+//! metrics of the work itself (bytes moved, stage latency, tier fill, backlog, drills) are
+//! recorded through the functions of [`work`].
 
 pub mod metrics;
 pub mod names;
 pub mod propagation;
+pub mod work;
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;

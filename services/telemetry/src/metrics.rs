@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -40,7 +40,19 @@ pub fn install() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
         let recorder = PrometheusBuilder::new()
             .set_buckets(SECONDS_BUCKETS)
-            .expect("the bucket list is not empty")
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(names::COPY_THROUGHPUT.into()),
+                    crate::work::THROUGHPUT_BUCKETS,
+                )
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(names::STAGE_READY_SECONDS.into()),
+                    crate::work::STAGE_BUCKETS,
+                )
+            })
+            .expect("the bucket lists are not empty")
             .build_recorder();
         let handle = recorder.handle();
         if metrics::set_global_recorder(recorder).is_err() {
@@ -69,6 +81,7 @@ fn describe() {
         names::TASK_FAILURES_TOTAL,
         "Tasks of a service that stopped with an error, by service and task"
     );
+    crate::work::describe();
 }
 
 /// What `GET /readyz` answers: `Ok` when the service is ready for work, else why it is not

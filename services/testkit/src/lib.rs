@@ -93,6 +93,12 @@ pub fn nats_server_binary() -> std::path::PathBuf {
     process::find_binary(process::Binary::NatsServer)
 }
 
+/// Prometheus's `promtool` (Debian's `prometheus` package), for checking and unit-testing
+/// the shipped rules.
+pub fn promtool_binary() -> std::path::PathBuf {
+    process::find_binary(process::Binary::Promtool)
+}
+
 /// The SeaweedFS `weed` binary the testkit runs.
 pub fn weed_binary() -> std::path::PathBuf {
     process::find_binary(process::Binary::Weed)

@@ -23,6 +23,7 @@ pub(crate) enum Binary {
     NatsServer,
     Weed,
     Prometheus,
+    Promtool,
 }
 
 impl Binary {
@@ -31,6 +32,7 @@ impl Binary {
             Binary::NatsServer => "nats-server",
             Binary::Weed => "weed",
             Binary::Prometheus => "prometheus",
+            Binary::Promtool => "promtool",
         }
     }
 
@@ -39,6 +41,7 @@ impl Binary {
             Binary::NatsServer => "STAGEHAND_NATS_SERVER",
             Binary::Weed => "STAGEHAND_WEED",
             Binary::Prometheus => "STAGEHAND_PROMETHEUS",
+            Binary::Promtool => "STAGEHAND_PROMTOOL",
         }
     }
 }

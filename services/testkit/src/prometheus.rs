@@ -26,6 +26,11 @@ impl Prometheus {
     /// Starts Prometheus scraping `GET /metrics` of each target (`host:port`) every second, as
     /// job `stagehand`. Panics, with the log tail, when it is not ready within 60 s.
     pub fn start(targets: &[SocketAddr]) -> Prometheus {
+        Prometheus::start_with_rules(targets, &[])
+    }
+
+    /// [`Prometheus::start`], also evaluating the rule files `rules` (every second).
+    pub fn start_with_rules(targets: &[SocketAddr], rules: &[PathBuf]) -> Prometheus {
         let bin = process::find_binary(Binary::Prometheus);
         let dir = tempfile::Builder::new()
             .prefix("stagehand-prometheus-")
@@ -36,11 +41,16 @@ impl Prometheus {
             .map(|t| format!("\"{t}\""))
             .collect::<Vec<_>>()
             .join(", ");
+        let rule_files = rules
+            .iter()
+            .map(|r| format!("\"{}\"", r.display()))
+            .collect::<Vec<_>>()
+            .join(", ");
         let config = dir.path().join("prometheus.yml");
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: stagehand\n    metrics_path: /metrics\n    static_configs:\n      - targets: [{list}]\n"
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: [{rule_files}]\nscrape_configs:\n  - job_name: stagehand\n    metrics_path: /metrics\n    static_configs:\n      - targets: [{list}]\n"
             ),
         )
         .expect("write the prometheus config");

@@ -739,6 +739,78 @@ async fn every_service_role_runs_its_own_worker() -> Result<()> {
     Ok(())
 }
 
+/// Each service writes and reads back only its own heartbeat keys (what the runner does at
+/// start and every beat); no service writes another's, and no tenant or scheduler reads any:
+/// which services run where, and their versions, are the operator's to see.
+#[tokio::test]
+async fn each_service_keeps_its_own_heartbeat_and_no_tenant_reads_one() -> Result<()> {
+    let server = start_server();
+    provision_with_projects(&server, &["demo"]).await?;
+    for (user, role) in [
+        ("ingest-validator", "INGEST_VALIDATOR"),
+        ("resharder", "RESHARDER"),
+        ("promoter", "PROMOTER"),
+        ("demoter", "DEMOTER"),
+        ("backup-copier", "BACKUP_COPIER"),
+        ("catalogue-recorder", "CATALOGUE_RECORDER"),
+    ] {
+        let bus = bus_as(&server, user, role).await?;
+        let mut js = bus.jetstream().clone();
+        js.set_timeout(Duration::from_secs(2));
+        let beats = js
+            .get_key_value(stagehand_bus::HEARTBEATS_BUCKET)
+            .await
+            .with_context(|| format!("{user}: the heartbeat bucket"))?;
+        let key = stagehand_bus::runner::heartbeat_key(user, "host-1");
+        beats
+            .put(&key, "alive".into())
+            .await
+            .with_context(|| format!("{user}: its heartbeat"))?;
+        assert_eq!(
+            beats.get(&key).await?.as_deref(),
+            Some(&b"alive"[..]),
+            "{user}"
+        );
+        let other = if user == "promoter" {
+            "demoter"
+        } else {
+            "promoter"
+        };
+        assert!(
+            beats
+                .put(&format!("{other}.host-1"), "forged".into())
+                .await
+                .is_err(),
+            "{user} wrote {other}'s heartbeat"
+        );
+    }
+    let (operator, _) = jetstream_as(&server, "operator", "OPERATOR").await?;
+    let all = operator
+        .get_key_value(stagehand_bus::HEARTBEATS_BUCKET)
+        .await?;
+    assert!(all.get("promoter.host-1").await?.is_some());
+    for (user, role) in [
+        ("uploader-demo", "UPLOADER_DEMO"),
+        ("scheduler-demo", "SCHEDULER_DEMO"),
+        ("scheduler", "SCHEDULER"),
+    ] {
+        let (client, mut errors) = connect(&server, user, role).await?;
+        for api in [
+            "$JS.API.STREAM.INFO.KV_stagehand_heartbeats".to_owned(),
+            "$JS.API.DIRECT.GET.KV_stagehand_heartbeats.$KV.stagehand_heartbeats.promoter.host-1"
+                .to_owned(),
+            "$KV.stagehand_heartbeats.promoter.host-1".to_owned(),
+        ] {
+            client.publish(api.clone(), "{}".into()).await?;
+            client.flush().await?;
+            violation_naming(&mut errors, &api)
+                .await
+                .with_context(|| format!("{user} on {api}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// Entries of a manifest big enough (about 6 MB) that reading it passes nats-server's
 /// flow-control window of a push consumer (4 MB for a client's default 64 MB of pending bytes,
 /// a flow-control request at half of it): a reader without its `$JS.FC` right stalls there.

@@ -300,3 +300,31 @@ fn systemd_units_run_binaries_of_this_workspace() {
         );
     }
 }
+
+/// `deploy/prometheus/prometheus.yml` scrapes exactly the metrics ports the shipped service
+/// configurations bind: a service added or moved without its scrape target would go unwatched.
+#[test]
+fn the_shipped_prometheus_config_scrapes_every_service() {
+    let path = repo_root().join("deploy/prometheus/prometheus.yml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let config: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+    let jobs = config["scrape_configs"].as_sequence().unwrap();
+    let job = jobs
+        .iter()
+        .find(|j| j["job_name"] == "stagehand")
+        .unwrap_or_else(|| panic!("{}: no job stagehand", path.display()));
+    let mut scraped: Vec<String> = job["static_configs"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["targets"].as_sequence().cloned().unwrap_or_default())
+        .map(|t| t.as_str().unwrap().to_owned())
+        .collect();
+    scraped.sort();
+    let mut bound: Vec<String> = files("deploy/config", ".toml")
+        .iter()
+        .map(|p| metrics_listen(p).to_string())
+        .collect();
+    bound.sort();
+    assert_eq!(scraped, bound, "{}", path.display());
+}

@@ -9,8 +9,11 @@
 //! 2. **telemetry** — logs (text or JSON), traces (OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
 //!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`, which also
 //!    answers the probes `GET /healthz` (the process answers) and `GET /readyz` (connected, and
-//!    every worker the service started consumes; `health`);
-//! 3. **connect** (with retries) and **provision** the streams and the claims bucket;
+//!    every worker the service started consumes; `health`), with each worker's consumer
+//!    backlog read into the metrics every few seconds (`backlog`);
+//! 3. **connect** (with retries) and **provision** the streams and the claims bucket; then
+//!    the instance's **heartbeat** (`heartbeat`: version, host, start, progress, restarts in
+//!    the `stagehand_heartbeats` bucket, for `stagehand status`) until it stops;
 //! 4. **signals** — SIGINT or SIGTERM starts a drain; a second one exits at once;
 //! 5. **serve** — the service's function gets a [`Context`] (its settings, the connection, the
 //!    worker tunables, the shutdown token), builds its worker(s) with [`Context::worker`] (the
@@ -58,8 +61,10 @@
 //! }
 //! ```
 
+mod backlog;
 mod config;
 mod health;
+mod heartbeat;
 mod tasks;
 
 use std::future::Future;
@@ -74,6 +79,7 @@ use stagehand_telemetry::names;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{ConfigError, InvalidKey, ServiceConfig, ServiceSettings, WorkerSettings};
+pub use heartbeat::{EVERY as HEARTBEAT_EVERY, Heartbeat, Progress, RECENT_STARTS, heartbeat_key};
 pub use tasks::{TaskError, TaskGroup, every};
 
 use crate::bus::Bus;
@@ -106,6 +112,8 @@ pub struct Context<S> {
     pub shutdown: CancellationToken,
     /// What `/readyz` answers: the workers started through this context count.
     health: Health,
+    /// What the heartbeat reports as progress: every message its workers handle.
+    progress: Progress,
 }
 
 impl<S> Context<S> {
@@ -121,7 +129,14 @@ impl<S> Context<S> {
             worker: WorkerSettings::default(),
             shutdown,
             health,
+            progress: Progress::default(),
         }
+    }
+
+    /// The instance's progress, which its heartbeat reports: the workers started through this
+    /// context count each message; a clock's pass calls [`Progress::note`].
+    pub fn progress(&self) -> &Progress {
+        &self.progress
     }
 
     /// A worker of this service on a consumer its instances share, by the one precedence rule:
@@ -180,6 +195,7 @@ impl<S> Context<S> {
     ) -> impl Future<Output = Result<WorkerStats, BusError>> + Send + 'static {
         let handler = Arc::new(Metered {
             service: self.name,
+            progress: self.progress.clone(),
             inner: handler,
         });
         let started = self.health.clone();
@@ -187,10 +203,23 @@ impl<S> Context<S> {
             started: Some(Arc::new(move || started.worker_started())),
             ..WorkerHooks::default()
         };
+        let backlog = (self.bus.clone(), cfg.stream.clone(), cfg.service.clone());
         let worker = run_worker_with_hooks(self.bus.clone(), cfg, handler, shutdown, hooks);
         let health = self.health.clone();
+        let service = self.name;
         async move {
+            let stop_watching = CancellationToken::new();
+            let (bus, stream, consumer) = backlog;
+            let watcher = tokio::spawn(backlog::watch(
+                bus,
+                service,
+                stream,
+                consumer,
+                stop_watching.clone(),
+            ));
             let stats = worker.await;
+            stop_watching.cancel();
+            let _ = watcher.await;
             health.worker_stopped();
             stats
         }
@@ -200,6 +229,7 @@ impl<S> Context<S> {
 /// A handler counted in the service's metrics.
 struct Metered<H> {
     service: &'static str,
+    progress: Progress,
     inner: H,
 }
 
@@ -207,6 +237,7 @@ impl<H: Handler> Handler for Metered<H> {
     async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
         let started = Instant::now();
         let result = self.inner.handle(event, ctx).await;
+        self.progress.handled();
         let label = match &result {
             Ok(_) => names::result::OK,
             Err(e) if e.is_permanent() => names::result::PERMANENT,
@@ -382,6 +413,9 @@ where
         names::label::VERSION => env!("CARGO_PKG_VERSION")
     );
     info.set(1.0);
+    let progress = Progress::default();
+    let instance = worker.instance_id.clone().unwrap_or_else(crate::host_name);
+    let beating = heartbeat::start(&connected, name, instance, progress.clone()).await;
     let ctx = Context {
         name,
         settings: service,
@@ -389,27 +423,49 @@ where
         worker: worker.clone(),
         shutdown: shutdown.clone(),
         health,
+        progress,
     };
     let deadline = worker.drain_deadline() + DRAIN_MARGIN;
     let served = serve(ctx);
     tokio::pin!(served);
     // The service drains by itself once `shutdown` is cancelled; past the deadline it is cut
     // off (its un-acked messages are redelivered to the next instance).
-    let result = tokio::select! {
-        r = &mut served => r,
+    // The service's own error becomes a `RunError` at once: the last heartbeat is awaited
+    // below, and the service's error type need not be `Send`.
+    let outcome = tokio::select! {
+        r = &mut served => Ok(r.map_err(|e| RunError::Service(e.into()))),
         _ = async {
             shutdown.cancelled().await;
             tokio::time::sleep(deadline).await;
-        } => {
-            tracing::warn!(service = name, ?deadline, "the service did not drain within its deadline");
-            info.set(0.0);
-            return Err(RunError::Service(format!("{name} did not stop within {deadline:?} of shutdown").into()));
-        }
+        } => Err(format!("{name} did not stop within {deadline:?} of shutdown")),
     };
     info.set(0.0);
+    let result = match outcome {
+        Ok(result) => result,
+        Err(message) => {
+            tracing::warn!(
+                service = name,
+                ?deadline,
+                "the service did not drain within its deadline"
+            );
+            if let Some(beating) = beating {
+                beating
+                    .finish(heartbeat::Ending::Failed(message.clone()))
+                    .await;
+            }
+            return Err(RunError::Service(message.into()));
+        }
+    };
+    if let Some(beating) = beating {
+        let ending = match &result {
+            Ok(_) => heartbeat::Ending::Stopped,
+            Err(e) => heartbeat::Ending::Failed(e.to_string()),
+        };
+        beating.finish(ending).await;
+    }
     // The endpoint stops with the token, or here when the service failed on its own.
     drop(metrics);
-    result.map_err(|e| RunError::Service(e.into()))
+    result
 }
 
 /// A task stopped when its handle is dropped: the metrics endpoint of a service that returned

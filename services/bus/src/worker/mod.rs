@@ -331,15 +331,17 @@ struct Delivery {
     msg: Arc<jetstream::Message>,
     info: MsgInfo,
     parent: OtelContext,
-    /// The decoded event, and its ledger key; `None` for undecodable bytes.
-    event: Option<(Event, EventKey)>,
+    /// The decoded event, and its ledger key; `None` for undecodable bytes. A refused event
+    /// has no key: the project and id it names are the publisher's word, and its dead letter
+    /// recorded under them would mark that project's true event of the same id as handled.
+    event: Option<(Event, Option<EventKey>)>,
     /// The dead letter this message is a replay of (the [`REPLAY_HEADER`]).
     replay_of: Option<String>,
 }
 
 impl Delivery {
     fn key(&self) -> Option<&EventKey> {
-        self.event.as_ref().map(|(_, k)| k)
+        self.event.as_ref().and_then(|(_, k)| k.as_ref())
     }
 }
 

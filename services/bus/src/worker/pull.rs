@@ -204,7 +204,9 @@ async fn process<H: Handler>(
                     .instrument(span.clone())
                     .await;
             }
-            let key = EventKey::of_message(&event, info.published);
+            let key = refused
+                .is_none()
+                .then(|| EventKey::of_message(&event, info.published));
             (Some((event, key)), refused.map(|r| r.to_string()))
         }
     };
@@ -216,7 +218,7 @@ async fn process<H: Handler>(
         replay_of,
     };
     match (&delivery.event, rejection) {
-        (Some((event, key)), None) => {
+        (Some((event, Some(key))), None) => {
             shared
                 .process_event(&delivery, event, key, handler_slot)
                 .instrument(span)

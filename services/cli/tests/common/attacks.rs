@@ -186,6 +186,19 @@ pub fn forge(kind: &str, project: &str, id: &EventId, plan: &Plan, by: &str) -> 
     serde_json::from_value(event).ok()
 }
 
+/// `event` with the place its payload names (`location`, `source`) moved beneath `project`'s
+/// own folder: an event of the attacker's own whose every field is its own to state.
+pub fn relocated(event: &Event, project: &str) -> Option<Event> {
+    let mut value = serde_json::to_value(event).ok()?;
+    for field in ["location", "source"] {
+        if let Some(prefix) = value["payload"][field]["prefix"].as_str() {
+            let rest = prefix.split_once('/').map_or("", |(_, rest)| rest);
+            value["payload"][field]["prefix"] = Value::String(format!("{project}/{rest}"));
+        }
+    }
+    serde_json::from_value(value).ok()
+}
+
 /// The (subject, project, kind) of a request or fact subject an attacking role may publish,
 /// a `*` project expanded to the attacker's and the victim's; `None` for any other subject.
 pub fn stream_subjects(granted: &str) -> Option<Vec<(String, String, String)>> {

@@ -57,9 +57,9 @@ pub struct Options {
     pub nats_url: Option<String>,
     /// The CA of a server that requires TLS, trusted by the services and the test's clients.
     pub tls_ca: Option<PathBuf>,
-    /// The group [`PROJECT`]'s jobs run with, declared as its group in tiers.toml's
-    /// `[groups]`: staged data is readable by that group only.
-    pub job_group: Option<String>,
+    /// Each project's group (its jobs run with it), declared in tiers.toml's `[groups]`:
+    /// staged data is readable by that group only.
+    pub job_groups: Vec<(String, String)>,
 }
 
 fn spawn<S, F, Fut, T, E>(
@@ -123,13 +123,14 @@ impl Stagehand {
             };
             std::fs::write(&tiers, text)?;
         }
-        if let Some(group) = &opts.job_group {
+        if !opts.job_groups.is_empty() {
             let tiers = policies.join("tiers.toml");
-            let text = std::fs::read_to_string(&tiers)?;
-            std::fs::write(
-                &tiers,
-                format!("{text}\n[groups]\n{PROJECT} = \"{group}\"\n"),
-            )?;
+            let mut text = std::fs::read_to_string(&tiers)?;
+            text.push_str("\n[groups]\n");
+            for (project, group) in &opts.job_groups {
+                text.push_str(&format!("{project} = \"{group}\"\n"));
+            }
+            std::fs::write(&tiers, text)?;
         }
         for tier in ["source", "capacity", "hot", "local"] {
             let dir = home.path().join("tiers").join(tier);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use stagehand_bus::RetrySchedule;
-use stagehand_catalogue::survey::survey_on_node;
+use stagehand_catalogue::survey::{TierSurvey, survey_on_node};
 use stagehand_catalogue::views::Placed;
 use stagehand_policy::{TierLimits, TierPolicy, TierRole};
 use stagehand_schemas::{EventId, Retryable};
@@ -131,6 +131,7 @@ impl Demoter {
             else {
                 continue;
             };
+            record_fill(&survey);
             let candidates: Vec<Candidate> = survey
                 .replicas
                 .iter()
@@ -253,4 +254,34 @@ impl Demoter {
             node: self.p().node.clone(),
         }
     }
+}
+
+/// Sets the surveyed tier's fill in the work metrics (`stagehand_tier_*`): its capacity,
+/// Stagehand's bytes, the bytes counted against the watermarks, the bytes live stages hold,
+/// and per project its bytes and quota (projects with a quota on the tier are listed even
+/// with nothing on it, so their quota shows).
+fn record_fill(survey: &TierSurvey) {
+    let mut projects: std::collections::BTreeMap<String, u64> = survey
+        .per_project()
+        .into_iter()
+        .map(|(project, (placed, _))| (project, placed))
+        .collect();
+    for project in survey.limits.quotas.keys() {
+        projects.entry(project.clone()).or_default();
+    }
+    stagehand_telemetry::work::tier_fill(&stagehand_telemetry::work::TierFill {
+        tier: survey.tier.clone(),
+        capacity: survey.usage.capacity,
+        used: survey.usage.placed,
+        counted: survey.usage.counted(),
+        held: survey.held_bytes(),
+        high_watermark: survey.limits.high_watermark,
+        projects: projects
+            .into_iter()
+            .map(|(project, used)| {
+                let quota = survey.limits.quota_for(&project);
+                (project, used, quota)
+            })
+            .collect(),
+    });
 }

@@ -11,7 +11,7 @@ use tracing::debug;
 use crate::state::{RequestRecord, Standing, WaitingFor};
 
 use super::Promoter;
-use super::in_flight::Active;
+use super::in_flight::{Active, request_key};
 
 impl Promoter {
     /// The policy clock: looks again at every waiting request every `recheck_every` (at once
@@ -22,6 +22,7 @@ impl Promoter {
         let mut next_sweep = tokio::time::Instant::now();
         loop {
             let waiting = self.p().state.waiting()?;
+            record_waiting(&waiting);
             let sweep = tokio::time::Instant::now() >= next_sweep;
             if sweep {
                 next_sweep = tokio::time::Instant::now() + every;
@@ -66,7 +67,7 @@ impl Promoter {
     /// Answers a request whose deadline passed while it waited (one being copied here right
     /// now is left to its copy).
     async fn expire(&self, record: RequestRecord) -> Result<Vec<Event>, HandlerError> {
-        let Some(_active) = Active::take(&self.inner.active, &record.event.id) else {
+        let Some(_active) = Active::take(&self.inner.active, &request_key(&record)) else {
             return Ok(Vec::new());
         };
         self.deadline_passed(&record).await
@@ -103,4 +104,27 @@ pub(super) fn deadline_reason(
         "the deadline {deadline} passed while waiting for {}: {reason}",
         waiting_for.as_str()
     )
+}
+
+/// Sets the requests this promoter has not answered yet in the work metrics
+/// ([`stagehand_telemetry::work::stages`]), by tier, state (`copying` while waiting for a
+/// copy, else `pending`) and what they wait for.
+fn record_waiting(waiting: &[RequestRecord]) {
+    let mut counts = stagehand_telemetry::work::StageCounts::new();
+    for record in waiting {
+        let (Some(request), Standing::Waiting { waiting_for, .. }) =
+            (record.stage(), &record.standing)
+        else {
+            continue;
+        };
+        let state = match waiting_for {
+            WaitingFor::Copy => "copying",
+            _ => "pending",
+        };
+        let waits = stagehand_telemetry::work::waiting_label(Some(waiting_for.as_str()));
+        *counts
+            .entry((request.tier.clone(), state, waits))
+            .or_default() += 1;
+    }
+    stagehand_telemetry::work::stages(&counts);
 }

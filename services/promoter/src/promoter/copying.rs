@@ -222,7 +222,9 @@ impl Promoter {
             Some(n) => format!("tier {} on node {n}", request.tier),
             None => format!("tier {}", request.tier),
         };
-        self.p().state.note_reserved(&record.event.id, prefix)?;
+        self.p()
+            .state
+            .note_reserved(&record.event.project, &record.event.id, prefix)?;
         match coord
             .reserve(&request.tier, node, project, prefix, plan.bytes, limits)
             .await
@@ -278,6 +280,7 @@ impl Promoter {
         // Recorded as copying, so that after a crash the clock takes the copy up again.
         let reason = format!("copying version {} from tier {src_tier}", plan.version);
         self.p().state.wait(
+            &record.event.project,
             &record.event.id,
             WaitingFor::Copy,
             &reason,

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
+use crate::state::RequestRecord;
 use stagehand_schemas::EventId;
 
 use super::Promoter;
@@ -30,15 +31,25 @@ impl<T: std::hash::Hash + Eq + Clone> Drop for Held<'_, T> {
     }
 }
 
+/// A request: its project and its id (another project's request may carry the same id).
+pub(super) type RequestKey = (String, EventId);
+
+pub(super) fn request_key(record: &RequestRecord) -> RequestKey {
+    (record.event.project.clone(), record.event.id.clone())
+}
+
 /// A request this process is moving on; dropped (whatever happened) it is free again.
 pub(super) struct Active<'a> {
-    map: &'a Mutex<HashMap<EventId, bool>>,
-    id: EventId,
+    map: &'a Mutex<HashMap<RequestKey, bool>>,
+    id: RequestKey,
 }
 
 impl<'a> Active<'a> {
     /// Marks `id` active, or, when it already is, asks its driver to look again.
-    pub(super) fn take(map: &'a Mutex<HashMap<EventId, bool>>, id: &EventId) -> Option<Active<'a>> {
+    pub(super) fn take(
+        map: &'a Mutex<HashMap<RequestKey, bool>>,
+        id: &RequestKey,
+    ) -> Option<Active<'a>> {
         let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
         match m.get_mut(id) {
             Some(again) => {
@@ -56,7 +67,7 @@ impl<'a> Active<'a> {
     }
 
     /// Whether another driver asked for `id` since it was taken (clearing the mark).
-    pub(super) fn asked_again(map: &Mutex<HashMap<EventId, bool>>, id: &EventId) -> bool {
+    pub(super) fn asked_again(map: &Mutex<HashMap<RequestKey, bool>>, id: &RequestKey) -> bool {
         let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
         m.get_mut(id)
             .is_some_and(|again| std::mem::replace(again, false))

@@ -19,7 +19,7 @@ use crate::resolve::{self, Decision};
 use crate::state::{FactNote, IngestNote, RequestRecord, Seen, Standing, WaitGuard, WaitingFor};
 
 use super::clock::deadline_reason;
-use super::in_flight::Active;
+use super::in_flight::{Active, request_key};
 use super::{Promoter, STEP_FAILED, STEP_READY, retry, stage_request, step_pending};
 
 impl Promoter {
@@ -68,9 +68,12 @@ impl Promoter {
                 // ends the request (a waiting one stops waiting) and gives back the space of a
                 // copy it reserved and never placed.
                 for id in self.p().state.released_by(&event.project, &exact, r)? {
-                    if let Some(record) =
-                        self.p().state.finish(&id, Standing::Released, Vec::new())?
-                    {
+                    if let Some(record) = self.p().state.finish(
+                        &event.project,
+                        &id,
+                        Standing::Released,
+                        Vec::new(),
+                    )? {
                         info!(request = %id, release = %event.id, "stage released");
                         self.give_back(&record, "its job released it").await;
                     }
@@ -176,8 +179,9 @@ impl Promoter {
             return Ok(Vec::new());
         }
         debug!(fact = %event.id, woken = woken.requests.len(), "fact wakes waiting requests");
+        let project = event.project.as_str();
         let runs = woken.requests.iter().map(|id| async move {
-            match self.p().state.request(id)? {
+            match self.p().state.request(project, id)? {
                 Some(record) => Box::pin(self.advance(record, ctx)).await,
                 None => Ok(Vec::new()),
             }
@@ -208,7 +212,7 @@ impl Promoter {
         if record.standing.is_final() {
             return Ok(record.answer);
         }
-        let id = record.event.id.clone();
+        let id = request_key(&record);
         let Some(_active) = Active::take(&self.inner.active, &id) else {
             return Ok(Vec::new());
         };
@@ -218,7 +222,7 @@ impl Promoter {
             if !Active::asked_again(&self.inner.active, &id) {
                 return result;
             }
-            match self.p().state.request(&id) {
+            match self.p().state.request(&id.0, &id.1) {
                 Ok(Some(next)) if !next.standing.is_final() => record = next,
                 _ => return result,
             }
@@ -378,7 +382,16 @@ impl Promoter {
         standing: Standing,
         facts: Vec<Event>,
     ) -> Result<Vec<Event>, HandlerError> {
-        let stored = self.p().state.finish(&record.event.id, standing, facts)?;
+        let first = !record.standing.is_final();
+        let stored =
+            self.p()
+                .state
+                .finish(&record.event.project, &record.event.id, standing, facts)?;
+        if first && let Some(r) = &stored {
+            record_answer(r);
+            // The clock recounts the requests still waiting (stagehand_stages).
+            self.inner.clock.notify_one();
+        }
         if let Some(r) = &stored
             && matches!(r.standing, Standing::Failed { .. } | Standing::Released)
         {
@@ -404,11 +417,13 @@ impl Promoter {
         }
         let already = matches!(&record.standing,
             Standing::Waiting { waiting_for: w, reason: r } if *w == waiting_for && *r == reason);
-        if !self
-            .p()
-            .state
-            .wait(&record.event.id, waiting_for, &reason, &guard)?
-        {
+        if !self.p().state.wait(
+            &record.event.project,
+            &record.event.id,
+            waiting_for,
+            &reason,
+            &guard,
+        )? {
             return Err(retry(
                 "a fact this promoter has seen ends the wait, but the catalogue does not show it yet; asking again",
             ));
@@ -543,7 +558,7 @@ impl Promoter {
                 Err(e) => return warn!(error = %e, "cannot list the requests a copy wakes"),
             };
             for id in woken.requests {
-                if let Ok(Some(record)) = this.p().state.request(&id)
+                if let Ok(Some(record)) = this.p().state.request(&note.project, &id)
                     && let Err(e) = this.advance(record, None).await
                 {
                     debug!(request = %id, error = %e, "woken request not answered yet; the clock looks again");
@@ -551,4 +566,22 @@ impl Promoter {
             }
         });
     }
+}
+
+/// Counts a stage request's first answer, ready or failed, in the work metrics
+/// ([`stagehand_telemetry::work::stage_answered`]): its tier and the time since it was asked.
+fn record_answer(record: &RequestRecord) {
+    let ready = match record.standing {
+        Standing::Ready { .. } => true,
+        Standing::Failed { .. } => false,
+        Standing::Waiting { .. } | Standing::Released => return,
+    };
+    let Some(request) = record.stage() else {
+        return;
+    };
+    let asked = record.event.occurred_at;
+    let waited = (time::OffsetDateTime::now_utc() - asked)
+        .try_into()
+        .unwrap_or_default();
+    stagehand_telemetry::work::stage_answered(&request.tier, ready, waited);
 }

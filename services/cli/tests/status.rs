@@ -1,0 +1,351 @@
+//! `stagehand status` as a real process against a real nats-server with the real catalogue
+//! recorder running under the service runner (so keeping its heartbeat): a quiet installation
+//! exits 0; a planted stuck stage, a dead letter, a hot tier above its high watermark, a
+//! silent service and a crash-looping one each appear with the command to run, and the exit
+//! code is 1; a replayed dead letter no longer counts as waiting.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{PROJECT, Stagehand, WAIT};
+use stagehand_bus::runner::Heartbeat;
+use stagehand_schemas::{
+    Body, DatasetValidated, DeadLetter, DeadLetterReplayed, Event, EventId, FileRef, Location,
+    ReplicaCreated, StageRequested, sha256_hex, version_digest,
+};
+use stagehand_testkit::wait_until;
+use time::OffsetDateTime;
+
+const MIB: u64 = 1 << 20;
+
+/// Policies with a 10 MiB hot tier whose high watermark is 85 %.
+fn policies(dir: &Path, root: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for tier in ["source", "capacity", "hot"] {
+        std::fs::create_dir_all(root.join(tier)).unwrap();
+    }
+    std::fs::write(
+        dir.join("tiers.toml"),
+        format!(
+            "[tiers.source]\nkind = \"posix\"\nrole = \"source\"\nfailure_domain = \"lab\"\nroot = \"{}\"\n\n\
+             [tiers.capacity]\nkind = \"posix\"\nrole = \"capacity\"\nfailure_domain = \"cap\"\nroot = \"{}\"\n\n\
+             [tiers.hot]\nkind = \"posix\"\nrole = \"hot\"\nfailure_domain = \"hot\"\nroot = \"{}\"\n\
+             capacity = \"10 MiB\"\nhigh_watermark = 0.85\nlow_watermark = 0.5\n",
+            root.join("source").display(),
+            root.join("capacity").display(),
+            root.join("hot").display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("validation.toml"),
+        "max_file_size = \"1 GiB\"\nmax_entries = 1000\nmax_total_bytes = \"1 GiB\"\nallowed_suffixes = []\ndenied_suffixes = []\nallow_hidden = false\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("demotion.toml"),
+        "idle_after = \"1d\"\ncheck_every = \"1h\"\ntarget = \"capacity\"\n",
+    )
+    .unwrap();
+}
+
+/// `stagehand status --json`: its exit code and its object; `None` (with what it said) when
+/// it could not tell (a recorder still starting answers nothing).
+fn try_status(stack: &Stagehand, policies: &Path) -> Result<(i32, serde_json::Value), String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["status", "--json", "--policies"])
+        .arg(policies)
+        .args(["--nats", &stack.url])
+        .output()
+        .unwrap();
+    let code = out.status.code().unwrap_or(-1);
+    if code != 0 && code != 1 {
+        return Err(format!(
+            "exit {code}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok((code, serde_json::from_slice(&out.stdout).unwrap()))
+}
+
+fn status(stack: &Stagehand, policies: &Path) -> (i32, serde_json::Value) {
+    try_status(stack, policies).unwrap_or_else(|e| panic!("stagehand status: {e}"))
+}
+
+/// The findings of `area` about `subject`, as (detail, run).
+fn findings(report: &serde_json::Value, area: &str, subject: &str) -> Vec<(String, String)> {
+    report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["area"] == area && f["subject"].as_str().unwrap().contains(subject))
+        .map(|f| {
+            (
+                f["detail"].as_str().unwrap().to_owned(),
+                f["run"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// A 3 MiB version of `dataset` present on hot, as the validator and the promoter announce it.
+async fn place_on_hot(stack: &Stagehand, dataset: &str) {
+    let refs = vec![FileRef::new(
+        "data.bin",
+        3 * MIB,
+        sha256_hex(dataset.as_bytes()),
+    )];
+    let version = version_digest(&refs);
+    let prefix = format!("{PROJECT}/{dataset}/{version}");
+    let ingest = EventId::for_ingest(PROJECT, dataset, &version);
+    let location = |tier: &str| Location {
+        tier: tier.into(),
+        prefix: prefix.clone(),
+    };
+    for event in [
+        Event::request(
+            EventId::derive(&ingest, "validated"),
+            PROJECT,
+            Body::DatasetValidated(DatasetValidated {
+                dataset: dataset.into(),
+                version: version.clone(),
+                source: location("capacity"),
+                files: refs.clone(),
+                manifest: None,
+                total_bytes: 3 * MIB,
+                requested_by: "test".into(),
+                request_id: ingest.clone(),
+                labels: vec![],
+            }),
+        ),
+        Event::request(
+            EventId::derive(&ingest, "replica:hot"),
+            PROJECT,
+            Body::ReplicaCreated(ReplicaCreated {
+                dataset: dataset.into(),
+                version: version.clone(),
+                location: location("hot"),
+                files: 1,
+                total_bytes: 3 * MIB,
+                verified_by: "read-back".into(),
+                node: None,
+            }),
+        ),
+    ] {
+        stack.bus.publish(&event).await.unwrap();
+    }
+}
+
+fn dead_letter() -> Event {
+    let id = EventId::for_ingest(PROJECT, "cats", "dead");
+    Event::request(
+        EventId::derive(&id, "dead-letter"),
+        PROJECT,
+        Body::DeadLetter(DeadLetter {
+            service: "ingest-validator".into(),
+            stream: "STAGEHAND_REQUESTS".into(),
+            consumer: "ingest-validator".into(),
+            stream_sequence: 7,
+            subject: "stagehand.req.ingest.requested.lab".into(),
+            delivered: 8,
+            original: vec![0xc1],
+            headers: vec![],
+            errors: vec![],
+            original_id: None,
+        }),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
+    let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let policy_dir = dir.path().join("policies");
+    policies(&policy_dir, &dir.path().join("tiers"));
+
+    // Quiet: the recorder's heartbeat shows it alive, and nothing needs a person.
+    wait_until(WAIT, "the recorder alive, nothing to do", || async {
+        let Ok((code, report)) = try_status(&stack, &policy_dir) else {
+            return false;
+        };
+        code == 0
+            && report["services"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| s["service"] == "catalogue-recorder" && s["state"] == "alive")
+    })
+    .await
+    .unwrap();
+
+    // A stage request pending, unchanged for two hours.
+    let mut stuck = Event::request(
+        EventId::for_stage(PROJECT, "stuck-job", "cats", "0123456789ab", "hot", None),
+        PROJECT,
+        Body::StageRequested(StageRequested {
+            dataset: "cats".into(),
+            version: "0123456789ab".into(),
+            tier: "hot".into(),
+            job_id: "stuck-job".into(),
+            requested_by: "slurm".into(),
+            deadline: None,
+            node: None,
+            form: None,
+            hold_until: None,
+        }),
+    );
+    stuck.occurred_at = OffsetDateTime::now_utc() - time::Duration::hours(2);
+    stack.bus.publish(&stuck).await.unwrap();
+    // A dead letter.
+    let dead = dead_letter();
+    stack.bus.publish(&dead).await.unwrap();
+    // 9 MiB on a 10 MiB hot tier whose high watermark is 85 %.
+    for dataset in ["a", "b", "c"] {
+        place_on_hot(&stack, dataset).await;
+    }
+    // A promoter instance that stopped beating an hour ago without saying so.
+    let an_hour_ago = OffsetDateTime::now_utc() - time::Duration::hours(1);
+    let ghost = Heartbeat {
+        service: "promoter".into(),
+        instance: "ghost".into(),
+        version: "0.1.0".into(),
+        host: "gpu-07".into(),
+        pid: 4242,
+        started_at: an_hour_ago,
+        beat_at: an_hour_ago,
+        every_seconds: 10,
+        last_progress_at: None,
+        handled: 0,
+        starts: 1,
+        recent_starts: vec![an_hour_ago],
+        unclean_stops: 0,
+        stopped_at: None,
+        failed_at: None,
+        error: None,
+    };
+    let beats = stack
+        .bus
+        .jetstream()
+        .get_key_value(stagehand_bus::HEARTBEATS_BUCKET)
+        .await
+        .unwrap();
+    beats
+        .put(
+            stagehand_bus::runner::heartbeat_key("promoter", "ghost"),
+            serde_json::to_vec(&ghost).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    // A demoter alive, but started four times in the last three minutes: a crash loop.
+    let now = OffsetDateTime::now_utc();
+    let flapping = Heartbeat {
+        service: "demoter".into(),
+        instance: "flappy".into(),
+        started_at: now,
+        beat_at: now,
+        starts: 4,
+        unclean_stops: 3,
+        recent_starts: (0..4)
+            .map(|m| now - time::Duration::minutes(3 - m))
+            .collect(),
+        ..ghost.clone()
+    };
+    beats
+        .put(
+            stagehand_bus::runner::heartbeat_key("demoter", "flappy"),
+            serde_json::to_vec(&flapping).unwrap().into(),
+        )
+        .await
+        .unwrap();
+
+    let mut last = serde_json::Value::Null;
+    wait_until(WAIT, "each planted thing to show", || {
+        let (code, report) = status(&stack, &policy_dir);
+        let all = code == 1
+            && !findings(&report, "stage", "stuck-job").is_empty()
+            && !findings(&report, "dead_letters", "ingest-validator").is_empty()
+            && !findings(&report, "tier", "hot").is_empty()
+            && !findings(&report, "service", "promoter on ghost").is_empty()
+            && !findings(&report, "service", "demoter on flappy").is_empty();
+        last = report;
+        async move { all }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {last:#}"));
+    let has = |area: &str, subject: &str, run: &str| {
+        findings(&last, area, subject)
+            .iter()
+            .any(|(_, r)| r.contains(run))
+    };
+    assert!(has(
+        "stage",
+        "stuck-job",
+        "stagehand stage status --project lab stuck-job"
+    ));
+    assert!(has(
+        "dead_letters",
+        "ingest-validator",
+        "stagehand dlq list --service ingest-validator"
+    ));
+    assert!(has("tier", "hot", "stagehand tier usage hot"));
+    assert!(has(
+        "service",
+        "promoter on ghost",
+        "runbooks/service-down.md"
+    ));
+    assert!(
+        findings(&last, "service", "demoter on flappy")[0]
+            .0
+            .starts_with("started 4 times"),
+        "{last:#}"
+    );
+    assert_eq!(last["needs_person"], true);
+    assert_eq!(last["stages"]["counts"]["pending"], 1);
+
+    // The human view leads with the same, each with what to run.
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["status", "--policies"])
+        .arg(&policy_dir)
+        .args(["--nats", &stack.url])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.starts_with("5 things need a person:"), "{text}");
+    assert!(
+        text.contains("run: stagehand dlq list --service ingest-validator"),
+        "{text}"
+    );
+
+    // Replayed (as `stagehand dlq replay` records it): the dead letter no longer waits.
+    let Body::DeadLetter(d) = &dead.body else {
+        unreachable!()
+    };
+    let replayed = dead.caused(
+        "replayed",
+        Body::DeadLetterReplayed(DeadLetterReplayed {
+            service: d.service.clone(),
+            dead_letter_id: dead.id.clone(),
+            dead_letter_sequence: 1,
+            subject: d.subject.clone(),
+            original_id: None,
+            replay_msg_id: "replay-1".into(),
+            replayed_by: "operator".into(),
+        }),
+    );
+    stack.bus.publish(&replayed).await.unwrap();
+    wait_until(
+        WAIT,
+        "the replayed dead letter to stop counting",
+        || async {
+            let (_, report) = status(&stack, &policy_dir);
+            findings(&report, "dead_letters", "ingest-validator").is_empty()
+                && report["dead_letters"][0]["waiting"] == 0
+                && report["dead_letters"][0]["count"] == 1
+        },
+    )
+    .await
+    .unwrap();
+}
