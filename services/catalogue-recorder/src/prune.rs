@@ -57,7 +57,7 @@ fn prunable(status: &StageStatus, cutoff: OffsetDateTime) -> bool {
 }
 
 impl Store {
-    /// One pass of pruning: examines up to [`SCAN`] stage records after `after` and removes
+    /// One pass of pruning: examines up to `SCAN` stage records after `after` and removes
     /// those that hold nothing at `cutoff` and last changed before it, with their index rows
     /// and their count in their version's readiness.
     pub fn prune_stages(

@@ -6,7 +6,7 @@
 //! anything is published; it hashes every file through the mover's bounded, confined reads
 //! and publishes `checkpoint.committed` with the manifest inline, or by reference in the
 //! project's upload bucket when it is larger than the contract's inline bound. The fact's id
-//! follows from (project, run, step) ([`EventId::for_checkpoint`]), so committing a step again
+//! follows from (project, run, step) ([`EventId::for_checkpoint`](stagehand_schemas::EventId::for_checkpoint)), so committing a step again
 //! is the same fact: the stream's duplicate window drops it and the catalogue folds it once.
 //! A re-commit within the window whose files, tags or place differ from the stored commit is
 //! refused, naming what differs (the first commit stands); after the window (an hour) the

@@ -1,7 +1,7 @@
 //! The demoter's work: a pass over every hot posix tier — survey, choose, demote — and the
 //! recorded steps that carry one replica off a tier safely.
 //!
-//! One demotion is one [`Step`] in the state store, advanced phase by phase, each phase
+//! One demotion is one [`Step`](crate::state::Step) in the state store, advanced phase by phase, each phase
 //! recorded after its effect is durable:
 //!
 //! 1. `planned`: when no durable tier (capacity, backup) holds a verified copy, the replica is

@@ -12,7 +12,7 @@ use super::schema::micros;
 ///
 /// Ledgers written before kinds were part of the key keyed an event `<project>/<event id>`.
 /// Such a record still answers for a message the stream stored before this ledger began
-/// scoping by kind (see [`Ledger::open`]), never for a later one: an event finished before the
+/// scoping by kind (see [`Ledger::open`](super::Ledger::open)), never for a later one: an event finished before the
 /// upgrade is not done twice, and nothing published after it can borrow an old record.
 #[derive(Debug, Clone)]
 pub struct EventKey {

@@ -83,7 +83,7 @@ impl PosixTier {
         Ok(atomic)
     }
 
-    /// Makes a batch of written temp files durable and visible (see [`CommitMode::Batched`]).
+    /// Makes a batch of written temp files durable and visible (see [`CommitMode::Batched`](super::CommitMode::Batched)).
     /// Returns one result per entry, in order.
     pub fn commit_batch(&self, batch: Vec<PendingRename>) -> Vec<Result<(), TransferError>> {
         if batch.is_empty() {
@@ -155,7 +155,7 @@ impl AtomicFile {
     /// Switches the temp file to direct writes (`O_DIRECT`: the page cache skipped, so a
     /// large sequential write costs no copy into the cache and no writeback later, and its
     /// commit's `fdatasync` waits for metadata only). Each later write's offset, length and
-    /// buffer address must then be multiples of [`DIRECT_ALIGN`] until [`Self::end_direct`].
+    /// buffer address must then be multiples of [`DIRECT_ALIGN`](super::hashing::DIRECT_ALIGN) until [`Self::end_direct`].
     /// `false` when the filesystem does not take it: the file stays buffered.
     pub fn begin_direct(&self) -> bool {
         set_direct(&self.file, true).is_ok()
