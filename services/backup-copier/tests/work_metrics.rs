@@ -11,14 +11,7 @@ use stagehand_schemas::Body;
 use stagehand_telemetry::names;
 use stagehand_testkit::wait_until;
 
-/// The value of the sample `name{labels}` in a scrape, when present.
-fn sample(scrape: &str, name: &str, labels: &str) -> Option<f64> {
-    let head = format!("{name}{{{labels}}} ");
-    scrape
-        .lines()
-        .find_map(|l| l.strip_prefix(&head))
-        .map(|v| v.parse().unwrap())
-}
+use stagehand_testkit::scrape_sample as sample;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drills_count_verdicts_and_a_corrupt_backup_shows_a_failed_version() -> anyhow::Result<()> {

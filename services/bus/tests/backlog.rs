@@ -29,14 +29,7 @@ impl Handler for Gate {
     }
 }
 
-/// The value of the sample `name{labels}` in a scrape, when present.
-fn sample(scrape: &str, name: &str, labels: &str) -> Option<f64> {
-    let head = format!("{name}{{{labels}}} ");
-    scrape
-        .lines()
-        .find_map(|l| l.strip_prefix(&head))
-        .map(|v| v.parse().unwrap())
-}
+use stagehand_testkit::scrape_sample as sample;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_consumer_backlog_is_in_the_metrics() {

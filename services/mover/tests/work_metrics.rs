@@ -14,14 +14,7 @@ fn write(root: &Path, rel: &str, bytes: &[u8]) -> FileRef {
     FileRef::new(rel, bytes.len() as u64, hex::encode(Sha256::digest(bytes)))
 }
 
-/// The value of the sample `name{labels}` in a scrape, when present.
-fn sample(scrape: &str, name: &str, labels: &str) -> Option<f64> {
-    let head = format!("{name}{{{labels}}} ");
-    scrape
-        .lines()
-        .find_map(|l| l.strip_prefix(&head))
-        .map(|v| v.parse().unwrap())
-}
+use stagehand_testkit::scrape_sample as sample;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_count_bytes_and_files_per_tier_pair_and_class_and_skips_count_nothing() {

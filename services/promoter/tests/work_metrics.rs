@@ -10,14 +10,7 @@ use common::*;
 use stagehand_telemetry::names;
 use stagehand_testkit::{wait_for, wait_until};
 
-/// The value of the sample `name{labels}` in a scrape, when present.
-fn sample(scrape: &str, name: &str, labels: &str) -> Option<f64> {
-    let head = format!("{name}{{{labels}}} ");
-    scrape
-        .lines()
-        .find_map(|l| l.strip_prefix(&head))
-        .map(|v| v.parse().unwrap())
-}
+use stagehand_testkit::scrape_sample as sample;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stage_answers_and_the_copy_behind_them_are_counted() {

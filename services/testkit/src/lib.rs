@@ -62,7 +62,7 @@ pub use facts::{
 pub use files::{list_dir, pattern_bytes, put_files};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
 pub use policies::{PolicyFiles, TierSpec, VALIDATION};
-pub use prometheus::Prometheus;
+pub use prometheus::{Prometheus, scrape_sample};
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
 pub use stack::{ServiceProcess, Stack, StackBuilder};
 pub use tls::{DEPLOY_TLS_DIR, TestCa};

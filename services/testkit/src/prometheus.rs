@@ -180,3 +180,14 @@ fn percent_encode(text: &str) -> String {
     }
     out
 }
+
+/// The value of the sample `name{labels}` in a Prometheus text scrape (as a service's
+/// `/metrics` answers or `PrometheusHandle::render` gives), when present. `labels` is written
+/// as the exposition writes them: `tier="hot",outcome="ok"`.
+pub fn scrape_sample(scrape: &str, name: &str, labels: &str) -> Option<f64> {
+    let head = format!("{name}{{{labels}}} ");
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(&head))
+        .and_then(|v| v.trim().parse().ok())
+}
