@@ -15,42 +15,13 @@ impl PosixTier {
     /// parents, then `fsync`s both parents. `Ok(false)` when something is already at `to`
     /// (nothing was moved).
     pub fn rename_dir_noreplace(&self, from: &str, to: &str) -> Result<bool, TransferError> {
-        self.check_path(from, Side::Destination)?;
-        self.check_path(to, Side::Destination)?;
-        let (from_parent, from_name) = from.rsplit_once('/').unwrap_or(("", from));
-        let (to_parent, to_name) = to.rsplit_once('/').unwrap_or(("", to));
-        let from_dir = self.dir_fd(from_parent, from)?;
-        let to_dir = self.dir_fd(to_parent, to)?;
-        match rustix::fs::renameat_with(
-            from_dir.as_fd(),
-            from_name,
-            to_dir.as_fd(),
-            to_name,
+        self.rename_dir_with(
+            from,
+            to,
             RenameFlags::NOREPLACE,
-        ) {
-            Ok(()) => {}
-            Err(rustix::io::Errno::EXIST) => return Ok(false),
-            Err(e) => {
-                return Err(TransferError::from_errno(
-                    e,
-                    Side::Destination,
-                    self.name(),
-                    to,
-                    "rename into place",
-                ));
-            }
-        }
-        // Handles opened beneath the old name now point beneath the new one.
-        self.forget_dirs();
-        for dir in [&to_dir, &from_dir] {
-            rustix::fs::fsync(&**dir).map_err(|e| {
-                TransferError::from_errno(e, Side::Destination, self.name(), to, "fsync directory")
-            })?;
-            if from_parent == to_parent {
-                break;
-            }
-        }
-        Ok(true)
+            rustix::io::Errno::EXIST,
+            "rename into place",
+        )
     }
 
     /// Swaps the directories `from` and `to` (both tier-relative, both present) with one
@@ -58,31 +29,46 @@ impl PosixTier {
     /// both parents: a reader finds either the old folder or the new one whole under `to`,
     /// never neither. `Ok(false)` when `to` is not there (nothing was moved).
     pub fn exchange_dirs(&self, from: &str, to: &str) -> Result<bool, TransferError> {
+        self.rename_dir_with(
+            from,
+            to,
+            RenameFlags::EXCHANGE,
+            rustix::io::Errno::NOENT,
+            "exchange into place",
+        )
+    }
+
+    /// One confined `renameat2(flags)` of the directory `from` to `to`, then `fsync` of both
+    /// parents; `Ok(false)` when the rename fails with `refused` (nothing was moved).
+    fn rename_dir_with(
+        &self,
+        from: &str,
+        to: &str,
+        flags: RenameFlags,
+        refused: rustix::io::Errno,
+        what: &str,
+    ) -> Result<bool, TransferError> {
         self.check_path(from, Side::Destination)?;
         self.check_path(to, Side::Destination)?;
         let (from_parent, from_name) = from.rsplit_once('/').unwrap_or(("", from));
         let (to_parent, to_name) = to.rsplit_once('/').unwrap_or(("", to));
         let from_dir = self.dir_fd(from_parent, from)?;
         let to_dir = self.dir_fd(to_parent, to)?;
-        match rustix::fs::renameat_with(
-            from_dir.as_fd(),
-            from_name,
-            to_dir.as_fd(),
-            to_name,
-            RenameFlags::EXCHANGE,
-        ) {
+        match rustix::fs::renameat_with(from_dir.as_fd(), from_name, to_dir.as_fd(), to_name, flags)
+        {
             Ok(()) => {}
-            Err(rustix::io::Errno::NOENT) => return Ok(false),
+            Err(e) if e == refused => return Ok(false),
             Err(e) => {
                 return Err(TransferError::from_errno(
                     e,
                     Side::Destination,
                     self.name(),
                     to,
-                    "exchange into place",
+                    what,
                 ));
             }
         }
+        // Handles opened beneath the old name now point beneath the new one.
         self.forget_dirs();
         for dir in [&to_dir, &from_dir] {
             rustix::fs::fsync(&**dir).map_err(|e| {
