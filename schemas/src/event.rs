@@ -76,6 +76,10 @@ pub enum Body {
     ReplicaRemoved(ReplicaRemoved),
     #[serde(rename = "replica.damaged")]
     ReplicaDamaged(ReplicaDamaged),
+    #[serde(rename = "replica.verified")]
+    ReplicaVerified(ReplicaVerified),
+    #[serde(rename = "replica.repaired")]
+    ReplicaRepaired(ReplicaRepaired),
     #[serde(rename = "checkpoint.committed")]
     CheckpointCommitted(CheckpointCommitted),
     #[serde(rename = "checkpoint.demoted")]
@@ -94,6 +98,8 @@ pub enum Body {
     DeadLetter(DeadLetter),
     #[serde(rename = "dead.letter.replayed")]
     DeadLetterReplayed(DeadLetterReplayed),
+    #[serde(rename = "operator.action")]
+    OperatorAction(OperatorAction),
 }
 
 /// Every kind, in a fixed order, as written on the wire.
@@ -110,6 +116,8 @@ pub const ALL_KINDS: &[&str] = &[
     "replica.created",
     "replica.removed",
     "replica.damaged",
+    "replica.verified",
+    "replica.repaired",
     "checkpoint.committed",
     "checkpoint.demoted",
     "checkpoint.expired",
@@ -119,6 +127,7 @@ pub const ALL_KINDS: &[&str] = &[
     "restore.failed",
     "dead.letter",
     "dead.letter.replayed",
+    "operator.action",
 ];
 
 /// The kinds that are requests (class `req`: they ask for work); every other kind but the
@@ -141,6 +150,8 @@ impl Body {
             Body::ReplicaCreated(_) => "replica.created",
             Body::ReplicaRemoved(_) => "replica.removed",
             Body::ReplicaDamaged(_) => "replica.damaged",
+            Body::ReplicaVerified(_) => "replica.verified",
+            Body::ReplicaRepaired(_) => "replica.repaired",
             Body::CheckpointCommitted(_) => "checkpoint.committed",
             Body::CheckpointDemoted(_) => "checkpoint.demoted",
             Body::CheckpointExpired(_) => "checkpoint.expired",
@@ -150,6 +161,7 @@ impl Body {
             Body::RestoreFailed(_) => "restore.failed",
             Body::DeadLetter(_) => "dead.letter",
             Body::DeadLetterReplayed(_) => "dead.letter.replayed",
+            Body::OperatorAction(_) => "operator.action",
         }
     }
 
@@ -173,6 +185,8 @@ impl Body {
             Body::ReplicaCreated(p) => Some(&p.dataset),
             Body::ReplicaRemoved(p) => Some(&p.dataset),
             Body::ReplicaDamaged(p) => Some(&p.dataset),
+            Body::ReplicaVerified(p) => Some(&p.dataset),
+            Body::ReplicaRepaired(p) => Some(&p.dataset),
             Body::BackupCompleted(p) => Some(&p.dataset),
             Body::RestoreVerified(p) => Some(&p.dataset),
             Body::RestoreFailed(p) => Some(&p.dataset),
@@ -181,7 +195,8 @@ impl Body {
             | Body::CheckpointExpired(_)
             | Body::CheckpointHeld(_)
             | Body::DeadLetter(_)
-            | Body::DeadLetterReplayed(_) => None,
+            | Body::DeadLetterReplayed(_)
+            | Body::OperatorAction(_) => None,
         }
     }
 
@@ -202,6 +217,8 @@ impl Body {
             Body::ReplicaCreated(p) => vec![("payload.location", &p.location)],
             Body::ReplicaRemoved(p) => vec![("payload.location", &p.location)],
             Body::ReplicaDamaged(p) => vec![("payload.location", &p.location)],
+            Body::ReplicaVerified(p) => vec![("payload.location", &p.location)],
+            Body::ReplicaRepaired(p) => vec![("payload.location", &p.location)],
             Body::CheckpointCommitted(p) => vec![("payload.location", &p.location)],
             Body::CheckpointDemoted(p) => vec![("payload.from", &p.from), ("payload.to", &p.to)],
             Body::CheckpointExpired(p) => vec![("payload.location", &p.location)],
@@ -214,7 +231,8 @@ impl Body {
             | Body::StagePending(_)
             | Body::StageFailed(_)
             | Body::DeadLetter(_)
-            | Body::DeadLetterReplayed(_) => vec![],
+            | Body::DeadLetterReplayed(_)
+            | Body::OperatorAction(_) => vec![],
         }
     }
 }
@@ -610,6 +628,59 @@ impl ReplicaDamaged {
     pub const MAX_LISTED: usize = 32;
 }
 
+/// Every file of a replica was read back whole and hashed to the SHA-256 the catalogue lists
+/// for it (a scrub): the replica is still what was verified when it was made. `occurred_at` is
+/// when the read finished; the catalogue keeps it as the replica's last verification.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct ReplicaVerified {
+    pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
+    pub version: String,
+    pub location: Location,
+    /// The node whose node-local copy was read; absent for a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Files read and hashed.
+    pub files: u64,
+    /// Bytes read and hashed.
+    pub total_bytes: u64,
+    /// Who read it: `scrub`.
+    pub verified_by: String,
+}
+
+/// A replica found damaged was repaired: the files that did not verify were copied again from
+/// another verified replica of the same version (each verified, the set published at once),
+/// and every file of it now hashes to its listed SHA-256. The catalogue makes it present again
+/// (readiness returns).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct ReplicaRepaired {
+    pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
+    pub version: String,
+    pub location: Location,
+    /// The node whose node-local copy was repaired; absent for a tier every node shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// The tier the files were copied from.
+    pub from_tier: String,
+    /// The paths copied again (relative to `location`), the first
+    /// [`ReplicaDamaged::MAX_LISTED`] of them.
+    pub repaired: Vec<String>,
+    /// How many paths were copied again in all.
+    pub repaired_total: u64,
+    /// Files and bytes of the whole replica, all verified.
+    pub files: u64,
+    pub total_bytes: u64,
+}
+
 /// One damaged path of a replica.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
@@ -830,4 +901,50 @@ pub struct DeadLetterReplayed {
     pub replay_msg_id: String,
     /// Who replayed it (a user or service account name).
     pub replayed_by: String,
+}
+
+/// What an operator's action did ([`OperatorAction::action`]).
+pub mod action {
+    /// `stagehand stage cancel`: a stage request stopped (or, ready, released).
+    pub const STAGE_CANCEL: &str = "stage.cancel";
+    /// `stagehand dlq discard`: a dead letter no longer waits and is never replayed.
+    pub const DLQ_DISCARD: &str = "dlq.discard";
+    /// `stagehand dlq replay`: a dead letter's message republished.
+    pub const DLQ_REPLAY: &str = "dlq.replay";
+    /// `stagehand stage reconcile`: a stage whose job is gone released on its behalf.
+    pub const RECONCILE_RELEASE: &str = "reconcile.release";
+}
+
+/// An operator acted on Stagehand — cancelled a stage, discarded or replayed a dead letter,
+/// released the stages of jobs that are gone — and says who, what, on what and why (when is
+/// the envelope's `occurred_at`). Published on `stagehand.fact.operator.action.<project>`,
+/// the project acted on (a dead letter's own envelope project), and kept with the facts, so
+/// that every intervention stays on record as long as what it changed
+/// (`stagehand status --actions`). Only the operator states it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct OperatorAction {
+    /// What was done: one of [`action`] (`stage.cancel`, `dlq.discard`, `dlq.replay`,
+    /// `reconcile.release`); readers show one they do not know as it is.
+    pub action: String,
+    /// Who did it: a user or account name (`$USER@host`, or `STAGEHAND_OPERATOR`).
+    pub by: String,
+    /// What it was done to, for people: `dead letter 17 of ingest-validator`,
+    /// `stage owls@3f2a… on hot for job 4242`.
+    pub target: String,
+    /// Why, in the operator's words.
+    #[serde(default)]
+    pub reason: String,
+    /// The service whose dead letter it concerns (`dlq.*`).
+    #[serde(default)]
+    pub service: Option<String>,
+    /// The dead letter's event id (`dlq.*`).
+    #[serde(default)]
+    pub dead_letter_id: Option<EventId>,
+    /// The dead letter's sequence in `STAGEHAND_DEAD_LETTERS` (`dlq.*`).
+    #[serde(default)]
+    pub dead_letter_sequence: Option<u64>,
+    /// The stage request it concerns (`stage.cancel`, `reconcile.release`).
+    #[serde(default)]
+    pub request_id: Option<EventId>,
 }

@@ -243,6 +243,8 @@ kinds! {
     "replica.created" => ReplicaCreated,
     "replica.removed" => ReplicaRemoved,
     "replica.damaged" => ReplicaDamaged,
+    "replica.verified" => ReplicaVerified,
+    "replica.repaired" => ReplicaRepaired,
     "checkpoint.committed" => CheckpointCommitted,
     "checkpoint.demoted" => CheckpointDemoted,
     "checkpoint.expired" => CheckpointExpired,
@@ -252,4 +254,5 @@ kinds! {
     "restore.failed" => RestoreFailed,
     "dead.letter" => DeadLetter,
     "dead.letter.replayed" => DeadLetterReplayed,
+    "operator.action" => OperatorAction,
 }

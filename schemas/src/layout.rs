@@ -154,7 +154,37 @@ pub fn upload_folder(project: &str, dataset: &str, digest: &str) -> String {
 /// `<project>/<dataset>/prepare-<derived_from>-<seed>`, fixed by what is derived so that the
 /// retry of a killed run finds (and clears) what it left.
 pub fn prepare_folder(project: &str, dataset: &str, derived_from: &str, seed: u64) -> String {
-    format!("{project}/{dataset}/prepare-{derived_from}-{seed}")
+    format!("{project}/{dataset}/{PREPARE_MARK}{derived_from}-{seed}")
+}
+
+/// The hidden folder beneath a posix tier's root that `stagehand audit` moves stray data into
+/// (never deleting it): `.stagehand-quarantine/<date>/<path as it was>`. Not a project name,
+/// so no location can ever lie beneath it.
+pub const QUARANTINE_FOLDER: &str = ".stagehand-quarantine";
+
+/// Where stray data found at `path` (tier-relative) is quarantined on `date` (`YYYY-MM-DD`).
+pub fn quarantine_path(date: &str, path: &str) -> String {
+    format!("{QUARANTINE_FOLDER}/{date}/{path}")
+}
+
+/// Whether a folder name (one path component) is one the resharder derives a prepared
+/// version in ([`prepare_folder`]): work in flight until its digest is known.
+pub fn is_prepare_folder_name(name: &str) -> bool {
+    name.starts_with(PREPARE_MARK)
+}
+
+/// What starts the name of a folder the resharder prepares a version in.
+pub const PREPARE_MARK: &str = "prepare-";
+
+/// What every temporary a Stagehand writer leaves beside a final name carries: a temp file
+/// `.<stem>.stagehand-<owner>-<n>.tmp` (the mover's) or a staging folder
+/// `.<stem>.stagehand-set-<owner>` ([`STAGING_MARK`]).
+pub const TEMPORARY_MARK: &str = ".stagehand-";
+
+/// Whether a name (one path component) is a writer's temporary: a hidden name carrying
+/// [`TEMPORARY_MARK`] (a staging folder is one, [`is_staging_folder_name`]).
+pub fn is_temporary_name(name: &str) -> bool {
+    name.starts_with('.') && name.contains(TEMPORARY_MARK)
 }
 
 /// The part of a final name a temporary's name keeps: at most [`MAX_STEM_BYTES`], cut at a
@@ -282,6 +312,15 @@ mod tests {
         assert_eq!(staging_folder_prefix("v1"), ".v1.stagehand-set-");
         assert!(is_staging_folder_name(".v1.stagehand-set-h-1"));
         assert!(!is_staging_folder_name("v1.stagehand-set-h-1"));
+        assert!(is_temporary_name(".v1.stagehand-set-h-1"));
+        assert!(is_temporary_name(".part-00.bin.stagehand-h-1-0.tmp"));
+        assert!(!is_temporary_name("v1"));
+        assert!(is_prepare_folder_name("prepare-abc-7"));
+        assert_eq!(
+            quarantine_path("2026-12-02", "p/d/x"),
+            ".stagehand-quarantine/2026-12-02/p/d/x"
+        );
+        assert!(check_project(QUARANTINE_FOLDER).is_err());
     }
 
     #[test]

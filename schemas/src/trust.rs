@@ -102,7 +102,7 @@ impl std::fmt::Display for Role {
 
 /// The roles that may state an event of `kind` (`schemas/README.md`, *Who may say what*).
 /// Dead letters are stated by every service on its own subject; the operator, exempt, is
-/// named only where it alone states a kind (`dead.letter.replayed`). An unknown kind: nobody.
+/// named only where it alone states a kind (`dead.letter.replayed`, `operator.action`). An unknown kind: nobody.
 pub fn stated_by(kind: &str) -> &'static [Role] {
     use Role::*;
     match kind {
@@ -114,6 +114,7 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "replica.created" => &[Promoter, Demoter],
         "replica.removed" => &[Demoter],
         "replica.damaged" => &[Promoter, Demoter],
+        "replica.verified" | "replica.repaired" => &[Demoter],
         "checkpoint.committed" => &[Trainer],
         "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],
@@ -125,7 +126,7 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
             BackupCopier,
             CatalogueRecorder,
         ],
-        "dead.letter.replayed" => &[Operator],
+        "dead.letter.replayed" | "operator.action" => &[Operator],
         _ => &[],
     }
 }
@@ -281,7 +282,10 @@ mod tests {
             assert!(!stated_by(kind).is_empty(), "{kind} has no role");
         }
         assert!(stated_by("no.such.kind").is_empty());
-        assert_eq!(Role::Operator.kinds(), vec!["dead.letter.replayed"]);
+        assert_eq!(
+            Role::Operator.kinds(),
+            vec!["dead.letter.replayed", "operator.action"]
+        );
         assert_eq!(Role::Uploader.kinds(), vec!["ingest.requested"]);
         assert_eq!(Role::Trainer.kinds(), vec!["checkpoint.committed"]);
         assert_eq!(Role::CatalogueRecorder.kinds(), vec!["dead.letter"]);

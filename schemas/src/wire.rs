@@ -191,6 +191,10 @@ pub fn check(event: &Event) -> Result<(), DecodeError> {
             ("payload.dead_letter_id", Some(&p.dead_letter_id)),
             ("payload.original_id", p.original_id.as_ref()),
         ],
+        Body::OperatorAction(p) => [
+            ("payload.dead_letter_id", p.dead_letter_id.as_ref()),
+            ("payload.request_id", p.request_id.as_ref()),
+        ],
         _ => [("", None), ("", None)],
     };
     for (field, id) in [

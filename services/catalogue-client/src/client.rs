@@ -481,6 +481,22 @@ impl Catalogue {
         }
     }
 
+    /// The scrub coverage of `tier`: verified means by a scrub at or after `verified_since`;
+    /// the first `limit` damaged copies listed.
+    pub async fn scrub_status(
+        &self,
+        tier: &str,
+        verified_since: ::time::OffsetDateTime,
+        limit: Option<u32>,
+    ) -> Result<TierScrub, CatalogueError> {
+        let q = Query::ScrubStatus {
+            tier: tier.into(),
+            verified_since,
+            limit,
+        };
+        expect!(self.ask(&q).await?, "scrub_status", Answer::ScrubStatus(s) => *s)
+    }
+
     /// One page of the facts the recorder could not fold, and how many there are in all.
     pub async fn problems(
         &self,

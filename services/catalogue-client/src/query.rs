@@ -28,6 +28,9 @@ pub const DEFAULT_PAGE: u32 = 100;
 /// Items in a list of a `dataset` or `version` answer when the query gives no `limit`.
 pub const DEFAULT_DETAIL: u32 = 20;
 
+/// The most damaged copies a `scrub_status` answer lists, whatever `limit` asks.
+pub const MAX_DETAIL: u32 = 100;
+
 /// The most items a page holds, whatever `limit` asks.
 pub const MAX_PAGE: u32 = 10_000;
 
@@ -214,9 +217,28 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// One tier's scrub coverage ([`TierScrub`]): its copies and bytes, those verified by a
+    /// scrub at or after `verified_since`, the copy longest unverified, and the first `limit`
+    /// damaged copies (at most [`MAX_DETAIL`]) with how many there are.
+    ScrubStatus {
+        tier: String,
+        #[serde(with = "crate::time::utc")]
+        verified_since: ::time::OffsetDateTime,
+        #[serde(default)]
+        limit: Option<u32>,
+    },
     /// Dead letters counted per service, in service order, each with how many still wait (not
     /// replayed). `after`: a service name.
     DeadLetters {
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
+    /// Every operator action (`operator.action`: a stage cancelled, a dead letter discarded
+    /// or replayed, a stage released by reconcile), newest first. `after`: the `next` of the
+    /// previous page.
+    OperatorActions {
         #[serde(default)]
         limit: Option<u32>,
         #[serde(default)]
@@ -331,8 +353,13 @@ pub enum Answer {
         usage: Vec<TierProjectUsage>,
         next: Option<String>,
     },
+    ScrubStatus(Box<TierScrub>),
     DeadLetters {
         services: Vec<DeadLetterRecord>,
+        next: Option<String>,
+    },
+    OperatorActions {
+        actions: Vec<OperatorActionRecord>,
         next: Option<String>,
     },
     Problems {

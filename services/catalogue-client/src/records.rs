@@ -130,6 +130,68 @@ pub struct ReplicaRecord {
     /// The fact that made the copy.
     pub copied: Option<Stamp>,
     pub last_drill: Option<Drill>,
+    /// The newest `replica.verified` of this copy (its scrub read every file back and each
+    /// hashed to the listed SHA-256); `None` until the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_verified: Option<Verification>,
+    /// The newest `replica.repaired` of this copy: its damaged files copied again, verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_repaired: Option<Repair>,
+}
+
+impl ReplicaRecord {
+    /// Whether a job may be handed this copy: complete and verified (`present`). A copy
+    /// found damaged (its repair pending or under way), removed or withdrawn, or only
+    /// mentioned by a restore drill is not. The one rule every view of usable copies applies
+    /// (the demoter's survey, `catalogue show`'s holds, `stage where`).
+    pub fn is_usable(&self) -> bool {
+        self.state == ReplicaState::Present
+    }
+}
+
+/// A damaged copy repaired from another replica (`replica.repaired`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Repair {
+    pub from_tier: String,
+    /// Files copied again.
+    pub files: u64,
+    /// The fact; its `at` is when the repaired copy was published.
+    pub stamp: Stamp,
+}
+
+/// One tier's scrub coverage, as the catalogue knows it (the `scrub_status` query): what is
+/// on the tier (present or damaged copies, every node's), how much of it a scrub verified
+/// since a time (the tier's period ago), the copy longest without a verification, and the
+/// damaged copies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierScrub {
+    pub tier: String,
+    /// Copies present or damaged on the tier (a checkpoint's own copies are not scrubbed).
+    pub replicas: u64,
+    pub bytes: u64,
+    /// Of the present ones, those a scrub verified at or after the query's `verified_since`.
+    pub verified_replicas: u64,
+    pub verified_bytes: u64,
+    /// The present copy whose last verification (else its making) is oldest.
+    pub oldest: Option<ReplicaRecord>,
+    /// The damaged copies, the first `limit` in (project, dataset, version, node) order.
+    pub damaged: Vec<ReplicaRecord>,
+    /// How many copies are damaged in all.
+    pub damaged_total: u64,
+    /// Copies repaired at or after `verified_since` (found damaged and copied again).
+    #[serde(default)]
+    pub repaired_replicas: u64,
+}
+
+/// A replica read back whole and found to hash to what the catalogue lists (`replica.verified`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verification {
+    pub files: u64,
+    pub total_bytes: u64,
+    /// Who read it (`scrub`).
+    pub verified_by: String,
+    /// The fact; its `at` is when the read finished.
+    pub stamp: Stamp,
 }
 
 /// One version and its copies on backup tiers: an item of the `backup_status` answer (what
@@ -492,4 +554,30 @@ mod tests {
         assert_eq!(key, "vision-lab.736c75726d2d343831353136322e7374616765");
         assert_eq!(key.split('.').count(), 2);
     }
+}
+
+/// One operator action (an `operator.action` fact), as the recorder keeps it: every one, as
+/// long as the facts are kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OperatorActionRecord {
+    /// The project acted on.
+    pub project: String,
+    /// `stage.cancel`, `dlq.discard`, `dlq.replay`, `reconcile.release`.
+    pub action: String,
+    /// Who did it.
+    pub by: String,
+    /// What it was done to, for people.
+    pub target: String,
+    /// Why, in the operator's words.
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_id: Option<EventId>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letter_sequence: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<EventId>,
+    /// When (`at`) and the fact that recorded it.
+    pub stamp: Stamp,
 }

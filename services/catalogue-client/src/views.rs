@@ -6,9 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::{
-    Catalogue, CatalogueError, Query, ReplicaRecord, ReplicaState, StageStatus, VersionRecord,
-};
+use crate::{Catalogue, CatalogueError, Query, ReplicaRecord, StageStatus, VersionRecord};
 use time::OffsetDateTime;
 
 /// A verified replica present on the tier looked at.
@@ -27,6 +25,8 @@ pub struct Placed {
     pub durable_elsewhere: bool,
     /// How the replica was proven when it was made.
     pub verified_by: Option<String>,
+    /// When a scrub last read it back whole and found it verified (`replica.verified`).
+    pub last_verified: Option<OffsetDateTime>,
 }
 
 /// What the stage requests of a version on the tier say.
@@ -47,6 +47,57 @@ pub async fn placed_on(
     node: Option<&str>,
     durable: &HashSet<String>,
 ) -> Result<Vec<Placed>, CatalogueError> {
+    let mut out = Vec::new();
+    for (v, rs) in every_version(catalogue).await? {
+        let present = |r: &&ReplicaRecord| r.is_usable();
+        let Some(here) = rs
+            .iter()
+            .filter(present)
+            .find(|r| r.tier == tier && r.node.as_deref() == node)
+        else {
+            continue;
+        };
+        // A checkpoint's own copy (where its run wrote it, or retention put it) is
+        // retention's to move, not the watermarks'; a restored copy is a stage's.
+        if here.verified_by.as_deref() == Some(crate::CHECKPOINT_VERIFIED_BY) {
+            continue;
+        }
+        out.push(Placed {
+            project: here.project.clone(),
+            dataset: here.dataset.clone(),
+            version: v.version.clone(),
+            prefix: here.prefix.clone(),
+            files: here.files.max(v.file_count),
+            bytes: here.total_bytes.max(v.total_bytes),
+            made_at: here.copied.as_ref().or(here.stamp.as_ref()).map(|s| s.at),
+            durable_elsewhere: rs.iter().filter(present).any(|r| durable.contains(&r.tier)),
+            verified_by: here.verified_by.clone(),
+            last_verified: here.last_verified.as_ref().map(|v| v.stamp.at),
+        });
+    }
+    Ok(out)
+}
+
+/// Every replica the catalogue lists on `tier` (on a node-local tier: `node`'s only; `None`:
+/// the shared tier's), in every state, checkpoints' own copies included: what claims a folder
+/// there (`stagehand audit`).
+pub async fn replicas_on(
+    catalogue: &Catalogue,
+    tier: &str,
+    node: Option<&str>,
+) -> Result<Vec<ReplicaRecord>, CatalogueError> {
+    Ok(every_version(catalogue)
+        .await?
+        .into_iter()
+        .flat_map(|(_, rs)| rs)
+        .filter(|r| r.tier == tier && r.node.as_deref() == node)
+        .collect())
+}
+
+/// Every version of every dataset with its replicas, page by page.
+async fn every_version(
+    catalogue: &Catalogue,
+) -> Result<Vec<(VersionRecord, Vec<ReplicaRecord>)>, CatalogueError> {
     let mut out = Vec::new();
     let mut after: Option<String> = None;
     loop {
@@ -86,33 +137,9 @@ pub async fn placed_on(
                 next = n;
             }
             for v in versions {
-                let Some(rs) = replicas.get(&v.version) else {
-                    continue;
-                };
-                let present = |r: &&ReplicaRecord| r.state == ReplicaState::Present;
-                let Some(here) = rs
-                    .iter()
-                    .filter(present)
-                    .find(|r| r.tier == tier && r.node.as_deref() == node)
-                else {
-                    continue;
-                };
-                // A checkpoint's own copy (where its run wrote it, or retention put it) is
-                // retention's to move, not the watermarks'; a restored copy is a stage's.
-                if here.verified_by.as_deref() == Some(crate::CHECKPOINT_VERIFIED_BY) {
-                    continue;
+                if let Some(rs) = replicas.remove(&v.version) {
+                    out.push((v, rs));
                 }
-                out.push(Placed {
-                    project: d.project.clone(),
-                    dataset: d.dataset.clone(),
-                    version: v.version.clone(),
-                    prefix: here.prefix.clone(),
-                    files: here.files.max(v.file_count),
-                    bytes: here.total_bytes.max(v.total_bytes),
-                    made_at: here.copied.as_ref().or(here.stamp.as_ref()).map(|s| s.at),
-                    durable_elsewhere: rs.iter().filter(present).any(|r| durable.contains(&r.tier)),
-                    verified_by: here.verified_by.clone(),
-                });
             }
         }
         match page.next {

@@ -13,6 +13,9 @@ pub enum StoreError {
     /// version. Rebuild the catalogue from the facts stream (see `runbooks/rebuild-catalogue.md`).
     #[error("catalogue record {key:?} is corrupt: {detail}")]
     Corrupt { key: String, detail: String },
+    /// The batch of folds holding this one failed to commit, for this shared cause.
+    #[error(transparent)]
+    Batch(std::sync::Arc<StoreError>),
     /// The store's single writer is gone (the recorder is shutting down).
     #[error("catalogue writer stopped")]
     WriterGone,
@@ -42,10 +45,13 @@ impl StoreError {
     /// attempts until it is dead-lettered and the catalogue lacks it for good, so the recorder
     /// stops instead and the fact waits for the restart.
     pub fn is_store_failure(&self) -> bool {
-        matches!(
-            self,
-            StoreError::Redb(_) | StoreError::Spool(_) | StoreError::Failed { .. }
-        )
+        match self {
+            StoreError::Batch(cause) => cause.is_store_failure(),
+            _ => matches!(
+                self,
+                StoreError::Redb(_) | StoreError::Spool(_) | StoreError::Failed { .. }
+            ),
+        }
     }
 }
 
@@ -53,6 +59,7 @@ impl Retryable for StoreError {
     /// Whether retrying the same operation can succeed.
     fn is_retryable(&self) -> bool {
         match self {
+            StoreError::Batch(cause) => cause.is_retryable(),
             // I/O can be transient (a full disk gets space); the writer restarts with the recorder.
             StoreError::Redb(_)
             | StoreError::WriterGone
@@ -63,22 +70,7 @@ impl Retryable for StoreError {
     }
 }
 
-macro_rules! from_redb {
-    ($($t:ty),*) => {$(
-        impl From<$t> for StoreError {
-            fn from(e: $t) -> Self {
-                StoreError::Redb(e.into())
-            }
-        }
-    )*};
-}
-from_redb!(
-    redb::DatabaseError,
-    redb::TransactionError,
-    redb::TableError,
-    redb::StorageError,
-    redb::CommitError
-);
+stagehand_store::from_redb!(StoreError::Redb);
 
 /// A failure of the recorder service as a whole.
 #[derive(Debug, thiserror::Error)]

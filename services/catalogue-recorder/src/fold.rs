@@ -170,6 +170,7 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
         Body::ReplicaCreated(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaDamaged(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::ReplicaRepaired(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
@@ -213,6 +214,8 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::ReplicaCreated(p) => replica_created(txn, event, p, &stamp)?,
         Body::ReplicaRemoved(p) => replica_removed(txn, event, p, &stamp)?,
         Body::ReplicaDamaged(p) => replica_damaged(txn, event, p, &stamp)?,
+        Body::ReplicaVerified(p) => replica_verified(txn, event, p, &stamp)?,
+        Body::ReplicaRepaired(p) => replica_repaired(txn, event, p, &stamp)?,
         Body::BackupCompleted(p) => backup_completed(txn, event, p, &stamp)?,
         Body::RestoreVerified(p) => restore_verified(txn, event, p, &stamp)?,
         Body::RestoreFailed(p) => restore_failed(txn, event, p, &stamp)?,
@@ -227,6 +230,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::CheckpointHeld(p) => checkpoint_held(txn, event, p, &stamp)?,
         Body::DeadLetter(p) => dead_letter(txn, p, &stamp)?,
         Body::DeadLetterReplayed(p) => dead_letter_replayed(txn, p)?,
+        Body::OperatorAction(p) => operator_action(txn, event, p, &stamp)?,
         // Ingest requests are not facts (the validator answers them with one). Kinds this
         // recorder does not know yet are marked applied too, so that a replay skips them the
         // same way.
@@ -445,6 +449,71 @@ fn replica_damaged(
         state,
         None,
     )
+}
+
+/// A scrub read the replica back whole and it verified: its record keeps when (the newest such
+/// fact wins). It changes nothing else — a damaged copy is made present again only by its
+/// repair — and a replica the catalogue does not know is not invented from it.
+fn replica_verified(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaVerified,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let place = (&p.location, p.node.as_deref());
+    let mut record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
+    if record.stamp.is_none() {
+        return Ok(());
+    }
+    if record
+        .last_verified
+        .as_ref()
+        .is_some_and(|old| &old.stamp >= stamp)
+    {
+        return Ok(());
+    }
+    record.last_verified = Some(Verification {
+        files: p.files,
+        total_bytes: p.total_bytes,
+        verified_by: p.verified_by.clone(),
+        stamp: stamp.clone(),
+    });
+    write_replica(txn, &record)
+}
+
+/// A damaged replica repaired (its files that did not verify copied again, verified) is
+/// present again, its readiness derived as before the damage; a newer fact still wins.
+fn replica_repaired(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaRepaired,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        (&p.location, p.node.as_deref()),
+        stamp,
+        (ReplicaState::Present, None),
+        None,
+    )?;
+    let place = (&p.location, p.node.as_deref());
+    let mut record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
+    if record
+        .last_repaired
+        .as_ref()
+        .is_none_or(|old| &old.stamp < stamp)
+    {
+        record.last_repaired = Some(Repair {
+            from_tier: p.from_tier.clone(),
+            files: p.repaired_total,
+            stamp: stamp.clone(),
+        });
+        write_replica(txn, &record)?;
+    }
+    Ok(())
 }
 
 /// The sentence a damaged replica's record keeps: how it was found, the first paths and how
@@ -1010,8 +1079,9 @@ fn dead_letter(txn: &WriteTransaction, p: &DeadLetter, stamp: &Stamp) -> Result<
     let was = dead_letter_state(txn, &p.service, id)?;
     txn.open_table(DEAD_LETTER_STATES)?
         .insert((p.service.as_str(), id), was | DEAD_LETTER_FOLDED)?;
-    // A replay folded before its dead letter (a redelivery can reorder them) leaves it done.
-    if was & DEAD_LETTER_REPLAYED == 0 {
+    // A replay or discard folded before its dead letter (a redelivery can reorder them)
+    // leaves it done.
+    if was & (DEAD_LETTER_REPLAYED | DEAD_LETTER_DISCARDED) == 0 {
         add_waiting(txn, &p.service, 1)?;
     }
     Ok(())
@@ -1048,10 +1118,58 @@ fn dead_letter_replayed(txn: &WriteTransaction, p: &DeadLetterReplayed) -> Resul
         (p.service.as_str(), id),
         was | DEAD_LETTER_REPLAYED | if folded { DEAD_LETTER_FOLDED } else { 0 },
     )?;
-    if folded {
+    if folded && was & DEAD_LETTER_DISCARDED == 0 {
         add_waiting(txn, &p.service, -1)?;
     }
     Ok(())
+}
+
+/// An operator's action: kept (newest first) for `stagehand status --actions`. A discard
+/// stops its dead letter waiting, once, whether it is folded before or after the dead letter
+/// and whatever replay of it was folded before.
+fn operator_action(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &OperatorAction,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let record = OperatorActionRecord {
+        project: event.project.clone(),
+        action: p.action.clone(),
+        by: p.by.clone(),
+        target: p.target.clone(),
+        reason: p.reason.clone(),
+        service: p.service.clone(),
+        dead_letter_id: p.dead_letter_id.clone(),
+        dead_letter_sequence: p.dead_letter_sequence,
+        request_id: p.request_id.clone(),
+        stamp: stamp.clone(),
+    };
+    let key = operator_action_key(stamp);
+    let what = || format!("operator action {}", stamp.event_id);
+    txn.open_table(OPERATOR_ACTIONS)?
+        .insert(key.as_str(), encode(&record, what)?.as_slice())?;
+    if let (action::DLQ_DISCARD, Some(service), Some(id)) =
+        (p.action.as_str(), &p.service, &p.dead_letter_id)
+    {
+        let was = dead_letter_state(txn, service, id.as_str())?;
+        if was & DEAD_LETTER_DISCARDED != 0 {
+            return Ok(());
+        }
+        txn.open_table(DEAD_LETTER_STATES)?
+            .insert((service.as_str(), id.as_str()), was | DEAD_LETTER_DISCARDED)?;
+        if was & DEAD_LETTER_FOLDED != 0 && was & DEAD_LETTER_REPLAYED == 0 {
+            add_waiting(txn, service, -1)?;
+        }
+    }
+    Ok(())
+}
+
+/// The `operator_actions` key of the action stamped `stamp`: the time inverted, so that the
+/// table's order is newest first, then the event id.
+pub(crate) fn operator_action_key(stamp: &Stamp) -> String {
+    let micros = u64::try_from(stamp.at.unix_timestamp_nanos() / 1_000).unwrap_or(0);
+    format!("{:020}.{}", u64::MAX - micros, stamp.event_id)
 }
 
 /// Creates the dataset record on its first fact and adds `(versions, rejections)` to its counts.
@@ -1204,6 +1322,8 @@ fn empty_replica(
         backup: false,
         copied: None,
         last_drill: None,
+        last_verified: None,
+        last_repaired: None,
     }
 }
 
@@ -1371,6 +1491,87 @@ mod tests {
         let once = store.dump().unwrap();
         assert_eq!(fold_into(&store, &[validated(1)]), vec![Folded::Done]);
         assert_eq!(store.dump().unwrap(), once, "a second copy changes nothing");
+    }
+
+    /// The hot replica of version 1 as the `version` query answers it.
+    fn hot_replica(store: &crate::store::Store) -> ReplicaRecord {
+        let v = validated(1);
+        let Answer::Version(detail) = crate::answer(
+            store,
+            &Query::Version {
+                project: Some("lab-a".into()),
+                dataset: "cats".into(),
+                version: version_of(&v),
+                limit: None,
+            },
+        ) else {
+            panic!("not a version answer")
+        };
+        detail
+            .replicas
+            .into_iter()
+            .find(|r| r.tier == "hot")
+            .expect("the hot replica")
+    }
+
+    /// `replica.verified` of version 1's hot replica, `seconds` after its creation.
+    fn verified(seconds: i64) -> stagehand_schemas::Event {
+        let created = replica(1, false);
+        let mut e = created.caused(
+            &format!("verified:{seconds}"),
+            stagehand_schemas::Body::ReplicaVerified(stagehand_schemas::ReplicaVerified {
+                dataset: "cats".into(),
+                version: version_of(&validated(1)),
+                location: stagehand_schemas::Location {
+                    tier: "hot".into(),
+                    prefix: "lab-a/cats/hot".into(),
+                },
+                node: None,
+                files: 2,
+                total_bytes: 3,
+                verified_by: "scrub".into(),
+            }),
+        );
+        e.occurred_at = created.occurred_at + ::time::Duration::seconds(seconds);
+        e
+    }
+
+    /// Guards the catalogue's record of scrubs: the newest `replica.verified` of a replica is
+    /// kept as its last verification whatever order they fold in, nothing else of the replica
+    /// changes, and one of a replica the catalogue does not know invents none.
+    #[test]
+    fn a_replica_keeps_its_newest_verification_and_nothing_else_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[validated(1), replica(1, false), verified(60), verified(30)],
+        );
+        let r = hot_replica(&store);
+        assert_eq!(r.state, ReplicaState::Present);
+        assert_eq!(r.verified_by.as_deref(), Some("read-back"));
+        let last = r.last_verified.expect("verified");
+        assert_eq!(last.stamp.event_id, verified(60).id);
+        assert_eq!((last.files, last.total_bytes), (2, 3));
+        assert_eq!(last.verified_by, "scrub");
+
+        let other = tempfile::tempdir().unwrap();
+        let unknown = store_with(other.path(), "b.redb", &[validated(1), verified(60)]);
+        let Answer::Version(detail) = crate::answer(
+            &unknown,
+            &Query::Version {
+                project: Some("lab-a".into()),
+                dataset: "cats".into(),
+                version: version_of(&validated(1)),
+                limit: None,
+            },
+        ) else {
+            panic!("not a version answer")
+        };
+        assert!(
+            detail.replicas.iter().all(|r| r.tier != "hot"),
+            "{detail:?}"
+        );
     }
 
     #[test]

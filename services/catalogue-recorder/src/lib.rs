@@ -26,6 +26,7 @@ mod chunk;
 mod error;
 mod files;
 pub mod fold;
+mod gauges;
 mod live;
 pub mod model;
 mod prune;

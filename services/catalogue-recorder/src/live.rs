@@ -32,7 +32,7 @@ use futures::StreamExt;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
 use stagehand_schemas::progress::{WorkProgress, progress_filter, progress_subject};
-use stagehand_schemas::{Event, EventId, Refusal};
+use stagehand_schemas::{Body, Event, EventId, Refusal};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{RecorderError, StoreError};
@@ -112,6 +112,9 @@ impl Handler for LiveFold {
             }
             Err(e) => return Err(self.store_error(event, e)),
         }
+        if changes_dead_letters_waiting(event) {
+            report_dead_letters_waiting(&self.store).await;
+        }
         match self.mirror.event(&self.store, event).await {
             Ok(()) => Ok(Vec::new()),
             Err(RecorderError::Store(e)) => Err(self.store_error(event, e)),
@@ -142,6 +145,26 @@ impl Handler for LiveFold {
             // The dead letter still records it; a latched store stops the recorder.
             let _ = self.store_error(event, e);
         }
+    }
+}
+
+/// Whether folding `event` can change how many dead letters wait for a person.
+fn changes_dead_letters_waiting(event: &Event) -> bool {
+    matches!(
+        event.body,
+        Body::DeadLetter(_) | Body::DeadLetterReplayed(_) | Body::OperatorAction(_)
+    )
+}
+
+/// Sets the dead-letter gauges from the store. A failure to read them is logged, not the
+/// fact's: the fact is folded, and the next fold or start sets them again.
+pub(crate) async fn report_dead_letters_waiting(store: &Arc<Store>) {
+    let s = store.clone();
+    match tokio::task::spawn_blocking(move || crate::gauges::report_dead_letters_waiting(&s)).await
+    {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "could not read the dead letters waiting"),
+        Err(e) => tracing::warn!(error = %e, "could not read the dead letters waiting"),
     }
 }
 

@@ -396,9 +396,24 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
                 next,
             }
         }
+        Query::ScrubStatus {
+            tier,
+            verified_since,
+            limit,
+        } => Answer::ScrubStatus(Box::new(scrub_status(txn, tier, *verified_since, *limit)?)),
         Query::TierUsage { tier, limit, after } => {
             let (usage, next) = tier_usage(txn, tier.as_deref(), *limit, after.as_deref())?;
             Answer::TierUsage { usage, next }
+        }
+        Query::OperatorActions { limit, after } => {
+            let (actions, next) = by_name(
+                txn,
+                OPERATOR_ACTIONS,
+                *limit,
+                after.as_deref(),
+                "operator action",
+            )?;
+            Answer::OperatorActions { actions, next }
         }
         Query::Problems { limit, after } => {
             let total = txn.open_table(PROBLEMS)?.len()?;
@@ -1054,6 +1069,68 @@ fn open_stages(
 /// (a few rows per version, whatever its file count), summed, then paged in (tier, node,
 /// project) order. A replica counts with the larger of its own and its version's byte count
 /// and is left out when it is a checkpoint's own copy, as the demoter's survey does.
+/// One tier's scrub coverage: one pass over the replicas table (as `tier_usage`), the
+/// damaged copies listed up to `limit` (at most [`MAX_DETAIL`]).
+fn scrub_status(
+    txn: &ReadTransaction,
+    tier: &str,
+    verified_since: ::time::OffsetDateTime,
+    limit: Option<u32>,
+) -> Result<TierScrub, Fail> {
+    let limit = limit.unwrap_or(DEFAULT_DETAIL).clamp(1, MAX_DETAIL) as usize;
+    let replicas = txn.open_table(REPLICAS)?;
+    let mut out = TierScrub {
+        tier: tier.to_owned(),
+        replicas: 0,
+        bytes: 0,
+        verified_replicas: 0,
+        verified_bytes: 0,
+        oldest: None,
+        damaged: Vec::new(),
+        damaged_total: 0,
+        repaired_replicas: 0,
+    };
+    let mut oldest_since = None;
+    for row in replicas.iter()? {
+        let (k, v) = row?;
+        let (project, dataset, version, t, _node) = k.value();
+        if t != tier {
+            continue;
+        }
+        let r: ReplicaRecord = read(v.value(), || {
+            format!("replica {project}/{dataset}/{version} on {t}")
+        })?;
+        if !matches!(r.state, ReplicaState::Present | ReplicaState::Damaged)
+            || r.verified_by.as_deref() == Some(CHECKPOINT_VERIFIED_BY)
+        {
+            continue;
+        }
+        out.replicas += 1;
+        out.bytes += r.total_bytes;
+        if (r.last_repaired.as_ref()).is_some_and(|rep| rep.stamp.at >= verified_since) {
+            out.repaired_replicas += 1;
+        }
+        if r.state == ReplicaState::Damaged {
+            out.damaged_total += 1;
+            if out.damaged.len() < limit {
+                out.damaged.push(r);
+            }
+            continue;
+        }
+        let last = r.last_verified.as_ref().map(|v| v.stamp.at);
+        if last.is_some_and(|at| at >= verified_since) {
+            out.verified_replicas += 1;
+            out.verified_bytes += r.total_bytes;
+        }
+        let since = last.or(r.copied.as_ref().or(r.stamp.as_ref()).map(|s| s.at));
+        if out.oldest.is_none() || since < oldest_since {
+            oldest_since = since;
+            out.oldest = Some(r);
+        }
+    }
+    Ok(out)
+}
+
 fn tier_usage(
     txn: &ReadTransaction,
     tier: Option<&str>,

@@ -240,6 +240,8 @@ mod tests {
             backup: false,
             copied: Some(stamp(1)),
             last_drill: None,
+            last_verified: None,
+            last_repaired: None,
         };
         let r = derive(key(), &a, Some(&replica));
         assert!(!r.ready);

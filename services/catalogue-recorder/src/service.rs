@@ -370,6 +370,7 @@ pub async fn serve(ctx: Context<Settings>) -> Result<RecorderStats, RecorderErro
     let dead_letters = ctx.own_worker(settings.dead_letters_worker())?;
     let stage_requests = ctx.own_worker(settings.stage_requests_worker())?;
     let (store, files, mirror, rebuilt) = open(&ctx).await?;
+    crate::live::report_dead_letters_waiting(&store).await;
     let (writer, writer_thread) = Writer::start(store.clone());
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();

@@ -528,6 +528,9 @@ impl Store {
             stagehand_schemas::Body::ReplicaCreated(p) => {
                 Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
             }
+            stagehand_schemas::Body::ReplicaRepaired(p) => {
+                Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
+            }
             _ => None,
         };
         if let Some((dataset, version, tier, node)) = replica {

@@ -18,8 +18,9 @@
 //! | `readiness` | (project, dataset, version, tier, node or "") | [`crate::model::ReadinessAggregate`] |
 //! | `rejections` | (project, dataset, request id) | [`stagehand_catalogue::RejectionRecord`], one per request |
 //! | `dead_letters` | service | [`stagehand_catalogue::DeadLetterRecord`] |
-//! | `dead_letter_states` | (service, dead letter id) | 1: the dead letter was folded, 2: a replay of it was; 3: both |
-//! | `dead_letters_waiting` | service | dead letters folded and not replayed |
+//! | `dead_letter_states` | (service, dead letter id) | 1: the dead letter was folded, 2: a replay of it was, 4: an operator discarded it; or'ed |
+//! | `dead_letters_waiting` | service | dead letters folded and neither replayed nor discarded |
+//! | `operator_actions` | `<20 digits: u64::MAX − µs since the epoch>.<event id>` (newest first) | [`stagehand_catalogue::OperatorActionRecord`] |
 //! | `checkpoints` | (project, run, step) | [`stagehand_catalogue::CheckpointRecord`] |
 //! | `problems` | `<project>/<kind>/<event id>` | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
 //! | `applied_scoped` | (project, kind, event id) | — (events folded) |
@@ -62,7 +63,7 @@ use serde::de::DeserializeOwned;
 use stagehand_catalogue::FoldProblem;
 use stagehand_manifest::Manifest;
 use stagehand_schemas::Event;
-use tokio::sync::{mpsc, oneshot};
+use stagehand_store::{CommitError, GroupWriter};
 
 use crate::chunk::ChunkBuilder;
 use crate::error::StoreError;
@@ -115,6 +116,11 @@ pub(crate) const DEAD_LETTERS_WAITING: TableDefinition<S, u64> =
 pub(crate) const DEAD_LETTER_FOLDED: u8 = 1;
 /// A `dead_letter_states` flag: a replay of the dead letter was folded.
 pub(crate) const DEAD_LETTER_REPLAYED: u8 = 2;
+/// A `dead_letter_states` flag: an operator's discard of the dead letter was folded.
+pub(crate) const DEAD_LETTER_DISCARDED: u8 = 4;
+/// Every operator action, newest first (see the module docs for the key).
+pub(crate) const OPERATOR_ACTIONS: TableDefinition<S, Bytes> =
+    TableDefinition::new("operator_actions");
 /// (state, last change in ns, project, request id) of every stage request that is pending
 /// ([`crate::stage::OPEN_PENDING`]) or failed ([`crate::stage::OPEN_FAILED`]): an index, so
 /// that the stages needing a person are found without reading every stage record.
@@ -242,6 +248,7 @@ macro_rules! for_each_table {
         $m!(DEAD_LETTERS);
         $m!(DEAD_LETTER_STATES);
         $m!(DEAD_LETTERS_WAITING);
+        $m!(OPERATOR_ACTIONS);
         $m!(STAGES_OPEN);
         $m!(CHECKPOINTS);
         $m!(PROBLEMS);
@@ -259,7 +266,7 @@ impl Store {
         {
             std::fs::create_dir_all(parent).map_err(|e| StoreError::Redb(e.into()))?;
         }
-        let db = Database::create(&path)?;
+        let db = stagehand_store::open_redb(&path)?;
         let txn = db.begin_write()?;
         let layout = match txn.open_table(META) {
             Ok(meta) => meta.get(LAYOUT)?.map(|v| v.value()),
@@ -711,93 +718,38 @@ impl Dump {
 }
 
 /// The writer's thread, to wait for once every [`Writer`] is dropped.
-#[derive(Debug)]
-pub struct WriterThread(std::thread::JoinHandle<()>);
+pub use stagehand_store::WriterThread;
 
-impl WriterThread {
-    /// Waits for the writer thread to end.
-    pub fn join(self) {
-        let _ = self.0.join();
-    }
-}
-
-type Job = (FoldItem, oneshot::Sender<Result<Folded, StoreError>>);
-
-/// The store's single writer of metadata: a thread that folds queued events in batches.
+/// The store's single writer of metadata ([`stagehand_store`]): folds every event queued
+/// meanwhile (at most [`MAX_BATCH`]) in one commit; its queue holds two batches, and a fold
+/// past that waits for room.
 #[derive(Clone, Debug)]
 pub struct Writer {
-    tx: mpsc::Sender<Job>,
+    queue: GroupWriter<FoldItem, Folded, StoreError>,
 }
 
 impl Writer {
     /// Starts the writer thread over `store`. It stops when every `Writer` clone is dropped;
     /// [`WriterThread::join`] waits for that (and so for its hold on the store to end).
     pub fn start(store: std::sync::Arc<Store>) -> (Self, WriterThread) {
-        let (tx, mut rx) = mpsc::channel::<Job>(MAX_BATCH * 2);
-        let thread = std::thread::Builder::new()
-            .name("catalogue-writer".into())
-            .spawn(move || {
-                while let Some(first) = rx.blocking_recv() {
-                    let mut jobs = vec![first];
-                    while jobs.len() < MAX_BATCH {
-                        match rx.try_recv() {
-                            Ok(job) => jobs.push(job),
-                            Err(_) => break,
-                        }
-                    }
-                    let (items, replies): (Vec<FoldItem>, Vec<_>) = jobs.into_iter().unzip();
-                    match store.apply_batch(&items) {
-                        Ok(results) => {
-                            for (result, reply) in results.into_iter().zip(replies) {
-                                let _ = reply.send(Ok(result));
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, events = items.len(), "catalogue commit failed");
-                            for reply in replies {
-                                let _ = reply.send(Err(clone_store_error(&e)));
-                            }
-                        }
-                    }
-                }
+        let (queue, thread) = stagehand_store::writer("catalogue")
+            .max_batch(MAX_BATCH)
+            .queue(MAX_BATCH * 2)
+            .spawn(move |items: &[FoldItem]| {
+                store.apply_batch(items).inspect_err(|e| {
+                    tracing::warn!(error = %e, events = items.len(), "catalogue commit failed");
+                })
             })
             .expect("spawning the catalogue writer thread");
-        (Self { tx }, WriterThread(thread))
+        (Self { queue }, thread)
     }
 
     /// Folds one event (or records its problem); returns once it is committed.
     pub async fn apply(&self, item: FoldItem) -> Result<Folded, StoreError> {
-        let (reply, done) = oneshot::channel();
-        self.tx
-            .send((item, reply))
-            .await
-            .map_err(|_| StoreError::WriterGone)?;
-        done.await.map_err(|_| StoreError::WriterGone)?
-    }
-}
-
-/// The same failure for every event of a failed batch (redb errors do not clone).
-fn clone_store_error(e: &StoreError) -> StoreError {
-    match e {
-        StoreError::Redb(redb::Error::PreviousIo) => StoreError::Redb(redb::Error::PreviousIo),
-        StoreError::Redb(e) => {
-            StoreError::Redb(redb::Error::Io(std::io::Error::other(e.to_string())))
-        }
-        StoreError::Corrupt { key, detail } => StoreError::Corrupt {
-            key: key.clone(),
-            detail: detail.clone(),
-        },
-        StoreError::WriterGone => StoreError::WriterGone,
-        StoreError::TooLarge { what, bytes, max } => StoreError::TooLarge {
-            what: what.clone(),
-            bytes: *bytes,
-            max: *max,
-        },
-        StoreError::Spool(detail) => StoreError::Spool(detail.clone()),
-        StoreError::Failed { path, detail } => StoreError::Failed {
-            path: path.clone(),
-            detail: detail.clone(),
-        },
+        self.queue.submit(item).await.map_err(|e| match e {
+            CommitError::Failed(cause) => StoreError::Batch(cause),
+            CommitError::Stopped(_) => StoreError::WriterGone,
+        })
     }
 }
 

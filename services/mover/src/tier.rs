@@ -29,21 +29,12 @@ impl Tier {
             Tier::Posix(t) => {
                 let t = t.clone();
                 let rel_owned = rel.to_owned();
-                tokio::task::spawn_blocking(move || {
+                self.blocking(rel, Side::Destination, "writing", move || {
                     let file = t.create_atomic(&rel_owned, bytes.len() as u64)?;
                     file.write_all_at(&bytes, 0)?;
                     file.commit()
                 })
                 .await
-                .map_err(|e| {
-                    TransferError::new(
-                        ErrorKind::Io,
-                        Side::Destination,
-                        self.name(),
-                        rel,
-                        format!("writing task failed: {e}"),
-                    )
-                })?
             }
             Tier::S3(t) => t.put_small(rel, bytes).await,
         }
@@ -57,17 +48,10 @@ impl Tier {
             Tier::Posix(t) => {
                 let t = t.clone();
                 let rel_owned = rel.to_owned();
-                tokio::task::spawn_blocking(move || t.hash_file(&rel_owned))
-                    .await
-                    .map_err(|e| {
-                        TransferError::new(
-                            ErrorKind::Io,
-                            Side::Source,
-                            self.name(),
-                            rel,
-                            format!("hashing task failed: {e}"),
-                        )
-                    })?
+                self.blocking(rel, Side::Source, "hashing", move || {
+                    t.hash_file(&rel_owned)
+                })
+                .await
             }
             Tier::S3(t) => t.hash_file(rel).await,
         }
@@ -75,6 +59,26 @@ impl Tier {
 }
 
 impl Tier {
+    /// Runs `work`, a posix call that blocks, on a blocking thread; a task that fails (a
+    /// panic) is an `Io` error about `rel` saying what it was doing.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        rel: &str,
+        side: Side,
+        what: &str,
+        work: impl FnOnce() -> Result<T, TransferError> + Send + 'static,
+    ) -> Result<T, TransferError> {
+        tokio::task::spawn_blocking(work).await.map_err(|e| {
+            TransferError::new(
+                ErrorKind::Io,
+                side,
+                self.name(),
+                rel,
+                format!("{what} task failed: {e}"),
+            )
+        })?
+    }
+
     /// This tier, publishing every set written through the returned handle with `access` on
     /// posix (see [`crate::SetAccess`]); an S3 tier has no modes and is returned as it is.
     pub fn with_access(&self, access: Option<crate::SetAccess>) -> Tier {
@@ -90,6 +94,20 @@ impl Tier {
         match self {
             Tier::Posix(t) => t.beneath(rel, false).map(Tier::Posix),
             Tier::S3(t) => t.beneath(rel).map(Tier::S3),
+        }
+    }
+
+    /// The size of the regular file or object at `rel`, or `None` when nothing is there: what
+    /// a size mismatch found, for a report of the damage.
+    pub async fn size(&self, rel: &str) -> Result<Option<u64>, TransferError> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                self.blocking(rel, Side::Source, "stat", move || t.stat(&rel_owned))
+                    .await
+            }
+            Tier::S3(t) => Ok(t.stat(rel).await?.map(|info| info.size)),
         }
     }
 
@@ -111,17 +129,10 @@ impl Tier {
             Tier::Posix(t) => {
                 let t = t.clone();
                 let rel_owned = rel.to_owned();
-                tokio::task::spawn_blocking(move || t.hash_file_bounded(&rel_owned, limit))
-                    .await
-                    .map_err(|e| {
-                        TransferError::new(
-                            ErrorKind::Io,
-                            Side::Source,
-                            self.name(),
-                            rel,
-                            format!("hashing task failed: {e}"),
-                        )
-                    })?
+                self.blocking(rel, Side::Source, "hashing", move || {
+                    t.hash_file_bounded(&rel_owned, limit)
+                })
+                .await
             }
             Tier::S3(t) => t.hash_file_bounded(rel, limit).await,
         }

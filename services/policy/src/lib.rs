@@ -15,6 +15,7 @@
 //! | `retention.toml` | no | demoter |
 //! | `backup.toml` | no | backup copier |
 //! | `priorities.toml` | no | mover scheduling |
+//! | `scrub.toml` | no | demoter (its scrub duty) |
 //!
 //! A relative posix tier root resolves against `$STAGEHAND_HOME`, or `<cwd>/.stagehand` when
 //! that is unset.
@@ -31,6 +32,7 @@ mod error;
 mod open;
 mod pipeline;
 pub mod retention;
+mod scrub;
 mod tiers;
 mod validation;
 
@@ -43,6 +45,10 @@ pub use pipeline::{
     DatasetPacking, DemotionPolicy, Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked,
     ObjectLockPolicy, Packing, PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy,
     RetentionMode, RetentionPolicy, ShardLayout, VerifyMode,
+};
+pub use scrub::{
+    AuditPolicy, DEFAULT_QUARANTINE_AFTER, DEFAULT_SCRUB_CHECK_EVERY, DEFAULT_SCRUB_PARALLEL_FILES,
+    DEFAULT_STOP_ABOVE_FRACTION, MAX_SCRUB_PARALLEL_FILES, ScrubBudget, ScrubPolicy,
 };
 /// Sizes in policy files follow the one grammar of `stagehand-config` (its README).
 pub use stagehand_config::ByteSize;
@@ -68,6 +74,7 @@ pub const POLICY_FILES: &[&str] = &[
     "retention.toml",
     "backup.toml",
     "priorities.toml",
+    "scrub.toml",
 ];
 const REQUIRED: usize = 2;
 
@@ -85,6 +92,7 @@ pub struct Policies {
     retention: Option<RetentionPolicy>,
     backup: Option<BackupPolicy>,
     priorities: Option<PriorityPolicy>,
+    scrub: Option<ScrubPolicy>,
 }
 
 /// The directory relative posix roots resolve against: `$STAGEHAND_HOME`, else
@@ -105,46 +113,76 @@ impl Policies {
         Self::load_dir_with_home(dir, stagehand_home())
     }
 
-    /// Like [`Policies::load_dir`], with relative posix roots resolved against `home`.
+    /// Like [`Policies::load_dir`], with relative posix roots resolved against `home`; the
+    /// error is the first of [`Policies::check_dir`]'s.
     pub fn load_dir_with_home(
         dir: impl AsRef<Path>,
         home: impl AsRef<Path>,
     ) -> Result<Policies, PolicyError> {
-        let dir = dir.as_ref();
-        let home = absolute(home.as_ref());
-        let entries = std::fs::read_dir(dir).map_err(|source| PolicyError::ReadDir {
-            dir: dir.to_owned(),
-            source,
-        })?;
-        for entry in entries {
-            let entry = entry.map_err(|source| PolicyError::ReadDir {
+        Self::read(dir.as_ref(), home.as_ref()).map_err(|mut errors| errors.remove(0))
+    }
+
+    /// Every problem of the policy files in `dir`, each the error a service would refuse to
+    /// start with (`stagehand policy check`): the reading of [`Policies::load_dir_with_home`],
+    /// which reports the first, carried on past it — every unknown file name, every
+    /// unreadable or missing required file, and each file parsed on its own (the files that
+    /// refer to tiers only when `tiers.toml` parsed). Empty when `load_dir_with_home` would
+    /// load the folder. Nothing is created or opened beyond the files themselves.
+    pub fn check_dir(dir: impl AsRef<Path>, home: impl AsRef<Path>) -> Vec<PolicyError> {
+        Self::read(dir.as_ref(), home.as_ref())
+            .err()
+            .unwrap_or_default()
+    }
+
+    /// Reads and parses every policy file in `dir`: the policies, or every error found, in
+    /// the order a reader meets them (unknown file names, then each file in
+    /// [`POLICY_FILES`] order: reading it, then parsing it). Never empty when `Err`.
+    fn read(dir: &Path, home: &Path) -> Result<Policies, Vec<PolicyError>> {
+        let home = absolute(home);
+        let read_dir = |source| {
+            vec![PolicyError::ReadDir {
                 dir: dir.to_owned(),
                 source,
-            })?;
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
+            }]
+        };
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(read_dir)? {
+            let entry = entry.map_err(read_dir)?;
+            names.push((
+                entry.file_name().to_string_lossy().into_owned(),
+                entry.path(),
+            ));
+        }
+        names.sort();
+        let mut errors = Vec::new();
+        for (name, path) in names {
             // A misspelt file name would otherwise silently leave a policy unset.
-            if name.ends_with(".toml") && !POLICY_FILES.contains(&name.as_ref()) {
-                return Err(PolicyError::UnknownFile {
-                    file: entry.path(),
+            if name.ends_with(".toml") && !POLICY_FILES.contains(&name.as_str()) {
+                errors.push(PolicyError::UnknownFile {
+                    file: path,
                     known: POLICY_FILES.join(", "),
                 });
             }
         }
-
         let mut texts: Vec<(PathBuf, Option<String>)> = Vec::new();
         for (index, name) in POLICY_FILES.iter().enumerate() {
             let file = dir.join(name);
-            match std::fs::read_to_string(&file) {
-                Ok(text) => texts.push((file, Some(text))),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound && index >= REQUIRED => {
-                    texts.push((file, None));
-                }
+            let text = match std::fs::read_to_string(&file) {
+                Ok(text) => Some(text),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && index >= REQUIRED => None,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    return Err(PolicyError::Missing { file });
+                    errors.push(PolicyError::Missing { file: file.clone() });
+                    None
                 }
-                Err(source) => return Err(PolicyError::ReadFile { file, source }),
-            }
+                Err(source) => {
+                    errors.push(PolicyError::ReadFile {
+                        file: file.clone(),
+                        source,
+                    });
+                    None
+                }
+            };
+            texts.push((file, text));
         }
         let source = |i: usize| {
             texts[i].1.as_deref().map(|text| Source {
@@ -152,44 +190,71 @@ impl Policies {
                 text,
             })
         };
-        let required = |i: usize| {
-            source(i).ok_or_else(|| PolicyError::Missing {
-                file: texts[i].0.clone(),
-            })
-        };
-
-        let tiers = tiers::parse(&required(0)?, &home)?;
-        let validation = validation::parse(&required(1)?)?;
-        let packing = source(2)
-            .map(|s| pipeline::parse_packing(&s, &tiers))
-            .transpose()?;
-        let promotion = source(3)
-            .map(|s| pipeline::parse_promotion(&s, &tiers))
-            .transpose()?;
-        let demotion = source(4)
-            .map(|s| pipeline::parse_demotion(&s, &tiers))
-            .transpose()?;
-        let retention = source(5)
-            .map(|s| pipeline::parse_retention(&s, &tiers))
-            .transpose()?;
-        let backup = source(6)
-            .map(|s| pipeline::parse_backup(&s, &tiers))
-            .transpose()?;
-        let priorities = source(7)
-            .map(|s| pipeline::parse_priorities(&s))
-            .transpose()?;
-        Ok(Policies {
-            dir: dir.to_owned(),
-            home,
-            tiers,
-            validation,
-            packing,
-            promotion,
-            demotion,
-            retention,
-            backup,
-            priorities,
-        })
+        // Each file parsed on its own; an error is kept and the next file parsed still.
+        fn keep<T>(
+            errors: &mut Vec<PolicyError>,
+            parsed: Option<Result<T, PolicyError>>,
+        ) -> Option<T> {
+            match parsed? {
+                Ok(policy) => Some(policy),
+                Err(e) => {
+                    errors.push(e);
+                    None
+                }
+            }
+        }
+        let tiers = keep(&mut errors, source(0).map(|s| tiers::parse(&s, &home)));
+        let validation = keep(&mut errors, source(1).map(|s| validation::parse(&s)));
+        let (mut packing, mut promotion, mut demotion, mut retention, mut backup, mut scrub) =
+            (None, None, None, None, None, None);
+        if let Some(tiers) = &tiers {
+            packing = keep(
+                &mut errors,
+                source(2).map(|s| pipeline::parse_packing(&s, tiers)),
+            );
+            promotion = keep(
+                &mut errors,
+                source(3).map(|s| pipeline::parse_promotion(&s, tiers)),
+            );
+            demotion = keep(
+                &mut errors,
+                source(4).map(|s| pipeline::parse_demotion(&s, tiers)),
+            );
+            retention = keep(
+                &mut errors,
+                source(5).map(|s| pipeline::parse_retention(&s, tiers)),
+            );
+            backup = keep(
+                &mut errors,
+                source(6).map(|s| pipeline::parse_backup(&s, tiers)),
+            );
+        }
+        let priorities = keep(
+            &mut errors,
+            source(7).map(|s| pipeline::parse_priorities(&s)),
+        );
+        if let Some(tiers) = &tiers {
+            scrub = keep(
+                &mut errors,
+                source(8).map(|s| scrub::parse_scrub(&s, tiers)),
+            );
+        }
+        match (tiers, validation) {
+            (Some(tiers), Some(validation)) if errors.is_empty() => Ok(Policies {
+                dir: dir.to_owned(),
+                home,
+                tiers,
+                validation,
+                packing,
+                promotion,
+                demotion,
+                retention,
+                backup,
+                priorities,
+                scrub,
+            }),
+            _ => Err(errors),
+        }
     }
 
     /// The directory the policies were loaded from.
@@ -236,6 +301,10 @@ impl Policies {
 
     pub fn priorities(&self) -> Option<&PriorityPolicy> {
         self.priorities.as_ref()
+    }
+
+    pub fn scrub(&self) -> Option<&ScrubPolicy> {
+        self.scrub.as_ref()
     }
 
     /// The error for a policy `file` (`"packing.toml"`) that is optional here but that

@@ -709,3 +709,125 @@ fn project_groups_are_checked_at_load_and_apply_to_hot_and_local_tiers_only() {
     });
     expect_invalid(&dir, "tiers.toml", "groups.Lab A", "is not a project name");
 }
+
+#[test]
+fn shipped_scrub_policy_sets_a_period_per_tier_and_a_budget() {
+    let home = tempfile::tempdir().unwrap();
+    let policies = Policies::load_dir_with_home(shipped(), home.path()).unwrap();
+    let scrub = policies.scrub().expect("scrub.toml is shipped");
+    let day = std::time::Duration::from_secs(86_400);
+    assert_eq!(scrub.period_of("hot"), Some(7 * day));
+    assert_eq!(scrub.period_of("capacity"), Some(30 * day));
+    assert_eq!(scrub.period_of("backup"), Some(90 * day));
+    assert_eq!(scrub.period_of("source"), None);
+    assert_eq!(scrub.budget.bytes_per_second.bytes(), 200 << 20);
+    assert_eq!(scrub.budget.files_per_second, 2000);
+    assert_eq!(scrub.budget.parallel_files, 4);
+    assert_eq!(scrub.check_every, std::time::Duration::from_secs(600));
+    assert_eq!(scrub.audit.quarantine_after, 7 * day);
+    assert!((scrub.audit.stop_above_fraction - 0.2).abs() < 1e-9);
+}
+
+#[test]
+fn scrub_policy_mistakes_are_named() {
+    let (_tmp, dir) = with_edit("scrub.toml", |t| t.replace("hot = \"7d\"", "tape = \"7d\""));
+    expect_invalid(&dir, "scrub.toml", "period.tape", "does not declare");
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace("capacity = \"30d\"", "capacity = \"30 days\"")
+    });
+    expect_invalid(&dir, "scrub.toml", "period.capacity", "unit");
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace("backup = \"90d\"", "backup = \"0s\"")
+    });
+    expect_invalid(&dir, "scrub.toml", "period.backup", "longer than 0");
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace("bytes_per_second = \"200 MiB\"", "bytes_per_second = 0")
+    });
+    expect_invalid(&dir, "scrub.toml", "budget.bytes_per_second", "more than 0");
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace("files_per_second = 2000", "files_per_second = 0")
+    });
+    expect_invalid(&dir, "scrub.toml", "budget.files_per_second", "more than 0");
+    for bad in ["0", "65"] {
+        let (_tmp, dir) = with_edit("scrub.toml", |t| {
+            t.replace("parallel_files = 4", &format!("parallel_files = {bad}"))
+        });
+        expect_invalid(&dir, "scrub.toml", "budget.parallel_files", "1 to 64");
+    }
+    // Without the key, the scrub reads the default number of files at once.
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        let edited = t.replace("parallel_files = 4\n", "");
+        assert_ne!(edited, t, "the shipped scrub.toml sets parallel_files");
+        edited
+    });
+    let home = tempfile::tempdir().unwrap();
+    let policies = Policies::load_dir_with_home(&dir, home.path()).unwrap();
+    let scrub = policies.scrub().expect("scrub.toml is there");
+    assert_eq!(
+        scrub.budget.parallel_files,
+        stagehand_policy::DEFAULT_SCRUB_PARALLEL_FILES
+    );
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace(
+            "files_per_second = 2000",
+            "files_per_second = 2000\nfiles_per_hour = 1",
+        )
+    });
+    expect_invalid(&dir, "scrub.toml", "budget.files_per_hour", "unknown field");
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace("quarantine_after = \"7d\"", "quarantine_after = \"7 days\"")
+    });
+    expect_invalid(&dir, "scrub.toml", "audit.quarantine_after", "unit");
+    let (_tmp, dir) = with_edit("scrub.toml", |t| {
+        t.replace("stop_above_fraction = 0.2", "stop_above_fraction = 20.0")
+    });
+    expect_invalid(&dir, "scrub.toml", "audit.stop_above_fraction", "0 to 1");
+}
+
+/// `check_dir` (`stagehand policy check`) finds every broken file, not only the first, and
+/// says of each what a service at start says: its first error is `load_dir`'s error.
+#[test]
+fn check_dir_reports_every_broken_file_with_the_errors_a_service_starts_with() {
+    let home = tempfile::tempdir().unwrap();
+    assert!(
+        Policies::check_dir(shipped(), home.path()).is_empty(),
+        "{:?}",
+        Policies::check_dir(shipped(), home.path())
+    );
+    let (_tmp, dir) = with_edit("validation.toml", |t| format!("{t}\nno_such_key = 1\n"));
+    std::fs::write(
+        dir.join("demotion.toml"),
+        std::fs::read_to_string(dir.join("demotion.toml")).unwrap() + "\nmisspelt = true\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("promotoin.toml"), "").unwrap();
+    std::fs::write(
+        dir.join("scrub.toml"),
+        std::fs::read_to_string(dir.join("scrub.toml")).unwrap() + "\nperiod_of_tape = 1\n",
+    )
+    .unwrap();
+    let errors = Policies::check_dir(&dir, home.path());
+    let texts: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(errors.len(), 4, "{texts:#?}");
+    assert!(
+        texts[3].contains("scrub.toml") && texts[3].contains("period_of_tape"),
+        "{texts:#?}"
+    );
+    assert!(texts[0].contains("promotoin.toml"), "{texts:#?}");
+    assert!(
+        texts[1].contains("validation.toml") && texts[1].contains("no_such_key"),
+        "{texts:#?}"
+    );
+    assert!(
+        texts[2].contains("demotion.toml") && texts[2].contains("misspelt"),
+        "{texts:#?}"
+    );
+    let first = Policies::load_dir_with_home(&dir, home.path()).unwrap_err();
+    assert_eq!(first.to_string(), texts[0]);
+    std::fs::remove_file(dir.join("promotoin.toml")).unwrap();
+    let first = Policies::load_dir_with_home(&dir, home.path()).unwrap_err();
+    assert_eq!(
+        first.to_string(),
+        Policies::check_dir(&dir, home.path())[0].to_string()
+    );
+}

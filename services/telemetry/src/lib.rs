@@ -8,12 +8,17 @@
 //!
 //! [`init_with`] takes the `[telemetry]` table of a service's configuration
 //! ([`TelemetryConfig`]): log format and level, and the address of the Prometheus scrape
-//! endpoint ([`metrics`]) that the service runner starts.
+//! endpoint ([`metrics`]) that the service runner starts. [`service_dispatch`] builds the same
+//! subscriber for one service of a process that runs several (`stagehand up`), so that each
+//! exports its spans under its own `service.name`; [`export_layer`] is the OpenTelemetry layer
+//! alone, for the `stagehand` command, whose span joins the caller's `TRACEPARENT`
+//! ([`env_context`]).
 //!
 //! Field and metric names live in [`names`], so that logs and dashboards agree on them; the
 //! metrics of the work itself (bytes moved, stage latency, tier fill, backlog, drills) are
 //! recorded through the functions of [`work`].
 
+pub mod http;
 pub mod metrics;
 pub mod names;
 pub mod propagation;
@@ -25,11 +30,15 @@ use std::net::SocketAddr;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
-use tracing_subscriber::{EnvFilter, fmt};
+use tracing_subscriber::{EnvFilter, Layer, Registry, fmt};
 
-pub use propagation::{HeaderExtractor, HeaderInjector, extract_context, inject_context};
+pub use propagation::{
+    HeaderExtractor, HeaderInjector, env_context, extract_context, inject_context,
+};
 
 /// The environment variable that turns span export on.
 pub const OTLP_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
@@ -126,8 +135,61 @@ pub fn init_with(
     service_name: &str,
     config: &TelemetryConfig,
 ) -> Result<TelemetryGuard, TelemetryError> {
-    config.validate()?;
-    let exporting = std::env::var_os(OTLP_ENDPOINT_ENV).is_some_and(|v| !v.is_empty());
+    let (layers, guard) = layers(service_name, config)?;
+    tracing_subscriber::registry()
+        .with(layers)
+        .try_init()
+        .map_err(|_| TelemetryError::AlreadyInitialised)?;
+    Ok(guard)
+}
+
+/// Logging and tracing for one service of a process that runs several (`stagehand up`): the
+/// same layers as [`init_with`], as a subscriber of its own rather than the process-wide one,
+/// so that the service's spans are exported under its own `service.name`. The caller runs the
+/// service's futures with it (`tracing::instrument::WithSubscriber`); tasks the service spawns
+/// take it along with `with_current_subscriber`.
+pub fn service_dispatch(
+    service_name: &str,
+    config: &TelemetryConfig,
+) -> Result<(tracing::Dispatch, TelemetryGuard), TelemetryError> {
+    let (layers, guard) = layers(service_name, config)?;
+    Ok((
+        tracing::Dispatch::new(tracing_subscriber::registry().with(layers)),
+        guard,
+    ))
+}
+
+/// The OpenTelemetry layer alone, for a command that sets up its own logging (`stagehand`):
+/// spans at `info` and above, exported over OTLP under `service_name`; `None` when
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` is not set, so that a command run by hand exports nothing
+/// and starts no exporter.
+pub fn export_layer<S>(
+    service_name: &str,
+) -> Result<Option<(impl Layer<S> + Send + Sync, TelemetryGuard)>, TelemetryError>
+where
+    S: tracing::Subscriber + for<'span> LookupSpan<'span> + Send + Sync,
+{
+    if !exporting() {
+        return Ok(None);
+    }
+    let (tracer, guard) = tracer(service_name)?;
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_filter(LevelFilter::INFO);
+    Ok(Some((layer, guard)))
+}
+
+/// Whether `OTEL_EXPORTER_OTLP_ENDPOINT` asks for span export.
+fn exporting() -> bool {
+    std::env::var_os(OTLP_ENDPOINT_ENV).is_some_and(|v| !v.is_empty())
+}
+
+/// A tracer whose spans carry `service.name` = `service_name`, exported in batches over OTLP
+/// when [`exporting`], and the guard that flushes them.
+fn tracer(
+    service_name: &str,
+) -> Result<(opentelemetry_sdk::trace::Tracer, TelemetryGuard), TelemetryError> {
+    let exporting = exporting();
     let resource = Resource::builder()
         .with_service_name(service_name.to_owned())
         .build();
@@ -142,6 +204,22 @@ pub fn init_with(
     }
     let provider = builder.build();
     let tracer = provider.tracer(service_name.to_owned());
+    Ok((
+        tracer,
+        TelemetryGuard {
+            provider,
+            exporting,
+        },
+    ))
+}
+
+/// The layers of a service's subscriber: the filter, the log lines and the OpenTelemetry layer.
+fn layers(
+    service_name: &str,
+    config: &TelemetryConfig,
+) -> Result<(Box<dyn Layer<Registry> + Send + Sync>, TelemetryGuard), TelemetryError> {
+    config.validate()?;
+    let (tracer, guard) = tracer(service_name)?;
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&config.log_level))
         .map_err(|e| TelemetryError::LogLevel(e.to_string()))?;
@@ -158,15 +236,9 @@ pub fn init_with(
         ),
         LogFormat::Json => (None, Some(fmt::layer().json().with_writer(std::io::stderr))),
     };
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(text)
-        .with(json)
-        .with(tracing_opentelemetry::layer().with_tracer(tracer))
-        .try_init()
-        .map_err(|_| TelemetryError::AlreadyInitialised)?;
-    Ok(TelemetryGuard {
-        provider,
-        exporting,
-    })
+    let layers = filter
+        .and_then(text)
+        .and_then(json)
+        .and_then(tracing_opentelemetry::layer().with_tracer(tracer));
+    Ok((Box::new(layers), guard))
 }

@@ -15,7 +15,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::names;
@@ -26,10 +25,6 @@ const SECONDS_BUCKETS: &[f64] = &[
 ];
 /// How often histogram data is folded (the exporter's upkeep).
 const UPKEEP_EVERY: Duration = Duration::from_secs(5);
-/// Longest request head the endpoint reads.
-const MAX_REQUEST: usize = 8 * 1024;
-/// How long a scraper may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The process-wide Prometheus recorder, installed on first use.
 ///
@@ -165,27 +160,8 @@ async fn respond(
     handle: &PrometheusHandle,
     readiness: Option<&Readiness>,
 ) -> std::io::Result<()> {
-    let mut head = Vec::with_capacity(512);
-    let read = async {
-        let mut buf = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            head.extend_from_slice(&buf[..n]);
-        }
-        Ok::<_, std::io::Error>(())
-    };
-    tokio::time::timeout(REQUEST_TIMEOUT, read)
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request head"))??;
-    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    let (status, content_type, body) = match (method, path) {
+    let head = crate::http::read_head(&mut stream).await?;
+    let (status, content_type, body) = match (head.method.as_str(), head.path.as_str()) {
         ("GET", "/metrics") => (
             "200 OK",
             "text/plain; version=0.0.4; charset=utf-8",
@@ -211,16 +187,13 @@ async fn respond(
             "GET /metrics\n".into(),
         ),
     };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    crate::http::respond(&mut stream, status, content_type, "", &body).await
 }
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
 
     async fn get(addr: SocketAddr, request: &str) -> String {

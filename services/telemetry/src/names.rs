@@ -33,6 +33,8 @@ pub const SERVICE: &str = "service";
 
 /// Name of the span opened for every consumed message.
 pub const SPAN_HANDLE_MESSAGE: &str = "handle_message";
+/// Name of the span a `stagehand` command runs in (exported as `stagehand <command>`).
+pub const SPAN_COMMAND: &str = "command";
 
 /// Counter: messages whose handling finished, labelled by `outcome`.
 pub const MESSAGES_TOTAL: &str = "stagehand_messages_total";
@@ -68,6 +70,10 @@ pub mod outcome {
     /// An ingest verdict ([`super::INGEST_VERDICTS_TOTAL`]).
     pub const VALIDATED: &str = "validated";
     pub const REJECTED: &str = "rejected";
+    /// A replica the scrub found damaged and repaired ([`super::SCRUB_REPLICAS_TOTAL`]).
+    pub const REPAIRED: &str = "repaired";
+    /// A replica the scrub found damaged with nothing to repair it from.
+    pub const DAMAGED: &str = "damaged";
 }
 
 /// Gauge: 1 while a service runs, labelled by `service` and `version` (the crate version).
@@ -141,6 +147,16 @@ pub const DRILL_FAILED_VERSIONS: &str = "stagehand_drill_failed_versions";
 pub const DRILL_LAST_TIMESTAMP_SECONDS: &str = "stagehand_drill_last_timestamp_seconds";
 /// Gauge: how often `backup.toml` asks for a drill (`drill_every`, seconds), by backup `tier`.
 pub const DRILL_INTERVAL_SECONDS: &str = "stagehand_drill_interval_seconds";
+/// Counter: replicas the scrub read back whole, by `tier` and `outcome`
+/// ([`outcome::VERIFIED`], [`outcome::REPAIRED`], [`outcome::DAMAGED`]: found damaged and not
+/// repaired, [`outcome::FAILED`]: could not be read, tried again at the next pass).
+pub const SCRUB_REPLICAS_TOTAL: &str = "stagehand_scrub_replicas_total";
+/// Counter: bytes the scrub read back and hashed, by `tier`.
+pub const SCRUB_BYTES_TOTAL: &str = "stagehand_scrub_bytes_total";
+/// Gauge: replicas on a tier not verified within its scrub period (`scrub.toml`), by `tier`:
+/// set when a pass starts (what is due) and when it ends (what it left due). Never 0 for
+/// hours means the scrub is behind its period.
+pub const SCRUB_OVERDUE_REPLICAS: &str = "stagehand_scrub_overdue_replicas";
 /// Counter: ingest requests the validator reached a verdict on, by `outcome`
 /// ([`outcome::VALIDATED`] or [`outcome::REJECTED`]).
 pub const INGEST_VERDICTS_TOTAL: &str = "stagehand_ingest_verdicts_total";
@@ -179,6 +195,9 @@ pub const ALL: &[&str] = &[
     DRILL_LAST_TIMESTAMP_SECONDS,
     DRILL_INTERVAL_SECONDS,
     INGEST_VERDICTS_TOTAL,
+    SCRUB_REPLICAS_TOTAL,
+    SCRUB_BYTES_TOTAL,
+    SCRUB_OVERDUE_REPLICAS,
 ];
 
 /// Label keys of the metrics above.

@@ -51,6 +51,48 @@ pub fn inject_context(cx: &Context, headers: &mut HeaderMap) {
     }
 }
 
+/// The environment variable a caller sets to make a command's span a child of its own: the
+/// carrier OpenTelemetry specifies for processes (a value in `traceparent`'s format).
+pub const TRACEPARENT_ENV: &str = "TRACEPARENT";
+/// Its companion carrying vendor trace state.
+pub const TRACESTATE_ENV: &str = "TRACESTATE";
+
+/// Reads propagation fields from the process environment (`traceparent` from `TRACEPARENT`).
+struct EnvExtractor(Vec<(&'static str, String)>);
+
+impl Extractor for EnvExtractor {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.iter().map(|(k, _)| *k).collect()
+    }
+}
+
+/// The trace context the process was started in: `TRACEPARENT` (and `TRACESTATE`), as a
+/// workflow sets them so that the commands it runs (`stagehand ingest`, then `stagehand stage
+/// request` for the job that reads the data) join its trace. An empty context when unset or
+/// not a valid trace parent.
+pub fn env_context() -> Context {
+    context_from_vars(|var| std::env::var(var).ok())
+}
+
+/// The trace context in the variables `var` reads ([`env_context`] with the environment).
+fn context_from_vars(var: impl Fn(&str) -> Option<String>) -> Context {
+    let fields = [
+        (TRACEPARENT, TRACEPARENT_ENV),
+        ("tracestate", TRACESTATE_ENV),
+    ]
+    .into_iter()
+    .filter_map(|(key, name)| var(name).map(|v| (key, v)))
+    .collect();
+    TraceContextPropagator::new().extract(&EnvExtractor(fields))
+}
+
 /// Whether `cx` holds a valid remote or local span context.
 pub fn has_span(cx: &Context) -> bool {
     cx.span().span_context().is_valid()
@@ -74,6 +116,18 @@ mod tests {
         let mut outgoing = HeaderMap::new();
         inject_context(&cx, &mut outgoing);
         assert_eq!(outgoing.get(TRACEPARENT).unwrap().as_str(), tp);
+    }
+
+    #[test]
+    fn a_process_joins_the_trace_in_its_traceparent_variable() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let cx = context_from_vars(|v| (v == TRACEPARENT_ENV).then(|| tp.to_owned()));
+        assert!(has_span(&cx));
+        let mut out = HeaderMap::new();
+        inject_context(&cx, &mut out);
+        assert_eq!(out.get(TRACEPARENT).unwrap().as_str(), tp);
+        assert!(!has_span(&context_from_vars(|_| None)));
+        assert!(!has_span(&context_from_vars(|_| Some("garbage".into()))));
     }
 
     #[test]

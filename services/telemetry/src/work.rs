@@ -261,6 +261,43 @@ pub fn drill_survey(s: &DrillSurvey) {
     metrics::gauge!(names::DRILL_INTERVAL_SECONDS, &[tier()]).set(s.interval.as_secs_f64());
 }
 
+/// What the scrub found reading one replica back whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScrubOutcome {
+    Verified,
+    Repaired,
+    /// Damaged, with nothing to repair it from.
+    Damaged,
+    /// Not read to the end (an unreachable tier, a read error): read again at the next pass.
+    Failed,
+}
+
+/// Records one replica the scrub read on `tier`: what it found and the bytes it hashed.
+pub fn scrubbed(tier: &str, found: ScrubOutcome, bytes: u64) {
+    let outcome = match found {
+        ScrubOutcome::Verified => outcome::VERIFIED,
+        ScrubOutcome::Repaired => outcome::REPAIRED,
+        ScrubOutcome::Damaged => outcome::DAMAGED,
+        ScrubOutcome::Failed => outcome::FAILED,
+    };
+    metrics::counter!(
+        names::SCRUB_REPLICAS_TOTAL,
+        label::TIER => tier.to_owned(),
+        label::OUTCOME => outcome
+    )
+    .increment(1);
+    if bytes > 0 {
+        metrics::counter!(names::SCRUB_BYTES_TOTAL, label::TIER => tier.to_owned())
+            .increment(bytes);
+    }
+}
+
+/// Sets how many replicas on `tier` are not verified within its scrub period.
+pub fn scrub_overdue(tier: &str, replicas: u64) {
+    metrics::gauge!(names::SCRUB_OVERDUE_REPLICAS, label::TIER => tier.to_owned())
+        .set(replicas as f64);
+}
+
 /// Records the validator's verdict on one ingest request.
 pub fn ingest_verdict(validated: bool) {
     let outcome = if validated {
