@@ -558,6 +558,8 @@ mod tests {
                     problems: vec![],
                     stamp: stamp(at),
                 }),
+                last_verified: None,
+                last_repaired: None,
             },
         }
     }

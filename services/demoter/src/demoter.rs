@@ -55,7 +55,8 @@ pub struct Parts {
     /// Every declared tier that opened.
     pub tiers: HashMap<String, Tier>,
     pub state: State,
-    pub mover: Mover,
+    /// Shared with the scrub, so both take their slots from one scheduler.
+    pub mover: Arc<Mover>,
     pub spool_dir: PathBuf,
     /// The readiness bucket (read only: the recorder writes it).
     pub readiness: kv::Store,

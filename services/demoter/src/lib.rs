@@ -27,6 +27,7 @@
 //! | `requests` | `demoter` on the requests stream | `stage.released`: a replica may have become free |
 //! | `facts` | `demoter` on the facts stream | `replica.created`, `replica.removed`, `checkpoint.committed`: usage changed |
 //! | `clock` | — | a pass at start, every `check_every`, and whenever a consumer asks |
+//! | `scrub` | — | with `scrub.toml`: every replica re-read and hashed within its tier's period ([`scrub`]) |
 //!
 //! One shared demoter runs per deployment (its consumers are not shared). A node's demoter
 //! (`node = "<name>"` in `[service]`, beside that node's promoter agent) keeps the node's
@@ -35,11 +36,15 @@
 //! with the node, and has consumers of its own (`demoter-node-<node>`). Steps run
 //! `demotion.toml`'s `max_concurrent` at a time, each recorded on its own.
 
+pub mod audit;
 mod damage;
 pub mod demoter;
 pub mod plan;
+pub mod scrub;
+pub mod scrub_state;
 pub mod state;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -48,7 +53,8 @@ use stagehand_bus::runner::{
     self, Context, InvalidKey, ServiceConfig, ServiceError, ServiceSettings,
 };
 use stagehand_bus::{
-    BusError, CancellationToken, Handler, HandlerError, WorkContext, WorkerConfig,
+    BusError, CancellationToken, Claims, Handler, HandlerError, WorkContext, WorkerConfig,
+    default_instance_id,
 };
 use stagehand_catalogue::Catalogue;
 use stagehand_mover::{Mover, MoverConfig, TransferError};
@@ -56,6 +62,7 @@ use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
 pub use demoter::{Demoter, Parts, PassError, PassReport, removed_name};
+pub use scrub::{ScrubError, ScrubParts, ScrubReport, Scrubber};
 use stagehand_schemas::Retryable;
 pub use state::Phase;
 
@@ -211,6 +218,9 @@ pub enum DemoterError {
     State(#[from] state::StateError),
     #[error("starting the mover: {0}")]
     Mover(#[source] Box<TransferError>),
+    /// The scrub's own state file (apart from the demotion steps' file) failed.
+    #[error("scrub state: {0}")]
+    ScrubState(#[source] scrub_state::ScrubStateError),
     #[error(transparent)]
     Pass(#[from] PassError),
     #[error(transparent)]
@@ -227,7 +237,7 @@ impl Retryable for DemoterError {
             DemoterError::Policy(_) | DemoterError::BadHalt { .. } | DemoterError::Mover(_) => {
                 false
             }
-            DemoterError::State(_) => true,
+            DemoterError::State(e) | DemoterError::ScrubState(e) => e.is_retryable(),
             DemoterError::Pass(e) => e.is_retryable(),
             DemoterError::Bus(e) => e.is_retryable(),
             DemoterError::Service(e) => e.is_retryable(),
@@ -255,13 +265,14 @@ fn halt_after() -> Result<Option<Phase>, DemoterError> {
 }
 
 /// What the runner calls (the binary's `main`): the two workers and the clock over one
-/// [`Demoter`], until shutdown.
+/// [`Demoter`], and the scrub when `scrub.toml` is there, until shutdown.
 pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
     let requests = ctx.worker(ctx.settings.requests_worker());
     let facts = ctx.worker(ctx.settings.facts_worker());
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
-    let demoter = open(&ctx, token.clone()).await?;
+    let instance = (requests.instance_id.clone()).unwrap_or_else(|| default_instance_id(&requests));
+    let (demoter, scrubber) = open(&ctx, token.clone(), &instance).await?;
     tasks.spawn(
         "requests",
         ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone()),
@@ -271,16 +282,20 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
         ctx.run_worker_until(facts, Wakes(demoter.clone()), token),
     );
     tasks.spawn("clock", demoter.clock());
+    if let Some(scrubber) = scrubber {
+        tasks.spawn("scrub", scrubber.run());
+    }
     Ok(ctx.join(tasks).await?)
 }
 
 /// The demoter of `ctx`'s settings: its policies, the tiers it keeps and copies to (those it
-/// writes swept), its state, the readiness and placement buckets, its mover; `shutdown`
-/// stops its passes.
+/// writes swept), its state, the readiness and placement buckets, its mover; and its scrub
+/// (as `instance` in the claims), when `scrub.toml` is there. `shutdown` stops both.
 async fn open(
     ctx: &Context<Settings>,
     shutdown: CancellationToken,
-) -> Result<Demoter, DemoterError> {
+    instance: &str,
+) -> Result<(Demoter, Option<Scrubber>), DemoterError> {
     let s = &ctx.settings;
     let policies = Policies::load_dir(&s.policies_dir)?;
     let demotion =
@@ -312,10 +327,61 @@ async fn open(
     let readiness = ctx.bus.provision_kv(&stagehand_bus::READINESS).await?;
     let placement = ctx.bus.provision_kv(&stagehand_bus::PROMOTER).await?;
     let mover = Mover::new(s.mover.clone()).map_err(|e| DemoterError::Mover(Box::new(e)))?;
+    let mover = std::sync::Arc::new(mover);
+    let catalogue = Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout);
+    let scrubber = match policies.scrub() {
+        None => None,
+        Some(policy) => {
+            // A node's demoter reads its node's copies on the local tiers; the shared one
+            // every other tier the policy names.
+            let scrubbed: HashMap<String, stagehand_mover::Tier> = tiers
+                .iter()
+                .filter(|(name, _)| {
+                    policy.period.contains_key(*name)
+                        && policies
+                            .tier(name)
+                            .is_some_and(|t| (t.role == TierRole::Local) == s.node.is_some())
+                })
+                .map(|(name, tier)| (name.clone(), tier.clone()))
+                .collect();
+            ctx.bus.provision_kv(&stagehand_bus::CLAIMS).await?;
+            let claims = Claims::open(
+                &ctx.bus,
+                scrub::SCRUB_CLAIMS_SERVICE,
+                instance,
+                scrub::CLAIM_LIFETIME,
+            )
+            .await?;
+            let scrub_state = scrub_state::ScrubState::open(&s.state_dir.join("scrub-state.redb"))
+                .map_err(DemoterError::ScrubState)?;
+            tracing::info!(tiers = ?scrubbed.keys().collect::<Vec<_>>(), "scrub ready");
+            Some(Scrubber::new(ScrubParts {
+                bus: ctx.bus.clone(),
+                catalogue: catalogue.clone(),
+                policy: policy.clone(),
+                tiers: scrubbed,
+                node: s.node.clone(),
+                state: scrub_state,
+                claims,
+                mover: mover.clone(),
+                sources: tiers.clone(),
+                repairable: (policy.period.keys())
+                    .filter(|name| {
+                        policies.tier(name).is_some_and(|t| {
+                            matches!(t.role, TierRole::Capacity | TierRole::Backup)
+                        })
+                    })
+                    .cloned()
+                    .collect(),
+                spool_dir: spool_dir.clone(),
+                shutdown: shutdown.clone(),
+            }))
+        }
+    };
     tracing::info!(node = s.node.as_deref().unwrap_or("-"), consumer = %s.consumer(), "demoter ready");
-    Ok(Demoter::new(Parts {
+    let demoter = Demoter::new(Parts {
         bus: ctx.bus.clone(),
-        catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
+        catalogue,
         policies,
         demotion,
         tiers,
@@ -328,7 +394,8 @@ async fn open(
         node: s.node.clone(),
         stop_before_rename: std::env::var_os(STOP_BEFORE_RENAME_ENV).is_some(),
         shutdown,
-    }))
+    });
+    Ok((demoter, scrubber))
 }
 
 /// The consumers' handler: a checkpoint commit is noted for retention, and a fact or release

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use stagehand_schemas::{CheckpointCommitted, EventId};
-use stagehand_store::{CommitError, GroupWriter};
+use stagehand_store::GroupWriter;
 use time::OffsetDateTime;
 
 const STEPS: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("steps");
@@ -112,17 +112,9 @@ pub struct Step {
     pub node: Option<String>,
 }
 
-/// A failure of the state store: the demoter cannot go on safely.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("demoter state {what}: {detail}")]
-pub struct StateError {
-    pub what: &'static str,
-    pub detail: String,
-}
-
-fn err(what: &'static str) -> impl Fn(String) -> StateError {
-    move |detail| StateError { what, detail }
-}
+/// A failure of the state store: the demoter cannot go on safely. Typed and classified
+/// (retryable or permanent) in [`stagehand_store`], shared with the promoter's state.
+pub use stagehand_store::StateError;
 
 /// The demoter's state store. Clones share one database and one committer.
 #[derive(Clone)]
@@ -157,7 +149,8 @@ impl StepWrite {
         Ok(StepWrite::Put {
             tier: step.tier.clone(),
             prefix: step.prefix.clone(),
-            json: serde_json::to_vec(step).map_err(|x| err("write")(x.to_string()))?,
+            json: serde_json::to_vec(step)
+                .map_err(|e| StateError::encode(format!("step {}", step.prefix), e))?,
         })
     }
 
@@ -174,10 +167,9 @@ fn commit_steps<'a>(
     db: &Database,
     writes: impl IntoIterator<Item = &'a StepWrite>,
 ) -> Result<(), StateError> {
-    let e = err("write");
-    let txn = db.begin_write().map_err(|x| e(x.to_string()))?;
+    let txn = db.begin_write()?;
     {
-        let mut table = txn.open_table(STEPS).map_err(|x| e(x.to_string()))?;
+        let mut table = txn.open_table(STEPS)?;
         for w in writes {
             match w {
                 StepWrite::Put { tier, prefix, json } => table
@@ -186,46 +178,47 @@ fn commit_steps<'a>(
                 StepWrite::Forget { tier, prefix } => {
                     table.remove((tier.as_str(), prefix.as_str())).map(drop)
                 }
-            }
-            .map_err(|x| e(x.to_string()))?;
+            }?;
         }
     }
-    txn.commit().map_err(|x| e(x.to_string()))
+    Ok(txn.commit()?)
 }
 
 /// The committer ([`stagehand_store`]): takes the first write waiting, then every other one
 /// queued meanwhile, and makes them durable in one commit (one flush for several steps carried
 /// at once, where each alone would pay its own). Each write is acknowledged only after that
-/// commit; a failed commit fails every write it held. Unbounded: at most `max_concurrent` steps
-/// write at once. It ends when the last [`State`] is dropped; it holds the database only
-/// weakly, so dropping the last [`State`] closes it (and a reopening in the same process finds
-/// it closed).
-const COMMITTER_BATCH: usize = usize::MAX;
+/// commit; a failed commit fails every write it held. At most `max_concurrent` steps write at
+/// once, far fewer than a batch holds. It ends when the last [`State`] is dropped; it holds the
+/// database only weakly, so dropping the last [`State`] closes it (and a reopening in the same
+/// process finds it closed).
+const COMMITTER_BATCH: usize = 1024;
+
+/// The committer's name (its thread is `demoter-state-writer`).
+const COMMITTER: &str = "demoter-state";
 
 impl State {
     pub fn open(path: &Path) -> Result<State, StateError> {
-        let open = err("open");
-        let db = Database::create(path).map_err(|e| open(format!("{}: {e}", path.display())))?;
-        let txn = db.begin_write().map_err(|e| open(e.to_string()))?;
-        txn.open_table(STEPS).map_err(|e| open(e.to_string()))?;
-        txn.open_table(CHECKPOINTS)
-            .map_err(|e| open(e.to_string()))?;
-        txn.commit().map_err(|e| open(e.to_string()))?;
+        let db = stagehand_store::create_state_file(path)?;
+        let txn = db.begin_write()?;
+        txn.open_table(STEPS)?;
+        txn.open_table(CHECKPOINTS)?;
+        txn.commit()?;
         let db = Arc::new(db);
         let committer_db = Arc::downgrade(&db);
         // The thread is not joined: it ends by itself once the last `State` is dropped.
-        let (committer, _thread) = stagehand_store::spawn(
-            "demoter-state",
-            COMMITTER_BATCH,
-            move |batch: &[StepWrite]| {
+        let (committer, _thread) = stagehand_store::writer(COMMITTER)
+            .max_batch(COMMITTER_BATCH)
+            .spawn(move |batch: &[StepWrite]| {
                 let db = committer_db
                     .upgrade()
-                    .ok_or_else(|| err("write")("the database is closed".into()))?;
+                    .ok_or(StateError::Redb(redb::Error::DatabaseClosed))?;
                 commit_steps(&db, batch)?;
                 Ok(vec![(); batch.len()])
-            },
-        )
-        .map_err(|e| open(format!("starting the committer: {e}")))?;
+            })
+            .map_err(|source| StateError::Spawn {
+                name: COMMITTER,
+                source,
+            })?;
         Ok(State { db, committer })
     }
 
@@ -252,21 +245,20 @@ impl State {
     }
 
     async fn queue(&self, write: StepWrite) -> Result<(), StateError> {
-        self.committer.submit(write).await.map_err(|e| match e {
-            CommitError::Failed(e) => e,
-            CommitError::Stopped(_) => err("write")("the committer thread has stopped".into()),
-        })
+        Ok(self.committer.submit(write).await?)
     }
 
     /// Every step begun and not finished, in (tier, prefix) order.
     pub fn steps(&self) -> Result<Vec<Step>, StateError> {
-        let e = err("read");
-        let txn = self.db.begin_read().map_err(|x| e(x.to_string()))?;
-        let table = txn.open_table(STEPS).map_err(|x| e(x.to_string()))?;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(STEPS)?;
         let mut out = Vec::new();
-        for row in table.iter().map_err(|x| e(x.to_string()))? {
-            let (_, v) = row.map_err(|x| e(x.to_string()))?;
-            out.push(serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?);
+        for row in table.iter()? {
+            let (k, v) = row?;
+            out.push(serde_json::from_slice(v.value()).map_err(|e| {
+                let (tier, prefix) = k.value();
+                StateError::decode(format!("step {tier}:{prefix}"), e)
+            })?);
         }
         Ok(out)
     }
@@ -282,28 +274,24 @@ impl State {
         &self,
         note: &CheckpointNote,
     ) -> Result<Option<CheckpointNote>, StateError> {
-        let e = err("write");
         let key = (
             note.project.as_str(),
             note.committed.run.as_str(),
             note.committed.step,
         );
-        let bytes = serde_json::to_vec(note).map_err(|x| e(x.to_string()))?;
-        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        let bytes = serde_json::to_vec(note).map_err(|e| StateError::encode(checkpoint(key), e))?;
+        let txn = self.db.begin_write()?;
         let mut overlapping = None;
         {
-            let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
-            if table.get(key).map_err(|x| e(x.to_string()))?.is_none() {
-                for row in table
-                    .range((note.project.as_str(), "", 0)..)
-                    .map_err(|x| e(x.to_string()))?
-                {
-                    let (k, v) = row.map_err(|x| e(x.to_string()))?;
+            let mut table = txn.open_table(CHECKPOINTS)?;
+            if table.get(key)?.is_none() {
+                for row in table.range((note.project.as_str(), "", 0)..)? {
+                    let (k, v) = row?;
                     if k.value().0 != note.project {
                         break;
                     }
-                    let other: CheckpointNote =
-                        serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?;
+                    let other: CheckpointNote = serde_json::from_slice(v.value())
+                        .map_err(|e| StateError::decode(checkpoint(k.value()), e))?;
                     if other.place != CheckpointPlace::Expired
                         && stagehand_schemas::folders_overlap(
                             &other.committed.location.prefix,
@@ -315,13 +303,11 @@ impl State {
                     }
                 }
                 if overlapping.is_none() {
-                    table
-                        .insert(key, bytes.as_slice())
-                        .map_err(|x| e(x.to_string()))?;
+                    table.insert(key, bytes.as_slice())?;
                 }
             }
         }
-        txn.commit().map_err(|x| e(x.to_string()))?;
+        txn.commit()?;
         Ok(overlapping)
     }
 
@@ -334,39 +320,36 @@ impl State {
         place: CheckpointPlace,
         demoted_to: Option<&str>,
     ) -> Result<(), StateError> {
-        let e = err("write");
-        let txn = self.db.begin_write().map_err(|x| e(x.to_string()))?;
+        let key = (project, run, step);
+        let txn = self.db.begin_write()?;
         {
-            let mut table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+            let mut table = txn.open_table(CHECKPOINTS)?;
             let current = table
-                .get((project, run, step))
-                .map_err(|x| e(x.to_string()))?
+                .get(key)?
                 .map(|v| serde_json::from_slice::<CheckpointNote>(v.value()));
             if let Some(note) = current {
-                let mut note = note.map_err(|x| e(x.to_string()))?;
+                let mut note = note.map_err(|e| StateError::decode(checkpoint(key), e))?;
                 note.place = place;
                 if let Some(t) = demoted_to {
                     note.demoted_to = Some(t.to_owned());
                 }
-                let bytes = serde_json::to_vec(&note).map_err(|x| e(x.to_string()))?;
-                table
-                    .insert((project, run, step), bytes.as_slice())
-                    .map_err(|x| e(x.to_string()))?;
+                let bytes = serde_json::to_vec(&note)
+                    .map_err(|e| StateError::encode(checkpoint(key), e))?;
+                table.insert(key, bytes.as_slice())?;
             }
         }
-        txn.commit().map_err(|x| e(x.to_string()))
+        Ok(txn.commit()?)
     }
 
     /// Every checkpoint noted, grouped by (project, run), in step order within each.
     pub fn runs(&self) -> Result<Vec<Vec<CheckpointNote>>, StateError> {
-        let e = err("read");
-        let txn = self.db.begin_read().map_err(|x| e(x.to_string()))?;
-        let table = txn.open_table(CHECKPOINTS).map_err(|x| e(x.to_string()))?;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(CHECKPOINTS)?;
         let mut out: Vec<Vec<CheckpointNote>> = Vec::new();
-        for row in table.iter().map_err(|x| e(x.to_string()))? {
-            let (_, v) = row.map_err(|x| e(x.to_string()))?;
-            let note: CheckpointNote =
-                serde_json::from_slice(v.value()).map_err(|x| e(x.to_string()))?;
+        for row in table.iter()? {
+            let (k, v) = row?;
+            let note: CheckpointNote = serde_json::from_slice(v.value())
+                .map_err(|e| StateError::decode(checkpoint(k.value()), e))?;
             match out.last_mut() {
                 Some(run)
                     if run[0].project == note.project
@@ -379,6 +362,11 @@ impl State {
         }
         Ok(out)
     }
+}
+
+/// A `checkpoints` record's name in an error.
+fn checkpoint((project, run, step): (&str, &str, u64)) -> String {
+    format!("checkpoint {project}/{run} step {step}")
 }
 
 #[cfg(test)]

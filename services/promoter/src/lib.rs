@@ -200,6 +200,8 @@ impl Settings {
             "dataset.rejected",
             "replica.created",
             "replica.removed",
+            // An operator's cancel of a stage (`stagehand stage cancel`).
+            "operator.action",
         ];
         let mut cfg = self.worker(&consumer, subject::FACTS.name, &kinds);
         cfg.concurrency = 16;
@@ -316,7 +318,7 @@ impl Retryable for PromoterError {
     fn is_retryable(&self) -> bool {
         match self {
             PromoterError::Policy(_) | PromoterError::Mover(_) => false,
-            PromoterError::State(_) => true,
+            PromoterError::State(e) => e.is_retryable(),
             PromoterError::Bus(e) => e.is_retryable(),
             PromoterError::Service(e) => e.is_retryable(),
         }
@@ -420,11 +422,5 @@ impl Handler for Handlers {
             Handlers::Requests(p) => p.on_request(event, Some(ctx)).await,
             Handlers::Facts(p) => p.on_fact(event, Some(ctx)).await,
         }
-    }
-}
-
-impl From<state::StateError> for HandlerError {
-    fn from(e: state::StateError) -> Self {
-        HandlerError::retryable(e.to_string())
     }
 }

@@ -128,25 +128,18 @@ impl RequestRecord {
     }
 }
 
-/// A failure of the state store: the service cannot go on safely (its redb file failed).
-#[derive(Debug, thiserror::Error)]
-#[error("promoter state {what}: {detail}")]
-pub struct StateError {
-    pub what: &'static str,
-    pub detail: String,
+/// A failure of the state store: the service cannot go on safely. Typed and classified
+/// (retryable or permanent) in [`stagehand_store`], shared with the demoter's state.
+pub use stagehand_store::StateError;
+
+/// A `requests` record that does not decode.
+fn undecodable(e: serde_json::Error) -> StateError {
+    StateError::decode("requests record", e)
 }
 
-fn err(what: &'static str) -> impl Fn(&dyn std::fmt::Display) -> StateError {
-    move |e| StateError {
-        what,
-        detail: e.to_string(),
-    }
-}
-
-macro_rules! e {
-    ($what:literal) => {
-        |e| err($what)(&e)
-    };
+/// A `requests` record that cannot be encoded.
+fn unencodable(e: serde_json::Error) -> StateError {
+    StateError::encode("requests record", e)
 }
 
 /// What a wait must not miss: the fact that would end it.
@@ -189,42 +182,37 @@ fn request_key(project: &str, id: &str) -> String {
 
 impl State {
     pub fn open(path: &Path) -> Result<State, StateError> {
-        let db = Database::create(path).map_err(|e| StateError {
-            what: "open",
-            detail: format!("{}: {e}", path.display()),
-        })?;
-        let txn = db.begin_write().map_err(e!("open"))?;
+        let db = stagehand_store::create_state_file(path)?;
+        let txn = db.begin_write()?;
         {
-            let mut requests = txn.open_table(REQUESTS).map_err(e!("open"))?;
+            let mut requests = txn.open_table(REQUESTS)?;
             // A state written when requests were keyed by id alone: keyed again by project
             // and id, once.
             let mut unscoped = Vec::new();
-            for row in requests.iter().map_err(e!("open"))? {
-                let (k, v) = row.map_err(e!("open"))?;
+            for row in requests.iter()? {
+                let (k, v) = row?;
                 if !k.value().contains('/') {
                     unscoped.push((k.value().to_owned(), v.value().to_vec()));
                 }
             }
             for (id, bytes) in unscoped {
-                requests.remove(id.as_str()).map_err(e!("open"))?;
+                requests.remove(id.as_str())?;
                 if let Ok(record) = serde_json::from_slice::<RequestRecord>(&bytes) {
                     let key = request_key(&record.event.project, record.event.id.as_str());
-                    requests
-                        .insert(key.as_str(), bytes.as_slice())
-                        .map_err(e!("open"))?;
+                    requests.insert(key.as_str(), bytes.as_slice())?;
                 }
             }
             drop(requests);
-            txn.open_table(WAITS).map_err(e!("open"))?;
-            txn.open_table(SEEN).map_err(e!("open"))?;
-            txn.open_table(REPLICAS).map_err(e!("open"))?;
-            txn.open_table(INGESTS).map_err(e!("open"))?;
-            let mut jobs = txn.open_table(JOBS).map_err(e!("open"))?;
+            txn.open_table(WAITS)?;
+            txn.open_table(SEEN)?;
+            txn.open_table(REPLICAS)?;
+            txn.open_table(INGESTS)?;
+            let mut jobs = txn.open_table(JOBS)?;
             // A state written before the table existed: index the requests it holds, once.
-            if jobs.is_empty().map_err(e!("open"))? {
-                let requests = txn.open_table(REQUESTS).map_err(e!("open"))?;
-                for row in requests.iter().map_err(e!("open"))? {
-                    let (_, v) = row.map_err(e!("open"))?;
+            if jobs.is_empty()? {
+                let requests = txn.open_table(REQUESTS)?;
+                for row in requests.iter()? {
+                    let (_, v) = row?;
                     if let Ok(record) = serde_json::from_slice::<RequestRecord>(v.value())
                         && let Some(r) = record.stage()
                     {
@@ -235,13 +223,12 @@ impl State {
                                 record.event.id.as_str(),
                             ),
                             (),
-                        )
-                        .map_err(e!("open"))?;
+                        )?;
                     }
                 }
             }
         }
-        txn.commit().map_err(e!("open"))?;
+        txn.commit()?;
         Ok(State { db: Arc::new(db) })
     }
 
@@ -250,15 +237,12 @@ impl State {
         project: &str,
         id: &EventId,
     ) -> Result<Option<RequestRecord>, StateError> {
-        let txn = self.db.begin_read().map_err(e!("read"))?;
-        let table = txn.open_table(REQUESTS).map_err(e!("read"))?;
-        match table
-            .get(request_key(project, id.as_str()).as_str())
-            .map_err(e!("read"))?
-        {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(REQUESTS)?;
+        match table.get(request_key(project, id.as_str()).as_str())? {
             Some(v) => serde_json::from_slice(v.value())
                 .map(Some)
-                .map_err(e!("decode request")),
+                .map_err(undecodable),
             None => Ok(None),
         }
     }
@@ -266,54 +250,45 @@ impl State {
     /// Records a request the first time it is seen; returns the record as stored (the
     /// earlier one when it was seen before).
     pub fn accept(&self, record: RequestRecord) -> Result<RequestRecord, StateError> {
-        let txn = self.db.begin_write().map_err(e!("accept"))?;
+        let txn = self.db.begin_write()?;
         let key = request_key(&record.event.project, record.event.id.as_str());
         let stored = {
-            let mut table = txn.open_table(REQUESTS).map_err(e!("accept"))?;
+            let mut table = txn.open_table(REQUESTS)?;
             let existing = table
-                .get(key.as_str())
-                .map_err(e!("accept"))?
+                .get(key.as_str())?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()));
             match existing {
                 Some(Ok(r)) => r,
                 _ => {
-                    let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
-                    table
-                        .insert(key.as_str(), bytes.as_slice())
-                        .map_err(e!("accept"))?;
+                    let bytes = serde_json::to_vec(&record).map_err(unencodable)?;
+                    table.insert(key.as_str(), bytes.as_slice())?;
                     if let Some(r) = record.stage() {
-                        txn.open_table(JOBS)
-                            .map_err(e!("accept"))?
-                            .insert(
-                                (
-                                    record.event.project.as_str(),
-                                    r.job_id.as_str(),
-                                    record.event.id.as_str(),
-                                ),
-                                (),
-                            )
-                            .map_err(e!("accept"))?;
+                        txn.open_table(JOBS)?.insert(
+                            (
+                                record.event.project.as_str(),
+                                r.job_id.as_str(),
+                                record.event.id.as_str(),
+                            ),
+                            (),
+                        )?;
                     }
                     // Listed as waiting at once: the clock moves it on even if its message
                     // is never handled to the end.
                     if let Standing::Waiting { waiting_for, .. } = &record.standing {
-                        txn.open_table(WAITS)
-                            .map_err(e!("accept"))?
-                            .insert(
-                                (
-                                    record.event.project.as_str(),
-                                    dataset_of(&record).as_str(),
-                                    record.event.id.as_str(),
-                                ),
-                                waiting_for.as_str(),
-                            )
-                            .map_err(e!("accept"))?;
+                        txn.open_table(WAITS)?.insert(
+                            (
+                                record.event.project.as_str(),
+                                dataset_of(&record).as_str(),
+                                record.event.id.as_str(),
+                            ),
+                            waiting_for.as_str(),
+                        )?;
                     }
                     record
                 }
             }
         };
-        txn.commit().map_err(e!("accept"))?;
+        txn.commit()?;
         Ok(stored)
     }
 
@@ -327,16 +302,15 @@ impl State {
         standing: Standing,
         answer: Vec<Event>,
     ) -> Result<Option<RequestRecord>, StateError> {
-        let txn = self.db.begin_write().map_err(e!("finish"))?;
+        let txn = self.db.begin_write()?;
         let stored = {
             let key = request_key(project, id.as_str());
-            let mut table = txn.open_table(REQUESTS).map_err(e!("finish"))?;
+            let mut table = txn.open_table(REQUESTS)?;
             let current = table
-                .get(key.as_str())
-                .map_err(e!("finish"))?
+                .get(key.as_str())?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
                 .transpose()
-                .map_err(e!("decode request"))?;
+                .map_err(undecodable)?;
             let Some(mut record) = current else {
                 return Ok(None);
             };
@@ -346,19 +320,15 @@ impl State {
                 if !answer.is_empty() {
                     record.answer = answer;
                 }
-                let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
-                table
-                    .insert(key.as_str(), bytes.as_slice())
-                    .map_err(e!("finish"))?;
+                let bytes = serde_json::to_vec(&record).map_err(unencodable)?;
+                table.insert(key.as_str(), bytes.as_slice())?;
             }
             let (project, dataset) = (record.event.project.clone(), dataset_of(&record));
-            txn.open_table(WAITS)
-                .map_err(e!("finish"))?
-                .remove((project.as_str(), dataset.as_str(), id.as_str()))
-                .map_err(e!("finish"))?;
+            txn.open_table(WAITS)?
+                .remove((project.as_str(), dataset.as_str(), id.as_str()))?;
             record
         };
-        txn.commit().map_err(e!("finish"))?;
+        txn.commit()?;
         Ok(Some(stored))
     }
 
@@ -369,27 +339,24 @@ impl State {
         id: &EventId,
         prefix: &str,
     ) -> Result<(), StateError> {
-        let txn = self.db.begin_write().map_err(e!("note reserved"))?;
+        let txn = self.db.begin_write()?;
         {
             let key = request_key(project, id.as_str());
-            let mut table = txn.open_table(REQUESTS).map_err(e!("note reserved"))?;
+            let mut table = txn.open_table(REQUESTS)?;
             let current = table
-                .get(key.as_str())
-                .map_err(e!("note reserved"))?
+                .get(key.as_str())?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
                 .transpose()
-                .map_err(e!("decode request"))?;
+                .map_err(undecodable)?;
             if let Some(mut record) = current
                 && record.reserved.as_deref() != Some(prefix)
             {
                 record.reserved = Some(prefix.to_owned());
-                let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
-                table
-                    .insert(key.as_str(), bytes.as_slice())
-                    .map_err(e!("note reserved"))?;
+                let bytes = serde_json::to_vec(&record).map_err(unencodable)?;
+                table.insert(key.as_str(), bytes.as_slice())?;
             }
         }
-        txn.commit().map_err(e!("note reserved"))?;
+        txn.commit()?;
         Ok(())
     }
 
@@ -420,27 +387,20 @@ impl State {
         exact: &EventId,
         release: &StageReleased,
     ) -> Result<Vec<EventId>, StateError> {
-        let txn = self.db.begin_read().map_err(e!("read"))?;
-        let jobs = txn.open_table(JOBS).map_err(e!("read"))?;
-        let requests = txn.open_table(REQUESTS).map_err(e!("read"))?;
+        let txn = self.db.begin_read()?;
+        let jobs = txn.open_table(JOBS)?;
+        let requests = txn.open_table(REQUESTS)?;
         let mut out = Vec::new();
-        for row in jobs
-            .range((project, release.job_id.as_str(), "")..)
-            .map_err(e!("read"))?
-        {
-            let (k, _) = row.map_err(e!("read"))?;
+        for row in jobs.range((project, release.job_id.as_str(), "")..)? {
+            let (k, _) = row?;
             let (p, job, id) = k.value();
             if p != project || job != release.job_id {
                 break;
             }
-            let Some(v) = requests
-                .get(request_key(project, id).as_str())
-                .map_err(e!("read"))?
-            else {
+            let Some(v) = requests.get(request_key(project, id).as_str())? else {
                 continue;
             };
-            let record: RequestRecord =
-                serde_json::from_slice(v.value()).map_err(e!("decode request"))?;
+            let record: RequestRecord = serde_json::from_slice(v.value()).map_err(undecodable)?;
             let resolved = match &record.standing {
                 Standing::Ready { version, .. } => Some(version.as_str()),
                 _ => None,
@@ -470,16 +430,15 @@ impl State {
         reason: &str,
         guard: &WaitGuard,
     ) -> Result<bool, StateError> {
-        let txn = self.db.begin_write().map_err(e!("wait"))?;
+        let txn = self.db.begin_write()?;
         {
             let key = request_key(project, id.as_str());
-            let mut table = txn.open_table(REQUESTS).map_err(e!("wait"))?;
+            let mut table = txn.open_table(REQUESTS)?;
             let Some(mut record) = table
-                .get(key.as_str())
-                .map_err(e!("wait"))?
+                .get(key.as_str())?
                 .map(|v| serde_json::from_slice::<RequestRecord>(v.value()))
                 .transpose()
-                .map_err(e!("decode request"))?
+                .map_err(undecodable)?
             else {
                 return Ok(false);
             };
@@ -490,13 +449,12 @@ impl State {
             let dataset = dataset_of(&record);
             let ended = match guard {
                 WaitGuard::Validated { prefix } => {
-                    let seen = txn.open_table(SEEN).map_err(e!("wait"))?;
+                    let seen = txn.open_table(SEEN)?;
                     let mut ended = false;
-                    for row in seen
-                        .range((project.as_str(), dataset.as_str(), prefix.as_str())..)
-                        .map_err(e!("wait"))?
+                    for row in
+                        seen.range((project.as_str(), dataset.as_str(), prefix.as_str())..)?
                     {
-                        let (k, v) = row.map_err(e!("wait"))?;
+                        let (k, v) = row?;
                         let (p, d, version) = k.value();
                         if p != project || d != dataset || !version.starts_with(prefix.as_str()) {
                             break;
@@ -509,16 +467,12 @@ impl State {
                     ended
                 }
                 WaitGuard::Prepared { version } => txn
-                    .open_table(SEEN)
-                    .map_err(e!("wait"))?
-                    .get((project.as_str(), dataset.as_str(), version.as_str()))
-                    .map_err(e!("wait"))?
+                    .open_table(SEEN)?
+                    .get((project.as_str(), dataset.as_str(), version.as_str()))?
                     .is_some_and(|v| Seen(v.value()).has(Seen::HAS_PREPARED)),
                 WaitGuard::Replica { tier, prefix } => txn
-                    .open_table(REPLICAS)
-                    .map_err(e!("wait"))?
-                    .get((tier.as_str(), prefix.as_str()))
-                    .map_err(e!("wait"))?
+                    .open_table(REPLICAS)?
+                    .get((tier.as_str(), prefix.as_str()))?
                     .is_some(),
                 WaitGuard::None => false,
             };
@@ -529,69 +483,54 @@ impl State {
                 waiting_for,
                 reason: reason.to_owned(),
             };
-            let bytes = serde_json::to_vec(&record).map_err(e!("encode request"))?;
-            table
-                .insert(key.as_str(), bytes.as_slice())
-                .map_err(e!("wait"))?;
-            txn.open_table(WAITS)
-                .map_err(e!("wait"))?
-                .insert(
-                    (project.as_str(), dataset.as_str(), id.as_str()),
-                    waiting_for.as_str(),
-                )
-                .map_err(e!("wait"))?;
+            let bytes = serde_json::to_vec(&record).map_err(unencodable)?;
+            table.insert(key.as_str(), bytes.as_slice())?;
+            txn.open_table(WAITS)?.insert(
+                (project.as_str(), dataset.as_str(), id.as_str()),
+                waiting_for.as_str(),
+            )?;
         }
-        txn.commit().map_err(e!("wait"))?;
+        txn.commit()?;
         Ok(true)
     }
 
     /// Notes what a fact says and lists the requests waiting on its (project, dataset), in one
     /// transaction (see the module docs).
     pub fn note(&self, note: &FactNote) -> Result<Woken, StateError> {
-        let txn = self.db.begin_write().map_err(e!("note"))?;
+        let txn = self.db.begin_write()?;
         let (project, dataset) = (note.project.as_str(), note.dataset.as_str());
         {
-            let mut seen = txn.open_table(SEEN).map_err(e!("note"))?;
+            let mut seen = txn.open_table(SEEN)?;
             for (version, bit) in &note.seen {
                 let old = seen
-                    .get((project, dataset, version.as_str()))
-                    .map_err(e!("note"))?
+                    .get((project, dataset, version.as_str()))?
                     .map_or(0, |v| v.value());
-                seen.insert((project, dataset, version.as_str()), old | bit)
-                    .map_err(e!("note"))?;
+                seen.insert((project, dataset, version.as_str()), old | bit)?;
             }
-            let mut replicas = txn.open_table(REPLICAS).map_err(e!("note"))?;
+            let mut replicas = txn.open_table(REPLICAS)?;
             if let Some((tier, prefix, present)) = &note.replica {
                 if *present {
-                    replicas
-                        .insert((tier.as_str(), prefix.as_str()), ())
-                        .map_err(e!("note"))?;
+                    replicas.insert((tier.as_str(), prefix.as_str()), ())?;
                 } else {
-                    replicas
-                        .remove((tier.as_str(), prefix.as_str()))
-                        .map_err(e!("note"))?;
+                    replicas.remove((tier.as_str(), prefix.as_str()))?;
                 }
             }
-            let mut ingests = txn.open_table(INGESTS).map_err(e!("note"))?;
+            let mut ingests = txn.open_table(INGESTS)?;
             match &note.ingest {
                 Some(IngestNote::Asked { request, declared }) => {
-                    ingests
-                        .insert((project, dataset, request.as_str()), declared.as_str())
-                        .map_err(e!("note"))?;
+                    ingests.insert((project, dataset, request.as_str()), declared.as_str())?;
                 }
                 Some(IngestNote::Answered { request }) => {
-                    ingests
-                        .remove((project, dataset, request.as_str()))
-                        .map_err(e!("note"))?;
+                    ingests.remove((project, dataset, request.as_str()))?;
                 }
                 None => {}
             }
         }
         let mut woken = Woken::default();
         {
-            let waits = txn.open_table(WAITS).map_err(e!("note"))?;
-            for row in waits.range((project, dataset, "")..).map_err(e!("note"))? {
-                let (k, _) = row.map_err(e!("note"))?;
+            let waits = txn.open_table(WAITS)?;
+            for row in waits.range((project, dataset, "")..)? {
+                let (k, _) = row?;
                 let (p, d, id) = k.value();
                 if p != project || d != dataset {
                     break;
@@ -601,18 +540,17 @@ impl State {
                 }
             }
         }
-        txn.commit().map_err(e!("note"))?;
+        txn.commit()?;
         Ok(woken)
     }
 
     /// What the facts seen say about a version.
     pub fn seen(&self, project: &str, dataset: &str, version: &str) -> Result<Seen, StateError> {
-        let txn = self.db.begin_read().map_err(e!("read"))?;
-        let table = txn.open_table(SEEN).map_err(e!("read"))?;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(SEEN)?;
         Ok(Seen(
             table
-                .get((project, dataset, version))
-                .map_err(e!("read"))?
+                .get((project, dataset, version))?
                 .map_or(0, |v| v.value()),
         ))
     }
@@ -625,14 +563,11 @@ impl State {
         dataset: &str,
         prefix: &str,
     ) -> Result<Seen, StateError> {
-        let txn = self.db.begin_read().map_err(e!("read"))?;
-        let table = txn.open_table(SEEN).map_err(e!("read"))?;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(SEEN)?;
         let mut bits = 0;
-        for row in table
-            .range((project, dataset, prefix)..)
-            .map_err(e!("read"))?
-        {
-            let (k, v) = row.map_err(e!("read"))?;
+        for row in table.range((project, dataset, prefix)..)? {
+            let (k, v) = row?;
             let (p, d, version) = k.value();
             if p != project || d != dataset || !version.starts_with(prefix) {
                 break;
@@ -650,10 +585,10 @@ impl State {
         dataset: &str,
         prefix: &str,
     ) -> Result<Option<(String, String)>, StateError> {
-        let txn = self.db.begin_read().map_err(e!("read"))?;
-        let table = txn.open_table(INGESTS).map_err(e!("read"))?;
-        for row in table.range((project, dataset, "")..).map_err(e!("read"))? {
-            let (k, v) = row.map_err(e!("read"))?;
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(INGESTS)?;
+        for row in table.range((project, dataset, "")..)? {
+            let (k, v) = row?;
             let (p, d, request) = k.value();
             if p != project || d != dataset {
                 break;
@@ -667,19 +602,16 @@ impl State {
 
     /// Every request not answered yet, with its record.
     pub fn waiting(&self) -> Result<Vec<RequestRecord>, StateError> {
-        let txn = self.db.begin_read().map_err(e!("read"))?;
-        let waits = txn.open_table(WAITS).map_err(e!("read"))?;
-        let requests = txn.open_table(REQUESTS).map_err(e!("read"))?;
+        let txn = self.db.begin_read()?;
+        let waits = txn.open_table(WAITS)?;
+        let requests = txn.open_table(REQUESTS)?;
         let mut out = Vec::new();
-        for row in waits.iter().map_err(e!("read"))? {
-            let (k, _) = row.map_err(e!("read"))?;
+        for row in waits.iter()? {
+            let (k, _) = row?;
             let (project, _, id) = k.value();
-            if let Some(v) = requests
-                .get(request_key(project, id).as_str())
-                .map_err(e!("read"))?
-            {
+            if let Some(v) = requests.get(request_key(project, id).as_str())? {
                 let record: RequestRecord =
-                    serde_json::from_slice(v.value()).map_err(e!("decode request"))?;
+                    serde_json::from_slice(v.value()).map_err(undecodable)?;
                 out.push(record);
             }
         }

@@ -348,6 +348,7 @@ impl Demoter {
             made_at: None,
             durable_elsewhere: true,
             verified_by: None,
+            last_verified: None,
         };
         let holds = view::holds(
             &self.p().catalogue,

@@ -216,6 +216,32 @@ impl Stack {
         size: usize,
         durable: bool,
     ) -> Placed {
+        self.place_on_at(tier, node, dataset, (seed, n, size), durable, None)
+            .await
+    }
+
+    /// A version on the capacity tier (validated there) and on hot, both copies made (their
+    /// facts dated) `made_at`: what a scrub finds due once its tiers' period has passed.
+    pub async fn place_made(
+        &self,
+        dataset: &str,
+        (seed, n, size): (u8, usize, usize),
+        made_at: OffsetDateTime,
+    ) -> Placed {
+        self.place_on_at("hot", None, dataset, (seed, n, size), true, Some(made_at))
+            .await
+    }
+
+    /// [`Stack::place_on`], its facts dated `made_at` when given (else now).
+    async fn place_on_at(
+        &self,
+        tier: &str,
+        node: Option<&str>,
+        dataset: &str,
+        (seed, n, size): (u8, usize, usize),
+        durable: bool,
+        made_at: Option<OffsetDateTime>,
+    ) -> Placed {
         let files: Vec<(String, Vec<u8>)> = (0..n)
             .map(|i| {
                 (
@@ -258,6 +284,10 @@ impl Stack {
                 labels: vec![],
             }),
         );
+        let mut validated = validated;
+        if let Some(at) = made_at {
+            validated.occurred_at = at;
+        }
         self.publish(&validated).await;
         if !durable {
             std::fs::remove_dir_all(self.tier("source").join(&prefix)).unwrap();
@@ -284,6 +314,10 @@ impl Stack {
                 node: node.map(str::to_owned),
             }),
         );
+        let mut created = created;
+        if let Some(at) = made_at {
+            created.occurred_at = at;
+        }
         self.publish(&created).await;
         Placed {
             dataset: dataset.into(),

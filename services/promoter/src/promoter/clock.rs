@@ -2,6 +2,7 @@
 //! one answered as its deadline passes.
 
 use std::time::Duration;
+use tracing::instrument::WithSubscriber;
 
 use stagehand_bus::HandlerError;
 use stagehand_schemas::Event;
@@ -44,17 +45,20 @@ impl Promoter {
                 }
                 let this = self.clone();
                 // Each on its own task: a copy taken up again must not hold the clock.
-                tokio::spawn(async move {
-                    let id = record.event.id.clone();
-                    let r = if due {
-                        this.expire(record).await
-                    } else {
-                        this.advance(record, None).await
-                    };
-                    if let Err(e) = r {
-                        debug!(request = %id, error = %e, "waiting request not answered yet");
+                tokio::spawn(
+                    async move {
+                        let id = record.event.id.clone();
+                        let r = if due {
+                            this.expire(record).await
+                        } else {
+                            this.advance(record, None).await
+                        };
+                        if let Err(e) = r {
+                            debug!(request = %id, error = %e, "waiting request not answered yet");
+                        }
                     }
-                });
+                    .with_current_subscriber(),
+                );
             }
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => {}

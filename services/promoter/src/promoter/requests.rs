@@ -3,6 +3,7 @@
 //! is published.
 
 use std::path::PathBuf;
+use tracing::instrument::WithSubscriber;
 
 use stagehand_bus::placement::{self, Served};
 use stagehand_bus::{HandlerError, WorkContext};
@@ -93,6 +94,9 @@ impl Promoter {
         event: &Event,
         ctx: Option<&WorkContext>,
     ) -> Result<Vec<Event>, HandlerError> {
+        if let Body::OperatorAction(a) = &event.body {
+            return self.on_operator_action(event, a).await;
+        }
         let project = event.project.clone();
         let note = match &event.body {
             Body::DatasetValidated(p) => FactNote {
@@ -200,6 +204,45 @@ impl Promoter {
             Some(e) => Err(e),
             None => Ok(facts),
         }
+    }
+
+    /// An operator's cancel (`stagehand stage cancel`, an `operator.action` of `stage.cancel`):
+    /// a request this promoter holds that still waits or copies fails with `cancelled by
+    /// <who>: <why>`, and the space it reserved is given back (at once, or by the reconciler
+    /// once a copy still running stops holding it; the copy's own answer comes second and is
+    /// not kept). The request is looked up under the action's own project — request ids are
+    /// scoped by project, and only Stagehand's operator may state the action — so an action
+    /// reaches no other project's request. A ready stage is the cancel's release to end, and
+    /// one already answered is left as it is.
+    async fn on_operator_action(
+        &self,
+        event: &Event,
+        a: &stagehand_schemas::OperatorAction,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let (stagehand_schemas::action::STAGE_CANCEL, Some(id)) =
+            (a.action.as_str(), &a.request_id)
+        else {
+            return Ok(Vec::new());
+        };
+        let Some(record) = self.p().state.request(&event.project, id)? else {
+            return Ok(Vec::new());
+        };
+        if record.standing.is_final() {
+            return Ok(Vec::new());
+        }
+        let answers = record
+            .stage()
+            .is_some_and(|r| self.answers(&r.tier, r.node.as_deref()));
+        if !answers {
+            return Ok(Vec::new());
+        }
+        info!(request = %id, action = %event.id, by = %a.by, "stage cancelled by an operator");
+        self.fail(
+            &record,
+            format!("cancelled by {}: {}", a.by, a.reason),
+            false,
+        )
+        .await
     }
 
     /// Moves one request on as far as it can go now; returns the facts it published. A
@@ -564,7 +607,8 @@ impl Promoter {
                     debug!(request = %id, error = %e, "woken request not answered yet; the clock looks again");
                 }
             }
-        });
+        }
+        .with_current_subscriber());
     }
 }
 
