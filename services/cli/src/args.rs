@@ -21,7 +21,8 @@ pub const EX_USAGE: i32 = 64;
 /// Exit code when NATS (or a bucket the command reads) cannot be reached (`EX_UNAVAILABLE`).
 pub const EX_UNAVAILABLE: i32 = 69;
 /// Exit code of any other error (`EX_SOFTWARE`): distinct from the answers a command gives
-/// with 0, 1 and 2 (`stage wait`: ready, failed, timed out).
+/// with 0, 1, 2 and 3 (`stage wait`: ready, failed, timed out; `stage where`: 3, no node holds
+/// a usable copy).
 pub const EX_SOFTWARE: i32 = 70;
 
 /// A command-line argument is wrong; the message names it and says what is expected.
@@ -101,11 +102,13 @@ fn bound_reached(err: &anyhow::Error) -> Option<String> {
 
 /// Logging for a command whose stdout is its answer: warnings and errors on stderr
 /// (`RUST_LOG` overrides), with colour only when stderr is a terminal and `NO_COLOR` is unset.
+/// Its spans are exported over OTLP under `service.name` `stagehand` when
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` is set; the guard returned flushes them when dropped.
 ///
 /// The bus logs each failed connection attempt as a warning, which is right for a service
 /// starting up but noise for a hook with a deadline: here those lines count as debug level,
 /// shown only when `RUST_LOG` asks for debug.
-pub fn init_logs() {
+pub fn init_logs() -> Option<stagehand_telemetry::TelemetryGuard> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{EnvFilter, Layer, filter};
@@ -115,16 +118,28 @@ pub fn init_logs() {
         .max_level_hint()
         .is_some_and(|max| max >= tracing::level_filters::LevelFilter::DEBUG);
     let retries = filter::filter_fn(move |meta| debug_wanted || !is_connect_retry(meta));
-    let _ = tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(colour_on_stderr())
-                .with_filter(env_filter)
-                .with_filter(retries),
-        )
-        .try_init();
+    let logs = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(colour_on_stderr())
+        .with_filter(env_filter)
+        .with_filter(retries);
+    let subscriber = tracing_subscriber::registry().with(logs);
+    // Telemetry must not fail the command it observes: an exporter that cannot be built is
+    // a warning, and the command runs without it.
+    let (export, failed) = match stagehand_telemetry::export_layer(COMMAND_SERVICE) {
+        Ok(export) => (export, None),
+        Err(e) => (None, Some(e)),
+    };
+    let (export, guard) = export.unzip();
+    let _ = subscriber.with(export).try_init();
+    if let Some(e) = failed {
+        tracing::warn!(error = %e, "spans of this command are not exported");
+    }
+    guard
 }
+
+/// The `service.name` of the spans a command exports.
+pub const COMMAND_SERVICE: &str = "stagehand";
 
 /// The bus's "connecting to NATS failed; retrying" event (a warning with a `delay`), and what
 /// the NATS client's connector says about a failed attempt (an error when something that is

@@ -335,6 +335,8 @@ mod tests {
                 },
                 stamp: stamp(datetime!(2026-12-01 07:00 UTC)),
             }),
+            last_verified: None,
+            last_repaired: None,
         }
     }
 

@@ -11,7 +11,7 @@ use futures::TryStreamExt;
 use stagehand_catalogue::time::human;
 use stagehand_catalogue::{
     Catalogue, DatasetDetail, DatasetRecord, FoldProblem, LineageNode, MAX_PAGE, Page,
-    ReplicaRecord, ReplicaState, StageStatus, VersionDetail,
+    ReplicaRecord, StageStatus, VersionDetail,
 };
 use stagehand_schemas::FileRef;
 
@@ -107,7 +107,19 @@ fn replica_line(out: &mut dyn Write, r: &ReplicaRecord) -> std::io::Result<()> {
             .as_deref()
             .map(|v| format!(" ({v})"))
             .unwrap_or_default(),
-    )
+    )?;
+    // When a scrub last read it back whole: a line of its own, only once one has.
+    if let Some(v) = &r.last_verified {
+        writeln!(
+            out,
+            "      last verified {} by {} ({} files, {} bytes read back)",
+            human(v.stamp.at),
+            v.verified_by,
+            v.files,
+            v.total_bytes
+        )?;
+    }
+    Ok(())
 }
 
 pub fn dataset_text(d: &DatasetDetail, out: &mut dyn Write) -> std::io::Result<()> {
@@ -192,7 +204,7 @@ fn holds_line(
     version: &str,
     requests: &[StageStatus],
 ) -> std::io::Result<()> {
-    if r.state != ReplicaState::Present {
+    if !r.is_usable() {
         return Ok(());
     }
     let holding: Vec<String> = requests
@@ -604,6 +616,8 @@ mod tests {
             backup: false,
             copied: None,
             last_drill: None,
+            last_verified: None,
+            last_repaired: None,
         };
         let mut out = Vec::new();
         replica_line(&mut out, &replica(Some("gpu-07"))).unwrap();
@@ -612,6 +626,57 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[0].starts_with("    local@gpu-07 present"), "{text}");
         assert!(lines[1].starts_with("    local      present"), "{text}");
+    }
+
+    /// `catalogue show D@V` says when a scrub last read each copy back, and a damaged copy's
+    /// reason names what was found.
+    #[test]
+    fn a_replica_shows_its_last_verification_and_its_damage() {
+        use stagehand_catalogue::{ReplicaState, Stamp, Verification};
+        let at = time::macros::datetime!(2026-12-09 03:12:44 UTC);
+        let mut whole = ReplicaRecord {
+            project: "lab-a".into(),
+            dataset: "cats".into(),
+            version: "ab".repeat(32),
+            tier: "capacity".into(),
+            node: None,
+            prefix: "lab-a/cats/v".into(),
+            state: ReplicaState::Present,
+            reason: None,
+            stamp: None,
+            files: 2,
+            total_bytes: 3,
+            verified_by: Some("read-back".into()),
+            backup: false,
+            copied: None,
+            last_drill: None,
+            last_verified: Some(Verification {
+                files: 2,
+                total_bytes: 3,
+                verified_by: "scrub".into(),
+                stamp: Stamp {
+                    at,
+                    event_id: stagehand_schemas::EventId::new("v-1").unwrap(),
+                },
+            }),
+            last_repaired: None,
+        };
+        let mut out = Vec::new();
+        replica_line(&mut out, &whole).unwrap();
+        whole.state = ReplicaState::Damaged;
+        whole.last_verified = None;
+        whole.reason = Some("damaged (found by scrub): 1 path(s) — a.bin hash; …".into());
+        replica_line(&mut out, &whole).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[1],
+            "      last verified 2026-12-09T03:12:44Z by scrub (2 files, 3 bytes read back)",
+            "{text}"
+        );
+        assert!(lines[2].starts_with("    capacity   damaged"), "{text}");
+        assert!(lines[2].contains("a.bin hash"), "{text}");
+        assert_eq!(lines.len(), 3, "{text}");
     }
 
     /// Guards `show D --lineage`: a raw version, its replicas, and the prepared version under
@@ -656,6 +721,8 @@ mod tests {
                 backup: false,
                 copied: None,
                 last_drill: None,
+                last_verified: None,
+                last_repaired: None,
             };
             LineageNode {
                 version: VersionRecord {

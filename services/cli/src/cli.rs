@@ -7,6 +7,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use stagehand_bus::{Bus, BusConfig};
+use stagehand_telemetry::names;
+use stagehand_telemetry::propagation::has_span;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::args::{self, UsageError};
 use crate::ingest::{IngestOptions, Outcome};
@@ -119,10 +123,30 @@ pub enum Command {
     /// The tiers: how full the bounded ones are.
     #[command(subcommand)]
     Tier(TierCommand),
+    /// The scrub: how much of each tier was read back and verified within its period, and
+    /// the damage found.
+    #[command(subcommand)]
+    Scrub(ScrubCommand),
+    /// Stray and lost data on one tier, per project: what is on storage beneath the tier's
+    /// project folders compared with the catalogue, read before and after the listing so a
+    /// copy in flight is never counted stray. Stray: folders and files no replica claims and
+    /// no pending stage or young staging folder explains (never deleted; with --quarantine,
+    /// renamed into `<root>/.stagehand-quarantine/<date>/` once untouched for scrub.toml's
+    /// `[audit] quarantine_after`, on a posix tier). Lost: replicas catalogued present whose
+    /// folder is absent; each is announced with `replica.damaged` (found_by `audit`), which
+    /// withdraws its readiness. With --json, one JSON object: `tier`, `node`, `window` (the
+    /// facts stream's last sequence at each reading), `catalogued_bytes`, `stray_bytes`,
+    /// `in_flight`, `stopped`, `stray` (each `project`, `path`, `kind`, `files`, `bytes`,
+    /// `modified`, `quarantined_to`) and `lost` (each `project`, `dataset`, `version`,
+    /// `prefix`, `node`, `damaged_fact`). Exit 0 when nothing is stray or lost, 1 when
+    /// something is, 2 when stray bytes exceed `[audit] stop_above_fraction` of the tier's
+    /// catalogued bytes (nothing quarantined: a person must look).
+    Audit(AuditArgs),
     /// One view for on-call: services alive (heartbeats), consumers' backlog, stages pending
     /// or failed across projects, dead letters waiting, tiers above their high watermark,
-    /// quotas above 90 %, catalogue problems. Each thing that needs a person names what to
-    /// run. Exit 0 when nothing does, 1 when something does.
+    /// quotas above 90 %, damaged copies, failed or overdue restore drills, catalogue
+    /// problems. Each thing that needs a person names what to run. Exit 0 when nothing does,
+    /// 1 when something does. With --serve ADDR, the same view as a read-only web page.
     Status(StatusArgs),
     /// Training checkpoints: commit one (announce it to retention), list a run's.
     #[command(subcommand)]
@@ -149,6 +173,9 @@ pub enum Command {
         #[arg(long = "project", value_name = "PROJECT")]
         projects: Vec<String>,
     },
+    /// Policies: check a folder of policy files before the services are started with it.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
     /// Get a dataset version onto a tier for a job, wait for it, see why it waits, release it:
     /// what scheduler plugins call. Exit codes: 0 done (wait: ready), 1 failed, 2 timed out,
     /// 64 bad argument, 69 NATS unreachable, 70 other error.
@@ -166,8 +193,9 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// The policy folder, for the tiers' watermarks and quotas (default: Stagehand's home's
-    /// `policies`, when it exists; without one, tiers are not checked).
+    /// The policy folder, for the tiers' watermarks, quotas and damaged copies and the restore
+    /// drills' interval (default: Stagehand's home's `policies`, when it exists; without one,
+    /// those are not checked).
     #[arg(long)]
     pub policies: Option<PathBuf>,
     /// A service whose heartbeat is older than this is silent: 30s, 1m.
@@ -179,9 +207,23 @@ pub struct StatusArgs {
     /// A stage request pending unchanged for longer than this is stuck.
     #[arg(long, default_value = "30m", value_parser = parse_status_duration)]
     pub stuck_after: Duration,
-    /// One JSON object (its shape: `stagehand_cli::status::Report`, in the CLI docs).
+    /// One JSON object (its shape: `stagehand_cli::status::Report`, in the CLI docs); with
+    /// --actions, one JSON array of `stagehand_catalogue::OperatorActionRecord`, newest first.
     #[arg(long)]
     pub json: bool,
+    /// List every operator action instead (stage cancels, dead letters discarded or
+    /// replayed): who, what, on what, when and why, newest first. Exit 0.
+    #[arg(long, conflicts_with = "serve")]
+    pub actions: bool,
+    /// Serve the same view, read-only, on ADDR (`127.0.0.1:8090`; port 0 picks a free one)
+    /// until Ctrl-C or SIGTERM: `GET /` one HTML page that reloads itself (what needs a person
+    /// first, each with its command and runbook page, then tiers, stages, restore drills),
+    /// `GET /status.json` the JSON object. Prints the page's URL once it listens. Exit 0.
+    #[arg(long, value_name = "ADDR", conflicts_with = "json")]
+    pub serve: Option<std::net::SocketAddr>,
+    /// With --serve: how often the page reloads itself.
+    #[arg(long, default_value = "10s", value_parser = parse_status_duration, requires = "serve")]
+    pub refresh: Duration,
 }
 
 fn parse_status_duration(s: &str) -> Result<Duration, String> {
@@ -202,11 +244,40 @@ pub enum StageCommand {
     Status(StageStatusArgs),
     /// The job no longer needs the staged data; prints the release id once stored.
     Release(StageReleaseArgs),
+    /// The operator stops a stage: a pending or copying one fails with `cancelled by <who>:
+    /// <reason>` (its space and quota given back), a ready one is released. Recorded as an
+    /// operator action (`stagehand status --actions`). Needs Stagehand's operator user.
+    Cancel(StageCancelArgs),
     /// Release the stages still held whose job the scheduler no longer runs (a teardown that
     /// never ran): asks Slurm (`squeue`, then `sacct`) or Kubernetes (the pods) about the jobs
     /// of held stages; prints one line per stage released. A scheduler that cannot be asked
     /// releases nothing (exit 69). Run it periodically (`deploy/systemd`).
     Reconcile(StageReconcileArgs),
+    /// Which nodes hold a usable (complete, verified, not damaged) copy of DATASET@VERSION on a
+    /// node-local tier: one line per node with its tier, bytes and last verification, then
+    /// the nodes whose copy is damaged or being repaired, as not usable. Exit 0 when a node
+    /// holds one, 3 when none does (or the project has no such version).
+    Where(StageWhereArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StageWhereArgs {
+    /// DATASET@VERSION; VERSION is a digest or a unique prefix of 12 or more hex characters.
+    pub target: String,
+    /// The project whose version it is: [a-z0-9_-].
+    #[arg(long, env = "STAGEHAND_PROJECT")]
+    pub project: Option<String>,
+    /// Only this node-local tier; default every one.
+    #[arg(long)]
+    pub tier: Option<String>,
+    /// One JSON object: `{project, dataset, version, nodes: [...], unusable: [...]}`
+    /// (`stagehand::stage::Whereabouts`).
+    #[arg(long, conflicts_with = "hostlist")]
+    pub json: bool,
+    /// Only the nodes holding a usable copy, comma separated (nothing when none does): what
+    /// Slurm's `--nodelist`/`--exclude` and a Kubernetes node affinity take.
+    #[arg(long)]
+    pub hostlist: bool,
 }
 
 #[derive(Debug, Args)]
@@ -281,6 +352,20 @@ pub struct StageStatusArgs {
     /// The project whose stages to list: [a-z0-9_-].
     #[arg(long, env = "STAGEHAND_PROJECT")]
     pub project: Option<String>,
+    /// One JSON array of the stages' statuses (`stagehand_catalogue::StageStatus`).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct StageCancelArgs {
+    #[command(flatten)]
+    pub stage: StageTargetArgs,
+    /// Why (required): waiters see `cancelled by <who>: <why>`, and the operator action
+    /// records it.
+    #[arg(long)]
+    pub reason: String,
+    /// One JSON object (`stagehand::stage::Cancelled`).
     #[arg(long)]
     pub json: bool,
 }
@@ -289,6 +374,7 @@ pub struct StageStatusArgs {
 pub struct StageReleaseArgs {
     #[command(flatten)]
     pub stage: StageTargetArgs,
+    /// One JSON object: the release's id, stream, sequence and whether it was a duplicate.
     #[arg(long)]
     pub json: bool,
 }
@@ -303,7 +389,7 @@ pub enum TierCommand {
         /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
         #[arg(long)]
         policies: Option<PathBuf>,
-        /// Print JSON.
+        /// One JSON array of the tiers' rows.
         #[arg(long)]
         json: bool,
     },
@@ -376,6 +462,7 @@ pub enum CatalogueCommand {
         /// Datasets after this cursor (`<project>/<dataset>`, printed at the end of a page).
         #[arg(long)]
         after: Option<String>,
+        /// One JSON object: `{"datasets": [...], "next": cursor or null}`.
         #[arg(long)]
         json: bool,
     },
@@ -396,7 +483,9 @@ pub enum CatalogueCommand {
         /// Only this file's entry (`D@V`).
         #[arg(long)]
         path: Option<String>,
-        /// JSON; for `D@V`, one line per file for the whole version (after `--after`).
+        /// JSON. `D`: one object (the dataset). `D@V`: one JSON line per file of the whole
+        /// version (after `--after`), streamed, so that a version of millions of files never
+        /// sits in memory. `D@V --path`: one object (`{"version", "file"}`).
         #[arg(long)]
         json: bool,
         /// Where the versions come from: each raw version, the versions prepared from it, and
@@ -407,6 +496,7 @@ pub enum CatalogueCommand {
     },
     /// Dead letters counted per service.
     DeadLetters {
+        /// One JSON object: `{"services": [...], "next": cursor or null}`.
         #[arg(long)]
         json: bool,
     },
@@ -418,6 +508,41 @@ pub enum CatalogueCommand {
         /// Problems after this event id.
         #[arg(long)]
         after: Option<String>,
+        /// One JSON object: `{"problems": [...], "total", "next": cursor or null}`.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// The tier to audit (a name in tiers.toml).
+    pub tier: String,
+    /// On a node-local tier: the node whose copies this machine sees at the tier's root.
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Rename stray entries untouched for `[audit] quarantine_after` into the tier's
+    /// quarantine folder (posix tiers; never a deletion).
+    #[arg(long)]
+    pub quarantine: bool,
+    /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+    #[arg(long)]
+    pub policies: Option<PathBuf>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ScrubCommand {
+    /// Per tier `scrub.toml` names: coverage (bytes verified within the tier's period / bytes
+    /// catalogued), rate, the copy longest unverified, the damaged copies. Exit 1 while a copy
+    /// is damaged and not repaired.
+    Status {
+        /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+        #[arg(long)]
+        policies: Option<PathBuf>,
+        /// Print JSON.
         #[arg(long)]
         json: bool,
     },
@@ -458,6 +583,7 @@ pub struct RestoreArgs {
     /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
     #[arg(long)]
     pub policies: Option<PathBuf>,
+    /// One JSON object: the restore's report.
     #[arg(long)]
     pub json: bool,
 }
@@ -499,15 +625,74 @@ pub enum DlqCommand {
         /// Only this service's dead letters.
         #[arg(long)]
         service: Option<String>,
+        /// One JSON array of the dead letters (`stagehand::dlq::Listed`), oldest first.
         #[arg(long)]
         json: bool,
     },
-    /// Republish the message a dead letter carries to its original subject.
+    /// Republish the message a dead letter carries to its original subject: one (SEQ), or
+    /// every dead letter of a service that came since a time and still waits (--service S
+    /// --since T; never replayed, never discarded). A discarded dead letter is never replayed.
+    /// Each replay is recorded as an operator action (`stagehand status --actions`).
     Replay {
         /// The dead letter's sequence (from `dlq list`).
-        sequence: u64,
+        #[arg(
+            required_unless_present = "service",
+            conflicts_with_all = ["service", "since", "dry_run"]
+        )]
+        sequence: Option<u64>,
+        /// Replay every waiting dead letter of this service (with --since).
+        #[arg(long, requires = "since")]
+        service: Option<String>,
+        /// Only dead letters that came at or after this time: RFC 3339
+        /// (`2026-12-01T08:00:00Z`) or a duration ago (`2h`, `30m`).
+        #[arg(long, requires = "service", value_parser = parse_since)]
+        since: Option<time::OffsetDateTime>,
+        /// List what would be replayed; replay nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Why, recorded with each replay.
+        #[arg(long, default_value = "")]
+        reason: String,
+        /// One JSON object (`stagehand::dlq::Replayed`, or `BulkReplayed` with --service).
         #[arg(long)]
         json: bool,
+    },
+    /// Mark a dead letter as settled without replaying it: it no longer waits (nor counts in
+    /// `stagehand_dead_letters_waiting`) and is never replayed afterwards. Recorded as an
+    /// operator action with who and why.
+    Discard {
+        /// The dead letter's sequence (from `dlq list`).
+        sequence: u64,
+        /// Why it is discarded (required; kept with the record).
+        #[arg(long)]
+        reason: String,
+        /// One JSON object (`stagehand::dlq::Discarded`).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `--since`: an RFC 3339 time, or a duration before now.
+fn parse_since(s: &str) -> Result<time::OffsetDateTime, String> {
+    if let Ok(at) = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339) {
+        return Ok(at);
+    }
+    let ago = args::duration("--since", s).map_err(|_| {
+        format!(
+            "{s:?} is neither an RFC 3339 time (2026-12-01T08:00:00Z) nor a duration ago (2h, 30m)"
+        )
+    })?;
+    Ok(time::OffsetDateTime::now_utc() - ago)
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Parse and validate every policy file in DIR with the code the services run at start,
+    /// connecting to nothing. Prints every problem, one per line, as a service would refuse
+    /// to start with it, and exits 78; exits 0 when every file is valid.
+    Check {
+        /// The policy folder (`tiers.toml`, `validation.toml`, …).
+        dir: PathBuf,
     },
 }
 
@@ -525,6 +710,30 @@ pub struct UpArgs {
     /// Policy folder (default: `<home>/policies`, written with the defaults when missing).
     #[arg(long)]
     pub policies: Option<PathBuf>,
+    /// Where to serve Prometheus's `GET /metrics` (and `/healthz`, `/readyz`) for every service
+    /// `up` runs, each series labelled with its service.
+    #[arg(long, value_name = "ADDR", default_value = crate::up::DEFAULT_METRICS)]
+    pub metrics: std::net::SocketAddr,
+}
+
+/// The policies in `dir` (default: Stagehand's home's), the bus and a catalogue client on it:
+/// what the commands that report per declared tier (`tier usage`, `scrub status`, `audit`)
+/// read.
+async fn policies_and_catalogue(
+    dir: Option<PathBuf>,
+    connection: &Connection,
+) -> anyhow::Result<(
+    stagehand_policy::Policies,
+    stagehand_catalogue::Catalogue,
+    Bus,
+)> {
+    let dir = dir.unwrap_or_else(default_policies);
+    let policies = stagehand_policy::Policies::load_dir(&dir)
+        .with_context(|| format!("reading the policies in {}", dir.display()))?;
+    let bus = connect(connection).await?;
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+        .with_timeout(crate::catalogue::TIMEOUT);
+    Ok((policies, catalogue, bus))
 }
 
 fn default_policies() -> PathBuf {
@@ -764,6 +973,59 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
             }
             Ok(0)
         }
+        StageCommand::Cancel(a) => {
+            let stage = stage_from(&a.stage)?;
+            let bus = connect(connection).await?;
+            let c = crate::stage::cancel(&bus, &stage, &crate::dlq::operator(), &a.reason).await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&c)?);
+            } else {
+                match c.done {
+                    "nothing" => println!(
+                        "stage request {} had already {}; nothing to cancel",
+                        c.request_id, c.was
+                    ),
+                    "released" => println!(
+                        "stage request {} was ready: released ({})",
+                        c.request_id, c.reason
+                    ),
+                    _ => println!(
+                        "stage request {} was {}: its promoter fails it ({})",
+                        c.request_id, c.was, c.reason
+                    ),
+                }
+            }
+            Ok(0)
+        }
+        StageCommand::Where(a) => {
+            let (dataset, version) = args::dataset_at_version("DATASET@VERSION", &a.target)?;
+            let project = a.project.clone().ok_or_else(|| {
+                UsageError("--project (or STAGEHAND_PROJECT) is required".to_owned())
+            })?;
+            args::project("--project", &project)?;
+            if let Some(tier) = &a.tier {
+                args::tier("--tier", tier)?;
+            }
+            let query = crate::stage::WhereQuery {
+                project,
+                dataset,
+                version,
+                tier: a.tier,
+            };
+            let bus = connect(connection).await?;
+            let found = crate::stage::cached_on(&bus, &query).await?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&found)?);
+            } else if a.hostlist {
+                let hosts = found.hostlist();
+                if !hosts.is_empty() {
+                    println!("{hosts}");
+                }
+            } else {
+                print!("{}", found.text());
+            }
+            Ok(found.exit_code())
+        }
         StageCommand::Reconcile(a) => {
             for p in &a.projects {
                 args::project("--project", p)?;
@@ -849,7 +1111,64 @@ fn check_catalogue(cmd: &CatalogueCommand) -> Result<(), UsageError> {
 }
 
 /// Runs a parsed command; returns the exit code.
+///
+/// Every command but `up` (which sets up telemetry for itself and for each service it runs)
+/// logs like a command whose stdout is its answer ([`args::init_logs`]) and runs inside one
+/// span, `stagehand <command>`: the root of what it publishes, exported when
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and the child of the caller's `TRACEPARENT` when there
+/// is one, so that a workflow's commands join its trace.
 pub async fn run(cli: Cli) -> anyhow::Result<i32> {
+    if matches!(cli.command, Command::Up(_)) {
+        return run_command(cli).await;
+    }
+    // Dropped after the command's span closed: flushes the spans before the process exits.
+    let _telemetry = args::init_logs();
+    let span = command_span(&cli.command);
+    run_command(cli).instrument(span).await
+}
+
+/// The span a command runs in, under the trace context of the process's environment.
+fn command_span(command: &Command) -> tracing::Span {
+    let span = tracing::info_span!(
+        names::SPAN_COMMAND,
+        otel.name = %format!("stagehand {}", command_name(command)),
+    );
+    let parent = stagehand_telemetry::env_context();
+    if has_span(&parent) {
+        let _ = span.set_parent(parent);
+    }
+    span
+}
+
+/// The command as typed (`ingest`, `stage request`), naming its span.
+fn command_name(command: &Command) -> &'static str {
+    match command {
+        Command::Ingest(_) => "ingest",
+        Command::Catalogue(_) => "catalogue",
+        Command::Backup(_) => "backup",
+        Command::Restore(_) => "restore",
+        Command::Dlq(_) => "dlq",
+        Command::Tier(_) => "tier",
+        Command::Scrub(_) => "scrub",
+        Command::Audit(_) => "audit",
+        Command::Status(_) => "status",
+        Command::Checkpoint(_) => "checkpoint",
+        Command::Cp(_) => "cp",
+        Command::Up(_) => "up",
+        Command::Provision { .. } => "provision",
+        Command::Policy(_) => "policy",
+        Command::Stage(StageCommand::Request(_)) => "stage request",
+        Command::Stage(StageCommand::Wait(_)) => "stage wait",
+        Command::Stage(StageCommand::Status(_)) => "stage status",
+        Command::Stage(StageCommand::Release(_)) => "stage release",
+        Command::Stage(StageCommand::Cancel(_)) => "stage cancel",
+        Command::Stage(StageCommand::Reconcile(_)) => "stage reconcile",
+        Command::Stage(StageCommand::Where(_)) => "stage where",
+        Command::GenerateDocs { .. } => "generate-docs",
+    }
+}
+
+async fn run_command(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::GenerateDocs { out } => {
             let generated = crate::docs::generate(&out)?;
@@ -861,33 +1180,36 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             );
             Ok(0)
         }
+        Command::Policy(PolicyCommand::Check { dir }) => {
+            let checked = crate::policy::check(&dir, &stagehand_policy::stagehand_home());
+            let (text, code) = crate::policy::report(&dir, &checked);
+            if code == 0 {
+                print!("{text}");
+            } else {
+                eprint!("{text}");
+            }
+            Ok(code)
+        }
         Command::Up(args) => {
-            let _telemetry = stagehand_telemetry::init("stagehand")?;
-            crate::up::run(crate::up::UpOptions {
-                home: args.home,
-                nats: args
-                    .external_nats
-                    .then(|| cli.connection.bus_config(Duration::from_secs(20))),
-                port: args.port,
-                policies: args.policies,
-            })
+            let _telemetry = stagehand_telemetry::init(crate::up::UP_SERVICE)?;
+            crate::up::run(
+                crate::up::UpOptions {
+                    home: args.home,
+                    nats: args
+                        .external_nats
+                        .then(|| cli.connection.bus_config(Duration::from_secs(20))),
+                    port: args.port,
+                    policies: args.policies,
+                },
+                args.metrics,
+            )
             .await?;
             Ok(0)
         }
-        Command::Checkpoint(cmd) => {
-            args::init_logs();
-            crate::checkpoint::run(&cli.connection, cmd).await
-        }
-        Command::Cp(args) => {
-            args::init_logs();
-            Ok(crate::cp::run(&args).await?.exit_code())
-        }
-        Command::Stage(cmd) => {
-            args::init_logs();
-            run_stage(&cli.connection, cmd).await
-        }
+        Command::Checkpoint(cmd) => crate::checkpoint::run(&cli.connection, cmd).await,
+        Command::Cp(args) => Ok(crate::cp::run(&args).await?.exit_code()),
+        Command::Stage(cmd) => run_stage(&cli.connection, cmd).await,
         Command::Ingest(args) => {
-            args::init_logs();
             let policies = check_ingest(&args)?;
             let bus = connect(&cli.connection).await?;
             let opts = IngestOptions {
@@ -926,31 +1248,75 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             policies,
             json,
         }) => {
-            args::init_logs();
-            let dir = policies.unwrap_or_else(default_policies);
-            let policies = stagehand_policy::Policies::load_dir(&dir)
-                .with_context(|| format!("reading the policies in {}", dir.display()))?;
-            let bus = connect(&cli.connection).await?;
-            let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
-                .with_timeout(crate::catalogue::TIMEOUT);
+            let (policies, catalogue, _) =
+                policies_and_catalogue(policies, &cli.connection).await?;
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
             crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
             std::io::Write::flush(&mut out)?;
             Ok(0)
         }
+        Command::Scrub(ScrubCommand::Status { policies, json }) => {
+            let (policies, catalogue, _) =
+                policies_and_catalogue(policies, &cli.connection).await?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            let damage = crate::scrub::status(&catalogue, &policies, json, &mut out).await?;
+            std::io::Write::flush(&mut out)?;
+            Ok(i32::from(damage))
+        }
+        Command::Audit(a) => {
+            let (policies, catalogue, bus) =
+                policies_and_catalogue(a.policies, &cli.connection).await?;
+            let stdout = std::io::stdout();
+            let mut out = std::io::BufWriter::new(stdout.lock());
+            let code = crate::audit::run(
+                &bus,
+                &catalogue,
+                &policies,
+                (&a.tier, a.node.as_deref()),
+                a.quarantine,
+                a.json,
+                &mut out,
+            )
+            .await?;
+            std::io::Write::flush(&mut out)?;
+            Ok(code)
+        }
         Command::Status(a) => {
-            args::init_logs();
+            // A page's reload is counted in whole seconds.
+            if a.serve.is_some() && a.refresh < Duration::from_secs(1) {
+                return Err(
+                    args::UsageError(format!("--refresh {:?}: at least 1s", a.refresh)).into(),
+                );
+            }
             let policies = policies_for_check(a.policies.as_deref())?;
             let bus = connect(&cli.connection).await?;
             let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
                 .with_timeout(crate::catalogue::TIMEOUT);
+            if a.actions {
+                let actions = crate::status::actions(&catalogue).await?;
+                let stdout = std::io::stdout();
+                let mut out = std::io::BufWriter::new(stdout.lock());
+                if a.json {
+                    serde_json::to_writer_pretty(&mut out, &actions)?;
+                    std::io::Write::write_all(&mut out, b"\n")?;
+                } else {
+                    crate::status::actions_text(&actions, &mut out)?;
+                }
+                std::io::Write::flush(&mut out)?;
+                return Ok(0);
+            }
             let opts = crate::status::StatusOptions {
                 policies,
                 silent_after: a.silent_after,
                 backlog_after: a.backlog_after,
                 stuck_after: a.stuck_after,
             };
+            if let Some(addr) = a.serve {
+                crate::status::page::run(addr, bus, catalogue, opts, a.refresh).await?;
+                return Ok(0);
+            }
             let report = crate::status::gather(&bus, &catalogue, &opts).await?;
             let stdout = std::io::stdout();
             let mut out = std::io::BufWriter::new(stdout.lock());
@@ -964,7 +1330,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(i32::from(report.needs_person))
         }
         Command::Catalogue(cmd) => {
-            args::init_logs();
             check_catalogue(&cmd)?;
             let bus = connect(&cli.connection).await?;
             let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
@@ -1025,7 +1390,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Provision { replicas, projects } => {
-            args::init_logs();
             if replicas.is_some_and(|n| !(1..=5).contains(&n)) {
                 return Err(UsageError(format!(
                     "--replicas {}: a stream has 1 to 5 replicas",
@@ -1081,7 +1445,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             check,
             json,
         }) => {
-            args::init_logs();
             let bus = connect(&cli.connection).await?;
             let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
                 .with_timeout(crate::catalogue::TIMEOUT);
@@ -1098,7 +1461,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(i32::from(check && summary.flagged > 0))
         }
         Command::Restore(args) => {
-            args::init_logs();
             let request = args.request()?;
             let policies = args.policies.clone().unwrap_or_else(default_policies);
             if !policies.join("tiers.toml").exists() {
@@ -1127,8 +1489,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Dlq(cmd) => {
-            args::init_logs();
             if let DlqCommand::List {
+                service: Some(service),
+                ..
+            }
+            | DlqCommand::Replay {
                 service: Some(service),
                 ..
             } = &cmd
@@ -1149,8 +1514,39 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                         print!("{}", crate::dlq::list_text(&items));
                     }
                 }
-                DlqCommand::Replay { sequence, json } => {
-                    let r = crate::dlq::replay(&bus, sequence).await?;
+                DlqCommand::Replay {
+                    sequence: None,
+                    service: Some(service),
+                    since: Some(since),
+                    dry_run,
+                    reason,
+                    json,
+                } => {
+                    let by = crate::dlq::operator();
+                    let r = crate::dlq::replay_since(&bus, &service, since, dry_run, &by, &reason)
+                        .await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&r)?);
+                    } else {
+                        print!("{}", crate::dlq::bulk_text(&r));
+                    }
+                    if !r.refused.is_empty() {
+                        return Ok(1);
+                    }
+                }
+                DlqCommand::Replay {
+                    sequence: Some(sequence),
+                    reason,
+                    json,
+                    ..
+                } => {
+                    let r = crate::dlq::replay_because(
+                        &bus,
+                        sequence,
+                        &crate::dlq::operator(),
+                        &reason,
+                    )
+                    .await?;
                     if json {
                         println!("{}", serde_json::to_string_pretty(&r)?);
                     } else {
@@ -1164,6 +1560,33 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                                 r.dropped_headers.join(", ")
                             );
                         }
+                    }
+                }
+                DlqCommand::Replay { .. } => {
+                    return Err(UsageError(
+                        "dlq replay takes SEQ, or --service S --since T".into(),
+                    )
+                    .into());
+                }
+                DlqCommand::Discard {
+                    sequence,
+                    reason,
+                    json,
+                } => {
+                    let d = crate::dlq::discard(&bus, sequence, &crate::dlq::operator(), &reason)
+                        .await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&d)?);
+                    } else if d.newly {
+                        println!(
+                            "discarded dead letter {} of {} ({}): {}",
+                            d.sequence, d.service, d.by, d.reason
+                        );
+                    } else {
+                        println!(
+                            "dead letter {} of {} was discarded before, by {}: {}",
+                            d.sequence, d.service, d.by, d.reason
+                        );
                     }
                 }
             }

@@ -1,4 +1,4 @@
-//! `stagehand dlq list|replay`: dead letters for on-call.
+//! `stagehand dlq list|replay|discard`: dead letters for on-call.
 //!
 //! `list` reads the dead-letter stream — the dead letters (`stagehand.dlq.dead.letter.<service>`)
 //! and the records of their replays (`stagehand.dlq.replayed.<service>`) — and prints each dead
@@ -19,6 +19,17 @@
 //! service's durable consumer on the stream named, as the server holds it — and carries only the
 //! headers Stagehand itself sets: the trace context (`traceparent`, `tracestate`); every other
 //! header is dropped and named in the answer. Anything else is refused, saying why.
+//!
+//! `replay --service S --since T` replays every dead letter of one service that came since T
+//! and still waits (never replayed, never discarded), one by one as `replay SEQ` does;
+//! `--dry-run` only lists them.
+//!
+//! `discard SEQ --reason TEXT` marks a dead letter as settled without its work being done: it
+//! no longer waits (the recorder stops counting it, `stagehand_dead_letters_waiting` drops) and
+//! no replay, single or bulk, will ever publish it. Discards and replays are operator actions,
+//! each recorded as an `operator.action` fact (who, what, which dead letter, why) that the
+//! recorder keeps with the facts and `stagehand status --actions` lists; the facts stream is
+//! also where a replay looks for a discard, so a discard is final as soon as it is stored.
 
 use std::fmt::Write as _;
 
@@ -31,7 +42,9 @@ use stagehand_bus::{Bus, MSG_ID_HEADER, REPLAY_HEADER};
 use stagehand_schemas::subject::{
     self, DEAD_LETTERS, FACTS, REQUESTS, dead_letter_subject, replayed_subject, subject_matches,
 };
-use stagehand_schemas::{Body, DeadLetter, DeadLetterReplayed, Event, EventId, wire};
+use stagehand_schemas::{
+    Body, DeadLetter, DeadLetterReplayed, Event, EventId, OperatorAction, action, wire,
+};
 
 /// One dead letter as `list` shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -47,8 +60,95 @@ pub struct Listed {
     pub delivered: u64,
     pub last_error: Option<String>,
     pub original_bytes: usize,
+    /// When the service gave up (RFC 3339).
+    pub at: String,
     /// Every replay of this dead letter, oldest first.
     pub replays: Vec<ListedReplay>,
+    /// The discard of this dead letter, if an operator discarded it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discarded: Option<ListedDiscard>,
+}
+
+/// The discard of a dead letter, as recorded by `discard`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ListedDiscard {
+    /// When it was discarded (RFC 3339).
+    pub at: String,
+    pub by: String,
+    pub reason: String,
+}
+
+impl Listed {
+    /// Whether the dead letter still waits for a person: never replayed, never discarded.
+    pub fn waiting(&self) -> bool {
+        self.replays.is_empty() && self.discarded.is_none()
+    }
+}
+
+fn rfc3339(at: time::OffsetDateTime) -> String {
+    at.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// Every event on `filter` in `stream`, oldest first, with its stream sequence. A message that
+/// does not decode is named on stderr and skipped.
+async fn read_events(
+    bus: &Bus,
+    stream: &str,
+    filter_subject: String,
+    filter_subjects: Vec<String>,
+) -> anyhow::Result<Vec<(u64, Event)>> {
+    let stream = bus.jetstream().get_stream(stream).await?;
+    let mut consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subject,
+            filter_subjects,
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    let mut out = Vec::new();
+    if consumer.info().await?.num_pending == 0 {
+        return Ok(out);
+    }
+    let mut messages = consumer.messages().await?;
+    // An ordered consumer reports how many messages remain after each one; when nothing does,
+    // the list is complete.
+    while let Some(message) = messages.next().await {
+        let message = message?;
+        let info = message.info().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (sequence, pending) = (info.stream_sequence, info.pending);
+        match wire::decode(&message.payload) {
+            Ok(event) => out.push((sequence, event)),
+            Err(e) => eprintln!("warning: message at sequence {sequence} does not decode: {e}"),
+        }
+        if pending == 0 {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Every discard recorded on the facts stream, by dead letter id: (when, who, why).
+pub async fn discards(bus: &Bus) -> anyhow::Result<Vec<(EventId, ListedDiscard)>> {
+    let filter = subject::kind_filter(subject::FACT, "operator.action");
+    let mut out = Vec::new();
+    for (_, event) in read_events(bus, FACTS.name, filter, Vec::new()).await? {
+        if let Body::OperatorAction(a) = event.body
+            && a.action == action::DLQ_DISCARD
+            && let Some(id) = a.dead_letter_id
+        {
+            out.push((
+                id,
+                ListedDiscard {
+                    at: rfc3339(event.occurred_at),
+                    by: a.by,
+                    reason: a.reason,
+                },
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// One replay of a dead letter, as recorded by `replay`.
@@ -61,13 +161,8 @@ pub struct ListedReplay {
     pub replay_msg_id: String,
 }
 
-/// Every dead letter (of `service`, if given), oldest first, with its replays.
+/// Every dead letter (of `service`, if given), oldest first, with its replays and discard.
 pub async fn list(bus: &Bus, service: Option<&str>) -> anyhow::Result<Vec<Listed>> {
-    let mut stream = bus.jetstream().get_stream(DEAD_LETTERS.name).await?;
-    let info = stream.info().await?;
-    if info.state.messages == 0 {
-        return Ok(Vec::new());
-    }
     let (filter_subject, filter_subjects) = match service {
         Some(s) => (
             String::new(),
@@ -75,50 +170,23 @@ pub async fn list(bus: &Bus, service: Option<&str>) -> anyhow::Result<Vec<Listed
         ),
         None => (subject::class_filter(subject::DLQ), Vec::new()),
     };
-    let consumer = stream
-        .create_consumer(OrderedConfig {
-            filter_subject,
-            filter_subjects,
-            deliver_policy: DeliverPolicy::All,
-            ..Default::default()
-        })
-        .await?;
-    let mut messages = consumer.messages().await?;
     let mut out: Vec<Listed> = Vec::new();
     let mut replays: Vec<(EventId, ListedReplay)> = Vec::new();
-    // An ordered consumer reports how many messages remain after each one; when nothing does
-    // (or a filter matches nothing at all), the list is complete.
-    let first = tokio::time::timeout(std::time::Duration::from_secs(2), messages.next()).await;
-    let mut next = match first {
-        Ok(m) => m,
-        Err(_) => return Ok(out),
-    };
-    while let Some(message) = next {
-        let message = message?;
-        let info = message.info().map_err(|e| anyhow::anyhow!("{e}"))?;
-        let (sequence, pending) = (info.stream_sequence, info.pending);
-        match wire::decode(&message.payload) {
-            Ok(event) => match event.body {
-                Body::DeadLetter(d) => out.push(listed(sequence, &event.id, &d)),
-                Body::DeadLetterReplayed(r) => replays.push((
-                    r.dead_letter_id,
-                    ListedReplay {
-                        at: event
-                            .occurred_at
-                            .format(&time::format_description::well_known::Rfc3339)
-                            .unwrap_or_default(),
-                        replayed_by: r.replayed_by,
-                        replay_msg_id: r.replay_msg_id,
-                    },
-                )),
-                _ => {}
-            },
-            Err(e) => eprintln!("warning: message at sequence {sequence} does not decode: {e}"),
+    for (sequence, event) in
+        read_events(bus, DEAD_LETTERS.name, filter_subject, filter_subjects).await?
+    {
+        match event.body {
+            Body::DeadLetter(ref d) => out.push(listed(sequence, &event, d)),
+            Body::DeadLetterReplayed(r) => replays.push((
+                r.dead_letter_id,
+                ListedReplay {
+                    at: rfc3339(event.occurred_at),
+                    replayed_by: r.replayed_by,
+                    replay_msg_id: r.replay_msg_id,
+                },
+            )),
+            _ => {}
         }
-        if pending == 0 {
-            break;
-        }
-        next = messages.next().await;
     }
     for (dead_letter_id, replay) in replays {
         if let Some(l) = out
@@ -128,20 +196,32 @@ pub async fn list(bus: &Bus, service: Option<&str>) -> anyhow::Result<Vec<Listed
             l.replays.push(replay);
         }
     }
+    if !out.is_empty() {
+        for (dead_letter_id, discard) in discards(bus).await? {
+            if let Some(l) = out
+                .iter_mut()
+                .find(|l| l.dead_letter_id == dead_letter_id.as_str())
+            {
+                l.discarded.get_or_insert(discard);
+            }
+        }
+    }
     Ok(out)
 }
 
-fn listed(sequence: u64, id: &EventId, d: &DeadLetter) -> Listed {
+fn listed(sequence: u64, event: &Event, d: &DeadLetter) -> Listed {
     Listed {
         sequence,
-        dead_letter_id: id.to_string(),
+        dead_letter_id: event.id.to_string(),
         service: d.service.clone(),
         subject: d.subject.clone(),
         original_id: d.original_id.as_ref().map(|i| i.to_string()),
         delivered: d.delivered,
         last_error: d.errors.last().map(|a| a.error.clone()),
         original_bytes: d.original.len(),
+        at: rfc3339(event.occurred_at),
         replays: Vec::new(),
+        discarded: None,
     }
 }
 
@@ -151,9 +231,10 @@ pub fn list_text(items: &[Listed]) -> String {
         "SEQ", "SERVICE", "SUBJECT", "DELIVERED", "REPLAYED"
     );
     for l in items {
-        let replayed = match l.replays.last() {
-            None => "-".to_owned(),
-            Some(r) => format!("{}× last {} by {}", l.replays.len(), r.at, r.replayed_by),
+        let replayed = match (&l.discarded, l.replays.last()) {
+            (Some(d), _) => format!("discarded {} by {}", d.at, d.by),
+            (None, None) => "-".to_owned(),
+            (None, Some(r)) => format!("{}× last {} by {}", l.replays.len(), r.at, r.replayed_by),
         };
         let _ = writeln!(
             out,
@@ -277,9 +358,8 @@ pub async fn replay(bus: &Bus, sequence: u64) -> anyhow::Result<Replayed> {
     replay_as(bus, sequence, &operator()).await
 }
 
-/// Republishes the message carried by the dead letter at `sequence` and records that
-/// `replayed_by` did.
-pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::Result<Replayed> {
+/// The dead letter stored at `sequence`, with the subject it is stored on.
+async fn dead_letter_at(bus: &Bus, sequence: u64) -> anyhow::Result<(Event, String)> {
     let stream = bus.jetstream().get_stream(DEAD_LETTERS.name).await?;
     let raw = stream
         .get_raw_message(sequence)
@@ -287,13 +367,98 @@ pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::R
         .with_context(|| format!("no dead letter at sequence {sequence}"))?;
     let event = wire::decode(&raw.payload)
         .with_context(|| format!("the message at sequence {sequence} is not a dead letter"))?;
-    let Body::DeadLetter(dead) = &event.body else {
+    if !matches!(event.body, Body::DeadLetter(_)) {
         bail!(
             "the message at sequence {sequence} is a {}, not a dead letter",
             event.body.kind()
         );
+    }
+    Ok((event, raw.subject.to_string()))
+}
+
+/// The discard of dead letter `id`, if one is recorded.
+async fn discard_of(bus: &Bus, id: &EventId) -> anyhow::Result<Option<ListedDiscard>> {
+    Ok(discards(bus)
+        .await?
+        .into_iter()
+        .find_map(|(d, discard)| (d == *id).then_some(discard)))
+}
+
+/// The `operator.action` fact recording `body` on `project`'s subject, its id derived from
+/// `key` (the same action on the same thing is the same fact).
+pub fn action_event(
+    project: &str,
+    cause: Option<&EventId>,
+    key: &[&[u8]],
+    body: OperatorAction,
+) -> Event {
+    let mut parts: Vec<&[u8]> = vec![b"operator.action", body.action.as_bytes()];
+    parts.extend_from_slice(key);
+    let id = EventId::for_content(&parts);
+    Event {
+        correlation_id: cause.cloned().unwrap_or_else(|| id.clone()),
+        id,
+        schema: stagehand_schemas::SCHEMA_VERSION,
+        occurred_at: stagehand_schemas::now(),
+        project: project.to_owned(),
+        causation_id: cause.cloned(),
+        body: Body::OperatorAction(body),
+    }
+}
+
+/// The operator action `action` (a replay or a discard) on the dead letter `event` (`dead`, at
+/// `sequence` of the dead-letter stream), its id derived from `key`.
+fn dead_letter_action(
+    (event, dead, sequence): (&Event, &DeadLetter, u64),
+    action: &str,
+    key: &[u8],
+    by: &str,
+    reason: &str,
+) -> Event {
+    action_event(
+        &event.project,
+        Some(&event.id),
+        &[key],
+        OperatorAction {
+            action: action.into(),
+            by: by.to_owned(),
+            target: format!("dead letter {sequence} of {}", dead.service),
+            reason: reason.to_owned(),
+            service: Some(dead.service.clone()),
+            dead_letter_id: Some(event.id.clone()),
+            dead_letter_sequence: Some(sequence),
+            request_id: None,
+        },
+    )
+}
+
+/// Republishes the message carried by the dead letter at `sequence` and records that
+/// `replayed_by` did.
+pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::Result<Replayed> {
+    replay_because(bus, sequence, replayed_by, "").await
+}
+
+/// Republishes the message carried by the dead letter at `sequence` and records that
+/// `replayed_by` did, and why (`reason`, may be empty). A discarded dead letter is refused.
+pub async fn replay_because(
+    bus: &Bus,
+    sequence: u64,
+    replayed_by: &str,
+    reason: &str,
+) -> anyhow::Result<Replayed> {
+    let (event, stored_on) = dead_letter_at(bus, sequence).await?;
+    let Body::DeadLetter(dead) = &event.body else {
+        unreachable!("dead_letter_at returns dead letters only")
     };
-    check_replayable(bus, sequence, &raw.subject, dead).await?;
+    if let Some(d) = discard_of(bus, &event.id).await? {
+        bail!(
+            "dead letter {sequence} was discarded at {} by {} ({}); a discarded dead letter is never replayed",
+            d.at,
+            d.by,
+            d.reason
+        );
+    }
+    check_replayable(bus, sequence, &stored_on, dead).await?;
     let mut headers = HeaderMap::new();
     let mut dropped_headers = Vec::new();
     for (name, value) in &dead.headers {
@@ -345,6 +510,18 @@ pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::R
             replayed_subject(&dead.service)
         )
     })?;
+    let act = dead_letter_action(
+        (&event, dead, sequence),
+        action::DLQ_REPLAY,
+        msg_id.as_bytes(),
+        replayed_by,
+        reason,
+    );
+    bus.publish(&act).await.with_context(|| {
+        format!(
+            "the message was replayed (as {msg_id}) but the operator action could not be recorded"
+        )
+    })?;
     Ok(Replayed {
         sequence,
         dead_letter_id: event.id.to_string(),
@@ -355,4 +532,146 @@ pub async fn replay_as(bus: &Bus, sequence: u64, replayed_by: &str) -> anyhow::R
         replayed_by: replayed_by.to_owned(),
         dropped_headers,
     })
+}
+
+/// What `discard` did.
+#[derive(Debug, Clone, Serialize)]
+pub struct Discarded {
+    pub sequence: u64,
+    pub dead_letter_id: String,
+    pub service: String,
+    pub by: String,
+    pub reason: String,
+    /// False when the dead letter had been discarded before (by [`Discarded::by`], for
+    /// [`Discarded::reason`]): nothing new was recorded.
+    pub newly: bool,
+}
+
+/// Discards the dead letter at `sequence` as `by`, for `reason`: records a `dlq.discard`
+/// operator action, after which the dead letter no longer waits and is never replayed. A
+/// dead letter discarded before is left as it was and said so.
+pub async fn discard(
+    bus: &Bus,
+    sequence: u64,
+    by: &str,
+    reason: &str,
+) -> anyhow::Result<Discarded> {
+    if reason.trim().is_empty() {
+        bail!("--reason must say why the dead letter is discarded");
+    }
+    let (event, _) = dead_letter_at(bus, sequence).await?;
+    let Body::DeadLetter(dead) = &event.body else {
+        unreachable!("dead_letter_at returns dead letters only")
+    };
+    if let Some(d) = discard_of(bus, &event.id).await? {
+        return Ok(Discarded {
+            sequence,
+            dead_letter_id: event.id.to_string(),
+            service: dead.service.clone(),
+            by: d.by,
+            reason: d.reason,
+            newly: false,
+        });
+    }
+    let act = dead_letter_action(
+        (&event, dead, sequence),
+        action::DLQ_DISCARD,
+        event.id.as_str().as_bytes(),
+        by,
+        reason,
+    );
+    bus.publish(&act)
+        .await
+        .with_context(|| format!("recording the discard of dead letter {sequence}"))?;
+    Ok(Discarded {
+        sequence,
+        dead_letter_id: event.id.to_string(),
+        service: dead.service.clone(),
+        by: by.to_owned(),
+        reason: reason.to_owned(),
+        newly: true,
+    })
+}
+
+/// What a bulk replay did, or with `dry_run` would do, per dead letter.
+#[derive(Debug, Clone, Serialize)]
+pub struct BulkReplayed {
+    /// The dead letters that wait (never replayed, never discarded) and came since the time
+    /// asked, oldest first.
+    pub selected: Vec<Listed>,
+    /// Each replay done (none on a dry run).
+    pub replayed: Vec<Replayed>,
+    /// Each dead letter whose replay was refused or failed: its sequence and why.
+    pub refused: Vec<(u64, String)>,
+    pub dry_run: bool,
+}
+
+/// Replays, as `by`, every dead letter of `service` that came at or after `since` and still
+/// waits; with `dry_run` only selects them. One refused (or failing) replay does not stop the
+/// others: each is reported.
+pub async fn replay_since(
+    bus: &Bus,
+    service: &str,
+    since: time::OffsetDateTime,
+    dry_run: bool,
+    by: &str,
+    reason: &str,
+) -> anyhow::Result<BulkReplayed> {
+    let selected: Vec<Listed> = list(bus, Some(service))
+        .await?
+        .into_iter()
+        .filter(|l| l.waiting())
+        .filter(|l| {
+            time::OffsetDateTime::parse(&l.at, &time::format_description::well_known::Rfc3339)
+                .is_ok_and(|at| at >= since)
+        })
+        .collect();
+    let mut out = BulkReplayed {
+        selected,
+        replayed: Vec::new(),
+        refused: Vec::new(),
+        dry_run,
+    };
+    if dry_run {
+        return Ok(out);
+    }
+    for l in &out.selected {
+        match replay_because(bus, l.sequence, by, reason).await {
+            Ok(r) => out.replayed.push(r),
+            Err(e) => out.refused.push((l.sequence, format!("{e:#}"))),
+        }
+    }
+    Ok(out)
+}
+
+/// The text of a bulk replay: what was selected, and what became of each.
+pub fn bulk_text(r: &BulkReplayed) -> String {
+    let mut out = String::new();
+    let verb = if r.dry_run {
+        "would replay"
+    } else {
+        "selected"
+    };
+    let _ = writeln!(out, "{verb} {} dead letter(s)", r.selected.len());
+    for l in &r.selected {
+        let _ = writeln!(
+            out,
+            "  {:>6}  {}  {}  {}",
+            l.sequence,
+            l.at,
+            l.subject,
+            l.last_error.as_deref().unwrap_or("-")
+        );
+    }
+    for x in &r.replayed {
+        let _ = writeln!(
+            out,
+            "replayed dead letter {} to {} as {}",
+            x.sequence, x.subject, x.msg_id
+        );
+    }
+    for (sequence, why) in &r.refused {
+        let _ = writeln!(out, "not replayed: dead letter {sequence}: {why}");
+    }
+    out
 }

@@ -5,6 +5,7 @@
 //! is a module here, so the tests drive the same code paths the command runs.
 
 pub mod args;
+pub mod audit;
 pub mod backup;
 pub mod catalogue;
 pub mod checkpoint;
@@ -13,7 +14,9 @@ pub mod cp;
 pub mod dlq;
 pub mod docs;
 pub mod ingest;
+pub mod policy;
 pub mod reconcile;
+pub mod scrub;
 pub mod stage;
 pub mod status;
 pub mod tier;

@@ -1,6 +1,6 @@
 //! `stagehand`: see `stagehand --help`.
 //!
-//! Exit codes: what the command answers (0, and for some 1 or 2: see each command's help), 64
+//! Exit codes: what the command answers (0, and for some 1, 2 or 3: see each command's help), 64
 //! for a bad argument, 69 when NATS cannot be reached in time, 70 for any other error; an error
 //! is one line on stderr.
 

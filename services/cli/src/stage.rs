@@ -1,6 +1,8 @@
 //! `stagehand stage request|wait|status|release`: what scheduler plugins (Slurm's
 //! `burst_buffer.lua` and Prolog, a Kubernetes init container) and people call to get a dataset
 //! version onto a tier for a job, wait for it, see why it waits, and let it go.
+//! `stagehand stage cancel` is the operator's: see [`cancel`]. `stagehand stage where` says
+//! which nodes hold a usable copy of a version on a node-local tier: see [`cached_on`].
 //!
 //! The contract is `STAGING.md`: a request is the `stage.requested` event with the id
 //! [`EventId::for_stage`] derives from (project, job, dataset, version as given, tier, node), so
@@ -82,6 +84,18 @@ impl Stage {
     }
 
     /// The key of this stage's status in [`STAGES_BUCKET`].
+    /// The release of this stage, with the reason a person gave (none: its job's teardown).
+    fn released(&self, reason: Option<String>) -> StageReleased {
+        StageReleased {
+            dataset: self.dataset.clone(),
+            version: self.version.clone(),
+            tier: self.tier.clone(),
+            job_id: self.job.clone(),
+            node: self.node.clone(),
+            reason,
+        }
+    }
+
     pub fn status_key(&self) -> String {
         stagehand_catalogue::stage_kv_key(&self.project, &self.request_id())
     }
@@ -162,14 +176,7 @@ pub async fn release(bus: &Bus, stage: &Stage) -> anyhow::Result<Published> {
     let event = Event::request(
         id.clone(),
         stage.project.clone(),
-        Body::StageReleased(StageReleased {
-            dataset: stage.dataset.clone(),
-            version: stage.version.clone(),
-            tier: stage.tier.clone(),
-            job_id: stage.job.clone(),
-            node: stage.node.clone(),
-            reason: None,
-        }),
+        Body::StageReleased(stage.released(None)),
     );
     let ack = bus
         .publish(&event)
@@ -542,4 +549,423 @@ pub fn status_text(items: &[StageStatus]) -> String {
         ));
     }
     out
+}
+
+/// What `cancel` found and did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Cancelled {
+    /// The stage request's id.
+    pub request_id: EventId,
+    /// Its state when the cancel was asked (`pending`, `copying`, `ready`, …).
+    pub was: &'static str,
+    /// What was done: `failing` (the promoter fails it with the reason), `released` (a ready
+    /// stage: released for its job), or `nothing` (it had already failed or been released).
+    pub done: &'static str,
+    /// The reason waiters see: `cancelled by <who>: <why>`.
+    pub reason: String,
+    /// The operator action recorded (none when nothing was done).
+    pub action_id: Option<EventId>,
+}
+
+/// The id of the job's stage request of `stage`'s dataset, tier and node whose version is
+/// `stage`'s written another way (one spelling a prefix of the other), from the catalogue's
+/// index of the job's requests; none when there is no such request, or more than one.
+async fn spelled_otherwise(bus: &Bus, stage: &Stage) -> anyhow::Result<Option<EventId>> {
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone());
+    let (mut found, mut after) = (Vec::new(), None::<String>);
+    loop {
+        let page = catalogue
+            .stage_requests(
+                &stage.project,
+                Some(&stage.job),
+                Some(&stage.dataset),
+                None,
+                after.as_deref(),
+            )
+            .await
+            .with_context(|| format!("the stage requests of job {}", stage.job))?;
+        found.extend(page.items.into_iter().filter(|s| {
+            s.tier == stage.tier
+                && s.node == stage.node
+                && (s.version.starts_with(&stage.version) || stage.version.starts_with(&s.version))
+        }));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    Ok(match found.as_slice() {
+        [one] => Some(one.request_id.clone()),
+        _ => None,
+    })
+}
+
+/// Cancels `stage` as `by`, for `why`: a pending or copying stage is failed by its promoter
+/// with the reason `cancelled by <by>: <why>` (waiters see `failed`; its reserved space and
+/// quota are given back), a ready one is released for its job (as its teardown would), and one
+/// already failed or released is left alone. Each cancel that does something is recorded as
+/// an `operator.action` fact. Both are published as the operator: only Stagehand's operator
+/// user may publish operator actions (`deploy/nats/accounts.conf`), and the promoter looks the
+/// request up under the action's own project, so a cancel cannot reach another project's
+/// stage.
+pub async fn cancel(bus: &Bus, stage: &Stage, by: &str, why: &str) -> anyhow::Result<Cancelled> {
+    if why.trim().is_empty() {
+        anyhow::bail!("--reason must say why the stage is cancelled");
+    }
+    let store = stages_bucket(bus).await?;
+    let mut request_id = stage.request_id();
+    let mut status = read(&store, &stage.status_key()).await?;
+    if status.is_none() {
+        // The job may have written the version otherwise (a digest where this names a
+        // prefix, or the other way round): its request, as the promoter's release matches it.
+        if let Some(id) = spelled_otherwise(bus, stage).await? {
+            status = read(
+                &store,
+                &stagehand_catalogue::stage_kv_key(&stage.project, &id),
+            )
+            .await?;
+            request_id = id;
+        }
+    }
+    let Some(status) = status else {
+        anyhow::bail!(
+            "no stage request of project {} for {} is recorded (see `stagehand stage status --project {}`)",
+            stage.project,
+            stage.describe(),
+            stage.project
+        );
+    };
+    let reason = format!("cancelled by {by}: {why}");
+    let was = state_word(status.state);
+    let done = match status.state {
+        StageState::Failed | StageState::Released => {
+            return Ok(Cancelled {
+                request_id,
+                was,
+                done: "nothing",
+                reason,
+                action_id: None,
+            });
+        }
+        StageState::Ready => "released",
+        StageState::Pending | StageState::Copying => "failing",
+    };
+    let act = crate::dlq::action_event(
+        &stage.project,
+        Some(&request_id),
+        &[request_id.as_str().as_bytes()],
+        stagehand_schemas::OperatorAction {
+            action: stagehand_schemas::action::STAGE_CANCEL.into(),
+            by: by.to_owned(),
+            target: format!("stage {}", stage.describe()),
+            reason: why.to_owned(),
+            service: None,
+            dead_letter_id: None,
+            dead_letter_sequence: None,
+            request_id: Some(request_id.clone()),
+        },
+    );
+    // The action first: only Stagehand's operator may state it, so a user who may release
+    // stages (a scheduler) but not cancel them is refused here, before anything is released.
+    bus.publish(&act)
+        .await
+        .with_context(|| format!("recording the cancel of {}", stage.describe()))?;
+    if status.state == StageState::Ready {
+        let release = Event::request(
+            EventId::derive(&request_id, "release:cancelled"),
+            stage.project.clone(),
+            Body::StageReleased(stage.released(Some(reason.clone()))),
+        );
+        bus.publish(&release)
+            .await
+            .with_context(|| format!("publishing the release of {}", stage.describe()))?;
+    }
+    Ok(Cancelled {
+        request_id,
+        was,
+        done,
+        reason,
+        action_id: Some(act.id),
+    })
+}
+
+/// `stage where`'s exit code when no node holds a usable copy: distinct from 1 and 2, which
+/// `stage wait` answers with (failed, timed out), and from the errors' 64–70.
+pub const EX_NOWHERE: i32 = 3;
+
+/// One node's copy of a version on a node-local tier, as `stage where` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NodeCopy {
+    pub node: String,
+    pub tier: String,
+    pub files: u64,
+    pub bytes: u64,
+    /// Where the copy is, beneath the tier's root on that node.
+    pub prefix: String,
+    /// How the copy was proven when it was made (`read-back`, `hashed-in-flight`, …).
+    pub verified_by: Option<String>,
+    /// When a scrub last read it back whole and found it intact (`replica.verified`).
+    #[serde(with = "stagehand_catalogue::time::utc::option")]
+    pub last_verified: Option<OffsetDateTime>,
+    /// When the copy was made (or last repaired), if the catalogue knows.
+    #[serde(with = "stagehand_catalogue::time::utc::option")]
+    pub made_at: Option<OffsetDateTime>,
+    /// The copy's state: `present` for a usable one; `damaged` (its repair pending or under
+    /// way) or `staging` for one that is not.
+    pub state: String,
+    /// Why it is not usable, when it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Where a version is cached: the nodes holding a usable copy on a node-local tier, and those
+/// whose copy is there but may not be handed to a job.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Whereabouts {
+    pub project: String,
+    pub dataset: String,
+    /// The full digest (the version as asked when the catalogue has no such version).
+    pub version: String,
+    /// Usable copies, by node then tier.
+    pub nodes: Vec<NodeCopy>,
+    /// Copies that are there but not usable (damaged, being repaired), by node then tier.
+    pub unusable: Vec<NodeCopy>,
+}
+
+impl Whereabouts {
+    /// 0 when some node holds a usable copy, else [`EX_NOWHERE`].
+    pub fn exit_code(&self) -> i32 {
+        if self.nodes.is_empty() { EX_NOWHERE } else { 0 }
+    }
+
+    /// The nodes holding a usable copy, each once, comma separated: what Slurm's
+    /// `--nodelist`/`--exclude` and a Kubernetes affinity's hostname values take.
+    pub fn hostlist(&self) -> String {
+        let nodes: std::collections::BTreeSet<&str> =
+            self.nodes.iter().map(|c| c.node.as_str()).collect();
+        nodes.into_iter().collect::<Vec<_>>().join(",")
+    }
+
+    /// One line per copy, usable ones first; a line saying so when no node holds one.
+    pub fn text(&self) -> String {
+        use stagehand_catalogue::time::human;
+        let mut out = String::new();
+        let what = format!("{}/{}@{}", self.project, self.dataset, self.version);
+        if self.nodes.is_empty() {
+            out.push_str(&format!(
+                "no node holds a usable copy of {what} on a node-local tier\n"
+            ));
+        } else {
+            out.push_str(&format!("{what} is on:\n"));
+        }
+        for c in &self.nodes {
+            let verified = match (c.last_verified, c.made_at) {
+                (Some(at), _) => format!("last verified {}", human(at)),
+                (None, Some(made)) => format!(
+                    "not scrubbed yet (made {}, verified by {})",
+                    human(made),
+                    c.verified_by.as_deref().unwrap_or("-")
+                ),
+                (None, None) => "not scrubbed yet".to_owned(),
+            };
+            out.push_str(&format!(
+                "  {:<20} {:<10} {:>14} bytes  {verified}\n",
+                c.node, c.tier, c.bytes
+            ));
+        }
+        if !self.unusable.is_empty() {
+            out.push_str("not usable:\n");
+        }
+        for c in &self.unusable {
+            // The catalogue's reason names the state (`damaged (found by scrub): …`).
+            out.push_str(&format!(
+                "  {:<20} {:<10} {:>14} bytes  {}\n",
+                c.node,
+                c.tier,
+                c.bytes,
+                c.reason.as_deref().unwrap_or(&c.state)
+            ));
+        }
+        out
+    }
+}
+
+/// Which copies `stage where` asks about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WhereQuery {
+    pub project: String,
+    pub dataset: String,
+    /// A digest or a unique prefix of one (12+ hex characters).
+    pub version: String,
+    /// Only this node-local tier; default every one.
+    pub tier: Option<String>,
+}
+
+/// The nodes holding a copy of the version on a node-local tier (a replica the catalogue
+/// records with a node), from the catalogue's record of the version and its replicas, all
+/// pages; the version resolved by the catalogue as every stage command's is (a digest or a
+/// unique prefix). Asked within the project: a project sees its own versions only, and a
+/// version it does not have is one no node holds. Usable is [`ReplicaRecord::is_usable`],
+/// the one rule of the catalogue's views; a removed copy is not listed at all.
+///
+/// [`ReplicaRecord::is_usable`]: stagehand_catalogue::ReplicaRecord::is_usable
+pub async fn cached_on(bus: &Bus, q: &WhereQuery) -> anyhow::Result<Whereabouts> {
+    use stagehand_catalogue::{Answer, Query, ReplicaState};
+
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+        .with_timeout(crate::catalogue::TIMEOUT);
+    let what = format!("{}/{}@{}", q.project, q.dataset, q.version);
+    let failed = |e: stagehand_catalogue::CatalogueError| -> anyhow::Error {
+        if e.is_retryable() {
+            Unreachable(format!("asking the catalogue where {what} is: {e}")).into()
+        } else {
+            anyhow::anyhow!("asking the catalogue where {what} is: {e}")
+        }
+    };
+    let mut found = Whereabouts {
+        project: q.project.clone(),
+        dataset: q.dataset.clone(),
+        version: q.version.clone(),
+        nodes: Vec::new(),
+        unusable: Vec::new(),
+    };
+    let detail = match catalogue
+        .version(Some(&q.project), &q.dataset, &q.version)
+        .await
+    {
+        Ok(detail) => detail,
+        Err(e) if e.is_not_found() => return Ok(found),
+        Err(e) => return Err(failed(e)),
+    };
+    found.version = detail.version.version.clone();
+    let mut replicas = detail.replicas;
+    let mut next = detail.replicas_next;
+    while let Some(after) = next {
+        let answer = catalogue
+            .ask(&Query::Replicas {
+                project: Some(q.project.clone()),
+                dataset: q.dataset.clone(),
+                version: found.version.clone(),
+                limit: None,
+                after: Some(after),
+            })
+            .await
+            .map_err(failed)?;
+        let Answer::Replicas {
+            replicas: more,
+            next: n,
+        } = answer
+        else {
+            anyhow::bail!("the catalogue answered a replicas query of {what} with another answer");
+        };
+        replicas.extend(more);
+        next = n;
+    }
+    for r in replicas {
+        let Some(node) = r.node.clone() else {
+            continue;
+        };
+        if q.tier.as_ref().is_some_and(|t| *t != r.tier) || r.state == ReplicaState::Removed {
+            continue;
+        }
+        let usable = r.is_usable();
+        let copy = NodeCopy {
+            node,
+            tier: r.tier.clone(),
+            files: r.files,
+            bytes: r.total_bytes,
+            prefix: r.prefix.clone(),
+            verified_by: r.verified_by.clone(),
+            last_verified: r.last_verified.as_ref().map(|v| v.stamp.at),
+            made_at: r
+                .last_repaired
+                .as_ref()
+                .map(|x| &x.stamp)
+                .or(r.copied.as_ref())
+                .map(|s| s.at),
+            state: match r.state {
+                ReplicaState::Present => "present",
+                ReplicaState::Damaged => "damaged",
+                ReplicaState::Staging => "staging",
+                ReplicaState::Removed => "removed",
+            }
+            .to_owned(),
+            reason: (!usable).then(|| r.reason.clone()).flatten(),
+        };
+        if usable {
+            found.nodes.push(copy);
+        } else {
+            found.unusable.push(copy);
+        }
+    }
+    let order = |a: &NodeCopy, b: &NodeCopy| (&a.node, &a.tier).cmp(&(&b.node, &b.tier));
+    found.nodes.sort_by(order);
+    found.unusable.sort_by(order);
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(node: &str, tier: &str) -> NodeCopy {
+        NodeCopy {
+            node: node.into(),
+            tier: tier.into(),
+            files: 2,
+            bytes: 20_002,
+            prefix: "lab/shards/ab".into(),
+            verified_by: Some("read-back".into()),
+            last_verified: None,
+            made_at: None,
+            state: "present".into(),
+            reason: None,
+        }
+    }
+
+    fn found(nodes: Vec<NodeCopy>, unusable: Vec<NodeCopy>) -> Whereabouts {
+        Whereabouts {
+            project: "lab".into(),
+            dataset: "shards".into(),
+            version: "ab".into(),
+            nodes,
+            unusable,
+        }
+    }
+
+    #[test]
+    fn the_hostlist_names_each_node_once_and_only_usable_ones() {
+        let damaged = NodeCopy {
+            state: "damaged".into(),
+            reason: Some("damaged (found by scrub): 1 path(s)".into()),
+            ..copy("gpu-03", "local")
+        };
+        let w = found(
+            vec![
+                copy("gpu-07", "local"),
+                copy("gpu-07", "nvme2"),
+                copy("gpu-12", "local"),
+            ],
+            vec![damaged],
+        );
+        assert_eq!(w.hostlist(), "gpu-07,gpu-12");
+        assert_eq!(w.exit_code(), 0);
+        let text = w.text();
+        assert!(text.starts_with("lab/shards@ab is on:\n"), "{text}");
+        assert!(
+            text.ends_with("not usable:\n  gpu-03               local               20002 bytes  damaged (found by scrub): 1 path(s)\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn no_usable_copy_is_an_empty_hostlist_and_exit_3() {
+        let w = found(Vec::new(), Vec::new());
+        assert_eq!(w.hostlist(), "");
+        assert_eq!(w.exit_code(), EX_NOWHERE);
+        assert_eq!(
+            w.text(),
+            "no node holds a usable copy of lab/shards@ab on a node-local tier\n"
+        );
+    }
 }

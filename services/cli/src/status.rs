@@ -11,10 +11,18 @@
 //! - **tiers** above their high watermark and projects above 90 % of their quota (when the
 //!   policies are at hand), and the facts the catalogue could not fold.
 //!
+//! `--actions` lists instead every operator action the catalogue keeps (`operator.action`
+//! facts: stages cancelled, dead letters discarded or replayed), newest first ([`actions`]).
+//!
+//! `--serve ADDR` serves the same view as one HTML page that reloads itself, and as JSON
+//! ([`page`]).
+//!
 //! Each of these that needs a person is a [`Finding`] naming the command or runbook page to
 //! run. The exit code is 0 when there is none, 1 when there is one. It reads no file lists
 //! and no stage record beyond one page, so it stays fast on a large installation
 //! (`loadtest/status/bench.sh`).
+
+pub mod page;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -54,7 +62,8 @@ pub struct StatusOptions {
 /// Something that needs a person: what, where, and what to run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
-    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota` or `catalogue`.
+    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `drill` or
+    /// `catalogue`.
     pub area: &'static str,
     /// What it is about: a service instance, a consumer, a stage request, a tier.
     pub subject: String,
@@ -122,6 +131,23 @@ pub struct TierLine {
     pub high_watermark: f64,
 }
 
+/// The copies of one tier found damaged (by the scrub, the check before reuse or a copy down)
+/// and not repaired yet.
+#[derive(Debug, Clone, Serialize)]
+pub struct DamagedLine {
+    pub tier: String,
+    pub damaged: u64,
+}
+
+/// Backed-up versions whose restore drill failed, or that no drill has verified within two
+/// drill intervals (`backup.toml`'s `drill_every`) of their backup.
+#[derive(Debug, Clone, Serialize)]
+pub struct DrillLines {
+    pub versions: u64,
+    pub failed: u64,
+    pub overdue: u64,
+}
+
 /// The whole view, `--json`'s object.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -134,6 +160,11 @@ pub struct Report {
     pub dead_letters: Vec<DeadLetterLine>,
     /// Bounded tiers; empty when no policies were at hand.
     pub tiers: Vec<TierLine>,
+    /// Damaged copies per tier (withdrawn from readiness, not repaired yet); empty when no
+    /// policies were at hand.
+    pub damaged: Vec<DamagedLine>,
+    /// Restore drills of the backups; none without policies or a `backup.toml`.
+    pub drills: Option<DrillLines>,
     /// Facts the catalogue could not fold.
     pub problems: u64,
     /// What this view does not check, and where to look instead.
@@ -182,16 +213,28 @@ pub async fn gather(
             run: "stagehand catalogue problems (runbooks/catalogue-problems.md)".into(),
         });
     }
-    let tiers = match &opts.policies {
-        Some(dir) => tiers(catalogue, dir, &mut findings).await?,
-        None => Vec::new(),
+    let policies = match &opts.policies {
+        Some(dir) => Some(
+            stagehand_policy::Policies::load_dir(dir)
+                .with_context(|| format!("reading the policies in {}", dir.display()))?,
+        ),
+        None => None,
     };
-    let mut not_checked = vec![
-        "restore drills: stagehand backup status --check".to_owned(),
-        "scrub damage: not yet kept".to_owned(),
-    ];
-    if opts.policies.is_none() {
-        not_checked.push("tiers and quotas: no policies (give --policies DIR)".into());
+    let (mut tier_lines, mut damaged, mut drill_lines) = (Vec::new(), Vec::new(), None);
+    if let Some(policies) = &policies {
+        tier_lines = tiers(catalogue, policies, &mut findings).await?;
+        damaged = damage(catalogue, policies, now, &mut findings).await?;
+        drill_lines = drills(catalogue, policies, now, &mut findings).await?;
+    }
+    let mut not_checked =
+        vec!["versions no backup protects yet: stagehand backup status --check".to_owned()];
+    if policies.is_none() {
+        not_checked.push(
+            "tiers, quotas, damaged copies and restore drills: no policies (give --policies DIR)"
+                .into(),
+        );
+    } else if drill_lines.is_none() {
+        not_checked.push("restore drills: no backup.toml".into());
     }
     Ok(Report {
         needs_person: !findings.is_empty(),
@@ -200,7 +243,9 @@ pub async fn gather(
         consumers,
         stages,
         dead_letters,
-        tiers,
+        tiers: tier_lines,
+        damaged,
+        drills: drill_lines,
         problems,
         not_checked,
     })
@@ -241,7 +286,7 @@ async fn services(
                     area: "service",
                     subject: key.clone(),
                     detail: format!("its heartbeat does not read: {e}"),
-                    run: "runbooks/service-down.md".into(),
+                    run: "runbooks/service-silent.md".into(),
                 });
                 continue;
             }
@@ -285,7 +330,7 @@ async fn services(
                 subject,
                 detail,
                 run: format!(
-                    "journalctl -u stagehand-{} on {} (runbooks/service-down.md)",
+                    "journalctl -u stagehand-{} on {} (runbooks/service-silent.md)",
                     beat.service, beat.host
                 ),
             });
@@ -366,7 +411,7 @@ async fn consumers(
                         line.redelivered,
                         human_age(oldest)
                     ),
-                    run: "runbooks/consumer-backlog.md".into(),
+                    run: "runbooks/backlog-growing.md".into(),
                 });
             }
             out.push(line);
@@ -442,7 +487,7 @@ async fn stages(
                         .or(s.waiting_for.as_deref())
                         .unwrap_or("no reason given")
                 ),
-                run: format!("{} (runbooks/stuck-stage.md)", stage_command(s)),
+                run: format!("{} (runbooks/stage-stuck.md)", stage_command(s)),
             });
         }
     }
@@ -477,7 +522,7 @@ async fn dead_letters(
                 subject: s.service.clone(),
                 detail: format!("{waiting} dead letters wait ({} in all)", s.count),
                 run: format!(
-                    "stagehand dlq list --service {} (runbooks/replay-dead-letters.md)",
+                    "stagehand dlq list --service {} (runbooks/dead-letters-waiting.md)",
                     s.service
                 ),
             });
@@ -498,13 +543,11 @@ async fn dead_letters(
 /// not need. A node-local tier is counted per node, without `statfs` (its disks are elsewhere).
 async fn tiers(
     catalogue: &Catalogue,
-    dir: &std::path::Path,
+    policies: &stagehand_policy::Policies,
     findings: &mut Vec<Finding>,
 ) -> anyhow::Result<Vec<TierLine>> {
     use stagehand_catalogue::survey::{FsUsage, TierUsage};
     use std::collections::BTreeMap;
-    let policies = stagehand_policy::Policies::load_dir(dir)
-        .with_context(|| format!("reading the policies in {}", dir.display()))?;
     let usage = catalogue
         .tier_usage(None)
         .await
@@ -557,7 +600,10 @@ async fn tiers(
                         100.0 * counted as f64 / capacity,
                         100.0 * limits.high_watermark
                     ),
-                    run: format!("stagehand tier usage {} (runbooks/tier-full.md)", tier.name),
+                    run: format!(
+                        "stagehand tier usage {} (runbooks/tier-above-watermark.md)",
+                        tier.name
+                    ),
                 });
             }
             for (project, used) in projects {
@@ -571,7 +617,10 @@ async fn tiers(
                             "{:.1} % of its quota used",
                             100.0 * used as f64 / quota.max(1) as f64
                         ),
-                        run: format!("stagehand tier usage {} (runbooks/tier-full.md)", tier.name),
+                        run: format!(
+                            "stagehand tier usage {} (runbooks/quota-nearly-full.md)",
+                            tier.name
+                        ),
                     });
                 }
             }
@@ -584,6 +633,139 @@ async fn tiers(
         }
     }
     Ok(out)
+}
+
+/// Copies withdrawn as damaged on each declared tier: each needs a repair, and one the scrub
+/// could not make needs a person. One bounded catalogue question per tier.
+async fn damage(
+    catalogue: &Catalogue,
+    policies: &stagehand_policy::Policies,
+    now: OffsetDateTime,
+    findings: &mut Vec<Finding>,
+) -> anyhow::Result<Vec<DamagedLine>> {
+    let mut out = Vec::new();
+    for tier in policies.tiers().keys() {
+        let s = catalogue
+            .scrub_status(tier, now, Some(LISTED))
+            .await
+            .with_context(|| format!("the damaged copies on tier {tier}"))?;
+        for r in &s.damaged {
+            let node = r
+                .node
+                .as_deref()
+                .map(|n| format!(" on {n}"))
+                .unwrap_or_default();
+            findings.push(Finding {
+                area: "replica",
+                subject: format!(
+                    "{}/{}@{} on {tier}{node}",
+                    r.project,
+                    r.dataset,
+                    &r.version[..r.version.len().min(12)]
+                ),
+                detail: r.reason.clone().unwrap_or_else(|| "damaged".into()),
+                run: format!(
+                    "stagehand catalogue show {}@{} --project {} (runbooks/replica-damaged.md)",
+                    r.dataset,
+                    &r.version[..r.version.len().min(12)],
+                    r.project
+                ),
+            });
+        }
+        if s.damaged_total > s.damaged.len() as u64 {
+            findings.push(Finding {
+                area: "replica",
+                subject: tier.clone(),
+                detail: format!(
+                    "{} more damaged copies",
+                    s.damaged_total - s.damaged.len() as u64
+                ),
+                run: "stagehand scrub status (runbooks/replica-damaged.md)".into(),
+            });
+        }
+        if s.damaged_total > 0 {
+            out.push(DamagedLine {
+                tier: tier.clone(),
+                damaged: s.damaged_total,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Restore drills (`backup status`'s rule, [`crate::backup::version_status`]): a version
+/// whose last drill failed needs a person; so does one backed up two drill intervals ago and
+/// never drilled since (one interval is the copier's normal wait). Versions are read in
+/// pages; at most [`LISTED`] of each kind become findings, all are counted.
+async fn drills(
+    catalogue: &Catalogue,
+    policies: &stagehand_policy::Policies,
+    now: OffsetDateTime,
+    findings: &mut Vec<Finding>,
+) -> anyhow::Result<Option<DrillLines>> {
+    use crate::backup::{Flag, version_status};
+    let Some(backup) = policies.backup() else {
+        return Ok(None);
+    };
+    let grace = time::Duration::try_from(2 * backup.drill_every).unwrap_or(time::Duration::MAX);
+    let mut lines = DrillLines {
+        versions: 0,
+        failed: 0,
+        overdue: 0,
+    };
+    let mut after: Option<String> = None;
+    loop {
+        let page = catalogue
+            .backup_status(
+                None,
+                None,
+                true,
+                Some(stagehand_catalogue::MAX_PAGE),
+                after.as_deref(),
+            )
+            .await
+            .context("the restore drills")?;
+        for v in &page.items {
+            let s = version_status(v);
+            lines.versions += 1;
+            let (count, run, what) = match (s.flag, s.last_backup) {
+                (Some(Flag::DrillFailed), _) => (
+                    &mut lines.failed,
+                    "stagehand backup status --check (runbooks/drill-failed.md)",
+                    "its last restore drill failed".to_owned(),
+                ),
+                (Some(Flag::NeverDrilled), Some(at)) if now - at > grace => (
+                    &mut lines.overdue,
+                    "stagehand backup status --check (runbooks/drill-overdue.md)",
+                    format!(
+                        "backed up {} ago and never drilled",
+                        human_age(age(at, now))
+                    ),
+                ),
+                _ => continue,
+            };
+            *count += 1;
+            if *count <= u64::from(LISTED) {
+                findings.push(Finding {
+                    area: "drill",
+                    subject: format!(
+                        "{}/{}@{} on {}",
+                        s.project,
+                        s.dataset,
+                        &s.version[..s.version.len().min(12)],
+                        s.backup_tier.as_deref().unwrap_or("?")
+                    ),
+                    detail: what,
+                    run: run.into(),
+                });
+            }
+        }
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    Ok(Some(lines))
 }
 
 /// The human view: what needs a person first, each with what to run, then the summary.
@@ -644,9 +826,80 @@ pub fn text(r: &Report, out: &mut impl Write) -> std::io::Result<()> {
             100.0 * t.high_watermark
         )?;
     }
+    for d in &r.damaged {
+        writeln!(out, "tier {}: {} damaged copies", d.tier, d.damaged)?;
+    }
+    if let Some(d) = &r.drills {
+        writeln!(
+            out,
+            "restore drills: {} backed-up versions, {} failed, {} overdue",
+            d.versions, d.failed, d.overdue
+        )?;
+    }
     writeln!(out, "catalogue problems: {}", r.problems)?;
     for n in &r.not_checked {
         writeln!(out, "not checked here: {n}")?;
+    }
+    Ok(())
+}
+
+/// Every operator action the catalogue keeps, newest first (`stagehand status --actions`).
+pub async fn actions(
+    catalogue: &Catalogue,
+) -> anyhow::Result<Vec<stagehand_catalogue::OperatorActionRecord>> {
+    let mut out = Vec::new();
+    let mut after = None;
+    loop {
+        let answer = catalogue
+            .ask(&stagehand_catalogue::Query::OperatorActions {
+                limit: Some(stagehand_catalogue::MAX_PAGE),
+                after: after.take(),
+            })
+            .await
+            .context("the operator actions")?;
+        let stagehand_catalogue::Answer::OperatorActions { actions, next } = answer else {
+            anyhow::bail!("the catalogue answered something else than operator actions");
+        };
+        out.extend(actions);
+        match next {
+            Some(n) => after = Some(n),
+            None => return Ok(out),
+        }
+    }
+}
+
+/// The text of `status --actions`: one line per action, newest first.
+pub fn actions_text(
+    actions: &[stagehand_catalogue::OperatorActionRecord],
+    out: &mut impl Write,
+) -> std::io::Result<()> {
+    if actions.is_empty() {
+        return writeln!(out, "no operator actions recorded");
+    }
+    writeln!(
+        out,
+        "{:<25} {:<18} {:<24} {:<16} {:<40} WHY",
+        "WHEN", "ACTION", "BY", "PROJECT", "TARGET"
+    )?;
+    for a in actions {
+        let at = a
+            .stamp
+            .at
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "{at:<25} {:<18} {:<24} {:<16} {:<40} {}",
+            a.action,
+            a.by,
+            a.project,
+            a.target,
+            if a.reason.is_empty() {
+                "-"
+            } else {
+                a.reason.as_str()
+            }
+        )?;
     }
     Ok(())
 }

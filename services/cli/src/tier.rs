@@ -63,7 +63,7 @@ fn row(s: &TierSurvey) -> TierUsageRow {
     }
 }
 
-fn size(b: u64) -> String {
+pub(crate) fn size(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;

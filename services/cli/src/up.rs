@@ -5,13 +5,17 @@
 //! `<home>/policies` if there are none (posix tiers under `<home>/tiers`), creates the tier
 //! roots, and runs every service of [`SERVICES`] in this process through the service runner.
 //! One cancellation token stops them all; each drains within its deadline, then the server
-//! stops.
+//! stops. One endpoint (`--metrics`, [`DEFAULT_METRICS`]) serves the Prometheus metrics of
+//! every service it runs. Each service logs and traces through a `tracing` subscriber of its
+//! own (`stagehand_telemetry::service_dispatch`), so that with `OTEL_EXPORTER_OTLP_ENDPOINT`
+//! set its spans are exported under its own `service.name`, as its binary's would be.
 //!
 //! The server dies with `up`: it is started with `PR_SET_PDEATHSIG`, so even a SIGKILL of
 //! `up` takes it down, and its pid is kept in `<home>/run/nats-server.pid`, so that the next
 //! `up` on the same home finds a server left behind (by a kill that no signal could follow,
 //! such as a container's) and stops it, saying so.
 
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,7 +24,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
+use stagehand_telemetry::metrics::MetricsEndpoint;
 use tokio::task::JoinHandle;
+use tracing::instrument::WithSubscriber;
 
 /// The default policies shipped with Stagehand (the repository's `policies/`): every file the
 /// services read, so that each service of [`SERVICES`] finds its policy.
@@ -51,6 +57,7 @@ const DEFAULT_POLICIES: &[(&str, &str)] = &[
         "priorities.toml",
         include_str!("../../../policies/priorities.toml"),
     ),
+    ("scrub.toml", include_str!("../../../policies/scrub.toml")),
 ];
 
 /// What starting one service needs: where the stack lives and how to reach NATS.
@@ -81,10 +88,19 @@ impl UpEnv {
         bus.client_name = name.to_owned();
         let config = ServiceConfig::new(bus, settings);
         tokio::spawn(async move {
-            runner::run(name, config, stop, serve)
+            // A subscriber of its own, as the service's binary would have: its spans are
+            // exported under its own `service.name`, not `up`'s.
+            let (dispatch, telemetry) =
+                stagehand_telemetry::service_dispatch(name, &config.telemetry)
+                    .with_context(|| format!("{name}: telemetry"))?;
+            let result = runner::run(name, config, stop, serve)
+                .with_subscriber(dispatch)
                 .await
                 .map(|_| ())
-                .with_context(|| name.to_owned())
+                .with_context(|| name.to_owned());
+            // Flushes the service's last spans.
+            drop(telemetry);
+            result
         })
     }
 }
@@ -118,8 +134,16 @@ pub const SERVICES: &[(&str, Start)] = &[
     service!(stagehand_backup_copier, Settings),
 ];
 
+/// The `service.name` of `up`'s own spans and logs (each service it runs has its own).
+pub const UP_SERVICE: &str = "stagehand-up";
+
 /// How long services may take to drain after Ctrl-C.
 pub const STOP_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Where `stagehand up` serves `/metrics` unless `--metrics` says otherwise: loopback, on the
+/// port after the shipped services' (`deploy/config`, 9464–9469), so that `up` beside a
+/// service installed on the same host does not take its port.
+pub const DEFAULT_METRICS: &str = "127.0.0.1:9470";
 
 /// Options of `stagehand up`.
 #[derive(Debug, Clone)]
@@ -420,6 +444,20 @@ impl Stack {
         })
     }
 
+    /// Serves `GET /metrics` (and the `/healthz`, `/readyz` probes) on `addr` for every
+    /// service of the stack until it stops. The services run in this process and share its
+    /// one registry, each series carrying its `service` label, so one endpoint serves them
+    /// all. Returns the address bound (`addr` with port 0 picks one).
+    pub async fn serve_metrics(&self, addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+        let endpoint = MetricsEndpoint::bind(addr)
+            .await
+            .with_context(|| format!("serving metrics on --metrics {addr}"))?;
+        let bound = endpoint.local_addr()?;
+        let stop = self.shutdown.clone();
+        tokio::spawn(endpoint.serve(async move { stop.cancelled().await }));
+        Ok(bound)
+    }
+
     /// The servers the stack uses, passwords redacted.
     pub fn servers(&self) -> String {
         self.env.bus.servers_display()
@@ -485,10 +523,17 @@ impl Stack {
     }
 }
 
-/// Runs `stagehand up` until Ctrl-C or SIGTERM.
-pub async fn run(opts: UpOptions) -> anyhow::Result<()> {
+/// Runs `stagehand up` until Ctrl-C or SIGTERM, serving every service's metrics on `metrics`.
+pub async fn run(opts: UpOptions, metrics: SocketAddr) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let stack = Stack::start(opts).await?;
+    let metrics = match stack.serve_metrics(metrics).await {
+        Ok(bound) => bound,
+        Err(e) => {
+            let _ = stack.stop().await;
+            return Err(e);
+        }
+    };
     // Listen for the stop signals before saying "up", and keep listening on the same streams:
     // a Ctrl-C that comes right after the line is printed, or between two turns of the loop
     // below, must stop Stagehand cleanly, not kill it with the default action or be missed.
@@ -523,7 +568,7 @@ pub async fn run(opts: UpOptions) -> anyhow::Result<()> {
         }
     }
     println!(
-        "stagehand is up: NATS {} · home {} · policies {}\nPress Ctrl-C to stop.",
+        "stagehand is up: NATS {} · home {} · policies {} · metrics http://{metrics}/metrics\nPress Ctrl-C to stop.",
         stack.servers(),
         stack.env.home.display(),
         stack.env.policies.display()
@@ -555,6 +600,25 @@ mod tests {
         write_default_policies(&dir, home.path()).unwrap();
         let loaded = stagehand_policy::Policies::load_dir_with_home(&dir, home.path()).unwrap();
         assert!(loaded.promotion().is_some() && loaded.backup().is_some());
+    }
+
+    #[test]
+    fn the_default_metrics_port_is_no_shipped_services() {
+        let default: SocketAddr = DEFAULT_METRICS.parse().unwrap();
+        assert!(default.ip().is_loopback());
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/config");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            for line in text.lines() {
+                if let Some(addr) = line.trim().strip_prefix("metrics_listen = ") {
+                    let addr: SocketAddr = addr.trim_matches('"').parse().unwrap();
+                    assert_ne!(addr.port(), default.port(), "{line}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 6, "only {checked} shipped metrics ports found");
     }
 
     #[test]

@@ -270,6 +270,12 @@ fn bad_arguments_exit_64_with_one_line_naming_the_argument_before_connecting() {
             ],
             "\"ds@0123\"",
         ),
+        (
+            vec!["status", "--serve", "127.0.0.1:0", "--refresh", "500ms"],
+            "--refresh 500ms: at least 1s",
+        ),
+        (vec!["status", "--serve", "nowhere"], "nowhere"),
+        (vec!["status", "--refresh", "5s"], "--serve"),
         (vec!["stage", "status", "ds@xyz"], "\"ds@xyz\""),
         (vec!["stage", "status", "--project", "P"], "--project \"P\""),
         (

@@ -335,7 +335,13 @@ async fn each_role_works_with_its_own_user_and_no_password_is_shown() -> anyhow:
 
     // `stagehand up` on that server says where it runs, without the password.
     let mut up = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["up", "--external-nats", "--home"])
+        .args([
+            "up",
+            "--external-nats",
+            "--metrics",
+            "127.0.0.1:0",
+            "--home",
+        ])
         .arg(home.path().join("up"))
         .env(
             "STAGEHAND_NATS_URL",

@@ -18,7 +18,7 @@ use anyhow::{Context, ensure};
 use stagehand::up::{Stack, UpOptions};
 use stagehand_bus::{Bus, BusConfig};
 use stagehand_schemas::{Body, subject};
-use stagehand_testkit::{NatsCluster, stored_events, wait_until};
+use stagehand_testkit::{NatsCluster, wait_until};
 
 const WAIT: Duration = Duration::from_secs(120);
 /// Commands of the run: each round one ingest and one stage request.
@@ -27,21 +27,11 @@ const ROUNDS: usize = 8;
 const KILL_AFTER: usize = 2;
 const PROJECT: &str = "lab-e";
 
-/// The node (index into the cluster) leading `stream`, from the stream's cluster info.
+/// The index of the node leading `stream`, once the cluster names one (through an election).
 async fn leader_of(bus: &Bus, stream: &str) -> anyhow::Result<usize> {
-    let mut s = bus.jetstream().get_stream(stream).await?;
-    let info = s.info().await?;
-    let leader = info
-        .cluster
-        .as_ref()
-        .and_then(|c| c.leader.clone())
-        .with_context(|| format!("{stream} has no leader"))?;
-    // The testkit names the nodes n1, n2, n3.
-    let n: usize = leader
-        .strip_prefix('n')
-        .and_then(|n| n.parse().ok())
-        .with_context(|| format!("leader {leader:?} is not a testkit node name"))?;
-    Ok(n - 1)
+    stagehand_testkit::stream_leader(bus.jetstream(), stream)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// Runs the `stagehand` binary with every node of the cluster; its output, or an error saying
@@ -182,9 +172,13 @@ async fn killing_the_requests_leader_mid_run_fails_no_command_and_stores_each_re
     assert_ne!(new_leader, leader, "a survivor leads the requests stream");
 
     // Each request stored exactly once.
-    let stored = stored_events(bus.jetstream(), subject::REQUESTS.name, ">")
-        .await
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", subject::REQUESTS.name))?;
+    let stored = stagehand_testkit::stored_events_through_election(
+        bus.jetstream(),
+        subject::REQUESTS.name,
+        ">",
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("reading {}: {e}", subject::REQUESTS.name))?;
     let mut per_id: HashMap<String, usize> = HashMap::new();
     for event in &stored {
         *per_id.entry(event.id.to_string()).or_default() += 1;

@@ -6,72 +6,16 @@
 //! times the inline manifest bound, thirty pages); the 1,000,000-file figures are
 //! `loadtest/ingest`'s.
 
-use std::io::{BufRead, BufReader};
+mod up_child;
+
 use std::net::TcpListener;
-use std::os::unix::process::CommandExt;
-use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::process::{Command, Output, Stdio};
 
 use anyhow::{Context, bail, ensure};
-use stagehand_testkit::wait_for;
+use up_child::Up;
 
 const FILES: usize = 300_000;
 const FOLDERS: usize = 300;
-
-/// A `stagehand up` child in its own process group; killed (and with it its nats-server,
-/// which dies with its parent) if the test fails before stopping it.
-struct Up {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Up {
-    fn start(home: &Path, port: u16) -> anyhow::Result<Up> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-            .args(["up", "--home"])
-            .arg(home)
-            .args(["--port", &port.to_string()])
-            .env(
-                "STAGEHAND_NATS_SERVER",
-                stagehand_testkit::nats_server_binary(),
-            )
-            .env_remove("STAGEHAND_NATS_URL")
-            .env_remove("STAGEHAND_HOME")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(home.join("up.stderr"))?)
-            .process_group(0)
-            .spawn()?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Up { child, lines })
-    }
-
-    fn signal(&self, signal: rustix::process::Signal) {
-        if let Some(pgid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process_group(pgid, signal);
-        }
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            self.signal(rustix::process::Signal::KILL);
-            let _ = self.child.wait();
-        }
-    }
-}
 
 fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<Output> {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
@@ -110,7 +54,12 @@ async fn three_hundred_thousand_files_through_stagehand_up_are_one_version_paged
     stagehand::up::write_default_policies(&policies, home.path())?;
 
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let mut up = Up::start(home.path(), port)?;
+    let mut up = Up::start(
+        home.path(),
+        port,
+        home.path().join("up.stderr"),
+        &[("RUST_LOG", "warn")],
+    )?;
     // The files, on the local disk, written while `up` starts.
     let folder = tempfile::tempdir_in(tmpfs.path())?;
     let mut expected = Vec::with_capacity(FILES);
@@ -124,22 +73,7 @@ async fn three_hundred_thousand_files_through_stagehand_up_are_one_version_paged
         }
     }
     expected.sort();
-    wait_for(Duration::from_secs(120), "`stagehand up` to be up", || {
-        let up_line = up
-            .lines
-            .try_iter()
-            .any(|l| l.starts_with("stagehand is up"));
-        let exited = up.child.try_wait().ok().flatten();
-        async move {
-            match (up_line, exited) {
-                (true, _) => Some(Ok(())),
-                (false, Some(status)) => Some(Err(status)),
-                (false, None) => None,
-            }
-        }
-    })
-    .await?
-    .map_err(|status| anyhow::anyhow!("stagehand up exited with {status}"))?;
+    up.wait_up().await?;
     let url = format!("nats://127.0.0.1:{port}");
 
     let out = stagehand(
@@ -252,12 +186,8 @@ async fn three_hundred_thousand_files_through_stagehand_up_are_one_version_paged
     assert_eq!(streamed, expected);
 
     // Stopped as a person stops it.
-    up.signal(rustix::process::Signal::INT);
-    let status = wait_for(Duration::from_secs(60), "`stagehand up` to exit", || {
-        let status = up.child.try_wait().ok().flatten();
-        async move { status }
-    })
-    .await?;
+    up.ctrl_c()?;
+    let status = up.wait_exit().await?;
     assert!(status.success(), "{status}");
     Ok(())
 }

@@ -216,8 +216,15 @@ impl Slurm {
             let lines: Vec<&str> = text.lines().collect();
             lines[lines.len().saturating_sub(15)..].join("\n")
         };
+        // The hooks' own lines, however far back: where a stage-in waited and why.
+        let hooks = std::fs::read_to_string(self.dir.path().join("log").join("slurmctld.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| line.contains("stagehand:"))
+            .collect::<Vec<_>>()
+            .join("\n");
         format!(
-            "slurmctld.log:\n{}\nslurmd.log:\n{}",
+            "the hooks' lines in slurmctld.log:\n{hooks}\nslurmctld.log:\n{}\nslurmd.log:\n{}",
             tail("slurmctld.log"),
             tail("slurmd.log")
         )
@@ -696,6 +703,83 @@ async fn a_local_tier_job_gets_its_data_on_its_node_through_the_prolog() -> anyh
     Ok(())
 }
 
+/// Issue 17 item 3, as `deploy/slurm/README.md` (*Sending a job where its data already is*)
+/// documents it for 22.05: once a job's Prolog made the node's local copy, `stagehand stage
+/// where --hostlist` names that node, and a second job submitted with `--nodelist=<that list>`
+/// runs there and reads the same copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_sent_where_stage_where_lists_reads_the_copy_already_there() -> anyhow::Result<()> {
+    let node = slurm_node()?;
+    let (stagehand, slurm) = setup(Options {
+        node_agent: Some(node.clone()),
+        ..with_validator()
+    })
+    .await?;
+    let (folder, expected) = dataset_folder(&[("s0.tar", &[5u8; 30_000]), ("index.json", b"{}")])?;
+    let digest = stagehand.ingest(folder.path(), "shards", true)?;
+    let version = &digest[..16];
+    let script = reading_job(
+        &directive("shards", version, "local"),
+        "STAGEHAND_DATA_SHARDS",
+    );
+    let where_held = || -> anyhow::Result<Output> {
+        Ok(Command::new(env!("CARGO_BIN_EXE_stagehand"))
+            .args(["--nats", &stagehand.url, "stage", "where"])
+            .arg(format!("shards@{version}"))
+            .args(["--project", PROJECT, "--tier", "local", "--hostlist"])
+            .env("STAGEHAND_HOME", "/nonexistent-stagehand-home")
+            .output()?)
+    };
+    // The recorder may still be starting its queries (exit 69, "no responders"): ask until it
+    // answers.
+    let out = wait_for(JOB, "the catalogue to answer stage where", || async {
+        where_held()
+            .ok()
+            .filter(|out| out.status.code() != Some(69))
+    })
+    .await?;
+    ensure!(
+        out.status.code() == Some(3) && out.stdout.is_empty(),
+        "before any job: {}",
+        said(&out)
+    );
+
+    let first = slurm.submit("where-first", &script)?;
+    slurm
+        .wait_job(first, "the first job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    // The replica is folded into the catalogue from the agent's fact, which the job did not
+    // wait for: poll until the node is listed.
+    let held = wait_for(JOB, "stage where to name the node", || async {
+        let out = where_held().ok()?;
+        (out.status.code() == Some(0))
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    })
+    .await?;
+    ensure!(
+        held == node,
+        "stage where --hostlist printed {held:?}, not {node:?}"
+    );
+
+    let second = slurm.submit_with("where-second", &script, &[&format!("--nodelist={held}")])?;
+    slurm
+        .wait_job(second, "the job sent to the node to complete", |s, _| {
+            s == "COMPLETED"
+        })
+        .await?;
+    let shown = slurm.show_job(second)?;
+    ensure!(
+        shown.contains(&format!("ReqNodeList={node}"))
+            && shown.contains(&format!("NodeList={node}")),
+        "{shown}"
+    );
+    let (path, sums) = read_sums(&slurm.output(second)?);
+    let root = on_tier(&stagehand, "local", "shards", &digest);
+    ensure!(path == root.display().to_string(), "job saw {path:?}");
+    ensure!(sums == expected, "job read {sums:?}");
+    Ok(())
+}
+
 /// A node-local stage that fails in the Prolog (the project's local quota is too small):
 /// Slurm's rule for a failing Prolog applies (the job is requeued and held, the node drained),
 /// the job's AdminComment carries the promoter's reason, and this run's stages are released.
@@ -801,9 +885,13 @@ async fn a_job_submitted_while_nats_is_down_runs_once_it_is_back() -> anyhow::Re
         .await?;
     stagehand.server.restart();
     let back = Instant::now();
-    slurm
+    if let Err(e) = slurm
         .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
-        .await?;
+        .await
+    {
+        let st = stage(job, "outage", version, "hot", None);
+        bail!("{e}\n{}", stagehand.explain(&st).await);
+    }
     eprintln!("NATS back→complete {:?}", back.elapsed());
     let (path, sums) = read_sums(&slurm.output(job)?);
     ensure!(

@@ -2,7 +2,9 @@
 //! recorder running under the service runner (so keeping its heartbeat): a quiet installation
 //! exits 0; a planted stuck stage, a dead letter, a hot tier above its high watermark, a
 //! silent service and a crash-looping one each appear with the command to run, and the exit
-//! code is 1; a replayed dead letter no longer counts as waiting.
+//! code is 1; a replayed dead letter no longer counts as waiting. A copy withdrawn as damaged,
+//! a backup whose restore drill failed and one never drilled two intervals after it was made
+//! each need a person too.
 
 mod common;
 
@@ -12,8 +14,9 @@ use std::process::Command;
 use common::{PROJECT, Stagehand, WAIT};
 use stagehand_bus::runner::Heartbeat;
 use stagehand_schemas::{
-    Body, DatasetValidated, DeadLetter, DeadLetterReplayed, Event, EventId, FileRef, Location,
-    ReplicaCreated, StageRequested, sha256_hex, version_digest,
+    BackupCompleted, Body, DamagedFile, DatasetValidated, DeadLetter, DeadLetterReplayed, Event,
+    EventId, FileRef, Location, Problem, ReplicaCreated, ReplicaDamaged, RestoreFailed,
+    StageRequested, sha256_hex, version_digest,
 };
 use stagehand_testkit::wait_until;
 use time::OffsetDateTime;
@@ -293,7 +296,7 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
     assert!(has(
         "service",
         "promoter on ghost",
-        "runbooks/service-down.md"
+        "runbooks/service-silent.md"
     ));
     assert!(
         findings(&last, "service", "demoter on flappy")[0]
@@ -348,4 +351,220 @@ async fn status_names_what_needs_a_person_and_exits_1_until_nothing_does() {
     )
     .await
     .unwrap();
+}
+
+/// A validated version of `dataset` (one 1 KiB file) on capacity, and its id; its events
+/// happened `ago`.
+async fn validated(stack: &Stagehand, dataset: &str, ago: time::Duration) -> (String, EventId) {
+    let refs = vec![FileRef::new(
+        "data.bin",
+        1024,
+        sha256_hex(dataset.as_bytes()),
+    )];
+    let version = version_digest(&refs);
+    let ingest = EventId::for_ingest(PROJECT, dataset, &version);
+    let mut event = Event::request(
+        EventId::derive(&ingest, "validated"),
+        PROJECT,
+        Body::DatasetValidated(DatasetValidated {
+            dataset: dataset.into(),
+            version: version.clone(),
+            source: Location {
+                tier: "capacity".into(),
+                prefix: format!("{PROJECT}/{dataset}/{version}"),
+            },
+            files: refs,
+            manifest: None,
+            total_bytes: 1024,
+            requested_by: "test".into(),
+            request_id: ingest.clone(),
+            labels: vec![],
+        }),
+    );
+    event.occurred_at = OffsetDateTime::now_utc() - ago;
+    stack.bus.publish(&event).await.unwrap();
+    (version, ingest)
+}
+
+/// The version's copy on `tier`, as the backup copier records one, made `ago`.
+async fn backed_up(stack: &Stagehand, dataset: &str, ago: time::Duration) -> (String, EventId) {
+    let (version, ingest) = validated(stack, dataset, ago).await;
+    let mut event = Event::request(
+        EventId::derive(&ingest, "backup"),
+        PROJECT,
+        Body::BackupCompleted(BackupCompleted {
+            dataset: dataset.into(),
+            version: version.clone(),
+            location: Location {
+                tier: "backup".into(),
+                prefix: format!("{PROJECT}/{dataset}/{version}"),
+            },
+            files: 1,
+            total_bytes: 1024,
+        }),
+    );
+    event.occurred_at = OffsetDateTime::now_utc() - ago;
+    stack.bus.publish(&event).await.unwrap();
+    (version, ingest)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_copy_and_failed_or_overdue_drills_need_a_person_with_their_pages() {
+    let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let policy_dir = dir.path().join("policies");
+    let root = dir.path().join("tiers");
+    policies(&policy_dir, &root);
+    std::fs::create_dir_all(root.join("backup")).unwrap();
+    let tiers = std::fs::read_to_string(policy_dir.join("tiers.toml")).unwrap();
+    std::fs::write(
+        policy_dir.join("tiers.toml"),
+        format!(
+            "{tiers}\n[tiers.backup]\nkind = \"posix\"\nrole = \"backup\"\nfailure_domain = \"vault\"\nroot = \"{}\"\n",
+            root.join("backup").display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        policy_dir.join("backup.toml"),
+        "target = \"backup\"\nselect = [\"dataset.validated\"]\nprojects = []\ncheckpoint_tags = []\n\
+         verify = \"read-back\"\ndrill_every = \"1d\"\ndrill_sample_files = 1\ndrill_sample_bytes = \"1 MiB\"\n",
+    )
+    .unwrap();
+    let hour = time::Duration::hours(1);
+
+    // A copy on capacity, then found damaged by a scrub with nothing to repair it from.
+    let (damaged, ingest) = validated(&stack, "dmg", hour).await;
+    stack
+        .bus
+        .publish(&Event::request(
+            EventId::derive(&ingest, "damaged:capacity"),
+            PROJECT,
+            Body::ReplicaDamaged(ReplicaDamaged {
+                dataset: "dmg".into(),
+                version: damaged.clone(),
+                location: Location {
+                    tier: "capacity".into(),
+                    prefix: format!("{PROJECT}/dmg/{damaged}"),
+                },
+                node: None,
+                found_by: "scrub".into(),
+                files: vec![DamagedFile {
+                    path: "data.bin".into(),
+                    how: "hash".into(),
+                    expected_size: None,
+                    found_size: None,
+                }],
+                damaged_total: 1,
+                reason: "no verified replica to repair it from".into(),
+            }),
+        ))
+        .await
+        .unwrap();
+    // A backup whose drill failed; one backed up three days ago (the drill interval is a
+    // day) and never drilled; one backed up an hour ago, whose drill is not due yet.
+    let (failed, ingest) = backed_up(&stack, "bad", hour).await;
+    stack
+        .bus
+        .publish(&Event::request(
+            EventId::derive(&ingest, "drill"),
+            PROJECT,
+            Body::RestoreFailed(RestoreFailed {
+                dataset: "bad".into(),
+                version: failed.clone(),
+                location: Location {
+                    tier: "backup".into(),
+                    prefix: format!("{PROJECT}/bad/{failed}"),
+                },
+                problems: vec![Problem {
+                    code: "checksum_mismatch".into(),
+                    path: Some("data.bin".into()),
+                    detail: "does not hash to its SHA-256".into(),
+                }],
+                problem_counts: vec![],
+                problems_total: Some(1),
+            }),
+        ))
+        .await
+        .unwrap();
+    let (overdue, _) = backed_up(&stack, "old", 72 * hour).await;
+    backed_up(&stack, "new", hour).await;
+
+    let mut last = serde_json::Value::Null;
+    wait_until(WAIT, "the damaged copy and both drills to show", || {
+        // The recorder may still be starting: it answers nothing until then.
+        let (code, report) =
+            try_status(&stack, &policy_dir).unwrap_or((-1, serde_json::Value::Null));
+        let all = code == 1
+            && report["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|f| f["area"] == "replica" || f["area"] == "drill")
+                .count()
+                == 3
+            && report["drills"]["versions"] == 3;
+        last = report;
+        async move { all }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {last:#}"));
+    let only = |area: &str, subject: &str| {
+        let found = findings(&last, area, subject);
+        assert_eq!(found.len(), 1, "{area} {subject}: {last:#}");
+        found.into_iter().next().unwrap()
+    };
+    let (detail, run) = only("replica", &format!("{PROJECT}/dmg@{}", &damaged[..12]));
+    assert!(detail.contains("no verified replica"), "{detail}");
+    assert!(
+        run.contains("runbooks/replica-damaged.md") && run.contains("--project lab"),
+        "{run}"
+    );
+    let (detail, run) = only("drill", &format!("{PROJECT}/bad@{}", &failed[..12]));
+    assert!(detail.contains("failed"), "{detail}");
+    assert!(run.contains("runbooks/drill-failed.md"), "{run}");
+    let (detail, run) = only("drill", &format!("{PROJECT}/old@{}", &overdue[..12]));
+    assert!(detail.contains("never drilled"), "{detail}");
+    assert!(run.contains("runbooks/drill-overdue.md"), "{run}");
+    assert!(findings(&last, "drill", "/new@").is_empty(), "{last:#}");
+    assert_eq!(last["drills"]["failed"], 1);
+    assert_eq!(last["drills"]["overdue"], 1);
+    assert_eq!(last["damaged"][0]["tier"], "capacity");
+    assert_eq!(last["damaged"][0]["damaged"], 1);
+
+    // `stagehand scrub status` names the same copy under its tier and exits 1 while it is
+    // damaged; the tiers it reads are the ones scrub.toml gives a period.
+    std::fs::write(
+        policy_dir.join("scrub.toml"),
+        "[period]\ncapacity = \"30d\"\nhot = \"7d\"\n\n[budget]\nbytes_per_second = \"200 MiB\"\nfiles_per_second = 2000\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["scrub", "status", "--json", "--policies"])
+        .arg(&policy_dir)
+        .args(["--nats", &stack.url])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "scrub status: {said}");
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |tier: &str| {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["tier"] == tier)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {tier} row: {rows:#}"))
+    };
+    let capacity = row("capacity");
+    assert_eq!(capacity["damaged_total"], 1, "{capacity:#}");
+    let copy = capacity["damaged"][0]["replica"].as_str().unwrap();
+    assert!(copy.contains(&format!("dmg@{}", &damaged[..12])), "{copy}");
+    assert!(
+        capacity["damaged"][0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("no verified replica")),
+        "{capacity:#}"
+    );
+    assert_eq!(row("hot")["damaged_total"], 0, "{rows:#}");
 }

@@ -5,12 +5,12 @@
 //! the services drained, and every store under the home unlocked and intact, so that a second
 //! `up` on the same home serves the same catalogue.
 
-use std::io::{BufRead, BufReader};
+mod up_child;
+
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
@@ -19,13 +19,7 @@ use stagehand_catalogue::{Answer, Query, ask};
 use stagehand_catalogue_recorder::{Store, answer};
 use stagehand_schemas::{Body, EventId, FileRef, sha256_hex, version_digest};
 use stagehand_testkit::wait_for;
-
-/// Bound on start-up (nats-server, streams, services, the catalogue answering).
-const START: Duration = Duration::from_secs(90);
-/// Bound on a clean stop: the services' drain deadline plus the server's own shutdown.
-const STOP: Duration = Duration::from_secs(
-    stagehand::up::STOP_DEADLINE.as_secs() + 30, // the server flushes JetStream after the drain
-);
+use up_child::{START, STOP, Up, server_processes};
 
 /// A loopback port nothing listens on right now.
 fn free_port() -> anyhow::Result<u16> {
@@ -38,182 +32,6 @@ fn accepts(port: u16) -> bool {
         Duration::from_secs(1),
     )
     .is_ok()
-}
-
-/// A running `stagehand up`: the child, its stdout lines as they come, its stderr in a file.
-struct Up {
-    child: Child,
-    home: PathBuf,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-    stderr: PathBuf,
-}
-
-impl Up {
-    fn start(home: &Path, port: u16, stderr: PathBuf) -> anyhow::Result<Up> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-            .args(["up", "--home"])
-            .arg(home)
-            .args(["--port", &port.to_string()])
-            .env(
-                "STAGEHAND_NATS_SERVER",
-                stagehand_testkit::nats_server_binary(),
-            )
-            .env_remove("STAGEHAND_NATS_URL")
-            .env_remove("STAGEHAND_HOME")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr)?)
-            // Its own process group, as a shell gives a foreground job: a Ctrl-C from the
-            // "terminal" below reaches `up` and everything it started, and nothing else.
-            .process_group(0)
-            .spawn()
-            .context("starting stagehand up")?;
-        let stdout = child.stdout.take().context("stdout of stagehand up")?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Up {
-            child,
-            home: home.to_owned(),
-            lines,
-            seen: Vec::new(),
-            stderr,
-        })
-    }
-
-    fn pid(&self) -> i32 {
-        i32::try_from(self.child.id()).expect("pid fits i32")
-    }
-
-    /// What the process said so far, for failure messages.
-    fn output(&mut self) -> String {
-        self.seen.extend(self.lines.try_iter());
-        let stderr = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let tail: Vec<&str> = stderr.lines().rev().take(40).collect();
-        format!(
-            "stdout:\n{}\nstderr (last lines):\n{}",
-            self.seen.join("\n"),
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        )
-    }
-
-    /// Waits until `up` prints that it is up; fails at once if it exits first.
-    async fn wait_up(&mut self) -> anyhow::Result<()> {
-        let found = wait_for(START, "`stagehand up` to print that it is up", || {
-            self.seen.extend(self.lines.try_iter());
-            let up = self.seen.iter().any(|l| l.starts_with("stagehand is up"));
-            let exited = self.child.try_wait().ok().flatten();
-            async move {
-                match (up, exited) {
-                    (true, _) => Some(Ok(())),
-                    (false, Some(status)) => Some(Err(status)),
-                    (false, None) => None,
-                }
-            }
-        })
-        .await;
-        match found {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(status)) => bail!(
-                "stagehand up exited with {status} before it was up\n{}",
-                self.output()
-            ),
-            Err(e) => bail!("{e}\n{}", self.output()),
-        }
-    }
-
-    /// Sends SIGINT to the whole process group, as a terminal does on Ctrl-C.
-    fn ctrl_c(&self) -> anyhow::Result<()> {
-        let pgid = rustix::process::Pid::from_raw(self.pid()).context("pid")?;
-        rustix::process::kill_process_group(pgid, rustix::process::Signal::INT)?;
-        Ok(())
-    }
-
-    /// Waits, within [`STOP`], for the process to exit.
-    async fn wait_exit(&mut self) -> anyhow::Result<ExitStatus> {
-        let child = &mut self.child;
-        let status = wait_for(STOP, "`stagehand up` to exit after Ctrl-C", || {
-            let status = child.try_wait().ok().flatten();
-            async move { status }
-        })
-        .await;
-        match status {
-            Ok(status) => Ok(status),
-            Err(e) => bail!("{e}\n{}", self.output()),
-        }
-    }
-}
-
-impl Drop for Up {
-    /// A failed test must not leave processes behind: kill `up`'s group if it still runs, and
-    /// the nats-server it started for this home (which runs in a group of its own).
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            if let Some(pgid) = rustix::process::Pid::from_raw(self.pid()) {
-                let _ = rustix::process::kill_process_group(pgid, rustix::process::Signal::KILL);
-            }
-            let _ = self.child.wait();
-        }
-        for (pid, _) in server_processes(&self.home) {
-            if let Some(pid) = rustix::process::Pid::from_raw(pid) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-            }
-        }
-    }
-}
-
-/// Live (not zombie) processes whose command line mentions `needle`, with their parent pid.
-fn processes_mentioning(needle: &str) -> Vec<(i32, i32)> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return found;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        if !String::from_utf8_lossy(&cmdline)
-            .replace('\0', " ")
-            .contains(needle)
-        {
-            continue;
-        }
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
-        let mut rest = stat
-            .rsplit_once(')')
-            .map(|(_, r)| r)
-            .unwrap_or("")
-            .split_whitespace();
-        let state = rest.next().unwrap_or("");
-        let ppid = rest.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        if state != "Z" && state != "X" {
-            found.push((pid, ppid));
-        }
-    }
-    found
-}
-
-/// The nats-server `up` started for `home`: recognised by its configuration file under the home.
-fn server_processes(home: &Path) -> Vec<(i32, i32)> {
-    processes_mentioning(&home.join("nats-dev.conf").display().to_string())
 }
 
 /// Runs the real `stagehand` binary against `url` and returns its stdout; fails on non-zero.
@@ -324,7 +142,7 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
     let port = free_port()?;
     let url = format!("nats://127.0.0.1:{port}");
 
-    let mut up = Up::start(&home, port, logs.path().join("up-1.stderr"))?;
+    let mut up = Up::start(&home, port, logs.path().join("up-1.stderr"), &[])?;
     up.wait_up().await?;
     let client = catalogue_answers(&url).await?;
     ensure!(
@@ -436,7 +254,7 @@ async fn up_runs_ingest_and_stops_cleanly_on_ctrl_c() -> anyhow::Result<()> {
     // A second `up` on the same home (another port) serves the same catalogue.
     let port2 = free_port()?;
     let url2 = format!("nats://127.0.0.1:{port2}");
-    let mut up2 = Up::start(&home, port2, logs.path().join("up-2.stderr"))?;
+    let mut up2 = Up::start(&home, port2, logs.path().join("up-2.stderr"), &[])?;
     up2.wait_up().await?;
     drop(catalogue_answers(&url2).await?);
     let out = stagehand(&url2, &home, &["catalogue", "datasets", "--json"])?;
@@ -466,7 +284,7 @@ async fn a_sigkilled_up_takes_its_nats_server_with_it() -> anyhow::Result<()> {
     let home = home_dir.path().join("home");
     let logs = tempfile::tempdir()?;
     let port = free_port()?;
-    let mut up = Up::start(&home, port, logs.path().join("up.stderr"))?;
+    let mut up = Up::start(&home, port, logs.path().join("up.stderr"), &[])?;
     up.wait_up().await?;
     let servers = server_processes(&home);
     ensure!(
@@ -527,7 +345,7 @@ async fn the_next_up_stops_a_server_left_behind_and_says_so() -> anyhow::Result<
 
     let logs = tempfile::tempdir()?;
     let port = free_port()?;
-    let mut up = Up::start(&home, port, logs.path().join("up.stderr"))?;
+    let mut up = Up::start(&home, port, logs.path().join("up.stderr"), &[])?;
     up.wait_up().await?;
     let said = up.output();
     ensure!(
@@ -557,4 +375,48 @@ async fn the_next_up_stops_a_server_left_behind_and_says_so() -> anyhow::Result<
 /// SIGTERM's number, for exit statuses.
 fn libc_sigterm() -> i32 {
     rustix::process::Signal::TERM.as_raw()
+}
+
+/// `stagehand up` serves one `/metrics` for every service it runs (issue 18 item 2): each
+/// service's series carry its own `service` label, and the probes answer beside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_serves_the_metrics_of_every_service_it_runs() -> anyhow::Result<()> {
+    let home_dir = tempfile::tempdir()?;
+    let home = home_dir.path().join("home");
+    let logs = tempfile::tempdir()?;
+    let port = free_port()?;
+    let mut up = Up::start(&home, port, logs.path().join("up.stderr"), &[])?;
+    up.wait_up().await?;
+    let metrics = up.metrics_port()?;
+    let scrape = || {
+        stagehand_testkit::http_get(metrics, "/metrics")
+            .map(|(status, body)| (status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    let every_service = wait_for(START, "every service's series on up's /metrics", || {
+        let got = scrape();
+        async move {
+            let (status, body) = got.ok()?;
+            let all = stagehand::up::SERVICES.iter().all(|(service, _)| {
+                body.lines().any(|l| {
+                    l.starts_with(&format!(
+                        "{}{{service=\"{service}\"",
+                        stagehand_telemetry::names::SERVICE_INFO
+                    )) && l.ends_with(" 1")
+                })
+            });
+            (status == 200 && all).then_some(())
+        }
+    })
+    .await;
+    if let Err(e) = every_service {
+        bail!("{e}\n{:?}\n{}", scrape(), up.output());
+    }
+    let (status, _) = stagehand_testkit::http_get(metrics, "/healthz")?;
+    ensure!(status == 200, "/healthz answered {status}");
+    ctrl_c_and_check(&mut up, &home, port).await?;
+    ensure!(
+        !accepts(metrics),
+        "the metrics port still accepts connections after up stopped"
+    );
+    Ok(())
 }

@@ -34,6 +34,7 @@
 
 mod accounts;
 mod drained;
+mod election;
 mod events;
 mod facts;
 mod files;
@@ -55,6 +56,7 @@ pub use accounts::{
     subscribe_allowed, user_url,
 };
 pub use drained::{Drained, consumer_state, drained, drained_through, wait_drained};
+pub use election::{ELECTION, stored_events_through_election, stream_leader};
 pub use events::{StageRequest, validated_fact};
 pub use facts::{
     StoredEventsError, StoredMessage, facts_caused_by, stored_events, stored_facts, stored_messages,
@@ -62,7 +64,7 @@ pub use facts::{
 pub use files::{list_dir, pattern_bytes, put_files};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
 pub use policies::{PolicyFiles, TierSpec, VALIDATION};
-pub use prometheus::{Prometheus, scrape_sample};
+pub use prometheus::{Prometheus, http_get, scrape_sample};
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
 pub use stack::{ServiceProcess, Stack, StackBuilder};
 pub use tls::{DEPLOY_TLS_DIR, TestCa};

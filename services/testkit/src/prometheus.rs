@@ -145,8 +145,9 @@ impl Drop for Prometheus {
     }
 }
 
-/// One HTTP/1.0 GET on loopback (no chunked answers to decode): status and body.
-fn http_get(port: u16, path: &str) -> std::io::Result<(u16, Vec<u8>)> {
+/// One HTTP/1.0 GET on loopback (no chunked answers to decode): status and body. Also what a
+/// test scrapes a service's `/metrics` or probes its `/healthz` with.
+pub fn http_get(port: u16, path: &str) -> std::io::Result<(u16, Vec<u8>)> {
     let mut stream = TcpStream::connect_timeout(
         &SocketAddr::from(([127, 0, 0, 1], port)),
         Duration::from_secs(2),

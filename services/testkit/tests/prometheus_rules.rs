@@ -134,6 +134,7 @@ fn every_alert_is_unit_tested_and_names_its_runbook_page() {
         "StagehandQuotaNearlyFull",
         "StagehandDrillFailed",
         "StagehandDrillOverdue",
+        "StagehandScrubBehind",
     ] {
         assert!(names.contains(wanted), "{wanted} missing: {names:?}");
     }

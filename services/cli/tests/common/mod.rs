@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use stagehand::stage::{STAGES_BUCKET, Stage, StageStatus};
-use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings};
+use stagehand_bus::runner::{self, ServiceConfig, ServiceSettings, WorkerSettings};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_schemas::{Event, EventId, FileRef, sha256_hex, version_digest};
 use stagehand_testkit::{NatsServer, wait_for};
@@ -38,6 +38,8 @@ pub struct Stagehand {
     pub policies: PathBuf,
     bus_config: BusConfig,
     stop: CancellationToken,
+    /// The recorder's own stop, a child of `stop`, so that a test can stop it alone.
+    recorder_stop: CancellationToken,
     tasks: Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>,
 }
 
@@ -76,9 +78,29 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     T: Send + 'static,
 {
+    spawn_with(bus, name, settings, WorkerSettings::default(), serve, stop)
+}
+
+/// [`spawn`] with the runtime's tunables (`[worker]`) given.
+fn spawn_with<S, F, Fut, T, E>(
+    bus: &BusConfig,
+    name: &'static str,
+    settings: S,
+    worker: WorkerSettings,
+    serve: F,
+    stop: CancellationToken,
+) -> JoinHandle<anyhow::Result<()>>
+where
+    S: ServiceSettings + Send + 'static,
+    F: FnOnce(runner::Context<S>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    T: Send + 'static,
+{
     let mut bus = bus.clone();
     bus.client_name = name.to_owned();
-    let config = ServiceConfig::new(bus, settings);
+    let mut config = ServiceConfig::new(bus, settings);
+    config.worker = worker;
     tokio::spawn(async move {
         runner::run(name, config, stop, serve)
             .await
@@ -155,20 +177,12 @@ impl Stagehand {
             policies: policies.clone(),
             home,
             bus_config,
+            recorder_stop: stop.child_token(),
             stop,
             tasks: Vec::new(),
         };
         let home = me.home.path().to_owned();
-        me.tasks.push((
-            stagehand_catalogue_recorder::SERVICE,
-            spawn(
-                &me.bus_config,
-                stagehand_catalogue_recorder::SERVICE,
-                stagehand_catalogue_recorder::Settings::dev(&home, &policies),
-                stagehand_catalogue_recorder::serve,
-                me.stop.clone(),
-            ),
-        ));
+        me.start_recorder();
         if opts.promoter {
             me.tasks.push((
                 stagehand_promoter::SERVICE,
@@ -211,6 +225,68 @@ impl Stagehand {
                 &self.bus_config,
                 stagehand_ingest_validator::SERVICE,
                 stagehand_ingest_validator::Settings::dev(&home, &self.policies),
+                stagehand_ingest_validator::serve,
+                self.stop.clone(),
+            ),
+        ));
+    }
+
+    /// Stops the catalogue recorder as its supervisor would (it drains and writes its stop into
+    /// its heartbeat), and waits until it has; [`Stagehand::start_recorder`] starts it again.
+    pub async fn stop_recorder(&mut self) -> anyhow::Result<()> {
+        self.recorder_stop.cancel();
+        let at = self
+            .tasks
+            .iter()
+            .position(|(name, _)| *name == stagehand_catalogue_recorder::SERVICE)
+            .context("no recorder runs")?;
+        let (_, task) = self.tasks.remove(at);
+        task.await??;
+        Ok(())
+    }
+
+    /// Starts the catalogue recorder again on its store under the home.
+    pub fn start_recorder(&mut self) {
+        self.recorder_stop = self.stop.child_token();
+        let home = self.home.path().to_owned();
+        self.tasks.push((
+            stagehand_catalogue_recorder::SERVICE,
+            spawn(
+                &self.bus_config,
+                stagehand_catalogue_recorder::SERVICE,
+                stagehand_catalogue_recorder::Settings::dev(&home, &self.policies),
+                stagehand_catalogue_recorder::serve,
+                self.recorder_stop.clone(),
+            ),
+        ));
+    }
+
+    /// Starts the shared promoter (a stack started without it).
+    pub fn start_promoter(&mut self) {
+        let home = self.home.path().to_owned();
+        self.tasks.push((
+            stagehand_promoter::SERVICE,
+            spawn(
+                &self.bus_config,
+                stagehand_promoter::SERVICE,
+                stagehand_promoter::Settings::dev(&home, &self.policies),
+                stagehand_promoter::serve,
+                self.stop.clone(),
+            ),
+        ));
+    }
+
+    /// Starts the ingest validator with the runtime's tunables `worker` (a test that needs it
+    /// to give up on a request after fewer, quicker attempts than in production).
+    pub fn start_validator_with(&mut self, worker: WorkerSettings) {
+        let home = self.home.path().to_owned();
+        self.tasks.push((
+            stagehand_ingest_validator::SERVICE,
+            spawn_with(
+                &self.bus_config,
+                stagehand_ingest_validator::SERVICE,
+                stagehand_ingest_validator::Settings::dev(&home, &self.policies),
+                worker,
                 stagehand_ingest_validator::serve,
                 self.stop.clone(),
             ),
@@ -280,6 +356,35 @@ impl Stagehand {
         })
         .await
         .map_err(Into::into)
+    }
+
+    /// What the stack knows of `stage`, for a failing test's message: whether its request is
+    /// stored, its `stagehand_stages` entry as written, and which services have stopped.
+    pub async fn explain(&self, stage: &Stage) -> String {
+        let subject = format!("stagehand.req.stage.requested.{}", stage.project);
+        let request = match self.scan(&subject, &stage.request_id()).await {
+            Ok(Some(_)) => "stored".to_owned(),
+            Ok(None) => "not stored".to_owned(),
+            Err(e) => format!("unknown ({e})"),
+        };
+        let status = match self.bus.jetstream().get_key_value(STAGES_BUCKET).await {
+            Ok(kv) => match kv.get(stage.status_key()).await {
+                Ok(Some(value)) => String::from_utf8_lossy(&value).into_owned(),
+                Ok(None) => "none".to_owned(),
+                Err(e) => format!("unreadable ({e})"),
+            },
+            Err(e) => format!("unreadable ({e})"),
+        };
+        let stopped: Vec<&str> = self
+            .tasks
+            .iter()
+            .filter(|(_, task)| task.is_finished())
+            .map(|(name, _)| *name)
+            .collect();
+        format!(
+            "stage {}: request {request}; status {status}; services stopped: {stopped:?}",
+            stage.status_key()
+        )
     }
 
     /// The stage's status in `stagehand_stages`, once the recorder has written one that

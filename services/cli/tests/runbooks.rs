@@ -1,0 +1,956 @@
+//! The runbooks are executed as written. Every fenced shell block (```sh or ```bash) of
+//! `runbooks/*.md` runs verbatim, in order, with `bash -euo pipefail`, in the environment
+//! `runbooks/README.md` documents (the built `stagehand` first on `PATH`, `STAGEHAND_NATS_URL`,
+//! `STAGEHAND_HOME`, `STAGEHAND_PROJECT`, and the page's own variables from its *You need*
+//! section), against a real nats-server with the real services in which the test first
+//! produced the page's failure; the page's *Confirm* blocks must then succeed (they are run
+//! again until they do, within a deadline, as an operator reruns `stagehand status`). A command
+//! or flag that does not exist fails the suite twice: in the static check of every
+//! `stagehand …` line and when its block runs. Blocks of another kind are output samples
+//! (`text`) or file contents (`toml`, `json`); anything else (`console`, an untyped fence) is
+//! refused, so that no command can hide from the run.
+//!
+//! Also checked: every `runbook_url` of `deploy/prometheus/alerts.rules.yml` and every page
+//! `stagehand status` names is a page that exists, and the README lists every page.
+//!
+//! One stack for the pages that share it; its scenarios run one after the other, each
+//! starting from a `stagehand status` that exits 0 and ending when it does again. What a
+//! person does outside Stagehand (an uploader fixing a folder, a supervisor restarting a
+//! service, a disk's owner moving files) the test does between the page's sections, as the
+//! page says. Stage-stuck runs on a stack of its own, as it needs the validator from the start
+//! and no promoter.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{PROJECT, Stagehand, WAIT};
+use stagehand_bus::runner::WorkerSettings;
+use stagehand_manifest::{Manifest, ManifestStore};
+use stagehand_schemas::{EventId, FileRef, Location, sha256_hex};
+use stagehand_testkit::{
+    ServiceProcess, StageRequest, Tmpfs, repo_root, validated_fact, wait_until_blocking,
+};
+use time::OffsetDateTime;
+
+/// Fence languages whose blocks run.
+const SHELL: &[&str] = &["sh", "bash"];
+/// Fence languages that are samples or file contents, never run.
+const SAMPLES: &[&str] = &["text", "toml", "json"];
+
+/// Pages whose failure this suite does not produce yet, each with why; their commands are
+/// still checked against the CLI (`every_stagehand_command_in_the_pages_exists`).
+const NOT_YET_RUN: &[(&str, &str)] = &[
+    (
+        "backlog-growing.md",
+        "status names a consumer once its oldest message waited 10 minutes",
+    ),
+    (
+        "drill-failed.md",
+        "needs the backup copier, a backup tier and a damaged backup",
+    ),
+    (
+        "drill-overdue.md",
+        "needs the backup copier and a drill clock held back",
+    ),
+    (
+        "s3-tier-unreachable.md",
+        "needs an S3 source tier behind a connection the test can cut",
+    ),
+    (
+        "replica-damaged.md",
+        "needs a scrub pass finding damage no other copy can repair; the scrub's own test \
+         (-p stagehand-demoter --test scrub) produces it",
+    ),
+    (
+        "stray-data.md",
+        "needs stray folders and a lost copy planted on a tier; the audit's own test \
+         (-p stagehand --test audit) produces them",
+    ),
+    (
+        "scrub-behind.md",
+        "needs a tier holding more than the scrub's budget reads in its period",
+    ),
+    (
+        "new-project.md",
+        "its failure (an uploader refused by NATS) needs the stack with the shipped accounts",
+    ),
+];
+
+/// Pages the stack tests below run, each with its failure produced.
+const RUN: &[&str] = &[
+    "dead-letters-waiting.md",
+    "inspect-rejected-upload.md",
+    "catalogue-problems.md",
+    "rebuild-catalogue.md",
+    "tier-above-watermark.md",
+    "quota-nearly-full.md",
+    "service-silent.md",
+    "stage-stuck.md",
+];
+
+#[test]
+fn every_page_is_run_or_listed_as_not_yet_run() {
+    let pages: BTreeSet<String> = page_names().into_iter().collect();
+    let mut listed = BTreeSet::new();
+    for page in RUN.iter().chain(NOT_YET_RUN.iter().map(|(p, _)| p)) {
+        assert!(listed.insert((*page).to_owned()), "{page} listed twice");
+    }
+    assert_eq!(pages, listed, "runbooks/ against RUN and NOT_YET_RUN");
+}
+
+/// One fenced block of a page.
+#[derive(Debug, Clone)]
+struct Block {
+    /// Line of the opening fence, from 1.
+    line: usize,
+    /// The `## ` heading the block is under.
+    section: String,
+    lang: String,
+    code: String,
+}
+
+/// A runbook page: its headings and blocks.
+#[derive(Debug)]
+struct Page {
+    name: String,
+    headings: Vec<String>,
+    blocks: Vec<Block>,
+}
+
+fn pages_dir() -> PathBuf {
+    repo_root().join("runbooks")
+}
+
+impl Page {
+    fn read(name: &str) -> Page {
+        let path = pages_dir().join(name);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let mut headings = Vec::new();
+        let mut blocks = Vec::new();
+        let mut section = String::new();
+        let mut open: Option<(usize, String, String, String)> = None;
+        for (i, line) in text.lines().enumerate() {
+            let trimmed = line.trim_start();
+            if let Some((start, indent, lang, mut code)) = open.take() {
+                if trimmed.starts_with("```") {
+                    blocks.push(Block {
+                        line: start,
+                        section: section.clone(),
+                        lang,
+                        code,
+                    });
+                } else {
+                    code.push_str(line.strip_prefix(indent.as_str()).unwrap_or(trimmed));
+                    code.push('\n');
+                    open = Some((start, indent, lang, code));
+                }
+                continue;
+            }
+            if let Some(lang) = trimmed.strip_prefix("```") {
+                let indent = line[..line.len() - trimmed.len()].to_owned();
+                open = Some((i + 1, indent, lang.trim().to_owned(), String::new()));
+            } else if let Some(h) = line.strip_prefix("## ") {
+                section = h.trim().to_owned();
+                headings.push(section.clone());
+            }
+        }
+        assert!(open.is_none(), "{name}: a fence is never closed");
+        Page {
+            name: name.to_owned(),
+            headings,
+            blocks,
+        }
+    }
+
+    fn shell_blocks(&self) -> impl Iterator<Item = &Block> {
+        self.blocks
+            .iter()
+            .filter(|b| SHELL.contains(&b.lang.as_str()))
+    }
+
+    /// The blocks of the sections from the one whose heading starts with `from` (the first
+    /// section when none) up to, not including, the one starting with `to` (to the end).
+    fn between(&self, from: Option<&str>, to: Option<&str>) -> Vec<&Block> {
+        let index = |wanted: &str| {
+            self.headings
+                .iter()
+                .position(|h| h.starts_with(wanted))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: no section {wanted:?} in {:?}",
+                        self.name, self.headings
+                    )
+                })
+        };
+        let first = from.map_or(0, index);
+        let end = to.map_or(self.headings.len(), index);
+        self.shell_blocks()
+            .filter(|b| {
+                // Blocks before the first heading belong to no section: the page's opening.
+                let at = self.headings.iter().position(|h| *h == b.section);
+                at.is_some_and(|at| (first..end).contains(&at)) || (at.is_none() && from.is_none())
+            })
+            .collect()
+    }
+}
+
+/// Every page of `runbooks/` but the README, sorted.
+fn page_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(pages_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".md") && n != "README.md")
+        .collect();
+    names.sort();
+    names
+}
+
+/// `runbooks/<page>.md` named anywhere in `text`.
+fn pages_named_in(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for (at, _) in text.match_indices("runbooks/") {
+        let rest = &text[at + "runbooks/".len()..];
+        let end = rest
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.'))
+            .unwrap_or(rest.len());
+        let name = rest[..end].trim_end_matches('.');
+        if name.ends_with(".md") {
+            out.insert(name.to_owned());
+        }
+    }
+    out
+}
+
+#[test]
+fn every_block_is_a_shell_block_or_a_sample_and_every_page_has_symptoms_and_confirm() {
+    let mut wrong = Vec::new();
+    for name in page_names() {
+        let page = Page::read(&name);
+        for b in &page.blocks {
+            if !SHELL.contains(&b.lang.as_str()) && !SAMPLES.contains(&b.lang.as_str()) {
+                wrong.push(format!(
+                    "{name}:{}: a ```{} block (shell blocks are sh or bash; samples text, toml or json)",
+                    b.line, b.lang
+                ));
+            }
+        }
+        for wanted in ["Symptoms", "Confirm"] {
+            if !page.headings.iter().any(|h| h.starts_with(wanted)) {
+                wrong.push(format!("{name}: no `## {wanted}` section"));
+            }
+        }
+        if page.shell_blocks().next().is_none() {
+            wrong.push(format!("{name}: no shell block"));
+        }
+        if page.between(Some("Confirm"), None).is_empty() {
+            wrong.push(format!("{name}: its Confirm section has no shell block"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+#[test]
+fn every_page_the_alerts_status_and_readme_name_exists_and_the_readme_lists_every_page() {
+    let pages: BTreeSet<String> = page_names().into_iter().collect();
+    let root = repo_root();
+    let alerts = std::fs::read_to_string(root.join("deploy/prometheus/alerts.rules.yml")).unwrap();
+    let urls: Vec<&str> = alerts
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("runbook_url:"))
+        .map(str::trim)
+        .collect();
+    assert!(urls.len() >= 8, "runbook_urls: {urls:?}");
+    let mut missing = Vec::new();
+    for url in &urls {
+        match url.strip_prefix("runbooks/") {
+            Some(page) if pages.contains(page) => {}
+            _ => missing.push(format!("alerts.rules.yml: runbook_url {url}")),
+        }
+    }
+    let status = std::fs::read_to_string(root.join("services/cli/src/status.rs")).unwrap();
+    let named = pages_named_in(&status);
+    assert!(named.len() >= 5, "status.rs names {named:?}");
+    for page in named {
+        if !pages.contains(&page) {
+            missing.push(format!("status.rs: runbooks/{page}"));
+        }
+    }
+    let readme = std::fs::read_to_string(pages_dir().join("README.md")).unwrap();
+    for page in &pages {
+        if !readme.contains(&format!("]({page})")) {
+            missing.push(format!("README.md does not list {page}"));
+        }
+    }
+    for name in &pages {
+        for linked in pages_named_in(&std::fs::read_to_string(pages_dir().join(name)).unwrap()) {
+            if !pages.contains(&linked) {
+                missing.push(format!("{name}: links runbooks/{linked}"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "{}", missing.join("\n"));
+}
+
+/// Each `stagehand …` command of a shell line: its words up to the end of the command.
+fn stagehand_commands(code: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    for line in code.lines() {
+        // A comment starts at a `#` after a blank.
+        let line = match line.find(" #") {
+            Some(at) => &line[..at],
+            None if line.trim_start().starts_with('#') => "",
+            None => line,
+        };
+        let mut rest = line;
+        while let Some(at) = rest.find("stagehand ") {
+            let before = rest[..at].trim_end();
+            let starts_command = before.is_empty()
+                || ["|", ";", "&&", "||", "$(", "do", "then", "!"]
+                    .iter()
+                    .any(|sep| before.ends_with(sep));
+            let tail = &rest[at + "stagehand ".len()..];
+            let end = tail.find(['|', ';', ')', '&']).unwrap_or(tail.len());
+            if starts_command {
+                out.push(tail[..end].split_whitespace().map(str::to_owned).collect());
+            }
+            rest = &tail[end..];
+        }
+    }
+    out
+}
+
+#[test]
+fn every_stagehand_command_in_the_pages_exists_with_its_flags() {
+    let mut wrong = Vec::new();
+    let mut seen = 0;
+    for name in page_names().into_iter().chain(["README.md".to_owned()]) {
+        let page = Page::read(&name);
+        for b in page.shell_blocks() {
+            for words in stagehand_commands(&b.code) {
+                seen += 1;
+                // The subcommands: the leading plain words.
+                let path: Vec<&str> = words
+                    .iter()
+                    .map(String::as_str)
+                    .take_while(|w| {
+                        w.chars().all(|c| c.is_ascii_lowercase() || c == '-') && !w.starts_with('-')
+                    })
+                    .collect();
+                let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+                    .args(&path)
+                    .arg("--help")
+                    .output()
+                    .unwrap();
+                let help = String::from_utf8_lossy(&out.stdout);
+                if !out.status.success() {
+                    wrong.push(format!(
+                        "{name}:{}: `stagehand {}`: {}",
+                        b.line,
+                        path.join(" "),
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ));
+                    continue;
+                }
+                for flag in words.iter().filter(|w| w.starts_with("--")) {
+                    let flag = flag.split('=').next().unwrap();
+                    let known = help
+                        .split(|c: char| c.is_whitespace() || c == ',' || c == '[' || c == '<')
+                        .any(|w| w == flag);
+                    if !known {
+                        wrong.push(format!(
+                            "{name}:{}: `stagehand {}` has no {flag}",
+                            b.line,
+                            path.join(" ")
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(seen > 20, "only {seen} stagehand commands found");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// An operator's shell: the environment `runbooks/README.md` documents, and the variables the
+/// blocks run so far have set.
+struct Shell {
+    env: BTreeMap<String, String>,
+    dir: tempfile::TempDir,
+}
+
+/// What one run of blocks did.
+struct Ran {
+    ok: bool,
+    output: String,
+}
+
+impl Shell {
+    fn new(stack: &Stagehand) -> Shell {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = Path::new(env!("CARGO_BIN_EXE_stagehand")).parent().unwrap();
+        let home = dir.path().join("operator");
+        std::fs::create_dir_all(&home).unwrap();
+        let env = BTreeMap::from([
+            (
+                "PATH".to_owned(),
+                format!("{}:/usr/local/bin:/usr/bin:/bin", bin.display()),
+            ),
+            ("HOME".to_owned(), home.display().to_string()),
+            ("USER".to_owned(), "oncall".to_owned()),
+            ("LANG".to_owned(), "C.UTF-8".to_owned()),
+            (stagehand_bus::env::NATS_URL.to_owned(), stack.url.clone()),
+            (
+                "STAGEHAND_HOME".to_owned(),
+                stack.home.path().display().to_string(),
+            ),
+            ("STAGEHAND_PROJECT".to_owned(), PROJECT.to_owned()),
+        ]);
+        Shell { env, dir }
+    }
+
+    fn set(&mut self, var: &str, value: impl Into<String>) {
+        self.env.insert(var.to_owned(), value.into());
+    }
+
+    /// Runs `blocks` as one script; on success the variables they set stay set.
+    fn run(&mut self, page: &str, blocks: &[&Block]) -> Ran {
+        let mut script = String::from("set -a\n");
+        for b in blocks {
+            script.push_str(&format!("# runbooks/{page}:{}\n{}", b.line, b.code));
+        }
+        script.push_str("env -0 > \"$1\"\n");
+        let keep = self.dir.path().join("env");
+        let out = Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &script, "runbook"])
+            .arg(&keep)
+            .env_clear()
+            .envs(&self.env)
+            .current_dir(self.dir.path())
+            .output()
+            .unwrap();
+        let output = format!(
+            "{script}\n--- stdout\n{}--- stderr\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            return Ran { ok: false, output };
+        }
+        let kept = std::fs::read(&keep).unwrap();
+        for pair in kept.split(|b| *b == 0).filter(|p| !p.is_empty()) {
+            let pair = String::from_utf8_lossy(pair);
+            if let Some((k, v)) = pair.split_once('=')
+                && !["PWD", "OLDPWD", "SHLVL", "_"].contains(&k)
+            {
+                self.env.insert(k.to_owned(), v.to_owned());
+            }
+        }
+        Ran { ok: true, output }
+    }
+
+    /// Runs the blocks of `page` from section `from` up to section `to`; panics, with the
+    /// script and its output, when they fail.
+    fn steps(&mut self, page: &Page, from: Option<&str>, to: Option<&str>) {
+        let blocks = page.between(from, to);
+        assert!(
+            !blocks.is_empty(),
+            "{}: no shell block between {from:?} and {to:?}",
+            page.name
+        );
+        let ran = self.run(&page.name, &blocks);
+        assert!(ran.ok, "runbooks/{} failed:\n{}", page.name, ran.output);
+    }
+
+    /// Runs the page's Confirm blocks until they succeed.
+    fn confirm(&mut self, page: &Page) {
+        let blocks = page.between(Some("Confirm"), None);
+        let mut last = String::new();
+        let done = wait_until_blocking(WAIT, &format!("runbooks/{} confirmed", page.name), || {
+            let ran = self.run(&page.name, &blocks);
+            last = ran.output;
+            ran.ok
+        });
+        if let Err(e) = done {
+            let services = self
+                .status()
+                .map(|(_, r)| r["services"].clone())
+                .unwrap_or_default();
+            panic!("{e}; the last run:\n{last}\nservices now: {services:#}");
+        }
+    }
+
+    /// `stagehand status --json` as this shell runs it: its exit code and its object.
+    fn status(&self) -> Option<(i32, serde_json::Value)> {
+        let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+            .args(["status", "--json"])
+            .env_clear()
+            .envs(&self.env)
+            .output()
+            .unwrap();
+        let code = out.status.code()?;
+        (code == 0 || code == 1).then(|| (code, serde_json::from_slice(&out.stdout).unwrap()))
+    }
+
+    /// Waits until `stagehand status` exits 0: nothing needs a person.
+    fn quiet(&self, before: &str) {
+        let mut last = serde_json::Value::Null;
+        let done = wait_until_blocking(
+            WAIT,
+            &format!("status quiet before {before}"),
+            || match self.status() {
+                Some((code, report)) => {
+                    last = report;
+                    code == 0
+                }
+                None => false,
+            },
+        );
+        if let Err(e) = done {
+            panic!("{e}: {last:#}");
+        }
+    }
+
+    /// Waits until `stagehand status` names `page` for a finding; returns the finding.
+    fn status_names(&self, page: &str) -> serde_json::Value {
+        let mut last = serde_json::Value::Null;
+        let wanted = format!("runbooks/{page}");
+        let found = wait_until_blocking(WAIT, &format!("status naming {wanted}"), || {
+            let Some((code, report)) = self.status() else {
+                return false;
+            };
+            let hit = code == 1
+                && report["findings"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|f| f["run"].as_str().unwrap().contains(&wanted));
+            last = report;
+            hit
+        });
+        if let Err(e) = found {
+            panic!("{e}: {last:#}");
+        }
+        last["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["run"].as_str().unwrap().contains(&wanted))
+            .unwrap()
+            .clone()
+    }
+}
+
+/// Writes `n` small files of an upload beneath `folder`: enough of them that the manifest
+/// travels by reference, through the project's upload bucket.
+fn write_upload(folder: &Path, n: usize) {
+    for i in 0..n {
+        let path = folder.join(format!("shard-{:02}/sample-{i:05}.txt", i % 16));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, format!("sample {i}\n")).unwrap();
+    }
+}
+
+/// The pages that need no more than the shared stack (a nats-server, the recorder, the
+/// validator), each with its failure produced and fixed in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
+    let mut stack = Stagehand::start(common::Options::default()).await.unwrap();
+    // The hot tier is a 64 MiB filesystem of its own (mounted below), of which Stagehand may
+    // use 48 MiB.
+    let tiers = stack.policies.join("tiers.toml");
+    let text = std::fs::read_to_string(&tiers).unwrap();
+    let text = text
+        .replacen("capacity = \"100 GiB\"", "capacity = \"48 MiB\"", 1)
+        .replacen("default = \"50 GiB\"", "default = \"40 MiB\"", 1);
+    assert!(text.contains("48 MiB") && text.contains("40 MiB"), "{text}");
+    std::fs::write(&tiers, text).unwrap();
+    let hot = stack.home.path().join("tiers/hot");
+    let disk = Tmpfs::mount(&hot, "64m");
+    let mut shell = Shell::new(&stack);
+    let mut exercised = BTreeSet::new();
+    shell.quiet("the first page");
+
+    // dead-letters-waiting: an upload whose manifest object vanished before the validator
+    // read it is retried, then dead-lettered; the uploader puts it back and on-call replays.
+    let page = Page::read("dead-letters-waiting.md");
+    let uploads = tempfile::tempdir().unwrap();
+    let birds = uploads.path().join("birds");
+    write_upload(&birds, 4000);
+    stack.ingest(&birds, "birds", false).unwrap();
+    let manifests = stack
+        .bus
+        .jetstream()
+        .get_object_store(stagehand_schemas::subject::upload_manifest_bucket(PROJECT))
+        .await
+        .unwrap();
+    let names: Vec<String> = {
+        use futures::TryStreamExt;
+        manifests
+            .list()
+            .await
+            .unwrap()
+            .map_ok(|o| o.name)
+            .try_collect()
+            .await
+            .unwrap()
+    };
+    assert_eq!(names.len(), 1, "{names:?}");
+    manifests.delete(&names[0]).await.unwrap();
+    stack.start_validator_with(WorkerSettings {
+        max_attempts: Some(2),
+        retry: Some(stagehand_bus::RetrySchedule {
+            initial: std::time::Duration::from_millis(100),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["subject"], "ingest-validator", "{finding:#}");
+    shell.set("SERVICE", "ingest-validator");
+    shell.steps(&page, None, Some("3."));
+    // The uploader uploads again, which puts the manifest back.
+    stack.ingest(&birds, "birds", false).unwrap();
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    shell.confirm(&page);
+    wait_until_blocking(WAIT, "the replayed upload validated", || {
+        validated(&shell, "birds")
+    })
+    .unwrap();
+    exercised.insert(page.name.clone());
+
+    // inspect-rejected-upload: an upload with editor litter in it is rejected; the uploader
+    // removes it and submits again.
+    let page = Page::read("inspect-rejected-upload.md");
+    shell.quiet(&page.name);
+    let cats = uploads.path().join("cats");
+    write_upload(&cats, 3);
+    std::fs::write(cats.join(".DS_Store"), b"litter").unwrap();
+    let rejected = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["ingest", "--dataset", "cats", "--wait", "--timeout", "60"])
+        .arg(&cats)
+        .env_clear()
+        .envs(&shell.env)
+        .output()
+        .unwrap();
+    assert_eq!(
+        rejected.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&rejected.stderr)
+    );
+    shell.set("DATASET", "cats");
+    shell.set("FOLDER", cats.display().to_string());
+    shell.set(
+        "SOURCE_ROOT",
+        stack.home.path().join("tiers/source").display().to_string(),
+    );
+    shell.steps(&page, None, Some("3."));
+    std::fs::remove_file(cats.join(".DS_Store")).unwrap();
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    // catalogue-problems: a version validated while the services' bucket held other bytes
+    // under its manifest's name cannot be folded; once the manifest is put back, the
+    // recorder's dead letter of the fact is replayed and folds it.
+    let page = Page::read("catalogue-problems.md");
+    shell.quiet(&page.name);
+    let files: Vec<FileRef> = (0..3)
+        .map(|i| {
+            let body = format!("otter {i}\n");
+            FileRef::new(
+                format!("otter-{i}.txt"),
+                body.len() as u64,
+                sha256_hex(body.as_bytes()),
+            )
+        })
+        .collect();
+    let manifest = Manifest::from_entries(files.clone());
+    stack
+        .bus
+        .jetstream()
+        .get_object_store(stagehand_schemas::subject::MANIFEST_BUCKET)
+        .await
+        .unwrap()
+        .put(manifest.digest(), &mut &b"not the manifest\n"[..])
+        .await
+        .unwrap();
+    stack
+        .bus
+        .publish(&validated_fact(
+            PROJECT,
+            EventId::new("otters-upload-1").unwrap(),
+            "otters",
+            Location {
+                tier: "source".into(),
+                prefix: format!("{PROJECT}/otters"),
+            },
+            &files,
+            Some(manifest.reference()),
+        ))
+        .await
+        .unwrap();
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["area"], "catalogue", "{finding:#}");
+    shell.steps(&page, None, Some("3."));
+    // The manifest put back, as validating the upload again puts it.
+    ManifestStore::open(
+        stack.bus.jetstream(),
+        stagehand_schemas::subject::MANIFEST_BUCKET,
+    )
+    .await
+    .unwrap()
+    .put(&manifest)
+    .await
+    .unwrap();
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    // rebuild-catalogue: the recorder's store is lost; a recorder started without it
+    // rebuilds the catalogue from the streams.
+    let rebuild = Page::read("rebuild-catalogue.md");
+    shell.quiet(&rebuild.name);
+    shell.set(
+        "STORE",
+        stack
+            .home
+            .path()
+            .join("state/catalogue/catalogue.redb")
+            .display()
+            .to_string(),
+    );
+    stack.stop_recorder().await.unwrap();
+    shell.steps(&rebuild, None, Some("3."));
+    stack.start_recorder();
+    shell.confirm(&rebuild);
+    exercised.insert(rebuild.name.clone());
+
+    // tier-above-watermark: others' files fill the hot tier's filesystem; their owner moves
+    // them away.
+    let page = Page::read("tier-above-watermark.md");
+    shell.quiet(&page.name);
+    disk.fill();
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["subject"], "hot", "{finding:#}");
+    shell.set("TIER", "hot");
+    shell.set("TIER_ROOT", hot.display().to_string());
+    shell.steps(&page, None, Some("Confirm"));
+    disk.free();
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    // quota-nearly-full: a job stages 37 MiB of the project on hot, whose quota is 40 MiB;
+    // the project's owner is given more.
+    let page = Page::read("quota-nearly-full.md");
+    shell.quiet(&page.name);
+    stack.start_promoter();
+    let seals = uploads.path().join("seals");
+    for i in 0..37 {
+        let path = seals.join(format!("part-{i:02}.bin"));
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, vec![i as u8; 1 << 20]).unwrap();
+    }
+    let version = stack.ingest(&seals, "seals", true).unwrap();
+    let requested = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["stage", "request", &format!("seals@{version}")])
+        .args(["--tier", "hot", "--job", "train-7"])
+        .env_clear()
+        .envs(&shell.env)
+        .output()
+        .unwrap();
+    assert!(
+        requested.status.success(),
+        "{}",
+        String::from_utf8_lossy(&requested.stderr)
+    );
+    let ready = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["stage", "wait", &format!("seals@{version}")])
+        .args(["--tier", "hot", "--job", "train-7", "--timeout", "60"])
+        .env_clear()
+        .envs(&shell.env)
+        .output()
+        .unwrap();
+    assert!(
+        ready.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&ready.stdout),
+        String::from_utf8_lossy(&ready.stderr)
+    );
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["subject"], "lab on hot", "{finding:#}");
+    shell.set("TIER", "hot");
+    shell.steps(&page, None, Some("Confirm"));
+    // The project is given 48 MiB on hot.
+    let text = std::fs::read_to_string(&tiers).unwrap();
+    let text = text.replacen(
+        "[tiers.hot.quotas]\n",
+        "[tiers.hot.quotas]\nlab = \"48 MiB\"\n",
+        1,
+    );
+    std::fs::write(&tiers, text).unwrap();
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    // service-silent: a demoter killed without unwinding stops beating; its supervisor starts
+    // it again.
+    let page = Page::read("service-silent.md");
+    shell.quiet(&page.name);
+    let binary = Path::new(env!("CARGO_BIN_EXE_stagehand")).with_file_name("stagehand-demoter");
+    assert!(
+        binary.exists(),
+        "{} is missing: cargo build -p stagehand-demoter",
+        binary.display()
+    );
+    let config = stack.home.path().join("demoter.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[bus]\nservers = [\"{}\"]\nclient_name = \"demoter\"\n\n[worker]\ninstance_id = \"runbooks\"\n\n\
+             [service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            stack.url,
+            stack.policies.display(),
+            stack.home.path().join("state/demoter").display()
+        ),
+    )
+    .unwrap();
+    let log = stack.home.path().join("demoter.log");
+    let mut demoter = ServiceProcess::spawn(&binary, &config, &log, &[]);
+    wait_until_blocking(WAIT, "the demoter alive", || demoter_alive(&shell))
+        .unwrap_or_else(|e| panic!("{e}: {}", std::fs::read_to_string(&log).unwrap_or_default()));
+    demoter.kill();
+    // A heartbeat is silent after `--silent-after`, a minute: the wait is that long.
+    let finding = wait_for_blocking(std::time::Duration::from_secs(120), || {
+        shell.status().and_then(|(_, r)| {
+            r["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["subject"] == "demoter on runbooks")
+                .cloned()
+        })
+    });
+    assert!(
+        finding["run"]
+            .as_str()
+            .unwrap()
+            .contains("runbooks/service-silent.md"),
+        "{finding:#}"
+    );
+    shell.set("SERVICE", "demoter");
+    shell.steps(&page, None, Some("Confirm"));
+    let _demoter = ServiceProcess::spawn(&binary, &config, &log, &[]);
+    wait_until_blocking(WAIT, "the restarted demoter alive", || {
+        demoter_alive(&shell)
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: {:#}\n{}",
+            shell
+                .status()
+                .map(|(_, r)| r["services"].clone())
+                .unwrap_or_default(),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    });
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    let not_yet: BTreeSet<String> = NOT_YET_RUN.iter().map(|(p, _)| (*p).to_owned()).collect();
+    for page in &exercised {
+        assert!(
+            !not_yet.contains(page),
+            "{page} runs: take it off NOT_YET_RUN"
+        );
+    }
+    let run: BTreeSet<String> = RUN.iter().map(|p| (*p).to_owned()).collect();
+    assert!(
+        exercised.is_subset(&run),
+        "pages run here but not listed in RUN: {:?}",
+        exercised.difference(&run).collect::<Vec<_>>()
+    );
+    drop(disk);
+}
+
+/// Whether `stagehand status` shows a demoter instance alive.
+fn demoter_alive(shell: &Shell) -> bool {
+    shell.status().is_some_and(|(_, r)| {
+        r["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["service"] == "demoter" && s["state"] == "alive")
+    })
+}
+
+/// Whether the catalogue lists a validated version of `dataset` in the shell's project.
+fn validated(shell: &Shell, dataset: &str) -> bool {
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["catalogue", "show", dataset, "--json"])
+        .args(["--project", PROJECT])
+        .env_clear()
+        .envs(&shell.env)
+        .output()
+        .unwrap();
+    let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    shown["versions"].as_array().is_some_and(|v| !v.is_empty())
+}
+
+/// [`wait_until_blocking`] for a value: polls `f` until it gives one; panics at `timeout`.
+fn wait_for_blocking<T: Send>(
+    timeout: std::time::Duration,
+    mut f: impl FnMut() -> Option<T> + Send,
+) -> T {
+    let mut found = None;
+    wait_until_blocking(timeout, "a status finding", || {
+        found = f();
+        found.is_some()
+    })
+    .unwrap();
+    found.unwrap()
+}
+
+/// stage-stuck: a stage a job asked for two hours ago still waits (no promoter runs); the job
+/// is gone, and on-call cancels it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
+    let mut stack = Stagehand::start(common::Options {
+        validator: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut shell = Shell::new(&stack);
+    let page = Page::read("stage-stuck.md");
+    let uploads = tempfile::tempdir().unwrap();
+    let cats = uploads.path().join("cats");
+    write_upload(&cats, 3);
+    let version = stack.ingest(&cats, "cats", true).unwrap();
+    shell.quiet(&page.name);
+    let request = StageRequest::new(PROJECT, "cats", &version, "hot", "train-42")
+        .at(OffsetDateTime::now_utc() - time::Duration::hours(2))
+        .event();
+    stack.bus.publish(&request).await.unwrap();
+    let finding = shell.status_names(&page.name);
+    assert!(
+        finding["subject"]
+            .as_str()
+            .unwrap()
+            .ends_with("on hot for job train-42"),
+        "{finding:#}"
+    );
+    shell.set("TARGET", format!("cats@{}", &version[..12]));
+    shell.set("TIER", "hot");
+    shell.set("JOB", "train-42");
+    shell.steps(&page, None, Some("2."));
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    // The promoter carries a cancel out; this stage waited because none ran, and on-call
+    // brings it back (the page's table, first row): the cancel, kept in the stream, is
+    // carried out then, or the stage it lets through turns ready.
+    stack.start_promoter();
+    shell.confirm(&page);
+}
