@@ -24,7 +24,12 @@ export STAGEHAND_NATS_PORT
 export STAGEHAND_NATS_URL="nats://127.0.0.1:$STAGEHAND_NATS_PORT"
 DEMO="$STAGEHAND_HOME/demo"
 FILES="${DEMO_FILES:-300}"
-say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# Bold headings on a terminal only: a log file or a pipe gets plain text (and NO_COLOR is honoured).
+if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then
+    say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+else
+    say() { printf '\n== %s\n' "$*"; }
+fi
 
 say "installing nats-server (deploy/servers.sh)"
 "$REPO/deploy/servers.sh" install

