@@ -123,7 +123,7 @@ fn split_facts(facts: &[Vec<u8>], limit: usize) -> Vec<&[Vec<u8>]> {
 
 /// A claim this delivery owns.
 #[derive(Debug, Clone)]
-pub(crate) struct Lease {
+pub struct Lease {
     key: String,
     revision: u64,
     sequence: u64,
@@ -133,7 +133,7 @@ pub(crate) struct Lease {
 
 /// Result of trying to claim an event.
 #[derive(Debug)]
-pub(crate) enum Claim {
+pub enum Claim {
     /// Ours.
     Owned(Lease),
     /// Another owner holds it for this very message; it cannot be taken before `remaining`
@@ -147,7 +147,7 @@ pub(crate) enum Claim {
 
 /// Result of committing an outcome.
 #[derive(Debug)]
-pub(crate) enum Commit {
+pub enum Commit {
     /// Our facts are the outcome.
     Ours,
     /// Another delivery committed first: publish these facts instead of ours.
@@ -156,15 +156,19 @@ pub(crate) enum Commit {
 
 /// Why an owned claim could not be renewed or committed.
 #[derive(Debug)]
-pub(crate) enum LeaseError {
+pub enum LeaseError {
     /// Someone else holds it now: abort the work, record nothing.
     Lost,
     /// The bucket could not be reached; the claim may or may not still be ours.
     Unavailable(BusError),
 }
 
+/// The claims of one service instance (see the module's documentation). Besides the
+/// consumers' runtime, a service's own background duty (the demoter's scrub) claims its units
+/// of work here, under a service name of its own (`demoter.scrub`), so that instances share
+/// them and a restarted instance takes its earlier life's claims over at once.
 #[derive(Clone)]
-pub(crate) struct Claims {
+pub struct Claims {
     store: kv::Store,
     service: String,
     instance: String,
@@ -249,7 +253,7 @@ impl Claims {
     }
 
     /// Notes that this process works on the delivery of `sequence` until the guard drops.
-    pub fn working_on(&self, sequence: u64) -> Working {
+    pub(crate) fn working_on(&self, sequence: u64) -> Working {
         *self
             .working
             .lock()

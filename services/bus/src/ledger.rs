@@ -10,9 +10,9 @@
 //! history of its failed attempts.
 //!
 //! redb allows one write transaction at a time, and each commit fsyncs. All writes therefore
-//! go through one writer thread that takes every request queued at that moment, applies them in
-//! one transaction and answers each requester after the commit: many concurrent outcomes share
-//! one fsync.
+//! go through one writer thread (`stagehand_store`'s group-commit writer) that takes every
+//! request queued at that moment, applies them in one transaction and answers each requester
+//! after the commit: many concurrent outcomes share one fsync.
 //!
 //! **A failed store is reopened, or the worker stops.** redb latches an I/O failure (ENOSPC or
 //! EIO in a write or fsync): every later call returns `PreviousIo` until the database is
@@ -128,7 +128,7 @@ impl Ledger {
                 LedgerError::caused(LedgerErrorKind::Open, &path, "creating its directory", e)
             })?;
         }
-        let db = Database::create(&path).map_err(|e| open_err("opening", e.into()))?;
+        let db = stagehand_store::open_redb(&path).map_err(|e| open_err("opening", e.into()))?;
         let (id, kinds_since) = init(&db).map_err(|e| open_err("initialising", e))?;
         let migrated = migrate_v1(&db).map_err(|e| open_err("migrating schema-1 records", e))?;
         if migrated > 0 {

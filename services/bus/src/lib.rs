@@ -71,6 +71,7 @@ pub use bus::{
     MSG_ID_HEADER, OBJECT_BUCKETS, PROMOTER, PROMOTER_BUCKET, PublishAck, READINESS,
     READINESS_BUCKET, SERVICE_KV_BUCKETS, STAGES, STAGES_BUCKET, stream_config,
 };
+pub use claim::{Claim, Claims, Commit, Lease, LeaseError};
 pub use config::{
     BusConfig, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_SHUTDOWN_DEADLINE, WorkerConfig, env, redact_text,
     redact_url, split_servers,

@@ -1,6 +1,7 @@
 //! The ledger's error: what kind of failure, which file, what was being done.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use stagehand_schemas::Retryable;
 
@@ -28,15 +29,16 @@ impl Retryable for LedgerErrorKind {
     }
 }
 
-/// Why the ledger could not be read or written.
-#[derive(Debug, thiserror::Error)]
+/// Why the ledger could not be read or written. Cloned, it shares its cause: every requester
+/// of a batch that failed to commit is told the one failure.
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("ledger {}: {what}", path.display())]
 pub struct LedgerError {
     pub(super) kind: LedgerErrorKind,
     pub(super) path: PathBuf,
     pub(super) what: String,
     #[source]
-    pub(super) source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    pub(super) source: Option<Arc<dyn std::error::Error + Send + Sync>>,
 }
 
 impl LedgerError {
@@ -56,7 +58,7 @@ impl LedgerError {
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
     ) -> Self {
         Self {
-            source: Some(source.into()),
+            source: Some(Arc::from(source.into())),
             ..Self::new(kind, path, what)
         }
     }

@@ -1,15 +1,15 @@
-//! The ledger's single writer thread: every request queued at a moment is applied in one
-//! transaction, and each requester is answered after its commit.
+//! The ledger's single writer thread, a [`stagehand_store`] group-commit writer: every request
+//! queued at a moment is applied in one transaction, each requester is answered after its
+//! commit, and a failed write is followed by reopening the file redb latched as failed.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use redb::{Database, ReadableTable};
 use stagehand_schemas::{Attempt, EventId};
+use stagehand_store::{CommitError, GroupWriter};
 use time::OffsetDateTime;
-use tokio::sync::{mpsc, oneshot};
 use tracing::error;
 
 use super::error::{LedgerError, LedgerErrorKind};
@@ -21,26 +21,76 @@ use super::{Ledger, MAX_ATTEMPTS_KEPT, RecordedBytes};
 /// Most requests folded into one write transaction.
 const MAX_BATCH: usize = 4096;
 
+/// Most requests waiting for the writer; a worker task past it waits for room. Each task waits
+/// for its own write, so at most the worker's concurrency is ever queued.
+const MAX_QUEUED: usize = 2 * MAX_BATCH;
+
 /// Longest error text kept per attempt: a dead letter carries the history and must stay
 /// under the message bound.
 const MAX_ERROR_CHARS: usize = 1024;
 
+/// What the worker is told when the ledger fails for good.
+type OnFailed = Arc<dyn Fn(LedgerError) + Send + Sync>;
+
 impl Ledger {
-    /// Starts the single writer thread. Dropping every [`LedgerWriter`] clone stops it once
-    /// the queued requests are committed. `on_failed` runs once if the store fails for good.
+    /// Starts the single writer thread ([`stagehand_store`]). Dropping every [`LedgerWriter`]
+    /// clone stops it once the queued requests are committed. `on_failed` runs once if the
+    /// store fails for good.
     pub(crate) fn spawn_writer(
         &self,
-        on_failed: Box<dyn Fn(LedgerError) + Send>,
+        on_failed: Box<dyn Fn(LedgerError) + Send + Sync>,
     ) -> (LedgerWriter, std::thread::JoinHandle<()>) {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let on_failed: OnFailed = on_failed.into();
         let stats = Arc::new(WriterStats::default());
+        let (ledger, thread_stats, failed) = (self.clone(), stats.clone(), on_failed.clone());
+        let apply = move |batch: &[Write]| {
+            if ledger.store.reopen_wanted.load(Ordering::Acquire)
+                && ledger.failure().is_none()
+                && let Err(e) = ledger.reopen()
+            {
+                fail(&ledger, e, &*failed);
+            }
+            let result = ledger
+                .db()
+                .and_then(|db| apply(&db, batch).map_err(|e| ledger.write_err("writing", e)));
+            thread_stats.commits.fetch_add(1, Ordering::Relaxed);
+            thread_stats
+                .writes
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            metrics::counter!(stagehand_telemetry::names::LEDGER_COMMITS_TOTAL).increment(1);
+            let corrupt = |what| {
+                Err(LedgerError::new(
+                    LedgerErrorKind::Corrupt,
+                    ledger.path(),
+                    what,
+                ))
+            };
+            Ok(result?
+                .into_iter()
+                .map(|reply| match reply {
+                    Reply::Corrupt(what) => corrupt(what),
+                    other => Ok(other),
+                })
+                .collect())
+        };
+        // Run once the failed batch's requesters were answered, so that none waits for the
+        // reopening.
         let ledger = self.clone();
-        let thread_stats = stats.clone();
-        let handle = std::thread::Builder::new()
-            .name("stagehand-ledger".into())
-            .spawn(move || writer_loop(&ledger, rx, &thread_stats, &*on_failed))
+        let after_failure = move |e: &LedgerError| {
+            if e.kind() == LedgerErrorKind::Io {
+                error!(ledger = %ledger.path().display(), error = %e, "ledger write failed; reopening the store");
+                if let Err(e) = ledger.reopen() {
+                    fail(&ledger, e, &*on_failed);
+                }
+            }
+        };
+        let (queue, thread) = stagehand_store::writer("stagehand-ledger")
+            .max_batch(MAX_BATCH)
+            .queue(MAX_QUEUED)
+            .on_failure(after_failure)
+            .spawn(apply)
             .expect("spawning a thread only fails when the process is out of resources");
-        (LedgerWriter { tx, stats }, handle)
+        (LedgerWriter { queue, stats }, thread.into_handle())
     }
 }
 
@@ -79,18 +129,12 @@ enum Reply {
     Corrupt(String),
 }
 
-struct Request {
-    write: Write,
-    done: oneshot::Sender<Result<Reply, LedgerError>>,
-}
-
 /// Sends writes to the writer thread and waits for their commit.
 #[derive(Clone)]
 pub(crate) struct LedgerWriter {
-    tx: mpsc::UnboundedSender<Request>,
+    queue: GroupWriter<Write, Result<Reply, LedgerError>, LedgerError>,
     pub stats: Arc<WriterStats>,
 }
-
 impl LedgerWriter {
     /// Records `key`'s outcome. Returns `None` when `facts` are what the ledger now holds, or
     /// the facts of an outcome recorded before (which must be published instead).
@@ -156,77 +200,16 @@ impl LedgerWriter {
     }
 
     async fn send(&self, write: Write) -> Result<Reply, LedgerError> {
-        let (done, rx) = oneshot::channel();
-        let gone = || LedgerError {
-            kind: LedgerErrorKind::WriterGone,
-            path: PathBuf::new(),
-            what: "the writer has stopped".into(),
-            source: None,
-        };
-        self.tx.send(Request { write, done }).map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())?
-    }
-}
-
-fn writer_loop(
-    ledger: &Ledger,
-    mut rx: mpsc::UnboundedReceiver<Request>,
-    stats: &WriterStats,
-    on_failed: &dyn Fn(LedgerError),
-) {
-    let mut batch = Vec::new();
-    while let Some(first) = rx.blocking_recv() {
-        batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(r) => batch.push(r),
-                Err(_) => break,
-            }
-        }
-        if ledger.store.reopen_wanted.load(Ordering::Acquire)
-            && ledger.failure().is_none()
-            && let Err(e) = ledger.reopen()
-        {
-            fail(ledger, e, on_failed);
-        }
-        let result = ledger
-            .db()
-            .and_then(|db| apply(&db, &batch).map_err(|e| ledger.write_err("writing", e)));
-        stats.commits.fetch_add(1, Ordering::Relaxed);
-        stats
-            .writes
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        metrics::counter!(stagehand_telemetry::names::LEDGER_COMMITS_TOTAL).increment(1);
-        match result {
-            Ok(replies) => {
-                for (req, reply) in batch.drain(..).zip(replies) {
-                    let reply = match reply {
-                        Reply::Corrupt(what) => Err(LedgerError::new(
-                            LedgerErrorKind::Corrupt,
-                            ledger.path(),
-                            what,
-                        )),
-                        other => Ok(other),
-                    };
-                    // The requester may have been cancelled by a shutdown deadline; its write
-                    // stands.
-                    let _ = req.done.send(reply);
-                }
-            }
-            Err(e) => {
-                let kind = e.kind();
-                for req in batch.drain(..) {
-                    let _ =
-                        req.done
-                            .send(Err(LedgerError::new(kind, ledger.path(), e.to_string())));
-                }
-                if kind == LedgerErrorKind::Io {
-                    error!(ledger = %ledger.path().display(), error = %e, "ledger write failed; reopening the store");
-                    if let Err(e) = ledger.reopen() {
-                        fail(ledger, e, on_failed);
-                    }
-                }
-            }
+        match self.queue.submit(write).await {
+            Ok(reply) => reply,
+            // Each requester of a failed batch gets the batch's error, cause and all.
+            Err(CommitError::Failed(e)) => Err((*e).clone()),
+            Err(CommitError::Stopped(_)) => Err(LedgerError {
+                kind: LedgerErrorKind::WriterGone,
+                path: std::path::PathBuf::new(),
+                what: "the writer has stopped".into(),
+                source: None,
+            }),
         }
     }
 }
@@ -237,7 +220,7 @@ pub(super) fn fail(ledger: &Ledger, e: LedgerError, on_failed: &dyn Fn(LedgerErr
     on_failed(e);
 }
 
-fn apply(db: &Database, batch: &[Request]) -> Result<Vec<Reply>, redb::Error> {
+fn apply(db: &Database, batch: &[Write]) -> Result<Vec<Reply>, redb::Error> {
     let txn = db.begin_write()?;
     let mut replies = Vec::with_capacity(batch.len());
     {
@@ -248,8 +231,8 @@ fn apply(db: &Database, batch: &[Request]) -> Result<Vec<Reply>, redb::Error> {
         // Outcomes recorded earlier in this batch, so that a duplicate in the same batch gets
         // the first one's facts too.
         let mut fresh: HashMap<&str, &Vec<Vec<u8>>> = HashMap::new();
-        for req in batch {
-            let reply = match &req.write {
+        for write in batch {
+            let reply = match write {
                 Write::Outcome { key, facts } => {
                     if let Some(first) = fresh.get(key.as_str()) {
                         Reply::Recorded((*first).clone())

@@ -23,6 +23,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
+use tracing::instrument::WithSubscriber;
 
 use async_nats::jetstream::kv;
 use serde::{Deserialize, Serialize};
@@ -211,14 +212,10 @@ pub(crate) async fn start(
     put(&store, &key, &beat).await;
     let stop = CancellationToken::new();
     let ending: Arc<std::sync::Mutex<Option<Ending>>> = Arc::default();
-    let task = tokio::spawn(beat_until(
-        store,
-        key,
-        beat,
-        progress,
-        stop.clone(),
-        ending.clone(),
-    ));
+    let task = tokio::spawn(
+        beat_until(store, key, beat, progress, stop.clone(), ending.clone())
+            .with_current_subscriber(),
+    );
     Some(Beating { stop, ending, task })
 }
 

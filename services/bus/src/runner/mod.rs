@@ -72,6 +72,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::instrument::WithSubscriber;
 
 use stagehand_schemas::{Event, Refusal, Retryable};
 use stagehand_telemetry::metrics::MetricsEndpoint;
@@ -210,13 +211,10 @@ impl<S> Context<S> {
         async move {
             let stop_watching = CancellationToken::new();
             let (bus, stream, consumer) = backlog;
-            let watcher = tokio::spawn(backlog::watch(
-                bus,
-                service,
-                stream,
-                consumer,
-                stop_watching.clone(),
-            ));
+            let watcher = tokio::spawn(
+                backlog::watch(bus, service, stream, consumer, stop_watching.clone())
+                    .with_current_subscriber(),
+            );
             let stats = worker.await;
             stop_watching.cancel();
             let _ = watcher.await;

@@ -8,6 +8,7 @@
 
 use std::future::Future;
 use std::time::Duration;
+use tracing::instrument::WithSubscriber;
 
 use stagehand_telemetry::names;
 use tokio::task::JoinSet;
@@ -66,6 +67,9 @@ impl TaskGroup {
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     {
         let shutdown = self.shutdown.clone();
+        // The task logs and traces through the subscriber of the service that spawned it
+        // (under `stagehand up`, each service has its own).
+        let task = task.with_current_subscriber();
         self.tasks.spawn(async move {
             let result = task.await.map(drop).map_err(Into::into);
             if result.is_err() {

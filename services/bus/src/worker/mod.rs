@@ -26,6 +26,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tracing::instrument::WithSubscriber;
 
 use async_nats::jetstream::{self, AckKind};
 use opentelemetry::Context as OtelContext;
@@ -450,7 +451,7 @@ pub async fn run_worker_with_hooks<H: Handler>(
         started();
     }
 
-    let duties = tokio::spawn(background_duties(shared.clone()));
+    let duties = tokio::spawn(background_duties(shared.clone()).with_current_subscriber());
     let abandoned = pull::pull_loop(&shared, &consumer, &stop).await;
     duties.abort();
     let _ = duties.await;

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use tracing::instrument::WithSubscriber;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::StreamExt;
@@ -92,10 +93,13 @@ pub(super) async fn pull_loop<H: Handler>(
                     let shared = shared.clone();
                     // Boxed: the task's future is large, and tokio moves an unboxed future
                     // several times on its way into the task; a box moves once.
-                    tasks.spawn(Box::pin(async move {
-                        process(&shared, msg, handler_slot).await;
-                        drop(in_flight);
-                    }));
+                    tasks.spawn(Box::pin(
+                        async move {
+                            process(&shared, msg, handler_slot).await;
+                            drop(in_flight);
+                        }
+                        .with_current_subscriber(),
+                    ));
                 }
             }
         }
