@@ -177,8 +177,12 @@ async fn readyz_follows_the_connection_and_the_workers_and_healthz_always_answer
                 "worker",
                 ctx.run_worker_until(cfg, Idle, tasks.shutdown().clone()),
             );
-            // A second worker that stops on its own once told to (its consumer cannot be
-            // made: concurrency 0 is refused), while the first one goes on.
+            // Once told to, a second worker that cannot start (concurrency 0 is refused): built,
+            // it takes the service out of readiness, and stopping keeps it out.
+            tokio::select! {
+                _ = second_fails => {}
+                _ = ctx.shutdown.cancelled() => {}
+            }
             let mut broken = ctx.worker(WorkerConfig::new(
                 "svc-probed-2",
                 subject::REQUESTS.name,
@@ -188,7 +192,6 @@ async fn readyz_follows_the_connection_and_the_workers_and_healthz_always_answer
             broken.concurrency = 0;
             let second = ctx.run_worker_until(broken, Idle, tasks.shutdown().clone());
             tasks.spawn("second", async move {
-                let _ = second_fails.await;
                 let _ = second.await;
                 Ok::<(), std::io::Error>(())
             });

@@ -1,5 +1,6 @@
 //! What a service's `GET /readyz` answers (the metrics endpoint serves it): ready once the
-//! service is connected to NATS and every worker it started consumes; not ready while it
+//! service is connected to NATS and every worker it built consumes (a service that builds three
+//! workers is not ready while one of them still makes its consumer); not ready while it
 //! connects, after it lost its connection, once a worker stopped, or while it drains. A
 //! supervisor (Kubernetes' readiness probe, a load balancer, an operator's `curl`) reads the
 //! reason in the answer's body. Liveness (`/healthz`) asks none of this: an outage of NATS
@@ -20,6 +21,7 @@ pub(crate) struct Health {
 struct Inner {
     shutdown: CancellationToken,
     client: OnceLock<async_nats::Client>,
+    workers_built: AtomicUsize,
     workers_started: AtomicUsize,
     workers_stopped: AtomicUsize,
 }
@@ -32,6 +34,7 @@ impl Health {
             inner: Arc::new(Inner {
                 shutdown: shutdown.clone(),
                 client: OnceLock::new(),
+                workers_built: AtomicUsize::new(0),
                 workers_started: AtomicUsize::new(0),
                 workers_stopped: AtomicUsize::new(0),
             }),
@@ -41,6 +44,12 @@ impl Health {
     /// The service is connected and its streams are provisioned.
     pub(crate) fn connected(&self, client: &async_nats::Client) {
         let _ = self.inner.client.set(client.clone());
+    }
+
+    /// A worker was built (`Context::run_worker_until`): the service is not ready until it
+    /// has started too.
+    pub(crate) fn worker_built(&self) {
+        self.inner.workers_built.fetch_add(1, Ordering::SeqCst);
     }
 
     /// A worker has its consumer, ledger and claims and pulls.
@@ -69,8 +78,13 @@ impl Health {
         if inner.workers_stopped.load(Ordering::SeqCst) > 0 {
             return Err("a worker stopped".into());
         }
-        if inner.workers_started.load(Ordering::SeqCst) == 0 {
+        let started = inner.workers_started.load(Ordering::SeqCst);
+        if started == 0 {
             return Err("no worker consumes yet".into());
+        }
+        let built = inner.workers_built.load(Ordering::SeqCst);
+        if started < built {
+            return Err(format!("{started} of {built} workers consume yet"));
         }
         Ok(())
     }

@@ -9,7 +9,7 @@
 //! 2. **telemetry** — logs (text or JSON), traces (OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is
 //!    set), and a Prometheus `GET /metrics` endpoint on `telemetry.metrics_listen`, which also
 //!    answers the probes `GET /healthz` (the process answers) and `GET /readyz` (connected, and
-//!    every worker the service started consumes; `health`), with each worker's consumer
+//!    every worker the service built consumes; `health`), with each worker's consumer
 //!    backlog read into the metrics every few seconds (`backlog`);
 //! 3. **connect** (with retries) and **provision** the streams and the claims bucket; then
 //!    the instance's **heartbeat** (`heartbeat`: version, host, start, progress, restarts in
@@ -199,6 +199,9 @@ impl<S> Context<S> {
             progress: self.progress.clone(),
             inner: handler,
         });
+        // Counted now, not when the future first runs: the service is not ready until this
+        // worker consumes, however its tasks are scheduled.
+        self.health.worker_built();
         let started = self.health.clone();
         let hooks = WorkerHooks {
             started: Some(Arc::new(move || started.worker_started())),

@@ -11,6 +11,7 @@ pub mod attacks;
 pub mod shipped;
 pub mod tenants;
 
+use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -40,7 +41,14 @@ pub struct Stagehand {
     stop: CancellationToken,
     /// The recorder's own stop, a child of `stop`, so that a test can stop it alone.
     recorder_stop: CancellationToken,
-    tasks: Vec<(&'static str, JoinHandle<anyhow::Result<()>>)>,
+    tasks: Vec<Running>,
+}
+
+/// One in-process service: its task, and the address of its `/readyz` probe.
+struct Running {
+    name: &'static str,
+    task: JoinHandle<anyhow::Result<()>>,
+    probe: SocketAddr,
 }
 
 /// What to run besides the catalogue recorder.
@@ -70,7 +78,7 @@ fn spawn<S, F, Fut, T, E>(
     settings: S,
     serve: F,
     stop: CancellationToken,
-) -> JoinHandle<anyhow::Result<()>>
+) -> Running
 where
     S: ServiceSettings + Send + 'static,
     F: FnOnce(runner::Context<S>) -> Fut + Send + 'static,
@@ -89,7 +97,7 @@ fn spawn_with<S, F, Fut, T, E>(
     worker: WorkerSettings,
     serve: F,
     stop: CancellationToken,
-) -> JoinHandle<anyhow::Result<()>>
+) -> Running
 where
     S: ServiceSettings + Send + 'static,
     F: FnOnce(runner::Context<S>) -> Fut + Send + 'static,
@@ -101,12 +109,19 @@ where
     bus.client_name = name.to_owned();
     let mut config = ServiceConfig::new(bus, settings);
     config.worker = worker;
-    tokio::spawn(async move {
+    // The probe the stack waits on before a test acts (`Stagehand::ready`), as a supervisor
+    // would: a free port, closed again for the service to bind.
+    let probe = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port");
+    config.telemetry.metrics_listen = Some(probe);
+    let task = tokio::spawn(async move {
         runner::run(name, config, stop, serve)
             .await
             .map(|_| ())
             .with_context(|| name.to_owned())
-    })
+    });
+    Running { name, task, probe }
 }
 
 impl Stagehand {
@@ -184,50 +199,77 @@ impl Stagehand {
         let home = me.home.path().to_owned();
         me.start_recorder();
         if opts.promoter {
-            me.tasks.push((
+            me.tasks.push(spawn(
+                &me.bus_config,
                 stagehand_promoter::SERVICE,
-                spawn(
-                    &me.bus_config,
-                    stagehand_promoter::SERVICE,
-                    stagehand_promoter::Settings::dev(&home, &policies),
-                    stagehand_promoter::serve,
-                    me.stop.clone(),
-                ),
+                stagehand_promoter::Settings::dev(&home, &policies),
+                stagehand_promoter::serve,
+                me.stop.clone(),
             ));
         }
         if let Some(node) = &opts.node_agent {
             let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
             settings.node = Some(node.clone());
             settings.state_dir = home.join("state").join(format!("promoter-{node}"));
-            me.tasks.push((
-                "promoter node agent",
-                spawn(
-                    &me.bus_config,
-                    stagehand_promoter::SERVICE,
-                    settings,
-                    stagehand_promoter::serve,
-                    me.stop.clone(),
-                ),
+            me.tasks.push(spawn(
+                &me.bus_config,
+                stagehand_promoter::SERVICE,
+                settings,
+                stagehand_promoter::serve,
+                me.stop.clone(),
             ));
         }
         if opts.validator {
             me.start_validator();
         }
+        me.ready().await?;
         Ok(me)
+    }
+
+    /// Waits until every service of the stack answers its `/readyz` probe with 200 (connected,
+    /// and each of its workers consumes), as a supervisor's readiness check would: a test that
+    /// takes NATS away must not do so while a service still makes its consumers.
+    pub async fn ready(&self) -> anyhow::Result<()> {
+        for r in &self.tasks {
+            let port = r.probe.port();
+            let last = std::sync::Mutex::new(String::new());
+            let last_ref = &last;
+            let answered =
+                stagehand_testkit::wait_until(WAIT, &format!("{} ready", r.name), || async move {
+                    let probe = tokio::task::spawn_blocking(move || {
+                        stagehand_testkit::http_get(port, "/readyz")
+                    });
+                    let why = match probe.await {
+                        Ok(Ok((200, _))) => return true,
+                        Ok(Ok((_, body))) => String::from_utf8_lossy(&body).trim().to_owned(),
+                        Ok(Err(e)) => e.to_string(),
+                        Err(e) => e.to_string(),
+                    };
+                    *last_ref
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = why;
+                    false
+                })
+                .await;
+            if let Err(e) = answered {
+                let last = last
+                    .into_inner()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                anyhow::bail!("{e}: /readyz on {} last said {last:?}", r.probe);
+            }
+        }
+        Ok(())
     }
 
     /// Starts the ingest validator (requests published before wait for it).
     pub fn start_validator(&mut self) {
         let home = self.home.path().to_owned();
-        self.tasks.push((
+        self.tasks.push(spawn(
+            &self.bus_config,
             stagehand_ingest_validator::SERVICE,
-            spawn(
-                &self.bus_config,
-                stagehand_ingest_validator::SERVICE,
-                stagehand_ingest_validator::Settings::dev(&home, &self.policies),
-                stagehand_ingest_validator::serve,
-                self.stop.clone(),
-            ),
+            stagehand_ingest_validator::Settings::dev(&home, &self.policies),
+            stagehand_ingest_validator::serve,
+            self.stop.clone(),
         ));
     }
 
@@ -238,10 +280,9 @@ impl Stagehand {
         let at = self
             .tasks
             .iter()
-            .position(|(name, _)| *name == stagehand_catalogue_recorder::SERVICE)
+            .position(|r| r.name == stagehand_catalogue_recorder::SERVICE)
             .context("no recorder runs")?;
-        let (_, task) = self.tasks.remove(at);
-        task.await??;
+        self.tasks.remove(at).task.await??;
         Ok(())
     }
 
@@ -249,30 +290,24 @@ impl Stagehand {
     pub fn start_recorder(&mut self) {
         self.recorder_stop = self.stop.child_token();
         let home = self.home.path().to_owned();
-        self.tasks.push((
+        self.tasks.push(spawn(
+            &self.bus_config,
             stagehand_catalogue_recorder::SERVICE,
-            spawn(
-                &self.bus_config,
-                stagehand_catalogue_recorder::SERVICE,
-                stagehand_catalogue_recorder::Settings::dev(&home, &self.policies),
-                stagehand_catalogue_recorder::serve,
-                self.recorder_stop.clone(),
-            ),
+            stagehand_catalogue_recorder::Settings::dev(&home, &self.policies),
+            stagehand_catalogue_recorder::serve,
+            self.recorder_stop.clone(),
         ));
     }
 
     /// Starts the shared promoter (a stack started without it).
     pub fn start_promoter(&mut self) {
         let home = self.home.path().to_owned();
-        self.tasks.push((
+        self.tasks.push(spawn(
+            &self.bus_config,
             stagehand_promoter::SERVICE,
-            spawn(
-                &self.bus_config,
-                stagehand_promoter::SERVICE,
-                stagehand_promoter::Settings::dev(&home, &self.policies),
-                stagehand_promoter::serve,
-                self.stop.clone(),
-            ),
+            stagehand_promoter::Settings::dev(&home, &self.policies),
+            stagehand_promoter::serve,
+            self.stop.clone(),
         ));
     }
 
@@ -280,16 +315,13 @@ impl Stagehand {
     /// to give up on a request after fewer, quicker attempts than in production).
     pub fn start_validator_with(&mut self, worker: WorkerSettings) {
         let home = self.home.path().to_owned();
-        self.tasks.push((
+        self.tasks.push(spawn_with(
+            &self.bus_config,
             stagehand_ingest_validator::SERVICE,
-            spawn_with(
-                &self.bus_config,
-                stagehand_ingest_validator::SERVICE,
-                stagehand_ingest_validator::Settings::dev(&home, &self.policies),
-                worker,
-                stagehand_ingest_validator::serve,
-                self.stop.clone(),
-            ),
+            stagehand_ingest_validator::Settings::dev(&home, &self.policies),
+            worker,
+            stagehand_ingest_validator::serve,
+            self.stop.clone(),
         ));
     }
 
@@ -359,8 +391,9 @@ impl Stagehand {
     }
 
     /// What the stack knows of `stage`, for a failing test's message: whether its request is
-    /// stored, its `stagehand_stages` entry as written, and which services have stopped.
-    pub async fn explain(&self, stage: &Stage) -> String {
+    /// stored, its `stagehand_stages` entry as written, and which services have stopped, with
+    /// the error each stopped on (those are taken out of the stack).
+    pub async fn explain(&mut self, stage: &Stage) -> String {
         let subject = format!("stagehand.req.stage.requested.{}", stage.project);
         let request = match self.scan(&subject, &stage.request_id()).await {
             Ok(Some(_)) => "stored".to_owned(),
@@ -375,12 +408,22 @@ impl Stagehand {
             },
             Err(e) => format!("unreadable ({e})"),
         };
-        let stopped: Vec<&str> = self
-            .tasks
-            .iter()
-            .filter(|(_, task)| task.is_finished())
-            .map(|(name, _)| *name)
-            .collect();
+        // A stopped service's error: its task has finished, so awaiting it returns at once.
+        let mut stopped = Vec::new();
+        let mut running = Vec::new();
+        for r in std::mem::take(&mut self.tasks) {
+            if r.task.is_finished() {
+                let outcome = match r.task.await {
+                    Ok(Ok(())) => "stopped cleanly".to_owned(),
+                    Ok(Err(e)) => format!("{e:#}"),
+                    Err(e) => format!("task failed: {e}"),
+                };
+                stopped.push(format!("{} ({outcome})", r.name));
+            } else {
+                running.push(r);
+            }
+        }
+        self.tasks = running;
         format!(
             "stage {}: request {request}; status {status}; services stopped: {stopped:?}",
             stage.status_key()
