@@ -245,7 +245,8 @@ pub enum StageCommand {
     /// The job no longer needs the staged data; prints the release id once stored.
     Release(StageReleaseArgs),
     /// The operator stops a stage: a pending or copying one fails with `cancelled by <who>:
-    /// <reason>` (its space and quota given back), a ready one is released. Recorded as an
+    /// <reason>` (its copy stopped unless another job waits for the version, its space and
+    /// quota given back), a ready one is released. Recorded as an
     /// operator action (`stagehand status --actions`). Needs Stagehand's operator user.
     Cancel(StageCancelArgs),
     /// Release the stages still held whose job the scheduler no longer runs (a teardown that

@@ -83,6 +83,8 @@ struct Inner {
     slots: Scheduler,
     /// Copies running in this process, by (tier, node, prefix).
     copies: Mutex<HashSet<String>>,
+    /// The same copies (and those queued for a slot) by the request that drives each.
+    running: in_flight::RunningCopies,
     /// Requests being moved on in this process right now, and whether another driver asked
     /// for it meanwhile (then the one moving it looks again when it is done: no wake-up is
     /// lost to a request being busy).
@@ -115,6 +117,7 @@ impl Promoter {
                 parts,
                 slots,
                 copies: Mutex::default(),
+                running: Mutex::default(),
                 active: Mutex::default(),
                 failed: Mutex::default(),
                 clock: Notify::new(),

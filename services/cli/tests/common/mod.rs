@@ -301,11 +301,22 @@ impl Stagehand {
 
     /// Starts the shared promoter (a stack started without it).
     pub fn start_promoter(&mut self) {
-        let home = self.home.path().to_owned();
+        let settings = self.promoter_settings();
+        self.start_promoter_with(settings);
+    }
+
+    /// The shared promoter's settings on this stack, for a test to change before
+    /// [`Stagehand::start_promoter_with`].
+    pub fn promoter_settings(&self) -> stagehand_promoter::Settings {
+        stagehand_promoter::Settings::dev(self.home.path(), &self.policies)
+    }
+
+    /// Starts the shared promoter with `settings` (a stack started without it).
+    pub fn start_promoter_with(&mut self, settings: stagehand_promoter::Settings) {
         self.tasks.push(spawn(
             &self.bus_config,
             stagehand_promoter::SERVICE,
-            stagehand_promoter::Settings::dev(&home, &self.policies),
+            settings,
             stagehand_promoter::serve,
             self.stop.clone(),
         ));

@@ -18,6 +18,7 @@ use stagehand_schemas::{
     Body, Event, EventId, Location, ManifestRef, ReplicaCreated, StageRequested,
 };
 use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::kv::{LeaseState, Limits, Refused};
@@ -26,7 +27,7 @@ use crate::reuse::Reuse;
 use crate::state::{RequestRecord, WaitGuard, WaitingFor};
 
 use super::clock::deadline_reason;
-use super::in_flight::Held;
+use super::in_flight::{Held, RunningCopy, request_key};
 use super::{FAILED_COPY_REMEMBERED, Promoter, retry, step_replica};
 
 impl Promoter {
@@ -286,6 +287,15 @@ impl Promoter {
             &reason,
             &WaitGuard::None,
         )?;
+        // From here the copy is this request's: an operator's cancel of the request stops it,
+        // queued or running, unless another request waits for the same replica.
+        let cancel = self.p().shutdown.child_token();
+        let _running = RunningCopy::register(
+            &self.inner.running,
+            request_key(record),
+            &plan.version,
+            cancel.clone(),
+        );
         let ticket = self.inner.slots.enqueue(plan.priority);
         tokio::pin!(ticket);
         let _slot = match futures::poll!(&mut ticket) {
@@ -299,12 +309,26 @@ impl Promoter {
                 let fact = self.pending_fact(record, WaitingFor::Copy, &reason);
                 self.emit(std::slice::from_ref(&fact)).await?;
                 let held = self
-                    .hold(ticket, &request.tier, node, prefix, record, revision, ctx)
+                    .hold(
+                        ticket,
+                        &request.tier,
+                        node,
+                        prefix,
+                        record,
+                        revision,
+                        &cancel,
+                        ctx,
+                    )
                     .await?;
                 let Some(permit) = held else {
-                    // The deadline passed while queued: nothing of it stays on the tier.
+                    // The deadline passed while queued, or the request was cancelled: nothing
+                    // of it stays on the tier.
                     discard_staging(dst, prefix).await;
                     let _ = coord.release(&request.tier, node, prefix).await;
+                    if cancel.is_cancelled() {
+                        self.wake_dataset(project, &request.dataset, None);
+                        return cancelled_copy();
+                    }
                     return self
                         .fail(
                             record,
@@ -317,7 +341,7 @@ impl Promoter {
             }
         };
         let outcome = Box::pin(self.run_copy(
-            record, request, plan, dst, prefix, src_tier, src_prefix, revision, ctx,
+            record, request, plan, dst, prefix, src_tier, src_prefix, revision, &cancel, ctx,
         ))
         .await;
         match outcome {
@@ -340,6 +364,14 @@ impl Promoter {
                         node: node.map(str::to_owned),
                     }),
                 ));
+                if self.answered_meanwhile(record)? {
+                    // Cancelled while the copy went on for another request that waits for it:
+                    // the replica is announced on its own (the cancel's answer stands), and the
+                    // waiting requests are answered from it.
+                    let replica: Vec<Event> = replica.into_iter().collect();
+                    self.emit(&replica).await?;
+                    return Ok(replica);
+                }
                 if let Served::Withdrawing { reason } = self.serve(record, request, prefix).await? {
                     return self
                         .wait_for_removal(record, &plan.version, request, reason)
@@ -347,6 +379,18 @@ impl Promoter {
                 }
                 self.ready(record, request, &plan.version, dst, prefix, replica)
                     .await
+            }
+            Err(CopyFailed::Retry(_))
+                if cancel.is_cancelled() && !self.p().shutdown.is_cancelled() =>
+            {
+                // Stopped by an operator's cancel (`stop_cancelled_copy`): nobody waits for this
+                // replica, so nothing of it stays on the tier and its space is given back now.
+                discard_staging(dst, prefix).await;
+                let _ = coord.release(&request.tier, node, prefix).await;
+                info!(request = %record.event.id, %prefix, "copy stopped: its request was cancelled; staging folder removed, space given back");
+                // A request that came to wait for this copy after the cancel looked copies it.
+                self.wake_dataset(project, &request.dataset, None);
+                cancelled_copy()
             }
             Err(CopyFailed::Retry(e)) => Err(e),
             Err(CopyFailed::Fail { reason, retryable }) => {
@@ -359,7 +403,7 @@ impl Promoter {
     }
 
     /// Waits for a copy slot, keeping the lease and the message alive; `None` once the
-    /// request's deadline passes first.
+    /// request's deadline passes first, or `cancel` is (an operator cancelled the request).
     #[allow(clippy::too_many_arguments)]
     async fn hold<F: std::future::Future<Output = stagehand_mover::Permit> + Unpin>(
         &self,
@@ -369,6 +413,7 @@ impl Promoter {
         prefix: &str,
         record: &RequestRecord,
         revision: &mut u64,
+        cancel: &CancellationToken,
         ctx: Option<&WorkContext>,
     ) -> Result<Option<stagehand_mover::Permit>, HandlerError> {
         let period = self.p().coordination.lease_lifetime() / 3;
@@ -390,7 +435,13 @@ impl Promoter {
                         debug!(error = %e, "progress ack failed");
                     }
                 }
-                _ = self.p().shutdown.cancelled() => return Err(retry("shutting down")),
+                // `cancel` is a child of the shutdown token: shutting down is told apart.
+                _ = cancel.cancelled() => {
+                    if self.p().shutdown.is_cancelled() {
+                        return Err(retry("shutting down"));
+                    }
+                    return Ok(None);
+                }
             }
         }
     }
@@ -468,6 +519,7 @@ impl Promoter {
         src_tier: &str,
         src_prefix: &str,
         revision: &mut u64,
+        cancel: &CancellationToken,
         ctx: Option<&WorkContext>,
     ) -> Result<stagehand_mover::SetReport, CopyFailed> {
         let project = record.event.project.as_str();
@@ -499,12 +551,14 @@ impl Promoter {
             totals: Some((plan.files, plan.bytes)),
         };
         let progress = Progress::new();
-        let cancel = self.p().shutdown.child_token();
+        // A lost lease stops this copy only (its staging folder kept for whoever holds the
+        // lease now); `cancel`, the operator's, stops it too.
+        let stop = cancel.child_token();
         let node = request.node.as_deref();
         let mover = &self.p().mover;
         let staging = async {
             let staged = mover
-                .stage_set(src, dst, &set, files, &progress, &cancel, |_| {})
+                .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
                 .await?;
             Ok::<_, TransferError>(staged)
         };
@@ -528,7 +582,7 @@ impl Promoter {
                             Ok(rev) => { *revision = rev; last_renew = Instant::now(); }
                             Err(e) => {
                                 warn!(error = %e, %prefix, "copy lease lost; stopping this copy (its staging folder is kept)");
-                                cancel.cancel();
+                                stop.cancel();
                             }
                         }
                     }
@@ -678,4 +732,11 @@ fn free_bytes(tier: &Tier) -> Option<u64> {
             .map(|s| s.f_bavail.saturating_mul(s.f_frsize)),
         Tier::S3(_) => None,
     }
+}
+
+/// What a copy stopped by its request's cancel returns: no facts (the cancel's answer was
+/// published when it was given). An empty answer also keeps the cancel out of the failed-copy
+/// memory that answers other requests of the version.
+fn cancelled_copy() -> Result<Vec<Event>, HandlerError> {
+    Ok(Vec::new())
 }

@@ -208,9 +208,9 @@ impl Promoter {
 
     /// An operator's cancel (`stagehand stage cancel`, an `operator.action` of `stage.cancel`):
     /// a request this promoter holds that still waits or copies fails with `cancelled by
-    /// <who>: <why>`, and the space it reserved is given back (at once, or by the reconciler
-    /// once a copy still running stops holding it; the copy's own answer comes second and is
-    /// not kept). The request is looked up under the action's own project — request ids are
+    /// <who>: <why>`, its copy (queued or running) is stopped unless another request waits for
+    /// the same replica ([`Promoter::stop_cancelled_copy`]), and the space it reserved is
+    /// given back with the staging folder removed. The request is looked up under the action's own project — request ids are
     /// scoped by project, and only Stagehand's operator may state the action — so an action
     /// reaches no other project's request. A ready stage is the cancel's release to end, and
     /// one already answered is left as it is.
@@ -237,12 +237,63 @@ impl Promoter {
             return Ok(Vec::new());
         }
         info!(request = %id, action = %event.id, by = %a.by, "stage cancelled by an operator");
-        self.fail(
-            &record,
-            format!("cancelled by {}: {}", a.by, a.reason),
-            false,
-        )
-        .await
+        let answered = self
+            .fail(
+                &record,
+                format!("cancelled by {}: {}", a.by, a.reason),
+                false,
+            )
+            .await?;
+        self.stop_cancelled_copy(&record)?;
+        Ok(answered)
+    }
+
+    /// Stops the copy `record` drives in this process (queued for a slot or running), now
+    /// that the request is cancelled — unless another live request of the same project waits
+    /// for the same replica (same dataset, tier and node, a version naming this one), which
+    /// the copy still serves. A stopped copy removes its staging folder and gives its space
+    /// back at once.
+    fn stop_cancelled_copy(&self, record: &RequestRecord) -> Result<(), HandlerError> {
+        let key = request_key(record);
+        let Some((version, cancel)) = self
+            .inner
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .cloned()
+        else {
+            return Ok(());
+        };
+        let Some(cancelled) = record.stage() else {
+            return Ok(());
+        };
+        let still_wanted = self.p().state.waiting()?.into_iter().find(|other| {
+            other.event.project == record.event.project
+                && other.event.id != record.event.id
+                && other.stage().is_some_and(|r| {
+                    r.dataset == cancelled.dataset
+                        && r.tier == cancelled.tier
+                        && r.node == cancelled.node
+                        && version.starts_with(r.version.as_str())
+                })
+        });
+        match still_wanted {
+            Some(other) => {
+                info!(request = %record.event.id, wanted_by = %other.event.id, "the cancelled request's copy goes on: another request waits for the same replica");
+            }
+            None => cancel.cancel(),
+        }
+        Ok(())
+    }
+
+    /// Whether `record` was answered (an operator's cancel) while its copy was queued or ran.
+    pub(super) fn answered_meanwhile(&self, record: &RequestRecord) -> Result<bool, HandlerError> {
+        Ok(self
+            .p()
+            .state
+            .request(&record.event.project, &record.event.id)?
+            .is_some_and(|now| now.standing.is_final()))
     }
 
     /// Moves one request on as far as it can go now; returns the facts it published. A
