@@ -528,5 +528,8 @@ async fn an_outcome_too_large_for_its_claim_is_published_by_the_next_instance() 
             .all(|(p, e)| p.body == e.body),
         "published whole"
     );
-    assert_eq!((sb.replayed, sb.handled), (1, 0), "{sb:?}");
+    // Replayed, never handled: a replay slower than the ack wait (a loaded machine) is
+    // delivered again and replayed again, which publishes the same facts (dropped as
+    // duplicates), so the count of replays is one or more.
+    assert!(sb.replayed >= 1 && sb.handled == 0, "{sb:?}");
 }
