@@ -65,11 +65,6 @@ const NOT_YET_RUN: &[(&str, &str)] = &[
          (-p stagehand-demoter --test scrub) produces it",
     ),
     (
-        "stray-data.md",
-        "needs stray folders and a lost copy planted on a tier; the audit's own test \
-         (-p stagehand --test audit) produces them",
-    ),
-    (
         "scrub-behind.md",
         "needs a tier holding more than the scrub's budget reads in its period",
     ),
@@ -87,6 +82,7 @@ const RUN: &[&str] = &[
     "rebuild-catalogue.md",
     "tier-above-watermark.md",
     "quota-nearly-full.md",
+    "stray-data.md",
     "service-silent.md",
     "stage-stuck.md",
 ];
@@ -483,14 +479,47 @@ impl Shell {
         }
     }
 
-    /// `stagehand status --json` as this shell runs it: its exit code and its object.
-    fn status(&self) -> Option<(i32, serde_json::Value)> {
-        let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-            .args(["status", "--json"])
+    /// Runs the built `stagehand` with `args` in this shell's environment.
+    fn stagehand(&self, args: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_stagehand"))
+            .args(args)
             .env_clear()
             .envs(&self.env)
             .output()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// Has a job stage `target` on `tier`, as its prolog does: requests it and waits until it
+    /// is ready; panics with the CLI's output when it is not.
+    fn stage(&self, target: &str, tier: &str, job: &str) {
+        for args in [
+            &["stage", "request", target, "--tier", tier, "--job", job][..],
+            &[
+                "stage",
+                "wait",
+                target,
+                "--tier",
+                tier,
+                "--job",
+                job,
+                "--timeout",
+                "60",
+            ],
+        ] {
+            let out = self.stagehand(args);
+            assert!(
+                out.status.success(),
+                "stagehand {}: {}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
+    /// `stagehand status --json` as this shell runs it: its exit code and its object.
+    fn status(&self) -> Option<(i32, serde_json::Value)> {
+        let out = self.stagehand(&["status", "--json"]);
         let code = out.status.code()?;
         (code == 0 || code == 1).then(|| (code, serde_json::from_slice(&out.stdout).unwrap()))
     }
@@ -629,13 +658,15 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
     let cats = uploads.path().join("cats");
     write_upload(&cats, 3);
     std::fs::write(cats.join(".DS_Store"), b"litter").unwrap();
-    let rejected = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["ingest", "--dataset", "cats", "--wait", "--timeout", "60"])
-        .arg(&cats)
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
+    let rejected = shell.stagehand(&[
+        "ingest",
+        "--dataset",
+        "cats",
+        "--wait",
+        "--timeout",
+        "60",
+        cats.to_str().unwrap(),
+    ]);
     assert_eq!(
         rejected.status.code(),
         Some(1),
@@ -756,31 +787,7 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
         std::fs::write(&path, vec![i as u8; 1 << 20]).unwrap();
     }
     let version = stack.ingest(&seals, "seals", true).unwrap();
-    let requested = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["stage", "request", &format!("seals@{version}")])
-        .args(["--tier", "hot", "--job", "train-7"])
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
-    assert!(
-        requested.status.success(),
-        "{}",
-        String::from_utf8_lossy(&requested.stderr)
-    );
-    let ready = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["stage", "wait", &format!("seals@{version}")])
-        .args(["--tier", "hot", "--job", "train-7", "--timeout", "60"])
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
-    assert!(
-        ready.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&ready.stdout),
-        String::from_utf8_lossy(&ready.stderr)
-    );
+    shell.stage(&format!("seals@{version}"), "hot", "train-7");
     let finding = shell.status_names(&page.name);
     assert_eq!(finding["subject"], "lab on hot", "{finding:#}");
     shell.set("TIER", "hot");
@@ -793,6 +800,54 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
         1,
     );
     std::fs::write(&tiers, text).unwrap();
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    // stray-data: a job's copy on hot vanishes behind Stagehand's back and someone leaves a
+    // folder there; the audit reports both, announces the copy lost, and quarantines the
+    // folder once past the grace. The next job staging the version repairs the copy.
+    let page = Page::read("stray-data.md");
+    shell.quiet(&page.name);
+    let birds_version = common::digest_of(&birds).unwrap();
+    shell.stage(&format!("birds@{birds_version}"), "hot", "train-8");
+    let birds_on_hot = hot.join(format!("{PROJECT}/birds/{birds_version}"));
+    assert!(birds_on_hot.is_dir(), "{}", birds_on_hot.display());
+    let strays = hot.join(format!("{PROJECT}/strays"));
+    stagehand_testkit::put_files(&strays, &[("x/a.bin", [1u8; 1000])]);
+    // Untouched for longer than scrub.toml's `quarantine_after` (7 days).
+    stagehand_testkit::backdate(&strays, 8);
+    std::fs::remove_dir_all(&birds_on_hot).unwrap();
+    shell.set("TIER", "hot");
+    shell.steps(&page, None, Some("3."));
+    let audited: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(shell.dir.path().join("audit.json")).unwrap())
+            .unwrap();
+    let listed = |list: &str, key: &str| -> Vec<String> {
+        audited[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e[key].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        (listed("stray", "path"), listed("lost", "dataset")),
+        (vec![format!("{PROJECT}/strays")], vec!["birds".to_owned()]),
+        "{audited:#}"
+    );
+    // The audit announced the copy lost: the catalogue holds it damaged.
+    let finding = shell.status_names("replica-damaged.md");
+    assert!(
+        finding["subject"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{PROJECT}/birds@{}", &birds_version[..12])),
+        "{finding:#}"
+    );
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    assert!(!strays.exists(), "{} not quarantined", strays.display());
+    // The next job asking for the version on hot has the promoter copy it again.
+    shell.stage(&format!("birds@{birds_version}"), "hot", "train-9");
     shell.confirm(&page);
     exercised.insert(page.name.clone());
 
@@ -889,13 +944,7 @@ fn demoter_alive(shell: &Shell) -> bool {
 
 /// Whether the catalogue lists a validated version of `dataset` in the shell's project.
 fn validated(shell: &Shell, dataset: &str) -> bool {
-    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["catalogue", "show", dataset, "--json"])
-        .args(["--project", PROJECT])
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
+    let out = shell.stagehand(&["catalogue", "show", dataset, "--json", "--project", PROJECT]);
     let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
     shown["versions"].as_array().is_some_and(|v| !v.is_empty())
 }
