@@ -18,7 +18,7 @@
 //! person does outside Stagehand (an uploader fixing a folder, a supervisor restarting a
 //! service, a disk's owner moving files) the test does between the page's sections, as the
 //! page says. Stage-stuck runs on a stack of its own, as it needs the validator from the start
-//! and no promoter.
+//! and no promoter; so does replica-damaged, which needs the backup copier.
 
 mod common;
 
@@ -60,11 +60,6 @@ const NOT_YET_RUN: &[(&str, &str)] = &[
         "needs an S3 source tier behind a connection the test can cut",
     ),
     (
-        "replica-damaged.md",
-        "needs a scrub pass finding damage no other copy can repair; the scrub's own test \
-         (-p stagehand-demoter --test scrub) produces it",
-    ),
-    (
         "scrub-behind.md",
         "needs a tier holding more than the scrub's budget reads in its period",
     ),
@@ -85,6 +80,7 @@ const RUN: &[&str] = &[
     "stray-data.md",
     "service-silent.md",
     "stage-stuck.md",
+    "replica-damaged.md",
 ];
 
 #[test]
@@ -1002,4 +998,74 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
     // carried out then, or the stage it lets through turns ready.
     stack.start_promoter();
     shell.confirm(&page);
+}
+
+/// replica-damaged: a job's copy on hot is lost, and `stagehand audit` announces it damaged. A
+/// hot copy is not the scrub's to repair, so it stays damaged until on-call restores it from
+/// the version's backup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
+    let mut stack = Stagehand::start(common::Options {
+        validator: true,
+        promoter: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    stack.start_backup_copier();
+    let mut shell = Shell::new(&stack);
+    let page = Page::read("replica-damaged.md");
+    let uploads = tempfile::tempdir().unwrap();
+    let owls = uploads.path().join("owls");
+    write_upload(&owls, 3);
+    let owls_version = stack.ingest(&owls, "owls", true).unwrap();
+    // A second, larger copy on hot, so that losing the first stays below the audit's
+    // `stop_above_fraction` of the tier.
+    let gulls = uploads.path().join("gulls");
+    std::fs::create_dir_all(&gulls).unwrap();
+    std::fs::write(gulls.join("part-00.bin"), vec![7u8; 1 << 20]).unwrap();
+    let gulls_version = stack.ingest(&gulls, "gulls", true).unwrap();
+    shell.stage(&format!("owls@{owls_version}"), "hot", "train-3");
+    shell.stage(&format!("gulls@{gulls_version}"), "hot", "train-3");
+    wait_until_blocking(WAIT, "owls backed up", || {
+        let out = shell.stagehand(&["backup", "status", "--json"]);
+        String::from_utf8_lossy(&out.stdout).lines().any(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
+            line["version"] == owls_version.as_str() && !line["last_backup"].is_null()
+        })
+    })
+    .unwrap();
+    shell.quiet(&page.name);
+    let owls_on_hot = stack
+        .home
+        .path()
+        .join(format!("tiers/hot/{PROJECT}/owls/{owls_version}"));
+    assert!(owls_on_hot.is_dir(), "{}", owls_on_hot.display());
+    std::fs::remove_dir_all(&owls_on_hot).unwrap();
+    let audited = shell.stagehand(&["audit", "hot"]);
+    assert_eq!(
+        audited.status.code(),
+        Some(1),
+        "{}{}",
+        String::from_utf8_lossy(&audited.stdout),
+        String::from_utf8_lossy(&audited.stderr)
+    );
+    let finding = shell.status_names(&page.name);
+    assert!(
+        finding["subject"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{PROJECT}/owls@{}", &owls_version[..12])),
+        "{finding:#}"
+    );
+    shell.set("DATASET", "owls");
+    shell.set("VERSION", &owls_version[..12]);
+    shell.set("TIER", "hot");
+    shell.steps(&page, None, Some("Confirm"));
+    shell.confirm(&page);
+    assert!(
+        owls_on_hot.is_dir(),
+        "{} not restored",
+        owls_on_hot.display()
+    );
 }
