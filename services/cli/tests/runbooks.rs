@@ -18,7 +18,8 @@
 //! person does outside Stagehand (an uploader fixing a folder, a supervisor restarting a
 //! service, a disk's owner moving files) the test does between the page's sections, as the
 //! page says. Stage-stuck runs on a stack of its own, as it needs the validator from the start
-//! and no promoter; so does replica-damaged, which needs the backup copier.
+//! and no promoter; so does replica-damaged, which needs the backup copier, and
+//! nats-node-lost, whose services run on a three-node NATS cluster.
 
 mod common;
 
@@ -31,7 +32,8 @@ use stagehand_bus::runner::WorkerSettings;
 use stagehand_manifest::{Manifest, ManifestStore};
 use stagehand_schemas::{EventId, FileRef, Location, sha256_hex};
 use stagehand_testkit::{
-    ServiceProcess, StageRequest, Tmpfs, repo_root, validated_fact, wait_until_blocking,
+    NatsCluster, ServiceProcess, StageRequest, Tmpfs, repo_root, validated_fact,
+    wait_until_blocking,
 };
 use time::OffsetDateTime;
 
@@ -81,6 +83,7 @@ const RUN: &[&str] = &[
     "service-silent.md",
     "stage-stuck.md",
     "replica-damaged.md",
+    "nats-node-lost.md",
 ];
 
 #[test]
@@ -381,7 +384,9 @@ struct Ran {
 }
 
 impl Shell {
-    fn new(stack: &Stagehand) -> Shell {
+    /// The shell of an operator of the Stagehand at `url` (its NATS servers, comma separated)
+    /// whose home is `home`.
+    fn new(url: &str, stagehand_home: &Path) -> Shell {
         let dir = tempfile::tempdir().unwrap();
         let bin = Path::new(env!("CARGO_BIN_EXE_stagehand")).parent().unwrap();
         let home = dir.path().join("operator");
@@ -394,10 +399,10 @@ impl Shell {
             ("HOME".to_owned(), home.display().to_string()),
             ("USER".to_owned(), "oncall".to_owned()),
             ("LANG".to_owned(), "C.UTF-8".to_owned()),
-            (stagehand_bus::env::NATS_URL.to_owned(), stack.url.clone()),
+            (stagehand_bus::env::NATS_URL.to_owned(), url.to_owned()),
             (
                 "STAGEHAND_HOME".to_owned(),
-                stack.home.path().display().to_string(),
+                stagehand_home.display().to_string(),
             ),
             ("STAGEHAND_PROJECT".to_owned(), PROJECT.to_owned()),
         ]);
@@ -444,9 +449,9 @@ impl Shell {
         Ran { ok: true, output }
     }
 
-    /// Runs the blocks of `page` from section `from` up to section `to`; panics, with the
-    /// script and its output, when they fail.
-    fn steps(&mut self, page: &Page, from: Option<&str>, to: Option<&str>) {
+    /// Runs the blocks of `page` from section `from` up to section `to`; returns the script and
+    /// its output, and panics with them when they fail.
+    fn steps(&mut self, page: &Page, from: Option<&str>, to: Option<&str>) -> String {
         let blocks = page.between(from, to);
         assert!(
             !blocks.is_empty(),
@@ -455,6 +460,7 @@ impl Shell {
         );
         let ran = self.run(&page.name, &blocks);
         assert!(ran.ok, "runbooks/{} failed:\n{}", page.name, ran.output);
+        ran.output
     }
 
     /// Runs the page's Confirm blocks until they succeed.
@@ -595,7 +601,7 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
     std::fs::write(&tiers, text).unwrap();
     let hot = stack.home.path().join("tiers/hot");
     let disk = Tmpfs::mount(&hot, "64m");
-    let mut shell = Shell::new(&stack);
+    let mut shell = Shell::new(&stack.url, stack.home.path());
     let mut exercised = BTreeSet::new();
     shell.quiet("the first page");
 
@@ -969,7 +975,7 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
     })
     .await
     .unwrap();
-    let mut shell = Shell::new(&stack);
+    let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("stage-stuck.md");
     let uploads = tempfile::tempdir().unwrap();
     let cats = uploads.path().join("cats");
@@ -1013,7 +1019,7 @@ async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
     .await
     .unwrap();
     stack.start_backup_copier();
-    let mut shell = Shell::new(&stack);
+    let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("replica-damaged.md");
     let uploads = tempfile::tempdir().unwrap();
     let owls = uploads.path().join("owls");
@@ -1068,4 +1074,121 @@ async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
         "{} not restored",
         owls_on_hot.display()
     );
+}
+
+/// nats-node-lost: one node of the three-node cluster under `stagehand up`'s services is
+/// killed. Stagehand goes on through the two others; the page finds the node gone and every
+/// stream's replica on it behind, from the other nodes' monitoring; once the node runs again,
+/// as its host's supervisor starts it, the page confirms every replica current.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_nats_node_is_found_and_its_return_confirmed_by_its_page() {
+    let mut cluster = NatsCluster::start(3);
+    let home = tempfile::Builder::new()
+        .prefix("stagehand-home-")
+        .tempdir()
+        .unwrap();
+    let policies = home.path().join("policies");
+    stagehand::up::write_default_policies(&policies, home.path()).unwrap();
+    let url = cluster.urls().join(",");
+    let stack = stagehand::up::Stack::start(stagehand::up::UpOptions {
+        home: home.path().to_owned(),
+        nats: Some(stagehand_bus::BusConfig::new(&url)),
+        port: 0,
+        policies: Some(policies),
+    })
+    .await
+    .unwrap();
+    stack.ready(WAIT).await.unwrap();
+    let mut shell = Shell::new(&url, home.path());
+    let page = Page::read("nats-node-lost.md");
+    shell.quiet(&page.name);
+    // The demoter opens its tiers and state before it creates its consumers; a service doing
+    // that while the streams elect new leaders fails (its unit would start it again). The
+    // loss is to meet services at work: wait until its consumers exist.
+    wait_until_blocking(WAIT, "the demoter's consumers", || {
+        shell.status().is_some_and(|(_, r)| {
+            ["STAGEHAND_REQUESTS", "STAGEHAND_FACTS"]
+                .iter()
+                .all(|stream| {
+                    r["consumers"].as_array().unwrap().iter().any(|c| {
+                        c["stream"] == *stream
+                            && c["consumer"]
+                                .as_str()
+                                .is_some_and(|n| n.starts_with("demoter"))
+                    })
+                })
+        })
+    })
+    .unwrap();
+    let monitors = |cluster: &NatsCluster| {
+        let addrs: Vec<String> = cluster.nodes().iter().map(|n| n.monitor_addr()).collect();
+        addrs.join(" ")
+    };
+    shell.set("NATS_MONITORS", monitors(&cluster));
+    let lost = cluster.nodes()[2].monitor_addr();
+    let survivors: Vec<String> = cluster.nodes()[..2]
+        .iter()
+        .map(|n| n.monitor_addr())
+        .collect();
+    cluster.node_mut(2).kill();
+    // The leaders find the node's replicas behind once its routes have been silent a while.
+    wait_until_blocking(WAIT, "every stream's leader to find n3 behind", || {
+        let behind = replicas_behind(&survivors);
+        !behind.is_empty() && behind.iter().all(|(_, nodes)| nodes == &["n3"])
+    })
+    .unwrap();
+    let said = shell.steps(&page, None, Some("Confirm"));
+    assert!(said.contains(&format!("{lost}: no answer")), "{said}");
+    let streams = said
+        .lines()
+        .filter(|l| l.starts_with("{\"stream\":"))
+        .collect::<Vec<_>>();
+    assert!(
+        streams.len() >= 3 && streams.iter().all(|l| l.contains(r#""behind":["n3"]"#)),
+        "{said}"
+    );
+    // Its host's supervisor starts it again, with its store.
+    cluster.node_mut(2).restart();
+    shell.set("NATS_MONITORS", monitors(&cluster));
+    shell.confirm(&page);
+    stack.stop().await.unwrap();
+}
+
+/// Each stream a node monitored at one of `addrs` leads, with the replicas it finds not
+/// current or offline (what the page's second block lists).
+fn replicas_behind(addrs: &[String]) -> Vec<(String, Vec<String>)> {
+    let get = |addr: &str, path: &str| -> serde_json::Value {
+        let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+        match stagehand_testkit::http_get(port, path) {
+            Ok((200, body)) => serde_json::from_slice(&body).unwrap_or_default(),
+            _ => serde_json::Value::Null,
+        }
+    };
+    let mut out = Vec::new();
+    for addr in addrs {
+        let me = get(addr, "/varz")["server_name"].clone();
+        let jsz = get(addr, "/jsz?streams=true");
+        let accounts = jsz["account_details"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for stream in accounts
+            .iter()
+            .flat_map(|a| a["stream_detail"].as_array().cloned().unwrap_or_default())
+            .filter(|s| s["cluster"]["leader"] == me)
+        {
+            let behind = stream["cluster"]["replicas"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["current"] != true || r["offline"] == true)
+                .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
+                .collect();
+            out.push((
+                stream["name"].as_str().unwrap_or_default().to_owned(),
+                behind,
+            ));
+        }
+    }
+    out
 }
