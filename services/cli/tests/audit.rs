@@ -7,7 +7,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use stagehand_catalogue::{ReplicaState, StageState};
 use stagehand_schemas::{
@@ -15,8 +15,8 @@ use stagehand_schemas::{
     version_digest,
 };
 use stagehand_testkit::{
-    PolicyFiles, S3Server, Stack, StageRequest, TierSpec, VALIDATION, pattern_bytes, stored_facts,
-    wait_until,
+    PolicyFiles, S3Server, Stack, StageRequest, TierSpec, VALIDATION, backdate, pattern_bytes,
+    stored_facts, wait_until,
 };
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -160,27 +160,6 @@ fn write(path: &Path, bytes: &[u8]) {
     std::fs::write(path, bytes).unwrap();
 }
 
-/// Dates `path` and everything in it `days` back.
-fn age(path: &Path, days: u64) {
-    let then = SystemTime::now() - Duration::from_secs(days * 86_400);
-    for entry in walk(path) {
-        std::fs::File::open(&entry)
-            .unwrap()
-            .set_modified(then)
-            .unwrap();
-    }
-}
-
-fn walk(path: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = vec![path.to_owned()];
-    if path.is_dir() {
-        for e in std::fs::read_dir(path).unwrap() {
-            out.extend(walk(&e.unwrap().path()));
-        }
-    }
-    out
-}
-
 /// `stagehand audit <args> --json`: its exit code and its object.
 fn audit_json(stack: &Stack, env: &[(&str, &str)], args: &[&str]) -> (i32, serde_json::Value) {
     let (code, stdout, stderr) = audit(stack, env, &[args, &["--json"]].concat());
@@ -273,7 +252,7 @@ async fn a_planted_stray_folder_and_a_deleted_replica_are_reported_and_a_promoti
         &stack.tier("hot").join(&leftover).join("b.bin"),
         &[2u8; 300],
     );
-    age(&stack.tier("hot").join(&leftover), 2);
+    backdate(&stack.tier("hot").join(&leftover), 2);
     std::fs::remove_dir_all(stack.tier("hot").join(&lost)).unwrap();
 
     let (code, report) = audit_json(&stack, &[], &["hot"]);

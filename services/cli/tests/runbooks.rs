@@ -18,7 +18,8 @@
 //! person does outside Stagehand (an uploader fixing a folder, a supervisor restarting a
 //! service, a disk's owner moving files) the test does between the page's sections, as the
 //! page says. Stage-stuck runs on a stack of its own, as it needs the validator from the start
-//! and no promoter.
+//! and no promoter; so does replica-damaged, which needs the backup copier, and
+//! nats-node-lost, whose services run on a three-node NATS cluster.
 
 mod common;
 
@@ -31,7 +32,8 @@ use stagehand_bus::runner::WorkerSettings;
 use stagehand_manifest::{Manifest, ManifestStore};
 use stagehand_schemas::{EventId, FileRef, Location, sha256_hex};
 use stagehand_testkit::{
-    ServiceProcess, StageRequest, Tmpfs, repo_root, validated_fact, wait_until_blocking,
+    NatsCluster, ServiceProcess, StageRequest, Tmpfs, repo_root, validated_fact,
+    wait_until_blocking,
 };
 use time::OffsetDateTime;
 
@@ -60,22 +62,17 @@ const NOT_YET_RUN: &[(&str, &str)] = &[
         "needs an S3 source tier behind a connection the test can cut",
     ),
     (
-        "replica-damaged.md",
-        "needs a scrub pass finding damage no other copy can repair; the scrub's own test \
-         (-p stagehand-demoter --test scrub) produces it",
-    ),
-    (
-        "stray-data.md",
-        "needs stray folders and a lost copy planted on a tier; the audit's own test \
-         (-p stagehand --test audit) produces them",
-    ),
-    (
         "scrub-behind.md",
         "needs a tier holding more than the scrub's budget reads in its period",
     ),
     (
         "new-project.md",
-        "its failure (an uploader refused by NATS) needs the stack with the shipped accounts",
+        "the stack with the shipped accounts (common::tenants) starts and refuses the new \
+         project's uploader, but once the accounts config declares the project and is \
+         reloaded, nats-server logs `Error enabling jetstream on configured accounts: \
+         insufficient storage resources available` (STAGEHAND's `max_file: 200GB` is more than \
+         a test host's disk) and the project's ingest request finds no stream; restarting the \
+         server after that reload did not let it through either",
     ),
 ];
 
@@ -87,8 +84,11 @@ const RUN: &[&str] = &[
     "rebuild-catalogue.md",
     "tier-above-watermark.md",
     "quota-nearly-full.md",
+    "stray-data.md",
     "service-silent.md",
     "stage-stuck.md",
+    "replica-damaged.md",
+    "nats-node-lost.md",
 ];
 
 #[test]
@@ -389,7 +389,9 @@ struct Ran {
 }
 
 impl Shell {
-    fn new(stack: &Stagehand) -> Shell {
+    /// The shell of an operator of the Stagehand at `url` (its NATS servers, comma separated)
+    /// whose home is `home`.
+    fn new(url: &str, stagehand_home: &Path) -> Shell {
         let dir = tempfile::tempdir().unwrap();
         let bin = Path::new(env!("CARGO_BIN_EXE_stagehand")).parent().unwrap();
         let home = dir.path().join("operator");
@@ -402,10 +404,10 @@ impl Shell {
             ("HOME".to_owned(), home.display().to_string()),
             ("USER".to_owned(), "oncall".to_owned()),
             ("LANG".to_owned(), "C.UTF-8".to_owned()),
-            (stagehand_bus::env::NATS_URL.to_owned(), stack.url.clone()),
+            (stagehand_bus::env::NATS_URL.to_owned(), url.to_owned()),
             (
                 "STAGEHAND_HOME".to_owned(),
-                stack.home.path().display().to_string(),
+                stagehand_home.display().to_string(),
             ),
             ("STAGEHAND_PROJECT".to_owned(), PROJECT.to_owned()),
         ]);
@@ -452,9 +454,9 @@ impl Shell {
         Ran { ok: true, output }
     }
 
-    /// Runs the blocks of `page` from section `from` up to section `to`; panics, with the
-    /// script and its output, when they fail.
-    fn steps(&mut self, page: &Page, from: Option<&str>, to: Option<&str>) {
+    /// Runs the blocks of `page` from section `from` up to section `to`; returns the script and
+    /// its output, and panics with them when they fail.
+    fn steps(&mut self, page: &Page, from: Option<&str>, to: Option<&str>) -> String {
         let blocks = page.between(from, to);
         assert!(
             !blocks.is_empty(),
@@ -463,6 +465,7 @@ impl Shell {
         );
         let ran = self.run(&page.name, &blocks);
         assert!(ran.ok, "runbooks/{} failed:\n{}", page.name, ran.output);
+        ran.output
     }
 
     /// Runs the page's Confirm blocks until they succeed.
@@ -483,14 +486,47 @@ impl Shell {
         }
     }
 
-    /// `stagehand status --json` as this shell runs it: its exit code and its object.
-    fn status(&self) -> Option<(i32, serde_json::Value)> {
-        let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-            .args(["status", "--json"])
+    /// Runs the built `stagehand` with `args` in this shell's environment.
+    fn stagehand(&self, args: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_stagehand"))
+            .args(args)
             .env_clear()
             .envs(&self.env)
             .output()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// Has a job stage `target` on `tier`, as its prolog does: requests it and waits until it
+    /// is ready; panics with the CLI's output when it is not.
+    fn stage(&self, target: &str, tier: &str, job: &str) {
+        for args in [
+            &["stage", "request", target, "--tier", tier, "--job", job][..],
+            &[
+                "stage",
+                "wait",
+                target,
+                "--tier",
+                tier,
+                "--job",
+                job,
+                "--timeout",
+                "60",
+            ],
+        ] {
+            let out = self.stagehand(args);
+            assert!(
+                out.status.success(),
+                "stagehand {}: {}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
+    /// `stagehand status --json` as this shell runs it: its exit code and its object.
+    fn status(&self) -> Option<(i32, serde_json::Value)> {
+        let out = self.stagehand(&["status", "--json"]);
         let code = out.status.code()?;
         (code == 0 || code == 1).then(|| (code, serde_json::from_slice(&out.stdout).unwrap()))
     }
@@ -570,7 +606,7 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
     std::fs::write(&tiers, text).unwrap();
     let hot = stack.home.path().join("tiers/hot");
     let disk = Tmpfs::mount(&hot, "64m");
-    let mut shell = Shell::new(&stack);
+    let mut shell = Shell::new(&stack.url, stack.home.path());
     let mut exercised = BTreeSet::new();
     shell.quiet("the first page");
 
@@ -629,13 +665,15 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
     let cats = uploads.path().join("cats");
     write_upload(&cats, 3);
     std::fs::write(cats.join(".DS_Store"), b"litter").unwrap();
-    let rejected = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["ingest", "--dataset", "cats", "--wait", "--timeout", "60"])
-        .arg(&cats)
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
+    let rejected = shell.stagehand(&[
+        "ingest",
+        "--dataset",
+        "cats",
+        "--wait",
+        "--timeout",
+        "60",
+        cats.to_str().unwrap(),
+    ]);
     assert_eq!(
         rejected.status.code(),
         Some(1),
@@ -756,31 +794,7 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
         std::fs::write(&path, vec![i as u8; 1 << 20]).unwrap();
     }
     let version = stack.ingest(&seals, "seals", true).unwrap();
-    let requested = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["stage", "request", &format!("seals@{version}")])
-        .args(["--tier", "hot", "--job", "train-7"])
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
-    assert!(
-        requested.status.success(),
-        "{}",
-        String::from_utf8_lossy(&requested.stderr)
-    );
-    let ready = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["stage", "wait", &format!("seals@{version}")])
-        .args(["--tier", "hot", "--job", "train-7", "--timeout", "60"])
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
-    assert!(
-        ready.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&ready.stdout),
-        String::from_utf8_lossy(&ready.stderr)
-    );
+    shell.stage(&format!("seals@{version}"), "hot", "train-7");
     let finding = shell.status_names(&page.name);
     assert_eq!(finding["subject"], "lab on hot", "{finding:#}");
     shell.set("TIER", "hot");
@@ -793,6 +807,54 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
         1,
     );
     std::fs::write(&tiers, text).unwrap();
+    shell.confirm(&page);
+    exercised.insert(page.name.clone());
+
+    // stray-data: a job's copy on hot vanishes behind Stagehand's back and someone leaves a
+    // folder there; the audit reports both, announces the copy lost, and quarantines the
+    // folder once past the grace. The next job staging the version repairs the copy.
+    let page = Page::read("stray-data.md");
+    shell.quiet(&page.name);
+    let birds_version = common::digest_of(&birds).unwrap();
+    shell.stage(&format!("birds@{birds_version}"), "hot", "train-8");
+    let birds_on_hot = hot.join(format!("{PROJECT}/birds/{birds_version}"));
+    assert!(birds_on_hot.is_dir(), "{}", birds_on_hot.display());
+    let strays = hot.join(format!("{PROJECT}/strays"));
+    stagehand_testkit::put_files(&strays, &[("x/a.bin", [1u8; 1000])]);
+    // Untouched for longer than scrub.toml's `quarantine_after` (7 days).
+    stagehand_testkit::backdate(&strays, 8);
+    std::fs::remove_dir_all(&birds_on_hot).unwrap();
+    shell.set("TIER", "hot");
+    shell.steps(&page, None, Some("3."));
+    let audited: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(shell.dir.path().join("audit.json")).unwrap())
+            .unwrap();
+    let listed = |list: &str, key: &str| -> Vec<String> {
+        audited[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e[key].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        (listed("stray", "path"), listed("lost", "dataset")),
+        (vec![format!("{PROJECT}/strays")], vec!["birds".to_owned()]),
+        "{audited:#}"
+    );
+    // The audit announced the copy lost: the catalogue holds it damaged.
+    let finding = shell.status_names("replica-damaged.md");
+    assert!(
+        finding["subject"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{PROJECT}/birds@{}", &birds_version[..12])),
+        "{finding:#}"
+    );
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    assert!(!strays.exists(), "{} not quarantined", strays.display());
+    // The next job asking for the version on hot has the promoter copy it again.
+    shell.stage(&format!("birds@{birds_version}"), "hot", "train-9");
     shell.confirm(&page);
     exercised.insert(page.name.clone());
 
@@ -889,13 +951,7 @@ fn demoter_alive(shell: &Shell) -> bool {
 
 /// Whether the catalogue lists a validated version of `dataset` in the shell's project.
 fn validated(shell: &Shell, dataset: &str) -> bool {
-    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["catalogue", "show", dataset, "--json"])
-        .args(["--project", PROJECT])
-        .env_clear()
-        .envs(&shell.env)
-        .output()
-        .unwrap();
+    let out = shell.stagehand(&["catalogue", "show", dataset, "--json", "--project", PROJECT]);
     let shown: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
     shown["versions"].as_array().is_some_and(|v| !v.is_empty())
 }
@@ -924,7 +980,7 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
     })
     .await
     .unwrap();
-    let mut shell = Shell::new(&stack);
+    let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("stage-stuck.md");
     let uploads = tempfile::tempdir().unwrap();
     let cats = uploads.path().join("cats");
@@ -953,4 +1009,191 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
     // carried out then, or the stage it lets through turns ready.
     stack.start_promoter();
     shell.confirm(&page);
+}
+
+/// replica-damaged: a job's copy on hot is lost, and `stagehand audit` announces it damaged. A
+/// hot copy is not the scrub's to repair, so it stays damaged until on-call restores it from
+/// the version's backup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
+    let mut stack = Stagehand::start(common::Options {
+        validator: true,
+        promoter: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    stack.start_backup_copier();
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("replica-damaged.md");
+    let uploads = tempfile::tempdir().unwrap();
+    let owls = uploads.path().join("owls");
+    write_upload(&owls, 3);
+    let owls_version = stack.ingest(&owls, "owls", true).unwrap();
+    // A second, larger copy on hot, so that losing the first stays below the audit's
+    // `stop_above_fraction` of the tier.
+    let gulls = uploads.path().join("gulls");
+    std::fs::create_dir_all(&gulls).unwrap();
+    std::fs::write(gulls.join("part-00.bin"), vec![7u8; 1 << 20]).unwrap();
+    let gulls_version = stack.ingest(&gulls, "gulls", true).unwrap();
+    shell.stage(&format!("owls@{owls_version}"), "hot", "train-3");
+    shell.stage(&format!("gulls@{gulls_version}"), "hot", "train-3");
+    wait_until_blocking(WAIT, "owls backed up", || {
+        let out = shell.stagehand(&["backup", "status", "--json"]);
+        String::from_utf8_lossy(&out.stdout).lines().any(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
+            line["version"] == owls_version.as_str() && !line["last_backup"].is_null()
+        })
+    })
+    .unwrap();
+    shell.quiet(&page.name);
+    let owls_on_hot = stack
+        .home
+        .path()
+        .join(format!("tiers/hot/{PROJECT}/owls/{owls_version}"));
+    assert!(owls_on_hot.is_dir(), "{}", owls_on_hot.display());
+    std::fs::remove_dir_all(&owls_on_hot).unwrap();
+    let audited = shell.stagehand(&["audit", "hot"]);
+    assert_eq!(
+        audited.status.code(),
+        Some(1),
+        "{}{}",
+        String::from_utf8_lossy(&audited.stdout),
+        String::from_utf8_lossy(&audited.stderr)
+    );
+    let finding = shell.status_names(&page.name);
+    assert!(
+        finding["subject"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{PROJECT}/owls@{}", &owls_version[..12])),
+        "{finding:#}"
+    );
+    shell.set("DATASET", "owls");
+    shell.set("VERSION", &owls_version[..12]);
+    shell.set("TIER", "hot");
+    shell.steps(&page, None, Some("Confirm"));
+    shell.confirm(&page);
+    assert!(
+        owls_on_hot.is_dir(),
+        "{} not restored",
+        owls_on_hot.display()
+    );
+}
+
+/// nats-node-lost: one node of the three-node cluster under `stagehand up`'s services is
+/// killed. Stagehand goes on through the two others; the page finds the node gone and every
+/// stream's replica on it behind, from the other nodes' monitoring; once the node runs again,
+/// as its host's supervisor starts it, the page confirms every replica current.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_nats_node_is_found_and_its_return_confirmed_by_its_page() {
+    let mut cluster = NatsCluster::start(3);
+    let home = tempfile::Builder::new()
+        .prefix("stagehand-home-")
+        .tempdir()
+        .unwrap();
+    let policies = home.path().join("policies");
+    stagehand::up::write_default_policies(&policies, home.path()).unwrap();
+    let url = cluster.urls().join(",");
+    let stack = stagehand::up::Stack::start(stagehand::up::UpOptions {
+        home: home.path().to_owned(),
+        nats: Some(stagehand_bus::BusConfig::new(&url)),
+        port: 0,
+        policies: Some(policies),
+    })
+    .await
+    .unwrap();
+    stack.ready(WAIT).await.unwrap();
+    let mut shell = Shell::new(&url, home.path());
+    let page = Page::read("nats-node-lost.md");
+    shell.quiet(&page.name);
+    // The demoter opens its tiers and state before it creates its consumers; a service doing
+    // that while the streams elect new leaders fails (its unit would start it again). The
+    // loss is to meet services at work: wait until its consumers exist.
+    wait_until_blocking(WAIT, "the demoter's consumers", || {
+        shell.status().is_some_and(|(_, r)| {
+            ["STAGEHAND_REQUESTS", "STAGEHAND_FACTS"]
+                .iter()
+                .all(|stream| {
+                    r["consumers"].as_array().unwrap().iter().any(|c| {
+                        c["stream"] == *stream
+                            && c["consumer"]
+                                .as_str()
+                                .is_some_and(|n| n.starts_with("demoter"))
+                    })
+                })
+        })
+    })
+    .unwrap();
+    let monitors = |cluster: &NatsCluster| {
+        let addrs: Vec<String> = cluster.nodes().iter().map(|n| n.monitor_addr()).collect();
+        addrs.join(" ")
+    };
+    shell.set("NATS_MONITORS", monitors(&cluster));
+    let lost = cluster.nodes()[2].monitor_addr();
+    let survivors: Vec<String> = cluster.nodes()[..2]
+        .iter()
+        .map(|n| n.monitor_addr())
+        .collect();
+    cluster.node_mut(2).kill();
+    // The leaders find the node's replicas behind once its routes have been silent a while.
+    wait_until_blocking(WAIT, "every stream's leader to find n3 behind", || {
+        let behind = replicas_behind(&survivors);
+        !behind.is_empty() && behind.iter().all(|(_, nodes)| nodes == &["n3"])
+    })
+    .unwrap();
+    let said = shell.steps(&page, None, Some("Confirm"));
+    assert!(said.contains(&format!("{lost}: no answer")), "{said}");
+    let streams = said
+        .lines()
+        .filter(|l| l.starts_with("{\"stream\":"))
+        .collect::<Vec<_>>();
+    assert!(
+        streams.len() >= 3 && streams.iter().all(|l| l.contains(r#""behind":["n3"]"#)),
+        "{said}"
+    );
+    // Its host's supervisor starts it again, with its store.
+    cluster.node_mut(2).restart();
+    shell.set("NATS_MONITORS", monitors(&cluster));
+    shell.confirm(&page);
+    stack.stop().await.unwrap();
+}
+
+/// Each stream a node monitored at one of `addrs` leads, with the replicas it finds not
+/// current or offline (what the page's second block lists).
+fn replicas_behind(addrs: &[String]) -> Vec<(String, Vec<String>)> {
+    let get = |addr: &str, path: &str| -> serde_json::Value {
+        let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+        match stagehand_testkit::http_get(port, path) {
+            Ok((200, body)) => serde_json::from_slice(&body).unwrap_or_default(),
+            _ => serde_json::Value::Null,
+        }
+    };
+    let mut out = Vec::new();
+    for addr in addrs {
+        let me = get(addr, "/varz")["server_name"].clone();
+        let jsz = get(addr, "/jsz?streams=true");
+        let accounts = jsz["account_details"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for stream in accounts
+            .iter()
+            .flat_map(|a| a["stream_detail"].as_array().cloned().unwrap_or_default())
+            .filter(|s| s["cluster"]["leader"] == me)
+        {
+            let behind = stream["cluster"]["replicas"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["current"] != true || r["offline"] == true)
+                .map(|r| r["name"].as_str().unwrap_or_default().to_owned())
+                .collect();
+            out.push((
+                stream["name"].as_str().unwrap_or_default().to_owned(),
+                behind,
+            ));
+        }
+    }
+    out
 }

@@ -1,7 +1,8 @@
 //! Files a test lays down and looks at: written with their manifest entries, deterministic
-//! bytes, a folder's names.
+//! bytes, a folder's names, and times set back as if the files had lain untouched.
 
 use std::path::Path;
+use std::time::{Duration, SystemTime};
 
 use stagehand_schemas::{FileRef, sha256_hex};
 
@@ -42,4 +43,21 @@ pub fn list_dir(dir: &Path) -> Vec<String> {
         .unwrap_or_default();
     names.sort();
     names
+}
+
+/// Dates `path` and everything beneath it `days` back, as if nobody had touched them since
+/// (what an audit's grace before quarantine reads). Panics on a path it cannot date.
+pub fn backdate(path: &Path, days: u64) {
+    let then = SystemTime::now() - Duration::from_secs(days * 86_400);
+    if path.is_dir() {
+        let entries =
+            std::fs::read_dir(path).unwrap_or_else(|e| panic!("listing {}: {e}", path.display()));
+        for entry in entries {
+            let entry = entry.unwrap_or_else(|e| panic!("listing {}: {e}", path.display()));
+            backdate(&entry.path(), days);
+        }
+    }
+    std::fs::File::open(path)
+        .and_then(|f| f.set_modified(then))
+        .unwrap_or_else(|e| panic!("dating {} {days} days back: {e}", path.display()));
 }

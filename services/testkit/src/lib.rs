@@ -61,7 +61,7 @@ pub use events::{StageRequest, validated_fact};
 pub use facts::{
     StoredEventsError, StoredMessage, facts_caused_by, stored_events, stored_facts, stored_messages,
 };
-pub use files::{list_dir, pattern_bytes, put_files};
+pub use files::{backdate, list_dir, pattern_bytes, put_files};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
 pub use policies::{PolicyFiles, TierSpec, VALIDATION};
 pub use prometheus::{Prometheus, http_get, scrape_sample};

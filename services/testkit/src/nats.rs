@@ -38,6 +38,9 @@ pub struct NatsServer {
     env: Vec<(String, String)>,
     cluster: Option<ClusterNode>,
     port: u16,
+    /// The monitoring port (`/varz`, `/jsz`, `/healthz`) of the running process: a free one,
+    /// chosen again at each start.
+    monitor_port: Option<u16>,
     child: Option<Child>,
 }
 
@@ -118,6 +121,7 @@ impl NatsServer {
             env,
             cluster,
             port: 0,
+            monitor_port: None,
             child: None,
         };
         server.run();
@@ -132,6 +136,15 @@ impl NatsServer {
     /// The client port.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The monitoring endpoint's `127.0.0.1:PORT` (`http://` it for `/varz`, `/jsz`,
+    /// `/healthz`); a restart moves it. Panics when the server is not running.
+    pub fn monitor_addr(&self) -> String {
+        let port = self
+            .monitor_port
+            .expect("a running nats-server has a monitoring port");
+        format!("127.0.0.1:{port}")
     }
 
     /// The server's store directory (`-sd`); JetStream keeps its data in `jetstream/` below it.
@@ -151,6 +164,7 @@ impl NatsServer {
 
     /// Kills the server with SIGKILL, as a crash would. Its store stays for [`restart`](Self::restart).
     pub fn kill(&mut self) {
+        self.monitor_port = None;
         if let Some(mut child) = self.child.take() {
             process::kill(&mut child);
         }
@@ -182,7 +196,7 @@ impl NatsServer {
                 // server's default limits, max_payload included.
                 let dev_conf = self.dir.path().join("dev.conf");
                 std::fs::write(&dev_conf, DEV_CONF).expect("write the dev nats config");
-                cmd.arg("-c").arg(dev_conf)
+                cmd.arg("-c").arg(dev_conf).args(["-m", "-1"])
             }
         };
         // `-1` asks the server for a free port; a restart keeps the port clients know.
@@ -208,12 +222,13 @@ impl NatsServer {
         let mut child = process::spawn(cmd, &log);
         let ports_file = ports_dir.join(format!("nats-server_{}.ports", child.id()));
         let ready = process::poll_ready(&mut child, START_TIMEOUT, || {
-            let port = read_client_port(&ports_file)?;
+            let port = read_port(&ports_file, "nats")?;
             process::accepts(port).then_some(port)
         });
         match ready {
             Ok(port) => {
                 self.port = port;
+                self.monitor_port = read_port(&ports_file, "monitoring");
                 self.child = Some(child);
             }
             Err(why) => {
@@ -229,11 +244,12 @@ impl NatsServer {
     }
 }
 
-/// Reads the client port from a ports file: `{"nats":["nats://127.0.0.1:PORT"],...}`.
-fn read_client_port(path: &Path) -> Option<u16> {
+/// Reads a port from a ports file: `{"nats":["nats://127.0.0.1:PORT"],"monitoring":
+/// ["http://127.0.0.1:PORT"],...}`, the first URL under `key`.
+fn read_port(path: &Path, key: &str) -> Option<u16> {
     let text = std::fs::read_to_string(path).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let url = v.get("nats")?.get(0)?.as_str()?;
+    let url = v.get(key)?.get(0)?.as_str()?;
     url.rsplit(':').next()?.parse().ok()
 }
 

@@ -169,7 +169,7 @@ impl Stagehand {
             }
             std::fs::write(&tiers, text)?;
         }
-        for tier in ["source", "capacity", "hot", "local"] {
+        for tier in ["source", "capacity", "hot", "local", "backup"] {
             let dir = home.path().join("tiers").join(tier);
             std::fs::create_dir_all(&dir)?;
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
@@ -319,6 +319,22 @@ impl Stagehand {
             settings,
             stagehand_promoter::serve,
             self.stop.clone(),
+        ));
+    }
+
+    /// Starts the backup copier: every version validated from then on, and those before,
+    /// is copied onto the backup tier as `backup.toml` says.
+    pub fn start_backup_copier(&mut self) {
+        let home = self.home.path().to_owned();
+        self.tasks.push((
+            stagehand_backup_copier::SERVICE,
+            spawn(
+                &self.bus_config,
+                stagehand_backup_copier::SERVICE,
+                stagehand_backup_copier::Settings::dev(&home, &self.policies),
+                stagehand_backup_copier::serve,
+                self.stop.clone(),
+            ),
         ));
     }
 
