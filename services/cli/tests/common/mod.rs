@@ -326,15 +326,12 @@ impl Stagehand {
     /// is copied onto the backup tier as `backup.toml` says.
     pub fn start_backup_copier(&mut self) {
         let home = self.home.path().to_owned();
-        self.tasks.push((
+        self.tasks.push(spawn(
+            &self.bus_config,
             stagehand_backup_copier::SERVICE,
-            spawn(
-                &self.bus_config,
-                stagehand_backup_copier::SERVICE,
-                stagehand_backup_copier::Settings::dev(&home, &self.policies),
-                stagehand_backup_copier::serve,
-                self.stop.clone(),
-            ),
+            stagehand_backup_copier::Settings::dev(&home, &self.policies),
+            stagehand_backup_copier::serve,
+            self.stop.clone(),
         ));
     }
 
