@@ -26,7 +26,7 @@ use crate::reuse::Reuse;
 use crate::state::{RequestRecord, WaitGuard, WaitingFor};
 
 use super::clock::deadline_reason;
-use super::in_flight::Held;
+use super::in_flight::{Held, request_key};
 use super::{FAILED_COPY_REMEMBERED, Promoter, retry, step_replica};
 
 impl Promoter {
@@ -286,17 +286,24 @@ impl Promoter {
             &reason,
             &WaitGuard::None,
         )?;
+        let booked =
+            self.inner
+                .book
+                .enter(request_key(record), src_tier, &request.tier, plan.bytes);
         let ticket = self.inner.slots.enqueue(plan.priority);
         tokio::pin!(ticket);
         let _slot = match futures::poll!(&mut ticket) {
             std::task::Poll::Ready(permit) => permit,
             std::task::Poll::Pending => {
+                // The estimate travels beside the reason, so that whoever shows it says
+                // how long is left as of when it is read.
+                let estimate = self.inner.book.estimate(&booked, OffsetDateTime::now_utc());
                 let reason = format!(
                     "waiting for one of {} copy slots (class {})",
                     self.p().promotion.max_concurrent,
                     plan.priority
                 );
-                let fact = self.pending_fact(record, WaitingFor::Copy, &reason);
+                let fact = self.pending_fact(record, WaitingFor::Copy, &reason, estimate);
                 self.emit(std::slice::from_ref(&fact)).await?;
                 let held = self
                     .hold(ticket, &request.tier, node, prefix, record, revision, ctx)
@@ -316,12 +323,21 @@ impl Promoter {
                 permit
             }
         };
+        let copy_started = Instant::now();
         let outcome = Box::pin(self.run_copy(
             record, request, plan, dst, prefix, src_tier, src_prefix, revision, ctx,
         ))
         .await;
+        drop(booked);
         match outcome {
             Ok(report) => {
+                // From the copy's start to its publication: the time a request waits for it.
+                self.inner.book.measured(
+                    src_tier,
+                    &request.tier,
+                    report.bytes_copied,
+                    copy_started.elapsed(),
+                );
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
                 // Also when it was found in place and verified (a repair, or a copy that
                 // raced this one): the catalogue may hold it withdrawn until told again.
@@ -519,6 +535,7 @@ impl Promoter {
             tokio::select! {
                 r = &mut staging => break r,
                 _ = tick.tick() => {
+                    self.inner.book.progressed(&request_key(record), progress.bytes_done());
                     self.report(&subject, &record.event.id, &progress, started).await;
                     if let Some(ctx) = ctx && let Err(e) = ctx.progress().await {
                         debug!(error = %e, "progress ack failed");
