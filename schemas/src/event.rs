@@ -545,8 +545,13 @@ impl ReadyEstimate {
     /// For a person, as of `now`: what is ahead and when it should be ready, or that there is
     /// no estimate yet.
     pub fn describe(&self, now: OffsetDateTime) -> String {
+        let copies = if self.copies_ahead == 1 {
+            "copy"
+        } else {
+            "copies"
+        };
         let ahead = format!(
-            "{} bytes in {} copies queued ahead on {} -> {}",
+            "{} bytes in {} {copies} queued ahead on {} -> {}",
             self.bytes_ahead, self.copies_ahead, self.from_tier, self.to_tier
         );
         match (self.ready_at, self.bytes_per_second) {

@@ -526,7 +526,7 @@ async fn a_pending_job_shows_the_estimate_of_its_queued_copy() -> anyhow::Result
         .split_once("copy slots (class stage); ")
         .context("the estimate after the reason")?;
     let (ahead, rest) = estimate
-        .split_once(" bytes in 1 copies queued ahead on source -> hot; ")
+        .split_once(" bytes in 1 copy queued ahead on source -> hot; ")
         .with_context(|| format!("AdminComment {comment:?}"))?;
     let ahead: u64 = ahead.parse()?;
     ensure!(ahead <= 8 << 20, "{ahead} bytes ahead of an 8 MiB copy");
