@@ -31,8 +31,11 @@ The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
                         (`scontrol show job`: user, gid, account); then asks Stagehand
                         (`stagehand stage request`) for each staged version; on
                         22.05 it then waits (`stagehand stage wait`) bounded by
-                        STAGEHAND_STAGE_TIMEOUT (<= StageInTimeout); on 24.05+ it only asks
-  slurm_bb_test_data_in 24.05+: looks once (`stage wait --timeout 0`); BUSY until ready
+                        STAGEHAND_STAGE_TIMEOUT (<= StageInTimeout), noting where each waiting
+                        stage stands (its estimate) in the job's AdminComment every
+                        STAGEHAND_STATUS_EVERY seconds; on 24.05+ it only asks
+  slurm_bb_test_data_in 24.05+: looks once (`stage wait --timeout 0`), noting a waiting stage
+                        in the AdminComment; BUSY until ready
   slurm_bb_paths        inside slurmctld: copies the paths data_in recorded into the job's
                         environment (STAGEHAND_DATA_<NAME>=<path>); no network
   slurm_bb_job_teardown `stagehand stage release` for each staged version, unless the job is
@@ -330,24 +333,51 @@ local function requested_by(uid)
 	return "slurm"
 end
 
--- Waits for every stage until ready, bounded by `budget` seconds in all (0: look once).
--- Returns "ready", env lines; "failed"/"error", message; or "waiting", message.
-local function collect(conf, run, stages, budget)
+-- Says where a waiting job's stage stands in its AdminComment, which `scontrol show job` shows
+-- while Slurm's own Reason says only BurstBufferStageIn: the promoter's reason and, for a queued
+-- copy, the bytes ahead of it and when it should be ready. Best effort: a note not written loses
+-- nothing but the note.
+local function note(job_id, message)
+	if job_id then
+		os.execute("scontrol update JobId=" .. quote(job_id) .. " AdminComment=" .. quote(message) .. " >/dev/null 2>&1")
+	end
+end
+
+-- Waits for every stage until ready, bounded by `budget` seconds in all (0: look once), noting
+-- in job `job_id`'s AdminComment (when given) where a waiting stage stands every
+-- STAGEHAND_STATUS_EVERY seconds. Returns "ready", env lines; "failed"/"error", message; or
+-- "waiting", message.
+local function collect(conf, run, stages, budget, job_id)
 	local lines = {}
 	local deadline = os.time() + budget
+	local every = math.max(tonumber(conf.STAGEHAND_STATUS_EVERY) or 30, 1)
+	-- The next wait: at most one note's interval, at least a second, none when only looking.
+	local function slice()
+		return budget > 0 and math.min(math.max(deadline - os.time(), 1), every) or 0
+	end
+	local noted = false
 	for _, s in ipairs(stages) do
-		local left = budget > 0 and math.max(deadline - os.time(), 1) or 0
 		local attempt = os.time()
-		local state, detail = wait_one(conf, run, s, left)
-		-- NATS away for a while: ask again while the budget lasts.
+		local state, detail = wait_one(conf, run, s, slice())
 		local outage
-		while state == "unreachable" and os.time() < deadline do
-			outage = outage or outage_began(run, s, "waiting for", detail)
-			pace(attempt)
+		while os.time() < deadline and (state == "unreachable" or state == "waiting") do
+			if state == "unreachable" then
+				-- NATS away for a while: ask again while the budget lasts.
+				outage = outage or outage_began(run, s, "waiting for", detail)
+				pace(attempt)
+			else
+				outage_ended(run, s, "waiting for", outage)
+				outage = nil
+				note(job_id, "stagehand: waiting for " .. describe(s) .. ": " .. detail)
+				noted = true
+			end
 			attempt = os.time()
-			state, detail = wait_one(conf, run, s, math.max(deadline - os.time(), 1))
+			state, detail = wait_one(conf, run, s, slice())
 		end
 		outage_ended(run, s, "waiting for", state ~= "unreachable" and outage)
+		if state == "waiting" then
+			note(job_id, "stagehand: waiting for " .. describe(s) .. ": " .. detail)
+		end
 		if state == "ready" then
 			if s.exported then
 				lines[#lines + 1] = "STAGEHAND_DATA_" .. s.name .. "=" .. detail
@@ -361,6 +391,9 @@ local function collect(conf, run, stages, budget)
 		else
 			return "error", "stagehand: waiting for " .. describe(s) .. ": " .. detail
 		end
+	end
+	if noted then
+		note(job_id, "stagehand: data staged")
 	end
 	return "ready", lines
 end
@@ -448,7 +481,7 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.SUCCESS
 	end
 	-- 22.05: wait here.
-	local state, result = collect(conf, run, stages, math.max(budget - (os.time() - started), 1))
+	local state, result = collect(conf, run, stages, math.max(budget - (os.time() - started), 1), job_id)
 	if state ~= "ready" then
 		return slurm.ERROR, result
 	end
@@ -467,7 +500,7 @@ function slurm_bb_test_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.ERROR, "stagehand: " .. err
 	end
 	local run = recorded_run(conf, job_id) or run_of(conf, job_id, 0)
-	local state, result = collect(conf, run, shared_stages(conf, directives), 0)
+	local state, result = collect(conf, run, shared_stages(conf, directives), 0, job_id)
 	-- Not ready yet, or NATS away for now: poll again (StageInTimeout bounds the whole wait).
 	if state == "waiting" or state == "unreachable" then
 		return slurm.SUCCESS, slurm.SLURM_BB_BUSY

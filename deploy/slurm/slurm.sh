@@ -40,6 +40,8 @@
 #                              StageInTimeout; also the bound of 22.05's waiting data_in).
 #                              Default 3600
 #   STAGEHAND_PROLOG_TIMEOUT   seconds the Prolog waits for node-local data. Default 600
+#   STAGEHAND_STATUS_EVERY     seconds between notes of a waiting stage in the job's
+#                              AdminComment. Default 30
 #   STAGEHAND_CONNECT_TIMEOUT  seconds each hook's CLI call tries to reach NATS. Default 10
 #   STAGEHAND_SLURM_START_TIMEOUT  seconds to wait for the node to become idle. Default 30
 set -euo pipefail
@@ -197,6 +199,7 @@ EOF
         -e "s|^STAGEHAND_STATE_DIR=.*|STAGEHAND_STATE_DIR=$DIR/stagehand|" \
         -e "s|^STAGEHAND_CONNECT_TIMEOUT=.*|STAGEHAND_CONNECT_TIMEOUT=${STAGEHAND_CONNECT_TIMEOUT:-10}|" \
         -e "s|^STAGEHAND_STAGE_TIMEOUT=.*|STAGEHAND_STAGE_TIMEOUT=${STAGEHAND_STAGE_IN_TIMEOUT:-3600}|" \
+        -e "s|^STAGEHAND_STATUS_EVERY=.*|STAGEHAND_STATUS_EVERY=${STAGEHAND_STATUS_EVERY:-30}|" \
         -e "s|^STAGEHAND_PROLOG_TIMEOUT=.*|STAGEHAND_PROLOG_TIMEOUT=${STAGEHAND_PROLOG_TIMEOUT:-600}|" \
         "$HERE/stagehand-slurm.conf" >"$etc/stagehand-slurm.conf"
     local rule rules allow="${STAGEHAND_SLURM_ALLOW-user=$JOB_USER ${STAGEHAND_PROJECT:-lab}}"

@@ -506,6 +506,66 @@ pub struct StagePending {
     pub waiting_for: String,
     /// Why, for a person (shown by `stagehand stage status` and in `squeue`).
     pub reason: String,
+    /// For a copy queued behind others: when it should be ready, and what that is based on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_estimate: Option<ReadyEstimate>,
+}
+
+/// When a stage request whose copy is queued should be ready, and what that is based on: the
+/// bytes queued ahead of it on the same pair of tiers and the throughput recent copies of that
+/// pair measured. Presence is a promise of nothing: a scheduler plans with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct ReadyEstimate {
+    /// The tier the copy reads.
+    pub from_tier: String,
+    /// The tier the copy writes.
+    pub to_tier: String,
+    /// Bytes still to copy of the copies running or queued before this one on that pair.
+    pub bytes_ahead: u64,
+    /// How many copies those are.
+    pub copies_ahead: u64,
+    /// This copy's own bytes.
+    pub bytes: u64,
+    /// Bytes a second recent copies of that pair moved (a moving figure); absent before the
+    /// first copy of the pair was measured: then there is no estimate yet.
+    #[serde(default)]
+    pub bytes_per_second: Option<u64>,
+    /// When the copy should be published at that throughput, the copies ahead going first;
+    /// absent without a measurement.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(with = "Option<crate::json_schema::Timestamp>")
+    )]
+    pub ready_at: Option<OffsetDateTime>,
+}
+
+impl ReadyEstimate {
+    /// For a person, as of `now`: what is ahead and when it should be ready, or that there is
+    /// no estimate yet.
+    pub fn describe(&self, now: OffsetDateTime) -> String {
+        let copies = if self.copies_ahead == 1 {
+            "copy"
+        } else {
+            "copies"
+        };
+        let ahead = format!(
+            "{} bytes in {} {copies} queued ahead on {} -> {}",
+            self.bytes_ahead, self.copies_ahead, self.from_tier, self.to_tier
+        );
+        match (self.ready_at, self.bytes_per_second) {
+            (Some(at), Some(rate)) => {
+                let left = (at - now).whole_seconds().max(0);
+                format!(
+                    "{ahead}; ready in about {left} s (by {}, at {rate} bytes/s measured)",
+                    at.format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default()
+                )
+            }
+            _ => format!("{ahead}; no estimate yet (no copy on that pair measured)"),
+        }
+    }
 }
 
 /// A staged replica is complete and verified; the job may start.

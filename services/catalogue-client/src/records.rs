@@ -8,7 +8,7 @@
 //! requests, its jobs) are records of their own, paged by queries, never fields of another.
 
 use serde::{Deserialize, Serialize};
-use stagehand_schemas::{EventId, Location, Problem};
+use stagehand_schemas::{EventId, Location, Problem, ReadyEstimate};
 use time::OffsetDateTime;
 
 use crate::time::utc;
@@ -297,6 +297,10 @@ pub struct StageStatus {
     pub path: Option<String>,
     #[serde(default)]
     pub progress: Option<StageProgress>,
+    /// A copy queued behind others: when it should be ready and what that is based on (while
+    /// copying, the progress's `eta_seconds` says it instead).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_estimate: Option<ReadyEstimate>,
     #[serde(with = "utc")]
     pub updated_at: OffsetDateTime,
     /// When the job's hold ends at the latest (the request's `hold_until`); absent: held

@@ -631,6 +631,7 @@ fn stage_requested(
         retryable: None,
         ready: None,
         hold_until: p.hold_until,
+        ready_estimate: None,
     };
     stage::record(txn, event, change, stamp)
 }
@@ -655,6 +656,7 @@ fn stage_pending(
         retryable: None,
         ready: None,
         hold_until: None,
+        ready_estimate: p.ready_estimate.clone(),
     };
     stage::record(txn, event, change, stamp)
 }
@@ -679,6 +681,7 @@ fn stage_ready(
         retryable: None,
         ready: Some((p.path.clone(), p.location.prefix.clone())),
         hold_until: None,
+        ready_estimate: None,
     };
     stage::record(txn, event, change, stamp)
 }
@@ -703,6 +706,7 @@ fn stage_failed(
         retryable: Some(p.retryable),
         ready: None,
         hold_until: None,
+        ready_estimate: None,
     };
     stage::record(txn, event, change, stamp)
 }

@@ -83,6 +83,8 @@ impl StageRecord {
         {
             status.state = StageState::Copying;
             status.progress = Some(progress);
+            // The copy runs: its progress's ETA is the estimate now.
+            status.ready_estimate = None;
         }
         status
     }

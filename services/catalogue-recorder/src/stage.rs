@@ -21,7 +21,7 @@
 use redb::{Durability, ReadTransaction, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageState, StageStatus, Stamp};
-use stagehand_schemas::{Event, EventId, StageReleased, is_sha256_hex};
+use stagehand_schemas::{Event, EventId, ReadyEstimate, StageReleased, is_sha256_hex};
 use time::OffsetDateTime;
 
 use crate::error::StoreError;
@@ -54,6 +54,8 @@ pub struct StageChange<'a> {
     pub ready: Option<(Option<String>, String)>,
     /// For `stage.requested`: when the job's hold ends at the latest.
     pub hold_until: Option<OffsetDateTime>,
+    /// For `stage.pending` of a queued copy: when it should be ready.
+    pub ready_estimate: Option<ReadyEstimate>,
 }
 
 /// The first part of a pending request's key in `stages_open`.
@@ -161,6 +163,7 @@ fn released<'a>(request_id: EventId, p: &'a StageReleased) -> StageChange<'a> {
         retryable: None,
         ready: None,
         hold_until: None,
+        ready_estimate: None,
     }
 }
 
@@ -335,6 +338,7 @@ fn record_in(
             retryable: None,
             path: None,
             progress: None,
+            ready_estimate: None,
             updated_at: stamp.at,
             hold_until: None,
         },
@@ -360,6 +364,10 @@ fn record_in(
         record.status.waiting_for.clone_from(&change.waiting_for);
         record.status.reason.clone_from(&change.reason);
         record.status.retryable = change.retryable;
+        record
+            .status
+            .ready_estimate
+            .clone_from(&change.ready_estimate);
         record.status.updated_at = stamp.at;
     }
     // Only the request names it, whichever order the facts came in.
@@ -652,6 +660,7 @@ mod tests {
                 request_id: id.clone(),
                 waiting_for: "validation".into(),
                 reason: "version not validated yet".into(),
+                ready_estimate: None,
             }),
         );
         let ready = request.caused(

@@ -1105,6 +1105,17 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
             .is_some_and(|s| s.state == StageState::Pending)
     })
     .await?;
+    let estimate = stagehand_schemas::ReadyEstimate {
+        from_tier: "hot".into(),
+        to_tier: "local".into(),
+        bytes_ahead: 3 << 20,
+        copies_ahead: 2,
+        bytes: 3,
+        bytes_per_second: Some(1 << 20),
+        ready_at: Some(
+            stagehand_schemas::event::now().replace_nanosecond(0)? + ::time::Duration::seconds(3),
+        ),
+    };
     bus.publish(&request.caused(
         "pending:copy",
         Body::StagePending(StagePending {
@@ -1116,15 +1127,21 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
             request_id: id.clone(),
             waiting_for: "copy".into(),
             reason: "waiting for a copy slot".into(),
+            ready_estimate: Some(estimate.clone()),
         }),
     ))
     .await?;
-    wait_until(WAIT, "pending with what it waits for", || async {
+    let pending = stagehand_testkit::wait_for(WAIT, "pending with what it waits for", || async {
         status(kv.clone(), key.clone())
             .await
-            .is_some_and(|s| s.waiting_for.as_deref() == Some("copy"))
+            .filter(|s| s.waiting_for.as_deref() == Some("copy"))
     })
     .await?;
+    assert_eq!(
+        pending.ready_estimate.as_ref(),
+        Some(&estimate),
+        "the queued copy's estimate is mirrored"
+    );
     let report = stagehand_schemas::progress::WorkProgress {
         request_id: id.clone(),
         service: "promoter".into(),
@@ -1148,6 +1165,10 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
     })
     .await?;
     assert_eq!(copying.progress.as_ref().map(|p| p.files_done), Some(1));
+    assert_eq!(
+        copying.ready_estimate, None,
+        "a running copy's progress says when it is ready"
+    );
     let path = format!("/nvme/lab-a/cats/{v}");
     bus.publish(&request.caused(
         "ready",

@@ -500,6 +500,13 @@ pub fn status_summary(s: &StageStatus) -> String {
     if let Some(r) = &s.reason {
         line.push_str(&format!(": {r}"));
     }
+    // As of now, not as of the fact: a scheduler polling it sees the time left shrink.
+    if let Some(e) = &s.ready_estimate {
+        line.push_str(&format!(
+            "; {}",
+            e.describe(stagehand_schemas::event::now())
+        ));
+    }
     if let Some(path) = &s.path {
         if s.state == StageState::Released {
             line.push_str(&format!(" (was at {path})"));
@@ -955,6 +962,55 @@ mod tests {
         assert!(
             text.ends_with("not usable:\n  gpu-03               local               20002 bytes  damaged (found by scrub): 1 path(s)\n"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn a_queued_copy_shows_what_is_ahead_and_when_it_should_be_ready() {
+        let now = stagehand_schemas::event::now();
+        let mut status = StageStatus {
+            request_id: EventId::new("job-1.stage").unwrap(),
+            project: "lab".into(),
+            dataset: "shards".into(),
+            version: "ab".into(),
+            resolved_version: None,
+            tier: "hot".into(),
+            node: None,
+            job_id: "1".into(),
+            state: StageState::Pending,
+            waiting_for: Some("copy".into()),
+            reason: Some("waiting for one of 1 copy slots (class batch)".into()),
+            retryable: None,
+            path: None,
+            progress: None,
+            ready_estimate: Some(stagehand_schemas::ReadyEstimate {
+                from_tier: "capacity".into(),
+                to_tier: "hot".into(),
+                bytes_ahead: 4000,
+                copies_ahead: 2,
+                bytes: 1000,
+                bytes_per_second: Some(100),
+                ready_at: Some(now + time::Duration::seconds(600)),
+            }),
+            updated_at: now,
+            hold_until: None,
+        };
+        let line = status_summary(&status);
+        assert!(
+            line.contains("4000 bytes in 2 copies queued ahead on capacity -> hot; ready in about"),
+            "{line}"
+        );
+        assert!(line.contains("at 100 bytes/s measured"), "{line}");
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["ready_estimate"]["bytes_ahead"], 4000, "{json}");
+
+        if let Some(e) = status.ready_estimate.as_mut() {
+            (e.bytes_per_second, e.ready_at) = (None, None);
+        }
+        let line = status_summary(&status);
+        assert!(
+            line.ends_with("; no estimate yet (no copy on that pair measured)"),
+            "{line}"
         );
     }
 

@@ -312,11 +312,19 @@ fn dataset_folder(
 /// Stagehand and a Slurm cluster whose hooks talk to it, the cluster starting while the
 /// services do.
 async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
+    setup_with(opts, Vec::new()).await
+}
+
+/// [`setup`] with more of slurm.sh's settings ([`Slurm::start_with`]).
+async fn setup_with(
+    opts: Options,
+    settings: Vec<(&'static str, String)>,
+) -> anyhow::Result<(Stagehand, Slurm)> {
     let server = stagehand_testkit::NatsServer::start();
     let url = server.url();
     // Slurm first: slurm.sh makes the job user, whose group is the project's (staged data is
     // readable by the project's group only), and the services look the group up at start.
-    let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url)).await??;
+    let slurm = tokio::task::spawn_blocking(move || Slurm::start_with(&url, &settings)).await??;
     let opts = Options {
         job_groups: vec![(PROJECT.to_owned(), slurm.user.clone())],
         ..opts
@@ -435,6 +443,110 @@ async fn a_job_runs_after_stage_in_reads_its_data_and_releases_it() -> anyhow::R
             s.state == StageState::Released
         })
         .await?;
+    Ok(())
+}
+
+/// Issue 17 item 4, test (e): a job whose stage-in waits for a copy queued behind another
+/// shows, in its AdminComment (`scontrol show job`; Slurm's Reason says only that stage-in
+/// runs), what it waits for and the estimate: the bytes queued ahead of its copy on that pair
+/// of tiers. It runs with its data once the copy ahead is done and its own is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_job_shows_the_estimate_of_its_queued_copy() -> anyhow::Result<()> {
+    let (stagehand, slurm) = setup_with(
+        Options {
+            copy_slots: Some(1),
+            // The copy ahead takes about eight seconds.
+            copy_bytes_per_second: Some(1 << 20),
+            ..with_validator()
+        },
+        vec![("STAGEHAND_STATUS_EVERY", "1".to_owned())],
+    )
+    .await?;
+    let chunk = vec![5u8; 1 << 20];
+    let big: Vec<(String, &[u8])> = (0..8)
+        .map(|i| (format!("part-{i}.bin"), chunk.as_slice()))
+        .collect();
+    let big: Vec<(&str, &[u8])> = big.iter().map(|(p, b)| (p.as_str(), *b)).collect();
+    let (folder, _) = dataset_folder(&big)?;
+    let big_digest = stagehand.ingest(folder.path(), "big", true)?;
+    let (folder, expected) = dataset_folder(&[("labels.csv", b"id,label\n0,cat\n")])?;
+    let small_digest = stagehand.ingest(folder.path(), "small", true)?;
+    // Another job's copy holds the only copy slot.
+    let ahead = Stage {
+        project: PROJECT.to_owned(),
+        dataset: "big".to_owned(),
+        version: big_digest.clone(),
+        tier: "hot".to_owned(),
+        job: "elsewhere-1".to_owned(),
+        node: None,
+    };
+    stagehand
+        .bus
+        .publish(
+            &stagehand_testkit::StageRequest::new(
+                PROJECT,
+                "big",
+                &big_digest,
+                "hot",
+                "elsewhere-1",
+            )
+            .event(),
+        )
+        .await?;
+    stagehand
+        .status_where(&ahead, "the copy ahead running", |s| {
+            s.state == StageState::Copying
+        })
+        .await?;
+    let version = &small_digest[..16];
+    let job = slurm.submit(
+        "queued",
+        &reading_job(&directive("small", version, "hot"), "STAGEHAND_DATA_SMALL"),
+    )?;
+    let comment = wait_for(
+        JOB,
+        "the job's AdminComment to show the estimate",
+        || async {
+            let shown = slurm.show_job(job).ok()?;
+            let comment = shown
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("AdminComment="))?
+                .to_owned();
+            comment.contains("queued ahead").then_some(comment)
+        },
+    )
+    .await?;
+    eprintln!("while queued: {comment}");
+    let prefix = format!(
+        "stagehand: waiting for small@{version} on hot: pending (waiting for copy): waiting for one of 1 copy slots"
+    );
+    ensure!(comment.starts_with(&prefix), "AdminComment {comment:?}");
+    // Ingest left the versions on the source tier; nothing of source -> hot was measured yet.
+    let (_, estimate) = comment
+        .split_once("copy slots (class stage); ")
+        .context("the estimate after the reason")?;
+    let (ahead, rest) = estimate
+        .split_once(" bytes in 1 copy queued ahead on source -> hot; ")
+        .with_context(|| format!("AdminComment {comment:?}"))?;
+    let ahead: u64 = ahead.parse()?;
+    ensure!(ahead <= 8 << 20, "{ahead} bytes ahead of an 8 MiB copy");
+    ensure!(
+        rest == "no estimate yet (no copy on that pair measured)",
+        "AdminComment {comment:?}"
+    );
+    let (_, reason) = slurm.job(job)?;
+    eprintln!("squeue's reason meanwhile: {reason}");
+    slurm
+        .wait_job(job, "the job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "small", &small_digest)
+            .display()
+            .to_string(),
+        "job saw {path:?}"
+    );
+    ensure!(sums == expected, "job read {sums:?}, expected {expected:?}");
     Ok(())
 }
 

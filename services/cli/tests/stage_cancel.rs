@@ -155,15 +155,13 @@ async fn a_waiting_stage_cancelled_fails_and_its_waiters_see_who_and_why() -> an
 /// A stack whose promoter copies at 256 KiB/s, with a validated 4 MiB version of `herons`
 /// (4 files); returns the stack, the version and the dataset's folder on the hot tier.
 async fn slow_copy_stack() -> anyhow::Result<(common::Stagehand, String, std::path::PathBuf)> {
-    let mut sh = common::Stagehand::start(common::Options {
+    let sh = common::Stagehand::start(common::Options {
         validator: true,
+        promoter: true,
+        copy_bytes_per_second: Some(256 * 1024),
         ..Default::default()
     })
     .await?;
-    let mut settings = sh.promoter_settings();
-    settings.mover.bytes_per_second = Some(256 * 1024);
-    sh.start_promoter_with(settings);
-    sh.ready().await?;
     let folder = tempfile::tempdir()?;
     let blobs: Vec<(String, Vec<u8>)> = (0..4u8)
         .map(|i| {

@@ -24,6 +24,7 @@ use crate::state::{State, WaitingFor};
 
 mod clock;
 mod copying;
+mod estimate;
 mod in_flight;
 mod requests;
 mod reservations;
@@ -81,6 +82,8 @@ struct Inner {
     parts: Parts,
     /// Copy slots (`max_concurrent`), granted by priority class.
     slots: Scheduler,
+    /// The copies queued and running here per pair of tiers, and each pair's throughput.
+    book: estimate::CopyBook,
     /// Copies running in this process, by (tier, node, prefix).
     copies: Mutex<HashSet<String>>,
     /// The same copies (and those queued for a slot) by the request that drives each.
@@ -116,6 +119,7 @@ impl Promoter {
             inner: Arc::new(Inner {
                 parts,
                 slots,
+                book: estimate::CopyBook::default(),
                 copies: Mutex::default(),
                 running: Mutex::default(),
                 active: Mutex::default(),

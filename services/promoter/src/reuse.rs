@@ -141,6 +141,7 @@ impl Promoter {
                     request.tier,
                     repair_source(plan)
                 ),
+                None,
             );
             self.emit(std::slice::from_ref(&waiting)).await?;
             return Ok(Reuse::Repair);
@@ -242,6 +243,7 @@ impl Promoter {
                 request.tier,
                 differences.len()
             ),
+            None,
         );
         self.emit(std::slice::from_ref(&waiting)).await?;
         Ok(Reuse::Repair)

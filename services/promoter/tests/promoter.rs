@@ -404,6 +404,138 @@ async fn a_long_copy_publishes_its_progress() {
     stack.stop().await;
 }
 
+/// Issue 17 item 4: a copy queued behind another on the same pair of tiers is answered
+/// `stage.pending` with the bytes queued ahead of it and, once a copy of that pair was
+/// measured, when it should be ready — before any was, with no estimate (rather than an
+/// invented one). The recorder mirrors the estimate into the stage's status for schedulers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queued_copy_states_the_bytes_ahead_and_when_it_should_be_ready() {
+    let mut stack = Stack::start_with(Options {
+        max_concurrent: 1,
+        ..Options::default()
+    })
+    .await;
+    let mut config = stack.promoter_config("a");
+    // The long copy takes about four seconds: the short one queues behind it.
+    config.service.mover.bytes_per_second = Some(512 << 10);
+    stack.run_promoter(config);
+    let js = stack.bus.jetstream().clone();
+    let long_files: Vec<(String, Vec<u8>)> = (0..4)
+        .map(|i| (format!("f{i}.bin"), bytes(i as u8, 512 << 10)))
+        .collect();
+    let long_bytes = 4 * ((512 << 10) + 1);
+    let mut versions = Vec::new();
+    for round in ["a", "b"] {
+        let long: Vec<(&str, Vec<u8>)> = long_files
+            .iter()
+            .map(|(p, b)| (p.as_str(), [b.as_slice(), round.as_bytes()].concat()))
+            .collect();
+        let (prefix, refs) = stack.put_files("capacity", &format!("long-{round}"), "v1", &long);
+        let long = stack
+            .validated(&format!("long-{round}"), "capacity", &prefix, &refs)
+            .await;
+        let short = [(
+            "one.bin",
+            [bytes(9, 1000).as_slice(), round.as_bytes()].concat(),
+        )];
+        let (prefix, refs) = stack.put_files("capacity", &format!("short-{round}"), "v1", &short);
+        let short = stack
+            .validated(&format!("short-{round}"), "capacity", &prefix, &refs)
+            .await;
+        versions.push((round, long, short));
+    }
+    let stages = js
+        .get_key_value(stagehand_catalogue::STAGES_BUCKET)
+        .await
+        .unwrap();
+
+    for (round, long, short) in &versions {
+        let running = stage_request(
+            &format!("long-{round}"),
+            long,
+            "hot",
+            "job-long",
+            None,
+            None,
+        );
+        let subject =
+            stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &running.id);
+        let mut progress = stack.bus.client().subscribe(subject).await.unwrap();
+        stack.publish(&running).await;
+        // The long copy holds the only slot once it reports progress.
+        tokio::time::timeout(WAIT, futures::StreamExt::next(&mut progress))
+            .await
+            .expect("the long copy reports progress")
+            .unwrap();
+        let queued = stage_request(
+            &format!("short-{round}"),
+            short,
+            "hot",
+            "job-short",
+            None,
+            None,
+        );
+        stack.publish(&queued).await;
+        let pending = wait_for(WAIT, "the queued copy's stage.pending", || async {
+            answers(&js, "stage.pending", &queued.id).await.pop()
+        })
+        .await
+        .unwrap();
+        let Body::StagePending(p) = &pending.body else {
+            panic!("{pending:?}")
+        };
+        assert_eq!(p.waiting_for, "copy");
+        let estimate = p
+            .ready_estimate
+            .clone()
+            .expect("a queued copy states an estimate");
+        assert_eq!(
+            (estimate.from_tier.as_str(), estimate.to_tier.as_str()),
+            ("capacity", "hot")
+        );
+        assert_eq!(estimate.copies_ahead, 1, "{estimate:?}");
+        assert!(estimate.bytes_ahead <= long_bytes, "{estimate:?}");
+        assert_eq!(estimate.bytes, 1001);
+        if *round == "a" {
+            // Nothing of capacity -> hot was measured yet.
+            assert_eq!((estimate.bytes_per_second, estimate.ready_at), (None, None));
+            assert!(
+                estimate
+                    .describe(pending.occurred_at)
+                    .contains("no estimate yet"),
+                "{estimate:?}"
+            );
+        } else {
+            // Round a's two copies were measured.
+            assert!(
+                estimate.bytes_per_second.is_some_and(|r| r > 0),
+                "{estimate:?}"
+            );
+            assert!(
+                estimate.ready_at.is_some_and(|at| at > pending.occurred_at),
+                "{estimate:?}"
+            );
+        }
+        let key = stagehand_catalogue::stage_kv_key(PROJECT, &queued.id);
+        let mirrored = wait_for(WAIT, "the estimate in the stage's status", || async {
+            let value = stages.get(key.clone()).await.ok().flatten()?;
+            let status: stagehand_catalogue::StageStatus = serde_json::from_slice(&value).ok()?;
+            status.ready_estimate
+        })
+        .await
+        .unwrap();
+        assert_eq!(mirrored, estimate);
+        for id in [&running.id, &queued.id] {
+            wait_for(WAIT, "stage.ready", || async {
+                answers(&js, "stage.ready", id).await.pop()
+            })
+            .await
+            .unwrap();
+        }
+    }
+    stack.stop().await;
+}
+
 /// A node agent answers its own node's `local` requests from the hot tier (where the
 /// shared promoter put the version), and skips another node's; the shared promoter ignores
 /// `local` requests. The agent's copy is a fact like a shared one: `replica.created` names

@@ -70,6 +70,10 @@ pub struct Options {
     /// Each project's group (its jobs run with it), declared in tiers.toml's `[groups]`:
     /// staged data is readable by that group only.
     pub job_groups: Vec<(String, String)>,
+    /// promotion.toml's `max_concurrent` instead of the default's: copy slots per promoter.
+    pub copy_slots: Option<u32>,
+    /// The shared promoter's copy rate, bytes a second (default unthrottled).
+    pub copy_bytes_per_second: Option<u64>,
 }
 
 fn spawn<S, F, Fut, T, E>(
@@ -160,6 +164,18 @@ impl Stagehand {
             };
             std::fs::write(&tiers, text)?;
         }
+        if let Some(slots) = opts.copy_slots {
+            let promotion = policies.join("promotion.toml");
+            let text = std::fs::read_to_string(&promotion)?;
+            let text: Vec<String> = text
+                .lines()
+                .map(|l| match l.starts_with("max_concurrent") {
+                    true => format!("max_concurrent = {slots}"),
+                    false => l.to_owned(),
+                })
+                .collect();
+            std::fs::write(&promotion, text.join("\n") + "\n")?;
+        }
         if !opts.job_groups.is_empty() {
             let tiers = policies.join("tiers.toml");
             let mut text = std::fs::read_to_string(&tiers)?;
@@ -199,10 +215,12 @@ impl Stagehand {
         let home = me.home.path().to_owned();
         me.start_recorder();
         if opts.promoter {
+            let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
+            settings.mover.bytes_per_second = opts.copy_bytes_per_second;
             me.tasks.push(spawn(
                 &me.bus_config,
                 stagehand_promoter::SERVICE,
-                stagehand_promoter::Settings::dev(&home, &policies),
+                settings,
                 stagehand_promoter::serve,
                 me.stop.clone(),
             ));
@@ -301,22 +319,11 @@ impl Stagehand {
 
     /// Starts the shared promoter (a stack started without it).
     pub fn start_promoter(&mut self) {
-        let settings = self.promoter_settings();
-        self.start_promoter_with(settings);
-    }
-
-    /// The shared promoter's settings on this stack, for a test to change before
-    /// [`Stagehand::start_promoter_with`].
-    pub fn promoter_settings(&self) -> stagehand_promoter::Settings {
-        stagehand_promoter::Settings::dev(self.home.path(), &self.policies)
-    }
-
-    /// Starts the shared promoter with `settings` (a stack started without it).
-    pub fn start_promoter_with(&mut self, settings: stagehand_promoter::Settings) {
+        let home = self.home.path().to_owned();
         self.tasks.push(spawn(
             &self.bus_config,
             stagehand_promoter::SERVICE,
-            settings,
+            stagehand_promoter::Settings::dev(&home, &self.policies),
             stagehand_promoter::serve,
             self.stop.clone(),
         ));

@@ -296,17 +296,24 @@ impl Promoter {
             &plan.version,
             cancel.clone(),
         );
+        let booked =
+            self.inner
+                .book
+                .enter(request_key(record), src_tier, &request.tier, plan.bytes);
         let ticket = self.inner.slots.enqueue(plan.priority);
         tokio::pin!(ticket);
         let _slot = match futures::poll!(&mut ticket) {
             std::task::Poll::Ready(permit) => permit,
             std::task::Poll::Pending => {
+                // The estimate travels beside the reason, so that whoever shows it says
+                // how long is left as of when it is read.
+                let estimate = self.inner.book.estimate(&booked, OffsetDateTime::now_utc());
                 let reason = format!(
                     "waiting for one of {} copy slots (class {})",
                     self.p().promotion.max_concurrent,
                     plan.priority
                 );
-                let fact = self.pending_fact(record, WaitingFor::Copy, &reason);
+                let fact = self.pending_fact(record, WaitingFor::Copy, &reason, estimate);
                 self.emit(std::slice::from_ref(&fact)).await?;
                 let held = self
                     .hold(
@@ -340,12 +347,21 @@ impl Promoter {
                 permit
             }
         };
+        let copy_started = Instant::now();
         let outcome = Box::pin(self.run_copy(
             record, request, plan, dst, prefix, src_tier, src_prefix, revision, &cancel, ctx,
         ))
         .await;
+        drop(booked);
         match outcome {
             Ok(report) => {
+                // From the copy's start to its publication: the time a request waits for it.
+                self.inner.book.measured(
+                    src_tier,
+                    &request.tier,
+                    report.bytes_copied,
+                    copy_started.elapsed(),
+                );
                 info!(request = %record.event.id, %prefix, copied = report.copied, skipped = report.skipped, bytes = report.bytes_copied, resumed = report.resumed, existed = report.existed, engine = report.engine, elapsed = ?report.elapsed, "version copied and published");
                 // Also when it was found in place and verified (a repair, or a copy that
                 // raced this one): the catalogue may hold it withdrawn until told again.
@@ -573,6 +589,7 @@ impl Promoter {
             tokio::select! {
                 r = &mut staging => break r,
                 _ = tick.tick() => {
+                    self.inner.book.progressed(&request_key(record), progress.bytes_done());
                     self.report(&subject, &record.event.id, &progress, started).await;
                     if let Some(ctx) = ctx && let Err(e) = ctx.progress().await {
                         debug!(error = %e, "progress ack failed");

@@ -11,7 +11,8 @@ use stagehand_mover::Tier;
 use stagehand_policy::TierRole;
 use stagehand_schemas::layout;
 use stagehand_schemas::{
-    Body, Event, EventId, Location, StageFailed, StagePending, StageReady, StageRequested,
+    Body, Event, EventId, Location, ReadyEstimate, StageFailed, StagePending, StageReady,
+    StageRequested,
 };
 use time::OffsetDateTime;
 use tracing::{debug, info, warn};
@@ -523,7 +524,7 @@ impl Promoter {
             ));
         }
         self.inner.clock.notify_one();
-        let fact = self.pending_fact(record, waiting_for, &reason);
+        let fact = self.pending_fact(record, waiting_for, &reason, None);
         if !already {
             debug!(request = %record.event.id, waiting_for = waiting_for.as_str(), %reason, "waiting");
         }
@@ -536,6 +537,7 @@ impl Promoter {
         record: &RequestRecord,
         waiting_for: WaitingFor,
         reason: &str,
+        ready_estimate: Option<ReadyEstimate>,
     ) -> Event {
         let r = stage_request(&record.event).expect("a stage request");
         record.event.caused(
@@ -549,6 +551,7 @@ impl Promoter {
                 request_id: record.event.id.clone(),
                 waiting_for: waiting_for.as_str().into(),
                 reason: reason.to_owned(),
+                ready_estimate,
             }),
         )
     }

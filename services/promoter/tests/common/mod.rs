@@ -48,6 +48,8 @@ pub struct Options {
     /// Run the server with `deploy/nats/accounts.conf`: the operator provisions, the recorder
     /// and the promoters connect as their own users, which may not provision.
     pub accounts: bool,
+    /// promotion.toml's `max_concurrent`: copy slots per instance.
+    pub max_concurrent: u32,
 }
 
 impl Default for Options {
@@ -57,6 +59,7 @@ impl Default for Options {
             hot_capacity: "1 GiB",
             s3_capacity: None,
             accounts: false,
+            max_concurrent: 4,
         }
     }
 }
@@ -97,9 +100,12 @@ impl Stack {
                     "promotion.toml",
                     // A long clock: the tests show that facts, not the clock, answer waiting
                     // requests.
-                    "default_tier = \"hot\"\nsources = [\"capacity\", \"source\"]\nlocal_sources = [\"hot\", \"capacity\"]\n\
-                     max_concurrent = 4\ndefault_deadline = \"1h\"\nverify = \"read-back\"\nrecheck_every = \"1h\"\n\
-                     checkpoint_datasets = [\"ckpt-*\"]\n",
+                    format!(
+                        "default_tier = \"hot\"\nsources = [\"capacity\", \"source\"]\nlocal_sources = [\"hot\", \"capacity\"]\n\
+                         max_concurrent = {}\ndefault_deadline = \"1h\"\nverify = \"read-back\"\nrecheck_every = \"1h\"\n\
+                         checkpoint_datasets = [\"ckpt-*\"]\n",
+                        opts.max_concurrent
+                    ),
                 ),
             )
             .recorder()
