@@ -149,28 +149,8 @@ async fn a_discarded_dead_letter_stops_waiting_and_is_never_replayed() -> anyhow
         said(&out)
     );
     // … or in bulk: the dry run lists the two that wait, the replay replays only them.
-    let out = stagehand(
-        &url,
-        &[
-            "dlq",
-            "replay",
-            "--service",
-            SERVICE,
-            "--since",
-            "1h",
-            "--dry-run",
-            "--json",
-        ],
-    );
-    ensure!(out.status.success(), "{}", said(&out));
-    let dry: Value = serde_json::from_slice(&out.stdout)?;
-    let selected: Vec<u64> = dry["selected"]
-        .as_array()
-        .context("selected")?
-        .iter()
-        .filter_map(|l| l["sequence"].as_u64())
-        .collect();
-    ensure!(selected == [second, third], "{dry}");
+    let dry = bulk_replay(&url, &["--dry-run"])?;
+    ensure!(sequences(&dry, "selected")? == [second, third], "{dry}");
     ensure!(
         dry["replayed"].as_array().is_some_and(Vec::is_empty),
         "{dry}"
@@ -180,29 +160,8 @@ async fn a_discarded_dead_letter_stops_waiting_and_is_never_replayed() -> anyhow
     let none = dlq::replay_since(&bus, SERVICE, later, true, OPERATOR, "").await?;
     ensure!(none.selected.is_empty(), "{none:?}");
 
-    let out = stagehand(
-        &url,
-        &[
-            "dlq",
-            "replay",
-            "--service",
-            SERVICE,
-            "--since",
-            "1h",
-            "--reason",
-            "the source tier is back",
-            "--json",
-        ],
-    );
-    ensure!(out.status.success(), "{}", said(&out));
-    let bulk: Value = serde_json::from_slice(&out.stdout)?;
-    let replayed: Vec<u64> = bulk["replayed"]
-        .as_array()
-        .context("replayed")?
-        .iter()
-        .filter_map(|r| r["sequence"].as_u64())
-        .collect();
-    ensure!(replayed == [second, third], "{bulk}");
+    let bulk = bulk_replay(&url, &["--reason", "the source tier is back"])?;
+    ensure!(sequences(&bulk, "replayed")? == [second, third], "{bulk}");
     wait_for(WAIT, "nothing waiting", || async {
         (counted(&catalogue).await == Some((3, 0))).then_some(())
     })
@@ -258,4 +217,32 @@ async fn a_discarded_dead_letter_stops_waiting_and_is_never_replayed() -> anyhow
     shutdown.cancel();
     recorder.await??;
     Ok(())
+}
+
+/// `stagehand dlq replay --service SERVICE --since 1h --json` with `extra`, as the operator
+/// runs it; its JSON answer.
+fn bulk_replay(url: &str, extra: &[&str]) -> anyhow::Result<Value> {
+    let mut args = vec![
+        "dlq",
+        "replay",
+        "--service",
+        SERVICE,
+        "--since",
+        "1h",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let out = stagehand(url, &args);
+    ensure!(out.status.success(), "{}", said(&out));
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// The stream sequences of the dead letters listed under `key` of a bulk replay's answer.
+fn sequences(answer: &Value, key: &str) -> anyhow::Result<Vec<u64>> {
+    Ok(answer[key]
+        .as_array()
+        .with_context(|| format!("{key} in {answer}"))?
+        .iter()
+        .filter_map(|l| l["sequence"].as_u64())
+        .collect())
 }
