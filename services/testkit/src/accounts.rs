@@ -440,27 +440,72 @@ pub fn reaches_consumers(granted: &str) -> bool {
         || PROBES.iter().any(|probe| covers(granted, probe))
 }
 
+/// What a test server and each of its accounts may store on disk (the server's
+/// `max_file_store`, each account's `max_file`): enough for every stream's own bound (an upload
+/// bucket of 4 GiB per project, two projects in the tests that add one), and stated rather
+/// than left to the server, whose default is 75 % of its disk's free space: on a test host
+/// shared with other builds that is less than the shipped 200GB, and less from one run to the
+/// next. The production servers state `max_file_store: 200GB` (deploy/nats/single.conf).
+pub const TEST_MAX_FILE: &str = "10GB";
+
+/// An accounts config `text` as a test server runs it: a `jetstream` block stating the
+/// server's limits ([`TEST_MAX_FILE`], and the 1GB of memory the shipped servers state) and
+/// every account's `max_file` set to [`TEST_MAX_FILE`]. nats-server starts with an account
+/// limit above the server's own (it logs nothing), but a reload then refuses every account's
+/// JetStream ("Error enabling jetstream on configured accounts: insufficient storage resources
+/// available"). Panics when the text sets no `max_file`, so a change of the shipped file
+/// cannot silently leave a test server with its production limit.
+pub fn with_test_host_limits(text: &str) -> String {
+    let mut set = 0;
+    let mut out = format!(
+        "# The test host's limits (stagehand_testkit::with_test_host_limits).\n\
+         jetstream {{ max_file_store: {TEST_MAX_FILE}, max_memory_store: 1GB }}\n\n"
+    );
+    for line in text.lines() {
+        let code = line.trim_start();
+        if code.starts_with("max_file:") {
+            let indent = &line[..line.len() - code.len()];
+            out.push_str(&format!("{indent}max_file: {TEST_MAX_FILE}"));
+            set += 1;
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    assert!(set > 0, "an accounts config without an account's max_file");
+    out
+}
+
 impl NatsServerBuilder {
     /// Runs the server with the shipped accounts config, every role's password set.
     pub fn shipped_accounts(self) -> Self {
         self.shipped_accounts_with_projects(&[])
     }
 
-    /// Runs the server with the shipped accounts config extended to tenant users of `projects`
-    /// besides `demo` ([`accounts_conf_with_projects`]), every role's password set: for tests
-    /// of what one project's users can do to another's.
-    pub fn shipped_accounts_with_projects(self, projects: &[&str]) -> Self {
-        let (builder, text) = if projects.is_empty() {
-            let text = std::fs::read_to_string(accounts_conf()).unwrap_or_default();
-            (self.config_file(accounts_conf()), text)
-        } else {
-            let text = accounts_conf_with_projects(projects);
-            (self.config_text(text.clone()), text)
-        };
-        roles_of(&text).into_iter().fold(builder, |b, role| {
+    /// Sets the password of every role that `accounts_text` reads: for a server whose
+    /// configuration a test later reloads with more users than it started with (nats-server
+    /// reads each `$VAR` from the environment it was started in).
+    pub fn role_passwords(self, accounts_text: &str) -> Self {
+        roles_of(accounts_text).into_iter().fold(self, |b, role| {
             let password = role_password(&role);
             b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
         })
+    }
+
+    /// Runs the server with the shipped accounts config extended to tenant users of `projects`
+    /// besides `demo` ([`accounts_conf_with_projects`]), every role's password set: for tests
+    /// of what one project's users can do to another's. The accounts' JetStream limits are
+    /// those a test host can honour ([`with_test_host_limits`]).
+    pub fn shipped_accounts_with_projects(self, projects: &[&str]) -> Self {
+        let text = if projects.is_empty() {
+            let path = accounts_conf();
+            std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
+        } else {
+            accounts_conf_with_projects(projects)
+        };
+        self.config_text(with_test_host_limits(&text))
+            .role_passwords(&text)
     }
 }
 

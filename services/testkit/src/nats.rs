@@ -170,6 +170,63 @@ impl NatsServer {
         }
     }
 
+    /// Replaces the configuration the server was started with by `text` (its users, accounts
+    /// and limits) and has the running server reload it (SIGHUP, as `nats-server --signal
+    /// reload` sends), as an operator does after editing the accounts config. Waits until the
+    /// server says it reloaded; an error the server logged while reloading (it then keeps
+    /// what it could apply) is returned, with its log lines. Panics when the server was
+    /// started without a configuration of the test's own ([`NatsServerBuilder::config_text`]).
+    pub fn reload_config_text(&mut self, text: &str) -> Result<(), String> {
+        let config = self.dir.path().join("server.conf");
+        assert!(
+            self.config.as_deref() == Some(config.as_path()),
+            "reload_config_text: the server runs {:?}, not a configuration of the test's own",
+            self.config
+        );
+        let pid = self
+            .child
+            .as_ref()
+            .map(|c| c.id())
+            .expect("reload_config_text: the server is running");
+        std::fs::write(&config, text).expect("write the test's nats config");
+        let log = self.log_path();
+        let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+        let before = read_log().len();
+        const RELOADED: &str = "Reloaded server configuration";
+        let pid = libc::pid_t::try_from(pid).expect("a pid fits pid_t");
+        // SAFETY: kill(2) on the server this struct started and still holds.
+        if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
+            return Err(format!(
+                "signalling nats-server {pid} to reload: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        crate::wait_until_blocking(
+            START_TIMEOUT,
+            "nats-server to reload its configuration",
+            || {
+                read_log()
+                    .get(before..)
+                    .is_some_and(|new| new.contains(RELOADED))
+            },
+        )
+        .map_err(|e| format!("{e}; log {}", log.display()))?;
+        let logged = read_log();
+        let errors: Vec<&str> = logged[before..]
+            .lines()
+            .filter(|l| l.contains("[ERR]"))
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "nats-server reloaded {} with errors:\n{}",
+                config.display(),
+                errors.join("\n")
+            ))
+        }
+    }
+
     /// Kills the server (if running) and starts it again on the same port with the same store,
     /// then waits until it accepts connections.
     pub fn restart(&mut self) {

@@ -30,7 +30,9 @@ use stagehand::up::{SERVICES, UpEnv};
 use stagehand_bus::{Bus, BusConfig, CancellationToken};
 use stagehand_catalogue::{Answer, Query, Readiness, ReadinessKey};
 use stagehand_schemas::{Body, Event, EventId, FileRef, sha256_hex, version_digest};
-use stagehand_testkit::{NatsServer, accounts_conf_with_projects, user_url, wait_for};
+use stagehand_testkit::{
+    NatsServer, accounts_conf_with_projects, user_url, wait_for, with_test_host_limits,
+};
 
 /// The project whose data the attacker goes after.
 pub const VICTIM: &str = "labb";
@@ -118,13 +120,21 @@ impl Tenants {
     /// A stack of its own, for a test whose attack, if it succeeds, breaks Stagehand for
     /// every project (a bucket key overwritten).
     pub async fn start() -> anyhow::Result<Tenants> {
+        Tenants::start_declaring(&[VICTIM]).await
+    }
+
+    /// A stack whose accounts config declares `declared` besides the shipped project, each
+    /// provisioned. [`VICTIM`]'s passwords are set all the same, so that a test may declare
+    /// it later ([`Tenants::declare`]), as an operator adds a project.
+    pub async fn start_declaring(declared: &[&str]) -> anyhow::Result<Tenants> {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("warn")
             .with_test_writer()
             .try_init();
-        let accounts = accounts_conf_with_projects(&[VICTIM]);
+        let accounts = accounts_conf_with_projects(declared);
         let server = NatsServer::builder()
-            .shipped_accounts_with_projects(&[VICTIM])
+            .shipped_accounts_with_projects(declared)
+            .role_passwords(&accounts_conf_with_projects(&[VICTIM]))
             .start();
         let home = tempfile::Builder::new()
             .prefix("stagehand-tenants-")
@@ -140,10 +150,11 @@ impl Tenants {
         // The operator provisions, both projects' upload buckets included, with the command
         // an operator runs.
         let operator = user_url(&server, "operator", "OPERATOR");
-        let out = stagehand(
-            &operator,
-            &["provision", "--project", ATTACKER, "--project", VICTIM],
-        )?;
+        let mut provision = vec!["provision", "--project", ATTACKER];
+        for project in declared {
+            provision.extend(["--project", project]);
+        }
+        let out = stagehand(&operator, &provision)?;
         ensure!(out.status.success(), "provision: {}", said(&out));
 
         // Each service as its own user, checking rather than managing streams, as the shipped
@@ -195,6 +206,18 @@ impl Tenants {
         .await
         .map_err(|e| anyhow::anyhow!("{e}; {}", tenants.health()))?;
         Ok(tenants)
+    }
+
+    /// Declares `projects` besides the shipped one in the server's accounts config and has the
+    /// server reload it, as step 1 of runbooks/new-project.md says; an error the server logged
+    /// while reloading is returned.
+    pub fn declare(&mut self, projects: &[&str]) -> anyhow::Result<()> {
+        let accounts = accounts_conf_with_projects(projects);
+        self.server
+            .reload_config_text(&with_test_host_limits(&accounts))
+            .map_err(|e| anyhow::anyhow!("declaring projects {projects:?}: {e}"))?;
+        self.accounts = accounts;
+        Ok(())
     }
 
     /// The services that stopped (each stops only on an error), for failure messages.
