@@ -9,11 +9,13 @@
 
 mod common;
 
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use common::tenants::{ATTACKER, Plan, Tenants, VICTIM, project_scheduler, scheduler, uploader};
+use common::tenants::{
+    ATTACKER, Plan, Tenants, VICTIM, project_scheduler, said, scheduler, uploader,
+};
 use serde_json::Value;
 use stagehand::stage::{RequestOptions, Stage, StageState, WaitOutcome};
 
@@ -25,24 +27,10 @@ fn operator_user() -> (String, String) {
 
 /// The real binary as the user of `url`, named [`OPERATOR`] in what it records.
 fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<Output> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
-    cmd.args(args).stdin(Stdio::null());
-    for var in stagehand_bus::env::ALL {
-        cmd.env_remove(var);
-    }
-    Ok(cmd
-        .env("STAGEHAND_NATS_URL", url)
+    Ok(common::tenants::stagehand_command(url, args)
         .env("STAGEHAND_OPERATOR", OPERATOR)
         .env("STAGEHAND_HOME", "/nonexistent-stagehand-home")
         .output()?)
-}
-
-fn said(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 fn cancel_args<'a>(target: &'a str, stage: &'a Stage, why: &'a str) -> Vec<&'a str> {

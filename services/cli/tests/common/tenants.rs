@@ -926,12 +926,19 @@ impl KvSnapshot {
 /// Runs the real `stagehand` binary as the user of `url`, nothing else of the caller's NATS
 /// environment.
 pub fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<Output> {
+    Ok(stagehand_command(url, args).output()?)
+}
+
+/// The real `stagehand` binary with `args`, as the user of `url` and nothing else of the
+/// caller's NATS environment, for a test to add its own variables to.
+pub fn stagehand_command(url: &str, args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
     cmd.args(args).stdin(Stdio::null());
     for var in stagehand_bus::env::ALL {
         cmd.env_remove(var);
     }
-    Ok(cmd.env("STAGEHAND_NATS_URL", url).output()?)
+    cmd.env("STAGEHAND_NATS_URL", url);
+    cmd
 }
 
 /// A command's output, both streams.
