@@ -82,12 +82,11 @@ struct Inner {
     parts: Parts,
     /// Copy slots (`max_concurrent`), granted by priority class.
     slots: Scheduler,
-    /// The copies queued and running here per pair of tiers, and each pair's throughput.
+    /// The copies queued and running here per pair of tiers (with what stops each, for a
+    /// cancel), and each pair's throughput.
     book: estimate::CopyBook,
     /// Copies running in this process, by (tier, node, prefix).
     copies: Mutex<HashSet<String>>,
-    /// The same copies (and those queued for a slot) by the request that drives each.
-    running: in_flight::RunningCopies,
     /// Requests being moved on in this process right now, and whether another driver asked
     /// for it meanwhile (then the one moving it looks again when it is done: no wake-up is
     /// lost to a request being busy).
@@ -121,7 +120,6 @@ impl Promoter {
                 slots,
                 book: estimate::CopyBook::default(),
                 copies: Mutex::default(),
-                running: Mutex::default(),
                 active: Mutex::default(),
                 failed: Mutex::default(),
                 clock: Notify::new(),

@@ -27,7 +27,7 @@ use crate::reuse::Reuse;
 use crate::state::{RequestRecord, WaitGuard, WaitingFor};
 
 use super::clock::deadline_reason;
-use super::in_flight::{Held, RunningCopy, request_key};
+use super::in_flight::{Held, request_key};
 use super::{FAILED_COPY_REMEMBERED, Promoter, retry, step_replica};
 
 impl Promoter {
@@ -290,16 +290,13 @@ impl Promoter {
         // From here the copy is this request's: an operator's cancel of the request stops it,
         // queued or running, unless another request waits for the same replica.
         let cancel = self.p().shutdown.child_token();
-        let _running = RunningCopy::register(
-            &self.inner.running,
+        let booked = self.inner.book.enter(
             request_key(record),
             &plan.version,
             cancel.clone(),
+            (src_tier, &request.tier),
+            plan.bytes,
         );
-        let booked =
-            self.inner
-                .book
-                .enter(request_key(record), src_tier, &request.tier, plan.bytes);
         let ticket = self.inner.slots.enqueue(plan.priority);
         tokio::pin!(ticket);
         let _slot = match futures::poll!(&mut ticket) {

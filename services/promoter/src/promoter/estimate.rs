@@ -2,7 +2,8 @@
 //! recent copies of each pair measured: from them a copy that must wait for a slot is told
 //! the bytes queued ahead of it and when it should be ready (`stage.pending`'s
 //! [`ReadyEstimate`]). Before the first copy of a pair is measured there is no estimate: the
-//! request is told so rather than given an invented figure.
+//! request is told so rather than given an invented figure. The book also keeps what stops
+//! each copy, so that an operator's cancel of its request can ([`CopyBook::copy_of`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -10,6 +11,7 @@ use std::time::Duration;
 
 use stagehand_schemas::ReadyEstimate;
 use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
 
 use super::in_flight::RequestKey;
 
@@ -24,6 +26,10 @@ type Pair = (String, String);
 #[derive(Debug)]
 struct Entry {
     request: RequestKey,
+    /// The version copied.
+    version: String,
+    /// Stops the copy, queued or running.
+    cancel: CancellationToken,
     pair: Pair,
     bytes: u64,
     /// Bytes its running copy has moved so far (0 while queued).
@@ -62,13 +68,14 @@ impl CopyBook {
         self.book.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Enters a copy of `bytes` from `from` to `to` for `request`, behind every copy entered
-    /// before it.
+    /// Enters a copy of `bytes` of `version` from `from` to `to` for `request`, stopped by
+    /// `cancel`, behind every copy entered before it.
     pub(super) fn enter(
         &self,
         request: RequestKey,
-        from: &str,
-        to: &str,
+        version: &str,
+        cancel: CancellationToken,
+        (from, to): (&str, &str),
         bytes: u64,
     ) -> Booked<'_> {
         let mut book = self.lock();
@@ -78,12 +85,23 @@ impl CopyBook {
             seq,
             Entry {
                 request,
+                version: version.to_owned(),
+                cancel,
                 pair: (from.to_owned(), to.to_owned()),
                 bytes,
                 done: 0,
             },
         );
         Booked { book: self, seq }
+    }
+
+    /// The version and the cancel token of the copy `request` drives here, queued or running.
+    pub(super) fn copy_of(&self, request: &RequestKey) -> Option<(String, CancellationToken)> {
+        let book = self.lock();
+        book.entries
+            .values()
+            .find(|e| &e.request == request)
+            .map(|e| (e.version.clone(), e.cancel.clone()))
     }
 
     /// Notes how far `request`'s running copy has got.
@@ -156,9 +174,27 @@ mod tests {
     fn no_estimate_before_the_pair_is_measured_then_the_bytes_ahead_at_its_rate() {
         let book = CopyBook::default();
         let now = OffsetDateTime::UNIX_EPOCH;
-        let running = book.enter(key("a"), "capacity", "hot", 1000);
-        let _other_pair = book.enter(key("b"), "source", "hot", 5000);
-        let queued = book.enter(key("c"), "capacity", "hot", 500);
+        let running = book.enter(
+            key("a"),
+            "v",
+            CancellationToken::new(),
+            ("capacity", "hot"),
+            1000,
+        );
+        let _other_pair = book.enter(
+            key("b"),
+            "v",
+            CancellationToken::new(),
+            ("source", "hot"),
+            5000,
+        );
+        let queued = book.enter(
+            key("c"),
+            "v",
+            CancellationToken::new(),
+            ("capacity", "hot"),
+            500,
+        );
         book.progressed(&key("a"), 400);
         let first = book.estimate(&queued, now).unwrap();
         assert_eq!(
@@ -193,7 +229,13 @@ mod tests {
         let book = CopyBook::default();
         book.measured("capacity", "hot", 0, Duration::from_secs(3));
         book.measured("capacity", "hot", 10, Duration::ZERO);
-        let queued = book.enter(key("a"), "capacity", "hot", 10);
+        let queued = book.enter(
+            key("a"),
+            "v",
+            CancellationToken::new(),
+            ("capacity", "hot"),
+            10,
+        );
         let estimate = book.estimate(&queued, OffsetDateTime::UNIX_EPOCH).unwrap();
         assert_eq!(estimate.bytes_per_second, None);
     }

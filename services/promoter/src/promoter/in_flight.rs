@@ -6,7 +6,6 @@ use std::sync::Mutex;
 
 use crate::state::RequestRecord;
 use stagehand_schemas::EventId;
-use tokio_util::sync::CancellationToken;
 
 use super::Promoter;
 
@@ -76,40 +75,6 @@ impl<'a> Active<'a> {
 }
 
 impl Drop for Active<'_> {
-    fn drop(&mut self) {
-        self.map
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.id);
-    }
-}
-
-/// The copies requests drive in this process, by request: the version copied and what stops
-/// the copy.
-pub(super) type RunningCopies = Mutex<HashMap<RequestKey, (String, CancellationToken)>>;
-
-/// A request's copy (queued for a slot or running) in [`RunningCopies`] until dropped, so
-/// that an operator's cancel of the request can stop it ([`Promoter::stop_cancelled_copy`]).
-pub(super) struct RunningCopy<'a> {
-    map: &'a RunningCopies,
-    id: RequestKey,
-}
-
-impl<'a> RunningCopy<'a> {
-    pub(super) fn register(
-        map: &'a RunningCopies,
-        id: RequestKey,
-        version: &str,
-        cancel: CancellationToken,
-    ) -> RunningCopy<'a> {
-        map.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), (version.to_owned(), cancel));
-        RunningCopy { map, id }
-    }
-}
-
-impl Drop for RunningCopy<'_> {
     fn drop(&mut self) {
         self.map
             .lock()

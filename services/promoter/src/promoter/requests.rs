@@ -256,14 +256,7 @@ impl Promoter {
     /// back at once.
     fn stop_cancelled_copy(&self, record: &RequestRecord) -> Result<(), HandlerError> {
         let key = request_key(record);
-        let Some((version, cancel)) = self
-            .inner
-            .running
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&key)
-            .cloned()
-        else {
+        let Some((version, cancel)) = self.inner.book.copy_of(&key) else {
             return Ok(());
         };
         let Some(cancelled) = record.stage() else {
