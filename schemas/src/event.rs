@@ -88,6 +88,10 @@ pub enum Body {
     CheckpointExpired(CheckpointExpired),
     #[serde(rename = "checkpoint.held")]
     CheckpointHeld(CheckpointHeld),
+    #[serde(rename = "checkpoint.part.committed")]
+    CheckpointPartCommitted(CheckpointPartCommitted),
+    #[serde(rename = "checkpoint.part.offloaded")]
+    CheckpointPartOffloaded(CheckpointPartOffloaded),
     #[serde(rename = "backup.completed")]
     BackupCompleted(BackupCompleted),
     #[serde(rename = "restore.verified")]
@@ -122,6 +126,8 @@ pub const ALL_KINDS: &[&str] = &[
     "checkpoint.demoted",
     "checkpoint.expired",
     "checkpoint.held",
+    "checkpoint.part.committed",
+    "checkpoint.part.offloaded",
     "backup.completed",
     "restore.verified",
     "restore.failed",
@@ -156,6 +162,8 @@ impl Body {
             Body::CheckpointDemoted(_) => "checkpoint.demoted",
             Body::CheckpointExpired(_) => "checkpoint.expired",
             Body::CheckpointHeld(_) => "checkpoint.held",
+            Body::CheckpointPartCommitted(_) => "checkpoint.part.committed",
+            Body::CheckpointPartOffloaded(_) => "checkpoint.part.offloaded",
             Body::BackupCompleted(_) => "backup.completed",
             Body::RestoreVerified(_) => "restore.verified",
             Body::RestoreFailed(_) => "restore.failed",
@@ -194,6 +202,8 @@ impl Body {
             | Body::CheckpointDemoted(_)
             | Body::CheckpointExpired(_)
             | Body::CheckpointHeld(_)
+            | Body::CheckpointPartCommitted(_)
+            | Body::CheckpointPartOffloaded(_)
             | Body::DeadLetter(_)
             | Body::DeadLetterReplayed(_)
             | Body::OperatorAction(_) => None,
@@ -223,6 +233,10 @@ impl Body {
             Body::CheckpointDemoted(p) => vec![("payload.from", &p.from), ("payload.to", &p.to)],
             Body::CheckpointExpired(p) => vec![("payload.location", &p.location)],
             Body::CheckpointHeld(p) => vec![("payload.location", &p.location)],
+            Body::CheckpointPartCommitted(p) => vec![("payload.location", &p.location)],
+            Body::CheckpointPartOffloaded(p) => {
+                vec![("payload.location", &p.location), ("payload.from", &p.from)]
+            }
             Body::BackupCompleted(p) => vec![("payload.location", &p.location)],
             Body::RestoreVerified(p) => vec![("payload.location", &p.location)],
             Body::RestoreFailed(p) => vec![("payload.location", &p.location)],
@@ -836,6 +850,51 @@ pub struct CheckpointHeld {
 impl CheckpointHeld {
     /// The most unlisted paths one fact names (the count says how many there are).
     pub const MAX_LISTED: usize = 32;
+}
+
+/// One node's part of a checkpoint step, written to that node's local tier and committed
+/// there by the training job (`stagehand checkpoint commit --tier local --node N --part I
+/// --parts K`). The training-visible commit: the step is not the run's latest until every
+/// part is offloaded ([`CheckpointPartOffloaded`]) and the step's [`CheckpointCommitted`]
+/// published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct CheckpointPartCommitted {
+    /// Training run name.
+    pub run: String,
+    pub step: u64,
+    /// This part's index, `0..parts`.
+    pub part: u32,
+    /// How many parts the step has: it is complete when all are offloaded.
+    pub parts: u32,
+    /// The node whose local tier holds the part; its agent offloads it.
+    pub node: String,
+    /// The part's folder on the node's local tier: exactly
+    /// [`crate::layout::checkpoint_part_folder`] of the project, run, step and part.
+    pub location: Location,
+    /// The part's files, inline (a part's list travels inline only).
+    pub files: Vec<FileRef>,
+    pub total_bytes: u64,
+    /// Tags retention honours, carried to the step's commit.
+    #[serde(default)]
+    pub tags: Vec<String>,
+}
+
+/// A node's agent copied a checkpoint part off the node, verified, onto the offload tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct CheckpointPartOffloaded {
+    pub run: String,
+    pub step: u64,
+    pub part: u32,
+    pub parts: u32,
+    pub node: String,
+    /// Where the part was committed, on the node's local tier.
+    pub from: Location,
+    /// The part's folder on the offload tier: [`crate::layout::checkpoint_part_folder`].
+    pub location: Location,
+    pub files: u64,
+    pub total_bytes: u64,
 }
 
 /// A dataset version was copied to the backup tier and verified.

@@ -131,6 +131,18 @@ impl EventId {
         ])
     }
 
+    /// The id of a `checkpoint.part.committed` fact: the same part of the same step committed
+    /// again is the same fact.
+    pub fn for_checkpoint_part(project: &str, run: &str, step: u64, part: u32) -> Self {
+        Self::for_content(&[
+            b"checkpoint-part",
+            project.as_bytes(),
+            run.as_bytes(),
+            &step.to_be_bytes(),
+            &part.to_be_bytes(),
+        ])
+    }
+
     /// The id of the dead letter for the message at `stream_sequence` of `stream` as delivered
     /// to `consumer`: dead-lettering the same delivery twice yields the same id.
     pub fn for_dead_letter(stream: &str, consumer: &str, stream_sequence: u64) -> Self {
@@ -202,6 +214,14 @@ impl fmt::Display for EventId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checkpoint_part_ids_are_pinned() {
+        assert_eq!(
+            EventId::for_checkpoint_part("vision-lab", "llama-ft-7b-r3", 12000, 1).as_str(),
+            "dee7d1b8ef0b56bf18d0515f6ead789a"
+        );
+    }
 
     #[test]
     fn derive_is_deterministic_and_step_sensitive() {

@@ -249,6 +249,8 @@ kinds! {
     "checkpoint.demoted" => CheckpointDemoted,
     "checkpoint.expired" => CheckpointExpired,
     "checkpoint.held" => CheckpointHeld,
+    "checkpoint.part.committed" => CheckpointPartCommitted,
+    "checkpoint.part.offloaded" => CheckpointPartOffloaded,
     "backup.completed" => BackupCompleted,
     "restore.verified" => RestoreVerified,
     "restore.failed" => RestoreFailed,

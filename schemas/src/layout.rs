@@ -143,6 +143,33 @@ pub fn checked_version_folder(
     Ok(version_folder(project, dataset, version))
 }
 
+/// The most parts one checkpoint step committed on node-local tiers may have.
+pub const MAX_CHECKPOINT_PARTS: u32 = 4096;
+
+/// The folder of one step of a checkpoint run committed in parts: `<project>/<dataset>/step-<step>`,
+/// `dataset` the run's (`ckpt-<run>`, `stagehand_catalogue::checkpoint_dataset`). On a node's
+/// local tier each node writes its part beneath it; on the offload tier the step's parts are
+/// gathered beneath it and the step is committed there.
+pub fn checkpoint_step_folder(project: &str, dataset: &str, step: u64) -> String {
+    format!("{}/step-{step}", dataset_folder(project, dataset))
+}
+
+/// The folder of one part of a checkpoint step, the same on the node's local tier (where the
+/// training job writes it) and on the offload tier (where the node's agent copies it):
+/// `<project>/<dataset>/step-<step>/part-<part>`.
+pub fn checkpoint_part_folder(project: &str, dataset: &str, step: u64, part: u32) -> String {
+    format!(
+        "{}/{}",
+        checkpoint_step_folder(project, dataset, step),
+        checkpoint_part_name(part)
+    )
+}
+
+/// The name of a part's folder within its step's folder: `part-<part>`.
+pub fn checkpoint_part_name(part: u32) -> String {
+    format!("part-{part}")
+}
+
 /// The folder `stagehand ingest` places a local folder's upload in:
 /// `<project>/<dataset>/<first 16 hex of the digest>`.
 pub fn upload_folder(project: &str, dataset: &str, digest: &str) -> String {
@@ -364,6 +391,18 @@ mod tests {
         assert!(check_version_prefix(&"a".repeat(65), MIN_VERSION_PREFIX).is_err());
         assert!(check_version_prefix(&"A".repeat(12), MIN_VERSION_PREFIX).is_err());
         assert!(check_version_prefix(&"g".repeat(12), MIN_VERSION_PREFIX).is_err());
+    }
+
+    #[test]
+    fn checkpoint_parts_lie_in_their_step_folder() {
+        assert_eq!(
+            checkpoint_part_folder("lab", "ckpt-r1", 2, 3),
+            "lab/ckpt-r1/step-2/part-3"
+        );
+        assert_eq!(
+            checkpoint_step_folder("lab", "ckpt-r1", 2),
+            "lab/ckpt-r1/step-2"
+        );
     }
 
     #[test]

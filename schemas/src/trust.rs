@@ -115,7 +115,11 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "replica.removed" => &[Demoter],
         "replica.damaged" => &[Promoter, Demoter],
         "replica.verified" | "replica.repaired" => &[Demoter],
-        "checkpoint.committed" => &[Trainer],
+        // A step committed in parts on node-local tiers is announced whole by a node's agent
+        // once every part is offloaded (`services/promoter`, "Checkpoints offloaded").
+        "checkpoint.committed" => &[Trainer, Promoter],
+        "checkpoint.part.committed" => &[Trainer],
+        "checkpoint.part.offloaded" => &[Promoter],
         "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],
         "dead.letter" => &[
@@ -287,7 +291,10 @@ mod tests {
             vec!["dead.letter.replayed", "operator.action"]
         );
         assert_eq!(Role::Uploader.kinds(), vec!["ingest.requested"]);
-        assert_eq!(Role::Trainer.kinds(), vec!["checkpoint.committed"]);
+        assert_eq!(
+            Role::Trainer.kinds(),
+            vec!["checkpoint.committed", "checkpoint.part.committed"]
+        );
         assert_eq!(Role::CatalogueRecorder.kinds(), vec!["dead.letter"]);
     }
 }
