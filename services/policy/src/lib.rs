@@ -41,10 +41,10 @@ use std::path::{Path, PathBuf};
 pub use error::PolicyError;
 pub use open::{Opening, TierError, sweep_stale};
 pub use pipeline::{
-    BackupPolicy, BackupSelect, CheckpointRetention, ClassPolicy, DEFAULT_DEMOTION_CONCURRENCY,
-    DatasetPacking, DemotionPolicy, Expiry, IncompletePolicy, MIN_SHARD_SIZE, NotPacked,
-    ObjectLockPolicy, Packing, PackingPolicy, PriorityClass, PriorityPolicy, PromotionPolicy,
-    RetentionMode, RetentionPolicy, ShardLayout, VerifyMode,
+    BackupPolicy, BackupSelect, CheckpointOffload, CheckpointRetention, ClassPolicy,
+    DEFAULT_DEMOTION_CONCURRENCY, DatasetPacking, DemotionPolicy, Expiry, IncompletePolicy,
+    MIN_SHARD_SIZE, NotPacked, ObjectLockPolicy, Packing, PackingPolicy, PriorityClass,
+    PriorityPolicy, PromotionPolicy, RetentionMode, RetentionPolicy, ShardLayout, VerifyMode,
 };
 pub use scrub::{
     AuditPolicy, DEFAULT_QUARANTINE_AFTER, DEFAULT_SCRUB_CHECK_EVERY, DEFAULT_SCRUB_PARALLEL_FILES,

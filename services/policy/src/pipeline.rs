@@ -351,6 +351,24 @@ fn default_demotion_concurrency() -> u32 {
 pub struct RetentionPolicy {
     pub checkpoints: CheckpointRetention,
     pub expiry: Expiry,
+    /// Checkpoints committed in parts on node-local tiers: where each node's agent offloads
+    /// its part, and by when. Absent: such parts are not offloaded, and their steps never
+    /// become a run's latest.
+    #[serde(default)]
+    pub offload: Option<CheckpointOffload>,
+}
+
+/// `[offload]` of `retention.toml`: a checkpoint step committed on node-local NVMe counts
+/// only once every part is off the node.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointOffload {
+    /// The tier parts are copied to (role `hot` or `capacity`); the step is committed there.
+    pub tier: String,
+    /// A part not offloaded this long after its commit is late: a visible failure
+    /// (`stagehand checkpoint list`).
+    #[serde(with = "duration")]
+    pub deadline: Duration,
 }
 
 /// Checkpoint retention of one training run.
@@ -651,6 +669,18 @@ pub(crate) fn parse_retention(
     )?;
     if p.expiry.unstaged_replica_after.is_zero() {
         return Err(src.invalid("expiry.unstaged_replica_after", "must be longer than 0"));
+    }
+    if let Some(offload) = &p.offload {
+        check_tier_ref(
+            src,
+            tiers,
+            "offload.tier",
+            &offload.tier,
+            &[TierRole::Hot, TierRole::Capacity],
+        )?;
+        if offload.deadline.is_zero() {
+            return Err(src.invalid("offload.deadline", "must be longer than 0"));
+        }
     }
     Ok(p)
 }
