@@ -393,6 +393,24 @@ impl Catalogue {
             Answer::Checkpoints { checkpoints, .. } => checkpoints)
     }
 
+    /// The parts of a run's checkpoint steps committed on node-local tiers
+    /// ([`Query::CheckpointParts`]): of `step` with their files, or of every step not yet
+    /// committed whole without them.
+    pub async fn checkpoint_parts(
+        &self,
+        project: &str,
+        run: &str,
+        step: Option<u64>,
+    ) -> Result<Vec<CheckpointPartRecord>, CatalogueError> {
+        let q = Query::CheckpointParts {
+            project: project.into(),
+            run: run.into(),
+            step,
+        };
+        expect!(self.ask(&q).await?, "checkpoint parts",
+            Answer::CheckpointParts { parts } => parts)
+    }
+
     /// Every checkpoint of a training run in step order, page after page.
     pub async fn all_checkpoints(
         &self,

@@ -55,7 +55,8 @@ pub mod views;
 pub use client::{AskError, Catalogue, CatalogueError, FilesPage, Page, ask};
 pub use query::{
     Answer, DEFAULT_DETAIL, DEFAULT_PAGE, DatasetDetail, ErrorCode, LineageNode, MAX_ANSWER_BYTES,
-    MAX_DETAIL, MAX_PAGE, MIN_VERSION_PREFIX, QUEUE_GROUP, Query, VersionDetail, cursor,
+    MAX_CHECKPOINT_PARTS, MAX_DETAIL, MAX_PAGE, MIN_VERSION_PREFIX, QUEUE_GROUP, Query,
+    VersionDetail, cursor,
 };
 pub use readiness::{
     BUCKET as READINESS_BUCKET, CopyProgress, JobCounts, Readiness, ReadinessKey, ReadinessState,

@@ -34,6 +34,9 @@ pub const MAX_DETAIL: u32 = 100;
 /// The most items a page holds, whatever `limit` asks.
 pub const MAX_PAGE: u32 = 10_000;
 
+/// The most checkpoint parts one [`Query::CheckpointParts`] answers.
+pub const MAX_CHECKPOINT_PARTS: usize = 1024;
+
 /// The largest answer, in bytes of JSON: the contract's event bound, well under nats-server's
 /// default `max_payload`.
 pub const MAX_ANSWER_BYTES: usize = stagehand_schemas::wire::MAX_EVENT_BYTES;
@@ -174,6 +177,18 @@ pub enum Query {
     /// lies beneath it or above it (`stagehand_schemas::folders_overlap`): what a new step
     /// committed at `prefix` would overlap. Unpaged (there are few).
     CheckpointsOverlapping { project: String, prefix: String },
+    /// The parts of checkpoint steps committed on node-local tiers
+    /// (`checkpoint.part.committed`, `checkpoint.part.offloaded`), in (step, part) order.
+    /// With `step`: that step's parts with their files (what the step's commit lists). Without:
+    /// the parts of every step of the run that is not committed whole yet (no
+    /// `checkpoint.committed` folded), without their files. Unpaged: at most
+    /// [`MAX_CHECKPOINT_PARTS`] parts.
+    CheckpointParts {
+        project: String,
+        run: String,
+        #[serde(default)]
+        step: Option<u64>,
+    },
     /// Versions with their backup copies, in (project, dataset, version) order, of every
     /// project or of one: each version the catalogue knows (validated, prepared, or only
     /// backed up, as a checkpoint is) with its replicas on backup tiers (on `tier` only, when
@@ -338,6 +353,9 @@ pub enum Answer {
     Checkpoints {
         checkpoints: Vec<CheckpointRecord>,
         next: Option<String>,
+    },
+    CheckpointParts {
+        parts: Vec<CheckpointPartRecord>,
     },
     BackupStatus {
         versions: Vec<VersionBackups>,

@@ -449,6 +449,121 @@ pub struct CheckpointRecord {
     pub held: Option<CheckpointHold>,
 }
 
+/// One node's part of a checkpoint step committed on node-local tiers: from its
+/// `checkpoint.part.committed` and, once it is off the node, its `checkpoint.part.offloaded`
+/// (either may fold first: each fills its own fields).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointPartRecord {
+    pub project: String,
+    pub run: String,
+    pub step: u64,
+    pub part: u32,
+    /// How many parts the step has.
+    pub parts: u32,
+    /// The node whose local tier holds it.
+    pub node: String,
+    /// Its folder on the node's local tier.
+    pub location: Location,
+    /// Its files (empty in answers that leave them out, and until its commit is folded).
+    #[serde(default)]
+    pub files: Vec<stagehand_schemas::FileRef>,
+    pub total_bytes: u64,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Its commit on the node; `None` while only its offload is folded.
+    #[serde(default)]
+    pub committed: Option<Stamp>,
+    /// Its folder on the offload tier, once offloaded.
+    #[serde(default)]
+    pub offloaded_to: Option<Location>,
+    #[serde(default)]
+    pub offloaded: Option<Stamp>,
+}
+
+impl CheckpointPartRecord {
+    /// Whether the part is durable off its node.
+    pub fn is_offloaded(&self) -> bool {
+        self.offloaded.is_some()
+    }
+}
+
+/// Where a checkpoint step committed in parts stands, from its parts' records.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StepParts {
+    pub step: u64,
+    /// Parts the step has (the largest `parts` any part stated).
+    pub parts: u32,
+    /// Parts offloaded.
+    pub offloaded: u32,
+    /// Parts not offloaded, as (part, node); a part never committed is listed with node "?".
+    pub on_node: Vec<(u32, String)>,
+    /// Bytes of the committed parts not offloaded: on node NVMe only.
+    pub bytes_on_node: u64,
+    /// The earliest commit of a part not offloaded: when its offload deadline runs from.
+    #[serde(skip)]
+    pub oldest_on_node: Option<OffsetDateTime>,
+}
+
+impl StepParts {
+    /// Whether every part is committed and offloaded.
+    pub fn complete(&self) -> bool {
+        self.on_node.is_empty() && self.offloaded == self.parts
+    }
+
+    /// Whether a part still on its node was committed longer than `deadline` before `now`:
+    /// its offload is late.
+    pub fn late(&self, deadline: std::time::Duration, now: OffsetDateTime) -> bool {
+        self.oldest_on_node.is_some_and(|at| {
+            now - at > time::Duration::try_from(deadline).unwrap_or(time::Duration::MAX)
+        })
+    }
+
+    /// The steps of `records` (any order), in step order.
+    pub fn of(records: &[CheckpointPartRecord]) -> Vec<StepParts> {
+        let mut steps: std::collections::BTreeMap<u64, Vec<&CheckpointPartRecord>> =
+            Default::default();
+        for r in records {
+            steps.entry(r.step).or_default().push(r);
+        }
+        steps
+            .into_iter()
+            .map(|(step, parts)| StepParts::one(step, &parts))
+            .collect()
+    }
+
+    fn one(step: u64, records: &[&CheckpointPartRecord]) -> StepParts {
+        let parts = records.iter().map(|r| r.parts).max().unwrap_or(0);
+        let mut on_node = Vec::new();
+        let mut bytes_on_node = 0;
+        let mut oldest_on_node: Option<OffsetDateTime> = None;
+        for part in 0..parts {
+            match records.iter().find(|r| r.part == part) {
+                Some(r) if r.is_offloaded() => {}
+                Some(r) => {
+                    on_node.push((part, r.node.clone()));
+                    bytes_on_node += r.total_bytes;
+                    if let Some(c) = &r.committed {
+                        oldest_on_node = Some(oldest_on_node.map_or(c.at, |o| o.min(c.at)));
+                    }
+                }
+                None => on_node.push((part, "?".to_owned())),
+            }
+        }
+        let offloaded = records
+            .iter()
+            .filter(|r| r.part < parts && r.is_offloaded())
+            .count() as u32;
+        StepParts {
+            step,
+            parts,
+            offloaded,
+            on_node,
+            bytes_on_node,
+            oldest_on_node,
+        }
+    }
+}
+
 /// A demotion or expiry of a checkpoint the demoter left undone, from `checkpoint.held`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckpointHold {

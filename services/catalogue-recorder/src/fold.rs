@@ -140,6 +140,8 @@ pub fn problem(
         Body::CheckpointCommitted(p) => Some(checkpoint_dataset(&p.run)),
         Body::CheckpointDemoted(p) => Some(checkpoint_dataset(&p.run)),
         Body::CheckpointExpired(p) => Some(checkpoint_dataset(&p.run)),
+        Body::CheckpointPartCommitted(p) => Some(checkpoint_dataset(&p.run)),
+        Body::CheckpointPartOffloaded(p) => Some(checkpoint_dataset(&p.run)),
         other => other.dataset().map(str::to_owned),
     };
     FoldProblem {
@@ -228,6 +230,8 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::CheckpointDemoted(p) => checkpoint_demoted(txn, event, p, &stamp)?,
         Body::CheckpointExpired(p) => checkpoint_expired(txn, event, p, &stamp)?,
         Body::CheckpointHeld(p) => checkpoint_held(txn, event, p, &stamp)?,
+        Body::CheckpointPartCommitted(p) => crate::parts::part_committed(txn, event, p, &stamp)?,
+        Body::CheckpointPartOffloaded(p) => crate::parts::part_offloaded(txn, event, p, &stamp)?,
         Body::DeadLetter(p) => dead_letter(txn, p, &stamp)?,
         Body::DeadLetterReplayed(p) => dead_letter_replayed(txn, p)?,
         Body::OperatorAction(p) => operator_action(txn, event, p, &stamp)?,

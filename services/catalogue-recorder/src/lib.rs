@@ -29,6 +29,7 @@ pub mod fold;
 mod gauges;
 mod live;
 pub mod model;
+mod parts;
 mod prune;
 mod query;
 pub mod readiness;

@@ -348,6 +348,9 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             let (checkpoints, next) = checkpoints(txn, project, run, *limit, after.as_deref())?;
             Answer::Checkpoints { checkpoints, next }
         }
+        Query::CheckpointParts { project, run, step } => Answer::CheckpointParts {
+            parts: crate::parts::parts(txn, project, run, *step)?,
+        },
         Query::CheckpointsOverlapping { project, prefix } => {
             let table = txn.open_table(CHECKPOINTS)?;
             let checkpoints = crate::fold::overlapping_checkpoints(&table, project, prefix)?;

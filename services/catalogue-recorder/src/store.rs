@@ -22,6 +22,7 @@
 //! | `dead_letters_waiting` | service | dead letters folded and neither replayed nor discarded |
 //! | `operator_actions` | `<20 digits: u64::MAX − µs since the epoch>.<event id>` (newest first) | [`stagehand_catalogue::OperatorActionRecord`] |
 //! | `checkpoints` | (project, run, step) | [`stagehand_catalogue::CheckpointRecord`] |
+//! | `checkpoint_parts` | (project, run, step, part) | [`stagehand_catalogue::CheckpointPartRecord`]: a part of a step committed on node-local tiers (`crate::parts`) |
 //! | `problems` | `<project>/<kind>/<event id>` | [`stagehand_catalogue::FoldProblem`]: a fact that could not be folded |
 //! | `applied_scoped` | (project, kind, event id) | — (events folded) |
 //! | `applied` | event id | — (events folded by layout 4, kept by an upgraded store: see below) |
@@ -128,6 +129,8 @@ pub(crate) const STAGES_OPEN: TableDefinition<(u8, i128, S, S), ()> =
     TableDefinition::new("stages_open");
 pub(crate) const CHECKPOINTS: TableDefinition<(S, S, u64), Bytes> =
     TableDefinition::new("checkpoints");
+pub(crate) const CHECKPOINT_PARTS: TableDefinition<(S, S, u64, u32), Bytes> =
+    TableDefinition::new("checkpoint_parts");
 pub(crate) const PROBLEMS: TableDefinition<S, Bytes> = TableDefinition::new("problems");
 pub(crate) const APPLIED: TableDefinition<(S, S, S), ()> = TableDefinition::new("applied_scoped");
 /// Layout 4's applied events, by bare id: kept by an upgraded store (see the module docs).
@@ -251,6 +254,7 @@ macro_rules! for_each_table {
         $m!(OPERATOR_ACTIONS);
         $m!(STAGES_OPEN);
         $m!(CHECKPOINTS);
+        $m!(CHECKPOINT_PARTS);
         $m!(PROBLEMS);
         $m!(APPLIED);
     };
