@@ -25,6 +25,7 @@
 //! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` |
 //! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`: wake the requests this instance holds |
 //! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
+//! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
 //! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
 //!
@@ -219,6 +220,24 @@ impl Settings {
         self.worker(&consumer, subject::REQUESTS.name, &["ingest.requested"])
     }
 
+    /// A node agent's offloads worker, on its own consumer: this node's checkpoint part
+    /// commits (copied off the node), and every node's offloads (each may complete its step).
+    /// `None` for the shared promoter.
+    pub fn offloads_worker(&self) -> Option<WorkerConfig> {
+        let node = self.node.as_ref()?;
+        let consumer = format!("{SERVICE}-offload-{}", runner::consumer_token(node));
+        let mut cfg = self.worker(
+            &consumer,
+            subject::FACTS.name,
+            &["checkpoint.part.committed", "checkpoint.part.offloaded"],
+        );
+        cfg.concurrency = 4;
+        // An offload waits for the catalogue to fold it before it may complete its step.
+        cfg.max_deliver = 50;
+        cfg.retry = soon();
+        Some(cfg)
+    }
+
     /// A worker of `consumer` on `stream` for `kinds`, its ledger beside the state.
     fn worker(&self, consumer: &str, stream: &str, kinds: &[&str]) -> WorkerConfig {
         let class = if stream == subject::FACTS.name {
@@ -351,6 +370,13 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         "ingests",
         worker(ingests, Handlers::Facts(promoter.clone())),
     );
+    if let Some(offloads) = ctx.settings.offloads_worker() {
+        let offloads = ctx.own_worker(offloads)?;
+        tasks.spawn(
+            "offloads",
+            worker(offloads, Handlers::Offloads(promoter.clone())),
+        );
+    }
     tasks.spawn("clock", promoter.clone().clock());
     tasks.spawn("reconciler", promoter.reconciler());
     Ok(ctx.join(tasks).await?)
@@ -414,6 +440,8 @@ enum Handlers {
     Requests(Promoter),
     /// The facts and ingests consumers': what wakes a request that waits.
     Facts(Promoter),
+    /// A node agent's offloads consumer: checkpoint parts.
+    Offloads(Promoter),
 }
 
 impl Handler for Handlers {
@@ -421,6 +449,7 @@ impl Handler for Handlers {
         match self {
             Handlers::Requests(p) => p.on_request(event, Some(ctx)).await,
             Handlers::Facts(p) => p.on_fact(event, Some(ctx)).await,
+            Handlers::Offloads(p) => p.on_part(event, Some(ctx)).await,
         }
     }
 }

@@ -26,6 +26,7 @@ mod clock;
 mod copying;
 mod estimate;
 mod in_flight;
+mod offload;
 mod requests;
 mod reservations;
 

@@ -1,0 +1,298 @@
+//! Checkpoint parts offloaded off the node (a node agent only): a training job commits its
+//! node's part of a step on the node's local tier (`checkpoint.part.committed`); this node's
+//! agent copies it, at the checkpoint priority, verified, published by one rename, to the
+//! offload tier of `retention.toml` (`[offload] tier`) under the same part folder, and states
+//! `checkpoint.part.offloaded`. Every agent follows every `checkpoint.part.offloaded`: once
+//! the catalogue shows that part offloaded, and every part of its step too, the step's
+//! `checkpoint.committed` is published — all parts' files under the step's folder on the
+//! offload tier, each part a subfolder — which makes it the run's latest. Its id is the step's
+//! (`EventId::for_checkpoint`) and its content follows from the catalogue's records alone, so
+//! two agents that both publish it store it once.
+//!
+//! Why no part is missed: each agent answers an offload only once the catalogue has folded
+//! it, so whichever offload the catalogue folds last is answered by an agent that sees every
+//! part offloaded, whatever order the stream or the recorder took them in.
+
+use futures::stream;
+use stagehand_bus::{HandlerError, WorkContext};
+use stagehand_catalogue::{CheckpointPartRecord, StepParts, checkpoint_dataset};
+use stagehand_mover::{CopyOptions, ErrorKind, Priority, Progress, SetCopy};
+use stagehand_policy::TierRole;
+use stagehand_schemas::{
+    Body, CheckpointCommitted, CheckpointPartCommitted, CheckpointPartOffloaded, Event, EventId,
+    FileRef, INLINE_MANIFEST_MAX_BYTES, Location, Retryable, layout,
+};
+use tracing::info;
+
+use super::{Promoter, retry};
+
+/// The fact-id step of a part's `checkpoint.part.offloaded`.
+pub const STEP_OFFLOADED: &str = "offloaded";
+
+fn refuse(why: String) -> HandlerError {
+    HandlerError::permanent(why)
+}
+
+impl Promoter {
+    /// A checkpoint part fact: a commit on this node's local tier is offloaded; an offload
+    /// (of any node) may complete its step.
+    pub async fn on_part(
+        &self,
+        event: &Event,
+        ctx: Option<&WorkContext>,
+    ) -> Result<Vec<Event>, HandlerError> {
+        match &event.body {
+            Body::CheckpointPartCommitted(p) if Some(p.node.as_str()) == self.node() => {
+                Ok(vec![self.offload(event, p, ctx).await?])
+            }
+            Body::CheckpointPartOffloaded(p) => self.complete_step(event, p).await,
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// The offload tier `retention.toml` names.
+    fn offload_tier(&self) -> Result<String, HandlerError> {
+        let offload = self
+            .p()
+            .policies
+            .retention()
+            .and_then(|r| r.offload.as_ref())
+            .ok_or_else(|| {
+                retry(
+                    "retention.toml has no [offload] table: checkpoint parts on node-local \
+                     tiers are not offloaded",
+                )
+            })?;
+        Ok(offload.tier.clone())
+    }
+
+    /// Refuses a part that is not exactly its step's part folder on a local tier: a tenant
+    /// names its own project's folder (the consumer checked that), and here nothing but the
+    /// one folder the layout gives that part, on this node's own local tier.
+    fn check_part(&self, event: &Event, p: &CheckpointPartCommitted) -> Result<(), HandlerError> {
+        let what = || {
+            format!(
+                "checkpoint part {} of step {} of run {}",
+                p.part, p.step, p.run
+            )
+        };
+        if p.parts == 0 || p.parts > layout::MAX_CHECKPOINT_PARTS || p.part >= p.parts {
+            return Err(refuse(format!(
+                "{}: part {} of {} parts is not a part (parts 1-{}, part below parts)",
+                what(),
+                p.part,
+                p.parts,
+                layout::MAX_CHECKPOINT_PARTS
+            )));
+        }
+        let local = self
+            .tier_policy(&p.location.tier)
+            .is_some_and(|t| t.role == TierRole::Local);
+        if !local {
+            return Err(refuse(format!(
+                "{}: tier {:?} is not a node-local tier; a part is offloaded from its node's \
+                 local tier only",
+                what(),
+                p.location.tier
+            )));
+        }
+        layout::check_dataset_name(&checkpoint_dataset(&p.run))
+            .map_err(|e| refuse(format!("{}: run: {e}", what())))?;
+        let folder = layout::checkpoint_part_folder(
+            &event.project,
+            &checkpoint_dataset(&p.run),
+            p.step,
+            p.part,
+        );
+        if p.location.prefix != folder {
+            return Err(refuse(format!(
+                "{}: folder {:?} is not the part's folder {folder:?}; nothing copied",
+                what(),
+                p.location.prefix
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies the part to the offload tier under the same folder, verified, and states it.
+    /// Again (a redelivery): the set found published is verified in place, nothing copied.
+    async fn offload(
+        &self,
+        event: &Event,
+        p: &CheckpointPartCommitted,
+        ctx: Option<&WorkContext>,
+    ) -> Result<Event, HandlerError> {
+        self.check_part(event, p)?;
+        let to_tier = self.offload_tier()?;
+        let (Some(src), Some(dst)) = (
+            self.p().tiers.get(&p.location.tier),
+            self.p().tiers.get(&to_tier),
+        ) else {
+            return Err(retry(format!(
+                "tier {:?} or {to_tier:?} is not open on node {}",
+                p.location.tier,
+                self.node().unwrap_or("-")
+            )));
+        };
+        let set = SetCopy {
+            src_prefix: p.location.prefix.clone(),
+            dst_prefix: p.location.prefix.clone(),
+            opts: CopyOptions {
+                priority: Priority::Checkpoint,
+                trust_recorded_hash: false,
+                verify_destination: self.p().promotion.verify,
+                expected_hash_unknown: false,
+            },
+            chunk_files: 0,
+            totals: Some((p.files.len() as u64, p.total_bytes)),
+        };
+        let progress = Progress::new();
+        let stop = match ctx {
+            Some(ctx) => ctx.shutdown().child_token(),
+            None => self.p().shutdown.child_token(),
+        };
+        let _slot = self.inner.slots.acquire(Priority::Checkpoint).await;
+        let files = stream::iter(p.files.clone());
+        let copied = async {
+            let staged = self
+                .p()
+                .mover
+                .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
+                .await?;
+            staged.publish().await
+        }
+        .await
+        .map_err(|e| match e.kind {
+            ErrorKind::ChecksumMismatch
+            | ErrorKind::SizeMismatch
+            | ErrorKind::NotFound
+            | ErrorKind::NotAFile => refuse(format!(
+                "checkpoint part {} of step {} of run {} on node {}: {e}; not offloaded",
+                p.part, p.step, p.run, p.node
+            )),
+            _ if e.is_retryable() || e.kind == ErrorKind::Cancelled => retry(e),
+            _ => refuse(e.to_string()),
+        })?;
+        info!(run = %p.run, step = p.step, part = p.part, tier = %to_tier, copied = copied.copied, existed = copied.existed, "checkpoint part offloaded");
+        Ok(event.caused(
+            STEP_OFFLOADED,
+            Body::CheckpointPartOffloaded(CheckpointPartOffloaded {
+                run: p.run.clone(),
+                step: p.step,
+                part: p.part,
+                parts: p.parts,
+                node: p.node.clone(),
+                from: p.location.clone(),
+                location: Location {
+                    tier: to_tier,
+                    prefix: p.location.prefix.clone(),
+                },
+                files: p.files.len() as u64,
+                total_bytes: p.total_bytes,
+            }),
+        ))
+    }
+
+    /// The step's `checkpoint.committed` once the catalogue shows this offload and every
+    /// other part of the step offloaded; nothing while a part is still on its node.
+    async fn complete_step(
+        &self,
+        event: &Event,
+        p: &CheckpointPartOffloaded,
+    ) -> Result<Vec<Event>, HandlerError> {
+        let parts = self
+            .p()
+            .catalogue
+            .checkpoint_parts(&event.project, &p.run, Some(p.step))
+            .await
+            .map_err(retry)?;
+        let folded = parts.iter().any(|r| r.part == p.part && r.is_offloaded());
+        if !folded {
+            return Err(retry(format!(
+                "the catalogue has not folded the offload of part {} of step {} of run {} yet",
+                p.part, p.step, p.run
+            )));
+        }
+        let step = StepParts::of(&parts);
+        if !step.first().is_some_and(StepParts::complete) {
+            return Ok(Vec::new());
+        }
+        Ok(vec![step_committed(
+            &event.project,
+            &p.run,
+            p.step,
+            &parts,
+        )?])
+    }
+}
+
+/// The whole step's commit from its parts' records (every one offloaded): the step's folder on
+/// the offload tier, each part's files under `part-<i>/`, the tags of every part; stamped
+/// with the newest offload, so that every agent builds the same fact.
+pub fn step_committed(
+    project: &str,
+    run: &str,
+    step: u64,
+    parts: &[CheckpointPartRecord],
+) -> Result<Event, HandlerError> {
+    let mut tiers = parts.iter().filter_map(|r| r.offloaded_to.as_ref());
+    let tier = tiers
+        .next()
+        .map(|l| l.tier.clone())
+        .ok_or_else(|| retry("no part offloaded"))?;
+    if parts
+        .iter()
+        .any(|r| r.offloaded_to.as_ref().is_none_or(|l| l.tier != tier))
+    {
+        return Err(refuse(format!(
+            "the parts of step {step} of run {run} were offloaded to different tiers; the step \
+             is not committed"
+        )));
+    }
+    let mut files: Vec<FileRef> = parts
+        .iter()
+        .flat_map(|r| {
+            let dir = layout::checkpoint_part_name(r.part);
+            r.files
+                .iter()
+                .map(move |f| FileRef::new(format!("{dir}/{}", f.path), f.size, f.sha256.clone()))
+        })
+        .collect();
+    files.sort_by(|a, b| a.path.cmp(&b.path));
+    let listed: usize = files.iter().map(|f| f.path.len() + 64 + 24).sum();
+    if listed as u64 > INLINE_MANIFEST_MAX_BYTES {
+        return Err(refuse(format!(
+            "step {step} of run {run}: its parts list {} files, too many to commit inline; \
+             the step is not committed",
+            files.len()
+        )));
+    }
+    let mut tags: Vec<String> = parts.iter().flat_map(|r| r.tags.clone()).collect();
+    tags.sort();
+    tags.dedup();
+    let mut commit = Event::request(
+        EventId::for_checkpoint(project, run, step),
+        project,
+        Body::CheckpointCommitted(CheckpointCommitted {
+            run: run.to_owned(),
+            step,
+            location: Location {
+                tier,
+                prefix: layout::checkpoint_step_folder(project, &checkpoint_dataset(run), step),
+            },
+            total_bytes: files.iter().map(|f| f.size).sum(),
+            files,
+            manifest: None,
+            tags,
+        }),
+    );
+    if let Some(at) = parts
+        .iter()
+        .filter_map(|r| r.offloaded.as_ref())
+        .map(|s| s.at)
+        .max()
+    {
+        commit.occurred_at = at;
+    }
+    Ok(commit)
+}
