@@ -25,6 +25,15 @@
 //! | NeMo 2 | no `<ckpt>-unfinished` marker beside it | the marker exists (checked for every format) |
 //! | any other directory | `--complete` says the writer finished it | without `--complete` |
 //!
+//! On a node-local tier (`--tier local --node N --part I --parts K`) a commit is one node's
+//! part of its step, in exactly its folder `<root>/<project>/ckpt-<run>/step-<S>/part-<I>`
+//! (`stagehand_schemas::layout::checkpoint_part_folder`): it publishes
+//! `checkpoint.part.committed` with the part's files inline and returns once the fact is
+//! stored. The node's agent offloads the part to `retention.toml`'s `[offload] tier`; the step
+//! becomes the run's latest only when every part is offloaded (`services/promoter`,
+//! "Checkpoints offloaded"). Until then `list` shows it `at risk`, naming the parts still on
+//! node NVMe only, their nodes and bytes; past `[offload] deadline`, `offload late`.
+//!
 //! `list` shows a run's checkpoints from the catalogue (step, tags, state, tiers, the rule of
 //! the latest demotion or expiry) and, when `retention.toml` is at hand, what retention decides
 //! for each now ([`stagehand_policy::retention::decide`]); under a step the demoter left whole
@@ -64,7 +73,10 @@ mod restore;
 pub use args::{CheckpointCommand, CommitArgs, CommitOptions, ListArgs, RestoreArgs};
 pub use commit::{Committed, Prepared, commit, prepare, publish};
 pub use format::{Format, Recognised, recognise};
-pub use list::{Decision, ListedCheckpoint, list, list_text, listing};
+pub use list::{
+    Decision, ListedCheckpoint, ListedState, PartOnNode, StepOffload, list, list_text, listing,
+    listing_with_parts,
+};
 pub use restore::{Restored, restorable, restore, whole_at};
 
 /// Exit code of a refused checkpoint.
@@ -172,6 +184,9 @@ pub async fn run(connection: &Connection, cmd: CheckpointCommand) -> anyhow::Res
 }
 
 fn print_committed(opts: &CommitOptions, c: &Committed, json: bool) {
+    if let Body::CheckpointPartCommitted(fact) = &c.event.body {
+        return print_part_committed(opts, c, fact, json);
+    }
     let Body::CheckpointCommitted(fact) = &c.event.body else {
         unreachable!("commit publishes checkpoint.committed")
     };
@@ -208,6 +223,53 @@ fn print_committed(opts: &CommitOptions, c: &Committed, json: bool) {
         },
         if c.duplicate {
             " (this step was committed before: the same fact)"
+        } else {
+            ""
+        }
+    );
+}
+
+fn print_part_committed(
+    opts: &CommitOptions,
+    c: &Committed,
+    fact: &stagehand_schemas::CheckpointPartCommitted,
+    json: bool,
+) {
+    if json {
+        let out = serde_json::json!({
+            "id": c.event.id,
+            "project": opts.project,
+            "run": fact.run,
+            "step": fact.step,
+            "part": fact.part,
+            "parts": fact.parts,
+            "node": fact.node,
+            "format": c.format.name(),
+            "location": fact.location,
+            "files": c.files,
+            "total_bytes": c.total_bytes,
+            "tags": fact.tags,
+            "duplicate": c.duplicate,
+        });
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return;
+    }
+    println!("{}", c.event.id);
+    eprintln!(
+        "committed part {} of {} of step {} of run {} on node {} ({}): {} files, {} bytes at \
+         {}:{}; the step counts once every part is offloaded{}",
+        fact.part,
+        fact.parts,
+        fact.step,
+        fact.run,
+        fact.node,
+        c.format.name(),
+        c.files,
+        c.total_bytes,
+        fact.location.tier,
+        fact.location.prefix,
+        if c.duplicate {
+            " (this part was committed before: the same fact)"
         } else {
             ""
         }

@@ -45,6 +45,18 @@ pub struct CommitArgs {
     /// The posix tier holding the checkpoint.
     #[arg(long, default_value = "hot")]
     pub tier: String,
+    /// With a node-local `--tier`: the node whose NVMe holds this part (its agent offloads
+    /// it). The step is committed in `--parts` parts, one per node.
+    #[arg(long)]
+    pub node: Option<String>,
+    /// With a node-local `--tier`: this part's index, 0 to `--parts` - 1. Its folder is
+    /// `<tier root>/<project>/ckpt-<run>/step-<step>/part-<part>`.
+    #[arg(long)]
+    pub part: Option<String>,
+    /// With a node-local `--tier`: how many parts the step has (the step counts once all
+    /// are offloaded).
+    #[arg(long)]
+    pub parts: Option<String>,
     /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
     #[arg(long)]
     pub policies: Option<PathBuf>,
@@ -95,6 +107,51 @@ pub struct CommitOptions {
     pub complete: bool,
     pub tier: String,
     pub policies: PathBuf,
+    /// A part of a step committed on a node-local tier.
+    pub part: Option<PartOf>,
+}
+
+/// Which part of a step a commit on a node-local tier is, and on which node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartOf {
+    pub node: String,
+    pub part: u32,
+    pub parts: u32,
+}
+
+impl PartOf {
+    fn from_args(args: &CommitArgs) -> Result<Option<PartOf>, CheckpointError> {
+        let (node, part, parts) = match (&args.node, &args.part, &args.parts) {
+            (None, None, None) => return Ok(None),
+            (Some(node), Some(part), Some(parts)) => (node, part, parts),
+            _ => {
+                return Err(usage(
+                    "--node, --part and --parts go together: a part of a step on a node-local tier",
+                ));
+            }
+        };
+        if node.is_empty() || node.len() > 64 {
+            return Err(usage(format!(
+                "--node {node:?} must be a node name of 1-64 characters"
+            )));
+        }
+        let number = |flag: &str, v: &str| {
+            v.parse::<u32>()
+                .map_err(|_| usage(format!("{flag} {v:?} is not a whole number")))
+        };
+        let (part, parts) = (number("--part", part)?, number("--parts", parts)?);
+        if parts == 0 || parts > layout::MAX_CHECKPOINT_PARTS || part >= parts {
+            return Err(usage(format!(
+                "--part {part} --parts {parts}: parts must be 1-{} and part below it",
+                layout::MAX_CHECKPOINT_PARTS
+            )));
+        }
+        Ok(Some(PartOf {
+            node: node.clone(),
+            part,
+            parts,
+        }))
+    }
 }
 
 impl CommitOptions {
@@ -131,6 +188,7 @@ impl CommitOptions {
             complete: args.complete,
             tier: args.tier.clone(),
             policies: args.policies.clone().unwrap_or_else(default_policies),
+            part: PartOf::from_args(args)?,
         })
     }
 }

@@ -10,11 +10,13 @@ use stagehand_catalogue::Catalogue;
 use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_mover::{ReadLimit, Tier};
 use stagehand_schemas::Retryable;
-use stagehand_schemas::{Body, CheckpointCommitted, Event, EventId, FileRef, Location, layout};
+use stagehand_schemas::{
+    Body, CheckpointCommitted, CheckpointPartCommitted, Event, EventId, FileRef, Location, layout,
+};
 
 use crate::cli::Connection;
 
-use super::args::CommitOptions;
+use super::args::{CommitOptions, PartOf};
 use super::format::{Format, recognise};
 use super::{CheckpointError, refused, usage};
 
@@ -76,6 +78,8 @@ pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> 
             root.display()
         ))
     })?;
+    let local = tier_policy.role == stagehand_policy::TierRole::Local;
+    check_part_folder(opts, local, &prefix)?;
 
     let dir = recognised.dir.clone();
     let listed = tokio::task::spawn_blocking(move || crate::ingest::walk::list(&dir))
@@ -107,6 +111,45 @@ pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> 
         files,
         total_bytes,
     })
+}
+
+/// A commit on a node-local tier is a part of its step, in exactly the part's folder
+/// (`layout::checkpoint_part_folder`): the node's agent offloads that folder and nothing
+/// else. A part names a node-local tier.
+fn check_part_folder(
+    opts: &CommitOptions,
+    local: bool,
+    prefix: &str,
+) -> Result<(), CheckpointError> {
+    match (&opts.part, local) {
+        (None, false) => Ok(()),
+        (None, true) => Err(usage(format!(
+            "tier {:?} is node-local: a checkpoint there is committed as a part of its step \
+             (--node, --part, --parts), offloaded before it counts",
+            opts.tier
+        ))),
+        (Some(_), false) => Err(usage(format!(
+            "--node/--part/--parts commit a part on a node-local tier; tier {:?} is not one",
+            opts.tier
+        ))),
+        (Some(part), true) => {
+            let folder = layout::checkpoint_part_folder(
+                &opts.project,
+                &stagehand_catalogue::checkpoint_dataset(&opts.run),
+                opts.step,
+                part.part,
+            );
+            if prefix == folder {
+                Ok(())
+            } else {
+                Err(usage(format!(
+                    "part {} of step {} of run {} is committed from its folder <root>/{folder}, \
+                     not <root>/{prefix}",
+                    part.part, opts.step, opts.run
+                )))
+            }
+        }
+    }
 }
 
 /// The prefix of `dir` beneath the tier `root`, which must start with the project's folder.
@@ -291,8 +334,63 @@ pub async fn commit(
     let bus = crate::cli::connect(connection)
         .await
         .map_err(CheckpointError::Unavailable)?;
+    if let Some(part) = &opts.part {
+        return publish_part(&bus, opts, part, prepared).await;
+    }
     own_folder(&bus, opts, &prepared.location).await?;
     publish(&bus, opts, prepared).await
+}
+
+/// The `checkpoint.part.committed` fact of a prepared part, its files inline (a part's list
+/// must fit: split the step into more parts otherwise). Returns once the fact is stored: the
+/// commit the training job waits for; the node's agent offloads it afterwards.
+pub async fn publish_part(
+    bus: &Bus,
+    opts: &CommitOptions,
+    part: &PartOf,
+    prepared: Prepared,
+) -> Result<Committed, CheckpointError> {
+    let listed: usize = prepared
+        .files
+        .iter()
+        .map(|f| f.path.len() + f.sha256.len() + 24)
+        .sum();
+    if listed as u64 > stagehand_schemas::INLINE_MANIFEST_MAX_BYTES {
+        return Err(refused(format!(
+            "part {} lists {} files, more than a part's commit carries inline ({} bytes of \
+             manifest lines): commit the step in more parts",
+            part.part,
+            prepared.files.len(),
+            stagehand_schemas::INLINE_MANIFEST_MAX_BYTES
+        )));
+    }
+    let event = Event::request(
+        EventId::for_checkpoint_part(&opts.project, &opts.run, opts.step, part.part),
+        opts.project.as_str(),
+        Body::CheckpointPartCommitted(CheckpointPartCommitted {
+            run: opts.run.clone(),
+            step: opts.step,
+            part: part.part,
+            parts: part.parts,
+            node: part.node.clone(),
+            location: prepared.location,
+            files: prepared.files.clone(),
+            total_bytes: prepared.total_bytes,
+            tags: opts.tags.clone(),
+        }),
+    );
+    let ack = bus
+        .publish(&event)
+        .await
+        .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+    Ok(Committed {
+        event,
+        format: prepared.format,
+        files: prepared.files.len(),
+        total_bytes: prepared.total_bytes,
+        manifest_digest: None,
+        duplicate: ack.duplicate,
+    })
 }
 
 /// How long a commit waits for the catalogue's answer on overlapping steps: a user without the

@@ -3,7 +3,9 @@
 use std::io::Write;
 use std::time::Duration;
 
-use stagehand_catalogue::{Catalogue, CheckpointRecord, CheckpointState};
+use stagehand_catalogue::{
+    Catalogue, CheckpointPartRecord, CheckpointRecord, CheckpointState, StepParts,
+};
 use stagehand_policy::retention::{CommittedCheckpoint, Placement, RetentionDecision};
 use stagehand_schemas::Retryable;
 
@@ -18,7 +20,7 @@ use super::{CheckpointError, usage};
 pub struct ListedCheckpoint {
     pub step: u64,
     pub tags: Vec<String>,
-    pub state: CheckpointState,
+    pub state: ListedState,
     pub tiers: Vec<String>,
     /// The rule of the latest demotion or expiry carried out.
     pub rule: Option<String>,
@@ -28,6 +30,114 @@ pub struct ListedCheckpoint {
     /// A demotion or expiry the demoter left undone, and why (the folder is whole).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub held: Option<stagehand_catalogue::CheckpointHold>,
+    /// A step committed in parts on node-local tiers and not committed whole yet: its parts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload: Option<StepOffload>,
+}
+
+/// The state `list` shows: the catalogue's, or for a step committed in parts and not whole
+/// yet, whether any of it is still on node NVMe only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ListedState {
+    Committed,
+    Demoted,
+    Expired,
+    /// Parts still on node NVMe only: not the run's latest; lost with a node.
+    AtRisk,
+    /// At risk past `[offload] deadline`: a failure someone must look at.
+    OffloadLate,
+    /// Every part offloaded; the step's commit is on its way (not the latest yet).
+    Offloaded,
+}
+
+impl From<CheckpointState> for ListedState {
+    fn from(s: CheckpointState) -> Self {
+        match s {
+            CheckpointState::Committed => ListedState::Committed,
+            CheckpointState::Demoted => ListedState::Demoted,
+            CheckpointState::Expired => ListedState::Expired,
+        }
+    }
+}
+
+/// Where a step committed in parts stands.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct StepOffload {
+    pub parts: u32,
+    pub offloaded: u32,
+    /// The parts on node NVMe only, with their nodes ("?" for a part never committed).
+    pub on_node: Vec<PartOnNode>,
+    /// Bytes of those parts.
+    pub bytes_on_node: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PartOnNode {
+    pub part: u32,
+    pub node: String,
+}
+
+/// The lines of the steps of `parts` not committed whole: at risk, late past `deadline`
+/// (from the oldest part still on its node), or offloaded and about to be committed.
+fn incomplete(
+    parts: &[CheckpointPartRecord],
+    deadline: Option<Duration>,
+    now: time::OffsetDateTime,
+) -> Vec<ListedCheckpoint> {
+    StepParts::of(parts)
+        .into_iter()
+        .map(|step| {
+            let state = if step.complete() {
+                ListedState::Offloaded
+            } else if deadline.is_some_and(|d| step.late(d, now)) {
+                ListedState::OffloadLate
+            } else {
+                ListedState::AtRisk
+            };
+            let mut tags: Vec<String> = parts
+                .iter()
+                .filter(|p| p.step == step.step)
+                .flat_map(|p| p.tags.clone())
+                .collect();
+            tags.sort();
+            tags.dedup();
+            let tiers: Vec<String> = parts
+                .iter()
+                .filter(|p| p.step == step.step)
+                .map(|p| p.location.tier.clone())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            ListedCheckpoint {
+                step: step.step,
+                tags,
+                state,
+                tiers,
+                rule: None,
+                retention: None,
+                total_bytes: parts
+                    .iter()
+                    .filter(|p| p.step == step.step)
+                    .map(|p| p.total_bytes)
+                    .sum(),
+                held: None,
+                offload: Some(StepOffload {
+                    parts: step.parts,
+                    offloaded: step.offloaded,
+                    on_node: step
+                        .on_node
+                        .iter()
+                        .map(|(part, node)| PartOnNode {
+                            part: *part,
+                            node: node.clone(),
+                        })
+                        .collect(),
+                    bytes_on_node: step.bytes_on_node,
+                }),
+            }
+        })
+        .collect()
 }
 
 /// Retention's decision, as listed.
@@ -79,7 +189,7 @@ pub fn listing(
         .map(|r| ListedCheckpoint {
             step: r.step,
             tags: r.tags.clone(),
-            state: r.state,
+            state: r.state.into(),
             tiers: r.tiers().into_iter().map(str::to_owned).collect(),
             rule: r.rule.clone(),
             retention: decisions
@@ -88,15 +198,38 @@ pub fn listing(
                 .map(Decision::from),
             total_bytes: r.total_bytes,
             held: r.held_now().cloned(),
+            offload: None,
         })
         .collect()
 }
 
-fn state_name(state: CheckpointState) -> &'static str {
+/// [`listing`] with the steps committed in parts and not whole yet, in step order.
+pub fn listing_with_parts(
+    records: &[CheckpointRecord],
+    parts: &[CheckpointPartRecord],
+    retention: Option<&stagehand_policy::CheckpointRetention>,
+    deadline: Option<Duration>,
+    now: time::OffsetDateTime,
+) -> Vec<ListedCheckpoint> {
+    let mut all = listing(records, retention);
+    let whole: std::collections::HashSet<u64> = records.iter().map(|r| r.step).collect();
+    all.extend(
+        incomplete(parts, deadline, now)
+            .into_iter()
+            .filter(|c| !whole.contains(&c.step)),
+    );
+    all.sort_by_key(|c| c.step);
+    all
+}
+
+fn state_name(state: ListedState) -> &'static str {
     match state {
-        CheckpointState::Committed => "committed",
-        CheckpointState::Demoted => "demoted",
-        CheckpointState::Expired => "expired",
+        ListedState::Committed => "committed",
+        ListedState::Demoted => "demoted",
+        ListedState::Expired => "expired",
+        ListedState::AtRisk => "at risk",
+        ListedState::OffloadLate => "offload late",
+        ListedState::Offloaded => "offloaded",
     }
 }
 
@@ -150,6 +283,31 @@ pub fn list_text(
             tiers,
             c.rule.as_deref().unwrap_or("-"),
         )?;
+        if let Some(o) = &c.offload {
+            let on: Vec<String> = o
+                .on_node
+                .iter()
+                .map(|p| format!("part {} on {}", p.part, p.node))
+                .collect();
+            let line = if on.is_empty() {
+                format!(
+                    "{:>10}  all {} parts offloaded; not the latest until the step's commit folds",
+                    "", o.parts
+                )
+            } else {
+                format!(
+                    "{:>10}  {}: {} of {} parts offloaded; on node NVMe only: {} ({} bytes); \
+                     not the run's latest",
+                    "",
+                    state_name(c.state),
+                    o.offloaded,
+                    o.parts,
+                    on.join(", "),
+                    o.bytes_on_node
+                )
+            };
+            writeln!(out, "{line}")?;
+        }
         if let Some(h) = &c.held {
             let mut line = format!(
                 "{:>10}  held: {} not carried out: {}",
@@ -198,9 +356,19 @@ pub async fn list(
         .all_checkpoints(&project, &args.run)
         .await
         .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
-    let retention = policies
-        .as_ref()
-        .and_then(|p| p.retention())
-        .map(|r| &r.checkpoints);
-    Ok(listing(&records, retention))
+    let parts = catalogue
+        .checkpoint_parts(&project, &args.run, None)
+        .await
+        .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+    let retention = policies.as_ref().and_then(|p| p.retention());
+    let deadline = retention
+        .and_then(|r| r.offload.as_ref())
+        .map(|o| o.deadline);
+    Ok(listing_with_parts(
+        &records,
+        &parts,
+        retention.map(|r| &r.checkpoints),
+        deadline,
+        time::OffsetDateTime::now_utc(),
+    ))
 }

@@ -53,6 +53,42 @@ pub fn restorable<'a>(
     Ok((record, digest))
 }
 
+/// Refuses a step committed in parts that is not committed whole yet, naming what is still on
+/// node NVMe only: it is never half-restored.
+async fn incomplete(
+    catalogue: &Catalogue,
+    project: &str,
+    run: &str,
+    step: u64,
+) -> Result<(), CheckpointError> {
+    let parts = catalogue
+        .checkpoint_parts(project, run, Some(step))
+        .await
+        .unwrap_or_default();
+    let Some(found) = stagehand_catalogue::StepParts::of(&parts)
+        .into_iter()
+        .next()
+    else {
+        return Ok(());
+    };
+    let on_node: Vec<String> = found
+        .on_node
+        .iter()
+        .map(|(part, node)| format!("part {part} on {node}"))
+        .collect();
+    Err(refused(format!(
+        "step {step} of run {run} is incomplete: {} of {} parts offloaded{}; it is not restored \
+         (without --step the latest complete step is)",
+        found.offloaded,
+        found.parts,
+        if on_node.is_empty() {
+            String::new()
+        } else {
+            format!(", on node NVMe only: {}", on_node.join(", "))
+        }
+    )))
+}
+
 /// How `restore` brought a checkpoint back.
 #[derive(Debug)]
 pub enum Restored {
@@ -147,6 +183,11 @@ pub async fn restore(
         .all_checkpoints(&stage.project, &args.run)
         .await
         .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
+    if let Some(step) = step
+        && !records.iter().any(|r| r.step == step)
+    {
+        incomplete(&catalogue, &stage.project, &args.run, step).await?;
+    }
     let (record, digest) = restorable(&args.run, &records, step)?;
     // Not demoted yet: it is where the run wrote it, which is the tier asked for.
     let files = || async {

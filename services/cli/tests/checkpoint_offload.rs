@@ -1,0 +1,469 @@
+//! Checkpoints written to node-local NVMe and offloaded before they count (issue item 2, its
+//! test (d)), with the real `stagehand` binary against a real nats-server, the catalogue
+//! recorder and four promoter agents in-process, each node with a local tier of its own: a
+//! step whose four parts are all offloaded becomes the run's latest and restores byte-exact;
+//! a step whose fourth node's agent is gone before it offloads stays at risk, naming that part
+//! and node, and the previous step stays latest; a part commit naming another project's folder,
+//! a folder that is not the part's or a shared tier is refused with a reason, nothing copied.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::{Context, ensure};
+use common::{PROJECT, Stagehand, WAIT};
+use serde_json::Value;
+use stagehand_schemas::{Body, CheckpointPartCommitted, Event, EventId, FileRef, Location};
+use stagehand_testkit::wait_for;
+
+const NODES: [&str; 4] = ["gpu-a", "gpu-b", "gpu-c", "gpu-d"];
+const RUN: &str = "llm";
+
+fn stagehand(url: &str, args: &[&str]) -> anyhow::Result<Output> {
+    Ok(Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args(["--nats", url])
+        .args(args)
+        .env_remove("STAGEHAND_PROJECT")
+        .env("STAGEHAND_HOME", "/nonexistent-stagehand-home")
+        .output()?)
+}
+
+fn said(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The bytes of part `part` of `step`: distinct per step and part.
+fn part_files(step: u64, part: usize) -> Vec<(String, Vec<u8>)> {
+    vec![
+        (
+            format!("__{part}_0.distcp"),
+            (0..20_000u32)
+                .map(|i| (i as u64 * 7 + step * 13 + part as u64) as u8)
+                .collect(),
+        ),
+        (
+            ".metadata".to_owned(),
+            format!("{step}/{part}").into_bytes(),
+        ),
+    ]
+}
+
+/// The part's folder on the node's local tier, as the layout rule makes it.
+fn part_dir(policies: &Path, step: u64, part: usize) -> anyhow::Result<PathBuf> {
+    Ok(
+        local_root(policies)?.join(stagehand_schemas::layout::checkpoint_part_folder(
+            PROJECT,
+            &stagehand_catalogue::checkpoint_dataset(RUN),
+            step,
+            part as u32,
+        )),
+    )
+}
+
+/// The `local` tier's root of a node's policy folder (`Stagehand::start_node_agent`:
+/// `<home>/policies-<node>` has its root at `<home>/tiers/local-<node>`).
+fn local_root(policies: &Path) -> anyhow::Result<PathBuf> {
+    let name = policies
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("a name")?;
+    let node = name
+        .strip_prefix("policies-")
+        .context("a node's policies")?;
+    let home = policies.parent().context("the home")?;
+    Ok(home.join("tiers").join(format!("local-{node}")))
+}
+
+/// Writes part `part` of `step` on its node and commits it with the real binary.
+fn write_and_commit(
+    url: &str,
+    node: &str,
+    policies: &Path,
+    step: u64,
+    part: usize,
+) -> anyhow::Result<()> {
+    let dir = part_dir(policies, step, part)?;
+    std::fs::create_dir_all(&dir)?;
+    for (name, bytes) in part_files(step, part) {
+        std::fs::write(dir.join(name), bytes)?;
+    }
+    let (step, part) = (step.to_string(), part.to_string());
+    let out = stagehand(
+        url,
+        &[
+            "checkpoint",
+            "commit",
+            "--project",
+            PROJECT,
+            "--run",
+            RUN,
+            "--step",
+            &step,
+            "--tier",
+            "local",
+            "--node",
+            node,
+            "--part",
+            &part,
+            "--parts",
+            "4",
+            "--policies",
+            policies.to_str().context("utf-8")?,
+            "--json",
+            dir.to_str().context("utf-8")?,
+        ],
+    )?;
+    ensure!(out.status.success(), "{}", said(&out));
+    let answer: Value = serde_json::from_slice(&out.stdout).with_context(|| said(&out))?;
+    ensure!(
+        answer["node"] == node && answer["parts"] == 4 && answer["files"] == 2,
+        "{answer}"
+    );
+    Ok(())
+}
+
+/// `checkpoint list --json` of the run.
+fn list(url: &str, policies: &Path) -> anyhow::Result<Vec<Value>> {
+    let out = stagehand(
+        url,
+        &[
+            "checkpoint",
+            "list",
+            RUN,
+            "--project",
+            PROJECT,
+            "--policies",
+            policies.to_str().context("utf-8")?,
+            "--json",
+        ],
+    )?;
+    ensure!(out.status.success(), "{}", said(&out));
+    Ok(serde_json::from_slice::<Vec<Value>>(&out.stdout).with_context(|| said(&out))?)
+}
+
+fn step_of<'a>(listed: &'a [Value], step: u64) -> Option<&'a Value> {
+    listed.iter().find(|c| c["step"] == step)
+}
+
+/// Waits until `checkpoint list` shows `step` in `state`.
+async fn listed_as(url: &str, policies: &Path, step: u64, state: &str) -> anyhow::Result<Value> {
+    let mut last = Vec::new();
+    let found = wait_for(WAIT, &format!("step {step} listed {state}"), || {
+        let got = list(url, policies).ok();
+        if let Some(got) = &got {
+            last = got.clone();
+        }
+        async move {
+            step_of(got.as_deref()?, step)
+                .filter(|c| c["state"] == state)
+                .cloned()
+        }
+    })
+    .await;
+    found.with_context(|| format!("last listing: {last:#?}"))
+}
+
+/// `checkpoint restore` of the latest step onto hot: the folder it prints.
+fn restore_latest(url: &str, policies: &Path) -> anyhow::Result<PathBuf> {
+    let out = stagehand(
+        url,
+        &[
+            "checkpoint",
+            "restore",
+            RUN,
+            "--project",
+            PROJECT,
+            "--tier",
+            "hot",
+            "--job",
+            "resume-1",
+            "--policies",
+            policies.to_str().context("utf-8")?,
+            "--timeout",
+            "60",
+            "--json",
+        ],
+    )?;
+    ensure!(out.status.success(), "{}", said(&out));
+    let answer: Value = serde_json::from_slice(&out.stdout).with_context(|| said(&out))?;
+    Ok(PathBuf::from(
+        answer["path"].as_str().with_context(|| said(&out))?,
+    ))
+}
+
+/// Every part's files of `step` are in `dir` under `part-<i>/`, byte for byte.
+fn holds_step(dir: &Path, step: u64) -> anyhow::Result<()> {
+    for part in 0..NODES.len() {
+        for (name, bytes) in part_files(step, part) {
+            let path = dir.join(format!("part-{part}")).join(&name);
+            let found = std::fs::read(&path).with_context(|| path.display().to_string())?;
+            ensure!(
+                found == bytes,
+                "{} differs from part {part} of step {step}",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> anyhow::Result<()> {
+    let mut sh = Stagehand::start(common::Options::default()).await?;
+    let mut policies = Vec::new();
+    for node in NODES {
+        policies.push(sh.start_node_agent(node)?);
+    }
+    sh.ready().await?;
+    let url = sh.url.clone();
+
+    // Steps 1 and 2: every node commits its part; each is offloaded and the step committed
+    // whole on hot.
+    for step in [1, 2] {
+        for (part, node) in NODES.iter().enumerate() {
+            write_and_commit(&url, node, &policies[part], step, part)?;
+        }
+        let whole = listed_as(&url, &sh.policies, step, "committed").await?;
+        ensure!(whole["tiers"] == serde_json::json!(["hot"]), "{whole}");
+        ensure!(whole.get("offload").is_none(), "{whole}");
+    }
+    let restored = restore_latest(&url, &sh.policies)?;
+    ensure!(
+        restored.ends_with("lab/ckpt-llm/step-2"),
+        "{}",
+        restored.display()
+    );
+    holds_step(&restored, 2)?;
+
+    // Step 3: the fourth node is gone before its agent offloads its part.
+    sh.stop_node_agent(NODES[3]).await?;
+    for (part, node) in NODES.iter().enumerate() {
+        write_and_commit(&url, node, &policies[part], 3, part)?;
+    }
+    let at_risk = wait_for(WAIT, "three parts of step 3 offloaded", || {
+        let listed = list(&url, &sh.policies).ok();
+        async move {
+            step_of(listed.as_deref()?, 3)
+                .filter(|c| c["offload"]["offloaded"] == 3)
+                .cloned()
+        }
+    })
+    .await?;
+    ensure!(at_risk["state"] == "at_risk", "{at_risk}");
+    ensure!(
+        at_risk["offload"]["on_node"] == serde_json::json!([{ "part": 3, "node": "gpu-d" }]),
+        "{at_risk}"
+    );
+    ensure!(
+        at_risk["offload"]["bytes_on_node"] == 20_000 + 3,
+        "{at_risk}"
+    );
+    // The three offloaded parts are on hot; the step is not, nor the missing part.
+    let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-3");
+    ensure!(hot_step.join("part-2/.metadata").is_file());
+    ensure!(!hot_step.join("part-3").exists());
+    // Step 2 stays latest: listed committed, and what `restore` gives.
+    let listed = list(&url, &sh.policies)?;
+    ensure!(
+        step_of(&listed, 2).is_some_and(|c| c["state"] == "committed"),
+        "{listed:#?}"
+    );
+    let restored = restore_latest(&url, &sh.policies)?;
+    ensure!(
+        restored.ends_with("lab/ckpt-llm/step-2"),
+        "{}",
+        restored.display()
+    );
+    holds_step(&restored, 2)?;
+    // Asked for by name, step 3 is refused, naming what is missing.
+    let out = stagehand(
+        &url,
+        &[
+            "checkpoint",
+            "restore",
+            RUN,
+            "--step",
+            "3",
+            "--project",
+            PROJECT,
+            "--tier",
+            "hot",
+            "--job",
+            "resume-2",
+            "--policies",
+            sh.policies.to_str().context("utf-8")?,
+        ],
+    )?;
+    ensure!(
+        out.status.code() == Some(1)
+            && String::from_utf8_lossy(&out.stderr).contains("incomplete: 3 of 4 parts offloaded")
+            && String::from_utf8_lossy(&out.stderr).contains("part 3 on gpu-d"),
+        "{}",
+        said(&out)
+    );
+    // The text names the step at risk, the part and its node.
+    let out = stagehand(
+        &url,
+        &[
+            "checkpoint",
+            "list",
+            RUN,
+            "--project",
+            PROJECT,
+            "--policies",
+            sh.policies.to_str().context("utf-8")?,
+        ],
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("checkpoint list, step 3 at risk:\n{text}");
+    ensure!(
+        text.contains("at risk") && text.contains("part 3 on gpu-d") && text.contains("3 of 4"),
+        "{}",
+        said(&out)
+    );
+    Ok(())
+}
+
+/// A forged `checkpoint.part.committed` of project `lab` for node gpu-a.
+fn forged(id: &str, tier: &str, prefix: &str, files: Vec<FileRef>) -> anyhow::Result<Event> {
+    Ok(Event::request(
+        EventId::new(id)?,
+        PROJECT,
+        Body::CheckpointPartCommitted(CheckpointPartCommitted {
+            run: RUN.into(),
+            step: 1,
+            part: 0,
+            parts: 1,
+            node: NODES[0].into(),
+            location: Location {
+                tier: tier.into(),
+                prefix: prefix.into(),
+            },
+            total_bytes: files.iter().map(|f| f.size).sum(),
+            files,
+            tags: vec![],
+        }),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_naming_anything_but_its_own_folder_on_its_node_is_refused() -> anyhow::Result<()> {
+    let mut sh = Stagehand::start(common::Options::default()).await?;
+    let policies = sh.start_node_agent(NODES[0])?;
+    sh.ready().await?;
+    let local = local_root(&policies)?;
+    // Files a lying commit points at, on the node and in another project's folder.
+    let secret = b"not a checkpoint".to_vec();
+    let file = FileRef::new(
+        "key.bin",
+        secret.len() as u64,
+        stagehand_schemas::sha256_hex(&secret),
+    );
+    for dir in ["lab/secrets", "other/ckpt-llm/step-1/part-0"] {
+        std::fs::create_dir_all(local.join(dir))?;
+        std::fs::write(local.join(dir).join("key.bin"), &secret)?;
+    }
+    let attempts = [
+        (
+            "part-other-project",
+            forged(
+                "part-other-project",
+                "local",
+                "other/ckpt-llm/step-1/part-0",
+                vec![file.clone()],
+            )?,
+            "outside",
+        ),
+        (
+            "part-not-its-folder",
+            forged(
+                "part-not-its-folder",
+                "local",
+                "lab/secrets",
+                vec![file.clone()],
+            )?,
+            "is not the part's folder",
+        ),
+        (
+            "part-on-shared-tier",
+            forged(
+                "part-on-shared-tier",
+                "hot",
+                "lab/ckpt-llm/step-1/part-0",
+                vec![file.clone()],
+            )?,
+            "is not a node-local tier",
+        ),
+    ];
+    for (_, event, _) in &attempts {
+        sh.bus.publish(event).await?;
+    }
+    for (id, _, why) in &attempts {
+        let letter = wait_for(WAIT, &format!("the refusal of {id}"), || async {
+            common::tenants::dead_letters(&sh.bus)
+                .await
+                .ok()?
+                .into_iter()
+                .find_map(|e| match e.body {
+                    Body::DeadLetter(d)
+                        if d.original_id.as_ref().map(EventId::as_str) == Some(*id)
+                            && d.consumer == "promoter-offload-gpu-a" =>
+                    {
+                        Some(d)
+                    }
+                    _ => None,
+                })
+        })
+        .await?;
+        let errors: Vec<&str> = letter.errors.iter().map(|a| a.error.as_str()).collect();
+        ensure!(
+            errors.iter().any(|e| e.contains(why)),
+            "{id}: refused for {errors:?}, not {why:?}"
+        );
+    }
+    // Nothing was copied anywhere off the node.
+    let hot = sh.home.path().join("tiers/hot");
+    for gone in ["lab/secrets", "other", "lab/ckpt-llm"] {
+        ensure!(!hot.join(gone).exists(), "{gone} was copied onto hot");
+    }
+    // The CLI refuses a part that is not in its own folder before publishing anything.
+    let elsewhere = local.join("lab/secrets");
+    let out = stagehand(
+        &sh.url,
+        &[
+            "checkpoint",
+            "commit",
+            "--project",
+            PROJECT,
+            "--run",
+            RUN,
+            "--step",
+            "1",
+            "--tier",
+            "local",
+            "--node",
+            NODES[0],
+            "--part",
+            "0",
+            "--parts",
+            "1",
+            "--policies",
+            policies.to_str().context("utf-8")?,
+            "--complete",
+            elsewhere.to_str().context("utf-8")?,
+        ],
+    )?;
+    ensure!(out.status.code() == Some(64), "{}", said(&out));
+    ensure!(
+        String::from_utf8_lossy(&out.stderr).contains("lab/ckpt-llm/step-1/part-0"),
+        "{}",
+        said(&out)
+    );
+    Ok(())
+}
