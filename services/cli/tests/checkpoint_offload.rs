@@ -144,10 +144,10 @@ fn list(url: &str, policies: &Path) -> anyhow::Result<Vec<Value>> {
         ],
     )?;
     ensure!(out.status.success(), "{}", said(&out));
-    Ok(serde_json::from_slice::<Vec<Value>>(&out.stdout).with_context(|| said(&out))?)
+    serde_json::from_slice::<Vec<Value>>(&out.stdout).with_context(|| said(&out))
 }
 
-fn step_of<'a>(listed: &'a [Value], step: u64) -> Option<&'a Value> {
+fn step_of(listed: &[Value], step: u64) -> Option<&Value> {
     listed.iter().find(|c| c["step"] == step)
 }
 
@@ -327,6 +327,18 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         "{}",
         said(&out)
     );
+
+    // The node comes back: its agent offloads the part it left, and step 3 becomes latest.
+    sh.start_node_agent(NODES[3])?;
+    sh.ready().await?;
+    listed_as(&url, &sh.policies, 3, "committed").await?;
+    let restored = restore_latest(&url, &sh.policies)?;
+    ensure!(
+        restored.ends_with("lab/ckpt-llm/step-3"),
+        "{}",
+        restored.display()
+    );
+    holds_step(&restored, 3)?;
     Ok(())
 }
 
