@@ -167,6 +167,10 @@ pub fn forge(kind: &str, project: &str, id: &EventId, plan: &Plan, by: &str) -> 
             "run": plan.run, "step": plan.step, "location": location, "files": files,
             "total_bytes": total,
         }),
+        "checkpoint.part.committed" => json!({
+            "run": plan.run, "step": plan.step, "part": 0, "parts": 1, "node": "gpu-x",
+            "location": location, "files": files, "total_bytes": total,
+        }),
         "stage.requested" => json!({
             "dataset": plan.dataset, "version": plan.version, "tier": "hot",
             "job_id": plan.job, "requested_by": by,
