@@ -372,3 +372,77 @@ pub async fn list(
         time::OffsetDateTime::now_utc(),
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use stagehand_catalogue::Stamp;
+    use stagehand_schemas::{EventId, Location};
+
+    use super::*;
+
+    fn part(
+        step: u64,
+        part: u32,
+        node: &str,
+        minutes_ago: i64,
+        offloaded: bool,
+    ) -> CheckpointPartRecord {
+        let now = time::OffsetDateTime::now_utc();
+        let stamp = |ago: i64| Stamp {
+            at: now - time::Duration::minutes(ago),
+            event_id: EventId::new(format!("e-{step}-{part}-{ago}")).unwrap(),
+        };
+        let location = Location {
+            tier: "local".into(),
+            prefix: format!("lab/ckpt-r/step-{step}/part-{part}"),
+        };
+        CheckpointPartRecord {
+            project: "lab".into(),
+            run: "r".into(),
+            step,
+            part,
+            parts: 2,
+            node: node.into(),
+            location: location.clone(),
+            files: vec![],
+            total_bytes: 100,
+            tags: vec![],
+            committed: Some(stamp(minutes_ago)),
+            offloaded_to: offloaded.then(|| Location {
+                tier: "hot".into(),
+                ..location
+            }),
+            offloaded: offloaded.then(|| stamp(0)),
+        }
+    }
+
+    #[test]
+    fn a_part_on_its_node_past_the_deadline_is_listed_offload_late() {
+        let parts = [
+            part(4, 0, "n0", 30, true),
+            part(4, 1, "n1", 30, false),
+            part(5, 0, "n0", 1, false),
+            part(5, 1, "n1", 1, true),
+        ];
+        let deadline = Some(Duration::from_secs(15 * 60));
+        let listed =
+            listing_with_parts(&[], &parts, None, deadline, time::OffsetDateTime::now_utc());
+        let states: Vec<(u64, ListedState)> = listed.iter().map(|c| (c.step, c.state)).collect();
+        assert_eq!(
+            states,
+            [(4, ListedState::OffloadLate), (5, ListedState::AtRisk)]
+        );
+        let mut text = Vec::new();
+        list_text("r", &listed, &mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains(
+                "offload late: 1 of 2 parts offloaded; on node NVMe only: part 1 on n1 (100 bytes)"
+            ),
+            "{text}"
+        );
+        // Without a deadline nothing is late.
+        let listed = listing_with_parts(&[], &parts, None, None, time::OffsetDateTime::now_utc());
+        assert_eq!(listed[0].state, ListedState::AtRisk);
+    }
+}
