@@ -411,6 +411,20 @@ impl Catalogue {
             Answer::CheckpointParts { parts } => parts)
     }
 
+    /// The checkpoint parts on node-local tier `tier` of `node` ([`Query::CheckpointPartsOn`]).
+    pub async fn checkpoint_parts_on(
+        &self,
+        tier: &str,
+        node: &str,
+    ) -> Result<Vec<CheckpointPartRecord>, CatalogueError> {
+        let q = Query::CheckpointPartsOn {
+            tier: tier.into(),
+            node: node.into(),
+        };
+        expect!(self.ask(&q).await?, "checkpoint parts",
+            Answer::CheckpointParts { parts } => parts)
+    }
+
     /// Every checkpoint of a training run in step order, page after page.
     pub async fn all_checkpoints(
         &self,

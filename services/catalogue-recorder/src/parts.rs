@@ -145,6 +145,33 @@ pub(crate) fn parts(
     Ok(out)
 }
 
+/// The parts committed on node-local tier `tier` of `node`, of every project, without their
+/// files ([`stagehand_catalogue::Query::CheckpointPartsOn`]).
+pub(crate) fn parts_on(
+    txn: &ReadTransaction,
+    tier: &str,
+    node: &str,
+) -> Result<Vec<CheckpointPartRecord>, StoreError> {
+    let table = txn.open_table(CHECKPOINT_PARTS)?;
+    let mut out = Vec::new();
+    for row in table.iter()? {
+        let (k, v) = row?;
+        let (project, run, step, part) = k.value();
+        let mut record: CheckpointPartRecord = decode(v.value(), || {
+            format!("checkpoint part {project}/{run}/{step}/{part}")
+        })?;
+        if record.location.tier != tier || record.node != node {
+            continue;
+        }
+        record.files = Vec::new();
+        out.push(record);
+        if out.len() >= MAX_CHECKPOINT_PARTS {
+            break;
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use stagehand_catalogue::{Answer, Query, StepParts};
@@ -249,6 +276,27 @@ mod tests {
         let step = &steps(&store)[0];
         assert!(step.complete(), "{step:?}");
         assert_eq!(step.bytes_on_node, 0);
+    }
+
+    #[test]
+    fn the_parts_on_a_nodes_tier_are_that_nodes_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "parts.redb",
+            &[committed(1, 0, 2, "n0"), committed(1, 1, 2, "n1")],
+        );
+        let Answer::CheckpointParts { parts } = crate::answer(
+            &store,
+            &Query::CheckpointPartsOn {
+                tier: "local".into(),
+                node: "n1".into(),
+            },
+        ) else {
+            panic!("not a parts answer")
+        };
+        let found: Vec<(u32, &str)> = parts.iter().map(|p| (p.part, p.node.as_str())).collect();
+        assert_eq!(found, [(1, "n1")]);
     }
 
     #[test]

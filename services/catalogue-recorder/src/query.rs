@@ -351,6 +351,9 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
         Query::CheckpointParts { project, run, step } => Answer::CheckpointParts {
             parts: crate::parts::parts(txn, project, run, *step)?,
         },
+        Query::CheckpointPartsOn { tier, node } => Answer::CheckpointParts {
+            parts: crate::parts::parts_on(txn, tier, node)?,
+        },
         Query::CheckpointsOverlapping { project, prefix } => {
             let table = txn.open_table(CHECKPOINTS)?;
             let checkpoints = crate::fold::overlapping_checkpoints(&table, project, prefix)?;

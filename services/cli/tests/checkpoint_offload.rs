@@ -328,6 +328,26 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         said(&out)
     );
 
+    // The audit of that node's local tier takes none of its parts, the only copy of part 3,
+    // for stray data.
+    let out = stagehand(
+        &url,
+        &[
+            "audit",
+            "local",
+            "--node",
+            NODES[3],
+            "--policies",
+            policies[3].to_str().context("utf-8")?,
+            "--json",
+        ],
+    )?;
+    let report: Value = serde_json::from_slice(&out.stdout).with_context(|| said(&out))?;
+    ensure!(
+        report["stray"].as_array().is_some_and(Vec::is_empty),
+        "{report:#}"
+    );
+
     // The node comes back: its agent offloads the part it left, and step 3 becomes latest.
     sh.start_node_agent(NODES[3])?;
     sh.ready().await?;

@@ -11,7 +11,8 @@
 //! Copies in flight must not count as stray, so the audit reads the catalogue twice, around
 //! the listing, and notes the facts stream's last sequence each time (the report's window):
 //! a folder is stray only if no replica on the tier claims it (the replica's prefix is the
-//! folder, beneath it, or above it) at either reading, no stage request still pending names
+//! folder, beneath it, or above it) — nor, on a node's local tier, a checkpoint part committed
+//! there (`Query::CheckpointPartsOn`: until it is offloaded, the only copy) — at either reading, no stage request still pending names
 //! its version on the tier at either reading, nothing in it changed after the first reading,
 //! and — for a writer's temporary (a staging folder, a temp file, a resharder's `prepare-`
 //! folder) — it is older than the mover's own limit for resuming a staging folder
@@ -239,11 +240,17 @@ impl Reading {
         let sequence = facts_sequence(bus).await?;
         let node = opts.node.as_deref();
         let replicas = views::replicas_on(catalogue, &opts.tier, node).await?;
-        let claimed = replicas
+        let mut claimed: BTreeSet<String> = replicas
             .iter()
             .filter(|r| r.state != ReplicaState::Removed)
             .map(|r| r.prefix.clone())
             .collect();
+        // A checkpoint part on a node's local tier is no replica, and until it is offloaded
+        // the only copy of its part of the step: never stray.
+        if let Some(node) = node {
+            let parts = catalogue.checkpoint_parts_on(&opts.tier, node).await?;
+            claimed.extend(parts.into_iter().map(|p| p.location.prefix));
+        }
         let present = replicas
             .into_iter()
             .filter(|r| r.state == ReplicaState::Present)
