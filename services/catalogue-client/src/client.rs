@@ -411,15 +411,16 @@ impl Catalogue {
             Answer::CheckpointParts { parts } => parts)
     }
 
-    /// The checkpoint parts on node-local tier `tier` of `node` ([`Query::CheckpointPartsOn`]).
+    /// The checkpoint parts on node-local tier `tier` of `node`, or of every node
+    /// ([`Query::CheckpointPartsOn`]).
     pub async fn checkpoint_parts_on(
         &self,
         tier: &str,
-        node: &str,
+        node: Option<&str>,
     ) -> Result<Vec<CheckpointPartRecord>, CatalogueError> {
         let q = Query::CheckpointPartsOn {
             tier: tier.into(),
-            node: node.into(),
+            node: node.map(str::to_owned),
         };
         expect!(self.ask(&q).await?, "checkpoint parts",
             Answer::CheckpointParts { parts } => parts)

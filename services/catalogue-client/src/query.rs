@@ -189,10 +189,15 @@ pub enum Query {
         #[serde(default)]
         step: Option<u64>,
     },
-    /// The checkpoint parts committed on node-local tier `tier` of `node`, of every project,
-    /// without their files: what the audit of that node's tier must not take for stray data
-    /// (a part not offloaded is the only copy). At most [`MAX_CHECKPOINT_PARTS`].
-    CheckpointPartsOn { tier: String, node: String },
+    /// The checkpoint parts committed on node-local tier `tier` of `node` (of every node when
+    /// absent), of every project, without their files: what the audit of a node's tier must not
+    /// take for stray data (a part not offloaded is the only copy), and what `stagehand status`
+    /// finds late. At most [`MAX_CHECKPOINT_PARTS`].
+    CheckpointPartsOn {
+        tier: String,
+        #[serde(default)]
+        node: Option<String>,
+    },
     /// Versions with their backup copies, in (project, dataset, version) order, of every
     /// project or of one: each version the catalogue knows (validated, prepared, or only
     /// backed up, as a checkpoint is) with its replicas on backup tiers (on `tier` only, when

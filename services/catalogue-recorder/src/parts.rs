@@ -145,12 +145,13 @@ pub(crate) fn parts(
     Ok(out)
 }
 
-/// The parts committed on node-local tier `tier` of `node`, of every project, without their
+/// The parts committed on node-local tier `tier` of `node` (of every node: `None`), of every
+/// project, without their
 /// files ([`stagehand_catalogue::Query::CheckpointPartsOn`]).
 pub(crate) fn parts_on(
     txn: &ReadTransaction,
     tier: &str,
-    node: &str,
+    node: Option<&str>,
 ) -> Result<Vec<CheckpointPartRecord>, StoreError> {
     let table = txn.open_table(CHECKPOINT_PARTS)?;
     let mut out = Vec::new();
@@ -160,7 +161,7 @@ pub(crate) fn parts_on(
         let mut record: CheckpointPartRecord = decode(v.value(), || {
             format!("checkpoint part {project}/{run}/{step}/{part}")
         })?;
-        if record.location.tier != tier || record.node != node {
+        if record.location.tier != tier || node.is_some_and(|n| record.node != n) {
             continue;
         }
         record.files = Vec::new();
@@ -290,7 +291,7 @@ mod tests {
             &store,
             &Query::CheckpointPartsOn {
                 tier: "local".into(),
-                node: "n1".into(),
+                node: Some("n1".into()),
             },
         ) else {
             panic!("not a parts answer")

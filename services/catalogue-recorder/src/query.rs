@@ -352,7 +352,7 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             parts: crate::parts::parts(txn, project, run, *step)?,
         },
         Query::CheckpointPartsOn { tier, node } => Answer::CheckpointParts {
-            parts: crate::parts::parts_on(txn, tier, node)?,
+            parts: crate::parts::parts_on(txn, tier, node.as_deref())?,
         },
         Query::CheckpointsOverlapping { project, prefix } => {
             let table = txn.open_table(CHECKPOINTS)?;

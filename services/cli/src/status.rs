@@ -62,8 +62,8 @@ pub struct StatusOptions {
 /// Something that needs a person: what, where, and what to run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
-    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `drill` or
-    /// `catalogue`.
+    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `drill`,
+    /// `checkpoint` or `catalogue`.
     pub area: &'static str,
     /// What it is about: a service instance, a consumer, a stage request, a tier.
     pub subject: String,
@@ -225,6 +225,7 @@ pub async fn gather(
         tier_lines = tiers(catalogue, policies, &mut findings).await?;
         damaged = damage(catalogue, policies, now, &mut findings).await?;
         drill_lines = drills(catalogue, policies, now, &mut findings).await?;
+        offloads(catalogue, policies, now, &mut findings).await?;
     }
     let mut not_checked =
         vec!["versions no backup protects yet: stagehand backup status --check".to_owned()];
@@ -693,6 +694,74 @@ async fn damage(
     Ok(out)
 }
 
+/// Checkpoint steps committed on node-local tiers whose part stayed on its node past
+/// `retention.toml`'s `[offload] deadline`: each a finding (a step never completing is a run
+/// that cannot resume from it).
+async fn offloads(
+    catalogue: &Catalogue,
+    policies: &stagehand_policy::Policies,
+    now: OffsetDateTime,
+    findings: &mut Vec<Finding>,
+) -> anyhow::Result<()> {
+    let Some(deadline) = policies
+        .retention()
+        .and_then(|r| r.offload.as_ref())
+        .map(|o| o.deadline)
+    else {
+        return Ok(());
+    };
+    for (name, tier) in policies.tiers() {
+        if tier.role != stagehand_policy::TierRole::Local {
+            continue;
+        }
+        let parts = catalogue
+            .checkpoint_parts_on(name, None)
+            .await
+            .with_context(|| format!("the checkpoint parts on tier {name}"))?;
+        findings.extend(late_offloads(&parts, deadline, now));
+    }
+    Ok(())
+}
+
+/// The findings of the steps of `parts` whose offload is late.
+pub fn late_offloads(
+    parts: &[stagehand_catalogue::CheckpointPartRecord],
+    deadline: Duration,
+    now: OffsetDateTime,
+) -> Vec<Finding> {
+    let mut runs: std::collections::BTreeMap<(&str, &str), Vec<_>> = Default::default();
+    for p in parts {
+        runs.entry((p.project.as_str(), p.run.as_str()))
+            .or_default()
+            .push(p.clone());
+    }
+    let mut out = Vec::new();
+    for ((project, run), parts) in runs {
+        for step in stagehand_catalogue::StepParts::of(&parts) {
+            if !step.late(deadline, now) {
+                continue;
+            }
+            let on: Vec<String> = step
+                .on_node
+                .iter()
+                .map(|(part, node)| format!("part {part} on {node}"))
+                .collect();
+            out.push(Finding {
+                area: "checkpoint",
+                subject: format!("{project}/{run} step {}", step.step),
+                detail: format!(
+                    "offload late: {} of {} parts offloaded; on node NVMe only: {}",
+                    step.offloaded,
+                    step.parts,
+                    on.join(", ")
+                ),
+                run: format!("stagehand checkpoint list {run} --project {project}"),
+            });
+        }
+    }
+    out
+}
+
 /// Restore drills (`backup status`'s rule, [`crate::backup::version_status`]): a version
 /// whose last drill failed needs a person; so does one backed up two drill intervals ago and
 /// never drilled since (one interval is the copier's normal wait). Versions are read in
@@ -907,6 +976,45 @@ pub fn actions_text(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_checkpoint_part_on_its_node_past_the_deadline_is_a_finding() {
+        let now = OffsetDateTime::now_utc();
+        let part = |part: u32, node: &str, minutes_ago: i64, offloaded: bool| {
+            let stamp = stagehand_catalogue::Stamp {
+                at: now - time::Duration::minutes(minutes_ago),
+                event_id: stagehand_schemas::EventId::new(format!("e-{part}")).unwrap(),
+            };
+            stagehand_catalogue::CheckpointPartRecord {
+                project: "lab".into(),
+                run: "llm".into(),
+                step: 7,
+                part,
+                parts: 2,
+                node: node.into(),
+                location: stagehand_schemas::Location {
+                    tier: "local".into(),
+                    prefix: format!("lab/ckpt-llm/step-7/part-{part}"),
+                },
+                files: vec![],
+                total_bytes: 1,
+                tags: vec![],
+                committed: Some(stamp.clone()),
+                offloaded_to: None,
+                offloaded: offloaded.then_some(stamp),
+            }
+        };
+        let parts = [part(0, "n0", 40, true), part(1, "n1", 40, false)];
+        let late = late_offloads(&parts, Duration::from_secs(15 * 60), now);
+        assert_eq!(late.len(), 1);
+        assert_eq!(late[0].subject, "lab/llm step 7");
+        assert!(
+            late[0].detail.contains("part 1 on n1"),
+            "{}",
+            late[0].detail
+        );
+        assert!(late_offloads(&parts, Duration::from_secs(3600), now).is_empty());
+    }
 
     #[test]
     fn ages_read_as_on_call_reads_them() {

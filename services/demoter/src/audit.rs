@@ -248,7 +248,9 @@ impl Reading {
         // A checkpoint part on a node's local tier is no replica, and until it is offloaded
         // the only copy of its part of the step: never stray.
         if let Some(node) = node {
-            let parts = catalogue.checkpoint_parts_on(&opts.tier, node).await?;
+            let parts = catalogue
+                .checkpoint_parts_on(&opts.tier, Some(node))
+                .await?;
             claimed.extend(parts.into_iter().map(|p| p.location.prefix));
         }
         let present = replicas
