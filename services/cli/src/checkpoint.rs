@@ -32,7 +32,8 @@
 //! stored. The node's agent offloads the part to `retention.toml`'s `[offload] tier`; the step
 //! becomes the run's latest only when every part is offloaded (`services/promoter`,
 //! "Checkpoints offloaded"). Until then `list` shows it `at risk`, naming the parts still on
-//! node NVMe only, their nodes and bytes; past `[offload] deadline`, `offload late`.
+//! node NVMe only, their nodes and bytes; past `[offload] deadline`, `offload late` (and
+//! `stagehand status --policies DIR` lists it as a finding).
 //!
 //! `list` shows a run's checkpoints from the catalogue (step, tags, state, tiers, the rule of
 //! the latest demotion or expiry) and, when `retention.toml` is at hand, what retention decides
