@@ -114,7 +114,7 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "replica.created" => &[Promoter, Demoter],
         "replica.removed" => &[Demoter],
         "replica.damaged" => &[Promoter, Demoter],
-        "replica.verified" | "replica.repaired" => &[Demoter],
+        "replica.verified" | "replica.repaired" | "replica.unreachable" => &[Demoter],
         "checkpoint.committed" => &[Trainer],
         "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],

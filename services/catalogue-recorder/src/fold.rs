@@ -171,6 +171,7 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
         Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaDamaged(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaRepaired(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::ReplicaUnreachable(p) => (&p.dataset, &p.version, &p.location.tier, Some(&p.node)),
         Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
@@ -216,6 +217,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::ReplicaDamaged(p) => replica_damaged(txn, event, p, &stamp)?,
         Body::ReplicaVerified(p) => replica_verified(txn, event, p, &stamp)?,
         Body::ReplicaRepaired(p) => replica_repaired(txn, event, p, &stamp)?,
+        Body::ReplicaUnreachable(p) => replica_unreachable(txn, event, p, &stamp)?,
         Body::BackupCompleted(p) => backup_completed(txn, event, p, &stamp)?,
         Body::RestoreVerified(p) => restore_verified(txn, event, p, &stamp)?,
         Body::RestoreFailed(p) => restore_failed(txn, event, p, &stamp)?,
@@ -514,6 +516,44 @@ fn replica_repaired(
         write_replica(txn, &record)?;
     }
     Ok(())
+}
+
+/// A present copy on a node whose agent went silent is withdrawn: `unreachable`, with since
+/// when, until a newer fact of it (the agent's re-check: `replica.created` or
+/// `replica.damaged`). A copy in any other state keeps it — a damaged one is still damaged, a
+/// removed one still gone — so a silence decided after a removal cannot bring a copy back.
+fn replica_unreachable(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaUnreachable,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let place = (&p.location, Some(p.node.as_str()));
+    let record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
+    if record.state != ReplicaState::Present {
+        return Ok(());
+    }
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        place,
+        stamp,
+        (ReplicaState::Unreachable, Some(unreachable_reason(p))),
+        None,
+    )
+}
+
+/// The sentence an unreachable copy's record keeps.
+pub fn unreachable_reason(p: &ReplicaUnreachable) -> String {
+    let last_seen = p
+        .last_seen
+        .format(&::time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| p.last_seen.to_string());
+    format!(
+        "unreachable: node {} silent since {last_seen} (more than {}s); its agent re-checks the copy when it returns",
+        p.node, p.silent_after_seconds
+    )
 }
 
 /// The sentence a damaged replica's record keeps: how it was found, the first paths and how
