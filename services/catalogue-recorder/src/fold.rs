@@ -1618,6 +1618,94 @@ mod tests {
         );
     }
 
+    /// `replica.unreachable` of version 1's copy on `node`'s local tier, at `at` seconds.
+    fn unreachable(node: &str, at: i64) -> stagehand_schemas::Event {
+        let created = node_replica(1, node, false, 0);
+        let mut e = created.caused(
+            &format!("unreachable:local:{node}:{at}"),
+            stagehand_schemas::Body::ReplicaUnreachable(stagehand_schemas::ReplicaUnreachable {
+                dataset: "cats".into(),
+                version: version_of(&validated(1)),
+                location: stagehand_schemas::Location {
+                    tier: "local".into(),
+                    prefix: "lab-a/cats/v".into(),
+                },
+                node: node.into(),
+                last_seen: created.occurred_at,
+                silent_after_seconds: 120,
+            }),
+        );
+        e.occurred_at = ::time::OffsetDateTime::from_unix_timestamp(1_700_000_000 + at).unwrap();
+        e
+    }
+
+    /// Version 1's copies on the local tier: (node, state, reason), in node order.
+    fn local_copies(store: &crate::store::Store) -> Vec<(String, ReplicaState, Option<String>)> {
+        let Answer::ReplicasOn { replicas, next } = crate::answer(
+            store,
+            &Query::ReplicasOn {
+                tier: "local".into(),
+                node: None,
+                state: None,
+                limit: None,
+                after: None,
+            },
+        ) else {
+            panic!("not a replicas_on answer")
+        };
+        assert!(next.is_none());
+        replicas
+            .into_iter()
+            .map(|r| (r.node.unwrap_or_default(), r.state, r.reason))
+            .collect()
+    }
+
+    /// Guards node failure's cost: a silent node's present copy becomes `unreachable` (not
+    /// usable, with since when), the other node's stays present, the copy's re-check on return
+    /// (`replica.created`) makes it present again, and a silence decided after a removal does
+    /// not bring the copy back — whatever order the facts fold in.
+    #[test]
+    fn a_silent_nodes_copy_is_unreachable_until_it_is_created_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let facts = vec![
+            validated(1),
+            node_replica(1, "gpu-a", false, 0),
+            node_replica(1, "gpu-b", false, 0),
+            unreachable("gpu-b", 100),
+        ];
+        let mut reversed = facts.clone();
+        reversed.reverse();
+        for (name, events) in [("a.redb", facts.clone()), ("b.redb", reversed)] {
+            let store = store_with(dir.path(), name, &events);
+            let copies = local_copies(&store);
+            assert_eq!(copies[0].0, "gpu-a");
+            assert_eq!(copies[0].1, ReplicaState::Present, "{name}");
+            assert_eq!(copies[1].0, "gpu-b");
+            assert_eq!(copies[1].1, ReplicaState::Unreachable, "{name}");
+            let reason = copies[1].2.clone().unwrap();
+            assert!(reason.contains("node gpu-b silent since"), "{reason}");
+        }
+
+        // Back: the agent's re-check states the copy again, newer than the silence.
+        let store = store_with(dir.path(), "c.redb", &facts);
+        let returned = node_replica(1, "gpu-b", false, 200);
+        fold_into(&store, &[returned]);
+        assert_eq!(local_copies(&store)[1].1, ReplicaState::Present);
+
+        // Removed before the silence was decided: it stays removed.
+        let store = store_with(
+            dir.path(),
+            "d.redb",
+            &[
+                validated(1),
+                node_replica(1, "gpu-b", false, 0),
+                node_replica(1, "gpu-b", true, 50),
+                unreachable("gpu-b", 100),
+            ],
+        );
+        assert_eq!(local_copies(&store)[0].1, ReplicaState::Removed);
+    }
+
     #[test]
     fn dead_letters_are_counted_once_per_id() {
         let dir = tempfile::tempdir().unwrap();
