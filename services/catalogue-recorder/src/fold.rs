@@ -420,6 +420,16 @@ fn replica_removed(
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
     dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    // A copy held unreachable by a newer silence is gone all the same: the removal was
+    // decided on it before (the folder is no longer there), and the silence never undoes one.
+    let place = (&p.location, p.node.as_deref());
+    let mut record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
+    if record.state == ReplicaState::Unreachable && record.stamp.as_ref().is_some_and(|s| s > stamp)
+    {
+        record.state = ReplicaState::Removed;
+        record.reason = Some(p.reason.clone());
+        return write_replica(txn, &record);
+    }
     let state = (ReplicaState::Removed, Some(p.reason.clone()));
     set_replica(
         txn,
@@ -518,10 +528,12 @@ fn replica_repaired(
     Ok(())
 }
 
-/// A present copy on a node whose agent went silent is withdrawn: `unreachable`, with since
-/// when, until a newer fact of it (the agent's re-check: `replica.created` or
-/// `replica.damaged`). A copy in any other state keeps it — a damaged one is still damaged, a
-/// removed one still gone — so a silence decided after a removal cannot bring a copy back.
+/// A copy on a node whose agent went silent is withdrawn: `unreachable`, with since when,
+/// until a newer fact of it (the agent's re-check: `replica.created` or `replica.damaged`). A
+/// damaged copy stays damaged and a removed one gone; a copy not folded yet (the fact that made
+/// it arrives later, older) is unreachable at once, so the order facts fold in does not decide
+/// whether a job is sent to a silent node. A removal folded after it is applied whatever its
+/// time ([`replica_removed`]).
 fn replica_unreachable(
     txn: &WriteTransaction,
     event: &Event,
@@ -530,7 +542,9 @@ fn replica_unreachable(
 ) -> Result<(), FoldError> {
     let place = (&p.location, Some(p.node.as_str()));
     let record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
-    if record.state != ReplicaState::Present {
+    if matches!(record.state, ReplicaState::Removed | ReplicaState::Damaged)
+        && record.stamp.is_some()
+    {
         return Ok(());
     }
     set_replica(
@@ -1688,22 +1702,24 @@ mod tests {
 
         // Back: the agent's re-check states the copy again, newer than the silence.
         let store = store_with(dir.path(), "c.redb", &facts);
-        let returned = node_replica(1, "gpu-b", false, 200);
+        let mut returned = node_replica(1, "gpu-b", false, 200);
+        returned.id = stagehand_schemas::EventId::new("returned-gpu-b").unwrap();
         fold_into(&store, &[returned]);
         assert_eq!(local_copies(&store)[1].1, ReplicaState::Present);
 
-        // Removed before the silence was decided: it stays removed.
-        let store = store_with(
-            dir.path(),
-            "d.redb",
-            &[
-                validated(1),
-                node_replica(1, "gpu-b", false, 0),
-                node_replica(1, "gpu-b", true, 50),
-                unreachable("gpu-b", 100),
-            ],
-        );
-        assert_eq!(local_copies(&store)[0].1, ReplicaState::Removed);
+        // Removed before the silence was decided: it stays removed, in either order.
+        let removed_first = vec![
+            validated(1),
+            node_replica(1, "gpu-b", false, 0),
+            node_replica(1, "gpu-b", true, 50),
+            unreachable("gpu-b", 100),
+        ];
+        let mut reversed = removed_first.clone();
+        reversed.reverse();
+        for (name, events) in [("d.redb", removed_first), ("e.redb", reversed)] {
+            let store = store_with(dir.path(), name, &events);
+            assert_eq!(local_copies(&store)[0].1, ReplicaState::Removed, "{name}");
+        }
     }
 
     #[test]

@@ -32,7 +32,15 @@ fn said(out: &Output) -> String {
 /// `stagehand stage where --json` of `target` in the test project, once the catalogue answers.
 fn stage_where(url: &str, target: &str) -> Option<Value> {
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
-        .args(["--nats", url, "stage", "where", target, "--project", PROJECT])
+        .args([
+            "--nats",
+            url,
+            "stage",
+            "where",
+            target,
+            "--project",
+            PROJECT,
+        ])
         .arg("--json")
         .env_remove("STAGEHAND_PROJECT")
         .env("STAGEHAND_HOME", "/nonexistent-stagehand-home")
@@ -162,15 +170,41 @@ async fn a_silent_nodes_copies_are_unreachable_and_come_back_verified() -> anyho
     // Both nodes beat: nobody is judged silent.
     ensure!(node_findings(&status(&sh)?).is_empty());
 
+    // Each agent's liveness record, as the server stored it a moment ago.
+    let placement = sh
+        .bus
+        .jetstream()
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await?;
+    for node in [NODE_A, NODE_B] {
+        let record = stagehand_bus::placement::liveness(&placement, node)
+            .await?
+            .with_context(|| format!("no liveness record of {node}"))?;
+        let age = time::OffsetDateTime::now_utc() - record.stored_at;
+        ensure!(age.whole_seconds().abs() < 10, "{node}: {record:?}");
+    }
+
     // Node B goes away.
+    let stopped = std::time::Instant::now();
     sh.stop_node_agent(NODE_B).await?;
     let answer = wait_for(WAIT, "node B's copies unreachable", || async {
         let answer = stage_where(&sh.url, &kept_target)?;
         let (usable, unusable) = copies(&answer);
-        (usable == [NODE_A] && unusable.iter().any(|(n, s, _)| n == NODE_B && s == "unreachable"))
-            .then_some(answer)
+        (usable == [NODE_A]
+            && unusable
+                .iter()
+                .any(|(n, s, _)| n == NODE_B && s == "unreachable"))
+        .then_some(answer)
     })
     .await?;
+    // Not before its record was `agent_silent_after` old (the last beat at most a quarter of
+    // it before the stop).
+    let judged_after = stopped.elapsed();
+    eprintln!("node B judged unreachable {judged_after:?} after its agent stopped");
+    ensure!(
+        judged_after >= std::time::Duration::from_millis(2_000),
+        "{judged_after:?}"
+    );
     let (_, unusable) = copies(&answer);
     ensure!(
         unusable.len() == 1 && unusable[0].2.contains("node gpu-b silent since"),
@@ -219,8 +253,11 @@ async fn a_silent_nodes_copies_are_unreachable_and_come_back_verified() -> anyho
     let answer = wait_for(WAIT, "node B's rewritten copy damaged", || async {
         let answer = stage_where(&sh.url, &changed_target)?;
         let (usable, unusable) = copies(&answer);
-        (usable == [NODE_A] && unusable.iter().any(|(n, s, _)| n == NODE_B && s == "damaged"))
-            .then_some(answer)
+        (usable == [NODE_A]
+            && unusable
+                .iter()
+                .any(|(n, s, _)| n == NODE_B && s == "damaged"))
+        .then_some(answer)
     })
     .await?;
     let (_, unusable) = copies(&answer);

@@ -466,8 +466,14 @@ fn agent_silent_after_sets_the_beat_and_is_bounded() {
     let home = dir.parent().unwrap().join("home");
     let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
     let promotion = policies.promotion().unwrap();
-    assert_eq!(promotion.agent_silent_after, std::time::Duration::from_secs(8));
-    assert_eq!(promotion.agent_beat_every(), std::time::Duration::from_secs(2));
+    assert_eq!(
+        promotion.agent_silent_after,
+        std::time::Duration::from_secs(8)
+    );
+    assert_eq!(
+        promotion.agent_beat_every(),
+        std::time::Duration::from_secs(2)
+    );
     let (_tmp, dir) = with_edit("promotion.toml", |t| {
         t.replace("agent_silent_after = \"2m\"", "agent_silent_after = \"1s\"")
     });
