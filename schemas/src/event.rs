@@ -80,6 +80,8 @@ pub enum Body {
     ReplicaVerified(ReplicaVerified),
     #[serde(rename = "replica.repaired")]
     ReplicaRepaired(ReplicaRepaired),
+    #[serde(rename = "replica.unreachable")]
+    ReplicaUnreachable(ReplicaUnreachable),
     #[serde(rename = "checkpoint.committed")]
     CheckpointCommitted(CheckpointCommitted),
     #[serde(rename = "checkpoint.demoted")]
@@ -122,6 +124,7 @@ pub const ALL_KINDS: &[&str] = &[
     "replica.damaged",
     "replica.verified",
     "replica.repaired",
+    "replica.unreachable",
     "checkpoint.committed",
     "checkpoint.demoted",
     "checkpoint.expired",
@@ -158,6 +161,7 @@ impl Body {
             Body::ReplicaDamaged(_) => "replica.damaged",
             Body::ReplicaVerified(_) => "replica.verified",
             Body::ReplicaRepaired(_) => "replica.repaired",
+            Body::ReplicaUnreachable(_) => "replica.unreachable",
             Body::CheckpointCommitted(_) => "checkpoint.committed",
             Body::CheckpointDemoted(_) => "checkpoint.demoted",
             Body::CheckpointExpired(_) => "checkpoint.expired",
@@ -195,6 +199,7 @@ impl Body {
             Body::ReplicaDamaged(p) => Some(&p.dataset),
             Body::ReplicaVerified(p) => Some(&p.dataset),
             Body::ReplicaRepaired(p) => Some(&p.dataset),
+            Body::ReplicaUnreachable(p) => Some(&p.dataset),
             Body::BackupCompleted(p) => Some(&p.dataset),
             Body::RestoreVerified(p) => Some(&p.dataset),
             Body::RestoreFailed(p) => Some(&p.dataset),
@@ -229,6 +234,7 @@ impl Body {
             Body::ReplicaDamaged(p) => vec![("payload.location", &p.location)],
             Body::ReplicaVerified(p) => vec![("payload.location", &p.location)],
             Body::ReplicaRepaired(p) => vec![("payload.location", &p.location)],
+            Body::ReplicaUnreachable(p) => vec![("payload.location", &p.location)],
             Body::CheckpointCommitted(p) => vec![("payload.location", &p.location)],
             Body::CheckpointDemoted(p) => vec![("payload.from", &p.from), ("payload.to", &p.to)],
             Body::CheckpointExpired(p) => vec![("payload.location", &p.location)],
@@ -753,6 +759,37 @@ pub struct ReplicaRepaired {
     /// Files and bytes of the whole replica, all verified.
     pub files: u64,
     pub total_bytes: u64,
+}
+
+/// A node-local copy is out of reach: the agent of its node (the promoter run with that
+/// `node`) has written no liveness record for longer than the policy allows
+/// (`promotion.toml`'s `agent_silent_after`). Stated by the demoter, which watches the
+/// liveness records; the catalogue marks the (tier, node) copy `unreachable` — handed to no
+/// job, its readiness withdrawn, not counted in the tier's space or the project's quota —
+/// until the node's agent, beating again, re-checks it against its recorded fingerprint and
+/// states `replica.created` (intact) or `replica.damaged`. Only a `present` copy becomes
+/// unreachable: a damaged or removed one stays as it is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct ReplicaUnreachable {
+    pub dataset: String,
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(pattern(crate::json_schema::SHA256_PATTERN))
+    )]
+    pub version: String,
+    pub location: Location,
+    /// The node whose agent is silent.
+    pub node: String,
+    /// When the node's agent last wrote its liveness record.
+    #[serde(with = "time::serde::rfc3339")]
+    #[cfg_attr(
+        feature = "json-schema",
+        schemars(with = "crate::json_schema::Timestamp")
+    )]
+    pub last_seen: OffsetDateTime,
+    /// The policy's interval: silent longer than this is unreachable.
+    pub silent_after_seconds: u64,
 }
 
 /// One damaged path of a replica.

@@ -245,6 +245,7 @@ kinds! {
     "replica.damaged" => ReplicaDamaged,
     "replica.verified" => ReplicaVerified,
     "replica.repaired" => ReplicaRepaired,
+    "replica.unreachable" => ReplicaUnreachable,
     "checkpoint.committed" => CheckpointCommitted,
     "checkpoint.demoted" => CheckpointDemoted,
     "checkpoint.expired" => CheckpointExpired,

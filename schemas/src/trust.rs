@@ -114,7 +114,7 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "replica.created" => &[Promoter, Demoter],
         "replica.removed" => &[Demoter],
         "replica.damaged" => &[Promoter, Demoter],
-        "replica.verified" | "replica.repaired" => &[Demoter],
+        "replica.verified" | "replica.repaired" | "replica.unreachable" => &[Demoter],
         // A step committed in parts on node-local tiers is announced whole by a node's agent
         // once every part is offloaded (`services/promoter`, "Checkpoints offloaded").
         "checkpoint.committed" => &[Trainer, Promoter],

@@ -36,6 +36,13 @@
 //! replaced by the next publish of the same replica, and deleted with its use record
 //! ([`forget_use`]). A head missing, or chunks that do not hash to what the head says, is an
 //! unknown fingerprint ([`fingerprint`] answers `None`): the replica is then verified by hash.
+//!
+//! **Liveness** (`node.<node>`, [`NodeLiveness`]): the agent of a node (the promoter run with
+//! `node`) rewrites it every beat ([`beat`]); the demoter reads it ([`liveness`]) and, when the
+//! node has been silent longer than the policy allows ([`NodeLiveness::silent`]), marks the
+//! node's local copies unreachable. It is judged by the time the server stored the record, not
+//! by the time the node wrote in it, so a node's clock cannot make it look alive. Only the
+//! promoter's user writes the bucket; the demoter's may read these keys, never write them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -601,5 +608,112 @@ mod tests {
         assert_eq!(key.len(), "replica.hot.".len() + 32);
         assert_ne!(key, use_key("hot", Some("n1"), "lab/cats/v1"));
         assert_eq!(quota_key("local", Some("n1")), "quota.local.n1");
+    }
+}
+
+/// The liveness record's key of a node.
+pub fn liveness_key(node: &str) -> String {
+    format!("node.{}", place(node, None))
+}
+
+/// A node agent's liveness record: the value of [`liveness_key`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeLiveness {
+    pub node: String,
+    /// Seconds between two records, as the agent writes them.
+    pub every_seconds: u64,
+    /// When the server stored the record (the KV entry's time; not a field of the value).
+    #[serde(skip, default = "unix_epoch")]
+    pub stored_at: time::OffsetDateTime,
+}
+
+fn unix_epoch() -> time::OffsetDateTime {
+    time::OffsetDateTime::UNIX_EPOCH
+}
+
+impl NodeLiveness {
+    /// Whether the node is silent at `now`: its record was stored longer than `silent_after`
+    /// ago.
+    pub fn silent(&self, now: time::OffsetDateTime, silent_after: std::time::Duration) -> bool {
+        now - self.stored_at > silent_after
+    }
+}
+
+/// Writes `node`'s liveness record (its agent, every beat).
+pub async fn beat(
+    store: &kv::Store,
+    node: &str,
+    every: std::time::Duration,
+) -> Result<(), PlacementError> {
+    let key = liveness_key(node);
+    let record = NodeLiveness {
+        node: node.to_owned(),
+        every_seconds: every.as_secs().max(1),
+        stored_at: unix_epoch(),
+    };
+    let bytes = Bytes::from(serde_json::to_vec(&record).map_err(|e| err(&key, e))?);
+    store.put(&key, bytes).await.map_err(|e| err(&key, e))?;
+    Ok(())
+}
+
+/// `node`'s liveness record with the time the server stored it; `None` when its agent never
+/// wrote one (an agent from before liveness records, or a node that never ran one).
+pub async fn liveness(
+    store: &kv::Store,
+    node: &str,
+) -> Result<Option<NodeLiveness>, PlacementError> {
+    let key = liveness_key(node);
+    match store.entry(&key).await.map_err(|e| err(&key, e))? {
+        Some(entry) if matches!(entry.operation, kv::Operation::Put) => {
+            let mut record: NodeLiveness =
+                serde_json::from_slice(&entry.value).map_err(|e| err(&key, e))?;
+            record.stored_at = entry.created;
+            Ok(Some(record))
+        }
+        _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod liveness_tests {
+    use super::*;
+    use std::time::Duration;
+    use time::macros::datetime;
+
+    fn stored(at: time::OffsetDateTime) -> NodeLiveness {
+        NodeLiveness {
+            node: "gpu-07".into(),
+            every_seconds: 1,
+            stored_at: at,
+        }
+    }
+
+    #[test]
+    fn a_node_is_silent_only_once_its_record_is_older_than_the_interval() {
+        let beat = datetime!(2026-12-09 04:00:00 UTC);
+        let after = Duration::from_secs(120);
+        assert!(!stored(beat).silent(beat + Duration::from_secs(60), after));
+        assert!(
+            !stored(beat).silent(beat + after, after),
+            "exactly the interval is not past it"
+        );
+        assert!(stored(beat).silent(beat + Duration::from_secs(121), after));
+        // A record stored after `now` (the demoter's clock behind the server's) is not silent.
+        assert!(!stored(beat).silent(beat - Duration::from_secs(30), after));
+    }
+
+    #[test]
+    fn the_stored_time_is_not_taken_from_the_value() {
+        // A node writing a `stored_at` of its own (a clock far ahead) is read back as the
+        // epoch until the server's time is put in.
+        let json = br#"{"node":"gpu-07","every_seconds":1,"stored_at":"2999-01-01T00:00:00Z"}"#;
+        let record: NodeLiveness = serde_json::from_slice(json).unwrap();
+        assert_eq!(record.stored_at, time::OffsetDateTime::UNIX_EPOCH);
+    }
+
+    #[test]
+    fn a_node_name_is_one_key_token() {
+        assert_eq!(liveness_key("gpu-07"), "node.gpu-07");
+        assert_eq!(liveness_key("rack1.gpu7"), "node.rack1=2Egpu7");
     }
 }

@@ -514,6 +514,34 @@ impl Catalogue {
         }
     }
 
+    /// The replicas on `tier` (of `node` only, when given; in `state` only, when given),
+    /// all pages.
+    pub async fn replicas_on(
+        &self,
+        tier: &str,
+        node: Option<&str>,
+        state: Option<ReplicaState>,
+    ) -> Result<Vec<ReplicaRecord>, CatalogueError> {
+        let mut out = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let q = Query::ReplicasOn {
+                tier: tier.into(),
+                node: node.map(Into::into),
+                state,
+                limit: Some(MAX_PAGE),
+                after: after.take(),
+            };
+            let (replicas, next) = expect!(self.ask(&q).await?, "replicas_on",
+                Answer::ReplicasOn { replicas, next } => (replicas, next))?;
+            out.extend(replicas);
+            match next {
+                Some(n) => after = Some(n),
+                None => return Ok(out),
+            }
+        }
+    }
+
     /// The scrub coverage of `tier`: verified means by a scrub at or after `verified_since`;
     /// the first `limit` damaged copies listed.
     pub async fn scrub_status(

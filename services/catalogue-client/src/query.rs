@@ -241,6 +241,22 @@ pub enum Query {
         #[serde(default)]
         after: Option<String>,
     },
+    /// The replicas on `tier`, of `node` only when given (else every node's, and the shared
+    /// tier's own), in `state` only when given, in (project, dataset, version, node) order:
+    /// a node's agent lists its own unreachable copies to re-check them, the demoter the
+    /// present copies whose node it watches, `stagehand status` the unreachable ones.
+    /// `after`: the `next` of the previous page.
+    ReplicasOn {
+        tier: String,
+        #[serde(default)]
+        node: Option<String>,
+        #[serde(default)]
+        state: Option<ReplicaState>,
+        #[serde(default)]
+        limit: Option<u32>,
+        #[serde(default)]
+        after: Option<String>,
+    },
     /// One tier's scrub coverage ([`TierScrub`]): its copies and bytes, those verified by a
     /// scrub at or after `verified_since`, the copy longest unverified, and the first `limit`
     /// damaged copies (at most [`MAX_DETAIL`]) with how many there are.
@@ -378,6 +394,10 @@ pub enum Answer {
     },
     TierUsage {
         usage: Vec<TierProjectUsage>,
+        next: Option<String>,
+    },
+    ReplicasOn {
+        replicas: Vec<ReplicaRecord>,
         next: Option<String>,
     },
     ScrubStatus(Box<TierScrub>),

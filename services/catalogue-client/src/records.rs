@@ -87,6 +87,30 @@ pub enum ReplicaState {
     /// Found damaged (`replica.damaged`): handed to no job, its readiness withdrawn, until a
     /// later copy of it (its repair) makes it present again. `reason` says what was found.
     Damaged,
+    /// On a node whose agent went silent past the policy's interval (`replica.unreachable`):
+    /// handed to no job, its readiness withdrawn, its bytes not counted in the tier's usage or
+    /// the project's quota, until the node's agent re-checks it (`replica.created` when
+    /// intact, `replica.damaged` when not). `reason` says since when and why.
+    Unreachable,
+}
+
+impl ReplicaState {
+    /// The state's name, as its JSON writes it (`present`, `unreachable`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplicaState::Staging => "staging",
+            ReplicaState::Present => "present",
+            ReplicaState::Removed => "removed",
+            ReplicaState::Damaged => "damaged",
+            ReplicaState::Unreachable => "unreachable",
+        }
+    }
+
+    /// Whether a copy in this state is withdrawn — there, but handed to no job until it is
+    /// checked again: damaged, or on a node out of reach.
+    pub fn is_withdrawn(self) -> bool {
+        matches!(self, ReplicaState::Damaged | ReplicaState::Unreachable)
+    }
 }
 
 /// The last restore drill of a backup replica.
@@ -141,7 +165,8 @@ pub struct ReplicaRecord {
 
 impl ReplicaRecord {
     /// Whether a job may be handed this copy: complete and verified (`present`). A copy
-    /// found damaged (its repair pending or under way), removed or withdrawn, or only
+    /// found damaged (its repair pending or under way), on a node out of reach
+    /// (`unreachable`), removed or withdrawn, or only
     /// mentioned by a restore drill is not. The one rule every view of usable copies applies
     /// (the demoter's survey, `catalogue show`'s holds, `stage where`).
     pub fn is_usable(&self) -> bool {

@@ -173,6 +173,7 @@ pub fn touched(event: &Event) -> Option<ReadinessKey> {
         Body::ReplicaRemoved(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaDamaged(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
         Body::ReplicaRepaired(p) => (&p.dataset, &p.version, &p.location.tier, p.node.as_ref()),
+        Body::ReplicaUnreachable(p) => (&p.dataset, &p.version, &p.location.tier, Some(&p.node)),
         Body::BackupCompleted(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreVerified(p) => (&p.dataset, &p.version, &p.location.tier, None),
         Body::RestoreFailed(p) => (&p.dataset, &p.version, &p.location.tier, None),
@@ -218,6 +219,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::ReplicaDamaged(p) => replica_damaged(txn, event, p, &stamp)?,
         Body::ReplicaVerified(p) => replica_verified(txn, event, p, &stamp)?,
         Body::ReplicaRepaired(p) => replica_repaired(txn, event, p, &stamp)?,
+        Body::ReplicaUnreachable(p) => replica_unreachable(txn, event, p, &stamp)?,
         Body::BackupCompleted(p) => backup_completed(txn, event, p, &stamp)?,
         Body::RestoreVerified(p) => restore_verified(txn, event, p, &stamp)?,
         Body::RestoreFailed(p) => restore_failed(txn, event, p, &stamp)?,
@@ -422,6 +424,16 @@ fn replica_removed(
     stamp: &Stamp,
 ) -> Result<(), FoldError> {
     dataset_seen(txn, &event.project, &p.dataset, stamp, (0, 0))?;
+    // A copy held unreachable by a newer silence is gone all the same: the removal was
+    // decided on it before (the folder is no longer there), and the silence never undoes one.
+    let place = (&p.location, p.node.as_deref());
+    let mut record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
+    if record.state == ReplicaState::Unreachable && record.stamp.as_ref().is_some_and(|s| s > stamp)
+    {
+        record.state = ReplicaState::Removed;
+        record.reason = Some(p.reason.clone());
+        return write_replica(txn, &record);
+    }
     let state = (ReplicaState::Removed, Some(p.reason.clone()));
     set_replica(
         txn,
@@ -518,6 +530,48 @@ fn replica_repaired(
         write_replica(txn, &record)?;
     }
     Ok(())
+}
+
+/// A copy on a node whose agent went silent is withdrawn: `unreachable`, with since when,
+/// until a newer fact of it (the agent's re-check: `replica.created` or `replica.damaged`). A
+/// damaged copy stays damaged and a removed one gone; a copy not folded yet (the fact that made
+/// it arrives later, older) is unreachable at once, so the order facts fold in does not decide
+/// whether a job is sent to a silent node. A removal folded after it is applied whatever its
+/// time ([`replica_removed`]).
+fn replica_unreachable(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &ReplicaUnreachable,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    let place = (&p.location, Some(p.node.as_str()));
+    let record = read_replica(txn, &event.project, (&p.dataset, &p.version), place)?;
+    if matches!(record.state, ReplicaState::Removed | ReplicaState::Damaged)
+        && record.stamp.is_some()
+    {
+        return Ok(());
+    }
+    set_replica(
+        txn,
+        event,
+        (&p.dataset, &p.version),
+        place,
+        stamp,
+        (ReplicaState::Unreachable, Some(unreachable_reason(p))),
+        None,
+    )
+}
+
+/// The sentence an unreachable copy's record keeps.
+pub fn unreachable_reason(p: &ReplicaUnreachable) -> String {
+    let last_seen = p
+        .last_seen
+        .format(&::time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| p.last_seen.to_string());
+    format!(
+        "unreachable: node {} silent since {last_seen} (more than {}s); its agent re-checks the copy when it returns",
+        p.node, p.silent_after_seconds
+    )
 }
 
 /// The sentence a damaged replica's record keeps: how it was found, the first paths and how
@@ -1580,6 +1634,96 @@ mod tests {
             detail.replicas.iter().all(|r| r.tier != "hot"),
             "{detail:?}"
         );
+    }
+
+    /// `replica.unreachable` of version 1's copy on `node`'s local tier, at `at` seconds.
+    fn unreachable(node: &str, at: i64) -> stagehand_schemas::Event {
+        let created = node_replica(1, node, false, 0);
+        let mut e = created.caused(
+            &format!("unreachable:local:{node}:{at}"),
+            stagehand_schemas::Body::ReplicaUnreachable(stagehand_schemas::ReplicaUnreachable {
+                dataset: "cats".into(),
+                version: version_of(&validated(1)),
+                location: stagehand_schemas::Location {
+                    tier: "local".into(),
+                    prefix: "lab-a/cats/v".into(),
+                },
+                node: node.into(),
+                last_seen: created.occurred_at,
+                silent_after_seconds: 120,
+            }),
+        );
+        e.occurred_at = ::time::OffsetDateTime::from_unix_timestamp(1_700_000_000 + at).unwrap();
+        e
+    }
+
+    /// Version 1's copies on the local tier: (node, state, reason), in node order.
+    fn local_copies(store: &crate::store::Store) -> Vec<(String, ReplicaState, Option<String>)> {
+        let Answer::ReplicasOn { replicas, next } = crate::answer(
+            store,
+            &Query::ReplicasOn {
+                tier: "local".into(),
+                node: None,
+                state: None,
+                limit: None,
+                after: None,
+            },
+        ) else {
+            panic!("not a replicas_on answer")
+        };
+        assert!(next.is_none());
+        replicas
+            .into_iter()
+            .map(|r| (r.node.unwrap_or_default(), r.state, r.reason))
+            .collect()
+    }
+
+    /// Guards node failure's cost: a silent node's present copy becomes `unreachable` (not
+    /// usable, with since when), the other node's stays present, the copy's re-check on return
+    /// (`replica.created`) makes it present again, and a silence decided after a removal does
+    /// not bring the copy back — whatever order the facts fold in.
+    #[test]
+    fn a_silent_nodes_copy_is_unreachable_until_it_is_created_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let facts = vec![
+            validated(1),
+            node_replica(1, "gpu-a", false, 0),
+            node_replica(1, "gpu-b", false, 0),
+            unreachable("gpu-b", 100),
+        ];
+        let mut reversed = facts.clone();
+        reversed.reverse();
+        for (name, events) in [("a.redb", facts.clone()), ("b.redb", reversed)] {
+            let store = store_with(dir.path(), name, &events);
+            let copies = local_copies(&store);
+            assert_eq!(copies[0].0, "gpu-a");
+            assert_eq!(copies[0].1, ReplicaState::Present, "{name}");
+            assert_eq!(copies[1].0, "gpu-b");
+            assert_eq!(copies[1].1, ReplicaState::Unreachable, "{name}");
+            let reason = copies[1].2.clone().unwrap();
+            assert!(reason.contains("node gpu-b silent since"), "{reason}");
+        }
+
+        // Back: the agent's re-check states the copy again, newer than the silence.
+        let store = store_with(dir.path(), "c.redb", &facts);
+        let mut returned = node_replica(1, "gpu-b", false, 200);
+        returned.id = stagehand_schemas::EventId::new("returned-gpu-b").unwrap();
+        fold_into(&store, &[returned]);
+        assert_eq!(local_copies(&store)[1].1, ReplicaState::Present);
+
+        // Removed before the silence was decided: it stays removed, in either order.
+        let removed_first = vec![
+            validated(1),
+            node_replica(1, "gpu-b", false, 0),
+            node_replica(1, "gpu-b", true, 50),
+            unreachable("gpu-b", 100),
+        ];
+        let mut reversed = removed_first.clone();
+        reversed.reverse();
+        for (name, events) in [("d.redb", removed_first), ("e.redb", reversed)] {
+            let store = store_with(dir.path(), name, &events);
+            assert_eq!(local_copies(&store)[0].1, ReplicaState::Removed, "{name}");
+        }
     }
 
     #[test]

@@ -411,6 +411,22 @@ fn try_answer(txn: &ReadTransaction, query: &Query) -> Result<Answer, Fail> {
             let (usage, next) = tier_usage(txn, tier.as_deref(), *limit, after.as_deref())?;
             Answer::TierUsage { usage, next }
         }
+        Query::ReplicasOn {
+            tier,
+            node,
+            state,
+            limit,
+            after,
+        } => {
+            let (replicas, next) = replicas_on(
+                txn,
+                (tier, node.as_deref()),
+                *state,
+                *limit,
+                after.as_deref(),
+            )?;
+            Answer::ReplicasOn { replicas, next }
+        }
         Query::OperatorActions { limit, after } => {
             let (actions, next) = by_name(
                 txn,
@@ -1203,6 +1219,73 @@ fn tier_usage(
             bytes,
         };
         if !page.offer(usage, || cursor) {
+            break;
+        }
+    }
+    Ok(page.done())
+}
+
+/// The cursor of a replica key: (project, dataset, version, tier, node), each part escaped.
+fn replica_key_cursor(key: (&str, &str, &str, &str, &str)) -> String {
+    let (project, dataset, version, tier, node) = key;
+    cursor::join(
+        project,
+        &cursor::join(dataset, &cursor::join(version, &cursor::join(tier, node))),
+    )
+}
+
+/// The replica key of a [`replica_key_cursor`]; `None` when it is not one.
+fn split_replica_cursor(c: &str) -> Option<(String, String, String, String, String)> {
+    let (project, rest) = cursor::split(c)?;
+    let (dataset, rest) = cursor::split(&rest)?;
+    let (version, rest) = cursor::split(&rest)?;
+    let (tier, node) = cursor::split(&rest)?;
+    Some((project, dataset, version, tier, node))
+}
+
+/// The replicas on `tier` (of `node`, when given) in `state` (when given): one pass over the
+/// replicas table from the cursor on.
+fn replicas_on(
+    txn: &ReadTransaction,
+    (tier, node): (&str, Option<&str>),
+    state: Option<ReplicaState>,
+    limit: Option<u32>,
+    after: Option<&str>,
+) -> Result<(Vec<ReplicaRecord>, Option<String>), Fail> {
+    let start = match after {
+        None => None,
+        Some(c) => Some(
+            split_replica_cursor(c)
+                .ok_or_else(|| bad_query(format!("{c:?} is not a replicas_on cursor")))?,
+        ),
+    };
+    let replicas = txn.open_table(REPLICAS)?;
+    let rows = match &start {
+        None => replicas.iter()?,
+        Some((p, d, v, t, n)) => {
+            replicas.range((p.as_str(), d.as_str(), v.as_str(), t.as_str(), n.as_str())..)?
+        }
+    };
+    let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
+    for row in rows {
+        let (k, v) = row?;
+        let key = k.value();
+        let (project, dataset, version, t, n) = key;
+        if start.as_ref().is_some_and(|(p, d, v, t, n)| {
+            (p.as_str(), d.as_str(), v.as_str(), t.as_str(), n.as_str()) == key
+        }) {
+            continue;
+        }
+        if t != tier || node.is_some_and(|want| want != n) {
+            continue;
+        }
+        let r: ReplicaRecord = read(v.value(), || {
+            format!("replica {project}/{dataset}/{version} on {t}")
+        })?;
+        if state.is_some_and(|want| want != r.state) {
+            continue;
+        }
+        if !page.offer(r, || replica_key_cursor(key)) {
             break;
         }
     }

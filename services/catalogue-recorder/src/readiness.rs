@@ -3,8 +3,8 @@
 //! schedulers read ([`stagehand_catalogue::READINESS_BUCKET`], keys from
 //! [`stagehand_catalogue::kv_key`]).
 //!
-//! The state follows this order: a replica found damaged (`replica.damaged`) makes it
-//! `pending` with what was found, whatever stages still hold it (readiness is withdrawn first,
+//! The state follows this order: a replica found damaged (`replica.damaged`), or on a node
+//! out of reach (`replica.unreachable`), makes it `pending` with what was found, whatever stages still hold it (readiness is withdrawn first,
 //! before the replica is verified or repaired); a verified replica on the tier (or a job's
 //! `stage.ready`) makes it `ready` with its path; else a newest stage fact that failed makes it `failed` with
 //! the reason; else a job still waiting makes it `pending` (or `copying` while a replica is
@@ -28,12 +28,12 @@ pub fn derive(
     replica: Option<&ReplicaRecord>,
 ) -> Readiness {
     let replica_state = replica.map(|r| r.state);
-    let state = if let Some(r) = replica.filter(|r| r.state == ReplicaState::Damaged) {
+    let state = if let Some(r) = replica.filter(|r| r.state.is_withdrawn()) {
         ReadinessState::Pending {
             reason: format!(
                 "the replica on tier {} is {}",
                 key.tier,
-                r.reason.as_deref().unwrap_or("damaged")
+                r.reason.as_deref().unwrap_or("withdrawn")
             ),
         }
     } else if let Some(r) = replica.filter(|r| r.state == ReplicaState::Present) {

@@ -483,15 +483,15 @@ pub fn status_in(
         .transpose()?;
     let key = counted_key(&record.status);
     let mut shown = record.shown(progress);
-    // A job holding a replica found damaged since it was handed out sees why.
+    // A job holding a replica found damaged, or out of reach, since it was handed out sees why.
     if shown.state == StageState::Ready
         && let Some(k) = &key
         && let Some(replica) = crate::readiness::replica_of(txn, k)?
-        && replica.state == stagehand_catalogue::ReplicaState::Damaged
+        && replica.state.is_withdrawn()
     {
         shown.reason = Some(format!(
             "the replica it was handed is {}",
-            replica.reason.as_deref().unwrap_or("damaged")
+            replica.reason.as_deref().unwrap_or("withdrawn")
         ));
     }
     Ok(Some((shown, key)))
@@ -539,6 +539,12 @@ impl Store {
             stagehand_schemas::Body::ReplicaRepaired(p) => {
                 Some((&p.dataset, &p.version, &p.location.tier, p.node.as_deref()))
             }
+            stagehand_schemas::Body::ReplicaUnreachable(p) => Some((
+                &p.dataset,
+                &p.version,
+                &p.location.tier,
+                Some(p.node.as_str()),
+            )),
             _ => None,
         };
         if let Some((dataset, version, tier, node)) = replica {

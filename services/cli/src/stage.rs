@@ -718,7 +718,7 @@ pub struct NodeCopy {
     #[serde(with = "stagehand_catalogue::time::utc::option")]
     pub made_at: Option<OffsetDateTime>,
     /// The copy's state: `present` for a usable one; `damaged` (its repair pending or under
-    /// way) or `staging` for one that is not.
+    /// way), `unreachable` (its node's agent silent) or `staging` for one that is not.
     pub state: String,
     /// Why it is not usable, when it is not.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -735,7 +735,8 @@ pub struct Whereabouts {
     pub version: String,
     /// Usable copies, by node then tier.
     pub nodes: Vec<NodeCopy>,
-    /// Copies that are there but not usable (damaged, being repaired), by node then tier.
+    /// Copies that are there but not usable (damaged, being repaired, on a node out of
+    /// reach), by node then tier.
     pub unusable: Vec<NodeCopy>,
 }
 
@@ -890,13 +891,7 @@ pub async fn cached_on(bus: &Bus, q: &WhereQuery) -> anyhow::Result<Whereabouts>
                 .map(|x| &x.stamp)
                 .or(r.copied.as_ref())
                 .map(|s| s.at),
-            state: match r.state {
-                ReplicaState::Present => "present",
-                ReplicaState::Damaged => "damaged",
-                ReplicaState::Staging => "staging",
-                ReplicaState::Removed => "removed",
-            }
-            .to_owned(),
+            state: r.state.as_str().to_owned(),
             reason: (!usable).then(|| r.reason.clone()).flatten(),
         };
         if usable {

@@ -9,7 +9,8 @@
 //!   caller may see, counted, the oldest pending and newest failed listed with their reason;
 //! - **dead letters** per service that still wait (not replayed);
 //! - **tiers** above their high watermark and projects above 90 % of their quota (when the
-//!   policies are at hand), and the facts the catalogue could not fold.
+//!   policies are at hand), nodes whose agent is silent (their local copies unreachable:
+//!   `runbooks/node-lost.md`), and the facts the catalogue could not fold.
 //!
 //! `--actions` lists instead every operator action the catalogue keeps (`operator.action`
 //! facts: stages cancelled, dead letters discarded or replayed), newest first ([`actions`]).
@@ -62,8 +63,8 @@ pub struct StatusOptions {
 /// Something that needs a person: what, where, and what to run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
-    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `drill`,
-    /// `checkpoint` or `catalogue`.
+    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `node`,
+    /// `drill`, `checkpoint` or `catalogue`.
     pub area: &'static str,
     /// What it is about: a service instance, a consumer, a stage request, a tier.
     pub subject: String,
@@ -224,6 +225,7 @@ pub async fn gather(
     if let Some(policies) = &policies {
         tier_lines = tiers(catalogue, policies, &mut findings).await?;
         damaged = damage(catalogue, policies, now, &mut findings).await?;
+        unreachable_nodes(catalogue, policies, &mut findings).await?;
         drill_lines = drills(catalogue, policies, now, &mut findings).await?;
         offloads(catalogue, policies, now, &mut findings).await?;
     }
@@ -723,6 +725,49 @@ async fn offloads(
     Ok(())
 }
 
+/// Nodes whose agent went silent past `agent_silent_after`: their copies on each node-local
+/// tier are unreachable (`replica.unreachable`), one finding per (tier, node) with how many
+/// copies and bytes, and since when. One catalogue question per local tier.
+async fn unreachable_nodes(
+    catalogue: &Catalogue,
+    policies: &stagehand_policy::Policies,
+    findings: &mut Vec<Finding>,
+) -> anyhow::Result<()> {
+    use stagehand_catalogue::ReplicaState;
+    let local = (policies.tiers().values()).filter(|t| t.role == stagehand_policy::TierRole::Local);
+    for tier in local {
+        let copies = catalogue
+            .replicas_on(&tier.name, None, Some(ReplicaState::Unreachable))
+            .await
+            .with_context(|| format!("the unreachable copies on tier {}", tier.name))?;
+        let mut by_node = std::collections::BTreeMap::<&str, (u64, u64, Option<&str>)>::new();
+        for r in &copies {
+            let Some(node) = r.node.as_deref() else {
+                continue;
+            };
+            let e = by_node.entry(node).or_default();
+            e.0 += 1;
+            e.1 += r.total_bytes;
+            e.2 = e.2.or(r.reason.as_deref());
+        }
+        for (node, (count, bytes, reason)) in by_node {
+            findings.push(Finding {
+                area: "node",
+                subject: format!("{node} (tier {})", tier.name),
+                detail: format!(
+                    "{count} copies ({}) unreachable — {}",
+                    crate::tier::size(bytes),
+                    reason.unwrap_or("its agent is silent")
+                ),
+                run: format!(
+                    "start the node's agent, or take the node out (runbooks/{NODE_LOST_RUNBOOK})"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The findings of the steps of `parts` whose offload is late.
 pub fn late_offloads(
     parts: &[stagehand_catalogue::CheckpointPartRecord],
@@ -761,6 +806,9 @@ pub fn late_offloads(
     }
     out
 }
+
+/// The runbook page of a node whose agent is silent.
+pub const NODE_LOST_RUNBOOK: &str = "node-lost.md";
 
 /// Restore drills (`backup status`'s rule, [`crate::backup::version_status`]): a version
 /// whose last drill failed needs a person; so does one backed up two drill intervals ago and

@@ -63,6 +63,10 @@ const NOT_YET_RUN: &[(&str, &str)] = &[
         "needs an S3 source tier behind a connection the test can cut",
     ),
     (
+        "node-lost.md",
+        "tests/node_lost.rs produces it (two node agents, one stopped past agent_silent_after) and checks the status line and its page; the page's blocks are not run yet",
+    ),
+    (
         "scrub-behind.md",
         "needs a tier holding more than the scrub's budget reads in its period",
     ),

@@ -28,6 +28,7 @@
 //! | `facts` | `demoter` on the facts stream | `replica.created`, `replica.removed`, `checkpoint.committed`: usage changed |
 //! | `clock` | — | a pass at start, every `check_every`, and whenever a consumer asks |
 //! | `scrub` | — | with `scrub.toml`: every replica re-read and hashed within its tier's period ([`scrub`]) |
+//! | `nodes` | — | the shared demoter, with local tiers and `promotion.toml`: a node whose agent is silent past `agent_silent_after` has its copies marked unreachable ([`nodes`]) |
 //!
 //! One shared demoter runs per deployment (its consumers are not shared). A node's demoter
 //! (`node = "<name>"` in `[service]`, beside that node's promoter agent) keeps the node's
@@ -39,6 +40,7 @@
 pub mod audit;
 mod damage;
 pub mod demoter;
+pub mod nodes;
 pub mod plan;
 pub mod scrub;
 pub mod scrub_state;
@@ -272,7 +274,7 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
     let instance = (requests.instance_id.clone()).unwrap_or_else(|| default_instance_id(&requests));
-    let (demoter, scrubber) = open(&ctx, token.clone(), &instance).await?;
+    let (demoter, scrubber, watch) = open(&ctx, token.clone(), &instance).await?;
     tasks.spawn(
         "requests",
         ctx.run_worker_until(requests, Wakes(demoter.clone()), token.clone()),
@@ -285,17 +287,22 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), DemoterError> {
     if let Some(scrubber) = scrubber {
         tasks.spawn("scrub", scrubber.run());
     }
+    if let Some(watch) = watch {
+        tasks.spawn("nodes", watch.run());
+    }
     Ok(ctx.join(tasks).await?)
 }
 
 /// The demoter of `ctx`'s settings: its policies, the tiers it keeps and copies to (those it
 /// writes swept), its state, the readiness and placement buckets, its mover; and its scrub
-/// (as `instance` in the claims), when `scrub.toml` is there. `shutdown` stops both.
+/// (as `instance` in the claims), when `scrub.toml` is there; and, for the shared demoter with
+/// local tiers and `promotion.toml`, the watch of node agents ([`nodes`]). `shutdown` stops
+/// them all.
 async fn open(
     ctx: &Context<Settings>,
     shutdown: CancellationToken,
     instance: &str,
-) -> Result<(Demoter, Option<Scrubber>), DemoterError> {
+) -> Result<(Demoter, Option<Scrubber>, Option<nodes::NodeWatch>), DemoterError> {
     let s = &ctx.settings;
     let policies = Policies::load_dir(&s.policies_dir)?;
     let demotion =
@@ -378,6 +385,15 @@ async fn open(
             }))
         }
     };
+    // A node's demoter goes down with its node: the shared one watches the nodes.
+    let watch = match s.node {
+        Some(_) => None,
+        None => nodes::NodeWatch::of(
+            &policies,
+            (ctx.bus.clone(), catalogue.clone(), placement.clone()),
+            shutdown.clone(),
+        ),
+    };
     tracing::info!(node = s.node.as_deref().unwrap_or("-"), consumer = %s.consumer(), "demoter ready");
     let demoter = Demoter::new(Parts {
         bus: ctx.bus.clone(),
@@ -395,7 +411,7 @@ async fn open(
         stop_before_rename: std::env::var_os(STOP_BEFORE_RENAME_ENV).is_some(),
         shutdown,
     });
-    Ok((demoter, scrubber))
+    Ok((demoter, scrubber, watch))
 }
 
 /// The consumers' handler: a checkpoint commit is noted for retention, and a fact or release

@@ -276,6 +276,13 @@ pub struct PromotionPolicy {
     /// released, its hidden staging folder removed. Default 5 min.
     #[serde(default = "default_reconcile_every", with = "duration")]
     pub reconcile_every: Duration,
+    /// How long a node's agent (the promoter run with `node`) may write no liveness record
+    /// before the demoter marks that node's local copies unreachable (handed to no job, not
+    /// counted in the tier's usage or quota) until the agent is back and has re-checked them.
+    /// The agent writes its record every quarter of this (at most every 10 s). Default 2 min;
+    /// at least 2 s.
+    #[serde(default = "default_agent_silent_after", with = "duration")]
+    pub agent_silent_after: Duration,
     /// Dataset names staged at the `checkpoint` priority class instead of `stage`, so that a
     /// checkpoint restore is not starved by bulk stages: exact names, or a prefix ending in
     /// `*` (`"ckpt-*"`).
@@ -291,7 +298,24 @@ fn default_reconcile_every() -> Duration {
     Duration::from_secs(300)
 }
 
+fn default_agent_silent_after() -> Duration {
+    Duration::from_secs(120)
+}
+
+/// The shortest `agent_silent_after`: a node must get a few beats in before it is judged.
+const MIN_AGENT_SILENT_AFTER: Duration = Duration::from_secs(2);
+
+/// The longest time between two liveness records of a node's agent.
+const MAX_AGENT_BEAT: Duration = Duration::from_secs(10);
+
 impl PromotionPolicy {
+    /// How often a node's agent writes its liveness record: a quarter of
+    /// `agent_silent_after`, at most every 10 s, so that a node is judged silent only after
+    /// several records in a row were not written.
+    pub fn agent_beat_every(&self) -> Duration {
+        (self.agent_silent_after / 4).min(MAX_AGENT_BEAT)
+    }
+
     /// The tiers a copy onto a tier of `role` reads from, in order of preference.
     pub fn sources_for(&self, role: TierRole) -> &[String] {
         if role == TierRole::Local && !self.local_sources.is_empty() {
@@ -605,6 +629,15 @@ pub(crate) fn parse_promotion(
     if p.reconcile_every.is_zero() {
         return Err(src.invalid("reconcile_every", "must be longer than 0"));
     }
+    if p.agent_silent_after < MIN_AGENT_SILENT_AFTER {
+        return Err(src.invalid(
+            "agent_silent_after",
+            format!(
+                "must be at least {}s (the agent writes its liveness record every quarter of it)",
+                MIN_AGENT_SILENT_AFTER.as_secs()
+            ),
+        ));
+    }
     if let Some(bad) = p
         .checkpoint_datasets
         .iter()
@@ -772,6 +805,7 @@ mod promotion_tests {
             verify: VerifyMode::ReadBack,
             recheck_every: Duration::from_secs(30),
             reconcile_every: Duration::from_secs(300),
+            agent_silent_after: Duration::from_secs(120),
             checkpoint_datasets: checkpoint_datasets.iter().map(|s| s.to_string()).collect(),
         }
     }

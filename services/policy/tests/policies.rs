@@ -455,6 +455,31 @@ fn object_lock_holds_s3_backups_only_and_for_a_bounded_time() {
     );
 }
 
+/// Guards node failure's interval: `agent_silent_after` is read with the one duration grammar,
+/// a node agent beats four times within it (at most every 10 s), and one too short to get a
+/// few beats in is refused naming the key.
+#[test]
+fn agent_silent_after_sets_the_beat_and_is_bounded() {
+    let (_tmp, dir) = with_edit("promotion.toml", |t| {
+        t.replace("agent_silent_after = \"2m\"", "agent_silent_after = \"8s\"")
+    });
+    let home = dir.parent().unwrap().join("home");
+    let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+    let promotion = policies.promotion().unwrap();
+    assert_eq!(
+        promotion.agent_silent_after,
+        std::time::Duration::from_secs(8)
+    );
+    assert_eq!(
+        promotion.agent_beat_every(),
+        std::time::Duration::from_secs(2)
+    );
+    let (_tmp, dir) = with_edit("promotion.toml", |t| {
+        t.replace("agent_silent_after = \"2m\"", "agent_silent_after = \"1s\"")
+    });
+    expect_invalid(&dir, "promotion.toml", "agent_silent_after", "at least 2s");
+}
+
 #[test]
 fn later_policies_check_their_tier_references() {
     let (_tmp, dir) = with_edit("promotion.toml", |t| {

@@ -28,6 +28,7 @@
 //! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
 //! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
+//! | `liveness` | — | a node agent only: its node's liveness record every `agent_beat_every`, and its copies the catalogue holds unreachable re-checked by fingerprint (`promoter/liveness.rs`) |
 //!
 //! Several instances share the requests consumer (the runtime's claims keep each message to
 //! one); the copy of one version to one tier is leased in the KV bucket
@@ -56,7 +57,9 @@ use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, Retryable, subject};
 
-pub use promoter::{Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica};
+pub use promoter::{
+    Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica, step_returned,
+};
 pub use reuse::step_damaged;
 
 /// The service name: its shared durable consumer, its dead-letter subject, its metric label.
@@ -378,6 +381,7 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
         );
     }
     tasks.spawn("clock", promoter.clone().clock());
+    tasks.spawn("liveness", promoter.clone().liveness());
     tasks.spawn("reconciler", promoter.reconciler());
     Ok(ctx.join(tasks).await?)
 }

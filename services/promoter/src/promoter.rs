@@ -27,10 +27,12 @@ mod copying;
 mod estimate;
 mod in_flight;
 mod offload;
+mod liveness;
 mod requests;
 mod reservations;
 
 pub(crate) use copying::CopyFailed;
+pub use liveness::step_returned;
 
 /// How long a copy that failed for good answers the requests that waited for it.
 const FAILED_COPY_REMEMBERED: Duration = Duration::from_secs(60);

@@ -48,7 +48,8 @@ pub struct Plan {
     pub bytes: u64,
     pub priority: PriorityClass,
     /// The (tier, node) copies of it the catalogue holds damaged (`replica.damaged`, from any
-    /// checker): none is handed out on its fingerprint, which cannot see bytes that rotted
+    /// checker) or unreachable (`replica.unreachable`: its node was silent, and what happened
+    /// to it meanwhile is unknown): none is handed out on its fingerprint, which cannot see bytes that rotted
     /// under unchanged metadata; each is verified by hash and repaired first.
     pub damaged: Vec<(String, Option<String>)>,
 }
@@ -156,7 +157,7 @@ pub async fn decide(cx: &Context<'_>) -> Result<Decision, Unanswered> {
         damaged: detail
             .replicas
             .iter()
-            .filter(|r| r.state == ReplicaState::Damaged)
+            .filter(|r| r.state.is_withdrawn())
             .map(|r| (r.tier.clone(), r.node.clone()))
             .collect(),
     }))

@@ -49,7 +49,7 @@ fn retry(why: impl std::fmt::Display) -> HandlerError {
 }
 
 /// The listed form of what differs, for the fact.
-fn damaged_files(differences: &[Difference]) -> Vec<DamagedFile> {
+pub(crate) fn damaged_files(differences: &[Difference]) -> Vec<DamagedFile> {
     differences
         .iter()
         .take(ReplicaDamaged::MAX_LISTED)
@@ -131,12 +131,12 @@ impl Promoter {
             // Withdrawn already (by a copy down, a scrub or an earlier check): the copy path
             // verifies every file by hash and repairs it, and its replica.created makes it
             // ready again. Its fingerprint may well match: bytes can rot under metadata.
-            info!(request = %record.event.id, tier = %request.tier, %prefix, "the catalogue holds this replica damaged: verifying by hash and repairing before it is handed out");
+            info!(request = %record.event.id, tier = %request.tier, %prefix, "the catalogue holds this replica damaged or unreachable: verifying by hash and repairing before it is handed out");
             let waiting = self.pending_fact(
                 record,
                 WaitingFor::Copy,
                 &format!(
-                    "version {} on tier {} is recorded damaged; {}",
+                    "version {} on tier {} is recorded damaged or unreachable; {}",
                     plan.version,
                     request.tier,
                     repair_source(plan)

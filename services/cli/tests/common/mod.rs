@@ -51,6 +51,10 @@ struct Running {
     name: &'static str,
     task: JoinHandle<anyhow::Result<()>>,
     probe: SocketAddr,
+    /// The node of a node agent started with [`Stagehand::start_node_agent`].
+    node: Option<String>,
+    /// What stops it.
+    stop: CancellationToken,
 }
 
 /// What to run besides the catalogue recorder.
@@ -76,6 +80,14 @@ pub struct Options {
     pub copy_slots: Option<u32>,
     /// The shared promoter's copy rate, bytes a second (default unthrottled).
     pub copy_bytes_per_second: Option<u64>,
+    /// Node agents, each with a local tier of its own (`tiers/local-<node>`, in policies of
+    /// its own: two nodes' NVMe are two disks), started and stopped one by one
+    /// ([`Stagehand::start_node_agent`], [`Stagehand::stop_node_agent`]).
+    pub node_agents: Vec<String>,
+    /// Run the shared demoter (it also watches node agents' liveness).
+    pub demoter: bool,
+    /// promotion.toml's `agent_silent_after` instead of the default's.
+    pub agent_silent_after: Option<String>,
 }
 
 fn spawn<S, F, Fut, T, E>(
@@ -121,13 +133,22 @@ where
         .and_then(|l| l.local_addr())
         .expect("a free local port");
     config.telemetry.metrics_listen = Some(probe);
-    let task = tokio::spawn(async move {
-        runner::run(name, config, stop, serve)
-            .await
-            .map(|_| ())
-            .with_context(|| name.to_owned())
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            runner::run(name, config, stop, serve)
+                .await
+                .map(|_| ())
+                .with_context(|| name.to_owned())
+        }
     });
-    Running { name, task, probe }
+    Running {
+        name,
+        task,
+        probe,
+        node: None,
+        stop,
+    }
 }
 
 impl Stagehand {
@@ -173,6 +194,18 @@ impl Stagehand {
                 .lines()
                 .map(|l| match l.starts_with("max_concurrent") {
                     true => format!("max_concurrent = {slots}"),
+                    false => l.to_owned(),
+                })
+                .collect();
+            std::fs::write(&promotion, text.join("\n") + "\n")?;
+        }
+        if let Some(after) = &opts.agent_silent_after {
+            let promotion = policies.join("promotion.toml");
+            let text = std::fs::read_to_string(&promotion)?;
+            let text: Vec<String> = text
+                .lines()
+                .map(|l| match l.starts_with("agent_silent_after") {
+                    true => format!("agent_silent_after = \"{after}\""),
                     false => l.to_owned(),
                 })
                 .collect();
@@ -240,11 +273,81 @@ impl Stagehand {
                 me.stop.clone(),
             ));
         }
+        for node in &opts.node_agents {
+            me.start_node_agent(node)?;
+        }
+        if opts.demoter {
+            me.tasks.push(spawn(
+                &me.bus_config,
+                stagehand_demoter::SERVICE,
+                stagehand_demoter::Settings::dev(&home, &policies),
+                stagehand_demoter::serve,
+                me.stop.clone(),
+            ));
+        }
         if opts.validator {
             me.start_validator();
         }
         me.ready().await?;
         Ok(me)
+    }
+
+    /// The policies of `node`'s agent: the stack's, its local tier at `tiers/local-<node>`.
+    pub fn node_policies(&self, node: &str) -> PathBuf {
+        self.home.path().join(format!("policies-{node}"))
+    }
+
+    /// The root of `node`'s local tier.
+    pub fn node_local_root(&self, node: &str) -> PathBuf {
+        self.home.path().join("tiers").join(format!("local-{node}"))
+    }
+
+    /// Starts the agent of `node` (again, after [`Stagehand::stop_node_agent`]: same state,
+    /// same tier), on its own local tier.
+    pub fn start_node_agent(&mut self, node: &str) -> anyhow::Result<()> {
+        let home = self.home.path().to_owned();
+        let policies = self.node_policies(node);
+        let root = self.node_local_root(node);
+        if !policies.exists() {
+            std::fs::create_dir_all(&policies)?;
+            for entry in std::fs::read_dir(&self.policies)? {
+                let path = entry?.path();
+                let text = std::fs::read_to_string(&path)?;
+                let text = text.replace(
+                    &format!("{}\"", home.join("tiers/local").display()),
+                    &format!("{}\"", root.display()),
+                );
+                std::fs::write(policies.join(path.file_name().context("a file")?), text)?;
+            }
+            std::fs::create_dir_all(&root)?;
+            std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))?;
+        }
+        let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
+        settings.node = Some(node.to_owned());
+        settings.state_dir = home.join("state").join(format!("promoter-{node}"));
+        let mut running = spawn(
+            &self.bus_config,
+            stagehand_promoter::SERVICE,
+            settings,
+            stagehand_promoter::serve,
+            self.stop.child_token(),
+        );
+        running.node = Some(node.to_owned());
+        self.tasks.push(running);
+        Ok(())
+    }
+
+    /// Stops the agent of `node` as its supervisor would, and waits until it has.
+    pub async fn stop_node_agent(&mut self, node: &str) -> anyhow::Result<()> {
+        let at = self
+            .tasks
+            .iter()
+            .position(|r| r.node.as_deref() == Some(node))
+            .with_context(|| format!("no agent of {node} runs"))?;
+        let running = self.tasks.remove(at);
+        running.stop.cancel();
+        running.task.await??;
+        Ok(())
     }
 
     /// Waits until every service of the stack answers its `/readyz` probe with 200 (connected,
