@@ -329,6 +329,10 @@ pub struct StageRequestArgs {
     /// Who asks; default `$USER`.
     #[arg(long)]
     pub by: Option<String>,
+    /// The bytes the job declared for this version (a Slurm job's `capacity=`): the request is
+    /// refused, and nothing published, when the catalogue says the version is larger.
+    #[arg(long, value_name = "BYTES")]
+    pub declared_size: Option<u64>,
     /// Print the request id, stream sequence and whether it was a duplicate as JSON.
     #[arg(long)]
     pub json: bool,
@@ -393,6 +397,21 @@ pub enum TierCommand {
         /// One JSON array of the tiers' rows.
         #[arg(long)]
         json: bool,
+    },
+    /// Writes the tiers' figures as Slurm burst-buffer pools for `burst_buffer.lua`'s
+    /// `slurm_bb_pools` (deploy/slurm/README.md, "Pools"): per tier its capacity and its free
+    /// space, the capacity less the bytes live stages hold (`tier usage`'s `held`). Written
+    /// whole (a temporary file renamed), readable by all; run it every few seconds (a timer).
+    Pool {
+        /// The tiers to report (each a bounded tier of the policies).
+        #[arg(required = true)]
+        tiers: Vec<String>,
+        /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+        #[arg(long)]
+        policies: Option<PathBuf>,
+        /// The file to write (stagehand-slurm.conf's STAGEHAND_POOL_FILE).
+        #[arg(long, value_name = "FILE")]
+        slurm: PathBuf,
     },
 }
 
@@ -907,6 +926,9 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
                 form: a.form,
             };
             let bus = connect(connection).await?;
+            if let Some(declared) = a.declared_size {
+                crate::stage::check_declared_size(&bus, &stage, declared).await?;
+            }
             let published = crate::stage::request(&bus, &stage, &opts).await?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&published)?);
@@ -1255,6 +1277,26 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
             let mut out = std::io::BufWriter::new(stdout.lock());
             crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
             std::io::Write::flush(&mut out)?;
+            Ok(0)
+        }
+        Command::Tier(TierCommand::Pool {
+            tiers,
+            policies,
+            slurm,
+        }) => {
+            let (policies, catalogue, _) =
+                policies_and_catalogue(policies, &cli.connection).await?;
+            let pools = crate::tier::pools(&catalogue, &policies, &tiers).await?;
+            crate::tier::write_slurm_pools(&slurm, &pools, time::OffsetDateTime::now_utc())?;
+            for p in &pools {
+                println!(
+                    "{}: capacity {}, held {}, free {}",
+                    p.tier,
+                    crate::tier::size(p.capacity),
+                    crate::tier::size(p.held),
+                    crate::tier::size(p.free())
+                );
+            }
             Ok(0)
         }
         Command::Scrub(ScrubCommand::Status { policies, json }) => {
