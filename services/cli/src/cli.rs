@@ -123,6 +123,9 @@ pub enum Command {
     /// The tiers: how full the bounded ones are.
     #[command(subcommand)]
     Tier(TierCommand),
+    /// Kubernetes: the controller removing Stagehand's pod scheduling gates.
+    #[command(subcommand)]
+    K8s(K8sCommand),
     /// The scrub: how much of each tier was read back and verified within its period, and
     /// the damage found.
     #[command(subcommand)]
@@ -382,6 +385,38 @@ pub struct StageReleaseArgs {
     /// One JSON object: the release's id, stream, sequence and whether it was a duplicate.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum K8sCommand {
+    /// Removes the scheduling gate `stagehand.io/<dataset>` of each pod labelled
+    /// `stagehand.io/gated=true` once the stage it names is ready (asking for the stage first),
+    /// writing the path into the annotation `stagehand.io/path.<dataset>`; a failed stage keeps
+    /// the gate and its reason goes into `stagehand.io/stage-failed` (deploy/k8s/README.md).
+    Gates {
+        /// Only this namespace (a Role there suffices); default every namespace.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Time between two passes over the gated pods.
+        #[arg(long, default_value = "5s")]
+        every: String,
+        /// One pass, then exit.
+        #[arg(long)]
+        once: bool,
+        /// The API server (`https://host:port`, or `http://` through a local proxy); default
+        /// the cluster this runs in, with its service account's token and CA.
+        #[arg(long)]
+        api_server: Option<String>,
+        /// A file holding the bearer token for --api-server.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        /// The CA bundle of an https --api-server.
+        #[arg(long)]
+        api_ca: Option<PathBuf>,
+        /// Who asks for the stages; default `$USER`.
+        #[arg(long)]
+        by: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -1172,6 +1207,7 @@ fn command_name(command: &Command) -> &'static str {
         Command::Restore(_) => "restore",
         Command::Dlq(_) => "dlq",
         Command::Tier(_) => "tier",
+        Command::K8s(_) => "k8s gates",
         Command::Scrub(_) => "scrub",
         Command::Audit(_) => "audit",
         Command::Status(_) => "status",
@@ -1278,6 +1314,30 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
             crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
             std::io::Write::flush(&mut out)?;
             Ok(0)
+        }
+        Command::K8s(K8sCommand::Gates {
+            namespace,
+            every,
+            once,
+            api_server,
+            token_file,
+            api_ca,
+            by,
+        }) => {
+            let every = args::duration("--every", &every)?;
+            let kube = match api_server {
+                Some(url) => crate::kube::Kube::new(&url, token_file, api_ca.as_deref())?,
+                None => crate::kube::Kube::in_cluster()?,
+            };
+            let bus = connect(&cli.connection).await?;
+            let by = who(by);
+            loop {
+                crate::gates::pass(&bus, &kube, namespace.as_deref(), &by).await?;
+                if once {
+                    return Ok(0);
+                }
+                tokio::time::sleep(every).await;
+            }
         }
         Command::Tier(TierCommand::Pool {
             tiers,
