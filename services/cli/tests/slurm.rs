@@ -1349,7 +1349,8 @@ const HOT_POOL: u64 = 65_536;
 /// KiB: job A's 10 000 bytes fit, A is staged and reads its data; job B's 30 000 do not, and B
 /// is not staged — no request, no copy — while squeue shows it waiting for burst buffer
 /// resources; once the holder lets go and the pool file says so, Slurm stages B in. A job that
-/// declares less than its data is held with the reason and asks for nothing.
+/// declares less than its data is held with the reason and asks for nothing; one that declares
+/// nothing on the pool tier is refused at submit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Result<()> {
     let (stagehand, slurm) = setup_with(
@@ -1404,6 +1405,22 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
             &digest[..16]
         )]
     };
+    // On a pool tier a directive must declare its size: refused at submit, saying how.
+    let undeclared = slurm.sbatch(
+        "undeclared",
+        &reading_job(
+            &directive("small", &small[..16], "hot"),
+            "STAGEHAND_DATA_SMALL",
+        ),
+    )?;
+    let refusal = String::from_utf8_lossy(&undeclared.stderr);
+    ensure!(
+        !undeclared.status.success()
+            && refusal.contains(
+                "tier hot is a Slurm pool (STAGEHAND_POOL_TIERS): add capacity=<bytes of small@"
+            ),
+        "a directive without capacity= on the pool tier: {refusal}"
+    );
     // A fits; the liar declares 1 000 bytes for big's 30 000, which Slurm would fit too.
     let a = slurm.submit(
         "fits",
