@@ -1350,7 +1350,7 @@ const HOT_POOL: u64 = 65_536;
 /// is not staged — no request, no copy — while squeue shows it waiting for burst buffer
 /// resources; once the holder lets go and the pool file says so, Slurm stages B in. A job that
 /// declares less than its data is held with the reason and asks for nothing; one that declares
-/// nothing on the pool tier is refused at submit.
+/// nothing on the pool tier is refused at submit. A stale pool file reports the pool unbounded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Result<()> {
     let (stagehand, slurm) = setup_with(
@@ -1496,5 +1496,20 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
+
+    // A stale pool file (its writer stopped) fails no job: the pool is reported unbounded
+    // again, and slurmctld's log says why.
+    std::fs::write(
+        slurm.pool_file(),
+        format!("written 1\npool hot {HOT_POOL} 0\n"),
+    )?;
+    slurm.wait_pool_free("hot", "1PiB").await?;
+    let log = std::fs::read_to_string(slurm.dir.path().join("log/slurmctld.log"))?;
+    ensure!(
+        log.contains("stagehand: pools hot reported unbounded: ")
+            && log.contains("more than STAGEHAND_POOL_MAX_AGE (300 s)"),
+        "slurmctld.log does not say why the pool is unbounded: {}",
+        slurm.logs()
+    );
     Ok(())
 }
