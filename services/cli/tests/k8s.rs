@@ -1047,17 +1047,50 @@ async fn api_stand_in(
 
 /// `stagehand k8s gates` against the real stack: a pod gated on a dataset not yet validated is
 /// kept waiting (its stage asked for, its gate kept); once the validator passed the version and
-/// the promoter staged it, the gate is removed; a pod naming a dataset the catalogue does not
-/// know (never validated) keeps its gate and gets the reason as its annotation `stagehand.io/stage-failed`. The
+/// the promoter staged it, the gate is removed; a pod naming a dataset never validated keeps
+/// its gate and gets the reason as its annotation `stagehand.io/stage-failed`. The controller
+/// connects as the NATS user `scheduler` over TLS (the shipped users). The
 /// decisions are the library's (`stagehand::gates`) on real NATS; the API-server side runs the
 /// built binary against an in-test HTTP stand-in, which checks the requests' shape only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a_failed_one()
 -> anyhow::Result<()> {
     use stagehand::gates::{Decision, GatedPod, decide, patch};
-    let mut stagehand = common::Stagehand::start(common::Options {
-        promoter: true,
-        ..common::Options::default()
+    // The shipped single-server config (TLS on) and users: the services as the operator, the
+    // controller as `scheduler`, the user gates.yaml gives it.
+    let ca = TestCa::new("Stagehand k8s gates test CA");
+    let accounts = accounts_conf_with_projects(&["lab"]);
+    let server = roles_of(&accounts)
+        .into_iter()
+        .fold(
+            NatsServer::builder()
+                .config_text(ca.shipped_nats_config_with_accounts("single.conf", &accounts)),
+            |b, role| {
+                let password = role_password(&role);
+                b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
+            },
+        )
+        .start();
+    let url = user_url(&server, "operator", "OPERATOR");
+    let controller_url = format!("nats://scheduler@127.0.0.1:{}", server.port());
+    let mut stagehand = common::Stagehand::start_on(
+        server,
+        common::Options {
+            promoter: true,
+            nats_url: Some(url),
+            tls_ca: Some(ca.ca()),
+            ..common::Options::default()
+        },
+    )
+    .await?;
+    let secrets = tempfile::tempdir()?;
+    let password = secrets.path().join("password");
+    std::fs::write(&password, role_password("SCHEDULER"))?;
+    std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o400))?;
+    let controller = stagehand_bus::Bus::connect(&stagehand_bus::BusConfig {
+        tls_ca: Some(ca.ca()),
+        password_file: Some(password.clone()),
+        ..stagehand_bus::BusConfig::new(&controller_url)
     })
     .await?;
     let folder = tempfile::tempdir()?;
@@ -1072,7 +1105,7 @@ async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a
     let failing = GatedPod::from_api(&failing_json).context("the pod")?;
 
     // Not validated yet: asked for, kept.
-    let first = decide(&stagehand.bus, &ready, "gates-test").await?;
+    let first = decide(&controller, &ready, "gates-test").await?;
     ensure!(
         matches!(first.as_slice(), [Decision::Wait { gate, .. }] if gate == "stagehand.io/cats"),
         "before validation: {first:?}"
@@ -1092,7 +1125,7 @@ async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a
         Duration::from_secs(60),
         "the gate's stage ready",
         || async {
-            decide(&stagehand.bus, &ready, "gates-test")
+            decide(&controller, &ready, "gates-test")
                 .await
                 .ok()
                 .filter(|d| matches!(d.as_slice(), [Decision::Remove { .. }]))
@@ -1118,7 +1151,7 @@ async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a
         Duration::from_secs(60),
         "the failing stage's verdict",
         || async {
-            decide(&stagehand.bus, &failing, "gates-test")
+            decide(&controller, &failing, "gates-test")
                 .await
                 .ok()
                 .filter(|d| matches!(d.as_slice(), [Decision::Failed { .. }]))
@@ -1138,13 +1171,17 @@ async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a
     let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
         .args([
             "--nats",
-            &stagehand.url,
+            &controller_url,
             "k8s",
             "gates",
             "--once",
             "--by",
             "gates-test",
         ])
+        .arg("--password-file")
+        .arg(&password)
+        .arg("--tls-ca")
+        .arg(ca.ca())
         .arg("--api-server")
         .arg(format!("http://127.0.0.1:{port}"))
         .arg("--token-file")
