@@ -4,7 +4,7 @@ names are on the tier it asks for, and runs with their paths in its environment.
 
 A job asks with directive lines in the leading comment block of its batch script:
 
-  #BB_LUA stage dataset=D version=V tier=T [project=P] [name=NAME] [form=raw|prepared] [deadline=DURATION] [hold=DURATION]
+  #BB_LUA stage dataset=D version=V tier=T [project=P] [name=NAME] [form=raw|prepared] [deadline=DURATION] [hold=DURATION] [capacity=BYTES pool=T]
 
   D         dataset name, 1-128 characters of [A-Za-z0-9._-], not starting with '.'
   V         version digest, or a unique prefix of it of at least 12 lowercase hex characters
@@ -19,6 +19,10 @@ A job asks with directive lines in the leading comment block of its batch script
             (a job lost with slurmctld's state, a teardown that failed), counted from the stage
             request — default on 23.02+ the job's time limit plus STAGEHAND_HOLD_SLACK seconds
             (the time it may still queue); on 22.05 (no job_info) held until released
+  BYTES     the version's size in the Slurm pool of its tier (a number, optional unit K, KiB,
+            KB, M, ... as Slurm reads it): required on a tier of STAGEHAND_POOL_TIERS, refused
+            on any other; Slurm stages the job in only when it fits the pool's free space, and
+            data_in refuses a version the catalogue says is larger
 
 The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
 
@@ -36,6 +40,9 @@ The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
                         STAGEHAND_STATUS_EVERY seconds; on 24.05+ it only asks
   slurm_bb_test_data_in 24.05+: looks once (`stage wait --timeout 0`), noting a waiting stage
                         in the AdminComment; BUSY until ready
+  slurm_bb_pools        inside slurmctld, at start and every 30 s: the tiers of
+                        STAGEHAND_POOL_TIERS as pools, from the small file `stagehand tier pool`
+                        keeps (STAGEHAND_POOL_FILE); unbounded when it is stale or missing
   slurm_bb_paths        inside slurmctld: copies the paths data_in recorded into the job's
                         environment (STAGEHAND_DATA_<NAME>=<path>); no network
   slurm_bb_job_teardown `stagehand stage release` for each staged version, unless the job is
@@ -86,6 +93,7 @@ local function shared_stages(conf, directives)
 			form = d.form,
 			deadline = d.deadline,
 			hold = d.hold,
+			capacity_bytes = d.capacity_bytes,
 			tier = tier,
 			name = d.name,
 			exported = not d.local_tier,
@@ -192,6 +200,12 @@ local function request_all(conf, run, stages, requested_by, budget, default_hold
 		if s.deadline then
 			args[#args + 1] = "--deadline"
 			args[#args + 1] = s.deadline
+		end
+		if s.capacity_bytes then
+			-- The catalogue's size of the version, not the job's word, decides: a job that
+			-- declared less than its data would take more of the pool than Slurm set aside.
+			args[#args + 1] = "--declared-size"
+			args[#args + 1] = string.format("%.0f", s.capacity_bytes)
 		end
 		local hold = s.hold or default_hold
 		if hold then
@@ -430,8 +444,20 @@ function slurm_bb_job_process(job_script, uid, gid, job_info)
 	return slurm.SUCCESS
 end
 
+-- The tiers of STAGEHAND_POOL_TIERS as pools, from the figures `stagehand tier pool` keeps in
+-- STAGEHAND_POOL_FILE (stagehand_slurm.slurm_pools). slurmctld asks at start and every 30 s and
+-- then stages in only jobs whose capacity= fits a pool's free space. Never an error: an error
+-- would stop slurmctld loading the burst buffer's state, and at start no job would be staged.
 function slurm_bb_pools()
-	return slurm.SUCCESS
+	local conf = load_settings()
+	local json, note = stagehand_slurm.slurm_pools(conf, os.time())
+	if note then
+		slurm.log_info("stagehand: %s", note)
+	end
+	if not json then
+		return slurm.SUCCESS
+	end
+	return slurm.SUCCESS, json
 end
 
 function slurm_bb_setup(job_id, uid, gid, pool, bb_size, job_script, job_info)

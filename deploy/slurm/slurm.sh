@@ -43,6 +43,8 @@
 #   STAGEHAND_STATUS_EVERY     seconds between notes of a waiting stage in the job's
 #                              AdminComment. Default 30
 #   STAGEHAND_CONNECT_TIMEOUT  seconds each hook's CLI call tries to reach NATS. Default 10
+#   STAGEHAND_POOL_TIERS       tiers reported to Slurm as pools (optional); their figures are
+#                              read from $STAGEHAND_SLURM_DIR/stagehand/pools
 #   STAGEHAND_SLURM_START_TIMEOUT  seconds to wait for the node to become idle. Default 30
 set -euo pipefail
 
@@ -201,6 +203,8 @@ EOF
         -e "s|^STAGEHAND_STAGE_TIMEOUT=.*|STAGEHAND_STAGE_TIMEOUT=${STAGEHAND_STAGE_IN_TIMEOUT:-3600}|" \
         -e "s|^STAGEHAND_STATUS_EVERY=.*|STAGEHAND_STATUS_EVERY=${STAGEHAND_STATUS_EVERY:-30}|" \
         -e "s|^STAGEHAND_PROLOG_TIMEOUT=.*|STAGEHAND_PROLOG_TIMEOUT=${STAGEHAND_PROLOG_TIMEOUT:-600}|" \
+        -e "s|^STAGEHAND_POOL_TIERS=.*|STAGEHAND_POOL_TIERS=${STAGEHAND_POOL_TIERS:-}|" \
+        -e "s|^STAGEHAND_POOL_FILE=.*|STAGEHAND_POOL_FILE=$DIR/stagehand/pools|" \
         "$HERE/stagehand-slurm.conf" >"$etc/stagehand-slurm.conf"
     local rule rules allow="${STAGEHAND_SLURM_ALLOW-user=$JOB_USER ${STAGEHAND_PROJECT:-lab}}"
     {

@@ -37,6 +37,9 @@ M.defaults = {
 	STAGEHAND_HOT_TIER = "hot",
 	STAGEHAND_LOCAL_TIERS = "local",
 	STAGEHAND_HOLD_SLACK = "86400",
+	STAGEHAND_POOL_TIERS = "",
+	STAGEHAND_POOL_FILE = "/run/stagehand-slurm/pools",
+	STAGEHAND_POOL_MAX_AGE = "300",
 }
 
 local function valid_token(s)
@@ -112,7 +115,36 @@ end
 
 --- Directives -----------------------------------------------------------------------------------
 
-local KEYS = { dataset = true, version = true, tier = true, project = true, name = true, form = true, deadline = true, hold = true }
+local KEYS = {
+	dataset = true, version = true, tier = true, project = true, name = true, form = true, deadline = true, hold = true,
+	capacity = true, pool = true,
+}
+
+-- Whether `tier` is one the hooks report to Slurm as a pool (STAGEHAND_POOL_TIERS).
+function M.is_pool_tier(conf, tier)
+	for t in conf.STAGEHAND_POOL_TIERS:gmatch("[^%s,]+") do
+		if t == tier then
+			return true
+		end
+	end
+	return false
+end
+
+-- The units Slurm takes after a burst buffer's capacity= (suffix_mult of Slurm's
+-- src/common/slurm_protocol_defs.c, case-insensitive): k and kib are 1024, kb is 1000, and so on.
+local UNITS = { [""] = 1, k = 2 ^ 10, kib = 2 ^ 10, kb = 1e3, m = 2 ^ 20, mib = 2 ^ 20, mb = 1e6,
+	g = 2 ^ 30, gib = 2 ^ 30, gb = 1e9, t = 2 ^ 40, tib = 2 ^ 40, tb = 1e12 }
+
+-- The bytes of a capacity= value as Slurm counts them, or nil for one Slurm would read
+-- otherwise (zero, no number, a unit it ignores).
+function M.capacity_bytes(s)
+	local number, unit = s:match("^(%d+)(%a*)$")
+	local mult = unit and UNITS[unit:lower()]
+	if not number or not mult or tonumber(number) == 0 then
+		return nil
+	end
+	return tonumber(number) * mult
+end
 
 local function valid_dataset(s)
 	return #s >= 1 and #s <= 128 and s:sub(1, 1) ~= "." and s:match("^[A-Za-z0-9._-]+$") ~= nil
@@ -126,6 +158,35 @@ end
 -- of ms, s, m, h, d, w, or a bare number of seconds.
 local function valid_duration(s)
 	return s:match("^[0-9]+[smhdw]?$") ~= nil or s:match("^[0-9]+ms$") ~= nil
+end
+
+-- What is wrong with a directive's capacity= and pool=, or nil. Slurm reads them itself (the
+-- job's size in a pool, summed over the job's lines, in the pool of its last such line), so a
+-- directive on a tier reported as a pool must declare its size in that pool, and a job draws
+-- on one pool only. `pool` is the first pool of the job's earlier directives.
+local function capacity_problem(conf, d, pool)
+	local shared = d.local_tier and conf.STAGEHAND_HOT_TIER or d.tier
+	if d.capacity == nil then
+		if d.pool then
+			return "pool= needs capacity= (the bytes of the version)"
+		end
+		if M.is_pool_tier(conf, shared) then
+			return "tier " .. shared .. " is a Slurm pool (STAGEHAND_POOL_TIERS): add capacity=<bytes of "
+				.. d.dataset .. "@" .. d.version .. "> pool=" .. shared
+		end
+		return nil
+	end
+	d.capacity_bytes = M.capacity_bytes(d.capacity)
+	if not d.capacity_bytes then
+		return "capacity '" .. d.capacity .. "' must be a number of bytes above 0, with an optional unit (K, KiB, KB, M, MiB, MB, G, GiB, GB, T, TiB, TB)"
+	elseif d.pool ~= shared then
+		return "capacity= needs pool=" .. shared .. " (the tier the version is staged to)"
+	elseif not M.is_pool_tier(conf, shared) then
+		return "tier " .. shared .. " is not a Slurm pool (STAGEHAND_POOL_TIERS): drop capacity= and pool="
+	elseif pool and pool ~= shared then
+		return "pool " .. shared .. " differs from the job's pool " .. pool .. " (Slurm counts a job in one pool)"
+	end
+	return nil
 end
 
 function M.default_name(dataset)
@@ -147,7 +208,7 @@ M.lines_of = lines_of
 -- what is wrong. With `leading_only`, only the leading comment block counts (a batch script,
 -- like #SBATCH lines); without, every line is a directive (--bb options).
 function M.parse_lines(conf, lines, leading_only)
-	local directives, names = {}, {}
+	local directives, names, pool = {}, {}, nil
 	for lineno, line in ipairs(lines) do
 		if leading_only and not (line:match("^%s*$") or line:match("^#")) then
 			break
@@ -170,7 +231,7 @@ function M.parse_lines(conf, lines, leading_only)
 				end
 				if not KEYS[k] then
 					return nil, where .. ": unknown key '" .. k
-						.. "' (known: dataset, version, tier, project, name, form, deadline, hold)"
+						.. "' (known: dataset, version, tier, project, name, form, deadline, hold, capacity, pool)"
 				end
 				if d[k] then
 					return nil, where .. ": '" .. k .. "' given twice"
@@ -214,6 +275,11 @@ function M.parse_lines(conf, lines, leading_only)
 			end
 			names[d.name] = lineno
 			d.local_tier = M.is_local_tier(conf, d.tier)
+			problem = capacity_problem(conf, d, pool)
+			if problem then
+				return nil, where .. ": " .. problem
+			end
+			pool = pool or d.pool
 			directives[#directives + 1] = d
 		end
 	end
@@ -229,6 +295,79 @@ function M.parse_file(conf, path)
 	local text = f:read("*a")
 	f:close()
 	return M.parse_lines(conf, lines_of(text), true)
+end
+
+--- Pools ----------------------------------------------------------------------------------------
+
+-- What slurm_bb_pools reports for a tier whose figures are unknown: a pool Slurm never finds too
+-- small (a PiB), so jobs are staged as they were before pools, limited only by what Slurm counts
+-- itself (the capacity= of the jobs it is staging and running) and by Stagehand's own quotas.
+M.UNBOUNDED_POOL = 2 ^ 50
+
+-- The figures `stagehand tier pool --slurm FILE` wrote: { written = unix seconds, pools = {
+-- [tier] = { capacity, free } } }, or nil and why not. The file holds lines `written <secs>` and
+-- `pool <tier> <capacity bytes> <free bytes>`; anything else is a comment.
+function M.read_pool_file(path)
+	local f, err = io.open(path, "r")
+	if not f then
+		return nil, tostring(err)
+	end
+	local figures = { pools = {} }
+	for line in f:lines() do
+		local written = line:match("^written (%d+)%s*$")
+		local tier, capacity, free = line:match("^pool (%S+) (%d+) (%d+)%s*$")
+		if written then
+			figures.written = tonumber(written)
+		elseif tier then
+			figures.pools[tier] = { capacity = tonumber(capacity), free = tonumber(free) }
+		end
+	end
+	f:close()
+	if not figures.written then
+		return nil, path .. " has no 'written' line"
+	end
+	return figures
+end
+
+-- slurm_bb_pools' answer (burst_buffer/lua's format: a JSON object whose `pools` list holds
+-- { id, quantity, granularity, free }) for the tiers of STAGEHAND_POOL_TIERS, from the pool file
+-- when it is at most STAGEHAND_POOL_MAX_AGE seconds old; a tier without fresh figures is
+-- reported unbounded ([M.UNBOUNDED_POOL]). Returns the JSON (nil when no tier is a pool) and a
+-- line saying which tiers are unbounded and why (nil when none is). Reads one small file: it
+-- runs inside slurmctld, which it must never hold up.
+function M.slurm_pools(conf, now)
+	local tiers = {}
+	for t in conf.STAGEHAND_POOL_TIERS:gmatch("[^%s,]+") do
+		if valid_token(t) then
+			tiers[#tiers + 1] = t
+		end
+	end
+	if #tiers == 0 then
+		return nil, nil
+	end
+	local figures, why = M.read_pool_file(conf.STAGEHAND_POOL_FILE)
+	local max_age = tonumber(conf.STAGEHAND_POOL_MAX_AGE) or 300
+	if figures and now - figures.written > max_age then
+		why = conf.STAGEHAND_POOL_FILE .. " was written " .. (now - figures.written)
+			.. " s ago, more than STAGEHAND_POOL_MAX_AGE (" .. max_age .. " s)"
+		figures = nil
+	end
+	local items, unbounded = {}, {}
+	for _, t in ipairs(tiers) do
+		local p = figures and figures.pools[t]
+		if not p then
+			unbounded[#unbounded + 1] = t
+			p = { capacity = M.UNBOUNDED_POOL, free = M.UNBOUNDED_POOL }
+		end
+		items[#items + 1] = string.format('{"id":"%s","quantity":%.0f,"granularity":1,"free":%.0f}',
+			t, p.capacity, math.min(p.free, p.capacity))
+	end
+	local note
+	if #unbounded > 0 then
+		note = "pools " .. table.concat(unbounded, ", ") .. " reported unbounded: "
+			.. (why or ("no figures for them in " .. conf.STAGEHAND_POOL_FILE))
+	end
+	return '{"pools":[' .. table.concat(items, ",") .. "]}", note
 end
 
 --- Who may stage what -------------------------------------------------------------------------

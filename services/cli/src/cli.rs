@@ -123,6 +123,9 @@ pub enum Command {
     /// The tiers: how full the bounded ones are.
     #[command(subcommand)]
     Tier(TierCommand),
+    /// Kubernetes: the controller removing Stagehand's pod scheduling gates.
+    #[command(subcommand)]
+    K8s(K8sCommand),
     /// The scrub: how much of each tier was read back and verified within its period, and
     /// the damage found.
     #[command(subcommand)]
@@ -329,6 +332,10 @@ pub struct StageRequestArgs {
     /// Who asks; default `$USER`.
     #[arg(long)]
     pub by: Option<String>,
+    /// The bytes the job declared for this version (a Slurm job's `capacity=`): the request is
+    /// refused, and nothing published, when the catalogue says the version is larger.
+    #[arg(long, value_name = "BYTES")]
+    pub declared_size: Option<u64>,
     /// Print the request id, stream sequence and whether it was a duplicate as JSON.
     #[arg(long)]
     pub json: bool,
@@ -381,6 +388,38 @@ pub struct StageReleaseArgs {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum K8sCommand {
+    /// Removes the scheduling gate `stagehand.io/<dataset>` of each pod labelled
+    /// `stagehand.io/gated=true` once the stage it names is ready (asking for the stage first),
+    /// writing the path into the annotation `stagehand.io/path.<dataset>`; a failed stage keeps
+    /// the gate and its reason goes into `stagehand.io/stage-failed` (deploy/k8s/README.md).
+    Gates {
+        /// Only this namespace (a Role there suffices); default every namespace.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Time between two passes over the gated pods.
+        #[arg(long, default_value = "5s")]
+        every: String,
+        /// One pass, then exit.
+        #[arg(long)]
+        once: bool,
+        /// The API server (`https://host:port`, or `http://` through a local proxy); default
+        /// the cluster this runs in, with its service account's token and CA.
+        #[arg(long)]
+        api_server: Option<String>,
+        /// A file holding the bearer token for --api-server.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        /// The CA bundle of an https --api-server.
+        #[arg(long)]
+        api_ca: Option<PathBuf>,
+        /// Who asks for the stages; default `$USER`.
+        #[arg(long)]
+        by: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum TierCommand {
     /// Per hot and local tier: capacity, bytes used by Stagehand and by others, watermarks,
     /// bytes live stages hold, and each project's share.
@@ -393,6 +432,21 @@ pub enum TierCommand {
         /// One JSON array of the tiers' rows.
         #[arg(long)]
         json: bool,
+    },
+    /// Writes the tiers' figures as Slurm burst-buffer pools for `burst_buffer.lua`'s
+    /// `slurm_bb_pools` (deploy/slurm/README.md, "Pools"): per tier its capacity and its free
+    /// space, the capacity less the bytes live stages hold (`tier usage`'s `held`). Written
+    /// whole (a temporary file renamed), readable by all; run it every few seconds (a timer).
+    Pool {
+        /// The tiers to report (each a bounded tier of the policies).
+        #[arg(required = true)]
+        tiers: Vec<String>,
+        /// Policy folder; default `$STAGEHAND_HOME/policies` (`./.stagehand/policies`).
+        #[arg(long)]
+        policies: Option<PathBuf>,
+        /// The file to write (stagehand-slurm.conf's STAGEHAND_POOL_FILE).
+        #[arg(long, value_name = "FILE")]
+        slurm: PathBuf,
     },
 }
 
@@ -907,6 +961,9 @@ async fn run_stage(connection: &Connection, cmd: StageCommand) -> anyhow::Result
                 form: a.form,
             };
             let bus = connect(connection).await?;
+            if let Some(declared) = a.declared_size {
+                crate::stage::check_declared_size(&bus, &stage, declared).await?;
+            }
             let published = crate::stage::request(&bus, &stage, &opts).await?;
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&published)?);
@@ -1150,6 +1207,7 @@ fn command_name(command: &Command) -> &'static str {
         Command::Restore(_) => "restore",
         Command::Dlq(_) => "dlq",
         Command::Tier(_) => "tier",
+        Command::K8s(_) => "k8s gates",
         Command::Scrub(_) => "scrub",
         Command::Audit(_) => "audit",
         Command::Status(_) => "status",
@@ -1255,6 +1313,50 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
             let mut out = std::io::BufWriter::new(stdout.lock());
             crate::tier::usage(&catalogue, &policies, tier.as_deref(), json, &mut out).await?;
             std::io::Write::flush(&mut out)?;
+            Ok(0)
+        }
+        Command::K8s(K8sCommand::Gates {
+            namespace,
+            every,
+            once,
+            api_server,
+            token_file,
+            api_ca,
+            by,
+        }) => {
+            let every = args::duration("--every", &every)?;
+            let kube = match api_server {
+                Some(url) => crate::kube::Kube::new(&url, token_file, api_ca.as_deref())?,
+                None => crate::kube::Kube::in_cluster()?,
+            };
+            let bus = connect(&cli.connection).await?;
+            let by = who(by);
+            loop {
+                crate::gates::pass(&bus, &kube, namespace.as_deref(), &by).await?;
+                if once {
+                    return Ok(0);
+                }
+                tokio::time::sleep(every).await;
+            }
+        }
+        Command::Tier(TierCommand::Pool {
+            tiers,
+            policies,
+            slurm,
+        }) => {
+            let (policies, catalogue, _) =
+                policies_and_catalogue(policies, &cli.connection).await?;
+            let pools = crate::tier::pools(&catalogue, &policies, &tiers).await?;
+            crate::tier::write_slurm_pools(&slurm, &pools, time::OffsetDateTime::now_utc())?;
+            for p in &pools {
+                println!(
+                    "{}: capacity {}, held {}, free {}",
+                    p.tier,
+                    crate::tier::size(p.capacity),
+                    crate::tier::size(p.held),
+                    crate::tier::size(p.free())
+                );
+            }
             Ok(0)
         }
         Command::Scrub(ScrubCommand::Status { policies, json }) => {

@@ -170,6 +170,43 @@ pub async fn request(bus: &Bus, stage: &Stage, opts: &RequestOptions) -> anyhow:
     Ok(Published::new(id, ack))
 }
 
+/// Refuses a stage whose version is larger than the `declared` bytes its job said it needs (a
+/// Slurm job's `capacity=`, which Slurm sets aside in the tier's pool): the catalogue's size of
+/// the version decides, not the job's word, so a job that declared less than its data cannot take
+/// more of the pool than the scheduler counted. A version the catalogue does not know (in the
+/// stage's project) passes: the promoter refuses the request with its own reason. The version is
+/// resolved as every stage command resolves it (a digest or a unique prefix); a `prepared` form
+/// is checked against the size of the raw version named.
+pub async fn check_declared_size(bus: &Bus, stage: &Stage, declared: u64) -> anyhow::Result<()> {
+    let catalogue = stagehand_catalogue::Catalogue::new(bus.client().clone())
+        .with_timeout(crate::catalogue::TIMEOUT);
+    let detail = match catalogue
+        .version(Some(&stage.project), &stage.dataset, &stage.version)
+        .await
+    {
+        Ok(detail) => detail,
+        Err(e) if e.is_not_found() => return Ok(()),
+        Err(e) => {
+            let what = format!("asking the catalogue the size of {}: {e}", stage.describe());
+            return Err(if e.is_retryable() {
+                Unreachable(what).into()
+            } else {
+                anyhow::anyhow!(what)
+            });
+        }
+    };
+    let size = detail.version.total_bytes;
+    anyhow::ensure!(
+        size <= declared,
+        "{}/{}@{} is {size} bytes, more than the {declared} bytes declared for it (capacity=): \
+         declare at least {size}",
+        stage.project,
+        stage.dataset,
+        detail.version.version,
+    );
+    Ok(())
+}
+
 /// Publishes the stage's release; returns once the requests stream stored it.
 pub async fn release(bus: &Bus, stage: &Stage) -> anyhow::Result<Published> {
     let id = stage.release_id();

@@ -2,6 +2,8 @@
 //! (from the catalogue), the bytes others use on its filesystem (`statfs`), its watermarks,
 //! the bytes live stages hold, and each project's share — the demoter's own survey
 //! ([`stagehand_catalogue::survey::survey`]), so what it shows is what the demoter acts on.
+//! `stagehand tier pool` writes two of those figures, capacity and held, as the pools Slurm's
+//! burst buffer stages jobs against ([`pools`], [`write_slurm_pools`]).
 
 use std::io::Write;
 
@@ -135,4 +137,99 @@ pub async fn usage(
         }
     }
     Ok(())
+}
+
+/// A tier as a scheduler's pool: its capacity and the bytes live stages hold on it, the same
+/// figures as [`TierUsageRow`]'s `capacity` and `held`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Pool {
+    pub tier: String,
+    pub capacity: u64,
+    pub held: u64,
+}
+
+impl Pool {
+    /// What a new stage may still take: the capacity less what live stages hold.
+    pub fn free(&self) -> u64 {
+        self.capacity.saturating_sub(self.held)
+    }
+}
+
+/// The pools of `tiers`, each a bounded tier of the policies, from the demoter's survey.
+pub async fn pools(
+    catalogue: &Catalogue,
+    policies: &Policies,
+    tiers: &[String],
+) -> anyhow::Result<Vec<Pool>> {
+    let mut pools = Vec::new();
+    for name in tiers {
+        let tier = policies
+            .tiers()
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("no tier {name:?} in the policies"))?;
+        let s = stagehand_catalogue::survey::survey(catalogue, policies, tier)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("tier {name:?} has no capacity to report as a pool"))?;
+        let row = row(&s);
+        pools.push(Pool {
+            tier: row.tier,
+            capacity: row.capacity,
+            held: row.held,
+        });
+    }
+    Ok(pools)
+}
+
+/// The pool file `burst_buffer.lua`'s `slurm_bb_pools` reads (`stagehand_slurm.read_pool_file`):
+/// `written <unix seconds>` and one `pool <tier> <capacity> <free>` line per tier, in bytes.
+pub fn slurm_pool_text(pools: &[Pool], written: time::OffsetDateTime) -> String {
+    let mut text = String::from(
+        "# Stagehand's tiers as Slurm burst-buffer pools, written by `stagehand tier pool`.\n",
+    );
+    text.push_str(&format!("written {}\n", written.unix_timestamp()));
+    for p in pools {
+        text.push_str(&format!("pool {} {} {}\n", p.tier, p.capacity, p.free()));
+    }
+    text
+}
+
+/// Writes [`slurm_pool_text`] to `path` whole: a temporary file beside it, readable by all
+/// (slurmctld reads it as SlurmUser), renamed over it, so the hook never reads half a file.
+pub fn write_slurm_pools(
+    path: &std::path::Path,
+    pools: &[Pool],
+    written: time::OffsetDateTime,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::os::unix::fs::PermissionsExt;
+
+    let name = path
+        .file_name()
+        .ok_or_else(|| anyhow::anyhow!("--slurm {}: not a file name", path.display()))?;
+    let tmp = path.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+    std::fs::write(&tmp, slurm_pool_text(pools, written))
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))
+        .with_context(|| format!("making {} readable", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_file_says_when_it_was_written_and_each_tier_s_free_bytes() {
+        let pools = [Pool {
+            tier: "hot".into(),
+            capacity: 65536,
+            held: 70000,
+        }];
+        let written = time::OffsetDateTime::from_unix_timestamp(1_764_700_000).unwrap();
+        let text = slurm_pool_text(&pools, written);
+        assert!(text.contains("\nwritten 1764700000\n"), "{text}");
+        // More held than the capacity (a tier over its bound) leaves nothing free.
+        assert!(text.ends_with("\npool hot 65536 0\n"), "{text}");
+    }
 }

@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use serde::Deserialize;
@@ -948,5 +949,392 @@ async fn init_container_writes_the_path_when_ready_and_fails_the_pod_with_the_re
     if !message.contains("STAGEHAND_VERSION is not set") {
         bail!("{message:?}");
     }
+    Ok(())
+}
+
+/// A pod as the API server lists it: gated by `stagehand.io/<dataset>` (after another
+/// controller's gate), its stage named by annotations as stage-pod.yaml names it.
+fn gated_pod(name: &str, uid: &str, dataset: &str, version: &str) -> Value {
+    serde_json::json!({
+        "metadata": {
+            "namespace": "lab", "name": name, "uid": uid,
+            "labels": {"stagehand.io/gated": "true"},
+            "annotations": {
+                "stagehand.io/project": "lab", "stagehand.io/dataset": dataset,
+                "stagehand.io/version": version, "stagehand.io/tier": "hot",
+                "stagehand.io/hold": "2d"
+            }
+        },
+        "spec": {"schedulingGates": [{"name": "example.com/quota"}, {"name": format!("stagehand.io/{dataset}")}]}
+    })
+}
+
+/// One request the in-test API server received: method, path, headers (lower-cased names),
+/// body.
+#[derive(Debug, Clone)]
+struct ApiRequest {
+    method: String,
+    path: String,
+    headers: BTreeMap<String, String>,
+    body: Vec<u8>,
+}
+
+/// A stand-in for the API server's two endpoints the controller calls, over plain HTTP/1.1: it
+/// answers every GET with `pods` as a PodList and every PATCH with 200, and records each request.
+/// Only the requests' shape is checked with it: no Kubernetes API server can run here.
+async fn api_stand_in(
+    pods: Value,
+) -> anyhow::Result<(u16, std::sync::Arc<std::sync::Mutex<Vec<ApiRequest>>>)> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let list = serde_json::to_vec(&serde_json::json!({"kind": "PodList", "items": pods}))?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let mut reader = BufReader::new(stream);
+            let mut line = String::new();
+            if reader.read_line(&mut line).await.is_err() {
+                continue;
+            }
+            let mut words = line.split_whitespace();
+            let (method, path) = (
+                words.next().unwrap_or_default().to_owned(),
+                words.next().unwrap_or_default().to_owned(),
+            );
+            let mut headers = BTreeMap::new();
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h).await.unwrap_or(0) == 0 || h.trim().is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':') {
+                    headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_owned());
+                }
+            }
+            let length = headers
+                .get("content-length")
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(0);
+            let mut body = vec![0u8; length];
+            if reader.read_exact(&mut body).await.is_err() {
+                continue;
+            }
+            let answer = if method == "GET" {
+                list.clone()
+            } else {
+                b"{}".to_vec()
+            };
+            log.lock().unwrap().push(ApiRequest {
+                method,
+                path,
+                headers,
+                body,
+            });
+            let mut stream = reader.into_inner();
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                answer.len()
+            );
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(&answer).await;
+            let _ = stream.shutdown().await;
+        }
+    });
+    Ok((port, seen))
+}
+
+/// `stagehand k8s gates` against the real stack: a pod gated on a dataset not yet validated is
+/// kept waiting (its stage asked for, its gate kept); once the validator passed the version and
+/// the promoter staged it, the gate is removed; a pod naming a dataset never validated keeps
+/// its gate and gets the reason as its annotation `stagehand.io/stage-failed`. The controller
+/// connects as the NATS user `scheduler` over TLS (the shipped users). The
+/// decisions are the library's (`stagehand::gates`) on real NATS; the API-server side runs the
+/// built binary against an in-test HTTP stand-in, which checks the requests' shape only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a_failed_one()
+-> anyhow::Result<()> {
+    use stagehand::gates::{Decision, GatedPod, decide, patch};
+    // The shipped single-server config (TLS on) and users: the services as the operator, the
+    // controller as `scheduler`, the user gates.yaml gives it.
+    let ca = TestCa::new("Stagehand k8s gates test CA");
+    let accounts = accounts_conf_with_projects(&["lab"]);
+    let server = roles_of(&accounts)
+        .into_iter()
+        .fold(
+            NatsServer::builder()
+                .config_text(ca.shipped_nats_config_with_accounts("single.conf", &accounts)),
+            |b, role| {
+                let password = role_password(&role);
+                b.env(format!("STAGEHAND_NATS_{role}_PASSWORD"), password)
+            },
+        )
+        .start();
+    let url = user_url(&server, "operator", "OPERATOR");
+    let controller_url = format!("nats://scheduler@127.0.0.1:{}", server.port());
+    let mut stagehand = common::Stagehand::start_on(
+        server,
+        common::Options {
+            promoter: true,
+            nats_url: Some(url),
+            tls_ca: Some(ca.ca()),
+            ..common::Options::default()
+        },
+    )
+    .await?;
+    let secrets = tempfile::tempdir()?;
+    let password = secrets.path().join("password");
+    std::fs::write(&password, role_password("SCHEDULER"))?;
+    std::fs::set_permissions(&password, std::fs::Permissions::from_mode(0o400))?;
+    let controller = stagehand_bus::Bus::connect(&stagehand_bus::BusConfig {
+        tls_ca: Some(ca.ca()),
+        password_file: Some(password.clone()),
+        ..stagehand_bus::BusConfig::new(&controller_url)
+    })
+    .await?;
+    let folder = tempfile::tempdir()?;
+    common::write_files(
+        folder.path(),
+        &[("a.bin", b"gated data"), ("b.bin", &[9u8; 5000])],
+    )?;
+    let digest = stagehand.ingest(folder.path(), "cats", false)?;
+    let ready_json = gated_pod("train-1", "uid-train-1", "cats", &digest[..16]);
+    let failing_json = gated_pod("train-2", "uid-train-2", "nosuch", "5f2c9a0e11b34d7a");
+    let ready = GatedPod::from_api(&ready_json).context("the pod")?;
+    let failing = GatedPod::from_api(&failing_json).context("the pod")?;
+
+    // Not validated yet: asked for, kept.
+    let first = decide(&controller, &ready, "gates-test").await?;
+    ensure!(
+        matches!(first.as_slice(), [Decision::Wait { gate, .. }] if gate == "stagehand.io/cats"),
+        "before validation: {first:?}"
+    );
+    ensure!(patch(&ready, &first).is_none(), "a waiting pod was patched");
+    let st = ready
+        .stage_for("stagehand.io/cats")
+        .map_err(anyhow::Error::msg)?;
+    ensure!(
+        was_stored(&stagehand, &st).await?,
+        "the controller did not ask for the stage"
+    );
+
+    // Validated and staged: removed.
+    stagehand.start_validator();
+    let removed = stagehand_testkit::wait_for(
+        Duration::from_secs(60),
+        "the gate's stage ready",
+        || async {
+            decide(&controller, &ready, "gates-test")
+                .await
+                .ok()
+                .filter(|d| matches!(d.as_slice(), [Decision::Remove { .. }]))
+        },
+    )
+    .await?;
+    let path = stagehand
+        .home
+        .path()
+        .join("tiers/hot/lab/cats")
+        .join(&digest);
+    ensure!(
+        removed
+            == [Decision::Remove {
+                gate: "stagehand.io/cats".into(),
+                path: path.display().to_string()
+            }],
+        "{removed:?}"
+    );
+
+    // Unknown: failed, kept, said.
+    let failed = stagehand_testkit::wait_for(
+        Duration::from_secs(60),
+        "the failing stage's verdict",
+        || async {
+            decide(&controller, &failing, "gates-test")
+                .await
+                .ok()
+                .filter(|d| matches!(d.as_slice(), [Decision::Failed { .. }]))
+        },
+    )
+    .await?;
+    ensure!(
+        matches!(failed.as_slice(), [Decision::Failed { reason, .. }] if reason.contains("unknown dataset \"nosuch\"")),
+        "{failed:?}"
+    );
+
+    // The binary's requests: one list, one patch per pod, each removing or annotating only
+    // what is Stagehand's.
+    let (port, seen) = api_stand_in(serde_json::json!([ready_json, failing_json])).await?;
+    let token = folder.path().join("../token");
+    std::fs::write(&token, "a-service-account-token\n")?;
+    let out = Command::new(env!("CARGO_BIN_EXE_stagehand"))
+        .args([
+            "--nats",
+            &controller_url,
+            "k8s",
+            "gates",
+            "--once",
+            "--by",
+            "gates-test",
+        ])
+        .arg("--password-file")
+        .arg(&password)
+        .arg("--tls-ca")
+        .arg(ca.ca())
+        .arg("--api-server")
+        .arg(format!("http://127.0.0.1:{port}"))
+        .arg("--token-file")
+        .arg(&token)
+        .output()?;
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        out.status.success(),
+        "k8s gates: {said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        said.contains("lab/train-1: removed stagehand.io/cats"),
+        "{said}"
+    );
+    let seen = seen.lock().unwrap().clone();
+    ensure!(seen.len() == 3, "requests: {seen:?}");
+    ensure!(
+        seen[0].method == "GET"
+            && seen[0].path == "/api/v1/pods?labelSelector=stagehand.io%2Fgated%3Dtrue"
+            && seen[0].headers.get("authorization").map(String::as_str)
+                == Some("Bearer a-service-account-token"),
+        "{:?}",
+        seen[0]
+    );
+    let patches: BTreeMap<String, Value> = seen[1..]
+        .iter()
+        .map(|r| {
+            ensure!(
+                r.method == "PATCH"
+                    && r.headers.get("content-type").map(String::as_str)
+                        == Some("application/json-patch+json"),
+                "{r:?}"
+            );
+            Ok((r.path.clone(), serde_json::from_slice(&r.body)?))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let train1 = &patches["/api/v1/namespaces/lab/pods/train-1"];
+    ensure!(
+        *train1
+            == serde_json::json!([
+                {"op": "add", "path": "/metadata/annotations/stagehand.io~1path.cats", "value": path.display().to_string()},
+                {"op": "test", "path": "/spec/schedulingGates/1/name", "value": "stagehand.io/cats"},
+                {"op": "remove", "path": "/spec/schedulingGates/1"}
+            ]),
+        "{train1}"
+    );
+    let train2 = &patches["/api/v1/namespaces/lab/pods/train-2"];
+    ensure!(
+        train2.as_array().is_some_and(|ops| ops.len() == 1
+            && ops[0]["path"] == "/metadata/annotations/stagehand.io~1stage-failed"
+            && ops[0]["value"]
+                .as_str()
+                .is_some_and(|v| v.contains("unknown dataset \"nosuch\""))),
+        "{train2}"
+    );
+    Ok(())
+}
+
+/// Whether the stage's request is in the requests stream.
+async fn was_stored(stagehand: &common::Stagehand, st: &Stage) -> anyhow::Result<bool> {
+    let subject = format!("stagehand.req.stage.requested.{}", st.project);
+    let events =
+        stagehand_testkit::stored_events(stagehand.bus.jetstream(), "STAGEHAND_REQUESTS", &subject)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the requests: {e}"))?;
+    Ok(events.iter().any(|event| event.id == st.request_id()))
+}
+
+/// The gate controller of gates.yaml may only read and patch pods, runs `stagehand k8s gates`
+/// as its own service account, and gated-pod.yaml names a stage the controller can decide:
+/// its gate, label and annotations as `stagehand::gates` reads them, and the app reads the path
+/// annotation the controller writes.
+#[test]
+fn the_gates_controller_may_only_read_and_patch_pods_and_the_gated_pod_names_its_stage()
+-> anyhow::Result<()> {
+    use clap::Parser;
+    use stagehand::gates::{GATED_LABEL, GatedPod, path_annotation};
+    let docs = manifests()?;
+    let find = |file: &str, kind: &str| -> anyhow::Result<&Value> {
+        docs.iter()
+            .find(|(f, d)| f == file && d["kind"] == kind)
+            .map(|(_, d)| d)
+            .with_context(|| format!("{file} has no {kind}"))
+    };
+    let role = find("gates.yaml", "ClusterRole")?;
+    let rules = role["rules"]
+        .as_array()
+        .context("ClusterRole without rules")?;
+    ensure!(rules.len() == 1, "ClusterRole stagehand-gates: {rules:?}");
+    let verbs: BTreeSet<&str> = rules[0]["verbs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    ensure!(
+        rules[0]["apiGroups"] == serde_json::json!([""])
+            && rules[0]["resources"] == serde_json::json!(["pods"])
+            && verbs == BTreeSet::from(["get", "list", "watch", "patch"]),
+        "ClusterRole stagehand-gates grants more or less than pods get/list/watch/patch: {rules:?}"
+    );
+    let account = find("gates.yaml", "ServiceAccount")?;
+    let binding = find("gates.yaml", "ClusterRoleBinding")?;
+    ensure!(
+        binding["roleRef"]["name"] == role["metadata"]["name"]
+            && binding["subjects"][0]["name"] == account["metadata"]["name"]
+            && binding["subjects"][0]["namespace"] == account["metadata"]["namespace"],
+        "the ClusterRoleBinding does not bind stagehand-gates to its service account: {binding}"
+    );
+    let deployment = find("gates.yaml", "Deployment")?;
+    let spec = &deployment["spec"]["template"]["spec"];
+    ensure!(
+        spec["serviceAccountName"] == account["metadata"]["name"],
+        "the controller does not run as its service account"
+    );
+    let command: Vec<&str> = spec["containers"][0]["command"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    ensure!(
+        command.starts_with(&["stagehand", "k8s", "gates"]),
+        "the controller runs {command:?}"
+    );
+    stagehand::cli::Cli::try_parse_from(&command)
+        .map_err(|e| anyhow::anyhow!("gates.yaml's command {command:?}: {e}"))?;
+
+    let pod_doc = find("gated-pod.yaml", "Pod")?;
+    let mut named = pod_doc.clone();
+    named["metadata"]["name"] = "train-gated-x".into();
+    named["metadata"]["namespace"] = "lab".into();
+    named["metadata"]["uid"] = "uid".into();
+    let pod = GatedPod::from_api(&named).context("gated-pod.yaml: not a pod")?;
+    let gates: Vec<&str> = pod.stagehand_gates().collect();
+    ensure!(gates.len() == 1, "gated-pod.yaml gates: {gates:?}");
+    let stage = pod.stage_for(gates[0]).map_err(anyhow::Error::msg)?;
+    ensure!(
+        pod_doc["metadata"]["labels"][GATED_LABEL] == "true",
+        "gated-pod.yaml lacks the label {GATED_LABEL}=true, so the controller never lists it"
+    );
+    let reads = format!(
+        "metadata.annotations['{}']",
+        path_annotation(&stage.dataset)
+    );
+    ensure!(
+        pod_doc["spec"]["containers"][0]["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| str_of(e, "/valueFrom/fieldRef/fieldPath").as_deref() == Some(&reads)),
+        "the app of gated-pod.yaml does not read {reads}"
+    );
     Ok(())
 }

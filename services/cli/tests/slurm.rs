@@ -1256,3 +1256,260 @@ async fn jobs_stage_only_their_users_projects_and_the_hooks_show_no_secret() -> 
 fn st_job(job: u32) -> String {
     format!("{JOB_PREFIX}{job}")
 }
+
+/// `stagehand <args>` on the test's stack.
+fn stagehand_cli(stagehand: &Stagehand) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stagehand"));
+    cmd.args(["--nats", &stagehand.url]);
+    cmd
+}
+
+/// Whether the stage's request is in the requests stream now.
+async fn request_stored(stagehand: &Stagehand, st: &Stage) -> anyhow::Result<bool> {
+    let subject = format!("stagehand.req.stage.requested.{}", st.project);
+    let events =
+        stagehand_testkit::stored_events(stagehand.bus.jetstream(), "STAGEHAND_REQUESTS", &subject)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the requests: {e}"))?;
+    Ok(events.iter().any(|event| event.id == st.request_id()))
+}
+
+impl Slurm {
+    /// The file `stagehand tier pool --slurm` writes and `slurm_bb_pools` reads (slurm.sh's
+    /// STAGEHAND_POOL_FILE).
+    fn pool_file(&self) -> PathBuf {
+        self.dir.path().join("stagehand/pools")
+    }
+
+    /// The `PoolName[..]=<pool> ...` line of `scontrol show burst`: the pool as slurmctld
+    /// counts it.
+    fn pool_line(&self, pool: &str) -> anyhow::Result<String> {
+        let out = self.cmd("scontrol").args(["show", "burst"]).output()?;
+        ensure!(out.status.success(), "scontrol show burst: {}", said(&out));
+        let text = String::from_utf8(out.stdout)?;
+        Ok(text
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with("PoolName[") && l.contains(&format!("]={pool} ")))
+            .unwrap_or_default()
+            .to_owned())
+    }
+
+    /// Waits until slurmctld shows the pool's free space as `free` (it reads the pools at
+    /// start and every 30 s).
+    async fn wait_pool_free(&self, pool: &str, free: &str) -> anyhow::Result<String> {
+        let want = format!("FreeSpace={free} ");
+        let mut last = String::new();
+        let found = wait_for(
+            JOB,
+            &format!("slurmctld to see {want}in pool {pool}"),
+            || {
+                let line = self.pool_line(pool).unwrap_or_default();
+                let hit = line.contains(&want).then(|| line.clone());
+                last = line;
+                async move { hit }
+            },
+        )
+        .await;
+        found.map_err(|e| anyhow::anyhow!("{e}; last seen {last:?}; {}", self.logs()))
+    }
+}
+
+/// Runs `stagehand tier pool hot --slurm <the cluster's pool file>` until the file says `free`
+/// bytes of hot are free (the catalogue records a stage's hold or release a moment after the
+/// stage's own status).
+async fn write_pool_file(stagehand: &Stagehand, slurm: &Slurm, free: u64) -> anyhow::Result<()> {
+    let want = format!("\npool hot {HOT_POOL} {free}\n");
+    let mut last = String::new();
+    let found = wait_for(JOB, &format!("the pool file to say {want:?}"), || {
+        let out = stagehand_cli(stagehand)
+            .args(["tier", "pool", "hot", "--policies"])
+            .arg(&stagehand.policies)
+            .arg("--slurm")
+            .arg(slurm.pool_file())
+            .output();
+        let text = std::fs::read_to_string(slurm.pool_file()).unwrap_or_default();
+        let hit = text.contains(&want).then_some(());
+        last = match out {
+            Ok(out) if !out.status.success() => said(&out),
+            _ => text,
+        };
+        async move { hit }
+    })
+    .await;
+    found.map_err(|e| anyhow::anyhow!("{e}; last {last:?}"))
+}
+
+/// The hot tier's capacity in the pool test: 64 KiB.
+const HOT_POOL: u64 = 65_536;
+
+/// (e) The hot tier as a Slurm pool. `stagehand tier pool` writes its capacity and what live
+/// stages hold; `slurm_bb_pools` reports it; Slurm stages in only jobs whose declared size
+/// (`capacity=`) fits what is free. A stage held outside Slurm (an interactive job) leaves 24
+/// KiB: job A's 10 000 bytes fit, A is staged and reads its data; job B's 30 000 do not, and B
+/// is not staged — no request, no copy — while squeue shows it waiting for burst buffer
+/// resources; once the holder lets go and the pool file says so, Slurm stages B in. A job that
+/// declares less than its data is held with the reason and asks for nothing; one that declares
+/// nothing on the pool tier is refused at submit. A stale pool file reports the pool unbounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Result<()> {
+    let (stagehand, slurm) = setup_with(
+        Options {
+            hot_capacity: Some("64 KiB".into()),
+            ..with_validator()
+        },
+        vec![("STAGEHAND_POOL_TIERS", "hot".into())],
+    )
+    .await?;
+    // Before any pool file, hot is reported unbounded: jobs are staged as without pools.
+    slurm.wait_pool_free("hot", "1PiB").await?;
+    let (holder, _) = dataset_folder(&[("h.bin", &[1u8; 40_960])])?;
+    let (small, expected) = dataset_folder(&[("s.bin", &[2u8; 10_000])])?;
+    let (big, _) = dataset_folder(&[("b.bin", &[3u8; 30_000])])?;
+    let holder = stagehand.ingest(holder.path(), "holder", true)?;
+    let small = stagehand.ingest(small.path(), "small", true)?;
+    let big = stagehand.ingest(big.path(), "big", true)?;
+
+    // The holder: a stage of an interactive job, which Slurm knows nothing of.
+    let held = Stage {
+        job: "interactive-1".into(),
+        ..stage(0, "holder", &holder[..16], "hot", None)
+    };
+    let target = [
+        "holder@".to_owned() + &holder[..16],
+        "--tier".into(),
+        "hot".into(),
+        "--job".into(),
+        held.job.clone(),
+        "--project".into(),
+        PROJECT.into(),
+    ];
+    let out = stagehand_cli(&stagehand)
+        .args(["stage", "request"])
+        .args(&target)
+        .output()?;
+    ensure!(out.status.success(), "stage request: {}", said(&out));
+    let out = stagehand_cli(&stagehand)
+        .args(["stage", "wait"])
+        .args(&target)
+        .args(["--timeout", "60"])
+        .output()?;
+    ensure!(out.status.success(), "stage wait: {}", said(&out));
+    write_pool_file(&stagehand, &slurm, HOT_POOL - 40_960).await?;
+    let line = slurm.wait_pool_free("hot", "24KiB").await?;
+    eprintln!("slurmctld's pool: {line}");
+
+    let declare = |dataset: &str, digest: &str, bytes: u64| {
+        vec![format!(
+            "#BB_LUA stage dataset={dataset} version={} tier=hot project={PROJECT} capacity={bytes} pool=hot",
+            &digest[..16]
+        )]
+    };
+    // On a pool tier a directive must declare its size: refused at submit, saying how.
+    let undeclared = slurm.sbatch(
+        "undeclared",
+        &reading_job(
+            &directive("small", &small[..16], "hot"),
+            "STAGEHAND_DATA_SMALL",
+        ),
+    )?;
+    let refusal = String::from_utf8_lossy(&undeclared.stderr);
+    ensure!(
+        !undeclared.status.success()
+            && refusal.contains(
+                "tier hot is a Slurm pool (STAGEHAND_POOL_TIERS): add capacity=<bytes of small@"
+            ),
+        "a directive without capacity= on the pool tier: {refusal}"
+    );
+    // A fits; the liar declares 1 000 bytes for big's 30 000, which Slurm would fit too.
+    let a = slurm.submit(
+        "fits",
+        &reading_job(&declare("small", &small, 10_000), "STAGEHAND_DATA_SMALL"),
+    )?;
+    let liar = slurm.submit(
+        "liar",
+        &reading_job(&declare("big", &big, 1_000), "STAGEHAND_DATA_BIG"),
+    )?;
+    slurm
+        .wait_job(a, "job A to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(a)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "small", &small)
+            .display()
+            .to_string()
+    );
+    ensure!(sums == expected, "{sums:?}");
+    let (_, reason) = slurm
+        .wait_job(liar, "the liar held", |s, r| {
+            s == "PENDING" && r.contains("slurm_bb_data_in")
+        })
+        .await?;
+    ensure!(
+        reason.contains(&format!(
+            "{PROJECT}/big@{big} is 30000 bytes, more than the 1000 bytes declared for it (capacity=)"
+        )),
+        "the liar's reason: {reason:?}"
+    );
+    ensure!(
+        !request_stored(&stagehand, &stage(liar, "big", &big[..16], "hot", None)).await?,
+        "the liar's stage was requested"
+    );
+
+    // B does not fit the 24 KiB left: not staged.
+    let b = slurm.submit(
+        "too-big",
+        &reading_job(&declare("big", &big, 30_000), "STAGEHAND_DATA_BIG"),
+    )?;
+    let (_, reason) = slurm
+        .wait_job(b, "job B pending for burst buffer resources", |s, r| {
+            s == "PENDING" && r == "BurstBufferResources"
+        })
+        .await?;
+    let b_stage = stage(b, "big", &big[..16], "hot", None);
+    ensure!(
+        !request_stored(&stagehand, &b_stage).await?,
+        "job B's stage was requested while its data could not fit ({reason})"
+    );
+    ensure!(
+        !on_tier(&stagehand, "hot", "big", &big).exists(),
+        "big was copied to hot"
+    );
+    let shown = slurm.show_job(b)?;
+    ensure!(
+        shown.contains("Reason=BurstBufferResources") && shown.contains("BurstBufferState=pending"),
+        "scontrol show job {b}: {shown}"
+    );
+
+    // The holder lets go: once the pool file says so, Slurm stages B in.
+    let out = stagehand_cli(&stagehand)
+        .args(["stage", "release"])
+        .args(&target)
+        .output()?;
+    ensure!(out.status.success(), "stage release: {}", said(&out));
+    write_pool_file(&stagehand, &slurm, HOT_POOL).await?;
+    wait_for(JOB, "job B's stage requested", || async {
+        request_stored(&stagehand, &b_stage)
+            .await
+            .ok()
+            .filter(|stored| *stored)
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
+
+    // A stale pool file (its writer stopped) fails no job: the pool is reported unbounded
+    // again, and slurmctld's log says why.
+    std::fs::write(
+        slurm.pool_file(),
+        format!("written 1\npool hot {HOT_POOL} 0\n"),
+    )?;
+    slurm.wait_pool_free("hot", "1PiB").await?;
+    let log = std::fs::read_to_string(slurm.dir.path().join("log/slurmctld.log"))?;
+    ensure!(
+        log.contains("stagehand: pools hot reported unbounded: ")
+            && log.contains("more than STAGEHAND_POOL_MAX_AGE (300 s)"),
+        "slurmctld.log does not say why the pool is unbounded: {}",
+        slurm.logs()
+    );
+    Ok(())
+}

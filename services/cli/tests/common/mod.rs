@@ -68,6 +68,9 @@ pub struct Options {
     pub node_agent: Option<String>,
     /// Lines replacing `[tiers.local.quotas]` of the default tiers.toml.
     pub local_quota: Option<String>,
+    /// The hot tier's capacity (and its projects' default quota) instead of the default's, e.g.
+    /// `"64 KiB"`: a tier small enough for a test's datasets to fill.
+    pub hot_capacity: Option<String>,
     /// The URL the services and the test's own clients use: a user of the server's accounts
     /// (default the server's URL, for a server without users).
     pub nats_url: Option<String>,
@@ -186,6 +189,25 @@ impl Stagehand {
                 None => format!("{text}\n[tiers.local.quotas]\n{quota}\n"),
             };
             std::fs::write(&tiers, text)?;
+        }
+        if let Some(capacity) = &opts.hot_capacity {
+            let tiers = policies.join("tiers.toml");
+            let text = std::fs::read_to_string(&tiers)?;
+            let mut section = String::new();
+            let text: Vec<String> = text
+                .lines()
+                .map(|l| {
+                    if l.starts_with('[') {
+                        section = l.to_owned();
+                    }
+                    let hot = section == "[tiers.hot]" || section == "[tiers.hot.quotas]";
+                    match hot && (l.starts_with("capacity =") || l.starts_with("default =")) {
+                        true => format!("{} = \"{capacity}\"", l.split(" =").next().unwrap_or(l)),
+                        false => l.to_owned(),
+                    }
+                })
+                .collect();
+            std::fs::write(&tiers, text.join("\n") + "\n")?;
         }
         if let Some(slots) = opts.copy_slots {
             let promotion = policies.join("promotion.toml");
