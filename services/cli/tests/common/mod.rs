@@ -41,8 +41,6 @@ pub struct Stagehand {
     stop: CancellationToken,
     /// The recorder's own stop, a child of `stop`, so that a test can stop it alone.
     recorder_stop: CancellationToken,
-    /// The node agents started by [`Stagehand::start_node_agent`], each with its own stop.
-    agents: Vec<(String, CancellationToken, Running)>,
     tasks: Vec<Running>,
 }
 
@@ -267,7 +265,6 @@ impl Stagehand {
             bus_config,
             recorder_stop: stop.child_token(),
             stop,
-            agents: Vec::new(),
             tasks: Vec::new(),
         };
         let home = me.home.path().to_owned();
@@ -325,8 +322,10 @@ impl Stagehand {
     }
 
     /// Starts the agent of `node` (again, after [`Stagehand::stop_node_agent`]: same state,
-    /// same tier), on its own local tier.
-    pub fn start_node_agent(&mut self, node: &str) -> anyhow::Result<()> {
+    /// same tier), on its own local tier (`<home>/tiers/local-<node>`, as each node has its
+    /// own NVMe); returns the node's policy folder (the stack's, its `local` root changed),
+    /// for the node's own `stagehand` commands.
+    pub fn start_node_agent(&mut self, node: &str) -> anyhow::Result<PathBuf> {
         let home = self.home.path().to_owned();
         let policies = self.node_policies(node);
         let root = self.node_local_root(node);
@@ -356,7 +355,7 @@ impl Stagehand {
         );
         running.node = Some(node.to_owned());
         self.tasks.push(running);
-        Ok(())
+        Ok(policies)
     }
 
     /// Stops the agent of `node` as its supervisor would, and waits until it has.
@@ -376,11 +375,7 @@ impl Stagehand {
     /// and each of its workers consumes), as a supervisor's readiness check would: a test that
     /// takes NATS away must not do so while a service still makes its consumers.
     pub async fn ready(&self) -> anyhow::Result<()> {
-        for r in self
-            .tasks
-            .iter()
-            .chain(self.agents.iter().map(|(_, _, r)| r))
-        {
+        for r in &self.tasks {
             let port = r.probe.port();
             let last = std::sync::Mutex::new(String::new());
             let last_ref = &last;
@@ -459,64 +454,6 @@ impl Stagehand {
             stagehand_promoter::serve,
             self.stop.clone(),
         ));
-    }
-
-    /// Starts the promoter agent of `node` with a local tier of its own
-    /// (`<home>/tiers/local-<node>`, as each node has its own NVMe): returns the policy folder
-    /// of that node (the stack's, its `local` root changed), for the node's own `stagehand`
-    /// commands. [`Stagehand::stop_node_agent`] stops it alone.
-    pub fn start_node_agent(&mut self, node: &str) -> anyhow::Result<PathBuf> {
-        let home = self.home.path().to_owned();
-        let policies = home.join(format!("policies-{node}"));
-        let root = home.join("tiers").join(format!("local-{node}"));
-        std::fs::create_dir_all(&root)?;
-        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))?;
-        if !policies.exists() {
-            std::fs::create_dir_all(&policies)?;
-            for entry in std::fs::read_dir(&self.policies)? {
-                let entry = entry?;
-                std::fs::copy(entry.path(), policies.join(entry.file_name()))?;
-            }
-            let tiers = policies.join("tiers.toml");
-            let shared_root = format!("root = \"{}\"", home.join("tiers/local").display());
-            let text = std::fs::read_to_string(&tiers)?;
-            ensure!(
-                text.contains(&shared_root),
-                "no {shared_root} in {}",
-                tiers.display()
-            );
-            std::fs::write(
-                &tiers,
-                text.replace(&shared_root, &format!("root = \"{}\"", root.display())),
-            )?;
-        }
-        let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
-        settings.node = Some(node.to_owned());
-        settings.state_dir = home.join("state").join(format!("promoter-{node}"));
-        let stop = self.stop.child_token();
-        let running = spawn(
-            &self.bus_config,
-            stagehand_promoter::SERVICE,
-            settings,
-            stagehand_promoter::serve,
-            stop.clone(),
-        );
-        self.agents.push((node.to_owned(), stop, running));
-        Ok(policies)
-    }
-
-    /// Stops the promoter agent of `node` (the node is gone: nothing of it runs), and waits
-    /// until it has.
-    pub async fn stop_node_agent(&mut self, node: &str) -> anyhow::Result<()> {
-        let at = self
-            .agents
-            .iter()
-            .position(|(n, _, _)| n == node)
-            .with_context(|| format!("no agent of {node} runs"))?;
-        let (_, stop, running) = self.agents.remove(at);
-        stop.cancel();
-        running.task.await??;
-        Ok(())
     }
 
     /// Starts the backup copier: every version validated from then on, and those before,
