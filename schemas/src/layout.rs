@@ -33,6 +33,12 @@ pub const MIN_VERSION_PREFIX: usize = 12;
 /// keep [`MIN_VERSION_PREFIX`].
 pub const MIN_QUERY_VERSION_PREFIX: usize = 8;
 
+/// The name of the canonical manifest kept inside every set on a backup tier, beside the
+/// version's files: it makes a backup restorable and verifiable on its own (its SHA-256 is the
+/// version digest). Written by the backup copier, and again by the demoter's scrub when it
+/// repairs a backup.
+pub const BACKUP_MANIFEST_NAME: &str = ".stagehand-manifest";
+
 /// The longest dataset name, in bytes.
 pub const MAX_DATASET_NAME: usize = 128;
 

@@ -438,18 +438,7 @@ fn write_canonical(
     manifest: &Manifest,
 ) -> Result<u64, BackupError> {
     let file = scratch.create_atomic(rel, manifest.canonical_len())?;
-    let mut buf: Vec<u8> = Vec::with_capacity(1 << 20);
-    let mut offset = 0u64;
-    for entry in manifest.entries() {
-        buf.extend_from_slice(entry?.manifest_line().as_bytes());
-        if buf.len() >= 1 << 20 {
-            file.write_all_at(&buf, offset)?;
-            offset += buf.len() as u64;
-            buf.clear();
-        }
-    }
-    file.write_all_at(&buf, offset)?;
-    offset += buf.len() as u64;
+    let len = manifest.write_canonical_at(file.file())?;
     file.commit()?;
-    Ok(offset)
+    Ok(len)
 }

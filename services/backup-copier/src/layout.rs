@@ -74,7 +74,7 @@ pub fn set_prefix(project: &str, dataset: &str, version: &str) -> Result<String,
 
 /// The name of the manifest inside a backup set. A version holding a file of that name at
 /// its root cannot be backed up (refused with that reason).
-pub const MANIFEST_NAME: &str = ".stagehand-manifest";
+pub const MANIFEST_NAME: &str = stagehand_schemas::layout::BACKUP_MANIFEST_NAME;
 
 /// Where the canonical manifest of the backup at `set_prefix` lives: inside the set.
 pub fn manifest_path(set_prefix: &str) -> String {

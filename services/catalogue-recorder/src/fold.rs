@@ -577,28 +577,36 @@ pub fn unreachable_reason(p: &ReplicaUnreachable) -> String {
 /// The sentence a damaged replica's record keeps: how it was found, the first paths and how
 /// each is damaged, and what happens next.
 pub fn damage_reason(p: &ReplicaDamaged) -> String {
-    const SHOWN: usize = 5;
-    let listed: Vec<String> = p
+    let listed = p
         .files
         .iter()
-        .take(SHOWN)
         .map(|f| match (f.expected_size, f.found_size) {
             (Some(e), Some(found)) => format!("{} {} ({found} bytes, {e} listed)", f.path, f.how),
             _ => format!("{} {}", f.path, f.how),
-        })
-        .collect();
-    let more = p.damaged_total.saturating_sub(listed.len() as u64);
+        });
+    let text = damage_text(&p.found_by, p.damaged_total, "path(s)", listed);
+    format!("{text}; {}", p.reason)
+}
+
+/// `damaged (found by F): N what — the first few listed and how many more`: the one form of a
+/// damaged copy's reason, whoever found it.
+fn damage_text(
+    found_by: &str,
+    total: u64,
+    what: &str,
+    listed: impl Iterator<Item = String>,
+) -> String {
+    const SHOWN: usize = 5;
+    let listed: Vec<String> = listed.take(SHOWN).collect();
+    let more = total.saturating_sub(listed.len() as u64);
     let more = if more > 0 {
         format!(" and {more} more")
     } else {
         String::new()
     };
     format!(
-        "damaged (found by {}): {} path(s) — {}{more}; {}",
-        p.found_by,
-        p.damaged_total,
-        listed.join(", "),
-        p.reason
+        "damaged (found by {found_by}): {total} {what} — {}{more}",
+        listed.join(", ")
     )
 }
 
@@ -660,13 +668,39 @@ fn restore_failed(
         problems: p.problems.clone(),
         stamp: stamp.clone(),
     };
-    set_drill(
-        txn,
-        event,
-        (&p.dataset, &p.version),
-        (&p.location, None),
-        drill,
-    )
+    let version = (p.dataset.as_str(), p.version.as_str());
+    set_drill(txn, event, version, (&p.location, None), drill)?;
+    // A backup that does not restore is damaged, whoever found it: marked so, it no longer
+    // counts as a verified copy (nothing is demoted or expired on its strength) and the scrub
+    // repairs it from a copy that verifies, as it does the damage it finds itself. A drill of
+    // a copy the catalogue does not know invents none; one older than the copy's last fact (a
+    // repair) changes nothing.
+    if read_replica(txn, &event.project, version, (&p.location, None))?
+        .stamp
+        .is_some()
+    {
+        let reason = drill_damage_reason(p);
+        set_replica(
+            txn,
+            event,
+            version,
+            (&p.location, None),
+            stamp,
+            (ReplicaState::Damaged, Some(reason)),
+            None,
+        )?;
+    }
+    Ok(())
+}
+
+/// The reason a backup that failed its restore drill is damaged: the problems it found.
+fn drill_damage_reason(p: &RestoreFailed) -> String {
+    let listed = p.problems.iter().map(|f| match &f.path {
+        Some(path) => format!("{path} {}", f.code),
+        None => f.code.clone(),
+    });
+    let total = p.problems_total.unwrap_or(p.problems.len() as u64);
+    damage_text("restore drill", total, "problem(s)", listed)
 }
 
 fn stage_requested(

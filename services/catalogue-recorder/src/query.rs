@@ -1720,6 +1720,12 @@ mod tests {
             tier: "backup".into(),
             prefix: format!("lab-a/cats/{}", version_of(v)),
         };
+        // Backed up first, drilled after, as the copier does.
+        let backups = [
+            backup(&v1, "backup"),
+            backup(&v1, "offsite"),
+            backup(&v2, "backup"),
+        ];
         let ok = v1.caused(
             "drill",
             Body::RestoreVerified(RestoreVerified {
@@ -1745,9 +1751,9 @@ mod tests {
             v1.clone(),
             v2.clone(),
             v3.clone(),
-            backup(&v1, "backup"),
-            backup(&v1, "offsite"),
-            backup(&v2, "backup"),
+            backups[0].clone(),
+            backups[1].clone(),
+            backups[2].clone(),
             ok,
             failed,
         ];
@@ -1787,9 +1793,60 @@ mod tests {
                 .unwrap()
                 .ok
         );
-        let drill = of(&v2).on("backup").unwrap().last_drill.clone().unwrap();
+        // A backup that failed its drill is damaged: no longer the present copy on its tier,
+        // its reason naming what the drill found.
+        assert_eq!(of(&v2).on("backup"), None);
+        let damaged = of(&v2).backups[0].clone();
+        assert_eq!(damaged.state, ReplicaState::Damaged);
+        assert!(
+            damaged
+                .reason
+                .as_deref()
+                .unwrap()
+                .contains("found by restore drill): 1 problem(s) — f2.bin checksum_mismatch"),
+            "{damaged:#?}"
+        );
+        let drill = damaged.last_drill.unwrap();
         assert!(!drill.ok);
         assert_eq!(drill.problems[0].path.as_deref(), Some("f2.bin"));
+        // A drill of a copy the catalogue does not know records the drill and invents no copy.
+        let stray = v3.caused(
+            "drill",
+            Body::RestoreFailed(RestoreFailed {
+                dataset: "cats".into(),
+                version: version_of(&v3),
+                location: location(&v3),
+                problems: vec![Problem::new("missing", Some("f1.bin"), "gone")],
+                problem_counts: vec![("missing".into(), 1)],
+                problems_total: None,
+            }),
+        );
+        // The scrub's repair of v2's backup, after the drill, makes it present again.
+        let repaired = v2.caused(
+            "repair",
+            Body::ReplicaRepaired(stagehand_schemas::ReplicaRepaired {
+                dataset: "cats".into(),
+                version: version_of(&v2),
+                location: location(&v2),
+                node: None,
+                from_tier: "source".into(),
+                repaired: vec!["f2.bin".into()],
+                repaired_total: 1,
+                files: 2,
+                total_bytes: 3,
+            }),
+        );
+        fold_into(&store, &[stray, repaired]);
+        let (all_after, _) = ask(None, false, None, None);
+        let after = |v: &Event| {
+            all_after
+                .iter()
+                .find(|e| e.version == version_of(v))
+                .unwrap()
+                .clone()
+        };
+        assert!(after(&v2).on("backup").is_some(), "{:#?}", after(&v2));
+        assert!(after(&v3).backups.is_empty(), "{:#?}", after(&v3));
         assert!(of(&v3).backups.is_empty());
         assert!(!of(&v3).is_protected());
 

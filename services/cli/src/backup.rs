@@ -57,7 +57,8 @@ pub struct VersionStatus {
     pub files: u64,
     pub total_bytes: u64,
     pub protected: bool,
-    /// The backup tier of the copy shown (the most recently drilled present one).
+    /// The backup tier of the copy shown: the most recently drilled present one, else the one
+    /// held damaged by its failed drill.
     pub backup_tier: Option<String>,
     #[serde(with = "stagehand_catalogue::time::utc::option")]
     pub last_backup: Option<time::OffsetDateTime>,
@@ -82,9 +83,17 @@ pub fn version_status(v: &VersionBackups) -> VersionStatus {
             )
         })
         .copied();
-    let last_drill = shown.and_then(|r| r.last_drill.clone());
+    // With no present copy, one the catalogue holds damaged because its drill failed tells
+    // more than "not protected": it is why, and its page is the drill's.
+    let failed_drill = (v.backups.iter())
+        .filter(|r| r.state == ReplicaState::Damaged)
+        .filter(|r| r.last_drill.as_ref().is_some_and(|d| !d.ok))
+        .max_by_key(|r| r.last_drill.as_ref().map(|d| d.stamp.clone()));
+    let told = shown.or(failed_drill);
+    let last_drill = told.and_then(|r| r.last_drill.clone());
     let flag = match (shown, &last_drill) {
-        (None, _) => Some(Flag::NotProtected),
+        (None, Some(_)) => Some(Flag::DrillFailed),
+        (None, None) => Some(Flag::NotProtected),
         (Some(_), None) => Some(Flag::NeverDrilled),
         (Some(_), Some(d)) if !d.ok => Some(Flag::DrillFailed),
         _ => None,
@@ -96,7 +105,7 @@ pub fn version_status(v: &VersionBackups) -> VersionStatus {
         files: v.files,
         total_bytes: v.total_bytes,
         protected: shown.is_some(),
-        backup_tier: shown.map(|r| r.tier.clone()),
+        backup_tier: told.map(|r| r.tier.clone()),
         last_backup: present
             .iter()
             .filter_map(|r| r.copied.as_ref().map(|s| s.at))
@@ -376,6 +385,24 @@ mod tests {
             version_status(&version(vec![removed])).flag,
             Some(Flag::NotProtected),
             "a removed copy protects nothing"
+        );
+        // The catalogue holds a backup whose drill failed damaged: not a protection, and
+        // flagged for its drill, with what the drill found.
+        let mut damaged = replica("backup", Some(false));
+        damaged.state = ReplicaState::Damaged;
+        let failed = version_status(&version(vec![damaged.clone()]));
+        assert_eq!(failed.flag, Some(Flag::DrillFailed));
+        assert!(!failed.protected);
+        assert_eq!(failed.backup_tier.as_deref(), Some("backup"));
+        assert_eq!(
+            drill_text(&failed.last_drill),
+            "FAILED: checksum_mismatch b.bin"
+        );
+        damaged.last_drill = None;
+        assert_eq!(
+            version_status(&version(vec![damaged])).flag,
+            Some(Flag::NotProtected),
+            "a copy damaged otherwise protects nothing"
         );
     }
 }

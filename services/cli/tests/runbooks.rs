@@ -18,7 +18,7 @@
 //! person does outside Stagehand (an uploader fixing a folder, a supervisor restarting a
 //! service, a disk's owner moving files) the test does between the page's sections, as the
 //! page says. Stage-stuck runs on a stack of its own, as it needs the validator from the start
-//! and no promoter; so does replica-damaged, which needs the backup copier;
+//! and no promoter; so do replica-damaged and drill-failed, which need the backup copier;
 //! nats-node-lost, whose services run on a three-node NATS cluster; and new-project, whose
 //! services run as their own NATS users of the shipped accounts config (`common::tenants`).
 
@@ -51,10 +51,6 @@ const NOT_YET_RUN: &[(&str, &str)] = &[
         "status names a consumer once its oldest message waited 10 minutes",
     ),
     (
-        "drill-failed.md",
-        "needs the backup copier, a backup tier and a damaged backup",
-    ),
-    (
         "drill-overdue.md",
         "needs the backup copier and a drill clock held back",
     ),
@@ -84,6 +80,7 @@ const RUN: &[&str] = &[
     "service-silent.md",
     "stage-stuck.md",
     "replica-damaged.md",
+    "drill-failed.md",
     "nats-node-lost.md",
     "new-project.md",
 ];
@@ -859,24 +856,7 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
     // it again.
     let page = Page::read("service-silent.md");
     shell.quiet(&page.name);
-    let binary = Path::new(env!("CARGO_BIN_EXE_stagehand")).with_file_name("stagehand-demoter");
-    assert!(
-        binary.exists(),
-        "{} is missing: cargo build -p stagehand-demoter",
-        binary.display()
-    );
-    let config = stack.home.path().join("demoter.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[bus]\nservers = [\"{}\"]\nclient_name = \"demoter\"\n\n[worker]\ninstance_id = \"runbooks\"\n\n\
-             [service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
-            stack.url,
-            stack.policies.display(),
-            stack.home.path().join("state/demoter").display()
-        ),
-    )
-    .unwrap();
+    let (binary, config) = demoter_process(&stack);
     let log = stack.home.path().join("demoter.log");
     let mut demoter = ServiceProcess::spawn(&binary, &config, &log, &[]);
     wait_until_blocking(WAIT, "the demoter alive", || demoter_alive(&shell))
@@ -933,6 +913,39 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
         exercised.difference(&run).collect::<Vec<_>>()
     );
     drop(disk);
+}
+
+/// The demoter's binary, built beside `stagehand`, and a config of it (instance `runbooks`)
+/// for `stack`: run as its own process, as its supervisor would, so that a test can kill it.
+fn demoter_process(stack: &Stagehand) -> (PathBuf, PathBuf) {
+    let binary = Path::new(env!("CARGO_BIN_EXE_stagehand")).with_file_name("stagehand-demoter");
+    assert!(
+        binary.exists(),
+        "{} is missing: cargo build -p stagehand-demoter",
+        binary.display()
+    );
+    let config = stack.home.path().join("demoter.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[bus]\nservers = [\"{}\"]\nclient_name = \"demoter\"\n\n[worker]\ninstance_id = \"runbooks\"\n\n\
+             [service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            stack.url,
+            stack.policies.display(),
+            stack.home.path().join("state/demoter").display()
+        ),
+    )
+    .unwrap();
+    (binary, config)
+}
+
+/// Replaces `from` by `to` in the stack's policy file `name`, before the service reading it
+/// starts.
+fn edit_policy(stack: &Stagehand, name: &str, from: &str, to: &str) {
+    let path = stack.policies.join(name);
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(from), "{} has no {from:?}", path.display());
+    std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
 }
 
 /// Whether `stagehand status` shows a demoter instance alive.
@@ -1075,6 +1088,85 @@ async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
         owls_on_hot.is_dir(),
         "{} not restored",
         owls_on_hot.display()
+    );
+}
+
+/// drill-failed: one byte of a version's backup is flipped, as a failing disk would. The next
+/// restore drill fails, and the catalogue holds that backup damaged; the demoter's scrub
+/// repairs it from the source tier's copy, and the drill after the repair verifies it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_drill_is_repaired_and_drilled_again_by_its_page() {
+    let mut stack = Stagehand::start(common::Options {
+        validator: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // A drill every two seconds and a scrub pass every second, so that the page's waits are
+    // the test's seconds rather than production's day.
+    edit_policy(
+        &stack,
+        "backup.toml",
+        "drill_every = \"24h\"",
+        "drill_every = \"2s\"",
+    );
+    edit_policy(
+        &stack,
+        "scrub.toml",
+        "check_every = \"10m\"",
+        "check_every = \"1s\"",
+    );
+    stack.start_backup_copier();
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("drill-failed.md");
+    let uploads = tempfile::tempdir().unwrap();
+    let owls = uploads.path().join("owls");
+    write_upload(&owls, 3);
+    let version = stack.ingest(&owls, "owls", true).unwrap();
+    wait_until_blocking(WAIT, "the backup of owls drilled", || {
+        let out = shell.stagehand(&["backup", "status", "--json"]);
+        String::from_utf8_lossy(&out.stdout).lines().any(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
+            line["version"] == version.as_str() && line["last_drill"]["ok"] == true
+        })
+    })
+    .unwrap();
+    shell.quiet(&page.name);
+
+    let sample = "shard-00/sample-00000.txt";
+    let backup = stack
+        .home
+        .path()
+        .join(format!("tiers/backup/{PROJECT}/owls/{version}/{sample}"));
+    let good = std::fs::read(owls.join(sample)).unwrap();
+    assert_eq!(std::fs::read(&backup).unwrap(), good);
+    let mut flipped = good.clone();
+    flipped[0] ^= 0x01;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&backup, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::write(&backup, &flipped).unwrap();
+
+    let finding = shell.status_names(&page.name);
+    assert_eq!(
+        finding["subject"],
+        format!("{PROJECT}/owls@{} on backup", &version[..12]),
+        "{finding:#}"
+    );
+    shell.set("BACKUP_TIER", "backup");
+    let found = shell.steps(&page, None, Some("2."));
+    assert!(found.contains("checksum_mismatch"), "{found}");
+    // The demoter runs in production all along; started only now, its repair cannot hide the
+    // failed drill from the page before the page has found it.
+    let (binary, config) = demoter_process(&stack);
+    let log = stack.home.path().join("demoter.log");
+    let demoter = ServiceProcess::spawn(&binary, &config, &log, &[]);
+    shell.steps(&page, Some("2."), Some("Confirm"));
+    shell.confirm(&page);
+    assert_eq!(
+        std::fs::read(&backup).unwrap(),
+        good,
+        "the backup's file is not repaired byte for byte:\n{}",
+        demoter.log()
     );
 }
 

@@ -380,6 +380,14 @@ async fn open(
                     })
                     .cloned()
                     .collect(),
+                backups: (policy.period.keys())
+                    .filter(|name| {
+                        policies
+                            .tier(name)
+                            .is_some_and(|t| t.role == TierRole::Backup)
+                    })
+                    .cloned()
+                    .collect(),
                 spool_dir: spool_dir.clone(),
                 shutdown: shutdown.clone(),
             }))

@@ -39,6 +39,7 @@ use stagehand_mover::{
     Tier, TransferError, VerifyMode,
 };
 use stagehand_policy::{ScrubBudget, ScrubPolicy};
+use stagehand_schemas::layout::BACKUP_MANIFEST_NAME;
 use stagehand_schemas::{
     Body, DamagedFile, Event, EventId, FileRef, Location, ReplicaDamaged, ReplicaRepaired,
     ReplicaVerified, Retryable,
@@ -130,7 +131,11 @@ pub struct ScrubParts {
     /// The scrubbed tiers whose damaged copies the scrub repairs (capacity and backup roles;
     /// a hot or local copy is repaired by the promoter's check before it is handed out).
     pub repairable: HashSet<String>,
-    /// Where the version's file list is spooled while a repair reads it.
+    /// Of those, the backup tiers: a backup keeps its version's manifest inside it, and a
+    /// repaired one gets it again.
+    pub backups: HashSet<String>,
+    /// Where the version's file list is spooled while a repair reads it (and a backup's
+    /// manifest is written before it is copied in).
     pub spool_dir: std::path::PathBuf,
     pub shutdown: CancellationToken,
 }
@@ -865,6 +870,19 @@ impl Scrubber {
             if let Some(e) = listed.take_error() {
                 return Err(list_err(&e));
             }
+            // The set is published whole, so a backup's manifest (not a file of the version,
+            // dropped from the staged set as a stray) is written into it again first.
+            if let (true, Some(staging)) =
+                (self.p().backups.contains(&d.tier), staged.staging_tier())
+            {
+                self.put_backup_manifest(&manifest, staging)
+                    .await
+                    .map_err(|e| ScrubError::Repair {
+                        tier: d.tier.clone(),
+                        prefix: p.prefix.clone(),
+                        source: Box::new(e),
+                    })?;
+            }
             staged.publish().await.map_err(|e| ScrubError::Repair {
                 tier: d.tier.clone(),
                 prefix: p.prefix.clone(),
@@ -894,6 +912,56 @@ impl Scrubber {
         }
         tracing::error!(tier = %d.tier, prefix = %p.prefix, lost = ?damaged, "a damaged replica has no verified replica to repair it from: it stays damaged (stagehand scrub status)");
         Ok(false)
+    }
+
+    /// Writes `manifest`'s canonical bytes as [`BACKUP_MANIFEST_NAME`] at the root of a
+    /// repaired backup's staging tier: spooled to a file of the demoter's own, then copied by
+    /// the mover, proven like any copy.
+    async fn put_backup_manifest(
+        &self,
+        manifest: &stagehand_manifest::Manifest,
+        staging: &Tier,
+    ) -> Result<(), TransferError> {
+        let dir = format!("backup-manifests/{}", manifest.digest());
+        let spool = stagehand_mover::PosixTier::open("spool", &self.p().spool_dir)?;
+        let rel = format!("{dir}/{BACKUP_MANIFEST_NAME}");
+        let (m, at, r) = (manifest.clone(), spool.clone(), rel.clone());
+        let written = tokio::task::spawn_blocking(move || {
+            let file = at.create_atomic(&r, m.canonical_len())?;
+            let len = m.write_canonical_at(file.file()).map_err(|e| {
+                TransferError::new(ErrorKind::Io, Side::Destination, "spool", &r, e.to_string())
+            })?;
+            file.commit()?;
+            Ok::<u64, TransferError>(len)
+        })
+        .await
+        .map_err(|e| {
+            TransferError::new(
+                ErrorKind::Io,
+                Side::Destination,
+                "spool",
+                &rel,
+                e.to_string(),
+            )
+        })?;
+        let copied = async {
+            let len = written?;
+            let src = Tier::Posix(spool.beneath(&dir, false)?);
+            let file = FileRef::new(BACKUP_MANIFEST_NAME, len, manifest.digest());
+            let opts = CopyOptions {
+                priority: SCRUB_PRIORITY,
+                verify_destination: VerifyMode::ReadBack,
+                ..CopyOptions::default()
+            };
+            self.p().mover.copy(&src, staging, &file, &opts).await
+        }
+        .await;
+        if let Err(e) = spool.remove_tree(&dir)
+            && e.kind != ErrorKind::NotFound
+        {
+            warn!(error = %e, "could not remove a backup manifest's spool file");
+        }
+        copied.map(|_| ())
     }
 
     /// Reads every listed file of the replica and hashes it ([`read_replica`]), within the

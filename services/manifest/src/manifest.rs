@@ -171,6 +171,27 @@ impl Manifest {
         }
     }
 
+    /// Writes the canonical manifest bytes into `file` from offset 0, in 1 MiB writes (memory
+    /// stays bounded whatever the manifest's size); returns how many bytes. Blocking.
+    pub fn write_canonical_at(&self, file: &File) -> Result<u64, ManifestError> {
+        const CHUNK: usize = 1 << 20;
+        let io = |e: std::io::Error| {
+            ManifestError::new(ManifestErrorKind::Io, &self.digest, format!("writing: {e}"))
+        };
+        let mut buf: Vec<u8> = Vec::with_capacity(CHUNK);
+        let mut offset = 0u64;
+        for entry in self.entries() {
+            buf.extend_from_slice(entry?.manifest_line().as_bytes());
+            if buf.len() >= CHUNK {
+                file.write_all_at(&buf, offset).map_err(io)?;
+                offset += buf.len() as u64;
+                buf.clear();
+            }
+        }
+        file.write_all_at(&buf, offset).map_err(io)?;
+        Ok(offset + buf.len() as u64)
+    }
+
     /// The entries in path order, `chunk` at a time, read on a blocking thread: memory stays
     /// bounded by the chunk whatever the manifest's size.
     pub fn chunks(
