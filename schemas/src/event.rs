@@ -1067,12 +1067,10 @@ pub mod action {
     pub const DLQ_DISCARD: &str = "dlq.discard";
     /// `stagehand dlq replay`: a dead letter's message republished.
     pub const DLQ_REPLAY: &str = "dlq.replay";
-    /// `stagehand stage reconcile`: a stage whose job is gone released on its behalf.
-    pub const RECONCILE_RELEASE: &str = "reconcile.release";
 }
 
-/// An operator acted on Stagehand — cancelled a stage, discarded or replayed a dead letter,
-/// released the stages of jobs that are gone — and says who, what, on what and why (when is
+/// An operator acted on Stagehand — cancelled a stage, discarded or replayed a dead letter —
+/// and says who, what, on what and why (when is
 /// the envelope's `occurred_at`). Published on `stagehand.fact.operator.action.<project>`,
 /// the project acted on (a dead letter's own envelope project), and kept with the facts, so
 /// that every intervention stays on record as long as what it changed
@@ -1080,8 +1078,8 @@ pub mod action {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct OperatorAction {
-    /// What was done: one of [`action`] (`stage.cancel`, `dlq.discard`, `dlq.replay`,
-    /// `reconcile.release`); readers show one they do not know as it is.
+    /// What was done: one of [`action`] (`stage.cancel`, `dlq.discard`, `dlq.replay`); readers
+    /// show one they do not know as it is.
     pub action: String,
     /// Who did it: a user or account name (`$USER@host`, or `STAGEHAND_OPERATOR`).
     pub by: String,
@@ -1100,7 +1098,7 @@ pub struct OperatorAction {
     /// The dead letter's sequence in `STAGEHAND_DEAD_LETTERS` (`dlq.*`).
     #[serde(default)]
     pub dead_letter_sequence: Option<u64>,
-    /// The stage request it concerns (`stage.cancel`, `reconcile.release`).
+    /// The stage request it concerns (`stage.cancel`).
     #[serde(default)]
     pub request_id: Option<EventId>,
 }

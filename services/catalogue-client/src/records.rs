@@ -706,7 +706,7 @@ mod tests {
 pub struct OperatorActionRecord {
     /// The project acted on.
     pub project: String,
-    /// `stage.cancel`, `dlq.discard`, `dlq.replay`, `reconcile.release`.
+    /// `stage.cancel`, `dlq.discard`, `dlq.replay`.
     pub action: String,
     /// Who did it.
     pub by: String,
