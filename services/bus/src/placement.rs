@@ -129,8 +129,22 @@ impl Reservations {
             .sum()
     }
 
+    /// Bytes reserved on the tier: every replica listed, held by a live stage or not (an
+    /// unheld one stays listed until the demoter removes it).
     pub fn total(&self) -> u64 {
         self.replicas.values().sum()
+    }
+
+    /// Whether a new replica of `bytes` fits beside everything listed on a tier of `capacity`:
+    /// the rule the promoter reserves by (`hot is full` when it does not).
+    pub fn fits(&self, bytes: u64, capacity: u64) -> bool {
+        self.total().saturating_add(bytes) <= capacity
+    }
+
+    /// The bytes a new replica may still take on a tier of `capacity`: the largest size
+    /// [`Reservations::fits`] admits (none on a tier listed over its capacity).
+    pub fn free(&self, capacity: u64) -> u64 {
+        capacity.saturating_sub(self.total())
     }
 }
 
@@ -599,6 +613,20 @@ mod tests {
         assert_eq!(r.used_by("lab-ab"), 100);
         assert_eq!(r.total(), 115);
         assert_eq!(place("local", Some("gpu.07")), "local.gpu=2E07");
+    }
+
+    #[test]
+    fn free_space_is_what_a_reservation_would_still_be_admitted() {
+        let mut r = Reservations::default();
+        // One replica a live stage holds, one nobody holds: both count.
+        r.replicas.insert("lab/held/v1".into(), 40_960);
+        r.replicas.insert("lab/unheld/v1".into(), 10_240);
+        assert_eq!(r.free(65_536), 14_336);
+        assert!(r.fits(r.free(65_536), 65_536));
+        assert!(!r.fits(r.free(65_536) + 1, 65_536));
+        // Listed over its capacity (the bound lowered): nothing free, nothing fits.
+        assert_eq!(r.free(40_000), 0);
+        assert!(!r.fits(0, 40_000));
     }
 
     #[test]

@@ -435,8 +435,10 @@ pub enum TierCommand {
     },
     /// Writes the tiers' figures as Slurm burst-buffer pools for `burst_buffer.lua`'s
     /// `slurm_bb_pools` (deploy/slurm/README.md, "Pools"): per tier its capacity and its free
-    /// space, the capacity less the bytes live stages hold (`tier usage`'s `held`). Written
-    /// whole (a temporary file renamed), readable by all; run it every few seconds (a timer).
+    /// space, what the promoter would still reserve for a copy: the capacity less every replica
+    /// reserved on the tier, held by a live stage or not (an unheld one stays until the demoter
+    /// removes it above the high watermark). Written whole (a temporary file renamed), readable
+    /// by all; run it every few seconds (a timer).
     Pool {
         /// The tiers to report (each a bounded tier of the policies).
         #[arg(required = true)]
@@ -1344,17 +1346,28 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
             policies,
             slurm,
         }) => {
-            let (policies, catalogue, _) =
+            let (policies, catalogue, bus) =
                 policies_and_catalogue(policies, &cli.connection).await?;
-            let pools = crate::tier::pools(&catalogue, &policies, &tiers).await?;
+            let promoter = bus
+                .jetstream()
+                .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+                .await
+                .map_err(|e| {
+                    crate::args::Unreachable(format!(
+                        "KV bucket {} is not there ({e}): is the promoter running?",
+                        stagehand_bus::PROMOTER_BUCKET
+                    ))
+                })?;
+            let pools = crate::tier::pools(&catalogue, &promoter, &policies, &tiers).await?;
             crate::tier::write_slurm_pools(&slurm, &pools, time::OffsetDateTime::now_utc())?;
             for p in &pools {
                 println!(
-                    "{}: capacity {}, held {}, free {}",
+                    "{}: capacity {}, held {}, reserved {}, free {}",
                     p.tier,
                     crate::tier::size(p.capacity),
                     crate::tier::size(p.held),
-                    crate::tier::size(p.free())
+                    crate::tier::size(p.reserved),
+                    crate::tier::size(p.free)
                 );
             }
             Ok(0)

@@ -2,12 +2,15 @@
 //! (from the catalogue), the bytes others use on its filesystem (`statfs`), its watermarks,
 //! the bytes live stages hold, and each project's share — the demoter's own survey
 //! ([`stagehand_catalogue::survey::survey`]), so what it shows is what the demoter acts on.
-//! `stagehand tier pool` writes two of those figures, capacity and held, as the pools Slurm's
-//! burst buffer stages jobs against ([`pools`], [`write_slurm_pools`]).
+//! `stagehand tier pool` writes each tier's capacity and free space as the pools Slurm's burst
+//! buffer stages jobs against ([`pools`], [`write_slurm_pools`]); free is what the promoter
+//! would still reserve, its own rule ([`Reservations::free`]), not merely what is not held.
 
 use std::io::Write;
 
+use async_nats::jetstream::kv;
 use serde::Serialize;
+use stagehand_bus::placement::{self, Reservations};
 use stagehand_catalogue::Catalogue;
 use stagehand_catalogue::survey::TierSurvey;
 use stagehand_policy::Policies;
@@ -139,25 +142,40 @@ pub async fn usage(
     Ok(())
 }
 
-/// A tier as a scheduler's pool: its capacity and the bytes live stages hold on it, the same
-/// figures as [`TierUsageRow`]'s `capacity` and `held`.
+/// A tier as a scheduler's pool: its capacity, the bytes live stages hold on it
+/// ([`TierUsageRow`]'s `held`), the bytes reserved on it in the promoter's bucket and what a
+/// new stage may still take.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Pool {
     pub tier: String,
     pub capacity: u64,
     pub held: u64,
+    /// Every replica reserved on the tier, held by a live stage or not: what the promoter
+    /// counts (an unheld replica stays until the demoter removes it, above the high watermark).
+    pub reserved: u64,
+    /// What the promoter would reserve for a new copy now ([`Reservations::free`]): the capacity
+    /// less everything reserved, not only what live stages hold.
+    pub free: u64,
 }
 
 impl Pool {
-    /// What a new stage may still take: the capacity less what live stages hold.
-    pub fn free(&self) -> u64 {
-        self.capacity.saturating_sub(self.held)
+    fn new(tier: String, capacity: u64, held: u64, reservations: &Reservations) -> Pool {
+        Pool {
+            tier,
+            capacity,
+            held,
+            reserved: reservations.total(),
+            free: reservations.free(capacity),
+        }
     }
 }
 
-/// The pools of `tiers`, each a bounded tier of the policies, from the demoter's survey.
+/// The pools of `tiers`, each a bounded shared tier of the policies: capacity and held from
+/// the demoter's survey, reserved and free from the promoter's reservations in `promoter`
+/// (the [`stagehand_bus::PROMOTER_BUCKET`] bucket).
 pub async fn pools(
     catalogue: &Catalogue,
+    promoter: &kv::Store,
     policies: &Policies,
     tiers: &[String],
 ) -> anyhow::Result<Vec<Pool>> {
@@ -170,12 +188,16 @@ pub async fn pools(
         let s = stagehand_catalogue::survey::survey(catalogue, policies, tier)
             .await?
             .ok_or_else(|| anyhow::anyhow!("tier {name:?} has no capacity to report as a pool"))?;
+        let reserved = placement::reservations(promoter, name, None)
+            .await
+            .map_err(|e| anyhow::anyhow!("reading tier {name:?}'s reservations: {e}"))?;
         let row = row(&s);
-        pools.push(Pool {
-            tier: row.tier,
-            capacity: row.capacity,
-            held: row.held,
-        });
+        pools.push(Pool::new(
+            row.tier,
+            row.capacity,
+            row.held,
+            &reserved.value.unwrap_or_default(),
+        ));
     }
     Ok(pools)
 }
@@ -188,7 +210,7 @@ pub fn slurm_pool_text(pools: &[Pool], written: time::OffsetDateTime) -> String 
     );
     text.push_str(&format!("written {}\n", written.unix_timestamp()));
     for p in pools {
-        text.push_str(&format!("pool {} {} {}\n", p.tier, p.capacity, p.free()));
+        text.push_str(&format!("pool {} {} {}\n", p.tier, p.capacity, p.free));
     }
     text
 }
@@ -221,15 +243,20 @@ mod tests {
 
     #[test]
     fn the_pool_file_says_when_it_was_written_and_each_tier_s_free_bytes() {
-        let pools = [Pool {
-            tier: "hot".into(),
-            capacity: 65536,
-            held: 70000,
-        }];
+        let mut reserved = Reservations::default();
+        reserved.replicas.insert("lab/held/v1".into(), 40_960);
+        reserved.replicas.insert("lab/unheld/v1".into(), 10_240);
+        // Only the first is held, but the promoter counts both: so does the pool.
+        let hot = Pool::new("hot".into(), 65_536, 40_960, &reserved);
+        assert_eq!((hot.reserved, hot.free), (51_200, 14_336));
+        // More reserved than the capacity (a tier over its bound) leaves nothing free.
+        let warm = Pool::new("warm".into(), 50_000, 0, &reserved);
         let written = time::OffsetDateTime::from_unix_timestamp(1_764_700_000).unwrap();
-        let text = slurm_pool_text(&pools, written);
+        let text = slurm_pool_text(&[hot, warm], written);
         assert!(text.contains("\nwritten 1764700000\n"), "{text}");
-        // More held than the capacity (a tier over its bound) leaves nothing free.
-        assert!(text.ends_with("\npool hot 65536 0\n"), "{text}");
+        assert!(
+            text.ends_with("\npool hot 65536 14336\npool warm 50000 0\n"),
+            "{text}"
+        );
     }
 }

@@ -1343,14 +1343,16 @@ async fn write_pool_file(stagehand: &Stagehand, slurm: &Slurm, free: u64) -> any
 /// The hot tier's capacity in the pool test: 64 KiB.
 const HOT_POOL: u64 = 65_536;
 
-/// (e) The hot tier as a Slurm pool. `stagehand tier pool` writes its capacity and what live
-/// stages hold; `slurm_bb_pools` reports it; Slurm stages in only jobs whose declared size
-/// (`capacity=`) fits what is free. A stage held outside Slurm (an interactive job) leaves 24
-/// KiB: job A's 10 000 bytes fit, A is staged and reads its data; job B's 30 000 do not, and B
-/// is not staged — no request, no copy — while squeue shows it waiting for burst buffer
-/// resources; once the holder lets go and the pool file says so, Slurm stages B in. A job that
-/// declares less than its data is held with the reason and asks for nothing; one that declares
-/// nothing on the pool tier is refused at submit. A stale pool file reports the pool unbounded.
+/// (e) The hot tier as a Slurm pool. `stagehand tier pool` writes its capacity and what the
+/// promoter would still reserve there; `slurm_bb_pools` reports it; Slurm stages in only jobs
+/// whose declared size (`capacity=`) fits what is free. A stage held outside Slurm (an
+/// interactive job) leaves 24 KiB: job A's 10 KiB fit, A is staged and reads its data; job B's
+/// 30 000 bytes do not, and B is not staged — no request, no copy — while squeue shows it
+/// waiting for burst buffer resources. Once the holder lets go its replica stays on hot, unheld
+/// beside A's: the promoter still refuses B (`hot is full`), and the pool says 14 KiB free, so
+/// Slurm still does not stage B in. A job that declares less than its data is held with the
+/// reason and asks for nothing; one that declares nothing on the pool tier is refused at
+/// submit. A stale pool file reports the pool unbounded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Result<()> {
     let (stagehand, slurm) = setup_with(
@@ -1364,7 +1366,7 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
     // Before any pool file, hot is reported unbounded: jobs are staged as without pools.
     slurm.wait_pool_free("hot", "1PiB").await?;
     let (holder, _) = dataset_folder(&[("h.bin", &[1u8; 40_960])])?;
-    let (small, expected) = dataset_folder(&[("s.bin", &[2u8; 10_000])])?;
+    let (small, expected) = dataset_folder(&[("s.bin", &[2u8; 10_240])])?;
     let (big, _) = dataset_folder(&[("b.bin", &[3u8; 30_000])])?;
     let holder = stagehand.ingest(holder.path(), "holder", true)?;
     let small = stagehand.ingest(small.path(), "small", true)?;
@@ -1424,7 +1426,7 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
     // A fits; the liar declares 1 000 bytes for big's 30 000, which Slurm would fit too.
     let a = slurm.submit(
         "fits",
-        &reading_job(&declare("small", &small, 10_000), "STAGEHAND_DATA_SMALL"),
+        &reading_job(&declare("small", &small, 10_240), "STAGEHAND_DATA_SMALL"),
     )?;
     let liar = slurm.submit(
         "liar",
@@ -1481,21 +1483,63 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
         "scontrol show job {b}: {shown}"
     );
 
-    // The holder lets go: once the pool file says so, Slurm stages B in.
+    // The holder lets go; its replica stays on hot, held by no one, beside A's (the demoter
+    // removes unheld replicas only above the high watermark). The promoter counts both and
+    // refuses big; the pool file counts both too: 64 KiB less 40 KiB less 10 KiB.
     let out = stagehand_cli(&stagehand)
         .args(["stage", "release"])
         .args(&target)
         .output()?;
     ensure!(out.status.success(), "stage release: {}", said(&out));
-    write_pool_file(&stagehand, &slurm, HOT_POOL).await?;
-    wait_for(JOB, "job B's stage requested", || async {
-        request_stored(&stagehand, &b_stage)
-            .await
-            .ok()
-            .filter(|stored| *stored)
-    })
-    .await
-    .map_err(|e| anyhow::anyhow!("{e}; {}", slurm.logs()))?;
+    let refused = [
+        "big@".to_owned() + &big[..16],
+        "--tier".into(),
+        "hot".into(),
+        "--job".into(),
+        "interactive-2".into(),
+        "--project".into(),
+        PROJECT.into(),
+    ];
+    let out = stagehand_cli(&stagehand)
+        .args(["stage", "request"])
+        .args(&refused)
+        .output()?;
+    ensure!(out.status.success(), "stage request: {}", said(&out));
+    let out = stagehand_cli(&stagehand)
+        .args(["stage", "wait"])
+        .args(&refused)
+        .args(["--timeout", "60"])
+        .output()?;
+    // Refused counting 40 KiB + 10 KiB of 64 KiB (the test's project quota is hot's capacity,
+    // so the quota speaks first: `quota exceeded`, else `hot is full`).
+    let said_why = said(&out);
+    ensure!(
+        !out.status.success() && said_why.contains("51200") && said_why.contains("65536"),
+        "the promoter did not refuse big beside the unheld replicas: {said_why}"
+    );
+    write_pool_file(&stagehand, &slurm, HOT_POOL - 40_960 - 10_240).await?;
+    slurm.wait_pool_free("hot", "14KiB").await?;
+    // A plain job's scheduling pass ends with Slurm's stage-in attempt for jobs waiting on the
+    // burst buffer (`schedule` → `bb_g_job_try_stage_in`): once it has run, B was tried
+    // against the 14 KiB.
+    let plain = slurm.submit(
+        "plain",
+        "#!/bin/bash
+true
+",
+    )?;
+    slurm
+        .wait_job(plain, "a plain job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let shown = slurm.show_job(b)?;
+    ensure!(
+        shown.contains("Reason=BurstBufferResources") && shown.contains("BurstBufferState=pending"),
+        "job B was staged in while the promoter would refuse it: scontrol show job {b}: {shown}"
+    );
+    ensure!(
+        !request_stored(&stagehand, &b_stage).await?,
+        "job B's stage was requested while the promoter would refuse it"
+    );
 
     // A stale pool file (its writer stopped) fails no job: the pool is reported unbounded
     // again, and slurmctld's log says why.

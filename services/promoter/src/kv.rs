@@ -175,10 +175,9 @@ impl Coordination {
                     return Ok(Err(Refused::Quota { used, quota }));
                 }
             }
-            let used = r.total();
-            if used.saturating_add(bytes) > limits.capacity {
+            if !r.fits(bytes, limits.capacity) {
                 return Ok(Err(Refused::Full {
-                    used,
+                    used: r.total(),
                     capacity: limits.capacity,
                 }));
             }
