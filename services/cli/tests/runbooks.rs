@@ -1191,8 +1191,10 @@ async fn a_silent_nodes_copies_are_found_and_its_agents_return_confirmed_by_its_
         promoter: true,
         demoter: true,
         node_agents: vec![NODE_A.into(), NODE_B.into()],
-        // Seconds rather than production's two minutes, so that the page's wait is short.
-        agent_silent_after: Some("3s".into()),
+        // Seconds rather than production's two minutes, so that the page's wait is short; ten
+        // of them (a beat every 2.5 s), so that a machine busy with builds does not make a
+        // beating agent look silent.
+        agent_silent_after: Some("10s".into()),
         ..Default::default()
     })
     .await
