@@ -19,8 +19,9 @@
 //! service, a disk's owner moving files) the test does between the page's sections, as the
 //! page says. Stage-stuck runs on a stack of its own, as it needs the validator from the start
 //! and no promoter; so do replica-damaged and drill-failed, which need the backup copier;
-//! nats-node-lost, whose services run on a three-node NATS cluster; and new-project, whose
-//! services run as their own NATS users of the shipped accounts config (`common::tenants`).
+//! nats-node-lost, whose services run on a three-node NATS cluster; new-project, whose
+//! services run as their own NATS users of the shipped accounts config (`common::tenants`);
+//! and node-lost, which needs the demoter and two node agents, each with a local tier.
 
 mod common;
 
@@ -59,10 +60,6 @@ const NOT_YET_RUN: &[(&str, &str)] = &[
         "needs an S3 source tier behind a connection the test can cut",
     ),
     (
-        "node-lost.md",
-        "tests/node_lost.rs produces it (two node agents, one stopped past agent_silent_after) and checks the status line and its page; the page's blocks are not run yet",
-    ),
-    (
         "scrub-behind.md",
         "needs a tier holding more than the scrub's budget reads in its period",
     ),
@@ -83,6 +80,7 @@ const RUN: &[&str] = &[
     "drill-failed.md",
     "nats-node-lost.md",
     "new-project.md",
+    "node-lost.md",
 ];
 
 #[test]
@@ -493,21 +491,31 @@ impl Shell {
     /// Has a job stage `target` on `tier`, as its prolog does: requests it and waits until it
     /// is ready; panics with the CLI's output when it is not.
     fn stage(&self, target: &str, tier: &str, job: &str) {
-        for args in [
-            &["stage", "request", target, "--tier", tier, "--job", job][..],
-            &[
-                "stage",
-                "wait",
-                target,
-                "--tier",
-                tier,
-                "--job",
-                job,
-                "--timeout",
-                "60",
-            ],
-        ] {
-            let out = self.stagehand(args);
+        self.stage_with(target, tier, job, &[]);
+    }
+
+    /// [`Shell::stage`] onto `node`'s node-local `tier`.
+    fn stage_on_node(&self, target: &str, tier: &str, node: &str, job: &str) {
+        self.stage_with(target, tier, job, &["--node", node]);
+    }
+
+    /// [`Shell::stage`] with `more` arguments to both the request and the wait.
+    fn stage_with(&self, target: &str, tier: &str, job: &str, more: &[&str]) {
+        let request = ["stage", "request", target, "--tier", tier, "--job", job];
+        let wait = [
+            "stage",
+            "wait",
+            target,
+            "--tier",
+            tier,
+            "--job",
+            job,
+            "--timeout",
+            "60",
+        ];
+        for args in [&request[..], &wait[..]] {
+            let args = [args, more].concat();
+            let out = self.stagehand(&args);
             assert!(
                 out.status.success(),
                 "stagehand {}: {}{}",
@@ -1168,6 +1176,89 @@ async fn a_failed_drill_is_repaired_and_drilled_again_by_its_page() {
         "the backup's file is not repaired byte for byte:\n{}",
         demoter.log()
     );
+}
+
+/// node-lost: two nodes hold a version on their local tiers; node B's agent stops and stays
+/// silent past `agent_silent_after`, so the demoter marks B's copy unreachable and status names
+/// B. The page finds the node; B's supervisor starts its agent again (the page's step 2, first
+/// case), which re-checks the copy, and the page confirms the node's line gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_nodes_copies_are_found_and_its_agents_return_confirmed_by_its_page() {
+    const NODE_A: &str = "gpu-a";
+    const NODE_B: &str = "gpu-b";
+    let mut stack = Stagehand::start(common::Options {
+        validator: true,
+        promoter: true,
+        demoter: true,
+        node_agents: vec![NODE_A.into(), NODE_B.into()],
+        // Seconds rather than production's two minutes, so that the page's wait is short; ten
+        // of them (a beat every 2.5 s), so that a machine busy with builds does not make a
+        // beating agent look silent.
+        agent_silent_after: Some("10s".into()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("node-lost.md");
+    let uploads = tempfile::tempdir().unwrap();
+    let owls = uploads.path().join("owls");
+    write_upload(&owls, 3);
+    let version = stack.ingest(&owls, "owls", true).unwrap();
+    let target = format!("owls@{version}");
+    for node in [NODE_A, NODE_B] {
+        shell.stage_on_node(&target, "local", node, &format!("train-{node}"));
+    }
+    usable_on(&shell, &target, &[NODE_A, NODE_B]);
+    shell.quiet(&page.name);
+
+    stack.stop_node_agent(NODE_B).await.unwrap();
+    let finding = shell.status_names(&page.name);
+    let subject = format!("{NODE_B} (tier local)");
+    assert_eq!(finding["subject"], subject.as_str(), "{finding:#}");
+    usable_on(&shell, &target, &[NODE_A]);
+    shell.set("NODE", NODE_B);
+    let said = shell.steps(&page, None, Some("Confirm"));
+    let seen: Vec<serde_json::Value> = serde_json::Deserializer::from_str(
+        said.split("--- stdout\n")
+            .nth(1)
+            .unwrap()
+            .split("--- stderr\n")
+            .next()
+            .unwrap(),
+    )
+    .into_iter()
+    .collect::<Result<_, _>>()
+    .unwrap_or_else(|e| panic!("{e}: {said}"));
+    assert!(
+        seen.len() == 1 && seen[0]["subject"] == subject.as_str(),
+        "{said}"
+    );
+    // Its supervisor starts the agent again.
+    stack.start_node_agent(NODE_B).unwrap();
+    shell.confirm(&page);
+    usable_on(&shell, &target, &[NODE_A, NODE_B]);
+}
+
+/// Waits until `stagehand stage where` lists exactly `nodes` as holding a usable copy of
+/// `target`; panics with its last answer.
+fn usable_on(shell: &Shell, target: &str, nodes: &[&str]) {
+    let mut last = String::new();
+    let listed = wait_until_blocking(WAIT, &format!("{target} usable on {nodes:?}"), || {
+        let out = shell.stagehand(&["stage", "where", target, "--json"]);
+        last = String::from_utf8_lossy(&out.stdout).into_owned();
+        let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let usable: Vec<&str> = answer["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["node"].as_str())
+            .collect();
+        usable == nodes
+    });
+    if let Err(e) = listed {
+        panic!("{e}: {last}");
+    }
 }
 
 /// nats-node-lost: one node of the three-node cluster under `stagehand up`'s services is
