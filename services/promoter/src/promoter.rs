@@ -26,8 +26,8 @@ mod clock;
 mod copying;
 mod estimate;
 mod in_flight;
-mod offload;
 mod liveness;
+mod offload;
 mod requests;
 mod reservations;
 
