@@ -182,8 +182,25 @@ impl Copier {
             .or_else(|| version.backups.iter().find(present))
             .cloned()
             .ok_or_else(|| {
+                // A copy held damaged (its drill or a scrub found it so) is no copy to restore
+                // from, and says why.
+                let damaged: Vec<String> = (version.backups.iter())
+                    .filter(|r| r.state == ReplicaState::Damaged)
+                    .map(|r| {
+                        format!(
+                            "on {}: {}",
+                            r.tier,
+                            r.reason.as_deref().unwrap_or("damaged")
+                        )
+                    })
+                    .collect();
+                let why = if damaged.is_empty() {
+                    String::new()
+                } else {
+                    format!(" that verifies (its backup {})", damaged.join("; "))
+                };
                 BackupError::NotFound(format!(
-                    "{}/{}@{} has no copy on a backup tier",
+                    "{}/{}@{} has no copy on a backup tier{why}",
                     version.project, version.dataset, version.version
                 ))
             })?;

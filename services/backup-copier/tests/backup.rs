@@ -161,13 +161,15 @@ async fn a_backup_verifies_drills_restores_and_a_corrupt_byte_fails_the_next_dri
             "cats",
             &version,
             |s| {
-                s.on("backup")
-                    .and_then(|r| r.last_drill.as_ref())
-                    .is_some_and(|d| !d.ok)
+                backup_copy(s).is_some_and(|r| {
+                    r.state == ReplicaState::Damaged && r.last_drill.as_ref().is_some_and(|d| !d.ok)
+                })
             },
         )
         .await;
-    let drill = failed.on("backup").unwrap().last_drill.clone().unwrap();
+    // The catalogue holds the backup damaged: no longer a copy to rely on.
+    assert_eq!(failed.on("backup"), None);
+    let drill = backup_copy(&failed).unwrap().last_drill.clone().unwrap();
     assert_eq!(drill.problems.len(), 1, "{:#?}", drill.problems);
     assert_eq!(drill.problems[0].code, "checksum_mismatch");
     assert_eq!(drill.problems[0].path.as_deref(), Some(victim));

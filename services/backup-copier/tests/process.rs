@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use common::*;
 use futures::StreamExt;
+use stagehand_catalogue::ReplicaState;
 use stagehand_mover::s3::{BucketLock, RetentionMode, S3Config, S3Tier};
 use stagehand_mover::{SET_COMPLETE_MARKER, Tier};
 use stagehand_schemas::{Body, Event, sha256_hex, wire};
@@ -210,13 +211,15 @@ async fn an_s3_backup_is_held_under_object_lock_and_a_replaced_object_fails_the_
             "cats",
             &version,
             |s| {
-                s.on("backup")
-                    .and_then(|r| r.last_drill.as_ref())
-                    .is_some_and(|d| !d.ok)
+                backup_copy(s).is_some_and(|r| {
+                    r.state == ReplicaState::Damaged && r.last_drill.as_ref().is_some_and(|d| !d.ok)
+                })
             },
         )
         .await;
-    let drill = failed.on("backup").unwrap().last_drill.clone().unwrap();
+    // The catalogue holds the backup damaged: no longer a copy to rely on.
+    assert_eq!(failed.on("backup"), None);
+    let drill = backup_copy(&failed).unwrap().last_drill.clone().unwrap();
     assert_eq!(drill.problems.len(), 1, "{:#?}", drill.problems);
     assert_eq!(drill.problems[0].path.as_deref(), Some(victim.as_str()));
     assert_eq!(drill.problems[0].code, "checksum_mismatch");

@@ -623,11 +623,25 @@ fn backup_completed(
         verified_by: "backup".into(),
         backup: true,
     };
-    let state = (ReplicaState::Present, None);
+    let version = (p.dataset.as_str(), p.version.as_str());
+    // The facts of one copy may fold in any order: a drill that failed after the copy was
+    // made, folded first, still holds it damaged.
+    let record = read_replica(txn, &event.project, version, (&p.location, None))?;
+    let state = match record
+        .last_drill
+        .as_ref()
+        .filter(|d| !d.ok && &d.stamp > stamp)
+    {
+        Some(d) => (
+            ReplicaState::Damaged,
+            Some(drill_damage_reason(&d.problems, d.problems.len() as u64)),
+        ),
+        None => (ReplicaState::Present, None),
+    };
     set_replica(
         txn,
         event,
-        (&p.dataset, &p.version),
+        version,
         (&p.location, None),
         stamp,
         state,
@@ -679,7 +693,8 @@ fn restore_failed(
         .stamp
         .is_some()
     {
-        let reason = drill_damage_reason(p);
+        let total = p.problems_total.unwrap_or(p.problems.len() as u64);
+        let reason = drill_damage_reason(&p.problems, total);
         set_replica(
             txn,
             event,
@@ -693,13 +708,13 @@ fn restore_failed(
     Ok(())
 }
 
-/// The reason a backup that failed its restore drill is damaged: the problems it found.
-fn drill_damage_reason(p: &RestoreFailed) -> String {
-    let listed = p.problems.iter().map(|f| match &f.path {
+/// The reason a backup that failed its restore drill is damaged: the problems it found
+/// (`total` of them in all).
+fn drill_damage_reason(problems: &[Problem], total: u64) -> String {
+    let listed = problems.iter().map(|f| match &f.path {
         Some(path) => format!("{path} {}", f.code),
         None => f.code.clone(),
     });
-    let total = p.problems_total.unwrap_or(p.problems.len() as u64);
     damage_text("restore drill", total, "problem(s)", listed)
 }
 

@@ -1809,6 +1809,8 @@ mod tests {
         let drill = damaged.last_drill.unwrap();
         assert!(!drill.ok);
         assert_eq!(drill.problems[0].path.as_deref(), Some("f2.bin"));
+        // v3's backup, made before the drill below but folded after it.
+        let late_backup = backup(&v3, "backup");
         // A drill of a copy the catalogue does not know records the drill and invents no copy.
         let stray = v3.caused(
             "drill",
@@ -1847,12 +1849,31 @@ mod tests {
         };
         assert!(after(&v2).on("backup").is_some(), "{:#?}", after(&v2));
         assert!(after(&v3).backups.is_empty(), "{:#?}", after(&v3));
+        // The copy folded after its failed drill is damaged all the same: the order the facts
+        // of one copy fold in does not matter.
+        fold_into(&store, &[late_backup]);
+        let (all_last, _) = ask(None, false, None, None);
+        let v3_backup = (all_last.iter())
+            .find(|e| e.version == version_of(&v3))
+            .unwrap()
+            .backups[0]
+            .clone();
+        assert_eq!(v3_backup.state, ReplicaState::Damaged, "{v3_backup:#?}");
+        assert!(
+            v3_backup
+                .reason
+                .as_deref()
+                .unwrap()
+                .contains("f1.bin missing"),
+            "{v3_backup:#?}"
+        );
         assert!(of(&v3).backups.is_empty());
         assert!(!of(&v3).is_protected());
 
-        // One tier only, protected versions only.
+        // One tier only, versions with a copy there only (v3's damaged one counts: it is
+        // there, waiting for its repair).
         let (on_backup, _) = ask(Some("backup"), true, None, None);
-        assert_eq!(on_backup.len(), 2);
+        assert_eq!(on_backup.len(), 3);
         assert!(on_backup.iter().all(|e| e.backups.len() == 1));
 
         // Pages of one meet exactly.

@@ -502,7 +502,7 @@ async fn a_damaged_copy_and_failed_or_overdue_drills_need_a_person_with_their_pa
                 .iter()
                 .filter(|f| f["area"] == "replica" || f["area"] == "drill")
                 .count()
-                == 3
+                == 4
             && report["drills"]["versions"] == 3;
         last = report;
         async move { all }
@@ -520,6 +520,9 @@ async fn a_damaged_copy_and_failed_or_overdue_drills_need_a_person_with_their_pa
         run.contains("runbooks/replica-damaged.md") && run.contains("--project lab"),
         "{run}"
     );
+    // The backup whose drill failed is also a damaged copy, waiting for the scrub's repair.
+    let (detail, _) = only("replica", &format!("{PROJECT}/bad@{}", &failed[..12]));
+    assert!(detail.contains("found by restore drill"), "{detail}");
     let (detail, run) = only("drill", &format!("{PROJECT}/bad@{}", &failed[..12]));
     assert!(detail.contains("failed"), "{detail}");
     assert!(run.contains("runbooks/drill-failed.md"), "{run}");
@@ -529,8 +532,19 @@ async fn a_damaged_copy_and_failed_or_overdue_drills_need_a_person_with_their_pa
     assert!(findings(&last, "drill", "/new@").is_empty(), "{last:#}");
     assert_eq!(last["drills"]["failed"], 1);
     assert_eq!(last["drills"]["overdue"], 1);
-    assert_eq!(last["damaged"][0]["tier"], "capacity");
-    assert_eq!(last["damaged"][0]["damaged"], 1);
+    let damaged_on: Vec<(String, u64)> = (last["damaged"].as_array().unwrap().iter())
+        .map(|t| {
+            (
+                t["tier"].as_str().unwrap().to_owned(),
+                t["damaged"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        damaged_on,
+        [("backup".to_owned(), 1), ("capacity".to_owned(), 1)],
+        "{last:#}"
+    );
 
     // `stagehand scrub status` names the same copy under its tier and exits 1 while it is
     // damaged; the tiers it reads are the ones scrub.toml gives a period.

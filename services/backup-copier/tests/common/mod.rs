@@ -202,6 +202,12 @@ impl Stack {
     }
 }
 
+/// The version's copy on the tier `backup`, whatever its state (a drill that fails holds it
+/// damaged).
+pub fn backup_copy(v: &VersionBackups) -> Option<&stagehand_catalogue::ReplicaRecord> {
+    v.backups.iter().find(|r| r.tier == "backup")
+}
+
 /// The files beneath `dir`, relative, sorted; hidden staging folders and temp files included.
 pub fn listing(dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
