@@ -548,7 +548,8 @@ impl Shell {
             },
         );
         if let Err(e) = done {
-            panic!("{e}: {last:#}");
+            // The findings are what keeps it loud; the consumers' table would bury them.
+            panic!("{e}: {:#}", last["findings"]);
         }
     }
 
@@ -1211,6 +1212,18 @@ async fn a_silent_nodes_copies_are_found_and_its_agents_return_confirmed_by_its_
     }
     usable_on(&shell, &target, &[NODE_A, NODE_B]);
     shell.quiet(&page.name);
+    // The shared promoter and both agents run on this one host: each is an instance of its
+    // own, none a restart of another.
+    let (_, report) = shell.status().unwrap();
+    let promoters: Vec<&serde_json::Value> = (report["services"].as_array().unwrap().iter())
+        .filter(|s| s["service"] == "promoter")
+        .collect();
+    assert_eq!(promoters.len(), 3, "{:#}", report["services"]);
+    assert!(
+        promoters.iter().all(|s| s["restarts"] == 0),
+        "{:#}",
+        report["services"]
+    );
 
     stack.stop_node_agent(NODE_B).await.unwrap();
     let finding = shell.status_names(&page.name);

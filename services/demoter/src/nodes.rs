@@ -87,6 +87,9 @@ impl NodeWatch {
                 .replicas_on(tier, None, Some(ReplicaState::Present))
                 .await
                 .map_err(|e| retry(&e))?;
+            // Before the records are read: a record stored while they are read is judged
+            // younger, never older, than it is.
+            let now = OffsetDateTime::now_utc();
             let mut seen: BTreeMap<String, Option<NodeLiveness>> = BTreeMap::new();
             for node in present.iter().filter_map(|r| r.node.as_deref()) {
                 if !seen.contains_key(node) {
@@ -96,7 +99,6 @@ impl NodeWatch {
                     seen.insert(node.to_owned(), record);
                 }
             }
-            let now = OffsetDateTime::now_utc();
             let facts = unreachable_facts(&present, &seen, now, self.silent_after);
             if !facts.is_empty() {
                 warn!(%tier, copies = facts.len(), "node agents silent: their copies marked unreachable (runbooks/node-lost.md)");

@@ -143,11 +143,7 @@ impl Settings {
 
     /// This instance's name: `instance`, else the host name (and the node).
     pub fn instance_name(&self) -> String {
-        let base = self.instance.clone().unwrap_or_else(|| {
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_owned())
-                .unwrap_or_else(|_| "promoter".into())
-        });
+        let base = (self.instance.clone()).unwrap_or_else(stagehand_bus::host_name);
         let name = match (&self.instance, &self.node) {
             (None, Some(node)) => format!("{base}-{node}"),
             _ => base,
@@ -271,6 +267,12 @@ fn soon() -> RetrySchedule {
 }
 
 impl ServiceSettings for Settings {
+    /// A node agent's heartbeat is its own, beside the shared promoter's and the other
+    /// agents' on the same host: [`Settings::instance_name`].
+    fn instance(&self) -> Option<String> {
+        (self.instance.is_some() || self.node.is_some()).then(|| self.instance_name())
+    }
+
     fn validate(&self) -> Result<(), InvalidKey> {
         if self.policies_dir.as_os_str().is_empty() {
             return Err(InvalidKey::new(

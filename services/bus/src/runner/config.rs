@@ -32,7 +32,17 @@ pub trait ServiceSettings: DeserializeOwned + Send + 'static {
     fn validate(&self) -> Result<(), InvalidKey> {
         Ok(())
     }
+
+    /// This instance's name, when the service's own settings decide it (a node agent: one
+    /// per node, several on one host in a test or a one-machine cluster). `None`: the host
+    /// name. `[worker] instance_id`, when set, comes first.
+    fn instance(&self) -> Option<String> {
+        None
+    }
 }
+
+/// A service with no `[service]` table of its own.
+impl ServiceSettings for () {}
 
 /// One invalid key of a table, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,9 +13,10 @@
 //! wrote its stop (killed, or died without unwinding) as an unclean stop. A clean stop writes
 //! `stopped_at`; a service that failed writes `failed_at` and its error.
 //!
-//! The instance is `[worker] instance_id` when set, else the host name: two instances of one
-//! service on one host must set `instance_id`, or they share a key (and look like one instance
-//! restarting). Who may read: only Stagehand's own account (the operator, `stagehand
+//! The instance is `[worker] instance_id` when set, else the one the service's settings name
+//! (`ServiceSettings::instance`: a promoter node agent's is its host and node), else the host
+//! name: two instances of one service on one host must differ there, or they share a key (and
+//! look like one instance restarting). Who may read: only Stagehand's own account (the operator, `stagehand
 //! status`); each service's user may write and read its own keys only, and no tenant or
 //! scheduler account imports the bucket (`deploy/nats/accounts.conf`). A heartbeat that cannot
 //! be written is logged and the service carries on: liveness reporting must never stop work.

@@ -369,6 +369,7 @@ pub async fn run<S, F, Fut, T, E>(
     serve: F,
 ) -> Result<T, RunError>
 where
+    S: ServiceSettings,
     F: FnOnce(Context<S>) -> Fut,
     Fut: Future<Output = Result<T, E>>,
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
@@ -415,7 +416,9 @@ where
     );
     info.set(1.0);
     let progress = Progress::default();
-    let instance = worker.instance_id.clone().unwrap_or_else(crate::host_name);
+    let instance = (worker.instance_id.clone())
+        .or_else(|| service.instance())
+        .unwrap_or_else(crate::host_name);
     let beating = heartbeat::start(&connected, name, instance, progress.clone()).await;
     let ctx = Context {
         name,

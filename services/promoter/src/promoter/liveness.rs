@@ -2,14 +2,15 @@
 //!
 //! Every `agent_beat_every` (a quarter of `promotion.toml`'s `agent_silent_after`) the agent
 //! rewrites its node's liveness record in the promoter's bucket
-//! (`stagehand_bus::placement::beat`). The demoter judges a node whose record is older than
-//! `agent_silent_after` silent and states `replica.unreachable` for each of its present local
-//! copies. After each beat the agent asks the catalogue for its node's copies held
-//! unreachable and re-checks each against the fingerprint recorded when it was published (no
-//! byte read): intact, it states `replica.created` again (usable); different or gone,
-//! `replica.damaged` with what differs (repaired by hash on the next request for it). A copy
-//! with no fingerprint recorded stays unreachable here: the next request for it verifies it by
-//! hash through the copy path, which treats an unreachable copy as a damaged one.
+//! (`stagehand_bus::placement::beat`), on a loop of its own. The demoter judges a node whose
+//! record is older than `agent_silent_after` silent and states `replica.unreachable` for each
+//! of its present local copies. As often, on a second loop, the agent asks the catalogue for
+//! its node's copies held unreachable and re-checks each against the fingerprint recorded when
+//! it was published (no byte read): intact, it states `replica.created` again (usable);
+//! different or gone, `replica.damaged` with what differs (repaired by hash on the next request
+//! for it). A copy with no fingerprint recorded stays unreachable here: the next request for
+//! it verifies it by hash through the copy path, which treats an unreachable copy as a damaged
+//! one.
 
 use stagehand_bus::HandlerError;
 use stagehand_bus::placement;
@@ -30,25 +31,41 @@ pub fn step_returned(tier: &str, node: &str) -> String {
 }
 
 impl Promoter {
-    /// A node agent's liveness loop (the module docs); the shared promoter has none. Runs
-    /// until shutdown.
+    /// A node agent's liveness loops (the module docs); the shared promoter has none. Runs
+    /// until shutdown. The beat has a loop of its own: a re-check waiting on a slow catalogue
+    /// or a slow disk must not delay the record that says the node is alive, or a busy node
+    /// would be judged silent and its copies withdrawn.
     pub async fn liveness(self) -> Result<(), HandlerError> {
         let Some(node) = self.node().map(str::to_owned) else {
             return Ok(());
         };
         let every = self.p().promotion.agent_beat_every();
-        loop {
-            if let Err(e) = placement::beat(self.p().coordination.store(), &node, every).await {
-                warn!(%node, error = %e, "liveness record not written; written again next beat");
+        let beats = async {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {}
+                    _ = self.p().shutdown.cancelled() => return,
+                }
+                if let Err(e) = placement::beat(self.p().coordination.store(), &node, every).await {
+                    warn!(%node, error = %e, "liveness record not written; written again next beat");
+                }
             }
-            if let Err(e) = self.take_back(&node).await {
-                debug!(%node, error = %e, "unreachable copies not re-checked yet; tried again next beat");
+        };
+        let take_backs = async {
+            loop {
+                if let Err(e) = self.take_back(&node).await {
+                    debug!(%node, error = %e, "unreachable copies not re-checked yet; tried again next beat");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = self.p().shutdown.cancelled() => return,
+                }
             }
-            tokio::select! {
-                _ = tokio::time::sleep(every) => {}
-                _ = self.p().shutdown.cancelled() => return Ok(()),
-            }
-        }
+        };
+        tokio::join!(beats, take_backs);
+        Ok(())
     }
 
     /// Re-checks every copy of `node` the catalogue holds unreachable, on each local tier.
