@@ -86,3 +86,74 @@ async fn on_a_single_server_a_subject_no_stream_captures_is_refused_at_once() {
     assert_eq!(err.kind(), BusErrorKind::Publish, "{err}");
     assert!(started.elapsed() < Duration::from_secs(2));
 }
+
+/// Counts the events it handles.
+struct Counting(std::sync::atomic::AtomicU32);
+
+impl stagehand_bus::Handler for Counting {
+    async fn handle(
+        &self,
+        _event: &Event,
+        _ctx: &stagehand_bus::WorkContext,
+    ) -> Result<Vec<Event>, stagehand_bus::HandlerError> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(Vec::new())
+    }
+}
+
+/// A worker that starts while its stream has no leader (two of three servers gone) asks for its
+/// consumer again until the cluster answers, then consumes; before, its first failed answer
+/// ended it, and a service starting during an election failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_starting_while_its_stream_has_no_leader_consumes_once_it_has_one() {
+    let mut cluster = NatsCluster::start(3);
+    let bus = Bus::connect(&BusConfig::new(cluster.urls().join(",")))
+        .await
+        .unwrap();
+    bus.provision().await.unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let mut cfg = stagehand_bus::WorkerConfig::new(
+        "patient",
+        subject::REQUESTS.name,
+        vec!["stagehand.req.stage.released.>".into()],
+        state.path().join("ledger.redb"),
+    );
+    cfg.claims = false;
+    cfg.instance_id = Some("patient".into());
+    let survivor = leader_of(&bus, subject::REQUESTS.name).await;
+    for i in (0..3).filter(|i| *i != survivor) {
+        cluster.node_mut(i).kill();
+    }
+    // What the worker's first try meets: a failure that may pass.
+    let Err(err) = stagehand_bus::provision_consumer(&bus, &cfg).await else {
+        panic!("a consumer made without a quorum");
+    };
+    assert!(stagehand_schemas::Retryable::is_retryable(&err), "{err}");
+    let handler = std::sync::Arc::new(Counting(Default::default()));
+    let stop = stagehand_bus::CancellationToken::new();
+    let worker = tokio::spawn(stagehand_bus::run_worker(
+        bus.clone(),
+        cfg,
+        handler.clone(),
+        stop.clone(),
+    ));
+    for i in (0..3).filter(|i| *i != survivor) {
+        cluster.node_mut(i).restart();
+    }
+    bus.publish(&release("after")).await.unwrap();
+    stagehand_testkit::wait_until(
+        Duration::from_secs(60),
+        "the worker to handle one event",
+        || {
+            let (handler, worker) = (&handler, &worker);
+            async move {
+                assert!(!worker.is_finished(), "the worker ended");
+                handler.0.load(std::sync::atomic::Ordering::SeqCst) == 1
+            }
+        },
+    )
+    .await
+    .unwrap();
+    stop.cancel();
+    worker.await.unwrap().unwrap();
+}

@@ -3,15 +3,54 @@
 //! `max_deliver` is a high safety ceiling, not the number of attempts: the runtime counts real
 //! failures itself (`WorkerConfig::max_attempts`), so that deliveries spent waiting out
 //! another instance's claim cost the request nothing. See step G in `dead_letter.rs`.
+//!
+//! A worker starting while a stream elects a new leader (a server of the cluster lost) gets no
+//! answer for seconds: [`provision_consumer_patiently`] asks again for up to
+//! [`PROVISION_PATIENCE`], as the pull loop waits out an outage, before the failure is the
+//! service's (and its supervisor's restart the next try).
 
 use async_nats::jetstream::consumer::{self, PullConsumer, pull};
 use async_nats::jetstream::{self};
-use tracing::info;
+use stagehand_schemas::Retryable;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
 use super::slots::in_flight_window;
 use crate::bus::Bus;
 use crate::config::WorkerConfig;
 use crate::error::{BusError, BusErrorKind};
+
+/// How long a starting worker keeps asking for its consumer while NATS answers with errors
+/// that may pass (a time-out, no leader yet).
+pub const PROVISION_PATIENCE: Duration = Duration::from_secs(60);
+
+/// [`provision_consumer`], asked again after a retryable failure (delays from the worker's
+/// retry schedule, at most 5 s apart) until [`PROVISION_PATIENCE`] has passed or `shutdown`.
+pub async fn provision_consumer_patiently(
+    bus: &Bus,
+    cfg: &WorkerConfig,
+    shutdown: &CancellationToken,
+) -> Result<PullConsumer, BusError> {
+    let started = Instant::now();
+    let mut failures = 0u64;
+    loop {
+        let e = match provision_consumer(bus, cfg).await {
+            Ok(consumer) => return Ok(consumer),
+            Err(e) => e,
+        };
+        if !e.is_retryable() || started.elapsed() >= PROVISION_PATIENCE {
+            return Err(e);
+        }
+        failures += 1;
+        let delay = cfg.retry.delay(failures).min(Duration::from_secs(5));
+        warn!(consumer = %cfg.service, error = %e, ?delay, "consumer not provisioned yet; asking again");
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(e),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
 
 /// Creates the durable pull consumer of `cfg`, or updates it where its configuration drifted
 /// (ack wait, max deliveries, filter subjects, max ack pending).

@@ -403,7 +403,7 @@ pub async fn run_worker_with_hooks<H: Handler>(
     hooks: WorkerHooks,
 ) -> Result<WorkerStats, BusError> {
     cfg.validate()?;
-    let consumer = provision_consumer(&bus, &cfg).await?;
+    let consumer = consumer::provision_consumer_patiently(&bus, &cfg, &shutdown).await?;
     let ledger_path = cfg.ledger_path.clone();
     let ledger = tokio::task::spawn_blocking(move || Ledger::open(ledger_path))
         .await
