@@ -23,7 +23,8 @@
 //! services run as their own NATS users of the shipped accounts config (`common::tenants`);
 //! node-lost, which needs the demoter and two node agents, each with a local tier;
 //! scrub-behind, whose demoter scrubs under a budget of the test's; drill-overdue, whose backup
-//! copier's drill clock is held back; and backlog-growing, whose validator is stopped.
+//! copier's drill clock is held back; backlog-growing, whose validator is stopped; and
+//! s3-tier-unreachable, whose validator runs as its own process with an S3 tier's credentials.
 
 mod common;
 
@@ -48,10 +49,7 @@ const SAMPLES: &[&str] = &["text", "toml", "json"];
 
 /// Pages whose failure this suite does not produce yet, each with why; their commands are
 /// still checked against the CLI (`every_stagehand_command_in_the_pages_exists`).
-const NOT_YET_RUN: &[(&str, &str)] = &[(
-    "s3-tier-unreachable.md",
-    "needs an S3 source tier behind a connection the test can cut",
-)];
+const NOT_YET_RUN: &[(&str, &str)] = &[];
 
 /// Pages the stack tests below run, each with its failure produced.
 const RUN: &[&str] = &[
@@ -72,6 +70,7 @@ const RUN: &[&str] = &[
     "scrub-behind.md",
     "drill-overdue.md",
     "backlog-growing.md",
+    "s3-tier-unreachable.md",
 ];
 
 #[test]
@@ -1655,4 +1654,139 @@ async fn a_waiting_backlog_is_found_and_its_service_started_by_its_page() {
         validated(&shell, "owls"),
         "the waiting upload not validated"
     );
+}
+
+/// s3-tier-unreachable: an S3 source tier `lake` (a real SeaweedFS) answers through a loopback
+/// port the test forwards to it. An upload waits there when the forward is cut, as when the
+/// network is: the validator (its own process, with the tier's credentials in its environment,
+/// as under systemd) retries the request, then dead-letters it. The page lists what waits on the
+/// tier; its owners bring the tier back (the forward again, on the same port), the page replays
+/// the dead letter and confirms, and the upload is validated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unreachable_s3_tier_is_brought_back_and_its_work_redone_by_its_page() {
+    use stagehand_schemas::{Body, Event, IngestRequested};
+    const TIER: &str = "lake";
+    let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let s3 = stagehand_testkit::S3Server::shared();
+    let bucket = s3.unique_bucket("runbooks");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let tiers = stack.policies.join("tiers.toml");
+    let mut text = std::fs::read_to_string(&tiers).unwrap();
+    text.push_str(&format!(
+        "\n[tiers.{TIER}]\nkind = \"s3\"\nrole = \"source\"\nfailure_domain = \"lake-bucket\"\n\
+         endpoint = \"{endpoint}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"tier\"\n"
+    ));
+    std::fs::write(&tiers, text).unwrap();
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("s3-tier-unreachable.md");
+    shell.quiet(&page.name);
+
+    let mut files = Vec::new();
+    for (path, body) in [("img/1.png", &b"one"[..]), ("img/2.png", &b"two"[..])] {
+        s3.put_object(&bucket, &format!("tier/{PROJECT}/cats/{path}"), body)
+            .unwrap();
+        files.push(FileRef::new(path, body.len() as u64, sha256_hex(body)));
+    }
+    let (binary, config) = validator_process(&stack);
+    let validator = ServiceProcess::spawn(
+        &binary,
+        &config,
+        &stack.home.path().join("validator.log"),
+        &s3.client_env(),
+    );
+    // The uploader's request, for files already in the bucket; nothing listens on the port.
+    let request = Event::request(
+        EventId::new("cats-upload-1").unwrap(),
+        PROJECT,
+        Body::IngestRequested(IngestRequested {
+            dataset: "cats".into(),
+            source: Location {
+                tier: TIER.into(),
+                prefix: format!("{PROJECT}/cats"),
+            },
+            files,
+            manifest: None,
+            requested_by: "alice".into(),
+            labels: vec![],
+        }),
+    );
+    stack.bus.publish(&request).await.unwrap();
+    let finding = shell.status_names("dead-letters-waiting.md");
+    assert_eq!(
+        finding["subject"],
+        stagehand_ingest_validator::SERVICE,
+        "{finding:#}\n{}",
+        validator.log()
+    );
+    shell.set("TIER", TIER);
+    shell.set("ENDPOINT", &endpoint);
+    let said = shell.steps(&page, None, Some("3."));
+    let waiting: Vec<&str> = said
+        .split("--- stdout\n")
+        .nth(1)
+        .unwrap()
+        .split("--- stderr\n")
+        .next()
+        .unwrap()
+        .lines()
+        .collect();
+    assert!(
+        waiting.len() == 1 && waiting[0].contains(stagehand_ingest_validator::SERVICE),
+        "{said}"
+    );
+    assert!(!validated(&shell, "cats"), "validated with its tier down");
+    // Its owners bring the tier back: the same endpoint answers again.
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let to: std::net::SocketAddr = ([127, 0, 0, 1], s3.port()).into();
+    let forward = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    shell.confirm(&page);
+    assert!(
+        validated(&shell, "cats"),
+        "the replayed upload not validated:\n{}",
+        validator.log()
+    );
+    forward.abort();
+}
+
+/// The ingest validator's binary, built beside `stagehand`, and a config of it for `stack`
+/// that gives a request up after two quick attempts: run as its own process, so that the S3
+/// credentials are in its environment only.
+fn validator_process(stack: &Stagehand) -> (PathBuf, PathBuf) {
+    let binary =
+        Path::new(env!("CARGO_BIN_EXE_stagehand")).with_file_name("stagehand-ingest-validator");
+    assert!(
+        binary.exists(),
+        "{} is missing: cargo build -p stagehand-ingest-validator",
+        binary.display()
+    );
+    let config = stack.home.path().join("ingest-validator.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[bus]\nservers = [\"{}\"]\nclient_name = \"ingest-validator\"\n\n\
+             [worker]\ninstance_id = \"runbooks\"\nmax_attempts = 2\n\n\
+             [worker.retry]\ninitial = \"100ms\"\nmax = \"1s\"\nfactor = 2.0\njitter = 0.0\n\n\
+             [service]\npolicies_dir = \"{}\"\nstate_dir = \"{}\"\n",
+            stack.url,
+            stack.policies.display(),
+            stack.home.path().join("state/ingest-validator").display()
+        ),
+    )
+    .unwrap();
+    (binary, config)
 }
