@@ -475,6 +475,18 @@ impl Shell {
         }
     }
 
+    /// Runs the page's Confirm blocks once and panics if they succeed: while the failure the
+    /// test produced holds, a Confirm that passes would confirm nothing.
+    fn not_yet_confirmed(&mut self, page: &Page) {
+        let blocks = page.between(Some("Confirm"), None);
+        let ran = self.run(&page.name, &blocks);
+        assert!(
+            !ran.ok,
+            "runbooks/{} confirmed before its failure was fixed:\n{}",
+            page.name, ran.output
+        );
+    }
+
     /// Runs the built `stagehand` with `args` in this shell's environment.
     fn stagehand(&self, args: &[&str]) -> std::process::Output {
         Command::new(env!("CARGO_BIN_EXE_stagehand"))
@@ -1514,6 +1526,7 @@ async fn a_scrub_behind_its_period_is_given_its_budget_by_its_page() {
         .unwrap_or_else(|| panic!("no coverage line: {said}"));
     let line: serde_json::Value = serde_json::from_str(line).unwrap();
     assert!(line["coverage"].as_f64().unwrap() < 1.0, "{said}");
+    shell.not_yet_confirmed(&page);
     // On-call gives the scrub the budget the tier needs, checks the edit (the page's step 3),
     // and the demoter's supervisor restarts it, as the budget is read at start.
     edit_policy(
@@ -1596,6 +1609,7 @@ async fn an_overdue_drill_is_found_and_run_again_by_its_page() {
             && flagged[0]["flag"] == "never_drilled",
         "{said}"
     );
+    shell.not_yet_confirmed(&page);
     // The copier restarted with the policy, as the page's step 2 says.
     stack
         .stop_service(stagehand_backup_copier::SERVICE)
@@ -1647,6 +1661,7 @@ async fn a_waiting_backlog_is_found_and_its_service_started_by_its_page() {
         "{said}"
     );
     assert!(!validated(&shell, "owls"), "validated with no validator");
+    shell.not_yet_confirmed(&page);
     // Its supervisor starts it again.
     stack.start_validator();
     shell.confirm(&page);
@@ -1739,6 +1754,7 @@ async fn an_unreachable_s3_tier_is_brought_back_and_its_work_redone_by_its_page(
         "{said}"
     );
     assert!(!validated(&shell, "cats"), "validated with its tier down");
+    shell.not_yet_confirmed(&page);
     // Its owners bring the tier back: the same endpoint answers again.
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
         .await
