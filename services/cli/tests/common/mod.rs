@@ -277,7 +277,7 @@ impl Stagehand {
                 stagehand_promoter::SERVICE,
                 settings,
                 stagehand_promoter::serve,
-                me.stop.clone(),
+                me.stop.child_token(),
             ));
         }
         if let Some(node) = &opts.node_agent {
@@ -289,7 +289,7 @@ impl Stagehand {
                 stagehand_promoter::SERVICE,
                 settings,
                 stagehand_promoter::serve,
-                me.stop.clone(),
+                me.stop.child_token(),
             ));
         }
         for node in &opts.node_agents {
@@ -301,7 +301,7 @@ impl Stagehand {
                 stagehand_demoter::SERVICE,
                 stagehand_demoter::Settings::dev(&home, &policies),
                 stagehand_demoter::serve,
-                me.stop.clone(),
+                me.stop.child_token(),
             ));
         }
         if opts.validator {
@@ -414,7 +414,7 @@ impl Stagehand {
             stagehand_ingest_validator::SERVICE,
             stagehand_ingest_validator::Settings::dev(&home, &self.policies),
             stagehand_ingest_validator::serve,
-            self.stop.clone(),
+            self.stop.child_token(),
         ));
     }
 
@@ -428,6 +428,22 @@ impl Stagehand {
             .position(|r| r.name == stagehand_catalogue_recorder::SERVICE)
             .context("no recorder runs")?;
         self.tasks.remove(at).task.await??;
+        Ok(())
+    }
+
+    /// Stops every running instance of `service` (its name, e.g. `ingest-validator`) as its
+    /// supervisor would (it drains and writes its stop into its heartbeat), and waits until each
+    /// has; its `start_*` method starts it again, on the same state.
+    pub async fn stop_service(&mut self, service: &str) -> anyhow::Result<()> {
+        let (stopping, running): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.tasks)
+            .into_iter()
+            .partition(|r| r.name == service);
+        self.tasks = running;
+        ensure!(!stopping.is_empty(), "no {service} runs");
+        for r in stopping {
+            r.stop.cancel();
+            r.task.await??;
+        }
         Ok(())
     }
 
@@ -452,20 +468,31 @@ impl Stagehand {
             stagehand_promoter::SERVICE,
             stagehand_promoter::Settings::dev(&home, &self.policies),
             stagehand_promoter::serve,
-            self.stop.clone(),
+            self.stop.child_token(),
         ));
     }
 
     /// Starts the backup copier: every version validated from then on, and those before,
     /// is copied onto the backup tier as `backup.toml` says.
     pub fn start_backup_copier(&mut self) {
+        self.start_backup_copier_with(|_| {});
+    }
+
+    /// [`Stagehand::start_backup_copier`] with its settings changed by `tune` (a test that
+    /// holds its drill clock back sets a long `drill_check`).
+    pub fn start_backup_copier_with(
+        &mut self,
+        tune: impl FnOnce(&mut stagehand_backup_copier::Settings),
+    ) {
         let home = self.home.path().to_owned();
+        let mut settings = stagehand_backup_copier::Settings::dev(&home, &self.policies);
+        tune(&mut settings);
         self.tasks.push(spawn(
             &self.bus_config,
             stagehand_backup_copier::SERVICE,
-            stagehand_backup_copier::Settings::dev(&home, &self.policies),
+            settings,
             stagehand_backup_copier::serve,
-            self.stop.clone(),
+            self.stop.child_token(),
         ));
     }
 
@@ -479,7 +506,7 @@ impl Stagehand {
             stagehand_ingest_validator::Settings::dev(&home, &self.policies),
             worker,
             stagehand_ingest_validator::serve,
-            self.stop.clone(),
+            self.stop.child_token(),
         ));
     }
 
