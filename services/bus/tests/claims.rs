@@ -370,14 +370,23 @@ async fn a_second_worker_with_the_same_instance_id_stops_the_first() {
 struct LosesItsRelease {
     kv: async_nats::jetstream::kv::Store,
     calls: AtomicU32,
+    /// Whether the first call found its claim and rewrote it (a panic in a handler is only a
+    /// failed attempt to the runtime, so the test checks this itself).
+    rewrote: AtomicBool,
 }
 
 impl Handler for LosesItsRelease {
     async fn handle(&self, event: &Event, _ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
         if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-            let key = format!("svc.{}.{}", event.project, hex_of(event.id.as_str()));
+            let key = format!(
+                "svc.{}.{}.{}",
+                event.project,
+                event.kind(),
+                hex_of(event.id.as_str())
+            );
             let held = self.kv.get(&key).await.unwrap().unwrap();
             self.kv.put(&key, held).await.unwrap();
+            self.rewrote.store(true, Ordering::SeqCst);
             return Err(HandlerError::retryable("tier offline"));
         }
         Ok(vec![ready_fact(event)])
@@ -399,6 +408,7 @@ async fn a_claim_this_process_left_behind_is_taken_over_on_redelivery() {
     let handler = Arc::new(LosesItsRelease {
         kv,
         calls: AtomicU32::new(0),
+        rewrote: AtomicBool::new(false),
     });
     let mut cfg = instance(&env, "a");
     cfg.claim_lifetime = Some(Duration::from_secs(60));
@@ -414,6 +424,10 @@ async fn a_claim_this_process_left_behind_is_taken_over_on_redelivery() {
     .await
     .unwrap();
     let stats = stop(worker).await;
+    assert!(
+        handler.rewrote.load(Ordering::SeqCst),
+        "the claim was never rewritten"
+    );
     assert_eq!(handler.calls.load(Ordering::SeqCst), 2);
     assert_eq!(
         (stats.retried, stats.deferred, stats.handled),
