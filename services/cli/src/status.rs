@@ -1050,6 +1050,7 @@ mod tests {
                 committed: Some(stamp.clone()),
                 offloaded_to: None,
                 offloaded: offloaded.then_some(stamp),
+                removed: None,
             }
         };
         let parts = [part(0, "n0", 40, true), part(1, "n1", 40, false)];
