@@ -5,6 +5,9 @@
 //! a step whose fourth node's agent is gone before it offloads stays at risk, naming that part
 //! and node, and the previous step stays latest; a part commit naming another project's folder,
 //! a folder that is not the part's or a shared tier is refused with a reason, nothing copied.
+//! Once a step is committed whole, each node's agent removes its part from the node's local
+//! tier and the catalogue records it (`checkpoint.part.removed`); the parts of a step not
+//! committed stay on their nodes.
 
 mod common;
 
@@ -14,6 +17,7 @@ use std::process::{Command, Output};
 use anyhow::{Context, ensure};
 use common::{PROJECT, Stagehand, WAIT};
 use serde_json::Value;
+use stagehand_catalogue::Catalogue;
 use stagehand_schemas::{Body, CheckpointPartCommitted, Event, EventId, FileRef, Location};
 use stagehand_testkit::wait_for;
 
@@ -197,6 +201,55 @@ fn restore_latest(url: &str, policies: &Path) -> anyhow::Result<PathBuf> {
     ))
 }
 
+/// The parts of `step` the catalogue records removed from their nodes, as (part, node).
+async fn removed_parts(catalogue: &Catalogue, step: u64) -> anyhow::Result<Vec<(u32, String)>> {
+    let parts = catalogue.checkpoint_parts(PROJECT, RUN, Some(step)).await?;
+    Ok(parts
+        .into_iter()
+        .filter(|p| p.is_removed())
+        .map(|p| (p.part, p.node))
+        .collect())
+}
+
+/// Waits until every part of `step` is gone from its node's local tier and the catalogue
+/// records each removed by its own node; its offloaded copy is still on hot.
+async fn parts_left_their_nodes(
+    sh: &Stagehand,
+    catalogue: &Catalogue,
+    policies: &[PathBuf],
+    step: u64,
+) -> anyhow::Result<()> {
+    let every: Vec<(u32, String)> = (0..NODES.len())
+        .map(|part| (part as u32, NODES[part].to_owned()))
+        .collect();
+    let on_node = || -> Vec<usize> {
+        (0..NODES.len())
+            .filter(|&part| part_dir(&policies[part], step, part).is_ok_and(|d| d.exists()))
+            .collect()
+    };
+    let gone = wait_for(
+        WAIT,
+        &format!("the parts of step {step} off their nodes"),
+        || async {
+            let removed = removed_parts(catalogue, step).await.ok()?;
+            (on_node().is_empty() && removed == every).then_some(())
+        },
+    )
+    .await;
+    if gone.is_err() {
+        anyhow::bail!(
+            "step {step}: parts still on their nodes {:?}; the catalogue records removed {:?}",
+            on_node(),
+            removed_parts(catalogue, step).await?
+        );
+    }
+    let hot_step = sh
+        .home
+        .path()
+        .join(format!("tiers/hot/lab/ckpt-llm/step-{step}"));
+    holds_step(&hot_step, step)
+}
+
 /// Every part's files of `step` are in `dir` under `part-<i>/`, byte for byte.
 fn holds_step(dir: &Path, step: u64) -> anyhow::Result<()> {
     for part in 0..NODES.len() {
@@ -222,9 +275,10 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     }
     sh.ready().await?;
     let url = sh.url.clone();
+    let catalogue = Catalogue::new(sh.bus.client().clone());
 
     // Steps 1 and 2: every node commits its part; each is offloaded and the step committed
-    // whole on hot.
+    // whole on hot; then every part leaves its node.
     for step in [1, 2] {
         for (part, node) in NODES.iter().enumerate() {
             write_and_commit(&url, node, &policies[part], step, part)?;
@@ -232,6 +286,19 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         let whole = listed_as(&url, &sh.policies, step, "committed").await?;
         ensure!(whole["tiers"] == serde_json::json!(["hot"]), "{whole}");
         ensure!(whole.get("offload").is_none(), "{whole}");
+    }
+    for step in [1, 2] {
+        parts_left_their_nodes(&sh, &catalogue, &policies, step).await?;
+    }
+    // The list still says committed, on hot, nothing at risk.
+    let listed = list(&url, &sh.policies)?;
+    for step in [1, 2] {
+        ensure!(
+            step_of(&listed, step).is_some_and(|c| c["state"] == "committed"
+                && c["tiers"] == serde_json::json!(["hot"])
+                && c.get("offload").is_none()),
+            "{listed:#?}"
+        );
     }
     let restored = restore_latest(&url, &sh.policies)?;
     ensure!(
@@ -264,6 +331,19 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         at_risk["offload"]["bytes_on_node"] == 20_000 + 3,
         "{at_risk}"
     );
+    // Its step not committed, no part leaves its node, offloaded or not.
+    let stays = |what: &str| -> anyhow::Result<()> {
+        for (part, node_policies) in policies.iter().enumerate() {
+            for (name, bytes) in part_files(3, part) {
+                let path = part_dir(node_policies, 3, part)?.join(name);
+                let found = std::fs::read(&path).with_context(|| format!("{what}: {path:?}"))?;
+                ensure!(found == bytes, "{what}: {path:?} changed");
+            }
+        }
+        Ok(())
+    };
+    stays("three parts offloaded")?;
+    ensure!(removed_parts(&catalogue, 3).await?.is_empty());
     // The three offloaded parts are on hot; the step is not, nor the missing part.
     let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-3");
     ensure!(hot_step.join("part-2/.metadata").is_file());
@@ -347,11 +427,14 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         report["stray"].as_array().is_some_and(Vec::is_empty),
         "{report:#}"
     );
+    stays("step 3 still incomplete")?;
+    ensure!(removed_parts(&catalogue, 3).await?.is_empty());
 
     // The node comes back: its agent offloads the part it left, and step 3 becomes latest.
     sh.start_node_agent(NODES[3])?;
     sh.ready().await?;
     listed_as(&url, &sh.policies, 3, "committed").await?;
+    parts_left_their_nodes(&sh, &catalogue, &policies, 3).await?;
     let restored = restore_latest(&url, &sh.policies)?;
     ensure!(
         restored.ends_with("lab/ckpt-llm/step-3"),

@@ -35,7 +35,8 @@ fn refuse(why: String) -> HandlerError {
 
 impl Promoter {
     /// A checkpoint part fact: a commit on this node's local tier is offloaded; an offload
-    /// (of any node) may complete its step.
+    /// (of any node) may complete its step; a step's commit sends this node's parts of it off
+    /// the node (`leave_node`).
     pub async fn on_part(
         &self,
         event: &Event,
@@ -46,6 +47,7 @@ impl Promoter {
                 Ok(vec![self.offload(event, p, ctx).await?])
             }
             Body::CheckpointPartOffloaded(p) => self.complete_step(event, p).await,
+            Body::CheckpointCommitted(c) => self.parts_leave_node(event, c).await,
             _ => Ok(Vec::new()),
         }
     }
