@@ -84,7 +84,7 @@ fn local_root(policies: &Path) -> anyhow::Result<PathBuf> {
     Ok(home.join("tiers").join(format!("local-{node}")))
 }
 
-/// Writes part `part` of `step` on its node and commits it with the real binary.
+/// Writes part `part` of `step` (of 4) on its node and commits it with the real binary.
 fn write_and_commit(
     url: &str,
     node: &str,
@@ -92,12 +92,23 @@ fn write_and_commit(
     step: u64,
     part: usize,
 ) -> anyhow::Result<()> {
+    write_and_commit_of(url, node, policies, (step, part, NODES.len()))
+}
+
+/// Writes part `part` of `step` of `parts` on its node and commits it with the real binary.
+fn write_and_commit_of(
+    url: &str,
+    node: &str,
+    policies: &Path,
+    (step, part, parts): (u64, usize, usize),
+) -> anyhow::Result<()> {
     let dir = part_dir(policies, step, part)?;
     std::fs::create_dir_all(&dir)?;
     for (name, bytes) in part_files(step, part) {
         std::fs::write(dir.join(name), bytes)?;
     }
-    let (step, part) = (step.to_string(), part.to_string());
+    let count = parts as u64;
+    let (step, part, parts) = (step.to_string(), part.to_string(), parts.to_string());
     let out = stagehand(
         url,
         &[
@@ -116,7 +127,7 @@ fn write_and_commit(
             "--part",
             &part,
             "--parts",
-            "4",
+            &parts,
             "--policies",
             policies.to_str().context("utf-8")?,
             "--json",
@@ -126,7 +137,7 @@ fn write_and_commit(
     ensure!(out.status.success(), "{}", said(&out));
     let answer: Value = serde_json::from_slice(&out.stdout).with_context(|| said(&out))?;
     ensure!(
-        answer["node"] == node && answer["parts"] == 4 && answer["files"] == 2,
+        answer["node"] == node && answer["parts"].as_u64() == Some(count) && answer["files"] == 2,
         "{answer}"
     );
     Ok(())
@@ -580,5 +591,100 @@ async fn a_part_naming_anything_but_its_own_folder_on_its_node_is_refused() -> a
         "{}",
         said(&out)
     );
+    Ok(())
+}
+
+/// Rewrites each `key = ...` line of the policy file `file` in `dir` to `key = value`.
+fn set_policy(dir: &Path, file: &str, key: &str, value: &str) -> anyhow::Result<()> {
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path)?;
+    let text: Vec<String> = text
+        .lines()
+        .map(|l| match l.starts_with(&format!("{key} =")) {
+            true => format!("{key} = {value}"),
+            false => l.to_owned(),
+        })
+        .collect();
+    std::fs::write(&path, text.join("\n") + "\n")?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> anyhow::Result<()> {
+    // Hot, the offload tier, holds 16 KiB: a part of 20,003 bytes does not fit.
+    let mut sh = Stagehand::start(common::Options {
+        hot_capacity: Some("16 KiB".into()),
+        ..Default::default()
+    })
+    .await?;
+    set_policy(&sh.policies, "retention.toml", "deadline", "\"1s\"")?;
+    let policies = sh.start_node_agent(NODES[0])?;
+    sh.ready().await?;
+    let url = sh.url.clone();
+    write_and_commit_of(&url, NODES[0], &policies, (1, 0, 1))?;
+
+    // Late, and `stagehand status` says why: the offload tier cannot fit the part.
+    let finding = wait_for(WAIT, "status naming the full offload tier", || {
+        let out = stagehand(
+            &url,
+            &[
+                "status",
+                "--policies",
+                sh.policies.to_str().unwrap_or_default(),
+                "--json",
+            ],
+        );
+        async move {
+            let report: Value = serde_json::from_slice(&out.ok()?.stdout).ok()?;
+            report["findings"]
+                .as_array()?
+                .iter()
+                .find(|f| f["subject"] == "lab/llm step 1")
+                .filter(|f| {
+                    f["detail"]
+                        .as_str()
+                        .is_some_and(|d| d.contains("offload tier hot cannot fit it"))
+                })
+                .cloned()
+        }
+    })
+    .await?;
+    ensure!(
+        finding["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("part 0 on gpu-a") && d.contains("a part needs 20003")),
+        "{finding}"
+    );
+    // Nothing copied, and the part still on its node.
+    ensure!(
+        !sh.home
+            .path()
+            .join("tiers/hot/lab/ckpt-llm/step-1")
+            .exists()
+    );
+    ensure!(part_dir(&policies, 1, 0)?.join(".metadata").is_file());
+
+    // Room made (the tier's capacity raised): the same commit, retried, is offloaded, the
+    // step committed and the part leaves its node; no reservation is left behind.
+    sh.stop_node_agent(NODES[0]).await?;
+    set_policy(&policies, "tiers.toml", "capacity", "\"1 MiB\"")?;
+    set_policy(&policies, "tiers.toml", "default", "\"1 MiB\"")?;
+    sh.start_node_agent(NODES[0])?;
+    sh.ready().await?;
+    let whole = listed_as(&url, &sh.policies, 1, "committed").await?;
+    ensure!(whole["tiers"] == serde_json::json!(["hot"]), "{whole}");
+    wait_for(WAIT, "the part off its node", || {
+        let gone = part_dir(&policies, 1, 0).is_ok_and(|d| !d.exists());
+        async move { gone.then_some(()) }
+    })
+    .await?;
+    let promoter = (sh.bus.jetstream())
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await?;
+    let reserved = stagehand_bus::placement::reservations(&promoter, "hot", None)
+        .await?
+        .value
+        .unwrap_or_default();
+    ensure!(reserved.replicas.is_empty(), "{reserved:?}");
     Ok(())
 }

@@ -236,9 +236,16 @@ impl Settings {
             ],
         );
         cfg.concurrency = 4;
-        // An offload waits for the catalogue to fold it before it may complete its step.
-        cfg.max_deliver = 50;
-        cfg.retry = soon();
+        // An offload waits for the catalogue to fold it before it may complete its step (soon,
+        // the first retries), and for space on a bounded offload tier before it copies (long
+        // after): every attempt the runtime keeps, backing off to 5 min — about 8 hours before
+        // a part still refused is dead-lettered; `stagehand status` shows it late long before.
+        cfg.max_attempts = OFFLOAD_ATTEMPTS;
+        cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
+        cfg.retry = RetrySchedule {
+            max: Duration::from_secs(300),
+            ..soon()
+        };
         Some(cfg)
     }
 
@@ -260,6 +267,9 @@ impl Settings {
         )
     }
 }
+
+/// Attempts of a checkpoint part fact before it is dead-lettered: all the runtime keeps.
+const OFFLOAD_ATTEMPTS: u32 = stagehand_bus::ledger::MAX_ATTEMPTS_KEPT as u32;
 
 /// Retries for what the promoter waits on to catch up (the catalogue, a copy lease): from
 /// 200 ms to 10 s.
