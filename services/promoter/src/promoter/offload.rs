@@ -244,8 +244,11 @@ impl Promoter {
             }
         };
         let limits = self.limits(to_tier, &event.project);
+        // What the copy writes: its files' sizes (each checked as it is copied), not the
+        // total the commit states, which its writer could understate.
+        let bytes = p.files.iter().map(|f| f.size).sum();
         let why = match coord
-            .reserve(to_tier, None, &event.project, prefix, p.total_bytes, limits)
+            .reserve(to_tier, None, &event.project, prefix, bytes, limits)
             .await
         {
             Ok(Ok(())) => return Ok(revision),
