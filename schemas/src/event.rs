@@ -94,6 +94,8 @@ pub enum Body {
     CheckpointPartCommitted(CheckpointPartCommitted),
     #[serde(rename = "checkpoint.part.offloaded")]
     CheckpointPartOffloaded(CheckpointPartOffloaded),
+    #[serde(rename = "checkpoint.part.removed")]
+    CheckpointPartRemoved(CheckpointPartRemoved),
     #[serde(rename = "backup.completed")]
     BackupCompleted(BackupCompleted),
     #[serde(rename = "restore.verified")]
@@ -131,6 +133,7 @@ pub const ALL_KINDS: &[&str] = &[
     "checkpoint.held",
     "checkpoint.part.committed",
     "checkpoint.part.offloaded",
+    "checkpoint.part.removed",
     "backup.completed",
     "restore.verified",
     "restore.failed",
@@ -168,6 +171,7 @@ impl Body {
             Body::CheckpointHeld(_) => "checkpoint.held",
             Body::CheckpointPartCommitted(_) => "checkpoint.part.committed",
             Body::CheckpointPartOffloaded(_) => "checkpoint.part.offloaded",
+            Body::CheckpointPartRemoved(_) => "checkpoint.part.removed",
             Body::BackupCompleted(_) => "backup.completed",
             Body::RestoreVerified(_) => "restore.verified",
             Body::RestoreFailed(_) => "restore.failed",
@@ -209,6 +213,7 @@ impl Body {
             | Body::CheckpointHeld(_)
             | Body::CheckpointPartCommitted(_)
             | Body::CheckpointPartOffloaded(_)
+            | Body::CheckpointPartRemoved(_)
             | Body::DeadLetter(_)
             | Body::DeadLetterReplayed(_)
             | Body::OperatorAction(_) => None,
@@ -243,6 +248,10 @@ impl Body {
             Body::CheckpointPartOffloaded(p) => {
                 vec![("payload.location", &p.location), ("payload.from", &p.from)]
             }
+            Body::CheckpointPartRemoved(p) => vec![
+                ("payload.location", &p.location),
+                ("payload.offloaded_to", &p.offloaded_to),
+            ],
             Body::BackupCompleted(p) => vec![("payload.location", &p.location)],
             Body::RestoreVerified(p) => vec![("payload.location", &p.location)],
             Body::RestoreFailed(p) => vec![("payload.location", &p.location)],
@@ -930,6 +939,26 @@ pub struct CheckpointPartOffloaded {
     pub from: Location,
     /// The part's folder on the offload tier: [`crate::layout::checkpoint_part_folder`].
     pub location: Location,
+    pub files: u64,
+    pub total_bytes: u64,
+}
+
+/// A node's agent removed a checkpoint part from its node's local tier, once its step was
+/// committed whole ([`CheckpointCommitted`]) and the catalogue showed the part's verified copy
+/// on the offload tier: every byte removed has that copy. Its id follows from the step's
+/// commit and the part, so a removal stated twice (a redelivery, another agent) is one fact.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct CheckpointPartRemoved {
+    pub run: String,
+    pub step: u64,
+    pub part: u32,
+    /// The node whose local tier held the part.
+    pub node: String,
+    /// The part's folder on the node's local tier, now gone.
+    pub location: Location,
+    /// The verified copy the removal relied on: the part's folder on the offload tier.
+    pub offloaded_to: Location,
     pub files: u64,
     pub total_bytes: u64,
 }

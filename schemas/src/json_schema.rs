@@ -252,6 +252,7 @@ kinds! {
     "checkpoint.held" => CheckpointHeld,
     "checkpoint.part.committed" => CheckpointPartCommitted,
     "checkpoint.part.offloaded" => CheckpointPartOffloaded,
+    "checkpoint.part.removed" => CheckpointPartRemoved,
     "backup.completed" => BackupCompleted,
     "restore.verified" => RestoreVerified,
     "restore.failed" => RestoreFailed,

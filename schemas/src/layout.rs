@@ -230,6 +230,16 @@ pub fn name_stem(name: &str) -> &str {
     &name[..cut]
 }
 
+/// The hidden name a folder gets, beside it, before its bytes are deleted
+/// (`<parent>/.<name>.stagehand-removed`): one rename takes the whole folder out of sight, and
+/// a removal interrupted after it is finished by whoever removes that folder next.
+pub fn removal_folder(prefix: &str) -> String {
+    match prefix.rsplit_once('/') {
+        Some((parent, name)) => format!("{parent}/.{name}.stagehand-removed"),
+        None => format!(".{prefix}.stagehand-removed"),
+    }
+}
+
 /// What every staging folder of a set bound for the final name `name` starts with, whoever
 /// staged it: `.<stem>.stagehand-set-`. Removing a failed copy's staging folders lists the
 /// parent folder for this.

@@ -119,7 +119,8 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         // once every part is offloaded (`services/promoter`, "Checkpoints offloaded").
         "checkpoint.committed" => &[Trainer, Promoter],
         "checkpoint.part.committed" => &[Trainer],
-        "checkpoint.part.offloaded" => &[Promoter],
+        // A node's agent removes its node's part once the step is committed whole.
+        "checkpoint.part.offloaded" | "checkpoint.part.removed" => &[Promoter],
         "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],
         "dead.letter" => &[

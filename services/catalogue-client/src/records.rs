@@ -503,12 +503,22 @@ pub struct CheckpointPartRecord {
     pub offloaded_to: Option<Location>,
     #[serde(default)]
     pub offloaded: Option<Stamp>,
+    /// Its removal from the node's local tier (`checkpoint.part.removed`), once its step was
+    /// committed whole; `None` while the part is on the node (a newer commit of the part puts
+    /// it back there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub removed: Option<Stamp>,
 }
 
 impl CheckpointPartRecord {
     /// Whether the part is durable off its node.
     pub fn is_offloaded(&self) -> bool {
         self.offloaded.is_some()
+    }
+
+    /// Whether its folder on the node's local tier was removed.
+    pub fn is_removed(&self) -> bool {
+        self.removed.is_some()
     }
 }
 

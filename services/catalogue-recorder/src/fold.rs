@@ -142,6 +142,7 @@ pub fn problem(
         Body::CheckpointExpired(p) => Some(checkpoint_dataset(&p.run)),
         Body::CheckpointPartCommitted(p) => Some(checkpoint_dataset(&p.run)),
         Body::CheckpointPartOffloaded(p) => Some(checkpoint_dataset(&p.run)),
+        Body::CheckpointPartRemoved(p) => Some(checkpoint_dataset(&p.run)),
         other => other.dataset().map(str::to_owned),
     };
     FoldProblem {
@@ -234,6 +235,7 @@ pub fn apply(txn: &WriteTransaction, event: &Event) -> Result<bool, FoldError> {
         Body::CheckpointHeld(p) => checkpoint_held(txn, event, p, &stamp)?,
         Body::CheckpointPartCommitted(p) => crate::parts::part_committed(txn, event, p, &stamp)?,
         Body::CheckpointPartOffloaded(p) => crate::parts::part_offloaded(txn, event, p, &stamp)?,
+        Body::CheckpointPartRemoved(p) => crate::parts::part_removed(txn, event, p, &stamp)?,
         Body::DeadLetter(p) => dead_letter(txn, p, &stamp)?,
         Body::DeadLetterReplayed(p) => dead_letter_replayed(txn, p)?,
         Body::OperatorAction(p) => operator_action(txn, event, p, &stamp)?,

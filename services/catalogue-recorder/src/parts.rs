@@ -7,7 +7,9 @@
 
 use redb::{ReadTransaction, ReadableTable, WriteTransaction};
 use stagehand_catalogue::{CheckpointPartRecord, MAX_CHECKPOINT_PARTS, Stamp};
-use stagehand_schemas::{CheckpointPartCommitted, CheckpointPartOffloaded, Event};
+use stagehand_schemas::{
+    CheckpointPartCommitted, CheckpointPartOffloaded, CheckpointPartRemoved, Event,
+};
 
 use crate::error::StoreError;
 use crate::fold::FoldError;
@@ -36,6 +38,7 @@ pub(crate) fn part_committed(
             committed: None,
             offloaded_to: None,
             offloaded: None,
+            removed: None,
         });
         if record.committed.as_ref().is_some_and(|old| stamp <= old) {
             return false;
@@ -47,6 +50,14 @@ pub(crate) fn part_committed(
         record.total_bytes = p.total_bytes;
         record.tags = p.tags.clone();
         record.committed = Some(stamp.clone());
+        // A commit newer than the removal wrote the part to the node again.
+        if record
+            .removed
+            .as_ref()
+            .is_some_and(|removed| stamp > removed)
+        {
+            record.removed = None;
+        }
         true
     })
 }
@@ -74,12 +85,34 @@ pub(crate) fn part_offloaded(
             committed: None,
             offloaded_to: None,
             offloaded: None,
+            removed: None,
         });
         if record.offloaded.is_some() {
             return false;
         }
         record.offloaded_to = Some(p.location.clone());
         record.offloaded = Some(stamp.clone());
+        true
+    })
+}
+
+/// A part's removal from its node: noted on a record the catalogue holds (a removal is stated
+/// only of a part its commit and offload made known), unless a newer commit put it back.
+pub(crate) fn part_removed(
+    txn: &WriteTransaction,
+    event: &Event,
+    p: &CheckpointPartRemoved,
+    stamp: &Stamp,
+) -> Result<(), FoldError> {
+    update(txn, event, (&p.run, p.step, p.part), |record| {
+        let Some(record) = record else {
+            return false;
+        };
+        let put_back = record.committed.as_ref().is_some_and(|c| c > stamp);
+        if put_back || record.removed.is_some() || record.node != p.node {
+            return false;
+        }
+        record.removed = Some(stamp.clone());
         true
     })
 }
@@ -175,7 +208,7 @@ pub(crate) fn parts_on(
 
 #[cfg(test)]
 mod tests {
-    use stagehand_catalogue::{Answer, Query, StepParts};
+    use stagehand_catalogue::{Answer, CheckpointPartRecord, Query, StepParts};
     use stagehand_schemas::*;
 
     use crate::testing::*;
@@ -298,6 +331,66 @@ mod tests {
         };
         let found: Vec<(u32, &str)> = parts.iter().map(|p| (p.part, p.node.as_str())).collect();
         assert_eq!(found, [(1, "n1")]);
+    }
+
+    fn removed(commit: &Event, node: &str) -> Event {
+        let Body::CheckpointPartCommitted(p) = &commit.body else {
+            unreachable!()
+        };
+        commit.caused(
+            &format!("part-removed:{}", p.part),
+            Body::CheckpointPartRemoved(CheckpointPartRemoved {
+                run: p.run.clone(),
+                step: p.step,
+                part: p.part,
+                node: node.into(),
+                location: p.location.clone(),
+                offloaded_to: Location {
+                    tier: "hot".into(),
+                    prefix: p.location.prefix.clone(),
+                },
+                files: p.files.len() as u64,
+                total_bytes: p.total_bytes,
+            }),
+        )
+    }
+
+    fn part_record(store: &crate::store::Store, step: u64, part: u32) -> CheckpointPartRecord {
+        let Answer::CheckpointParts { parts } = crate::answer(
+            store,
+            &Query::CheckpointParts {
+                project: "lab-a".into(),
+                run: RUN.into(),
+                step: Some(step),
+            },
+        ) else {
+            panic!("not a parts answer")
+        };
+        parts.into_iter().find(|p| p.part == part).unwrap()
+    }
+
+    #[test]
+    fn a_removal_is_recorded_for_its_own_node_until_a_newer_commit_puts_the_part_back() {
+        let commit = committed(6, 0, 1, "n0");
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(
+            dir.path(),
+            "parts.redb",
+            &[commit.clone(), offloaded(&commit), removed(&commit, "n9")],
+        );
+        assert!(
+            !part_record(&store, 6, 0).is_removed(),
+            "another node's removal"
+        );
+        let mut by_its_node = removed(&commit, "n0");
+        by_its_node.id = EventId::new("removed-by-n0").unwrap();
+        fold_into(&store, &[by_its_node]);
+        assert!(part_record(&store, 6, 0).is_removed());
+        let mut again = committed(6, 0, 1, "n0");
+        again.occurred_at += time::Duration::seconds(60);
+        again.id = EventId::new("committed-again").unwrap();
+        fold_into(&store, &[again]);
+        assert!(!part_record(&store, 6, 0).is_removed());
     }
 
     #[test]

@@ -227,7 +227,7 @@ pub async fn gather(
         damaged = damage(catalogue, policies, now, &mut findings).await?;
         unreachable_nodes(catalogue, policies, &mut findings).await?;
         drill_lines = drills(catalogue, policies, now, &mut findings).await?;
-        offloads(catalogue, policies, now, &mut findings).await?;
+        offloads(bus, catalogue, policies, now, &mut findings).await?;
     }
     let mut not_checked =
         vec!["versions no backup protects yet: stagehand backup status --check".to_owned()];
@@ -698,20 +698,21 @@ async fn damage(
 
 /// Checkpoint steps committed on node-local tiers whose part stayed on its node past
 /// `retention.toml`'s `[offload] deadline`: each a finding (a step never completing is a run
-/// that cannot resume from it).
+/// that cannot resume from it). When the offload tier is bounded, the promoter's reservations
+/// on it say whether it can take the bytes still on the nodes: if not, the finding says so
+/// (the agents retry until it can).
 async fn offloads(
+    bus: &Bus,
     catalogue: &Catalogue,
     policies: &stagehand_policy::Policies,
     now: OffsetDateTime,
     findings: &mut Vec<Finding>,
 ) -> anyhow::Result<()> {
-    let Some(deadline) = policies
-        .retention()
-        .and_then(|r| r.offload.as_ref())
-        .map(|o| o.deadline)
-    else {
+    let Some(offload) = policies.retention().and_then(|r| r.offload.as_ref()) else {
         return Ok(());
     };
+    let deadline = offload.deadline;
+    let room = offload_room(bus, policies, &offload.tier).await;
     for (name, tier) in policies.tiers() {
         if tier.role != stagehand_policy::TierRole::Local {
             continue;
@@ -720,9 +721,40 @@ async fn offloads(
             .checkpoint_parts_on(name, None)
             .await
             .with_context(|| format!("the checkpoint parts on tier {name}"))?;
-        findings.extend(late_offloads(&parts, deadline, now));
+        findings.extend(late_offloads(&parts, deadline, now, room.as_ref()));
     }
     Ok(())
+}
+
+/// The space the promoter would reserve now on a bounded offload tier: what a part's offload
+/// needs before it copies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffloadRoom {
+    pub tier: String,
+    pub free: u64,
+    pub capacity: u64,
+}
+
+/// The room on `tier` from the promoter's reservations; `None` for an unbounded tier, or when
+/// the promoter's bucket cannot be read (the finding then says nothing of space).
+async fn offload_room(
+    bus: &Bus,
+    policies: &stagehand_policy::Policies,
+    tier: &str,
+) -> Option<OffloadRoom> {
+    let capacity = policies.tiers().get(tier)?.limits.as_ref()?.capacity;
+    let store = (bus.jetstream())
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await
+        .ok()?;
+    let reserved = stagehand_bus::placement::reservations(&store, tier, None)
+        .await
+        .ok()?;
+    Some(OffloadRoom {
+        tier: tier.to_owned(),
+        free: reserved.value.unwrap_or_default().free(capacity),
+        capacity,
+    })
 }
 
 /// Nodes whose agent went silent past `agent_silent_after`: their copies on each node-local
@@ -773,6 +805,7 @@ pub fn late_offloads(
     parts: &[stagehand_catalogue::CheckpointPartRecord],
     deadline: Duration,
     now: OffsetDateTime,
+    room: Option<&OffloadRoom>,
 ) -> Vec<Finding> {
     let mut runs: std::collections::BTreeMap<(&str, &str), Vec<_>> = Default::default();
     for p in parts {
@@ -791,11 +824,26 @@ pub fn late_offloads(
                 .iter()
                 .map(|(part, node)| format!("part {part} on {node}"))
                 .collect();
+            // The largest part still on a node: the one a full tier keeps waiting longest.
+            let largest = (parts.iter())
+                .filter(|p| p.step == step.step && !p.is_offloaded())
+                .map(|p| p.total_bytes)
+                .max()
+                .unwrap_or(0);
+            let why = match room {
+                Some(r) if largest > r.free => format!(
+                    " — offload tier {} cannot fit it: {} free of {} bytes, a part needs {}; \
+                     the agents retry as space frees (release finished stages, or raise its \
+                     capacity in tiers.toml)",
+                    r.tier, r.free, r.capacity, largest
+                ),
+                _ => String::new(),
+            };
             out.push(Finding {
                 area: "checkpoint",
                 subject: format!("{project}/{run} step {}", step.step),
                 detail: format!(
-                    "offload late: {} of {} parts offloaded; on node NVMe only: {}",
+                    "offload late: {} of {} parts offloaded; on node NVMe only: {}{why}",
                     step.offloaded,
                     step.parts,
                     on.join(", ")
@@ -1050,18 +1098,34 @@ mod tests {
                 committed: Some(stamp.clone()),
                 offloaded_to: None,
                 offloaded: offloaded.then_some(stamp),
+                removed: None,
             }
         };
         let parts = [part(0, "n0", 40, true), part(1, "n1", 40, false)];
-        let late = late_offloads(&parts, Duration::from_secs(15 * 60), now);
+        let late = late_offloads(&parts, Duration::from_secs(15 * 60), now, None);
         assert_eq!(late.len(), 1);
         assert_eq!(late[0].subject, "lab/llm step 7");
         assert!(
-            late[0].detail.contains("part 1 on n1"),
+            late[0].detail.contains("part 1 on n1") && !late[0].detail.contains("cannot fit"),
             "{}",
             late[0].detail
         );
-        assert!(late_offloads(&parts, Duration::from_secs(3600), now).is_empty());
+        assert!(late_offloads(&parts, Duration::from_secs(3600), now, None).is_empty());
+        // A bounded offload tier without room for the part says so.
+        let full = OffloadRoom {
+            tier: "hot".into(),
+            free: 0,
+            capacity: 10,
+        };
+        let late = late_offloads(&parts, Duration::from_secs(15 * 60), now, Some(&full));
+        assert!(
+            late[0].detail.contains("offload tier hot cannot fit it"),
+            "{}",
+            late[0].detail
+        );
+        let roomy = OffloadRoom { free: 10, ..full };
+        let late = late_offloads(&parts, Duration::from_secs(15 * 60), now, Some(&roomy));
+        assert!(!late[0].detail.contains("cannot fit"), "{}", late[0].detail);
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //! a step whose fourth node's agent is gone before it offloads stays at risk, naming that part
 //! and node, and the previous step stays latest; a part commit naming another project's folder,
 //! a folder that is not the part's or a shared tier is refused with a reason, nothing copied.
+//! Once a step is committed whole, each node's agent removes its part from the node's local
+//! tier and the catalogue records it (`checkpoint.part.removed`); the parts of a step not
+//! committed stay on their nodes.
 
 mod common;
 
@@ -14,6 +17,7 @@ use std::process::{Command, Output};
 use anyhow::{Context, ensure};
 use common::{PROJECT, Stagehand, WAIT};
 use serde_json::Value;
+use stagehand_catalogue::Catalogue;
 use stagehand_schemas::{Body, CheckpointPartCommitted, Event, EventId, FileRef, Location};
 use stagehand_testkit::wait_for;
 
@@ -80,7 +84,7 @@ fn local_root(policies: &Path) -> anyhow::Result<PathBuf> {
     Ok(home.join("tiers").join(format!("local-{node}")))
 }
 
-/// Writes part `part` of `step` on its node and commits it with the real binary.
+/// Writes part `part` of `step` (of 4) on its node and commits it with the real binary.
 fn write_and_commit(
     url: &str,
     node: &str,
@@ -88,12 +92,23 @@ fn write_and_commit(
     step: u64,
     part: usize,
 ) -> anyhow::Result<()> {
+    write_and_commit_of(url, node, policies, (step, part, NODES.len()))
+}
+
+/// Writes part `part` of `step` of `parts` on its node and commits it with the real binary.
+fn write_and_commit_of(
+    url: &str,
+    node: &str,
+    policies: &Path,
+    (step, part, parts): (u64, usize, usize),
+) -> anyhow::Result<()> {
     let dir = part_dir(policies, step, part)?;
     std::fs::create_dir_all(&dir)?;
     for (name, bytes) in part_files(step, part) {
         std::fs::write(dir.join(name), bytes)?;
     }
-    let (step, part) = (step.to_string(), part.to_string());
+    let count = parts as u64;
+    let (step, part, parts) = (step.to_string(), part.to_string(), parts.to_string());
     let out = stagehand(
         url,
         &[
@@ -112,7 +127,7 @@ fn write_and_commit(
             "--part",
             &part,
             "--parts",
-            "4",
+            &parts,
             "--policies",
             policies.to_str().context("utf-8")?,
             "--json",
@@ -122,7 +137,7 @@ fn write_and_commit(
     ensure!(out.status.success(), "{}", said(&out));
     let answer: Value = serde_json::from_slice(&out.stdout).with_context(|| said(&out))?;
     ensure!(
-        answer["node"] == node && answer["parts"] == 4 && answer["files"] == 2,
+        answer["node"] == node && answer["parts"].as_u64() == Some(count) && answer["files"] == 2,
         "{answer}"
     );
     Ok(())
@@ -197,6 +212,55 @@ fn restore_latest(url: &str, policies: &Path) -> anyhow::Result<PathBuf> {
     ))
 }
 
+/// The parts of `step` the catalogue records removed from their nodes, as (part, node).
+async fn removed_parts(catalogue: &Catalogue, step: u64) -> anyhow::Result<Vec<(u32, String)>> {
+    let parts = catalogue.checkpoint_parts(PROJECT, RUN, Some(step)).await?;
+    Ok(parts
+        .into_iter()
+        .filter(|p| p.is_removed())
+        .map(|p| (p.part, p.node))
+        .collect())
+}
+
+/// Waits until every part of `step` is gone from its node's local tier and the catalogue
+/// records each removed by its own node; its offloaded copy is still on hot.
+async fn parts_left_their_nodes(
+    sh: &Stagehand,
+    catalogue: &Catalogue,
+    policies: &[PathBuf],
+    step: u64,
+) -> anyhow::Result<()> {
+    let every: Vec<(u32, String)> = (0..NODES.len())
+        .map(|part| (part as u32, NODES[part].to_owned()))
+        .collect();
+    let on_node = || -> Vec<usize> {
+        (0..NODES.len())
+            .filter(|&part| part_dir(&policies[part], step, part).is_ok_and(|d| d.exists()))
+            .collect()
+    };
+    let gone = wait_for(
+        WAIT,
+        &format!("the parts of step {step} off their nodes"),
+        || async {
+            let removed = removed_parts(catalogue, step).await.ok()?;
+            (on_node().is_empty() && removed == every).then_some(())
+        },
+    )
+    .await;
+    if gone.is_err() {
+        anyhow::bail!(
+            "step {step}: parts still on their nodes {:?}; the catalogue records removed {:?}",
+            on_node(),
+            removed_parts(catalogue, step).await?
+        );
+    }
+    let hot_step = sh
+        .home
+        .path()
+        .join(format!("tiers/hot/lab/ckpt-llm/step-{step}"));
+    holds_step(&hot_step, step)
+}
+
 /// Every part's files of `step` are in `dir` under `part-<i>/`, byte for byte.
 fn holds_step(dir: &Path, step: u64) -> anyhow::Result<()> {
     for part in 0..NODES.len() {
@@ -222,9 +286,10 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     }
     sh.ready().await?;
     let url = sh.url.clone();
+    let catalogue = Catalogue::new(sh.bus.client().clone());
 
     // Steps 1 and 2: every node commits its part; each is offloaded and the step committed
-    // whole on hot.
+    // whole on hot; then every part leaves its node.
     for step in [1, 2] {
         for (part, node) in NODES.iter().enumerate() {
             write_and_commit(&url, node, &policies[part], step, part)?;
@@ -232,6 +297,19 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         let whole = listed_as(&url, &sh.policies, step, "committed").await?;
         ensure!(whole["tiers"] == serde_json::json!(["hot"]), "{whole}");
         ensure!(whole.get("offload").is_none(), "{whole}");
+    }
+    for step in [1, 2] {
+        parts_left_their_nodes(&sh, &catalogue, &policies, step).await?;
+    }
+    // The list still says committed, on hot, nothing at risk.
+    let listed = list(&url, &sh.policies)?;
+    for step in [1, 2] {
+        ensure!(
+            step_of(&listed, step).is_some_and(|c| c["state"] == "committed"
+                && c["tiers"] == serde_json::json!(["hot"])
+                && c.get("offload").is_none()),
+            "{listed:#?}"
+        );
     }
     let restored = restore_latest(&url, &sh.policies)?;
     ensure!(
@@ -264,6 +342,19 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         at_risk["offload"]["bytes_on_node"] == 20_000 + 3,
         "{at_risk}"
     );
+    // Its step not committed, no part leaves its node, offloaded or not.
+    let stays = |what: &str| -> anyhow::Result<()> {
+        for (part, node_policies) in policies.iter().enumerate() {
+            for (name, bytes) in part_files(3, part) {
+                let path = part_dir(node_policies, 3, part)?.join(name);
+                let found = std::fs::read(&path).with_context(|| format!("{what}: {path:?}"))?;
+                ensure!(found == bytes, "{what}: {path:?} changed");
+            }
+        }
+        Ok(())
+    };
+    stays("three parts offloaded")?;
+    ensure!(removed_parts(&catalogue, 3).await?.is_empty());
     // The three offloaded parts are on hot; the step is not, nor the missing part.
     let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-3");
     ensure!(hot_step.join("part-2/.metadata").is_file());
@@ -347,11 +438,14 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         report["stray"].as_array().is_some_and(Vec::is_empty),
         "{report:#}"
     );
+    stays("step 3 still incomplete")?;
+    ensure!(removed_parts(&catalogue, 3).await?.is_empty());
 
     // The node comes back: its agent offloads the part it left, and step 3 becomes latest.
     sh.start_node_agent(NODES[3])?;
     sh.ready().await?;
     listed_as(&url, &sh.policies, 3, "committed").await?;
+    parts_left_their_nodes(&sh, &catalogue, &policies, 3).await?;
     let restored = restore_latest(&url, &sh.policies)?;
     ensure!(
         restored.ends_with("lab/ckpt-llm/step-3"),
@@ -497,5 +591,100 @@ async fn a_part_naming_anything_but_its_own_folder_on_its_node_is_refused() -> a
         "{}",
         said(&out)
     );
+    Ok(())
+}
+
+/// Rewrites each `key = ...` line of the policy file `file` in `dir` to `key = value`.
+fn set_policy(dir: &Path, file: &str, key: &str, value: &str) -> anyhow::Result<()> {
+    let path = dir.join(file);
+    let text = std::fs::read_to_string(&path)?;
+    let text: Vec<String> = text
+        .lines()
+        .map(|l| match l.starts_with(&format!("{key} =")) {
+            true => format!("{key} = {value}"),
+            false => l.to_owned(),
+        })
+        .collect();
+    std::fs::write(&path, text.join("\n") + "\n")?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> anyhow::Result<()> {
+    // Hot, the offload tier, holds 16 KiB: a part of 20,003 bytes does not fit.
+    let mut sh = Stagehand::start(common::Options {
+        hot_capacity: Some("16 KiB".into()),
+        ..Default::default()
+    })
+    .await?;
+    set_policy(&sh.policies, "retention.toml", "deadline", "\"1s\"")?;
+    let policies = sh.start_node_agent(NODES[0])?;
+    sh.ready().await?;
+    let url = sh.url.clone();
+    write_and_commit_of(&url, NODES[0], &policies, (1, 0, 1))?;
+
+    // Late, and `stagehand status` says why: the offload tier cannot fit the part.
+    let finding = wait_for(WAIT, "status naming the full offload tier", || {
+        let out = stagehand(
+            &url,
+            &[
+                "status",
+                "--policies",
+                sh.policies.to_str().unwrap_or_default(),
+                "--json",
+            ],
+        );
+        async move {
+            let report: Value = serde_json::from_slice(&out.ok()?.stdout).ok()?;
+            report["findings"]
+                .as_array()?
+                .iter()
+                .find(|f| f["subject"] == "lab/llm step 1")
+                .filter(|f| {
+                    f["detail"]
+                        .as_str()
+                        .is_some_and(|d| d.contains("offload tier hot cannot fit it"))
+                })
+                .cloned()
+        }
+    })
+    .await?;
+    ensure!(
+        finding["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("part 0 on gpu-a") && d.contains("a part needs 20003")),
+        "{finding}"
+    );
+    // Nothing copied, and the part still on its node.
+    ensure!(
+        !sh.home
+            .path()
+            .join("tiers/hot/lab/ckpt-llm/step-1")
+            .exists()
+    );
+    ensure!(part_dir(&policies, 1, 0)?.join(".metadata").is_file());
+
+    // Room made (the tier's capacity raised): the same commit, retried, is offloaded, the
+    // step committed and the part leaves its node; no reservation is left behind.
+    sh.stop_node_agent(NODES[0]).await?;
+    set_policy(&policies, "tiers.toml", "capacity", "\"1 MiB\"")?;
+    set_policy(&policies, "tiers.toml", "default", "\"1 MiB\"")?;
+    sh.start_node_agent(NODES[0])?;
+    sh.ready().await?;
+    let whole = listed_as(&url, &sh.policies, 1, "committed").await?;
+    ensure!(whole["tiers"] == serde_json::json!(["hot"]), "{whole}");
+    wait_for(WAIT, "the part off its node", || {
+        let gone = part_dir(&policies, 1, 0).is_ok_and(|d| !d.exists());
+        async move { gone.then_some(()) }
+    })
+    .await?;
+    let promoter = (sh.bus.jetstream())
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await?;
+    let reserved = stagehand_bus::placement::reservations(&promoter, "hot", None)
+        .await?
+        .value
+        .unwrap_or_default();
+    ensure!(reserved.replicas.is_empty(), "{reserved:?}");
     Ok(())
 }

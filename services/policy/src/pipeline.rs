@@ -393,6 +393,11 @@ pub struct CheckpointOffload {
     /// (`stagehand checkpoint list`).
     #[serde(with = "duration")]
     pub deadline: Duration,
+    /// Whether a part stays on its node's local tier once its step is committed whole (false,
+    /// the default: each node's agent removes its own parts then, to free the NVMe for the
+    /// next step; true leaves them to the run).
+    #[serde(default)]
+    pub keep_on_node: bool,
 }
 
 /// Checkpoint retention of one training run.

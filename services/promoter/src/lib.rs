@@ -25,7 +25,7 @@
 //! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` |
 //! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`: wake the requests this instance holds |
 //! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
-//! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded |
+//! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
 //! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
 //! | `liveness` | — | a node agent only: its node's liveness record every `agent_beat_every`, and its copies the catalogue holds unreachable re-checked by fingerprint (`promoter/liveness.rs`) |
@@ -220,7 +220,8 @@ impl Settings {
     }
 
     /// A node agent's offloads worker, on its own consumer: this node's checkpoint part
-    /// commits (copied off the node), and every node's offloads (each may complete its step).
+    /// commits (copied off the node), every node's offloads (each may complete its step), and
+    /// every step's commit (this node's parts of it leave the node).
     /// `None` for the shared promoter.
     pub fn offloads_worker(&self) -> Option<WorkerConfig> {
         let node = self.node.as_ref()?;
@@ -228,12 +229,23 @@ impl Settings {
         let mut cfg = self.worker(
             &consumer,
             subject::FACTS.name,
-            &["checkpoint.part.committed", "checkpoint.part.offloaded"],
+            &[
+                "checkpoint.part.committed",
+                "checkpoint.part.offloaded",
+                "checkpoint.committed",
+            ],
         );
         cfg.concurrency = 4;
-        // An offload waits for the catalogue to fold it before it may complete its step.
-        cfg.max_deliver = 50;
-        cfg.retry = soon();
+        // An offload waits for the catalogue to fold it before it may complete its step (soon,
+        // the first retries), and for space on a bounded offload tier before it copies (long
+        // after): every attempt the runtime keeps, backing off to 5 min — about 8 hours before
+        // a part still refused is dead-lettered; `stagehand status` shows it late long before.
+        cfg.max_attempts = OFFLOAD_ATTEMPTS;
+        cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
+        cfg.retry = RetrySchedule {
+            max: Duration::from_secs(300),
+            ..soon()
+        };
         Some(cfg)
     }
 
@@ -255,6 +267,9 @@ impl Settings {
         )
     }
 }
+
+/// Attempts of a checkpoint part fact before it is dead-lettered: all the runtime keeps.
+const OFFLOAD_ATTEMPTS: u32 = stagehand_bus::ledger::MAX_ATTEMPTS_KEPT as u32;
 
 /// Retries for what the promoter waits on to catch up (the catalogue, a copy lease): from
 /// 200 ms to 10 s.

@@ -26,6 +26,7 @@ mod clock;
 mod copying;
 mod estimate;
 mod in_flight;
+mod leave_node;
 mod liveness;
 mod offload;
 mod requests;

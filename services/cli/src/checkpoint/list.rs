@@ -413,6 +413,7 @@ mod tests {
                 ..location
             }),
             offloaded: offloaded.then(|| stamp(0)),
+            removed: None,
         }
     }
 

@@ -34,10 +34,7 @@ const WITHDRAW_WAIT: Duration = Duration::from_secs(30);
 
 /// The hidden name a removed replica's folder gets before its bytes are deleted.
 pub fn removed_name(prefix: &str) -> String {
-    match prefix.rsplit_once('/') {
-        Some((parent, name)) => format!("{parent}/.{name}.stagehand-removed"),
-        None => format!(".{prefix}.stagehand-removed"),
-    }
+    stagehand_schemas::layout::removal_folder(prefix)
 }
 
 impl Demoter {

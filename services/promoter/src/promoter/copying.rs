@@ -31,7 +31,7 @@ use super::in_flight::{Held, request_key};
 use super::{FAILED_COPY_REMEMBERED, Promoter, retry, step_replica};
 
 impl Promoter {
-    fn limits(&self, tier: &str, project: &str) -> Limits {
+    pub(super) fn limits(&self, tier: &str, project: &str) -> Limits {
         let limits = self.tier_policy(tier).and_then(|t| t.limits.as_ref());
         Limits {
             capacity: limits.map_or(u64::MAX, |l| l.capacity),

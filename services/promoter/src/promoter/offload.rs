@@ -22,9 +22,11 @@ use stagehand_schemas::{
     Body, CheckpointCommitted, CheckpointPartCommitted, CheckpointPartOffloaded, Event, EventId,
     FileRef, INLINE_MANIFEST_MAX_BYTES, Location, Retryable, layout,
 };
-use tracing::info;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 
 use super::{Promoter, retry};
+use crate::kv::{LeaseState, Refused};
 
 /// The fact-id step of a part's `checkpoint.part.offloaded`.
 pub const STEP_OFFLOADED: &str = "offloaded";
@@ -35,7 +37,8 @@ fn refuse(why: String) -> HandlerError {
 
 impl Promoter {
     /// A checkpoint part fact: a commit on this node's local tier is offloaded; an offload
-    /// (of any node) may complete its step.
+    /// (of any node) may complete its step; a step's commit sends this node's parts of it off
+    /// the node (`leave_node`).
     pub async fn on_part(
         &self,
         event: &Event,
@@ -46,6 +49,7 @@ impl Promoter {
                 Ok(vec![self.offload(event, p, ctx).await?])
             }
             Body::CheckpointPartOffloaded(p) => self.complete_step(event, p).await,
+            Body::CheckpointCommitted(c) => self.parts_leave_node(event, c).await,
             _ => Ok(Vec::new()),
         }
     }
@@ -151,18 +155,40 @@ impl Promoter {
             Some(ctx) => ctx.shutdown().child_token(),
             None => self.p().shutdown.child_token(),
         };
+        // A bounded tier's space is reserved first, under the part's copy lease (the lease the
+        // shared promoter's reconciler respects), and given back however the copy ends.
+        let bounded = self
+            .tier_policy(&to_tier)
+            .is_some_and(|t| t.limits.is_some());
+        let mut lease = match bounded {
+            true => Some(self.reserve_offload(event, p, &to_tier).await?),
+            false => None,
+        };
         let _slot = self.inner.slots.acquire(Priority::Checkpoint).await;
         let files = stream::iter(p.files.clone());
-        let copied = async {
+        let copy = async {
             let staged = self
                 .p()
                 .mover
                 .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
                 .await?;
             staged.publish().await
+        };
+        let copied = self
+            .renewing(
+                &to_tier,
+                &p.location.prefix,
+                &event.id,
+                &mut lease,
+                &stop,
+                copy,
+            )
+            .await;
+        if let Some(revision) = lease {
+            self.unreserve_offload(&to_tier, &p.location.prefix, revision)
+                .await;
         }
-        .await
-        .map_err(|e| match e.kind {
+        let copied = copied.map_err(|e| match e.kind {
             ErrorKind::ChecksumMismatch
             | ErrorKind::SizeMismatch
             | ErrorKind::NotFound
@@ -191,6 +217,95 @@ impl Promoter {
                 total_bytes: p.total_bytes,
             }),
         ))
+    }
+
+    /// Takes the part's copy lease on the offload tier and reserves the part's bytes there
+    /// (quota and capacity, as a stage copy does); returns the lease's revision. A tier that
+    /// cannot fit the part is a retry, never a failure: the offload waits for space, and
+    /// `stagehand status` says why once it is late.
+    async fn reserve_offload(
+        &self,
+        event: &Event,
+        p: &CheckpointPartCommitted,
+        to_tier: &str,
+    ) -> Result<u64, HandlerError> {
+        let coord = &self.p().coordination;
+        let prefix = &p.location.prefix;
+        let revision = match coord
+            .lease(to_tier, None, prefix, event.id.as_str())
+            .await
+            .map_err(retry)?
+        {
+            LeaseState::Owned(revision) => revision,
+            LeaseState::Held { instance, .. } => {
+                return Err(retry(format!(
+                    "{prefix} on tier {to_tier} is leased by {instance}; the offload waits"
+                )));
+            }
+        };
+        let limits = self.limits(to_tier, &event.project);
+        // What the copy writes: its files' sizes (each checked as it is copied), not the
+        // total the commit states, which its writer could understate.
+        let bytes = p.files.iter().map(|f| f.size).sum();
+        let why = match coord
+            .reserve(to_tier, None, &event.project, prefix, bytes, limits)
+            .await
+        {
+            Ok(Ok(())) => return Ok(revision),
+            Ok(Err(refused)) => offload_refused(p, to_tier, &refused),
+            Err(e) => e.to_string(),
+        };
+        if let Err(e) = coord.end_lease(to_tier, None, prefix, revision).await {
+            debug!(error = %e, "offload's copy lease not ended; it ages out");
+        }
+        warn!(run = %p.run, step = p.step, part = p.part, tier = %to_tier, "{why}");
+        Err(retry(why))
+    }
+
+    /// Gives back an offload's reservation and its copy lease: an offloaded part is a
+    /// checkpoint's, which the promoter's stage accounting does not hold (a failed one
+    /// leaves nothing).
+    async fn unreserve_offload(&self, to_tier: &str, prefix: &str, revision: u64) {
+        let coord = &self.p().coordination;
+        if let Err(e) = coord.release(to_tier, None, prefix).await {
+            warn!(error = %e, %prefix, tier = %to_tier, "offload's reservation not given back; the reconciler gives it back");
+        }
+        if let Err(e) = coord.end_lease(to_tier, None, prefix, revision).await {
+            debug!(error = %e, "offload's copy lease not ended; it ages out");
+        }
+    }
+
+    /// Runs `copy`, renewing the copy lease (`lease`: its revision; `None`, none held) every
+    /// third of its lifetime; a lease lost stops the copy (`stop`), so that the reservation
+    /// it guarded is never counted for a copy nobody leases.
+    async fn renewing<T>(
+        &self,
+        to_tier: &str,
+        prefix: &str,
+        holder: &EventId,
+        lease: &mut Option<u64>,
+        stop: &CancellationToken,
+        copy: impl std::future::Future<Output = T>,
+    ) -> T {
+        let Some(revision) = lease.as_mut() else {
+            return copy.await;
+        };
+        tokio::pin!(copy);
+        let every = self.p().coordination.lease_lifetime() / 3;
+        loop {
+            tokio::select! {
+                done = &mut copy => return done,
+                _ = tokio::time::sleep(every) => {
+                    match self.p().coordination.renew(to_tier, None, prefix, holder.as_str(), *revision).await {
+                        Ok(rev) => *revision = rev,
+                        Err(e) => {
+                            warn!(error = %e, %prefix, "offload's copy lease lost; stopping the copy");
+                            stop.cancel();
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// The step's `checkpoint.committed` once the catalogue shows this offload and every
@@ -223,6 +338,27 @@ impl Promoter {
             p.step,
             &parts,
         )?])
+    }
+}
+
+/// Why the offload tier cannot take a part now, for the log and the retry.
+fn offload_refused(p: &CheckpointPartCommitted, to_tier: &str, refused: &Refused) -> String {
+    let what = format!(
+        "checkpoint part {} of step {} of run {} ({} bytes)",
+        p.part, p.step, p.run, p.total_bytes
+    );
+    match refused {
+        Refused::Full { used, capacity } => format!(
+            "offload tier {to_tier} cannot fit {what}: {used} of its {capacity} bytes are \
+             reserved; the offload waits for space"
+        ),
+        Refused::Quota { used, quota } => format!(
+            "offload tier {to_tier} cannot fit {what}: the project holds {used} bytes of its \
+             {quota}-byte quota; the offload waits for space"
+        ),
+        Refused::Withdrawing => {
+            format!("offload tier {to_tier}: {what}'s folder is being removed; the offload waits")
+        }
     }
 }
 
