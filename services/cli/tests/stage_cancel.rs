@@ -65,6 +65,33 @@ fn actions_at(url: &str) -> anyhow::Result<Vec<Value>> {
     list.as_array().cloned().context("a JSON array")
 }
 
+/// Waits until [`actions_at`] lists an action `wanted` holds for, and returns that list: the
+/// recorder folds the operator's fact after the command that stated it has returned.
+async fn actions_listing(
+    url: &str,
+    wanted: impl Fn(&Value) -> bool + Sync,
+) -> anyhow::Result<Vec<Value>> {
+    let last = std::sync::Mutex::new(Vec::new());
+    let (last_ref, wanted) = (&last, &wanted);
+    let listed =
+        stagehand_testkit::wait_until(common::WAIT, "the operator action listed", || async move {
+            let Ok(listed) = actions_at(url) else {
+                return false;
+            };
+            let hit = listed.iter().any(wanted);
+            *last_ref
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = listed;
+            hit
+        })
+        .await;
+    let last = last
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    listed.map_err(|e| anyhow::anyhow!("{e}: {last:?}"))?;
+    Ok(last)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_stage_cancelled_fails_and_its_waiters_see_who_and_why() -> anyhow::Result<()> {
     // The validator is not started: the upload stays in flight and the stage waits for it.
@@ -121,7 +148,7 @@ async fn a_waiting_stage_cancelled_fails_and_its_waiters_see_who_and_why() -> an
         WaitOutcome::Failed(s) => ensure!(s.reason.as_deref() == Some(expected.as_str())),
         other => anyhow::bail!("a waiter saw {other:?}"),
     }
-    let listed = actions_at(&sh.url)?;
+    let listed = actions_listing(&sh.url, |a| a["action"] == "stage.cancel").await?;
     ensure!(listed.len() == 1, "{listed:?}");
     let action = &listed[0];
     ensure!(
@@ -373,13 +400,12 @@ async fn only_the_operator_cancels_another_projects_ready_stage_and_that_release
             s.state == StageState::Released
         })
         .await?;
-    let listed = actions(tenants)?;
-    ensure!(
-        listed.iter().any(|a| a["action"] == "stage.cancel"
+    let listed = actions_listing(&tenants.url(&operator_user()), |a| {
+        a["action"] == "stage.cancel"
             && a["request_id"] == stage.request_id().as_str()
-            && a["reason"] == "tier maintenance"),
-        "{listed:?}"
-    );
+            && a["reason"] == "tier maintenance"
+    })
+    .await?;
     // Newest first.
     let times: Vec<time::OffsetDateTime> = listed
         .iter()
