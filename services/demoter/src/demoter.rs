@@ -44,7 +44,7 @@ mod step;
 
 pub use pass::PassReport;
 pub use retention::CHECKPOINT_PRIORITY;
-pub use step::{COPY_DOWN_PRIORITY, COPY_DOWN_VERIFY, removed_name};
+pub use step::{COPY_DOWN_PRIORITY, COPY_DOWN_VERIFY};
 
 /// What the demoter needs, built once at start.
 pub struct Parts {

@@ -63,7 +63,7 @@ use stagehand_mover::{Mover, MoverConfig, TransferError};
 use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, subject};
 
-pub use demoter::{Demoter, Parts, PassError, PassReport, removed_name};
+pub use demoter::{Demoter, Parts, PassError, PassReport};
 pub use scrub::{ScrubError, ScrubParts, ScrubReport, Scrubber};
 use stagehand_schemas::Retryable;
 pub use state::Phase;

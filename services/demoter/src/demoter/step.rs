@@ -32,11 +32,6 @@ pub const COPY_DOWN_PRIORITY: Priority = Priority::Backup;
 /// for the next pass.
 const WITHDRAW_WAIT: Duration = Duration::from_secs(30);
 
-/// The hidden name a removed replica's folder gets before its bytes are deleted.
-pub fn removed_name(prefix: &str) -> String {
-    stagehand_schemas::layout::removal_folder(prefix)
-}
-
 impl Demoter {
     /// Records `phase` for `step`, then halts there if the fault seam asks.
     async fn advance(&self, step: &mut Step, phase: Phase) -> Result<(), PassError> {
@@ -128,7 +123,7 @@ impl Demoter {
             }
             self.advance(&mut step, Phase::Withdrawn).await?;
         }
-        let hidden = removed_name(&step.prefix);
+        let hidden = stagehand_schemas::layout::removal_folder(&step.prefix);
         if step.phase == Phase::Withdrawn
             && step.checkpoint.is_none()
             && tier.set_present(&step.prefix).await.map_err(step_err)?

@@ -252,7 +252,7 @@ impl Promoter {
             .await
         {
             Ok(Ok(())) => return Ok(revision),
-            Ok(Err(refused)) => offload_refused(p, to_tier, &refused),
+            Ok(Err(refused)) => offload_refused(p, bytes, to_tier, &refused),
             Err(e) => e.to_string(),
         };
         if let Err(e) = coord.end_lease(to_tier, None, prefix, revision).await {
@@ -341,11 +341,17 @@ impl Promoter {
     }
 }
 
-/// Why the offload tier cannot take a part now, for the log and the retry.
-fn offload_refused(p: &CheckpointPartCommitted, to_tier: &str, refused: &Refused) -> String {
+/// Why the offload tier cannot take a part of `bytes` (what was asked for) now, for the log
+/// and the retry.
+fn offload_refused(
+    p: &CheckpointPartCommitted,
+    bytes: u64,
+    to_tier: &str,
+    refused: &Refused,
+) -> String {
     let what = format!(
-        "checkpoint part {} of step {} of run {} ({} bytes)",
-        p.part, p.step, p.run, p.total_bytes
+        "checkpoint part {} of step {} of run {} ({bytes} bytes)",
+        p.part, p.step, p.run
     );
     match refused {
         Refused::Full { used, capacity } => format!(
