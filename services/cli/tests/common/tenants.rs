@@ -658,9 +658,11 @@ impl Tenants {
                     "{what} names the victim's hashes {hashes:?}: {text}"
                 ));
             }
+            // Whole numbers only: a run of digits inside a hex id or hash (a request id
+            // `7dbf10e2178ab…`) is no size.
             let words: BTreeSet<&str> = text
-                .split(|c: char| !c.is_ascii_digit())
-                .filter(|w| !w.is_empty())
+                .split(|c: char| !c.is_ascii_alphanumeric())
+                .filter(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_digit()))
                 .collect();
             let named: Vec<&String> = sizes
                 .iter()
