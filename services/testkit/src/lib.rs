@@ -39,6 +39,7 @@ mod events;
 mod facts;
 mod files;
 mod nats;
+mod netns;
 mod policies;
 mod process;
 mod prometheus;
@@ -63,6 +64,7 @@ pub use facts::{
 };
 pub use files::{backdate, list_dir, pattern_bytes, put_files};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
+pub use netns::{NetNode, NetworkError, NodeNetwork};
 pub use policies::{PolicyFiles, TierSpec, VALIDATION};
 pub use prometheus::{Prometheus, http_get, scrape_sample};
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};

@@ -5,6 +5,7 @@
 //! port it chose from `--ports_file_dir`; a restart reuses that port and store, as a crashed
 //! server coming back would. Dropping the server kills it and removes the directory.
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::Duration;
@@ -37,6 +38,8 @@ pub struct NatsServer {
     config: Option<PathBuf>,
     env: Vec<(String, String)>,
     cluster: Option<ClusterNode>,
+    /// The address the client and monitoring ports listen on (`-a`).
+    host: IpAddr,
     port: u16,
     /// The monitoring port (`/varz`, `/jsz`, `/healthz`) of the running process: a free one,
     /// chosen again at each start.
@@ -51,9 +54,18 @@ pub struct NatsServerBuilder {
     config: Option<PathBuf>,
     config_text: Option<String>,
     env: Vec<(String, String)>,
+    host: Option<IpAddr>,
 }
 
 impl NatsServerBuilder {
+    /// Listens on `addr` instead of `127.0.0.1`: a node network's bridge address
+    /// ([`crate::NodeNetwork::host_addr`]), so that processes in its namespaces connect, or
+    /// `0.0.0.0` (then [`NatsServer::url`] still names `127.0.0.1`).
+    pub fn bind(mut self, addr: impl Into<IpAddr>) -> Self {
+        self.host = Some(addr.into());
+        self
+    }
+
     /// Starts the server with `-c path`. Port, address and store dir still come from the testkit.
     pub fn config_file(mut self, path: impl AsRef<Path>) -> Self {
         self.config = Some(path.as_ref().to_path_buf());
@@ -77,7 +89,8 @@ impl NatsServerBuilder {
     /// Starts the server and waits until it accepts connections. Panics, with the log tail,
     /// when it does not within 20 s.
     pub fn start(self) -> NatsServer {
-        NatsServer::launch(self.config, self.config_text, self.env, None)
+        let host = self.host.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        NatsServer::launch(self.config, self.config_text, self.env, None, host)
     }
 }
 
@@ -102,6 +115,7 @@ impl NatsServer {
         config_text: Option<String>,
         env: Vec<(String, String)>,
         cluster: Option<ClusterNode>,
+        host: IpAddr,
     ) -> NatsServer {
         let dir = tempfile::Builder::new()
             .prefix("stagehand-nats-")
@@ -120,6 +134,7 @@ impl NatsServer {
             config,
             env,
             cluster,
+            host,
             port: 0,
             monitor_port: None,
             child: None,
@@ -128,9 +143,18 @@ impl NatsServer {
         server
     }
 
-    /// `nats://127.0.0.1:PORT`.
+    /// `nats://127.0.0.1:PORT`, or the address it was bound to ([`NatsServerBuilder::bind`]).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://{}:{}", self.dialled(), self.port)
+    }
+
+    /// Where a client on this host reaches the server: its bound address, loopback for the
+    /// unspecified one.
+    fn dialled(&self) -> IpAddr {
+        match self.host.is_unspecified() {
+            true => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            false => self.host,
+        }
     }
 
     /// The client port.
@@ -138,13 +162,13 @@ impl NatsServer {
         self.port
     }
 
-    /// The monitoring endpoint's `127.0.0.1:PORT` (`http://` it for `/varz`, `/jsz`,
+    /// The monitoring endpoint's `127.0.0.1:PORT` (or the bound address; `http://` it for `/varz`, `/jsz`,
     /// `/healthz`); a restart moves it. Panics when the server is not running.
     pub fn monitor_addr(&self) -> String {
         let port = self
             .monitor_port
             .expect("a running nats-server has a monitoring port");
-        format!("127.0.0.1:{port}")
+        format!("{}:{port}", self.dialled())
     }
 
     /// The server's store directory (`-sd`); JetStream keeps its data in `jetstream/` below it.
@@ -262,7 +286,7 @@ impl NatsServer {
         } else {
             self.port.to_string()
         };
-        cmd.args(["-js", "-a", "127.0.0.1", "-p", &port])
+        cmd.args(["-js", "-a", &self.host.to_string(), "-p", &port])
             .arg("-sd")
             .arg(self.store_dir())
             .arg("--ports_file_dir")
@@ -278,9 +302,10 @@ impl NatsServer {
         let log = self.log_path();
         let mut child = process::spawn(cmd, &log);
         let ports_file = ports_dir.join(format!("nats-server_{}.ports", child.id()));
+        let dialled = self.dialled();
         let ready = process::poll_ready(&mut child, START_TIMEOUT, || {
             let port = read_port(&ports_file, "nats")?;
-            process::accepts(port).then_some(port)
+            process::accepts_at(dialled, port).then_some(port)
         });
         match ready {
             Ok(port) => {
@@ -436,7 +461,13 @@ impl NatsCluster {
                     port: *port,
                     routes: routes.clone(),
                 };
-                NatsServer::launch(None, b.configs.get(i).cloned(), b.env.clone(), Some(node))
+                NatsServer::launch(
+                    None,
+                    b.configs.get(i).cloned(),
+                    b.env.clone(),
+                    Some(node),
+                    IpAddr::V4(Ipv4Addr::LOCALHOST),
+                )
             })
             .collect();
         let cluster = NatsCluster { nodes };

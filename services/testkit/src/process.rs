@@ -188,8 +188,13 @@ pub(crate) fn free_ports(n: usize) -> Vec<u16> {
 
 /// Whether something accepts TCP connections on the loopback port.
 pub(crate) fn accepts(port: u16) -> bool {
+    accepts_at(std::net::IpAddr::from([127, 0, 0, 1]), port)
+}
+
+/// Whether something accepts TCP connections on `addr:port`.
+pub(crate) fn accepts_at(addr: std::net::IpAddr, port: u16) -> bool {
     TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        &std::net::SocketAddr::from((addr, port)),
         Duration::from_millis(200),
     )
     .is_ok()

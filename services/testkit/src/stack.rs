@@ -300,8 +300,18 @@ impl ServiceProcess {
         log: &Path,
         envs: &[(&str, &str)],
     ) -> ServiceProcess {
-        let binary = binary.as_ref();
-        let mut cmd = Command::new(binary);
+        Self::spawn_command(Command::new(binary.as_ref()), config, log, envs)
+    }
+
+    /// [`spawn`](Self::spawn) of a command made by the caller: `cmd --config config`, such as
+    /// a binary under `ip netns exec` ([`crate::NetNode::command`]).
+    pub fn spawn_command(
+        mut cmd: Command,
+        config: &Path,
+        log: &Path,
+        envs: &[(&str, &str)],
+    ) -> ServiceProcess {
+        let program = format!("{:?}", cmd.get_args().last().unwrap_or(cmd.get_program()));
         for (var, _) in std::env::vars_os() {
             if var.to_string_lossy().starts_with("STAGEHAND_") {
                 cmd.env_remove(var);
@@ -317,7 +327,7 @@ impl ServiceProcess {
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+            .unwrap_or_else(|e| panic!("starting {program}: {e}"));
         ServiceProcess {
             child,
             log: log.to_owned(),
