@@ -66,7 +66,7 @@ pub use files::{backdate, list_dir, pattern_bytes, put_files};
 pub use nats::{NatsCluster, NatsClusterBuilder, NatsServer, NatsServerBuilder};
 pub use netns::{NetNode, NetworkError, NodeNetwork};
 pub use policies::{PolicyFiles, TierSpec, VALIDATION};
-pub use prometheus::{Prometheus, http_get, scrape_sample};
+pub use prometheus::{Prometheus, http_get, http_get_at, scrape_sample};
 pub use s3::{ACCESS_KEY, REGION, S3Error, S3Server, SECRET_KEY};
 pub use stack::{ServiceProcess, Stack, StackBuilder};
 pub use tls::{DEPLOY_TLS_DIR, TestCa};

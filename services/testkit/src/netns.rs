@@ -25,20 +25,20 @@ const PREFIX: &str = "shn";
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum NetworkError {
-    /// `ip` itself could not be run.
-    #[error("running `ip {args}`: {source} (install iproute2)")]
+    /// `ip` or `tc` itself could not be run.
+    #[error("running `{args}`: {source} (install iproute2)")]
     Spawn {
         args: String,
         source: std::io::Error,
     },
     /// The kernel refused: this process may not make namespaces or links.
     #[error(
-        "`ip {args}` was refused: {stderr} — node networks need root or CAP_NET_ADMIN and \
+        "`{args}` was refused: {stderr} — node networks need root or CAP_NET_ADMIN and \
          CAP_SYS_ADMIN (run the test as root, or in a container with those capabilities)"
     )]
     NotPermitted { args: String, stderr: String },
-    /// Another failure of one `ip` command.
-    #[error("`ip {args}` failed: {stderr}")]
+    /// Another failure of one `ip` or `tc` command.
+    #[error("`{args}` failed: {stderr}")]
     Failed { args: String, stderr: String },
     /// Every candidate /24 under 10.0.0.0/8 is in use on this host.
     #[error("no free /24 under 10.0.0.0/8 for a node network")]
@@ -166,6 +166,21 @@ impl NodeNetwork {
         &self.nodes[i]
     }
 
+    /// Limits what node `i` sends (its `eth0`'s egress: what it serves its peers and the
+    /// host) to `rate` (`tc` units, e.g. `"200mbit"`), so that a transfer lasts long enough
+    /// for a test to act in the middle of it.
+    pub fn limit_egress(&self, i: usize, rate: &str) -> Result<(), NetworkError> {
+        let ns = self.nodes[i].namespace.as_str();
+        run(
+            "tc",
+            &[
+                "-n", ns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst",
+                "256kb", "latency", "200ms",
+            ],
+        )
+        .map(drop)
+    }
+
     /// The bridge's name.
     pub fn bridge(&self) -> &str {
         &self.bridge
@@ -185,8 +200,13 @@ impl Drop for NodeNetwork {
 
 /// Runs `ip args`; its stderr in the error.
 fn ip(args: &[&str]) -> Result<String, NetworkError> {
-    let joined = args.join(" ");
-    let out = Command::new("ip")
+    run("ip", args)
+}
+
+/// Runs `program args` (`ip`, `tc`); its stderr in the error.
+fn run(program: &str, args: &[&str]) -> Result<String, NetworkError> {
+    let joined = format!("{program} {}", args.join(" "));
+    let out = Command::new(program)
         .args(args)
         .output()
         .map_err(|source| NetworkError::Spawn {

@@ -148,10 +148,13 @@ impl Drop for Prometheus {
 /// One HTTP/1.0 GET on loopback (no chunked answers to decode): status and body. Also what a
 /// test scrapes a service's `/metrics` or probes its `/healthz` with.
 pub fn http_get(port: u16, path: &str) -> std::io::Result<(u16, Vec<u8>)> {
-    let mut stream = TcpStream::connect_timeout(
-        &SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_secs(2),
-    )?;
+    http_get_at(SocketAddr::from(([127, 0, 0, 1], port)), path)
+}
+
+/// [`http_get`] of a service listening elsewhere than loopback (in a [`crate::NodeNetwork`]'s
+/// namespace, say).
+pub fn http_get_at(addr: SocketAddr, path: &str) -> std::io::Result<(u16, Vec<u8>)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
     let mut raw = Vec::new();

@@ -69,6 +69,27 @@ fn namespaces_reach_the_bridge_and_each_other_and_are_removed_on_drop() {
     let _ = peer.wait();
     reached.unwrap();
 
+    // A node's sending can be slowed, as a busy link would be; it still connects.
+    net.limit_egress(0, "200mbit")
+        .expect("limit node 0's egress");
+    let qdisc = Command::new("tc")
+        .args([
+            "-n",
+            net.node(0).namespace(),
+            "qdisc",
+            "show",
+            "dev",
+            "eth0",
+        ])
+        .output()
+        .unwrap();
+    let qdisc = String::from_utf8_lossy(&qdisc.stdout);
+    assert!(
+        qdisc.contains("tbf") && qdisc.contains("200Mbit"),
+        "{qdisc}"
+    );
+    assert!(greets(net.node(0), &host, nats.port()));
+
     let bridge = net.bridge().to_owned();
     let names: Vec<String> = net
         .nodes()

@@ -8,6 +8,7 @@
 #![allow(dead_code)] // each test binary uses part of this
 
 pub mod attacks;
+pub mod fanout;
 pub mod shipped;
 pub mod tenants;
 
@@ -327,6 +328,26 @@ impl Stagehand {
     /// for the node's own `stagehand` commands.
     pub fn start_node_agent(&mut self, node: &str) -> anyhow::Result<PathBuf> {
         let home = self.home.path().to_owned();
+        let policies = self.write_node_policies(node)?;
+        let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
+        settings.node = Some(node.to_owned());
+        settings.state_dir = home.join("state").join(format!("promoter-{node}"));
+        let mut running = spawn(
+            &self.bus_config,
+            stagehand_promoter::SERVICE,
+            settings,
+            stagehand_promoter::serve,
+            self.stop.child_token(),
+        );
+        running.node = Some(node.to_owned());
+        self.tasks.push(running);
+        Ok(policies)
+    }
+
+    /// The policy folder of `node`'s agent (the stack's, its `local` root at
+    /// `<home>/tiers/local-<node>`), written with that root the first time.
+    pub fn write_node_policies(&self, node: &str) -> anyhow::Result<PathBuf> {
+        let home = self.home.path();
         let policies = self.node_policies(node);
         let root = self.node_local_root(node);
         if !policies.exists() {
@@ -343,18 +364,6 @@ impl Stagehand {
             std::fs::create_dir_all(&root)?;
             std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))?;
         }
-        let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
-        settings.node = Some(node.to_owned());
-        settings.state_dir = home.join("state").join(format!("promoter-{node}"));
-        let mut running = spawn(
-            &self.bus_config,
-            stagehand_promoter::SERVICE,
-            settings,
-            stagehand_promoter::serve,
-            self.stop.child_token(),
-        );
-        running.node = Some(node.to_owned());
-        self.tasks.push(running);
         Ok(policies)
     }
 
