@@ -11,9 +11,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use stagehand_promoter::fanout::{Fanout, FanoutSettings};
+use stagehand_promoter::fanout::{Fanout, FanoutSettings, FanoutTls};
 use stagehand_schemas::FileRef;
-use stagehand_testkit::wait_for;
+use stagehand_testkit::{TestCa, wait_for};
 
 const DATASET: &str = "shards";
 
@@ -49,6 +49,19 @@ fn local_root(stack: &Stack, node: &str) -> PathBuf {
 
 /// Starts the agent of `node` with fan-out on, its own policies naming its own local root.
 fn start_agent(stack: &mut Stack, node: &str, token: &Path) {
+    start_agent_with(stack, node, token, None);
+}
+
+/// The port `node`'s agent serves pieces on.
+fn piece_port(stack: &Stack, node: &str) -> u16 {
+    std::fs::read_to_string(stack.root().join(format!("fanout-port-{node}")))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// [`start_agent`], its pieces served and fetched over mutual TLS with `tls`'s certificate.
+fn start_agent_with(stack: &mut Stack, node: &str, token: &Path, tls: Option<&TestCa>) {
     let policies = stack.root().join(format!("policies-{node}"));
     std::fs::create_dir_all(&policies).unwrap();
     for entry in std::fs::read_dir(&stack.policies).unwrap() {
@@ -61,12 +74,24 @@ fn start_agent(stack: &mut Stack, node: &str, token: &Path) {
     let mut config = stack.promoter_config(&format!("agent-{node}"));
     config.service.node = Some(node.into());
     config.service.policies_dir = policies;
+    let port = free_port();
+    std::fs::write(
+        stack.root().join(format!("fanout-port-{node}")),
+        port.to_string(),
+    )
+    .unwrap();
     config.service.fanout = Some(FanoutSettings {
-        listen: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        listen: format!("127.0.0.1:{port}").parse().unwrap(),
         advertise: None,
         token_file: token.to_owned(),
         claim_patience: std::time::Duration::from_secs(5),
         parallel: 4,
+        tls: tls.map(|ca| FanoutTls {
+            cert_file: ca.server_cert(),
+            key_file: ca.server_key(),
+            ca_file: ca.ca(),
+            server_name: None,
+        }),
     });
     stack.run_promoter(config);
 }
@@ -140,6 +165,17 @@ fn counter(name: &str, labels: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() {
+    three_nodes_fan_out(None).await;
+}
+
+/// The same over mutual TLS, as the shipped configurations run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_fan_out_over_mutual_tls() {
+    let ca = TestCa::new("stagehand-agents");
+    three_nodes_fan_out(Some(&ca)).await;
+}
+
+async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
     let mut stack = Stack::start().await;
@@ -148,11 +184,24 @@ async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() 
     let (version, files, _) = on_hot(&mut stack).await;
     let nodes = ["n1", "n2", "n3"];
     for n in nodes {
-        start_agent(&mut stack, n, &token);
+        start_agent_with(&mut stack, n, &token, tls);
     }
     stage_on(&stack, &version, &nodes).await;
     for n in nodes {
         assert_exact(&stack, n, &version, &files);
+    }
+    // A caller without the token is served nothing; over TLS, nothing without a handshake.
+    let route = format!(
+        "/v1/swarms/{}/pieces/0",
+        Fanout::swarm("local", PROJECT, DATASET, &version)
+    );
+    let port = piece_port(&stack, "n1");
+    let plain = tokio::task::spawn_blocking(move || stagehand_testkit::http_get(port, &route))
+        .await
+        .unwrap();
+    match tls {
+        None => assert_eq!(plain.unwrap().0, 401),
+        Some(_) => assert!(plain.is_err(), "a plain request answered: {plain:?}"),
     }
     let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
     let shared = counter("stagehand_fanout_bytes_total", "source=\"shared\"");

@@ -17,6 +17,27 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::serve::Token;
+use super::tls::AgentTls;
+
+/// An HTTP/1.1 client connection over `io`, driven by a task of its own.
+async fn handshake<I>(
+    io: I,
+) -> Result<
+    (
+        hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+        tokio::task::JoinHandle<()>,
+    ),
+    hyper::Error,
+>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    let driving = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok((sender, driving))
+}
 
 /// Longest wait for a peer to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -36,9 +57,11 @@ pub enum FetchError {
 }
 
 /// Fetches piece `n` of `swarm` from the peer at `addr` into `staging`: the files' bytes.
+#[allow(clippy::too_many_arguments)]
 pub async fn fetch(
     addr: &str,
     token: &Token,
+    tls: Option<&AgentTls>,
     swarm: &str,
     n: usize,
     files: Vec<FileRef>,
@@ -52,10 +75,20 @@ pub async fn fetch(
         .await
         .map_err(|e| unavailable("connect", &e))?
         .map_err(|e| unavailable("connect", &e))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| unavailable("handshake", &e))?;
-    let driving = tokio::spawn(conn);
+    let (mut sender, driving) = match tls {
+        None => handshake(stream).await,
+        Some(tls) => {
+            let name = tls
+                .name_for(addr)
+                .map_err(|e| unavailable("its TLS name", &e))?;
+            let stream = tokio::time::timeout(CONNECT_TIMEOUT, tls.connector.connect(name, stream))
+                .await
+                .map_err(|e| unavailable("TLS handshake", &e))?
+                .map_err(|e| unavailable("TLS handshake", &e))?;
+            handshake(stream).await
+        }
+    }
+    .map_err(|e| unavailable("handshake", &e))?;
     let req = Request::get(format!("/v1/swarms/{swarm}/pieces/{n}"))
         .header(header::HOST, addr)
         .header(header::AUTHORIZATION, token.header())

@@ -23,6 +23,7 @@ mod board;
 mod fetch;
 pub mod pieces;
 mod serve;
+mod tls;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -50,6 +51,7 @@ use pieces::Piece;
 use serve::{Registry, Token};
 
 pub use board::BoardError;
+pub use tls::FanoutTls;
 
 /// A node agent's `[service.fanout]` table.
 #[derive(Debug, Clone, Deserialize)]
@@ -74,6 +76,10 @@ pub struct FanoutSettings {
     /// Pieces fetched or read at once (4).
     #[serde(default = "default_parallel")]
     pub parallel: usize,
+    /// Mutual TLS between agents (`[service.fanout.tls]`); absent: plain HTTP, for a private
+    /// network only.
+    #[serde(default)]
+    pub tls: Option<FanoutTls>,
 }
 
 fn default_claim_patience() -> Duration {
@@ -139,6 +145,7 @@ pub struct Fanout {
     node: String,
     advertise: String,
     token: Token,
+    tls: Option<tls::AgentTls>,
     store: async_nats::jetstream::kv::Store,
     registry: Arc<Registry>,
     patience: Duration,
@@ -160,6 +167,7 @@ impl Fanout {
     ) -> Result<(Fanout, Serving), FanoutError> {
         let advertise = settings.advertised()?;
         let token = read_token(&settings.token_file)?;
+        let tls = settings.tls.as_ref().map(FanoutTls::load).transpose()?;
         if settings.parallel == 0 {
             return Err(FanoutError::Config("parallel must be at least 1".into()));
         }
@@ -174,14 +182,16 @@ impl Fanout {
             listener,
             registry.clone(),
             token.clone(),
+            tls.as_ref().map(|t| t.acceptor.clone()),
             shutdown,
         ));
-        info!(listen = %settings.listen, %advertise, "fan-out: serving pieces to peers");
+        info!(listen = %settings.listen, %advertise, tls = tls.is_some(), "fan-out: serving pieces to peers");
         Ok((
             Fanout {
                 node: node.to_owned(),
                 advertise,
                 token,
+                tls,
                 store,
                 registry,
                 patience: settings.claim_patience,
@@ -453,12 +463,13 @@ impl<'r, 'a> Run<'r, 'a> {
         match step {
             Step::Peer { node, addr } => {
                 *self.asking.entry(node.clone()).or_default() += 1;
-                let token = self.fanout.token.clone();
+                let (token, tls) = (&self.fanout.token, self.fanout.tls.as_ref());
                 let read_back = job.opts.verify_destination == VerifyMode::ReadBack;
                 Box::pin(async move {
                     let fetched = fetch::fetch(
                         &addr,
-                        &token,
+                        token,
+                        tls,
                         &job.swarm,
                         piece,
                         files,

@@ -165,11 +165,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Serves pieces on `listener` until `shutdown`.
+/// Serves pieces on `listener` until `shutdown` (through TLS with `tls`).
 pub async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
     token: Token,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: CancellationToken,
 ) -> Result<(), Infallible> {
     let slots = Arc::new(Semaphore::new(SERVING_AT_ONCE));
@@ -184,16 +185,25 @@ pub async fn serve(
             },
             _ = shutdown.cancelled() => return Ok(()),
         };
-        let (registry, token, slots) = (registry.clone(), token.clone(), slots.clone());
+        let (registry, token, slots, tls) =
+            (registry.clone(), token.clone(), slots.clone(), tls.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let (registry, token, slots) = (registry.clone(), token.clone(), slots.clone());
                 async move { Ok::<_, Infallible>(answer(&registry, &token, &slots, req)) }
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
+            let http = hyper::server::conn::http1::Builder::new();
+            let served = match tls {
+                None => http.serve_connection(TokioIo::new(stream), service).await,
+                Some(tls) => match tls.accept(stream).await {
+                    Ok(stream) => http.serve_connection(TokioIo::new(stream), service).await,
+                    Err(e) => {
+                        warn!(error = %e, %peer, "fan-out: a peer failed the TLS handshake");
+                        return;
+                    }
+                },
+            };
+            if let Err(e) = served {
                 debug!(error = %e, %peer, "fan-out: a peer's connection ended");
             }
         });
