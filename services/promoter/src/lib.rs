@@ -28,6 +28,7 @@
 //! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
 //! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
+//! | `fanout` | — | a node agent with `[service.fanout]` only: serves the pieces of versions it stages to the other nodes' agents ([`fanout`]) |
 //! | `liveness` | — | a node agent only: its node's liveness record every `agent_beat_every`, and its copies the catalogue holds unreachable re-checked by fingerprint (`promoter/liveness.rs`) |
 //!
 //! Several instances share the requests consumer (the runtime's claims keep each message to
