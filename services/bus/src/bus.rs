@@ -120,10 +120,26 @@ pub const PROMOTER: KvSpec = KvSpec {
     max_age: Duration::ZERO,
 };
 
+/// The node agents' fan-out board: per version being staged onto a node-local tier by
+/// several nodes, who reads which piece from the shared tier (`swarm.<swarm>.claim.<piece>`),
+/// which node holds which piece verified (`swarm.<swarm>.have.<piece>.<node>`) and which node
+/// served bytes that did not verify (`swarm.<swarm>.bad.<node>`). Written by the promoter's node
+/// agents only (`services/promoter/src/fanout`).
+pub const SWARMS_BUCKET: &str = "stagehand_swarms";
+
+/// The fan-out board's declaration. A swarm lives as long as its copies: a day outlasts any
+/// stage, and a board nobody cleaned up (every member killed) is gone by itself.
+pub const SWARMS: KvSpec = KvSpec {
+    bucket: SWARMS_BUCKET,
+    description: "Stagehand node agents: who reads, holds and spoiled which piece of a version fanned out to nodes",
+    history: 1,
+    max_age: Duration::from_secs(24 * 3600),
+};
+
 /// KV buckets that belong to one service: created by `stagehand provision` (the operator) and
 /// by that service when it provisions, never by [`Bus::provision`], because other services'
 /// users have no right even to look them up (`deploy/nats/accounts.conf`).
-pub const SERVICE_KV_BUCKETS: &[KvSpec] = &[PROMOTER];
+pub const SERVICE_KV_BUCKETS: &[KvSpec] = &[PROMOTER, SWARMS];
 
 /// The Object Store buckets [`Bus::provision`] declares: the services' manifest bucket. Each
 /// project's upload bucket is created by [`Bus::provision_object_bucket`] with

@@ -28,6 +28,7 @@
 //! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
 //! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
+//! | `fanout` | — | a node agent with `[service.fanout]` only: serves the pieces of versions it stages to the other nodes' agents ([`fanout`]) |
 //! | `liveness` | — | a node agent only: its node's liveness record every `agent_beat_every`, and its copies the catalogue holds unreachable re-checked by fingerprint (`promoter/liveness.rs`) |
 //!
 //! Several instances share the requests consumer (the runtime's claims keep each message to
@@ -35,6 +36,7 @@
 //! [`stagehand_bus::PROMOTER_BUCKET`] so it is done once across instances, and space is reserved there with a
 //! compare-and-set ([`kv`]).
 
+pub mod fanout;
 pub mod kv;
 mod promoter;
 pub mod resolve;
@@ -103,6 +105,11 @@ pub struct Settings {
     /// The mover's tunables (engine, concurrency, block size, bandwidth limit).
     #[serde(default)]
     pub mover: MoverConfig,
+    /// A node agent only: fetch pieces of a version from the other nodes' agents staging it
+    /// too, and serve them this node's (`[service.fanout]`, [`fanout`]). Absent: every node
+    /// reads the whole version from the shared tier.
+    #[serde(default)]
+    pub fanout: Option<fanout::FanoutSettings>,
 }
 
 mod defaults {
@@ -133,6 +140,7 @@ impl Settings {
             lease_lifetime: defaults::lease_lifetime(),
             catalogue_timeout: defaults::catalogue_timeout(),
             mover: MoverConfig::default(),
+            fanout: None,
         }
     }
 
@@ -311,6 +319,23 @@ impl ServiceSettings for Settings {
                 "must be a name of 1-64 characters",
             ));
         }
+        if let Some(f) = &self.fanout {
+            if self.node.is_none() {
+                return Err(InvalidKey::new(
+                    "fanout",
+                    "only a node agent (node = \"...\") fans versions out",
+                ));
+            }
+            if let Err(e) = f.advertised() {
+                return Err(InvalidKey::new("fanout", e.to_string()));
+            }
+            if f.parallel == 0 || f.claim_patience.is_zero() {
+                return Err(InvalidKey::new(
+                    "fanout",
+                    "parallel and claim_patience must be more than 0",
+                ));
+            }
+        }
         for (key, d) in [
             ("progress_every", self.progress_every),
             ("lease_lifetime", self.lease_lifetime),
@@ -345,6 +370,9 @@ pub enum PromoterError {
     State(#[from] state::StateError),
     #[error("starting the mover: {0}")]
     Mover(#[source] Box<TransferError>),
+    /// `[service.fanout]` is wrong, or its address cannot be listened on.
+    #[error(transparent)]
+    Fanout(#[from] fanout::FanoutError),
     #[error(transparent)]
     Bus(#[from] BusError),
     /// The state folder, one of its tasks, or the runner (configuration, metrics endpoint).
@@ -356,7 +384,7 @@ impl Retryable for PromoterError {
     /// Whether starting again unchanged can succeed.
     fn is_retryable(&self) -> bool {
         match self {
-            PromoterError::Policy(_) | PromoterError::Mover(_) => false,
+            PromoterError::Policy(_) | PromoterError::Mover(_) | PromoterError::Fanout(_) => false,
             PromoterError::State(e) => e.is_retryable(),
             PromoterError::Bus(e) => e.is_retryable(),
             PromoterError::Service(e) => e.is_retryable(),
@@ -379,7 +407,10 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
     let ingests = ctx.own_worker(ctx.settings.ingests_worker())?;
     let mut tasks = ctx.tasks();
     let token = tasks.shutdown().clone();
-    let promoter = open(&ctx, [&facts, &ingests], token.clone()).await?;
+    let (promoter, serving) = open(&ctx, [&facts, &ingests], token.clone()).await?;
+    if let Some(serving) = serving {
+        tasks.spawn("fanout", serving);
+    }
     let worker = |cfg, handler| ctx.run_worker_until(cfg, handler, token.clone());
     tasks.spawn(
         "requests",
@@ -410,7 +441,7 @@ async fn open(
     ctx: &Context<Settings>,
     watched: [&WorkerConfig; 2],
     shutdown: CancellationToken,
-) -> Result<Promoter, PromoterError> {
+) -> Result<(Promoter, Option<fanout::Serving>), PromoterError> {
     let s = &ctx.settings;
     let policies = Policies::load_dir(&s.policies_dir)?;
     let promotion = (policies.promotion().cloned())
@@ -430,8 +461,17 @@ async fn open(
     let state = state::State::open(&s.state_dir.join(format!("{consumer}-state.redb")))?;
     let bucket = ctx.bus.provision_kv(&stagehand_bus::PROMOTER).await?;
     let mover = Mover::new(s.mover.clone()).map_err(|e| PromoterError::Mover(Box::new(e)))?;
+    let (fanout, serving) = match (&s.fanout, &s.node) {
+        (Some(settings), Some(node)) => {
+            let board = ctx.bus.provision_kv(&stagehand_bus::SWARMS).await?;
+            let (f, serving) =
+                fanout::Fanout::bind(settings, node, board, shutdown.clone()).await?;
+            (Some(f), Some(serving))
+        }
+        _ => (None, None),
+    };
     tracing::info!(%instance, node = s.node.as_deref().unwrap_or("-"), consumer = %consumer, "promoter ready");
-    Ok(Promoter::new(Parts {
+    let promoter = Promoter::new(Parts {
         bus: ctx.bus.clone(),
         catalogue: Catalogue::new(ctx.bus.client().clone()).with_timeout(s.catalogue_timeout),
         policies,
@@ -452,7 +492,9 @@ async fn open(
                 Some((stream.name, w.service.clone()))
             })
             .collect(),
-    }))
+        fanout,
+    });
+    Ok((promoter, serving))
 }
 
 /// The handlers of the promoter's workers.

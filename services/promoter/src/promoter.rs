@@ -74,6 +74,8 @@ pub struct Parts {
     /// seen of versions and uploads in flight is complete up to now only once both have
     /// handled everything stored.
     pub watched: Vec<(&'static str, String)>,
+    /// A node agent with `[service.fanout]`: its piece server and swarm seats.
+    pub fanout: Option<crate::fanout::Fanout>,
 }
 
 /// The promoter. Clones share everything.

@@ -160,6 +160,13 @@ pub const SCRUB_OVERDUE_REPLICAS: &str = "stagehand_scrub_overdue_replicas";
 /// Counter: ingest requests the validator reached a verdict on, by `outcome`
 /// ([`outcome::VALIDATED`] or [`outcome::REJECTED`]).
 pub const INGEST_VERDICTS_TOTAL: &str = "stagehand_ingest_verdicts_total";
+/// Counter: bytes a node agent fanning a version out to nodes read and verified, by `source`
+/// ([`source::SHARED`]: from the shared tier; [`source::PEER`]: from another node's agent).
+pub const FANOUT_BYTES_TOTAL: &str = "stagehand_fanout_bytes_total";
+/// Counter: bytes a node agent served to its peers.
+pub const FANOUT_SERVED_BYTES_TOTAL: &str = "stagehand_fanout_served_bytes_total";
+/// Counter: peers a node agent dropped from a swarm for serving bytes that did not verify.
+pub const FANOUT_PEERS_DROPPED_TOTAL: &str = "stagehand_fanout_peers_dropped_total";
 
 /// Every metric a Stagehand service exports (the names above).
 pub const ALL: &[&str] = &[
@@ -198,6 +205,9 @@ pub const ALL: &[&str] = &[
     SCRUB_REPLICAS_TOTAL,
     SCRUB_BYTES_TOTAL,
     SCRUB_OVERDUE_REPLICAS,
+    FANOUT_BYTES_TOTAL,
+    FANOUT_SERVED_BYTES_TOTAL,
+    FANOUT_PEERS_DROPPED_TOTAL,
 ];
 
 /// Label keys of the metrics above.
@@ -216,6 +226,15 @@ pub mod label {
     pub const STATE: &str = "state";
     pub const WAITING_FOR: &str = "waiting_for";
     pub const CONSUMER: &str = "consumer";
+    pub const SOURCE: &str = "source";
+}
+
+/// Source label values for [`FANOUT_BYTES_TOTAL`].
+pub mod source {
+    /// The shared tier a version is fanned out from.
+    pub const SHARED: &str = "shared";
+    /// Another node's agent.
+    pub const PEER: &str = "peer";
 }
 
 /// Result label values for [`HANDLER_CALLS_TOTAL`].

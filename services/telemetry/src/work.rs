@@ -415,6 +415,34 @@ pub(crate) fn describe() {
     );
 }
 
+/// Where a fanned-out piece came from (the label of [`names::FANOUT_BYTES_TOTAL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FanoutSource {
+    /// The shared tier.
+    Shared,
+    /// Another node's agent.
+    Peer,
+}
+
+/// Records `bytes` of a fanned-out version read and verified from `from`.
+pub fn fanout_read(from: FanoutSource, bytes: u64) {
+    let source = match from {
+        FanoutSource::Shared => names::source::SHARED,
+        FanoutSource::Peer => names::source::PEER,
+    };
+    metrics::counter!(names::FANOUT_BYTES_TOTAL, label::SOURCE => source).increment(bytes);
+}
+
+/// Records `bytes` served to a peer.
+pub fn fanout_served(bytes: u64) {
+    metrics::counter!(names::FANOUT_SERVED_BYTES_TOTAL).increment(bytes);
+}
+
+/// Records a peer dropped from a swarm for serving bytes that did not verify.
+pub fn fanout_peer_dropped() {
+    metrics::counter!(names::FANOUT_PEERS_DROPPED_TOTAL).increment(1);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

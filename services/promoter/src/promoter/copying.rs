@@ -8,7 +8,7 @@ use futures::StreamExt;
 use stagehand_bus::placement::{self, Served, UseState};
 use stagehand_bus::{HandlerError, WorkContext};
 use stagehand_manifest::{Manifest, ManifestBuilder, ManifestErrorKind, ManifestStore};
-use stagehand_mover::{CopyOptions, ErrorKind, Progress, SetCopy, Tier, TransferError};
+use stagehand_mover::{CopyOptions, ErrorKind, FileRef, Progress, SetCopy, Tier, TransferError};
 use stagehand_policy::TierRole;
 use stagehand_schemas::Retryable;
 use stagehand_schemas::layout;
@@ -21,6 +21,7 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::fanout::{Fanout, Fill};
 use crate::kv::{LeaseState, Limits, Refused};
 use crate::resolve::Plan;
 use crate::reuse::Reuse;
@@ -569,11 +570,65 @@ impl Promoter {
         let stop = cancel.child_token();
         let node = request.node.as_deref();
         let mover = &self.p().mover;
+        // Several nodes staging the same version read it from the shared tier about once
+        // between them: the files come from their agents where they hold them (`crate::fanout`).
+        let fanning = match (&self.p().fanout, dst) {
+            (Some(f), Tier::Posix(_))
+                if !dst
+                    .set_present(prefix)
+                    .await
+                    .map_err(|e| self.copy_error(src_tier, e))? =>
+            {
+                Some((
+                    f,
+                    Fanout::swarm(&request.tier, project, &request.dataset, &plan.version),
+                ))
+            }
+            _ => None,
+        };
         let staging = async {
+            let Some((fanout, swarm)) = &fanning else {
+                return mover
+                    .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
+                    .await;
+            };
+            // The staging folder alone (made, or a dead run's adopted); the fan-out fills it.
+            let only_folder = SetCopy {
+                totals: None,
+                ..set.clone()
+            };
             let staged = mover
-                .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
+                .stage_set(
+                    src,
+                    dst,
+                    &only_folder,
+                    futures::stream::empty(),
+                    &progress,
+                    &stop,
+                    |_| {},
+                )
                 .await?;
-            Ok::<_, TransferError>(staged)
+            let Some(Tier::Posix(area)) = staged.staging_tier() else {
+                return Err(TransferError::new(
+                    ErrorKind::Config,
+                    stagehand_mover::Side::Destination,
+                    dst.name(),
+                    prefix,
+                    "a posix set has no staging folder",
+                ));
+            };
+            let job = Fill {
+                swarm: swarm.clone(),
+                files: entries(&manifest).await?,
+                src: &src.beneath(src_prefix)?,
+                staging: area,
+                mover,
+                opts: set.opts.clone(),
+                progress: &progress,
+                stop: &stop,
+            };
+            fanout.fill(job).await?;
+            Ok(staged)
         };
         tokio::pin!(staging);
         let started = Instant::now();
@@ -621,6 +676,11 @@ impl Promoter {
             .publish()
             .await
             .map_err(|e| self.copy_error(src_tier, e))?;
+        if let Some((fanout, swarm)) = &fanning
+            && let Ok(Tier::Posix(published)) = dst.beneath(prefix)
+        {
+            fanout.published(swarm, published);
+        }
         crate::reuse::record(
             self.p().coordination.store(),
             (&request.tier, node),
@@ -735,6 +795,29 @@ pub(super) async fn discard_staging(tier: &Tier, prefix: &str) {
     .await;
     if let Err(e) = removed {
         warn!(error = %e, "staging clean-up task failed");
+    }
+}
+
+/// Every entry of `manifest`, in order, for a copy that takes them by index (fan-out's pieces).
+async fn entries(manifest: &Manifest) -> Result<std::sync::Arc<[FileRef]>, TransferError> {
+    let manifest = manifest.clone();
+    let digest = manifest.digest().to_owned();
+    let read =
+        tokio::task::spawn_blocking(move || manifest.entries().collect::<Result<Vec<_>, _>>())
+            .await;
+    let unreadable = |detail: String| {
+        TransferError::new(
+            ErrorKind::Io,
+            stagehand_mover::Side::Source,
+            "manifest",
+            &digest,
+            detail,
+        )
+    };
+    match read {
+        Ok(Ok(files)) => Ok(files.into()),
+        Ok(Err(e)) => Err(unreadable(e.to_string())),
+        Err(e) => Err(unreadable(e.to_string())),
     }
 }
 

@@ -1,0 +1,315 @@
+//! The swarm's board in the KV bucket [`stagehand_bus::SWARMS_BUCKET`]: one bucket for every
+//! version being fanned out, a key per fact, each written by the node it is about.
+//!
+//! - `swarm.<swarm>.claim.<piece>`: the node reading that piece from the shared tier. Created
+//!   (never overwritten) by the first node to want it; renewed by its reader while it reads, so
+//!   a claim left unrenewed for the swarm's patience belongs to a dead or stuck node and is
+//!   taken over with a compare-and-set on the revision seen.
+//! - `swarm.<swarm>.have.<piece>.<node>`: that node holds the piece, every file verified
+//!   against the manifest, and serves it at the address the value names.
+//! - `swarm.<swarm>.bad.<node>`: that node served bytes that did not verify; every member
+//!   stops asking it. Written by the member that caught it, naming the file.
+//!
+//! Patience is measured on this node's clock from when it saw a claim's revision, never from a
+//! time another node wrote: nodes' clocks need not agree.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv::{self, Operation};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use stagehand_bus::runner::consumer_token;
+use tokio::sync::Notify;
+use tracing::warn;
+
+/// A board operation that failed (NATS unreachable, the bucket missing): the copy is retried.
+#[derive(Debug, thiserror::Error)]
+#[error("fan-out board {bucket}, key {key}: {detail}", bucket = stagehand_bus::SWARMS_BUCKET)]
+pub struct BoardError {
+    pub key: String,
+    pub detail: String,
+}
+
+fn board_err(key: &str, e: impl std::fmt::Display) -> BoardError {
+    BoardError {
+        key: key.to_owned(),
+        detail: e.to_string(),
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ClaimValue {
+    node: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct HaveValue {
+    addr: String,
+}
+
+/// Why a node was dropped from a swarm: the file it served and what was wrong with it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Spoiled {
+    pub by: String,
+    pub file: String,
+    pub why: String,
+}
+
+/// A claim as this node saw it.
+#[derive(Debug, Clone)]
+pub struct ClaimSeen {
+    pub node: String,
+    pub revision: u64,
+    /// When this node saw this revision: the claim is stale once it is older than the
+    /// swarm's patience.
+    pub seen: Instant,
+}
+
+/// What this node knows of the swarm, kept current by the board's watch.
+#[derive(Debug, Default)]
+pub struct View {
+    pub claims: HashMap<usize, ClaimSeen>,
+    /// Per piece: holder node → the address it serves at.
+    pub holders: HashMap<usize, BTreeMap<String, String>>,
+    pub bad: HashSet<String>,
+    /// The watch ended: what this node knows is no longer current.
+    pub broken: Option<String>,
+}
+
+/// One node's seat on one swarm's board.
+pub struct Board {
+    store: kv::Store,
+    swarm: String,
+    /// This node's key token.
+    me: String,
+    view: Arc<Mutex<View>>,
+    changed: Arc<Notify>,
+    watching: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        self.watching.abort();
+    }
+}
+
+impl Board {
+    /// Takes this node's seat: the board as it stands, then every change, from one watch.
+    pub async fn join(store: kv::Store, swarm: &str, node: &str) -> Result<Board, BoardError> {
+        let filter = format!("swarm.{swarm}.>");
+        let mut watch = store
+            .watch_with_history(&filter)
+            .await
+            .map_err(|e| board_err(&filter, e))?;
+        let view = Arc::new(Mutex::new(View::default()));
+        let changed = Arc::new(Notify::new());
+        let prefix = format!("swarm.{swarm}.");
+        let watching = tokio::spawn({
+            let (view, changed) = (view.clone(), changed.clone());
+            async move {
+                let broken = loop {
+                    match watch.next().await {
+                        Some(Ok(entry)) => {
+                            if let Some(rest) = entry.key.strip_prefix(&prefix) {
+                                apply(&mut lock(&view), rest, &entry);
+                            }
+                            changed.notify_one();
+                        }
+                        Some(Err(e)) => break e.to_string(),
+                        None => break "the watch ended".to_owned(),
+                    }
+                };
+                lock(&view).broken = Some(broken);
+                changed.notify_one();
+            }
+        });
+        Ok(Board {
+            store,
+            swarm: swarm.to_owned(),
+            me: consumer_token(node),
+            view,
+            changed,
+            watching,
+        })
+    }
+
+    /// This node's key token (how the board names it).
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    /// The board as this node knows it now.
+    pub fn view(&self) -> std::sync::MutexGuard<'_, View> {
+        lock(&self.view)
+    }
+
+    /// Waits until the board changes or `at_most` passes.
+    pub async fn changed(&self, at_most: Duration) {
+        let _ = tokio::time::timeout(at_most, self.changed.notified()).await;
+    }
+
+    fn key(&self, what: &str) -> String {
+        format!("swarm.{}.{what}", self.swarm)
+    }
+
+    fn value(&self) -> Bytes {
+        serde_json::to_vec(&ClaimValue {
+            node: self.me.clone(),
+        })
+        .expect("a claim serializes")
+        .into()
+    }
+
+    /// Claims `piece` for reading from the shared tier: its revision when this node won it,
+    /// `None` when another node claimed it first.
+    pub async fn claim(&self, piece: usize) -> Result<Option<u64>, BoardError> {
+        let key = self.key(&format!("claim.{piece}"));
+        match self.store.create(&key, self.value()).await {
+            Ok(rev) => Ok(Some(rev)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(board_err(&key, e)),
+        }
+    }
+
+    /// Takes over a claim last seen at `revision` (its node dead, stuck, or dropped): the new
+    /// revision, or `None` when someone changed it meanwhile.
+    pub async fn take_over(&self, piece: usize, revision: u64) -> Result<Option<u64>, BoardError> {
+        let key = self.key(&format!("claim.{piece}"));
+        match self.store.update(&key, self.value(), revision).await {
+            Ok(rev) => Ok(Some(rev)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(board_err(&key, e)),
+        }
+    }
+
+    /// What renews this node's claim of `piece` while it reads it (see [`Renewer::holding`]).
+    pub fn renewer(&self, piece: usize) -> Renewer {
+        Renewer {
+            store: self.store.clone(),
+            key: self.key(&format!("claim.{piece}")),
+            value: self.value(),
+        }
+    }
+
+    /// Says this node holds `piece`, verified, served at `addr`.
+    pub async fn announce(&self, piece: usize, addr: &str) -> Result<(), BoardError> {
+        let key = self.key(&format!("have.{piece}.{}", self.me));
+        let value = serde_json::to_vec(&HaveValue {
+            addr: addr.to_owned(),
+        })
+        .expect("a holder serializes");
+        self.store
+            .put(&key, value.into())
+            .await
+            .map(drop)
+            .map_err(|e| board_err(&key, e))
+    }
+
+    /// Takes back this node's word on `pieces` (its staging folder was discarded).
+    pub async fn withdraw(&self, pieces: impl IntoIterator<Item = usize>) {
+        for piece in pieces {
+            let key = self.key(&format!("have.{piece}.{}", self.me));
+            if let Err(e) = self.store.delete(&key).await {
+                warn!(error = %e, %key, "a piece this node no longer holds is still announced; its peers find it gone and read elsewhere");
+            }
+        }
+    }
+
+    /// Drops `node` from the swarm for every member.
+    pub async fn spoiled(&self, node: &str, why: &Spoiled) -> Result<(), BoardError> {
+        let key = self.key(&format!("bad.{node}"));
+        let value = serde_json::to_vec(why).expect("a report serializes");
+        lock(&self.view).bad.insert(node.to_owned());
+        self.store
+            .put(&key, value.into())
+            .await
+            .map(drop)
+            .map_err(|e| board_err(&key, e))
+    }
+}
+
+/// Renews one claim of this node while its piece is read.
+pub struct Renewer {
+    store: kv::Store,
+    key: String,
+    value: Bytes,
+}
+
+impl Renewer {
+    /// Runs `work`, renewing the claim (held at `revision`) every `every` meanwhile, so that
+    /// peers see its reader alive. A renewal refused (the claim taken over: this node looked
+    /// dead) or failed only stops the renewals: the piece is read all the same.
+    pub async fn holding<T>(
+        self,
+        mut revision: u64,
+        every: Duration,
+        work: impl std::future::Future<Output = T>,
+    ) -> T {
+        tokio::pin!(work);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let mut renewing = true;
+        loop {
+            tokio::select! {
+                done = &mut work => return done,
+                _ = tick.tick(), if renewing => {
+                    match self.store.update(&self.key, self.value.clone(), revision).await {
+                        Ok(rev) => revision = rev,
+                        Err(e) => {
+                            warn!(error = %e, key = %self.key, "fan-out: a claim could not be renewed; peers may read the piece too");
+                            renewing = false;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn lock(view: &Mutex<View>) -> std::sync::MutexGuard<'_, View> {
+    view.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Folds one board entry (`rest` is its key after `swarm.<swarm>.`) into `view`.
+fn apply(view: &mut View, rest: &str, entry: &kv::Entry) {
+    let gone = matches!(entry.operation, Operation::Delete | Operation::Purge);
+    let mut parts = rest.split('.');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some("claim"), Some(piece), None) => {
+            let Ok(piece) = piece.parse() else { return };
+            if gone {
+                view.claims.remove(&piece);
+                return;
+            }
+            let Ok(claim) = serde_json::from_slice::<ClaimValue>(&entry.value) else {
+                return;
+            };
+            view.claims.insert(
+                piece,
+                ClaimSeen {
+                    node: claim.node,
+                    revision: entry.revision,
+                    seen: Instant::now(),
+                },
+            );
+        }
+        (Some("have"), Some(piece), Some(node)) => {
+            let Ok(piece) = piece.parse() else { return };
+            let holders = view.holders.entry(piece).or_default();
+            if gone {
+                holders.remove(node);
+                return;
+            }
+            if let Ok(have) = serde_json::from_slice::<HaveValue>(&entry.value) {
+                holders.insert(node.to_owned(), have.addr);
+            }
+        }
+        (Some("bad"), Some(node), None) if !gone => {
+            view.bad.insert(node.to_owned());
+        }
+        _ => {}
+    }
+}

@@ -1,0 +1,599 @@
+//! Fan-out: node agents staging the same version onto their `local` tiers read it from the
+//! shared tier about once between them, and the rest from each other.
+//!
+//! Every agent cuts the version's file list into the same pieces ([`pieces`]). Coordination
+//! is through NATS, on the swarm's board ([`board`]): an agent claims a piece before reading
+//! it from the shared tier (so two agents do not read the same piece), announces each piece
+//! it holds, and asks a holder for any piece another agent announced ([`fetch`], served by
+//! [`serve`] over HTTP with the agents' token). Every file of every piece is verified against
+//! the manifest's SHA-256 before it is renamed into the staging folder, whoever served it; a
+//! peer whose bytes do not verify is dropped from the swarm for every member and reported
+//! (its `bad` key, a warning naming the file, `stagehand_fanout_peers_dropped_total`).
+//!
+//! What a dead node costs its peers: the pieces it was serving (asked of another holder or
+//! read from the shared tier) and the pieces it had claimed and not announced (taken over
+//! once its claim goes unrenewed for the swarm's patience). Nothing it wrote reaches another
+//! node unverified.
+//!
+//! The copy around it is the promoter's usual one: space reserved under the copy lease, a
+//! copy slot, the set staged hidden and published by one rename (`promoter/copying.rs`); fan-out
+//! only decides where each file's bytes come from.
+
+mod board;
+mod fetch;
+pub mod pieces;
+mod serve;
+mod tls;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use stagehand_mover::{
+    BatchReport, CopyOptions, ErrorKind, Mover, PosixTier, Progress, Side, Tier, TransferError,
+    VerifyMode,
+};
+use stagehand_schemas::manifest::FileRef;
+use stagehand_telemetry::work::{FanoutSource, fanout_peer_dropped, fanout_read};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use board::{Board, Spoiled};
+use fetch::FetchError;
+use pieces::Piece;
+use serve::{Registry, Token};
+
+pub use board::BoardError;
+pub use tls::FanoutTls;
+
+/// A node agent's `[service.fanout]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FanoutSettings {
+    /// Where this agent serves pieces to its peers (`"10.0.4.17:7700"`).
+    pub listen: SocketAddr,
+    /// What its peers dial (`"gpu-17.cluster:7700"`); default: `listen`, which then must name
+    /// an address, not `0.0.0.0`.
+    #[serde(default)]
+    pub advertise: Option<String>,
+    /// The agents' shared secret (a bearer token, at least 16 characters), in a file nobody but
+    /// the agent's user may read.
+    pub token_file: PathBuf,
+    /// How long a piece another agent claimed may go without news (its reader renews the
+    /// claim while it reads) before this agent reads it from the shared tier itself (`"30s"`).
+    #[serde(
+        default = "default_claim_patience",
+        with = "stagehand_config::duration"
+    )]
+    pub claim_patience: Duration,
+    /// Pieces fetched or read at once (4).
+    #[serde(default = "default_parallel")]
+    pub parallel: usize,
+    /// Mutual TLS between agents (`[service.fanout.tls]`); absent: plain HTTP, for a private
+    /// network only.
+    #[serde(default)]
+    pub tls: Option<FanoutTls>,
+}
+
+fn default_claim_patience() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_parallel() -> usize {
+    4
+}
+
+/// Why fan-out could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum FanoutError {
+    #[error("[service.fanout] {0}")]
+    Config(String),
+    #[error("fan-out: cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl FanoutSettings {
+    /// The address peers dial.
+    pub fn advertised(&self) -> Result<String, FanoutError> {
+        match &self.advertise {
+            Some(a) if !a.is_empty() => Ok(a.clone()),
+            Some(_) => Err(FanoutError::Config("advertise must not be empty".into())),
+            None if self.listen.ip().is_unspecified() => Err(FanoutError::Config(format!(
+                "listen = \"{}\" is every address: set advertise to the one peers dial",
+                self.listen
+            ))),
+            None => Ok(self.listen.to_string()),
+        }
+    }
+}
+
+/// Reads the agents' token from `path`: refused when others may read it, or too short to
+/// be a secret.
+fn read_token(path: &Path) -> Result<Token, FanoutError> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad = |why: String| FanoutError::Config(format!("token_file {}: {why}", path.display()));
+    let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(bad(format!(
+            "mode {:o} lets others read the agents' secret; chmod 600 it",
+            meta.permissions().mode() & 0o777
+        )));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    let secret = text.trim();
+    if secret.len() < 16 || secret.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(bad(
+            "must hold one token of at least 16 visible characters".into()
+        ));
+    }
+    Ok(Token::new(secret))
+}
+
+/// A node agent's fan-out: its piece server and its seat on every swarm it joins.
+pub struct Fanout {
+    node: String,
+    advertise: String,
+    token: Token,
+    tls: Option<tls::AgentTls>,
+    store: async_nats::jetstream::kv::Store,
+    registry: Arc<Registry>,
+    patience: Duration,
+    parallel: usize,
+}
+
+/// The piece server's task, to run beside the agent's workers.
+pub type Serving = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<(), std::convert::Infallible>> + Send>,
+>;
+
+impl Fanout {
+    /// Binds the piece server of `node`'s agent; the returned future serves until `shutdown`.
+    pub async fn bind(
+        settings: &FanoutSettings,
+        node: &str,
+        store: async_nats::jetstream::kv::Store,
+        shutdown: CancellationToken,
+    ) -> Result<(Fanout, Serving), FanoutError> {
+        let advertise = settings.advertised()?;
+        let token = read_token(&settings.token_file)?;
+        let tls = settings.tls.as_ref().map(FanoutTls::load).transpose()?;
+        if settings.parallel == 0 {
+            return Err(FanoutError::Config("parallel must be at least 1".into()));
+        }
+        let listener = tokio::net::TcpListener::bind(settings.listen)
+            .await
+            .map_err(|source| FanoutError::Listen {
+                addr: settings.listen,
+                source,
+            })?;
+        let registry = Arc::new(Registry::default());
+        let serving = Box::pin(serve::serve(
+            listener,
+            registry.clone(),
+            token.clone(),
+            tls.as_ref().map(|t| t.acceptor.clone()),
+            shutdown,
+        ));
+        info!(listen = %settings.listen, %advertise, tls = tls.is_some(), "fan-out: serving pieces to peers");
+        Ok((
+            Fanout {
+                node: node.to_owned(),
+                advertise,
+                token,
+                tls,
+                store,
+                registry,
+                patience: settings.claim_patience,
+                parallel: settings.parallel,
+            },
+            serving,
+        ))
+    }
+
+    /// The swarm of every node staging `version` of `project`'s `dataset` onto `tier`.
+    pub fn swarm(tier: &str, project: &str, dataset: &str, version: &str) -> String {
+        let mut h = Sha256::new();
+        for part in [tier, project, dataset, version] {
+            h.update(part.as_bytes());
+            h.update([0]);
+        }
+        hex::encode(&h.finalize()[..16])
+    }
+
+    /// Fills `job.staging` with every file of `job.files`, from peers where they hold a piece
+    /// and from `job.src` (the shared tier beneath the version's prefix) otherwise, each file
+    /// verified. The pieces are served to peers from here meanwhile, and after
+    /// [`Fanout::published`] from the published folder.
+    pub async fn fill(&self, job: Fill<'_>) -> Result<Filled, TransferError> {
+        let pieces: Arc<[Piece]> = pieces::cut(&job.files).into();
+        let holding = self.registry.hold(
+            &job.swarm,
+            job.files.clone(),
+            pieces.clone(),
+            job.staging.clone(),
+        );
+        let board = Board::join(self.store.clone(), &job.swarm, &self.node)
+            .await
+            .map_err(|e| board_failed(&job, e))?;
+        let mut run = Run {
+            fanout: self,
+            job: &job,
+            board: &board,
+            pieces: &pieces,
+            todo: rotated(pieces.len(), board.me()),
+            cooling: HashMap::new(),
+            failures: HashMap::new(),
+            asking: HashMap::new(),
+            filled: Filled::default(),
+        };
+        let filled = run.go(&holding).await;
+        if filled.is_err() {
+            // Whatever this node holds goes with its staging folder, unless the copy resumes
+            // it; peers asking meanwhile read elsewhere.
+            board.withdraw(holding.held()).await;
+            self.registry.forget(&job.swarm);
+        }
+        filled
+    }
+
+    /// The swarm's pieces are in the published folder `folder` now.
+    pub fn published(&self, swarm: &str, folder: PosixTier) {
+        if let Some(h) = self.registry.get(swarm) {
+            h.moved_to(folder);
+        }
+    }
+}
+
+/// One fan-out copy.
+pub struct Fill<'a> {
+    pub swarm: String,
+    pub files: Arc<[FileRef]>,
+    /// The shared tier, beneath the version's folder.
+    pub src: &'a Tier,
+    /// The staging folder on this node's local tier.
+    pub staging: &'a PosixTier,
+    pub mover: &'a Mover,
+    pub opts: CopyOptions,
+    pub progress: &'a Progress,
+    pub stop: &'a CancellationToken,
+}
+
+/// Where the bytes of a fan-out came from.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Filled {
+    pub shared_bytes: u64,
+    pub peer_bytes: u64,
+    pub pieces_from_peers: u64,
+    pub pieces_from_shared: u64,
+    pub peers_dropped: u64,
+}
+
+/// What to do next with a piece.
+enum Step {
+    /// Ask the holder `node` at `addr`.
+    Peer { node: String, addr: String },
+    /// Read it from the shared tier, holding its claim at this revision (none: read without a
+    /// claim, every holder having failed it).
+    Shared { claim: Option<u64> },
+}
+
+/// How one piece ended.
+enum Ended {
+    Held { bytes: u64, from: FanoutSource },
+    PeerFailed { node: String, error: FetchError },
+    Failed(TransferError),
+}
+
+struct Run<'r, 'a> {
+    fanout: &'r Fanout,
+    job: &'r Fill<'a>,
+    board: &'r Board,
+    pieces: &'r Arc<[Piece]>,
+    /// Pieces not held yet and not being fetched, in the order this node takes them.
+    todo: VecDeque<usize>,
+    /// (piece, peer) pairs that failed lately: not asked again before the instant.
+    cooling: HashMap<(usize, String), Instant>,
+    /// Failed attempts per piece: past [`GIVE_UP_ON_PEERS`], read from the shared tier.
+    failures: HashMap<usize, u32>,
+    /// Pieces being fetched from each peer now.
+    asking: HashMap<String, usize>,
+    filled: Filled,
+}
+
+/// A piece whose holders failed this many times is read from the shared tier, claim or not.
+const GIVE_UP_ON_PEERS: u32 = 4;
+
+/// Each node starts at its own place in the piece list, so that nodes starting together claim
+/// different pieces first.
+fn rotated(n: usize, me: &str) -> VecDeque<usize> {
+    if n == 0 {
+        return VecDeque::new();
+    }
+    let h = Sha256::digest(me.as_bytes());
+    let start = (u64::from_be_bytes(h[..8].try_into().expect("8 bytes")) % n as u64) as usize;
+    (start..n).chain(0..start).collect()
+}
+
+fn board_failed(job: &Fill<'_>, e: BoardError) -> TransferError {
+    TransferError::new(
+        ErrorKind::Io,
+        Side::Source,
+        job.staging.name(),
+        "",
+        format!("fan-out board unreachable: {e}"),
+    )
+}
+
+impl<'r, 'a> Run<'r, 'a> {
+    async fn go(&mut self, holding: &serve::Holding) -> Result<Filled, TransferError> {
+        let total: u64 = self.pieces.iter().map(|p| p.bytes).sum();
+        self.job
+            .progress
+            .add_total(self.job.files.len() as u64, total);
+        let mut running: FuturesUnordered<BoxFuture<'r, (usize, Ended)>> = FuturesUnordered::new();
+        let recheck = (self.fanout.patience / 4).max(Duration::from_millis(100));
+        loop {
+            if self.job.stop.is_cancelled() {
+                return Err(cancelled(self.job));
+            }
+            if let Some(why) = self.board.view().broken.clone() {
+                return Err(board_failed(
+                    self.job,
+                    BoardError {
+                        key: format!("swarm.{}.>", self.job.swarm),
+                        detail: why,
+                    },
+                ));
+            }
+            while running.len() < self.fanout.parallel {
+                let Some((piece, step)) =
+                    self.next().await.map_err(|e| board_failed(self.job, e))?
+                else {
+                    break;
+                };
+                running.push(self.start(piece, step));
+            }
+            if self.todo.is_empty() && running.is_empty() {
+                break;
+            }
+            tokio::select! {
+                Some((piece, ended)) = running.next() => self.ended(holding, piece, ended).await?,
+                _ = self.board.changed(recheck) => {}
+                _ = self.job.stop.cancelled() => return Err(cancelled(self.job)),
+            }
+        }
+        info!(
+            swarm = %self.job.swarm,
+            from_shared = self.filled.pieces_from_shared,
+            from_peers = self.filled.pieces_from_peers,
+            shared_bytes = self.filled.shared_bytes,
+            peer_bytes = self.filled.peer_bytes,
+            "fan-out: every piece held"
+        );
+        Ok(self.filled)
+    }
+
+    /// The next piece to start and how: one a peer holds first, then one nobody claimed, then
+    /// one whose claim went stale; `None` when every piece left is being read by a live peer.
+    async fn next(&mut self) -> Result<Option<(usize, Step)>, BoardError> {
+        let now = Instant::now();
+        self.cooling.retain(|_, until| *until > now);
+        let me = self.board.me().to_owned();
+        // Decided on a snapshot of the board; the claims are then made on the board itself.
+        let (peer, unclaimed, stale) = {
+            let view = self.board.view();
+            let mut peer = None;
+            let mut unclaimed = Vec::new();
+            let mut stale = Vec::new();
+            for (at, &piece) in self.todo.iter().enumerate() {
+                let holders = view.holders.get(&piece);
+                let usable = holders.into_iter().flatten().filter(|(node, _)| {
+                    **node != me
+                        && !view.bad.contains(*node)
+                        && !self.cooling.contains_key(&(piece, (*node).clone()))
+                });
+                // The least-asked holder, so that a piece's early holders are not all asked.
+                if let Some((node, addr)) =
+                    usable.min_by_key(|(node, _)| self.asking.get(*node).copied().unwrap_or(0))
+                {
+                    peer = Some((at, node.clone(), addr.clone()));
+                    break;
+                }
+                if self.failures.get(&piece).copied().unwrap_or(0) >= GIVE_UP_ON_PEERS {
+                    stale.push((at, None));
+                    continue;
+                }
+                match view.claims.get(&piece) {
+                    None => unclaimed.push(at),
+                    Some(c)
+                        if c.node == me
+                            || view.bad.contains(&c.node)
+                            || now.duration_since(c.seen) >= self.fanout.patience =>
+                    {
+                        stale.push((at, Some(c.revision)))
+                    }
+                    Some(_) => {}
+                }
+            }
+            (peer, unclaimed, stale)
+        };
+        if let Some((at, node, addr)) = peer {
+            let piece = self.todo.remove(at).expect("an index of todo");
+            return Ok(Some((piece, Step::Peer { node, addr })));
+        }
+        for at in unclaimed {
+            let piece = self.todo[at];
+            if let Some(rev) = self.board.claim(piece).await? {
+                self.todo.remove(at);
+                return Ok(Some((piece, Step::Shared { claim: Some(rev) })));
+            }
+        }
+        for (at, revision) in stale {
+            let piece = self.todo[at];
+            let claim = match revision {
+                None => None,
+                Some(rev) => match self.board.take_over(piece, rev).await? {
+                    Some(rev) => Some(rev),
+                    // Renewed or taken meanwhile: its reader is alive.
+                    None => continue,
+                },
+            };
+            self.todo.remove(at);
+            return Ok(Some((piece, Step::Shared { claim })));
+        }
+        Ok(None)
+    }
+
+    /// The piece's copy, as a future of its own: from the peer, or from the shared tier
+    /// renewing its claim meanwhile.
+    fn start(&mut self, piece: usize, step: Step) -> BoxFuture<'r, (usize, Ended)> {
+        let job: &'r Fill<'a> = self.job;
+        let files: Vec<FileRef> = job.files[self.pieces[piece].files.clone()].to_vec();
+        match step {
+            Step::Peer { node, addr } => {
+                *self.asking.entry(node.clone()).or_default() += 1;
+                let (token, tls) = (&self.fanout.token, self.fanout.tls.as_ref());
+                let read_back = job.opts.verify_destination == VerifyMode::ReadBack;
+                Box::pin(async move {
+                    let fetched = fetch::fetch(
+                        &addr,
+                        token,
+                        tls,
+                        &job.swarm,
+                        piece,
+                        files,
+                        job.staging.clone(),
+                        read_back,
+                    )
+                    .await;
+                    let ended = match fetched {
+                        Ok(bytes) => Ended::Held {
+                            bytes,
+                            from: FanoutSource::Peer,
+                        },
+                        Err(error) => Ended::PeerFailed { node, error },
+                    };
+                    (piece, ended)
+                })
+            }
+            Step::Shared { claim } => {
+                let renewer = claim.map(|rev| (self.board.renewer(piece), rev));
+                let every = (self.fanout.patience / 3).max(Duration::from_millis(100));
+                Box::pin(async move {
+                    let staging = Tier::Posix(job.staging.clone());
+                    let progress = Progress::new();
+                    let copy = job
+                        .mover
+                        .copy_all(job.src, &staging, &files, &job.opts, &progress);
+                    let batch = match renewer {
+                        None => copy.await,
+                        Some((renewer, rev)) => renewer.holding(rev, every, copy).await,
+                    };
+                    (piece, read_shared(batch))
+                })
+            }
+        }
+    }
+
+    async fn ended(
+        &mut self,
+        holding: &serve::Holding,
+        piece: usize,
+        ended: Ended,
+    ) -> Result<(), TransferError> {
+        match ended {
+            Ended::Held { bytes, from } => {
+                holding.holds(piece);
+                fanout_read(from, bytes);
+                match from {
+                    FanoutSource::Shared => {
+                        self.filled.pieces_from_shared += 1;
+                        self.filled.shared_bytes += bytes;
+                    }
+                    FanoutSource::Peer => {
+                        self.filled.pieces_from_peers += 1;
+                        self.filled.peer_bytes += bytes;
+                    }
+                }
+                let files = self.pieces[piece].files.len() as u64;
+                for _ in 0..files {
+                    self.job.progress.file_done();
+                }
+                self.job.progress.add_bytes(self.pieces[piece].bytes);
+                if let Err(e) = self.board.announce(piece, &self.fanout.advertise).await {
+                    // Held and served all the same; peers that do not hear of it read it
+                    // elsewhere.
+                    warn!(error = %e, piece, "fan-out: a piece held here was not announced");
+                }
+                Ok(())
+            }
+            Ended::Failed(e) => Err(e),
+            Ended::PeerFailed { node, error } => {
+                if let Some(n) = self.asking.get_mut(&node) {
+                    *n = n.saturating_sub(1);
+                }
+                *self.failures.entry(piece).or_default() += 1;
+                self.todo.push_back(piece);
+                match error {
+                    FetchError::Local(e) => Err(e),
+                    FetchError::Unavailable(why) => {
+                        warn!(peer = %node, piece, %why, "fan-out: a peer could not give a piece; asking elsewhere");
+                        self.cooling
+                            .insert((piece, node), Instant::now() + Duration::from_secs(1));
+                        Ok(())
+                    }
+                    FetchError::Spoiled { file, why } => {
+                        warn!(peer = %node, piece, %file, %why, "fan-out: a peer served bytes that do not verify; dropped from the swarm");
+                        fanout_peer_dropped();
+                        self.filled.peers_dropped += 1;
+                        let report = Spoiled {
+                            by: self.board.me().to_owned(),
+                            file,
+                            why,
+                        };
+                        self.board
+                            .spoiled(&node, &report)
+                            .await
+                            .map_err(|e| board_failed(self.job, e))
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// How a piece read from the shared tier ended: every file copied or found verified.
+fn read_shared(batch: BatchReport) -> Ended {
+    let mut bytes = 0;
+    for result in batch.results {
+        match result.result {
+            Ok(outcome) => bytes += outcome.bytes(),
+            Err(e) => return Ended::Failed(e),
+        }
+    }
+    Ended::Held {
+        bytes,
+        from: FanoutSource::Shared,
+    }
+}
+
+fn cancelled(job: &Fill<'_>) -> TransferError {
+    TransferError::new(
+        ErrorKind::Cancelled,
+        Side::Destination,
+        job.staging.name(),
+        "",
+        "the fan-out was cancelled; the staging folder is kept for a resume",
+    )
+}

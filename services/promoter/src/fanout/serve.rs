@@ -1,0 +1,344 @@
+//! Serving pieces to peers: plain HTTP/1.1 (hyper), one route,
+//! `GET /v1/swarms/<swarm>/pieces/<n>` with `Authorization: Bearer <the agents' token>`,
+//! answered with the piece's files one after another in manifest order (`Content-Length` their
+//! sum). Only a piece this node announced is served — every file of it verified when it landed
+//! here — and only from the folder of the swarm it was staged for, through the tier's confined
+//! handles: a peer names a swarm and a piece number, never a path. The receiver verifies every
+//! file against the manifest; this side does not hash again.
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::io::{self, ErrorKind};
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode, header};
+use hyper_util::rt::TokioIo;
+use sha2::{Digest, Sha256};
+use stagehand_mover::PosixTier;
+use stagehand_schemas::manifest::FileRef;
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use super::pieces::Piece;
+
+/// Swarms this node keeps serving after its own copy is published: the newest ones, so that a
+/// node that joins late still finds their pieces here.
+const SWARMS_HELD: usize = 32;
+/// Pieces served at once; a peer asking beyond that is told to come back (503) and asks
+/// another holder meanwhile.
+const SERVING_AT_ONCE: usize = 32;
+/// How much of a file is read and sent at a time.
+const CHUNK: usize = 1 << 20;
+
+pub type Body = BoxBody<Bytes, io::Error>;
+
+/// The agents' shared secret: a peer that cannot present it is served nothing.
+#[derive(Clone)]
+pub struct Token {
+    secret: Arc<str>,
+    digest: [u8; 32],
+}
+
+impl Token {
+    pub fn new(secret: &str) -> Token {
+        Token {
+            secret: secret.into(),
+            digest: Sha256::digest(secret.as_bytes()).into(),
+        }
+    }
+
+    /// The `Authorization` header a peer sends.
+    pub fn header(&self) -> String {
+        format!("Bearer {}", self.secret)
+    }
+
+    /// Whether `header` presents the token. Compared by digest, so that the time it takes
+    /// says nothing of how much of a guess was right.
+    fn admits(&self, header: Option<&header::HeaderValue>) -> bool {
+        let Some(given) = header
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| h.strip_prefix("Bearer "))
+        else {
+            return false;
+        };
+        let given: [u8; 32] = Sha256::digest(given.as_bytes()).into();
+        given
+            .iter()
+            .zip(self.digest.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+/// One swarm's pieces on this node: which it holds, and the folder they are in (the staging
+/// folder while the copy runs, the published one after).
+pub struct Holding {
+    pub files: Arc<[FileRef]>,
+    pub pieces: Arc<[Piece]>,
+    have: Mutex<Vec<bool>>,
+    at: Mutex<PosixTier>,
+}
+
+impl Holding {
+    /// Marks `piece` held: from now on it is served.
+    pub fn holds(&self, piece: usize) {
+        if let Some(h) = lock(&self.have).get_mut(piece) {
+            *h = true;
+        }
+    }
+
+    /// The pieces held.
+    pub fn held(&self) -> Vec<usize> {
+        lock(&self.have)
+            .iter()
+            .enumerate()
+            .filter_map(|(i, h)| h.then_some(i))
+            .collect()
+    }
+
+    /// The pieces are in `folder` now (the set was published).
+    pub fn moved_to(&self, folder: PosixTier) {
+        *lock(&self.at) = folder;
+    }
+}
+
+/// The swarms this node serves, newest last.
+#[derive(Default)]
+pub struct Registry {
+    swarms: Mutex<Swarms>,
+}
+
+#[derive(Default)]
+struct Swarms {
+    by_id: HashMap<String, Arc<Holding>>,
+    /// Oldest first: the first to go when more than [`SWARMS_HELD`] are held.
+    order: VecDeque<String>,
+}
+
+impl Registry {
+    /// Starts holding `swarm`'s pieces in `folder` (none held yet); an earlier holding of the
+    /// same swarm is replaced.
+    pub fn hold(
+        &self,
+        swarm: &str,
+        files: Arc<[FileRef]>,
+        pieces: Arc<[Piece]>,
+        folder: PosixTier,
+    ) -> Arc<Holding> {
+        let holding = Arc::new(Holding {
+            have: Mutex::new(vec![false; pieces.len()]),
+            files,
+            pieces,
+            at: Mutex::new(folder),
+        });
+        let mut swarms = lock(&self.swarms);
+        swarms.order.retain(|s| s != swarm);
+        swarms.order.push_back(swarm.to_owned());
+        swarms.by_id.insert(swarm.to_owned(), holding.clone());
+        while swarms.order.len() > SWARMS_HELD {
+            if let Some(old) = swarms.order.pop_front() {
+                swarms.by_id.remove(&old);
+            }
+        }
+        holding
+    }
+
+    /// Stops serving `swarm` (its folder was discarded).
+    pub fn forget(&self, swarm: &str) {
+        let mut swarms = lock(&self.swarms);
+        swarms.by_id.remove(swarm);
+        swarms.order.retain(|s| s != swarm);
+    }
+
+    pub fn get(&self, swarm: &str) -> Option<Arc<Holding>> {
+        lock(&self.swarms).by_id.get(swarm).cloned()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Serves pieces on `listener` until `shutdown` (through TLS with `tls`).
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    token: Token,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: CancellationToken,
+) -> Result<(), Infallible> {
+    let slots = Arc::new(Semaphore::new(SERVING_AT_ONCE));
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    warn!(error = %e, "fan-out: accepting a peer failed");
+                    continue;
+                }
+            },
+            _ = shutdown.cancelled() => return Ok(()),
+        };
+        let (registry, token, slots, tls) =
+            (registry.clone(), token.clone(), slots.clone(), tls.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let (registry, token, slots) = (registry.clone(), token.clone(), slots.clone());
+                async move { Ok::<_, Infallible>(answer(&registry, &token, &slots, req)) }
+            });
+            let http = hyper::server::conn::http1::Builder::new();
+            let served = match tls {
+                None => http.serve_connection(TokioIo::new(stream), service).await,
+                Some(tls) => match tls.accept(stream).await {
+                    Ok(stream) => http.serve_connection(TokioIo::new(stream), service).await,
+                    Err(e) => {
+                        warn!(error = %e, %peer, "fan-out: a peer failed the TLS handshake");
+                        return;
+                    }
+                },
+            };
+            if let Err(e) = served {
+                debug!(error = %e, %peer, "fan-out: a peer's connection ended");
+            }
+        });
+    }
+}
+
+fn plain(status: StatusCode, text: &str) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(Bytes::from(format!("{text}\n")))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = status;
+    r
+}
+
+/// The route's parameters: `/v1/swarms/<swarm>/pieces/<n>`.
+fn route(path: &str) -> Option<(&str, usize)> {
+    let rest = path.strip_prefix("/v1/swarms/")?;
+    let (swarm, rest) = rest.split_once('/')?;
+    let n = rest.strip_prefix("pieces/")?.parse().ok()?;
+    (!swarm.is_empty() && swarm.bytes().all(|b| b.is_ascii_hexdigit())).then_some((swarm, n))
+}
+
+fn answer(
+    registry: &Registry,
+    token: &Token,
+    slots: &Arc<Semaphore>,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    if !token.admits(req.headers().get(header::AUTHORIZATION)) {
+        return plain(StatusCode::UNAUTHORIZED, "the agents' token is required");
+    }
+    if req.method() != Method::GET {
+        return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET");
+    }
+    let Some((swarm, n)) = route(req.uri().path()) else {
+        return plain(StatusCode::NOT_FOUND, "no such route");
+    };
+    let Some(holding) = registry.get(swarm) else {
+        return plain(
+            StatusCode::NOT_FOUND,
+            "this node holds nothing of that swarm",
+        );
+    };
+    let held = lock(&holding.have).get(n).copied().unwrap_or(false);
+    let Some(piece) = holding.pieces.get(n).filter(|_| held) else {
+        return plain(StatusCode::NOT_FOUND, "this node does not hold that piece");
+    };
+    let Ok(slot) = slots.clone().try_acquire_owned() else {
+        return plain(StatusCode::SERVICE_UNAVAILABLE, "serving too many pieces");
+    };
+    let files = holding.files[piece.files.clone()].to_vec();
+    let folder = lock(&holding.at).clone();
+    let (tx, rx) = mpsc::channel(4);
+    tokio::task::spawn_blocking(move || send_piece(&folder, &files, &tx, slot));
+    let frames = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    let mut r = Response::new(BodyExt::boxed(StreamBody::new(frames)));
+    r.headers_mut()
+        .insert(header::CONTENT_LENGTH, piece.bytes.into());
+    r
+}
+
+/// Reads the piece's files in order into `tx`; a file shorter than the manifest says ends
+/// the body with an error (the peer reads elsewhere).
+fn send_piece(
+    folder: &PosixTier,
+    files: &[FileRef],
+    tx: &mpsc::Sender<Result<Frame<Bytes>, io::Error>>,
+    _slot: OwnedSemaphorePermit,
+) {
+    let mut sent = 0u64;
+    for file in files {
+        let read = folder.open_read(&file.path).map_err(io::Error::other);
+        let opened = match read {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(e));
+                return;
+            }
+        };
+        let mut offset = 0u64;
+        while offset < file.size {
+            let want = CHUNK.min((file.size - offset) as usize);
+            let mut buf = vec![0u8; want];
+            let n = match opened.read_at(&mut buf, offset) {
+                Ok(0) => {
+                    let _ = tx.blocking_send(Err(io::Error::new(
+                        ErrorKind::UnexpectedEof,
+                        format!("{} is shorter than its {} bytes", file.path, file.size),
+                    )));
+                    return;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(e));
+                    return;
+                }
+            };
+            buf.truncate(n);
+            offset += n as u64;
+            if tx.blocking_send(Ok(Frame::data(Bytes::from(buf)))).is_err() {
+                // The peer hung up.
+                stagehand_telemetry::work::fanout_served(sent + offset);
+                return;
+            }
+        }
+        sent += file.size;
+    }
+    stagehand_telemetry::work::fanout_served(sent);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_one_route_with_a_hex_swarm_is_answered() {
+        assert_eq!(route("/v1/swarms/ab12/pieces/7"), Some(("ab12", 7)));
+        assert_eq!(route("/v1/swarms/../pieces/7"), None);
+        assert_eq!(route("/v1/swarms/ab12/pieces/x"), None);
+        assert_eq!(route("/v1/swarms//pieces/1"), None);
+        assert_eq!(route("/v1/swarms/ab12/files/1"), None);
+    }
+
+    #[test]
+    fn the_token_is_admitted_only_whole() {
+        let token = Token::new("a-long-shared-secret");
+        let h = |s: &str| header::HeaderValue::from_str(s).unwrap();
+        assert!(token.admits(Some(&h(&token.header()))));
+        assert!(!token.admits(Some(&h("Bearer a-long-shared-secre"))));
+        assert!(!token.admits(Some(&h("a-long-shared-secret"))));
+        assert!(!token.admits(None));
+    }
+}

@@ -1,0 +1,332 @@
+//! Fan-out between node agents, in-process against a real nats-server: three agents, each
+//! with its own local tier and its own piece server on the loopback, stage one version from
+//! the hot tier at once — every node byte-exact, every piece read from the hot tier once
+//! between them; and an agent whose copy is damaged on disk is caught serving bad bytes,
+//! dropped from the swarm, and every other node still ends byte-exact. (The same with each
+//! agent in its own network namespace and killed mid-copy: `services/cli/tests/fanout.rs`.)
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use stagehand_promoter::fanout::{Fanout, FanoutSettings, FanoutTls};
+use stagehand_schemas::FileRef;
+use stagehand_testkit::{TestCa, wait_for};
+
+const DATASET: &str = "shards";
+
+/// Many small files and two larger than a piece: 40 × 200 KiB + 2 × 9 MiB.
+fn version_files() -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = (0..40)
+        .map(|i| (format!("part/{i:03}.bin"), bytes(i, 200 * 1024)))
+        .collect();
+    files.push(("big/a.bin".into(), bytes(101, 9 << 20)));
+    files.push(("big/b.bin".into(), bytes(102, 9 << 20)));
+    files
+}
+
+/// The agents' token, readable by its owner only.
+fn token_file(root: &Path) -> PathBuf {
+    let path = root.join("fanout.token");
+    std::fs::write(&path, "stagehand-test-agents-token-0123456789\n").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    path
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+}
+
+/// The local root of `node` (`local-<node>` beside the stack's tiers).
+fn local_root(stack: &Stack, node: &str) -> PathBuf {
+    stack.tier(&format!("local-{node}"))
+}
+
+/// Starts the agent of `node` with fan-out on, its own policies naming its own local root.
+fn start_agent(stack: &mut Stack, node: &str, token: &Path) {
+    start_agent_with(stack, node, token, None);
+}
+
+/// The port `node`'s agent serves pieces on.
+fn piece_port(stack: &Stack, node: &str) -> u16 {
+    std::fs::read_to_string(stack.root().join(format!("fanout-port-{node}")))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// [`start_agent`], its pieces served and fetched over mutual TLS with `tls`'s certificate.
+fn start_agent_with(stack: &mut Stack, node: &str, token: &Path, tls: Option<&TestCa>) {
+    let policies = stack.root().join(format!("policies-{node}"));
+    std::fs::create_dir_all(&policies).unwrap();
+    for entry in std::fs::read_dir(&stack.policies).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let text = text.replace("local-n1\"", &format!("local-{node}\""));
+        std::fs::write(policies.join(path.file_name().unwrap()), text).unwrap();
+    }
+    std::fs::create_dir_all(local_root(stack, node)).unwrap();
+    let mut config = stack.promoter_config(&format!("agent-{node}"));
+    config.service.node = Some(node.into());
+    config.service.policies_dir = policies;
+    let port = free_port();
+    std::fs::write(
+        stack.root().join(format!("fanout-port-{node}")),
+        port.to_string(),
+    )
+    .unwrap();
+    config.service.fanout = Some(FanoutSettings {
+        listen: format!("127.0.0.1:{port}").parse().unwrap(),
+        advertise: None,
+        token_file: token.to_owned(),
+        claim_patience: std::time::Duration::from_secs(5),
+        parallel: 4,
+        tls: tls.map(|ca| FanoutTls {
+            cert_file: ca.server_cert(),
+            key_file: ca.server_key(),
+            ca_file: ca.ca(),
+            server_name: None,
+        }),
+    });
+    stack.run_promoter(config);
+}
+
+/// Puts the version on the hot tier (through the shared promoter): its version and files.
+async fn on_hot(stack: &mut Stack) -> (String, Vec<(String, Vec<u8>)>, Vec<FileRef>) {
+    let files = version_files();
+    let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(n, b)| (n.as_str(), b.clone())).collect();
+    let (prefix, refs) = stack.put_files("capacity", DATASET, "v1", &named);
+    let version = stack.validated(DATASET, "capacity", &prefix, &refs).await;
+    let hot = stage_request(DATASET, &version, "hot", "job-hot", None, None);
+    stack.publish(&hot).await;
+    let js = stack.bus.jetstream().clone();
+    wait_for(WAIT, "the version ready on hot", || async {
+        answers(&js, "stage.ready", &hot.id).await.pop()
+    })
+    .await
+    .unwrap();
+    (version, files, refs)
+}
+
+/// Asks for the version on `local` of each of `nodes` and waits until every one is ready.
+async fn stage_on(stack: &Stack, version: &str, nodes: &[&str]) {
+    let js = stack.bus.jetstream().clone();
+    let requests: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            stage_request(
+                DATASET,
+                version,
+                "local",
+                &format!("job-{n}"),
+                Some(n),
+                None,
+            )
+        })
+        .collect();
+    for r in &requests {
+        stack.publish(r).await;
+    }
+    for (r, node) in requests.iter().zip(nodes) {
+        let answer = wait_for(WAIT * 2, &format!("local ready on {node}"), || async {
+            let ready = answers(&js, "stage.ready", &r.id).await.pop();
+            let failed = answers(&js, "stage.failed", &r.id).await.pop();
+            ready.or(failed)
+        })
+        .await
+        .unwrap();
+        assert_eq!(answer.kind(), "stage.ready", "{node}: {answer:?}");
+    }
+}
+
+/// Every file of the version on `node`'s local tier, byte for byte.
+fn assert_exact(stack: &Stack, node: &str, version: &str, files: &[(String, Vec<u8>)]) {
+    let folder = local_root(stack, node).join(format!("{PROJECT}/{DATASET}/{version}"));
+    for (name, want) in files {
+        let got =
+            std::fs::read(folder.join(name)).unwrap_or_else(|e| panic!("{node}: {name}: {e}"));
+        assert!(got == *want, "{node}: {name} differs from the source");
+    }
+}
+
+/// A counter of the in-process services (every agent of this test: one process per test).
+fn counter(name: &str, labels: &str) -> f64 {
+    let text = stagehand_telemetry::metrics::install().render();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() {
+    three_nodes_fan_out(None).await;
+}
+
+/// The same over mutual TLS, as the shipped configurations run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_nodes_fan_out_over_mutual_tls() {
+    let ca = TestCa::new("stagehand-agents");
+    three_nodes_fan_out(Some(&ca)).await;
+}
+
+async fn three_nodes_fan_out(tls: Option<&TestCa>) {
+    // The counters of every service in this process (one process per test).
+    stagehand_telemetry::metrics::install();
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("shared"));
+    let token = token_file(stack.root());
+    let (version, files, _) = on_hot(&mut stack).await;
+    let nodes = ["n1", "n2", "n3"];
+    for n in nodes {
+        start_agent_with(&mut stack, n, &token, tls);
+    }
+    stage_on(&stack, &version, &nodes).await;
+    for n in nodes {
+        assert_exact(&stack, n, &version, &files);
+    }
+    // A caller without the token is served nothing; over TLS, nothing without a handshake.
+    let route = format!(
+        "/v1/swarms/{}/pieces/0",
+        Fanout::swarm("local", PROJECT, DATASET, &version)
+    );
+    let port = piece_port(&stack, "n1");
+    let plain = tokio::task::spawn_blocking(move || stagehand_testkit::http_get(port, &route))
+        .await
+        .unwrap();
+    match tls {
+        None => assert_eq!(plain.unwrap().0, 401),
+        Some(_) => assert!(plain.is_err(), "a plain request answered: {plain:?}"),
+    }
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let shared = counter("stagehand_fanout_bytes_total", "source=\"shared\"");
+    let peer = counter("stagehand_fanout_bytes_total", "source=\"peer\"");
+    // Every piece read once from hot, unless a claim went stale on a slow machine.
+    assert!(
+        shared >= total as f64 && shared <= 1.25 * total as f64,
+        "read {shared} bytes from the hot tier for a {total}-byte version on three nodes"
+    );
+    assert_eq!(
+        shared + peer,
+        3.0 * total as f64,
+        "every node got every byte once"
+    );
+    assert_eq!(counter("stagehand_fanout_peers_dropped_total", ""), 0.0);
+    // The board says who holds what: every node every piece.
+    let board = stack
+        .bus
+        .jetstream()
+        .get_key_value(stagehand_bus::SWARMS_BUCKET)
+        .await
+        .unwrap();
+    let swarm = Fanout::swarm("local", PROJECT, DATASET, &version);
+    let holders = {
+        use futures::StreamExt;
+        let keys: Vec<String> = board
+            .keys()
+            .await
+            .unwrap()
+            .filter_map(|k| async move { k.ok() })
+            .collect()
+            .await;
+        keys.into_iter()
+            .filter(|k| k.starts_with(&format!("swarm.{swarm}.have.")))
+            .count()
+    };
+    let pieces = stagehand_promoter::fanout::pieces::cut(&common_refs(&files)).len();
+    assert_eq!(holders, pieces * nodes.len());
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_serving_damaged_bytes_is_dropped_and_every_node_still_ends_exact() {
+    // The counters of every service in this process (one process per test).
+    stagehand_telemetry::metrics::install();
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("shared"));
+    let token = token_file(stack.root());
+    let (version, files, _) = on_hot(&mut stack).await;
+    start_agent(&mut stack, "n1", &token);
+    stage_on(&stack, &version, &["n1"]).await;
+    // n1's copy rots on its disk after it was verified: one byte of every file flipped.
+    let folder = local_root(&stack, "n1").join(format!("{PROJECT}/{DATASET}/{version}"));
+    for (name, _) in &files {
+        let path = folder.join(name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[0] ^= 0xff;
+        let mode = std::fs::metadata(&path).unwrap().permissions();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::write(&path, bytes).unwrap();
+        std::fs::set_permissions(&path, mode).unwrap();
+    }
+    for n in ["n2", "n3"] {
+        start_agent(&mut stack, n, &token);
+    }
+    stage_on(&stack, &version, &["n2", "n3"]).await;
+    for n in ["n2", "n3"] {
+        assert_exact(&stack, n, &version, &files);
+    }
+    assert!(counter("stagehand_fanout_peers_dropped_total", "") >= 1.0);
+    let board = stack
+        .bus
+        .jetstream()
+        .get_key_value(stagehand_bus::SWARMS_BUCKET)
+        .await
+        .unwrap();
+    let swarm = Fanout::swarm("local", PROJECT, DATASET, &version);
+    let spoiled = wait_for(WAIT, "n1 reported", || async {
+        board
+            .get(format!("swarm.{swarm}.bad.n1"))
+            .await
+            .ok()
+            .flatten()
+    })
+    .await
+    .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&spoiled).unwrap();
+    assert!(
+        report["why"].as_str().unwrap().contains("hashes to"),
+        "{report}"
+    );
+    // Nothing n1 served reached the others: they hold the source's bytes (above), and no
+    // file of theirs was left half-written.
+    for n in ["n2", "n3"] {
+        let left = leftovers(&local_root(&stack, n));
+        assert!(left.is_empty(), "{n} kept {left:?}");
+    }
+    stack.stop().await;
+}
+
+/// Stagehand's temporaries (temp files, staging folders) anywhere beneath `dir`.
+fn leftovers(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if entry.file_name().to_string_lossy().contains(".stagehand-") {
+            found.push(path.clone());
+        }
+        if path.is_dir() {
+            found.extend(leftovers(&path));
+        }
+    }
+    found
+}
+
+/// The version's entries as the manifest lists them (path order).
+fn common_refs(files: &[(String, Vec<u8>)]) -> Vec<FileRef> {
+    let mut refs: Vec<FileRef> = files
+        .iter()
+        .map(|(n, b)| FileRef {
+            path: n.clone(),
+            size: b.len() as u64,
+            sha256: String::new(),
+        })
+        .collect();
+    refs.sort_by(|a, b| a.path.cmp(&b.path));
+    refs
+}
