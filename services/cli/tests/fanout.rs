@@ -21,9 +21,10 @@ const SHARED: &str = r#"source="shared""#;
 const PEER: &str = r#"source="peer""#;
 const MIB: usize = 1 << 20;
 
-/// Many small files and a few multi-MiB ones: about 34 MiB.
+/// Many small files and a few multi-MiB ones, about 39 MiB: seven pieces of the fan-out's
+/// (runs of files up to 8 MiB, a larger file alone), so that eight agents share them out.
 fn version(root: &std::path::Path) -> anyhow::Result<u64> {
-    write_version(root, 160, 64 * 1024, &[8 * MIB, 8 * MIB, 8 * MIB])
+    write_version(root, 400, 48 * 1024, &[5 * MIB, 5 * MIB, 5 * MIB, 5 * MIB])
 }
 
 /// Agents in namespaces reach NATS across the bridge, answer `/readyz` and serve `/metrics` on
@@ -76,6 +77,11 @@ async fn eight_nodes_read_the_shared_tier_about_once() -> anyhow::Result<()> {
         "version {bytes} B; read from the shared tier {shared} B ({:.2}×), from peers {peer} B",
         shared / bytes as f64
     );
+    // Only the shared tier held the version at first: all of it was read there at least once.
+    ensure!(
+        shared >= bytes as f64,
+        "the agents counted {shared} B read from the shared tier of a {bytes} B version"
+    );
     ensure!(
         shared <= 1.25 * bytes as f64,
         "the agents read {shared} B of a {bytes} B version from the shared tier"
@@ -110,15 +116,19 @@ async fn the_others_finish_when_an_agent_dies_mid_fan_out() -> anyhow::Result<()
         keys.into_iter().next()
     })
     .await?;
-    let mut others_ready = true;
+    let mut ready = 0;
     for (i, stage) in stages.iter().enumerate() {
-        if i != VICTIM {
-            others_ready &= fleet.is_ready(stage).await?;
+        if i != VICTIM && fleet.is_ready(stage).await? {
+            ready += 1;
         }
     }
     fleet.agent_mut(VICTIM).kill();
+    eprintln!(
+        "{victim} killed after announcing {announced}; {ready} of {} others ready",
+        fleet.len() - 1
+    );
     ensure!(
-        !others_ready,
+        ready < fleet.len() - 1,
         "every other node was ready before {victim} was killed (it announced {announced}): \
          the fan-out ended too soon for this test"
     );

@@ -317,14 +317,14 @@ impl Fleet {
         self.agents().map(|a| a.counter(name, labels)).sum()
     }
 
-    /// The keys of the promoter's bucket that start with `swarm.` and satisfy `pred`.
+    /// The keys of the fan-out board (`stagehand_swarms`) that start with `swarm.` and satisfy `pred`.
     pub async fn swarm_keys(&self, pred: impl Fn(&str) -> bool) -> anyhow::Result<Vec<String>> {
         use futures::TryStreamExt;
         let kv = self
             .sh
             .bus
             .jetstream()
-            .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+            .get_key_value(stagehand_bus::SWARMS_BUCKET)
             .await?;
         let keys: Vec<String> = kv.keys().await?.try_collect().await?;
         Ok(keys
