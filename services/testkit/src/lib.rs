@@ -11,6 +11,9 @@
 //! events and files tests lay down as another party would ([`StageRequest`],
 //! [`validated_fact`], [`put_files`]).
 //!
+//! Nodes of one test can be network namespaces on a bridge ([`NodeNetwork`]), each with an
+//! address of its own, for services that dial each other across nodes.
+//!
 //! Binaries are found through `STAGEHAND_NATS_SERVER` / `STAGEHAND_WEED` /
 //! `STAGEHAND_PROMETHEUS`, then the venv that `deploy/servers.sh install` creates, then `PATH`
 //! (Debian's `prometheus` package, which `deploy/servers.sh install` installs). Tests wait on real conditions with

@@ -112,6 +112,8 @@ impl NodeNetwork {
             host_addr,
             nodes,
         };
+        // An earlier process of this pid (the pid reused) may have died holding these names.
+        network.remove();
         network.create()?;
         Ok(network)
     }
@@ -187,14 +189,21 @@ impl NodeNetwork {
     }
 }
 
-impl Drop for NodeNetwork {
-    fn drop(&mut self) {
+impl NodeNetwork {
+    /// Deletes the namespaces, veths and bridge of these names, those that exist.
+    fn remove(&self) {
         // Deleting a namespace deletes its veth end and with it the pair.
         for node in &self.nodes {
             let _ = ip(&["netns", "delete", &node.namespace]);
             let _ = ip(&["link", "delete", &node.host_veth]);
         }
         let _ = ip(&["link", "delete", &self.bridge]);
+    }
+}
+
+impl Drop for NodeNetwork {
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 
