@@ -105,3 +105,41 @@ fn namespaces_reach_the_bridge_and_each_other_and_are_removed_on_drop() {
         assert!(!left.contains(&name), "{name} left: {left}");
     }
 }
+
+/// Set in the child the test below starts without capabilities.
+const WITHOUT_CAPS: &str = "STAGEHAND_TEST_NETNS_WITHOUT_CAPS";
+
+/// A process without CAP_NET_ADMIN is told what a node network needs, rather than skipping:
+/// this test runs itself again under `setpriv` with every capability dropped, and the child
+/// checks the error.
+#[test]
+fn without_net_admin_the_error_says_what_is_needed() {
+    if std::env::var_os(WITHOUT_CAPS).is_some() {
+        let err = NodeNetwork::new(1).expect_err("no network without capabilities");
+        assert!(
+            matches!(err, stagehand_testkit::NetworkError::NotPermitted { .. }),
+            "{err:?}"
+        );
+        let said = err.to_string();
+        assert!(said.contains("root or CAP_NET_ADMIN"), "{said}");
+        return;
+    }
+    let out = Command::new("setpriv")
+        .args(["--bounding-set=-all", "--inh-caps=-all", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "without_net_admin_the_error_says_what_is_needed",
+            "--nocapture",
+        ])
+        .env(WITHOUT_CAPS, "1")
+        .output()
+        .expect("run setpriv (util-linux)");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("1 passed"), "{said}");
+}
