@@ -27,6 +27,21 @@ async fn server_starts_with_jetstream_on_a_dynamic_port() -> Result<()> {
     Ok(())
 }
 
+/// A server bound to every address is dialled on loopback, and its monitoring answers there.
+#[tokio::test]
+async fn a_server_bound_to_every_address_is_reached_on_loopback() -> Result<()> {
+    let server = NatsServer::builder()
+        .bind(std::net::Ipv4Addr::UNSPECIFIED)
+        .start();
+    assert_eq!(server.url(), format!("nats://127.0.0.1:{}", server.port()));
+    let client = async_nats::connect(server.url()).await?;
+    client.flush().await?;
+    let addr: std::net::SocketAddr = server.monitor_addr().parse()?;
+    let (status, _) = stagehand_testkit::http_get_at(addr, "/healthz")?;
+    assert_eq!(status, 200);
+    Ok(())
+}
+
 #[tokio::test]
 async fn two_servers_get_different_ports_and_stores() {
     let a = NatsServer::start();
