@@ -168,9 +168,10 @@ async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() 
     three_nodes_fan_out(None).await;
 }
 
-/// The same over mutual TLS, as the shipped configurations run it.
+/// The same as the shipped configurations run it: over mutual TLS, each agent connected as
+/// the promoter's user of `deploy/nats/accounts.conf` (which must grant it the board).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_nodes_fan_out_over_mutual_tls() {
+async fn three_nodes_fan_out_over_mutual_tls_as_the_promoters_user() {
     let ca = TestCa::new("stagehand-agents");
     three_nodes_fan_out(Some(&ca)).await;
 }
@@ -178,7 +179,11 @@ async fn three_nodes_fan_out_over_mutual_tls() {
 async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
-    let mut stack = Stack::start().await;
+    let mut stack = Stack::start_with(Options {
+        accounts: tls.is_some(),
+        ..Options::default()
+    })
+    .await;
     stack.run_promoter(stack.promoter_config("shared"));
     let token = token_file(stack.root());
     let (version, files, _) = on_hot(&mut stack).await;
