@@ -222,8 +222,9 @@ async fn removed_parts(catalogue: &Catalogue, step: u64) -> anyhow::Result<Vec<(
         .collect())
 }
 
-/// Waits until every part of `step` is gone from its node's local tier and the catalogue
-/// records each removed by its own node; its offloaded copy is still on hot.
+/// Waits until every part of `step` is gone from its node's local tier, with the step's
+/// folder there (each node held one part), and the catalogue records each removed by its own
+/// node; its offloaded copy is still on hot.
 async fn parts_left_their_nodes(
     sh: &Stagehand,
     catalogue: &Catalogue,
@@ -235,7 +236,10 @@ async fn parts_left_their_nodes(
         .collect();
     let on_node = || -> Vec<usize> {
         (0..NODES.len())
-            .filter(|&part| part_dir(&policies[part], step, part).is_ok_and(|d| d.exists()))
+            .filter(|&part| {
+                part_dir(&policies[part], step, part)
+                    .is_ok_and(|d| d.exists() || d.parent().is_some_and(Path::exists))
+            })
             .collect()
     };
     let gone = wait_for(

@@ -465,7 +465,8 @@ async fn open(
         (Some(settings), Some(node)) => {
             let board = ctx.bus.provision_kv(&stagehand_bus::SWARMS).await?;
             let (f, serving) =
-                fanout::Fanout::bind(settings, node, board, shutdown.clone()).await?;
+                fanout::Fanout::bind(settings, node, board, ctx.bus.clone(), shutdown.clone())
+                    .await?;
             (Some(f), Some(serving))
         }
         _ => (None, None),

@@ -115,6 +115,11 @@ async fn on_hot(stack: &mut Stack) -> (String, Vec<(String, Vec<u8>)>, Vec<FileR
 
 /// Asks for the version on `local` of each of `nodes` and waits until every one is ready.
 async fn stage_on(stack: &Stack, version: &str, nodes: &[&str]) {
+    stage_for(stack, version, nodes, "job").await;
+}
+
+/// [`stage_on`] for the jobs `<job>-<node>`.
+async fn stage_for(stack: &Stack, version: &str, nodes: &[&str], job: &str) {
     let js = stack.bus.jetstream().clone();
     let requests: Vec<_> = nodes
         .iter()
@@ -123,7 +128,7 @@ async fn stage_on(stack: &Stack, version: &str, nodes: &[&str]) {
                 DATASET,
                 version,
                 "local",
-                &format!("job-{n}"),
+                &format!("{job}-{n}"),
                 Some(n),
                 None,
             )
@@ -168,9 +173,10 @@ async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() 
     three_nodes_fan_out(None).await;
 }
 
-/// The same over mutual TLS, as the shipped configurations run it.
+/// The same as the shipped configurations run it: over mutual TLS, each agent connected as
+/// the promoter's user of `deploy/nats/accounts.conf` (which must grant it the board).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_nodes_fan_out_over_mutual_tls() {
+async fn three_nodes_fan_out_over_mutual_tls_as_the_promoters_user() {
     let ca = TestCa::new("stagehand-agents");
     three_nodes_fan_out(Some(&ca)).await;
 }
@@ -178,7 +184,11 @@ async fn three_nodes_fan_out_over_mutual_tls() {
 async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
-    let mut stack = Stack::start().await;
+    let mut stack = Stack::start_with(Options {
+        accounts: tls.is_some(),
+        ..Options::default()
+    })
+    .await;
     stack.run_promoter(stack.promoter_config("shared"));
     let token = token_file(stack.root());
     let (version, files, _) = on_hot(&mut stack).await;
@@ -244,7 +254,8 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_node_serving_damaged_bytes_is_dropped_and_every_node_still_ends_exact() {
+async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node_still_ends_exact()
+{
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
     let mut stack = Stack::start().await;
@@ -293,6 +304,28 @@ async fn a_node_serving_damaged_bytes_is_dropped_and_every_node_still_ends_exact
         report["why"].as_str().unwrap().contains("hashes to"),
         "{report}"
     );
+    // n1 hashed the file it was reported for, found its own copy damaged, and withdrew it:
+    // no job is sent to it, and the next request for it on n1 repairs it.
+    let catalogue = stagehand_catalogue::Catalogue::new(stack.bus.client().clone());
+    wait_for(WAIT, "n1's copy recorded damaged", || async {
+        let detail = catalogue
+            .version(Some(PROJECT), DATASET, &version)
+            .await
+            .ok()?;
+        detail
+            .replicas
+            .iter()
+            .any(|r| {
+                r.tier == "local"
+                    && r.node.as_deref() == Some("n1")
+                    && r.state == stagehand_catalogue::ReplicaState::Damaged
+            })
+            .then_some(())
+    })
+    .await
+    .unwrap();
+    stage_for(&stack, &version, &["n1"], "next-job").await;
+    assert_exact(&stack, "n1", &version, &files);
     // Nothing n1 served reached the others: they hold the source's bytes (above), and no
     // file of theirs was left half-written.
     for n in ["n2", "n3"] {

@@ -81,6 +81,35 @@ impl PosixTier {
         Ok(true)
     }
 
+    /// Removes the directory `rel` if it is empty (one confined `rmdir`, which the kernel
+    /// refuses for a folder that holds anything, so nothing written meanwhile is lost):
+    /// `Ok(false)` when it holds something or is gone.
+    pub fn remove_dir_if_empty(&self, rel: &str) -> Result<bool, TransferError> {
+        self.check_path(rel, Side::Destination)?;
+        let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+        let dir = match self.dir_fd(parent, rel) {
+            Ok(d) => d,
+            Err(e) if e.kind == crate::error::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        match rustix::fs::unlinkat(dir.as_fd(), name, AtFlags::REMOVEDIR) {
+            Ok(()) => {
+                self.forget_dirs();
+                Ok(true)
+            }
+            Err(
+                rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST | rustix::io::Errno::NOENT,
+            ) => Ok(false),
+            Err(e) => Err(TransferError::from_errno(
+                e,
+                Side::Destination,
+                self.name(),
+                rel,
+                "remove an empty folder",
+            )),
+        }
+    }
+
     /// Hard-links the file `rel` of `from` (a folder of the same filesystem: a tier beneath
     /// this one's parent) to `rel` beneath this tier, creating parents confined: a verified
     /// file of a set found in place joins its replacement without a copy. Already there is

@@ -22,6 +22,7 @@
 mod board;
 mod fetch;
 pub mod pieces;
+mod reported;
 mod serve;
 mod tls;
 
@@ -51,6 +52,7 @@ use pieces::Piece;
 use serve::{Registry, Token};
 
 pub use board::BoardError;
+pub use serve::ReplicaAt;
 pub use tls::FanoutTls;
 
 /// A node agent's `[service.fanout]` table.
@@ -152,9 +154,13 @@ pub struct Fanout {
     parallel: usize,
 }
 
-/// The piece server's task, to run beside the agent's workers.
+/// The piece server and the watch for reports naming this node: a task beside the agent's
+/// workers (its end before shutdown ends the service, to be restarted by its supervisor).
 pub type Serving = std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<(), std::convert::Infallible>> + Send>,
+    Box<
+        dyn std::future::Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>>
+            + Send,
+    >,
 >;
 
 impl Fanout {
@@ -163,6 +169,7 @@ impl Fanout {
         settings: &FanoutSettings,
         node: &str,
         store: async_nats::jetstream::kv::Store,
+        bus: stagehand_bus::Bus,
         shutdown: CancellationToken,
     ) -> Result<(Fanout, Serving), FanoutError> {
         let advertise = settings.advertised()?;
@@ -178,13 +185,25 @@ impl Fanout {
                 source,
             })?;
         let registry = Arc::new(Registry::default());
-        let serving = Box::pin(serve::serve(
+        let server = serve::serve(
             listener,
             registry.clone(),
             token.clone(),
             tls.as_ref().map(|t| t.acceptor.clone()),
-            shutdown,
-        ));
+            shutdown.clone(),
+        );
+        let reports = reported::watch(store.clone(), registry.clone(), bus, node.to_owned());
+        let serving: Serving = Box::pin(async move {
+            tokio::select! {
+                served = server => served.map_err(|never| match never {}),
+                watched = reports => match watched {
+                    Ok(()) if shutdown.is_cancelled() => Ok(()),
+                    Ok(()) => Err("the watch for reports of bad bytes ended".into()),
+                    Err(e) => Err(format!("watching for reports of bad bytes: {e}").into()),
+                },
+                _ = shutdown.cancelled() => Ok(()),
+            }
+        });
         info!(listen = %settings.listen, %advertise, tls = tls.is_some(), "fan-out: serving pieces to peers");
         Ok((
             Fanout {
@@ -247,10 +266,10 @@ impl Fanout {
         filled
     }
 
-    /// The swarm's pieces are in the published folder `folder` now.
-    pub fn published(&self, swarm: &str, folder: PosixTier) {
+    /// The swarm's pieces are in the published folder `folder` now, the replica `replica`.
+    pub fn published(&self, swarm: &str, folder: PosixTier, replica: ReplicaAt) {
         if let Some(h) = self.registry.get(swarm) {
-            h.moved_to(folder);
+            h.moved_to(folder, replica);
         }
     }
 }

@@ -83,6 +83,18 @@ pub struct Holding {
     pub pieces: Arc<[Piece]>,
     have: Mutex<Vec<bool>>,
     at: Mutex<PosixTier>,
+    /// The replica the pieces make up, once published (served from its folder).
+    published: Mutex<Option<ReplicaAt>>,
+}
+
+/// Where a published replica is, for a fact about it.
+#[derive(Debug, Clone)]
+pub struct ReplicaAt {
+    pub project: String,
+    pub dataset: String,
+    pub version: String,
+    pub tier: String,
+    pub prefix: String,
 }
 
 impl Holding {
@@ -102,9 +114,20 @@ impl Holding {
             .collect()
     }
 
-    /// The pieces are in `folder` now (the set was published).
-    pub fn moved_to(&self, folder: PosixTier) {
+    /// The pieces are in `folder` now, the published `replica`.
+    pub fn moved_to(&self, folder: PosixTier, replica: ReplicaAt) {
         *lock(&self.at) = folder;
+        *lock(&self.published) = Some(replica);
+    }
+
+    /// The folder the pieces are served from.
+    pub fn folder(&self) -> PosixTier {
+        lock(&self.at).clone()
+    }
+
+    /// The published replica, if the set was published.
+    pub fn published_replica(&self) -> Option<ReplicaAt> {
+        lock(&self.published).clone()
     }
 }
 
@@ -136,6 +159,7 @@ impl Registry {
             files,
             pieces,
             at: Mutex::new(folder),
+            published: Mutex::new(None),
         });
         let mut swarms = lock(&self.swarms);
         swarms.order.retain(|s| s != swarm);

@@ -21,7 +21,7 @@ use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::fanout::{Fanout, Fill};
+use crate::fanout::{Fanout, Fill, ReplicaAt};
 use crate::kv::{LeaseState, Limits, Refused};
 use crate::resolve::Plan;
 use crate::reuse::Reuse;
@@ -679,7 +679,14 @@ impl Promoter {
         if let Some((fanout, swarm)) = &fanning
             && let Ok(Tier::Posix(published)) = dst.beneath(prefix)
         {
-            fanout.published(swarm, published);
+            let replica = ReplicaAt {
+                project: project.to_owned(),
+                dataset: request.dataset.clone(),
+                version: plan.version.clone(),
+                tier: request.tier.clone(),
+                prefix: prefix.to_owned(),
+            };
+            fanout.published(swarm, published, replica);
         }
         crate::reuse::record(
             self.p().coordination.store(),

@@ -242,6 +242,10 @@ fn remove_part_now(
         )));
     }
     tier.remove_tree(&hidden)?;
+    // The step's folder goes with its last part on this node (nothing else may be in it).
+    if let Some((step, _)) = folder.rsplit_once('/') {
+        tier.remove_dir_if_empty(step)?;
+    }
     Ok(Ok(()))
 }
 

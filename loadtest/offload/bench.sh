@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Checkpoint offload benchmark (issue 17 item 2): a run writes each step to node-local NVMe,
+# one part per node, and commits it there; each node's agent offloads its part to the hot tier
+# in the background (retention.toml's `[offload]`, the default policies' tier), verified. Two
+# figures per step, against a plain copy of the same bytes in the same run:
+#
+#   - the training-visible commit: the wall time of `stagehand checkpoint commit --tier local`
+#     (the slowest of the PARTS nodes' commits, run at once) — what a training loop waits for;
+#   - the offload rate: the step's bytes ÷ the time from the first commit to the step listed
+#     `committed` (every part copied to hot and verified, the step made the run's latest),
+#     beside `cp -r` of the same parts' bytes to the hot tier's filesystem and `sync -f`
+#     (a copy made as durable as the offload's, with no hashing).
+#
+# Runs alternate offload then plain copy, PAIRS times (at least 3), each from the same start
+# state: the parts written afresh just before (warm in the page cache), nothing of them on
+# hot. The table gives medians and the median of the per-pair rate ratios (offload ÷ cp).
+# Every node's agent runs on this machine, its own local root on the one disk the hot tier is
+# on too: the offload reads and writes the same disk and hashes on the same cores as the
+# plain copy.
+#
+#   loadtest/offload/bench.sh                          # 4 parts × 1 GiB
+#   PART_MIB=64 PROFILE=dev loadtest/offload/bench.sh  # a quick run
+#
+# Settings (environment): PARTS (4), PART_MIB (1024), PAIRS (3), PROFILE (release | dev),
+# BENCH_DIR (where the home goes; default a temp folder; deleted at the end),
+# STAGEHAND_NATS_SERVER. Needs python3, bc.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
+PARTS=${PARTS:-4}
+PART_MIB=${PART_MIB:-1024}
+PAIRS=${PAIRS:-3}
+PROFILE=${PROFILE:-release}
+PROJECT=bench
+RUN_NAME=offload
+
+for tool in python3 bc; do
+    command -v "$tool" >/dev/null || { echo "bench.sh needs $tool" >&2; exit 1; }
+done
+[ "$PAIRS" -ge 3 ] || { echo "bench.sh: PAIRS is at least 3" >&2; exit 1; }
+NATS_SERVER=${STAGEHAND_NATS_SERVER:-$REPO/.stagehand/venv/bin/nats-server}
+[ -x "$NATS_SERVER" ] || NATS_SERVER=$(command -v nats-server) || {
+    echo "bench.sh: no nats-server (set STAGEHAND_NATS_SERVER, e.g. from deploy/servers.sh env)" >&2
+    exit 1
+}
+unset STAGEHAND_HOME
+
+cd "$REPO"
+case "$PROFILE" in
+dev) cargo build -q -p stagehand --bin stagehand -p stagehand-promoter --bin stagehand-promoter; BIN=$CARGO_TARGET_DIR/debug ;;
+release) cargo build -q --release -p stagehand --bin stagehand -p stagehand-promoter --bin stagehand-promoter; BIN=$CARGO_TARGET_DIR/release ;;
+*) echo "bench.sh: PROFILE is dev or release, not $PROFILE" >&2; exit 1 ;;
+esac
+
+WORK=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/stagehand-offload-bench.XXXXXX")
+HOME_DIR=$WORK/home
+NATS_PID= UP_PID=
+AGENT_PIDS=()
+cleanup() {
+    local pid
+    for pid in "${AGENT_PIDS[@]}"; do kill -INT "$pid" 2>/dev/null || true; done
+    for pid in "${AGENT_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+    [ -n "$UP_PID" ] && { kill -INT "$UP_PID" 2>/dev/null || true; wait "$UP_PID" 2>/dev/null || true; }
+    [ -n "$NATS_PID" ] && { kill "$NATS_PID" 2>/dev/null || true; wait "$NATS_PID" 2>/dev/null || true; }
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+now() { date +%s.%N; }
+secs() { echo "$2 - $1" | bc -l; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+echo "load: $(uptime | sed 's/.*load average/load average/')   cores: $(nproc)   profile: $PROFILE" >&2
+
+PORT=$(free_port)
+mkdir -p "$WORK/nats"
+"$NATS_SERVER" -c deploy/nats/dev.conf -js -a 127.0.0.1 -p "$PORT" -m -1 -sd "$WORK/nats" \
+    >"$WORK/nats.log" 2>&1 &
+NATS_PID=$!
+export STAGEHAND_NATS_URL=nats://127.0.0.1:$PORT
+for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break; sleep 0.1; done
+RUST_LOG=warn "$BIN/stagehand" up --external-nats --home "$HOME_DIR" \
+    --metrics "127.0.0.1:$(free_port)" >"$WORK/up.out" 2>"$WORK/up.err" &
+UP_PID=$!
+for _ in $(seq 600); do
+    grep -q "stagehand is up" "$WORK/up.out" 2>/dev/null && break
+    kill -0 "$UP_PID" 2>/dev/null || { cat "$WORK/up.err" >&2; exit 1; }
+    sleep 0.1
+done
+grep -q "stagehand is up" "$WORK/up.out" || { echo "bench.sh: stagehand up did not start" >&2; exit 1; }
+POLICIES=$HOME_DIR/policies
+HOT=$HOME_DIR/tiers/hot
+export STAGEHAND_PROJECT=$PROJECT
+
+# The agent of each node, on this host, its own local root and policies.
+for i in $(seq 0 $((PARTS - 1))); do
+    node=n$i
+    dir=$WORK/agents/$node
+    metrics=$(free_port)
+    mkdir -p "$dir/policies" "$HOME_DIR/tiers/local-$node"
+    for f in "$POLICIES"/*; do
+        sed "s|$HOME_DIR/tiers/local\"|$HOME_DIR/tiers/local-$node\"|" "$f" >"$dir/policies/$(basename "$f")"
+    done
+    cat >"$dir/promoter.toml" <<EOF
+[bus]
+servers = ["$STAGEHAND_NATS_URL"]
+client_name = "promoter-$node"
+
+[worker]
+instance_id = "$node"
+
+[telemetry]
+log_level = "warn"
+metrics_listen = "127.0.0.1:$metrics"
+
+[service]
+policies_dir = "$dir/policies"
+state_dir = "$dir/state"
+node = "$node"
+EOF
+    "$BIN/stagehand-promoter" --config "$dir/promoter.toml" 2>"$dir/stderr.log" &
+    AGENT_PIDS+=($!)
+    for _ in $(seq 600); do
+        python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$metrics/readyz').status != 200)" 2>/dev/null && break
+        sleep 0.1
+    done
+done
+
+# The folder of part $2 of step $1 on its node's local tier, as the layout names it.
+part_dir() { echo "$HOME_DIR/tiers/local-n$2/$PROJECT/ckpt-$RUN_NAME/step-$1/part-$2"; }
+# Writes the parts of step $1 (a torch.distributed.checkpoint shard each, .metadata last).
+write_parts() {
+    local step=$1 i d
+    for i in $(seq 0 $((PARTS - 1))); do
+        d=$(part_dir "$step" "$i")
+        mkdir -p "$d"
+        head -c $((PART_MIB << 20)) /dev/urandom >"$d/__${i}_0.distcp"
+        echo "step $step part $i" >"$d/.metadata"
+    done
+}
+# The bytes of a step's parts, as written.
+step_bytes() { du -sb --apparent-size "$@" | awk '{n += $1} END {print n}'; }
+
+RESULTS=$WORK/results.jsonl
+: >"$RESULTS"
+STEP=0
+
+run_offload() {
+    STEP=$((STEP + 1))
+    local step=$STEP i pids=() t0 t1 slowest=0 bytes
+    write_parts "$step"
+    sync
+    bytes=$(step_bytes "$HOME_DIR"/tiers/local-n*/"$PROJECT/ckpt-$RUN_NAME/step-$step")
+    t0=$(now)
+    for i in $(seq 0 $((PARTS - 1))); do
+        (
+            s=$(now)
+            "$BIN/stagehand" checkpoint commit --project "$PROJECT" --run "$RUN_NAME" --step "$step" \
+                --tier local --node "n$i" --part "$i" --parts "$PARTS" --policies "$WORK/agents/n$i/policies" \
+                "$(part_dir "$step" "$i")" >/dev/null 2>>"$WORK/commits.log"
+            secs "$s" "$(now)" >"$WORK/commit-$step-$i"
+        ) &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    for i in $(seq 0 $((PARTS - 1))); do
+        slowest=$(python3 -c "print(max($slowest, $(cat "$WORK/commit-$step-$i")))")
+    done
+    until "$BIN/stagehand" checkpoint list "$RUN_NAME" --project "$PROJECT" --policies "$POLICIES" --json |
+        python3 -c "import json,sys; sys.exit(not any(c['step'] == $step and c['state'] == 'committed' for c in json.load(sys.stdin)))"; do
+        sleep 0.05
+    done
+    t1=$(now)
+    printf '{"tool":"offload","step":%d,"seconds":%.6f,"commit_seconds":%.6f,"bytes":%d}\n' \
+        "$step" "$(secs "$t0" "$t1")" "$slowest" "$bytes" | tee -a "$RESULTS" >&2
+    rm -rf "$HOT/$PROJECT/ckpt-$RUN_NAME/step-$step"
+}
+
+run_cp() {
+    local step=copy i t0 t1 bytes
+    write_parts "$step"
+    sync
+    bytes=$(step_bytes "$HOME_DIR"/tiers/local-n*/"$PROJECT/ckpt-$RUN_NAME/step-$step")
+    t0=$(now)
+    mkdir -p "$HOT/plain-copy"
+    for i in $(seq 0 $((PARTS - 1))); do
+        cp -r "$(part_dir "$step" "$i")" "$HOT/plain-copy/part-$i"
+    done
+    sync -f "$HOT/plain-copy"
+    t1=$(now)
+    printf '{"tool":"cp","seconds":%.6f,"bytes":%d}\n' "$(secs "$t0" "$t1")" "$bytes" |
+        tee -a "$RESULTS" >&2
+    rm -rf "$HOT/plain-copy"
+    for i in $(seq 0 $((PARTS - 1))); do rm -rf "$(dirname "$(part_dir "$step" "$i")")"; done
+}
+
+for _ in $(seq "$PAIRS"); do
+    run_offload
+    run_cp
+done
+echo "load after: $(uptime | sed 's/.*load average/load average/')" >&2
+
+python3 - "$RESULTS" "$PROFILE" "$PARTS" "$PART_MIB" <<'EOF'
+import json, os, statistics as st, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+off = [r for r in rows if r["tool"] == "offload"]
+cp = [r for r in rows if r["tool"] == "cp"]
+rate = lambda r: r["bytes"] / r["seconds"] / 2**20
+ratios = [rate(a) / rate(b) for a, b in zip(off, cp)]
+print(f"\ncheckpoint of {sys.argv[3]} parts × {sys.argv[4]} MiB on node NVMe, offloaded to hot; "
+      f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} (1 min), profile {sys.argv[2]}")
+print("| commit (slowest part, median) | offload rate | cp -r + sync rate | offload ÷ cp (median of pairs) |")
+print("|---:|---:|---:|---:|")
+print(f"| {st.median(r['commit_seconds'] for r in off):.3f} s (max {max(r['commit_seconds'] for r in off):.3f}) | "
+      f"{st.median(rate(r) for r in off):.0f} MiB/s | {st.median(rate(r) for r in cp):.0f} MiB/s | "
+      f"{st.median(ratios):.2f} (each {', '.join(f'{x:.2f}' for x in ratios)}) |")
+EOF
