@@ -98,6 +98,16 @@ install_bench_tools() {
     fi
 }
 
+# The fan-out tests run each node's agent in a network namespace of its own (`ip netns`, veth,
+# a bridge, `tc` to slow a node's link): Debian's iproute2, when missing.
+install_netns_tools() {
+    if command -v ip >/dev/null && command -v tc >/dev/null; then
+        return 0
+    fi
+    log "installing iproute2 (Debian package)"
+    apt_install iproute2
+}
+
 # Prometheus scrapes a service's /metrics in the tests (services/testkit: Prometheus). Debian's
 # package; the machines of CI start clean, so it is installed here when missing. The package's
 # own service is not used (in containers policy-rc.d keeps it from starting).
@@ -130,6 +140,7 @@ cmd_install() {
     install_servers
     install_prometheus
     install_chromium
+    install_netns_tools
     if [ "$bench" -eq 1 ]; then
         install_bench_tools
     fi
