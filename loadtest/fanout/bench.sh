@@ -52,20 +52,12 @@ for tool in ip rclone python3 curl bc; do
     command -v "$tool" >/dev/null || { echo "bench.sh needs $tool (deploy/servers.sh install --bench)" >&2; exit 1; }
 done
 [ "$PAIRS" -ge 3 ] || { echo "bench.sh: PAIRS is at least 3" >&2; exit 1; }
-NATS_SERVER=${STAGEHAND_NATS_SERVER:-$REPO/.stagehand/venv/bin/nats-server}
-[ -x "$NATS_SERVER" ] || NATS_SERVER=$(command -v nats-server) || {
-    echo "bench.sh: no nats-server (set STAGEHAND_NATS_SERVER, e.g. from deploy/servers.sh env)" >&2
-    exit 1
-}
 # Every command below is told its home, policies and server.
 unset STAGEHAND_HOME
-
+# shellcheck source=loadtest/stack.sh
+. "$REPO/loadtest/stack.sh"
 cd "$REPO"
-case "$PROFILE" in
-dev) cargo build -q -p stagehand --bin stagehand -p stagehand-promoter --bin stagehand-promoter; BIN=$CARGO_TARGET_DIR/debug ;;
-release) cargo build -q --release -p stagehand --bin stagehand -p stagehand-promoter --bin stagehand-promoter; BIN=$CARGO_TARGET_DIR/release ;;
-*) echo "bench.sh: PROFILE is dev or release, not $PROFILE" >&2; exit 1 ;;
-esac
+build_bins
 
 WORK=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/stagehand-fanout-bench.XXXXXX")
 HOME_DIR=$WORK/home
@@ -73,19 +65,8 @@ HOME_DIR=$WORK/home
 TAG=shf$(printf '%x' $$)
 MAXN=0
 for n in $NODES; do [ "$n" -gt "$MAXN" ] && MAXN=$n; done
-NATS_PID= UP_PID=
-AGENT_PIDS=()
-
-stop_agents() {
-    local pid
-    for pid in "${AGENT_PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-    for pid in "${AGENT_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-    AGENT_PIDS=()
-}
 cleanup() {
-    stop_agents
-    [ -n "$UP_PID" ] && { kill -INT "$UP_PID" 2>/dev/null || true; wait "$UP_PID" 2>/dev/null || true; }
-    [ -n "$NATS_PID" ] && { kill "$NATS_PID" 2>/dev/null || true; wait "$NATS_PID" 2>/dev/null || true; }
+    stop_stack
     for i in $(seq 0 $((MAXN - 1))); do
         ip netns delete "${TAG}n$i" 2>/dev/null || true
         ip link delete "${TAG}v$i" 2>/dev/null || true
@@ -124,23 +105,7 @@ for i in $(seq 0 $((MAXN - 1))); do
 done
 
 # NATS on the bridge, the stack on it.
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-UP_METRICS=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-mkdir -p "$WORK/nats"
-"$NATS_SERVER" -c deploy/nats/dev.conf -js -a "$HOST" -p "$PORT" -m -1 -sd "$WORK/nats" \
-    >"$WORK/nats.log" 2>&1 &
-NATS_PID=$!
-export STAGEHAND_NATS_URL=nats://$HOST:$PORT
-for _ in $(seq 200); do (exec 3<>"/dev/tcp/$HOST/$PORT") 2>/dev/null && break; sleep 0.1; done
-env -u STAGEHAND_HOME RUST_LOG=warn "$BIN/stagehand" up --external-nats --home "$HOME_DIR" \
-    --metrics "127.0.0.1:$UP_METRICS" >"$WORK/up.out" 2>"$WORK/up.err" &
-UP_PID=$!
-for _ in $(seq 600); do
-    grep -q "stagehand is up" "$WORK/up.out" 2>/dev/null && break
-    kill -0 "$UP_PID" 2>/dev/null || { cat "$WORK/up.err" >&2; exit 1; }
-    sleep 0.1
-done
-grep -q "stagehand is up" "$WORK/up.out" || { echo "bench.sh: stagehand up did not start" >&2; exit 1; }
+start_stack "$HOST" "$HOME_DIR"
 POLICIES=$HOME_DIR/policies
 SH=("$BIN/stagehand")
 export STAGEHAND_PROJECT=$PROJECT
@@ -149,7 +114,7 @@ chmod 600 "$WORK/fanout.token"
 
 # Empties the fan-out board: a purge of its KV stream, one JetStream API request.
 purge_board() {
-    python3 - "$HOST" "$PORT" <<'EOF'
+    python3 - "$HOST" "$NATS_PORT" <<'EOF'
 import json, socket, sys
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
 f = s.makefile("rb")
@@ -179,42 +144,16 @@ start_agents() {
         node=r${run}n$i
         dir=$WORK/agents/$node
         addr=$(node_ip "$i")
-        mkdir -p "$dir/policies" "$HOME_DIR/tiers/local-$node"
-        for f in "$POLICIES"/*; do
-            sed "s|$HOME_DIR/tiers/local\"|$HOME_DIR/tiers/local-$node\"|" "$f" >"$dir/policies/$(basename "$f")"
-        done
-        cat >"$dir/promoter.toml" <<EOF
-[bus]
-servers = ["$STAGEHAND_NATS_URL"]
-client_name = "promoter-$node"
-
-[worker]
-instance_id = "$node"
-
-[telemetry]
-log_level = "warn"
-metrics_listen = "$addr:$METRICS_PORT"
-
-[service]
-policies_dir = "$dir/policies"
-state_dir = "$dir/state"
-node = "$node"
-
+        write_agent_config "$node" "$dir" "$HOME_DIR" "$addr:$METRICS_PORT" "
 [service.fanout]
-listen = "$addr:$FANOUT_PORT"
-token_file = "$WORK/fanout.token"
-EOF
+listen = \"$addr:$FANOUT_PORT\"
+token_file = \"$WORK/fanout.token\""
         env -u STAGEHAND_HOME -u STAGEHAND_NATS_URL ip netns exec "${TAG}n$i" \
             "$BIN/stagehand-promoter" --config "$dir/promoter.toml" 2>"$dir/stderr.log" &
         AGENT_PIDS+=($!)
     done
     for i in $(seq 0 $((n - 1))); do
-        for _ in $(seq 600); do
-            curl -sf "http://$(node_ip "$i"):$METRICS_PORT/readyz" >/dev/null && break
-            sleep 0.1
-        done
-        curl -sf "http://$(node_ip "$i"):$METRICS_PORT/readyz" >/dev/null ||
-            { echo "bench.sh: agent r${run}n$i not ready:" >&2; cat "$WORK/agents/r${run}n$i/stderr.log" >&2; exit 1; }
+        wait_ready "$(node_ip "$i"):$METRICS_PORT" "$WORK/agents/r${run}n$i/stderr.log"
     done
 }
 

@@ -23,7 +23,7 @@
 #
 # Settings (environment): PARTS (4), PART_MIB (1024), PAIRS (3), PROFILE (release | dev),
 # BENCH_DIR (where the home goes; default a temp folder; deleted at the end),
-# STAGEHAND_NATS_SERVER. Needs python3, bc.
+# STAGEHAND_NATS_SERVER. Needs python3, bc. The stack is started as `stack.sh` says.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -39,92 +39,36 @@ for tool in python3 bc; do
     command -v "$tool" >/dev/null || { echo "bench.sh needs $tool" >&2; exit 1; }
 done
 [ "$PAIRS" -ge 3 ] || { echo "bench.sh: PAIRS is at least 3" >&2; exit 1; }
-NATS_SERVER=${STAGEHAND_NATS_SERVER:-$REPO/.stagehand/venv/bin/nats-server}
-[ -x "$NATS_SERVER" ] || NATS_SERVER=$(command -v nats-server) || {
-    echo "bench.sh: no nats-server (set STAGEHAND_NATS_SERVER, e.g. from deploy/servers.sh env)" >&2
-    exit 1
-}
 unset STAGEHAND_HOME
-
-cd "$REPO"
-case "$PROFILE" in
-dev) cargo build -q -p stagehand --bin stagehand -p stagehand-promoter --bin stagehand-promoter; BIN=$CARGO_TARGET_DIR/debug ;;
-release) cargo build -q --release -p stagehand --bin stagehand -p stagehand-promoter --bin stagehand-promoter; BIN=$CARGO_TARGET_DIR/release ;;
-*) echo "bench.sh: PROFILE is dev or release, not $PROFILE" >&2; exit 1 ;;
-esac
+# shellcheck source=loadtest/stack.sh
+. "$REPO/loadtest/stack.sh"
+build_bins
 
 WORK=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/stagehand-offload-bench.XXXXXX")
 HOME_DIR=$WORK/home
-NATS_PID= UP_PID=
-AGENT_PIDS=()
 cleanup() {
-    local pid
-    for pid in "${AGENT_PIDS[@]}"; do kill -INT "$pid" 2>/dev/null || true; done
-    for pid in "${AGENT_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-    [ -n "$UP_PID" ] && { kill -INT "$UP_PID" 2>/dev/null || true; wait "$UP_PID" 2>/dev/null || true; }
-    [ -n "$NATS_PID" ] && { kill "$NATS_PID" 2>/dev/null || true; wait "$NATS_PID" 2>/dev/null || true; }
+    stop_stack
     rm -rf "$WORK"
 }
 trap cleanup EXIT
 
 now() { date +%s.%N; }
 secs() { echo "$2 - $1" | bc -l; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 echo "load: $(uptime | sed 's/.*load average/load average/')   cores: $(nproc)   profile: $PROFILE" >&2
-
-PORT=$(free_port)
-mkdir -p "$WORK/nats"
-"$NATS_SERVER" -c deploy/nats/dev.conf -js -a 127.0.0.1 -p "$PORT" -m -1 -sd "$WORK/nats" \
-    >"$WORK/nats.log" 2>&1 &
-NATS_PID=$!
-export STAGEHAND_NATS_URL=nats://127.0.0.1:$PORT
-for _ in $(seq 200); do (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break; sleep 0.1; done
-RUST_LOG=warn "$BIN/stagehand" up --external-nats --home "$HOME_DIR" \
-    --metrics "127.0.0.1:$(free_port)" >"$WORK/up.out" 2>"$WORK/up.err" &
-UP_PID=$!
-for _ in $(seq 600); do
-    grep -q "stagehand is up" "$WORK/up.out" 2>/dev/null && break
-    kill -0 "$UP_PID" 2>/dev/null || { cat "$WORK/up.err" >&2; exit 1; }
-    sleep 0.1
-done
-grep -q "stagehand is up" "$WORK/up.out" || { echo "bench.sh: stagehand up did not start" >&2; exit 1; }
+start_stack 127.0.0.1 "$HOME_DIR"
 POLICIES=$HOME_DIR/policies
 HOT=$HOME_DIR/tiers/hot
 export STAGEHAND_PROJECT=$PROJECT
 
 # The agent of each node, on this host, its own local root and policies.
 for i in $(seq 0 $((PARTS - 1))); do
-    node=n$i
-    dir=$WORK/agents/$node
-    metrics=$(free_port)
-    mkdir -p "$dir/policies" "$HOME_DIR/tiers/local-$node"
-    for f in "$POLICIES"/*; do
-        sed "s|$HOME_DIR/tiers/local\"|$HOME_DIR/tiers/local-$node\"|" "$f" >"$dir/policies/$(basename "$f")"
-    done
-    cat >"$dir/promoter.toml" <<EOF
-[bus]
-servers = ["$STAGEHAND_NATS_URL"]
-client_name = "promoter-$node"
-
-[worker]
-instance_id = "$node"
-
-[telemetry]
-log_level = "warn"
-metrics_listen = "127.0.0.1:$metrics"
-
-[service]
-policies_dir = "$dir/policies"
-state_dir = "$dir/state"
-node = "$node"
-EOF
-    "$BIN/stagehand-promoter" --config "$dir/promoter.toml" 2>"$dir/stderr.log" &
+    dir=$WORK/agents/n$i
+    metrics=127.0.0.1:$(free_port)
+    write_agent_config "n$i" "$dir" "$HOME_DIR" "$metrics"
+    env -u STAGEHAND_NATS_URL "$BIN/stagehand-promoter" --config "$dir/promoter.toml" 2>"$dir/stderr.log" &
     AGENT_PIDS+=($!)
-    for _ in $(seq 600); do
-        python3 -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:$metrics/readyz').status != 200)" 2>/dev/null && break
-        sleep 0.1
-    done
+    wait_ready "$metrics" "$dir/stderr.log"
 done
 
 # The folder of part $2 of step $1 on its node's local tier, as the layout names it.
