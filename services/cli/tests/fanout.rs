@@ -37,13 +37,7 @@ async fn agents_in_namespaces_stage_onto_their_own_local_tiers() -> anyhow::Resu
     let source = tempfile::tempdir()?;
     write_version(source.path(), 8, 4096, &[MIB])?;
     let digest = fleet.ingest_to_hot(source.path(), DATASET).await?;
-    let mut stages = Vec::new();
-    for i in 0..fleet.len() {
-        stages.push(fleet.request_local(DATASET, &digest, i).await?);
-    }
-    for stage in &stages {
-        fleet.wait_ready(stage).await?;
-    }
+    fleet.stage_everywhere(DATASET, &digest).await?;
     for i in 0..fleet.len() {
         fleet.assert_byte_exact(i, DATASET, &digest, source.path())?;
         let scrape = fleet.agent(i).scrape()?;
@@ -61,13 +55,7 @@ async fn eight_nodes_read_the_shared_tier_about_once() -> anyhow::Result<()> {
     let source = tempfile::tempdir()?;
     let bytes = version(source.path())?;
     let digest = fleet.ingest_to_hot(source.path(), DATASET).await?;
-    let mut stages = Vec::new();
-    for i in 0..fleet.len() {
-        stages.push(fleet.request_local(DATASET, &digest, i).await?);
-    }
-    for stage in &stages {
-        fleet.wait_ready(stage).await?;
-    }
+    fleet.stage_everywhere(DATASET, &digest).await?;
     for i in 0..fleet.len() {
         fleet.assert_byte_exact(i, DATASET, &digest, source.path())?;
     }

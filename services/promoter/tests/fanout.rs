@@ -159,6 +159,17 @@ fn assert_exact(stack: &Stack, node: &str, version: &str, files: &[(String, Vec<
     }
 }
 
+/// The fan-out board, and the swarm of `version` on the local tier.
+async fn board_of(stack: &Stack, version: &str) -> (async_nats::jetstream::kv::Store, String) {
+    let board = stack
+        .bus
+        .jetstream()
+        .get_key_value(stagehand_bus::SWARMS_BUCKET)
+        .await
+        .unwrap();
+    (board, Fanout::swarm("local", PROJECT, DATASET, version))
+}
+
 /// A counter of the in-process services (every agent of this test: one process per test).
 fn counter(name: &str, labels: &str) -> f64 {
     let text = stagehand_telemetry::metrics::install().render();
@@ -228,13 +239,7 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     );
     assert_eq!(counter("stagehand_fanout_peers_dropped_total", ""), 0.0);
     // The board says who holds what: every node every piece.
-    let board = stack
-        .bus
-        .jetstream()
-        .get_key_value(stagehand_bus::SWARMS_BUCKET)
-        .await
-        .unwrap();
-    let swarm = Fanout::swarm("local", PROJECT, DATASET, &version);
+    let (board, swarm) = board_of(&stack, &version).await;
     let holders = {
         use futures::StreamExt;
         let keys: Vec<String> = board
@@ -283,13 +288,7 @@ async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node
         assert_exact(&stack, n, &version, &files);
     }
     assert!(counter("stagehand_fanout_peers_dropped_total", "") >= 1.0);
-    let board = stack
-        .bus
-        .jetstream()
-        .get_key_value(stagehand_bus::SWARMS_BUCKET)
-        .await
-        .unwrap();
-    let swarm = Fanout::swarm("local", PROJECT, DATASET, &version);
+    let (board, swarm) = board_of(&stack, &version).await;
     let spoiled = wait_for(WAIT, "n1 reported", || async {
         board
             .get(format!("swarm.{swarm}.bad.n1"))

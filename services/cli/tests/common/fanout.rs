@@ -254,6 +254,19 @@ impl Fleet {
         Ok(stage)
     }
 
+    /// Requests the version on every node's `local` tier at once and waits until all are
+    /// ready.
+    pub async fn stage_everywhere(&self, dataset: &str, digest: &str) -> anyhow::Result<()> {
+        let mut stages = Vec::new();
+        for i in 0..self.len() {
+            stages.push(self.request_local(dataset, digest, i).await?);
+        }
+        for stage in &stages {
+            self.wait_ready(stage).await?;
+        }
+        Ok(())
+    }
+
     /// Waits until `stage` is ready; fails at once when it failed.
     pub async fn wait_ready(&self, stage: &Stage) -> anyhow::Result<()> {
         let outcome = stagehand::stage::wait(&self.sh.bus, stage, WAIT).await?;
