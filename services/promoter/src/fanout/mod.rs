@@ -220,10 +220,14 @@ impl Fanout {
         ))
     }
 
-    /// The swarm of every node staging `version` of `project`'s `dataset` onto `tier`.
+    /// The swarm of every node staging `version` of `project`'s `dataset` onto `tier`. The
+    /// way pieces are cut is part of it: agents of releases that cut differently (a rolling
+    /// upgrade) are in different swarms, never asking each other for a piece by a number that
+    /// means other files to the one asked.
     pub fn swarm(tier: &str, project: &str, dataset: &str, version: &str) -> String {
+        let cut = format!("pieces:{}:{}", pieces::PIECE_BYTES, pieces::PIECE_FILES);
         let mut h = Sha256::new();
-        for part in [tier, project, dataset, version] {
+        for part in [cut.as_str(), tier, project, dataset, version] {
             h.update(part.as_bytes());
             h.update([0]);
         }
