@@ -659,8 +659,9 @@ impl Tenants {
                 ));
             }
             // Whole numbers only: a run of digits inside a hex id or hash (a request id
-            // `7dbf10e2178ab…`) is no size.
-            let words: BTreeSet<&str> = text
+            // `7dbf10e2178ab…`) is no size, nor is a timestamp's year (`2026-12-03T…`).
+            let text_without_times = without_timestamps(&text);
+            let words: BTreeSet<&str> = text_without_times
                 .split(|c: char| !c.is_ascii_alphanumeric())
                 .filter(|w| !w.is_empty() && w.bytes().all(|b| b.is_ascii_digit()))
                 .collect();
@@ -951,3 +952,38 @@ pub fn said(out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     )
 }
+
+/// `text` with every RFC 3339 date or date-time (`2026-12-03`, `2026-12-03T08:11:33.18Z`)
+/// blanked out, so that a time stamp's numbers are not read as sizes.
+fn without_timestamps(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let is_date = |at: usize| {
+        let d = |i: usize| bytes.get(at + i).is_some_and(u8::is_ascii_digit);
+        let dash = |i: usize| bytes.get(at + i) == Some(&b'-');
+        (0..4).all(d) && dash(4) && d(5) && d(6) && dash(7) && d(8) && d(9)
+    };
+    let mut out = String::with_capacity(text.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        if is_date(at) && (at == 0 || !bytes[at - 1].is_ascii_alphanumeric()) {
+            // The date, and a time after it: digits and `-:T.Z+`.
+            let mut end = at + 10;
+            while end < bytes.len()
+                && (bytes[end].is_ascii_digit() || b"-:T.Z+".contains(&bytes[end]))
+            {
+                end += 1;
+            }
+            out.push(' ');
+            at = end;
+        } else {
+            let c = text[at..]
+                .chars()
+                .next()
+                .expect("a char at a char boundary");
+            out.push(c);
+            at += c.len_utf8();
+        }
+    }
+    out
+}
+
