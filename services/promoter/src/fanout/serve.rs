@@ -28,8 +28,9 @@ use tracing::{debug, warn};
 use super::pieces::Piece;
 
 /// Swarms this node keeps serving after its own copy is published: the newest ones, so that a
-/// node that joins late still finds their pieces here.
-const SWARMS_HELD: usize = 32;
+/// node that joins late still finds their pieces here. Each holds its version's file list in
+/// memory (about 150 bytes a file), so this bounds the agent's memory too.
+const SWARMS_HELD: usize = 8;
 /// Pieces served at once; a peer asking beyond that is told to come back (503) and asks
 /// another holder meanwhile.
 const SERVING_AT_ONCE: usize = 32;
