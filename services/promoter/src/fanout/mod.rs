@@ -2,10 +2,10 @@
 //! shared tier about once between them, and the rest from each other.
 //!
 //! Every agent cuts the version's file list into the same pieces ([`pieces`]). Coordination
-//! is through NATS, on the swarm's board ([`board`]): an agent claims a piece before reading
+//! is through NATS, on the swarm's board (`board.rs`): an agent claims a piece before reading
 //! it from the shared tier (so two agents do not read the same piece), announces each piece
-//! it holds, and asks a holder for any piece another agent announced ([`fetch`], served by
-//! [`serve`] over HTTP with the agents' token). Every file of every piece is verified against
+//! it holds, and asks a holder for any piece another agent announced (`fetch.rs`, served by
+//! `serve.rs` over HTTP with the agents' token). Every file of every piece is verified against
 //! the manifest's SHA-256 before it is renamed into the staging folder, whoever served it; a
 //! peer whose bytes do not verify is dropped from the swarm for every member and reported
 //! (its `bad` key, a warning naming the file, `stagehand_fanout_peers_dropped_total`).
