@@ -84,7 +84,7 @@ write_parts() {
     done
 }
 # The bytes of a step's parts, as written.
-step_bytes() { du -sb --apparent-size "$@" | awk '{n += $1} END {print n}'; }
+step_bytes() { du -sb --apparent-size "$@" | awk '{n += $1} END {printf "%.0f\n", n}'; }
 
 RESULTS=$WORK/results.jsonl
 : >"$RESULTS"
