@@ -986,4 +986,3 @@ fn without_timestamps(text: &str) -> String {
     }
     out
 }
-
