@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# What the benches that run node agents share (sourced by fanout/bench.sh and offload/bench.sh):
+# What the benches that run a stack share (sourced by fanout/, offload/ and ingest/bench.sh):
 # the binaries built, a nats-server of their own, `stagehand up --external-nats` on it (the
 # recorder, validator, shared promoter, demoter, backup copier with the default policies), and
 # each node agent's configuration. The caller sets REPO, PROFILE and WORK, and cleans up the
@@ -45,12 +45,19 @@ start_stack() {
     env -u STAGEHAND_HOME RUST_LOG=warn "$BIN/stagehand" up --external-nats --home "$home" \
         --metrics "127.0.0.1:$(free_port)" >"$WORK/up.out" 2>"$WORK/up.err" &
     UP_PID=$!
+    wait_up "$UP_PID"
+}
+
+# Waits until the `stagehand up` of pid $1 says it is up in $WORK/up.out; exits showing
+# $WORK/up.err if it ends first, or after a minute.
+wait_up() {
     for _ in $(seq 600); do
-        grep -q "stagehand is up" "$WORK/up.out" 2>/dev/null && break
-        kill -0 "$UP_PID" 2>/dev/null || { cat "$WORK/up.err" >&2; exit 1; }
+        grep -q "stagehand is up" "$WORK/up.out" 2>/dev/null && return 0
+        kill -0 "$1" 2>/dev/null || { cat "$WORK/up.err" >&2; exit 1; }
         sleep 0.1
     done
-    grep -q "stagehand is up" "$WORK/up.out" || { echo "bench.sh: stagehand up did not start" >&2; exit 1; }
+    echo "bench.sh: stagehand up did not start" >&2
+    exit 1
 }
 
 # Writes the configuration of node $1's agent into folder $2: the stack's policies (home $3)

@@ -33,6 +33,8 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
+# shellcheck source=loadtest/stack.sh
+. "$REPO/loadtest/stack.sh"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$REPO/target}
 SMALL_FILES=${SMALL_FILES:-100000}
 SMALL_FOLDERS=${SMALL_FOLDERS:-100}
@@ -41,11 +43,7 @@ SETS=${SETS:-small large}
 LARGE_FILES=${LARGE_FILES:-40}
 LARGE_MIB=${LARGE_MIB:-64}
 PROFILE=${PROFILE:-dev}
-NATS_SERVER=${STAGEHAND_NATS_SERVER:-$REPO/.stagehand/venv/bin/nats-server}
-[ -x "$NATS_SERVER" ] || NATS_SERVER=$(command -v nats-server) || {
-    echo "bench.sh: no nats-server (set STAGEHAND_NATS_SERVER, e.g. from deploy/servers.sh env)" >&2
-    exit 1
-}
+find_nats_server
 command -v rclone >/dev/null || { echo "bench.sh: rclone is needed" >&2; exit 1; }
 
 cd "$REPO"
@@ -98,12 +96,7 @@ env -u STAGEHAND_HOME -u STAGEHAND_NATS_URL STAGEHAND_NATS_SERVER="$NATS_SERVER"
     RUST_LOG=warn,stagehand_backup_copier=info \
     "$BIN" up --home "$WORK/home" --port "$PORT" >"$WORK/up.out" 2>"$WORK/up.err" &
 UP_PID=$!
-for _ in $(seq 600); do
-    grep -q "stagehand is up" "$WORK/up.out" 2>/dev/null && break
-    kill -0 "$UP_PID" 2>/dev/null || { cat "$WORK/up.err" >&2; exit 1; }
-    sleep 0.1
-done
-grep -q "stagehand is up" "$WORK/up.out" || { echo "bench.sh: stagehand up did not start" >&2; exit 1; }
+wait_up "$UP_PID"
 export STAGEHAND_NATS_URL=nats://127.0.0.1:$PORT
 
 # One data set: generated, then each pipeline timed on it, its copy deleted before the next.
