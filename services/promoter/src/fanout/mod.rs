@@ -175,9 +175,6 @@ impl Fanout {
         let advertise = settings.advertised()?;
         let token = read_token(&settings.token_file)?;
         let tls = settings.tls.as_ref().map(FanoutTls::load).transpose()?;
-        if settings.parallel == 0 {
-            return Err(FanoutError::Config("parallel must be at least 1".into()));
-        }
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
             .map_err(|source| FanoutError::Listen {

@@ -550,8 +550,41 @@ impl Promoter {
             self.tier_policy(&request.tier)
                 .and_then(|t| t.set_access(project)),
         );
-        // A list that ends early is caught below, before anything is published.
-        let (files, listed) = manifest.file_stream(4096);
+        // Several nodes staging the same version read it from the shared tier about once
+        // between them: the files come from their agents where they hold them (`crate::fanout`).
+        let fanning = match (&self.p().fanout, dst) {
+            (Some(f), Tier::Posix(_))
+                if !dst
+                    .set_present(prefix)
+                    .await
+                    .map_err(|e| self.copy_error(src_tier, e))? =>
+            {
+                Some((
+                    f,
+                    Fanout::swarm(&request.tier, project, &request.dataset, &plan.version),
+                ))
+            }
+            _ => None,
+        };
+        // The list is read once: streamed to the set copy, or whole for the fan-out's pieces.
+        // A streamed list that ends early is caught below, before anything is published.
+        let (listing, listed) = match &fanning {
+            None => {
+                let (files, listed) = manifest.file_stream(4096);
+                (Listing::Streamed(files), Some(listed))
+            }
+            Some((fanout, swarm)) => match manifest_entries(&manifest).await {
+                Ok(files) => (
+                    Listing::Fanned {
+                        fanout,
+                        swarm: swarm.clone(),
+                        files,
+                    },
+                    None,
+                ),
+                Err(e) => return Err(manifest_failed(plan, e)),
+            },
+        };
         let set = SetCopy {
             src_prefix: src_prefix.to_owned(),
             dst_prefix: prefix.to_owned(),
@@ -570,27 +603,18 @@ impl Promoter {
         let stop = cancel.child_token();
         let node = request.node.as_deref();
         let mover = &self.p().mover;
-        // Several nodes staging the same version read it from the shared tier about once
-        // between them: the files come from their agents where they hold them (`crate::fanout`).
-        let fanning = match (&self.p().fanout, dst) {
-            (Some(f), Tier::Posix(_))
-                if !dst
-                    .set_present(prefix)
-                    .await
-                    .map_err(|e| self.copy_error(src_tier, e))? =>
-            {
-                Some((
-                    f,
-                    Fanout::swarm(&request.tier, project, &request.dataset, &plan.version),
-                ))
-            }
-            _ => None,
-        };
         let staging = async {
-            let Some((fanout, swarm)) = &fanning else {
-                return mover
-                    .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
-                    .await;
+            let (fanout, swarm, files) = match listing {
+                Listing::Streamed(files) => {
+                    return mover
+                        .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
+                        .await;
+                }
+                Listing::Fanned {
+                    fanout,
+                    swarm,
+                    files,
+                } => (fanout, swarm, files),
             };
             // The staging folder alone (made, or a dead run's adopted); the fan-out fills it.
             let only_folder = SetCopy {
@@ -618,8 +642,8 @@ impl Promoter {
                 ));
             };
             let job = Fill {
-                swarm: swarm.clone(),
-                files: entries(&manifest).await?,
+                swarm,
+                files,
                 src: &src.beneath(src_prefix)?,
                 staging: area,
                 mover,
@@ -659,16 +683,9 @@ impl Promoter {
             }
         };
         let staged = staged.map_err(|e| self.copy_error(src_tier, e))?;
-        if let Some(e) = listed.take_error() {
+        if let Some(e) = listed.and_then(|l| l.take_error()) {
             // The list ended early: publishing now would publish part of the version.
-            return Err(if e.is_retryable() {
-                CopyFailed::Retry(retry(e))
-            } else {
-                CopyFailed::Fail {
-                    reason: format!("the manifest of version {} is damaged: {e}", plan.version),
-                    retryable: false,
-                }
-            });
+            return Err(manifest_failed(plan, e));
         }
         self.report(&subject, &record.event.id, &progress, started)
             .await;
@@ -805,26 +822,44 @@ pub(super) async fn discard_staging(tier: &Tier, prefix: &str) {
     }
 }
 
-/// Every entry of `manifest`, in order, for a copy that takes them by index (fan-out's pieces).
-async fn entries(manifest: &Manifest) -> Result<std::sync::Arc<[FileRef]>, TransferError> {
+/// How a copy gets its file list: streamed to the set copy, or read whole for a fan-out, whose
+/// pieces are numbered runs of it.
+enum Listing<'f, S> {
+    Streamed(S),
+    Fanned {
+        fanout: &'f Fanout,
+        swarm: String,
+        files: std::sync::Arc<[FileRef]>,
+    },
+}
+
+/// Every entry of `manifest`, in order.
+async fn manifest_entries(
+    manifest: &Manifest,
+) -> Result<std::sync::Arc<[FileRef]>, stagehand_manifest::ManifestError> {
     let manifest = manifest.clone();
     let digest = manifest.digest().to_owned();
-    let read =
-        tokio::task::spawn_blocking(move || manifest.entries().collect::<Result<Vec<_>, _>>())
-            .await;
-    let unreadable = |detail: String| {
-        TransferError::new(
-            ErrorKind::Io,
-            stagehand_mover::Side::Source,
-            "manifest",
-            &digest,
-            detail,
-        )
-    };
-    match read {
-        Ok(Ok(files)) => Ok(files.into()),
-        Ok(Err(e)) => Err(unreadable(e.to_string())),
-        Err(e) => Err(unreadable(e.to_string())),
+    tokio::task::spawn_blocking(move || manifest.entries().collect::<Result<Vec<_>, _>>())
+        .await
+        .unwrap_or_else(|e| {
+            Err(stagehand_manifest::ManifestError::new(
+                ManifestErrorKind::Io,
+                &digest,
+                format!("reading task failed: {e}"),
+            ))
+        })
+        .map(Into::into)
+}
+
+/// A manifest that could not be read whole: read again later, or the version is damaged.
+fn manifest_failed(plan: &Plan, e: stagehand_manifest::ManifestError) -> CopyFailed {
+    if e.is_retryable() {
+        CopyFailed::Retry(retry(e))
+    } else {
+        CopyFailed::Fail {
+            reason: format!("the manifest of version {} is damaged: {e}", plan.version),
+            retryable: false,
+        }
     }
 }
 
