@@ -918,12 +918,55 @@ pub struct CheckpointPartCommitted {
     /// The part's folder on the node's local tier: exactly
     /// [`crate::layout::checkpoint_part_folder`] of the project, run, step and part.
     pub location: Location,
-    /// The part's files, inline (a part's list travels inline only).
+    /// The part's files with their SHA-256, inline (a part's list travels inline only), when
+    /// its writer hashed them (writers before `stamps` existed); empty when `stamps` lists the
+    /// files instead. The node's agent copies and verifies against these.
+    #[serde(default)]
     pub files: Vec<FileRef>,
+    /// The part's files by their metadata, read from the node's filesystem with no byte of
+    /// data (`stagehand checkpoint commit --tier local` writes these, not `files`): the node's
+    /// agent refuses to offload a part any of whose files no longer has its stamp, and hashes
+    /// each file as it copies it, stating the SHA-256 in
+    /// [`CheckpointPartOffloaded::hashed`]. A part lists its files in `files` or here, not
+    /// both.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stamps: Vec<FileStamp>,
     pub total_bytes: u64,
     /// Tags retention honours, carried to the step's commit.
     #[serde(default)]
     pub tags: Vec<String>,
+}
+
+impl CheckpointPartCommitted {
+    /// Each listed file's path and size, whichever list names them.
+    pub fn listed(&self) -> Vec<(&str, u64)> {
+        let hashed = self.files.iter().map(|f| (f.path.as_str(), f.size));
+        let stamped = self.stamps.iter().map(|f| (f.path.as_str(), f.size));
+        hashed.chain(stamped).collect()
+    }
+}
+
+/// One file of a checkpoint part as its node's filesystem describes it when the part is
+/// committed (`statx`): no byte of it read. A file rewritten, touched, replaced or made
+/// writable since has another `mtime`, `ctime` or `inode`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
+pub struct FileStamp {
+    /// Relative to the part's folder.
+    #[cfg_attr(feature = "json-schema", schemars(length(min = 1, max = crate::path::MAX_PATH_BYTES)))]
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Last modification, seconds since the Unix epoch.
+    pub mtime_secs: i64,
+    /// Nanoseconds within `mtime_secs`.
+    pub mtime_nanos: u32,
+    /// Last status change (any write, `chmod`, link), seconds since the Unix epoch.
+    pub ctime_secs: i64,
+    /// Nanoseconds within `ctime_secs`.
+    pub ctime_nanos: u32,
+    /// Inode number on the node's filesystem.
+    pub inode: u64,
 }
 
 /// A node's agent copied a checkpoint part off the node, verified, onto the offload tier.
@@ -941,6 +984,12 @@ pub struct CheckpointPartOffloaded {
     pub location: Location,
     pub files: u64,
     pub total_bytes: u64,
+    /// Every file copied, with the SHA-256 the agent computed from the bytes it read from the
+    /// node (one read, hashed as copied) and proved on the offload tier, inline: what the
+    /// step's `checkpoint.committed` lists and a restore verifies. Absent in facts of agents
+    /// before it existed (their parts' commits carried the hashes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hashed: Vec<FileRef>,
 }
 
 /// A node's agent removed a checkpoint part from its node's local tier, once its step was

@@ -164,6 +164,17 @@ pub struct ReplicaRecord {
 }
 
 impl ReplicaRecord {
+    /// Since when the copy has gone without a scrub's read: its last verification, else its
+    /// making (the copy's fact, else the newest fact about it). What the scrub's `oldest` and
+    /// `stagehand status`'s "scrub behind" measure.
+    pub fn unverified_since(&self) -> Option<OffsetDateTime> {
+        (self.last_verified.as_ref().map(|v| v.stamp.at)).or(self
+            .copied
+            .as_ref()
+            .or(self.stamp.as_ref())
+            .map(|s| s.at))
+    }
+
     /// Whether a job may be handed this copy: complete and verified (`present`). A copy
     /// found damaged (its repair pending or under way), on a node out of reach
     /// (`unreachable`), removed or withdrawn, or only
@@ -489,7 +500,8 @@ pub struct CheckpointPartRecord {
     pub node: String,
     /// Its folder on the node's local tier.
     pub location: Location,
-    /// Its files (empty in answers that leave them out, and until its commit is folded).
+    /// Its files with their SHA-256 (empty in answers that leave them out, and until they are
+    /// known: from its commit when that lists hashes, else from its offload's `hashed`).
     #[serde(default)]
     pub files: Vec<stagehand_schemas::FileRef>,
     pub total_bytes: u64,

@@ -16,7 +16,9 @@ use crate::fold::FoldError;
 use crate::store::{CHECKPOINT_PARTS, CHECKPOINTS, decode, encode};
 
 /// A part's commit: its node, folder, files and bytes. A later commit of the same part (the
-/// same step saved again) replaces them; an older one changes nothing.
+/// same step saved again) replaces them; an older one changes nothing. Its files are the ones
+/// its commit lists with their SHA-256; a part committed by stamps lists none until its
+/// offload states them, and once offloaded a part keeps the files its offload copied.
 pub(crate) fn part_committed(
     txn: &WriteTransaction,
     event: &Event,
@@ -46,7 +48,9 @@ pub(crate) fn part_committed(
         record.parts = p.parts;
         record.node = p.node.clone();
         record.location = p.location.clone();
-        record.files = p.files.clone();
+        if record.offloaded.is_none() || record.files.is_empty() {
+            record.files = p.files.clone();
+        }
         record.total_bytes = p.total_bytes;
         record.tags = p.tags.clone();
         record.committed = Some(stamp.clone());
@@ -62,8 +66,10 @@ pub(crate) fn part_committed(
     })
 }
 
-/// A part's offload: where it is off the node. The first offload stands (a redelivered or
-/// repeated one names the same folder).
+/// A part's offload: where it is off the node, and the files it copied with the SHA-256 the
+/// node's agent computed from their bytes (when it states them: an agent's word, which the
+/// step's commit and a restore then verify against, in place of anything the part's commit
+/// said). The first offload stands (a redelivered or repeated one names the same folder).
 pub(crate) fn part_offloaded(
     txn: &WriteTransaction,
     event: &Event,
@@ -92,6 +98,9 @@ pub(crate) fn part_offloaded(
         }
         record.offloaded_to = Some(p.location.clone());
         record.offloaded = Some(stamp.clone());
+        if !p.hashed.is_empty() {
+            record.files = p.hashed.clone();
+        }
         true
     })
 }
@@ -237,6 +246,7 @@ mod tests {
                 },
                 total_bytes: total_bytes(&files),
                 files,
+                stamps: vec![],
                 tags: vec![],
             }),
         )
@@ -261,6 +271,7 @@ mod tests {
                 },
                 files: p.files.len() as u64,
                 total_bytes: p.total_bytes,
+                hashed: vec![],
             }),
         )
     }
@@ -310,6 +321,53 @@ mod tests {
         let step = &steps(&store)[0];
         assert!(step.complete(), "{step:?}");
         assert_eq!(step.bytes_on_node, 0);
+    }
+
+    /// A part committed by stamps (no hash) and its offload stating the hashes it computed.
+    fn stamped_and_hashed(step: u64) -> (Event, Event) {
+        let mut commit = committed(step, 0, 1, "n0");
+        let Body::CheckpointPartCommitted(p) = &mut commit.body else {
+            unreachable!()
+        };
+        let files = std::mem::take(&mut p.files);
+        p.stamps = files
+            .iter()
+            .map(|f| FileStamp {
+                path: f.path.clone(),
+                size: f.size,
+                mtime_secs: 1,
+                mtime_nanos: 2,
+                ctime_secs: 3,
+                ctime_nanos: 4,
+                inode: 5,
+            })
+            .collect();
+        let mut offload = offloaded(&commit);
+        let Body::CheckpointPartOffloaded(o) = &mut offload.body else {
+            unreachable!()
+        };
+        o.files = files.len() as u64;
+        o.hashed = files;
+        (commit, offload)
+    }
+
+    #[test]
+    fn a_stamped_parts_files_are_the_ones_its_offload_hashed_in_either_order() {
+        for step in [1, 2] {
+            let (commit, offload) = stamped_and_hashed(step);
+            let Body::CheckpointPartOffloaded(o) = &offload.body else {
+                unreachable!()
+            };
+            let events = match step {
+                1 => [commit.clone(), offload.clone()],
+                _ => [offload.clone(), commit.clone()],
+            };
+            let dir = tempfile::tempdir().unwrap();
+            let store = store_with(dir.path(), "parts.redb", &events);
+            let record = part_record(&store, step, 0);
+            assert_eq!(record.files, o.hashed, "step {step}");
+            assert!(!record.files[0].sha256.is_empty());
+        }
     }
 
     #[test]

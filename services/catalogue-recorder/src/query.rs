@@ -1144,7 +1144,7 @@ fn scrub_status(
             out.verified_replicas += 1;
             out.verified_bytes += r.total_bytes;
         }
-        let since = last.or(r.copied.as_ref().or(r.stamp.as_ref()).map(|s| s.at));
+        let since = r.unverified_since();
         if out.oldest.is_none() || since < oldest_since {
             oldest_since = since;
             out.oldest = Some(r);

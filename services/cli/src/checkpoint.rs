@@ -15,6 +15,14 @@
 //! project (any run) is refused naming both (the catalogue says which steps overlap; without
 //! the right to ask it, the recorder refuses the commit when it folds it).
 //!
+//! A part of a step on a node-local tier (`--node`, `--part`, `--parts`) is not hashed: its
+//! files are stamped (size, mtime, ctime, inode, one metadata walk through the mover's
+//! fingerprint, no byte read) and announced as `checkpoint.part.committed`, so the commit a
+//! training loop waits for costs the same whatever the part's size. The node's agent reads
+//! each file once, hashing it as it copies it off the node, refuses the part if a stamp moved
+//! since the commit, and states the SHA-256 in `checkpoint.part.offloaded`: the hashes the
+//! step's `checkpoint.committed` lists and a restore verifies.
+//!
 //! When is a checkpoint complete (`/work/shared/SCHEDULERS.md`):
 //!
 //! | format | complete when | refused when |

@@ -477,6 +477,7 @@ fn forged(id: &str, tier: &str, prefix: &str, files: Vec<FileRef>) -> anyhow::Re
             },
             total_bytes: files.iter().map(|f| f.size).sum(),
             files,
+            stamps: vec![],
             tags: vec![],
         }),
     ))
@@ -690,5 +691,211 @@ async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> 
         .value
         .unwrap_or_default();
     ensure!(reserved.replicas.is_empty(), "{reserved:?}");
+    Ok(())
+}
+
+/// The facts of `kind` stored for the project.
+async fn facts(sh: &Stagehand, kind: &str) -> anyhow::Result<Vec<Event>> {
+    let subject = format!("stagehand.fact.{kind}.{PROJECT}");
+    stagehand_testkit::stored_events(sh.bus.jetstream(), "STAGEHAND_FACTS", subject)
+        .await
+        .map_err(|e| anyhow::anyhow!("reading {kind}: {e}"))
+}
+
+/// The part's files as written, each with the SHA-256 of its bytes, in path order.
+fn hashed_part(step: u64, part: usize) -> Vec<FileRef> {
+    let mut files: Vec<FileRef> = part_files(step, part)
+        .into_iter()
+        .map(|(name, bytes)| {
+            FileRef::new(
+                name,
+                bytes.len() as u64,
+                stagehand_schemas::sha256_hex(&bytes),
+            )
+        })
+        .collect();
+    files.sort_by(|a, b| a.path.cmp(&b.path));
+    files
+}
+
+/// `checkpoint restore` of `step` onto the local tier of `node`, as job `job`: its output.
+fn restore_onto_node(url: &str, step: u64, node: &str, job: &str) -> anyhow::Result<Output> {
+    stagehand(
+        url,
+        &[
+            "checkpoint",
+            "restore",
+            RUN,
+            "--step",
+            &step.to_string(),
+            "--project",
+            PROJECT,
+            "--tier",
+            "local",
+            "--node",
+            node,
+            "--job",
+            job,
+            "--timeout",
+            "60",
+            "--json",
+        ],
+    )
+}
+
+/// Issue 17 item 2: a part's commit on node NVMe stamps its files and reads none of their
+/// bytes; its node's agent hashes each file once, as it copies it, and states the SHA-256,
+/// which the step's commit lists and a restore verifies. A file rewritten after the commit
+/// and before the offload is refused, named, and the step never becomes the latest; a part
+/// committed with hashes (a writer before stamps) is still offloaded against them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_is_stamped_at_commit_and_hashed_once_by_its_offload() -> anyhow::Result<()> {
+    let mut sh = Stagehand::start(common::Options::default()).await?;
+    let policies = sh.start_node_agent(NODES[0])?;
+    sh.start_node_agent(NODES[1])?;
+    sh.ready().await?;
+    let url = sh.url.clone();
+
+    // Step 1: committed by stamps, offloaded with the hashes the agent computed.
+    write_and_commit_of(&url, NODES[0], &policies, (1, 0, 1))?;
+    listed_as(&url, &sh.policies, 1, "committed").await?;
+    let part_id = EventId::for_checkpoint_part(PROJECT, RUN, 1, 0);
+    let commits = facts(&sh, "checkpoint.part.committed").await?;
+    let Some(Body::CheckpointPartCommitted(commit)) =
+        commits.iter().find(|e| e.id == part_id).map(|e| &e.body)
+    else {
+        anyhow::bail!("no stored commit of part 0 of step 1: {commits:#?}");
+    };
+    let written = hashed_part(1, 0);
+    ensure!(
+        commit.files.is_empty(),
+        "the commit carries hashes: {commit:?}"
+    );
+    let stamped: Vec<(&str, u64)> = commit
+        .stamps
+        .iter()
+        .map(|s| (s.path.as_str(), s.size))
+        .collect();
+    let expected: Vec<(&str, u64)> = written.iter().map(|f| (f.path.as_str(), f.size)).collect();
+    ensure!(stamped == expected, "{commit:?}");
+    let offloads = facts(&sh, "checkpoint.part.offloaded").await?;
+    let Some(Body::CheckpointPartOffloaded(offload)) = offloads
+        .iter()
+        .find(|e| e.causation_id.as_ref() == Some(&part_id))
+        .map(|e| &e.body)
+    else {
+        anyhow::bail!("no stored offload of part 0 of step 1: {offloads:#?}");
+    };
+    ensure!(offload.hashed == written, "{offload:?}");
+    let step_id = EventId::for_checkpoint(PROJECT, RUN, 1);
+    let steps = facts(&sh, "checkpoint.committed").await?;
+    let Some(Body::CheckpointCommitted(step)) =
+        steps.iter().find(|e| e.id == step_id).map(|e| &e.body)
+    else {
+        anyhow::bail!("no stored commit of step 1: {steps:#?}");
+    };
+    let listed: Vec<FileRef> = written
+        .iter()
+        .map(|f| FileRef::new(format!("part-0/{}", f.path), f.size, f.sha256.clone()))
+        .collect();
+    ensure!(step.files == listed, "{step:?}");
+
+    // A restore onto another node's NVMe copies from hot and verifies every file against
+    // those hashes: byte-exact.
+    let out = restore_onto_node(&url, 1, NODES[1], "resume-b")?;
+    ensure!(out.status.success(), "{}", said(&out));
+    let answer: Value = serde_json::from_slice(&out.stdout).with_context(|| said(&out))?;
+    let restored = PathBuf::from(answer["path"].as_str().with_context(|| said(&out))?);
+    for (name, bytes) in part_files(1, 0) {
+        let path = restored.join("part-0").join(&name);
+        let found = std::fs::read(&path).with_context(|| path.display().to_string())?;
+        ensure!(found == bytes, "{} differs", path.display());
+    }
+
+    // Step 2: committed with the agent away, then a file rewritten (same size) before the
+    // agent is back: refused, the file named, nothing offloaded, step 1 still the latest.
+    sh.stop_node_agent(NODES[0]).await?;
+    write_and_commit_of(&url, NODES[0], &policies, (2, 0, 1))?;
+    let rewritten = part_dir(&policies, 2, 0)?.join("__0_0.distcp");
+    let mut bytes = std::fs::read(&rewritten)?;
+    bytes[7] ^= 0xff;
+    std::fs::write(&rewritten, &bytes)?;
+    sh.start_node_agent(NODES[0])?;
+    sh.ready().await?;
+    let refused_id = EventId::for_checkpoint_part(PROJECT, RUN, 2, 0);
+    let letter = wait_for(WAIT, "the refusal of the rewritten part", || async {
+        common::tenants::dead_letters(&sh.bus)
+            .await
+            .ok()?
+            .into_iter()
+            .find_map(|e| match e.body {
+                Body::DeadLetter(d)
+                    if d.original_id.as_ref() == Some(&refused_id)
+                        && d.consumer == "promoter-offload-gpu-a" =>
+                {
+                    Some(d)
+                }
+                _ => None,
+            })
+    })
+    .await?;
+    let errors: Vec<&str> = letter.errors.iter().map(|a| a.error.as_str()).collect();
+    ensure!(
+        errors.iter().any(|e| e.contains("__0_0.distcp")
+            && e.contains("since the part was committed")
+            && e.contains("not offloaded")),
+        "refused for {errors:?}"
+    );
+    let hot = sh.home.path().join("tiers/hot/lab/ckpt-llm");
+    ensure!(
+        !hot.join("step-2").exists(),
+        "the rewritten part reached hot"
+    );
+    let listed = list(&url, &sh.policies)?;
+    ensure!(
+        step_of(&listed, 2).is_some_and(|c| c["state"] == "at_risk"),
+        "{listed:#?}"
+    );
+    let latest = restore_latest(&url, &sh.policies)?;
+    ensure!(
+        latest.ends_with("lab/ckpt-llm/step-1"),
+        "{}",
+        latest.display()
+    );
+    ensure!(rewritten.is_file(), "the refused part left its node");
+
+    // Step 3: a part committed with its hashes, as a writer before stamps did: offloaded
+    // against them, and the step committed whole.
+    let dir = part_dir(&policies, 3, 0)?;
+    std::fs::create_dir_all(&dir)?;
+    for (name, bytes) in part_files(3, 0) {
+        std::fs::write(dir.join(name), bytes)?;
+    }
+    let mut old = forged(
+        EventId::for_checkpoint_part(PROJECT, RUN, 3, 0).as_str(),
+        "local",
+        &stagehand_schemas::layout::checkpoint_part_folder(
+            PROJECT,
+            &stagehand_catalogue::checkpoint_dataset(RUN),
+            3,
+            0,
+        ),
+        hashed_part(3, 0),
+    )?;
+    if let Body::CheckpointPartCommitted(p) = &mut old.body {
+        p.step = 3;
+    }
+    sh.bus.publish(&old).await?;
+    listed_as(&url, &sh.policies, 3, "committed").await?;
+    let latest = restore_latest(&url, &sh.policies)?;
+    ensure!(
+        latest.ends_with("lab/ckpt-llm/step-3"),
+        "{}",
+        latest.display()
+    );
+    for (name, bytes) in part_files(3, 0) {
+        let found = std::fs::read(latest.join("part-0").join(&name))?;
+        ensure!(found == bytes, "{name} of step 3 differs");
+    }
     Ok(())
 }

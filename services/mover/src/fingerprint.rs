@@ -25,6 +25,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use futures::{Stream, StreamExt};
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, StatxFlags};
 use sha2::{Digest, Sha256};
+use stagehand_schemas::FileStamp;
 
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::mover::Mover;
@@ -165,6 +166,57 @@ impl Fingerprint {
             .iter()
             .filter(|e| matches!(e.stamp, Stamp::File { .. } | Stamp::Object { .. }))
             .count()
+    }
+
+    /// The fingerprint a checkpoint part's commit recorded: each listed file's stamp, and
+    /// nothing else (no folders), for [`Fingerprint::compare_files`].
+    pub fn of_file_stamps(stamps: &[FileStamp]) -> Fingerprint {
+        let time = |secs, nanos| Time { secs, nanos };
+        Fingerprint::from_entries(
+            stamps
+                .iter()
+                .map(|f| Entry {
+                    path: f.path.clone(),
+                    stamp: Stamp::File {
+                        size: f.size,
+                        mtime: time(f.mtime_secs, f.mtime_nanos),
+                        ctime: time(f.ctime_secs, f.ctime_nanos),
+                        ino: f.inode,
+                    },
+                })
+                .collect(),
+        )
+    }
+
+    /// The stamp of the regular file at `path` (relative to the set), as a checkpoint part's
+    /// commit records it; `None` when the walk found no regular file there.
+    pub fn file_stamp(&self, path: &str) -> Option<FileStamp> {
+        match &self.entries[self.find(path)?].stamp {
+            Stamp::File {
+                size,
+                mtime,
+                ctime,
+                ino,
+            } => Some(FileStamp {
+                path: path.to_owned(),
+                size: *size,
+                mtime_secs: mtime.secs,
+                mtime_nanos: mtime.nanos,
+                ctime_secs: ctime.secs,
+                ctime_nanos: ctime.nanos,
+                inode: *ino,
+            }),
+            _ => None,
+        }
+    }
+
+    /// What differs between the paths this (recorded) fingerprint names and the same paths in
+    /// `found`, in path order: entries of `found` it does not name (folders, files written
+    /// beside them) are not looked at.
+    pub fn compare_files(&self, found: &Fingerprint) -> Vec<Difference> {
+        let mut out = self.compare(found);
+        out.retain(|d| d.change != Change::Stray);
+        out
     }
 
     fn find(&self, path: &str) -> Option<usize> {

@@ -528,38 +528,42 @@ impl Mover {
                 progress.add_total(chunk.len() as u64, chunk.iter().map(|f| f.size).sum());
             }
             report.files += chunk.len() as u64;
-            let checked: Vec<(FileRef, Result<bool, TransferError>)> = futures::stream::iter(chunk)
-                .map(|f| {
-                    let (found, src_tier) = (&found, &src_tier);
-                    async move {
-                        let limit = crate::ReadLimit::declared(f.size, None);
-                        // A list without hashes (`stagehand cp` with no manifest): the file
-                        // found must hash as its source does, which is read for it.
-                        let listed = if f.sha256.is_empty() {
-                            match src_tier.hash_file_bounded(&f.path, limit).await {
-                                Ok(d) => d.sha256,
-                                Err(e) => return (f, Err(e)),
-                            }
-                        } else {
-                            f.sha256.clone()
-                        };
-                        let verdict = match found.hash_file_bounded(&f.path, limit).await {
-                            Ok(d) => Ok(d.size == f.size && d.sha256 == listed),
-                            // Wrong size, missing, not a file: this file is not the one
-                            // listed. A failure to read at all says nothing about it.
-                            Err(e) if !e.is_retryable() => Ok(false),
-                            Err(e) => Err(e),
-                        };
-                        (f, verdict)
-                    }
-                })
-                .buffered(self.config().concurrency.max(1))
-                .collect()
-                .await;
+            // Each file with the SHA-256 it verified as, or `None` when it is not the one listed.
+            let checked: Vec<(FileRef, Result<Option<String>, TransferError>)> =
+                futures::stream::iter(chunk)
+                    .map(|f| {
+                        let (found, src_tier) = (&found, &src_tier);
+                        async move {
+                            let limit = crate::ReadLimit::declared(f.size, None);
+                            // A list without hashes (`stagehand cp` with no manifest): the file
+                            // found must hash as its source does, which is read for it.
+                            let listed = if f.sha256.is_empty() {
+                                match src_tier.hash_file_bounded(&f.path, limit).await {
+                                    Ok(d) => d.sha256,
+                                    Err(e) => return (f, Err(e)),
+                                }
+                            } else {
+                                f.sha256.clone()
+                            };
+                            let verdict = match found.hash_file_bounded(&f.path, limit).await {
+                                Ok(d) => {
+                                    Ok((d.size == f.size && d.sha256 == listed).then_some(listed))
+                                }
+                                // Wrong size, missing, not a file: this file is not the one
+                                // listed. A failure to read at all says nothing about it.
+                                Err(e) if !e.is_retryable() => Ok(None),
+                                Err(e) => Err(e),
+                            };
+                            (f, verdict)
+                        }
+                    })
+                    .buffered(self.config().concurrency.max(1))
+                    .collect()
+                    .await;
             let mut wrong = Vec::new();
             for (f, verdict) in checked {
                 listed.mark(&f.path);
-                if verdict? {
+                if let Some(sha256) = verdict? {
                     if let (Some((_, _, staging)), Tier::Posix(from)) = (&posix_staging, &found) {
                         let (to, from, rel) = (staging.clone(), from.clone(), f.path.clone());
                         blocking(staging.name(), &f.path, move || to.link_from(&from, &rel))
@@ -568,7 +572,7 @@ impl Mover {
                     report.skipped += 1;
                     progress.add_bytes(f.size);
                     progress.file_skipped();
-                    on_file(&f);
+                    on_file(&FileRef::new(f.path.clone(), f.size, sha256));
                 } else {
                     wrong.push(f);
                 }

@@ -362,3 +362,46 @@ async fn a_folder_whose_only_file_is_missing_is_no_stray() {
         vec![("solo/only.bin".to_owned(), "missing")]
     );
 }
+
+/// A checkpoint part's commit records each listed file's stamp from one walk (no byte read);
+/// compared with a later walk it names a byte flipped under a restored mtime, a file deleted
+/// and a file replaced by another of the same size, and looks at nothing it does not list (a
+/// file written beside them, the folders).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parts_file_stamps_name_each_listed_file_changed_since_and_nothing_else() {
+    let root = tempfile::tempdir().unwrap();
+    let files = source(&root.path().join("lab/v1"), 6);
+    let tier = Tier::Posix(PosixTier::open("local", root.path()).unwrap());
+    let walked = tier.fingerprint("lab/v1").await.unwrap();
+    let stamps: Vec<_> = files
+        .iter()
+        .map(|f| walked.file_stamp(&f.path).unwrap())
+        .collect();
+    assert!(
+        walked.file_stamp("shard-0").is_none(),
+        "a folder has no file stamp"
+    );
+    for (s, f) in stamps.iter().zip(&files) {
+        assert_eq!((s.path.as_str(), s.size), (f.path.as_str(), f.size));
+    }
+    let recorded = Fingerprint::of_file_stamps(&stamps);
+    let dir = root.path().join("lab/v1");
+    write(&dir, "shard-0/written-after.bin", b"not listed");
+    let now = tier.fingerprint("lab/v1").await.unwrap();
+    assert!(recorded.compare_files(&now).is_empty());
+
+    flip_keeping_mtime(&dir.join(&files[1].path));
+    std::fs::remove_file(dir.join(&files[2].path)).unwrap();
+    let replaced = dir.join(&files[4].path);
+    let same_size = std::fs::read(&replaced).unwrap();
+    std::fs::write(dir.join("replacement"), &same_size).unwrap();
+    std::fs::rename(dir.join("replacement"), &replaced).unwrap();
+    let now = tier.fingerprint("lab/v1").await.unwrap();
+    let mut expected = vec![
+        (files[1].path.clone(), "modified"),
+        (files[2].path.clone(), "missing"),
+        (files[4].path.clone(), "modified"),
+    ];
+    expected.sort();
+    assert_eq!(changes(&recorded.compare_files(&now)), expected);
+}

@@ -447,3 +447,42 @@ async fn files_written_into_a_staged_set_appear_with_it() {
         vec!["shard-00000.tar", "shard-00001.tar", "shard-00002.tar"]
     );
 }
+
+/// A set found in place, listed without hashes (a checkpoint part's offload redelivered), is
+/// verified against its source and each file reported with the SHA-256 it verified as, never
+/// with the empty one it was listed with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_found_in_place_with_unknown_hashes_reports_the_proven_ones() {
+    let (src_dir, dst_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let files = source(&src_dir.path().join("lab/v1"), 12);
+    let (src, dst, _) = tiers(src_dir.path(), dst_dir.path());
+    let mover = Mover::new(MoverConfig::default()).unwrap();
+    let unknown: Vec<FileRef> = files
+        .iter()
+        .map(|f| FileRef::new(f.path.clone(), f.size, ""))
+        .collect();
+    let set = SetCopy {
+        opts: CopyOptions {
+            expected_hash_unknown: true,
+            ..CopyOptions::default()
+        },
+        ..set_of("lab/ckpt/part-0", VerifyMode::HashedInFlight)
+    };
+    for round in 0..2 {
+        let mut measured = Vec::new();
+        let report = mover
+            .copy_set(
+                &src,
+                &dst,
+                &set,
+                futures::stream::iter(unknown.clone()),
+                &Progress::new(),
+                &CancellationToken::new(),
+                |f| measured.push(f.clone()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(report.existed, round == 1);
+        assert_eq!(measured, files, "round {round}: the proven hashes");
+    }
+}

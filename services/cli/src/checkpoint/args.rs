@@ -11,7 +11,8 @@ use super::{CheckpointError, usage};
 #[derive(Debug, Subcommand)]
 pub enum CheckpointCommand {
     /// Announce a complete checkpoint: recognise its format, hash its files, publish
-    /// `checkpoint.committed` (the same step again is the same fact).
+    /// `checkpoint.committed` (the same step again is the same fact). A part on a node-local
+    /// tier is stamped, not hashed (no byte read): its node's agent hashes it as it offloads it.
     Commit(CommitArgs),
     /// A run's checkpoints: step, tags, tier(s), and why each is kept or expired.
     List(ListArgs),

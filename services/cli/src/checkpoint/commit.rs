@@ -1,5 +1,8 @@
 //! `commit`: a complete checkpoint hashed and announced as `checkpoint.committed`, refused
-//! when it is not its own folder or differs from the commit stored first.
+//! when it is not its own folder or differs from the commit stored first. A part on a
+//! node-local tier is not hashed: its files are stamped (size, mtime, ctime, inode, no byte
+//! read) and announced as `checkpoint.part.committed`; the node's agent hashes each file once,
+//! as it copies it off the node, and refuses a file whose stamp moved.
 
 use std::path::{Component, Path};
 use std::time::Duration;
@@ -11,7 +14,8 @@ use stagehand_manifest::{BucketOptions, ManifestBuilder, ManifestStore, Spool};
 use stagehand_mover::{ReadLimit, Tier};
 use stagehand_schemas::Retryable;
 use stagehand_schemas::{
-    Body, CheckpointCommitted, CheckpointPartCommitted, Event, EventId, FileRef, Location, layout,
+    Body, CheckpointCommitted, CheckpointPartCommitted, Event, EventId, FileRef, FileStamp,
+    Location, layout,
 };
 
 use crate::cli::Connection;
@@ -23,20 +27,29 @@ use super::{CheckpointError, refused, usage};
 /// Files hashed at once.
 const HASH_AT_ONCE: usize = 4;
 
-/// A checkpoint recognised and hashed, ready to announce.
+/// A checkpoint recognised and measured, ready to announce.
 #[derive(Debug, Clone)]
 pub struct Prepared {
     pub format: Format,
     /// The checkpoint's folder on its tier.
     pub location: Location,
-    /// Every file, measured, in path order.
+    /// Every file, hashed, in path order (a whole checkpoint; empty for a part).
     pub files: Vec<FileRef>,
+    /// Every file, stamped, in path order (a part on a node-local tier; empty otherwise).
+    pub stamps: Vec<FileStamp>,
     pub total_bytes: u64,
 }
 
-/// Recognises and hashes the checkpoint (no NATS needed): bad arguments are
-/// [`CheckpointError::Usage`], an incomplete checkpoint or an unreadable file
-/// [`CheckpointError::Refused`].
+impl Prepared {
+    /// Files listed, hashed or stamped.
+    pub fn count(&self) -> usize {
+        self.files.len() + self.stamps.len()
+    }
+}
+
+/// Recognises and measures the checkpoint (no NATS needed): a whole checkpoint's files hashed,
+/// a part's stamped. Bad arguments are [`CheckpointError::Usage`], an incomplete checkpoint or
+/// an unreadable file [`CheckpointError::Refused`].
 pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> {
     let policies = stagehand_policy::Policies::load_dir(&opts.policies)
         .map_err(|e| usage(format!("policies {}: {e}", opts.policies.display())))?;
@@ -87,9 +100,36 @@ pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> 
         .map_err(|e| CheckpointError::Other(e.into()))?
         .map_err(|e| refused(format!("{e:#}")))?;
     let tier = Tier::Posix(tier);
-    let files: Vec<FileRef> = futures::stream::iter(listed)
+    let (files, stamps) = match opts.part {
+        Some(_) => (Vec::new(), stamp(&tier, &prefix, listed).await?),
+        None => (hash(&tier, &prefix, listed).await?, Vec::new()),
+    };
+    let total_bytes = files
+        .iter()
+        .map(|f| f.size)
+        .chain(stamps.iter().map(|f| f.size))
+        .sum();
+    Ok(Prepared {
+        format: recognised.format,
+        location: Location {
+            tier: opts.tier.clone(),
+            prefix,
+        },
+        files,
+        stamps,
+        total_bytes,
+    })
+}
+
+/// Every listed file of the folder `prefix`, hashed.
+async fn hash(
+    tier: &Tier,
+    prefix: &str,
+    listed: Vec<FileRef>,
+) -> Result<Vec<FileRef>, CheckpointError> {
+    futures::stream::iter(listed)
         .map(|f| {
-            let (tier, rel) = (&tier, format!("{prefix}/{}", f.path));
+            let rel = format!("{prefix}/{}", f.path);
             async move {
                 let digest = tier
                     .hash_file_bounded(&rel, ReadLimit::declared(f.size, None))
@@ -100,17 +140,33 @@ pub async fn prepare(opts: &CommitOptions) -> Result<Prepared, CheckpointError> 
         })
         .buffered(HASH_AT_ONCE)
         .try_collect()
-        .await?;
-    let total_bytes = files.iter().map(|f| f.size).sum();
-    Ok(Prepared {
-        format: recognised.format,
-        location: Location {
-            tier: opts.tier.clone(),
-            prefix,
-        },
-        files,
-        total_bytes,
-    })
+        .await
+}
+
+/// Every listed file of the folder `prefix`, stamped by one metadata walk (the mover's
+/// fingerprint): no byte of data read, so a part's commit costs no more than its files'
+/// `statx`, whatever their size. A listed file the walk finds no regular file at (replaced
+/// between the listing and the walk) is refused.
+async fn stamp(
+    tier: &Tier,
+    prefix: &str,
+    listed: Vec<FileRef>,
+) -> Result<Vec<FileStamp>, CheckpointError> {
+    let walked = tier
+        .fingerprint(prefix)
+        .await
+        .map_err(|e| refused(format!("{prefix}: {e}")))?;
+    listed
+        .into_iter()
+        .map(|f| {
+            walked.file_stamp(&f.path).ok_or_else(|| {
+                refused(format!(
+                    "{}: no longer a regular file of the part; nothing committed",
+                    f.path
+                ))
+            })
+        })
+        .collect()
 }
 
 /// A commit on a node-local tier is a part of its step, in exactly the part's folder
@@ -325,7 +381,7 @@ pub(super) fn unavailable_or_other(retryable: bool, e: anyhow::Error) -> Checkpo
     }
 }
 
-/// Recognises, hashes and publishes: `stagehand checkpoint commit`.
+/// Recognises, measures and publishes: `stagehand checkpoint commit`.
 pub async fn commit(
     connection: &Connection,
     opts: &CommitOptions,
@@ -350,20 +406,28 @@ pub async fn publish_part(
     part: &PartOf,
     prepared: Prepared,
 ) -> Result<Committed, CheckpointError> {
+    // The agent's offload lists the same files with their SHA-256: the part must fit that.
     let listed: usize = prepared
-        .files
+        .stamps
         .iter()
-        .map(|f| f.path.len() + f.sha256.len() + 24)
+        .map(|f| f.path.len() + 64 + 24)
+        .chain(
+            prepared
+                .files
+                .iter()
+                .map(|f| f.path.len() + f.sha256.len() + 24),
+        )
         .sum();
     if listed as u64 > stagehand_schemas::INLINE_MANIFEST_MAX_BYTES {
         return Err(refused(format!(
             "part {} lists {} files, more than a part's commit carries inline ({} bytes of \
              manifest lines): commit the step in more parts",
             part.part,
-            prepared.files.len(),
+            prepared.count(),
             stagehand_schemas::INLINE_MANIFEST_MAX_BYTES
         )));
     }
+    let files = prepared.count();
     let event = Event::request(
         EventId::for_checkpoint_part(&opts.project, &opts.run, opts.step, part.part),
         opts.project.as_str(),
@@ -375,6 +439,7 @@ pub async fn publish_part(
             node: part.node.clone(),
             location: prepared.location,
             files: prepared.files.clone(),
+            stamps: prepared.stamps.clone(),
             total_bytes: prepared.total_bytes,
             tags: opts.tags.clone(),
         }),
@@ -384,9 +449,9 @@ pub async fn publish_part(
         .await
         .map_err(|e| unavailable_or_other(e.is_retryable(), e.into()))?;
     Ok(Committed {
+        files,
         event,
         format: prepared.format,
-        files: prepared.files.len(),
         total_bytes: prepared.total_bytes,
         manifest_digest: None,
         duplicate: ack.duplicate,

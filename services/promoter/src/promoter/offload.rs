@@ -16,7 +16,10 @@
 use futures::stream;
 use stagehand_bus::{HandlerError, WorkContext};
 use stagehand_catalogue::{CheckpointPartRecord, StepParts, checkpoint_dataset};
-use stagehand_mover::{CopyOptions, ErrorKind, Priority, Progress, SetCopy};
+use stagehand_mover::{
+    Change, CopyOptions, ErrorKind, Fingerprint, Priority, Progress, SetCopy, Side, Tier,
+    TransferError,
+};
 use stagehand_policy::TierRole;
 use stagehand_schemas::{
     Body, CheckpointCommitted, CheckpointPartCommitted, CheckpointPartOffloaded, Event, EventId,
@@ -89,6 +92,13 @@ impl Promoter {
                 layout::MAX_CHECKPOINT_PARTS
             )));
         }
+        if !p.files.is_empty() && !p.stamps.is_empty() {
+            return Err(refuse(format!(
+                "{}: lists its files twice, hashed (`files`) and stamped (`stamps`); a part \
+                 lists them one way; nothing copied",
+                what()
+            )));
+        }
         let local = self
             .tier_policy(&p.location.tier)
             .is_some_and(|t| t.role == TierRole::Local);
@@ -138,6 +148,17 @@ impl Promoter {
                 self.node().unwrap_or("-")
             )));
         };
+        // A part committed by its files' stamps is hashed here, as it is copied (one read of
+        // each file); one committed with hashes is verified against them.
+        let stamped = (!p.stamps.is_empty()).then(|| Fingerprint::of_file_stamps(&p.stamps));
+        let listed: Vec<FileRef> = match stamped {
+            Some(_) => p
+                .stamps
+                .iter()
+                .map(|f| FileRef::new(f.path.clone(), f.size, String::new()))
+                .collect(),
+            None => p.files.clone(),
+        };
         let set = SetCopy {
             src_prefix: p.location.prefix.clone(),
             dst_prefix: p.location.prefix.clone(),
@@ -145,10 +166,10 @@ impl Promoter {
                 priority: Priority::Checkpoint,
                 trust_recorded_hash: false,
                 verify_destination: self.p().promotion.verify,
-                expected_hash_unknown: false,
+                expected_hash_unknown: stamped.is_some(),
             },
             chunk_files: 0,
-            totals: Some((p.files.len() as u64, p.total_bytes)),
+            totals: Some((listed.len() as u64, p.total_bytes)),
         };
         let progress = Progress::new();
         let stop = match ctx {
@@ -165,13 +186,34 @@ impl Promoter {
             false => None,
         };
         let _slot = self.inner.slots.acquire(Priority::Checkpoint).await;
-        let files = stream::iter(p.files.clone());
+        let mut hashed = Vec::with_capacity(listed.len());
         let copy = async {
+            // Stamps checked before any byte is read and again once every file is staged,
+            // before it is published: what is copied is the part as committed, or nothing.
+            if let Some(recorded) = &stamped {
+                unchanged_since_commit(src, &p.location.prefix, recorded).await?;
+            }
             let staged = self
                 .p()
                 .mover
-                .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
+                .stage_set(
+                    src,
+                    dst,
+                    &set,
+                    stream::iter(listed),
+                    &progress,
+                    &stop,
+                    |f| hashed.push(f.clone()),
+                )
                 .await?;
+            if let Some(recorded) = &stamped
+                && let Err(e) = unchanged_since_commit(src, &p.location.prefix, recorded).await
+            {
+                if let Err(left) = staged.abandon().await {
+                    warn!(error = %left, "the refused part's staging folder was not removed; the sweep removes it");
+                }
+                return Err(e);
+            }
             staged.publish().await
         };
         let copied = self
@@ -188,8 +230,11 @@ impl Promoter {
             self.unreserve_offload(&to_tier, &p.location.prefix, revision)
                 .await;
         }
+        // A part is what its commit says: bytes or stamps that differ are a refusal, which a
+        // retry would not change (a file changed after its commit is not that part).
         let copied = copied.map_err(|e| match e.kind {
             ErrorKind::ChecksumMismatch
+            | ErrorKind::SourceChanged
             | ErrorKind::SizeMismatch
             | ErrorKind::NotFound
             | ErrorKind::NotAFile => refuse(format!(
@@ -213,8 +258,9 @@ impl Promoter {
                     tier: to_tier,
                     prefix: p.location.prefix.clone(),
                 },
-                files: p.files.len() as u64,
+                files: hashed.len() as u64,
                 total_bytes: p.total_bytes,
+                hashed,
             }),
         ))
     }
@@ -246,7 +292,7 @@ impl Promoter {
         let limits = self.limits(to_tier, &event.project);
         // What the copy writes: its files' sizes (each checked as it is copied), not the
         // total the commit states, which its writer could understate.
-        let bytes = p.files.iter().map(|f| f.size).sum();
+        let bytes = p.listed().iter().map(|(_, size)| size).sum();
         let why = match coord
             .reserve(to_tier, None, &event.project, prefix, bytes, limits)
             .await
@@ -341,6 +387,40 @@ impl Promoter {
     }
 }
 
+/// Refuses a part whose files on the node are not as its commit stamped them
+/// (`recorded`): the first file that differs is named, with how.
+async fn unchanged_since_commit(
+    tier: &Tier,
+    prefix: &str,
+    recorded: &Fingerprint,
+) -> Result<(), TransferError> {
+    let found = tier.fingerprint(prefix).await?;
+    let differences = recorded.compare_files(&found);
+    let Some(first) = differences.first() else {
+        return Ok(());
+    };
+    let how = match &first.change {
+        Change::Missing => "is gone".to_owned(),
+        Change::Size { expected, found } => {
+            format!("holds {found} bytes, committed with {expected}")
+        }
+        Change::Kind => "is no longer a regular file".to_owned(),
+        _ => "was rewritten, touched or replaced (its mtime, ctime or inode moved)".to_owned(),
+    };
+    Err(TransferError::new(
+        ErrorKind::SourceChanged,
+        Side::Source,
+        tier.name(),
+        format!("{prefix}/{}", first.path),
+        format!(
+            "{} {how} since the part was committed ({} file(s) of the part changed); the part \
+             is not offloaded: commit the step again",
+            first.path,
+            differences.len()
+        ),
+    ))
+}
+
 /// Why the offload tier cannot take a part of `bytes` (what was asked for) now, for the log
 /// and the retry.
 fn offload_refused(
@@ -389,6 +469,25 @@ pub fn step_committed(
         return Err(refuse(format!(
             "the parts of step {step} of run {run} were offloaded to different tiers; the step \
              is not committed"
+        )));
+    }
+    // Each part's files with their SHA-256: its commit's, or its offload's for a part
+    // committed by stamps. A restore verifies against these, so none may be missing.
+    if let Some(r) = parts.iter().find(|r| r.files.is_empty()) {
+        return Err(retry(format!(
+            "the catalogue holds no files of part {} of step {step} of run {run} yet",
+            r.part
+        )));
+    }
+    if let Some((r, f)) = parts
+        .iter()
+        .flat_map(|r| r.files.iter().map(move |f| (r, f)))
+        .find(|(_, f)| !stagehand_schemas::is_sha256_hex(&f.sha256))
+    {
+        return Err(refuse(format!(
+            "part {} of step {step} of run {run}: {} has no SHA-256 (its offload stated none); \
+             the step is not committed",
+            r.part, f.path
         )));
     }
     let mut files: Vec<FileRef> = parts
