@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use stagehand_promoter::fanout::{Fanout, FanoutSettings, FanoutTls};
-use stagehand_schemas::FileRef;
+use stagehand_schemas::{Body, FileRef};
 use stagehand_testkit::{TestCa, wait_for};
 
 const DATASET: &str = "shards";
@@ -58,6 +58,22 @@ fn piece_port(stack: &Stack, node: &str) -> u16 {
         .unwrap()
         .parse()
         .unwrap()
+}
+
+/// A `GET` of `path` on the loopback `port` with `Authorization: <authorization>`: the status
+/// and the body.
+fn get_presenting(port: u16, path: &str, authorization: &str) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAuthorization: {authorization}\r\n\r\n"
+    )?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw)?;
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok());
+    Ok((status.unwrap_or(0), body.to_owned()))
 }
 
 /// [`start_agent`], its pieces served and fetched over mutual TLS with `tls`'s certificate.
@@ -217,11 +233,23 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
         Fanout::swarm("local", PROJECT, DATASET, &version)
     );
     let port = piece_port(&stack, "n1");
-    let plain = tokio::task::spawn_blocking(move || stagehand_testkit::http_get(port, &route))
-        .await
-        .unwrap();
+    let secret = std::fs::read_to_string(&token).unwrap();
+    let (plain, bearer) = tokio::task::spawn_blocking(move || {
+        let plain = stagehand_testkit::http_get(port, &route);
+        let bearer = get_presenting(port, &route, &format!("Bearer {}", secret.trim()));
+        (plain, bearer)
+    })
+    .await
+    .unwrap();
     match tls {
-        None => assert_eq!(plain.unwrap().0, 401),
+        None => {
+            assert_eq!(plain.unwrap().0, 401);
+            // The secret is a signing key, not a password: presented as itself it opens
+            // nothing (so a peer that leaked it on the wire would have leaked nothing usable).
+            let (status, body) = bearer.unwrap();
+            assert_eq!(status, 401, "{body}");
+            assert!(body.contains("signature is required"), "{body}");
+        }
         Some(_) => assert!(plain.is_err(), "a plain request answered: {plain:?}"),
     }
     let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
@@ -240,22 +268,59 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     assert_eq!(counter("stagehand_fanout_peers_dropped_total", ""), 0.0);
     // The board says who holds what: every node every piece.
     let (board, swarm) = board_of(&stack, &version).await;
-    let holders = {
-        use futures::StreamExt;
-        let keys: Vec<String> = board
-            .keys()
-            .await
-            .unwrap()
-            .filter_map(|k| async move { k.ok() })
-            .collect()
-            .await;
-        keys.into_iter()
-            .filter(|k| k.starts_with(&format!("swarm.{swarm}.have.")))
-            .count()
-    };
     let pieces = stagehand_promoter::fanout::pieces::cut(&common_refs(&files)).len();
-    assert_eq!(holders, pieces * nodes.len());
+    let held = holdings(&board, &swarm).await;
+    assert_eq!(held.len(), nodes.len(), "{held:?}");
+    assert!(held.values().all(|&n| n == pieces), "{held:?}");
+    // n1's agent starting again serves nothing it held before, so it takes back its word:
+    // peers are not sent to ask it. The others' announcements stand.
+    let again = FanoutSettings {
+        listen: format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        advertise: None,
+        token_file: token_file(stack.root()),
+        claim_patience: std::time::Duration::from_secs(5),
+        parallel: 4,
+        tls: None,
+    };
+    let stop = stagehand_bus::CancellationToken::new();
+    let restarted = Fanout::bind(&again, "n1", board.clone(), stack.bus.clone(), stop.clone())
+        .await
+        .unwrap();
+    let held = holdings(&board, &swarm).await;
+    assert_eq!(held.get("n1"), None, "{held:?}");
+    assert_eq!(
+        (held.get("n2"), held.get("n3")),
+        (Some(&pieces), Some(&pieces))
+    );
+    stop.cancel();
+    drop(restarted);
     stack.stop().await;
+}
+
+/// Per node, how many pieces of `swarm` the board says it holds.
+async fn holdings(
+    board: &async_nats::jetstream::kv::Store,
+    swarm: &str,
+) -> std::collections::BTreeMap<String, usize> {
+    use futures::StreamExt;
+    let keys: Vec<String> = board
+        .keys()
+        .await
+        .unwrap()
+        .filter_map(|k| async move { k.ok() })
+        .collect()
+        .await;
+    let mut held = std::collections::BTreeMap::new();
+    for key in keys {
+        if let Some(node) = key
+            .strip_prefix(&format!("swarm.{swarm}.have."))
+            .and_then(|rest| rest.split_once('.'))
+            .map(|(_, node)| node.to_owned())
+        {
+            *held.entry(node).or_default() += 1;
+        }
+    }
+    held
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -303,26 +368,31 @@ async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node
         report["why"].as_str().unwrap().contains("hashes to"),
         "{report}"
     );
-    // n1 hashed the file it was reported for, found its own copy damaged, and withdrew it:
-    // no job is sent to it, and the next request for it on n1 repairs it.
-    let catalogue = stagehand_catalogue::Catalogue::new(stack.bus.client().clone());
-    wait_for(WAIT, "n1's copy recorded damaged", || async {
-        let detail = catalogue
-            .version(Some(PROJECT), DATASET, &version)
-            .await
-            .ok()?;
-        detail
-            .replicas
-            .iter()
-            .any(|r| {
-                r.tier == "local"
-                    && r.node.as_deref() == Some("n1")
-                    && r.state == stagehand_catalogue::ReplicaState::Damaged
-            })
-            .then_some(())
+    // n1 hashed the file it was reported for, found its own copy damaged, and withdrew it;
+    // its first job still holds it, so its agent repaired it from hot at once, no request
+    // needed (`promoter/repair.rs`).
+    let js = stack.bus.jetstream().clone();
+    let (damaged, repaired) = wait_for(WAIT, "n1's copy withdrawn, then repaired", || async {
+        let facts = stagehand_testkit::stored_events(
+            &js,
+            stagehand_schemas::subject::FACTS.name,
+            "stagehand.fact.replica.>",
+        )
+        .await
+        .ok()?;
+        let on_n1 = |tier: &str, node: &Option<String>| tier == "local" && node.as_deref() == Some("n1");
+        let damaged = facts.iter().position(|e| {
+            matches!(&e.body, Body::ReplicaDamaged(d) if on_n1(&d.location.tier, &d.node) && d.found_by == "hash")
+        })?;
+        let repaired = facts.iter().position(|e| {
+            matches!(&e.body, Body::ReplicaRepaired(r) if on_n1(&r.location.tier, &r.node) && r.from_tier == "hot")
+        })?;
+        Some((damaged, repaired))
     })
     .await
     .unwrap();
+    assert!(damaged < repaired, "withdrawn first, then repaired");
+    assert_exact(&stack, "n1", &version, &files);
     stage_for(&stack, &version, &["n1"], "next-job").await;
     assert_exact(&stack, "n1", &version, &files);
     // Nothing n1 served reached the others: they hold the source's bytes (above), and no

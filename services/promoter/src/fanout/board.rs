@@ -58,6 +58,43 @@ pub struct Spoiled {
     pub why: String,
 }
 
+/// Takes back every `have` key naming `node`, on every swarm: run as the node's agent starts,
+/// when it serves nothing yet (what it held before it stopped is not registered again), so that
+/// peers are not sent to ask it for pieces it no longer serves. Returns how many it took back.
+pub async fn withdraw_everything_held(store: &kv::Store, node: &str) -> Result<usize, BoardError> {
+    let pattern = format!("swarm.*.have.*.{}", consumer_token(node));
+    let subjects = format!("{}{pattern}", store.prefix);
+    let mut listed = store
+        .stream
+        .info_with_subjects(&subjects)
+        .await
+        .map_err(|e| board_err(&pattern, e))?;
+    let mut keys = Vec::new();
+    while let Some((subject, _)) = listed
+        .next()
+        .await
+        .transpose()
+        .map_err(|e| board_err(&pattern, e))?
+    {
+        if let Some(key) = subject.strip_prefix(&store.prefix) {
+            keys.push(key.to_owned());
+        }
+    }
+    let mut withdrawn = 0;
+    for key in keys {
+        // A subject lists a key's delete marker too: only a live announcement is taken back.
+        let live = store
+            .entry(key.as_str())
+            .await
+            .map_err(|e| board_err(&key, e))?;
+        if live.is_some_and(|e| e.operation == Operation::Put) {
+            store.delete(&key).await.map_err(|e| board_err(&key, e))?;
+            withdrawn += 1;
+        }
+    }
+    Ok(withdrawn)
+}
+
 /// A claim as this node saw it.
 #[derive(Debug, Clone)]
 pub struct ClaimSeen {

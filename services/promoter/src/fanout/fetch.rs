@@ -16,7 +16,7 @@ use stagehand_schemas::manifest::FileRef;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::serve::Token;
+use super::auth::AgentKey;
 use super::tls::AgentTls;
 
 /// An HTTP/1.1 client connection over `io`, driven by a task of its own.
@@ -60,7 +60,7 @@ pub enum FetchError {
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch(
     addr: &str,
-    token: &Token,
+    key: &AgentKey,
     tls: Option<&AgentTls>,
     swarm: &str,
     n: usize,
@@ -89,9 +89,10 @@ pub async fn fetch(
         }
     }
     .map_err(|e| unavailable("handshake", &e))?;
-    let req = Request::get(format!("/v1/swarms/{swarm}/pieces/{n}"))
+    let path = format!("/v1/swarms/{swarm}/pieces/{n}");
+    let req = Request::get(&path)
         .header(header::HOST, addr)
-        .header(header::AUTHORIZATION, token.header())
+        .header(header::AUTHORIZATION, key.sign("GET", &path))
         .body(Empty::<Bytes>::new())
         .map_err(|e| unavailable("request", &e))?;
     let answered = tokio::time::timeout(SILENCE_TIMEOUT, sender.send_request(req)).await;

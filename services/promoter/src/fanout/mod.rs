@@ -5,7 +5,7 @@
 //! is through NATS, on the swarm's board (`board.rs`): an agent claims a piece before reading
 //! it from the shared tier (so two agents do not read the same piece), announces each piece
 //! it holds, and asks a holder for any piece another agent announced (`fetch.rs`, served by
-//! `serve.rs` over HTTP with the agents' token). Every file of every piece is verified against
+//! `serve.rs` over HTTP, each request signed with the agents' secret, `auth.rs`). Every file of every piece is verified against
 //! the manifest's SHA-256 before it is renamed into the staging folder, whoever served it; a
 //! peer whose bytes do not verify is dropped from the swarm for every member and reported
 //! (its `bad` key, a warning naming the file, `stagehand_fanout_peers_dropped_total`).
@@ -19,6 +19,7 @@
 //! copy slot, the set staged hidden and published by one rename (`promoter/copying.rs`); fan-out
 //! only decides where each file's bytes come from.
 
+mod auth;
 mod board;
 mod fetch;
 pub mod pieces;
@@ -46,12 +47,13 @@ use stagehand_telemetry::work::{FanoutSource, fanout_peer_dropped, fanout_read};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use board::{Board, Spoiled};
+use auth::AgentKey;
+use board::Board;
 use fetch::FetchError;
 use pieces::Piece;
-use serve::{Registry, Token};
+use serve::Registry;
 
-pub use board::BoardError;
+pub use board::{BoardError, Spoiled};
 pub use serve::ReplicaAt;
 pub use tls::FanoutTls;
 
@@ -65,8 +67,8 @@ pub struct FanoutSettings {
     /// an address, not `0.0.0.0`.
     #[serde(default)]
     pub advertise: Option<String>,
-    /// The agents' shared secret (a bearer token, at least 16 characters), in a file nobody but
-    /// the agent's user may read.
+    /// The agents' shared secret (at least 16 characters), in a file nobody but the agent's
+    /// user may read. It signs every piece request (HMAC-SHA256) and is never sent.
     pub token_file: PathBuf,
     /// How long a piece another agent claimed may go without news (its reader renews the
     /// claim while it reads) before this agent reads it from the shared tier itself (`"30s"`).
@@ -103,6 +105,16 @@ pub enum FanoutError {
         #[source]
         source: std::io::Error,
     },
+    /// The board could not be read or written as the agent started (NATS away).
+    #[error("fan-out: {0}")]
+    Board(#[from] board::BoardError),
+}
+
+impl FanoutError {
+    /// Whether starting again unchanged can succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, FanoutError::Board(_))
+    }
 }
 
 impl FanoutSettings {
@@ -120,9 +132,9 @@ impl FanoutSettings {
     }
 }
 
-/// Reads the agents' token from `path`: refused when others may read it, or too short to
+/// Reads the agents' secret from `path`: refused when others may read it, or too short to
 /// be a secret.
-fn read_token(path: &Path) -> Result<Token, FanoutError> {
+fn read_key(path: &Path) -> Result<AgentKey, FanoutError> {
     use std::os::unix::fs::PermissionsExt;
     let bad = |why: String| FanoutError::Config(format!("token_file {}: {why}", path.display()));
     let meta = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
@@ -139,14 +151,14 @@ fn read_token(path: &Path) -> Result<Token, FanoutError> {
             "must hold one token of at least 16 visible characters".into()
         ));
     }
-    Ok(Token::new(secret))
+    Ok(AgentKey::new(secret))
 }
 
 /// A node agent's fan-out: its piece server and its seat on every swarm it joins.
 pub struct Fanout {
     node: String,
     advertise: String,
-    token: Token,
+    key: AgentKey,
     tls: Option<tls::AgentTls>,
     store: async_nats::jetstream::kv::Store,
     registry: Arc<Registry>,
@@ -173,7 +185,14 @@ impl Fanout {
         shutdown: CancellationToken,
     ) -> Result<(Fanout, Serving), FanoutError> {
         let advertise = settings.advertised()?;
-        let token = read_token(&settings.token_file)?;
+        let key = read_key(&settings.token_file)?;
+        let withdrawn = board::withdraw_everything_held(&store, node).await?;
+        if withdrawn > 0 {
+            info!(
+                withdrawn,
+                "fan-out: pieces announced before this agent's restart taken back"
+            );
+        }
         let tls = settings.tls.as_ref().map(FanoutTls::load).transpose()?;
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await
@@ -185,7 +204,7 @@ impl Fanout {
         let server = serve::serve(
             listener,
             registry.clone(),
-            token.clone(),
+            auth::Gate::new(key.clone()),
             tls.as_ref().map(|t| t.acceptor.clone()),
             shutdown.clone(),
         );
@@ -206,7 +225,7 @@ impl Fanout {
             Fanout {
                 node: node.to_owned(),
                 advertise,
-                token,
+                key,
                 tls,
                 store,
                 registry,
@@ -483,12 +502,12 @@ impl<'r, 'a> Run<'r, 'a> {
         match step {
             Step::Peer { node, addr } => {
                 *self.asking.entry(node.clone()).or_default() += 1;
-                let (token, tls) = (&self.fanout.token, self.fanout.tls.as_ref());
+                let (key, tls) = (&self.fanout.key, self.fanout.tls.as_ref());
                 let read_back = job.opts.verify_destination == VerifyMode::ReadBack;
                 Box::pin(async move {
                     let fetched = fetch::fetch(
                         &addr,
-                        token,
+                        key,
                         tls,
                         &job.swarm,
                         piece,

@@ -1,5 +1,5 @@
 //! Serving pieces to peers: plain HTTP/1.1 (hyper), one route,
-//! `GET /v1/swarms/<swarm>/pieces/<n>` with `Authorization: Bearer <the agents' token>`,
+//! `GET /v1/swarms/<swarm>/pieces/<n>`, signed with the agents' secret (`auth.rs`),
 //! answered with the piece's files one after another in manifest order (`Content-Length` their
 //! sum). Only a piece this node announced is served — every file of it verified when it landed
 //! here — and only from the folder of the swarm it was staged for, through the tier's confined
@@ -17,7 +17,6 @@ use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode, header};
 use hyper_util::rt::TokioIo;
-use sha2::{Digest, Sha256};
 use stagehand_mover::PosixTier;
 use stagehand_schemas::manifest::FileRef;
 use tokio::net::TcpListener;
@@ -25,6 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::auth::Gate;
 use super::pieces::Piece;
 
 /// Swarms this node keeps serving after its own copy is published: the newest ones, so that a
@@ -38,44 +38,6 @@ const SERVING_AT_ONCE: usize = 32;
 const CHUNK: usize = 1 << 20;
 
 pub type Body = BoxBody<Bytes, io::Error>;
-
-/// The agents' shared secret: a peer that cannot present it is served nothing.
-#[derive(Clone)]
-pub struct Token {
-    secret: Arc<str>,
-    digest: [u8; 32],
-}
-
-impl Token {
-    pub fn new(secret: &str) -> Token {
-        Token {
-            secret: secret.into(),
-            digest: Sha256::digest(secret.as_bytes()).into(),
-        }
-    }
-
-    /// The `Authorization` header a peer sends.
-    pub fn header(&self) -> String {
-        format!("Bearer {}", self.secret)
-    }
-
-    /// Whether `header` presents the token. Compared by digest, so that the time it takes
-    /// says nothing of how much of a guess was right.
-    fn admits(&self, header: Option<&header::HeaderValue>) -> bool {
-        let Some(given) = header
-            .and_then(|h| h.to_str().ok())
-            .and_then(|h| h.strip_prefix("Bearer "))
-        else {
-            return false;
-        };
-        let given: [u8; 32] = Sha256::digest(given.as_bytes()).into();
-        given
-            .iter()
-            .zip(self.digest.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
-    }
-}
 
 /// One swarm's pieces on this node: which it holds, and the folder they are in (the staging
 /// folder while the copy runs, the published one after).
@@ -194,11 +156,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
-    token: Token,
+    gate: Gate,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: CancellationToken,
 ) -> Result<(), Infallible> {
     let slots = Arc::new(Semaphore::new(SERVING_AT_ONCE));
+    let gate = Arc::new(gate);
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -210,12 +173,12 @@ pub async fn serve(
             },
             _ = shutdown.cancelled() => return Ok(()),
         };
-        let (registry, token, slots, tls) =
-            (registry.clone(), token.clone(), slots.clone(), tls.clone());
+        let (registry, gate, slots, tls) =
+            (registry.clone(), gate.clone(), slots.clone(), tls.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (registry, token, slots) = (registry.clone(), token.clone(), slots.clone());
-                async move { Ok::<_, Infallible>(answer(&registry, &token, &slots, req)) }
+                let (registry, gate, slots) = (registry.clone(), gate.clone(), slots.clone());
+                async move { Ok::<_, Infallible>(answer(&registry, &gate, &slots, req)) }
             });
             let http = hyper::server::conn::http1::Builder::new();
             let served = match tls {
@@ -255,12 +218,14 @@ fn route(path: &str) -> Option<(&str, usize)> {
 
 fn answer(
     registry: &Registry,
-    token: &Token,
+    gate: &Gate,
     slots: &Arc<Semaphore>,
     req: Request<Incoming>,
 ) -> Response<Body> {
-    if !token.admits(req.headers().get(header::AUTHORIZATION)) {
-        return plain(StatusCode::UNAUTHORIZED, "the agents' token is required");
+    let signed = req.uri().path_and_query().map_or("", |p| p.as_str());
+    let authorization = req.headers().get(header::AUTHORIZATION);
+    if let Err(refusal) = gate.admit(req.method().as_str(), signed, authorization) {
+        return plain(StatusCode::UNAUTHORIZED, &refusal.to_string());
     }
     if req.method() != Method::GET {
         return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET");
@@ -355,15 +320,5 @@ mod tests {
         assert_eq!(route("/v1/swarms/ab12/pieces/x"), None);
         assert_eq!(route("/v1/swarms//pieces/1"), None);
         assert_eq!(route("/v1/swarms/ab12/files/1"), None);
-    }
-
-    #[test]
-    fn the_token_is_admitted_only_whole() {
-        let token = Token::new("a-long-shared-secret");
-        let h = |s: &str| header::HeaderValue::from_str(s).unwrap();
-        assert!(token.admits(Some(&h(&token.header()))));
-        assert!(!token.admits(Some(&h("Bearer a-long-shared-secre"))));
-        assert!(!token.admits(Some(&h("a-long-shared-secret"))));
-        assert!(!token.admits(None));
     }
 }

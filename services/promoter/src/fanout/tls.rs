@@ -1,6 +1,6 @@
 //! TLS between agents (`[service.fanout.tls]`): every agent presents a certificate signed by
 //! the cluster's agent CA, as server and as client, and accepts only peers that do — mutual
-//! TLS, with the agents' token still required inside it. One certificate may serve every
+//! TLS, with every request still signed with the agents' secret inside it. One certificate may serve every
 //! agent (the name it carries given as `server_name`), since agents are dialed by address.
 
 use std::path::{Path, PathBuf};
