@@ -114,7 +114,10 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "replica.created" => &[Promoter, Demoter],
         "replica.removed" => &[Demoter],
         "replica.damaged" => &[Promoter, Demoter],
-        "replica.verified" | "replica.repaired" | "replica.unreachable" => &[Demoter],
+        // The scrub repairs capacity and backup copies; the promoter the hot and node-local
+        // copies it wrote, when jobs hold them.
+        "replica.repaired" => &[Promoter, Demoter],
+        "replica.verified" | "replica.unreachable" => &[Demoter],
         // A step committed in parts on node-local tiers is announced whole by a node's agent
         // once every part is offloaded (`services/promoter`, "Checkpoints offloaded").
         "checkpoint.committed" => &[Trainer, Promoter],

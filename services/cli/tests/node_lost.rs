@@ -5,7 +5,8 @@
 //! `agent_silent_after`, and its copies become unreachable — `stage where` lists only node A
 //! (B among the unusable, with why), the catalogue's tier usage no longer counts B's bytes,
 //! `stagehand status` names B. One file of B's copy of one version is rewritten while B is
-//! away; B's agent starts again: the intact copy is usable again, the rewritten one `damaged`.
+//! away; B's agent starts again: the intact copy is usable again, the rewritten one is found
+//! `damaged` and, as a job still holds it, copied anew by B's agent at once.
 
 mod common;
 
@@ -250,18 +251,48 @@ async fn a_silent_nodes_copies_are_unreachable_and_come_back_verified() -> anyho
         (copies(&stage_where(&sh.url, &kept_target)?).0 == both).then_some(())
     })
     .await?;
-    let answer = wait_for(WAIT, "node B's rewritten copy damaged", || async {
-        let answer = stage_where(&sh.url, &changed_target)?;
-        let (usable, unusable) = copies(&answer);
-        (usable == [NODE_A]
-            && unusable
-                .iter()
-                .any(|(n, s, _)| n == NODE_B && s == "damaged"))
-        .then_some(answer)
+    // The rewritten copy is found damaged by its fingerprint; a job still holds it, so B's own
+    // agent copies the rewritten file anew at once, and the copy is listed usable again.
+    let js = sh.bus.jetstream();
+    let on_b = |node: &Option<String>, dataset: &str| {
+        node.as_deref() == Some(NODE_B) && dataset == "changed"
+    };
+    let repaired = wait_for(WAIT, "node B's rewritten copy repaired", || async {
+        stagehand_testkit::stored_facts(js, "replica.repaired")
+            .await
+            .into_iter()
+            .find_map(|e| match e.body {
+                stagehand_schemas::Body::ReplicaRepaired(r) if on_b(&r.node, &r.dataset) => Some(r),
+                _ => None,
+            })
     })
     .await?;
-    let (_, unusable) = copies(&answer);
-    ensure!(unusable[0].2.contains("s0.tar"), "{answer}");
+    ensure!(
+        repaired.repaired == ["s0.tar"] && repaired.from_tier != "local",
+        "{repaired:?}"
+    );
+    let damaged: Vec<_> = stagehand_testkit::stored_facts(js, "replica.damaged")
+        .await
+        .into_iter()
+        .filter_map(|e| match e.body {
+            stagehand_schemas::Body::ReplicaDamaged(d) if on_b(&d.node, &d.dataset) => Some(d),
+            _ => None,
+        })
+        .collect();
+    ensure!(
+        damaged
+            .first()
+            .is_some_and(|d| d.files.iter().any(|f| f.path == "s0.tar")),
+        "{damaged:?}"
+    );
+    ensure!(
+        std::fs::read(&file)? == [9u8; 10_000],
+        "node B's copy holds the rewritten bytes still"
+    );
+    wait_for(WAIT, "node B's repaired copy usable", || async {
+        (copies(&stage_where(&sh.url, &changed_target)?).0 == both).then_some(())
+    })
+    .await?;
     // Nothing is unreachable any more.
     wait_for(WAIT, "status no longer naming node B", || async {
         node_findings(&status(&sh).ok()?).is_empty().then_some(())

@@ -13,7 +13,7 @@ use std::process::{Command, Output};
 use anyhow::{Context, ensure};
 use common::{PROJECT, Stagehand, WAIT};
 use serde_json::Value;
-use stagehand::stage::{EX_NOWHERE, RequestOptions, Stage, WaitOutcome};
+use stagehand::stage::{EX_NOWHERE, RequestOptions, Stage, StageState, WaitOutcome};
 use stagehand_schemas::{Body, DamagedFile, Event, EventId, Location, ReplicaDamaged};
 use stagehand_testkit::wait_for;
 
@@ -213,7 +213,14 @@ async fn a_node_holding_a_verified_copy_is_listed_until_it_is_found_damaged() ->
         said(&out)
     );
 
-    // A scrub reads the copy back and finds a file rotten: it publishes `replica.damaged`.
+    // The job ends and releases the copy (one a job holds would be repaired at once by its
+    // agent); later a scrub reads the copy back and finds a file rotten: it publishes
+    // `replica.damaged`, and the copy stays withdrawn until a request repairs it.
+    stagehand::stage::release(&sh.bus, &stage).await?;
+    sh.status_where(&stage, "the stage released", |s| {
+        s.state == StageState::Released
+    })
+    .await?;
     sh.bus
         .publish(&Event::request(
             EventId::random(),

@@ -23,7 +23,7 @@
 //! | task | consumer | what |
 //! | --- | --- | --- |
 //! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` |
-//! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`: wake the requests this instance holds |
+//! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`, `replica.repaired`: wake the requests this instance holds; `replica.damaged` of a copy it writes that a job holds: repaired now (`promoter/repair.rs`) |
 //! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
 //! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
@@ -60,7 +60,8 @@ use stagehand_policy::{Opening, Policies, PolicyError, TierRole};
 use stagehand_schemas::{Event, Retryable, subject};
 
 pub use promoter::{
-    Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_replica, step_returned,
+    Parts, Promoter, STEP_FAILED, STEP_READY, step_pending, step_repaired, step_replica,
+    step_returned,
 };
 pub use reuse::step_damaged;
 
@@ -208,6 +209,10 @@ impl Settings {
             "dataset.rejected",
             "replica.created",
             "replica.removed",
+            // A copy this instance writes found damaged: repaired now if a job holds it
+            // (`promoter/repair.rs`); a repaired one wakes who waited for the repair.
+            "replica.damaged",
+            "replica.repaired",
             // An operator's cancel of a stage (`stagehand stage cancel`).
             "operator.action",
         ];
@@ -384,7 +389,8 @@ impl Retryable for PromoterError {
     /// Whether starting again unchanged can succeed.
     fn is_retryable(&self) -> bool {
         match self {
-            PromoterError::Policy(_) | PromoterError::Mover(_) | PromoterError::Fanout(_) => false,
+            PromoterError::Policy(_) | PromoterError::Mover(_) => false,
+            PromoterError::Fanout(e) => e.is_retryable(),
             PromoterError::State(e) => e.is_retryable(),
             PromoterError::Bus(e) => e.is_retryable(),
             PromoterError::Service(e) => e.is_retryable(),

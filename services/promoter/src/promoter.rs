@@ -29,11 +29,13 @@ mod in_flight;
 mod leave_node;
 mod liveness;
 mod offload;
+mod repair;
 mod requests;
 mod reservations;
 
 pub(crate) use copying::CopyFailed;
 pub use liveness::step_returned;
+pub use repair::step_repaired;
 
 /// How long a copy that failed for good answers the requests that waited for it.
 const FAILED_COPY_REMEMBERED: Duration = Duration::from_secs(60);

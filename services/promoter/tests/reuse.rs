@@ -342,3 +342,144 @@ async fn a_replica_recorded_damaged_is_verified_by_hash_even_when_its_fingerprin
     .unwrap();
     stack.stop().await;
 }
+
+/// `replica.damaged` of the hot copy of `version`, as the scrub states it: `path` read back
+/// and not hashing to its SHA-256. `n` tells two damages of the same copy apart.
+fn scrubbed_damaged(version: &str, path: &str, n: u8) -> Event {
+    let replica = format!("{PROJECT}/cats/{version}");
+    Event::request(
+        stagehand_schemas::EventId::for_content(&[b"scrub", replica.as_bytes(), &[n]]),
+        PROJECT,
+        Body::ReplicaDamaged(stagehand_schemas::ReplicaDamaged {
+            dataset: "cats".into(),
+            version: version.to_owned(),
+            location: stagehand_schemas::Location {
+                tier: "hot".into(),
+                prefix: replica,
+            },
+            node: None,
+            found_by: "scrub".into(),
+            files: vec![stagehand_schemas::DamagedFile {
+                path: path.into(),
+                how: "hash".into(),
+                expected_size: None,
+                found_size: None,
+            }],
+            damaged_total: 1,
+            reason: "read back by a scrub".into(),
+        }),
+    )
+}
+
+/// Flips one byte of `path` in place.
+fn flip_byte(path: &Path, at: usize) {
+    writable(path);
+    let mut b = std::fs::read(path).unwrap();
+    b[at] ^= 0x08;
+    std::fs::write(path, b).unwrap();
+}
+
+/// Every `replica.repaired` of a hot copy stored so far.
+async fn hot_repairs(
+    js: &async_nats::jetstream::Context,
+) -> Vec<stagehand_schemas::ReplicaRepaired> {
+    all_facts(js)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.body {
+            Body::ReplicaRepaired(r) if r.location.tier == "hot" => Some(r),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_copy_a_job_holds_is_repaired_at_once_and_one_nobody_holds_waits_for_a_request() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let files = files();
+    let (prefix, refs) = stack.put_files("capacity", "cats", "v1", &files);
+    let version = stack.validated("cats", "capacity", &prefix, &refs).await;
+    let js = stack.bus.jetstream().clone();
+    let held = stage_request("cats", &version, "hot", "job-1", None, None);
+    stack.publish(&held).await;
+    let set = std::path::PathBuf::from(ready_path(&ready_of(&stack, &held).await));
+
+    // job-1 still holds the copy when the scrub finds a file rotted: with no new request, the
+    // promoter repairs it from capacity and readiness returns.
+    let rotted = set.join("train/0002.jpg");
+    flip_byte(&rotted, 4321);
+    stack
+        .publish(&scrubbed_damaged(&version, "train/0002.jpg", 1))
+        .await;
+    let repaired = wait_for(WAIT, "replica.repaired of the held copy", || async {
+        hot_repairs(&js).await.pop()
+    })
+    .await
+    .unwrap();
+    assert_eq!(repaired.from_tier, "capacity");
+    assert_eq!(repaired.repaired, vec!["train/0002.jpg".to_owned()]);
+    assert_eq!(
+        repaired.repaired_total, 1,
+        "only the damaged file is copied"
+    );
+    assert_eq!(std::fs::read(&rotted).unwrap(), files[1].1);
+    assert_eq!(tree(&set), {
+        let mut names: Vec<String> = files.iter().map(|(n, _)| n.to_string()).collect();
+        names.sort();
+        names
+    });
+    wait_for(WAIT, "readiness ready again", || async {
+        readiness(&stack, &version).await.filter(|r| r.ready)
+    })
+    .await
+    .unwrap();
+
+    // Released, the copy rots again: nobody holds it, so it is left withdrawn (no hot bytes
+    // spent on a version nobody asked for again) until a request repairs it on its way.
+    stack
+        .publish(&stage_release("cats", &version, "hot", "job-1"))
+        .await;
+    let catalogue = stagehand_catalogue::Catalogue::new(stack.bus.client().clone());
+    let placed = stagehand_catalogue::views::Placed {
+        project: PROJECT.into(),
+        dataset: "cats".into(),
+        version: version.clone(),
+        prefix: format!("{PROJECT}/cats/{version}"),
+        files: files.len() as u64,
+        bytes: 0,
+        made_at: None,
+        durable_elsewhere: false,
+        verified_by: None,
+        last_verified: None,
+    };
+    wait_for(WAIT, "job-1's release folded", || async {
+        let holds = stagehand_catalogue::views::holds(&catalogue, &placed, "hot", None).await;
+        holds.ok().filter(|h| h.live_jobs.is_empty())
+    })
+    .await
+    .unwrap();
+    flip_byte(&rotted, 17);
+    stack
+        .publish(&scrubbed_damaged(&version, "train/0002.jpg", 2))
+        .await;
+    let facts_consumer = "promoter-facts-a";
+    wait_for(WAIT, "the promoter handled the second damage", || async {
+        let facts = js.get_stream(subject::FACTS.name).await.ok()?;
+        let info = facts.consumer_info(facts_consumer).await.ok()?;
+        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        hot_repairs(&js).await.len(),
+        1,
+        "a copy nobody holds is not repaired"
+    );
+    assert_ne!(std::fs::read(&rotted).unwrap(), files[1].1);
+    let next = stage_request("cats", &version, "hot", "job-2", None, None);
+    stack.publish(&next).await;
+    ready_of(&stack, &next).await;
+    assert_eq!(std::fs::read(&rotted).unwrap(), files[1].1);
+    stack.stop().await;
+}

@@ -10,6 +10,7 @@
 pub mod attacks;
 pub mod fanout;
 pub mod shipped;
+pub mod slurm;
 pub mod tenants;
 
 use std::net::SocketAddr;
@@ -327,11 +328,21 @@ impl Stagehand {
     /// own NVMe); returns the node's policy folder (the stack's, its `local` root changed),
     /// for the node's own `stagehand` commands.
     pub fn start_node_agent(&mut self, node: &str) -> anyhow::Result<PathBuf> {
+        self.start_node_agent_with(node, |_| {})
+    }
+
+    /// [`Stagehand::start_node_agent`] with its settings changed by `tune` (fan-out on, say).
+    pub fn start_node_agent_with(
+        &mut self,
+        node: &str,
+        tune: impl FnOnce(&mut stagehand_promoter::Settings),
+    ) -> anyhow::Result<PathBuf> {
         let home = self.home.path().to_owned();
         let policies = self.write_node_policies(node)?;
         let mut settings = stagehand_promoter::Settings::dev(&home, &policies);
         settings.node = Some(node.to_owned());
         settings.state_dir = home.join("state").join(format!("promoter-{node}"));
+        tune(&mut settings);
         let mut running = spawn(
             &self.bus_config,
             stagehand_promoter::SERVICE,

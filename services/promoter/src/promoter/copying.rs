@@ -31,6 +31,33 @@ use super::clock::deadline_reason;
 use super::in_flight::{Held, request_key};
 use super::{FAILED_COPY_REMEMBERED, Promoter, retry, step_replica};
 
+/// What a copy is for and where it goes: a stage request's copy, or the repair of a damaged
+/// copy this promoter made (`promoter/repair.rs`), which no request asked for.
+pub(super) struct CopyFor<'a> {
+    pub project: &'a str,
+    pub dataset: &'a str,
+    pub tier: &'a str,
+    pub node: Option<&'a str>,
+    /// Who holds the copy's lease: the request's id, or the damage fact's.
+    pub holder: &'a EventId,
+    /// The request whose progress the copy reports (to its waiters and the copy book);
+    /// none for a repair.
+    pub request: Option<&'a RequestRecord>,
+}
+
+impl<'a> CopyFor<'a> {
+    pub fn request(record: &'a RequestRecord, request: &'a StageRequested) -> CopyFor<'a> {
+        CopyFor {
+            project: &record.event.project,
+            dataset: &request.dataset,
+            tier: &request.tier,
+            node: request.node.as_deref(),
+            holder: &record.event.id,
+            request: Some(record),
+        }
+    }
+}
+
 impl Promoter {
     pub(super) fn limits(&self, tier: &str, project: &str) -> Limits {
         let limits = self.tier_policy(tier).and_then(|t| t.limits.as_ref());
@@ -347,7 +374,14 @@ impl Promoter {
         };
         let copy_started = Instant::now();
         let outcome = Box::pin(self.run_copy(
-            record, request, plan, dst, prefix, src_tier, src_prefix, revision, &cancel, ctx,
+            &CopyFor::request(record, request),
+            plan,
+            dst,
+            prefix,
+            (src_tier, src_prefix),
+            revision,
+            &cancel,
+            ctx,
         ))
         .await;
         drop(booked);
@@ -523,31 +557,29 @@ impl Promoter {
     /// Stages every file under the hidden staging folder, then publishes the set, reporting
     /// progress about once a second and renewing the lease.
     #[allow(clippy::too_many_arguments)]
-    async fn run_copy(
+    pub(super) async fn run_copy(
         &self,
-        record: &RequestRecord,
-        request: &StageRequested,
+        job: &CopyFor<'_>,
         plan: &Plan,
         dst: &Tier,
         prefix: &str,
-        src_tier: &str,
-        src_prefix: &str,
+        (src_tier, src_prefix): (&str, &str),
         revision: &mut u64,
         cancel: &CancellationToken,
         ctx: Option<&WorkContext>,
     ) -> Result<stagehand_mover::SetReport, CopyFailed> {
-        let project = record.event.project.as_str();
+        let project = job.project;
         let Some(src) = self.p().tiers.get(src_tier) else {
             return Err(CopyFailed::Fail {
                 reason: format!("source tier {src_tier:?} is not open"),
                 retryable: false,
             });
         };
-        let manifest = self.manifest(project, &request.dataset, plan).await?;
+        let manifest = self.manifest(project, job.dataset, plan).await?;
         // Jobs of every project read a hot or local tier: the set is published read-only and
         // readable by its project's group only (tiers.toml `[groups]`).
         let dst = &dst.with_access(
-            self.tier_policy(&request.tier)
+            self.tier_policy(job.tier)
                 .and_then(|t| t.set_access(project)),
         );
         // Several nodes staging the same version read it from the shared tier about once
@@ -561,7 +593,7 @@ impl Promoter {
             {
                 Some((
                     f,
-                    Fanout::swarm(&request.tier, project, &request.dataset, &plan.version),
+                    Fanout::swarm(job.tier, project, job.dataset, &plan.version),
                 ))
             }
             _ => None,
@@ -601,7 +633,7 @@ impl Promoter {
         // A lost lease stops this copy only (its staging folder kept for whoever holds the
         // lease now); `cancel`, the operator's, stops it too.
         let stop = cancel.child_token();
-        let node = request.node.as_deref();
+        let node = job.node;
         let mover = &self.p().mover;
         let staging = async {
             let (fanout, swarm, files) = match listing {
@@ -660,18 +692,23 @@ impl Promoter {
         let mut last_renew = Instant::now();
         let mut tick = tokio::time::interval(self.p().progress_every);
         tick.tick().await;
-        let subject = progress_subject("stage.requested", project, &record.event.id);
+        let reported = job.request.map(|record| {
+            let subject = progress_subject("stage.requested", project, &record.event.id);
+            (record, subject)
+        });
         let staged = loop {
             tokio::select! {
                 r = &mut staging => break r,
                 _ = tick.tick() => {
-                    self.inner.book.progressed(&request_key(record), progress.bytes_done());
-                    self.report(&subject, &record.event.id, &progress, started).await;
+                    if let Some((record, subject)) = &reported {
+                        self.inner.book.progressed(&request_key(record), progress.bytes_done());
+                        self.report(subject, &record.event.id, &progress, started).await;
+                    }
                     if let Some(ctx) = ctx && let Err(e) = ctx.progress().await {
                         debug!(error = %e, "progress ack failed");
                     }
                     if last_renew.elapsed() >= lease_every {
-                        match self.p().coordination.renew(&request.tier, node, prefix, record.event.id.as_str(), *revision).await {
+                        match self.p().coordination.renew(job.tier, node, prefix, job.holder.as_str(), *revision).await {
                             Ok(rev) => { *revision = rev; last_renew = Instant::now(); }
                             Err(e) => {
                                 warn!(error = %e, %prefix, "copy lease lost; stopping this copy (its staging folder is kept)");
@@ -687,8 +724,10 @@ impl Promoter {
             // The list ended early: publishing now would publish part of the version.
             return Err(manifest_failed(plan, e));
         }
-        self.report(&subject, &record.event.id, &progress, started)
-            .await;
+        if let Some((record, subject)) = &reported {
+            self.report(subject, &record.event.id, &progress, started)
+                .await;
+        }
         let report = staged
             .publish()
             .await
@@ -698,16 +737,16 @@ impl Promoter {
         {
             let replica = ReplicaAt {
                 project: project.to_owned(),
-                dataset: request.dataset.clone(),
+                dataset: job.dataset.to_owned(),
                 version: plan.version.clone(),
-                tier: request.tier.clone(),
+                tier: job.tier.to_owned(),
                 prefix: prefix.to_owned(),
             };
             fanout.published(swarm, published, replica);
         }
         crate::reuse::record(
             self.p().coordination.store(),
-            (&request.tier, node),
+            (job.tier, node),
             prefix,
             &report,
         )

@@ -98,6 +98,9 @@ impl Promoter {
         if let Body::OperatorAction(a) = &event.body {
             return self.on_operator_action(event, a).await;
         }
+        if let Body::ReplicaDamaged(d) = &event.body {
+            return self.on_damaged(event, d, ctx).await;
+        }
         let project = event.project.clone();
         let note = match &event.body {
             Body::DatasetValidated(p) => FactNote {
@@ -129,6 +132,16 @@ impl Promoter {
                 }),
             },
             Body::ReplicaCreated(p) => FactNote {
+                project,
+                dataset: p.dataset.clone(),
+                replica: self
+                    .follows(&p.location.tier, p.node.as_deref())
+                    .then(|| (p.location.tier.clone(), p.location.prefix.clone(), true)),
+                ..FactNote::default()
+            },
+            // A repaired copy is present again, as a created one: the requests that waited
+            // for its repair's copy are answered from it.
+            Body::ReplicaRepaired(p) => FactNote {
                 project,
                 dataset: p.dataset.clone(),
                 replica: self
