@@ -515,39 +515,31 @@ impl Bus {
                 self.settle(&stream_name, self.replicas).await;
                 Ok(())
             }
-            Err(e) => match e.kind() {
-                jetstream::context::GetStreamErrorKind::JetStream(js)
-                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-                {
-                    if !self.provision {
-                        return Err(perr(
-                            "it does not exist, and this service does not provision buckets \
-                             (bus.provision = false): run `stagehand provision` as the operator"
-                                .into(),
-                        ));
-                    }
-                    info!(
-                        bucket = %spec.bucket,
-                        replicas = self.replicas,
-                        "creating Object Store bucket"
-                    );
-                    self.js
-                        .create_object_store(object_store::Config {
-                            bucket: spec.bucket.to_string(),
-                            description: Some(spec.description.to_owned()),
-                            max_age: spec.max_age,
-                            max_bytes: spec.stream_max_bytes(),
-                            num_replicas: self.replicas,
-                            storage: stream::StorageType::File,
-                            ..Default::default()
-                        })
-                        .await
-                        .map_err(|e| perr(e.into()))?;
-                    self.settle(&stream_name, self.replicas).await;
-                    Ok(())
+            Err(e) if stream_missing(&e) => {
+                if !self.provision {
+                    return Err(perr(not_provisioned("buckets")));
                 }
-                _ => Err(perr(e.into())),
-            },
+                info!(
+                    bucket = %spec.bucket,
+                    replicas = self.replicas,
+                    "creating Object Store bucket"
+                );
+                self.js
+                    .create_object_store(object_store::Config {
+                        bucket: spec.bucket.to_string(),
+                        description: Some(spec.description.to_owned()),
+                        max_age: spec.max_age,
+                        max_bytes: spec.stream_max_bytes(),
+                        num_replicas: self.replicas,
+                        storage: stream::StorageType::File,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(|e| perr(e.into()))?;
+                self.settle(&stream_name, self.replicas).await;
+                Ok(())
+            }
+            Err(e) => Err(perr(e.into())),
         }
     }
 
@@ -614,21 +606,13 @@ impl Bus {
                 self.settle(spec.name, wanted.num_replicas).await;
                 Ok(())
             }
-            Err(e) => match e.kind() {
-                jetstream::context::GetStreamErrorKind::JetStream(js)
-                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-                {
-                    if !self.provision {
-                        return Err(perr(
-                            "it does not exist, and this service does not provision streams \
-                             (bus.provision = false): run `stagehand provision` as the operator"
-                                .into(),
-                        ));
-                    }
-                    self.create_stream(spec, wanted).await
+            Err(e) if stream_missing(&e) => {
+                if !self.provision {
+                    return Err(perr(not_provisioned("streams")));
                 }
-                _ => Err(perr(e.into())),
-            },
+                self.create_stream(spec, wanted).await
+            }
+            Err(e) => Err(perr(e.into())),
         }
     }
 
@@ -756,51 +740,43 @@ impl Bus {
                     .await
                     .map_err(|e| perr(e.into()))
             }
-            Err(e) => match e.kind() {
-                jetstream::context::GetStreamErrorKind::JetStream(js)
-                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-                {
-                    if !self.provision {
-                        return Err(perr(
-                            "it does not exist, and this service does not provision buckets \
-                             (bus.provision = false): run `stagehand provision` as the operator"
-                                .into(),
-                        ));
-                    }
-                    info!(
-                        bucket = spec.bucket,
-                        replicas = self.replicas,
-                        "creating KV bucket"
-                    );
-                    // Services that share a bucket (the promoter and the demoter) create it
-                    // at the same start, and a replicated create can outlast the request
-                    // timeout while a cluster is busy and still happen. So a failed create
-                    // looks for the bucket before trying again, a bounded number of times.
-                    let create = || async {
-                        match self.js.create_key_value(wanted.clone()).await {
-                            Ok(store) => Ok(store),
-                            Err(create_error) => match self.js.get_key_value(spec.bucket).await {
-                                Ok(store) => Ok(store),
-                                Err(_) => Err(perr(create_error.into())),
-                            },
-                        }
-                    };
-                    create
-                        .retry(
-                            RetrySchedule::exponential(
-                                Duration::from_millis(200),
-                                Duration::from_secs(2),
-                            )
-                            .delays()
-                            .times(4),
-                        )
-                        .notify(|e, delay| {
-                            warn!(error = %e, ?delay, "creating a KV bucket failed; retrying")
-                        })
-                        .await
+            Err(e) if stream_missing(&e) => {
+                if !self.provision {
+                    return Err(perr(not_provisioned("buckets")));
                 }
-                _ => Err(perr(e.into())),
-            },
+                info!(
+                    bucket = spec.bucket,
+                    replicas = self.replicas,
+                    "creating KV bucket"
+                );
+                // Services that share a bucket (the promoter and the demoter) create it
+                // at the same start, and a replicated create can outlast the request
+                // timeout while a cluster is busy and still happen. So a failed create
+                // looks for the bucket before trying again, a bounded number of times.
+                let create = || async {
+                    match self.js.create_key_value(wanted.clone()).await {
+                        Ok(store) => Ok(store),
+                        Err(create_error) => match self.js.get_key_value(spec.bucket).await {
+                            Ok(store) => Ok(store),
+                            Err(_) => Err(perr(create_error.into())),
+                        },
+                    }
+                };
+                create
+                    .retry(
+                        RetrySchedule::exponential(
+                            Duration::from_millis(200),
+                            Duration::from_secs(2),
+                        )
+                        .delays()
+                        .times(4),
+                    )
+                    .notify(|e, delay| {
+                        warn!(error = %e, ?delay, "creating a KV bucket failed; retrying")
+                    })
+                    .await
+            }
+            Err(e) => Err(perr(e.into())),
         }
     }
 
@@ -995,6 +971,31 @@ pub(crate) fn headers_for(id: &str, cx: &opentelemetry::Context) -> HeaderMap {
     headers.insert(MSG_ID_HEADER, id);
     stagehand_telemetry::inject_context(cx, &mut headers);
     headers
+}
+
+/// Why a service with `bus.provision = false` stops at a stream or bucket that is not there.
+fn not_provisioned(what: &str) -> BoxError {
+    format!(
+        "it does not exist, and this service does not provision {what} (bus.provision = false): \
+         run `stagehand provision` as the operator"
+    )
+    .into()
+}
+
+/// Whether `e` says the stream does not exist (as opposed to a server that did not answer).
+pub fn stream_missing(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(js)
+        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+/// Whether `e` says the KV bucket does not exist: a missing bucket is an answer ("none"), a
+/// timeout or a refusal is not.
+pub fn bucket_missing(e: &jetstream::context::KeyValueError) -> bool {
+    use std::error::Error as _;
+    e.kind() == jetstream::context::KeyValueErrorKind::GetBucket
+        && e.source()
+            .and_then(|s| s.downcast_ref::<jetstream::context::GetStreamError>())
+            .is_some_and(stream_missing)
 }
 
 /// The JetStream configuration of a declared stream.

@@ -70,7 +70,7 @@ pub use bus::{
     Bus, CLAIMS, CLAIMS_BUCKET, CLAIMS_MAX_AGE, HEARTBEATS, HEARTBEATS_BUCKET, KV_BUCKETS, KvSpec,
     MSG_ID_HEADER, OBJECT_BUCKETS, PROMOTER, PROMOTER_BUCKET, PublishAck, READINESS,
     READINESS_BUCKET, SERVICE_KV_BUCKETS, STAGES, STAGES_BUCKET, SWARMS, SWARMS_BUCKET,
-    stream_config,
+    bucket_missing, stream_config, stream_missing,
 };
 pub use claim::{Claim, Claims, Commit, Lease, LeaseError};
 pub use config::{

@@ -10,7 +10,12 @@
 //! - **dead letters** per service that still wait (not replayed);
 //! - **tiers** above their high watermark and projects above 90 % of their quota (when the
 //!   policies are at hand), nodes whose agent is silent (their local copies unreachable:
-//!   `runbooks/node-lost.md`), and the facts the catalogue could not fold.
+//!   `runbooks/node-lost.md`), and the facts the catalogue could not fold;
+//! - **the scrub** behind its period on a tier ([`scrub_behind`]: `runbooks/scrub-behind.md`)
+//!   and **S3 tiers** that do not answer a HEAD request in this shell's credentials
+//!   (`runbooks/s3-tier-unreachable.md`);
+//! - **fan-out**: nodes a fan-out dropped for serving bytes that did not verify, until their
+//!   own copy is read whole again (`runbooks/fanout-peer-dropped.md`).
 //!
 //! `--actions` lists instead every operator action the catalogue keeps (`operator.action`
 //! facts: stages cancelled, dead letters discarded or replayed), newest first ([`actions`]).
@@ -63,8 +68,8 @@ pub struct StatusOptions {
 /// Something that needs a person: what, where, and what to run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
-    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `node`,
-    /// `drill`, `checkpoint` or `catalogue`.
+    /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `scrub`,
+    /// `node`, `fanout`, `drill`, `checkpoint` or `catalogue`.
     pub area: &'static str,
     /// What it is about: a service instance, a consumer, a stage request, a tier.
     pub subject: String,
@@ -222,10 +227,15 @@ pub async fn gather(
         None => None,
     };
     let (mut tier_lines, mut damaged, mut drill_lines) = (Vec::new(), Vec::new(), None);
+    let mut unprobed = Vec::new();
     if let Some(policies) = &policies {
         tier_lines = tiers(catalogue, policies, &mut findings).await?;
         damaged = damage(catalogue, policies, now, &mut findings).await?;
+        unreachable_s3_tiers(policies, &mut findings, &mut unprobed).await;
         unreachable_nodes(catalogue, policies, &mut findings).await?;
+        if let Err(e) = dropped_peers(bus, catalogue, policies, now, &mut findings).await {
+            unprobed.push(format!("nodes dropped from a fan-out: {e:#}"));
+        }
         drill_lines = drills(catalogue, policies, now, &mut findings).await?;
         offloads(bus, catalogue, policies, now, &mut findings).await?;
     }
@@ -239,6 +249,7 @@ pub async fn gather(
     } else if drill_lines.is_none() {
         not_checked.push("restore drills: no backup.toml".into());
     }
+    not_checked.extend(unprobed);
     Ok(Report {
         needs_person: !findings.is_empty(),
         findings,
@@ -385,12 +396,8 @@ async fn consumers(
             }
             let waiting = info.num_pending > 0 || info.num_ack_pending > 0;
             let oldest_seconds = if waiting {
-                // The first message not acknowledged follows the ack floor; one that is gone
-                // (deleted, or not of this consumer's subjects) leaves the age unknown.
-                stream
-                    .get_raw_message(info.ack_floor.stream_sequence + 1)
+                oldest_waiting(&stream, &info)
                     .await
-                    .ok()
                     .map(|m| age(m.time, now))
             } else {
                 None
@@ -421,6 +428,44 @@ async fn consumers(
         }
     }
     Ok(out)
+}
+
+/// The subjects a consumer reads: its filter subject(s), or every subject of its stream.
+fn filter_subjects(config: &async_nats::jetstream::consumer::Config) -> Vec<String> {
+    let mut subjects: Vec<String> = (config.filter_subjects.iter())
+        .chain(std::iter::once(&config.filter_subject))
+        .filter(|s| !s.is_empty())
+        .cloned()
+        .collect();
+    if subjects.is_empty() {
+        subjects.push(">".into());
+    }
+    subjects
+}
+
+/// The oldest message a consumer has not acknowledged: the first one after its ack floor of
+/// its own filter subjects (the earliest over them when it has several). The message right
+/// after the floor may be of another subject of the stream, perhaps much older, which the
+/// consumer never reads. `None` when none is left (deleted, or the stream's limits dropped it).
+/// One direct get per filter subject (`next_by_subj`), answered by any replica.
+pub async fn oldest_waiting(
+    stream: &async_nats::jetstream::stream::Stream,
+    info: &async_nats::jetstream::consumer::Info,
+) -> Option<async_nats::jetstream::message::StreamMessage> {
+    let after_floor = info.ack_floor.stream_sequence + 1;
+    let mut oldest: Option<async_nats::jetstream::message::StreamMessage> = None;
+    for subject in filter_subjects(&info.config) {
+        let Ok(m) = stream
+            .direct_get_next_for_subject(subject, Some(after_floor))
+            .await
+        else {
+            continue;
+        };
+        if oldest.as_ref().is_none_or(|o| m.sequence < o.sequence) {
+            oldest = Some(m);
+        }
+    }
+    oldest
 }
 
 fn stage_subject(s: &StageStatus) -> String {
@@ -468,7 +513,7 @@ async fn stages(
                 human_age(age(s.updated_at, now)),
                 s.reason.as_deref().unwrap_or("no reason given")
             ),
-            run: stage_command(s),
+            run: format!("{} (runbooks/stage-failed.md)", stage_command(s)),
         });
     }
     for s in &pending.items {
@@ -647,11 +692,20 @@ async fn damage(
     findings: &mut Vec<Finding>,
 ) -> anyhow::Result<Vec<DamagedLine>> {
     let mut out = Vec::new();
+    let scrub = policies.scrub();
     for tier in policies.tiers().keys() {
+        // A scrubbed tier is asked for what was verified within its period too (one question).
+        let period = scrub.and_then(|p| p.period.get(tier).map(|d| (*d, p.check_every)));
+        let since = period.map_or(now, |(period, _)| {
+            now - time::Duration::try_from(period).unwrap_or(time::Duration::MAX)
+        });
         let s = catalogue
-            .scrub_status(tier, now, Some(LISTED))
+            .scrub_status(tier, since, Some(LISTED))
             .await
             .with_context(|| format!("the damaged copies on tier {tier}"))?;
+        if let Some((period, check_every)) = period {
+            findings.extend(scrub_behind(&s, period, check_every, now));
+        }
         for r in &s.damaged {
             let node = r
                 .node
@@ -694,6 +748,113 @@ async fn damage(
         }
     }
     Ok(out)
+}
+
+/// The scrub is behind on a tier when its oldest copy went unverified (since its last
+/// verification, else its making: the catalogue's `oldest`) longer than the tier's period plus
+/// two of the scrub's `check_every`: a copy falls due at its period, and a scrub keeping up
+/// finds it at its next look and reads it before the one after. The finding says the tier's
+/// coverage (its bytes verified within the period) and the oldest copy.
+pub fn scrub_behind(
+    s: &stagehand_catalogue::TierScrub,
+    period: Duration,
+    check_every: Duration,
+    now: OffsetDateTime,
+) -> Option<Finding> {
+    let oldest = s.oldest.as_ref()?;
+    let since = oldest.unverified_since()?;
+    let waited = age(since, now);
+    if waited <= seconds(period.saturating_add(check_every.saturating_mul(2))) {
+        return None;
+    }
+    let coverage = match s.bytes {
+        0 => 1.0,
+        bytes => s.verified_bytes as f64 / bytes as f64,
+    };
+    let copy = format!(
+        "{}/{}@{}{}",
+        oldest.project,
+        oldest.dataset,
+        oldest.version.get(..12).unwrap_or(&oldest.version),
+        (oldest.node.as_deref())
+            .map(|n| format!(" on {n}"))
+            .unwrap_or_default()
+    );
+    let last = match oldest.last_verified {
+        Some(_) => format!("last verified {} ago", human_age(waited)),
+        None => format!("never verified, made {} ago", human_age(waited)),
+    };
+    Some(Finding {
+        area: "scrub",
+        subject: s.tier.clone(),
+        detail: format!(
+            "scrub behind on tier {}: coverage {:.1} % of period {}; oldest {copy}, {last}",
+            s.tier,
+            100.0 * coverage,
+            stagehand_config::format_duration(period)
+        ),
+        run: format!("stagehand scrub status (runbooks/{SCRUB_BEHIND_RUNBOOK})"),
+    })
+}
+
+/// The runbook page of a tier whose scrub is behind its period.
+pub const SCRUB_BEHIND_RUNBOOK: &str = "scrub-behind.md";
+/// The runbook page of an S3 tier that does not answer.
+pub const S3_TIER_UNREACHABLE_RUNBOOK: &str = "s3-tier-unreachable.md";
+/// How long status waits for an S3 tier's answer: the SDK's own retries of a black-holed
+/// endpoint would take 20 s.
+pub const S3_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The key an S3 tier is probed with (a HEAD of it: no object needs to exist).
+const S3_PROBE_KEY: &str = "stagehand-status-probe";
+
+/// Every S3 tier, probed at once with one HEAD request in this shell's credentials (the
+/// services' `AWS_*` environment, or the tier's `profile`): one that cannot be reached (no
+/// connection, DNS, no answer within [`S3_PROBE_TIMEOUT`]) is a finding. One that answers with
+/// another error (refused credentials, most often those of this shell rather than the
+/// services') is said in `unprobed`, not as a finding: the services may well reach it.
+async fn unreachable_s3_tiers(
+    policies: &stagehand_policy::Policies,
+    findings: &mut Vec<Finding>,
+    unprobed: &mut Vec<String>,
+) {
+    use stagehand_mover::{ErrorKind, Tier};
+    let probes = (policies.tiers().values())
+        .filter(|t| matches!(t.kind, stagehand_policy::TierKind::S3(_)))
+        .map(|t| async move {
+            let answer = match t.open() {
+                Ok(Tier::S3(s3)) => {
+                    match tokio::time::timeout(S3_PROBE_TIMEOUT, s3.stat(S3_PROBE_KEY)).await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err(e)) => Err((e.kind == ErrorKind::Unreachable, e.to_string())),
+                        Err(_) => Err((
+                            true,
+                            format!(
+                                "no answer from {} within {}s",
+                                t.location(),
+                                S3_PROBE_TIMEOUT.as_secs()
+                            ),
+                        )),
+                    }
+                }
+                Ok(Tier::Posix(_)) => Ok(()),
+                Err(e) => Err((false, e.to_string())),
+            };
+            (t.name.clone(), answer)
+        });
+    for (tier, answer) in futures::future::join_all(probes).await {
+        match answer {
+            Ok(()) => {}
+            Err((true, error)) => findings.push(Finding {
+                area: "tier",
+                subject: tier.clone(),
+                detail: format!("tier {tier} unreachable: {error}"),
+                run: format!("stagehand dlq list (runbooks/{S3_TIER_UNREACHABLE_RUNBOOK})"),
+            }),
+            Err((false, error)) => {
+                unprobed.push(format!("whether S3 tier {tier} answers: {error}"));
+            }
+        }
+    }
 }
 
 /// Checkpoint steps committed on node-local tiers whose part stayed on its node past
@@ -796,6 +957,127 @@ async fn unreachable_nodes(
                 ),
             });
         }
+    }
+    Ok(())
+}
+
+/// The runbook page of a node that served bytes that did not verify in a fan-out.
+pub const FANOUT_PEER_DROPPED_RUNBOOK: &str = "fanout-peer-dropped.md";
+
+/// `text` without control characters: a report on the board is written by a node agent, and
+/// reaches on-call's terminal and page.
+fn printable(text: &str) -> String {
+    text.chars().filter(|c| !c.is_control()).collect()
+}
+
+/// Nodes that served bytes that did not verify in a fan-out: each report on the board a
+/// finding until that node's own copy of the version is read whole again after the report (a
+/// scrub, a repair, or a copy made anew: `last_verified`, `last_repaired` or `copied`); the
+/// board forgets a swarm a day after (its bucket's `max_age`). The swarm is matched to the
+/// version by the agents' own naming ([`stagehand_promoter::fanout::Fanout::swarm`]) against
+/// the node's copies on the node-local tiers: one catalogue question per reported node and
+/// local tier. No bucket (no node agent ever fanned out): nothing to say.
+async fn dropped_peers(
+    bus: &Bus,
+    catalogue: &Catalogue,
+    policies: &stagehand_policy::Policies,
+    now: OffsetDateTime,
+    findings: &mut Vec<Finding>,
+) -> anyhow::Result<()> {
+    use stagehand_promoter::fanout::Fanout;
+    let store = match bus
+        .jetstream()
+        .get_key_value(stagehand_bus::SWARMS_BUCKET)
+        .await
+    {
+        Ok(store) => store,
+        Err(e) if stagehand_bus::bucket_missing(&e) => return Ok(()),
+        Err(e) => return Err(e).context("the fan-out board"),
+    };
+    let keys: Vec<String> = (store.keys().await.context("the fan-out board's keys")?)
+        .try_collect()
+        .await
+        .context("the fan-out board's keys")?;
+    let local: Vec<&str> = (policies.tiers().values())
+        .filter(|t| t.role == stagehand_policy::TierRole::Local)
+        .map(|t| t.name.as_str())
+        .collect();
+    for key in keys {
+        let mut parts = key.split('.');
+        let (Some("swarm"), Some(swarm), Some("bad"), Some(node), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            continue;
+        };
+        let Some(entry) = store.entry(&key).await.context("a fan-out report")? else {
+            continue;
+        };
+        let Ok(report) =
+            serde_json::from_slice::<stagehand_promoter::fanout::Spoiled>(&entry.value)
+        else {
+            continue;
+        };
+        let mut copy = None;
+        for tier in &local {
+            let copies = catalogue
+                .replicas_on(tier, Some(node), None)
+                .await
+                .with_context(|| format!("the copies of node {node} on tier {tier}"))?;
+            copy = copy.or(copies
+                .into_iter()
+                .find(|r| Fanout::swarm(&r.tier, &r.project, &r.dataset, &r.version) == swarm));
+        }
+        let read_again = copy.as_ref().is_some_and(|r| {
+            [
+                r.last_verified.as_ref().map(|v| v.stamp.at),
+                r.last_repaired.as_ref().map(|v| v.stamp.at),
+                r.copied.as_ref().map(|c| c.at),
+            ]
+            .into_iter()
+            .flatten()
+            .any(|at| at > entry.created)
+        });
+        if read_again {
+            continue;
+        }
+        let (version, run) = match &copy {
+            Some(r) => {
+                let short = r.version.get(..12).unwrap_or(&r.version);
+                (
+                    format!(
+                        " ({}/{}@{short} on {}, its copy {})",
+                        r.project,
+                        r.dataset,
+                        r.tier,
+                        format!("{:?}", r.state).to_lowercase()
+                    ),
+                    format!(
+                        "stagehand catalogue show {}@{short} --project {} (runbooks/{FANOUT_PEER_DROPPED_RUNBOOK})",
+                        r.dataset, r.project
+                    ),
+                )
+            }
+            None => (
+                " (no copy of it on that node in the catalogue)".to_owned(),
+                format!("runbooks/{FANOUT_PEER_DROPPED_RUNBOOK}"),
+            ),
+        };
+        findings.push(Finding {
+            area: "fanout",
+            subject: node.to_owned(),
+            detail: format!(
+                "node {node} served bad bytes in swarm {swarm}{version}: {}: {} (caught by {}, {} ago)",
+                printable(&report.file),
+                printable(&report.why),
+                printable(&report.by),
+                human_age(age(entry.created, now))
+            ),
+            run,
+        });
     }
     Ok(())
 }
@@ -1126,6 +1408,79 @@ mod tests {
         let roomy = OffloadRoom { free: 10, ..full };
         let late = late_offloads(&parts, Duration::from_secs(15 * 60), now, Some(&roomy));
         assert!(!late[0].detail.contains("cannot fit"), "{}", late[0].detail);
+    }
+
+    /// The scrub is behind once its oldest copy waited past the period and two looks; the
+    /// finding says the coverage and names the page.
+    #[test]
+    fn a_copy_unverified_past_its_period_and_two_looks_is_the_scrub_behind() {
+        let now = OffsetDateTime::now_utc();
+        let stamp = |seconds_ago: i64| stagehand_catalogue::Stamp {
+            at: now - time::Duration::seconds(seconds_ago),
+            event_id: stagehand_schemas::EventId::new(format!("e-{seconds_ago}")).unwrap(),
+        };
+        let copy = |made: i64, verified: Option<i64>| stagehand_catalogue::ReplicaRecord {
+            project: "lab".into(),
+            dataset: "owls".into(),
+            version: "ab".repeat(32),
+            tier: "source".into(),
+            node: None,
+            prefix: "lab/owls".into(),
+            state: stagehand_catalogue::ReplicaState::Present,
+            reason: None,
+            stamp: Some(stamp(made)),
+            files: 5,
+            total_bytes: 100,
+            verified_by: None,
+            backup: false,
+            copied: Some(stamp(made)),
+            last_drill: None,
+            last_verified: verified.map(|v| stagehand_catalogue::Verification {
+                files: 5,
+                total_bytes: 100,
+                verified_by: "scrub".into(),
+                stamp: stamp(v),
+            }),
+            last_repaired: None,
+        };
+        let tier = |oldest| stagehand_catalogue::TierScrub {
+            tier: "source".into(),
+            replicas: 2,
+            bytes: 200,
+            verified_replicas: 1,
+            verified_bytes: 100,
+            oldest: Some(oldest),
+            damaged: vec![],
+            damaged_total: 0,
+            repaired_replicas: 0,
+        };
+        let (period, look) = (Duration::from_secs(60), Duration::from_secs(10));
+        // Within the period and two looks: keeping up.
+        assert!(scrub_behind(&tier(copy(3600, Some(75))), period, look, now).is_none());
+        let behind = scrub_behind(&tier(copy(3600, Some(90))), period, look, now).unwrap();
+        assert_eq!(behind.subject, "source");
+        assert!(
+            behind
+                .detail
+                .starts_with("scrub behind on tier source: coverage 50.0 % of period 1m;"),
+            "{}",
+            behind.detail
+        );
+        assert!(
+            behind.run.contains("runbooks/scrub-behind.md"),
+            "{}",
+            behind.run
+        );
+        // Never verified: aged from its making.
+        let never = scrub_behind(&tier(copy(90, None)), period, look, now).unwrap();
+        assert!(never.detail.contains("never verified"), "{}", never.detail);
+        assert!(scrub_behind(&tier(copy(30, None)), period, look, now).is_none());
+    }
+
+    /// A fan-out report reaches the terminal without the escapes an agent could put in it.
+    #[test]
+    fn a_fan_out_report_is_printed_without_control_characters() {
+        assert_eq!(printable("part/1.bin\x1b[2J\n\r"), "part/1.bin[2J");
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! silent service and a crash-looping one each appear with the command to run, and the exit
 //! code is 1; a replayed dead letter no longer counts as waiting. A copy withdrawn as damaged,
 //! a backup whose restore drill failed and one never drilled two intervals after it was made
-//! each need a person too.
+//! each need a person too. A consumer's backlog is aged from its own subjects' oldest waiting
+//! message, not from another subject's message after its ack floor.
 
 mod common;
 
@@ -581,4 +582,207 @@ async fn a_damaged_copy_and_failed_or_overdue_drills_need_a_person_with_their_pa
         "{capacity:#}"
     );
     assert_eq!(row("hot")["damaged_total"], 0, "{rows:#}");
+}
+
+/// Regression: the backlog's age was read from the message right after a consumer's ack
+/// floor, which may be of another subject of the stream (on the requests stream, another
+/// service's), older than anything the consumer waits on. The oldest waiting message is the
+/// first after the floor of the consumer's own filter subjects, the earliest over several.
+#[tokio::test]
+async fn the_oldest_waiting_message_is_of_the_consumers_own_subjects() {
+    use async_nats::jetstream::{self, consumer::pull};
+    use futures::StreamExt;
+    let server = stagehand_testkit::NatsServer::start();
+    let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    let stream = js
+        .create_stream(jetstream::stream::Config {
+            name: stagehand_testkit::unique_name("BACKLOG"),
+            subjects: vec!["old.>".into(), "work.>".into(), "more.>".into()],
+            allow_direct: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // Sequence 1, right after every consumer's ack floor: of a subject none of them reads.
+    for subject in ["old.1", "work.1", "more.1", "work.2"] {
+        js.publish(subject, "x".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let consumer = |name: &str, filters: &[&str]| pull::Config {
+        durable_name: Some(name.into()),
+        filter_subjects: filters.iter().map(|s| (*s).to_owned()).collect(),
+        ..Default::default()
+    };
+    let oldest = |name: &'static str| {
+        let stream = stream.clone();
+        async move {
+            let info = stream.consumer_info(name).await.unwrap();
+            stagehand::status::oldest_waiting(&stream, &info)
+                .await
+                .map(|m| (m.sequence, m.subject.to_string()))
+        }
+    };
+    let worker = stream
+        .create_consumer(pull::Config {
+            filter_subject: "work.>".into(),
+            ..consumer("worker", &[])
+        })
+        .await
+        .unwrap();
+    for (name, filters) in [
+        ("both", &["more.>", "work.>"][..]),
+        ("idle", &["none.>"][..]),
+        ("all", &[][..]),
+    ] {
+        stream
+            .create_consumer(consumer(name, filters))
+            .await
+            .unwrap();
+    }
+    assert_eq!(oldest("worker").await, Some((2, "work.1".into())));
+    // Of several filter subjects, the earliest message over them, whatever their order.
+    assert_eq!(oldest("both").await, Some((2, "work.1".into())));
+    assert_eq!(oldest("idle").await, None);
+    // A consumer of every subject waits on the stream's first message.
+    assert_eq!(oldest("all").await, Some((1, "old.1".into())));
+
+    // work.1 acknowledged: the floor moves to 2; sequence 3 (more.1) is not the worker's.
+    let mut batch = worker.fetch().max_messages(1).messages().await.unwrap();
+    let first = batch.next().await.unwrap().unwrap();
+    assert_eq!(first.subject.as_str(), "work.1");
+    first.double_ack().await.unwrap();
+    assert_eq!(oldest("worker").await, Some((4, "work.2".into())));
+}
+
+/// A node another agent caught serving bytes that did not verify in a fan-out (its
+/// `swarm.<s>.bad.<node>` key, as the agents write it) needs a person, named with the version
+/// its swarm is of and the page, until that node's own copy is read whole again after the
+/// report. A report of a swarm the catalogue knows no copy of stays named with the page alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_that_served_bad_bytes_needs_a_person_until_its_copy_is_read_again() {
+    use stagehand_promoter::fanout::Fanout;
+    use stagehand_schemas::ReplicaVerified;
+    let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let policy_dir = dir.path().join("policies");
+    let root = dir.path().join("tiers");
+    policies(&policy_dir, &root);
+    std::fs::create_dir_all(root.join("local")).unwrap();
+    let tiers = std::fs::read_to_string(policy_dir.join("tiers.toml")).unwrap();
+    std::fs::write(
+        policy_dir.join("tiers.toml"),
+        format!(
+            "{tiers}\n[tiers.local]\nkind = \"posix\"\nrole = \"local\"\nfailure_domain = \"nvme\"\nroot = \"{}\"\ncapacity = \"1 GiB\"\n",
+            root.join("local").display()
+        ),
+    )
+    .unwrap();
+    let (version, ingest) = validated(&stack, "owls", time::Duration::hours(1)).await;
+    let location = Location {
+        tier: "local".into(),
+        prefix: format!("{PROJECT}/owls/{version}"),
+    };
+    let mut made = Event::request(
+        EventId::derive(&ingest, "replica:local:gpu-2"),
+        PROJECT,
+        Body::ReplicaCreated(ReplicaCreated {
+            dataset: "owls".into(),
+            version: version.clone(),
+            location: location.clone(),
+            files: 1,
+            total_bytes: 1024,
+            verified_by: "read-back".into(),
+            node: Some("gpu-2".into()),
+        }),
+    );
+    made.occurred_at = OffsetDateTime::now_utc() - time::Duration::hours(1);
+    stack.bus.publish(&made).await.unwrap();
+    wait_until(WAIT, "quiet before the reports", || async {
+        try_status(&stack, &policy_dir).is_ok_and(|(code, _)| code == 0)
+    })
+    .await
+    .unwrap();
+
+    let board = stack
+        .bus
+        .provision_kv(&stagehand_bus::SWARMS)
+        .await
+        .unwrap();
+    let swarm = Fanout::swarm("local", PROJECT, "owls", &version);
+    let report = |by: &str| {
+        serde_json::json!({"by": by, "file": "data.bin", "why": "sha256 differs"})
+            .to_string()
+            .into()
+    };
+    board
+        .put(format!("swarm.{swarm}.bad.gpu-2"), report("gpu-1"))
+        .await
+        .unwrap();
+    let unknown = "0".repeat(32);
+    board
+        .put(format!("swarm.{unknown}.bad.gpu-3"), report("gpu-1"))
+        .await
+        .unwrap();
+    let mut last = serde_json::Value::Null;
+    let named = wait_until(WAIT, "both reports named", || {
+        let (code, report) = status(&stack, &policy_dir);
+        let hit = code == 1
+            && !findings(&report, "fanout", "gpu-2").is_empty()
+            && !findings(&report, "fanout", "gpu-3").is_empty();
+        last = report;
+        std::future::ready(hit)
+    })
+    .await;
+    if let Err(e) = named {
+        panic!("{e}: {:#}", last["findings"]);
+    }
+    let (detail, run) = &findings(&last, "fanout", "gpu-2")[0];
+    assert!(
+        detail.starts_with(&format!(
+            "node gpu-2 served bad bytes in swarm {swarm} ({PROJECT}/owls@{} on local, its copy present): data.bin: sha256 differs (caught by gpu-1,",
+            &version[..12]
+        )),
+        "{detail}"
+    );
+    assert_eq!(
+        run,
+        &format!(
+            "stagehand catalogue show owls@{} --project {PROJECT} (runbooks/fanout-peer-dropped.md)",
+            &version[..12]
+        )
+    );
+    let (detail, run) = &findings(&last, "fanout", "gpu-3")[0];
+    assert!(detail.contains("no copy of it on that node"), "{detail}");
+    assert_eq!(run, "runbooks/fanout-peer-dropped.md");
+
+    // gpu-2's own copy read whole again after the report (its agent's check, a scrub).
+    stack
+        .bus
+        .publish(&Event::request(
+            EventId::derive(&ingest, "verified:local:gpu-2"),
+            PROJECT,
+            Body::ReplicaVerified(ReplicaVerified {
+                dataset: "owls".into(),
+                version: version.clone(),
+                location,
+                node: Some("gpu-2".into()),
+                files: 1,
+                total_bytes: 1024,
+                verified_by: "scrub".into(),
+            }),
+        ))
+        .await
+        .unwrap();
+    wait_until(WAIT, "gpu-2 no longer named, gpu-3 still", || {
+        let (_, report) = status(&stack, &policy_dir);
+        let done = findings(&report, "fanout", "gpu-2").is_empty()
+            && !findings(&report, "fanout", "gpu-3").is_empty();
+        last = report;
+        std::future::ready(done)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {:#}", last["findings"]));
 }

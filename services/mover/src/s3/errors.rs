@@ -52,6 +52,10 @@ where
             ErrorKind::Unreachable,
             format!("{at}: timed out: {}", chain(&err)),
         ),
+        SdkError::DispatchFailure(_) if no_credentials(&err) => (
+            ErrorKind::PermissionDenied,
+            format!("{at}: no credentials to sign with: {}", chain(&err)),
+        ),
         SdkError::DispatchFailure(_) => (
             ErrorKind::Unreachable,
             format!("{at}: could not reach the endpoint: {}", chain(&err)),
@@ -70,6 +74,25 @@ where
         _ => (ErrorKind::ObjectStore, format!("{at}: {}", chain(&err))),
     };
     site.error(kind, detail).with_source(err)
+}
+
+/// Whether the request never left because no credentials could be loaded (none in the
+/// environment, a profile that is not there or is malformed): the SDK reports it as a dispatch
+/// failure, but the endpoint was never tried and no retry mends it.
+fn no_credentials(err: &(dyn StdError + 'static)) -> bool {
+    use aws_credential_types::provider::error::CredentialsError;
+    let mut source = Some(err);
+    while let Some(e) = source {
+        if let Some(c) = e.downcast_ref::<CredentialsError>() {
+            return matches!(
+                c,
+                CredentialsError::CredentialsNotLoaded(_)
+                    | CredentialsError::InvalidConfiguration(_)
+            );
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// The kind for an HTTP status and S3 error code.
