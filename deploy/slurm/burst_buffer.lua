@@ -58,6 +58,11 @@ any user could read it in /proc/<pid>/cmdline.
 
 A failed or timed-out stage returns slurm.ERROR with Stagehand's reason: Slurm holds the job
 (priority 0) and squeue's REASON shows "burst_buffer/lua: slurm_bb_data_in: stagehand: ...".
+With burst_buffer.conf's Flags=TeardownFailure, teardown then releases what the failed
+attempt held (its failed stages stay failed: they hold nothing, and `stagehand status` names
+them). Released (`scontrol release`) once the cause is fixed, data_in runs again and, as a
+failed stage is final, asks afresh as the run's next attempt (job id `<run>.a<N>`), releasing
+the failed one (runbooks/stage-failed.md).
 
 Every hook is idempotent: slurmctld re-runs them after a restart. Request and release ids are
 derived from (project, job, dataset, version, tier[, node]) by the CLI, so a repeated request is
@@ -250,6 +255,34 @@ local function wait_one(conf, run, s, timeout)
 	return "error", first_line(err ~= "" and err or out)
 end
 
+-- Releases every stage of `run`, or with `keep_failed` those that did not fail (a failed stage
+-- holds nothing, and stays failed so that `stagehand status` names it while its job is held);
+-- nil, or a message naming the release that failed.
+local function release_all(conf, run, stages, keep_failed)
+	for _, s in ipairs(stages) do
+		if not (keep_failed and wait_one(conf, run, s, 0) == "failed") then
+			local code, out, err = stagehand(conf, stage_args("release", run, s))
+			if code ~= 0 then
+				return "stagehand: releasing " .. describe(s) .. ": " .. first_line(err ~= "" and err or out)
+			end
+		end
+	end
+	return nil
+end
+
+-- Whether any stage of `run` failed or was released (`stage wait` exits 1 for both), looking
+-- once at each. A stage that cannot be looked at (NATS away) counts as not failed: the same
+-- request is asked again, which is what a restarted slurmctld needs, and a failed one holds the
+-- job again with its reason.
+local function any_failed(conf, run, stages)
+	for _, s in ipairs(stages) do
+		if wait_one(conf, run, s, 0) == "failed" then
+			return true
+		end
+	end
+	return false
+end
+
 --- Which run of the job -----------------------------------------------------------------------
 
 -- slurmctld's view of the job: { state = "PENDING", restarts = 0, who = { user, uid, gid,
@@ -287,7 +320,8 @@ end
 -- The job id Stagehand sees for one run of a Slurm job: the prefix and Slurm's id, and ".rN"
 -- once the job was requeued N times. A requeued job stages afresh (its earlier run's stages
 -- were released, and a release is final); a hook that runs twice in one run asks the same
--- request.
+-- request, unless a stage of it failed: data_in then asks as the run's next attempt, ".aN"
+-- appended (slurm_bb_data_in).
 local function run_of(conf, job_id, restarts)
 	local run = conf.STAGEHAND_JOB_PREFIX .. job_id
 	if restarts and restarts > 0 then
@@ -298,6 +332,18 @@ end
 
 local function run_file(conf, job_id)
 	return conf.STAGEHAND_STATE_DIR .. "/" .. job_id .. ".run"
+end
+
+-- Whether `asked` (a recorded run) is `run` or one of its later attempts (`run.aN`, below).
+local function same_run(asked, run)
+	return asked == run or (asked ~= nil and asked:sub(1, #run + 2) == run .. ".a"
+		and asked:sub(#run + 3):match("^%d+$") ~= nil)
+end
+
+-- The next attempt of `run` after the attempt `asked` failed: "run.a1", then "run.a2", ...
+local function next_attempt(asked, run)
+	local n = same_run(asked, run) and tonumber(asked:sub(#run + 3)) or 0
+	return run .. ".a" .. ((n or 0) + 1)
 end
 
 -- The run data_in asked for, as it recorded it (teardown releases exactly that).
@@ -491,6 +537,24 @@ function slurm_bb_data_in(job_id, job_script, uid, gid, job_info)
 		return slurm.ERROR, "stagehand: " .. denied
 	end
 	local run = run_of(conf, job_id, record.restarts)
+	local asked = recorded_run(conf, job_id)
+	if same_run(asked, run) then
+		-- This run asked before: slurmctld re-runs data_in after a restart (the same requests),
+		-- or the job was held because a stage failed and someone released it (`scontrol
+		-- release`, the cause fixed). A failed or released stage is final (its request id is
+		-- the job's), so then the job asks afresh as the next attempt, once what the failed
+		-- one holds is released (teardown released it already, unless it could not).
+		if any_failed(conf, asked, stages) then
+			local rerr = release_all(conf, asked, stages)
+			if rerr then
+				return slurm.ERROR, rerr
+			end
+			run = next_attempt(asked, run)
+			slurm.log_info("stagehand: job %s: a stage of %s failed; asking again as %s", job_id, asked, run)
+		else
+			run = asked
+		end
+	end
 	local werr = write_whole(conf, run_file(conf, job_id), { run })
 	if werr then
 		return slurm.ERROR, werr
@@ -589,10 +653,25 @@ function slurm_bb_job_teardown(job_id, job_script, hurry, uid, gid)
 	-- slurmctld restarted during stage-in: it tears the buffer down and stages the same run in
 	-- again later. That run still needs its data, so its stages stay (a release is final, and
 	-- the request asked again is the same request).
+	--
+	-- Or its stage-in failed (burst_buffer.conf's Flags=TeardownFailure): Slurm holds the job,
+	-- and what the failed attempt holds is released now, not when the job ends (a held job may
+	-- wait days for a person); its failed stages stay failed, named by `stagehand status`. The
+	-- run file stays, so that data_in, once the job is released, asks as the next attempt.
 	if type(record) == "table" and record.state == "PENDING"
-		and (asked == nil or asked == run_of(conf, job_id, record.restarts)) then
-		slurm.log_info("stagehand: job %s pending again (slurmctld restarted during stage-in): its stages stay", job_id)
+		and (asked == nil or same_run(asked, run_of(conf, job_id, record.restarts))) then
 		os.remove(env_file(conf, job_id))
+		local directives = asked and parse_directives(conf, job_script)
+		local stages = directives and shared_stages(conf, directives)
+		if stages and any_failed(conf, asked, stages) then
+			local rerr = release_all(conf, asked, stages, true)
+			if rerr then
+				return slurm.ERROR, rerr
+			end
+			slurm.log_info("stagehand: job %s held: its stage-in (%s) failed; what it held is released", job_id, asked)
+			return slurm.SUCCESS
+		end
+		slurm.log_info("stagehand: job %s pending again (slurmctld restarted during stage-in): its stages stay", job_id)
 		return slurm.SUCCESS
 	end
 	local run = asked or run_of(conf, job_id, type(record) == "table" and record.restarts or 0)
@@ -610,12 +689,10 @@ function slurm_bb_job_teardown(job_id, job_script, hurry, uid, gid)
 		os.remove(env_file(conf, job_id))
 		return slurm.SUCCESS
 	end
-	for _, s in ipairs(shared_stages(conf, directives)) do
-		local code, out, rerr = stagehand(conf, stage_args("release", run, s))
-		if code ~= 0 then
-			-- Slurm retries a failed teardown; the release id is the same each time.
-			return slurm.ERROR, "stagehand: releasing " .. describe(s) .. ": " .. first_line(rerr ~= "" and rerr or out)
-		end
+	-- Slurm retries a failed teardown; the release id is the same each time.
+	local rerr = release_all(conf, run, shared_stages(conf, directives))
+	if rerr then
+		return slurm.ERROR, rerr
 	end
 	os.remove(env_file(conf, job_id))
 	os.remove(run_file(conf, job_id))

@@ -9,10 +9,11 @@
 //! about their jobs, and releases those whose job has ended or is gone, with a reason that says
 //! who released it and why (the stage's status shows it).
 //!
-//! - **Slurm**: the job ids the hooks write are `<STAGEHAND_JOB_PREFIX><Slurm job id>[.r<N>]`
-//!   (`deploy/slurm/burst_buffer.lua`); stages of other ids are not this cluster's and are left
-//!   alone. `squeue` (every state, so recently finished jobs show with their end state) says
-//!   which jobs slurmctld knows; a job it does not know is asked of `sacct` for how it ended.
+//! - **Slurm**: the job ids the hooks write are
+//!   `<STAGEHAND_JOB_PREFIX><Slurm job id>[.r<N>][.a<N>]` (`deploy/slurm/burst_buffer.lua`);
+//!   stages of other ids are not this cluster's and are left alone. `squeue` (every state, so
+//!   recently finished jobs show with their end state) says which jobs slurmctld knows; a job
+//!   it does not know is asked of `sacct` for how it ended.
 //!   A job pending, running or in any other live state keeps its stages.
 //! - **Kubernetes**: the init container's job id is the pod's uid (`deploy/k8s`); `kubectl get
 //!   pods --all-namespaces` lists the pods there are. A pod that is `Succeeded` or `Failed`, or
@@ -35,7 +36,7 @@ use crate::stage::StageStatus;
 /// Which scheduler's jobs the stages belong to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Scheduler {
-    /// Job ids `<job_prefix><Slurm job id>[.r<N>]`.
+    /// Job ids `<job_prefix><Slurm job id>[.r<N>][.a<N>]`.
     Slurm { job_prefix: String },
     /// Job ids are pod uids.
     Kubernetes,
@@ -60,22 +61,22 @@ pub enum Fate {
 }
 
 /// The Slurm job id a stage's job id names, if it is one of this cluster's
-/// (`<prefix><digits>`, optionally `.r<restarts>`).
+/// (`<prefix><digits>`, optionally `.r<restarts>`, then optionally `.a<attempt>`: the run of a
+/// job requeued N times, and the attempt asked after a stage of it failed).
 pub fn slurm_job(prefix: &str, job: &str) -> Option<u64> {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     let rest = job.strip_prefix(prefix)?;
-    let id = match rest.split_once(".r") {
-        Some((id, restarts)) => {
-            if restarts.is_empty() || !restarts.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            id
-        }
+    let rest = match rest.rsplit_once(".a") {
+        Some((run, attempt)) if digits(attempt) => run,
+        Some(_) => return None,
         None => rest,
     };
-    if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    id.parse().ok()
+    let id = match rest.split_once(".r") {
+        Some((id, restarts)) if digits(restarts) => id,
+        Some(_) => return None,
+        None => rest,
+    };
+    digits(id).then(|| id.parse().ok()).flatten()
 }
 
 /// Job id → state from `squeue -h -a -t all -o '%A|%T'` (or `sacct -n -P -X -o JobIDRaw,State`,
@@ -383,6 +384,10 @@ mod tests {
         assert_eq!(slurm_job("slurm-a-", "slurm-b-42"), None);
         assert_eq!(slurm_job("slurm-", "slurm-"), None);
         assert_eq!(slurm_job("slurm-", "slurm-42.r"), None);
+        assert_eq!(slurm_job("slurm-", "slurm-42.a2"), Some(42));
+        assert_eq!(slurm_job("slurm-", "slurm-42.r3.a1"), Some(42));
+        assert_eq!(slurm_job("slurm-", "slurm-42.a1.r3"), None);
+        assert_eq!(slurm_job("slurm-", "slurm-42.a"), None);
         assert_eq!(slurm_job("slurm-", "slurm-4x2"), None);
         assert_eq!(
             slurm_job("slurm-", "9c6b2a52-1f0e-4c4a-9d7a-0b1c2d3e4f50"),

@@ -23,8 +23,10 @@
 //! services run as their own NATS users of the shipped accounts config (`common::tenants`);
 //! node-lost, which needs the demoter and two node agents, each with a local tier;
 //! scrub-behind, whose demoter scrubs under a budget of the test's; drill-overdue, whose backup
-//! copier's drill clock is held back; backlog-growing, whose validator is stopped; and
-//! s3-tier-unreachable, whose validator runs as its own process with an S3 tier's credentials.
+//! copier's drill clock is held back; backlog-growing, whose validator is stopped;
+//! s3-tier-unreachable, whose validator runs as its own process with an S3 tier's credentials;
+//! fanout-peer-dropped, whose three node agents fan out to each other, one serving a copy that
+//! rotted on its disk; and stage-failed, whose held job is a real Slurm job (`common::slurm`).
 
 mod common;
 
@@ -71,6 +73,9 @@ const RUN: &[&str] = &[
     "drill-overdue.md",
     "backlog-growing.md",
     "s3-tier-unreachable.md",
+    "fanout-peer-dropped.md",
+    "upgrade.md",
+    "stage-failed.md",
 ];
 
 #[test]
@@ -533,6 +538,35 @@ impl Shell {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
+    }
+
+    /// Has `job` release its stage of `target` on `tier` (`more`: `--node N`), as its epilog
+    /// does, and waits until the catalogue shows it released: a copy no job holds is left to
+    /// the next request when it is found damaged, not repaired at once.
+    fn release(&self, target: &str, tier: &str, job: &str, more: &[&str]) {
+        let args = [
+            &["stage", "release", target, "--tier", tier, "--job", job][..],
+            more,
+        ]
+        .concat();
+        let out = self.stagehand(&args);
+        assert!(
+            out.status.success(),
+            "stagehand {}: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dataset = target.split('@').next().unwrap();
+        wait_until_blocking(WAIT, &format!("{target} released by {job}"), || {
+            let out = self.stagehand(&["stage", "status", job, "--json"]);
+            let stages: Vec<serde_json::Value> =
+                serde_json::from_slice(&out.stdout).unwrap_or_default();
+            stages
+                .iter()
+                .any(|s| s["dataset"] == dataset && s["tier"] == tier && s["state"] == "released")
+        })
+        .unwrap();
     }
 
     /// `stagehand status --json` as this shell runs it: its exit code and its object.
@@ -1041,9 +1075,10 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
     shell.confirm(&page);
 }
 
-/// replica-damaged: a job's copy on hot is lost, and `stagehand audit` announces it damaged. A
-/// hot copy is not the scrub's to repair, so it stays damaged until on-call restores it from
-/// the version's backup.
+/// replica-damaged: a copy on hot no job holds any more is lost, and `stagehand audit`
+/// announces it damaged. A hot copy is not the scrub's to repair, and the promoter repairs one
+/// only while a job holds it, so it stays damaged until on-call restores it from the version's
+/// backup.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
     let mut stack = Stagehand::start(common::Options {
@@ -1082,6 +1117,9 @@ async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
         .path()
         .join(format!("tiers/hot/{PROJECT}/owls/{owls_version}"));
     assert!(owls_on_hot.is_dir(), "{}", owls_on_hot.display());
+    // train-3 ends and releases owls (a copy a job holds would be repaired by the promoter at
+    // once); then the copy is lost.
+    shell.release(&format!("owls@{owls_version}"), "hot", "train-3", &[]);
     std::fs::remove_dir_all(&owls_on_hot).unwrap();
     let audited = shell.stagehand(&["audit", "hot"]);
     assert_eq!(
@@ -1451,9 +1489,10 @@ fn replicas_behind(addrs: &[String]) -> Vec<(String, Vec<String>)> {
 /// scrub-behind: the source tier is to be scrubbed every three seconds, and the budget lets the
 /// demoter open one file a second. Its two copies (five and six files) take longer to read one
 /// after the other than the period, so whenever one is verified the other's verification is
-/// older than the period: the tier's coverage never reaches 100 %. The page finds how far
-/// behind; on-call raises the budget, checks the edit and restarts the demoter (its supervisor
-/// does, in the test), and the page confirms the coverage back.
+/// older than the period: the tier's coverage never reaches 100 %, and `stagehand status` names
+/// the tier with the page. The page finds how far behind; on-call raises the budget, checks the
+/// edit and restarts the demoter (its supervisor does, in the test), and the page confirms the
+/// coverage back and the status line gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_scrub_behind_its_period_is_given_its_budget_by_its_page() {
     const PERIOD_SECONDS: i64 = 3;
@@ -1483,13 +1522,14 @@ async fn a_scrub_behind_its_period_is_given_its_budget_by_its_page() {
     );
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("scrub-behind.md");
+    // Quiet before the copies are made: with no demoter yet, they would soon be behind.
+    shell.quiet(&page.name);
     let uploads = tempfile::tempdir().unwrap();
     for (dataset, files) in [("owls", 5), ("gulls", 6)] {
         let folder = uploads.path().join(dataset);
         write_upload(&folder, files);
         stack.ingest(&folder, dataset, true).unwrap();
     }
-    shell.quiet(&page.name);
     let (binary, config) = demoter_process(&stack);
     let mut demoter = ServiceProcess::spawn(
         &binary,
@@ -1497,27 +1537,23 @@ async fn a_scrub_behind_its_period_is_given_its_budget_by_its_page() {
         &stack.home.path().join("demoter.log"),
         &[],
     );
-    // Behind: a copy the scrub verified once, its verification now older than the period.
-    let mut last = serde_json::Value::Null;
-    let behind = wait_until_blocking(WAIT, "the scrub behind on source", || {
-        let Some(row) = scrub_row(&shell, "source") else {
-            return false;
-        };
-        let verified = row["oldest_unverified"]["last_verified"]
+    // Behind: status names the tier once a copy waited past the period and two of the scrub's
+    // looks (a second each here).
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["area"], "scrub", "{finding:#}");
+    assert_eq!(finding["subject"], "source", "{finding:#}");
+    assert!(
+        (finding["detail"].as_str().unwrap()).starts_with("scrub behind on tier source: coverage "),
+        "{finding:#}\n{}",
+        demoter.log()
+    );
+    assert!(
+        finding["detail"]
             .as_str()
-            .and_then(|t| {
-                OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
-            });
-        let hit = row["coverage"].as_f64().is_some_and(|c| c < 1.0)
-            && verified.is_some_and(|at| {
-                (OffsetDateTime::now_utc() - at).whole_seconds() > PERIOD_SECONDS
-            });
-        last = row;
-        hit
-    });
-    if let Err(e) = behind {
-        panic!("{e}: {last:#}\n{}", demoter.log());
-    }
+            .unwrap()
+            .contains(&format!("of period {PERIOD_SECONDS}s; oldest {PROJECT}/")),
+        "{finding:#}"
+    );
     shell.set("TIER", "source");
     let said = shell.steps(&page, None, Some("3."));
     let line = said
@@ -1545,13 +1581,6 @@ async fn a_scrub_behind_its_period_is_given_its_budget_by_its_page() {
     );
     shell.confirm(&page);
     drop(demoter);
-}
-
-/// `stagehand scrub status --json`'s row of `tier`, as the shell runs it.
-fn scrub_row(shell: &Shell, tier: &str) -> Option<serde_json::Value> {
-    let out = shell.stagehand(&["scrub", "status", "--json"]);
-    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-    rows.as_array()?.iter().find(|r| r["tier"] == tier).cloned()
 }
 
 /// drill-overdue: the backup copier started with the shipped day between drills (its clock
@@ -1672,11 +1701,12 @@ async fn a_waiting_backlog_is_found_and_its_service_started_by_its_page() {
 }
 
 /// s3-tier-unreachable: an S3 source tier `lake` (a real SeaweedFS) answers through a loopback
-/// port the test forwards to it. An upload waits there when the forward is cut, as when the
-/// network is: the validator (its own process, with the tier's credentials in its environment,
-/// as under systemd) retries the request, then dead-letters it. The page lists what waits on the
-/// tier; its owners bring the tier back (the forward again, on the same port), the page replays
-/// the dead letter and confirms, and the upload is validated.
+/// port the test forwards to it. With the forward cut, as when the network is, `stagehand
+/// status` names the tier unreachable with the page, and an upload waits there: the validator
+/// (its own process, with the tier's credentials in its environment, as under systemd) retries
+/// the request, then dead-letters it. The page lists what waits on the tier; its owners bring
+/// the tier back (the forward again, on the same port), the page replays the dead letter and
+/// confirms (status quiet: the tier answers, nothing waits), and the upload is validated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_unreachable_s3_tier_is_brought_back_and_its_work_redone_by_its_page() {
     use stagehand_schemas::{Body, Event, IngestRequested};
@@ -1689,6 +1719,15 @@ async fn an_unreachable_s3_tier_is_brought_back_and_its_work_redone_by_its_page(
         .unwrap()
         .port();
     let endpoint = format!("http://127.0.0.1:{port}");
+    // On-call's shell holds the tier's credentials, as the services' environment does: status
+    // probes the S3 tiers with them.
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    for (var, value) in s3.client_env() {
+        shell.set(var, value);
+    }
+    let page = Page::read("s3-tier-unreachable.md");
+    // Quiet before the tier is declared: unreachable from the start, it would be named at once.
+    shell.quiet(&page.name);
     let tiers = stack.policies.join("tiers.toml");
     let mut text = std::fs::read_to_string(&tiers).unwrap();
     text.push_str(&format!(
@@ -1696,9 +1735,30 @@ async fn an_unreachable_s3_tier_is_brought_back_and_its_work_redone_by_its_page(
          endpoint = \"{endpoint}\"\nallow_plaintext = true\nbucket = \"{bucket}\"\nprefix = \"tier\"\n"
     ));
     std::fs::write(&tiers, text).unwrap();
-    let mut shell = Shell::new(&stack.url, stack.home.path());
-    let page = Page::read("s3-tier-unreachable.md");
-    shell.quiet(&page.name);
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["subject"], TIER, "{finding:#}");
+    assert!(
+        (finding["detail"].as_str().unwrap()).starts_with(&format!("tier {TIER} unreachable: ")),
+        "{finding:#}"
+    );
+    // Regression: an operator without the tier's credentials was told it is unreachable (the
+    // SDK fails such a request as a dispatch failure); the probe is said not to be made.
+    let (_, bare) = Shell::new(&stack.url, stack.home.path()).status().unwrap();
+    assert!(
+        (bare["findings"].as_array().unwrap())
+            .iter()
+            .all(|f| f["subject"] != TIER),
+        "{bare:#}"
+    );
+    assert!(
+        (bare["not_checked"].as_array().unwrap()).iter().any(|n| {
+            n.as_str()
+                .unwrap()
+                .starts_with(&format!("whether S3 tier {TIER} answers: "))
+                && n.as_str().unwrap().contains("no credentials")
+        }),
+        "{bare:#}"
+    );
 
     let mut files = Vec::new();
     for (path, body) in [("img/1.png", &b"one"[..]), ("img/2.png", &b"two"[..])] {
@@ -1805,4 +1865,304 @@ fn validator_process(stack: &Stagehand) -> (PathBuf, PathBuf) {
     )
     .unwrap();
     (binary, config)
+}
+
+/// fanout-peer-dropped: three node agents with fan-out on, in process, each its own local tier
+/// and piece server on the loopback. n1 stages a version of three pieces, then its copy rots on
+/// its disk (one byte of every file flipped, metadata unchanged); n2 and n3 stage the same
+/// version and fetch pieces from n1, whose bytes do not verify: it is dropped from the swarm and
+/// reported on the board, and its own agent withdraws its copy. Status names n1 with the page;
+/// the page shows the copy damaged, stages it on n1 again (which copies it anew from a verified
+/// copy) and confirms n1 no longer named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_serving_bad_bytes_in_a_fan_out_is_found_and_its_copy_made_anew_by_its_page() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = Stagehand::start(common::Options {
+        validator: true,
+        promoter: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("fanout-peer-dropped.md");
+    shell.quiet(&page.name);
+    // Forty small files (one piece) and two larger than a piece: three pieces.
+    let uploads = tempfile::tempdir().unwrap();
+    let shards = uploads.path().join("shards");
+    let mut files: Vec<(String, Vec<u8>)> = (0..40u8)
+        .map(|i| {
+            let bytes = stagehand_testkit::pattern_bytes(i, 200 * 1024);
+            (format!("part/{i:03}.bin"), bytes)
+        })
+        .collect();
+    files.push((
+        "big/a.bin".into(),
+        stagehand_testkit::pattern_bytes(101, 9 << 20),
+    ));
+    files.push((
+        "big/b.bin".into(),
+        stagehand_testkit::pattern_bytes(102, 9 << 20),
+    ));
+    for (name, bytes) in &files {
+        let path = shards.join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let version = stack.ingest(&shards, "shards", true).unwrap();
+    let target = format!("shards@{version}");
+    let token = stack.home.path().join("fanout.token");
+    std::fs::write(&token, "stagehand-runbook-agents-token-0123456789\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let with_fanout = |settings: &mut stagehand_promoter::Settings| {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        settings.fanout = Some(stagehand_promoter::fanout::FanoutSettings {
+            listen: ([127, 0, 0, 1], port).into(),
+            advertise: None,
+            token_file: token.clone(),
+            claim_patience: std::time::Duration::from_secs(5),
+            parallel: 4,
+            tls: None,
+        });
+    };
+    stack.start_node_agent_with("n1", with_fanout).unwrap();
+    stack.ready().await.unwrap();
+    shell.stage_on_node(&target, "local", "n1", "train-n1");
+    // n1's job ends (a copy a job holds would be repaired by its agent at once); its copy,
+    // kept on the node, rots on its disk after it was verified.
+    shell.release(&target, "local", "train-n1", &["--node", "n1"]);
+    let folder = stack
+        .node_local_root("n1")
+        .join(format!("{PROJECT}/shards/{version}"));
+    for (name, _) in &files {
+        let path = folder.join(name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[0] ^= 0xff;
+        let mode = std::fs::metadata(&path).unwrap().permissions();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::write(&path, bytes).unwrap();
+        std::fs::set_permissions(&path, mode).unwrap();
+    }
+    for node in ["n2", "n3"] {
+        stack.start_node_agent_with(node, with_fanout).unwrap();
+    }
+    stack.ready().await.unwrap();
+    for node in ["n2", "n3"] {
+        shell.stage_on_node(&target, "local", node, &format!("train-{node}"));
+    }
+    let finding = shell.status_names(&page.name);
+    assert_eq!(finding["area"], "fanout", "{finding:#}");
+    assert_eq!(finding["subject"], "n1", "{finding:#}");
+    assert!(
+        (finding["detail"].as_str().unwrap())
+            .contains(&format!("({PROJECT}/shards@{} on local", &version[..12])),
+        "{finding:#}"
+    );
+    shell.set("NODE", "n1");
+    shell.set("DATASET", "shards");
+    shell.set("VERSION", &version[..12]);
+    // Its own agent withdrew the copy once it hashed it: the page's step 1 shows it damaged.
+    let damaged = wait_until_blocking(WAIT, "n1's copy damaged", || {
+        let said = shell.steps(&page, None, Some("2."));
+        let stdout = said.split("--- stdout\n").nth(1).unwrap_or_default();
+        stdout
+            .lines()
+            .any(|l| l.contains("n1") && l.contains("damaged"))
+    });
+    if let Err(e) = damaged {
+        panic!("{e}: {}", shell.steps(&page, None, Some("2.")));
+    }
+    shell.not_yet_confirmed(&page);
+    shell.steps(&page, Some("3."), Some("Confirm"));
+    shell.confirm(&page);
+}
+
+/// upgrade: the ingest validator runs as its own process, as under systemd. The page checks the
+/// policies and that nothing needs a person; the validator is stopped as `systemctl stop` does
+/// (SIGTERM: it drains and says so in its heartbeat), which its Confirm does not pass, then its
+/// binary is started again (the release built here stands for the new one); the page confirms
+/// it alive at the release's version, started since the upgrade began, and an upload sent
+/// while it was down is validated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_service_is_upgraded_in_turn_by_its_page() {
+    let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let (binary, config) = validator_process(&stack);
+    let mut validator = ServiceProcess::spawn(
+        &binary,
+        &config,
+        &stack.home.path().join("validator.log"),
+        &[],
+    );
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("upgrade.md");
+    wait_until_blocking(WAIT, "the validator alive", || {
+        shell.status().is_some_and(|(_, r)| {
+            (r["services"].as_array().unwrap()).iter().any(|s| {
+                s["service"] == stagehand_ingest_validator::SERVICE && s["state"] == "alive"
+            })
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", validator.log()));
+    shell.quiet(&page.name);
+    shell.set("SERVICE", stagehand_ingest_validator::SERVICE);
+    shell.set("NEW_VERSION", env!("CARGO_PKG_VERSION"));
+    let said = shell.steps(&page, None, Some("2."));
+    assert!(
+        said.contains(&format!(
+            "{} runbooks v{} alive",
+            stagehand_ingest_validator::SERVICE,
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{said}"
+    );
+    // Not upgraded yet: it runs, but was started before the upgrade began.
+    shell.not_yet_confirmed(&page);
+    // systemctl stop: SIGTERM, and the service drains and exits.
+    let pid = validator.child().id().to_string();
+    let term = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(term.success());
+    let exit = validator.child().wait().unwrap();
+    assert!(exit.success(), "{exit:?}\n{}", validator.log());
+    let uploads = tempfile::tempdir().unwrap();
+    let owls = uploads.path().join("owls");
+    write_upload(&owls, 3);
+    stack.ingest(&owls, "owls", false).unwrap();
+    let said = shell.steps(&page, Some("2."), Some("Confirm"));
+    assert!(said.contains("\"state\":\"stopped\""), "{said}");
+    shell.not_yet_confirmed(&page);
+    // systemctl start of the new binary.
+    let validator = ServiceProcess::spawn(
+        &binary,
+        &config,
+        &stack.home.path().join("validator-new.log"),
+        &[],
+    );
+    shell.confirm(&page);
+    wait_until_blocking(WAIT, "the upload sent while it was down validated", || {
+        validated(&shell, "owls")
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", validator.log()));
+}
+
+/// stage-failed: a Slurm job (a real cluster, `common::slurm`) names a version of a dataset the
+/// lab has not uploaded yet: its stage fails and Slurm holds the job with the reason. The lab
+/// uploads it between the page's sections; the page's `scontrol release` lets the job's
+/// stage-in ask again (as its next attempt, the failed one released), and the job runs with
+/// the data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_held_slurm_job_whose_stage_failed_runs_once_released_by_its_page() {
+    let (stack, slurm) = common::slurm::setup(common::Options {
+        validator: true,
+        promoter: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut shell = Shell::new(&stack.url, stack.home.path());
+    let page = Page::read("stage-failed.md");
+    shell.quiet(&page.name);
+    let uploads = tempfile::tempdir().unwrap();
+    let owls = uploads.path().join("owls");
+    write_upload(&owls, 3);
+    let digest = common::digest_of(&owls).unwrap();
+    let version = &digest[..16];
+    let script = format!(
+        "#!/bin/bash\n#BB_LUA stage dataset=owls version={version} tier=hot project={PROJECT}\n\
+         set -euo pipefail\ncd \"$STAGEHAND_DATA_OWLS\"\nfind . -type f | sort | xargs sha256sum\n"
+    );
+    let job = slurm.submit("owls", &script).unwrap();
+    let job_id = format!("{}{job}", common::slurm::JOB_PREFIX);
+    let (_, reason) = slurm
+        .wait_job(job, "the job held with the reason", |s, r| {
+            s == "PENDING" && r.contains("unknown dataset")
+        })
+        .await
+        .unwrap();
+    assert!(
+        reason.contains(&format!("stagehand: owls@{version} on hot failed: ")),
+        "{reason}"
+    );
+    let finding = shell.status_names(&page.name);
+    assert!(
+        (finding["subject"].as_str().unwrap()).ends_with(&format!(" for job {job_id}")),
+        "{finding:#}"
+    );
+    shell.set("TARGET", format!("owls@{}", &version[..12]));
+    shell.set("TIER", "hot");
+    shell.set("JOB", &job_id);
+    shell.set("SLURM_JOB", job.to_string());
+    shell.set("SLURM_CONF", slurm.conf.display().to_string());
+    let said = shell.steps(&page, None, Some("2."));
+    assert!(
+        said.contains("failed") && said.contains("unknown dataset"),
+        "{said}"
+    );
+    // Released before the cause is fixed, the job would only fail again: not confirmed.
+    shell.not_yet_confirmed(&page);
+    // The lab uploads the version the job names.
+    assert_eq!(stack.ingest(&owls, "owls", true).unwrap(), digest);
+    shell.steps(&page, Some("2."), Some("Confirm"));
+    // Released, it is staged in afresh and runs (the hooks' log lines if it does not).
+    slurm
+        .wait_job(job, "the released job ended", |s, _| s == "COMPLETED")
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}\nscontrol show job: {}",
+                slurm.show_job(job).unwrap_or_default()
+            )
+        });
+    shell.confirm(&page);
+    // The job read the version's bytes where its stage-in put them.
+    let output = slurm.output(job).unwrap();
+    let mut expected = Vec::new();
+    for entry in walkdir::WalkDir::new(&owls) {
+        let entry = entry.unwrap();
+        if !entry.file_type().is_file() {
+            continue;
+        }
+        let bytes = std::fs::read(entry.path()).unwrap();
+        let name = entry
+            .path()
+            .strip_prefix(&owls)
+            .unwrap()
+            .display()
+            .to_string();
+        expected.push(format!("{}  ./{name}", sha256_hex(&bytes)));
+    }
+    expected.sort();
+    let mut read: Vec<String> = output.lines().map(str::to_owned).collect();
+    read.sort();
+    assert_eq!(read, expected, "{output}");
+    // The failed attempt was released when the job asked again, and the second attempt is
+    // the one the job ran with.
+    use stagehand_catalogue::StageState::{Ready, Released};
+    let attempt = |job: String| stagehand::stage::Stage {
+        project: PROJECT.into(),
+        dataset: "owls".into(),
+        version: version.into(),
+        tier: "hot".into(),
+        job,
+        node: None,
+    };
+    let first = stack
+        .status_where(
+            &attempt(job_id.clone()),
+            "the failed attempt released",
+            |s| s.state == Released,
+        )
+        .await
+        .unwrap();
+    assert!(first.path.is_none(), "{first:?}");
+    stack
+        .status_where(
+            &attempt(format!("{job_id}.a1")),
+            "the second attempt staged",
+            |s| matches!(s.state, Ready | Released),
+        )
+        .await
+        .unwrap();
 }

@@ -14,7 +14,7 @@
 //! cluster's configuration, and each test has its own server and services (so that one can
 //! stop NATS, restart the controller, drain the node or start the validator late without
 //! touching another); under cargo-nextest every test is a process of its own anyway. Starting
-//! and stopping a cluster costs about 2.6 s.
+//! and stopping a cluster costs about 2.6 s. The cluster is `common::slurm`'s.
 //!
 //! Every wait polls Slurm (`squeue`) or NATS against a deadline; nothing sleeps.
 
@@ -23,223 +23,14 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, bail, ensure};
+use common::slurm::{JOB, JOB_PREFIX, Slurm, said, setup, setup_with, slurm_sh};
 use common::{Options, PROJECT, Stagehand, write_files};
 use stagehand::stage::{Stage, StageState};
 use stagehand_schemas::{Body, sha256_hex};
 use stagehand_testkit::wait_for;
-
-/// Bound on a job getting from submit to where a test expects it.
-const JOB: Duration = Duration::from_secs(60);
-/// The prefix slurm.sh gives Slurm job ids in stage requests (STAGEHAND_JOB_PREFIX).
-const JOB_PREFIX: &str = "slurm-stagehand-";
-
-/// A one-node Slurm cluster under a temp dir, stopped on drop.
-struct Slurm {
-    dir: tempfile::TempDir,
-    conf: PathBuf,
-    user: String,
-}
-
-fn slurm_sh() -> PathBuf {
-    stagehand_testkit::repo_root().join("deploy/slurm/slurm.sh")
-}
-
-fn said(out: &Output) -> String {
-    format!(
-        "exit {:?}, stdout {:?}, stderr {:?}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    )
-}
-
-impl Slurm {
-    fn start(nats_url: &str) -> anyhow::Result<Slurm> {
-        Slurm::start_with(nats_url, &[])
-    }
-
-    /// [`Slurm::start`] with more of slurm.sh's settings (`STAGEHAND_SLURM_ALLOW`, the hooks'
-    /// NATS credentials, their `STAGEHAND_BIN`).
-    fn start_with(nats_url: &str, settings: &[(&str, String)]) -> anyhow::Result<Slurm> {
-        let dir = tempfile::Builder::new()
-            .prefix("stagehand-slurm-")
-            .tempdir()?;
-        // The job user runs the TaskProlog and the jobs beneath it.
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-        let user = "stagehand-job".to_owned();
-        let out = Command::new("bash")
-            .arg(slurm_sh())
-            .arg("start")
-            .env("STAGEHAND_SLURM_DIR", dir.path())
-            .env("STAGEHAND_SLURM_USER", &user)
-            .env("STAGEHAND_BIN", env!("CARGO_BIN_EXE_stagehand"))
-            .env("STAGEHAND_NATS_URL", nats_url)
-            .env("STAGEHAND_STAGE_IN_TIMEOUT", "120")
-            .env("STAGEHAND_PROLOG_TIMEOUT", "60")
-            .env("STAGEHAND_CONNECT_TIMEOUT", "2")
-            .envs(settings.iter().map(|(k, v)| (*k, v.as_str())))
-            .output()
-            .context("running deploy/slurm/slurm.sh start")?;
-        let slurm = Slurm {
-            conf: dir.path().join("etc/slurm.conf"),
-            dir,
-            user,
-        };
-        ensure!(
-            out.status.success(),
-            "deploy/slurm/slurm.sh start failed: {}",
-            said(&out)
-        );
-        for sub in ["jobs", "out"] {
-            let d = slurm.dir.path().join(sub);
-            std::fs::create_dir(&d)?;
-            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))?;
-        }
-        // Job output goes where the job user may write.
-        let out_dir = slurm.dir.path().join("out");
-        let status = Command::new("chown")
-            .arg(&slurm.user)
-            .arg(&out_dir)
-            .status()?;
-        ensure!(status.success(), "chown {}", out_dir.display());
-        Ok(slurm)
-    }
-
-    fn cmd(&self, program: &str) -> Command {
-        let mut c = Command::new(program);
-        c.env("SLURM_CONF", &self.conf);
-        c
-    }
-
-    /// `sbatch` of `script` as the test user.
-    fn sbatch(&self, name: &str, script: &str) -> anyhow::Result<Output> {
-        self.sbatch_with(name, script, &[])
-    }
-
-    /// `sbatch <options> script` as the test user.
-    fn sbatch_with(&self, name: &str, script: &str, options: &[&str]) -> anyhow::Result<Output> {
-        let path = self.dir.path().join("jobs").join(format!("{name}.sh"));
-        std::fs::write(&path, script)?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
-        let out = self
-            .cmd("runuser")
-            .args(["-u", &self.user, "--", "env"])
-            .arg(format!("SLURM_CONF={}", self.conf.display()))
-            .args(["sbatch", "--parsable"])
-            .arg(format!(
-                "--output={}/%j.out",
-                self.dir.path().join("out").display()
-            ))
-            .args(options)
-            .arg(&path)
-            .output()?;
-        Ok(out)
-    }
-
-    fn submit(&self, name: &str, script: &str) -> anyhow::Result<u32> {
-        self.submit_with(name, script, &[])
-    }
-
-    fn submit_with(&self, name: &str, script: &str, options: &[&str]) -> anyhow::Result<u32> {
-        let out = self.sbatch_with(name, script, options)?;
-        ensure!(out.status.success(), "sbatch {name}: {}", said(&out));
-        let id = String::from_utf8(out.stdout)?;
-        id.trim()
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .parse()
-            .with_context(|| format!("sbatch printed {id:?}"))
-    }
-
-    /// The job's state and reason as squeue shows them (also for finished jobs).
-    fn job(&self, id: u32) -> anyhow::Result<(String, String)> {
-        let out = self
-            .cmd("squeue")
-            .args(["-h", "-t", "all", "-j", &id.to_string(), "-o", "%T|%r"])
-            .output()?;
-        ensure!(out.status.success(), "squeue: {}", said(&out));
-        let text = String::from_utf8(out.stdout)?;
-        let (state, reason) = text.trim().split_once('|').unwrap_or((text.trim(), ""));
-        Ok((state.to_owned(), reason.to_owned()))
-    }
-
-    /// Waits until the job's (state, reason) satisfies `pred`; returns it.
-    async fn wait_job(
-        &self,
-        id: u32,
-        what: &str,
-        pred: impl Fn(&str, &str) -> bool,
-    ) -> anyhow::Result<(String, String)> {
-        let mut last = (String::new(), String::new());
-        let found = wait_for(JOB, what, || {
-            let seen = self.job(id);
-            let hit = match &seen {
-                Ok((s, r)) => pred(s, r).then(|| (s.clone(), r.clone())),
-                Err(_) => None,
-            };
-            if let Ok(s) = seen {
-                last = s;
-            }
-            async move { hit }
-        })
-        .await;
-        found.map_err(|e| anyhow::anyhow!("job {id}: {e}; last seen {last:?}; {}", self.logs()))
-    }
-
-    /// `scontrol show job` of the job.
-    fn show_job(&self, id: u32) -> anyhow::Result<String> {
-        let out = self
-            .cmd("scontrol")
-            .args(["show", "job", &id.to_string()])
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "scontrol show job {id}: {}",
-            said(&out)
-        );
-        Ok(String::from_utf8(out.stdout)?)
-    }
-
-    fn output(&self, id: u32) -> anyhow::Result<String> {
-        let path = self.dir.path().join("out").join(format!("{id}.out"));
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
-    }
-
-    fn logs(&self) -> String {
-        let tail = |name: &str| {
-            let text =
-                std::fs::read_to_string(self.dir.path().join("log").join(name)).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            lines[lines.len().saturating_sub(15)..].join("\n")
-        };
-        // The hooks' own lines, however far back: where a stage-in waited and why.
-        let hooks = std::fs::read_to_string(self.dir.path().join("log").join("slurmctld.log"))
-            .unwrap_or_default()
-            .lines()
-            .filter(|line| line.contains("stagehand:"))
-            .collect::<Vec<_>>()
-            .join("\n");
-        format!(
-            "the hooks' lines in slurmctld.log:\n{hooks}\nslurmctld.log:\n{}\nslurmd.log:\n{}",
-            tail("slurmctld.log"),
-            tail("slurmd.log")
-        )
-    }
-}
-
-impl Drop for Slurm {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(slurm_sh())
-            .arg("stop")
-            .env("STAGEHAND_SLURM_DIR", self.dir.path())
-            .output();
-    }
-}
 
 /// The name of the one node (slurm.sh names it after the short host name).
 fn slurm_node() -> anyhow::Result<String> {
@@ -307,30 +98,6 @@ fn dataset_folder(
     let dir = tempfile::tempdir()?;
     let sums = write_files(dir.path(), files)?;
     Ok((dir, sums))
-}
-
-/// Stagehand and a Slurm cluster whose hooks talk to it, the cluster starting while the
-/// services do.
-async fn setup(opts: Options) -> anyhow::Result<(Stagehand, Slurm)> {
-    setup_with(opts, Vec::new()).await
-}
-
-/// [`setup`] with more of slurm.sh's settings ([`Slurm::start_with`]).
-async fn setup_with(
-    opts: Options,
-    settings: Vec<(&'static str, String)>,
-) -> anyhow::Result<(Stagehand, Slurm)> {
-    let server = stagehand_testkit::NatsServer::start();
-    let url = server.url();
-    // Slurm first: slurm.sh makes the job user, whose group is the project's (staged data is
-    // readable by the project's group only), and the services look the group up at start.
-    let slurm = tokio::task::spawn_blocking(move || Slurm::start_with(&url, &settings)).await??;
-    let opts = Options {
-        job_groups: vec![(PROJECT.to_owned(), slurm.user.clone())],
-        ..opts
-    };
-    let stagehand = Stagehand::start_on(server, opts).await?;
-    Ok((stagehand, slurm))
 }
 
 fn with_validator() -> Options {

@@ -14,140 +14,31 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
 use std::process::{Command, Output};
-use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
+use common::slurm::{JOB_PREFIX, Slurm, said};
 use common::{Options, PROJECT, Stagehand, write_files};
 use stagehand::stage::{Stage, StageState};
-use stagehand_testkit::wait_for;
 
-/// Bound on a job getting from submit to where the test expects it.
-const JOB: Duration = Duration::from_secs(60);
-/// The prefix slurm.sh gives Slurm job ids in stage requests (STAGEHAND_JOB_PREFIX).
-const JOB_PREFIX: &str = "slurm-stagehand-";
-
-fn said(out: &Output) -> String {
-    format!(
-        "exit {:?}, stdout {:?}, stderr {:?}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    )
-}
-
-fn slurm_sh() -> PathBuf {
-    stagehand_testkit::repo_root().join("deploy/slurm/slurm.sh")
-}
-
-/// A one-node Slurm cluster under a temp dir whose hooks never release, stopped on drop.
-struct Slurm {
-    dir: tempfile::TempDir,
-    conf: PathBuf,
-    user: String,
-}
-
-impl Slurm {
-    fn start(nats_url: &str) -> anyhow::Result<Slurm> {
-        let dir = tempfile::Builder::new()
-            .prefix("stagehand-slurm-")
-            .tempdir()?;
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-        // The teardown that never ran: every `stage release` of the hooks is dropped.
-        let wrapper = dir.path().join("stagehand-without-release");
-        std::fs::write(
-            &wrapper,
-            format!(
-                "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = release ] && exit 0; done\nexec '{}' \"$@\"\n",
-                env!("CARGO_BIN_EXE_stagehand")
-            ),
-        )?;
-        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
-        let user = "stagehand-job".to_owned();
-        let out = Command::new("bash")
-            .arg(slurm_sh())
-            .arg("start")
-            .env("STAGEHAND_SLURM_DIR", dir.path())
-            .env("STAGEHAND_SLURM_USER", &user)
-            .env("STAGEHAND_BIN", &wrapper)
-            .env("STAGEHAND_NATS_URL", nats_url)
-            .env("STAGEHAND_STAGE_IN_TIMEOUT", "120")
-            .env("STAGEHAND_CONNECT_TIMEOUT", "2")
-            .output()
-            .context("running deploy/slurm/slurm.sh start")?;
-        let slurm = Slurm {
-            conf: dir.path().join("etc/slurm.conf"),
-            dir,
-            user,
-        };
-        ensure!(
-            out.status.success(),
-            "deploy/slurm/slurm.sh start failed: {}",
-            said(&out)
-        );
-        let jobs = slurm.dir.path().join("jobs");
-        std::fs::create_dir(&jobs)?;
-        std::fs::set_permissions(&jobs, std::fs::Permissions::from_mode(0o755))?;
-        Ok(slurm)
-    }
-
-    fn cmd(&self, program: &str) -> Command {
-        let mut c = Command::new(program);
-        c.env("SLURM_CONF", &self.conf);
-        c
-    }
-
-    /// `sbatch` of `script` as the test user; the job id.
-    fn submit(&self, name: &str, script: &str) -> anyhow::Result<u32> {
-        let path = self.dir.path().join("jobs").join(format!("{name}.sh"));
-        std::fs::write(&path, script)?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
-        let out = self
-            .cmd("runuser")
-            .args(["-u", &self.user, "--", "env"])
-            .arg(format!("SLURM_CONF={}", self.conf.display()))
-            .args(["sbatch", "--parsable", "--output=/dev/null"])
-            .arg(&path)
-            .output()?;
-        ensure!(out.status.success(), "sbatch {name}: {}", said(&out));
-        let id = String::from_utf8(out.stdout)?;
-        id.trim()
-            .split(';')
-            .next()
-            .unwrap_or_default()
-            .parse()
-            .with_context(|| format!("sbatch printed {id:?}"))
-    }
-
-    /// The job's state as squeue shows it (also for finished jobs).
-    fn state(&self, id: u32) -> anyhow::Result<String> {
-        let out = self
-            .cmd("squeue")
-            .args(["-h", "-t", "all", "-j", &id.to_string(), "-o", "%T"])
-            .output()?;
-        ensure!(out.status.success(), "squeue: {}", said(&out));
-        Ok(String::from_utf8(out.stdout)?.trim().to_owned())
-    }
-
-    async fn wait_state(&self, id: u32, what: &str, want: &str) -> anyhow::Result<()> {
-        wait_for(JOB, what, || async {
-            self.state(id).ok().filter(|s| s == want)
-        })
-        .await
-        .map(|_| ())
-        .map_err(|e| anyhow::anyhow!("job {id}: {e}; now {:?}", self.state(id)))
-    }
-}
-
-impl Drop for Slurm {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(slurm_sh())
-            .arg("stop")
-            .env("STAGEHAND_SLURM_DIR", self.dir.path())
-            .output();
-    }
+/// The real `stagehand` behind a wrapper that drops every `stage release`: the teardown that
+/// never ran. In a folder of its own, made before the cluster whose hooks call it.
+fn without_release() -> anyhow::Result<(tempfile::TempDir, String)> {
+    let dir = tempfile::Builder::new()
+        .prefix("stagehand-without-release-")
+        .tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
+    let wrapper = dir.path().join("stagehand");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = release ] && exit 0; done\nexec '{}' \"$@\"\n",
+            env!("CARGO_BIN_EXE_stagehand")
+        ),
+    )?;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
+    let wrapper = wrapper.display().to_string();
+    Ok((dir, wrapper))
 }
 
 fn stage(job: u32, dataset: &str, version: &str) -> Stage {
@@ -189,7 +80,9 @@ async fn a_stage_whose_job_was_cancelled_without_its_teardown_is_released_by_the
 -> anyhow::Result<()> {
     let server = stagehand_testkit::NatsServer::start();
     let url = server.url();
-    let slurm = tokio::task::spawn_blocking(move || Slurm::start(&url));
+    let (_wrapper_dir, wrapper) = without_release()?;
+    let slurm =
+        tokio::task::spawn_blocking(move || Slurm::start_with(&url, &[("STAGEHAND_BIN", wrapper)]));
     // No validator: the uploads stay unvalidated, so both jobs stay in stage-in.
     let stagehand = Stagehand::start_on(
         server,
@@ -221,7 +114,7 @@ async fn a_stage_whose_job_was_cancelled_without_its_teardown_is_released_by_the
     let out = slurm.cmd("scancel").arg(cancelled.to_string()).output()?;
     ensure!(out.status.success(), "scancel: {}", said(&out));
     slurm
-        .wait_state(cancelled, "the job cancelled", "CANCELLED")
+        .wait_job(cancelled, "the job cancelled", |s, _| s == "CANCELLED")
         .await?;
     // Its teardown released nothing: the stage is still held.
     let held = stagehand
@@ -261,7 +154,7 @@ async fn a_stage_whose_job_was_cancelled_without_its_teardown_is_released_by_the
         "{reason}"
     );
     // The pending job keeps its stage.
-    ensure!(slurm.state(live)? == "PENDING");
+    ensure!(slurm.job(live)?.0 == "PENDING");
     let kept_status = stagehand
         .status_where(&kept, "the live job's stage", |_| true)
         .await?;
