@@ -15,7 +15,10 @@
 //!   and **S3 tiers** that do not answer a HEAD request in this shell's credentials
 //!   (`runbooks/s3-tier-unreachable.md`);
 //! - **fan-out**: nodes a fan-out dropped for serving bytes that did not verify, until their
-//!   own copy is read whole again (`runbooks/fanout-peer-dropped.md`).
+//!   own copy is read whole again (`runbooks/fanout-peer-dropped.md`);
+//! - **NATS**: the cluster's own health as JetStream reports it ([`nats_cluster`]): a node
+//!   whose replicas are offline or behind, a stream with no leader
+//!   (`runbooks/nats-node-lost.md`).
 //!
 //! `--actions` lists instead every operator action the catalogue keeps (`operator.action`
 //! facts: stages cancelled, dead letters discarded or replayed), newest first ([`actions`]).
@@ -69,7 +72,7 @@ pub struct StatusOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct Finding {
     /// `service`, `consumer`, `stage`, `dead_letters`, `tier`, `quota`, `replica`, `scrub`,
-    /// `node`, `fanout`, `drill`, `checkpoint` or `catalogue`.
+    /// `node`, `fanout`, `drill`, `checkpoint`, `catalogue` or `nats`.
     pub area: &'static str,
     /// What it is about: a service instance, a consumer, a stage request, a tier.
     pub subject: String,
@@ -205,6 +208,10 @@ pub async fn gather(
     let mut findings = Vec::new();
     let services = services(bus, opts, now, &mut findings).await?;
     let consumers = consumers(bus, opts, now, &mut findings).await?;
+    let mut unprobed = Vec::new();
+    if let Err(e) = nats_cluster(bus, &mut findings).await {
+        unprobed.push(format!("the NATS cluster's replicas: {e:#}"));
+    }
     let stages = stages(catalogue, opts, now, &mut findings).await?;
     let dead_letters = dead_letters(catalogue, &mut findings).await?;
     let (_, problems) = catalogue
@@ -227,7 +234,6 @@ pub async fn gather(
         None => None,
     };
     let (mut tier_lines, mut damaged, mut drill_lines) = (Vec::new(), Vec::new(), None);
-    let mut unprobed = Vec::new();
     if let Some(policies) = &policies {
         tier_lines = tiers(catalogue, policies, &mut findings).await?;
         damaged = damage(catalogue, policies, now, &mut findings).await?;
@@ -961,6 +967,104 @@ async fn unreachable_nodes(
     Ok(())
 }
 
+/// The runbook page of a NATS node lost or cut off from the others.
+pub const NATS_NODE_LOST_RUNBOOK: &str = "nats-node-lost.md";
+
+/// How long a replica may go unheard, not current, before it counts as behind: a follower
+/// catching up on a burst of writes is briefly not current while its leader still hears it.
+pub const NATS_REPLICA_SILENT: Duration = Duration::from_secs(10);
+
+/// How many streams a NATS finding names before it says how many more.
+const STREAMS_NAMED: usize = 4;
+
+/// The NATS cluster's own health, as JetStream reports it: one listing of the account's
+/// stream names (the meta layer's) and one of their states (for which the meta leader asks
+/// each stream's leader). A node holding replicas that are offline, or not current and unheard
+/// for [`NATS_REPLICA_SILENT`], is one finding naming its streams; a stream with no leader, or
+/// whose leader did not answer the listing, is one finding of its own: its replicas have lost
+/// their majority and nothing moves on it. A single server has no replicas: nothing to say.
+async fn nats_cluster(bus: &Bus, findings: &mut Vec<Finding>) -> anyhow::Result<()> {
+    let js = bus.jetstream();
+    let names: Vec<String> = (js.stream_names())
+        .try_collect()
+        .await
+        .context("the streams' names")?;
+    let states: Vec<async_nats::jetstream::stream::Info> = (js.streams())
+        .try_collect()
+        .await
+        .context("the streams' states")?;
+    findings.extend(cluster_findings(
+        &names,
+        states
+            .iter()
+            .map(|s| (s.config.name.as_str(), s.cluster.as_ref())),
+    ));
+    Ok(())
+}
+
+/// [`nats_cluster`]'s findings from the stream names and the states listed.
+fn cluster_findings<'a>(
+    names: &[String],
+    listed: impl IntoIterator<
+        Item = (
+            &'a str,
+            Option<&'a async_nats::jetstream::stream::ClusterInfo>,
+        ),
+    >,
+) -> Vec<Finding> {
+    let run = format!("runbooks/{NATS_NODE_LOST_RUNBOOK}");
+    let mut behind: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    let mut leaderless = Vec::new();
+    let mut answered = std::collections::BTreeSet::new();
+    for (stream, cluster) in listed {
+        answered.insert(stream);
+        let Some(cluster) = cluster else {
+            continue;
+        };
+        if cluster.leader.as_deref().is_none_or(str::is_empty) {
+            leaderless.push((stream, "it has no leader"));
+            continue;
+        }
+        for peer in &cluster.replicas {
+            if peer.offline || (!peer.current && peer.active >= NATS_REPLICA_SILENT) {
+                behind.entry(peer.name.as_str()).or_default().push(stream);
+            }
+        }
+    }
+    leaderless.extend(
+        (names.iter().map(String::as_str))
+            .filter(|n| !answered.contains(n))
+            .map(|n| (n, "its leader did not answer")),
+    );
+    let mut out: Vec<Finding> = (behind.into_iter())
+        .map(|(node, streams)| {
+            let named = streams.iter().take(STREAMS_NAMED).copied();
+            let mut list = named.collect::<Vec<_>>().join(", ");
+            if streams.len() > STREAMS_NAMED {
+                list.push_str(&format!(" and {} more", streams.len() - STREAMS_NAMED));
+            }
+            Finding {
+                area: "nats",
+                subject: format!("NATS node {}", printable(node)),
+                detail: format!(
+                    "its replicas of {} streams are offline or behind: {list}",
+                    streams.len()
+                ),
+                run: run.clone(),
+            }
+        })
+        .collect();
+    out.extend(leaderless.into_iter().map(|(stream, why)| Finding {
+        area: "nats",
+        subject: format!("stream {stream}"),
+        detail: format!(
+            "{why}: its replicas have lost their majority (a second node lost or cut off), and nothing moves on it"
+        ),
+        run: run.clone(),
+    }));
+    out
+}
+
 /// The runbook page of a node that served bytes that did not verify in a fan-out.
 pub const FANOUT_PEER_DROPPED_RUNBOOK: &str = "fanout-peer-dropped.md";
 
@@ -1475,6 +1579,71 @@ mod tests {
         let never = scrub_behind(&tier(copy(90, None)), period, look, now).unwrap();
         assert!(never.detail.contains("never verified"), "{}", never.detail);
         assert!(scrub_behind(&tier(copy(30, None)), period, look, now).is_none());
+    }
+
+    /// A node whose replicas are offline or unheard is one finding naming its streams; a
+    /// replica briefly not current while heard is not; a stream without a leader, or missing
+    /// from the listing, is a finding of its own; a single server says nothing.
+    #[test]
+    fn a_nats_node_whose_replicas_are_behind_is_one_finding() {
+        use async_nats::jetstream::stream::ClusterInfo;
+        let cluster = |leader: Option<&str>, replicas: serde_json::Value| -> ClusterInfo {
+            serde_json::from_value(serde_json::json!({
+                "name": "stagehand", "leader": leader, "replicas": replicas
+            }))
+            .unwrap()
+        };
+        let secs = |s: u64| s * 1_000_000_000;
+        let lost = serde_json::json!([
+            {"name": "n2", "current": true, "active": secs(0), "offline": false},
+            {"name": "n3", "current": false, "active": secs(30), "offline": true}
+        ]);
+        let busy = serde_json::json!([
+            {"name": "n2", "current": false, "active": secs(1), "offline": false},
+            {"name": "n3", "current": false, "active": secs(12), "offline": false}
+        ]);
+        let (facts, requests, kv) = (
+            cluster(Some("n1"), lost.clone()),
+            cluster(Some("n2"), busy),
+            cluster(None, lost),
+        );
+        let single = cluster(Some("n1"), serde_json::json!([]));
+        let names: Vec<String> = ["FACTS", "REQUESTS", "KV_claims", "OBJ_gone", "SOLO"]
+            .map(String::from)
+            .to_vec();
+        let found = cluster_findings(
+            &names,
+            [
+                ("FACTS", Some(&facts)),
+                ("REQUESTS", Some(&requests)),
+                ("KV_claims", Some(&kv)),
+                ("SOLO", Some(&single)),
+            ],
+        );
+        let said: Vec<(String, String)> = (found.iter())
+            .map(|f| (f.subject.clone(), f.detail.clone()))
+            .collect();
+        assert_eq!(found.len(), 3, "{said:?}");
+        assert_eq!(found[0].subject, "NATS node n3");
+        assert!(
+            found[0].detail.contains("of 2 streams")
+                && found[0].detail.ends_with("FACTS, REQUESTS"),
+            "{said:?}"
+        );
+        assert_eq!(found[1].subject, "stream KV_claims");
+        assert!(found[1].detail.starts_with("it has no leader"), "{said:?}");
+        assert_eq!(found[2].subject, "stream OBJ_gone");
+        assert!(
+            found[2].detail.starts_with("its leader did not answer"),
+            "{said:?}"
+        );
+        assert!(
+            found
+                .iter()
+                .all(|f| f.area == "nats" && f.run == "runbooks/nats-node-lost.md")
+        );
+        // A single server, and a cluster all current: nothing.
+        assert!(cluster_findings(&names[4..], [("SOLO", Some(&single))]).is_empty());
     }
 
     /// A fan-out report reaches the terminal without the escapes an agent could put in it.

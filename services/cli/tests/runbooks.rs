@@ -1384,8 +1384,25 @@ async fn a_lost_nats_node_is_found_and_its_return_confirmed_by_its_page() {
         !behind.is_empty() && behind.iter().all(|(_, nodes)| nodes == &["n3"])
     })
     .unwrap();
+    // `stagehand status` names the node, from JetStream's own view of its replicas.
+    let mut last = serde_json::Value::Null;
+    let named = wait_until_blocking(WAIT, "status to name NATS node n3", || {
+        let Some((1, report)) = shell.status() else {
+            return false;
+        };
+        last = report["findings"].clone();
+        last.as_array().unwrap().iter().any(|f| {
+            f["area"] == "nats"
+                && f["subject"] == "NATS node n3"
+                && f["run"] == "runbooks/nats-node-lost.md"
+        })
+    });
+    if let Err(e) = named {
+        panic!("{e}: {last:#}");
+    }
     let said = shell.steps(&page, None, Some("Confirm"));
     assert!(said.contains(&format!("{lost}: no answer")), "{said}");
+    assert!(said.contains("NATS node n3"), "{said}");
     let streams = said
         .lines()
         .filter(|l| l.starts_with("{\"stream\":"))
