@@ -191,7 +191,7 @@ pub struct AuditReport {
     /// Bytes of the replicas found lost.
     pub lost_bytes: u64,
     /// Entries left out as copies in flight (a pending stage, a young temporary, a change
-    /// during the audit).
+    /// during the audit, an entry gone while the tier was listed).
     pub in_flight: u64,
     /// The stray or the lost bytes were above `stop_above_fraction` of the catalogued bytes:
     /// no lost replica was announced, nothing was quarantined, and a person must look.
@@ -370,10 +370,15 @@ struct Listing {
     candidates: Vec<Candidate>,
     /// Of the prefixes asked about, those with something on storage.
     found: BTreeSet<String>,
+    /// Entries that went while they were listed: a writer published (renamed) or removed its
+    /// temporary meanwhile, so they are copies in flight, not stray.
+    vanished: u64,
 }
 
 /// Lists a posix tier beneath its project folders, descending only where a replica's folder
-/// lies beneath, so claimed folders are never walked.
+/// lies beneath, so claimed folders are never walked. The tier is live while it is walked: an
+/// entry that is gone by the time it is read (a staging folder published by its rename, a
+/// temporary removed) is counted in [`Listing::vanished`], not an error.
 fn list_posix(root: &Path, tier: &str, reading: &Reading) -> Result<Listing, AuditError> {
     let list_err = |path: &Path, source| AuditError::List {
         tier: tier.to_owned(),
@@ -406,7 +411,15 @@ fn list_posix(root: &Path, tier: &str, reading: &Reading) -> Result<Listing, Aud
     // Folders whose entries are looked at: project folders, and folders above a replica's.
     while let Some(dir) = stack.pop() {
         let at = root.join(&dir);
-        for entry in std::fs::read_dir(&at).map_err(|e| list_err(&at, e))? {
+        let entries = match std::fs::read_dir(&at) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                listing.vanished += 1;
+                continue;
+            }
+            Err(e) => return Err(list_err(&at, e)),
+        };
+        for entry in entries {
             let entry = entry.map_err(|e| list_err(&at, e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = format!("{dir}/{name}");
@@ -418,8 +431,14 @@ fn list_posix(root: &Path, tier: &str, reading: &Reading) -> Result<Listing, Aud
                     }
                 }
                 Claim::Unclaimed => {
-                    let (files, bytes, modified) =
-                        measure(&root.join(&path)).map_err(|e| list_err(&root.join(&path), e))?;
+                    let (files, bytes, modified) = match measure(&root.join(&path)) {
+                        Ok(measured) => measured,
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                            listing.vanished += 1;
+                            continue;
+                        }
+                        Err(e) => return Err(list_err(&root.join(&path), e)),
+                    };
                     let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
                     listing.candidates.push(Candidate {
                         path,
@@ -436,7 +455,10 @@ fn list_posix(root: &Path, tier: &str, reading: &Reading) -> Result<Listing, Aud
 }
 
 /// Files, bytes and newest modification of everything at `path` (symlinks not followed).
+/// `path` itself gone is `NotFound`; an entry beneath it that goes while it is measured (a
+/// temporary file renamed into place or removed) is left out.
 fn measure(path: &Path) -> std::io::Result<(u64, u64, Option<SystemTime>)> {
+    let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
     let meta = std::fs::symlink_metadata(path)?;
     let mut newest = meta.modified().ok();
     if !meta.is_dir() {
@@ -445,9 +467,19 @@ fn measure(path: &Path) -> std::io::Result<(u64, u64, Option<SystemTime>)> {
     let (mut files, mut bytes) = (0u64, 0u64);
     let mut stack = vec![path.to_owned()];
     while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir)? {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if dir == path => return Err(e),
+            Err(e) if gone(&e) => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
             let entry = entry?;
-            let meta = entry.metadata()?;
+            let meta = match entry.metadata() {
+                Ok(meta) => meta,
+                Err(e) if gone(&e) => continue,
+                Err(e) => return Err(e),
+            };
             newest = newest.max(meta.modified().ok());
             if meta.is_dir() {
                 stack.push(entry.path());
@@ -540,7 +572,7 @@ pub async fn audit(
         catalogued_bytes: second.present.values().map(|r| r.total_bytes).sum(),
         stray_bytes: 0,
         lost_bytes: 0,
-        in_flight: 0,
+        in_flight: listing.vanished,
         stopped: false,
         stray: Vec::new(),
         lost: Vec::new(),
@@ -710,4 +742,50 @@ async fn publish_lost(
     bus.publish(&fact).await?;
     warn!(tier = %opts.tier, prefix = %r.prefix, "a catalogued replica is not on its tier: announced damaged");
     Ok(fact.id.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guards the walk of a live tier: staging folders published (renamed to their final
+    /// name) and removed while the audit lists the tier are never an error, only entries gone
+    /// meanwhile; a measured path that is gone is `NotFound`, for the walk to leave out.
+    #[test]
+    fn a_tier_written_while_it_is_listed_lists_without_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_owned();
+        let birds = root.join("lab/birds");
+        std::fs::create_dir_all(&birds).unwrap();
+        let reading = Reading {
+            sequence: 0,
+            claimed: BTreeSet::new(),
+            present: BTreeMap::new(),
+            pending: Vec::new(),
+        };
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..400 {
+                    let staging = birds.join(format!(".v{i}.stagehand-set-0"));
+                    std::fs::create_dir(&staging).unwrap();
+                    for f in 0..8 {
+                        std::fs::write(staging.join(format!("f{f}")), b"bytes").unwrap();
+                    }
+                    let published = birds.join(format!("v{i}"));
+                    std::fs::rename(&staging, &published).unwrap();
+                    std::fs::remove_dir_all(&published).unwrap();
+                }
+                done.store(true, std::sync::atomic::Ordering::Release);
+            });
+            let mut listings = 0;
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                let listing = list_posix(&root, "hot", &reading);
+                assert!(listing.is_ok(), "listing {listings}: {listing:?}");
+                listings += 1;
+            }
+        });
+        let gone = measure(&root.join("lab/birds/v0")).unwrap_err();
+        assert_eq!(gone.kind(), std::io::ErrorKind::NotFound);
+    }
 }
