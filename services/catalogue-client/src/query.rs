@@ -242,7 +242,7 @@ pub enum Query {
         after: Option<String>,
     },
     /// The replicas on `tier`, of `node` only when given (else every node's, and the shared
-    /// tier's own), in `state` only when given, in (project, dataset, version, node) order:
+    /// tier's own), in `state` only when given, in (node, project, dataset, version) order:
     /// a node's agent lists its own unreachable copies to re-check them, the demoter the
     /// present copies whose node it watches, `stagehand status` the unreachable ones.
     /// `after`: the `next` of the previous page.

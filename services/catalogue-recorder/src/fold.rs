@@ -1473,6 +1473,9 @@ fn write_replica(txn: &WriteTransaction, record: &ReplicaRecord) -> Result<(), F
     );
     let value = encode(record, || format!("replica {key:?}"))?;
     txn.open_table(REPLICAS)?.insert(key, value.as_slice())?;
+    let (project, dataset, version, tier, node) = key;
+    txn.open_table(REPLICAS_BY_PLACE)?
+        .insert((tier, node, project, dataset, version), ())?;
     // Every tier (and node) with a replica has a readiness record to list and mirror.
     let mut readiness = txn.open_table(READINESS)?;
     if readiness.get(key)?.is_none() {
@@ -1727,6 +1730,55 @@ mod tests {
             .into_iter()
             .map(|r| (r.node.unwrap_or_default(), r.state, r.reason))
             .collect()
+    }
+
+    /// Guards the index of replicas by place: a node's copies are its own, a tier's are every
+    /// node's in node order, page after page from the cursor, and a copy on another tier is in
+    /// neither.
+    #[test]
+    fn the_replicas_on_a_tier_or_a_node_are_read_by_place_page_by_page() {
+        let dir = tempfile::tempdir().unwrap();
+        let facts = vec![
+            validated(1),
+            node_replica(1, "gpu-b", false, 0),
+            node_replica(1, "gpu-a", false, 0),
+            node_replica(1, "gpu-c", false, 0),
+        ];
+        let store = store_with(dir.path(), "place.redb", &facts);
+        let ask = |tier: &str, node: Option<&str>, limit: Option<u32>, after: Option<String>| {
+            let query = Query::ReplicasOn {
+                tier: tier.into(),
+                node: node.map(Into::into),
+                state: None,
+                limit,
+                after,
+            };
+            let Answer::ReplicasOn { replicas, next } = crate::answer(&store, &query) else {
+                panic!("not a replicas_on answer")
+            };
+            let places = (replicas.into_iter())
+                .map(|r| format!("{}:{}", r.tier, r.node.unwrap_or_default()))
+                .collect::<Vec<_>>();
+            (places, next)
+        };
+        assert_eq!(
+            ask("local", Some("gpu-b"), None, None),
+            (vec!["local:gpu-b".to_owned()], None)
+        );
+        assert_eq!(ask("local", Some("gpu-z"), None, None), (vec![], None));
+        let (mut seen, mut after) = (Vec::new(), None);
+        loop {
+            let (page, next) = ask("local", None, Some(1), after.take());
+            assert!(page.len() <= 1, "{page:?}");
+            seen.extend(page);
+            match next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(seen, ["local:gpu-a", "local:gpu-b", "local:gpu-c"]);
+        let (source, _) = ask("source", None, None, None);
+        assert_eq!(source, ["source:"]);
     }
 
     /// Guards node failure's cost: a silent node's present copy becomes `unreachable` (not

@@ -1243,8 +1243,10 @@ fn split_replica_cursor(c: &str) -> Option<(String, String, String, String, Stri
     Some((project, dataset, version, tier, node))
 }
 
-/// The replicas on `tier` (of `node`, when given) in `state` (when given): one pass over the
-/// replicas table from the cursor on.
+/// The replicas on `tier` (of `node`, when given) in `state` (when given), in (node, project,
+/// dataset, version) order: the index of replicas by place read from the cursor on, so the
+/// answer costs the replicas of that tier (or node), not every replica. The cursor is the
+/// replica's own key.
 fn replicas_on(
     txn: &ReadTransaction,
     (tier, node): (&str, Option<&str>),
@@ -1259,27 +1261,31 @@ fn replicas_on(
                 .ok_or_else(|| bad_query(format!("{c:?} is not a replicas_on cursor")))?,
         ),
     };
+    let by_place = txn.open_table(REPLICAS_BY_PLACE)?;
     let replicas = txn.open_table(REPLICAS)?;
     let rows = match &start {
-        None => replicas.iter()?,
+        None => by_place.range((tier, node.unwrap_or(""), "", "", "")..)?,
         Some((p, d, v, t, n)) => {
-            replicas.range((p.as_str(), d.as_str(), v.as_str(), t.as_str(), n.as_str())..)?
+            by_place.range((t.as_str(), n.as_str(), p.as_str(), d.as_str(), v.as_str())..)?
         }
     };
     let mut page = Page::new(limit, DEFAULT_PAGE, BUDGET);
     for row in rows {
-        let (k, v) = row?;
-        let key = k.value();
-        let (project, dataset, version, t, n) = key;
+        let (k, _) = row?;
+        let (t, n, project, dataset, version) = k.value();
+        if t != tier || node.is_some_and(|want| want != n) {
+            break;
+        }
+        let key = (project, dataset, version, t, n);
         if start.as_ref().is_some_and(|(p, d, v, t, n)| {
             (p.as_str(), d.as_str(), v.as_str(), t.as_str(), n.as_str()) == key
         }) {
             continue;
         }
-        if t != tier || node.is_some_and(|want| want != n) {
+        let Some(value) = replicas.get(key)? else {
             continue;
-        }
-        let r: ReplicaRecord = read(v.value(), || {
+        };
+        let r: ReplicaRecord = read(value.value(), || {
             format!("replica {project}/{dataset}/{version} on {t}")
         })?;
         if state.is_some_and(|want| want != r.state) {

@@ -86,6 +86,12 @@ pub(crate) const FILE_LISTS: TableDefinition<S, Bytes> = TableDefinition::new("f
 pub(crate) const FILE_CHUNKS: TableDefinition<(S, S), Bytes> = TableDefinition::new("file_chunks");
 pub(crate) const REPLICAS: TableDefinition<(S, S, S, S, S), Bytes> =
     TableDefinition::new("replicas");
+/// (tier, node or "", project, dataset, version) of every replica: an index, so that the
+/// replicas on one tier or one node (`replicas_on`: a node agent's re-check of its copies as it
+/// comes back, the demoter's pass over a node-local tier) are found without reading every
+/// replica of every tier.
+pub(crate) const REPLICAS_BY_PLACE: TableDefinition<(S, S, S, S, S), ()> =
+    TableDefinition::new("replicas_by_place");
 pub(crate) const STAGE_REQUESTS: TableDefinition<(S, S), Bytes> =
     TableDefinition::new("stage_requests");
 pub(crate) const STAGES_BY_JOB: TableDefinition<(S, S, S), ()> =
@@ -156,8 +162,9 @@ const UPGRADE_THROUGH: &str = "upgrade_through.";
 /// rebuilt from the streams: the one-table layout of key prefixes was 1; 2 kept one replica per
 /// tier and checkpoints in their own table only; 3 had either replicas per node or checkpoint
 /// versions, not both; 4 kept applied events and problems by bare event id; 5 had no index of
-/// open stages and counted dead letters without their replays (upgraded in place as well).
-const LAYOUT_VERSION: u64 = 6;
+/// open stages and counted dead letters without their replays; 6 had no index of replicas by
+/// place (5 and 6 are upgraded in place as well).
+const LAYOUT_VERSION: u64 = 7;
 
 /// The most events folded in one commit by the live writer.
 pub const MAX_BATCH: usize = 512;
@@ -242,6 +249,7 @@ macro_rules! for_each_table {
         $m!(FILE_LISTS);
         $m!(FILE_CHUNKS);
         $m!(REPLICAS);
+        $m!(REPLICAS_BY_PLACE);
         $m!(STAGE_REQUESTS);
         $m!(STAGES_BY_JOB);
         $m!(STAGES_BY_VERSION);
@@ -283,6 +291,10 @@ impl Store {
         if matches!(layout, Some(4 | 5)) {
             upgrade_from_5(&txn)?;
             tracing::info!(store = %path.display(), "catalogue store upgraded in place from layout 5: open stages indexed, dead letters counted as waiting until replayed");
+        }
+        if matches!(layout, Some(4..=6)) {
+            upgrade_from_6(&txn)?;
+            tracing::info!(store = %path.display(), "catalogue store upgraded in place from layout 6: replicas indexed by tier and node");
         } else if layout != Some(LAYOUT_VERSION) {
             let old: Vec<_> = txn.list_tables()?.collect();
             // A new file holds only the `meta` table just opened.
@@ -658,7 +670,22 @@ fn upgrade_from_5(txn: &WriteTransaction) -> Result<(), StoreError> {
     }
     let mut meta = txn.open_table(META)?;
     meta.insert(DEAD_LETTERS_COUNTED_BEFORE, 1)?;
-    meta.insert(LAYOUT, LAYOUT_VERSION)?;
+    meta.insert(LAYOUT, 6)?;
+    Ok(())
+}
+
+/// The upgrade from layout 6 within `txn`: every replica indexed by place.
+fn upgrade_from_6(txn: &WriteTransaction) -> Result<(), StoreError> {
+    {
+        let replicas = txn.open_table(REPLICAS)?;
+        let mut by_place = txn.open_table(REPLICAS_BY_PLACE)?;
+        for row in replicas.iter()? {
+            let (k, _) = row?;
+            let (project, dataset, version, tier, node) = k.value();
+            by_place.insert((tier, node, project, dataset, version), ())?;
+        }
+    }
+    txn.open_table(META)?.insert(LAYOUT, LAYOUT_VERSION)?;
     Ok(())
 }
 
@@ -826,6 +853,32 @@ mod tests {
             at + 1,
             "dead_letters_waiting\t\"ingest-validator\" = 2".to_owned(),
         );
+        // And through layout 6: every replica indexed by place, right after the replicas.
+        let mut places: Vec<Vec<String>> = (before.iter())
+            .filter_map(|l| l.strip_prefix("replicas\t("))
+            .map(|l| {
+                let key = &l[..l.find(") = ").unwrap()];
+                let parts: Vec<String> = key
+                    .split(", ")
+                    .map(|p| p.trim_matches('"').into())
+                    .collect();
+                let [p, d, v, t, n] = <[String; 5]>::try_from(parts).unwrap();
+                vec![t, n, p, d, v]
+            })
+            .collect();
+        assert!(!places.is_empty(), "the fixture has replicas");
+        places.sort();
+        let at = before
+            .iter()
+            .rposition(|l| l.starts_with("replicas\t"))
+            .unwrap();
+        for (i, place) in places.iter().enumerate() {
+            let quoted: Vec<String> = place.iter().map(|p| format!("{p:?}")).collect();
+            before.insert(
+                at + 1 + i,
+                format!("replicas_by_place\t({}) = ()", quoted.join(", ")),
+            );
+        }
 
         let store = Store::open(&path).unwrap();
         assert_eq!(catalogue_rows(&store.dump().unwrap()), before);
