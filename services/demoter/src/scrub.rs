@@ -9,7 +9,8 @@
 //! replicas are read most overdue first, one at a time, under `scrub.toml`'s budget (bytes and
 //! files per second); within a replica up to `[budget] parallel_files` files are read and
 //! hashed at once ([`read_replica`]), each in the mover's lowest priority class
-//! ([`SCRUB_PRIORITY`]), so a stage or a checkpoint always goes first.
+//! ([`SCRUB_PRIORITY`]) and, on posix, in the kernel's idle I/O class, so a stage or a
+//! checkpoint always goes first, in this process or in another (the promoter's).
 //!
 //! Each replica read is claimed first in the bus's claims (service `demoter.scrub`, keyed by
 //! the replica and the verification it is due after), so several demoters share the work
@@ -288,7 +289,7 @@ where
             let rel = format!("{prefix}/{}", file.path);
             let _slot = scheduler.acquire(SCRUB_PRIORITY).await;
             let digest = tier
-                .hash_file_bounded(&rel, ReadLimit::declared(file.size, None))
+                .hash_file_bounded_as(&rel, ReadLimit::declared(file.size, None), SCRUB_PRIORITY)
                 .await;
             Ok::<_, ScrubError>(Hashed {
                 index,

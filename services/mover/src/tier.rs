@@ -3,7 +3,7 @@
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::PosixTier;
 use crate::s3::S3Tier;
-use crate::transfer::{FileDigest, ReadLimit};
+use crate::transfer::{FileDigest, Priority, ReadLimit};
 
 /// Where files live. Paths handed to a tier are always relative to its root (or prefix).
 #[derive(Debug, Clone)]
@@ -125,11 +125,25 @@ impl Tier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
+        self.hash_file_bounded_as(rel, limit, Priority::default())
+            .await
+    }
+
+    /// [`Tier::hash_file_bounded`] for a mover class: on posix, a read in the background class
+    /// (the scrub) is made in the kernel's idle I/O class, so it yields the disk to every other
+    /// process's reads and writes, not only to this process's classes.
+    pub async fn hash_file_bounded_as(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+        priority: Priority,
+    ) -> Result<FileDigest, TransferError> {
         match self {
             Tier::Posix(t) => {
                 let t = t.clone();
                 let rel_owned = rel.to_owned();
                 self.blocking(rel, Side::Source, "hashing", move || {
+                    let _class = crate::posix::IoClass::enter(priority);
                     t.hash_file_bounded(&rel_owned, limit)
                 })
                 .await
