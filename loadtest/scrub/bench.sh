@@ -6,7 +6,9 @@
 # rclone, and the scrub one file at a time as before `parallel_files`), the page cache dropped
 # before every run. Beside them, in the same run: the all-core SHA-256 rate (the scrub's hasher
 # on in-memory data, and `openssl speed -multi`; the higher counts) and the disk's direct-read
-# rate (`dd iflag=direct` of a large file).
+# rate (`dd iflag=direct` of a large file). Then a stage (`stagehand cp --manifest --atomic`,
+# the promoter's verified set copy) timed alone and under a scrub of the tier at the shipped
+# budget in another process, interleaved (target: within 1.2x of alone).
 #
 #   loadtest/scrub/bench.sh                                   # 20,000 files / 2 GiB, 3 rounds
 #   FILES=100000 BYTES=$((10 << 30)) loadtest/scrub/bench.sh  # the issue's tier
@@ -15,6 +17,8 @@
 # Settings (environment): FILES, BYTES (the tier: FILES files of BYTES/FILES bytes), PAIRS
 # (rounds, default 3), PARALLEL (the scrub's `parallel_files`, default 4 as policies/scrub.toml),
 # SKIP_SERIAL=1 (no one-file-at-a-time runs), BIG_MIB (the file `dd` reads, default 1024),
+# STAGE_FILES, STAGE_BYTES (the staged version, default 256 files / 2 GiB), STAGE_UNDER_SCRUB=0
+# (no stage runs),
 # BENCH_DIR (default <cargo target dir>/scrub-bench; the tier is made once there and kept),
 # PROFILE (release).
 #
@@ -107,6 +111,52 @@ for pair in $(seq "$PAIRS"); do
     run rclone rclone check --checkfile sha256 --download "$TREE.sha256" "$TREE"
     [ -n "${SKIP_SERIAL:-}" ] || run stagehand-serial "$BIN" scrub --dir "$TREE" --parallel 1
 done
+
+# A stage timed alone and under a scrub at the shipped budget (policies/scrub.toml), interleaved:
+# `stagehand cp --manifest --atomic --priority stage`, the promoter's verified set copy, of
+# STAGE_FILES files / STAGE_BYTES bytes from a source tree into a fresh destination, with the
+# scrub reading the bench tier in another process as a demoter beside a promoter would. The
+# scrub's own read rate while the stage ran is taken from its /proc/PID/io (target: the stage
+# within 1.2x of alone). STAGE_UNDER_SCRUB=0 leaves it out.
+if [ "${STAGE_UNDER_SCRUB:-1}" != 0 ]; then
+    STAGE_FILES=${STAGE_FILES:-256}
+    STAGE_BYTES=${STAGE_BYTES:-$((2 << 30))}
+    (cd "$REPO" && cargo build -q $FLAG -p stagehand --bin stagehand)
+    SRC=$BENCH_DIR/stage-src/v-$STAGE_FILES-$STAGE_BYTES
+    mkdir -p "$BENCH_DIR/stage-src"
+    [ -f "$SRC.list" ] || "$BIN" make --dir "$SRC" --files "$STAGE_FILES" --bytes "$STAGE_BYTES"
+    awk '{ print $3 "\t" $2 "\t" $1 }' "$SRC.list" >"$SRC.manifest"
+    DST=$BENCH_DIR/stage-dst
+    stage() { # tool
+        rm -rf "$DST"
+        drop
+        local t0 t1
+        t0=$(now)
+        "$TARGET/$PROFILE/stagehand" cp -r --atomic --quiet --priority stage \
+            --manifest "$SRC.manifest" "$SRC" "$DST" >"$BENCH_DIR/$1.out" 2>&1 ||
+            { log "$1 failed:"; tail -20 "$BENCH_DIR/$1.out" >&2; exit 1; }
+        t1=$(now)
+        printf '%s %s' "$t0" "$t1"
+    }
+    for pair in $(seq "$PAIRS"); do
+        read -r t0 t1 <<<"$(stage stage-alone)"
+        record "{\"pair\":$pair,\"tool\":\"stage-alone\",\"wall\":$(secs "$t0" "$t1")}"
+        SCRUB_OUT=$BENCH_DIR/scrub-beside.out
+        "$BIN" scrub --dir "$TREE" --policies "$REPO/policies" --forever >"$SCRUB_OUT" 2>&1 &
+        scrubber=$!
+        # The scrub under way (its first file read) before the stage starts.
+        until [ "$(awk '/^read_bytes/ { print $2 }' "/proc/$scrubber/io" 2>/dev/null || echo 0)" -gt 0 ]; do
+            kill -0 "$scrubber" 2>/dev/null || { log "the scrub beside the stage stopped:"; tail "$SCRUB_OUT" >&2; exit 1; }
+            sleep 0.05
+        done
+        r0=$(awk '/^read_bytes/ { print $2 }' "/proc/$scrubber/io")
+        read -r t0 t1 <<<"$(stage stage-under-scrub)"
+        r1=$(awk '/^read_bytes/ { print $2 }' "/proc/$scrubber/io")
+        kill "$scrubber"
+        wait "$scrubber" 2>/dev/null || true
+        record "{\"pair\":$pair,\"tool\":\"stage-under-scrub\",\"wall\":$(secs "$t0" "$t1"),\"scrub_bytes\":$((r1 - r0))}"
+    done
+fi
 log "load after: $(uptime)"
 
 python3 - "$OUT" "$TREE.list" "$PARALLEL" "$DROP" "$CORES" <<'PY'
@@ -156,4 +206,15 @@ print("| target | measured | met |")
 print("| --- | ---: | --- |")
 print(f"| >= 2x sha256sum -c | {vs:.2f}x | {'yes' if vs >= 2 else 'no'} |")
 print(f"| >= 0.85 x min(SHA-256 {sha:.0f}, disk {disk:.0f} MB/s) = {0.85 * ceiling:.0f} MB/s | {rate:.0f} MB/s ({rate / ceiling:.2f}) | {'yes' if rate >= 0.85 * ceiling else 'no'} |")
+if "stage-alone" in walls:
+    alone, under = walls["stage-alone"], walls["stage-under-scrub"]
+    pairs = sorted(set(alone) & set(under))
+    ratios = [under[p] / alone[p] for p in pairs]
+    scrub_rates = [r["scrub_bytes"] / r["wall"] / 1e6 for r in rows if r.get("tool") == "stage-under-scrub"]
+    slow = statistics.median(ratios)
+    print()
+    print(f"| stage (stagehand cp --manifest, verified) | alone | under the scrub at the shipped budget | under / alone (median of {len(pairs)} pairs) | the scrub's read rate meanwhile |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    print(f"| median time | {statistics.median(alone.values()):.2f} s | {statistics.median(under.values()):.2f} s | {slow:.2f} ({', '.join(f'{x:.2f}' for x in ratios)}) | {statistics.median(scrub_rates):.0f} MB/s |")
+    print(f"| target: within 1.2x of the stage alone | | | {'met' if slow <= 1.2 else 'not met'} | |")
 PY

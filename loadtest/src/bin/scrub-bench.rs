@@ -9,7 +9,10 @@
 //! - `big --file F --mib M`: one file of M MiB, for the disk's direct-read rate (`dd`).
 //! - `scrub --dir D [--parallel P]`: reads every file of `D.list` beneath D as the scrub does
 //!   (P files at once, default the policy's default); prints one JSON object (seconds, files,
-//!   bytes, damaged). Exits non-zero if a file is damaged.
+//!   bytes, damaged). Exits non-zero if a file is damaged. With `--policies DIR` it keeps to
+//!   that folder's `scrub.toml` budget (rates and `parallel_files`) as a running demoter
+//!   does; with `--forever` it reads the replica again and again until killed, one JSON
+//!   object per pass: the background a stage is timed under (`STAGE_UNDER_SCRUB`).
 //! - `sha-rate [--threads T] [--seconds S]`: SHA-256 of in-memory data on T threads (default
 //!   every core) with the hasher the scrub uses; prints one JSON object (bytes per second).
 
@@ -52,6 +55,12 @@ enum What {
         dir: PathBuf,
         #[arg(long, default_value_t = stagehand_policy::DEFAULT_SCRUB_PARALLEL_FILES as usize)]
         parallel: usize,
+        /// A policy folder whose `scrub.toml` budget the reads keep to (`--parallel` unused).
+        #[arg(long)]
+        policies: Option<PathBuf>,
+        /// Read the replica again and again until killed.
+        #[arg(long)]
+        forever: bool,
     },
     ShaRate {
         #[arg(long)]
@@ -149,8 +158,12 @@ fn read_list(dir: &Path) -> anyhow::Result<Vec<FileRef>> {
     Ok(files)
 }
 
-async fn scrub(dir: &Path, parallel: usize) -> anyhow::Result<()> {
-    let started = Instant::now();
+async fn scrub(
+    dir: &Path,
+    parallel: usize,
+    policies: Option<&Path>,
+    forever: bool,
+) -> anyhow::Result<()> {
     let parent = dir.parent().context("the replica needs a parent folder")?;
     let prefix = dir
         .file_name()
@@ -158,16 +171,44 @@ async fn scrub(dir: &Path, parallel: usize) -> anyhow::Result<()> {
         .context("the replica's folder name is not UTF-8")?;
     let tier = Tier::from(PosixTier::open("bench", parent)?);
     let files = read_list(dir)?;
-    let parallel = NonZeroUsize::new(parallel).context("--parallel must be more than 0")?;
-    let budget = ReadBudget::unlimited(parallel);
+    let (budget, parallel) = match policies {
+        Some(dir) => {
+            let policies = stagehand_policy::Policies::load_dir(dir)
+                .with_context(|| format!("reading the policies in {}", dir.display()))?;
+            let scrub = (policies.scrub())
+                .with_context(|| format!("{} has no scrub.toml", dir.display()))?;
+            let parallel = scrub.budget.parallel_files as usize;
+            (ReadBudget::new(&scrub.budget), parallel)
+        }
+        None => {
+            let parallel = NonZeroUsize::new(parallel).context("--parallel must be more than 0")?;
+            (ReadBudget::unlimited(parallel), parallel.get())
+        }
+    };
     // The scrub's slots are the mover's; the bench's mover has as many as the scrub reads.
-    let scheduler = Scheduler::new(parallel.get());
+    let scheduler = Scheduler::new(parallel);
+    loop {
+        read_once(&tier, prefix, &files, &budget, &scheduler, parallel).await?;
+        if !forever {
+            return Ok(());
+        }
+    }
+}
+
+/// One pass over the replica, printed as one JSON object.
+async fn read_once(
+    tier: &Tier,
+    prefix: &str,
+    files: &[FileRef],
+    budget: &ReadBudget,
+    scheduler: &Scheduler,
+    parallel: usize,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
     let list = futures::stream::iter(
-        files
-            .into_iter()
-            .map(Ok::<_, stagehand_catalogue::CatalogueError>),
+        (files.iter().cloned()).map(Ok::<_, stagehand_catalogue::CatalogueError>),
     );
-    let read = read_replica(&tier, "bench", prefix, list, &budget, &scheduler, None).await?;
+    let read = read_replica(tier, "bench", prefix, list, budget, scheduler, None).await?;
     let seconds = started.elapsed().as_secs_f64();
     let (files, bytes, damaged) = match &read {
         Read::Verified { files, bytes } => (*files, *bytes, 0),
@@ -185,7 +226,7 @@ async fn scrub(dir: &Path, parallel: usize) -> anyhow::Result<()> {
             "files": files,
             "bytes": bytes,
             "damaged": damaged,
-            "parallel": parallel.get(),
+            "parallel": parallel,
         })
     );
     anyhow::ensure!(damaged == 0, "{damaged} files damaged: {read:?}");
@@ -238,7 +279,12 @@ async fn main() -> anyhow::Result<()> {
     match Args::parse().what {
         What::Make { dir, files, bytes } => make(&dir, files, bytes),
         What::Big { file, mib } => big(&file, mib),
-        What::Scrub { dir, parallel } => scrub(&dir, parallel).await,
+        What::Scrub {
+            dir,
+            parallel,
+            policies,
+            forever,
+        } => scrub(&dir, parallel, policies.as_deref(), forever).await,
         What::ShaRate { threads, seconds } => sha_rate(threads, seconds),
     }
 }

@@ -250,7 +250,9 @@ pub enum StageCommand {
     /// The operator stops a stage: a pending or copying one fails with `cancelled by <who>:
     /// <reason>` (its copy stopped unless another job waits for the version, its space and
     /// quota given back), a ready one is released. Recorded as an
-    /// operator action (`stagehand status --actions`). Needs Stagehand's operator user.
+    /// operator action (`stagehand status --actions`). Needs Stagehand's operator user; a
+    /// project ends its own jobs' stages with `stage release`, which its scheduler user may
+    /// publish for that project alone.
     Cancel(StageCancelArgs),
     /// Release the stages still held whose job the scheduler no longer runs (a teardown that
     /// never ran): asks Slurm (`squeue`, then `sacct`) or Kubernetes (the pods) about the jobs
