@@ -757,19 +757,21 @@ mod tests {
         let root = dir.path().to_owned();
         let birds = root.join("lab/birds");
         std::fs::create_dir_all(&birds).unwrap();
+        // A replica of the dataset is there, so the dataset's folder is walked entry by entry.
+        std::fs::create_dir_all(birds.join("kept")).unwrap();
         let reading = Reading {
             sequence: 0,
-            claimed: BTreeSet::new(),
+            claimed: BTreeSet::from(["lab/birds/kept".to_owned()]),
             present: BTreeMap::new(),
             pending: Vec::new(),
         };
         let done = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
             s.spawn(|| {
-                for i in 0..400 {
+                for i in 0..4000 {
                     let staging = birds.join(format!(".v{i}.stagehand-set-0"));
                     std::fs::create_dir(&staging).unwrap();
-                    for f in 0..8 {
+                    for f in 0..2 {
                         std::fs::write(staging.join(format!("f{f}")), b"bytes").unwrap();
                     }
                     let published = birds.join(format!("v{i}"));
