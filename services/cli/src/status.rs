@@ -16,7 +16,7 @@
 //!   (`runbooks/s3-tier-unreachable.md`);
 //! - **fan-out**: nodes a fan-out dropped for serving bytes that did not verify, until their
 //!   own copy is read whole again (`runbooks/fanout-peer-dropped.md`);
-//! - **NATS**: the cluster's own health as JetStream reports it ([`nats_cluster`]): a node
+//! - **NATS**: the cluster's own health as JetStream reports it (each stream's replicas): a node
 //!   whose replicas are offline or behind, a stream with no leader
 //!   (`runbooks/nats-node-lost.md`).
 //!
