@@ -310,6 +310,22 @@ async fn a_cancelled_set_publishes_nothing_and_resumes_later() {
     assert!(report.resumed);
 }
 
+/// `files` listed without their hashes, and the set named `name` that measures them while it
+/// copies: how ingest and a checkpoint part's offload list what they copy.
+fn listed_unhashed(files: &[FileRef], name: &str) -> (Vec<FileRef>, SetCopy) {
+    let unknown = (files.iter())
+        .map(|f| FileRef::new(f.path.clone(), f.size, ""))
+        .collect();
+    let set = SetCopy {
+        opts: CopyOptions {
+            expected_hash_unknown: true,
+            ..CopyOptions::default()
+        },
+        ..set_of(name, VerifyMode::HashedInFlight)
+    };
+    (unknown, set)
+}
+
 /// Ingest's shape: hashes unknown (measured while copying), the final name (the version
 /// digest) known only after every file is staged. Publishing the same content again finds
 /// the name taken and removes the second staging folder.
@@ -319,17 +335,7 @@ async fn a_set_staged_with_unknown_hashes_is_published_under_a_name_chosen_after
     let files = source(&src_dir.path().join("lab/v1"), 40);
     let (src, dst, _) = tiers(src_dir.path(), dst_dir.path());
     let mover = Mover::new(MoverConfig::default()).unwrap();
-    let unknown: Vec<FileRef> = files
-        .iter()
-        .map(|f| FileRef::new(f.path.clone(), f.size, ""))
-        .collect();
-    let set = SetCopy {
-        opts: CopyOptions {
-            expected_hash_unknown: true,
-            ..CopyOptions::default()
-        },
-        ..set_of("proj/ds/upload-1", VerifyMode::HashedInFlight)
-    };
+    let (unknown, set) = listed_unhashed(&files, "proj/ds/upload-1");
     for round in 0..2 {
         let mut measured = Vec::new();
         let staged = mover
@@ -457,17 +463,7 @@ async fn a_set_found_in_place_with_unknown_hashes_reports_the_proven_ones() {
     let files = source(&src_dir.path().join("lab/v1"), 12);
     let (src, dst, _) = tiers(src_dir.path(), dst_dir.path());
     let mover = Mover::new(MoverConfig::default()).unwrap();
-    let unknown: Vec<FileRef> = files
-        .iter()
-        .map(|f| FileRef::new(f.path.clone(), f.size, ""))
-        .collect();
-    let set = SetCopy {
-        opts: CopyOptions {
-            expected_hash_unknown: true,
-            ..CopyOptions::default()
-        },
-        ..set_of("lab/ckpt/part-0", VerifyMode::HashedInFlight)
-    };
+    let (unknown, set) = listed_unhashed(&files, "lab/ckpt/part-0");
     for round in 0..2 {
         let mut measured = Vec::new();
         let report = mover
