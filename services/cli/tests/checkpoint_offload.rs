@@ -460,6 +460,27 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     Ok(())
 }
 
+/// The errors of the dead letter in which gpu-a's offload refused the event `id`, once there.
+async fn offload_refusal(sh: &Stagehand, id: &str) -> anyhow::Result<Vec<String>> {
+    let letter = wait_for(WAIT, &format!("the refusal of {id}"), || async {
+        common::tenants::dead_letters(&sh.bus)
+            .await
+            .ok()?
+            .into_iter()
+            .find_map(|e| match e.body {
+                Body::DeadLetter(d)
+                    if d.original_id.as_ref().map(EventId::as_str) == Some(id)
+                        && d.consumer == "promoter-offload-gpu-a" =>
+                {
+                    Some(d)
+                }
+                _ => None,
+            })
+    })
+    .await?;
+    Ok(letter.errors.into_iter().map(|a| a.error).collect())
+}
+
 /// A forged `checkpoint.part.committed` of project `lab` for node gpu-a.
 fn forged(id: &str, tier: &str, prefix: &str, files: Vec<FileRef>) -> anyhow::Result<Event> {
     Ok(Event::request(
@@ -536,23 +557,7 @@ async fn a_part_naming_anything_but_its_own_folder_on_its_node_is_refused() -> a
         sh.bus.publish(event).await?;
     }
     for (id, _, why) in &attempts {
-        let letter = wait_for(WAIT, &format!("the refusal of {id}"), || async {
-            common::tenants::dead_letters(&sh.bus)
-                .await
-                .ok()?
-                .into_iter()
-                .find_map(|e| match e.body {
-                    Body::DeadLetter(d)
-                        if d.original_id.as_ref().map(EventId::as_str) == Some(*id)
-                            && d.consumer == "promoter-offload-gpu-a" =>
-                    {
-                        Some(d)
-                    }
-                    _ => None,
-                })
-        })
-        .await?;
-        let errors: Vec<&str> = letter.errors.iter().map(|a| a.error.as_str()).collect();
+        let errors = offload_refusal(&sh, id).await?;
         ensure!(
             errors.iter().any(|e| e.contains(why)),
             "{id}: refused for {errors:?}, not {why:?}"
@@ -823,23 +828,7 @@ async fn a_part_is_stamped_at_commit_and_hashed_once_by_its_offload() -> anyhow:
     sh.start_node_agent(NODES[0])?;
     sh.ready().await?;
     let refused_id = EventId::for_checkpoint_part(PROJECT, RUN, 2, 0);
-    let letter = wait_for(WAIT, "the refusal of the rewritten part", || async {
-        common::tenants::dead_letters(&sh.bus)
-            .await
-            .ok()?
-            .into_iter()
-            .find_map(|e| match e.body {
-                Body::DeadLetter(d)
-                    if d.original_id.as_ref() == Some(&refused_id)
-                        && d.consumer == "promoter-offload-gpu-a" =>
-                {
-                    Some(d)
-                }
-                _ => None,
-            })
-    })
-    .await?;
-    let errors: Vec<&str> = letter.errors.iter().map(|a| a.error.as_str()).collect();
+    let errors = offload_refusal(&sh, refused_id.as_str()).await?;
     ensure!(
         errors.iter().any(|e| e.contains("__0_0.distcp")
             && e.contains("since the part was committed")

@@ -89,6 +89,25 @@ impl Promoter {
         }
     }
 
+    /// The note of a copy present on `location` (made or repaired): it wakes the requests of
+    /// its version when this instance follows that tier (and node).
+    fn present_copy(
+        &self,
+        project: String,
+        dataset: &str,
+        location: &Location,
+        node: Option<&str>,
+    ) -> FactNote {
+        FactNote {
+            project,
+            dataset: dataset.to_owned(),
+            replica: self
+                .follows(&location.tier, node)
+                .then(|| (location.tier.clone(), location.prefix.clone(), true)),
+            ..FactNote::default()
+        }
+    }
+
     /// Handles a fact (or an ingest request) that may wake waiting requests.
     pub async fn on_fact(
         &self,
@@ -131,24 +150,14 @@ impl Promoter {
                     request: p.request_id.to_string(),
                 }),
             },
-            Body::ReplicaCreated(p) => FactNote {
-                project,
-                dataset: p.dataset.clone(),
-                replica: self
-                    .follows(&p.location.tier, p.node.as_deref())
-                    .then(|| (p.location.tier.clone(), p.location.prefix.clone(), true)),
-                ..FactNote::default()
-            },
+            Body::ReplicaCreated(p) => {
+                self.present_copy(project, &p.dataset, &p.location, p.node.as_deref())
+            }
             // A repaired copy is present again, as a created one: the requests that waited
             // for its repair's copy are answered from it.
-            Body::ReplicaRepaired(p) => FactNote {
-                project,
-                dataset: p.dataset.clone(),
-                replica: self
-                    .follows(&p.location.tier, p.node.as_deref())
-                    .then(|| (p.location.tier.clone(), p.location.prefix.clone(), true)),
-                ..FactNote::default()
-            },
+            Body::ReplicaRepaired(p) => {
+                self.present_copy(project, &p.dataset, &p.location, p.node.as_deref())
+            }
             Body::ReplicaRemoved(p) => {
                 let node = p.node.as_deref();
                 let follows = self.follows(&p.location.tier, node);
