@@ -1,9 +1,9 @@
 //! `stagehand audit TIER` as a real process against a real nats-server, the real recorder and
 //! the S3 server: a planted stray folder and an old staging leftover are reported (and
-//! quarantined intact with `--quarantine` once past the grace), a deleted replica is reported
-//! lost and announced with `replica.damaged` (`found_by` `audit`), a promotion in flight (a
-//! stage requested whose staging folder exists) is not reported, and stray data above the
-//! threshold stops the audit with nothing moved.
+//! quarantined intact with `--quarantine` once past the grace, on posix and on S3), a deleted
+//! replica is reported lost and announced with `replica.damaged` (`found_by` `audit`), a
+//! promotion in flight (a stage requested whose staging folder exists) is not reported, and
+//! stray data above the threshold stops the audit with nothing moved.
 
 use std::path::Path;
 use std::process::Command;
@@ -465,5 +465,51 @@ async fn an_s3_tier_reports_a_stray_object_and_a_lost_replica() {
     assert_eq!(report["stray"][0]["bytes"], 700);
     let damaged = stored_facts(stack.bus.jetstream(), "replica.damaged").await;
     assert_eq!(damaged.len(), 1);
+    stack.stop().await;
+}
+
+/// Guards the quarantine on S3, which has no rename: with `--quarantine` past the grace, each
+/// stray object is moved to `.stagehand-quarantine/<date>/<key>` with its bytes intact and is
+/// gone from its old key; the replica's objects stay; the next audit finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_s3_tier_quarantines_stray_objects_intact_after_the_grace() {
+    let s3 = tokio::task::spawn_blocking(S3Server::shared).await.unwrap();
+    let bucket = s3.unique_bucket("quarantine");
+    let at = Some((s3, bucket.as_str()));
+    let stack = stack(at, "quarantine_after = \"0s\"\nstop_above_fraction = 1.0").await;
+    let (_, kept) = place(&stack, at, "cats", 1, false, false).await;
+    let stray = [
+        (format!("{PROJECT}/strays/x/a.bin"), pattern_bytes(7, 700)),
+        (format!("{PROJECT}/strays/b.bin"), pattern_bytes(8, 3000)),
+    ];
+    for (key, bytes) in &stray {
+        s3.put_object(&bucket, key, bytes).unwrap();
+    }
+
+    let env = s3.client_env();
+    let (code, report) = audit_json(&stack, &env, &["capacity", "--quarantine"]);
+    assert_eq!(code, 1, "{report:#}");
+    let to = report["stray"][0]["quarantined_to"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{report:#}"));
+    let date = to
+        .strip_prefix(".stagehand-quarantine/")
+        .and_then(|rest| rest.strip_suffix(&format!("/{PROJECT}/strays")))
+        .unwrap_or_else(|| panic!("{to}"));
+    for (key, bytes) in &stray {
+        let moved = format!(".stagehand-quarantine/{date}/{key}");
+        assert_eq!(&s3.get_object(&bucket, &moved).unwrap(), bytes, "{moved}");
+        assert!(s3.get_object(&bucket, key).is_err(), "{key} still there");
+    }
+
+    let (code, report) = audit_json(&stack, &env, &["capacity"]);
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(found(&report), (vec![], vec![]));
+    assert_eq!(
+        s3.get_object(&bucket, &format!("{kept}/part-00.bin"))
+            .unwrap(),
+        pattern_bytes(1, FILE),
+        "the replica's objects stay"
+    );
     stack.stop().await;
 }

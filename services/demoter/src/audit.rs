@@ -20,9 +20,14 @@
 //! catalogue listed it present at both readings and its folder is not on storage.
 //!
 //! Stray data is never deleted. With quarantine asked for, each stray entry untouched for
-//! `scrub.toml`'s `[audit] quarantine_after` is renamed (one confined rename, never a copy)
-//! into `<root>/.stagehand-quarantine/<date>/<path>` on a posix tier; an S3 tier has no
-//! rename (a copy and a delete would be the audit deleting), so it is reported only. When the
+//! `scrub.toml`'s `[audit] quarantine_after` is moved into
+//! `<root>/.stagehand-quarantine/<date>/<path>`: on a posix tier by one confined rename, never
+//! a copy; on an S3 tier, which has no rename, object by object with
+//! [`stagehand_mover::s3::rename_object`] — the store copies the object, pinned to the ETag the
+//! listing found, the copy is checked, and only then is the old key deleted, so no byte is
+//! deleted that is not at its quarantine key. An entry with anything newer than the grace is
+//! left whole; an object replaced since the listing stays where it is (the rest of its entry
+//! moves, and the next audit finds it again). When the
 //! stray bytes exceed `[audit] stop_above_fraction` of the tier's catalogued bytes, the audit
 //! quarantines nothing and says a person must look: that much is more likely a catalogue
 //! that lost track than garbage.
@@ -37,7 +42,8 @@ use stagehand_bus::Bus;
 use stagehand_catalogue::{
     Catalogue, CatalogueError, ReplicaRecord, ReplicaState, StageState, StageStatus, views,
 };
-use stagehand_mover::{Tier, TransferError};
+use stagehand_mover::s3::{ListedObject, Renamed, rename_object};
+use stagehand_mover::{Tier, Time, TransferError};
 use stagehand_policy::AuditPolicy;
 use stagehand_schemas::subject::FACTS;
 use stagehand_schemas::{
@@ -149,7 +155,7 @@ pub struct Stray {
     pub kind: StrayKind,
     pub files: u64,
     pub bytes: u64,
-    /// The newest modification of anything in it, when storage says (posix).
+    /// The newest modification of anything in it (posix: mtime; S3: last-modified).
     #[serde(with = "time::serde::rfc3339::option")]
     pub modified: Option<OffsetDateTime>,
     /// Where the audit renamed it, when it did (beneath the tier's root).
@@ -362,6 +368,9 @@ struct Candidate {
     files: u64,
     bytes: u64,
     modified: Option<SystemTime>,
+    /// On an S3 tier, its objects as listed (what a quarantine moves, each pinned to its
+    /// ETag); on a posix tier, none: the folder or file moves by one rename.
+    objects: Vec<ListedObject>,
 }
 
 /// What the listing of a tier found: candidates, and which replica folders are there.
@@ -446,6 +455,7 @@ fn list_posix(root: &Path, tier: &str, reading: &Reading) -> Result<Listing, Aud
                         files,
                         bytes,
                         modified,
+                        objects: Vec::new(),
                     });
                 }
             }
@@ -493,50 +503,82 @@ fn measure(path: &Path) -> std::io::Result<(u64, u64, Option<SystemTime>)> {
 }
 
 /// Lists an S3 tier: every object, grouped into the entries nothing claims the way
-/// [`list_posix`] would find them (the shortest unclaimed path beneath a project's folder).
+/// [`list_posix`] would find them (the shortest unclaimed path beneath a project's folder),
+/// each with its newest object's last-modified time and its objects.
 async fn list_s3(
     tier: &stagehand_mover::s3::S3Tier,
     reading: &Reading,
 ) -> Result<Listing, AuditError> {
-    let objects = tier.list("").await.map_err(Box::new)?;
     let mut listing = Listing::default();
     let mut by_path: BTreeMap<String, Candidate> = BTreeMap::new();
-    for (key, size) in objects {
-        let parts: Vec<&str> = key.split('/').collect();
-        if parts.len() < 2 || layout::check_project(parts[0]).is_err() {
-            continue;
+    let mut token = None;
+    loop {
+        let (objects, next) = tier
+            .list_stamped_page("", token.take())
+            .await
+            .map_err(Box::new)?;
+        for object in objects {
+            judge_object(reading, &mut listing, &mut by_path, object);
         }
-        for depth in 2..=parts.len() {
-            let path = parts[..depth].join("/");
-            match reading.judge(&path) {
-                Claim::Claimed => {
-                    // The replica's folder is the claimed path this key lies in.
-                    if let Some(p) = (2..=depth)
-                        .map(|d| parts[..d].join("/"))
-                        .find(|p| reading.present.contains_key(p))
-                    {
-                        listing.found.insert(p);
-                    }
-                    break;
-                }
-                Claim::Above => continue,
-                Claim::Unclaimed => {
-                    let c = by_path.entry(path.clone()).or_insert(Candidate {
-                        path,
-                        is_dir: depth < parts.len(),
-                        files: 0,
-                        bytes: 0,
-                        modified: None,
-                    });
-                    c.files += 1;
-                    c.bytes += size;
-                    break;
-                }
-            }
+        match next {
+            Some(next) => token = Some(next),
+            None => break,
         }
     }
     listing.candidates = by_path.into_values().collect();
     Ok(listing)
+}
+
+/// Places one listed object: in the claimed folder it lies in, or in the unclaimed entry it
+/// makes stray.
+fn judge_object(
+    reading: &Reading,
+    listing: &mut Listing,
+    by_path: &mut BTreeMap<String, Candidate>,
+    object: ListedObject,
+) {
+    let parts: Vec<&str> = object.rel.split('/').collect();
+    if parts.len() < 2 || layout::check_project(parts[0]).is_err() {
+        return;
+    }
+    for depth in 2..=parts.len() {
+        let path = parts[..depth].join("/");
+        match reading.judge(&path) {
+            Claim::Claimed => {
+                // The replica's folder is the claimed path this key lies in.
+                if let Some(p) = (2..=depth)
+                    .map(|d| parts[..d].join("/"))
+                    .find(|p| reading.present.contains_key(p))
+                {
+                    listing.found.insert(p);
+                }
+                return;
+            }
+            Claim::Above => continue,
+            Claim::Unclaimed => {
+                let c = by_path.entry(path.clone()).or_insert(Candidate {
+                    path,
+                    is_dir: depth < parts.len(),
+                    files: 0,
+                    bytes: 0,
+                    modified: None,
+                    objects: Vec::new(),
+                });
+                let modified = system_time(object.modified);
+                c.files += 1;
+                c.bytes += object.size;
+                c.modified = c.modified.max(Some(modified));
+                c.objects.push(object);
+                return;
+            }
+        }
+    }
+}
+
+/// An object store's time as a [`SystemTime`] (before 1970: 1970).
+fn system_time(t: Time) -> SystemTime {
+    let since = Duration::new(t.secs.max(0) as u64, t.nanos);
+    SystemTime::UNIX_EPOCH + since
 }
 
 /// Audits `tier` (opened from `tiers.toml`): reads the catalogue, lists storage, reads the
@@ -578,6 +620,7 @@ pub async fn audit(
         lost: Vec::new(),
     };
     let now = SystemTime::now();
+    let mut objects = BTreeMap::new();
     for c in listing.candidates {
         if second.judge(&c.path) != Claim::Unclaimed {
             continue;
@@ -604,6 +647,7 @@ pub async fn audit(
             (false, false) => StrayKind::File,
         };
         report.stray_bytes += c.bytes;
+        objects.insert(c.path.clone(), c.objects);
         report.stray.push(Stray {
             project,
             path: c.path,
@@ -649,35 +693,79 @@ pub async fn audit(
 
     if report.stopped {
         warn!(tier = %opts.tier, stray_bytes = report.stray_bytes, lost_bytes = report.lost_bytes, catalogued_bytes = report.catalogued_bytes, "stray or lost data above the audit's threshold: nothing announced lost, nothing quarantined, a person must look (runbooks/stray-data.md)");
-    } else if opts.quarantine
-        && let Tier::Posix(posix) = tier
-    {
-        let date = OffsetDateTime::now_utc().date().to_string();
-        for s in &mut report.stray {
-            let old_enough = s.modified.is_some_and(|m| {
-                let age = OffsetDateTime::now_utc() - m;
-                age >= time::Duration::try_from(opts.policy.quarantine_after)
-                    .unwrap_or(time::Duration::MAX)
-            });
-            if !old_enough {
-                continue;
-            }
-            let to = layout::quarantine_path(&date, &s.path);
-            let (posix, from, dest) = (posix.clone(), s.path.clone(), to.clone());
-            let moved =
+    } else if opts.quarantine {
+        quarantine(tier, opts, &mut report.stray, &mut objects).await?;
+    }
+    Ok(report)
+}
+
+/// Moves each stray entry untouched for `[audit] quarantine_after` into the quarantine
+/// folder (`objects`: an S3 entry's objects as listed), recording where in its
+/// `quarantined_to`. An entry something else already took the quarantine path of, or (on S3)
+/// with an object changed since it was listed, stays where it is, with a warning.
+async fn quarantine(
+    tier: &Tier,
+    opts: &AuditOptions,
+    stray: &mut [Stray],
+    objects: &mut BTreeMap<String, Vec<ListedObject>>,
+) -> Result<(), AuditError> {
+    let now = OffsetDateTime::now_utc();
+    let grace =
+        time::Duration::try_from(opts.policy.quarantine_after).unwrap_or(time::Duration::MAX);
+    let date = now.date().to_string();
+    for s in stray {
+        if s.modified.is_none_or(|m| now - m < grace) {
+            continue;
+        }
+        let to = layout::quarantine_path(&date, &s.path);
+        let moved = match tier {
+            Tier::Posix(posix) => {
+                let (posix, from, dest) = (posix.clone(), s.path.clone(), to.clone());
                 tokio::task::spawn_blocking(move || posix.rename_dir_noreplace(&from, &dest))
                     .await
                     .map_err(|_| AuditError::Task(opts.tier.clone()))?
-                    .map_err(Box::new)?;
-            if moved {
-                info!(tier = %opts.tier, from = %s.path, to = %to, bytes = s.bytes, "stray data quarantined");
-                s.quarantined_to = Some(to);
-            } else {
-                warn!(tier = %opts.tier, from = %s.path, to = %to, "not quarantined: something is already at the quarantine path");
+                    .map_err(Box::new)?
             }
+            Tier::S3(s3) => {
+                let listed = objects.remove(&s.path).unwrap_or_default();
+                quarantine_objects(s3, &opts.tier, &date, &listed).await?
+            }
+        };
+        if moved {
+            info!(tier = %opts.tier, from = %s.path, to = %to, bytes = s.bytes, "stray data quarantined");
+            s.quarantined_to = Some(to);
+        } else {
+            warn!(tier = %opts.tier, from = %s.path, to = %to, "not quarantined: something is already at the quarantine path, or it changed since it was listed");
         }
     }
-    Ok(report)
+    Ok(())
+}
+
+/// Moves one S3 stray entry's `listed` objects beneath the quarantine folder of `date`, each
+/// pinned to its listed ETag; `false` when any was replaced since it was listed or its
+/// quarantine key is taken (those stay; the next audit finds them again). An error (the store
+/// unreachable, a copy that did not check) stops the audit with every object not yet moved in
+/// place.
+async fn quarantine_objects(
+    s3: &stagehand_mover::s3::S3Tier,
+    tier: &str,
+    date: &str,
+    listed: &[ListedObject],
+) -> Result<bool, AuditError> {
+    let mut all = !listed.is_empty();
+    for object in listed {
+        let to = layout::quarantine_path(date, &object.rel);
+        match rename_object(s3, &object.rel, &to, &object.etag).await {
+            Ok(Renamed::Moved) => {}
+            Ok(Renamed::DestinationTaken) => all = false,
+            Err(e) if e.kind == stagehand_mover::ErrorKind::SourceChanged => {
+                warn!(%tier, object = %object.rel, error = %e, "not quarantined: changed since it was listed");
+                all = false;
+            }
+            Err(e) => return Err(AuditError::Tier(Box::new(e))),
+        }
+    }
+    Ok(all)
 }
 
 /// Announces `r` lost: `replica.damaged` (`found_by` `audit`), its files (the first

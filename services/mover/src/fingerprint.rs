@@ -778,17 +778,17 @@ impl Tier {
                 let strip = prefix.len() + usize::from(!prefix.is_empty());
                 loop {
                     let page = s.list_stamped_page(prefix, token.take()).await?;
-                    for (rel, size, etag, modified) in page.0 {
-                        let path = rel.get(strip..).unwrap_or_default();
+                    for object in page.0 {
+                        let path = object.rel.get(strip..).unwrap_or_default();
                         if path == SET_COMPLETE_MARKER || path.is_empty() {
                             continue;
                         }
                         entries.push(Entry {
                             path: path.to_owned(),
                             stamp: Stamp::Object {
-                                size,
-                                etag,
-                                modified,
+                                size: object.size,
+                                etag: object.etag,
+                                modified: object.modified,
                             },
                         });
                     }

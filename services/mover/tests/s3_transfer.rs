@@ -899,3 +899,87 @@ async fn a_refused_request_is_permanent() {
     assert!(!err.is_retryable());
     assert_eq!(err.path, "a/obj.bin");
 }
+
+/// The ETag a listing gives `rel` (as the audit pins its quarantine moves to it).
+async fn listed_etag(tier: &S3Tier, rel: &str) -> String {
+    let (objects, _) = tier.list_stamped_page("a", None).await.unwrap();
+    objects
+        .into_iter()
+        .find(|o| o.rel == rel)
+        .unwrap_or_else(|| panic!("{rel} not listed"))
+        .etag
+}
+
+/// Guards the S3 rename the audit quarantines with: an object (written in one part, and one
+/// written in parts, whose ETag is no MD5) ends at its new key with the same bytes and
+/// recorded hash and is gone from the old one; an object replaced since it was listed is
+/// `SourceChanged` and neither copied nor deleted; a taken new key moves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_renamed_on_s3_is_copied_checked_and_only_then_deleted() {
+    let tier = tier("quarantine").await;
+    let one = bytes(70_000, 41);
+    put_raw(&tier, "a/one.bin", &one, Some(&sha_hex(&one))).await;
+    let src_dir = tempfile::tempdir().unwrap();
+    let big = write(
+        src_dir.path(),
+        "a/big.bin",
+        &bytes((11 * MIB + 7) as usize, 42),
+    );
+    s3::upload(
+        &posix("lab", &src_dir),
+        &tier,
+        &big,
+        &CopyOptions::default(),
+        &Progress::new(),
+    )
+    .await
+    .unwrap();
+
+    for (rel, sha) in [
+        ("a/one.bin", sha_hex(&one)),
+        ("a/big.bin", big.sha256.clone()),
+    ] {
+        let etag = listed_etag(&tier, rel).await;
+        assert_eq!(etag.contains('-'), rel == "a/big.bin", "{etag}");
+        let to = format!("q/{rel}");
+        let renamed = s3::rename_object(&tier, rel, &to, &etag).await.unwrap();
+        assert_eq!(renamed, s3::Renamed::Moved, "{rel}");
+        assert!(tier.stat(rel).await.unwrap().is_none(), "{rel} still there");
+        let moved = tier.stat(&to).await.unwrap().expect("the copy");
+        assert_eq!(moved.sha256_meta.as_deref(), Some(sha.as_str()), "{rel}");
+        assert_eq!(tier.hash_file(&to).await.unwrap().sha256, sha, "{rel}");
+    }
+
+    // Replaced after it was listed: the listed ETag no longer pins it.
+    put_raw(&tier, "a/two.bin", &bytes(5_000, 43), None).await;
+    let listed = listed_etag(&tier, "a/two.bin").await;
+    let newer = bytes(5_000, 44);
+    put_raw(&tier, "a/two.bin", &newer, None).await;
+    let err = s3::rename_object(&tier, "a/two.bin", "q/a/two.bin", &listed)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SourceChanged, "{err}");
+    assert!(tier.stat("q/a/two.bin").await.unwrap().is_none());
+    assert_eq!(
+        tier.hash_file("a/two.bin").await.unwrap().sha256,
+        sha_hex(&newer)
+    );
+
+    // Something at the new key already: nothing copied over it, nothing deleted.
+    let three = bytes(3_000, 45);
+    put_raw(&tier, "a/three.bin", &three, None).await;
+    put_raw(&tier, "q/a/three.bin", b"other", None).await;
+    let etag = listed_etag(&tier, "a/three.bin").await;
+    let renamed = s3::rename_object(&tier, "a/three.bin", "q/a/three.bin", &etag)
+        .await
+        .unwrap();
+    assert_eq!(renamed, s3::Renamed::DestinationTaken);
+    assert_eq!(
+        tier.hash_file("a/three.bin").await.unwrap().sha256,
+        sha_hex(&three)
+    );
+    assert_eq!(
+        tier.hash_file("q/a/three.bin").await.unwrap().sha256,
+        sha_hex(b"other")
+    );
+}

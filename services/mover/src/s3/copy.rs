@@ -137,7 +137,7 @@ pub async fn copy_within(
             &dst_key,
             info.size,
             info.etag.as_deref(),
-            &proven,
+            Some(&proven),
         )
         .await?;
         "s3-server-part-copy"
@@ -167,7 +167,7 @@ pub async fn copy_within(
 }
 
 /// A key as it goes into `x-amz-copy-source`: percent-encoded, with `/` kept.
-fn encode_key(key: &str) -> String {
+pub(super) fn encode_key(key: &str) -> String {
     let mut out = String::with_capacity(key.len());
     for b in key.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'.' | b'~') {
@@ -179,9 +179,10 @@ fn encode_key(key: &str) -> String {
     out
 }
 
-/// `UploadPartCopy` for objects above the single-copy limit.
+/// `UploadPartCopy` for objects above the single-copy limit; the new object records `sha`
+/// (when the source recorded none, neither does the copy).
 #[allow(clippy::too_many_arguments)]
-async fn copy_in_parts(
+pub(super) async fn copy_in_parts(
     src: &S3Tier,
     dst: &S3Tier,
     rel: &str,
@@ -189,7 +190,7 @@ async fn copy_in_parts(
     dst_key: &str,
     size: u64,
     etag: Option<&str>,
-    sha: &str,
+    sha: Option<&str>,
 ) -> Result<(), TransferError> {
     let site = dst.site(Side::Destination, rel);
     let upload_id = {
@@ -198,7 +199,7 @@ async fn copy_in_parts(
             .create_multipart_upload()
             .bucket(dst.bucket())
             .key(dst_key)
-            .metadata(SHA256_METADATA_KEY, sha)
+            .set_metadata(sha.map(|sha| [(SHA256_METADATA_KEY.to_owned(), sha.to_owned())].into()))
             .send()
             .await
             .map_err(|e| map_sdk_error("CreateMultipartUpload", site, e))?

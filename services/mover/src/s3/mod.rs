@@ -27,6 +27,7 @@ mod copy;
 mod download;
 mod errors;
 mod lock;
+mod rename;
 mod upload;
 
 use std::sync::Arc;
@@ -44,6 +45,7 @@ pub use config::{MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Config};
 pub use copy::copy_within;
 pub use download::{download, download_pending};
 pub use lock::{BucketLock, DefaultRetention, ObjectRetention, RetentionMode};
+pub use rename::{Renamed, rename_object};
 pub use upload::upload;
 
 use errors::{Site, map_sdk_error};
@@ -73,8 +75,17 @@ pub struct ListPage {
     pub next: Option<String>,
 }
 
-/// A listed object: its key relative to the tier root, size, ETag and last-modified time.
-pub(crate) type StampedObject = (String, u64, String, crate::fingerprint::Time);
+/// A listed object as [`S3Tier::list_stamped_page`] gives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedObject {
+    /// The key relative to the tier root.
+    pub rel: String,
+    pub size: u64,
+    /// The ETag: what pins a later copy or delete to these bytes.
+    pub etag: String,
+    /// When the object was last written.
+    pub modified: crate::fingerprint::Time,
+}
 
 /// An S3 tier, cheap to clone (clones share the client and the request limit).
 #[derive(Clone)]
@@ -401,22 +412,19 @@ impl S3Tier {
     ) -> Result<ListPage, TransferError> {
         let (objects, next) = self.list_stamped_page(prefix, token).await?;
         Ok(ListPage {
-            objects: objects
-                .into_iter()
-                .map(|(rel, size, _, _)| (rel, size))
-                .collect(),
+            objects: objects.into_iter().map(|o| (o.rel, o.size)).collect(),
             next,
         })
     }
 
     /// One page of the objects beneath `prefix`, as [`S3Tier::list_page`] gives them, with each
     /// object's ETag and last-modified time (what a set's fingerprint records,
-    /// `crate::fingerprint`).
-    pub(crate) async fn list_stamped_page(
+    /// `crate::fingerprint`, and what the audit ages stray data by).
+    pub async fn list_stamped_page(
         &self,
         prefix: &str,
         token: Option<String>,
-    ) -> Result<(Vec<StampedObject>, Option<String>), TransferError> {
+    ) -> Result<(Vec<ListedObject>, Option<String>), TransferError> {
         let list_prefix = match (self.prefix().is_empty(), prefix.is_empty()) {
             (true, true) => String::new(),
             (true, false) => format!("{prefix}/"),
@@ -465,12 +473,12 @@ impl S3Tier {
                     nanos: t.subsec_nanos(),
                 })
                 .unwrap_or_default();
-            objects.push((
-                rel.to_owned(),
-                object.size().unwrap_or(0).max(0) as u64,
-                object.e_tag().unwrap_or_default().to_owned(),
+            objects.push(ListedObject {
+                rel: rel.to_owned(),
+                size: object.size().unwrap_or(0).max(0) as u64,
+                etag: object.e_tag().unwrap_or_default().to_owned(),
                 modified,
-            ));
+            });
         }
         let next = match page.next_continuation_token() {
             Some(next) if page.is_truncated().unwrap_or(false) => Some(next.to_owned()),
