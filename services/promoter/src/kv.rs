@@ -5,12 +5,14 @@
 //! **Reservations** (`quota.<tier>` or `quota.<tier>.<node>`): one value per tier (per node for
 //! a node-local tier) listing every replica placed or being placed there and its bytes. A
 //! reservation reads the value, checks the project's quota and the tier's capacity against
-//! what is listed, and writes it back with a compare-and-set on the revision it read: two
-//! requests (in one instance or several) that race both read the same revision, one write
-//! wins, the other reads again and sees the first one's bytes. So concurrent requests can
-//! never together exceed a quota, and a reservation is one durable, atomic step. Reserving a
-//! replica already listed is a no-op (a second request for the same version costs nothing),
-//! unless the demoter has marked it `withdrawing`: then the request waits for the removal.
+//! what is listed and, on a posix tier, the room its filesystem has left ([`FsRoom`], the
+//! caller's measure: others share the filesystem; [`admit`] is the rule), and writes it back
+//! with a compare-and-set on the revision it read: two requests (in one instance or several)
+//! that race both read the same revision, one write wins, the other reads again and sees the
+//! first one's bytes. So concurrent requests can never together exceed a quota, and a
+//! reservation is one durable, atomic step. Reserving a replica already listed is a no-op (a
+//! second request for the same version costs nothing), unless the demoter has marked it
+//! `withdrawing`: then the request waits for the removal.
 //! A reservation is made only under the copy lease of its prefix (or for a replica already on
 //! the tier), which is what lets the reconciler give back one with no live request and no
 //! replica without racing a reserve on another instance: it takes the same lease first.
@@ -68,6 +70,9 @@ pub enum Refused {
         used: u64,
         capacity: u64,
     },
+    /// The filesystem under the tier's root cannot take the copy: the policy would admit it,
+    /// but others filled the filesystem (or copies admitted before it will).
+    NoRoom(FsRoom),
     /// The demoter is removing the replica at that prefix: its space is given back once the
     /// folder is gone, and only then may a copy reserve it afresh.
     Withdrawing,
@@ -78,6 +83,58 @@ pub enum Refused {
 pub struct Limits {
     pub capacity: u64,
     pub quota: Option<u64>,
+    /// The room the filesystem under a posix tier's root has, measured just before the
+    /// reservation; `None` when it is not known (an S3 tier, a filesystem that reports no
+    /// size, a replica already on the tier), which bounds nothing.
+    pub filesystem: Option<FsRoom>,
+}
+
+/// What the filesystem under a posix tier's root can take for a new copy, as measured on the
+/// host that copies onto it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsRoom {
+    /// What an unprivileged writer may still write there
+    /// ([`stagehand_mover::PosixTier::available_bytes`]).
+    pub available: u64,
+    /// Bytes that copies this process admitted onto the tier, queued or running, have still to
+    /// write: reserved, yet in no `available` figure. Copies of other instances are not in it;
+    /// each counts its own.
+    pub unwritten: u64,
+}
+
+impl FsRoom {
+    /// The largest copy the filesystem can still take.
+    pub fn free(&self) -> u64 {
+        self.available.saturating_sub(self.unwritten)
+    }
+}
+
+/// Whether a new reservation of `bytes` for `project` fits beside `reserved`: the project's
+/// quota first, then the tier's capacity (both policy), then the filesystem's room.
+pub fn admit(
+    reserved: &Reservations,
+    project: &str,
+    bytes: u64,
+    limits: Limits,
+) -> Result<(), Refused> {
+    if let Some(quota) = limits.quota {
+        let used = reserved.used_by(project);
+        if used.saturating_add(bytes) > quota {
+            return Err(Refused::Quota { used, quota });
+        }
+    }
+    if !reserved.fits(bytes, limits.capacity) {
+        return Err(Refused::Full {
+            used: reserved.total(),
+            capacity: limits.capacity,
+        });
+    }
+    if let Some(room) = limits.filesystem
+        && bytes > room.free()
+    {
+        return Err(Refused::NoRoom(room));
+    }
+    Ok(())
 }
 
 /// The coordination bucket.
@@ -150,8 +207,9 @@ impl Coordination {
     }
 
     /// Reserves `bytes` for the replica at `prefix` of `project` on a tier: `Ok(Ok(()))` when
-    /// it is reserved (now or before), `Ok(Err(refused))` when the quota or capacity does
-    /// not allow it.
+    /// it is reserved (now or before), `Ok(Err(refused))` when the quota, the capacity or the
+    /// filesystem does not allow it ([`admit`]). A replica reserved before is not measured
+    /// again: its bytes may be on the filesystem already (a copy resumed).
     pub async fn reserve(
         &self,
         tier: &str,
@@ -169,17 +227,8 @@ impl Coordination {
             if r.replicas.contains_key(prefix) {
                 return Ok(Ok(()));
             }
-            if let Some(quota) = limits.quota {
-                let used = r.used_by(project);
-                if used.saturating_add(bytes) > quota {
-                    return Ok(Err(Refused::Quota { used, quota }));
-                }
-            }
-            if !r.fits(bytes, limits.capacity) {
-                return Ok(Err(Refused::Full {
-                    used: r.total(),
-                    capacity: limits.capacity,
-                }));
+            if let Err(refused) = admit(&r, project, bytes, limits) {
+                return Ok(Err(refused));
             }
             r.replicas.insert(prefix.to_owned(), bytes);
             if placement::write_reservations(&self.store, tier, node, &r, revision)
@@ -314,4 +363,95 @@ fn uuid_like() -> String {
             .to_be_bytes(),
     );
     hex::encode(&h.finalize()[..8])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn reserved(entries: &[(&str, u64)]) -> Reservations {
+        let mut r = Reservations::default();
+        for (prefix, bytes) in entries {
+            r.replicas.insert((*prefix).to_owned(), *bytes);
+        }
+        r
+    }
+
+    /// A tier whose policy capacity is far beyond its disk: the filesystem's room decides,
+    /// less what copies admitted before have still to write; a copy of exactly the room fits.
+    #[test]
+    fn a_copy_larger_than_the_filesystem_can_take_is_refused_whatever_the_capacity() {
+        let r = reserved(&[("lab/a/v1", 3 * MIB)]);
+        let limits = |available, unwritten| Limits {
+            capacity: 1 << 60,
+            quota: None,
+            filesystem: Some(FsRoom {
+                available,
+                unwritten,
+            }),
+        };
+        assert_eq!(admit(&r, "lab", 4 * MIB, limits(4 * MIB, 0)), Ok(()));
+        let room = FsRoom {
+            available: 4 * MIB - 1,
+            unwritten: 0,
+        };
+        assert_eq!(
+            admit(&r, "lab", 4 * MIB, limits(4 * MIB - 1, 0)),
+            Err(Refused::NoRoom(room))
+        );
+        // 8 MiB available, of which a queued copy will write 5: 3 MiB left.
+        assert_eq!(admit(&r, "lab", 3 * MIB, limits(8 * MIB, 5 * MIB)), Ok(()));
+        assert_eq!(
+            admit(&r, "lab", 3 * MIB + 1, limits(8 * MIB, 5 * MIB)),
+            Err(Refused::NoRoom(FsRoom {
+                available: 8 * MIB,
+                unwritten: 5 * MIB
+            }))
+        );
+        // More promised than available (others wrote meanwhile): nothing fits, not even 1 byte.
+        assert!(admit(&r, "lab", 1, limits(MIB, 2 * MIB)).is_err());
+        // Not measured: the policy alone decides.
+        let unmeasured = Limits {
+            filesystem: None,
+            ..limits(0, 0)
+        };
+        assert_eq!(admit(&r, "lab", 64 * MIB, unmeasured), Ok(()));
+    }
+
+    /// The policy speaks first: a copy over the quota or the capacity is refused for that,
+    /// even when the filesystem is full too.
+    #[test]
+    fn quota_and_capacity_are_checked_before_the_filesystem() {
+        let r = reserved(&[("lab/a/v1", 6 * MIB), ("other/b/v1", 2 * MIB)]);
+        let full = Some(FsRoom {
+            available: 0,
+            unwritten: 0,
+        });
+        let quota = Limits {
+            capacity: 1 << 40,
+            quota: Some(7 * MIB),
+            filesystem: full,
+        };
+        assert_eq!(
+            admit(&r, "lab", 2 * MIB, quota),
+            Err(Refused::Quota {
+                used: 6 * MIB,
+                quota: 7 * MIB
+            })
+        );
+        let capacity = Limits {
+            capacity: 9 * MIB,
+            quota: None,
+            filesystem: full,
+        };
+        assert_eq!(
+            admit(&r, "lab", 2 * MIB, capacity),
+            Err(Refused::Full {
+                used: 8 * MIB,
+                capacity: 9 * MIB
+            })
+        );
+    }
 }

@@ -308,6 +308,112 @@ async fn concurrent_requests_cannot_together_exceed_a_quota() {
     stack.stop().await;
 }
 
+/// Issue "Slurm pool ignores the filesystem's own free space": a hot tier whose policy
+/// capacity (1 GiB) is far beyond its filesystem (a 4 MiB tmpfs; mounting needs root, as in
+/// CI) used to admit a copy by the policy alone, and the copy died of ENOSPC midway. A version
+/// larger than the filesystem can take fails retryably before any byte is written, as a full
+/// tier's does, naming the tier, the bytes wanted and the bytes available, and reserves
+/// nothing. A copy that fits beside what a running copy has still to write is admitted; one
+/// that fits only in what the filesystem shows free now, not beside that copy, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_copy_the_tier_s_filesystem_cannot_take_fails_before_it_starts() {
+    const MIB: u64 = 1 << 20;
+    let mut stack = Stack::start().await;
+    // Mounted before the promoter opens the tier's root.
+    let disk = stagehand_testkit::Tmpfs::mount(stack.tier("hot"), "4m");
+    let mut config = stack.promoter_config("a");
+    // The copy that fits takes about eight seconds: the next request comes while it runs.
+    config.service.mover.bytes_per_second = Some(256 << 10);
+    stack.run_promoter(config);
+    let js = stack.bus.jetstream().clone();
+    let store = js
+        .get_key_value(stagehand_bus::PROMOTER_BUCKET)
+        .await
+        .unwrap();
+    let version_of = |dataset: &str, parts: u8| {
+        let files: Vec<(String, Vec<u8>)> = (0..parts)
+            .map(|i| (format!("part-{i}.bin"), bytes(i, 512 << 10)))
+            .collect();
+        let borrowed: Vec<(&str, Vec<u8>)> =
+            files.iter().map(|(p, b)| (p.as_str(), b.clone())).collect();
+        stack.put_files("capacity", dataset, "v1", &borrowed)
+    };
+    let reserved_on_hot = || async {
+        let r = stagehand_bus::placement::reservations(&store, "hot", None)
+            .await
+            .unwrap();
+        r.value.unwrap_or_default().replicas
+    };
+
+    // 5 MiB onto a 4 MiB filesystem.
+    let (prefix, refs) = version_of("huge", 10);
+    let huge = stack.validated("huge", "capacity", &prefix, &refs).await;
+    let request = stage_request("huge", &huge, "hot", "job-huge", None, None);
+    stack.publish(&request).await;
+    let failed = wait_for(WAIT, "stage.failed for the huge version", || async {
+        answers(&js, "stage.failed", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let (reason, retryable) = failed_reason(&failed);
+    assert!(
+        reason.starts_with(&format!(
+            "tier hot is full: its filesystem has {} bytes available, and version {huge} needs {}",
+            4 * MIB,
+            5 * MIB
+        )),
+        "{reason}"
+    );
+    assert!(retryable, "a full filesystem may have room later");
+    assert!(list(&stack.tier("hot").join(PROJECT)).is_empty());
+    assert!(reserved_on_hot().await.is_empty());
+
+    // 2 MiB fits and is copied; while it runs, 2.5 MiB fits in what the filesystem shows
+    // free, but not beside what the running copy has still to write.
+    let (prefix, refs) = version_of("fits", 4);
+    let fits = stack.validated("fits", "capacity", &prefix, &refs).await;
+    let (prefix, refs) = version_of("second", 5);
+    let second = stack.validated("second", "capacity", &prefix, &refs).await;
+    let running = stage_request("fits", &fits, "hot", "job-fits", None, None);
+    let subject =
+        stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &running.id);
+    let mut progress = stack.bus.client().subscribe(subject).await.unwrap();
+    stack.publish(&running).await;
+    tokio::time::timeout(WAIT, futures::StreamExt::next(&mut progress))
+        .await
+        .expect("the copy that fits reports progress")
+        .unwrap();
+    let request = stage_request("second", &second, "hot", "job-second", None, None);
+    stack.publish(&request).await;
+    let failed = wait_for(WAIT, "stage.failed for the second version", || async {
+        answers(&js, "stage.failed", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let (reason, retryable) = failed_reason(&failed);
+    assert!(
+        reason.starts_with("tier hot is full: its filesystem has ")
+            && reason.contains(" of them promised to copies onto it still running or queued")
+            && reason.contains(&format!("version {second} needs {}", 5 * (512 << 10))),
+        "{reason}"
+    );
+    assert!(retryable);
+    let ready = wait_for(WAIT, "stage.ready for the version that fits", || async {
+        answers(&js, "stage.ready", &running.id).await.pop()
+    })
+    .await
+    .unwrap();
+    assert!(ready_path(&ready).ends_with(&format!("{PROJECT}/fits/{fits}")));
+    assert_eq!(
+        list(&stack.tier("hot").join(PROJECT)),
+        vec!["fits".to_owned()]
+    );
+    let reserved: Vec<String> = reserved_on_hot().await.into_keys().collect();
+    assert_eq!(reserved, vec![format!("{PROJECT}/fits/{fits}")]);
+    stack.stop().await;
+    drop(disk);
+}
+
 /// A released request that was waiting stops waiting: the fact that would have answered it
 /// later does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -340,6 +340,7 @@ async fn a_removal_and_a_reserve_of_the_same_replica_do_not_undo_each_other() {
     let limits = Limits {
         capacity: 1 << 30,
         quota: Some(100 << 20),
+        filesystem: None,
     };
     let prefix = format!("{PROJECT}/cats/{}", "e".repeat(64));
     let reserve = || coord.reserve("hot", None, PROJECT, &prefix, 1 << 20, limits);

@@ -37,6 +37,7 @@ mod hashing;
 mod io_class;
 mod landing;
 mod read;
+mod space;
 mod temporaries;
 
 pub(crate) use access::PRIVATE_DIR_MODE;

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::fanout::{Fanout, Fill, ReplicaAt};
-use crate::kv::{LeaseState, Limits, Refused};
+use crate::kv::{FsRoom, LeaseState, Limits, Refused};
 use crate::resolve::Plan;
 use crate::reuse::Reuse;
 use crate::state::{RequestRecord, WaitGuard, WaitingFor};
@@ -64,6 +64,41 @@ impl Promoter {
         Limits {
             capacity: limits.map_or(u64::MAX, |l| l.capacity),
             quota: limits.and_then(|l| l.quota_for(project)),
+            filesystem: None,
+        }
+    }
+
+    /// [`Promoter::limits`] of a new copy onto `dst` (tier `tier`): the policy's, and on a
+    /// posix tier the room its filesystem has left — what it can still take
+    /// ([`stagehand_mover::PosixTier::available_bytes`]) less what this process's copies onto
+    /// the tier, queued or running, have still to write. A filesystem that reports no size, or
+    /// that cannot be measured (logged), leaves the copy to the policy alone, as on S3; a full
+    /// one still stops it then (`ENOSPC`: the request fails, retryable).
+    pub(super) async fn limits_of_copy(&self, dst: &Tier, tier: &str, project: &str) -> Limits {
+        let limits = self.limits(tier, project);
+        let Tier::Posix(posix) = dst else {
+            return limits;
+        };
+        let posix = posix.clone();
+        // `statvfs` of a network filesystem can take its time: off the runtime's threads.
+        let measured = tokio::task::spawn_blocking(move || posix.available_bytes())
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        let available = match measured {
+            Ok(Some(available)) => available,
+            Ok(None) => return limits,
+            Err(error) => {
+                warn!(%error, %tier, "the tier's filesystem could not be measured; the copy is admitted by the policy alone");
+                return limits;
+            }
+        };
+        Limits {
+            filesystem: Some(FsRoom {
+                available,
+                unwritten: self.inner.book.unwritten_onto(tier),
+            }),
+            ..limits
         }
     }
 
@@ -195,7 +230,6 @@ impl Promoter {
                 &prefix,
                 &src_tier,
                 &src_prefix,
-                limits,
                 &mut revision,
                 ctx,
             )
@@ -240,7 +274,6 @@ impl Promoter {
         prefix: &str,
         src_tier: &str,
         src_prefix: &str,
-        limits: Limits,
         revision: &mut u64,
         ctx: Option<&WorkContext>,
     ) -> Result<Vec<Event>, HandlerError> {
@@ -254,6 +287,8 @@ impl Promoter {
         self.p()
             .state
             .note_reserved(&record.event.project, &record.event.id, prefix)?;
+        // Measured just before the reservation, which is made only if it fits.
+        let limits = self.limits_of_copy(dst, &request.tier, project).await;
         match coord
             .reserve(&request.tier, node, project, prefix, plan.bytes, limits)
             .await
@@ -290,21 +325,15 @@ impl Promoter {
                     )
                     .await;
             }
-        }
-        if let Some(free) = free_bytes(dst)
-            && free < plan.bytes
-        {
-            let _ = coord.release(&request.tier, node, prefix).await;
-            return self
-                .fail(
-                    record,
-                    format!(
-                        "{place} is full: its filesystem has {free} bytes free and version {} needs {}",
-                        plan.version, plan.bytes
-                    ),
-                    true,
-                )
-                .await;
+            Err(Refused::NoRoom(room)) => {
+                return self
+                    .fail(
+                        record,
+                        no_room(&place, &plan.version, plan.bytes, room),
+                        true,
+                    )
+                    .await;
+            }
         }
         // Recorded as copying, so that after a crash the clock takes the copy up again.
         let reason = format!("copying version {} from tier {src_tier}", plan.version);
@@ -902,14 +931,21 @@ fn manifest_failed(plan: &Plan, e: stagehand_manifest::ManifestError) -> CopyFai
     }
 }
 
-/// Bytes free on a posix tier's filesystem, if it can tell.
-fn free_bytes(tier: &Tier) -> Option<u64> {
-    match tier {
-        Tier::Posix(p) => rustix::fs::fstatvfs(p.root_fd())
-            .ok()
-            .map(|s| s.f_bavail.saturating_mul(s.f_frsize)),
-        Tier::S3(_) => None,
-    }
+/// Why a copy of `bytes` of `version` onto `place` was refused for its filesystem's room
+/// ([`Refused::NoRoom`]): a sentence for the request's `stage.failed`, as a full tier's.
+fn no_room(place: &str, version: &str, bytes: u64, room: FsRoom) -> String {
+    let has = if room.unwritten == 0 {
+        format!("{} bytes available", room.available)
+    } else {
+        format!(
+            "{} bytes available, {} of them promised to copies onto it still running or queued",
+            room.available, room.unwritten
+        )
+    };
+    format!(
+        "{place} is full: its filesystem has {has}, and version {version} needs {bytes}; \
+         others' files there count too: free space on the filesystem or wait for the demoter"
+    )
 }
 
 /// What a copy stopped by its request's cancel returns: no facts (the cancel's answer was

@@ -112,6 +112,18 @@ impl CopyBook {
         }
     }
 
+    /// Bytes the copies entered onto tier `to` (queued or running) have still to write: what
+    /// they reserved and the tier's filesystem does not count as used yet. A running copy's
+    /// progress is noted every `progress_every`, so this errs on the high side.
+    pub(super) fn unwritten_onto(&self, to: &str) -> u64 {
+        let book = self.lock();
+        book.entries
+            .values()
+            .filter(|e| e.pair.1 == to)
+            .map(|e| e.bytes.saturating_sub(e.done))
+            .fold(0, u64::saturating_add)
+    }
+
     /// Folds a finished copy of `bytes` moved in `elapsed` into its pair's throughput. A copy
     /// that moved nothing (found in place, resumed whole) says nothing of the throughput.
     pub(super) fn measured(&self, from: &str, to: &str, bytes: u64, elapsed: Duration) {
@@ -222,6 +234,40 @@ mod tests {
         drop(running);
         let alone = book.estimate(&queued, now).unwrap();
         assert_eq!((alone.bytes_ahead, alone.copies_ahead), (0, 0));
+    }
+
+    /// What the filesystem admission subtracts: every copy onto the tier from any source,
+    /// queued or running, less what it moved; a copy that left the book counts no more.
+    #[test]
+    fn unwritten_bytes_are_what_the_copies_onto_a_tier_have_still_to_write() {
+        let book = CopyBook::default();
+        let running = book.enter(
+            key("a"),
+            "v",
+            CancellationToken::new(),
+            ("capacity", "hot"),
+            1000,
+        );
+        let _queued = book.enter(
+            key("b"),
+            "v",
+            CancellationToken::new(),
+            ("source", "hot"),
+            500,
+        );
+        let _elsewhere = book.enter(
+            key("c"),
+            "v",
+            CancellationToken::new(),
+            ("hot", "local"),
+            7000,
+        );
+        assert_eq!(book.unwritten_onto("hot"), 1500);
+        book.progressed(&key("a"), 400);
+        assert_eq!(book.unwritten_onto("hot"), 1100);
+        drop(running);
+        assert_eq!(book.unwritten_onto("hot"), 500);
+        assert_eq!(book.unwritten_onto("capacity"), 0);
     }
 
     #[test]

@@ -182,7 +182,7 @@ impl Promoter {
             .tier_policy(&to_tier)
             .is_some_and(|t| t.limits.is_some());
         let mut lease = match bounded {
-            true => Some(self.reserve_offload(event, p, &to_tier).await?),
+            true => Some(self.reserve_offload(event, p, dst, &to_tier).await?),
             false => None,
         };
         let _slot = self.inner.slots.acquire(Priority::Checkpoint).await;
@@ -266,13 +266,14 @@ impl Promoter {
     }
 
     /// Takes the part's copy lease on the offload tier and reserves the part's bytes there
-    /// (quota and capacity, as a stage copy does); returns the lease's revision. A tier that
-    /// cannot fit the part is a retry, never a failure: the offload waits for space, and
-    /// `stagehand status` says why once it is late.
+    /// (quota, capacity and the filesystem's room, as a stage copy does); returns the lease's
+    /// revision. A tier that cannot fit the part is a retry, never a failure: the offload
+    /// waits for space, and `stagehand status` says why once it is late.
     async fn reserve_offload(
         &self,
         event: &Event,
         p: &CheckpointPartCommitted,
+        dst: &Tier,
         to_tier: &str,
     ) -> Result<u64, HandlerError> {
         let coord = &self.p().coordination;
@@ -289,7 +290,7 @@ impl Promoter {
                 )));
             }
         };
-        let limits = self.limits(to_tier, &event.project);
+        let limits = self.limits_of_copy(dst, to_tier, &event.project).await;
         // What the copy writes: its files' sizes (each checked as it is copied), not the
         // total the commit states, which its writer could understate.
         let bytes = p.listed().iter().map(|(_, size)| size).sum();
@@ -441,6 +442,14 @@ fn offload_refused(
         Refused::Quota { used, quota } => format!(
             "offload tier {to_tier} cannot fit {what}: the project holds {used} bytes of its \
              {quota}-byte quota; the offload waits for space"
+        ),
+        Refused::NoRoom(room) => format!(
+            "offload tier {to_tier} cannot fit {what}: its filesystem can take {} more bytes \
+             ({} available, {} of them promised to copies still running or queued); the \
+             offload waits for space",
+            room.free(),
+            room.available,
+            room.unwritten
         ),
         Refused::Withdrawing => {
             format!("offload tier {to_tier}: {what}'s folder is being removed; the offload waits")
