@@ -439,8 +439,11 @@ pub enum TierCommand {
     /// `slurm_bb_pools` (deploy/slurm/README.md, "Pools"): per tier its capacity and its free
     /// space, what the promoter would still reserve for a copy: the capacity less every replica
     /// reserved on the tier, held by a live stage or not (an unheld one stays until the demoter
-    /// removes it above the high watermark). Written whole (a temporary file renamed), readable
-    /// by all; run it every few seconds (a timer).
+    /// removes it above the high watermark), and no more than the tier's filesystem can still
+    /// take (statvfs of its root: others' files count) when this host mounts it; where the
+    /// root does not open here (a controller that does not mount the tier), the first figure
+    /// alone. Written whole (a temporary file renamed), readable by all; run it every few
+    /// seconds (a timer).
     Pool {
         /// The tiers to report (each a bounded tier of the policies).
         #[arg(required = true)]
@@ -451,6 +454,10 @@ pub enum TierCommand {
         /// The file to write (stagehand-slurm.conf's STAGEHAND_POOL_FILE).
         #[arg(long, value_name = "FILE")]
         slurm: PathBuf,
+        /// Print one JSON array of the pools (with `fs_available`, the filesystem's figure,
+        /// null where this host cannot measure it) instead of a line per tier.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -1347,6 +1354,7 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
             tiers,
             policies,
             slurm,
+            json,
         }) => {
             let (policies, catalogue, bus) =
                 policies_and_catalogue(policies, &cli.connection).await?;
@@ -1362,13 +1370,19 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
                 })?;
             let pools = crate::tier::pools(&catalogue, &promoter, &policies, &tiers).await?;
             crate::tier::write_slurm_pools(&slurm, &pools, time::OffsetDateTime::now_utc())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&pools)?);
+                return Ok(0);
+            }
             for p in &pools {
                 println!(
-                    "{}: capacity {}, held {}, reserved {}, free {}",
+                    "{}: capacity {}, held {}, reserved {}, filesystem available {}, free {}",
                     p.tier,
                     crate::tier::size(p.capacity),
                     crate::tier::size(p.held),
                     crate::tier::size(p.reserved),
+                    p.fs_available
+                        .map_or("not measured here".into(), crate::tier::size),
                     crate::tier::size(p.free)
                 );
             }

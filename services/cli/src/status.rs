@@ -625,12 +625,7 @@ async fn tiers(
         }
         for (node, (placed, projects)) in places {
             let fs = match (&tier.kind, node.is_empty()) {
-                (stagehand_policy::TierKind::Posix { root }, true) => {
-                    rustix::fs::statvfs(root).ok().map(|s| FsUsage {
-                        total: s.f_blocks.saturating_mul(s.f_frsize),
-                        avail: s.f_bavail.saturating_mul(s.f_frsize),
-                    })
-                }
+                (stagehand_policy::TierKind::Posix { root }, true) => FsUsage::at(root),
                 _ => None,
             };
             let counted = TierUsage {

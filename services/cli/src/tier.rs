@@ -4,7 +4,9 @@
 //! ([`stagehand_catalogue::survey::survey`]), so what it shows is what the demoter acts on.
 //! `stagehand tier pool` writes each tier's capacity and free space as the pools Slurm's burst
 //! buffer stages jobs against ([`pools`], [`write_slurm_pools`]); free is what the promoter
-//! would still reserve, its own rule ([`Reservations::free`]), not merely what is not held.
+//! would still reserve, its own rule ([`Reservations::free`]), not merely what is not held,
+//! and never more than the tier's filesystem can still take where this host can measure it
+//! ([`stagehand_mover::PosixTier::available_bytes`], what the promoter admits a copy by too).
 
 use std::io::Write;
 
@@ -13,7 +15,8 @@ use serde::Serialize;
 use stagehand_bus::placement::{self, Reservations};
 use stagehand_catalogue::Catalogue;
 use stagehand_catalogue::survey::TierSurvey;
-use stagehand_policy::Policies;
+use stagehand_mover::PosixTier;
+use stagehand_policy::{Policies, TierKind, TierPolicy};
 
 /// One tier's line of the report (also its `--json` form).
 #[derive(Debug, Serialize)]
@@ -143,8 +146,8 @@ pub async fn usage(
 }
 
 /// A tier as a scheduler's pool: its capacity, the bytes live stages hold on it
-/// ([`TierUsageRow`]'s `held`), the bytes reserved on it in the promoter's bucket and what a
-/// new stage may still take.
+/// ([`TierUsageRow`]'s `held`), the bytes reserved on it in the promoter's bucket, what its
+/// filesystem can still take, and what a new stage may still take.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Pool {
     pub tier: String,
@@ -153,26 +156,58 @@ pub struct Pool {
     /// Every replica reserved on the tier, held by a live stage or not: what the promoter
     /// counts (an unheld replica stays until the demoter removes it, above the high watermark).
     pub reserved: u64,
-    /// What the promoter would reserve for a new copy now ([`Reservations::free`]): the capacity
-    /// less everything reserved, not only what live stages hold.
+    /// What the filesystem under the tier's root can still take, as this host measures it
+    /// ([`PosixTier::available_bytes`]: others' files on a shared filesystem count). `None`
+    /// when this host cannot tell: an S3 tier, a root it cannot open (the Slurm controller
+    /// need not mount the tier), a filesystem that reports no size.
+    pub fs_available: Option<u64>,
+    /// What a new stage may still take: what the promoter would reserve for a new copy now
+    /// ([`Reservations::free`]: the capacity less everything reserved, not only what live
+    /// stages hold), and no more than `fs_available` when it is known.
     pub free: u64,
 }
 
 impl Pool {
-    fn new(tier: String, capacity: u64, held: u64, reservations: &Reservations) -> Pool {
+    fn new(
+        tier: String,
+        capacity: u64,
+        held: u64,
+        reservations: &Reservations,
+        fs_available: Option<u64>,
+    ) -> Pool {
+        let by_policy = reservations.free(capacity);
         Pool {
             tier,
             capacity,
             held,
             reserved: reservations.total(),
-            free: reservations.free(capacity),
+            fs_available,
+            free: fs_available.map_or(by_policy, |fs| by_policy.min(fs)),
+        }
+    }
+}
+
+/// What the filesystem under a posix tier's root can still take, measured here; `None` when
+/// this host cannot tell ([`Pool::fs_available`]). A root that does not open is a tier this
+/// host does not mount, which is no error: its pool keeps the promoter's figure alone.
+fn fs_available(tier: &TierPolicy) -> Option<u64> {
+    let TierKind::Posix { root } = &tier.kind else {
+        return None;
+    };
+    let posix = PosixTier::open(&tier.name, root).ok()?;
+    match posix.available_bytes() {
+        Ok(available) => available,
+        Err(e) => {
+            tracing::warn!(tier = %tier.name, error = %e, "the tier's filesystem could not be measured; its pool is the promoter's figure alone");
+            None
         }
     }
 }
 
 /// The pools of `tiers`, each a bounded shared tier of the policies: capacity and held from
-/// the demoter's survey, reserved and free from the promoter's reservations in `promoter`
-/// (the [`stagehand_bus::PROMOTER_BUCKET`] bucket).
+/// the demoter's survey, reserved from the promoter's reservations in `promoter` (the
+/// [`stagehand_bus::PROMOTER_BUCKET`] bucket), the filesystem's room from `statvfs` of a
+/// posix tier's root where this host has it, and free from both.
 pub async fn pools(
     catalogue: &Catalogue,
     promoter: &kv::Store,
@@ -197,13 +232,15 @@ pub async fn pools(
             row.capacity,
             row.held,
             &reserved.value.unwrap_or_default(),
+            fs_available(tier),
         ));
     }
     Ok(pools)
 }
 
 /// The pool file `burst_buffer.lua`'s `slurm_bb_pools` reads (`stagehand_slurm.read_pool_file`):
-/// `written <unix seconds>` and one `pool <tier> <capacity> <free>` line per tier, in bytes.
+/// `written <unix seconds>` and one `pool <tier> <capacity> <free>` line per tier, in bytes
+/// ([`Pool::free`], the filesystem's cap included).
 pub fn slurm_pool_text(pools: &[Pool], written: time::OffsetDateTime) -> String {
     let mut text = String::from(
         "# Stagehand's tiers as Slurm burst-buffer pools, written by `stagehand tier pool`.\n",
@@ -247,16 +284,32 @@ mod tests {
         reserved.replicas.insert("lab/held/v1".into(), 40_960);
         reserved.replicas.insert("lab/unheld/v1".into(), 10_240);
         // Only the first is held, but the promoter counts both: so does the pool.
-        let hot = Pool::new("hot".into(), 65_536, 40_960, &reserved);
+        let hot = Pool::new("hot".into(), 65_536, 40_960, &reserved, None);
         assert_eq!((hot.reserved, hot.free), (51_200, 14_336));
         // More reserved than the capacity (a tier over its bound) leaves nothing free.
-        let warm = Pool::new("warm".into(), 50_000, 0, &reserved);
+        let warm = Pool::new("warm".into(), 50_000, 0, &reserved, None);
+        // Others filled the filesystem: it takes 9 000 bytes more, less than the policy's room.
+        let cold = Pool::new("cold".into(), 65_536, 0, &reserved, Some(9_000));
         let written = time::OffsetDateTime::from_unix_timestamp(1_764_700_000).unwrap();
-        let text = slurm_pool_text(&[hot, warm], written);
+        let text = slurm_pool_text(&[hot, warm, cold], written);
         assert!(text.contains("\nwritten 1764700000\n"), "{text}");
         assert!(
-            text.ends_with("\npool hot 65536 14336\npool warm 50000 0\n"),
+            text.ends_with("\npool hot 65536 14336\npool warm 50000 0\npool cold 65536 9000\n"),
             "{text}"
         );
+    }
+
+    /// Free is the smaller of the promoter's room and the filesystem's; a filesystem this host
+    /// cannot measure leaves the promoter's.
+    #[test]
+    fn a_pool_s_free_space_is_capped_by_its_filesystem() {
+        let mut reserved = Reservations::default();
+        reserved.replicas.insert("lab/a/v1".into(), 1_000);
+        let pool = |fs| Pool::new("hot".into(), 1 << 60, 0, &reserved, fs).free;
+        assert_eq!(pool(Some(5_000)), 5_000);
+        assert_eq!(pool(Some(0)), 0);
+        assert_eq!(pool(None), (1 << 60) - 1_000);
+        let small = Pool::new("hot".into(), 3_000, 0, &reserved, Some(5_000));
+        assert_eq!((small.fs_available, small.free), (Some(5_000), 2_000));
     }
 }
