@@ -24,10 +24,11 @@ pub struct FsUsage {
 }
 
 impl FsUsage {
-    /// The filesystem's usage from an open directory on it.
-    pub fn of(fd: impl rustix::fd::AsFd) -> std::io::Result<FsUsage> {
-        let s = rustix::fs::fstatvfs(fd)?;
-        Ok(FsUsage {
+    /// The filesystem's usage at `root`; `None` when it cannot be measured from here (not
+    /// mounted on this host, no permission).
+    pub fn at(root: &std::path::Path) -> Option<FsUsage> {
+        let s = rustix::fs::statvfs(root).ok()?;
+        Some(FsUsage {
             total: s.f_blocks.saturating_mul(s.f_frsize),
             avail: s.f_bavail.saturating_mul(s.f_frsize),
         })
@@ -144,12 +145,7 @@ pub async fn survey_on_node(
         .try_collect()
         .await?;
     let fs = match &tier.kind {
-        stagehand_policy::TierKind::Posix { root } => {
-            rustix::fs::statvfs(root).ok().map(|s| FsUsage {
-                total: s.f_blocks.saturating_mul(s.f_frsize),
-                avail: s.f_bavail.saturating_mul(s.f_frsize),
-            })
-        }
+        stagehand_policy::TierKind::Posix { root } => FsUsage::at(root),
         stagehand_policy::TierKind::S3(_) => None,
     };
     let usage = TierUsage {
