@@ -1,6 +1,7 @@
 //! Checkpoints written to node-local NVMe and offloaded before they count (issue item 2, its
 //! test (d)), with the real `stagehand` binary against a real nats-server, the catalogue
-//! recorder and four promoter agents in-process, each node with a local tier of its own: a
+//! recorder, the shared promoter (which completes each step once its parts are offloaded) and
+//! four promoter agents in-process, each node with a local tier of its own: a
 //! step whose four parts are all offloaded becomes the run's latest and restores byte-exact;
 //! a step whose fourth node's agent is gone before it offloads stays at risk, naming that part
 //! and node, and the previous step stays latest; a part commit naming another project's folder,
@@ -283,7 +284,11 @@ fn holds_step(dir: &Path, step: u64) -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> anyhow::Result<()> {
-    let mut sh = Stagehand::start(common::Options::default()).await?;
+    let mut sh = Stagehand::start(common::Options {
+        promoter: true,
+        ..Default::default()
+    })
+    .await?;
     let mut policies = Vec::new();
     for node in NODES {
         policies.push(sh.start_node_agent(node)?);
@@ -506,7 +511,11 @@ fn forged(id: &str, tier: &str, prefix: &str, files: Vec<FileRef>) -> anyhow::Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_part_naming_anything_but_its_own_folder_on_its_node_is_refused() -> anyhow::Result<()> {
-    let mut sh = Stagehand::start(common::Options::default()).await?;
+    let mut sh = Stagehand::start(common::Options {
+        promoter: true,
+        ..Default::default()
+    })
+    .await?;
     let policies = sh.start_node_agent(NODES[0])?;
     sh.ready().await?;
     let local = local_root(&policies)?;
@@ -624,6 +633,7 @@ async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> 
     // Hot, the offload tier, holds 16 KiB: a part of 20,003 bytes does not fit.
     let mut sh = Stagehand::start(common::Options {
         hot_capacity: Some("16 KiB".into()),
+        promoter: true,
         ..Default::default()
     })
     .await?;
@@ -755,7 +765,11 @@ fn restore_onto_node(url: &str, step: u64, node: &str, job: &str) -> anyhow::Res
 /// committed with hashes (a writer before stamps) is still offloaded against them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_part_is_stamped_at_commit_and_hashed_once_by_its_offload() -> anyhow::Result<()> {
-    let mut sh = Stagehand::start(common::Options::default()).await?;
+    let mut sh = Stagehand::start(common::Options {
+        promoter: true,
+        ..Default::default()
+    })
+    .await?;
     let policies = sh.start_node_agent(NODES[0])?;
     sh.start_node_agent(NODES[1])?;
     sh.ready().await?;

@@ -25,7 +25,8 @@
 //! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` |
 //! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`, `replica.repaired`: wake the requests this instance holds; `replica.damaged` of a copy it writes that a job holds: repaired now (`promoter/repair.rs`) |
 //! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
-//! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.part.offloaded` of any node: the step committed once every part is offloaded; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
+//! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
+//! | `steps` | `promoter-steps` (the shared promoter, shared by its instances) | `checkpoint.part.offloaded`: the step committed once every part is offloaded — one catalogue question per part, however many nodes |
 //! | `clock` | — | `promotion.toml`'s `recheck_every`, and every deadline as it comes |
 //! | `reconciler` | — | at start and every `reconcile_every`: space reserved with no live request and no replica is given back |
 //! | `fanout` | — | a node agent with `[service.fanout]` only: serves the pieces of versions it stages to the other nodes' agents ([`fanout`]) |
@@ -233,26 +234,48 @@ impl Settings {
     }
 
     /// A node agent's offloads worker, on its own consumer: this node's checkpoint part
-    /// commits (copied off the node), every node's offloads (each may complete its step), and
-    /// every step's commit (this node's parts of it leave the node).
-    /// `None` for the shared promoter.
+    /// commits (copied off the node) and every step's commit (this node's parts of it leave
+    /// the node). `None` for the shared promoter.
     pub fn offloads_worker(&self) -> Option<WorkerConfig> {
         let node = self.node.as_ref()?;
         let consumer = format!("{SERVICE}-offload-{}", runner::consumer_token(node));
         let mut cfg = self.worker(
             &consumer,
             subject::FACTS.name,
-            &[
-                "checkpoint.part.committed",
-                "checkpoint.part.offloaded",
-                "checkpoint.committed",
-            ],
+            &["checkpoint.part.committed", "checkpoint.committed"],
         );
         cfg.concurrency = 4;
         // An offload waits for the catalogue to fold it before it may complete its step (soon,
         // the first retries), and for space on a bounded offload tier before it copies (long
         // after): every attempt the runtime keeps, backing off to 5 min — about 8 hours before
         // a part still refused is dead-lettered; `stagehand status` shows it late long before.
+        cfg.max_attempts = OFFLOAD_ATTEMPTS;
+        cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
+        cfg.retry = RetrySchedule {
+            max: Duration::from_secs(300),
+            ..soon()
+        };
+        Some(cfg)
+    }
+
+    /// The shared promoter's steps worker, on one consumer its instances share: each
+    /// `checkpoint.part.offloaded`, once the catalogue has folded it, may complete its step.
+    /// Answered once, not by every node's agent: a step of N parts costs N catalogue questions,
+    /// not N², and completes whether or not the node that offloaded last is still up.
+    /// `None` for a node agent.
+    pub fn steps_worker(&self) -> Option<WorkerConfig> {
+        if self.node.is_some() {
+            return None;
+        }
+        let consumer = format!("{SERVICE}-steps");
+        let mut cfg = self.worker(
+            &consumer,
+            subject::FACTS.name,
+            &["checkpoint.part.offloaded"],
+        );
+        cfg.concurrency = 4;
+        cfg.claims = true;
+        // Retried until the catalogue folds the offload: soon at first, then as for offloads.
         cfg.max_attempts = OFFLOAD_ATTEMPTS;
         cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
         cfg.retry = RetrySchedule {
@@ -434,6 +457,10 @@ pub async fn serve(ctx: Context<Settings>) -> Result<(), PromoterError> {
             worker(offloads, Handlers::Offloads(promoter.clone())),
         );
     }
+    if let Some(steps) = ctx.settings.steps_worker() {
+        let steps = ctx.worker(steps);
+        tasks.spawn("steps", worker(steps, Handlers::Offloads(promoter.clone())));
+    }
     tasks.spawn("clock", promoter.clone().clock());
     tasks.spawn("liveness", promoter.clone().liveness());
     tasks.spawn("reconciler", promoter.reconciler());
@@ -521,5 +548,45 @@ impl Handler for Handlers {
             Handlers::Facts(p) => p.on_fact(event, Some(ctx)).await,
             Handlers::Offloads(p) => p.on_part(event, Some(ctx)).await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(node: Option<&str>) -> Settings {
+        let mut s = Settings::dev(std::path::Path::new("/h"), std::path::Path::new("/p"));
+        s.node = node.map(str::to_owned);
+        s
+    }
+
+    fn consumes(cfg: &WorkerConfig, kind: &str) -> bool {
+        cfg.filter_subjects
+            .contains(&subject::kind_filter("fact", kind))
+    }
+
+    /// Guards the cost of a step at scale: the offloads of a step's parts are answered once,
+    /// on one consumer the shared promoter's instances share, never by every node's agent
+    /// (N parts would cost each of N agents N catalogue questions).
+    #[test]
+    fn a_steps_offloads_are_the_shared_promoters_to_answer_once() {
+        let shared = settings(None);
+        let steps = shared
+            .steps_worker()
+            .expect("the shared promoter's steps worker");
+        assert_eq!(steps.service, "promoter-steps");
+        assert!(steps.claims, "its instances share the consumer");
+        assert!(consumes(&steps, "checkpoint.part.offloaded"));
+        assert!(shared.offloads_worker().is_none());
+
+        let agent = settings(Some("gpu-17"));
+        assert!(agent.steps_worker().is_none());
+        let offloads = agent
+            .offloads_worker()
+            .expect("a node agent's offloads worker");
+        assert!(consumes(&offloads, "checkpoint.part.committed"));
+        assert!(consumes(&offloads, "checkpoint.committed"));
+        assert!(!consumes(&offloads, "checkpoint.part.offloaded"));
     }
 }

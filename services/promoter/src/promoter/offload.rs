@@ -2,16 +2,18 @@
 //! node's part of a step on the node's local tier (`checkpoint.part.committed`); this node's
 //! agent copies it, at the checkpoint priority, verified, published by one rename, to the
 //! offload tier of `retention.toml` (`[offload] tier`) under the same part folder, and states
-//! `checkpoint.part.offloaded`. Every agent follows every `checkpoint.part.offloaded`: once
-//! the catalogue shows that part offloaded, and every part of its step too, the step's
-//! `checkpoint.committed` is published — all parts' files under the step's folder on the
-//! offload tier, each part a subfolder — which makes it the run's latest. Its id is the step's
+//! `checkpoint.part.offloaded`. The shared promoter answers each `checkpoint.part.offloaded`
+//! once (its `steps` worker, on one consumer its instances share): once the catalogue shows
+//! that part offloaded, and every part of its step too, the step's `checkpoint.committed` is
+//! published — all parts' files under the step's folder on the offload tier, each part a
+//! subfolder — which makes it the run's latest. Its id is the step's
 //! (`EventId::for_checkpoint`) and its content follows from the catalogue's records alone, so
-//! two agents that both publish it store it once.
+//! two answers that both publish it (a redelivery, two offloads answered at once) store it
+//! once. Not every node's agent: a step of N parts would cost N² catalogue questions.
 //!
-//! Why no part is missed: each agent answers an offload only once the catalogue has folded
-//! it, so whichever offload the catalogue folds last is answered by an agent that sees every
-//! part offloaded, whatever order the stream or the recorder took them in.
+//! Why no part is missed: an offload is answered only once the catalogue has folded it, so
+//! whichever offload the catalogue folds last is answered seeing every part offloaded,
+//! whatever order the stream or the recorder took them in.
 
 use futures::stream;
 use stagehand_bus::{HandlerError, WorkContext};
@@ -39,9 +41,9 @@ fn refuse(why: String) -> HandlerError {
 }
 
 impl Promoter {
-    /// A checkpoint part fact: a commit on this node's local tier is offloaded; an offload
-    /// (of any node) may complete its step; a step's commit sends this node's parts of it off
-    /// the node (`leave_node`).
+    /// A checkpoint part fact: a commit on this node's local tier is offloaded (a node
+    /// agent); an offload (of any node) may complete its step (the shared promoter); a step's
+    /// commit sends this node's parts of it off the node (`leave_node`, a node agent).
     pub async fn on_part(
         &self,
         event: &Event,
