@@ -69,24 +69,25 @@ async fn losing_a_node_loses_no_request_and_the_node_catches_up() -> anyhow::Res
     // with one replica.
     let bus = Bus::connect(&bus_cfg).await?;
     assert_eq!(bus.replicas(), 3, "replicas learned from the cluster");
-    bus.jetstream()
-        .create_stream(stagehand_bus::stream_config(&subject::FACTS, 1))
+    // A cluster just formed on a loaded machine may take longer than the client's default 5 s
+    // to answer its first stream creations.
+    let mut js = bus.jetstream().clone();
+    js.set_timeout(Duration::from_secs(30));
+    js.create_stream(stagehand_bus::stream_config(&subject::FACTS, 1))
         .await?;
-    bus.jetstream()
-        .create_key_value(async_nats::jetstream::kv::Config {
-            bucket: stagehand_bus::CLAIMS_BUCKET.into(),
-            history: 1,
-            num_replicas: 1,
-            ..Default::default()
-        })
-        .await?;
-    bus.jetstream()
-        .create_object_store(async_nats::jetstream::object_store::Config {
-            bucket: subject::MANIFEST_BUCKET.into(),
-            num_replicas: 1,
-            ..Default::default()
-        })
-        .await?;
+    js.create_key_value(async_nats::jetstream::kv::Config {
+        bucket: stagehand_bus::CLAIMS_BUCKET.into(),
+        history: 1,
+        num_replicas: 1,
+        ..Default::default()
+    })
+    .await?;
+    js.create_object_store(async_nats::jetstream::object_store::Config {
+        bucket: subject::MANIFEST_BUCKET.into(),
+        num_replicas: 1,
+        ..Default::default()
+    })
+    .await?;
     assert_eq!(stream_replicas(&bus, subject::FACTS.name).await?, 1);
     assert_eq!(stream_replicas(&bus, "KV_stagehand_claims").await?, 1);
     assert_eq!(stream_replicas(&bus, "OBJ_stagehand_manifests").await?, 1);
