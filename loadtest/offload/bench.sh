@@ -22,8 +22,9 @@
 #   PART_MIB=64 PROFILE=dev loadtest/offload/bench.sh  # a quick run
 #
 # Settings (environment): PARTS (4), PART_MIB (1024), PAIRS (3), PROFILE (release | dev),
-# BENCH_DIR (where the home goes; default a temp folder; deleted at the end),
-# STAGEHAND_NATS_SERVER. Needs python3, bc. The stack is started as `stack.sh` says.
+# VERIFY (the offload's verification, promotion.toml's `verify`: read-back as shipped, or
+# hashed-in-flight), BENCH_DIR (where the home goes; default a temp folder; deleted at the
+# end), STAGEHAND_NATS_SERVER. Needs python3, bc. The stack is started as `stack.sh` says.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -59,6 +60,12 @@ echo "load: $(uptime | sed 's/.*load average/load average/')   cores: $(nproc)  
 start_stack 127.0.0.1 "$HOME_DIR"
 POLICIES=$HOME_DIR/policies
 HOT=$HOME_DIR/tiers/hot
+# The agents' policies are copies of these, made as each starts (write_agent_config).
+if [ -n "${VERIFY:-}" ]; then
+    grep -q '^verify = ' "$POLICIES/promotion.toml" || { echo "bench.sh: promotion.toml has no verify line" >&2; exit 1; }
+    sed -i "s/^verify = .*/verify = \"$VERIFY\"/" "$POLICIES/promotion.toml"
+fi
+VERIFY=$(sed -n 's/^verify = "\(.*\)"/\1/p' "$POLICIES/promotion.toml")
 export STAGEHAND_PROJECT=$PROJECT
 
 # The agent of each node, on this host, its own local root and policies.
@@ -145,15 +152,16 @@ for _ in $(seq "$PAIRS"); do
 done
 echo "load after: $(uptime | sed 's/.*load average/load average/')" >&2
 
-python3 - "$RESULTS" "$PROFILE" "$PARTS" "$PART_MIB" <<'EOF'
+python3 - "$RESULTS" "$PROFILE" "$PARTS" "$PART_MIB" "$VERIFY" <<'EOF'
 import json, os, statistics as st, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 off = [r for r in rows if r["tool"] == "offload"]
 cp = [r for r in rows if r["tool"] == "cp"]
 rate = lambda r: r["bytes"] / r["seconds"] / 2**20
 ratios = [rate(a) / rate(b) for a, b in zip(off, cp)]
-print(f"\ncheckpoint of {sys.argv[3]} parts × {sys.argv[4]} MiB on node NVMe, offloaded to hot; "
-      f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} (1 min), profile {sys.argv[2]}")
+print(f"\ncheckpoint of {sys.argv[3]} parts × {sys.argv[4]} MiB on node NVMe, offloaded to hot, "
+      f"verify = {sys.argv[5]}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} (1 min), "
+      f"profile {sys.argv[2]}")
 print("| commit (slowest part, median) | offload rate | cp -r + sync rate | offload ÷ cp (median of pairs) |")
 print("|---:|---:|---:|---:|")
 print(f"| {st.median(r['commit_seconds'] for r in off):.3f} s (max {max(r['commit_seconds'] for r in off):.3f}) | "
