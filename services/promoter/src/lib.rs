@@ -245,17 +245,9 @@ impl Settings {
             &["checkpoint.part.committed", "checkpoint.committed"],
         );
         cfg.concurrency = 4;
-        // An offload waits for the catalogue to fold it before it may complete its step (soon,
-        // the first retries), and for space on a bounded offload tier before it copies (long
-        // after): every attempt the runtime keeps, backing off to 5 min — about 8 hours before
-        // a part still refused is dead-lettered; `stagehand status` shows it late long before.
-        cfg.max_attempts = OFFLOAD_ATTEMPTS;
-        cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
-        cfg.retry = RetrySchedule {
-            max: Duration::from_secs(300),
-            ..soon()
-        };
-        Some(cfg)
+        // An offload waits for space on a bounded offload tier before it copies, and a step's
+        // commit for the catalogue to fold it before its parts leave the node.
+        Some(checkpoint_part_retries(cfg))
     }
 
     /// The shared promoter's steps worker, on one consumer its instances share: each
@@ -275,14 +267,8 @@ impl Settings {
         );
         cfg.concurrency = 4;
         cfg.claims = true;
-        // Retried until the catalogue folds the offload: soon at first, then as for offloads.
-        cfg.max_attempts = OFFLOAD_ATTEMPTS;
-        cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
-        cfg.retry = RetrySchedule {
-            max: Duration::from_secs(300),
-            ..soon()
-        };
-        Some(cfg)
+        // Retried until the catalogue folds the offload.
+        Some(checkpoint_part_retries(cfg))
     }
 
     /// A worker of `consumer` on `stream` for `kinds`, its ledger beside the state.
@@ -306,6 +292,20 @@ impl Settings {
 
 /// Attempts of a checkpoint part fact before it is dead-lettered: all the runtime keeps.
 const OFFLOAD_ATTEMPTS: u32 = stagehand_bus::ledger::MAX_ATTEMPTS_KEPT as u32;
+
+/// `cfg` retrying a checkpoint part fact for as long as it may have to wait (the catalogue to
+/// fold a fact, soon; space on the offload tier, long after): every attempt the runtime keeps,
+/// backing off to 5 min — about 8 hours before a part still waiting is dead-lettered;
+/// `stagehand status` shows it late long before.
+fn checkpoint_part_retries(mut cfg: WorkerConfig) -> WorkerConfig {
+    cfg.max_attempts = OFFLOAD_ATTEMPTS;
+    cfg.max_deliver = i64::from(OFFLOAD_ATTEMPTS) + 1;
+    cfg.retry = RetrySchedule {
+        max: Duration::from_secs(300),
+        ..soon()
+    };
+    cfg
+}
 
 /// Retries for what the promoter waits on to catch up (the catalogue, a copy lease): from
 /// 200 ms to 10 s.
@@ -588,5 +588,8 @@ mod tests {
         assert!(consumes(&offloads, "checkpoint.part.committed"));
         assert!(consumes(&offloads, "checkpoint.committed"));
         assert!(!consumes(&offloads, "checkpoint.part.offloaded"));
+        // Both wait as long for the catalogue: every attempt the runtime keeps.
+        assert_eq!(steps.max_attempts, OFFLOAD_ATTEMPTS);
+        assert_eq!(offloads.max_attempts, OFFLOAD_ATTEMPTS);
     }
 }
