@@ -25,7 +25,8 @@ pub enum Renamed {
 /// Renames the object at `from` (tier-relative) to `to` on the same tier, provided it still
 /// has the ETag `etag` (what a listing found). An object replaced since is
 /// [`ErrorKind::SourceChanged`] and stays where it is; a replacement between the copy and the
-/// delete keeps the new bytes at `from` (the delete is refused) beside the copy at `to`.
+/// delete keeps the new bytes at `from` (looked at again just before the delete, which is
+/// itself pinned with `If-Match`) beside the copy at `to`.
 ///
 /// The copy counts when it has the source's size and recorded SHA-256 and, for an object
 /// written in one part, its ETag (the store's MD5 of the bytes); an object written in parts
@@ -113,6 +114,19 @@ pub async fn rename_object(
         ));
     }
 
+    // `If-Match` on the delete keeps a rewrite made since; a store that ignores the header
+    // would delete it, so the object is looked at once more first, leaving that store only
+    // the instant between the two requests.
+    let now = tier.stat_side(from, Side::Source).await?;
+    if now.as_ref().and_then(|o| o.etag.as_deref()) != Some(etag) {
+        return Err(site.error(
+            ErrorKind::SourceChanged,
+            format!(
+                "rewritten or removed after its copy to {to} was checked (ETag {:?} now):                  kept, beside the copy",
+                now.and_then(|o| o.etag)
+            ),
+        ));
+    }
     let _slot = tier.request_slot().await;
     tier.client()
         .delete_object()
