@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint offload benchmark (issue 17 item 2): a run writes each step to node-local NVMe,
 # one part per node, and commits it there; each node's agent offloads its part to the hot tier
-# in the background (retention.toml's `[offload]`, the default policies' tier), verified. Two
+# in the background (retention.toml's `[offload]`, the default policies' tier), verified. Three
 # figures per step, against a plain copy of the same bytes in the same run:
 #
 #   - the training-visible commit: the wall time of `stagehand checkpoint commit --tier local`
@@ -9,7 +9,11 @@
 #   - the offload rate: the step's bytes ÷ the time from the first commit to the step listed
 #     `committed` (every part copied to hot and verified, the step made the run's latest),
 #     beside `cp -r` of the same parts' bytes to the hot tier's filesystem and `sync -f`
-#     (a copy made as durable as the offload's, with no hashing).
+#     (a copy made as durable as the offload's, with no hashing);
+#   - the node-freed rate: the step's bytes ÷ the time from the first commit to every part gone
+#     from its node (with `verify = "hashed-in-flight"`, as shipped, each agent first reads its
+#     part's copy back from hot and hashes it: the node's part goes only once its copy is
+#     proven on the media).
 #
 # Runs alternate offload then plain copy, PAIRS times (at least 3), each from the same start
 # state: the parts written afresh just before (warm in the page cache), nothing of them on
@@ -22,8 +26,8 @@
 #   PART_MIB=64 PROFILE=dev loadtest/offload/bench.sh  # a quick run
 #
 # Settings (environment): PARTS (4), PART_MIB (1024), PAIRS (3), PROFILE (release | dev),
-# VERIFY (the offload's verification, promotion.toml's `verify`: read-back as shipped, or
-# hashed-in-flight), BENCH_DIR (where the home goes; default a temp folder; deleted at the
+# VERIFY (the offload's verification, retention.toml's `[offload] verify`: hashed-in-flight as
+# shipped, or read-back), BENCH_DIR (where the home goes; default a temp folder; deleted at the
 # end), STAGEHAND_NATS_SERVER. Needs python3, bc. The stack is started as `stack.sh` says.
 set -euo pipefail
 
@@ -62,10 +66,11 @@ POLICIES=$HOME_DIR/policies
 HOT=$HOME_DIR/tiers/hot
 # The agents' policies are copies of these, made as each starts (write_agent_config).
 if [ -n "${VERIFY:-}" ]; then
-    grep -q '^verify = ' "$POLICIES/promotion.toml" || { echo "bench.sh: promotion.toml has no verify line" >&2; exit 1; }
-    sed -i "s/^verify = .*/verify = \"$VERIFY\"/" "$POLICIES/promotion.toml"
+    grep -q '^verify = ' "$POLICIES/retention.toml" || { echo "bench.sh: retention.toml has no [offload] verify line" >&2; exit 1; }
+    sed -i "s/^verify = .*/verify = \"$VERIFY\"/" "$POLICIES/retention.toml"
 fi
-VERIFY=$(sed -n 's/^verify = "\(.*\)"/\1/p' "$POLICIES/promotion.toml")
+VERIFY=$(sed -n 's/^verify = "\(.*\)"/\1/p' "$POLICIES/retention.toml")
+[ -n "$VERIFY" ] || { echo "bench.sh: retention.toml has no [offload] verify line" >&2; exit 1; }
 export STAGEHAND_PROJECT=$PROJECT
 
 # The agent of each node, on this host, its own local root and policies.
@@ -123,8 +128,13 @@ run_offload() {
         sleep 0.05
     done
     t1=$(now)
-    printf '{"tool":"offload","step":%d,"seconds":%.6f,"commit_seconds":%.6f,"bytes":%d}\n' \
-        "$step" "$(secs "$t0" "$t1")" "$slowest" "$bytes" | tee -a "$RESULTS" >&2
+    # Every part gone from its node (its copy proven first, with hashed-in-flight).
+    for i in $(seq 0 $((PARTS - 1))); do
+        while [ -e "$(part_dir "$step" "$i")" ]; do sleep 0.05; done
+    done
+    t2=$(now)
+    printf '{"tool":"offload","step":%d,"seconds":%.6f,"freed_seconds":%.6f,"commit_seconds":%.6f,"bytes":%d}\n' \
+        "$step" "$(secs "$t0" "$t1")" "$(secs "$t0" "$t2")" "$slowest" "$bytes" | tee -a "$RESULTS" >&2
     rm -rf "$HOT/$PROJECT/ckpt-$RUN_NAME/step-$step"
 }
 
@@ -157,14 +167,18 @@ import json, os, statistics as st, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 off = [r for r in rows if r["tool"] == "offload"]
 cp = [r for r in rows if r["tool"] == "cp"]
-rate = lambda r: r["bytes"] / r["seconds"] / 2**20
+rate = lambda r, key="seconds": r["bytes"] / r[key] / 2**20
 ratios = [rate(a) / rate(b) for a, b in zip(off, cp)]
+freed = [rate(a, "freed_seconds") / rate(b) for a, b in zip(off, cp)]
 print(f"\ncheckpoint of {sys.argv[3]} parts × {sys.argv[4]} MiB on node NVMe, offloaded to hot, "
       f"verify = {sys.argv[5]}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} (1 min), "
       f"profile {sys.argv[2]}")
-print("| commit (slowest part, median) | offload rate | cp -r + sync rate | offload ÷ cp (median of pairs) |")
-print("|---:|---:|---:|---:|")
+print("| commit (slowest part, median) | offload rate (step latest) | node-freed rate | cp -r + sync rate "
+      "| offload ÷ cp (median of pairs) | node-freed ÷ cp |")
+print("|---:|---:|---:|---:|---:|---:|")
+each = lambda xs: ', '.join(f'{x:.2f}' for x in xs)
 print(f"| {st.median(r['commit_seconds'] for r in off):.3f} s (max {max(r['commit_seconds'] for r in off):.3f}) | "
-      f"{st.median(rate(r) for r in off):.0f} MiB/s | {st.median(rate(r) for r in cp):.0f} MiB/s | "
-      f"{st.median(ratios):.2f} (each {', '.join(f'{x:.2f}' for x in ratios)}) |")
+      f"{st.median(rate(r) for r in off):.0f} MiB/s | {st.median(rate(r, 'freed_seconds') for r in off):.0f} MiB/s | "
+      f"{st.median(rate(r) for r in cp):.0f} MiB/s | "
+      f"{st.median(ratios):.2f} (each {each(ratios)}) | {st.median(freed):.2f} (each {each(freed)}) |")
 EOF

@@ -7,11 +7,13 @@
 //! and node, and the previous step stays latest; a part commit naming another project's folder,
 //! a folder that is not the part's or a shared tier is refused with a reason, nothing copied.
 //! Once a step is committed whole, each node's agent removes its part from the node's local
-//! tier and the catalogue records it (`checkpoint.part.removed`); the parts of a step not
-//! committed stay on their nodes.
+//! tier and the catalogue records it (`checkpoint.part.removed`), but only once its copy off
+//! the node is read back whole (a copy that went bad after it was hashed in flight is copied
+//! again from the node first); the parts of a step not committed stay on their nodes.
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -368,6 +370,15 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-3");
     ensure!(hot_step.join("part-2/.metadata").is_file());
     ensure!(!hot_step.join("part-3").exists());
+    // Part 2's copy on hot goes bad after it was hashed in flight (retention.toml's
+    // `[offload] verify` as shipped): a byte of it flips on the media. Its node keeps the
+    // part until the copy is read back, so the bad copy is found and made whole from it.
+    let (rotted_name, rotted_bytes) = part_files(3, 2).swap_remove(0);
+    let rotted = hot_step.join("part-2").join(&rotted_name);
+    let mut flipped = rotted_bytes.clone();
+    flipped[1000] ^= 0xff;
+    std::fs::set_permissions(&rotted, std::fs::Permissions::from_mode(0o644))?;
+    std::fs::write(&rotted, &flipped)?;
     // Step 2 stays latest: listed committed, and what `restore` gives.
     let listed = list(&url, &sh.policies)?;
     ensure!(
@@ -455,6 +466,12 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     sh.ready().await?;
     listed_as(&url, &sh.policies, 3, "committed").await?;
     parts_left_their_nodes(&sh, &catalogue, &policies, 3).await?;
+    // Part 2 left gpu-c only after its copy on hot was read back and copied again.
+    ensure!(
+        std::fs::read(&rotted)? == rotted_bytes,
+        "{} was not made whole before its part left the node",
+        rotted.display()
+    );
     let restored = restore_latest(&url, &sh.policies)?;
     ensure!(
         restored.ends_with("lab/ckpt-llm/step-3"),

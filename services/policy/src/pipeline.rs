@@ -398,6 +398,19 @@ pub struct CheckpointOffload {
     /// next step; true leaves them to the run).
     #[serde(default)]
     pub keep_on_node: bool,
+    /// How a part's copy off the node is proven before its step counts: `hashed-in-flight`
+    /// (the default: every byte hashed as it is read from the node and checked against the
+    /// part's commit, the copy made durable, and the step latest at the copy's speed) or
+    /// `read-back` (the copy also read back from the offload tier and hashed first). Either
+    /// way a part leaves its node only once its copy has been read back and found whole: with
+    /// `hashed-in-flight` its agent reads the copy back just before removing the part, and
+    /// copies again from the node any file that does not verify.
+    #[serde(default = "default_offload_verify")]
+    pub verify: VerifyMode,
+}
+
+fn default_offload_verify() -> VerifyMode {
+    VerifyMode::HashedInFlight
 }
 
 /// Checkpoint retention of one training run.

@@ -92,6 +92,8 @@ fn shipped_policies_load_and_resolve_relative_roots_against_home() {
     assert_eq!(policies.promotion().unwrap().default_tier, "hot");
     assert_eq!(policies.demotion().unwrap().target, "capacity");
     assert_eq!(policies.retention().unwrap().checkpoints.keep_last, 5);
+    let offload = policies.retention().unwrap().offload.as_ref().unwrap();
+    assert_eq!(offload.verify, stagehand_policy::VerifyMode::HashedInFlight);
     assert_eq!(policies.backup().unwrap().target, "backup");
     let priorities = policies.priorities().unwrap();
     assert!(
@@ -534,6 +536,39 @@ fn later_policies_check_their_tier_references() {
         t.replace("[classes.ingest]", "[classes.bulk]")
     });
     expect_invalid(&dir, "priorities.toml", "classes.bulk", "unknown variant");
+}
+
+#[test]
+fn an_offload_is_hashed_in_flight_unless_its_policy_asks_for_a_read_back() {
+    use stagehand_policy::VerifyMode;
+    let verify_of = |text: fn(String) -> String| {
+        let (_tmp, dir) = with_edit("retention.toml", text);
+        let home = dir.parent().unwrap().join("home");
+        let policies = Policies::load_dir_with_home(&dir, &home).unwrap();
+        policies
+            .retention()
+            .unwrap()
+            .offload
+            .as_ref()
+            .unwrap()
+            .verify
+    };
+    let without = verify_of(|t| {
+        t.lines()
+            .filter(|l| !l.starts_with("verify ="))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    assert_eq!(without, VerifyMode::HashedInFlight);
+    let read_back =
+        verify_of(|t| t.replace("verify = \"hashed-in-flight\"", "verify = \"read-back\""));
+    assert_eq!(read_back, VerifyMode::ReadBack);
+    let (_tmp, dir) = with_edit("retention.toml", |t| {
+        t.replace("verify = \"hashed-in-flight\"", "verify = \"trust-me\"")
+    });
+    let home = dir.parent().unwrap().join("home");
+    let err = Policies::load_dir_with_home(&dir, &home).expect_err("an unknown mode");
+    assert!(err.to_string().contains("retention.toml"), "{err}");
 }
 
 #[test]

@@ -7,22 +7,31 @@
 //! to the tier and folder the step's commit names) and to the commit itself (which lists every
 //! file of the part under `part-<I>/` with the same size and SHA-256), and the folder on the
 //! node is then checked to hold those files only, each of its listed size. A part that fails
-//! any of these stays, saying why. The folder is first renamed to its hidden removal name
+//! any of these stays, saying why. A copy proven only as it was made (`[offload] verify =
+//! "hashed-in-flight"`, as shipped: the step became latest at the copy's speed) is then read
+//! back from the offload tier and hashed against the part's commit ([`Promoter::prove_copy`]):
+//! a file that does not verify is copied again from the node first, and a copy that cannot be
+//! proven keeps the part on its node. So the node's bytes go only once their copy off the node
+//! has been read back whole. The folder is first renamed to its hidden removal name
 //! (`layout::removal_folder`), listed again (a write in the instant before the rename is
 //! caught: the folder is put back), then deleted; a removal interrupted anywhere is finished by
 //! the redelivered commit, and the fact's id follows from the step and the part, so stating it
 //! again (a redelivery, two agents of one node) is one fact.
 
+use futures::stream;
 use stagehand_bus::HandlerError;
 use stagehand_catalogue::{CheckpointPartRecord, StepParts, checkpoint_dataset};
-use stagehand_mover::{PosixTier, Tier};
+use stagehand_mover::{
+    CopyOptions, ErrorKind, PosixTier, Priority, Progress, SetCopy, Tier, VerifyMode,
+};
 use stagehand_policy::TierRole;
 use stagehand_schemas::{
-    Body, CheckpointCommitted, CheckpointPartRemoved, Event, FileRef, Location, layout,
+    Body, CheckpointCommitted, CheckpointPartRemoved, Event, FileRef, Location, Retryable, layout,
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{Promoter, retry};
+use crate::kv::LeaseState;
 
 /// The fact-id step of a part's `checkpoint.part.removed`, derived from the step's commit.
 pub fn step_part_removed(part: u32) -> String {
@@ -153,6 +162,20 @@ impl Promoter {
                 warn!(run = %part.run, step = part.step, part = part.part, tier = %part.location.tier, "checkpoint part stays on the node: its tier is not this node's posix local tier");
                 continue;
             };
+            // A copy proven only as it was made (hashed in flight) is read back now, before
+            // the one copy it was made from goes.
+            if offload.is_some_and(|o| o.verify != VerifyMode::ReadBack) {
+                match self.prove_copy(event, part, files, offloaded_to).await? {
+                    Ok(0) => {}
+                    Ok(copied) => {
+                        warn!(run = %part.run, step = part.step, part = part.part, tier = %offloaded_to.tier, files = copied, "checkpoint part's copy off the node held files that did not verify when read back; copied again from the node");
+                    }
+                    Err(why) => {
+                        warn!(run = %part.run, step = part.step, part = part.part, %node, "checkpoint part stays on the node: {why}");
+                        continue;
+                    }
+                }
+            }
             if let Err(why) = remove_part(posix.clone(), &part.location.prefix, files).await? {
                 warn!(run = %part.run, step = part.step, part = part.part, %node, "checkpoint part stays on the node: {why}");
                 continue;
@@ -161,6 +184,87 @@ impl Promoter {
             facts.push(part_removed(event, part, offloaded_to));
         }
         Ok(facts)
+    }
+
+    /// Reads `part`'s copy off the node (`copy`) back and hashes every file against the part's
+    /// commit (`files`); a file that does not verify is copied again from the node, itself
+    /// read back, and the copy published whole at once, under the copy's lease. `Ok(Ok(n))`:
+    /// the copy is proven, `n` files copied again; `Ok(Err(why))`: it is not, and the part
+    /// must stay (the node's own bytes do not verify either, or the copy cannot be read).
+    async fn prove_copy(
+        &self,
+        commit: &Event,
+        part: &CheckpointPartRecord,
+        files: &[FileRef],
+        copy: &Location,
+    ) -> Result<Result<u64, String>, HandlerError> {
+        let (Some(src), Some(dst)) = (
+            self.p().tiers.get(&part.location.tier),
+            self.p().tiers.get(&copy.tier),
+        ) else {
+            return Ok(Err(format!("tier {:?} is not open here", copy.tier)));
+        };
+        let coord = &self.p().coordination;
+        let mut lease = match coord
+            .lease(&copy.tier, None, &copy.prefix, commit.id.as_str())
+            .await
+            .map_err(retry)?
+        {
+            LeaseState::Owned(revision) => Some(revision),
+            LeaseState::Held { instance, .. } => {
+                return Err(retry(format!(
+                    "{} on tier {} is leased by {instance}; the part's removal waits",
+                    copy.prefix, copy.tier
+                )));
+            }
+        };
+        let set = SetCopy {
+            src_prefix: part.location.prefix.clone(),
+            dst_prefix: copy.prefix.clone(),
+            opts: CopyOptions {
+                priority: Priority::Checkpoint,
+                trust_recorded_hash: false,
+                verify_destination: VerifyMode::ReadBack,
+                expected_hash_unknown: false,
+            },
+            chunk_files: 0,
+            totals: Some((files.len() as u64, part.total_bytes)),
+        };
+        let stop = self.p().shutdown.child_token();
+        let _slot = self.inner.slots.acquire(Priority::Checkpoint).await;
+        let proof = async {
+            let listed = stream::iter(files.to_vec());
+            (self.p().mover)
+                .stage_set(src, dst, &set, listed, &Progress::new(), &stop, |_| {})
+                .await?
+                .publish()
+                .await
+        };
+        let proven = self
+            .renewing(
+                &copy.tier,
+                &copy.prefix,
+                &commit.id,
+                &mut lease,
+                &stop,
+                proof,
+            )
+            .await;
+        if let Some(revision) = lease
+            && let Err(e) = coord
+                .end_lease(&copy.tier, None, &copy.prefix, revision)
+                .await
+        {
+            debug!(error = %e, "the proof's copy lease not ended; it ages out");
+        }
+        match proven {
+            Ok(report) => Ok(Ok(report.copied)),
+            Err(e) if e.is_retryable() || e.kind == ErrorKind::Cancelled => Err(retry(e)),
+            Err(e) => Ok(Err(format!(
+                "its copy on {} was read back and could not be proven: {e}",
+                copy.tier
+            ))),
+        }
     }
 
     /// Tier `name` when it is a `local` posix tier open here.

@@ -1,7 +1,9 @@
 //! Checkpoint parts offloaded off the node (a node agent only): a training job commits its
 //! node's part of a step on the node's local tier (`checkpoint.part.committed`); this node's
-//! agent copies it, at the checkpoint priority, verified, published by one rename, to the
-//! offload tier of `retention.toml` (`[offload] tier`) under the same part folder, and states
+//! agent copies it, at the checkpoint priority, verified as `[offload] verify` says (hashed in
+//! flight as shipped; the copy is read back before the part leaves its node: `leave_node`),
+//! published by one rename, to the offload tier of `retention.toml` (`[offload] tier`) under
+//! the same part folder, and states
 //! `checkpoint.part.offloaded`. The shared promoter answers each `checkpoint.part.offloaded`
 //! once (its `steps` worker, on one consumer its instances share): once the catalogue shows
 //! that part offloaded, and every part of its step too, the step's `checkpoint.committed` is
@@ -22,7 +24,7 @@ use stagehand_mover::{
     Change, CopyOptions, ErrorKind, Fingerprint, Priority, Progress, SetCopy, Side, Tier,
     TransferError,
 };
-use stagehand_policy::TierRole;
+use stagehand_policy::{CheckpointOffload, TierRole};
 use stagehand_schemas::{
     Body, CheckpointCommitted, CheckpointPartCommitted, CheckpointPartOffloaded, Event, EventId,
     FileRef, INLINE_MANIFEST_MAX_BYTES, Location, Retryable, layout,
@@ -59,10 +61,9 @@ impl Promoter {
         }
     }
 
-    /// The offload tier `retention.toml` names.
-    fn offload_tier(&self) -> Result<String, HandlerError> {
-        let offload = self
-            .p()
+    /// `retention.toml`'s `[offload]`: the offload tier and how a copy onto it is proven.
+    fn offload_policy(&self) -> Result<&CheckpointOffload, HandlerError> {
+        self.p()
             .policies
             .retention()
             .and_then(|r| r.offload.as_ref())
@@ -71,8 +72,7 @@ impl Promoter {
                     "retention.toml has no [offload] table: checkpoint parts on node-local \
                      tiers are not offloaded",
                 )
-            })?;
-        Ok(offload.tier.clone())
+            })
     }
 
     /// Refuses a part that is not exactly its step's part folder on a local tier: a tenant
@@ -139,7 +139,8 @@ impl Promoter {
         ctx: Option<&WorkContext>,
     ) -> Result<Event, HandlerError> {
         self.check_part(event, p)?;
-        let to_tier = self.offload_tier()?;
+        let policy = self.offload_policy()?;
+        let (to_tier, verify) = (policy.tier.clone(), policy.verify);
         let (Some(src), Some(dst)) = (
             self.p().tiers.get(&p.location.tier),
             self.p().tiers.get(&to_tier),
@@ -167,7 +168,7 @@ impl Promoter {
             opts: CopyOptions {
                 priority: Priority::Checkpoint,
                 trust_recorded_hash: false,
-                verify_destination: self.p().promotion.verify,
+                verify_destination: verify,
                 expected_hash_unknown: stamped.is_some(),
             },
             chunk_files: 0,
@@ -327,7 +328,7 @@ impl Promoter {
     /// Runs `copy`, renewing the copy lease (`lease`: its revision; `None`, none held) every
     /// third of its lifetime; a lease lost stops the copy (`stop`), so that the reservation
     /// it guarded is never counted for a copy nobody leases.
-    async fn renewing<T>(
+    pub(super) async fn renewing<T>(
         &self,
         to_tier: &str,
         prefix: &str,
