@@ -645,6 +645,70 @@ fn set_policy(dir: &Path, file: &str, key: &str, value: &str) -> anyhow::Result<
     Ok(())
 }
 
+/// Makes `dir` and everything beneath it writable again (a published set is read-only).
+fn writable(dir: &Path) -> anyhow::Result<()> {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        match path.is_dir() {
+            true => writable(&path)?,
+            false => std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?,
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_leaves_its_node_only_once_its_agent_has_read_its_copy_back() -> anyhow::Result<()> {
+    // The offload reads its copy back before the step counts (`read-back`), and still the
+    // agent reads it back again before it removes the part: what it removes is proven now,
+    // not by the catalogue's record of an offload once verified.
+    let mut sh = Stagehand::start(common::Options {
+        promoter: true,
+        ..Default::default()
+    })
+    .await?;
+    set_policy(&sh.policies, "retention.toml", "verify", "\"read-back\"")?;
+    let mut policies = Vec::new();
+    for node in &NODES[..3] {
+        policies.push(sh.start_node_agent(node)?);
+    }
+    policies.push(sh.write_node_policies(NODES[3])?);
+    sh.ready().await?;
+    let url = sh.url.clone();
+    let catalogue = Catalogue::new(sh.bus.client().clone());
+    for (part, node) in NODES.iter().enumerate() {
+        write_and_commit(&url, node, &policies[part], 1, part)?;
+    }
+    wait_for(WAIT, "three parts of step 1 offloaded", || {
+        let listed = list(&url, &sh.policies).ok();
+        async move {
+            step_of(listed.as_deref()?, 1)
+                .filter(|c| c["offload"]["offloaded"] == 3)
+                .cloned()
+        }
+    })
+    .await?;
+    // The catalogue says parts 0-2 are offloaded and verified; on hot, part 0's copy is gone
+    // (lost, or never made: an offload stated by another) and a byte of part 1's has flipped.
+    let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-1");
+    writable(&hot_step)?;
+    std::fs::remove_dir_all(hot_step.join("part-0"))?;
+    let (name, bytes) = part_files(1, 1).swap_remove(0);
+    let mut flipped = bytes.clone();
+    flipped[7] ^= 0x01;
+    std::fs::write(hot_step.join("part-1").join(&name), &flipped)?;
+
+    // The fourth node's agent offloads its part; the step is committed whole and every part
+    // leaves its node — parts 0 and 1 only once copied again from their nodes.
+    sh.start_node_agent(NODES[3])?;
+    sh.ready().await?;
+    listed_as(&url, &sh.policies, 1, "committed").await?;
+    parts_left_their_nodes(&sh, &catalogue, &policies, 1).await?;
+    holds_step(&hot_step, 1)?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> anyhow::Result<()> {
     // Hot, the offload tier, holds 16 KiB: a part of 20,003 bytes does not fit.

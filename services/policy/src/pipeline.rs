@@ -402,9 +402,9 @@ pub struct CheckpointOffload {
     /// (the default: every byte hashed as it is read from the node and checked against the
     /// part's commit, the copy made durable, and the step latest at the copy's speed) or
     /// `read-back` (the copy also read back from the offload tier and hashed first). Either
-    /// way a part leaves its node only once its copy has been read back and found whole: with
-    /// `hashed-in-flight` its agent reads the copy back just before removing the part, and
-    /// copies again from the node any file that does not verify.
+    /// way a part leaves its node only once its agent has read the copy back and found it
+    /// whole, just before removing the part (copying again from the node any file that does
+    /// not verify or is missing).
     #[serde(default = "default_offload_verify")]
     pub verify: VerifyMode,
 }

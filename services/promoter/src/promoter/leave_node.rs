@@ -7,12 +7,15 @@
 //! to the tier and folder the step's commit names) and to the commit itself (which lists every
 //! file of the part under `part-<I>/` with the same size and SHA-256), and the folder on the
 //! node is then checked to hold those files only, each of its listed size. A part that fails
-//! any of these stays, saying why. A copy proven only as it was made (`[offload] verify =
-//! "hashed-in-flight"`, as shipped: the step became latest at the copy's speed) is then read
-//! back from the offload tier and hashed against the part's commit ([`Promoter::prove_copy`]):
-//! a file that does not verify is copied again from the node first, and a copy that cannot be
-//! proven keeps the part on its node. So the node's bytes go only once their copy off the node
-//! has been read back whole. The folder is first renamed to its hidden removal name
+//! any of these stays, saying why. The part's copy is then read back from the offload tier and
+//! hashed against the part's commit by this agent ([`Promoter::prove_copy`]), whatever the
+//! offload verified: a file that does not verify, or is not there, is copied again from the
+//! node first, and a copy that cannot be proven keeps the part on its node. So the node's bytes
+//! go only once their copy off the node has been read back whole by the one that deletes them —
+//! not on the word of the catalogue, which an offload stated by another (a forged
+//! `checkpoint.part.offloaded`, a lost copy) would make wrong. With `[offload] verify =
+//! "hashed-in-flight"`, as shipped, this is the copy's only read-back, and the step became
+//! latest at the copy's speed. The folder is first renamed to its hidden removal name
 //! (`layout::removal_folder`), listed again (a write in the instant before the rename is
 //! caught: the folder is put back), then deleted; a removal interrupted anywhere is finished by
 //! the redelivered commit, and the fact's id follows from the step and the part, so stating it
@@ -162,18 +165,16 @@ impl Promoter {
                 warn!(run = %part.run, step = part.step, part = part.part, tier = %part.location.tier, "checkpoint part stays on the node: its tier is not this node's posix local tier");
                 continue;
             };
-            // A copy proven only as it was made (hashed in flight) is read back now, before
-            // the one copy it was made from goes.
-            if offload.is_some_and(|o| o.verify != VerifyMode::ReadBack) {
-                match self.prove_copy(event, part, files, offloaded_to).await? {
-                    Ok(0) => {}
-                    Ok(copied) => {
-                        warn!(run = %part.run, step = part.step, part = part.part, tier = %offloaded_to.tier, files = copied, "checkpoint part's copy off the node held files that did not verify when read back; copied again from the node");
-                    }
-                    Err(why) => {
-                        warn!(run = %part.run, step = part.step, part = part.part, %node, "checkpoint part stays on the node: {why}");
-                        continue;
-                    }
+            // The copy is read back now, by the agent that deletes, before the bytes it was
+            // made from go: not the catalogue's word that it was offloaded and verified.
+            match self.prove_copy(event, part, files, offloaded_to).await? {
+                Ok(0) => {}
+                Ok(copied) => {
+                    warn!(run = %part.run, step = part.step, part = part.part, tier = %offloaded_to.tier, files = copied, "checkpoint part's copy off the node held files that did not verify when read back (or none); copied again from the node");
+                }
+                Err(why) => {
+                    warn!(run = %part.run, step = part.step, part = part.part, %node, "checkpoint part stays on the node: {why}");
+                    continue;
                 }
             }
             if let Err(why) = remove_part(posix.clone(), &part.location.prefix, files).await? {
