@@ -4,7 +4,7 @@ names are on the tier it asks for, and runs with their paths in its environment.
 
 A job asks with directive lines in the leading comment block of its batch script:
 
-  #BB_LUA stage dataset=D version=V tier=T [project=P] [name=NAME] [form=raw|prepared] [deadline=DURATION] [hold=DURATION] [capacity=BYTES pool=T]
+  #BB_LUA stage dataset=D version=V tier=T [project=P] [name=NAME] [form=raw|prepared] [deadline=DURATION] [hold=DURATION] [capacity=BYTES pool=T|pool=T.P]
 
   D         dataset name, 1-128 characters of [A-Za-z0-9._-], not starting with '.'
   V         version digest, or a unique prefix of it of at least 12 lowercase hex characters
@@ -22,7 +22,8 @@ A job asks with directive lines in the leading comment block of its batch script
   BYTES     the version's size in the Slurm pool of its tier (a number, optional unit K, KiB,
             KB, M, ... as Slurm reads it): required on a tier of STAGEHAND_POOL_TIERS, refused
             on any other; Slurm stages the job in only when it fits the pool's free space, and
-            data_in refuses a version the catalogue says is larger
+            data_in refuses a version the catalogue says is larger. pool=T.P is the project's
+            share of the tier (its quota there less what it holds, never more than T's free)
 
 The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
 
@@ -41,8 +42,9 @@ The hooks (facts: ../../shared/SCHEDULERS.md, "Slurm burst_buffer/lua"):
   slurm_bb_test_data_in 24.05+: looks once (`stage wait --timeout 0`), noting a waiting stage
                         in the AdminComment; BUSY until ready
   slurm_bb_pools        inside slurmctld, at start and every 30 s: the tiers of
-                        STAGEHAND_POOL_TIERS as pools, from the small file `stagehand tier pool`
-                        keeps (STAGEHAND_POOL_FILE); unbounded when it is stale or missing
+                        STAGEHAND_POOL_TIERS as pools, and each allowed project's share of
+                        each (T.P), from the small file `stagehand tier pool` keeps
+                        (STAGEHAND_POOL_FILE); unbounded when it is stale or missing
   slurm_bb_paths        inside slurmctld: copies the paths data_in recorded into the job's
                         environment (STAGEHAND_DATA_<NAME>=<path>); no network
   slurm_bb_job_teardown `stagehand stage release` for each staged version, unless the job is

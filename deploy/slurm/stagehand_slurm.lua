@@ -160,31 +160,40 @@ local function valid_duration(s)
 	return s:match("^[0-9]+[smhdw]?$") ~= nil or s:match("^[0-9]+ms$") ~= nil
 end
 
+-- The pool of `project`'s share of pool tier `tier` (its quota there): `<tier>.<project>`.
+function M.project_pool(tier, project)
+	return tier .. "." .. project
+end
+
 -- What is wrong with a directive's capacity= and pool=, or nil. Slurm reads them itself (the
 -- job's size in a pool, summed over the job's lines, in the pool of its last such line), so a
 -- directive on a tier reported as a pool must declare its size in that pool, and a job draws
--- on one pool only. `pool` is the first pool of the job's earlier directives.
+-- on one pool only. The pool is the tier's, or its project's share of it (`<tier>.<project>`,
+-- which also holds the job until its data fits the project's quota); never another project's.
+-- `pool` is the first pool of the job's earlier directives.
 local function capacity_problem(conf, d, pool)
 	local shared = d.local_tier and conf.STAGEHAND_HOT_TIER or d.tier
+	local own = M.project_pool(shared, d.project)
 	if d.capacity == nil then
 		if d.pool then
 			return "pool= needs capacity= (the bytes of the version)"
 		end
 		if M.is_pool_tier(conf, shared) then
 			return "tier " .. shared .. " is a Slurm pool (STAGEHAND_POOL_TIERS): add capacity=<bytes of "
-				.. d.dataset .. "@" .. d.version .. "> pool=" .. shared
+				.. d.dataset .. "@" .. d.version .. "> pool=" .. own
 		end
 		return nil
 	end
 	d.capacity_bytes = M.capacity_bytes(d.capacity)
 	if not d.capacity_bytes then
 		return "capacity '" .. d.capacity .. "' must be a number of bytes above 0, with an optional unit (K, KiB, KB, M, MiB, MB, G, GiB, GB, T, TiB, TB)"
-	elseif d.pool ~= shared then
-		return "capacity= needs pool=" .. shared .. " (the tier the version is staged to)"
+	elseif d.pool ~= shared and d.pool ~= own then
+		return "capacity= needs pool=" .. own .. " (the project's share of the tier the version is staged to) or pool="
+			.. shared .. " (the whole tier)"
 	elseif not M.is_pool_tier(conf, shared) then
 		return "tier " .. shared .. " is not a Slurm pool (STAGEHAND_POOL_TIERS): drop capacity= and pool="
-	elseif pool and pool ~= shared then
-		return "pool " .. shared .. " differs from the job's pool " .. pool .. " (Slurm counts a job in one pool)"
+	elseif pool and pool ~= d.pool then
+		return "pool " .. d.pool .. " differs from the job's pool " .. pool .. " (Slurm counts a job in one pool)"
 	end
 	return nil
 end
@@ -305,8 +314,10 @@ end
 M.UNBOUNDED_POOL = 2 ^ 50
 
 -- The figures `stagehand tier pool --slurm FILE` wrote: { written = unix seconds, pools = {
--- [tier] = { capacity, free } } }, or nil and why not. The file holds lines `written <secs>` and
--- `pool <tier> <capacity bytes> <free bytes>`; anything else is a comment.
+-- [tier] = { capacity, free, default_quota, quotas = { [project] = { quota, reserved } } } } },
+-- or nil and why not. The file holds lines `written <secs>`, `pool <tier> <capacity bytes>
+-- <free bytes>`, and after a tier's pool line its quotas: `quota-default <tier> <bytes>` and
+-- `quota <tier> <project> <quota bytes> <reserved bytes>`; anything else is a comment.
 function M.read_pool_file(path)
 	local f, err = io.open(path, "r")
 	if not f then
@@ -316,10 +327,16 @@ function M.read_pool_file(path)
 	for line in f:lines() do
 		local written = line:match("^written (%d+)%s*$")
 		local tier, capacity, free = line:match("^pool (%S+) (%d+) (%d+)%s*$")
+		local default_of, default = line:match("^quota%-default (%S+) (%d+)%s*$")
+		local quota_of, project, quota, reserved = line:match("^quota (%S+) (%S+) (%d+) (%d+)%s*$")
 		if written then
 			figures.written = tonumber(written)
 		elseif tier then
-			figures.pools[tier] = { capacity = tonumber(capacity), free = tonumber(free) }
+			figures.pools[tier] = { capacity = tonumber(capacity), free = tonumber(free), quotas = {} }
+		elseif default_of and figures.pools[default_of] then
+			figures.pools[default_of].default_quota = tonumber(default)
+		elseif quota_of and figures.pools[quota_of] then
+			figures.pools[quota_of].quotas[project] = { quota = tonumber(quota), reserved = tonumber(reserved) }
 		end
 	end
 	f:close()
@@ -353,14 +370,29 @@ function M.slurm_pools(conf, now)
 		figures = nil
 	end
 	local items, unbounded = {}, {}
+	local function report(id, quantity, free)
+		items[#items + 1] = string.format('{"id":"%s","quantity":%.0f,"granularity":1,"free":%.0f}',
+			id, quantity, math.max(0, math.min(free, quantity)))
+	end
+	local projects = M.allowed_projects(conf)
 	for _, t in ipairs(tiers) do
 		local p = figures and figures.pools[t]
 		if not p then
 			unbounded[#unbounded + 1] = t
-			p = { capacity = M.UNBOUNDED_POOL, free = M.UNBOUNDED_POOL }
+			p = { capacity = M.UNBOUNDED_POOL, free = M.UNBOUNDED_POOL, quotas = {} }
 		end
-		items[#items + 1] = string.format('{"id":"%s","quantity":%.0f,"granularity":1,"free":%.0f}',
-			t, p.capacity, math.min(p.free, p.capacity))
+		report(t, p.capacity, p.free)
+		-- Each project's share: its quota less what it holds there, and never more than the
+		-- tier has free (a project without a quota shares the tier's figures).
+		for _, project in ipairs(projects) do
+			local q = p.quotas[project]
+			local quota = q and q.quota or p.default_quota
+			if quota then
+				report(M.project_pool(t, project), quota, math.min(p.free, quota - (q and q.reserved or 0)))
+			else
+				report(M.project_pool(t, project), p.capacity, p.free)
+			end
+		end
 	end
 	local note
 	if #unbounded > 0 then
@@ -376,6 +408,22 @@ end
 local function matches(rule, who)
 	local v = who[rule.key]
 	return v ~= nil and tostring(v) == rule.value
+end
+
+-- Every project some `allow` rule names, as a sorted list: the projects whose share of each
+-- pool tier slurm_bb_pools reports.
+function M.allowed_projects(conf)
+	local set, list = {}, {}
+	for _, rule in ipairs(conf.allow) do
+		for p in pairs(rule.projects) do
+			if not set[p] then
+				set[p] = true
+				list[#list + 1] = p
+			end
+		end
+	end
+	table.sort(list)
+	return list
 end
 
 -- The projects the rules allow `who`, as a sorted list.

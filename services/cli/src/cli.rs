@@ -442,8 +442,9 @@ pub enum TierCommand {
     /// removes it above the high watermark), and no more than the tier's filesystem can still
     /// take (statvfs of its root: others' files count) when this host mounts it; where the
     /// root does not open here (a controller that does not mount the tier), the first figure
-    /// alone. Written whole (a temporary file renamed), readable by all; run it every few
-    /// seconds (a timer).
+    /// alone. Each project's quota on the tier and what it has reserved there follow, from
+    /// which the hook reports the project's share as pool `<tier>.<project>`. Written whole (a
+    /// temporary file renamed), readable by all; run it every few seconds (a timer).
     Pool {
         /// The tiers to report (each a bounded tier of the policies).
         #[arg(required = true)]
@@ -1385,6 +1386,15 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
                         .map_or("not measured here".into(), crate::tier::size),
                     crate::tier::size(p.free)
                 );
+                for q in &p.quotas {
+                    println!(
+                        "  {}.{}: quota {}, reserved {}",
+                        p.tier,
+                        q.project,
+                        crate::tier::size(q.quota),
+                        crate::tier::size(q.reserved)
+                    );
+                }
             }
             Ok(0)
         }

@@ -8,6 +8,7 @@
 //! and never more than the tier's filesystem can still take where this host can measure it
 //! ([`stagehand_mover::PosixTier::available_bytes`], what the promoter admits a copy by too).
 
+use std::collections::BTreeSet;
 use std::io::Write;
 
 use async_nats::jetstream::kv;
@@ -16,7 +17,7 @@ use stagehand_bus::placement::{self, Reservations};
 use stagehand_catalogue::Catalogue;
 use stagehand_catalogue::survey::TierSurvey;
 use stagehand_mover::PosixTier;
-use stagehand_policy::{Policies, TierKind, TierPolicy};
+use stagehand_policy::{Policies, TierKind, TierLimits, TierPolicy};
 
 /// One tier's line of the report (also its `--json` form).
 #[derive(Debug, Serialize)]
@@ -165,6 +166,19 @@ pub struct Pool {
     /// ([`Reservations::free`]: the capacity less everything reserved, not only what live
     /// stages hold), and no more than `fs_available` when it is known.
     pub free: u64,
+    /// The quota of every project the policies name none for (`[tiers.<t>.quotas] default`).
+    pub default_quota: Option<u64>,
+    /// Each project with a quota of its own, or with bytes reserved under the default: what
+    /// the promoter admits a project's copy by before the tier's room ([`ProjectQuota`]).
+    pub quotas: Vec<ProjectQuota>,
+}
+
+/// A project's share of a pool: its quota on the tier and the bytes reserved there for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProjectQuota {
+    pub project: String,
+    pub quota: u64,
+    pub reserved: u64,
 }
 
 impl Pool {
@@ -183,7 +197,32 @@ impl Pool {
             reserved: reservations.total(),
             fs_available,
             free: fs_available.map_or(by_policy, |fs| by_policy.min(fs)),
+            default_quota: None,
+            quotas: Vec::new(),
         }
+    }
+
+    /// The pool with its projects' quotas (`limits`) and what each has reserved
+    /// (`reservations`, keyed `<project>/...`), as the promoter's quota check counts them.
+    fn with_quotas(mut self, limits: &TierLimits, reservations: &Reservations) -> Pool {
+        let mut projects: BTreeSet<&str> = limits.quotas.keys().map(String::as_str).collect();
+        if limits.default_quota.is_some() {
+            projects.extend(
+                (reservations.replicas.keys()).filter_map(|k| k.split_once('/').map(|(p, _)| p)),
+            );
+        }
+        self.default_quota = limits.default_quota;
+        self.quotas = projects
+            .into_iter()
+            .filter_map(|project| {
+                Some(ProjectQuota {
+                    project: project.to_owned(),
+                    quota: limits.quota_for(project)?,
+                    reserved: reservations.used_by(project),
+                })
+            })
+            .collect();
+        self
     }
 }
 
@@ -227,20 +266,26 @@ pub async fn pools(
             .await
             .map_err(|e| anyhow::anyhow!("reading tier {name:?}'s reservations: {e}"))?;
         let row = row(&s);
-        pools.push(Pool::new(
-            row.tier,
-            row.capacity,
-            row.held,
-            &reserved.value.unwrap_or_default(),
-            fs_available(tier),
-        ));
+        let reserved = reserved.value.unwrap_or_default();
+        pools.push(
+            Pool::new(
+                row.tier,
+                row.capacity,
+                row.held,
+                &reserved,
+                fs_available(tier),
+            )
+            .with_quotas(&s.limits, &reserved),
+        );
     }
     Ok(pools)
 }
 
 /// The pool file `burst_buffer.lua`'s `slurm_bb_pools` reads (`stagehand_slurm.read_pool_file`):
-/// `written <unix seconds>` and one `pool <tier> <capacity> <free>` line per tier, in bytes
-/// ([`Pool::free`], the filesystem's cap included).
+/// `written <unix seconds>`; per tier one `pool <tier> <capacity> <free>` line, in bytes
+/// ([`Pool::free`], the filesystem's cap included), then its quotas, from which the hook
+/// reports each project's own pool `<tier>.<project>`: `quota-default <tier> <bytes>` and one
+/// `quota <tier> <project> <quota> <reserved>` line per [`ProjectQuota`].
 pub fn slurm_pool_text(pools: &[Pool], written: time::OffsetDateTime) -> String {
     let mut text = String::from(
         "# Stagehand's tiers as Slurm burst-buffer pools, written by `stagehand tier pool`.\n",
@@ -248,6 +293,15 @@ pub fn slurm_pool_text(pools: &[Pool], written: time::OffsetDateTime) -> String 
     text.push_str(&format!("written {}\n", written.unix_timestamp()));
     for p in pools {
         text.push_str(&format!("pool {} {} {}\n", p.tier, p.capacity, p.free));
+        if let Some(default) = p.default_quota {
+            text.push_str(&format!("quota-default {} {default}\n", p.tier));
+        }
+        for q in &p.quotas {
+            text.push_str(&format!(
+                "quota {} {} {} {}\n",
+                p.tier, q.project, q.quota, q.reserved
+            ));
+        }
     }
     text
 }
@@ -297,6 +351,44 @@ mod tests {
             text.ends_with("\npool hot 65536 14336\npool warm 50000 0\npool cold 65536 9000\n"),
             "{text}"
         );
+    }
+
+    /// Each project with a quota of its own, or reserving under the default, is written with
+    /// its quota and what it has reserved: the hook's per-project pools.
+    #[test]
+    fn the_pool_file_gives_each_project_s_quota_and_what_it_reserved() {
+        let mut reserved = Reservations::default();
+        reserved.replicas.insert("lab/a/v1".into(), 10_240);
+        reserved.replicas.insert("lab/b/v1".into(), 2_048);
+        reserved.replicas.insert("vision/c/v1".into(), 4_096);
+        let limits = TierLimits {
+            capacity: 65_536,
+            high_watermark: 0.9,
+            low_watermark: 0.8,
+            default_quota: Some(32_768),
+            quotas: [("lab".to_owned(), 16_384), ("idle".to_owned(), 8_192)].into(),
+        };
+        let hot =
+            Pool::new("hot".into(), 65_536, 0, &reserved, None).with_quotas(&limits, &reserved);
+        let written = time::OffsetDateTime::from_unix_timestamp(1_764_700_000).unwrap();
+        let text = slurm_pool_text(&[hot], written);
+        assert!(
+            text.ends_with(
+                "\npool hot 65536 49152\nquota-default hot 32768\nquota hot idle 8192 0\n\
+                 quota hot lab 16384 12288\nquota hot vision 32768 4096\n"
+            ),
+            "{text}"
+        );
+        // Without a default, only the projects named have a quota.
+        let named = TierLimits {
+            default_quota: None,
+            ..limits
+        };
+        let hot =
+            Pool::new("hot".into(), 65_536, 0, &reserved, None).with_quotas(&named, &reserved);
+        let projects: Vec<&str> = hot.quotas.iter().map(|q| q.project.as_str()).collect();
+        assert_eq!(projects, ["idle", "lab"]);
+        assert!(!slurm_pool_text(&[hot], written).contains("quota-default"));
     }
 
     /// Free is the smaller of the promoter's room and the filesystem's; a filesystem this host

@@ -1086,7 +1086,15 @@ impl Slurm {
 /// bytes of hot are free (the catalogue records a stage's hold or release a moment after the
 /// stage's own status).
 async fn write_pool_file(stagehand: &Stagehand, slurm: &Slurm, free: u64) -> anyhow::Result<()> {
-    let want = format!("\npool hot {HOT_POOL} {free}\n");
+    write_pool_file_saying(stagehand, slurm, &format!("\npool hot {HOT_POOL} {free}\n")).await
+}
+
+/// [`write_pool_file`] until the file holds `want`.
+async fn write_pool_file_saying(
+    stagehand: &Stagehand,
+    slurm: &Slurm,
+    want: &str,
+) -> anyhow::Result<()> {
     let mut last = String::new();
     let found = wait_for(JOB, &format!("the pool file to say {want:?}"), || {
         let out = stagehand_cli(stagehand)
@@ -1321,6 +1329,128 @@ true
             && log.contains("more than STAGEHAND_POOL_MAX_AGE (300 s)"),
         "slurmctld.log does not say why the pool is unbounded: {}",
         slurm.logs()
+    );
+    Ok(())
+}
+
+/// (e) A project's share of the hot pool. Hot has 64 KiB, project `lab` a quota of 16 KiB
+/// there: `slurm_bb_pools` reports pool `hot.lab` as its quota less what the project holds,
+/// never more than hot has free. Job A's 10 KiB fit the 16 KiB and are staged; its replica
+/// stays reserved to the project once A ends, which leaves `hot.lab` 6 KiB while hot has
+/// 54 KiB free: job B's 10 KiB in `hot.lab` are not staged (no request, no copy), and squeue
+/// shows B waiting for burst buffer resources. Without the project's pool Slurm would stage B
+/// in and the promoter refuse it over the quota. Another project's pool is refused at submit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_over_its_project_s_quota_is_not_staged() -> anyhow::Result<()> {
+    let (stagehand, slurm) = setup_with(
+        Options {
+            hot_capacity: Some("64 KiB".into()),
+            hot_quota: Some(format!("{PROJECT} = \"16 KiB\"")),
+            ..with_validator()
+        },
+        vec![
+            ("STAGEHAND_POOL_TIERS", "hot".into()),
+            // Another project, allowed to another user: its pool `hot.vision` is reported.
+            (
+                "STAGEHAND_SLURM_ALLOW",
+                format!("user=stagehand-job {PROJECT};user=root vision"),
+            ),
+        ],
+    )
+    .await?;
+    let (first, expected) = dataset_folder(&[("f.bin", &[4u8; 10_240])])?;
+    let (second, _) = dataset_folder(&[("g.bin", &[5u8; 10_240])])?;
+    let first = stagehand.ingest(first.path(), "first", true)?;
+    let second = stagehand.ingest(second.path(), "second", true)?;
+    let own_pool = format!("hot.{PROJECT}");
+    let declare = |dataset: &str, digest: &str, pool: &str| {
+        vec![format!(
+            "#BB_LUA stage dataset={dataset} version={} tier=hot project={PROJECT} capacity=10240 pool={pool}",
+            &digest[..16]
+        )]
+    };
+    write_pool_file_saying(
+        &stagehand,
+        &slurm,
+        &format!("\npool hot {HOT_POOL} {HOT_POOL}\nquota-default hot {HOT_POOL}\nquota hot {PROJECT} 16384 0\n"),
+    )
+    .await?;
+    slurm.wait_pool_free(&own_pool, "16KiB").await?;
+    slurm.wait_pool_free("hot.vision", "64KiB").await?;
+
+    // Another project's share is not this job's to draw on: refused at submit.
+    let other = slurm.sbatch(
+        "other-pool",
+        &reading_job(
+            &declare("first", &first, "hot.vision"),
+            "STAGEHAND_DATA_FIRST",
+        ),
+    )?;
+    let refusal = String::from_utf8_lossy(&other.stderr);
+    ensure!(
+        !other.status.success() && refusal.contains(&format!("capacity= needs pool={own_pool}")),
+        "a directive drawing on another project's pool: {refusal}"
+    );
+
+    // A fits the project's 16 KiB: staged, and reads its data.
+    let a = slurm.submit(
+        "fits-quota",
+        &reading_job(&declare("first", &first, &own_pool), "STAGEHAND_DATA_FIRST"),
+    )?;
+    slurm
+        .wait_job(a, "job A to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(a)?);
+    ensure!(
+        path == on_tier(&stagehand, "hot", "first", &first)
+            .display()
+            .to_string()
+    );
+    ensure!(sums == expected, "{sums:?}");
+
+    // A's replica stays on hot, reserved to the project: 6 KiB of its quota left, 54 KiB of hot.
+    write_pool_file_saying(
+        &stagehand,
+        &slurm,
+        &format!("\npool hot {HOT_POOL} 55296\nquota-default hot {HOT_POOL}\nquota hot {PROJECT} 16384 10240\n"),
+    )
+    .await?;
+    let line = slurm.wait_pool_free(&own_pool, "6KiB").await?;
+    eprintln!("slurmctld's pool of the project: {line}");
+    let hot = slurm.wait_pool_free("hot", "54KiB").await?;
+    eprintln!("slurmctld's pool of the tier: {hot}");
+
+    // B's 10 KiB fit hot but not the project's share: not staged.
+    let b = slurm.submit(
+        "over-quota",
+        &reading_job(
+            &declare("second", &second, &own_pool),
+            "STAGEHAND_DATA_SECOND",
+        ),
+    )?;
+    let (_, reason) = slurm
+        .wait_job(b, "job B pending for burst buffer resources", |s, r| {
+            s == "PENDING" && r == "BurstBufferResources"
+        })
+        .await?;
+    // Slurm's stage-in attempts for waiting jobs end a scheduling pass: once a plain job has
+    // run, B was tried against the 6 KiB.
+    let plain = slurm.submit("plain-quota", "#!/bin/bash\ntrue\n")?;
+    slurm
+        .wait_job(plain, "a plain job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let shown = slurm.show_job(b)?;
+    ensure!(
+        shown.contains("Reason=BurstBufferResources") && shown.contains("BurstBufferState=pending"),
+        "job B was staged in over its project's quota: scontrol show job {b}: {shown}"
+    );
+    ensure!(
+        !request_stored(&stagehand, &stage(b, "second", &second[..16], "hot", None)).await?,
+        "job B's stage was requested over its project's quota ({reason})"
+    );
+    ensure!(
+        !on_tier(&stagehand, "hot", "second", &second).exists(),
+        "second was copied to hot"
     );
     Ok(())
 }

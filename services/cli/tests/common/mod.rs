@@ -71,6 +71,9 @@ pub struct Options {
     /// The hot tier's capacity (and its projects' default quota) instead of the default's, e.g.
     /// `"64 KiB"`: a tier small enough for a test's datasets to fill.
     pub hot_capacity: Option<String>,
+    /// A line added to `[tiers.hot.quotas]` (after `hot_capacity`'s default), e.g.
+    /// `lab = "16 KiB"`: one project's own quota on hot.
+    pub hot_quota: Option<String>,
     /// The URL the services and the test's own clients use: a user of the server's accounts
     /// (default the server's URL, for a server without users).
     pub nats_url: Option<String>,
@@ -208,6 +211,16 @@ impl Stagehand {
                 })
                 .collect();
             std::fs::write(&tiers, text.join("\n") + "\n")?;
+        }
+        if let Some(quota) = &opts.hot_quota {
+            let tiers = policies.join("tiers.toml");
+            let text = std::fs::read_to_string(&tiers)?;
+            let header = "[tiers.hot.quotas]\n";
+            anyhow::ensure!(text.contains(header), "tiers.toml has no {header:?}");
+            std::fs::write(
+                &tiers,
+                text.replacen(header, &format!("{header}{quota}\n"), 1),
+            )?;
         }
         if let Some(slots) = opts.copy_slots {
             let promotion = policies.join("promotion.toml");
