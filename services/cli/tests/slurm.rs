@@ -1104,7 +1104,7 @@ async fn write_pool_file_saying(
             .arg(slurm.pool_file())
             .output();
         let text = std::fs::read_to_string(slurm.pool_file()).unwrap_or_default();
-        let hit = text.contains(&want).then_some(());
+        let hit = text.contains(want).then_some(());
         last = match out {
             Ok(out) if !out.status.success() => said(&out),
             _ => text,
