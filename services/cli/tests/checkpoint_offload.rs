@@ -662,7 +662,8 @@ fn writable(dir: &Path) -> anyhow::Result<()> {
 async fn a_part_leaves_its_node_only_once_its_agent_has_read_its_copy_back() -> anyhow::Result<()> {
     // The offload reads its copy back before the step counts (`read-back`), and still the
     // agent reads it back again before it removes the part: what it removes is proven now,
-    // not by the catalogue's record of an offload once verified.
+    // not by the catalogue's record of an offload once verified. A part no copy of which can
+    // be proven stays on its node.
     let mut sh = Stagehand::start(common::Options {
         promoter: true,
         ..Default::default()
@@ -698,14 +699,47 @@ async fn a_part_leaves_its_node_only_once_its_agent_has_read_its_copy_back() -> 
     let mut flipped = bytes.clone();
     flipped[7] ^= 0x01;
     std::fs::write(hot_step.join("part-1").join(&name), &flipped)?;
+    // Part 2's copy went bad too, and so did its bytes on gpu-c: no copy of it is proven.
+    let (name_2, bytes_2) = part_files(1, 2).swap_remove(0);
+    let mut flipped_2 = bytes_2.clone();
+    flipped_2[7] ^= 0x01;
+    std::fs::write(hot_step.join("part-2").join(&name_2), &flipped_2)?;
+    let on_gpu_c = part_dir(&policies[2], 1, 2)?.join(&name_2);
+    std::fs::write(&on_gpu_c, &flipped_2)?;
 
-    // The fourth node's agent offloads its part; the step is committed whole and every part
-    // leaves its node — parts 0 and 1 only once copied again from their nodes.
+    // The fourth node's agent offloads its part; the step is committed whole and parts 0, 1
+    // and 3 leave their nodes — 0 and 1 only once copied again from their nodes.
     sh.start_node_agent(NODES[3])?;
     sh.ready().await?;
     listed_as(&url, &sh.policies, 1, "committed").await?;
-    parts_left_their_nodes(&sh, &catalogue, &policies, 1).await?;
-    holds_step(&hot_step, 1)?;
+    let left = vec![
+        (0, NODES[0].to_owned()),
+        (1, NODES[1].to_owned()),
+        (3, NODES[3].to_owned()),
+    ];
+    wait_for(WAIT, "parts 0, 1 and 3 off their nodes", || async {
+        (removed_parts(&catalogue, 1).await.ok()? == left).then_some(())
+    })
+    .await?;
+    for part in [0, 1, 3] {
+        for (name, bytes) in part_files(1, part) {
+            let path = hot_step.join(format!("part-{part}")).join(&name);
+            ensure!(std::fs::read(&path)? == bytes, "{} differs", path.display());
+        }
+    }
+    // gpu-c's agent has handled the step's commit, and part 2, whose copy could not be made
+    // whole, is still on its node, not recorded removed.
+    let js = sh.bus.jetstream().clone();
+    stagehand_testkit::wait_until(WAIT, "gpu-c's agent done with the step's commit", || {
+        stagehand_testkit::drained(
+            &js,
+            stagehand_schemas::subject::FACTS.name,
+            &["promoter-offload-gpu-c"],
+        )
+    })
+    .await?;
+    ensure!(removed_parts(&catalogue, 1).await? == left);
+    ensure!(std::fs::read(&on_gpu_c)? == flipped_2, "part 2 left gpu-c");
     Ok(())
 }
 
