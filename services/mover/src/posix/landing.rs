@@ -12,7 +12,7 @@ use crate::error::{ErrorKind, Side, TransferError};
 use crate::transfer::FileDigest;
 
 use super::PosixTier;
-use super::hashing::{hash_open_file, set_direct};
+use super::hashing::{hash_uncached_file_capped, set_direct};
 use super::temporaries::temp_name;
 
 /// Below this size a destination is not preallocated: the extra call costs more than it saves.
@@ -174,9 +174,14 @@ impl AtomicFile {
         })
     }
 
-    /// Reads the temp file back and hashes it (for [`crate::VerifyMode::ReadBack`]).
+    /// Reads the temp file back and hashes it (for [`crate::VerifyMode::ReadBack`]): from the
+    /// device where the page cache does not hold it (the direct-written body of a large file),
+    /// into the hashing buffer in one step, as the scrub reads. Through the cache, the kernel's
+    /// read-ahead and the copy out cost as much CPU as the hash and made a read-back a third of
+    /// the copy's rate (`loadtest/offload`). Nothing but the commit follows it on this handle,
+    /// which the `O_DIRECT` the read may leave set does not affect.
     pub fn hash_written(&self) -> Result<FileDigest, TransferError> {
-        hash_open_file(&self.file).map_err(|e| {
+        hash_uncached_file_capped(&self.file, u64::MAX).map_err(|e| {
             TransferError::from_io(
                 e,
                 Side::Destination,
