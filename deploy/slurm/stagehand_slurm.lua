@@ -410,27 +410,11 @@ local function matches(rule, who)
 	return v ~= nil and tostring(v) == rule.value
 end
 
--- Every project some `allow` rule names, as a sorted list: the projects whose share of each
--- pool tier slurm_bb_pools reports.
-function M.allowed_projects(conf)
+-- The projects the `allow` rules for which `applies(rule)` holds name, as a sorted list.
+local function projects_where(conf, applies)
 	local set, list = {}, {}
 	for _, rule in ipairs(conf.allow) do
-		for p in pairs(rule.projects) do
-			if not set[p] then
-				set[p] = true
-				list[#list + 1] = p
-			end
-		end
-	end
-	table.sort(list)
-	return list
-end
-
--- The projects the rules allow `who`, as a sorted list.
-function M.projects_of(conf, who)
-	local set, list = {}, {}
-	for _, rule in ipairs(conf.allow) do
-		if matches(rule, who) then
+		if applies(rule) then
 			for p in pairs(rule.projects) do
 				if not set[p] then
 					set[p] = true
@@ -441,6 +425,21 @@ function M.projects_of(conf, who)
 	end
 	table.sort(list)
 	return list
+end
+
+-- Every project some `allow` rule names, as a sorted list: the projects whose share of each
+-- pool tier slurm_bb_pools reports.
+function M.allowed_projects(conf)
+	return projects_where(conf, function()
+		return true
+	end)
+end
+
+-- The projects the rules allow `who`, as a sorted list.
+function M.projects_of(conf, who)
+	return projects_where(conf, function(rule)
+		return matches(rule, who)
+	end)
 end
 
 function M.describe_who(who)

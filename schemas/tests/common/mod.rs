@@ -8,8 +8,14 @@ use std::path::PathBuf;
 use serde_json::Value;
 use stagehand_schemas::{ALL_KINDS, Event};
 
+/// The crate's folder in the checkout the test runs in: `CARGO_MANIFEST_DIR` as cargo and
+/// nextest set it for the test process, else as it was at build time. A test binary built
+/// from another checkout into a shared target folder (and judged fresh by cargo) then still
+/// reads this checkout's contract files, not the other's.
 pub fn crate_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 /// Whether `STAGEHAND_BLESS=1` asks the test to write what it would otherwise compare.

@@ -1118,6 +1118,44 @@ async fn write_pool_file_saying(
 /// The hot tier's capacity in the pool test: 64 KiB.
 const HOT_POOL: u64 = 65_536;
 
+/// Waits for job `job` to complete and checks that it read `dataset@digest` on hot, byte for
+/// byte (`expected`).
+async fn read_its_data_on_hot(
+    stagehand: &Stagehand,
+    slurm: &Slurm,
+    job: u32,
+    (dataset, digest): (&str, &str),
+    expected: &[(String, String)],
+) -> anyhow::Result<()> {
+    slurm
+        .wait_job(job, &format!("job {job} to complete"), |s, _| {
+            s == "COMPLETED"
+        })
+        .await?;
+    let (path, sums) = read_sums(&slurm.output(job)?);
+    let want = on_tier(stagehand, "hot", dataset, digest);
+    ensure!(path == want.display().to_string(), "job {job} read {path}");
+    ensure!(sums == expected, "{sums:?}");
+    Ok(())
+}
+
+/// Checks that job `job` still waits for its pool, staged nothing, once Slurm has tried it
+/// again: a plain job's scheduling pass ends with Slurm's stage-in attempt for jobs waiting on
+/// the burst buffer (`schedule` → `bb_g_job_try_stage_in`), so once a plain job has run, `job`
+/// was tried against the pools as they are now.
+async fn still_waits_for_its_pool(slurm: &Slurm, job: u32, why: &str) -> anyhow::Result<()> {
+    let plain = slurm.submit(&format!("plain-{job}"), "#!/bin/bash\ntrue\n")?;
+    slurm
+        .wait_job(plain, "a plain job to complete", |s, _| s == "COMPLETED")
+        .await?;
+    let shown = slurm.show_job(job)?;
+    ensure!(
+        shown.contains("Reason=BurstBufferResources") && shown.contains("BurstBufferState=pending"),
+        "job {job} was staged in {why}: scontrol show job {job}: {shown}"
+    );
+    Ok(())
+}
+
 /// (e) The hot tier as a Slurm pool. `stagehand tier pool` writes its capacity and what the
 /// promoter would still reserve there; `slurm_bb_pools` reports it; Slurm stages in only jobs
 /// whose declared size (`capacity=`) fits what is free. A stage held outside Slurm (an
@@ -1207,16 +1245,7 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
         "liar",
         &reading_job(&declare("big", &big, 1_000), "STAGEHAND_DATA_BIG"),
     )?;
-    slurm
-        .wait_job(a, "job A to complete", |s, _| s == "COMPLETED")
-        .await?;
-    let (path, sums) = read_sums(&slurm.output(a)?);
-    ensure!(
-        path == on_tier(&stagehand, "hot", "small", &small)
-            .display()
-            .to_string()
-    );
-    ensure!(sums == expected, "{sums:?}");
+    read_its_data_on_hot(&stagehand, &slurm, a, ("small", &small), &expected).await?;
     let (_, reason) = slurm
         .wait_job(liar, "the liar held", |s, r| {
             s == "PENDING" && r.contains("slurm_bb_data_in")
@@ -1294,23 +1323,8 @@ async fn a_job_whose_data_cannot_fit_the_hot_pool_is_not_staged() -> anyhow::Res
     );
     write_pool_file(&stagehand, &slurm, HOT_POOL - 40_960 - 10_240).await?;
     slurm.wait_pool_free("hot", "14KiB").await?;
-    // A plain job's scheduling pass ends with Slurm's stage-in attempt for jobs waiting on the
-    // burst buffer (`schedule` → `bb_g_job_try_stage_in`): once it has run, B was tried
-    // against the 14 KiB.
-    let plain = slurm.submit(
-        "plain",
-        "#!/bin/bash
-true
-",
-    )?;
-    slurm
-        .wait_job(plain, "a plain job to complete", |s, _| s == "COMPLETED")
-        .await?;
-    let shown = slurm.show_job(b)?;
-    ensure!(
-        shown.contains("Reason=BurstBufferResources") && shown.contains("BurstBufferState=pending"),
-        "job B was staged in while the promoter would refuse it: scontrol show job {b}: {shown}"
-    );
+    // Tried again against the 14 KiB, B still waits.
+    still_waits_for_its_pool(&slurm, b, "while the promoter would refuse it").await?;
     ensure!(
         !request_stored(&stagehand, &b_stage).await?,
         "job B's stage was requested while the promoter would refuse it"
@@ -1397,16 +1411,7 @@ async fn a_job_over_its_project_s_quota_is_not_staged() -> anyhow::Result<()> {
         "fits-quota",
         &reading_job(&declare("first", &first, &own_pool), "STAGEHAND_DATA_FIRST"),
     )?;
-    slurm
-        .wait_job(a, "job A to complete", |s, _| s == "COMPLETED")
-        .await?;
-    let (path, sums) = read_sums(&slurm.output(a)?);
-    ensure!(
-        path == on_tier(&stagehand, "hot", "first", &first)
-            .display()
-            .to_string()
-    );
-    ensure!(sums == expected, "{sums:?}");
+    read_its_data_on_hot(&stagehand, &slurm, a, ("first", &first), &expected).await?;
 
     // A's replica stays on hot, reserved to the project: 6 KiB of its quota left, 54 KiB of hot.
     write_pool_file_saying(
@@ -1433,17 +1438,8 @@ async fn a_job_over_its_project_s_quota_is_not_staged() -> anyhow::Result<()> {
             s == "PENDING" && r == "BurstBufferResources"
         })
         .await?;
-    // Slurm's stage-in attempts for waiting jobs end a scheduling pass: once a plain job has
-    // run, B was tried against the 6 KiB.
-    let plain = slurm.submit("plain-quota", "#!/bin/bash\ntrue\n")?;
-    slurm
-        .wait_job(plain, "a plain job to complete", |s, _| s == "COMPLETED")
-        .await?;
-    let shown = slurm.show_job(b)?;
-    ensure!(
-        shown.contains("Reason=BurstBufferResources") && shown.contains("BurstBufferState=pending"),
-        "job B was staged in over its project's quota: scontrol show job {b}: {shown}"
-    );
+    // Tried again against the 6 KiB, B still waits.
+    still_waits_for_its_pool(&slurm, b, "over its project's quota").await?;
     ensure!(
         !request_stored(&stagehand, &stage(b, "second", &second[..16], "hot", None)).await?,
         "job B's stage was requested over its project's quota ({reason})"
