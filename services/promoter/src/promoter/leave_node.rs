@@ -15,7 +15,8 @@
 //! not on the word of the catalogue, which an offload stated by another (a forged
 //! `checkpoint.part.offloaded`, a lost copy) would make wrong. With `[offload] verify =
 //! "hashed-in-flight"`, as shipped, this is the copy's only read-back, and the step became
-//! latest at the copy's speed. The folder is first renamed to its hidden removal name
+//! latest at the copy's speed. A step demoted or expired while this agent was away is not read
+//! back where it no longer is: its part goes as the step did. The folder is first renamed to its hidden removal name
 //! (`layout::removal_folder`), listed again (a write in the instant before the rename is
 //! caught: the folder is put back), then deleted; a removal interrupted anywhere is finished by
 //! the redelivered commit, and the fact's id follows from the step and the part, so stating it
@@ -23,7 +24,7 @@
 
 use futures::stream;
 use stagehand_bus::HandlerError;
-use stagehand_catalogue::{CheckpointPartRecord, StepParts, checkpoint_dataset};
+use stagehand_catalogue::{CheckpointPartRecord, CheckpointState, StepParts, checkpoint_dataset};
 use stagehand_mover::{
     CopyOptions, ErrorKind, PosixTier, Priority, Progress, SetCopy, Tier, VerifyMode,
 };
@@ -152,8 +153,15 @@ impl Promoter {
         {
             return Ok(Vec::new());
         }
+        let mine: Vec<&CheckpointPartRecord> = (parts.iter())
+            .filter(|p| p.node == node && !p.is_removed())
+            .collect();
+        if mine.is_empty() {
+            return Ok(Vec::new());
+        }
+        let still_there = self.step_still_committed(event, commit).await?;
         let mut facts = Vec::new();
-        for part in parts.iter().filter(|p| p.node == node && !p.is_removed()) {
+        for part in mine {
             let (files, offloaded_to) = match removable(&event.project, part, commit) {
                 Ok(found) => found,
                 Err(why) => {
@@ -166,8 +174,15 @@ impl Promoter {
                 continue;
             };
             // The copy is read back now, by the agent that deletes, before the bytes it was
-            // made from go: not the catalogue's word that it was offloaded and verified.
-            match self.prove_copy(event, part, files, offloaded_to).await? {
+            // made from go: not the catalogue's word that it was offloaded and verified. A step
+            // demoted or expired since (this agent was away) is not there to read: nothing is
+            // made again on a tier the catalogue no longer places it on, and the part goes as
+            // its step did (copied down by the demoter, read back; or expired by retention).
+            let proven = match still_there {
+                true => self.prove_copy(event, part, files, offloaded_to).await?,
+                false => Ok(0),
+            };
+            match proven {
                 Ok(0) => {}
                 Ok(copied) => {
                     warn!(run = %part.run, step = part.step, part = part.part, tier = %offloaded_to.tier, files = copied, "checkpoint part's copy off the node held files that did not verify when read back (or none); copied again from the node");
@@ -185,6 +200,33 @@ impl Promoter {
             facts.push(part_removed(event, part, offloaded_to));
         }
         Ok(facts)
+    }
+
+    /// Whether the step of `commit` is still committed where the commit put it (not demoted
+    /// or expired since): the catalogue's record of the step. Not folded yet: a retry.
+    async fn step_still_committed(
+        &self,
+        event: &Event,
+        commit: &CheckpointCommitted,
+    ) -> Result<bool, HandlerError> {
+        let page = (self.p().catalogue)
+            .checkpoints(
+                &event.project,
+                &commit.run,
+                Some(1),
+                commit.step.checked_sub(1),
+            )
+            .await
+            .map_err(retry)?;
+        match page.items.first().filter(|c| c.step == commit.step) {
+            Some(c) => Ok(
+                c.state == CheckpointState::Committed && c.location.tier == commit.location.tier
+            ),
+            None => Err(retry(format!(
+                "the catalogue has not folded the commit of step {} of run {} yet",
+                commit.step, commit.run
+            ))),
+        }
     }
 
     /// Reads `part`'s copy off the node (`copy`) back and hashes every file against the part's
