@@ -129,6 +129,15 @@ impl Reservations {
             .sum()
     }
 
+    /// The projects with a replica reserved (the first part of each key, `<project>/...`),
+    /// each once, in order.
+    pub fn projects(&self) -> impl Iterator<Item = &str> {
+        let mut last = None;
+        (self.replicas.keys())
+            .filter_map(|k| k.split_once('/').map(|(p, _)| p))
+            .filter(move |p| last.replace(*p) != Some(*p))
+    }
+
     /// Bytes reserved on the tier: every replica listed, held by a live stage or not (an
     /// unheld one stays listed until the demoter removes it).
     pub fn total(&self) -> u64 {
@@ -611,6 +620,7 @@ mod tests {
         r.replicas.insert("lab-ab/cats/v1".into(), 100);
         assert_eq!(r.used_by("lab-a"), 15);
         assert_eq!(r.used_by("lab-ab"), 100);
+        assert_eq!(r.projects().collect::<Vec<_>>(), ["lab-a", "lab-ab"]);
         assert_eq!(r.total(), 115);
         assert_eq!(place("local", Some("gpu.07")), "local.gpu=2E07");
     }

@@ -207,9 +207,7 @@ impl Pool {
     fn with_quotas(mut self, limits: &TierLimits, reservations: &Reservations) -> Pool {
         let mut projects: BTreeSet<&str> = limits.quotas.keys().map(String::as_str).collect();
         if limits.default_quota.is_some() {
-            projects.extend(
-                (reservations.replicas.keys()).filter_map(|k| k.split_once('/').map(|(p, _)| p)),
-            );
+            projects.extend(reservations.projects());
         }
         self.default_quota = limits.default_quota;
         self.quotas = projects

@@ -202,8 +202,10 @@ impl Promoter {
         Ok(facts)
     }
 
-    /// Whether the step of `commit` is still committed where the commit put it (not demoted
-    /// or expired since): the catalogue's record of the step. Not folded yet: a retry.
+    /// Whether the step of `commit` is still where the commit put it: not demoted or expired
+    /// since, facts only the demoter may state (a trainer's own later commit of the step, say
+    /// on another tier, does not spare the part its proof). The catalogue's record of the
+    /// step; not folded yet: a retry.
     async fn step_still_committed(
         &self,
         event: &Event,
@@ -219,9 +221,7 @@ impl Promoter {
             .await
             .map_err(retry)?;
         match page.items.first().filter(|c| c.step == commit.step) {
-            Some(c) => Ok(
-                c.state == CheckpointState::Committed && c.location.tier == commit.location.tier
-            ),
+            Some(c) => Ok(c.state == CheckpointState::Committed),
             None => Err(retry(format!(
                 "the catalogue has not folded the commit of step {} of run {} yet",
                 commit.step, commit.run
