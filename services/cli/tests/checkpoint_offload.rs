@@ -268,6 +268,25 @@ async fn parts_left_their_nodes(
     holds_step(&hot_step, step)
 }
 
+/// Waits until `checkpoint list` shows three parts of `step` offloaded (the fourth node's
+/// agent away) and returns the step as listed.
+async fn three_offloaded(url: &str, policies: &Path, step: u64) -> anyhow::Result<Value> {
+    wait_for(
+        WAIT,
+        &format!("three parts of step {step} offloaded"),
+        || {
+            let listed = list(url, policies).ok();
+            async move {
+                step_of(listed.as_deref()?, step)
+                    .filter(|c| c["offload"]["offloaded"] == 3)
+                    .cloned()
+            }
+        },
+    )
+    .await
+    .map_err(Into::into)
+}
+
 /// Every part's files of `step` are in `dir` under `part-<i>/`, byte for byte.
 fn holds_step(dir: &Path, step: u64) -> anyhow::Result<()> {
     for part in 0..NODES.len() {
@@ -335,15 +354,7 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     for (part, node) in NODES.iter().enumerate() {
         write_and_commit(&url, node, &policies[part], 3, part)?;
     }
-    let at_risk = wait_for(WAIT, "three parts of step 3 offloaded", || {
-        let listed = list(&url, &sh.policies).ok();
-        async move {
-            step_of(listed.as_deref()?, 3)
-                .filter(|c| c["offload"]["offloaded"] == 3)
-                .cloned()
-        }
-    })
-    .await?;
+    let at_risk = three_offloaded(&url, &sh.policies, 3).await?;
     ensure!(at_risk["state"] == "at_risk", "{at_risk}");
     ensure!(
         at_risk["offload"]["on_node"] == serde_json::json!([{ "part": 3, "node": "gpu-d" }]),
@@ -681,15 +692,7 @@ async fn a_part_leaves_its_node_only_once_its_agent_has_read_its_copy_back() -> 
     for (part, node) in NODES.iter().enumerate() {
         write_and_commit(&url, node, &policies[part], 1, part)?;
     }
-    wait_for(WAIT, "three parts of step 1 offloaded", || {
-        let listed = list(&url, &sh.policies).ok();
-        async move {
-            step_of(listed.as_deref()?, 1)
-                .filter(|c| c["offload"]["offloaded"] == 3)
-                .cloned()
-        }
-    })
-    .await?;
+    three_offloaded(&url, &sh.policies, 1).await?;
     // The catalogue says parts 0-2 are offloaded and verified; on hot, part 0's copy is gone
     // (lost, or never made: an offload stated by another) and a byte of part 1's has flipped.
     let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-1");
