@@ -40,6 +40,7 @@ pub mod json_schema;
 pub mod layout;
 pub mod manifest;
 pub mod path;
+pub mod pieces;
 pub mod problem;
 pub mod progress;
 pub mod retryable;

@@ -13,6 +13,7 @@ use async_nats::jetstream::{self, object_store};
 use futures::StreamExt;
 use sha2::{Digest, Sha256};
 use stagehand_schemas::ManifestRef;
+use stagehand_schemas::pieces::PieceHashes;
 use stagehand_schemas::subject::{MANIFESTS, ObjectBucketSpec, upload_bucket_spec};
 use tokio::io::AsyncReadExt;
 use tracing::debug;
@@ -346,6 +347,80 @@ impl ManifestStore {
                 ),
             )
         }
+    }
+
+    /// Stores `pieces`, the side data of the file whose SHA-256 is `file_sha256`
+    /// ([`PieceHashes::object_name`]), unless it is there already (it is a function of the
+    /// file's bytes). Only a service that hashed those bytes itself may call this: readers
+    /// judge pieces by it.
+    pub async fn put_pieces(
+        &self,
+        file_sha256: &str,
+        pieces: &PieceHashes,
+    ) -> Result<(), ManifestError> {
+        let name = PieceHashes::object_name(file_sha256);
+        let what = format!("piece hashes {}/{name}", self.bucket);
+        match self.store.info(&name).await {
+            Ok(info) if !info.deleted => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == object_store::InfoErrorKind::NotFound => {}
+            Err(e) => return Err(nats_err(what, e)),
+        }
+        let bytes = pieces.to_bytes();
+        let meta = object_store::ObjectMetadata {
+            name,
+            description: Some(format!(
+                "{} pieces of a {}-byte file",
+                pieces.pieces.len(),
+                pieces.size
+            )),
+            chunk_size: Some(CHUNK_BYTES),
+            ..Default::default()
+        };
+        self.store
+            .put(meta, &mut bytes.as_slice())
+            .await
+            .map_err(|e| nats_err(what, e))?;
+        Ok(())
+    }
+
+    /// The side data of the file whose SHA-256 is `file_sha256` and size `size`: `None` when
+    /// none was stored (a version validated before side data existed). An object that is not
+    /// exactly that file's pieces is [`ManifestErrorKind::Malformed`], read no further than
+    /// such side data can be long.
+    pub async fn pieces(
+        &self,
+        file_sha256: &str,
+        size: u64,
+    ) -> Result<Option<PieceHashes>, ManifestError> {
+        let name = PieceHashes::object_name(file_sha256);
+        let what = format!("piece hashes {}/{name}", self.bucket);
+        let mut object = match self.store.get(&name).await {
+            Ok(object) => object,
+            Err(e) if e.kind() == object_store::GetErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(nats_err(what, e)),
+        };
+        let limit = PieceHashes::max_bytes(size);
+        if object.info().size as u64 > limit {
+            return Err(ManifestError::new(
+                ManifestErrorKind::Malformed,
+                what,
+                format!(
+                    "{} bytes, more than the side data of a {size}-byte file can be ({limit}): refused unread",
+                    object.info().size
+                ),
+            ));
+        }
+        let mut bytes = Vec::with_capacity(object.info().size);
+        // The client checks the store's own digest of the object at its end.
+        (&mut object)
+            .take(limit + 1)
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| nats_err(what.clone(), e))?;
+        PieceHashes::parse(&bytes, size)
+            .map(Some)
+            .map_err(|e| ManifestError::new(ManifestErrorKind::Malformed, what, e.to_string()))
     }
 
     /// Names of every object in the bucket (tests and operators; a listing, not a scan of
