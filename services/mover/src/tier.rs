@@ -56,6 +56,43 @@ impl Tier {
             Tier::S3(t) => t.hash_file(rel).await,
         }
     }
+
+    /// The bytes `range` of the file or object at `rel` (confined beneath the tier root): a
+    /// fan-out's piece of a large file. A file that ends before the range does is
+    /// [`ErrorKind::SizeMismatch`].
+    pub async fn read_range(
+        &self,
+        rel: &str,
+        range: std::ops::Range<u64>,
+    ) -> Result<Vec<u8>, TransferError> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                self.blocking(rel, Side::Source, "reading", move || {
+                    use std::os::unix::fs::FileExt;
+                    let file = t.open_read(&rel_owned)?;
+                    let mut out = vec![0u8; range.end.saturating_sub(range.start) as usize];
+                    file.read_exact_at(&mut out, range.start).map_err(|e| {
+                        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                            TransferError::new(
+                                ErrorKind::SizeMismatch,
+                                Side::Source,
+                                t.name(),
+                                &rel_owned,
+                                format!("the file ends before byte {}", range.end),
+                            )
+                        } else {
+                            TransferError::from_io(e, Side::Source, t.name(), &rel_owned, "read")
+                        }
+                    })?;
+                    Ok(out)
+                })
+                .await
+            }
+            Tier::S3(t) => t.read_range(rel, range).await,
+        }
+    }
 }
 
 impl Tier {

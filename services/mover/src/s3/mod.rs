@@ -587,6 +587,66 @@ impl S3Tier {
         Ok(digest)
     }
 
+    /// The bytes `range` of the object at `rel`, in one ranged GET (a fan-out's piece of a
+    /// large file). Fewer or more bytes than the range holds is [`ErrorKind::SizeMismatch`].
+    pub async fn read_range(
+        &self,
+        rel: &str,
+        range: std::ops::Range<u64>,
+    ) -> Result<Vec<u8>, TransferError> {
+        let key = self.key_for(rel, Side::Source)?;
+        let want = range.end.saturating_sub(range.start);
+        if want == 0 {
+            return Ok(Vec::new());
+        }
+        let _slot = self.request_slot().await;
+        let response = self
+            .client()
+            .get_object()
+            .bucket(self.bucket())
+            .key(&key)
+            .range(format!("bytes={}-{}", range.start, range.end - 1))
+            .send()
+            .await
+            .map_err(|e| map_sdk_error("GetObject", self.site(Side::Source, rel), e))?;
+        let mut body = response.body;
+        let mut out = Vec::with_capacity(want as usize);
+        loop {
+            match body.try_next().await {
+                Ok(Some(chunk)) => {
+                    out.extend_from_slice(&chunk);
+                    if out.len() as u64 > want {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    return Err(self
+                        .site(Side::Source, rel)
+                        .error(
+                            ErrorKind::ObjectStore,
+                            format!(
+                                "reading bytes {range:?} of {key:?} from {}: {}",
+                                self.endpoint(),
+                                errors::chain(&e)
+                            ),
+                        )
+                        .with_source(e));
+                }
+            }
+        }
+        if out.len() as u64 != want {
+            return Err(self.site(Side::Source, rel).error(
+                ErrorKind::SizeMismatch,
+                format!(
+                    "bytes {range:?}: the store returned {} bytes, not {want}",
+                    out.len()
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
     /// Writes a small object (a marker, an index) in one PUT with its SHA-256 checked by the
     /// server and recorded in metadata. S3 makes it visible only once complete.
     pub async fn put_small(&self, rel: &str, bytes: Vec<u8>) -> Result<(), TransferError> {
