@@ -1073,7 +1073,8 @@ fn printable(text: &str) -> String {
 /// finding until that node's own copy of the version is read whole again after the report (a
 /// scrub, a repair, or a copy made anew: `last_verified`, `last_repaired` or `copied`); the
 /// board forgets a swarm a day after (its bucket's `max_age`). The swarm is matched to the
-/// version by the agents' own naming ([`stagehand_promoter::fanout::Fanout::swarm`]) against
+/// version by the agents' own naming (a swarm's name starts with
+/// [`stagehand_promoter::fanout::Fanout::swarm`]) against
 /// the node's copies on the node-local tiers: one catalogue question per reported node and
 /// local tier. No bucket (no node agent ever fanned out): nothing to say.
 async fn dropped_peers(
@@ -1126,9 +1127,9 @@ async fn dropped_peers(
                 .replicas_on(tier, Some(node), None)
                 .await
                 .with_context(|| format!("the copies of node {node} on tier {tier}"))?;
-            copy = copy.or(copies
-                .into_iter()
-                .find(|r| Fanout::swarm(&r.tier, &r.project, &r.dataset, &r.version) == swarm));
+            copy = copy.or(copies.into_iter().find(|r| {
+                swarm.starts_with(&Fanout::swarm(&r.tier, &r.project, &r.dataset, &r.version))
+            }));
         }
         let read_again = copy.as_ref().is_some_and(|r| {
             [

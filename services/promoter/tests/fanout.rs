@@ -1,8 +1,10 @@
 //! Fan-out between node agents, in-process against a real nats-server: three agents, each
 //! with its own local tier and its own piece server on the loopback, stage one version from
 //! the hot tier at once — every node byte-exact, every piece read from the hot tier once
-//! between them; and an agent whose copy is damaged on disk is caught serving bad bytes,
-//! dropped from the swarm, and every other node still ends byte-exact. (The same with each
+//! between them, the files larger than a piece moved in slices where the manifest's side data
+//! has their piece hashes and whole where it has none; and an agent whose copy is damaged on
+//! disk is caught serving bad bytes, dropped from the swarm, and every other node still ends
+//! byte-exact. (The same with each
 //! agent in its own network namespace and killed mid-copy: `services/cli/tests/fanout.rs`.)
 
 mod common;
@@ -11,7 +13,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use common::*;
+use stagehand_promoter::fanout::pieces::Piece;
 use stagehand_promoter::fanout::{Fanout, FanoutSettings, FanoutTls};
+use stagehand_schemas::pieces::PieceHashes;
 use stagehand_schemas::{Body, FileRef};
 use stagehand_testkit::{TestCa, wait_for};
 
@@ -112,11 +116,33 @@ fn start_agent_with(stack: &mut Stack, node: &str, token: &Path, tls: Option<&Te
     stack.run_promoter(config);
 }
 
-/// Puts the version on the hot tier (through the shared promoter): its version and files.
-async fn on_hot(stack: &mut Stack) -> (String, Vec<(String, Vec<u8>)>, Vec<FileRef>) {
+/// Puts the version on the hot tier (through the shared promoter): its version and files
+/// (in manifest order). With `side_data`, the piece hashes of its files larger than a piece
+/// are stored first, as the validator stores them.
+async fn on_hot(
+    stack: &mut Stack,
+    side_data: bool,
+) -> (String, Vec<(String, Vec<u8>)>, Vec<FileRef>) {
     let files = version_files();
     let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(n, b)| (n.as_str(), b.clone())).collect();
-    let (prefix, refs) = stack.put_files("capacity", DATASET, "v1", &named);
+    let (prefix, mut refs) = stack.put_files("capacity", DATASET, "v1", &named);
+    refs.sort_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
+    if side_data {
+        let store =
+            stagehand_manifest::ManifestStore::catalogue(stack.bus.jetstream(), Default::default())
+                .await
+                .unwrap();
+        for (name, bytes) in files
+            .iter()
+            .filter(|(_, b)| PieceHashes::wanted(b.len() as u64))
+        {
+            let sha = &refs.iter().find(|r| &r.path == name).unwrap().sha256;
+            store
+                .put_pieces(sha, &PieceHashes::of(bytes))
+                .await
+                .unwrap();
+        }
+    }
     let version = stack.validated(DATASET, "capacity", &prefix, &refs).await;
     let hot = stage_request(DATASET, &version, "hot", "job-hot", None, None);
     stack.publish(&hot).await;
@@ -175,15 +201,23 @@ fn assert_exact(stack: &Stack, node: &str, version: &str, files: &[(String, Vec<
     }
 }
 
-/// The fan-out board, and the swarm of `version` on the local tier.
-async fn board_of(stack: &Stack, version: &str) -> (async_nats::jetstream::kv::Store, String) {
-    let board = stack
-        .bus
-        .jetstream()
+/// The fan-out board, the swarm of `version` (files `refs`) on the local tier, and its pieces.
+async fn board_of(
+    stack: &Stack,
+    version: &str,
+    refs: &[FileRef],
+) -> (async_nats::jetstream::kv::Store, String, Vec<Piece>) {
+    let js = stack.bus.jetstream();
+    let board = js
         .get_key_value(stagehand_bus::SWARMS_BUCKET)
         .await
         .unwrap();
-    (board, Fanout::swarm("local", PROJECT, DATASET, version))
+    let side = stagehand_promoter::fanout::side_data(js, refs)
+        .await
+        .unwrap();
+    let pieces = stagehand_promoter::fanout::pieces::cut(refs, &side);
+    let swarm = Fanout::swarm_of(&Fanout::swarm("local", PROJECT, DATASET, version), &pieces);
+    (board, swarm, pieces)
 }
 
 /// A counter of the in-process services (every agent of this test: one process per test).
@@ -195,20 +229,22 @@ fn counter(name: &str, labels: &str) -> f64 {
         .sum()
 }
 
+/// The large files in slices, from the side data's piece hashes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() {
-    three_nodes_fan_out(None).await;
+    three_nodes_fan_out(None, true).await;
 }
 
 /// The same as the shipped configurations run it: over mutual TLS, each agent connected as
-/// the promoter's user of `deploy/nats/accounts.conf` (which must grant it the board).
+/// the promoter's user of `deploy/nats/accounts.conf` (which must grant it the board and the
+/// side data). No side data here: the large files move whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_nodes_fan_out_over_mutual_tls_as_the_promoters_user() {
     let ca = TestCa::new("stagehand-agents");
-    three_nodes_fan_out(Some(&ca)).await;
+    three_nodes_fan_out(Some(&ca), false).await;
 }
 
-async fn three_nodes_fan_out(tls: Option<&TestCa>) {
+async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
     let mut stack = Stack::start_with(Options {
@@ -218,7 +254,7 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     .await;
     stack.run_promoter(stack.promoter_config("shared"));
     let token = token_file(stack.root());
-    let (version, files, _) = on_hot(&mut stack).await;
+    let (version, files, refs) = on_hot(&mut stack, side_data).await;
     let nodes = ["n1", "n2", "n3"];
     for n in nodes {
         start_agent_with(&mut stack, n, &token, tls);
@@ -227,11 +263,15 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     for n in nodes {
         assert_exact(&stack, n, &version, &files);
     }
-    // A caller without the token is served nothing; over TLS, nothing without a handshake.
-    let route = format!(
-        "/v1/swarms/{}/pieces/0",
-        Fanout::swarm("local", PROJECT, DATASET, &version)
+    let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
+    let slices = pieces.iter().filter(|p| p.slice.is_some()).count();
+    assert_eq!(
+        slices,
+        if side_data { 4 } else { 0 },
+        "each 9 MiB file in two slices where it has side data"
     );
+    // A caller without the token is served nothing; over TLS, nothing without a handshake.
+    let route = format!("/v1/swarms/{swarm}/pieces/0");
     let port = piece_port(&stack, "n1");
     let secret = std::fs::read_to_string(&token).unwrap();
     let (plain, bearer) = tokio::task::spawn_blocking(move || {
@@ -267,8 +307,7 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>) {
     );
     assert_eq!(counter("stagehand_fanout_peers_dropped_total", ""), 0.0);
     // The board says who holds what: every node every piece.
-    let (board, swarm) = board_of(&stack, &version).await;
-    let pieces = stagehand_promoter::fanout::pieces::cut(&common_refs(&files)).len();
+    let pieces = pieces.len();
     let held = holdings(&board, &swarm).await;
     assert_eq!(held.len(), nodes.len(), "{held:?}");
     assert!(held.values().all(|&n| n == pieces), "{held:?}");
@@ -331,7 +370,7 @@ async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node
     let mut stack = Stack::start().await;
     stack.run_promoter(stack.promoter_config("shared"));
     let token = token_file(stack.root());
-    let (version, files, _) = on_hot(&mut stack).await;
+    let (version, files, refs) = on_hot(&mut stack, true).await;
     start_agent(&mut stack, "n1", &token);
     stage_on(&stack, &version, &["n1"]).await;
     // n1's copy rots on its disk after it was verified: one byte of every file flipped.
@@ -353,7 +392,7 @@ async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node
         assert_exact(&stack, n, &version, &files);
     }
     assert!(counter("stagehand_fanout_peers_dropped_total", "") >= 1.0);
-    let (board, swarm) = board_of(&stack, &version).await;
+    let (board, swarm, _) = board_of(&stack, &version, &refs).await;
     let spoiled = wait_for(WAIT, "n1 reported", || async {
         board
             .get(format!("swarm.{swarm}.bad.n1"))
@@ -417,18 +456,4 @@ fn leftovers(dir: &Path) -> Vec<PathBuf> {
         }
     }
     found
-}
-
-/// The version's entries as the manifest lists them (path order).
-fn common_refs(files: &[(String, Vec<u8>)]) -> Vec<FileRef> {
-    let mut refs: Vec<FileRef> = files
-        .iter()
-        .map(|(n, b)| FileRef {
-            path: n.clone(),
-            size: b.len() as u64,
-            sha256: String::new(),
-        })
-        .collect();
-    refs.sort_by(|a, b| a.path.cmp(&b.path));
-    refs
 }

@@ -2,7 +2,8 @@
 //! file boundaries, each file hashed as it is written beside its final name in the staging
 //! folder and renamed into place only when its SHA-256 is the manifest's. A file that does not
 //! verify names the peer that served it; a body cut short, a refusal or silence only make
-//! this node ask elsewhere.
+//! this node ask elsewhere. A slice of a large file ([`fetch_slice`]) is held in memory (a
+//! piece at most) until its SHA-256 is the side data's, then handed to its file's assembly.
 
 use std::time::Duration;
 
@@ -56,18 +57,27 @@ pub enum FetchError {
     Local(TransferError),
 }
 
-/// Fetches piece `n` of `swarm` from the peer at `addr` into `staging`: the files' bytes.
-#[allow(clippy::too_many_arguments)]
-pub async fn fetch(
+/// A peer's answer to a piece request, its body still to read.
+struct Answer {
+    response: hyper::Response<hyper::body::Incoming>,
+    /// The connection's task, ended when the answer is dropped or read.
+    driving: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        self.driving.abort();
+    }
+}
+
+/// Asks the peer at `addr` for piece `n` of `swarm`: its answer, once it said 200.
+async fn ask(
     addr: &str,
     key: &AgentKey,
     tls: Option<&AgentTls>,
     swarm: &str,
     n: usize,
-    files: Vec<FileRef>,
-    staging: PosixTier,
-    read_back: bool,
-) -> Result<u64, FetchError> {
+) -> Result<Answer, FetchError> {
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
         FetchError::Unavailable(format!("peer {addr}: {what}: {e}"))
     };
@@ -96,16 +106,104 @@ pub async fn fetch(
         .body(Empty::<Bytes>::new())
         .map_err(|e| unavailable("request", &e))?;
     let answered = tokio::time::timeout(SILENCE_TIMEOUT, sender.send_request(req)).await;
-    let mut response = answered
-        .map_err(|e| unavailable("answer", &e))?
-        .map_err(|e| unavailable("answer", &e))?;
-    if response.status() != StatusCode::OK {
-        driving.abort();
+    let answer = Answer {
+        response: answered
+            .map_err(|e| unavailable("answer", &e))?
+            .map_err(|e| unavailable("answer", &e))?,
+        driving,
+    };
+    if answer.response.status() != StatusCode::OK {
         return Err(FetchError::Unavailable(format!(
             "peer {addr} answered {} for piece {n}",
-            response.status()
+            answer.response.status()
         )));
     }
+    Ok(answer)
+}
+
+/// Fetches piece `n` of `swarm`, a slice of `file` of `len` bytes whose SHA-256 is `sha256`,
+/// from the peer at `addr`: its bytes, verified, to be written by the caller.
+#[allow(clippy::too_many_arguments)]
+pub async fn fetch_slice(
+    addr: &str,
+    key: &AgentKey,
+    tls: Option<&AgentTls>,
+    swarm: &str,
+    n: usize,
+    file: &str,
+    len: u64,
+    sha256: [u8; 32],
+) -> Result<Vec<u8>, FetchError> {
+    let mut answer = ask(addr, key, tls, swarm, n).await?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    loop {
+        match tokio::time::timeout(SILENCE_TIMEOUT, answer.response.body_mut().frame()).await {
+            Err(_) => {
+                return Err(FetchError::Unavailable(format!(
+                    "peer {addr}: piece {n} cut short: silent for {SILENCE_TIMEOUT:?}"
+                )));
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                return Err(FetchError::Unavailable(format!(
+                    "peer {addr}: piece {n} cut short: {e}"
+                )));
+            }
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    if bytes.len() as u64 + data.len() as u64 > len {
+                        return Err(FetchError::Spoiled {
+                            file: file.to_owned(),
+                            why: format!("piece {n} went on past its {len} bytes"),
+                        });
+                    }
+                    bytes.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+    if (bytes.len() as u64) < len {
+        return Err(FetchError::Unavailable(format!(
+            "peer {addr}: piece {n} ended after {} of its {len} bytes",
+            bytes.len()
+        )));
+    }
+    tokio::task::spawn_blocking(move || {
+        let found: [u8; 32] = Sha256::digest(&bytes).into();
+        (found, bytes)
+    })
+    .await
+    .map_err(|e| FetchError::Unavailable(format!("hashing piece {n}: {e}")))
+    .and_then(|(found, bytes)| {
+        if found == sha256 {
+            Ok(bytes)
+        } else {
+            Err(FetchError::Spoiled {
+                file: file.to_owned(),
+                why: format!(
+                    "piece {n} hashes to {}, the side data says {}",
+                    hex::encode(found),
+                    hex::encode(sha256)
+                ),
+            })
+        }
+    })
+}
+
+/// Fetches piece `n` of `swarm` from the peer at `addr` into `staging`: the files' bytes.
+#[allow(clippy::too_many_arguments)]
+pub async fn fetch(
+    addr: &str,
+    key: &AgentKey,
+    tls: Option<&AgentTls>,
+    swarm: &str,
+    n: usize,
+    files: Vec<FileRef>,
+    staging: PosixTier,
+    read_back: bool,
+) -> Result<u64, FetchError> {
+    let mut answer = ask(addr, key, tls, swarm, n).await?;
+    let response = &mut answer.response;
     let (tx, rx) = mpsc::channel::<Bytes>(8);
     let writer = tokio::task::spawn_blocking(move || write_piece(&staging, &files, rx, read_back));
     let mut cut = None;
@@ -131,7 +229,7 @@ pub async fn fetch(
         }
     }
     drop(tx);
-    driving.abort();
+    drop(answer);
     let written = writer
         .await
         .map_err(|e| FetchError::Unavailable(format!("writing piece {n}: {e}")))?;

@@ -1,7 +1,10 @@
 //! Fan-out: node agents staging the same version onto their `local` tiers read it from the
 //! shared tier about once between them, and the rest from each other.
 //!
-//! Every agent cuts the version's file list into the same pieces ([`pieces`]). Coordination
+//! Every agent cuts the version's file list into the same pieces ([`pieces`]): runs of small
+//! files, and slices of a large file whose per-piece hashes the manifest's side data holds
+//! ([`side_data`]), put together in the staging folder as they arrive (`assembly.rs`) and
+//! served from there before the whole file is in hand. Coordination
 //! is through NATS, on the swarm's board (`board.rs`): an agent claims a piece before reading
 //! it from the shared tier (so two agents do not read the same piece), announces each piece
 //! it holds, and asks a holder for any piece another agent announced (`fetch.rs`, served by
@@ -19,6 +22,7 @@
 //! copy slot, the set staged hidden and published by one rename (`promoter/copying.rs`); fan-out
 //! only decides where each file's bytes come from.
 
+mod assembly;
 mod auth;
 mod board;
 mod fetch;
@@ -38,15 +42,18 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use stagehand_manifest::{ManifestError, ManifestErrorKind, ManifestStore};
 use stagehand_mover::{
     BatchReport, CopyOptions, ErrorKind, Mover, PosixTier, Progress, Side, Tier, TransferError,
     VerifyMode,
 };
 use stagehand_schemas::manifest::FileRef;
+use stagehand_schemas::pieces::PieceHashes;
 use stagehand_telemetry::work::{FanoutSource, fanout_peer_dropped, fanout_read};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use assembly::Assemblies;
 use auth::AgentKey;
 use board::Board;
 use fetch::FetchError;
@@ -236,30 +243,41 @@ impl Fanout {
         ))
     }
 
-    /// The swarm of every node staging `version` of `project`'s `dataset` onto `tier`. The
-    /// way pieces are cut is part of it: agents of releases that cut differently (a rolling
-    /// upgrade) are in different swarms, never asking each other for a piece by a number that
-    /// means other files to the one asked.
+    /// What names the swarm of every node staging `version` of `project`'s `dataset` onto
+    /// `tier`: the first part of the swarm's name ([`Fanout::swarm_of`]).
     pub fn swarm(tier: &str, project: &str, dataset: &str, version: &str) -> String {
-        let cut = format!("pieces:{}:{}", pieces::PIECE_BYTES, pieces::PIECE_FILES);
         let mut h = Sha256::new();
-        for part in [cut.as_str(), tier, project, dataset, version] {
+        for part in [tier, project, dataset, version] {
             h.update(part.as_bytes());
             h.update([0]);
         }
         hex::encode(&h.finalize()[..16])
     }
 
+    /// The swarm of the copies named `base` ([`Fanout::swarm`]) that cut the version into
+    /// `pieces`: `base` followed by a digest of the cut ([`pieces::layout`]). Agents that cut
+    /// differently (a rolling upgrade, or one that found no side data) are in different
+    /// swarms, never asking each other for a piece by a number that means other bytes to the
+    /// one asked; the name still starts with the version's part, which is how `stagehand
+    /// status` tells the version of a swarm.
+    pub fn swarm_of(base: &str, pieces: &[Piece]) -> String {
+        format!("{base}{}", &pieces::layout(pieces)[..16])
+    }
+
     /// Fills `job.staging` with every file of `job.files`, from peers where they hold a piece
     /// and from `job.src` (the shared tier beneath the version's prefix) otherwise, each file
-    /// verified. The pieces are served to peers from here meanwhile, and after
-    /// [`Fanout::published`] from the published folder.
-    pub async fn fill(&self, job: Fill<'_>) -> Result<Filled, TransferError> {
-        let pieces: Arc<[Piece]> = pieces::cut(&job.files).into();
+    /// or slice verified. The pieces are served to peers from here meanwhile, and after
+    /// [`Fanout::published`] (given the swarm [`Filled::swarm`] names) from the published
+    /// folder.
+    pub async fn fill(&self, mut job: Fill<'_>) -> Result<Filled, TransferError> {
+        let pieces: Arc<[Piece]> = pieces::cut(&job.files, &job.side).into();
+        job.swarm = Fanout::swarm_of(&job.swarm, &pieces);
+        let assemblies = Arc::new(Assemblies::new(job.staging.clone(), &pieces));
         let holding = self.registry.hold(
             &job.swarm,
             job.files.clone(),
             pieces.clone(),
+            assemblies.clone(),
             job.staging.clone(),
         );
         let board = Board::join(self.store.clone(), &job.swarm, &self.node)
@@ -270,11 +288,15 @@ impl Fanout {
             job: &job,
             board: &board,
             pieces: &pieces,
+            assemblies: &assemblies,
             todo: rotated(pieces.len(), board.me()),
             cooling: HashMap::new(),
             failures: HashMap::new(),
             asking: HashMap::new(),
-            filled: Filled::default(),
+            filled: Filled {
+                swarm: job.swarm.clone(),
+                ..Filled::default()
+            },
         };
         let filled = run.go(&holding).await;
         if filled.is_err() {
@@ -296,8 +318,12 @@ impl Fanout {
 
 /// One fan-out copy.
 pub struct Fill<'a> {
+    /// What names the swarm ([`Fanout::swarm`]).
     pub swarm: String,
     pub files: Arc<[FileRef]>,
+    /// The piece hashes of the large files that have them, by index into `files`
+    /// ([`side_data`]).
+    pub side: HashMap<usize, PieceHashes>,
     /// The shared tier, beneath the version's folder.
     pub src: &'a Tier,
     /// The staging folder on this node's local tier.
@@ -309,8 +335,10 @@ pub struct Fill<'a> {
 }
 
 /// Where the bytes of a fan-out came from.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Filled {
+    /// The swarm the copy was in: its pieces are served under it.
+    pub swarm: String,
     pub shared_bytes: u64,
     pub peer_bytes: u64,
     pub pieces_from_peers: u64,
@@ -329,8 +357,17 @@ enum Step {
 
 /// How one piece ended.
 enum Ended {
-    Held { bytes: u64, from: FanoutSource },
-    PeerFailed { node: String, error: FetchError },
+    /// The piece's bytes are here; `files` of its files are complete (a slice completes its
+    /// file or none).
+    Held {
+        bytes: u64,
+        from: FanoutSource,
+        files: u64,
+    },
+    PeerFailed {
+        node: String,
+        error: FetchError,
+    },
     Failed(TransferError),
 }
 
@@ -339,6 +376,7 @@ struct Run<'r, 'a> {
     job: &'r Fill<'a>,
     board: &'r Board,
     pieces: &'r Arc<[Piece]>,
+    assemblies: &'r Arc<Assemblies>,
     /// Pieces not held yet and not being fetched, in the order this node takes them.
     todo: VecDeque<usize>,
     /// (piece, peer) pairs that failed lately: not asked again before the instant.
@@ -380,6 +418,7 @@ impl<'r, 'a> Run<'r, 'a> {
         self.job
             .progress
             .add_total(self.job.files.len() as u64, total);
+        self.resumed(holding).await?;
         let mut running: FuturesUnordered<BoxFuture<'r, (usize, Ended)>> = FuturesUnordered::new();
         let recheck = (self.fanout.patience / 4).max(Duration::from_millis(100));
         loop {
@@ -420,7 +459,67 @@ impl<'r, 'a> Run<'r, 'a> {
             peer_bytes = self.filled.peer_bytes,
             "fan-out: every piece held"
         );
-        Ok(self.filled)
+        Ok(self.filled.clone())
+    }
+
+    /// Holds the slices of every sliced file already in the staging folder under its name
+    /// (a resumed copy): such a file was renamed in only once every slice verified.
+    async fn resumed(&mut self, holding: &serve::Holding) -> Result<(), TransferError> {
+        let sliced: Vec<usize> = {
+            let mut v: Vec<usize> = self
+                .pieces
+                .iter()
+                .filter(|p| p.slice.is_some())
+                .map(|p| p.files.start)
+                .collect();
+            v.dedup();
+            v
+        };
+        if sliced.is_empty() {
+            return Ok(());
+        }
+        let (staging, files) = (self.job.staging.clone(), self.job.files.clone());
+        let present = tokio::task::spawn_blocking(move || {
+            let mut present = std::collections::HashSet::new();
+            for i in sliced {
+                if staging.stat(&files[i].path)? == Some(files[i].size) {
+                    present.insert(i);
+                }
+            }
+            Ok::<_, TransferError>(present)
+        })
+        .await
+        .map_err(|e| {
+            TransferError::new(
+                ErrorKind::Io,
+                Side::Destination,
+                self.job.staging.name(),
+                "",
+                format!("stat task failed: {e}"),
+            )
+        })??;
+        if present.is_empty() {
+            return Ok(());
+        }
+        let pieces = self.pieces.clone();
+        let held: Vec<usize> = self
+            .todo
+            .iter()
+            .copied()
+            .filter(|&n| pieces[n].slice.is_some() && present.contains(&pieces[n].files.start))
+            .collect();
+        self.todo.retain(|n| !held.contains(n));
+        for n in held {
+            holding.holds(n);
+            self.job.progress.add_bytes(pieces[n].bytes);
+            if let Err(e) = self.board.announce(n, &self.fanout.advertise).await {
+                warn!(error = %e, piece = n, "fan-out: a piece held here was not announced");
+            }
+        }
+        for _ in &present {
+            self.job.progress.file_done();
+        }
+        Ok(())
     }
 
     /// The next piece to start and how: one a peer holds first, then one nobody claimed, then
@@ -497,6 +596,9 @@ impl<'r, 'a> Run<'r, 'a> {
     /// The piece's copy, as a future of its own: from the peer, or from the shared tier
     /// renewing its claim meanwhile.
     fn start(&mut self, piece: usize, step: Step) -> BoxFuture<'r, (usize, Ended)> {
+        if self.pieces[piece].slice.is_some() {
+            return self.start_slice(piece, step);
+        }
         let job: &'r Fill<'a> = self.job;
         let files: Vec<FileRef> = job.files[self.pieces[piece].files.clone()].to_vec();
         match step {
@@ -504,6 +606,7 @@ impl<'r, 'a> Run<'r, 'a> {
                 *self.asking.entry(node.clone()).or_default() += 1;
                 let (key, tls) = (&self.fanout.key, self.fanout.tls.as_ref());
                 let read_back = job.opts.verify_destination == VerifyMode::ReadBack;
+                let files_in_piece = files.len() as u64;
                 Box::pin(async move {
                     let fetched = fetch::fetch(
                         &addr,
@@ -520,6 +623,7 @@ impl<'r, 'a> Run<'r, 'a> {
                         Ok(bytes) => Ended::Held {
                             bytes,
                             from: FanoutSource::Peer,
+                            files: files_in_piece,
                         },
                         Err(error) => Ended::PeerFailed { node, error },
                     };
@@ -545,6 +649,114 @@ impl<'r, 'a> Run<'r, 'a> {
         }
     }
 
+    /// A slice's copy: its bytes from the peer or the shared tier, verified against the side
+    /// data's hash, then written into its file's assembly.
+    fn start_slice(&mut self, piece: usize, step: Step) -> BoxFuture<'r, (usize, Ended)> {
+        let job: &'r Fill<'a> = self.job;
+        let p = &self.pieces[piece];
+        let index = p.files.start;
+        let file = job.files[index].clone();
+        let slice = p.slice.clone().expect("a slice");
+        let len = p.bytes;
+        let assemblies = self.assemblies.clone();
+        let read_back = job.opts.verify_destination == VerifyMode::ReadBack;
+        let write = move |bytes: Vec<u8>, from: FanoutSource| {
+            let file = file.clone();
+            async move {
+                let written = tokio::task::spawn_blocking(move || {
+                    assemblies.write(index, &file, slice.offset, &bytes, read_back)
+                })
+                .await;
+                match written {
+                    Ok(Ok(complete)) => Ended::Held {
+                        bytes: len,
+                        from,
+                        files: u64::from(complete),
+                    },
+                    Ok(Err(e)) => Ended::Failed(e),
+                    Err(e) => Ended::Failed(TransferError::new(
+                        ErrorKind::Io,
+                        Side::Destination,
+                        job.staging.name(),
+                        &job.files[index].path,
+                        format!("writing task failed: {e}"),
+                    )),
+                }
+            }
+        };
+        let path = job.files[index].path.clone();
+        match step {
+            Step::Peer { node, addr } => {
+                *self.asking.entry(node.clone()).or_default() += 1;
+                let (key, tls) = (&self.fanout.key, self.fanout.tls.as_ref());
+                Box::pin(async move {
+                    let fetched = fetch::fetch_slice(
+                        &addr,
+                        key,
+                        tls,
+                        &job.swarm,
+                        piece,
+                        &path,
+                        len,
+                        slice.sha256,
+                    )
+                    .await;
+                    let ended = match fetched {
+                        Ok(bytes) => write(bytes, FanoutSource::Peer).await,
+                        Err(error) => Ended::PeerFailed { node, error },
+                    };
+                    (piece, ended)
+                })
+            }
+            Step::Shared { claim } => {
+                let renewer = claim.map(|rev| (self.board.renewer(piece), rev));
+                let every = (self.fanout.patience / 3).max(Duration::from_millis(100));
+                let range = slice.offset..slice.offset + len;
+                Box::pin(async move {
+                    let read = async {
+                        let bytes = job.src.read_range(&path, range.clone()).await?;
+                        let (found, bytes) = tokio::task::spawn_blocking(move || {
+                            (<[u8; 32]>::from(Sha256::digest(&bytes)), bytes)
+                        })
+                        .await
+                        .map_err(|e| {
+                            TransferError::new(
+                                ErrorKind::Io,
+                                Side::Source,
+                                job.src.name(),
+                                &path,
+                                format!("hashing task failed: {e}"),
+                            )
+                        })?;
+                        if found != slice.sha256 {
+                            return Err(TransferError::new(
+                                ErrorKind::ChecksumMismatch,
+                                Side::Source,
+                                job.src.name(),
+                                &path,
+                                format!(
+                                    "bytes {range:?} hash to {}, the side data says {}",
+                                    hex::encode(found),
+                                    hex::encode(slice.sha256)
+                                ),
+                            ));
+                        }
+                        Ok(bytes)
+                    };
+                    let read = match renewer {
+                        None => read.await,
+                        Some((renewer, rev)) => renewer.holding(rev, every, read).await,
+                    };
+                    let ended = match read {
+                        Ok(bytes) => write(bytes, FanoutSource::Shared).await,
+                        Err(e) => Ended::Failed(e),
+                    };
+                    (piece, ended)
+                })
+            }
+        }
+    }
+
     async fn ended(
         &mut self,
         holding: &serve::Holding,
@@ -552,7 +764,7 @@ impl<'r, 'a> Run<'r, 'a> {
         ended: Ended,
     ) -> Result<(), TransferError> {
         match ended {
-            Ended::Held { bytes, from } => {
+            Ended::Held { bytes, from, files } => {
                 holding.holds(piece);
                 fanout_read(from, bytes);
                 match from {
@@ -565,7 +777,6 @@ impl<'r, 'a> Run<'r, 'a> {
                         self.filled.peer_bytes += bytes;
                     }
                 }
-                let files = self.pieces[piece].files.len() as u64;
                 for _ in 0..files {
                     self.job.progress.file_done();
                 }
@@ -612,9 +823,44 @@ impl<'r, 'a> Run<'r, 'a> {
     }
 }
 
+/// The side data of every file of `files` larger than a piece, by index: where a file has
+/// none (a version validated before side data was written) it is fanned out whole, and so it
+/// is where its side data does not read (logged: the file is still verified whole).
+pub async fn side_data(
+    js: &async_nats::jetstream::Context,
+    files: &[FileRef],
+) -> Result<HashMap<usize, PieceHashes>, ManifestError> {
+    let mut side = HashMap::new();
+    if !files.iter().any(|f| PieceHashes::wanted(f.size)) {
+        return Ok(side);
+    }
+    let store = match ManifestStore::open(js, stagehand_schemas::subject::MANIFEST_BUCKET).await {
+        Ok(store) => store,
+        Err(e) if e.kind == ManifestErrorKind::NotFound => return Ok(side),
+        Err(e) => return Err(e),
+    };
+    for (i, file) in files.iter().enumerate() {
+        if !PieceHashes::wanted(file.size) {
+            continue;
+        }
+        match store.pieces(&file.sha256, file.size).await {
+            Ok(Some(hashes)) => {
+                side.insert(i, hashes);
+            }
+            Ok(None) => {}
+            Err(e) if e.kind == ManifestErrorKind::Malformed => {
+                warn!(file = %file.path, error = %e, "fan-out: side data unreadable; the file moves whole");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(side)
+}
+
 /// How a piece read from the shared tier ended: every file copied or found verified.
 fn read_shared(batch: BatchReport) -> Ended {
     let mut bytes = 0;
+    let files = batch.results.len() as u64;
     for result in batch.results {
         match result.result {
             Ok(outcome) => bytes += outcome.bytes(),
@@ -624,6 +870,7 @@ fn read_shared(batch: BatchReport) -> Ended {
     Ended::Held {
         bytes,
         from: FanoutSource::Shared,
+        files,
     }
 }
 

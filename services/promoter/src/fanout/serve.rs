@@ -1,7 +1,8 @@
 //! Serving pieces to peers: plain HTTP/1.1 (hyper), one route,
 //! `GET /v1/swarms/<swarm>/pieces/<n>`, signed with the agents' secret (`auth.rs`),
 //! answered with the piece's files one after another in manifest order (`Content-Length` their
-//! sum). Only a piece this node announced is served — every file of it verified when it landed
+//! sum), or the bytes of the slice of one large file it is (from the file's temp file while
+//! the file is put together, `assembly.rs`). Only a piece this node announced is served — every file of it verified when it landed
 //! here — and only from the folder of the swarm it was staged for, through the tier's confined
 //! handles: a peer names a swarm and a piece number, never a path. The receiver verifies every
 //! file against the manifest; this side does not hash again.
@@ -24,6 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::assembly::Assemblies;
 use super::auth::Gate;
 use super::pieces::Piece;
 
@@ -44,6 +46,8 @@ pub type Body = BoxBody<Bytes, io::Error>;
 pub struct Holding {
     pub files: Arc<[FileRef]>,
     pub pieces: Arc<[Piece]>,
+    /// The large files being put together from their slices.
+    pub assemblies: Arc<Assemblies>,
     have: Mutex<Vec<bool>>,
     at: Mutex<PosixTier>,
     /// The replica the pieces make up, once published (served from its folder).
@@ -115,12 +119,14 @@ impl Registry {
         swarm: &str,
         files: Arc<[FileRef]>,
         pieces: Arc<[Piece]>,
+        assemblies: Arc<Assemblies>,
         folder: PosixTier,
     ) -> Arc<Holding> {
         let holding = Arc::new(Holding {
             have: Mutex::new(vec![false; pieces.len()]),
             files,
             pieces,
+            assemblies,
             at: Mutex::new(folder),
             published: Mutex::new(None),
         });
@@ -246,10 +252,24 @@ fn answer(
     let Ok(slot) = slots.clone().try_acquire_owned() else {
         return plain(StatusCode::SERVICE_UNAVAILABLE, "serving too many pieces");
     };
-    let files = holding.files[piece.files.clone()].to_vec();
+    let parts: Vec<Part> = match piece.range() {
+        None => holding.files[piece.files.clone()]
+            .iter()
+            .map(|file| Part {
+                range: 0..file.size,
+                file: file.clone(),
+                reader: None,
+            })
+            .collect(),
+        Some(range) => vec![Part {
+            file: holding.files[piece.files.start].clone(),
+            range,
+            reader: holding.assemblies.reader(piece.files.start),
+        }],
+    };
     let folder = lock(&holding.at).clone();
     let (tx, rx) = mpsc::channel(4);
-    tokio::task::spawn_blocking(move || send_piece(&folder, &files, &tx, slot));
+    tokio::task::spawn_blocking(move || send_piece(&folder, &parts, &tx, slot));
     let frames = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|chunk| (chunk, rx))
     });
@@ -259,27 +279,38 @@ fn answer(
     r
 }
 
-/// Reads the piece's files in order into `tx`; a file shorter than the manifest says ends
+/// What a piece sends of one file: the bytes `range`, read from `reader` (a file still being
+/// put together) or from the file under its name.
+struct Part {
+    file: FileRef,
+    range: std::ops::Range<u64>,
+    reader: Option<Arc<std::fs::File>>,
+}
+
+/// Reads the piece's parts in order into `tx`; a file shorter than the manifest says ends
 /// the body with an error (the peer reads elsewhere).
 fn send_piece(
     folder: &PosixTier,
-    files: &[FileRef],
+    parts: &[Part],
     tx: &mpsc::Sender<Result<Frame<Bytes>, io::Error>>,
     _slot: OwnedSemaphorePermit,
 ) {
     let mut sent = 0u64;
-    for file in files {
-        let read = folder.open_read(&file.path).map_err(io::Error::other);
-        let opened = match read {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = tx.blocking_send(Err(e));
-                return;
-            }
+    for part in parts {
+        let file = &part.file;
+        let opened = match &part.reader {
+            Some(reader) => reader.clone(),
+            None => match folder.open_read(&file.path) {
+                Ok(f) => Arc::new(f),
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(io::Error::other(e)));
+                    return;
+                }
+            },
         };
-        let mut offset = 0u64;
-        while offset < file.size {
-            let want = CHUNK.min((file.size - offset) as usize);
+        let mut offset = part.range.start;
+        while offset < part.range.end {
+            let want = CHUNK.min((part.range.end - offset) as usize);
             let mut buf = vec![0u8; want];
             let n = match opened.read_at(&mut buf, offset) {
                 Ok(0) => {
@@ -300,11 +331,11 @@ fn send_piece(
             offset += n as u64;
             if tx.blocking_send(Ok(Frame::data(Bytes::from(buf)))).is_err() {
                 // The peer hung up.
-                stagehand_telemetry::work::fanout_served(sent + offset);
+                stagehand_telemetry::work::fanout_served(sent + offset - part.range.start);
                 return;
             }
         }
-        sent += file.size;
+        sent += part.range.end - part.range.start;
     }
     stagehand_telemetry::work::fanout_served(sent);
 }

@@ -634,17 +634,23 @@ impl Promoter {
                 let (files, listed) = manifest.file_stream(4096);
                 (Listing::Streamed(files), Some(listed))
             }
-            Some((fanout, swarm)) => match manifest_entries(&manifest).await {
-                Ok(files) => (
+            Some((fanout, swarm)) => {
+                let files = manifest_entries(&manifest)
+                    .await
+                    .map_err(|e| manifest_failed(plan, e))?;
+                let side = crate::fanout::side_data(self.p().bus.jetstream(), &files)
+                    .await
+                    .map_err(|e| manifest_failed(plan, e))?;
+                (
                     Listing::Fanned {
                         fanout,
                         swarm: swarm.clone(),
                         files,
+                        side,
                     },
                     None,
-                ),
-                Err(e) => return Err(manifest_failed(plan, e)),
-            },
+                )
+            }
         };
         let set = SetCopy {
             src_prefix: src_prefix.to_owned(),
@@ -665,17 +671,19 @@ impl Promoter {
         let node = job.node;
         let mover = &self.p().mover;
         let staging = async {
-            let (fanout, swarm, files) = match listing {
+            let (fanout, swarm, files, side) = match listing {
                 Listing::Streamed(files) => {
                     return mover
                         .stage_set(src, dst, &set, files, &progress, &stop, |_| {})
-                        .await;
+                        .await
+                        .map(|staged| (staged, None));
                 }
                 Listing::Fanned {
                     fanout,
                     swarm,
                     files,
-                } => (fanout, swarm, files),
+                    side,
+                } => (fanout, swarm, files, side),
             };
             // The staging folder alone (made, or a dead run's adopted); the fan-out fills it.
             let only_folder = SetCopy {
@@ -705,6 +713,7 @@ impl Promoter {
             let job = Fill {
                 swarm,
                 files,
+                side,
                 src: &src.beneath(src_prefix)?,
                 staging: area,
                 mover,
@@ -712,8 +721,8 @@ impl Promoter {
                 progress: &progress,
                 stop: &stop,
             };
-            fanout.fill(job).await?;
-            Ok(staged)
+            let filled = fanout.fill(job).await?;
+            Ok((staged, Some(filled.swarm)))
         };
         tokio::pin!(staging);
         let started = Instant::now();
@@ -748,7 +757,7 @@ impl Promoter {
                 }
             }
         };
-        let staged = staged.map_err(|e| self.copy_error(src_tier, e))?;
+        let (staged, swarm) = staged.map_err(|e| self.copy_error(src_tier, e))?;
         if let Some(e) = listed.and_then(|l| l.take_error()) {
             // The list ended early: publishing now would publish part of the version.
             return Err(manifest_failed(plan, e));
@@ -761,7 +770,7 @@ impl Promoter {
             .publish()
             .await
             .map_err(|e| self.copy_error(src_tier, e))?;
-        if let Some((fanout, swarm)) = &fanning
+        if let (Some((fanout, _)), Some(swarm)) = (&fanning, &swarm)
             && let Ok(Tier::Posix(published)) = dst.beneath(prefix)
         {
             let replica = ReplicaAt {
@@ -898,6 +907,7 @@ enum Listing<'f, S> {
         fanout: &'f Fanout,
         swarm: String,
         files: std::sync::Arc<[FileRef]>,
+        side: std::collections::HashMap<usize, stagehand_schemas::pieces::PieceHashes>,
     },
 }
 

@@ -1,0 +1,145 @@
+//! Large files put together from their slices in the staging folder.
+//!
+//! A file cut into slices (`pieces.rs`) lands in one temp file beside its final name, each
+//! slice written at its offset once its bytes verified against the slice's SHA-256, whoever
+//! served them. The temp file is served to peers slice by slice while the rest arrive: a node
+//! passes on what it holds before it holds the whole file. When its last slice is written
+//! the file is complete and verified piece by piece — read back and hashed whole first when
+//! the copy asks for a read-back — and is renamed in under its name, made durable.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::{Arc, Mutex};
+
+use stagehand_mover::{AtomicFile, ErrorKind, PosixTier, Side, TransferError};
+use stagehand_schemas::manifest::FileRef;
+
+use super::pieces::Piece;
+
+/// The sliced files of one fan-out copy still being put together.
+pub struct Assemblies {
+    staging: PosixTier,
+    /// Per file index: slices not yet written.
+    slices: HashMap<usize, usize>,
+    open: Mutex<HashMap<usize, Arc<Assembly>>>,
+}
+
+struct Assembly {
+    landing: Mutex<Option<AtomicFile>>,
+    /// The temp file, for serving its written slices.
+    reader: Arc<File>,
+    left: Mutex<usize>,
+}
+
+impl Assemblies {
+    /// The sliced files among `pieces`, to be put together in `staging`.
+    pub fn new(staging: PosixTier, pieces: &[Piece]) -> Assemblies {
+        let mut slices = HashMap::new();
+        for piece in pieces.iter().filter(|p| p.slice.is_some()) {
+            *slices.entry(piece.files.start).or_default() += 1;
+        }
+        Assemblies {
+            staging,
+            slices,
+            open: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Writes the verified bytes of a slice of file `index` at `offset`. Returns whether they
+    /// were its last: the file is then complete, checked whole when `read_back`, and in place
+    /// under its name. Blocking.
+    pub fn write(
+        &self,
+        index: usize,
+        file: &FileRef,
+        offset: u64,
+        bytes: &[u8],
+        read_back: bool,
+    ) -> Result<bool, TransferError> {
+        let assembly = self.assembly(index, file)?;
+        {
+            let landing = lock(&assembly.landing);
+            let Some(landing) = landing.as_ref() else {
+                return Err(self.local(file, "a slice arrived for a file already complete"));
+            };
+            landing.write_all_at(bytes, offset)?;
+        }
+        let last = {
+            let mut left = lock(&assembly.left);
+            *left = left.saturating_sub(1);
+            *left == 0
+        };
+        if !last {
+            return Ok(false);
+        }
+        let landing = lock(&assembly.landing)
+            .take()
+            .ok_or_else(|| self.local(file, "its last slice was written twice"))?;
+        if read_back {
+            let there = landing.hash_written()?;
+            if there.sha256 != file.sha256 || there.size != file.size {
+                return Err(TransferError::new(
+                    ErrorKind::ChecksumMismatch,
+                    Side::Destination,
+                    self.staging.name(),
+                    &file.path,
+                    format!(
+                        "read back, its {} bytes hash to {}; every slice written verified, the manifest says {}",
+                        there.size, there.sha256, file.sha256
+                    ),
+                ));
+            }
+        }
+        landing.commit()?;
+        // Renamed first, then forgotten: a peer's request finds the temp file or the named one.
+        lock(&self.open).remove(&index);
+        Ok(true)
+    }
+
+    /// The temp file of file `index` while it is put together; `None` once it is in place
+    /// under its name (or not begun).
+    pub fn reader(&self, index: usize) -> Option<Arc<File>> {
+        lock(&self.open).get(&index).map(|a| a.reader.clone())
+    }
+
+    fn assembly(&self, index: usize, file: &FileRef) -> Result<Arc<Assembly>, TransferError> {
+        let mut open = lock(&self.open);
+        if let Some(a) = open.get(&index) {
+            return Ok(a.clone());
+        }
+        let Some(&slices) = self.slices.get(&index) else {
+            return Err(self.local(file, "a slice of a file that is not cut into slices"));
+        };
+        let landing = self.staging.create_atomic(&file.path, file.size)?;
+        let reader = landing.file().try_clone().map_err(|e| {
+            TransferError::from_io(
+                e,
+                Side::Destination,
+                self.staging.name(),
+                &file.path,
+                "open for serving",
+            )
+        })?;
+        let assembly = Arc::new(Assembly {
+            landing: Mutex::new(Some(landing)),
+            reader: Arc::new(reader),
+            left: Mutex::new(slices),
+        });
+        open.insert(index, assembly.clone());
+        Ok(assembly)
+    }
+
+    fn local(&self, file: &FileRef, why: &str) -> TransferError {
+        TransferError::new(
+            ErrorKind::Io,
+            Side::Destination,
+            self.staging.name(),
+            &file.path,
+            why,
+        )
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
