@@ -9,20 +9,17 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
-use stagehand_manifest::{
-    BucketOptions, ManifestError, ManifestErrorKind, ManifestSource, ManifestStore, Spool,
-    inline_or_stored,
-};
+use stagehand_manifest::{ManifestErrorKind, ManifestSource, Spool, inline_or_stored};
 use stagehand_mover::{EngineChoice, Mover, MoverConfig, Tier};
 use stagehand_policy::{Opening, Policies, TierError, TierRole, ValidationPolicy};
 use stagehand_schemas::problem::code;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::{Body, DatasetRejected, DatasetValidated, Event, IngestRequested, Problem};
-use tokio::sync::OnceCell;
 use tracing::{debug, info, warn};
 
 use crate::ValidatorError;
 use crate::check::{self, Declared, SourceTier};
+use crate::pieces::Catalogue;
 use crate::report::{Findings, QUARANTINE_DIR, ReportHeader, SpooledReport, report_path};
 use crate::source::SourceFiles;
 use crate::validate::{ReadOptions, ReadProgress, validate};
@@ -117,9 +114,8 @@ pub struct IngestValidator<S = Tier> {
     manifest_spool: Spool,
     /// Reports are spooled here while they are written.
     report_spool: PathBuf,
-    replicas: usize,
-    /// The services' manifest bucket, opened (or created) on first use.
-    catalogue: OnceCell<ManifestStore>,
+    /// The services' manifest bucket (validated manifests, side data), opened on first use.
+    catalogue: Arc<Catalogue>,
     /// Puts reports on source tiers.
     mover: Mover,
 }
@@ -164,29 +160,16 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
             location: report_spool.display().to_string(),
             source: Box::new(source),
         })?;
+        let catalogue_js = js.clone();
         Ok(IngestValidator {
             checks,
             js,
             read: options.read,
             manifest_spool: Spool::in_dir(manifest_spool),
             report_spool,
-            replicas: options.replicas.max(1),
-            catalogue: OnceCell::new(),
+            catalogue: Arc::new(Catalogue::new(catalogue_js, options.replicas)),
             mover,
         })
-    }
-
-    async fn catalogue(&self) -> Result<&ManifestStore, ManifestError> {
-        self.catalogue
-            .get_or_try_init(|| {
-                ManifestStore::catalogue(
-                    &self.js,
-                    BucketOptions {
-                        replicas: self.replicas,
-                    },
-                )
-            })
-            .await
     }
 
     /// The facts one event causes. `progress` is awaited about once a
@@ -292,6 +275,7 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
             &request.source.prefix,
             &self.checks.validation,
             source,
+            &self.catalogue,
             &self.read,
             &mut findings,
             progress,
@@ -317,7 +301,11 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
         let (files, reference) = match manifest.inline_entries().map_err(HandlerError::retryable)? {
             Some(files) => (files, None),
             None => {
-                let store = self.catalogue().await.map_err(HandlerError::retryable)?;
+                let store = self
+                    .catalogue
+                    .store()
+                    .await
+                    .map_err(HandlerError::retryable)?;
                 inline_or_stored(&manifest, store)
                     .await
                     .map_err(HandlerError::retryable)?

@@ -23,7 +23,7 @@
 //!    form, size and suffix rules; [`check::EntryChecks`]). Those worth reading are read on
 //!    the source tier, up to `read_concurrency` at once across files, so both cores hash
 //!    whether the files are large or small. Each read is bounded by the mover
-//!    (`Tier::hash_file_bounded`, [`source`]): a FIFO, socket, device or directory is
+//!    (`Tier::hash_file_pieces`, [`source`]): a FIFO, socket, device or directory is
 //!    `not_a_file` without blocking, a size other than the declared one or over
 //!    `max_file_size` is found from `fstat` or the GET's `Content-Length` before any byte is
 //!    read, and no file is read past its declared size + 1 byte; a path too long for the tier
@@ -31,9 +31,13 @@
 //!    A posix file the page cache does not hold — the CLI writes its large copies with direct
 //!    I/O, so an upload just placed is one — is read with `O_DIRECT` straight into the
 //!    hashing buffer: the kernel's read-ahead and page-cache copy would otherwise cost about
-//!    as much CPU as the hash, on the same two cores. Memory does not grow with the file
-//!    count: no list of entries or set of paths is kept, only a bounded window of entries in
-//!    flight.
+//!    as much CPU as the hash, on the same two cores. A file larger than a piece
+//!    (`stagehand_schemas::pieces::PIECE_BYTES`) also has the SHA-256 of each piece taken in
+//!    the same read, and its read task stores them in the services' manifest bucket, keyed by
+//!    the SHA-256 found, before it ends ([`pieces`]): the side data node agents check each
+//!    piece against when they fan the version out. Memory does not grow with the file
+//!    count: no list of entries, set of paths or side data is kept, only a bounded window of
+//!    entries in flight.
 //! 4. **Progress**: about once a second a `WorkProgress` (files and bytes done of the total,
 //!    phase `hashing`, an estimate of the time left) on core NATS at
 //!    `progress_subject("ingest.requested", project, request id)`, for `stagehand ingest
@@ -68,6 +72,7 @@
 
 pub mod check;
 mod handler;
+pub mod pieces;
 pub mod report;
 pub mod source;
 pub mod validate;

@@ -4,7 +4,7 @@
 //! [`ReadLimit`], and put a spooled report on the tier. The real implementation is the
 //! mover's [`Tier`] (posix confined with `openat2`, or S3); tests may use a fake.
 //!
-//! Reads are bounded by the mover ([`Tier::hash_file_bounded`]) before any byte is read: a
+//! Reads are bounded by the mover ([`Tier::hash_file_pieces`]) before any byte is read: a
 //! FIFO, socket, device or directory is found without blocking (`O_NONBLOCK` open, `fstat`),
 //! a size other than the declared one or over the policy's maximum from `fstat` or the GET's
 //! `Content-Length`, and no more than the declared size + 1 byte is ever read. Every such
@@ -21,6 +21,7 @@ use stagehand_mover::{
 use crate::check::Observed;
 use crate::report::SpooledReport;
 use stagehand_schemas::Retryable;
+use stagehand_schemas::pieces::PieceHashes;
 
 /// A source tier as the validator uses it.
 pub trait SourceFiles: Send + Sync {
@@ -29,11 +30,14 @@ pub trait SourceFiles: Send + Sync {
     /// declared size, every byte hashed. Data problems (absent, not a file, wrong size, a
     /// symlink, no permission, an object the store refuses) are an [`Observed`] value; `Err`
     /// is left for failures a retry can fix (tier unreachable, I/O error).
+    ///
+    /// A file read whole that is declared larger than a piece also yields its piece hashes,
+    /// from the same read (`crate::pieces`).
     fn observe(
         &self,
         rel: &str,
         limit: ReadLimit,
-    ) -> impl Future<Output = Result<Observed, TransferError>> + Send;
+    ) -> impl Future<Output = Result<Observation, TransferError>> + Send;
 
     /// Puts the spooled quarantine report on the tier at [`SpooledReport::rel`], atomically
     /// (never partly visible), with `mover`. A report already there counts as put: a
@@ -46,6 +50,24 @@ pub trait SourceFiles: Send + Sync {
 
     /// A display form of where `rel` is, for the rejection's `quarantine` field.
     fn describe(&self, rel: &str) -> String;
+}
+
+/// What observing one file gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Observation {
+    pub observed: Observed,
+    /// The piece hashes of a file read whole and larger than a piece: its side data.
+    pub pieces: Option<PieceHashes>,
+}
+
+impl From<Observed> for Observation {
+    /// An observation without side data.
+    fn from(observed: Observed) -> Self {
+        Observation {
+            observed,
+            pieces: None,
+        }
+    }
 }
 
 /// Turns a read error into an observation, or keeps it as an error when a retry can help.
@@ -92,13 +114,16 @@ fn too_long_for(tier: &Tier, rel: &str) -> Option<Observed> {
 }
 
 impl SourceFiles for Tier {
-    async fn observe(&self, rel: &str, limit: ReadLimit) -> Result<Observed, TransferError> {
+    async fn observe(&self, rel: &str, limit: ReadLimit) -> Result<Observation, TransferError> {
         if let Some(observed) = too_long_for(self, rel) {
-            return Ok(observed);
+            return Ok(observed.into());
         }
-        match self.hash_file_bounded(rel, limit).await {
-            Ok(digest) => Ok(Observed::Digest(digest)),
-            Err(e) => classify(e),
+        match self.hash_file_pieces(rel, limit).await {
+            Ok(read) => Ok(Observation {
+                observed: Observed::Digest(read.digest),
+                pieces: read.pieces,
+            }),
+            Err(e) => classify(e).map(Observation::from),
         }
     }
 

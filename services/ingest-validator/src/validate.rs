@@ -9,6 +9,10 @@
 //! the reading of the next `concurrency` ones, and memory stays bounded whatever the file
 //! count. What is reported goes into [`Findings`] (the event's tally and the report on disk).
 //!
+//! A read task that found a file's SHA-256 and its piece hashes (a file larger than a piece)
+//! stores them ([`PieceStore`]) before it ends, so every file's side data is stored before
+//! the verdict, and none is held for the end.
+//!
 //! Along the way it measures the version: the SHA-256 over the manifest lines of what was
 //! *read* (path, size and hash found), in path order. When nothing is wrong, that is the
 //! version digest the validator publishes.
@@ -28,6 +32,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::check::{self, EntryChecks, Observed};
+use crate::pieces::PieceStore;
 use crate::report::{Findings, ReportError};
 use crate::source::SourceFiles;
 
@@ -107,6 +112,13 @@ pub enum ValidateError {
     /// The report could not be spooled.
     #[error(transparent)]
     Report(#[from] ReportError),
+    /// The side data of a file read could not be stored (NATS failed).
+    #[error("storing the piece hashes of {path}: {source}")]
+    SideData {
+        path: String,
+        #[source]
+        source: ManifestError,
+    },
     /// A read task panicked or was cancelled.
     #[error("a read task failed: {0}")]
     Task(String),
@@ -155,22 +167,45 @@ where
     }
 }
 
+/// Reads the file at `rel` and stores the side data the read found, keyed by the SHA-256
+/// found: one read task.
+async fn observe_and_keep<S: SourceFiles, K: PieceStore>(
+    source: &S,
+    pieces: &K,
+    rel: String,
+    limit: ReadLimit,
+) -> Result<Observed, ValidateError> {
+    let observation = source.observe(&rel, limit).await?;
+    if let (Observed::Digest(found), Some(side)) = (&observation.observed, &observation.pieces) {
+        pieces
+            .put_pieces(&found.sha256, side)
+            .await
+            .map_err(|source| ValidateError::SideData { path: rel, source })?;
+    }
+    Ok(observation.observed)
+}
+
 /// Validates every entry of `manifest` (read beneath `prefix` on `source`), reporting every
-/// problem into `findings`; `progress` is awaited about every [`ReadOptions::progress_every`],
+/// problem into `findings` and storing the side data of every file read that is larger than
+/// a piece into `pieces`; `progress` is awaited about every [`ReadOptions::progress_every`],
 /// once at the start and once at the end.
 ///
-/// `Err` means a retry can help (the tier is unreachable, a disk failed): nothing is decided.
-pub async fn validate<S, P, F>(
+/// `Err` means a retry can help (the tier is unreachable, a disk failed, side data could not
+/// be stored): nothing is decided.
+#[allow(clippy::too_many_arguments)]
+pub async fn validate<S, K, P, F>(
     manifest: &Manifest,
     prefix: &str,
     policy: &ValidationPolicy,
     source: &Arc<S>,
+    pieces: &Arc<K>,
     options: &ReadOptions,
     findings: &mut Findings,
     mut progress: P,
 ) -> Result<Measured, ValidateError>
 where
     S: SourceFiles + 'static,
+    K: PieceStore + 'static,
     P: FnMut(ReadProgress) -> F,
     F: Future<Output = ()>,
 {
@@ -199,7 +234,7 @@ where
     let mut next_index: u64 = 0;
     // Dropping the set (an error, or the handler's future dropped at shutdown) aborts every
     // read still running.
-    let mut reads: JoinSet<(u64, Result<Observed, TransferError>)> = JoinSet::new();
+    let mut reads: JoinSet<(u64, Result<Observed, ValidateError>)> = JoinSet::new();
     let mut measured = Sha256::new();
     let mut measured_bytes = 0u64;
 
@@ -247,9 +282,12 @@ where
             let state = if judged.read {
                 let rel = check::tier_path(prefix, &file.path);
                 let limit = ReadLimit::declared(file.size, Some(policy.max_file_size));
-                let source = Arc::clone(source);
+                let (source, pieces) = (Arc::clone(source), Arc::clone(pieces));
                 let index = next_index;
-                reads.spawn(async move { (index, source.observe(&rel, limit).await) });
+                reads.spawn(async move {
+                    let observed = observe_and_keep(&*source, &*pieces, rel, limit).await;
+                    (index, observed)
+                });
                 State::Reading
             } else {
                 State::Judged
@@ -303,19 +341,23 @@ mod tests {
 
     use super::*;
     use crate::report::{ReportHeader, SpooledReport, Tallied};
+    use crate::source::Observation;
+    use stagehand_schemas::pieces::PieceHashes;
 
     /// An in-memory tier: path → observation, or an error for every read. Records the most
     /// reads seen running at once.
     #[derive(Debug, Default)]
     struct Fake {
         files: HashMap<String, Observed>,
+        /// Side data the read of a path finds.
+        pieces: HashMap<String, PieceHashes>,
         fail: Option<ErrorKind>,
         delay: Duration,
         running: Mutex<(usize, usize)>,
     }
 
     impl SourceFiles for Fake {
-        async fn observe(&self, rel: &str, limit: ReadLimit) -> Result<Observed, TransferError> {
+        async fn observe(&self, rel: &str, limit: ReadLimit) -> Result<Observation, TransferError> {
             {
                 let mut r = self.running.lock().unwrap();
                 r.0 += 1;
@@ -328,20 +370,48 @@ mod tests {
             if let Some(kind) = self.fail {
                 return Err(TransferError::new(kind, Side::Source, "fake", rel, "down"));
             }
-            Ok(match self.files.get(rel).cloned() {
+            let observed = match self.files.get(rel).cloned() {
                 // As the mover does: a size other than the declared one is found unread.
                 Some(Observed::Digest(d)) if Some(d.size) != limit.declared_size => {
                     Observed::SizeDiffers(format!("{} bytes", d.size))
                 }
                 Some(other) => other,
                 None => Observed::Missing,
-            })
+            };
+            let pieces = matches!(observed, Observed::Digest(_))
+                .then(|| self.pieces.get(rel).cloned())
+                .flatten();
+            Ok(Observation { observed, pieces })
         }
         async fn put_report(&self, _: &Mover, _: &SpooledReport) -> Result<(), TransferError> {
             Ok(())
         }
         fn describe(&self, rel: &str) -> String {
             rel.to_owned()
+        }
+    }
+
+    /// Records the side data stored, or fails every put as NATS would.
+    #[derive(Debug, Default)]
+    struct Kept {
+        stored: Mutex<Vec<(String, PieceHashes)>>,
+        fail: bool,
+    }
+
+    impl PieceStore for Kept {
+        async fn put_pieces(&self, sha: &str, pieces: &PieceHashes) -> Result<(), ManifestError> {
+            if self.fail {
+                return Err(ManifestError::new(
+                    stagehand_manifest::ManifestErrorKind::Nats,
+                    "piece hashes",
+                    "no responders",
+                ));
+            }
+            self.stored
+                .lock()
+                .unwrap()
+                .push((sha.to_owned(), pieces.clone()));
+            Ok(())
         }
     }
 
@@ -384,6 +454,14 @@ mod tests {
         fake: Fake,
         files: Vec<FileRef>,
     ) -> Result<(Measured, Tallied, Arc<Fake>), ValidateError> {
+        run_keeping(fake, files, &Arc::new(Kept::default())).await
+    }
+
+    async fn run_keeping(
+        fake: Fake,
+        files: Vec<FileRef>,
+        kept: &Arc<Kept>,
+    ) -> Result<(Measured, Tallied, Arc<Fake>), ValidateError> {
         let fake = Arc::new(fake);
         let mut found = findings();
         let options = ReadOptions {
@@ -395,6 +473,7 @@ mod tests {
             "up",
             &policy(),
             &fake,
+            kept,
             &options,
             &mut found,
             |_| async {},
@@ -480,6 +559,70 @@ mod tests {
         assert!(matches!(err, ValidateError::Tier(e) if e.is_retryable()));
     }
 
+    /// The side data a read found is stored under the SHA-256 found, even when that is not
+    /// the declared one (it is true of those bytes), and only for files read.
+    #[tokio::test]
+    async fn side_data_is_stored_by_the_hash_found_as_each_read_ends() {
+        let side = |n: u8| PieceHashes {
+            size: 3,
+            pieces: vec![[n; 32]],
+        };
+        let fake = Fake {
+            files: HashMap::from([
+                ("up/a".to_owned(), digest(b"abc")),
+                ("up/b".to_owned(), digest(b"xyz")),
+                ("up/c".to_owned(), digest(b"ccc")),
+            ]),
+            pieces: HashMap::from([
+                ("up/a".to_owned(), side(1)),
+                ("up/b".to_owned(), side(2)),
+                ("up/gone".to_owned(), side(3)),
+            ]),
+            ..Fake::default()
+        };
+        let files = vec![
+            FileRef::new("a", 3, sha256_hex(b"abc")),
+            FileRef::new("b", 3, sha256_hex(b"abc")),
+            FileRef::new("c", 3, sha256_hex(b"ccc")),
+            FileRef::new("gone", 3, sha256_hex(b"abc")),
+        ];
+        let kept = Arc::new(Kept::default());
+        let (_, tallied, _) = run_keeping(fake, files, &kept).await.unwrap();
+        assert_eq!(tallied.total, 2, "b's checksum and gone's absence");
+        let mut stored = kept.stored.lock().unwrap().clone();
+        stored.sort_by(|x, y| x.1.pieces.cmp(&y.1.pieces));
+        assert_eq!(
+            stored,
+            vec![(sha256_hex(b"abc"), side(1)), (sha256_hex(b"xyz"), side(2))]
+        );
+    }
+
+    #[tokio::test]
+    async fn side_data_that_cannot_be_stored_decides_nothing() {
+        let fake = Fake {
+            files: HashMap::from([("up/a".to_owned(), digest(b"abc"))]),
+            pieces: HashMap::from([(
+                "up/a".to_owned(),
+                PieceHashes {
+                    size: 3,
+                    pieces: vec![[0; 32]],
+                },
+            )]),
+            ..Fake::default()
+        };
+        let kept = Arc::new(Kept {
+            fail: true,
+            ..Kept::default()
+        });
+        let err = run_keeping(fake, vec![FileRef::new("a", 3, sha256_hex(b"abc"))], &kept)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ValidateError::SideData { path, source } if path == "up/a" && source.is_retryable()),
+            "{err}"
+        );
+    }
+
     #[tokio::test]
     async fn reads_run_concurrently_up_to_the_bound() {
         let n = 40;
@@ -521,6 +664,7 @@ mod tests {
             "up",
             &policy(),
             &fake,
+            &Arc::new(Kept::default()),
             &options,
             &mut findings(),
             |p| {

@@ -268,7 +268,7 @@ impl SourceFiles for Counting {
         &self,
         rel: &str,
         limit: ReadLimit,
-    ) -> Result<stagehand_ingest_validator::check::Observed, TransferError> {
+    ) -> Result<stagehand_ingest_validator::source::Observation, TransferError> {
         self.observed.fetch_add(1, Ordering::SeqCst);
         self.tier.observe(rel, limit).await
     }

@@ -1,5 +1,6 @@
 //! Manifests stored in and fetched from a real nats-server's Object Store: round trips of
-//! every size, and what a reader does with an object that is not what it claims to be.
+//! every size, and what a reader does with an object that is not what it claims to be; the
+//! same for the side data (piece hashes) of large files.
 
 use async_nats::jetstream;
 use futures::StreamExt;
@@ -9,6 +10,7 @@ use stagehand_manifest::{
 };
 use stagehand_schemas::Retryable;
 use stagehand_schemas::manifest::{INLINE_MANIFEST_MAX_BYTES, canonical_bytes};
+use stagehand_schemas::pieces::{PIECE_BYTES, PieceHashes};
 use stagehand_schemas::subject::{MANIFEST_BUCKET, upload_manifest_bucket};
 use stagehand_schemas::{
     Body, DatasetValidated, Event, EventId, FileRef, IngestRequested, Location, ManifestRef,
@@ -371,4 +373,82 @@ async fn an_object_larger_than_its_reference_declares_is_refused_before_it_is_sp
         "{err}"
     );
     assert!(err.line.is_some_and(|l| l < 300), "{err}");
+}
+
+/// Side data round-trips by the file's SHA-256, is put once, is absent for a file nobody
+/// hashed, and an object under its name that is not exactly that file's pieces is refused.
+#[tokio::test]
+async fn piece_hashes_round_trip_and_an_object_that_is_not_the_files_pieces_is_malformed() {
+    let nats = NatsServer::start();
+    let js = js(&nats).await;
+    let store = ManifestStore::catalogue(&js, BucketOptions::default())
+        .await
+        .unwrap();
+    let bytes: Vec<u8> = (0..2 * PIECE_BYTES + 123)
+        .map(|i| (i * 31 + i / 8191) as u8)
+        .collect();
+    let size = bytes.len() as u64;
+    let sha = sha256_hex(&bytes);
+    let pieces = PieceHashes::of(&bytes);
+    assert_eq!(pieces.pieces.len(), 3);
+
+    assert_eq!(store.pieces(&sha, size).await.unwrap(), None, "nothing yet");
+    store.put_pieces(&sha, &pieces).await.unwrap();
+    assert_eq!(
+        store.pieces(&sha, size).await.unwrap(),
+        Some(pieces.clone())
+    );
+    let name = PieceHashes::object_name(&sha);
+    let first = store.object_store().info(&name).await.unwrap().nuid;
+    // Content addressing: a second put (even of other hashes) leaves the stored object alone.
+    let other = PieceHashes::of(&bytes[..bytes.len() - 1]);
+    store.put_pieces(&sha, &other).await.unwrap();
+    assert_eq!(
+        store.object_store().info(&name).await.unwrap().nuid,
+        first,
+        "the second put stored nothing"
+    );
+    assert_eq!(
+        store.pieces(&sha, size).await.unwrap(),
+        Some(pieces.clone())
+    );
+    assert_eq!(store.list().await.unwrap(), vec![name.clone()]);
+
+    // Another file's SHA-256: nothing stored for it.
+    assert_eq!(
+        store.pieces(&sha256_hex(b"other"), size).await.unwrap(),
+        None
+    );
+
+    // Planted under the name: one hash short (the right size and header, the wrong count) …
+    let text = String::from_utf8(pieces.to_bytes()).unwrap();
+    let short: String = text.lines().take(3).map(|l| format!("{l}\n")).collect();
+    // … the side data of a file of another size …
+    let resized = PieceHashes::of(&bytes[..bytes.len() - 200]).to_bytes();
+    // … and garbage.
+    for (case, planted) in [
+        ("one hash short", short.into_bytes()),
+        ("another size", resized),
+        ("garbage", b"not side data\n".to_vec()),
+    ] {
+        store
+            .object_store()
+            .put(name.as_str(), &mut planted.as_slice())
+            .await
+            .unwrap();
+        let err = store.pieces(&sha, size).await.unwrap_err();
+        assert_eq!(err.kind, ManifestErrorKind::Malformed, "{case}: {err}");
+        assert!(!err.is_retryable(), "{case}");
+        assert!(err.to_string().contains(&name), "{case}: {err}");
+    }
+    // More bytes than a file of this size can have side data: refused unread.
+    let huge = vec![b'0'; PieceHashes::max_bytes(size) as usize + 1];
+    store
+        .object_store()
+        .put(name.as_str(), &mut huge.as_slice())
+        .await
+        .unwrap();
+    let err = store.pieces(&sha, size).await.unwrap_err();
+    assert_eq!(err.kind, ManifestErrorKind::Malformed, "{err}");
+    assert!(err.to_string().contains("refused unread"), "{err}");
 }

@@ -61,6 +61,6 @@ pub use set::{SET_COMPLETE_MARKER, SetCopy, SetReport, StagedSet};
 pub use tier::Tier;
 pub use tokio_util::sync::CancellationToken;
 pub use transfer::{
-    CopyOptions, CopyOutcome, EMPTY_SHA256, FileDigest, FileRef, Priority, Progress, ReadLimit,
-    SkipReason, VerifyMode,
+    CopyOptions, CopyOutcome, EMPTY_SHA256, FileDigest, FileRef, PiecedDigest, Priority, Progress,
+    ReadLimit, SkipReason, VerifyMode,
 };

@@ -3,7 +3,7 @@
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::PosixTier;
 use crate::s3::S3Tier;
-use crate::transfer::{FileDigest, Priority, ReadLimit};
+use crate::transfer::{FileDigest, PiecedDigest, Priority, ReadLimit};
 
 /// Where files live. Paths handed to a tier are always relative to its root (or prefix).
 #[derive(Debug, Clone)]
@@ -186,6 +186,28 @@ impl Tier {
                 .await
             }
             Tier::S3(t) => t.hash_file_bounded(rel, limit).await,
+        }
+    }
+
+    /// [`Tier::hash_file_bounded`], also taking the piece hashes of a file declared larger
+    /// than a piece (`stagehand_schemas::pieces`) in the same read: the side data of the
+    /// ingest validator. A file declared a piece or smaller is hashed once, as by
+    /// [`Tier::hash_file_bounded`], and has none.
+    pub async fn hash_file_pieces(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<PiecedDigest, TransferError> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                self.blocking(rel, Side::Source, "hashing", move || {
+                    t.hash_file_pieces(&rel_owned, limit)
+                })
+                .await
+            }
+            Tier::S3(t) => t.hash_file_pieces(rel, limit).await,
         }
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use stagehand_schemas::manifest::FileRef;
+use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
 
 /// SHA-256 of the empty input, as lowercase hex.
 pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
@@ -16,6 +17,26 @@ pub struct FileDigest {
     pub size: u64,
     /// Lowercase hex SHA-256.
     pub sha256: String,
+}
+
+/// A file's digest and, for a file larger than a piece, the SHA-256 of each of its pieces,
+/// from the same read ([`crate::Tier::hash_file_pieces`]): the side data a service that hashed
+/// the bytes itself records for readers that verify a file piece by piece
+/// (`stagehand_schemas::pieces`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PiecedDigest {
+    pub digest: FileDigest,
+    /// `None` for a file of a piece or less, which has no side data.
+    pub pieces: Option<PieceHashes>,
+}
+
+impl PiecedDigest {
+    pub(crate) fn new(digest: FileDigest, pieces: PieceHashes) -> PiecedDigest {
+        PiecedDigest {
+            digest,
+            pieces: (!pieces.pieces.is_empty()).then_some(pieces),
+        }
+    }
 }
 
 /// Bounds on reading one file whose size a manifest declares (see
@@ -71,6 +92,15 @@ impl ReadLimit {
             (Some(d), _) => d.saturating_add(1),
             (None, Some(m)) => m.saturating_add(1),
             (None, None) => u64::MAX,
+        }
+    }
+
+    /// The hasher of a read that also wants piece hashes: a file declared a piece or smaller
+    /// has none, so it is hashed whole only and pays no second hash.
+    pub(crate) fn piece_hasher(&self) -> PieceHasher {
+        match self.declared_size {
+            Some(size) if !PieceHashes::wanted(size) => PieceHasher::whole_only(),
+            _ => PieceHasher::new(),
         }
     }
 

@@ -172,3 +172,46 @@ async fn overlong_paths_are_refused_per_file() {
         assert_eq!(err.path, rel);
     }
 }
+
+/// The validator's read of a posix file: its SHA-256 and, for a file declared larger than a
+/// piece, its piece hashes from the same read, whether the file is in the page cache or not
+/// (an uncached one is read with `O_DIRECT`); a file declared a piece or smaller has none.
+#[tokio::test]
+async fn a_file_larger_than_a_piece_is_hashed_piece_by_piece_in_the_same_read() {
+    use stagehand_schemas::pieces::{PIECE_BYTES, PieceHashes};
+    let dir = tempfile::tempdir().unwrap();
+    let large: Vec<u8> = (0..2 * PIECE_BYTES + 123)
+        .map(|i| (i * 13 + i / 4093) as u8)
+        .collect();
+    let small = vec![5u8; PIECE_BYTES as usize];
+    std::fs::write(dir.path().join("large"), &large).unwrap();
+    std::fs::write(dir.path().join("small"), &small).unwrap();
+    let src = tier(dir.path());
+    let limit = ReadLimit::declared(large.len() as u64, Some(1 << 30));
+    for evicted in [false, true] {
+        if evicted {
+            let file = std::fs::File::open(dir.path().join("large")).unwrap();
+            file.sync_all().unwrap();
+            rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+        }
+        let read = src.hash_file_pieces("large", limit).await.unwrap();
+        assert_eq!(read.digest.size, large.len() as u64);
+        assert_eq!(read.digest.sha256, hex::encode(Sha256::digest(&large)));
+        assert_eq!(
+            read.pieces,
+            Some(PieceHashes::of(&large)),
+            "evicted: {evicted}"
+        );
+    }
+    let read = src
+        .hash_file_pieces("small", ReadLimit::declared(PIECE_BYTES, None))
+        .await
+        .unwrap();
+    assert_eq!(read.digest.sha256, hex::encode(Sha256::digest(&small)));
+    assert_eq!(read.pieces, None);
+    let err = src
+        .hash_file_pieces("large", ReadLimit::declared(PIECE_BYTES, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
+}

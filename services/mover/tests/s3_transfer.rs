@@ -756,6 +756,43 @@ fn a_config_with_an_unknown_key_is_refused() {
     assert!(err.to_string().contains("part_sise"), "{err}");
 }
 
+/// The validator's read of an object: one GET gives its SHA-256 and, for an object declared
+/// larger than a piece, its piece hashes; one declared a piece or smaller has none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_larger_than_a_piece_is_hashed_piece_by_piece_in_the_same_read() {
+    use stagehand_mover::{ReadLimit, Tier};
+    use stagehand_schemas::pieces::{PIECE_BYTES, PieceHashes};
+    let cold = Tier::S3(tier("cold").await);
+    let Tier::S3(raw) = &cold else { unreachable!() };
+    let large = bytes(2 * PIECE_BYTES as usize + 123, 11);
+    let small = bytes(PIECE_BYTES as usize, 12);
+    put_raw(raw, "large.bin", &large, None).await;
+    put_raw(raw, "small.bin", &small, None).await;
+
+    let read = cold
+        .hash_file_pieces("large.bin", ReadLimit::declared(large.len() as u64, None))
+        .await
+        .unwrap();
+    assert_eq!(
+        (read.digest.size, read.digest.sha256),
+        (large.len() as u64, sha_hex(&large))
+    );
+    assert_eq!(read.pieces, Some(PieceHashes::of(&large)));
+
+    let read = cold
+        .hash_file_pieces("small.bin", ReadLimit::declared(PIECE_BYTES, None))
+        .await
+        .unwrap();
+    assert_eq!(read.digest.sha256, sha_hex(&small));
+    assert_eq!(read.pieces, None);
+    // The bounds are those of every bounded read.
+    let err = cold
+        .hash_file_pieces("large.bin", ReadLimit::declared(PIECE_BYTES + 1, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
+}
+
 /// Bounded reads of objects (issue 6 item 7): the GET response's `Content-Length` is checked
 /// against the declared and maximum sizes before the body is read; a key over S3's 1024
 /// bytes is refused before any request, as that file's permanent problem; a missing object

@@ -19,6 +19,11 @@
 //!    the filesystem allows, and makes each finished shard and its index durable inside the
 //!    staging folder while the writer frames the next.
 //!
+//! Every file of the prepared version larger than a piece (its shards, in practice) has its
+//! piece hashes taken as the sink hashes it, and handed to [`Job::keep_pieces`] once it is
+//! committed, one file at a time: the caller stores this side data as the files come, so
+//! none of it is held for the end.
+//!
 //! Batches in flight are bounded by a window of tokens the writer hands back as it finishes
 //! each, so a slow reader cannot make the others pile up read bytes. The first failure stops
 //! every thread and is what the derivation reports (a hash mismatch names its path); anything
@@ -42,7 +47,9 @@ use stagehand_schemas::FileRef;
 
 use crate::plan::{Grouper, Placed, Planner, ProblemLog, Rules, Sample};
 use crate::sample::{SHUFFLE_RULE, order_hash, split_key};
-use crate::shard::{Bytes, ShardError, ShardWriter, Sink, copy_file, write_file, write_shards};
+use crate::shard::{
+    Bytes, KeepPieces, ShardError, ShardWriter, Sink, copy_file, write_file, write_shards,
+};
 use crate::sort::{Member, SortError, Sorter};
 use stagehand_schemas::Retryable;
 
@@ -81,6 +88,8 @@ pub struct Job<'a> {
     pub packing: &'a Packing,
     pub tuning: &'a Tuning,
     pub cancel: &'a CancellationToken,
+    /// Takes the side data of each file written that is larger than a piece, once committed.
+    pub keep_pieces: &'a KeepPieces<'a>,
 }
 
 /// What a derivation wrote.
@@ -131,6 +140,9 @@ pub enum DeriveError {
     Sort(#[from] SortError),
     #[error(transparent)]
     Manifest(#[from] ManifestError),
+    /// The side data of a file written could not be handed on: whoever stores it stopped.
+    #[error("the piece hashes of {file} could not be handed on to be stored")]
+    SideData { file: String },
     /// The policy says abort and samples are incomplete: every problem is in `log`.
     #[error("incomplete samples under incomplete = \"abort\": {}", log.summary())]
     Incomplete { log: Box<ProblemLog> },
@@ -160,6 +172,7 @@ impl Retryable for DeriveError {
             DeriveError::Tier(e) => e.is_retryable(),
             DeriveError::Manifest(e) => e.is_retryable(),
             DeriveError::Io { .. }
+            | DeriveError::SideData { .. }
             | DeriveError::Sort(_)
             | DeriveError::Cancelled
             | DeriveError::Stopped => true,
@@ -187,6 +200,7 @@ impl From<ShardError> for DeriveError {
             ShardError::Abandoned(n) => {
                 DeriveError::Internal(format!("shard {n} was left unfinished"))
             }
+            ShardError::SideData { file } => DeriveError::SideData { file },
         }
     }
 }
@@ -372,7 +386,13 @@ pub fn derive(job: &Job<'_>) -> Result<Derived, DeriveError> {
             .log
             .into_file()
             .map_err(io_err("reading the problem log"))?;
-        let (size, sha) = copy_file(job.staging, INCOMPLETE_FILE, &mut file, len)?;
+        let (size, sha) = copy_file(
+            job.staging,
+            INCOMPLETE_FILE,
+            &mut file,
+            len,
+            job.keep_pieces,
+        )?;
         written.files.push(FileRef::new(INCOMPLETE_FILE, size, sha));
     }
     let packing = job.packing;
@@ -399,7 +419,7 @@ pub fn derive(job: &Job<'_>) -> Result<Derived, DeriveError> {
         source: io::Error::other(e),
     })?;
     bytes.push(b'\n');
-    let (size, sha) = write_file(job.staging, PREPARED_FILE, &bytes)?;
+    let (size, sha) = write_file(job.staging, PREPARED_FILE, &bytes, job.keep_pieces)?;
     written.files.push(FileRef::new(PREPARED_FILE, size, sha));
     Ok(Derived {
         files: written.files,
@@ -643,9 +663,12 @@ fn write_all(
     tokens: &SyncSender<()>,
     halt: &Halt,
 ) -> Result<Written, DeriveError> {
-    let (mut written, shards) = write_shards(job.staging, job.packing.shard_size, |sink| {
-        frame_all(job, sink, rx, tokens, halt)
-    })?;
+    let (mut written, shards) = write_shards(
+        job.staging,
+        job.packing.shard_size,
+        job.keep_pieces,
+        |sink| frame_all(job, sink, rx, tokens, halt),
+    )?;
     written.shards = shards.len() as u32;
     for shard in shards {
         for (name, size, sha) in shard {
@@ -786,6 +809,7 @@ mod tests {
             packing,
             tuning,
             cancel: &CancellationToken::new(),
+            keep_pieces: &|_, _| Ok(()),
         })
     }
 

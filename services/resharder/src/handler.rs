@@ -8,7 +8,8 @@ use async_nats::jetstream;
 use stagehand_bus::runner::{self, ServiceError};
 use stagehand_bus::{Bus, Handler, HandlerError, WorkContext};
 use stagehand_manifest::{
-    BucketOptions, ManifestBuilder, ManifestSource, ManifestStore, Spool, inline_or_stored,
+    BucketOptions, ManifestBuilder, ManifestError, ManifestSource, ManifestStore, Spool,
+    inline_or_stored,
 };
 use stagehand_mover::{
     CancellationToken, EngineChoice, Mover, MoverConfig, Progress, RateLimiter, SetCopy, StagedSet,
@@ -17,12 +18,14 @@ use stagehand_mover::{
 use stagehand_policy::{
     IncompletePolicy, Opening, Packing, PackingPolicy, Policies, TierError, TierRole,
 };
+use stagehand_schemas::pieces::PieceHashes;
 use stagehand_schemas::{
-    Body, DatasetPrepared, DatasetValidated, Event, EventId, Location, layout,
+    Body, DatasetPrepared, DatasetValidated, Event, EventId, FileRef, Location, layout,
 };
 use tracing::{info, warn};
 
 use crate::derive::{DeriveError, Job, Tuning, derive};
+use crate::shard::ShardError;
 use crate::{ReshardError, Settings};
 
 /// The fact-id step of `dataset.prepared` (see `stagehand_schemas::id`).
@@ -32,6 +35,28 @@ pub const STEP_PREPARED: &str = "prepared";
 /// root (the dead letter names it).
 pub fn problem_report_path(project: &str, event: &EventId) -> String {
     format!(".stagehand/resharder/{project}/{event}.problems.jsonl")
+}
+
+/// Side data (a shard's SHA-256 and piece hashes) handed from the derivation and waiting to be
+/// stored, at most: a few KiB each.
+const SIDE_DATA_QUEUE: usize = 16;
+
+/// Stores the side data of the shards as the derivation commits them, until it ends. On a
+/// failure the derivation is stopped (its next hand-over fails, and `cancel` stops the rest)
+/// and the failure is returned: a retryable one, as NATS failures are.
+async fn store_pieces(
+    store: &ManifestStore,
+    mut pieces: tokio::sync::mpsc::Receiver<(String, PieceHashes)>,
+    cancel: &CancellationToken,
+) -> Result<(), ManifestError> {
+    while let Some((sha256, hashes)) = pieces.recv().await {
+        if let Err(e) = store.put_pieces(&sha256, &hashes).await {
+            pieces.close();
+            cancel.cancel();
+            return Err(e);
+        }
+    }
+    Ok(())
 }
 
 /// Packs validated versions the packing policy selects.
@@ -260,37 +285,68 @@ impl Resharder {
                 "the target tier gave no posix staging folder",
             ));
         };
-        let result = {
+        // The shard manifest goes there, and the side data of the shards as each is written.
+        let store = match self.catalogue().await {
+            Ok(store) => store,
+            Err(e) => {
+                if let Some(fetched) = fetched {
+                    fetched.remove().await;
+                }
+                self.abandon(staged, &staging).await;
+                return Err(HandlerError::from(e));
+            }
+        };
+        let (pieces_tx, pieces_rx) = tokio::sync::mpsc::channel(SIDE_DATA_QUEUE);
+        let derivation = {
             let (manifest, packing, tuning) =
                 (manifest.clone(), packing.clone(), self.tuning.clone());
             let cancel = cancel.clone();
-            let _stop = cancel.clone().drop_guard();
-            tokio::task::spawn_blocking(move || {
-                derive(&Job {
-                    source: &source,
-                    staging: &stage_tier,
-                    manifest: &manifest,
-                    packing: &packing,
-                    tuning: &tuning,
-                    cancel: &cancel,
+            let stop = cancel.clone().drop_guard();
+            async move {
+                // The handler's future dropped (a shutdown) stops the derivation.
+                let _stop = stop;
+                tokio::task::spawn_blocking(move || {
+                    // The disk thread blocks here while the queue is full: the side data
+                    // waiting to be stored stays bounded.
+                    let keep_pieces = move |file: &FileRef, pieces: PieceHashes| {
+                        pieces_tx
+                            .blocking_send((file.sha256.clone(), pieces))
+                            .map_err(|_| ShardError::SideData {
+                                file: file.path.clone(),
+                            })
+                    };
+                    derive(&Job {
+                        source: &source,
+                        staging: &stage_tier,
+                        manifest: &manifest,
+                        packing: &packing,
+                        tuning: &tuning,
+                        cancel: &cancel,
+                        keep_pieces: &keep_pieces,
+                    })
                 })
-            })
-            .await
-            .unwrap_or_else(|e| {
-                Err(DeriveError::Internal(format!(
-                    "the derivation panicked: {e}"
-                )))
-            })
+                .await
+                .unwrap_or_else(|e| {
+                    Err(DeriveError::Internal(format!(
+                        "the derivation panicked: {e}"
+                    )))
+                })
+            }
         };
+        let (result, stored) = tokio::join!(derivation, store_pieces(&store, pieces_rx, &cancel));
         if let Some(fetched) = fetched {
             fetched.remove().await;
         }
-        let derived = match result {
-            Ok(derived) => derived,
-            Err(e) => {
-                if let Err(cleanup) = staged.abandon().await {
-                    warn!(error = %cleanup, prefix = staging, "could not remove the staging folder; the start-up sweep will");
-                }
+        let derived = match (result, stored) {
+            (Ok(derived), Ok(())) => derived,
+            // The derivation stopped because the side data could not be stored: that is why.
+            (_, Err(e)) => {
+                self.abandon(staged, &staging).await;
+                warn!(event_id = %event.id, error = %e, "the side data of a shard could not be stored; the derivation will be retried");
+                return Err(HandlerError::from(e));
+            }
+            (Err(e), Ok(())) => {
+                self.abandon(staged, &staging).await;
                 return Err(self.failed(event, e).await);
             }
         };
@@ -314,14 +370,6 @@ impl Resharder {
             .publish_as(&prefix)
             .await
             .map_err(HandlerError::from)?;
-        let store = ManifestStore::catalogue(
-            &self.js,
-            BucketOptions {
-                replicas: self.replicas,
-            },
-        )
-        .await
-        .map_err(HandlerError::from)?;
         let (inline, reference) = inline_or_stored(&built, &store)
             .await
             .map_err(HandlerError::from)?;
@@ -361,6 +409,24 @@ impl Resharder {
         )])
     }
 
+    /// The services' manifest bucket.
+    async fn catalogue(&self) -> Result<ManifestStore, ManifestError> {
+        ManifestStore::catalogue(
+            &self.js,
+            BucketOptions {
+                replicas: self.replicas,
+            },
+        )
+        .await
+    }
+
+    /// Removes the staging folder of a derivation that failed.
+    async fn abandon(&self, staged: StagedSet, prefix: &str) {
+        if let Err(cleanup) = staged.abandon().await {
+            warn!(error = %cleanup, prefix, "could not remove the staging folder; the start-up sweep will");
+        }
+    }
+
     /// The handler error of a failed derivation; an aborted one first leaves its full
     /// problem list on the target tier.
     async fn failed(&self, event: &Event, e: DeriveError) -> HandlerError {
@@ -379,7 +445,8 @@ impl Resharder {
             let (mut file, len) = log.into_file().map_err(|e| e.to_string())?;
             let (parent, name) = rel.rsplit_once('/').expect("the report path has folders");
             let dir = target.beneath(parent, true).map_err(|e| e.to_string())?;
-            match crate::shard::copy_file(&dir, name, &mut file, len) {
+            // The report is no file of a version: it has no side data.
+            match crate::shard::copy_file(&dir, name, &mut file, len, &|_, _| Ok(())) {
                 Ok(_) => Ok(()),
                 // The same event aborted before (a replay): the report is the same.
                 Err(crate::shard::ShardError::Tier(t))

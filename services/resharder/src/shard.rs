@@ -21,6 +21,11 @@
 //! as much CPU as hashing it), its unaligned end and the index through the cache — and
 //! commits each finished shard (`fdatasync`, rename, directory `fsync`) while the next one
 //! is framed and hashed.
+//!
+//! Every file of the version written here that is larger than a piece (a shard, in practice)
+//! also has the SHA-256 of each of its pieces taken as it is hashed, and handed to a
+//! [`KeepPieces`] once the file is committed: the side data node agents judge each piece of it
+//! by when they fan the version out (`stagehand_schemas::pieces`).
 
 use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
@@ -30,6 +35,8 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use stagehand_mover::{AtomicFile, DIRECT_ALIGN, PosixTier, TransferError};
+use stagehand_schemas::FileRef;
+use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
 
 use crate::sort::Member;
 
@@ -56,18 +63,51 @@ pub fn member_header(size: u64) -> tar::Header {
     header
 }
 
-/// A writer that counts and hashes what passes through it.
+/// Takes the side data of a file of the version, once the file is committed: the file
+/// (name, size, SHA-256) and the SHA-256 of each of its pieces. Called only for a file larger
+/// than a piece; an error stops the writing.
+pub type KeepPieces<'a> = dyn Fn(&FileRef, PieceHashes) -> Result<(), ShardError> + Sync + 'a;
+
+/// Hands the side data of the committed file `name` to `keep`, when it has any.
+fn keep_pieces(
+    keep: &KeepPieces<'_>,
+    name: &str,
+    size: u64,
+    sha256: &str,
+    pieces: PieceHashes,
+) -> Result<(), ShardError> {
+    if pieces.pieces.is_empty() {
+        return Ok(());
+    }
+    keep(&FileRef::new(name, size, sha256), pieces)
+}
+
+/// The hasher of a file of `size` bytes, or of unknown size (a shard: only its end tells).
+fn piece_hasher(size: Option<u64>) -> PieceHasher {
+    match size {
+        Some(size) if !PieceHashes::wanted(size) => PieceHasher::whole_only(),
+        _ => PieceHasher::new(),
+    }
+}
+
+fn digests_of(hasher: PieceHasher) -> (String, PieceHashes) {
+    let (whole, pieces) = hasher.finish();
+    (hex::encode(whole), pieces)
+}
+
+/// A writer that counts and hashes what passes through it (whole, and piece by piece with a
+/// [`PieceHasher::new`]).
 pub struct HashingWriter<W> {
     inner: W,
-    hasher: Sha256,
+    hasher: PieceHasher,
     written: u64,
 }
 
 impl<W: Write> HashingWriter<W> {
-    pub fn new(inner: W) -> Self {
+    pub fn new(inner: W, hasher: PieceHasher) -> Self {
         HashingWriter {
             inner,
-            hasher: Sha256::new(),
+            hasher,
             written: 0,
         }
     }
@@ -76,13 +116,10 @@ impl<W: Write> HashingWriter<W> {
         self.written
     }
 
-    /// The inner writer, the bytes written and their SHA-256 (hex).
-    pub fn finish(self) -> (W, u64, String) {
-        (
-            self.inner,
-            self.written,
-            hex::encode(self.hasher.finalize()),
-        )
+    /// The inner writer, the bytes written, their SHA-256 (hex) and piece hashes.
+    pub fn finish(self) -> (W, u64, String, PieceHashes) {
+        let (sha, pieces) = digests_of(self.hasher);
+        (self.inner, self.written, sha, pieces)
     }
 }
 
@@ -188,6 +225,10 @@ pub enum ShardError {
     /// The framing stopped before this shard was finished (its temp files are removed).
     #[error("shard {0} was left unfinished")]
     Abandoned(u32),
+    /// The side data of a file written could not be handed on to be stored: whoever stores it
+    /// stopped (and its own error says why).
+    #[error("the piece hashes of {file} could not be handed on to be stored")]
+    SideData { file: String },
 }
 
 /// Bytes of a shard's tar stream (or of its index) handed to the sink at once: a multiple
@@ -247,10 +288,10 @@ enum Op<End> {
     End(End),
 }
 
-/// The SHA-256 (hex) of a finished shard's tar stream and of its index.
+/// The SHA-256 (hex) and piece hashes of a finished shard's tar stream and of its index.
 struct ShardDigests {
-    tar: String,
-    index: String,
+    tar: (String, PieceHashes),
+    index: (String, PieceHashes),
 }
 
 /// The framing side's handle on the sink threads: where chunks go and where emptied ones
@@ -437,14 +478,16 @@ pub type ShardFiles = [(String, u64, String); 2];
 /// [`Sink`] it is given) while a hasher thread hashes their bytes and a disk thread writes
 /// them into `staging` and makes each finished shard and its index durable and visible there
 /// — so hashing a shard, and waiting for the disk, happen beside the framing of the next
-/// samples instead of after them. Returns what `frame` returned and the committed shards in
-/// order.
+/// samples instead of after them. The side data of each committed shard or index larger than
+/// a piece goes to `keep`, from the disk thread. Returns what `frame` returned and the
+/// committed shards in order.
 ///
 /// When the sink fails, `frame`'s next hand-over fails and the sink's error is the one
 /// returned; when `frame` fails, the sink removes the shard it had open.
 pub fn write_shards<T, E: From<ShardError>>(
     staging: &PosixTier,
     size_hint: u64,
+    keep: &KeepPieces<'_>,
     frame: impl FnOnce(&Sink) -> Result<T, E>,
 ) -> Result<(T, Vec<ShardFiles>), E> {
     let (ops_tx, ops_rx) = sync_channel::<Op<()>>(POOL_CHUNKS + 4);
@@ -456,7 +499,7 @@ pub fn write_shards<T, E: From<ShardError>>(
     }
     std::thread::scope(|scope| {
         let hashed = scope.spawn(move || run_hasher(ops_rx, disk_tx));
-        let sunk = scope.spawn(move || run_disk(staging, size_hint, disk_rx, free_tx));
+        let sunk = scope.spawn(move || run_disk(staging, size_hint, keep, disk_rx, free_tx));
         let sink = Sink {
             ops: ops_tx,
             free: free_rx,
@@ -485,11 +528,13 @@ pub fn write_shards<T, E: From<ShardError>>(
 /// The hasher thread (see [`write_shards`]): hashes each shard's tar stream and index as
 /// they pass, and hands every op on to the disk thread, the digests with each shard's end.
 fn run_hasher(ops: Receiver<Op<()>>, disk: SyncSender<Op<ShardDigests>>) -> Result<(), ShardError> {
-    let (mut tar, mut index) = (Sha256::new(), Sha256::new());
+    // A shard's size is known only at its end: each is hashed piece by piece too, and the
+    // pieces of one a piece or smaller are dropped there.
+    let (mut tar, mut index) = (piece_hasher(None), piece_hasher(None));
     for op in ops.iter() {
         let next = match op {
             Op::Begin(number) => {
-                (tar, index) = (Sha256::new(), Sha256::new());
+                (tar, index) = (piece_hasher(None), piece_hasher(None));
                 Op::Begin(number)
             }
             Op::Tar(chunk) => {
@@ -501,8 +546,8 @@ fn run_hasher(ops: Receiver<Op<()>>, disk: SyncSender<Op<ShardDigests>>) -> Resu
                 Op::Index(chunk)
             }
             Op::End(()) => Op::End(ShardDigests {
-                tar: hex::encode(std::mem::take(&mut tar).finalize()),
-                index: hex::encode(std::mem::take(&mut index).finalize()),
+                tar: digests_of(std::mem::take(&mut tar)),
+                index: digests_of(std::mem::take(&mut index)),
             }),
         };
         // The disk thread stopped (its error is the one reported).
@@ -583,6 +628,7 @@ const WRITEBACK_EVERY: u64 = 8 << 20;
 fn run_disk(
     staging: &PosixTier,
     size_hint: u64,
+    keep: &KeepPieces<'_>,
     ops: Receiver<Op<ShardDigests>>,
     free: SyncSender<Chunk>,
 ) -> Result<Vec<ShardFiles>, ShardError> {
@@ -626,9 +672,14 @@ fn run_disk(
                 let shard = open.take().ok_or_else(|| not_open("a shard"))?;
                 shard.tar.commit()?;
                 shard.index.commit()?;
+                let ((tar_sha, tar_pieces), (index_sha, index_pieces)) =
+                    (digests.tar, digests.index);
+                let (tar, index) = (shard_name(shard.number), index_name(shard.number));
+                keep_pieces(keep, &tar, shard.tar_len, &tar_sha, tar_pieces)?;
+                keep_pieces(keep, &index, shard.index_len, &index_sha, index_pieces)?;
                 done.push([
-                    (shard_name(shard.number), shard.tar_len, digests.tar),
-                    (index_name(shard.number), shard.index_len, digests.index),
+                    (tar, shard.tar_len, tar_sha),
+                    (index, shard.index_len, index_sha),
                 ]);
             }
         }
@@ -663,43 +714,52 @@ fn own_handle(file: &AtomicFile) -> Result<File, ShardError> {
 }
 
 /// Writes a small file of the version (`prepared.json`) into the staging folder; returns its
-/// size and SHA-256.
+/// size and SHA-256 (and hands its side data, were it larger than a piece, to `keep`).
 pub fn write_file(
     staging: &PosixTier,
     name: &str,
     bytes: &[u8],
+    keep: &KeepPieces<'_>,
 ) -> Result<(u64, String), ShardError> {
-    let file = staging.create_atomic(name, bytes.len() as u64)?;
+    let size = bytes.len() as u64;
+    let mut hasher = piece_hasher(Some(size));
+    hasher.update(bytes);
+    let (sha, pieces) = digests_of(hasher);
+    let file = staging.create_atomic(name, size)?;
     file.write_all_at(bytes, 0)?;
     file.commit()?;
-    Ok((bytes.len() as u64, hex::encode(Sha256::digest(bytes))))
+    keep_pieces(keep, name, size, &sha, pieces)?;
+    Ok((size, sha))
 }
 
 /// Copies `len` bytes from `from` into a new file `name` of the staging folder; returns its
-/// size and SHA-256.
+/// size and SHA-256 (and hands its side data, when it is larger than a piece, to `keep`).
 pub fn copy_file(
     staging: &PosixTier,
     name: &str,
     from: &mut File,
     len: u64,
+    keep: &KeepPieces<'_>,
 ) -> Result<(u64, String), ShardError> {
     let file = staging.create_atomic(name, len)?;
-    let mut out = HashingWriter::new(BufWriter::new(own_handle(&file)?));
+    let mut out = HashingWriter::new(BufWriter::new(own_handle(&file)?), piece_hasher(Some(len)));
     let io_err = |source| ShardError::Io {
         file: name.to_owned(),
         source,
     };
     io::copy(&mut from.take(len), &mut out).map_err(io_err)?;
-    let (mut buf, written, sha) = out.finish();
+    let (mut buf, written, sha, pieces) = out.finish();
     buf.flush().map_err(io_err)?;
     drop(buf);
     file.commit()?;
+    keep_pieces(keep, name, written, &sha, pieces)?;
     Ok((written, sha))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stagehand_schemas::pieces::PIECE_BYTES;
 
     fn member(path: &str, data: &[u8]) -> Member {
         let (key, _) = crate::sample::split_key(path).unwrap();
@@ -728,7 +788,7 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let tier = PosixTier::open("t", dir.path()).unwrap();
             let members: Vec<Member> = files.iter().map(|(p, d)| member(p, d)).collect();
-            let ((), shards) = write_shards(&tier, 0, |sink| {
+            let ((), shards) = write_shards(&tier, 0, &|_, _| Ok(()), |sink| {
                 let mut w = ShardWriter::create(sink, 3)?;
                 w.add_sample(
                     "a/0001",
@@ -785,7 +845,8 @@ mod tests {
 
     /// Guards the chunked sink: shards spanning many chunks (and writeback hints) hold
     /// exactly the bytes one `tar::Builder` writes for the same members, hashed as one stream,
-    /// and come back in shard order.
+    /// and come back in shard order; each, larger than a piece, has its piece hashes handed on
+    /// once committed, and an index (smaller) has none.
     #[test]
     fn shards_larger_than_a_chunk_are_the_bytes_of_one_tar_stream() {
         let dir = tempfile::tempdir().unwrap();
@@ -797,7 +858,7 @@ mod tests {
             })
             .collect();
         let members: Vec<Member> = data.iter().map(|(p, d)| member(p, d)).collect();
-        let ((), shards) = write_shards(&tier, 0, |sink| {
+        let frame = |sink: &Sink| {
             for shard in 0..2u32 {
                 let mut w = ShardWriter::create(sink, shard)?;
                 for i in (shard as usize * 30)..(shard as usize * 30 + 30) {
@@ -807,9 +868,16 @@ mod tests {
                 w.finish()?;
             }
             Ok::<_, ShardError>(())
-        })
-        .unwrap();
+        };
+        let kept = std::sync::Mutex::new(Vec::new());
+        let keep = |file: &FileRef, pieces: PieceHashes| {
+            kept.lock().unwrap().push((file.clone(), pieces));
+            Ok(())
+        };
+        let ((), shards) = write_shards(&tier, 0, &keep, frame).unwrap();
         assert_eq!(shards.len(), 2);
+        let kept = kept.into_inner().unwrap();
+        assert_eq!(kept.len(), 2, "the two shards, not their indexes");
         for (n, [(name, size, sha), (index, index_size, _)]) in shards.into_iter().enumerate() {
             assert_eq!(name, shard_name(n as u32));
             assert_eq!(index, index_name(n as u32));
@@ -827,10 +895,41 @@ mod tests {
             assert!(got == want, "shard {n} differs from one tar stream");
             assert_eq!(size, want.len() as u64);
             assert_eq!(sha, hex::encode(Sha256::digest(&want)));
+            assert!(PieceHashes::wanted(size), "{size} bytes");
+            assert_eq!(kept[n].0, FileRef::new(name.clone(), size, sha.clone()));
+            assert_eq!(kept[n].1, PieceHashes::of(&got));
             let lines = std::fs::read_to_string(dir.path().join(&index)).unwrap();
             assert_eq!(lines.len() as u64, index_size);
             assert_eq!(lines.lines().count(), 30);
         }
+    }
+
+    /// Side data that cannot be handed on stops the writing with that error.
+    #[test]
+    fn side_data_that_cannot_be_handed_on_stops_the_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = PosixTier::open("t", dir.path()).unwrap();
+        let data: Vec<u8> = (0..PIECE_BYTES + 1).map(|i| i as u8).collect();
+        let m = member("big.bin", &data);
+        let err = write_shards(
+            &tier,
+            0,
+            &|file, _| {
+                Err(ShardError::SideData {
+                    file: file.path.clone(),
+                })
+            },
+            |sink| {
+                let mut w = ShardWriter::create(sink, 0)?;
+                w.add_sample("big", [(&m, Bytes::Loaded(&data))])?;
+                w.finish()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&err, ShardError::SideData { file } if file == "shard-000000.tar"),
+            "{err}"
+        );
     }
 
     /// A streamed member whose bytes are not the manifest's fails the shard with its path.
@@ -839,7 +938,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let tier = PosixTier::open("t", dir.path()).unwrap();
         let m = member("k.bin", b"expected");
-        let err = write_shards(&tier, 0, |sink| {
+        let err = write_shards(&tier, 0, &|_, _| Ok(()), |sink| {
             let mut w = ShardWriter::create(sink, 0)?;
             w.add_sample("k", [(&m, Bytes::Stream(Box::new(&b"tampered"[..])))])?;
             w.finish()

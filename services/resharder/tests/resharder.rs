@@ -489,3 +489,56 @@ async fn a_version_the_policy_does_not_select_is_left_alone() {
     let stats = h.stop().await;
     assert_eq!((stats.handled, stats.dead_lettered), (1, 0));
 }
+
+/// Side data: with a shard size above a piece and samples of a few MiB, every shard is larger
+/// than a piece, and by the time `dataset.prepared` is out the services' manifest bucket holds
+/// each shard's piece hashes under its SHA-256 (equal to those of the shard's bytes on the
+/// tier); the indexes and `prepared.json`, smaller, have none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_shard_larger_than_a_piece_has_its_piece_hashes_stored() {
+    use stagehand_manifest::{BucketOptions, ManifestStore};
+    use stagehand_schemas::pieces::{PIECE_BYTES, PieceHashes};
+    let h = Harness::start(&packing("12 MiB", "")).await;
+    // Six samples of a 3 MiB `.bin` and a `.cls`: three to a shard, two shards of about 9 MiB.
+    let raw: Vec<(String, Vec<u8>)> = (0..6u64)
+        .flat_map(|i| {
+            [
+                (format!("big/{i:04}.bin"), bytes(100 + i, 3 << 20)),
+                (format!("big/{i:04}.cls"), i.to_string().into_bytes()),
+            ]
+        })
+        .collect();
+    let manifest = place(&h.source, "lab/weights/up", &raw);
+    let js = h.bus.jetstream().clone();
+    let event = publish_validated(&h.bus, "w", "weights", "lab/weights/up", manifest, false).await;
+    let (fact, p) = prepared(&js, &event).await;
+    let store = ManifestStore::catalogue(&js, BucketOptions::default())
+        .await
+        .unwrap();
+    let folder = h.capacity.join(&p.location.prefix);
+    let mut expected = Vec::new();
+    for file in prepared_files(&js, &fact).await {
+        let stored = store.pieces(&file.sha256, file.size).await.unwrap();
+        if file.path.ends_with(".tar") {
+            assert!(file.size > PIECE_BYTES, "{file:?}");
+            let bytes = std::fs::read(folder.join(&file.path)).unwrap();
+            assert_eq!(stored, Some(PieceHashes::of(&bytes)), "{}", file.path);
+            expected.push(PieceHashes::object_name(&file.sha256));
+        } else {
+            assert!(file.size <= PIECE_BYTES, "{file:?}");
+            assert_eq!(stored, None, "{}", file.path);
+        }
+    }
+    assert_eq!(expected.len(), 2, "{expected:?}");
+    expected.sort();
+    let side_data: Vec<String> = store
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|name| name.starts_with("pieces."))
+        .collect();
+    assert_eq!(side_data, expected);
+    let stats = h.stop().await;
+    assert_eq!((stats.handled, stats.retried), (1, 0), "{stats:?}");
+}

@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 
 use rustix::fs::OFlags;
 use sha2::{Digest, Sha256};
+use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
 
 use crate::transfer::FileDigest;
 
@@ -58,13 +59,23 @@ pub const DIRECT_ALIGN: usize = 4096;
 /// so costs one trip to the device per file, not a second one through the cache for its last
 /// block (`loadtest/scrub/README.md`).
 pub(super) fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
+    hash_uncached_file_pieces(file, cap, PieceHasher::whole_only()).map(|(digest, _)| digest)
+}
+
+/// [`hash_uncached_file_capped`] through `hasher`: with [`PieceHasher::new`], the piece hashes
+/// of a file larger than a piece come from the same read as its SHA-256 (the validator's side
+/// data).
+pub(super) fn hash_uncached_file_pieces(
+    file: &File,
+    cap: u64,
+    mut hasher: PieceHasher,
+) -> io::Result<(FileDigest, PieceHashes)> {
     use rustix::io::{Errno, ReadWriteFlags};
     let block = HASH_BLOCK.min(usize::try_from(cap).unwrap_or(usize::MAX).max(1));
     let room = block.next_multiple_of(DIRECT_ALIGN);
     let mut raw = vec![0u8; room + DIRECT_ALIGN];
     let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
     let buf = &mut raw[start..start + room];
-    let mut hasher = Sha256::new();
     let mut offset = 0u64;
     // Whether blocks are probed in the cache first; off once the device is read directly, or
     // when the kernel has no RWF_NOWAIT.
@@ -135,10 +146,14 @@ pub(super) fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<Fil
         hasher.update(&buf[..n]);
         offset += n as u64;
     }
-    Ok(FileDigest {
-        size: offset,
-        sha256: hex::encode(hasher.finalize()),
-    })
+    let (whole, pieces) = hasher.finish();
+    Ok((
+        FileDigest {
+            size: offset,
+            sha256: hex::encode(whole),
+        },
+        pieces,
+    ))
 }
 
 /// Whether the page cache holds less than half of the first `len` bytes of `file`, asked

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use rustix::fs::{AtFlags, Mode, OFlags};
 
-use crate::error::{ErrorKind, Side, TransferError};
-use crate::transfer::{FileDigest, ReadLimit};
+use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
 
-use super::hashing::{hash_open_file, hash_uncached_file_capped};
+use crate::error::{ErrorKind, Side, TransferError};
+use crate::transfer::{FileDigest, PiecedDigest, ReadLimit};
+
+use super::hashing::{hash_open_file, hash_uncached_file_pieces};
 use super::{PosixTier, resolve};
 
 impl PosixTier {
@@ -184,16 +186,37 @@ impl PosixTier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
+        self.hash_bounded_with(rel, limit, PieceHasher::whole_only())
+            .map(|(digest, _)| digest)
+    }
+
+    /// [`PosixTier::hash_file_bounded`], with the piece hashes of a file declared larger than
+    /// a piece taken in the same read.
+    pub fn hash_file_pieces(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<PiecedDigest, TransferError> {
+        let (digest, pieces) = self.hash_bounded_with(rel, limit, limit.piece_hasher())?;
+        Ok(PiecedDigest::new(digest, pieces))
+    }
+
+    fn hash_bounded_with(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+        hasher: PieceHasher,
+    ) -> Result<(FileDigest, PieceHashes), TransferError> {
         let (file, size) = self.open_read_stat(rel, Side::Source)?;
         limit
             .check_size(size)
             .map_err(|(kind, detail)| self.err(kind, Side::Source, rel, detail))?;
-        let digest = hash_uncached_file_capped(&file, limit.read_cap())
+        let (digest, pieces) = hash_uncached_file_pieces(&file, limit.read_cap(), hasher)
             .map_err(|e| TransferError::from_io(e, Side::Source, self.name(), rel, "read"))?;
         limit
             .check_read(digest.size)
             .map_err(|(kind, detail)| self.err(kind, Side::Source, rel, detail))?;
-        Ok(digest)
+        Ok((digest, pieces))
     }
 
     /// The names in directory `rel_dir` (confined; empty when it does not exist).

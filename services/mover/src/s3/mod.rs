@@ -36,10 +36,11 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 use stagehand_schemas::check_relative_path;
+use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{ErrorKind, Side, TransferError};
-use crate::transfer::{FileDigest, ReadLimit};
+use crate::transfer::{FileDigest, PiecedDigest, ReadLimit};
 
 pub use config::{MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, S3Config};
 pub use copy::copy_within;
@@ -507,6 +508,19 @@ impl S3Tier {
         self.hash_object(rel, Side::Source, None, limit).await
     }
 
+    /// [`S3Tier::hash_file_bounded`], with the piece hashes of an object declared larger than
+    /// a piece taken in the same read.
+    pub async fn hash_file_pieces(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<PiecedDigest, TransferError> {
+        let (digest, pieces) = self
+            .hash_object_with(rel, Side::Source, None, limit, limit.piece_hasher())
+            .await?;
+        Ok(PiecedDigest::new(digest, pieces))
+    }
+
     pub(crate) async fn hash_object(
         &self,
         rel: &str,
@@ -514,6 +528,19 @@ impl S3Tier {
         if_match: Option<&str>,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
+        self.hash_object_with(rel, side, if_match, limit, PieceHasher::whole_only())
+            .await
+            .map(|(digest, _)| digest)
+    }
+
+    async fn hash_object_with(
+        &self,
+        rel: &str,
+        side: Side,
+        if_match: Option<&str>,
+        limit: ReadLimit,
+        mut hasher: PieceHasher,
+    ) -> Result<(FileDigest, PieceHashes), TransferError> {
         let key = self.key_for(rel, side)?;
         let _slot = self.request_slot().await;
         let response = self
@@ -535,17 +562,18 @@ impl S3Tier {
         // Chunks go to a blocking thread for hashing; the bounded channel keeps at most a few
         // MiB in memory when hashing is slower than the network.
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(64);
-        let hasher = tokio::task::spawn_blocking(move || {
-            let mut hasher = Sha256::new();
+        let hashing = tokio::task::spawn_blocking(move || {
             let mut size = 0u64;
             while let Some(chunk) = rx.blocking_recv() {
                 size += chunk.len() as u64;
                 hasher.update(&chunk);
             }
-            FileDigest {
+            let (whole, pieces) = hasher.finish();
+            let digest = FileDigest {
                 size,
-                sha256: hex::encode(hasher.finalize()),
-            }
+                sha256: hex::encode(whole),
+            };
+            (digest, pieces)
         });
         let mut taken = 0u64;
         while taken < cap {
@@ -577,14 +605,14 @@ impl S3Tier {
             }
         }
         drop(tx);
-        let digest = hasher.await.map_err(|e| {
+        let (digest, pieces) = hashing.await.map_err(|e| {
             self.site(side, rel)
                 .error(ErrorKind::Io, format!("hashing task failed: {e}"))
         })?;
         limit
             .check_read(digest.size)
             .map_err(|(kind, detail)| self.site(side, rel).error(kind, detail))?;
-        Ok(digest)
+        Ok((digest, pieces))
     }
 
     /// The bytes `range` of the object at `rel`, in one ranged GET (a fan-out's piece of a
