@@ -21,11 +21,17 @@ const SHARED: &str = r#"source="shared""#;
 const PEER: &str = r#"source="peer""#;
 const MIB: usize = 1 << 20;
 
-/// Many small files and a few multi-MiB ones, about 39 MiB: seven pieces of the fan-out's
-/// (runs of files up to 8 MiB, a larger file alone), so that eight agents share them out.
+/// Many small files, two of 5 MiB and one of 20 MiB, about 49 MiB: eight pieces of the
+/// fan-out's (three runs of small files up to 8 MiB, a 5 MiB file alone twice, and the
+/// 20 MiB file in three slices by the piece hashes the validator stored), so that eight agents
+/// share them out.
 fn version(root: &std::path::Path) -> anyhow::Result<u64> {
-    write_version(root, 400, 48 * 1024, &[5 * MIB, 5 * MIB, 5 * MIB, 5 * MIB])
+    write_version(root, 400, 48 * 1024, &[5 * MIB, 5 * MIB, 20 * MIB])
 }
+
+/// The pieces the version is cut into ([`version`]): the 20 MiB file as one piece instead of
+/// three would make six.
+const PIECES: usize = 8;
 
 /// Agents in namespaces reach NATS across the bridge, answer `/readyz` and serve `/metrics` on
 /// their own addresses, and stage onto their own local tiers (no `[service.fanout]`: each
@@ -75,6 +81,13 @@ async fn eight_nodes_read_the_shared_tier_about_once() -> anyhow::Result<()> {
         "the agents read {shared} B of a {bytes} B version from the shared tier"
     );
     ensure!(peer > 0.0, "no agent fetched a byte from a peer");
+    // Every node holds every piece: the large file's slices among them, so the validator's
+    // side data reached the agents.
+    for i in 0..fleet.len() {
+        let node = Fleet::node(i);
+        let held = fleet.swarm_keys(|k| is_have_of(k, &node)).await?.len();
+        ensure!(held == PIECES, "{node} announced {held} pieces, not {PIECES}");
+    }
     Ok(())
 }
 
