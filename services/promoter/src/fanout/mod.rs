@@ -714,7 +714,10 @@ impl<'r, 'a> Run<'r, 'a> {
                 let range = slice.offset..slice.offset + len;
                 Box::pin(async move {
                     let read = async {
+                        // A copy slot of the copy's class, as the mover takes for a whole file.
+                        let permit = job.mover.scheduler().acquire(job.opts.priority).await;
                         let bytes = job.src.read_range(&path, range.clone()).await?;
+                        drop(permit);
                         let (found, bytes) = tokio::task::spawn_blocking(move || {
                             (<[u8; 32]>::from(Sha256::digest(&bytes)), bytes)
                         })
