@@ -747,6 +747,97 @@ async fn a_part_leaves_its_node_only_once_its_agent_has_read_its_copy_back() -> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_part_of_a_step_expired_while_its_agent_was_away_goes_as_the_step_did()
+-> anyhow::Result<()> {
+    // gpu-c's agent offloads its part and goes away before the step is committed whole; the
+    // step is committed, its other parts leave their nodes, and retention expires it (its copy
+    // on hot deleted) before gpu-c's agent is back. The agent then removes its part without
+    // reading back a copy that is gone on purpose, and makes nothing again where the step no
+    // longer is: the part goes as its step did.
+    let mut sh = Stagehand::start(common::Options {
+        promoter: true,
+        ..Default::default()
+    })
+    .await?;
+    let mut policies = Vec::new();
+    for node in &NODES[..3] {
+        policies.push(sh.start_node_agent(node)?);
+    }
+    policies.push(sh.write_node_policies(NODES[3])?);
+    sh.ready().await?;
+    let url = sh.url.clone();
+    let catalogue = Catalogue::new(sh.bus.client().clone());
+    for (part, node) in NODES.iter().enumerate() {
+        write_and_commit(&url, node, &policies[part], 1, part)?;
+    }
+    three_offloaded(&url, &sh.policies, 1).await?;
+    sh.stop_node_agent(NODES[2]).await?;
+    sh.start_node_agent(NODES[3])?;
+    sh.ready().await?;
+    listed_as(&url, &sh.policies, 1, "committed").await?;
+    let others = vec![
+        (0, NODES[0].to_owned()),
+        (1, NODES[1].to_owned()),
+        (3, NODES[3].to_owned()),
+    ];
+    wait_for(WAIT, "parts 0, 1 and 3 off their nodes", || async {
+        (removed_parts(&catalogue, 1).await.ok()? == others).then_some(())
+    })
+    .await?;
+    // Retention expires the step, as the demoter does: its folder on hot goes, then the fact.
+    let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-1");
+    writable(&hot_step)?;
+    std::fs::remove_dir_all(&hot_step)?;
+    let expired = Event::request(
+        EventId::new("test-step-1-expired")?,
+        PROJECT,
+        Body::CheckpointExpired(stagehand_schemas::CheckpointExpired {
+            run: RUN.into(),
+            step: 1,
+            location: Location {
+                tier: "hot".into(),
+                prefix: "lab/ckpt-llm/step-1".into(),
+            },
+            rule: "keep_last".into(),
+        }),
+    );
+    sh.bus.publish(&expired).await?;
+    wait_for(WAIT, "step 1 expired in the catalogue", || async {
+        let page = catalogue
+            .checkpoints(PROJECT, RUN, Some(1), Some(0))
+            .await
+            .ok()?;
+        page.items
+            .first()
+            .filter(|c| c.step == 1 && c.state == stagehand_catalogue::CheckpointState::Expired)
+            .map(|_| ())
+    })
+    .await?;
+    // gpu-c's agent is back: its part leaves the node, recorded, and hot holds nothing again.
+    let on_gpu_c = part_dir(&policies[2], 1, 2)?;
+    ensure!(
+        on_gpu_c.exists(),
+        "part 2 left gpu-c while its agent was away"
+    );
+    sh.start_node_agent(NODES[2])?;
+    sh.ready().await?;
+    let every: Vec<(u32, String)> = (0..NODES.len())
+        .map(|part| (part as u32, NODES[part].to_owned()))
+        .collect();
+    wait_for(WAIT, "part 2 off gpu-c", || async {
+        (removed_parts(&catalogue, 1).await.ok()? == every).then_some(())
+    })
+    .await?;
+    ensure!(!on_gpu_c.exists(), "part 2 is still on gpu-c");
+    ensure!(
+        !hot_step.exists(),
+        "the expired step's folder was made again on hot: {}",
+        hot_step.display()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> anyhow::Result<()> {
     // Hot, the offload tier, holds 16 KiB: a part of 20,003 bytes does not fit.
     let mut sh = Stagehand::start(common::Options {
