@@ -86,7 +86,10 @@ async fn eight_nodes_read_the_shared_tier_about_once() -> anyhow::Result<()> {
     for i in 0..fleet.len() {
         let node = Fleet::node(i);
         let held = fleet.swarm_keys(|k| is_have_of(k, &node)).await?.len();
-        ensure!(held == PIECES, "{node} announced {held} pieces, not {PIECES}");
+        ensure!(
+            held == PIECES,
+            "{node} announced {held} pieces, not {PIECES}"
+        );
     }
     Ok(())
 }
