@@ -826,6 +826,9 @@ impl<'r, 'a> Run<'r, 'a> {
     }
 }
 
+/// Side data objects asked for at once.
+const SIDE_DATA_AT_ONCE: usize = 16;
+
 /// The side data of every file of `files` larger than a piece, by index: where a file has
 /// none (a version validated before side data was written) it is fanned out whole, and so it
 /// is where its side data does not read (logged: the file is still verified whole).
@@ -842,11 +845,24 @@ pub async fn side_data(
         Err(e) if e.kind == ManifestErrorKind::NotFound => return Ok(side),
         Err(e) => return Err(e),
     };
-    for (i, file) in files.iter().enumerate() {
-        if !PieceHashes::wanted(file.size) {
-            continue;
-        }
-        match store.pieces(&file.sha256, file.size).await {
+    // Asked several at a time: a version of many large files is one question per file.
+    let wanted: Vec<(usize, FileRef)> = files
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| PieceHashes::wanted(f.size))
+        .map(|(i, f)| (i, f.clone()))
+        .collect();
+    let mut asked = futures::stream::iter(wanted)
+        .map(|(i, file)| {
+            let store = store.clone();
+            async move {
+                let found = store.pieces(&file.sha256, file.size).await;
+                (i, file, found)
+            }
+        })
+        .buffer_unordered(SIDE_DATA_AT_ONCE);
+    while let Some((i, file, found)) = asked.next().await {
+        match found {
             Ok(Some(hashes)) => {
                 side.insert(i, hashes);
             }
