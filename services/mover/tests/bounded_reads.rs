@@ -215,3 +215,26 @@ async fn a_file_larger_than_a_piece_is_hashed_piece_by_piece_in_the_same_read() 
         .unwrap_err();
     assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
 }
+
+/// A fan-out's slice of a large file read from a posix shared tier: exactly the range's
+/// bytes; a range running past the file's end is a size mismatch; the path is confined like
+/// every read.
+#[tokio::test]
+async fn a_range_of_a_file_is_read_exactly_or_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..3u32 << 20).map(|i| (i * 7 + i / 509) as u8).collect();
+    std::fs::write(dir.path().join("large"), &data).unwrap();
+    let src = tier(dir.path());
+    let got = src.read_range("large", 1_000_000..2_500_001).await.unwrap();
+    assert!(got == data[1_000_000..2_500_001], "the range's bytes");
+    let end = data.len() as u64;
+    let err = src
+        .read_range("large", end - 10..end + 10)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
+    let err = src.read_range("../large", 0..10).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::PathRefused, "{err}");
+    let err = src.read_range("missing", 0..10).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+}

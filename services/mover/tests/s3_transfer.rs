@@ -793,6 +793,31 @@ async fn an_object_larger_than_a_piece_is_hashed_piece_by_piece_in_the_same_read
     assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
 }
 
+/// A fan-out's slice of a large object read from an S3 shared tier: one ranged GET gives
+/// exactly the bytes of the range; a range running past the object's end is a size mismatch,
+/// never fewer bytes handed on as the slice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_of_an_object_is_read_exactly_or_refused() {
+    use stagehand_mover::Tier;
+    let cold = Tier::S3(tier("cold").await);
+    let Tier::S3(raw) = &cold else { unreachable!() };
+    let data = bytes(3 << 20, 13);
+    put_raw(raw, "large.bin", &data, None).await;
+    let got = cold
+        .read_range("large.bin", 1_000_000..2_500_001)
+        .await
+        .unwrap();
+    assert!(got == data[1_000_000..2_500_001], "the range's bytes");
+    assert!(cold.read_range("large.bin", 5..5).await.unwrap().is_empty());
+    let err = cold
+        .read_range("large.bin", (3 << 20) - 10..(3 << 20) + 10)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::SizeMismatch, "{err}");
+    let err = cold.read_range("missing.bin", 0..10).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::NotFound, "{err}");
+}
+
 /// Bounded reads of objects (issue 6 item 7): the GET response's `Content-Length` is checked
 /// against the declared and maximum sizes before the body is read; a key over S3's 1024
 /// bytes is refused before any request, as that file's permanent problem; a missing object
