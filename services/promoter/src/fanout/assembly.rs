@@ -143,3 +143,113 @@ impl Assemblies {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::os::unix::fs::FileExt;
+
+    use stagehand_schemas::pieces::{PIECE_BYTES, PieceHashes};
+
+    use super::*;
+    use crate::fanout::pieces;
+
+    fn big() -> Vec<u8> {
+        (0..2 * PIECE_BYTES + 4321)
+            .map(|i| (i * 31 + i / 8191) as u8)
+            .collect()
+    }
+
+    fn sliced(file: &FileRef, bytes: &[u8]) -> Vec<Piece> {
+        let side = HashMap::from([(0, PieceHashes::of(bytes))]);
+        pieces::cut(std::slice::from_ref(file), &side)
+    }
+
+    fn slice_of<'b>(bytes: &'b [u8], piece: &Piece) -> &'b [u8] {
+        let r = piece.range().unwrap();
+        &bytes[r.start as usize..r.end as usize]
+    }
+
+    #[test]
+    fn a_file_is_served_slice_by_slice_while_put_together_and_named_only_once_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = PosixTier::open("local", dir.path()).unwrap();
+        let bytes = big();
+        let file = FileRef::new(
+            "w/shard.bin",
+            bytes.len() as u64,
+            stagehand_schemas::sha256_hex(&bytes),
+        );
+        let pieces = sliced(&file, &bytes);
+        assert_eq!(pieces.len(), 3);
+        let assemblies = Assemblies::new(staging, &pieces);
+        assert!(assemblies.reader(0).is_none(), "nothing begun");
+        // The last slice first: served from the temp file at once; the name is not there yet.
+        let done = assemblies
+            .write(
+                0,
+                &file,
+                pieces[2].range().unwrap().start,
+                slice_of(&bytes, &pieces[2]),
+                true,
+            )
+            .unwrap();
+        assert!(!done);
+        let reader = assemblies.reader(0).expect("the temp file is served");
+        let mut served = vec![0u8; pieces[2].bytes as usize];
+        reader
+            .read_exact_at(&mut served, pieces[2].range().unwrap().start)
+            .unwrap();
+        assert!(served == slice_of(&bytes, &pieces[2]));
+        assert!(!dir.path().join("w/shard.bin").exists());
+        for piece in &pieces[..2] {
+            let done = assemblies
+                .write(
+                    0,
+                    &file,
+                    piece.range().unwrap().start,
+                    slice_of(&bytes, piece),
+                    true,
+                )
+                .unwrap();
+            assert_eq!(done, piece == &pieces[1]);
+        }
+        assert!(std::fs::read(dir.path().join("w/shard.bin")).unwrap() == bytes);
+        assert!(
+            assemblies.reader(0).is_none(),
+            "served under its name from now on"
+        );
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("w"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["shard.bin"], "no temp file left");
+    }
+
+    #[test]
+    fn a_file_that_does_not_read_back_whole_is_not_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = PosixTier::open("local", dir.path()).unwrap();
+        let bytes = big();
+        // Slices that verified, of a file the manifest hashes otherwise: the read-back catches it.
+        let file = FileRef::new("shard.bin", bytes.len() as u64, "0".repeat(64));
+        let pieces = sliced(&file, &bytes);
+        let assemblies = Assemblies::new(staging, &pieces);
+        let mut last = None;
+        for piece in &pieces {
+            last = Some(assemblies.write(
+                0,
+                &file,
+                piece.range().unwrap().start,
+                slice_of(&bytes, piece),
+                true,
+            ));
+        }
+        let err = last.unwrap().unwrap_err();
+        assert_eq!(err.kind, ErrorKind::ChecksumMismatch, "{err}");
+        assert!(
+            std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+            "nothing left: {err}"
+        );
+    }
+}
