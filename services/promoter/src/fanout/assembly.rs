@@ -1,9 +1,11 @@
 //! Large files put together from their slices in the staging folder.
 //!
 //! A file cut into slices (`pieces.rs`) lands in one temp file beside its final name, each
-//! slice written at its offset once its bytes verified against the slice's SHA-256, whoever
-//! served them. The temp file is served to peers slice by slice while the rest arrive: a node
-//! passes on what it holds before it holds the whole file. When its last slice is written
+//! slice written at its offset as its bytes arrive and hashed meanwhile; it counts as held
+//! only once its SHA-256 is the side data's, whoever served it (a slice that does not verify
+//! is written again, from elsewhere). The temp file is served to peers slice by slice, held
+//! ones only, while the rest arrive: a node passes on what it holds before it holds the
+//! whole file. When its last slice is written
 //! the file is complete and verified piece by piece — read back and hashed whole first when
 //! the copy asks for a read-back — and is renamed in under its name, made durable.
 
@@ -26,9 +28,33 @@ pub struct Assemblies {
 
 struct Assembly {
     landing: Mutex<Option<AtomicFile>>,
-    /// The temp file, for serving its written slices.
-    reader: Arc<File>,
+    /// The temp file, for writing slices (at their own offsets, so concurrently) and serving
+    /// the held ones.
+    file: Arc<File>,
     left: Mutex<usize>,
+}
+
+/// Where the bytes of one slice of a file being put together are written, as they arrive.
+pub struct SliceLanding {
+    assembly: Arc<Assembly>,
+    staging: PosixTier,
+    path: String,
+}
+
+impl SliceLanding {
+    /// Writes `bytes` at `offset` of the file. Blocking.
+    pub fn write_at(&self, bytes: &[u8], offset: u64) -> Result<(), TransferError> {
+        use std::os::unix::fs::FileExt;
+        self.assembly.file.write_all_at(bytes, offset).map_err(|e| {
+            TransferError::from_io(
+                e,
+                Side::Destination,
+                self.staging.name(),
+                &self.path,
+                "write",
+            )
+        })
+    }
 }
 
 impl Assemblies {
@@ -45,25 +71,25 @@ impl Assemblies {
         }
     }
 
-    /// Writes the verified bytes of a slice of file `index` at `offset`. Returns whether they
-    /// were its last: the file is then complete, checked whole when `read_back`, and in place
-    /// under its name. Blocking.
-    pub fn write(
+    /// The temp file of file `index`, begun if need be, to write a slice into.
+    pub fn landing(&self, index: usize, file: &FileRef) -> Result<SliceLanding, TransferError> {
+        Ok(SliceLanding {
+            assembly: self.assembly(index, file)?,
+            staging: self.staging.clone(),
+            path: file.path.clone(),
+        })
+    }
+
+    /// One more slice of file `index` is written and verified. Returns whether it was the last:
+    /// the file is then complete, checked whole when `read_back`, and in place under its name.
+    /// Blocking.
+    pub fn slice_written(
         &self,
         index: usize,
         file: &FileRef,
-        offset: u64,
-        bytes: &[u8],
         read_back: bool,
     ) -> Result<bool, TransferError> {
         let assembly = self.assembly(index, file)?;
-        {
-            let landing = lock(&assembly.landing);
-            let Some(landing) = landing.as_ref() else {
-                return Err(self.local(file, "a slice arrived for a file already complete"));
-            };
-            landing.write_all_at(bytes, offset)?;
-        }
         let last = {
             let mut left = lock(&assembly.left);
             *left = left.saturating_sub(1);
@@ -99,7 +125,7 @@ impl Assemblies {
     /// The temp file of file `index` while it is put together; `None` once it is in place
     /// under its name (or not begun).
     pub fn reader(&self, index: usize) -> Option<Arc<File>> {
-        lock(&self.open).get(&index).map(|a| a.reader.clone())
+        lock(&self.open).get(&index).map(|a| a.file.clone())
     }
 
     fn assembly(&self, index: usize, file: &FileRef) -> Result<Arc<Assembly>, TransferError> {
@@ -111,18 +137,18 @@ impl Assemblies {
             return Err(self.local(file, "a slice of a file that is not cut into slices"));
         };
         let landing = self.staging.create_atomic(&file.path, file.size)?;
-        let reader = landing.file().try_clone().map_err(|e| {
+        let handle = landing.file().try_clone().map_err(|e| {
             TransferError::from_io(
                 e,
                 Side::Destination,
                 self.staging.name(),
                 &file.path,
-                "open for serving",
+                "open for writing slices",
             )
         })?;
         let assembly = Arc::new(Assembly {
             landing: Mutex::new(Some(landing)),
-            reader: Arc::new(reader),
+            file: Arc::new(handle),
             left: Mutex::new(slices),
         });
         open.insert(index, assembly.clone());
@@ -165,6 +191,17 @@ mod tests {
         pieces::cut(std::slice::from_ref(file), &side)
     }
 
+    /// Writes a verified slice whole and counts it.
+    fn write(
+        assemblies: &Assemblies,
+        file: &FileRef,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<bool, TransferError> {
+        assemblies.landing(0, file)?.write_at(bytes, offset)?;
+        assemblies.slice_written(0, file, true)
+    }
+
     fn slice_of<'b>(bytes: &'b [u8], piece: &Piece) -> &'b [u8] {
         let r = piece.range().unwrap();
         &bytes[r.start as usize..r.end as usize]
@@ -185,15 +222,13 @@ mod tests {
         let assemblies = Assemblies::new(staging, &pieces);
         assert!(assemblies.reader(0).is_none(), "nothing begun");
         // The last slice first: served from the temp file at once; the name is not there yet.
-        let done = assemblies
-            .write(
-                0,
-                &file,
-                pieces[2].range().unwrap().start,
-                slice_of(&bytes, &pieces[2]),
-                true,
-            )
-            .unwrap();
+        let done = write(
+            &assemblies,
+            &file,
+            pieces[2].range().unwrap().start,
+            slice_of(&bytes, &pieces[2]),
+        )
+        .unwrap();
         assert!(!done);
         let reader = assemblies.reader(0).expect("the temp file is served");
         let mut served = vec![0u8; pieces[2].bytes as usize];
@@ -203,15 +238,13 @@ mod tests {
         assert!(served == slice_of(&bytes, &pieces[2]));
         assert!(!dir.path().join("w/shard.bin").exists());
         for piece in &pieces[..2] {
-            let done = assemblies
-                .write(
-                    0,
-                    &file,
-                    piece.range().unwrap().start,
-                    slice_of(&bytes, piece),
-                    true,
-                )
-                .unwrap();
+            let done = write(
+                &assemblies,
+                &file,
+                piece.range().unwrap().start,
+                slice_of(&bytes, piece),
+            )
+            .unwrap();
             assert_eq!(done, piece == &pieces[1]);
         }
         assert!(std::fs::read(dir.path().join("w/shard.bin")).unwrap() == bytes);
@@ -237,12 +270,11 @@ mod tests {
         let assemblies = Assemblies::new(staging, &pieces);
         let mut last = None;
         for piece in &pieces {
-            last = Some(assemblies.write(
-                0,
+            last = Some(write(
+                &assemblies,
                 &file,
                 piece.range().unwrap().start,
                 slice_of(&bytes, piece),
-                true,
             ));
         }
         let err = last.unwrap().unwrap_err();

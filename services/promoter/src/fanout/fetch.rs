@@ -2,8 +2,9 @@
 //! file boundaries, each file hashed as it is written beside its final name in the staging
 //! folder and renamed into place only when its SHA-256 is the manifest's. A file that does not
 //! verify names the peer that served it; a body cut short, a refusal or silence only make
-//! this node ask elsewhere. A slice of a large file ([`fetch_slice`]) is held in memory (a
-//! piece at most) until its SHA-256 is the side data's, then handed to its file's assembly.
+//! this node ask elsewhere. A slice of a large file ([`fetch_slice`]) is written into its
+//! file's temp file as it arrives and hashed meanwhile; it counts only once its SHA-256 is the
+//! side data's.
 
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use stagehand_schemas::manifest::FileRef;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
+use super::assembly::SliceLanding;
 use super::auth::AgentKey;
 use super::tls::AgentTls;
 
@@ -121,8 +123,10 @@ async fn ask(
     Ok(answer)
 }
 
-/// Fetches piece `n` of `swarm`, a slice of `file` of `len` bytes whose SHA-256 is `sha256`,
-/// from the peer at `addr`: its bytes, verified, to be written by the caller.
+/// Fetches piece `n` of `swarm`, the `len` bytes at `offset` of a large file whose SHA-256 is
+/// `sha256`, from the peer at `addr` into `landing` (its file's temp file), hashing them as
+/// they are written: `Ok` once they verified. Bytes that do not verify are the peer's fault;
+/// they are written over when the slice comes from elsewhere.
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch_slice(
     addr: &str,
@@ -130,64 +134,87 @@ pub async fn fetch_slice(
     tls: Option<&AgentTls>,
     swarm: &str,
     n: usize,
-    file: &str,
-    len: u64,
+    landing: SliceLanding,
+    (path, offset, len): (&str, u64, u64),
     sha256: [u8; 32],
-) -> Result<Vec<u8>, FetchError> {
+) -> Result<(), FetchError> {
     let mut answer = ask(addr, key, tls, swarm, n).await?;
-    let mut bytes = Vec::with_capacity(len as usize);
-    loop {
-        match tokio::time::timeout(SILENCE_TIMEOUT, answer.response.body_mut().frame()).await {
-            Err(_) => {
-                return Err(FetchError::Unavailable(format!(
-                    "peer {addr}: piece {n} cut short: silent for {SILENCE_TIMEOUT:?}"
-                )));
+    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+    let file = path.to_owned();
+    let writer = tokio::task::spawn_blocking(move || {
+        let mut hasher = Sha256::new();
+        let mut written = 0u64;
+        while let Some(chunk) = rx.blocking_recv() {
+            if written + chunk.len() as u64 > len {
+                return Err(FetchError::Spoiled {
+                    file,
+                    why: format!("piece {n} went on past its {len} bytes"),
+                });
             }
-            Ok(None) => break,
-            Ok(Some(Err(e))) => {
-                return Err(FetchError::Unavailable(format!(
-                    "peer {addr}: piece {n} cut short: {e}"
-                )));
-            }
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    if bytes.len() as u64 + data.len() as u64 > len {
-                        return Err(FetchError::Spoiled {
-                            file: file.to_owned(),
-                            why: format!("piece {n} went on past its {len} bytes"),
-                        });
-                    }
-                    bytes.extend_from_slice(&data);
-                }
-            }
+            hasher.update(&chunk);
+            landing
+                .write_at(&chunk, offset + written)
+                .map_err(FetchError::Local)?;
+            written += chunk.len() as u64;
         }
-    }
-    if (bytes.len() as u64) < len {
-        return Err(FetchError::Unavailable(format!(
-            "peer {addr}: piece {n} ended after {} of its {len} bytes",
-            bytes.len()
-        )));
-    }
-    tokio::task::spawn_blocking(move || {
-        let found: [u8; 32] = Sha256::digest(&bytes).into();
-        (found, bytes)
-    })
-    .await
-    .map_err(|e| FetchError::Unavailable(format!("hashing piece {n}: {e}")))
-    .and_then(|(found, bytes)| {
-        if found == sha256 {
-            Ok(bytes)
-        } else {
-            Err(FetchError::Spoiled {
-                file: file.to_owned(),
+        if written < len {
+            return Err(FetchError::Unavailable(format!(
+                "piece {n} ended after {written} of its {len} bytes"
+            )));
+        }
+        let found: [u8; 32] = hasher.finalize().into();
+        if found != sha256 {
+            return Err(FetchError::Spoiled {
+                file,
                 why: format!(
                     "piece {n} hashes to {}, the side data says {}",
                     hex::encode(found),
                     hex::encode(sha256)
                 ),
-            })
+            });
         }
-    })
+        Ok(())
+    });
+    let mut cut = None;
+    loop {
+        match tokio::time::timeout(SILENCE_TIMEOUT, answer.response.body_mut().frame()).await {
+            Err(_) => {
+                cut = Some(format!("silent for {SILENCE_TIMEOUT:?}"));
+                break;
+            }
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                cut = Some(e.to_string());
+                break;
+            }
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data()
+                    && tx.send(data).await.is_err()
+                {
+                    // The writer stopped: its answer says why.
+                    break;
+                }
+            }
+        }
+    }
+    drop(tx);
+    drop(answer);
+    let written = writer
+        .await
+        .map_err(|e| FetchError::Unavailable(format!("writing piece {n}: {e}")))?;
+    match (written, cut) {
+        (Err(e @ FetchError::Spoiled { .. }), _) | (Err(e @ FetchError::Local(_)), _) => Err(e),
+        (Err(FetchError::Unavailable(short)), Some(cut)) => Err(FetchError::Unavailable(format!(
+            "peer {addr}: piece {n} cut short ({cut}): {short}"
+        ))),
+        (Err(FetchError::Unavailable(short)), None) => {
+            Err(FetchError::Unavailable(format!("peer {addr}: {short}")))
+        }
+        (Ok(()), Some(cut)) => Err(FetchError::Unavailable(format!(
+            "peer {addr}: piece {n}: {cut}"
+        ))),
+        (Ok(()), None) => Ok(()),
+    }
 }
 
 /// Fetches piece `n` of `swarm` from the peer at `addr` into `staging`: the files' bytes.

@@ -649,40 +649,49 @@ impl<'r, 'a> Run<'r, 'a> {
         }
     }
 
-    /// A slice's copy: its bytes from the peer or the shared tier, verified against the side
-    /// data's hash, then written into its file's assembly.
+    /// A slice's copy: its bytes from the peer or the shared tier written into its file's
+    /// temp file as they come and hashed meanwhile, held once they verified against the side
+    /// data's hash.
     fn start_slice(&mut self, piece: usize, step: Step) -> BoxFuture<'r, (usize, Ended)> {
         let job: &'r Fill<'a> = self.job;
         let p = &self.pieces[piece];
         let index = p.files.start;
         let file = job.files[index].clone();
         let slice = p.slice.clone().expect("a slice");
-        let len = p.bytes;
+        let (len, range) = (p.bytes, p.range().expect("a slice"));
         let assemblies = self.assemblies.clone();
         let read_back = job.opts.verify_destination == VerifyMode::ReadBack;
-        let write = move |bytes: Vec<u8>, from: FanoutSource| {
-            let file = file.clone();
+        let failed = move |what: &str, e: &dyn std::fmt::Display| {
+            TransferError::new(
+                ErrorKind::Io,
+                Side::Destination,
+                job.staging.name(),
+                &job.files[index].path,
+                format!("{what} task failed: {e}"),
+            )
+        };
+        // Counts the verified slice: the file completes with its last.
+        let written = move |from: FanoutSource| {
+            let (assemblies, file) = (assemblies.clone(), file.clone());
             async move {
-                let written = tokio::task::spawn_blocking(move || {
-                    assemblies.write(index, &file, slice.offset, &bytes, read_back)
+                let counted = tokio::task::spawn_blocking(move || {
+                    assemblies.slice_written(index, &file, read_back)
                 })
                 .await;
-                match written {
+                match counted {
                     Ok(Ok(complete)) => Ended::Held {
                         bytes: len,
                         from,
                         files: u64::from(complete),
                     },
                     Ok(Err(e)) => Ended::Failed(e),
-                    Err(e) => Ended::Failed(TransferError::new(
-                        ErrorKind::Io,
-                        Side::Destination,
-                        job.staging.name(),
-                        &job.files[index].path,
-                        format!("writing task failed: {e}"),
-                    )),
+                    Err(e) => Ended::Failed(failed("writing", &e)),
                 }
             }
+        };
+        let landing = match self.assemblies.landing(index, &job.files[index]) {
+            Ok(landing) => landing,
+            Err(e) => return Box::pin(async move { (piece, Ended::Failed(e)) }),
         };
         let path = job.files[index].path.clone();
         match step {
@@ -696,13 +705,13 @@ impl<'r, 'a> Run<'r, 'a> {
                         tls,
                         &job.swarm,
                         piece,
-                        &path,
-                        len,
+                        landing,
+                        (&path, slice.offset, len),
                         slice.sha256,
                     )
                     .await;
                     let ended = match fetched {
-                        Ok(bytes) => write(bytes, FanoutSource::Peer).await,
+                        Ok(()) => written(FanoutSource::Peer).await,
                         Err(error) => Ended::PeerFailed { node, error },
                     };
                     (piece, ended)
@@ -711,47 +720,26 @@ impl<'r, 'a> Run<'r, 'a> {
             Step::Shared { claim } => {
                 let renewer = claim.map(|rev| (self.board.renewer(piece), rev));
                 let every = (self.fanout.patience / 3).max(Duration::from_millis(100));
-                let range = slice.offset..slice.offset + len;
                 Box::pin(async move {
                     let read = async {
                         // A copy slot of the copy's class, as the mover takes for a whole file.
-                        let permit = job.mover.scheduler().acquire(job.opts.priority).await;
-                        let bytes = job.src.read_range(&path, range.clone()).await?;
-                        drop(permit);
-                        let (found, bytes) = tokio::task::spawn_blocking(move || {
-                            (<[u8; 32]>::from(Sha256::digest(&bytes)), bytes)
-                        })
-                        .await
-                        .map_err(|e| {
-                            TransferError::new(
-                                ErrorKind::Io,
-                                Side::Source,
-                                job.src.name(),
-                                &path,
-                                format!("hashing task failed: {e}"),
-                            )
-                        })?;
-                        if found != slice.sha256 {
-                            return Err(TransferError::new(
-                                ErrorKind::ChecksumMismatch,
-                                Side::Source,
-                                job.src.name(),
-                                &path,
-                                format!(
-                                    "bytes {range:?} hash to {}, the side data says {}",
-                                    hex::encode(found),
-                                    hex::encode(slice.sha256)
-                                ),
-                            ));
+                        let _permit = job.mover.scheduler().acquire(job.opts.priority).await;
+                        let src = job.src.clone();
+                        let copied = tokio::task::spawn_blocking(move || {
+                            copy_slice(&src, &path, range, slice.sha256, &landing)
+                        });
+                        match copied.await {
+                            Ok(Ok(())) => Ok(()),
+                            Ok(Err(e)) => Err(e),
+                            Err(e) => Err(failed("reading", &e)),
                         }
-                        Ok(bytes)
                     };
                     let read = match renewer {
                         None => read.await,
                         Some((renewer, rev)) => renewer.holding(rev, every, read).await,
                     };
                     let ended = match read {
-                        Ok(bytes) => write(bytes, FanoutSource::Shared).await,
+                        Ok(()) => written(FanoutSource::Shared).await,
                         Err(e) => Ended::Failed(e),
                     };
                     (piece, ended)
@@ -825,6 +813,71 @@ impl<'r, 'a> Run<'r, 'a> {
         }
     }
 }
+
+/// Copies the bytes `range` of `path` on the shared tier `src` into `landing` (the same range
+/// of its file's temp file), hashing them as they pass; `Ok` once they hash to `sha256`.
+/// Blocking: a posix tier is read a MiB at a time through one reused buffer; an S3 tier in one
+/// ranged GET (run on the calling runtime's handle).
+fn copy_slice(
+    src: &Tier,
+    path: &str,
+    range: std::ops::Range<u64>,
+    sha256: [u8; 32],
+    landing: &assembly::SliceLanding,
+) -> Result<(), TransferError> {
+    let mut hasher = Sha256::new();
+    match src {
+        Tier::Posix(tier) => {
+            use std::os::unix::fs::FileExt;
+            let file = tier.open_read(path)?;
+            let mut buf = vec![0u8; SLICE_CHUNK.min((range.end - range.start) as usize)];
+            let mut at = range.start;
+            while at < range.end {
+                let want = buf.len().min((range.end - at) as usize);
+                file.read_exact_at(&mut buf[..want], at).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                        TransferError::new(
+                            ErrorKind::SizeMismatch,
+                            Side::Source,
+                            tier.name(),
+                            path,
+                            format!("the file ends before byte {}", range.end),
+                        )
+                    } else {
+                        TransferError::from_io(e, Side::Source, tier.name(), path, "read")
+                    }
+                })?;
+                hasher.update(&buf[..want]);
+                landing.write_at(&buf[..want], at)?;
+                at += want as u64;
+            }
+        }
+        Tier::S3(_) => {
+            let bytes =
+                tokio::runtime::Handle::current().block_on(src.read_range(path, range.clone()))?;
+            hasher.update(&bytes);
+            landing.write_at(&bytes, range.start)?;
+        }
+    }
+    let found: [u8; 32] = hasher.finalize().into();
+    if found != sha256 {
+        return Err(TransferError::new(
+            ErrorKind::ChecksumMismatch,
+            Side::Source,
+            src.name(),
+            path,
+            format!(
+                "bytes {range:?} hash to {}, the side data says {}",
+                hex::encode(found),
+                hex::encode(sha256)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// How much of a slice read from a posix shared tier is read and written at a time.
+const SLICE_CHUNK: usize = 1 << 20;
 
 /// Side data objects asked for at once.
 const SIDE_DATA_AT_ONCE: usize = 16;
