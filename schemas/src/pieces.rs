@@ -1,12 +1,20 @@
-//! Per-piece SHA-256s of a large file: the manifest's side data.
+//! Per-piece hashes of a large file: the manifest's side data.
 //!
 //! A manifest gives each file one SHA-256, which can be checked only once the whole file is
 //! in hand. Node agents fanning a version out (`services/promoter/src/fanout`) move a file
 //! larger than [`PIECE_BYTES`] in pieces, from several peers at once, and must judge each
 //! piece as it arrives, so that a peer serving bad bytes is caught at the piece and named.
 //! For such a file the services that hash every byte of a version (the ingest validator, the
-//! resharder) also record the SHA-256 of each piece: piece `i` is the bytes
-//! `[i × PIECE_BYTES, min((i + 1) × PIECE_BYTES, size))`.
+//! resharder) also record the BLAKE3 hash of each piece, from the same read that gives the
+//! file's SHA-256: piece `i` is the bytes `[i × PIECE_BYTES, min((i + 1) × PIECE_BYTES, size))`.
+//!
+//! Why BLAKE3 and not SHA-256, the manifest's hash: the pieces are hashed once more by the
+//! service that records them, on the way of every ingest and every resharding, and again by
+//! every node a slice reaches. BLAKE3 is a cryptographic hash (a peer cannot forge a slice
+//! that matches) at several times SHA-256's speed per core (AVX2/AVX-512), so that extra pass
+//! costs a fraction of the SHA-256 one (`loadtest/README.md`). A file's identity stays its
+//! SHA-256: the piece hashes are taken from bytes whose SHA-256 the writer found, and are
+//! stored under it.
 //!
 //! The side data is keyed by the content, not the version: the pieces of the bytes whose
 //! SHA-256 is `X` are the same in every version holding them. It is stored as the object
@@ -14,9 +22,9 @@
 //! verified what they write may write; its bytes ([`PieceHashes::to_bytes`]) are
 //!
 //! ```text
-//! stagehand-pieces v1\t<piece bytes>\t<file size>\n
-//! <sha256 of piece 0>\n
-//! <sha256 of piece 1>\n
+//! stagehand-pieces blake3 v1\t<piece bytes>\t<file size>\n
+//! <BLAKE3 of piece 0, 64 lowercase hex>\n
+//! <BLAKE3 of piece 1>\n
 //! …
 //! ```
 //!
@@ -29,14 +37,14 @@ use sha2::{Digest, Sha256};
 /// is verified whole.
 pub const PIECE_BYTES: u64 = 8 << 20;
 
-const HEADER: &str = "stagehand-pieces v1";
+const HEADER: &str = "stagehand-pieces blake3 v1";
 
-/// The SHA-256 of each piece of one file.
+/// The BLAKE3 hash of each piece of one file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PieceHashes {
     /// The file's size.
     pub size: u64,
-    /// The SHA-256 of each piece, in order.
+    /// The BLAKE3 hash of each piece, in order.
     pub pieces: Vec<[u8; 32]>,
 }
 
@@ -148,8 +156,27 @@ impl PieceHashes {
     }
 }
 
+/// The hash of one piece, fed in order in buffers of any size: what a reader checks a slice
+/// against ([`PieceHashes::pieces`]).
+#[derive(Default, Clone)]
+pub struct PieceDigest(blake3::Hasher);
+
+impl PieceDigest {
+    pub fn new() -> PieceDigest {
+        PieceDigest::default()
+    }
+
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    pub fn finish(&self) -> [u8; 32] {
+        self.0.finalize().into()
+    }
+}
+
 /// A file's SHA-256 and its piece hashes from one pass over its bytes, fed in order in
-/// buffers of any size. The piece hashes cost a second SHA-256 of every byte, paid only by
+/// buffers of any size. The piece hashes cost a BLAKE3 of every byte, paid only by
 /// files that have side data ([`PieceHashes::wanted`]) once the file turns out larger than a
 /// piece; callers that know the size beforehand may skip it for smaller files with
 /// [`PieceHasher::whole_only`].
@@ -157,7 +184,7 @@ impl PieceHashes {
 pub struct PieceHasher {
     whole: Sha256,
     /// The piece being hashed and its bytes so far; `None` once piece hashing is off.
-    piece: Option<(Sha256, u64)>,
+    piece: Option<(PieceDigest, u64)>,
     size: u64,
     pieces: Vec<[u8; 32]>,
 }
@@ -173,7 +200,7 @@ impl PieceHasher {
     pub fn new() -> PieceHasher {
         PieceHasher {
             whole: Sha256::new(),
-            piece: Some((Sha256::new(), 0)),
+            piece: Some((PieceDigest::new(), 0)),
             size: 0,
             pieces: Vec::new(),
         }
@@ -200,8 +227,8 @@ impl PieceHasher {
             *filled += head.len() as u64;
             bytes = rest;
             if *filled == PIECE_BYTES {
-                self.pieces
-                    .push(std::mem::replace(piece, Sha256::new()).finalize().into());
+                self.pieces.push(piece.finish());
+                *piece = PieceDigest::new();
                 *filled = 0;
             }
         }
@@ -215,7 +242,7 @@ impl PieceHasher {
         match self.piece {
             Some((piece, filled)) if PieceHashes::wanted(self.size) => {
                 if filled > 0 {
-                    pieces.push(piece.finalize().into());
+                    pieces.push(piece.finish());
                 }
             }
             _ => pieces.clear(),
@@ -252,7 +279,7 @@ mod tests {
         for (i, piece) in pieces.pieces.iter().enumerate() {
             let range = PieceHashes::range(data.len() as u64, i as u64);
             let expected: [u8; 32] =
-                Sha256::digest(&data[range.start as usize..range.end as usize]).into();
+                blake3::hash(&data[range.start as usize..range.end as usize]).into();
             assert_eq!(piece, &expected, "piece {i}");
         }
     }

@@ -32,7 +32,7 @@
 //!    I/O, so an upload just placed is one — is read with `O_DIRECT` straight into the
 //!    hashing buffer: the kernel's read-ahead and page-cache copy would otherwise cost about
 //!    as much CPU as the hash, on the same two cores. A file larger than a piece
-//!    (`stagehand_schemas::pieces::PIECE_BYTES`) also has the SHA-256 of each piece taken in
+//!    (`stagehand_schemas::pieces::PIECE_BYTES`) also has the BLAKE3 hash of each piece taken in
 //!    the same read, and its read task stores them in the services' manifest bucket, keyed by
 //!    the SHA-256 found, before it ends ([`pieces`]): the side data node agents check each
 //!    piece against when they fan the version out. Memory does not grow with the file

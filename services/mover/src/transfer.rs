@@ -19,7 +19,7 @@ pub struct FileDigest {
     pub sha256: String,
 }
 
-/// A file's digest and, for a file larger than a piece, the SHA-256 of each of its pieces,
+/// A file's digest and, for a file larger than a piece, the BLAKE3 hash of each of its pieces,
 /// from the same read ([`crate::Tier::hash_file_pieces`]): the side data a service that hashed
 /// the bytes itself records for readers that verify a file piece by piece
 /// (`stagehand_schemas::pieces`).

@@ -23,7 +23,7 @@
 //! is framed and hashed.
 //!
 //! Every file of the version written here that is larger than a piece (a shard, in practice)
-//! also has the SHA-256 of each of its pieces taken as it is hashed, and handed to a
+//! also has the BLAKE3 hash of each of its pieces taken as it is hashed, and handed to a
 //! [`KeepPieces`] once the file is committed: the side data node agents judge each piece of it
 //! by when they fan the version out (`stagehand_schemas::pieces`).
 
@@ -64,7 +64,7 @@ pub fn member_header(size: u64) -> tar::Header {
 }
 
 /// Takes the side data of a file of the version, once the file is committed: the file
-/// (name, size, SHA-256) and the SHA-256 of each of its pieces. Called only for a file larger
+/// (name, size, SHA-256) and the BLAKE3 hash of each of its pieces. Called only for a file larger
 /// than a piece; an error stops the writing.
 pub type KeepPieces<'a> = dyn Fn(&FileRef, PieceHashes) -> Result<(), ShardError> + Sync + 'a;
 

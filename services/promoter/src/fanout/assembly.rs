@@ -2,7 +2,7 @@
 //!
 //! A file cut into slices (`pieces.rs`) lands in one temp file beside its final name, each
 //! slice written at its offset as its bytes arrive and hashed meanwhile; it counts as held
-//! only once its SHA-256 is the side data's, whoever served it (a slice that does not verify
+//! only once its hash is the side data's, whoever served it (a slice that does not verify
 //! is written again, from elsewhere). The temp file is served to peers slice by slice, held
 //! ones only, while the rest arrive: a node passes on what it holds before it holds the
 //! whole file. When its last slice is written

@@ -15,6 +15,7 @@ use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 use stagehand_mover::{PosixTier, TransferError};
 use stagehand_schemas::manifest::FileRef;
+use stagehand_schemas::pieces::PieceDigest;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
@@ -123,8 +124,8 @@ async fn ask(
     Ok(answer)
 }
 
-/// Fetches piece `n` of `swarm`, the `len` bytes at `offset` of a large file whose SHA-256 is
-/// `sha256`, from the peer at `addr` into `landing` (its file's temp file), hashing them as
+/// Fetches piece `n` of `swarm`, the `len` bytes at `offset` of a large file whose piece hash is
+/// `hash`, from the peer at `addr` into `landing` (its file's temp file), hashing them as
 /// they are written: `Ok` once they verified. Bytes that do not verify are the peer's fault;
 /// they are written over when the slice comes from elsewhere.
 #[allow(clippy::too_many_arguments)]
@@ -136,13 +137,13 @@ pub async fn fetch_slice(
     n: usize,
     landing: SliceLanding,
     (path, offset, len): (&str, u64, u64),
-    sha256: [u8; 32],
+    hash: [u8; 32],
 ) -> Result<(), FetchError> {
     let mut answer = ask(addr, key, tls, swarm, n).await?;
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let file = path.to_owned();
     let writer = tokio::task::spawn_blocking(move || {
-        let mut hasher = Sha256::new();
+        let mut hasher = PieceDigest::new();
         let mut written = 0u64;
         while let Some(chunk) = rx.blocking_recv() {
             if written + chunk.len() as u64 > len {
@@ -162,14 +163,14 @@ pub async fn fetch_slice(
                 "piece {n} ended after {written} of its {len} bytes"
             )));
         }
-        let found: [u8; 32] = hasher.finalize().into();
-        if found != sha256 {
+        let found = hasher.finish();
+        if found != hash {
             return Err(FetchError::Spoiled {
                 file,
                 why: format!(
                     "piece {n} hashes to {}, the side data says {}",
                     hex::encode(found),
-                    hex::encode(sha256)
+                    hex::encode(hash)
                 ),
             });
         }

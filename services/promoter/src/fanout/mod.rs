@@ -48,7 +48,7 @@ use stagehand_mover::{
     VerifyMode,
 };
 use stagehand_schemas::manifest::FileRef;
-use stagehand_schemas::pieces::PieceHashes;
+use stagehand_schemas::pieces::{PieceDigest, PieceHashes};
 use stagehand_telemetry::work::{FanoutSource, fanout_peer_dropped, fanout_read};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -707,7 +707,7 @@ impl<'r, 'a> Run<'r, 'a> {
                         piece,
                         landing,
                         (&path, slice.offset, len),
-                        slice.sha256,
+                        slice.hash,
                     )
                     .await;
                     let ended = match fetched {
@@ -726,7 +726,7 @@ impl<'r, 'a> Run<'r, 'a> {
                         let _permit = job.mover.scheduler().acquire(job.opts.priority).await;
                         let src = job.src.clone();
                         let copied = tokio::task::spawn_blocking(move || {
-                            copy_slice(&src, &path, range, slice.sha256, &landing)
+                            copy_slice(&src, &path, range, slice.hash, &landing)
                         });
                         match copied.await {
                             Ok(Ok(())) => Ok(()),
@@ -815,17 +815,17 @@ impl<'r, 'a> Run<'r, 'a> {
 }
 
 /// Copies the bytes `range` of `path` on the shared tier `src` into `landing` (the same range
-/// of its file's temp file), hashing them as they pass; `Ok` once they hash to `sha256`.
+/// of its file's temp file), hashing them as they pass; `Ok` once their piece hash is `hash`.
 /// Blocking: a posix tier is read a MiB at a time through one reused buffer; an S3 tier in one
 /// ranged GET (run on the calling runtime's handle).
 fn copy_slice(
     src: &Tier,
     path: &str,
     range: std::ops::Range<u64>,
-    sha256: [u8; 32],
+    hash: [u8; 32],
     landing: &assembly::SliceLanding,
 ) -> Result<(), TransferError> {
-    let mut hasher = Sha256::new();
+    let mut hasher = PieceDigest::new();
     match src {
         Tier::Posix(tier) => {
             use std::os::unix::fs::FileExt;
@@ -859,8 +859,8 @@ fn copy_slice(
             landing.write_at(&bytes, range.start)?;
         }
     }
-    let found: [u8; 32] = hasher.finalize().into();
-    if found != sha256 {
+    let found = hasher.finish();
+    if found != hash {
         return Err(TransferError::new(
             ErrorKind::ChecksumMismatch,
             Side::Source,
@@ -869,7 +869,7 @@ fn copy_slice(
             format!(
                 "bytes {range:?} hash to {}, the side data says {}",
                 hex::encode(found),
-                hex::encode(sha256)
+                hex::encode(hash)
             ),
         ));
     }

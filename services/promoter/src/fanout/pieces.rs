@@ -6,7 +6,7 @@
 //! A piece is either a run of consecutive files of the manifest (its path order) of at most
 //! [`PIECE_BYTES`] and [`PIECE_FILES`] files, each verified against its own SHA-256 from the
 //! manifest as it arrives; or one [`PIECE_BYTES`] slice of a file larger than that, verified
-//! against the slice's SHA-256 from the manifest's side data (`stagehand_schemas::pieces`).
+//! against the slice's hash from the manifest's side data (`stagehand_schemas::pieces`: BLAKE3).
 //! Either way the bytes that do not verify name the peer that served them. A large file
 //! without side data (a version validated before side data was written) is a piece alone,
 //! verified whole.
@@ -31,11 +31,11 @@ pub struct Piece {
     pub slice: Option<Slice>,
 }
 
-/// A piece of one large file: its `bytes` from `offset`, whose SHA-256 is `sha256`.
+/// A piece of one large file: its `bytes` from `offset`, whose piece hash (BLAKE3) is `hash`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Slice {
     pub offset: u64,
-    pub sha256: [u8; 32],
+    pub hash: [u8; 32],
 }
 
 impl Piece {
@@ -65,14 +65,14 @@ pub fn cut(files: &[FileRef], side: &HashMap<usize, PieceHashes>) -> Vec<Piece> 
             bytes = 0;
         }
         if let Some(hashes) = sliced {
-            for (n, sha256) in hashes.pieces.iter().enumerate() {
+            for (n, hash) in hashes.pieces.iter().enumerate() {
                 let range = PieceHashes::range(file.size, n as u64);
                 pieces.push(Piece {
                     files: i..i + 1,
                     bytes: range.end - range.start,
                     slice: Some(Slice {
                         offset: range.start,
-                        sha256: *sha256,
+                        hash: *hash,
                     }),
                 });
             }
@@ -99,7 +99,7 @@ pub fn layout(pieces: &[Piece]) -> String {
         h.update(format!("{}..{}", piece.files.start, piece.files.end).as_bytes());
         if let Some(slice) = &piece.slice {
             h.update(format!("@{}+{}:", slice.offset, piece.bytes).as_bytes());
-            h.update(slice.sha256);
+            h.update(slice.hash);
         }
         h.update(b"\n");
     }
@@ -173,7 +173,7 @@ mod tests {
             ],
             "file 3 has no side data: a piece alone, verified whole"
         );
-        assert_eq!(pieces[3].slice.as_ref().unwrap().sha256, [3; 32]);
+        assert_eq!(pieces[3].slice.as_ref().unwrap().hash, [3; 32]);
         let whole = cut(&files, &HashMap::new());
         assert_ne!(layout(&pieces), layout(&whole));
         assert_eq!(layout(&pieces), layout(&cut(&files, &side)));
