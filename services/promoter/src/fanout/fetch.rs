@@ -139,10 +139,9 @@ pub async fn fetch_slice(
     (path, offset, len): (&str, u64, u64),
     hash: [u8; 32],
 ) -> Result<(), FetchError> {
-    let mut answer = ask(addr, key, tls, swarm, n).await?;
-    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+    let answer = ask(addr, key, tls, swarm, n).await?;
     let file = path.to_owned();
-    let writer = tokio::task::spawn_blocking(move || {
+    let write = move |mut rx: mpsc::Receiver<Bytes>| {
         let mut hasher = PieceDigest::new();
         let mut written = 0u64;
         while let Some(chunk) = rx.blocking_recv() {
@@ -160,7 +159,7 @@ pub async fn fetch_slice(
         }
         if written < len {
             return Err(FetchError::Unavailable(format!(
-                "piece {n} ended after {written} of its {len} bytes"
+                "the body ended after {written} of its {len} bytes"
             )));
         }
         let found = hasher.finish();
@@ -175,7 +174,41 @@ pub async fn fetch_slice(
             });
         }
         Ok(())
-    });
+    };
+    receive(answer, addr, n, write).await
+}
+
+/// Fetches piece `n` of `swarm` from the peer at `addr` into `staging`: the files' bytes.
+#[allow(clippy::too_many_arguments)]
+pub async fn fetch(
+    addr: &str,
+    key: &AgentKey,
+    tls: Option<&AgentTls>,
+    swarm: &str,
+    n: usize,
+    files: Vec<FileRef>,
+    staging: PosixTier,
+    read_back: bool,
+) -> Result<u64, FetchError> {
+    let answer = ask(addr, key, tls, swarm, n).await?;
+    receive(answer, addr, n, move |rx| {
+        write_piece(&staging, &files, rx, read_back)
+    })
+    .await
+}
+
+/// Reads the body of `answer` (piece `n` from the peer at `addr`) into `write`, run on a
+/// blocking thread with the body's chunks as they come: `write`'s answer, unless the body was
+/// cut short, which only makes this node ask elsewhere. Bytes that did not verify are the
+/// peer's fault even if the body was cut after them.
+async fn receive<T: Send + 'static>(
+    mut answer: Answer,
+    addr: &str,
+    n: usize,
+    write: impl FnOnce(mpsc::Receiver<Bytes>) -> Result<T, FetchError> + Send + 'static,
+) -> Result<T, FetchError> {
+    let (tx, rx) = mpsc::channel::<Bytes>(8);
+    let writer = tokio::task::spawn_blocking(move || write(rx));
     let mut cut = None;
     loop {
         match tokio::time::timeout(SILENCE_TIMEOUT, answer.response.body_mut().frame()).await {
@@ -208,70 +241,13 @@ pub async fn fetch_slice(
         (Err(FetchError::Unavailable(short)), Some(cut)) => Err(FetchError::Unavailable(format!(
             "peer {addr}: piece {n} cut short ({cut}): {short}"
         ))),
-        (Err(FetchError::Unavailable(short)), None) => {
-            Err(FetchError::Unavailable(format!("peer {addr}: {short}")))
-        }
-        (Ok(()), Some(cut)) => Err(FetchError::Unavailable(format!(
-            "peer {addr}: piece {n}: {cut}"
+        (Err(FetchError::Unavailable(short)), None) => Err(FetchError::Unavailable(format!(
+            "peer {addr}: piece {n}: {short}"
         ))),
-        (Ok(()), None) => Ok(()),
-    }
-}
-
-/// Fetches piece `n` of `swarm` from the peer at `addr` into `staging`: the files' bytes.
-#[allow(clippy::too_many_arguments)]
-pub async fn fetch(
-    addr: &str,
-    key: &AgentKey,
-    tls: Option<&AgentTls>,
-    swarm: &str,
-    n: usize,
-    files: Vec<FileRef>,
-    staging: PosixTier,
-    read_back: bool,
-) -> Result<u64, FetchError> {
-    let mut answer = ask(addr, key, tls, swarm, n).await?;
-    let response = &mut answer.response;
-    let (tx, rx) = mpsc::channel::<Bytes>(8);
-    let writer = tokio::task::spawn_blocking(move || write_piece(&staging, &files, rx, read_back));
-    let mut cut = None;
-    loop {
-        match tokio::time::timeout(SILENCE_TIMEOUT, response.body_mut().frame()).await {
-            Err(_) => {
-                cut = Some(format!("silent for {SILENCE_TIMEOUT:?}"));
-                break;
-            }
-            Ok(None) => break,
-            Ok(Some(Err(e))) => {
-                cut = Some(e.to_string());
-                break;
-            }
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data()
-                    && tx.send(data).await.is_err()
-                {
-                    // The writer stopped: its answer says why.
-                    break;
-                }
-            }
-        }
-    }
-    drop(tx);
-    drop(answer);
-    let written = writer
-        .await
-        .map_err(|e| FetchError::Unavailable(format!("writing piece {n}: {e}")))?;
-    match (written, cut) {
-        // A file that did not verify is the peer's fault even if the body was cut after it.
-        (Err(e @ FetchError::Spoiled { .. }), _) | (Err(e @ FetchError::Local(_)), _) => Err(e),
-        (Err(FetchError::Unavailable(short)), Some(cut)) => Err(FetchError::Unavailable(format!(
-            "peer {addr}: piece {n} cut short ({cut}): {short}"
-        ))),
-        (Err(e), None) => Err(e),
         (Ok(_), Some(cut)) => Err(FetchError::Unavailable(format!(
             "peer {addr}: piece {n}: {cut}"
         ))),
-        (Ok(bytes), None) => Ok(bytes),
+        (Ok(written), None) => Ok(written),
     }
 }
 
