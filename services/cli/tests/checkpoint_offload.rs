@@ -287,6 +287,27 @@ async fn three_offloaded(url: &str, policies: &Path, step: u64) -> anyhow::Resul
     .map_err(Into::into)
 }
 
+/// Starts the agents of the first three nodes, commits every part of step 1 on its node and
+/// waits until those three are offloaded (gpu-d's agent not started): the stack's URL, a
+/// catalogue client and each node's policies.
+async fn step_one_offloaded_but_for_gpu_d(
+    sh: &mut Stagehand,
+) -> anyhow::Result<(String, Catalogue, Vec<PathBuf>)> {
+    let mut policies = Vec::new();
+    for node in &NODES[..3] {
+        policies.push(sh.start_node_agent(node)?);
+    }
+    policies.push(sh.write_node_policies(NODES[3])?);
+    sh.ready().await?;
+    let url = sh.url.clone();
+    let catalogue = Catalogue::new(sh.bus.client().clone());
+    for (part, node) in NODES.iter().enumerate() {
+        write_and_commit(&url, node, &policies[part], 1, part)?;
+    }
+    three_offloaded(&url, &sh.policies, 1).await?;
+    Ok((url, catalogue, policies))
+}
+
 /// Every part's files of `step` are in `dir` under `part-<i>/`, byte for byte.
 fn holds_step(dir: &Path, step: u64) -> anyhow::Result<()> {
     for part in 0..NODES.len() {
@@ -681,18 +702,7 @@ async fn a_part_leaves_its_node_only_once_its_agent_has_read_its_copy_back() -> 
     })
     .await?;
     set_policy(&sh.policies, "retention.toml", "verify", "\"read-back\"")?;
-    let mut policies = Vec::new();
-    for node in &NODES[..3] {
-        policies.push(sh.start_node_agent(node)?);
-    }
-    policies.push(sh.write_node_policies(NODES[3])?);
-    sh.ready().await?;
-    let url = sh.url.clone();
-    let catalogue = Catalogue::new(sh.bus.client().clone());
-    for (part, node) in NODES.iter().enumerate() {
-        write_and_commit(&url, node, &policies[part], 1, part)?;
-    }
-    three_offloaded(&url, &sh.policies, 1).await?;
+    let (url, catalogue, policies) = step_one_offloaded_but_for_gpu_d(&mut sh).await?;
     // The catalogue says parts 0-2 are offloaded and verified; on hot, part 0's copy is gone
     // (lost, or never made: an offload stated by another) and a byte of part 1's has flipped.
     let hot_step = sh.home.path().join("tiers/hot/lab/ckpt-llm/step-1");
@@ -759,18 +769,7 @@ async fn a_part_of_a_step_expired_while_its_agent_was_away_goes_as_the_step_did(
         ..Default::default()
     })
     .await?;
-    let mut policies = Vec::new();
-    for node in &NODES[..3] {
-        policies.push(sh.start_node_agent(node)?);
-    }
-    policies.push(sh.write_node_policies(NODES[3])?);
-    sh.ready().await?;
-    let url = sh.url.clone();
-    let catalogue = Catalogue::new(sh.bus.client().clone());
-    for (part, node) in NODES.iter().enumerate() {
-        write_and_commit(&url, node, &policies[part], 1, part)?;
-    }
-    three_offloaded(&url, &sh.policies, 1).await?;
+    let (url, catalogue, policies) = step_one_offloaded_but_for_gpu_d(&mut sh).await?;
     sh.stop_node_agent(NODES[2]).await?;
     sh.start_node_agent(NODES[3])?;
     sh.ready().await?;
