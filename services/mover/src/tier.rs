@@ -70,22 +70,9 @@ impl Tier {
                 let t = t.clone();
                 let rel_owned = rel.to_owned();
                 self.blocking(rel, Side::Source, "reading", move || {
-                    use std::os::unix::fs::FileExt;
                     let file = t.open_read(&rel_owned)?;
                     let mut out = vec![0u8; range.end.saturating_sub(range.start) as usize];
-                    file.read_exact_at(&mut out, range.start).map_err(|e| {
-                        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                            TransferError::new(
-                                ErrorKind::SizeMismatch,
-                                Side::Source,
-                                t.name(),
-                                &rel_owned,
-                                format!("the file ends before byte {}", range.end),
-                            )
-                        } else {
-                            TransferError::from_io(e, Side::Source, t.name(), &rel_owned, "read")
-                        }
-                    })?;
+                    t.read_exact_at(&file, &rel_owned, &mut out, range.start)?;
                     Ok(out)
                 })
                 .await

@@ -20,6 +20,32 @@ impl PosixTier {
         self.open_read_side(rel, Side::Source)
     }
 
+    /// Fills `buf` from `file` (opened from `rel` with [`PosixTier::open_read`]) at `offset`:
+    /// a file that ends first is [`ErrorKind::SizeMismatch`], never fewer bytes (a range of a
+    /// file, as a fan-out's slice is).
+    pub fn read_exact_at(
+        &self,
+        file: &File,
+        rel: &str,
+        buf: &mut [u8],
+        offset: u64,
+    ) -> Result<(), TransferError> {
+        use std::os::unix::fs::FileExt;
+        file.read_exact_at(buf, offset).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                TransferError::new(
+                    ErrorKind::SizeMismatch,
+                    Side::Source,
+                    self.name(),
+                    rel,
+                    format!("the file ends before byte {}", offset + buf.len() as u64),
+                )
+            } else {
+                TransferError::from_io(e, Side::Source, self.name(), rel, "read")
+            }
+        })
+    }
+
     /// Opens `rel` without blocking and without creating it, and refuses anything that is
     /// not a regular file as [`ErrorKind::NotAFile`] before reading a byte: `O_NONBLOCK` makes
     /// the open of a FIFO return at once (without it, it waits for a writer for ever), a

@@ -724,9 +724,17 @@ impl<'r, 'a> Run<'r, 'a> {
                     let read = async {
                         // A copy slot of the copy's class, as the mover takes for a whole file.
                         let _permit = job.mover.scheduler().acquire(job.opts.priority).await;
-                        let src = job.src.clone();
+                        // An S3 tier's range comes in one ranged GET, awaited here; a posix
+                        // tier's is read on the blocking thread that writes it.
+                        let bytes = match job.src {
+                            Tier::S3(_) => {
+                                SliceBytes::Fetched(job.src.read_range(&path, range.clone()).await?)
+                            }
+                            Tier::Posix(tier) => SliceBytes::Read(tier.clone()),
+                        };
+                        let tier = job.src.name().to_owned();
                         let copied = tokio::task::spawn_blocking(move || {
-                            copy_slice(&src, &path, range, slice.hash, &landing)
+                            copy_slice(bytes, (&tier, &path, range), slice.hash, &landing)
                         });
                         match copied.await {
                             Ok(Ok(())) => Ok(()),
@@ -814,49 +822,39 @@ impl<'r, 'a> Run<'r, 'a> {
     }
 }
 
-/// Copies the bytes `range` of `path` on the shared tier `src` into `landing` (the same range
+/// Where a slice's bytes come from on the shared tier: read from a posix tier, or fetched
+/// already (an S3 tier's one ranged GET).
+enum SliceBytes {
+    Read(PosixTier),
+    Fetched(Vec<u8>),
+}
+
+/// Copies the bytes `range` of `path` on the shared tier `tier` into `landing` (the same range
 /// of its file's temp file), hashing them as they pass; `Ok` once their piece hash is `hash`.
-/// Blocking: a posix tier is read a MiB at a time through one reused buffer; an S3 tier in one
-/// ranged GET (run on the calling runtime's handle).
+/// Blocking: a posix tier is read a MiB at a time through one reused buffer.
 fn copy_slice(
-    src: &Tier,
-    path: &str,
-    range: std::ops::Range<u64>,
+    bytes: SliceBytes,
+    (tier, path, range): (&str, &str, std::ops::Range<u64>),
     hash: [u8; 32],
     landing: &assembly::SliceLanding,
 ) -> Result<(), TransferError> {
     let mut hasher = PieceDigest::new();
-    match src {
-        Tier::Posix(tier) => {
-            use std::os::unix::fs::FileExt;
-            let file = tier.open_read(path)?;
+    match bytes {
+        SliceBytes::Fetched(bytes) => {
+            hasher.update(&bytes);
+            landing.write_at(&bytes, range.start)?;
+        }
+        SliceBytes::Read(posix) => {
+            let file = posix.open_read(path)?;
             let mut buf = vec![0u8; SLICE_CHUNK.min((range.end - range.start) as usize)];
             let mut at = range.start;
             while at < range.end {
                 let want = buf.len().min((range.end - at) as usize);
-                file.read_exact_at(&mut buf[..want], at).map_err(|e| {
-                    if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                        TransferError::new(
-                            ErrorKind::SizeMismatch,
-                            Side::Source,
-                            tier.name(),
-                            path,
-                            format!("the file ends before byte {}", range.end),
-                        )
-                    } else {
-                        TransferError::from_io(e, Side::Source, tier.name(), path, "read")
-                    }
-                })?;
+                posix.read_exact_at(&file, path, &mut buf[..want], at)?;
                 hasher.update(&buf[..want]);
                 landing.write_at(&buf[..want], at)?;
                 at += want as u64;
             }
-        }
-        Tier::S3(_) => {
-            let bytes =
-                tokio::runtime::Handle::current().block_on(src.read_range(path, range.clone()))?;
-            hasher.update(&bytes);
-            landing.write_at(&bytes, range.start)?;
         }
     }
     let found = hasher.finish();
@@ -864,7 +862,7 @@ fn copy_slice(
         return Err(TransferError::new(
             ErrorKind::ChecksumMismatch,
             Side::Source,
-            src.name(),
+            tier,
             path,
             format!(
                 "bytes {range:?} hash to {}, the side data says {}",
