@@ -175,18 +175,65 @@ impl PieceDigest {
     }
 }
 
+/// The piece hashes of a file fed in order in buffers of any size, without its SHA-256: for a
+/// writer that takes the two on different threads (the resharder hashes each shard whole on
+/// one and piece by piece on the thread that waits for the disk).
+#[derive(Clone, Default)]
+pub struct PieceHashesBuilder {
+    /// The piece being hashed and its bytes so far.
+    piece: PieceDigest,
+    filled: u64,
+    size: u64,
+    pieces: Vec<[u8; 32]>,
+}
+
+impl PieceHashesBuilder {
+    pub fn new() -> PieceHashesBuilder {
+        PieceHashesBuilder::default()
+    }
+
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        self.size += bytes.len() as u64;
+        while !bytes.is_empty() {
+            let room = (PIECE_BYTES - self.filled) as usize;
+            let (head, rest) = bytes.split_at(room.min(bytes.len()));
+            self.piece.update(head);
+            self.filled += head.len() as u64;
+            bytes = rest;
+            if self.filled == PIECE_BYTES {
+                self.pieces.push(self.piece.finish());
+                self.piece = PieceDigest::new();
+                self.filled = 0;
+            }
+        }
+    }
+
+    /// The piece hashes of the bytes fed (none when they are a piece or less: no side data).
+    pub fn finish(self) -> PieceHashes {
+        let mut pieces = self.pieces;
+        if !PieceHashes::wanted(self.size) {
+            pieces.clear();
+        } else if self.filled > 0 {
+            pieces.push(self.piece.finish());
+        }
+        PieceHashes {
+            size: self.size,
+            pieces,
+        }
+    }
+}
+
 /// A file's SHA-256 and its piece hashes from one pass over its bytes, fed in order in
 /// buffers of any size. The piece hashes cost a BLAKE3 of every byte, paid only by
 /// files that have side data ([`PieceHashes::wanted`]) once the file turns out larger than a
-/// piece; callers that know the size beforehand may skip it for smaller files with
-/// [`PieceHasher::whole_only`].
+/// piece; callers that know the size beforehand skip it for smaller files
+/// ([`PieceHasher::for_size`]).
 #[derive(Clone)]
 pub struct PieceHasher {
     whole: Sha256,
-    /// The piece being hashed and its bytes so far; `None` once piece hashing is off.
-    piece: Option<(PieceDigest, u64)>,
     size: u64,
-    pieces: Vec<[u8; 32]>,
+    /// `None` when piece hashing is off.
+    pieces: Option<PieceHashesBuilder>,
 }
 
 impl Default for PieceHasher {
@@ -200,37 +247,34 @@ impl PieceHasher {
     pub fn new() -> PieceHasher {
         PieceHasher {
             whole: Sha256::new(),
-            piece: Some((PieceDigest::new(), 0)),
             size: 0,
-            pieces: Vec::new(),
+            pieces: Some(PieceHashesBuilder::new()),
         }
     }
 
-    /// Hashes the file whole only (its size is known to be a piece or less).
+    /// Hashes the file whole only (its size is known to be a piece or less, or its pieces are
+    /// hashed elsewhere with a [`PieceHashesBuilder`]).
     pub fn whole_only() -> PieceHasher {
         PieceHasher {
-            piece: None,
+            pieces: None,
             ..PieceHasher::new()
         }
     }
 
-    pub fn update(&mut self, mut bytes: &[u8]) {
+    /// The hasher of a file of `size` bytes, or of a size not known yet (`None`: only its end
+    /// tells whether it has side data).
+    pub fn for_size(size: Option<u64>) -> PieceHasher {
+        match size {
+            Some(size) if !PieceHashes::wanted(size) => PieceHasher::whole_only(),
+            _ => PieceHasher::new(),
+        }
+    }
+
+    pub fn update(&mut self, bytes: &[u8]) {
         self.whole.update(bytes);
         self.size += bytes.len() as u64;
-        let Some((piece, filled)) = &mut self.piece else {
-            return;
-        };
-        while !bytes.is_empty() {
-            let room = (PIECE_BYTES - *filled) as usize;
-            let (head, rest) = bytes.split_at(room.min(bytes.len()));
-            piece.update(head);
-            *filled += head.len() as u64;
-            bytes = rest;
-            if *filled == PIECE_BYTES {
-                self.pieces.push(piece.finish());
-                *piece = PieceDigest::new();
-                *filled = 0;
-            }
+        if let Some(pieces) = &mut self.pieces {
+            pieces.update(bytes);
         }
     }
 
@@ -238,22 +282,14 @@ impl PieceHasher {
     /// a piece or less, or hashed [`PieceHasher::whole_only`]).
     pub fn finish(self) -> ([u8; 32], PieceHashes) {
         let whole: [u8; 32] = self.whole.finalize().into();
-        let mut pieces = self.pieces;
-        match self.piece {
-            Some((piece, filled)) if PieceHashes::wanted(self.size) => {
-                if filled > 0 {
-                    pieces.push(piece.finish());
-                }
-            }
-            _ => pieces.clear(),
-        }
-        (
-            whole,
-            PieceHashes {
+        let pieces = match self.pieces {
+            Some(pieces) => pieces.finish(),
+            None => PieceHashes {
                 size: self.size,
-                pieces,
+                pieces: Vec::new(),
             },
-        )
+        };
+        (whole, pieces)
     }
 }
 
@@ -274,6 +310,15 @@ mod tests {
         }
         let (whole, pieces) = hasher.finish();
         assert_eq!(whole, <[u8; 32]>::from(Sha256::digest(&data)));
+        let mut alone = PieceHashesBuilder::new();
+        for chunk in data.chunks(4 << 20) {
+            alone.update(chunk);
+        }
+        assert_eq!(
+            alone.finish(),
+            pieces,
+            "the pieces hashed apart from the SHA-256"
+        );
         assert_eq!(pieces.size, data.len() as u64);
         assert_eq!(pieces.pieces.len(), 3);
         for (i, piece) in pieces.pieces.iter().enumerate() {
@@ -289,6 +334,9 @@ mod tests {
         for n in [0, 1, PIECE_BYTES] {
             let pieces = PieceHashes::of(&bytes(n));
             assert!(pieces.pieces.is_empty(), "{n} bytes");
+            let mut alone = PieceHashesBuilder::new();
+            alone.update(&bytes(n));
+            assert_eq!(alone.finish(), pieces, "{n} bytes, hashed apart");
             assert!(!PieceHashes::wanted(n));
         }
         assert!(PieceHashes::wanted(PIECE_BYTES + 1));

@@ -98,10 +98,7 @@ impl ReadLimit {
     /// The hasher of a read that also wants piece hashes: a file declared a piece or smaller
     /// has none, so it is hashed whole only and pays no second hash.
     pub(crate) fn piece_hasher(&self) -> PieceHasher {
-        match self.declared_size {
-            Some(size) if !PieceHashes::wanted(size) => PieceHasher::whole_only(),
-            _ => PieceHasher::new(),
-        }
+        PieceHasher::for_size(self.declared_size)
     }
 
     /// Checks what a bounded read found (the file may have grown or shrunk since its size was

@@ -23,9 +23,11 @@
 //! is framed and hashed.
 //!
 //! Every file of the version written here that is larger than a piece (a shard, in practice)
-//! also has the BLAKE3 hash of each of its pieces taken as it is hashed, and handed to a
-//! [`KeepPieces`] once the file is committed: the side data node agents judge each piece of it
-//! by when they fan the version out (`stagehand_schemas::pieces`).
+//! also has the BLAKE3 hash of each of its pieces taken, and handed to a [`KeepPieces`] once
+//! the file is committed: the side data node agents judge each piece of it by when they fan
+//! the version out (`stagehand_schemas::pieces`). A shard's pieces are hashed on the disk
+//! thread, as each chunk is written: that thread mostly waits for the device, while the hasher
+//! thread already spends a core on the shard's SHA-256.
 
 use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
@@ -36,7 +38,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use stagehand_mover::{AtomicFile, DIRECT_ALIGN, PosixTier, TransferError};
 use stagehand_schemas::FileRef;
-use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
+use stagehand_schemas::pieces::{PieceHasher, PieceHashes, PieceHashesBuilder};
 
 use crate::sort::Member;
 
@@ -80,14 +82,6 @@ fn keep_pieces(
         return Ok(());
     }
     keep(&FileRef::new(name, size, sha256), pieces)
-}
-
-/// The hasher of a file of `size` bytes, or of unknown size (a shard: only its end tells).
-fn piece_hasher(size: Option<u64>) -> PieceHasher {
-    match size {
-        Some(size) if !PieceHashes::wanted(size) => PieceHasher::whole_only(),
-        _ => PieceHasher::new(),
-    }
 }
 
 fn digests_of(hasher: PieceHasher) -> (String, PieceHashes) {
@@ -276,7 +270,7 @@ impl Chunk {
 }
 
 /// What the framing writer asks of the sink, in order (`Op<()>`), and what the hasher passes
-/// on to the disk thread (`Op<ShardDigests>`: the end of a shard carries its digests).
+/// on to the disk thread (`Op<ShardDigests>`: the end of a shard carries its SHA-256s).
 enum Op<End> {
     /// Shard `n` starts: create its temp files.
     Begin(u32),
@@ -288,10 +282,10 @@ enum Op<End> {
     End(End),
 }
 
-/// The SHA-256 (hex) and piece hashes of a finished shard's tar stream and of its index.
+/// The SHA-256 (hex) of a finished shard's tar stream and of its index.
 struct ShardDigests {
-    tar: (String, PieceHashes),
-    index: (String, PieceHashes),
+    tar: String,
+    index: String,
 }
 
 /// The framing side's handle on the sink threads: where chunks go and where emptied ones
@@ -525,16 +519,15 @@ pub fn write_shards<T, E: From<ShardError>>(
     })
 }
 
-/// The hasher thread (see [`write_shards`]): hashes each shard's tar stream and index as
-/// they pass, and hands every op on to the disk thread, the digests with each shard's end.
+/// The hasher thread (see [`write_shards`]): takes the SHA-256 of each shard's tar stream and
+/// index as they pass, and hands every op on to the disk thread, the digests with each
+/// shard's end.
 fn run_hasher(ops: Receiver<Op<()>>, disk: SyncSender<Op<ShardDigests>>) -> Result<(), ShardError> {
-    // A shard's size is known only at its end: each is hashed piece by piece too, and the
-    // pieces of one a piece or smaller are dropped there.
-    let (mut tar, mut index) = (piece_hasher(None), piece_hasher(None));
+    let (mut tar, mut index) = (Sha256::new(), Sha256::new());
     for op in ops.iter() {
         let next = match op {
             Op::Begin(number) => {
-                (tar, index) = (piece_hasher(None), piece_hasher(None));
+                (tar, index) = (Sha256::new(), Sha256::new());
                 Op::Begin(number)
             }
             Op::Tar(chunk) => {
@@ -546,8 +539,8 @@ fn run_hasher(ops: Receiver<Op<()>>, disk: SyncSender<Op<ShardDigests>>) -> Resu
                 Op::Index(chunk)
             }
             Op::End(()) => Op::End(ShardDigests {
-                tar: digests_of(std::mem::take(&mut tar)),
-                index: digests_of(std::mem::take(&mut index)),
+                tar: hex::encode(std::mem::take(&mut tar).finalize()),
+                index: hex::encode(std::mem::take(&mut index).finalize()),
             }),
         };
         // The disk thread stopped (its error is the one reported).
@@ -571,6 +564,11 @@ struct OpenShard {
     flushed_to: u64,
     index: AtomicFile,
     index_len: u64,
+    /// The piece hashes of the tar stream and of the index, taken as they are written (a
+    /// shard's size is known only at its end: those of a file a piece or smaller are dropped
+    /// there).
+    tar_pieces: PieceHashesBuilder,
+    index_pieces: PieceHashesBuilder,
 }
 
 impl OpenShard {
@@ -652,11 +650,14 @@ fn run_disk(
                     flushed_to: 0,
                     index: staging.create_atomic(&index_name(number), 0)?,
                     index_len: 0,
+                    tar_pieces: PieceHashesBuilder::new(),
+                    index_pieces: PieceHashesBuilder::new(),
                 });
             }
             Op::Tar(mut chunk) => {
                 let shard = open.as_mut().ok_or_else(|| not_open("a shard"))?;
                 shard.write_tar(chunk.bytes())?;
+                shard.tar_pieces.update(chunk.bytes());
                 chunk.clear();
                 // The framing side may be gone (it stopped); the chunk is then dropped.
                 let _ = free.send(chunk);
@@ -664,6 +665,7 @@ fn run_disk(
             Op::Index(mut chunk) => {
                 let shard = open.as_mut().ok_or_else(|| not_open("an index"))?;
                 shard.index.write_all_at(chunk.bytes(), shard.index_len)?;
+                shard.index_pieces.update(chunk.bytes());
                 shard.index_len += chunk.len as u64;
                 chunk.clear();
                 let _ = free.send(chunk);
@@ -672,9 +674,10 @@ fn run_disk(
                 let shard = open.take().ok_or_else(|| not_open("a shard"))?;
                 shard.tar.commit()?;
                 shard.index.commit()?;
-                let ((tar_sha, tar_pieces), (index_sha, index_pieces)) =
-                    (digests.tar, digests.index);
+                let (tar_sha, index_sha) = (digests.tar, digests.index);
                 let (tar, index) = (shard_name(shard.number), index_name(shard.number));
+                let tar_pieces = shard.tar_pieces.finish();
+                let index_pieces = shard.index_pieces.finish();
                 keep_pieces(keep, &tar, shard.tar_len, &tar_sha, tar_pieces)?;
                 keep_pieces(keep, &index, shard.index_len, &index_sha, index_pieces)?;
                 done.push([
@@ -722,7 +725,7 @@ pub fn write_file(
     keep: &KeepPieces<'_>,
 ) -> Result<(u64, String), ShardError> {
     let size = bytes.len() as u64;
-    let mut hasher = piece_hasher(Some(size));
+    let mut hasher = PieceHasher::for_size(Some(size));
     hasher.update(bytes);
     let (sha, pieces) = digests_of(hasher);
     let file = staging.create_atomic(name, size)?;
@@ -742,7 +745,10 @@ pub fn copy_file(
     keep: &KeepPieces<'_>,
 ) -> Result<(u64, String), ShardError> {
     let file = staging.create_atomic(name, len)?;
-    let mut out = HashingWriter::new(BufWriter::new(own_handle(&file)?), piece_hasher(Some(len)));
+    let mut out = HashingWriter::new(
+        BufWriter::new(own_handle(&file)?),
+        PieceHasher::for_size(Some(len)),
+    );
     let io_err = |source| ShardError::Io {
         file: name.to_owned(),
         source,
