@@ -5,6 +5,12 @@
 //! `stagehand.fact.dataset.validated.lab-a`. The project is the last token so that NATS
 //! permissions can confine an uploader to `stagehand.req.ingest.requested.<its project>`.
 //! Dead letters are the exception: `stagehand.dlq.dead.letter.<service>`.
+//!
+//! A checkpoint part's facts ([`NODE_ROUTED`]) also name the node whose local tier holds the
+//! part, before the project: `stagehand.fact.checkpoint.part.committed.<node>.<project>`. Each
+//! node's agent then subscribes to its own node's parts alone ([`node_kind_filter`]): a step of
+//! N parts committed on N nodes is N deliveries, not N² (every agent handed every node's
+//! part, to ack it unread).
 
 use std::time::Duration;
 
@@ -28,6 +34,43 @@ pub fn is_subject_token(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'))
 }
 
+/// The kinds whose subjects name a node before the project (see the module documentation).
+pub const NODE_ROUTED: &[&str] = &[
+    "checkpoint.part.committed",
+    "checkpoint.part.offloaded",
+    "checkpoint.part.removed",
+];
+
+/// Whether events of `kind` are published on subjects that name a node ([`NODE_ROUTED`]).
+pub fn routed_by_node(kind: &str) -> bool {
+    NODE_ROUTED.contains(&kind)
+}
+
+/// The subject token naming `node`: the name itself when it is one ([`is_subject_token`]: a
+/// Slurm node name such as `gpu-07`); otherwise (a Kubernetes node's DNS name holds dots) its
+/// characters outside a token's made `-`, lowercased and shortened, then `-` and 16 hex of the
+/// name's SHA-256 — so that two names never share a token by the rewriting alone.
+pub fn node_token(node: &str) -> String {
+    if is_subject_token(node) {
+        return node.to_owned();
+    }
+    use sha2::{Digest, Sha256};
+    let readable: String = node
+        .chars()
+        .map(|c| c.to_ascii_lowercase())
+        .map(|c| {
+            if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(47)
+        .collect();
+    let digest = hex::encode(Sha256::digest(node.as_bytes()));
+    format!("{readable}-{}", &digest[..16])
+}
+
 /// The subject an event of this body and project is published on.
 ///
 /// A dead letter is the one exception: its last token is the service that gave up
@@ -37,10 +80,31 @@ pub fn subject_for(body: &Body, project: &str) -> String {
     let class = match body {
         Body::DeadLetter(dead) => return dead_letter_subject(&dead.service),
         Body::DeadLetterReplayed(replay) => return replayed_subject(&replay.service),
+        Body::CheckpointPartCommitted(p) => {
+            return node_kind_subject(FACT, body.kind(), &p.node, project);
+        }
+        Body::CheckpointPartOffloaded(p) => {
+            return node_kind_subject(FACT, body.kind(), &p.node, project);
+        }
+        Body::CheckpointPartRemoved(p) => {
+            return node_kind_subject(FACT, body.kind(), &p.node, project);
+        }
         b if b.is_request() => REQ,
         _ => FACT,
     };
     kind_subject(class, body.kind(), project)
+}
+
+/// The subject of one kind routed by node ([`NODE_ROUTED`]), one node and one project, e.g.
+/// `stagehand.fact.checkpoint.part.committed.gpu-07.lab-a`.
+pub fn node_kind_subject(class: &str, kind: &str, node: &str, project: &str) -> String {
+    format!("{ROOT}.{class}.{kind}.{}.{project}", node_token(node))
+}
+
+/// The subject filter for one kind routed by node, of one node, across all projects: what
+/// that node's agent subscribes to, e.g. `stagehand.fact.checkpoint.part.committed.gpu-07.*`.
+pub fn node_kind_filter(class: &str, kind: &str, node: &str) -> String {
+    format!("{ROOT}.{class}.{kind}.{}.*", node_token(node))
 }
 
 /// The subject of one kind in one project, e.g. `stagehand.fact.dataset.validated.lab-a`
@@ -50,8 +114,12 @@ pub fn kind_subject(class: &str, kind: &str, project: &str) -> String {
     format!("{ROOT}.{class}.{kind}.{project}")
 }
 
-/// The subject filter for one kind across all projects, e.g. `stagehand.req.ingest.requested.*`.
+/// The subject filter for one kind across all projects, e.g. `stagehand.req.ingest.requested.*`
+/// (and every node, for a kind [`routed_by_node`]: `….checkpoint.part.committed.*.*`).
 pub fn kind_filter(class: &str, kind: &str) -> String {
+    if routed_by_node(kind) {
+        return format!("{ROOT}.{class}.{kind}.*.*");
+    }
     format!("{ROOT}.{class}.{kind}.*")
 }
 
@@ -329,5 +397,45 @@ mod tests {
         assert_eq!(project_of_subject("stagehand.req.lab-a"), None);
         assert_eq!(project_of_subject("stagehand.fact.x.Lab"), None);
         assert_eq!(project_of_subject(&dead_letter_subject("promoter")), None);
+    }
+
+    #[test]
+    fn a_checkpoint_parts_subject_names_its_node_before_its_project() {
+        let subject = node_kind_subject(FACT, "checkpoint.part.committed", "gpu-07", "lab-a");
+        assert_eq!(
+            subject,
+            "stagehand.fact.checkpoint.part.committed.gpu-07.lab-a"
+        );
+        assert_eq!(project_of_subject(&subject), Some("lab-a"));
+        let mine = node_kind_filter(FACT, "checkpoint.part.committed", "gpu-07");
+        assert!(subject_matches(&mine, &subject));
+        let theirs = node_kind_filter(FACT, "checkpoint.part.committed", "gpu-08");
+        assert!(!subject_matches(&theirs, &subject));
+        assert!(subject_matches(
+            &kind_filter(FACT, "checkpoint.part.committed"),
+            &subject
+        ));
+        assert!(!subject_matches(
+            &kind_filter(FACT, "checkpoint.committed"),
+            &subject
+        ));
+        for kind in NODE_ROUTED {
+            assert!(crate::event::ALL_KINDS.contains(kind), "{kind}");
+        }
+    }
+
+    #[test]
+    fn a_node_name_that_is_no_token_gets_one_of_its_own() {
+        assert_eq!(node_token("gpu-07"), "gpu-07");
+        let dns = node_token("ip-10-0-0-1.ec2.internal");
+        assert!(is_subject_token(&dns), "{dns}");
+        assert!(dns.starts_with("ip-10-0-0-1-ec2-internal-"), "{dns}");
+        // Names that the rewriting alone would merge stay apart.
+        assert_ne!(node_token("a.b"), node_token("a-b"));
+        assert_ne!(node_token("a.b"), node_token("a_b"));
+        assert_ne!(node_token("A"), node_token("a"));
+        let long = "n".repeat(200);
+        assert!(is_subject_token(&node_token(&long)));
+        assert_ne!(node_token(&long), node_token(&"n".repeat(201)));
     }
 }

@@ -151,9 +151,10 @@ impl Body {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {
-    /// The body's kind is not the kind its subject names.
+    /// The body's kind is not the kind its subject names (for a kind routed by node, the kind
+    /// and node: `subject_kind` is then `<kind>.<node token>`).
     #[error(
-        "refused ({rule}): event {id} is a {kind:?} but was published on {subject}, whose kind is {subject_kind:?}; an event travels only on its own kind's subject",
+        "refused ({rule}): event {id} is a {kind:?} but was published on {subject}, whose kind is {subject_kind:?}; an event travels only on its own kind's subject (a checkpoint part's: its own node's too)",
         rule = rule::SUBJECT_KIND
     )]
     SubjectKind {

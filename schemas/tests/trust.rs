@@ -169,6 +169,34 @@ fn an_event_on_another_kinds_or_projects_subject_is_refused() {
     assert!(check_published(&commit("demo", "labb/x"), "test.stream.x").is_err());
 }
 
+/// A checkpoint part's fact travels on its own node's subject: a part stated for `gpu-07`
+/// on `gpu-08`'s subject (where `gpu-08`'s agent alone listens) is refused.
+#[test]
+fn a_checkpoint_part_on_another_nodes_subject_is_refused() {
+    for kind in stagehand_schemas::subject::NODE_ROUTED {
+        let event = common::example_event(kind);
+        let node = match &event.body {
+            Body::CheckpointPartCommitted(p) => p.node.clone(),
+            Body::CheckpointPartOffloaded(p) => p.node.clone(),
+            Body::CheckpointPartRemoved(p) => p.node.clone(),
+            _ => unreachable!("{kind} is routed by node"),
+        };
+        let own = subject_for(&event.body, &event.project);
+        assert!(
+            own.ends_with(&format!(".{node}.{}", event.project)),
+            "{own}"
+        );
+        assert_eq!(check_published(&event, &own), Ok(()), "{kind}");
+        let elsewhere = own.replace(&format!(".{node}."), ".some-other-node.");
+        let refusal = check_published(&event, &elsewhere).unwrap_err();
+        assert_eq!(refusal.rule(), rule::SUBJECT_KIND, "{kind}");
+        assert!(refusal.to_string().contains("some-other-node"), "{refusal}");
+        // Nor on the subject a part had before subjects named the node.
+        let unrouted = format!("stagehand.fact.{kind}.{}", event.project);
+        assert!(check_published(&event, &unrouted).is_err(), "{kind}");
+    }
+}
+
 /// An ingest request outside its project reaches the validator, which rejects it naming the
 /// same rule (a verdict for the uploader, not a dead letter); a fact never passes.
 #[test]
@@ -246,7 +274,13 @@ fn subjects_of(role: Role, token: &str) -> BTreeSet<String> {
             } else {
                 "fact"
             };
-            format!("stagehand.{class}.{kind}.{token}")
+            // A checkpoint part's subject names its node before the project: any node.
+            let node = if stagehand_schemas::subject::routed_by_node(kind) {
+                ".*"
+            } else {
+                ""
+            };
+            format!("stagehand.{class}.{kind}{node}.{token}")
         })
         .collect()
 }

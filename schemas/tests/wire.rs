@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use stagehand_schemas::Retryable;
 use stagehand_schemas::subject::{
-    STREAMS, dead_letter_subject, replayed_subject, subject_for, subject_matches,
+    self, STREAMS, dead_letter_subject, replayed_subject, subject_for, subject_matches,
 };
 use stagehand_schemas::wire::{
     self, DecodeError, EncodeError, MAX_DEAD_LETTER_BYTES, MAX_DECODE_BYTES, MAX_EVENT_BYTES,
@@ -355,6 +355,10 @@ fn subjects_follow_the_map_and_land_in_exactly_one_stream() {
             Body::DeadLetterReplayed(replay) => replayed_subject(&replay.service),
             body if body.is_request() => {
                 format!("stagehand.req.{}.{}", event.kind(), event.project)
+            }
+            // A checkpoint part's facts name the node (the examples': gpu-07) first.
+            _ if subject::routed_by_node(event.kind()) => {
+                format!("stagehand.fact.{}.gpu-07.{}", event.kind(), event.project)
             }
             _ => format!("stagehand.fact.{}.{}", event.kind(), event.project),
         };

@@ -352,6 +352,7 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
     for step in [1, 2] {
         parts_left_their_nodes(&sh, &catalogue, &policies, step).await?;
     }
+    each_agent_heard_only_its_own_nodes_parts(&sh, 2).await?;
     // The list still says committed, on hot, nothing at risk.
     let listed = list(&url, &sh.policies)?;
     for step in [1, 2] {
@@ -511,6 +512,60 @@ async fn a_step_on_node_nvme_is_latest_only_once_every_part_is_offloaded() -> an
         restored.display()
     );
     holds_step(&restored, 3)?;
+    Ok(())
+}
+
+/// Each node's agent is handed its own node's part commits and no other's: of the
+/// `steps × NODES` parts in the facts stream, its consumer's filter lets through only the ones
+/// on its node's subject, and it has none left to take.
+async fn each_agent_heard_only_its_own_nodes_parts(
+    sh: &Stagehand,
+    steps: usize,
+) -> anyhow::Result<()> {
+    use stagehand_schemas::subject::{FACT, FACTS, kind_filter, node_kind_filter, subject_matches};
+    let commits = facts(sh, "checkpoint.part.committed").await?;
+    ensure!(
+        commits.len() == steps * NODES.len(),
+        "{} part commits",
+        commits.len()
+    );
+    let stream = sh.bus.jetstream().get_stream(FACTS.name).await?;
+    for node in NODES {
+        let info = stream
+            .consumer_info(format!("promoter-offload-{node}"))
+            .await?;
+        let filters = &info.config.filter_subjects;
+        let mine = node_kind_filter(FACT, "checkpoint.part.committed", node);
+        ensure!(filters.contains(&mine), "{node}: {filters:?}");
+        ensure!(
+            filters.contains(&kind_filter(FACT, "checkpoint.committed")),
+            "{node}: {filters:?}"
+        );
+        let heard: Vec<&Event> = commits
+            .iter()
+            .filter(|commit| {
+                let subject =
+                    stagehand_schemas::subject::subject_for(&commit.body, &commit.project);
+                filters.iter().any(|f| subject_matches(f, &subject))
+            })
+            .collect();
+        ensure!(
+            heard.len() == steps,
+            "{node} hears {} part commits",
+            heard.len()
+        );
+        for commit in heard {
+            let Body::CheckpointPartCommitted(part) = &commit.body else {
+                anyhow::bail!("{node} hears a {}", commit.kind());
+            };
+            ensure!(part.node == node, "{node} hears {}'s part", part.node);
+        }
+        ensure!(
+            info.num_pending == 0,
+            "{node}: {} pending",
+            info.num_pending
+        );
+    }
     Ok(())
 }
 
@@ -919,7 +974,13 @@ async fn an_offload_waits_for_room_on_the_offload_tier_and_status_says_why() -> 
 
 /// The facts of `kind` stored for the project.
 async fn facts(sh: &Stagehand, kind: &str) -> anyhow::Result<Vec<Event>> {
-    let subject = format!("stagehand.fact.{kind}.{PROJECT}");
+    // A checkpoint part's subject names its node before the project: any node.
+    let node = if stagehand_schemas::subject::routed_by_node(kind) {
+        ".*"
+    } else {
+        ""
+    };
+    let subject = format!("stagehand.fact.{kind}{node}.{PROJECT}");
     stagehand_testkit::stored_events(sh.bus.jetstream(), "STAGEHAND_FACTS", subject)
         .await
         .map_err(|e| anyhow::anyhow!("reading {kind}: {e}"))

@@ -234,16 +234,18 @@ impl Settings {
     }
 
     /// A node agent's offloads worker, on its own consumer: this node's checkpoint part
-    /// commits (copied off the node) and every step's commit (this node's parts of it leave
-    /// the node). `None` for the shared promoter.
+    /// commits (copied off the node; its consumer's filter names this node, so no other
+    /// node's part reaches it) and every step's commit (this node's parts of it leave the
+    /// node). `None` for the shared promoter.
     pub fn offloads_worker(&self) -> Option<WorkerConfig> {
         let node = self.node.as_ref()?;
         let consumer = format!("{SERVICE}-offload-{}", runner::consumer_token(node));
-        let mut cfg = self.worker(
-            &consumer,
-            subject::FACTS.name,
-            &["checkpoint.part.committed", "checkpoint.committed"],
-        );
+        let mut cfg = self.worker(&consumer, subject::FACTS.name, &["checkpoint.committed"]);
+        cfg.filter_subjects.push(subject::node_kind_filter(
+            subject::FACT,
+            "checkpoint.part.committed",
+            node,
+        ));
         cfg.concurrency = 4;
         // An offload waits for space on a bounded offload tier before it copies, and a step's
         // commit for the catalogue to fold it before its parts leave the node.
@@ -585,9 +587,20 @@ mod tests {
         let offloads = agent
             .offloads_worker()
             .expect("a node agent's offloads worker");
-        assert!(consumes(&offloads, "checkpoint.part.committed"));
         assert!(consumes(&offloads, "checkpoint.committed"));
         assert!(!consumes(&offloads, "checkpoint.part.offloaded"));
+        // Its own node's parts, and no other node's.
+        let part_of = |node: &str| {
+            subject::node_kind_subject("fact", "checkpoint.part.committed", node, "lab-a")
+        };
+        let hears = |subject: &str| {
+            offloads
+                .filter_subjects
+                .iter()
+                .any(|filter| subject::subject_matches(filter, subject))
+        };
+        assert!(hears(&part_of("gpu-17")));
+        assert!(!hears(&part_of("gpu-18")));
         // Both wait as long for the catalogue: every attempt the runtime keeps.
         assert_eq!(steps.max_attempts, OFFLOAD_ATTEMPTS);
         assert_eq!(offloads.max_attempts, OFFLOAD_ATTEMPTS);

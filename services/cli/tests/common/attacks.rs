@@ -168,7 +168,7 @@ pub fn forge(kind: &str, project: &str, id: &EventId, plan: &Plan, by: &str) -> 
             "total_bytes": total,
         }),
         "checkpoint.part.committed" => json!({
-            "run": plan.run, "step": plan.step, "part": 0, "parts": 1, "node": "gpu-x",
+            "run": plan.run, "step": plan.step, "part": 0, "parts": 1, "node": FORGED_NODE,
             "location": location, "files": files, "total_bytes": total,
         }),
         "stage.requested" => json!({
@@ -203,14 +203,25 @@ pub fn relocated(event: &Event, project: &str) -> Option<Event> {
     serde_json::from_value(value).ok()
 }
 
+/// The node a forged checkpoint part names.
+pub const FORGED_NODE: &str = "gpu-x";
+
 /// The (subject, project, kind) of a request or fact subject an attacking role may publish,
-/// a `*` project expanded to the attacker's and the victim's; `None` for any other subject.
+/// a `*` project expanded to the attacker's and the victim's (and a `*` node, of a kind routed
+/// by node, to [`FORGED_NODE`]); `None` for any other subject.
 pub fn stream_subjects(granted: &str) -> Option<Vec<(String, String, String)>> {
     let rest = granted
         .strip_prefix("stagehand.req.")
         .or_else(|| granted.strip_prefix("stagehand.fact."))?;
     let (kind, project) = rest.rsplit_once('.')?;
     let class = &granted[..granted.len() - rest.len()];
+    // A kind routed by node names the node before the project.
+    let (kind, node) = match kind.strip_suffix(".*") {
+        Some(routed) if stagehand_schemas::subject::routed_by_node(routed) => {
+            (routed, format!(".{FORGED_NODE}"))
+        }
+        _ => (kind, String::new()),
+    };
     let projects = match project {
         "*" => vec![ATTACKER, VICTIM],
         p => vec![p],
@@ -218,7 +229,10 @@ pub fn stream_subjects(granted: &str) -> Option<Vec<(String, String, String)>> {
     Some(
         projects
             .into_iter()
-            .map(|p| (format!("{class}{kind}.{p}"), p.to_owned(), kind.to_owned()))
+            .map(|p| {
+                let subject = format!("{class}{kind}{node}.{p}");
+                (subject, p.to_owned(), kind.to_owned())
+            })
             .collect(),
     )
 }
