@@ -4,7 +4,8 @@
 //! between them, the files larger than a piece moved in slices where the manifest's side data
 //! has their piece hashes and whole where it has none; and an agent whose copy is damaged on
 //! disk is caught serving bad bytes, dropped from the swarm, and every other node still ends
-//! byte-exact. (The same with each
+//! byte-exact; and an agent restarted after staging a version serves it again once a job asks
+//! for it there. (The same with each
 //! agent in its own network namespace and killed mid-copy: `services/cli/tests/fanout.rs`.)
 
 mod common;
@@ -113,7 +114,12 @@ fn start_agent_with(stack: &mut Stack, node: &str, token: &Path, tls: Option<&Te
             server_name: None,
         }),
     });
-    stack.run_promoter(config);
+    stack.run(&agent(node), |token| stagehand_promoter::run(config, token));
+}
+
+/// The name `node`'s agent runs under in the stack ([`Stack::stop_service`]).
+fn agent(node: &str) -> String {
+    format!("agent-{node}")
 }
 
 /// Puts the version on the hot tier (through the shared promoter): its version and files
@@ -333,6 +339,62 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
     );
     stop.cancel();
     drop(restarted);
+    stack.stop().await;
+}
+
+/// An agent restarted after it staged a version serves none of it (its restart took back
+/// its word on the board); once a job asks for the version there again, the replica is found
+/// intact and served to its swarm again, and a node joining later reads all of it from that
+/// agent, nothing from the hot tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_it() {
+    stagehand_telemetry::metrics::install();
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("shared"));
+    let token = token_file(stack.root());
+    let (version, files, refs) = on_hot(&mut stack, true).await;
+    start_agent(&mut stack, "n1", &token);
+    stage_on(&stack, &version, &["n1"]).await;
+    let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
+    let pieces = pieces.len();
+    assert_eq!(holdings(&board, &swarm).await.get("n1"), Some(&pieces));
+
+    stack.stop_service(&agent("n1")).await;
+    start_agent(&mut stack, "n1", &token);
+    wait_for(
+        WAIT,
+        "n1's word taken back as its agent starts again",
+        || {
+            let board = board.clone();
+            let swarm = swarm.clone();
+            async move {
+                holdings(&board, &swarm)
+                    .await
+                    .get("n1")
+                    .is_none()
+                    .then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    // A second job on n1: ready from the replica there, which is served again.
+    stage_for(&stack, &version, &["n1"], "job-2").await;
+    assert_eq!(holdings(&board, &swarm).await.get("n1"), Some(&pieces));
+
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let shared = || counter("stagehand_fanout_bytes_total", "source=\"shared\"");
+    let peer = || counter("stagehand_fanout_bytes_total", "source=\"peer\"");
+    let (shared_before, peer_before) = (shared(), peer());
+    start_agent(&mut stack, "n2", &token);
+    stage_on(&stack, &version, &["n2"]).await;
+    assert_exact(&stack, "n2", &version, &files);
+    assert_eq!(shared() - shared_before, 0.0, "n2 read from the hot tier");
+    assert_eq!(
+        peer() - peer_before,
+        total as f64,
+        "n2 fetched every byte from n1"
+    );
     stack.stop().await;
 }
 

@@ -224,6 +224,24 @@ impl Stack {
         self.tasks.push((name.to_owned(), token, task));
     }
 
+    /// Stops the in-process service last started as `name` (its stop token cancelled) and
+    /// waits for it to end, within 30 s: what a restart of that one service begins with.
+    /// Panics when it failed or is not running.
+    pub async fn stop_service(&mut self, name: &str) {
+        let at = self
+            .tasks
+            .iter()
+            .rposition(|(label, _, _)| label == name)
+            .unwrap_or_else(|| panic!("no service {name} is running"));
+        let (_, token, task) = self.tasks.remove(at);
+        token.cancel();
+        match tokio::time::timeout(STOP_TIMEOUT, task).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("{name} failed: {e}"),
+            Err(_) => panic!("{name} did not stop within {STOP_TIMEOUT:?}"),
+        }
+    }
+
     /// Runs the real catalogue recorder in-process, as its own user, with its store under
     /// `<root>/recorder`.
     pub fn start_recorder(&mut self) {

@@ -95,6 +95,41 @@ pub async fn withdraw_everything_held(store: &kv::Store, node: &str) -> Result<u
     Ok(withdrawn)
 }
 
+/// Announces that `node` holds every piece `0..pieces` of `swarm`, served at `addr`: a replica
+/// published here before this agent started, which it serves again ([`super::Fanout::serve_published`]).
+pub async fn announce_all(
+    store: &kv::Store,
+    swarm: &str,
+    node: &str,
+    pieces: usize,
+    addr: &str,
+) -> Result<(), BoardError> {
+    let me = consumer_token(node);
+    let value: Bytes = have_value(addr);
+    for piece in 0..pieces {
+        let key = have_key(swarm, &me, piece);
+        store
+            .put(&key, value.clone())
+            .await
+            .map_err(|e| board_err(&key, e))?;
+    }
+    Ok(())
+}
+
+/// The key saying node token `me` holds `piece` of `swarm`.
+fn have_key(swarm: &str, me: &str, piece: usize) -> String {
+    format!("swarm.{swarm}.have.{piece}.{me}")
+}
+
+/// Its value: where the holder serves the piece.
+fn have_value(addr: &str) -> Bytes {
+    serde_json::to_vec(&HaveValue {
+        addr: addr.to_owned(),
+    })
+    .expect("a holder serializes")
+    .into()
+}
+
 /// A claim as this node saw it.
 #[derive(Debug, Clone)]
 pub struct ClaimSeen {
@@ -233,13 +268,9 @@ impl Board {
 
     /// Says this node holds `piece`, verified, served at `addr`.
     pub async fn announce(&self, piece: usize, addr: &str) -> Result<(), BoardError> {
-        let key = self.key(&format!("have.{piece}.{}", self.me));
-        let value = serde_json::to_vec(&HaveValue {
-            addr: addr.to_owned(),
-        })
-        .expect("a holder serializes");
+        let key = have_key(&self.swarm, &self.me, piece);
         self.store
-            .put(&key, value.into())
+            .put(&key, have_value(addr))
             .await
             .map(drop)
             .map_err(|e| board_err(&key, e))
@@ -248,7 +279,7 @@ impl Board {
     /// Takes back this node's word on `pieces` (its staging folder was discarded).
     pub async fn withdraw(&self, pieces: impl IntoIterator<Item = usize>) {
         for piece in pieces {
-            let key = self.key(&format!("have.{piece}.{}", self.me));
+            let key = have_key(&self.swarm, &self.me, piece);
             if let Err(e) = self.store.delete(&key).await {
                 warn!(error = %e, %key, "a piece this node no longer holds is still announced; its peers find it gone and read elsewhere");
             }

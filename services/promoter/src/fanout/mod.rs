@@ -308,6 +308,39 @@ impl Fanout {
         filled
     }
 
+    /// Whether this agent serves a swarm of the copies named `base` ([`Fanout::swarm`]).
+    pub fn serves(&self, base: &str) -> bool {
+        self.registry.serves(base)
+    }
+
+    /// Serves a replica published on this node before — found intact before it is handed out
+    /// again — to the peers of its swarm: every piece held, from `folder`, and announced. An
+    /// agent that restarted since it staged the replica serves nothing it held before
+    /// ([`Fanout::bind`] took its word back); a node joining the swarm later then fetches
+    /// from it again instead of the shared tier. Peers verify every byte it serves, as ever.
+    pub async fn serve_published(
+        &self,
+        base: &str,
+        files: Arc<[FileRef]>,
+        side: &HashMap<usize, PieceHashes>,
+        folder: PosixTier,
+        replica: ReplicaAt,
+    ) -> Result<String, BoardError> {
+        let pieces: Arc<[Piece]> = pieces::cut(&files, side).into();
+        let swarm = Fanout::swarm_of(base, &pieces);
+        let count = pieces.len();
+        let assemblies = Arc::new(Assemblies::new(folder.clone(), &pieces));
+        let holding = self
+            .registry
+            .hold(&swarm, files, pieces, assemblies, folder.clone());
+        holding.moved_to(folder, replica);
+        for piece in 0..count {
+            holding.holds(piece);
+        }
+        board::announce_all(&self.store, &swarm, &self.node, count, &self.advertise).await?;
+        Ok(swarm)
+    }
+
     /// The swarm's pieces are in the published folder `folder` now, the replica `replica`.
     pub fn published(&self, swarm: &str, folder: PosixTier, replica: ReplicaAt) {
         if let Some(h) = self.registry.get(swarm) {

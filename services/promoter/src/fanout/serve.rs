@@ -149,6 +149,12 @@ impl Registry {
         swarms.order.retain(|s| s != swarm);
     }
 
+    /// Whether a swarm whose name starts with `base` ([`super::Fanout::swarm`]) is held: the
+    /// version is served, whatever its cut.
+    pub fn serves(&self, base: &str) -> bool {
+        lock(&self.swarms).order.iter().any(|s| s.starts_with(base))
+    }
+
     pub fn get(&self, swarm: &str) -> Option<Arc<Holding>> {
         lock(&self.swarms).by_id.get(swarm).cloned()
     }

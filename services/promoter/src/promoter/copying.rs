@@ -158,6 +158,8 @@ impl Promoter {
             {
                 warn!(?refused, %prefix, "a replica already on the tier holds no reservation and does not fit one");
             }
+            self.serve_again(project, request, &plan, dst, &prefix)
+                .await;
             return self
                 .ready(record, request, &plan.version, dst, &prefix, None)
                 .await;
@@ -519,6 +521,65 @@ impl Promoter {
                     }
                     return Ok(None);
                 }
+            }
+        }
+    }
+
+    /// A replica on this node's local tier, found intact and handed out again, is served to
+    /// its swarm's peers unless this agent serves it already (a node agent with fan-out on; an
+    /// agent restarted since it staged the replica serves nothing it held before: see
+    /// [`Fanout::serve_published`]). Best effort: a failure is logged, and costs the peers
+    /// only reading those pieces from the shared tier instead.
+    async fn serve_again(
+        &self,
+        project: &str,
+        request: &StageRequested,
+        plan: &Plan,
+        dst: &Tier,
+        prefix: &str,
+    ) {
+        let (Some(fanout), Tier::Posix(_)) = (&self.p().fanout, dst) else {
+            return;
+        };
+        let base = Fanout::swarm(&request.tier, project, &request.dataset, &plan.version);
+        if fanout.serves(&base) {
+            return;
+        }
+        let served = async {
+            let manifest = self
+                .manifest(project, &request.dataset, plan)
+                .await
+                .map_err(|e| match e {
+                    CopyFailed::Retry(e) => e.to_string(),
+                    CopyFailed::Fail { reason, .. } => reason,
+                })?;
+            let files = manifest_entries(&manifest)
+                .await
+                .map_err(|e| e.to_string())?;
+            let side = crate::fanout::side_data(self.p().bus.jetstream(), &files)
+                .await
+                .map_err(|e| e.to_string())?;
+            let Ok(Tier::Posix(folder)) = dst.beneath(prefix) else {
+                return Err(format!("{prefix} is no folder of a posix tier"));
+            };
+            let replica = ReplicaAt {
+                project: project.to_owned(),
+                dataset: request.dataset.clone(),
+                version: plan.version.clone(),
+                tier: request.tier.clone(),
+                prefix: prefix.to_owned(),
+            };
+            fanout
+                .serve_published(&base, files, &side, folder, replica)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match served.await {
+            Ok(swarm) => {
+                info!(%swarm, %prefix, "fan-out: a replica staged here before is served to its peers again")
+            }
+            Err(error) => {
+                warn!(%error, %prefix, "fan-out: a replica staged here before is not served to peers; they read it from the shared tier")
             }
         }
     }
