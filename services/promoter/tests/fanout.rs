@@ -367,13 +367,7 @@ async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_
         || {
             let board = board.clone();
             let swarm = swarm.clone();
-            async move {
-                holdings(&board, &swarm)
-                    .await
-                    .get("n1")
-                    .is_none()
-                    .then_some(())
-            }
+            async move { (!holdings(&board, &swarm).await.contains_key("n1")).then_some(()) }
         },
     )
     .await
