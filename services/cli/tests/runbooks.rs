@@ -27,6 +27,9 @@
 //! s3-tier-unreachable, whose validator runs as its own process with an S3 tier's credentials;
 //! fanout-peer-dropped, whose three node agents fan out to each other, one serving a copy that
 //! rotted on its disk; and stage-failed, whose held job is a real Slurm job (`common::slurm`).
+//! In every stack the bounded tiers (hot and local), whose fill `stagehand status` measures by
+//! their filesystem, are filesystems of their own (`own_disks`): no status, quiet or loud,
+//! hangs on how full the host's disk is.
 
 mod common;
 
@@ -638,22 +641,107 @@ fn write_upload(folder: &Path, n: usize) {
     }
 }
 
+/// Size of the filesystem each bounded tier has of its own ([`own_disks`]), MiB.
+const TIER_DISK_MIB: u64 = 64;
+/// What Stagehand may place on each of them (`capacity`), MiB: less than the filesystem, so
+/// that what `stagehand status` counts is what Stagehand placed there.
+const TIER_CAPACITY_MIB: u64 = 48;
+/// Every project's quota on each of them, MiB.
+const TIER_QUOTA_MIB: u64 = 40;
+
+/// Puts every bounded posix tier of the policies at `policies` (hot and local: the tiers whose
+/// fill `stagehand status` measures, by `statvfs` of their root) on a tmpfs of its own of
+/// [`TIER_DISK_MIB`], of which Stagehand may use [`TIER_CAPACITY_MIB`] and each project
+/// [`TIER_QUOTA_MIB`]: what status finds there is then what the test put there, however full
+/// the host's disk is (on the host's disk, a tier's unused capacity the disk can no longer
+/// give counts as used). Called before any service that opens those tiers starts (the
+/// promoter, a node agent, the demoter hold a tier's root open from their start, and would
+/// write beneath the mount) and that reads `tiers.toml`'s limits. Returns the mounts by tier
+/// name; they are unmounted when dropped, which must be before the home is removed.
+fn own_disks(home: &Path, policies: &Path) -> BTreeMap<String, Tmpfs> {
+    let load = || stagehand_policy::Policies::load_dir_with_home(policies, home).unwrap();
+    let bounded: BTreeMap<String, PathBuf> = (load().tiers().values())
+        .filter(|t| t.limits.is_some())
+        .filter_map(|t| match &t.kind {
+            stagehand_policy::TierKind::Posix { root } => Some((t.name.clone(), root.clone())),
+            stagehand_policy::TierKind::S3(_) => None,
+        })
+        .collect();
+    assert!(bounded.contains_key("hot"), "{bounded:?}");
+    // Each bounded tier's capacity, and each quota on it, made to fit its filesystem.
+    let tiers = policies.join("tiers.toml");
+    let text = std::fs::read_to_string(&tiers).unwrap();
+    let mut section = String::new();
+    let text: Vec<String> = text
+        .lines()
+        .map(|l| {
+            if l.starts_with('[') {
+                section = l.trim().to_owned();
+            }
+            let Some((key, _)) = l
+                .split_once('=')
+                .filter(|_| !l.trim_start().starts_with('#'))
+            else {
+                return l.to_owned();
+            };
+            let key = key.trim();
+            let limit = bounded.keys().find_map(|t| {
+                if section == format!("[tiers.{t}]") && key == "capacity" {
+                    Some(TIER_CAPACITY_MIB)
+                } else if section == format!("[tiers.{t}.quotas]") {
+                    Some(TIER_QUOTA_MIB)
+                } else {
+                    None
+                }
+            });
+            match limit {
+                Some(mib) => format!("{key} = \"{mib} MiB\""),
+                None => l.to_owned(),
+            }
+        })
+        .collect();
+    std::fs::write(&tiers, text.join("\n") + "\n").unwrap();
+    let mib = |n: u64| n << 20;
+    for tier in load()
+        .tiers()
+        .values()
+        .filter(|t| bounded.contains_key(&t.name))
+    {
+        let limits = tier.limits.as_ref().unwrap();
+        assert_eq!(limits.capacity, mib(TIER_CAPACITY_MIB), "{}", tier.name);
+        assert!(
+            (limits.quotas.values().chain(&limits.default_quota))
+                .all(|q| *q == mib(TIER_QUOTA_MIB)),
+            "{}: {limits:?}",
+            tier.name
+        );
+    }
+    bounded
+        .into_iter()
+        .map(|(name, root)| {
+            // Mounted over, anything already there would be hidden from the tier's readers.
+            let written = std::fs::read_dir(&root).map_or(0, |d| d.count());
+            assert_eq!(written, 0, "{} written to before its disk", root.display());
+            let disk = Tmpfs::mount(&root, &format!("{TIER_DISK_MIB}m"));
+            // As the stack made it: jobs, an ordinary user, read the hot and local tiers.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).unwrap();
+            (name, disk)
+        })
+        .collect()
+}
+
 /// The pages that need no more than the shared stack (a nats-server, the recorder, the
 /// validator), each with its failure produced and fixed in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
     let mut stack = Stagehand::start(common::Options::default()).await.unwrap();
-    // The hot tier is a 64 MiB filesystem of its own (mounted below), of which Stagehand may
-    // use 48 MiB.
+    // The hot tier is a 64 MiB filesystem of its own, of which Stagehand may use 48 MiB and
+    // the project 40 MiB.
+    let disks = own_disks(stack.home.path(), &stack.policies);
     let tiers = stack.policies.join("tiers.toml");
-    let text = std::fs::read_to_string(&tiers).unwrap();
-    let text = text
-        .replacen("capacity = \"100 GiB\"", "capacity = \"48 MiB\"", 1)
-        .replacen("default = \"50 GiB\"", "default = \"40 MiB\"", 1);
-    assert!(text.contains("48 MiB") && text.contains("40 MiB"), "{text}");
-    std::fs::write(&tiers, text).unwrap();
     let hot = stack.home.path().join("tiers/hot");
-    let disk = Tmpfs::mount(&hot, "64m");
+    let disk = &disks["hot"];
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let mut exercised = BTreeSet::new();
     shell.quiet("the first page");
@@ -966,7 +1054,7 @@ async fn each_page_run_verbatim_fixes_the_failure_the_test_produced() {
         "pages run here but not listed in RUN: {:?}",
         exercised.difference(&run).collect::<Vec<_>>()
     );
-    drop(disk);
+    drop(disks);
 }
 
 /// The demoter's binary, built beside `stagehand`, and a config of it (instance `runbooks`)
@@ -1044,6 +1132,7 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("stage-stuck.md");
     let uploads = tempfile::tempdir().unwrap();
@@ -1083,12 +1172,14 @@ async fn a_stuck_stage_is_found_and_cancelled_by_its_page() {
 async fn a_damaged_copy_is_restored_from_its_backup_by_its_page() {
     let mut stack = Stagehand::start(common::Options {
         validator: true,
-        promoter: true,
         ..Default::default()
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
+    stack.start_promoter();
     stack.start_backup_copier();
+    stack.ready().await.unwrap();
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("replica-damaged.md");
     let uploads = tempfile::tempdir().unwrap();
@@ -1160,6 +1251,7 @@ async fn a_failed_drill_is_repaired_and_drilled_again_by_its_page() {
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     // A drill every two seconds and a scrub pass every second, so that the page's waits are
     // the test's seconds rather than production's day.
     edit_policy(
@@ -1238,9 +1330,6 @@ async fn a_silent_nodes_copies_are_found_and_its_agents_return_confirmed_by_its_
     const NODE_B: &str = "gpu-b";
     let mut stack = Stagehand::start(common::Options {
         validator: true,
-        promoter: true,
-        demoter: true,
-        node_agents: vec![NODE_A.into(), NODE_B.into()],
         // Seconds rather than production's two minutes, so that the page's wait is short; ten
         // of them (a beat every 2.5 s), so that a machine busy with builds does not make a
         // beating agent look silent.
@@ -1249,7 +1338,21 @@ async fn a_silent_nodes_copies_are_found_and_its_agents_return_confirmed_by_its_
     })
     .await
     .unwrap();
+    // The services that open the hot and local tiers start once those have their disks: the
+    // promoter, the two nodes' agents, and the demoter (its own process, as its supervisor
+    // runs it).
+    let _disks = own_disks(stack.home.path(), &stack.policies);
+    stack.start_promoter();
+    for node in [NODE_A, NODE_B] {
+        stack.start_node_agent(node).unwrap();
+    }
+    stack.ready().await.unwrap();
+    let (binary, config) = demoter_process(&stack);
+    let log = stack.home.path().join("demoter.log");
+    let demoter = ServiceProcess::spawn(&binary, &config, &log, &[]);
     let mut shell = Shell::new(&stack.url, stack.home.path());
+    wait_until_blocking(WAIT, "the demoter alive", || demoter_alive(&shell))
+        .unwrap_or_else(|e| panic!("{e}: {}", demoter.log()));
     let page = Page::read("node-lost.md");
     let uploads = tempfile::tempdir().unwrap();
     let owls = uploads.path().join("owls");
@@ -1336,6 +1439,7 @@ async fn a_lost_nats_node_is_found_and_its_return_confirmed_by_its_page() {
         .unwrap();
     let policies = home.path().join("policies");
     stagehand::up::write_default_policies(&policies, home.path()).unwrap();
+    let _disks = own_disks(home.path(), &policies);
     let url = cluster.urls().join(",");
     let stack = stagehand::up::Stack::start(stagehand::up::UpOptions {
         home: home.path().to_owned(),
@@ -1519,6 +1623,7 @@ async fn a_scrub_behind_its_period_is_given_its_budget_by_its_page() {
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     edit_policy(
         &stack,
         "scrub.toml",
@@ -1614,6 +1719,7 @@ async fn an_overdue_drill_is_found_and_run_again_by_its_page() {
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     stack.start_backup_copier_with(|s| s.drill_check = std::time::Duration::from_secs(3600));
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("drill-overdue.md");
@@ -1678,6 +1784,7 @@ async fn a_waiting_backlog_is_found_and_its_service_started_by_its_page() {
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     let mut shell = Shell::new(&stack.url, stack.home.path());
     shell.set("BACKLOG_AFTER", "3s");
     shell.status_flags = vec!["--backlog-after".into(), "3s".into()];
@@ -1729,6 +1836,7 @@ async fn an_unreachable_s3_tier_is_brought_back_and_its_work_redone_by_its_page(
     use stagehand_schemas::{Body, Event, IngestRequested};
     const TIER: &str = "lake";
     let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     let s3 = stagehand_testkit::S3Server::shared();
     let bucket = s3.unique_bucket("runbooks");
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -1896,11 +2004,13 @@ async fn a_node_serving_bad_bytes_in_a_fan_out_is_found_and_its_copy_made_anew_b
     use std::os::unix::fs::PermissionsExt;
     let mut stack = Stagehand::start(common::Options {
         validator: true,
-        promoter: true,
         ..Default::default()
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
+    stack.start_promoter();
+    stack.ready().await.unwrap();
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("fanout-peer-dropped.md");
     shell.quiet(&page.name);
@@ -2006,6 +2116,7 @@ async fn a_node_serving_bad_bytes_in_a_fan_out_is_found_and_its_copy_made_anew_b
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_service_is_upgraded_in_turn_by_its_page() {
     let stack = Stagehand::start(common::Options::default()).await.unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
     let (binary, config) = validator_process(&stack);
     let mut validator = ServiceProcess::spawn(
         &binary,
@@ -2071,13 +2182,15 @@ async fn a_service_is_upgraded_in_turn_by_its_page() {
 /// the data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_held_slurm_job_whose_stage_failed_runs_once_released_by_its_page() {
-    let (stack, slurm) = common::slurm::setup(common::Options {
+    let (mut stack, slurm) = common::slurm::setup(common::Options {
         validator: true,
-        promoter: true,
         ..Default::default()
     })
     .await
     .unwrap();
+    let _disks = own_disks(stack.home.path(), &stack.policies);
+    stack.start_promoter();
+    stack.ready().await.unwrap();
     let mut shell = Shell::new(&stack.url, stack.home.path());
     let page = Page::read("stage-failed.md");
     shell.quiet(&page.name);
