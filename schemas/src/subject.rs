@@ -10,11 +10,13 @@
 //! part, before the project: `stagehand.fact.checkpoint.part.committed.<node>.<project>`. Each
 //! node's agent then subscribes to its own node's parts alone ([`node_kind_filter`]): a step of
 //! N parts committed on N nodes is N deliveries, not N² (every agent handed every node's
-//! part, to ack it unread).
+//! part, to ack it unread). A stage request or release that names a node (a job's `local`
+//! tier, [`NODE_ADDRESSED`]) is published the same way, for that node's agent alone; one that
+//! names none keeps `<kind>.<project>`, for the shared promoter, which reads both.
 
 use std::time::Duration;
 
-use crate::event::Body;
+use crate::event::{Body, StageReleased, StageRequested};
 
 /// Prefix of every Stagehand subject.
 pub const ROOT: &str = "stagehand";
@@ -44,6 +46,16 @@ pub const NODE_ROUTED: &[&str] = &[
 /// Whether events of `kind` are published on subjects that name a node ([`NODE_ROUTED`]).
 pub fn routed_by_node(kind: &str) -> bool {
     NODE_ROUTED.contains(&kind)
+}
+
+/// The kinds whose subjects name a node before the project when the event names one (a stage
+/// request or release for a node's `local` tier), and only then.
+pub const NODE_ADDRESSED: &[&str] = &["stage.requested", "stage.released"];
+
+/// Whether events of `kind` may be published on subjects that name a node: always
+/// ([`NODE_ROUTED`]) or when they name one ([`NODE_ADDRESSED`]).
+pub fn may_name_node(kind: &str) -> bool {
+    routed_by_node(kind) || NODE_ADDRESSED.contains(&kind)
 }
 
 /// The subject token naming `node`: the name itself when it is one ([`is_subject_token`]: a
@@ -89,6 +101,12 @@ pub fn subject_for(body: &Body, project: &str) -> String {
         Body::CheckpointPartRemoved(p) => {
             return node_kind_subject(FACT, body.kind(), &p.node, project);
         }
+        Body::StageRequested(StageRequested {
+            node: Some(node), ..
+        })
+        | Body::StageReleased(StageReleased {
+            node: Some(node), ..
+        }) => return node_kind_subject(REQ, body.kind(), node, project),
         b if b.is_request() => REQ,
         _ => FACT,
     };
@@ -115,10 +133,14 @@ pub fn kind_subject(class: &str, kind: &str, project: &str) -> String {
 }
 
 /// The subject filter for one kind across all projects, e.g. `stagehand.req.ingest.requested.*`
-/// (and every node, for a kind [`routed_by_node`]: `….checkpoint.part.committed.*.*`).
+/// (and every node, for a kind [`routed_by_node`]: `….checkpoint.part.committed.*.*`; with a
+/// node or without, for a kind [`NODE_ADDRESSED`]: `stagehand.req.stage.requested.>`).
 pub fn kind_filter(class: &str, kind: &str) -> String {
     if routed_by_node(kind) {
         return format!("{ROOT}.{class}.{kind}.*.*");
+    }
+    if NODE_ADDRESSED.contains(&kind) {
+        return format!("{ROOT}.{class}.{kind}.>");
     }
     format!("{ROOT}.{class}.{kind}.*")
 }
@@ -372,8 +394,12 @@ mod tests {
         assert_eq!(class_filter(REQ), REQUESTS.subjects[0]);
         assert_eq!(class_filter(DLQ), DEAD_LETTERS.subjects[0]);
         assert_eq!(
+            kind_filter(REQ, "ingest.requested"),
+            "stagehand.req.ingest.requested.*"
+        );
+        assert_eq!(
             kind_filter(REQ, "stage.requested"),
-            "stagehand.req.stage.requested.*"
+            "stagehand.req.stage.requested.>"
         );
         assert_eq!(
             class_of_subject("stagehand.dlq.dead.letter.promoter"),
@@ -422,6 +448,24 @@ mod tests {
         for kind in NODE_ROUTED {
             assert!(crate::event::ALL_KINDS.contains(kind), "{kind}");
         }
+    }
+
+    #[test]
+    fn a_stage_request_names_its_node_only_when_it_has_one() {
+        let filter = kind_filter(REQ, "stage.requested");
+        for node in [Some("gpu-07"), None] {
+            let subject = match node {
+                Some(n) => node_kind_subject(REQ, "stage.requested", n, "lab-a"),
+                None => kind_subject(REQ, "stage.requested", "lab-a"),
+            };
+            assert!(subject_matches(&filter, &subject), "{subject}");
+            assert_eq!(project_of_subject(&subject), Some("lab-a"));
+        }
+        assert!(may_name_node("stage.released") && !routed_by_node("stage.released"));
+        assert!(!subject_matches(
+            &node_kind_filter(REQ, "stage.requested", "gpu-07"),
+            &kind_subject(REQ, "stage.requested", "lab-a")
+        ));
     }
 
     #[test]

@@ -268,19 +268,22 @@ fn subjects_of(role: Role, token: &str) -> BTreeSet<String> {
     role.kinds()
         .into_iter()
         .filter(|kind| !kind.starts_with("dead.letter"))
-        .map(|kind| {
+        .flat_map(|kind| {
             let class = if REQUEST_KINDS.contains(&kind) {
                 "req"
             } else {
                 "fact"
             };
-            // A checkpoint part's subject names its node before the project: any node.
-            let node = if stagehand_schemas::subject::routed_by_node(kind) {
-                ".*"
-            } else {
-                ""
-            };
-            format!("stagehand.{class}.{kind}{node}.{token}")
+            // A checkpoint part's subject names its node before the project, any node; a
+            // stage request's may (one for a node's local tier) or may not.
+            let mut subjects = Vec::new();
+            if !stagehand_schemas::subject::routed_by_node(kind) {
+                subjects.push(format!("stagehand.{class}.{kind}.{token}"));
+            }
+            if stagehand_schemas::subject::may_name_node(kind) {
+                subjects.push(format!("stagehand.{class}.{kind}.*.{token}"));
+            }
+            subjects
         })
         .collect()
 }

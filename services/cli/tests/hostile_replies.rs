@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use async_nats::jetstream;
-use common::attacks::{Attacker, forge, relocated, stream_subjects};
+use common::attacks::{Attacker, addressed, forge, relocated, stream_subjects};
 use common::tenants::{
     ATTACKER, KvSnapshot, Plan, Tenants, VICTIM, project_scheduler, scheduler, trainer, uploader,
 };
@@ -262,7 +262,7 @@ async fn reply_sweep(who: (String, String), tag: &str) -> anyhow::Result<()> {
                 .filter(|(_, project, _)| project == ATTACKER)
                 .filter_map(|(subject, project, kind)| {
                     let event = forge(&kind, &project, &EventId::random(), &own, &who.0)?;
-                    let event = relocated(&event, &project)?;
+                    let event = addressed(relocated(&event, &project)?, &subject);
                     Some((subject, stagehand_schemas::wire::encode(&event).ok()?))
                 })
                 .collect(),

@@ -19,7 +19,7 @@ mod common;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use common::attacks::{Attacker, Landed, forge, stream_subjects};
+use common::attacks::{Attacker, Landed, addressed, forge, stream_subjects};
 use common::tenants::{
     ATTACKER, Plan, STEP, Tenants, VICTIM, facts_of, scheduler, trainer, uploader,
 };
@@ -60,6 +60,7 @@ async fn attack_every_subject(
                         who.0
                     )
                 })?;
+                let forged = addressed(forged, &subject);
                 attacker.publish(&subject, &forged, id.as_str()).await;
                 if project != VICTIM {
                     let mut foreign = forged.clone();

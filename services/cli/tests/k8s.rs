@@ -1243,7 +1243,7 @@ async fn the_gates_controller_removes_a_gate_once_its_stage_is_ready_and_keeps_a
 
 /// Whether the stage's request is in the requests stream.
 async fn was_stored(stagehand: &common::Stagehand, st: &Stage) -> anyhow::Result<bool> {
-    let subject = format!("stagehand.req.stage.requested.{}", st.project);
+    let subject = stagehand_schemas::subject::kind_filter("req", "stage.requested");
     let events =
         stagehand_testkit::stored_events(stagehand.bus.jetstream(), "STAGEHAND_REQUESTS", &subject)
             .await

@@ -1033,7 +1033,7 @@ fn stagehand_cli(stagehand: &Stagehand) -> Command {
 
 /// Whether the stage's request is in the requests stream now.
 async fn request_stored(stagehand: &Stagehand, st: &Stage) -> anyhow::Result<bool> {
-    let subject = format!("stagehand.req.stage.requested.{}", st.project);
+    let subject = stagehand_schemas::subject::kind_filter("req", "stage.requested");
     let events =
         stagehand_testkit::stored_events(stagehand.bus.jetstream(), "STAGEHAND_REQUESTS", &subject)
             .await

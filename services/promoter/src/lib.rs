@@ -179,14 +179,23 @@ impl Settings {
     }
 
     /// The requests worker with the promoter's defaults, before the `[worker]` table's:
-    /// `stage.requested` and `stage.released` on [`Settings::requests_consumer`].
+    /// `stage.requested` and `stage.released` on [`Settings::requests_consumer`] — for a node
+    /// agent, only those addressed to its node (their subjects name it), so a wave of N
+    /// nodes' requests is not handed to every one of N agents.
     pub fn requests_worker(&self) -> WorkerConfig {
         let consumer = self.requests_consumer();
-        let mut cfg = self.worker(
-            &consumer,
-            subject::REQUESTS.name,
-            &["stage.requested", "stage.released"],
-        );
+        let kinds = ["stage.requested", "stage.released"];
+        let mut cfg = match &self.node {
+            None => self.worker(&consumer, subject::REQUESTS.name, &kinds),
+            Some(node) => {
+                let mut cfg = self.worker(&consumer, subject::REQUESTS.name, &[]);
+                cfg.filter_subjects = kinds
+                    .iter()
+                    .map(|kind| subject::node_kind_filter(subject::REQ, kind, node))
+                    .collect();
+                cfg
+            }
+        };
         // Copies run inside the handler of the request that asked (progress acks keep it),
         // so handler slots are more than copy slots: a ready-at-once answer never waits for
         // a copy.
@@ -589,6 +598,23 @@ mod tests {
             .expect("a node agent's offloads worker");
         assert!(consumes(&offloads, "checkpoint.committed"));
         assert!(!consumes(&offloads, "checkpoint.part.offloaded"));
+        // Its node's stage requests and releases only; the shared promoter every one.
+        let request = |node: Option<&str>| match node {
+            Some(node) => subject::node_kind_subject("req", "stage.requested", node, "lab-a"),
+            None => subject::kind_subject("req", "stage.requested", "lab-a"),
+        };
+        let (mine, shared_requests) = (agent.requests_worker(), shared.requests_worker());
+        let takes = |cfg: &WorkerConfig, subject: &str| {
+            cfg.filter_subjects
+                .iter()
+                .any(|filter| subject::subject_matches(filter, subject))
+        };
+        assert!(takes(&mine, &request(Some("gpu-17"))));
+        assert!(!takes(&mine, &request(Some("gpu-18"))));
+        assert!(!takes(&mine, &request(None)));
+        for node in [Some("gpu-17"), Some("gpu-18"), None] {
+            assert!(takes(&shared_requests, &request(node)), "{node:?}");
+        }
         // Its own node's parts, and no other node's.
         let part_of = |node: &str| {
             subject::node_kind_subject("fact", "checkpoint.part.committed", node, "lab-a")

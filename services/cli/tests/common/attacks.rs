@@ -10,7 +10,7 @@ use async_nats::jetstream;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use stagehand_bus::Bus;
-use stagehand_schemas::{Event, EventId, wire};
+use stagehand_schemas::{Body, Event, EventId, wire};
 
 use super::tenants::{ATTACKER, Plan, Tenants, VICTIM};
 
@@ -206,6 +206,19 @@ pub fn relocated(event: &Event, project: &str) -> Option<Event> {
 /// The node a forged checkpoint part names.
 pub const FORGED_NODE: &str = "gpu-x";
 
+/// `event` as published on `subject`: a stage request or release on a subject naming
+/// [`FORGED_NODE`] names that node too (the subject of a node's `local` tier).
+pub fn addressed(mut event: Event, subject: &str) -> Event {
+    if subject.contains(&format!(".{FORGED_NODE}.")) {
+        match &mut event.body {
+            Body::StageRequested(r) => r.node = Some(FORGED_NODE.to_owned()),
+            Body::StageReleased(r) => r.node = Some(FORGED_NODE.to_owned()),
+            _ => {}
+        }
+    }
+    event
+}
+
 /// The (subject, project, kind) of a request or fact subject an attacking role may publish,
 /// a `*` project expanded to the attacker's and the victim's (and a `*` node, of a kind routed
 /// by node, to [`FORGED_NODE`]); `None` for any other subject.
@@ -217,7 +230,7 @@ pub fn stream_subjects(granted: &str) -> Option<Vec<(String, String, String)>> {
     let class = &granted[..granted.len() - rest.len()];
     // A kind routed by node names the node before the project.
     let (kind, node) = match kind.strip_suffix(".*") {
-        Some(routed) if stagehand_schemas::subject::routed_by_node(routed) => {
+        Some(routed) if stagehand_schemas::subject::may_name_node(routed) => {
             (routed, format!(".{FORGED_NODE}"))
         }
         _ => (kind, String::new()),

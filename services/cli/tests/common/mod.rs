@@ -580,15 +580,16 @@ impl Stagehand {
         digest_of(folder)
     }
 
-    /// Waits until the stage's request is in the requests stream; returns it.
+    /// Waits until the stage's request is in the requests stream (on its project's subject,
+    /// or its node's); returns it.
     pub async fn requested(&self, stage: &Stage) -> anyhow::Result<Event> {
-        let subject = format!("stagehand.req.stage.requested.{}", stage.project);
+        let subject = stagehand_schemas::subject::kind_filter("req", "stage.requested");
         self.find(&subject, &stage.request_id()).await
     }
 
     /// Waits until the stage's release is in the requests stream; returns it.
     pub async fn released(&self, stage: &Stage) -> anyhow::Result<Event> {
-        let subject = format!("stagehand.req.stage.released.{}", stage.project);
+        let subject = stagehand_schemas::subject::kind_filter("req", "stage.released");
         self.find(&subject, &stage.release_id()).await
     }
 
@@ -612,7 +613,7 @@ impl Stagehand {
     /// stored, its `stagehand_stages` entry as written, and which services have stopped, with
     /// the error each stopped on (those are taken out of the stack).
     pub async fn explain(&mut self, stage: &Stage) -> String {
-        let subject = format!("stagehand.req.stage.requested.{}", stage.project);
+        let subject = stagehand_schemas::subject::kind_filter("req", "stage.requested");
         let request = match self.scan(&subject, &stage.request_id()).await {
             Ok(Some(_)) => "stored".to_owned(),
             Ok(None) => "not stored".to_owned(),
