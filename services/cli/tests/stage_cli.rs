@@ -109,10 +109,11 @@ async fn request_and_release_are_stored_under_ids_from_the_job_and_a_repeat_is_a
         "{again}"
     );
 
-    // What was stored is the contract's stage.requested.
+    // What was stored is the contract's stage.requested, on the subject of its node (for
+    // that node's agent alone) and project.
     let stream = bus.jetstream().get_stream("STAGEHAND_REQUESTS").await?;
     let msg = stream
-        .get_last_raw_message_by_subject("stagehand.req.stage.requested.lab")
+        .get_last_raw_message_by_subject("stagehand.req.stage.requested.gpu-007.lab")
         .await?;
     let event = wire::decode(&msg.payload)?;
     ensure!(event.id == id && event.correlation_id == id && event.project == "lab");
@@ -136,7 +137,7 @@ async fn request_and_release_are_stored_under_ids_from_the_job_and_a_repeat_is_a
         text(&released)
     );
     let msg = stream
-        .get_last_raw_message_by_subject("stagehand.req.stage.released.lab")
+        .get_last_raw_message_by_subject("stagehand.req.stage.released.gpu-007.lab")
         .await?;
     let event = wire::decode(&msg.payload)?;
     ensure!(event.id == s.release_id());

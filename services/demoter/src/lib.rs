@@ -140,12 +140,18 @@ impl Settings {
 
     /// The releases worker with the demoter's defaults, before the `[worker]` table's:
     /// `stage.released` on the requests stream, under [`Settings::consumer`] (the names
-    /// `deploy/nats/accounts.conf` grants), with a ledger of its own.
+    /// `deploy/nats/accounts.conf` grants), with a ledger of its own. A node's demoter keeps
+    /// only its node's local tier, so it takes only the releases addressed to its node (their
+    /// subjects name it): a release elsewhere wakes no node's sweep.
     pub fn requests_worker(&self) -> WorkerConfig {
+        let filter = match &self.node {
+            Some(node) => subject::node_kind_filter(subject::REQ, "stage.released", node),
+            None => subject::kind_filter(subject::REQ, "stage.released"),
+        };
         let mut cfg = WorkerConfig::new(
             self.consumer(),
             subject::REQUESTS.name,
-            vec![subject::kind_filter("req", "stage.released")],
+            vec![filter],
             self.state_dir.join("demoter-requests.redb"),
         );
         // One demoter per deployment (and per node): nothing to claim against.
@@ -433,5 +439,35 @@ impl Handler for Wakes {
         // tried again rather than classified by the error.
         self.0.on_event(event).map_err(HandlerError::retryable)?;
         Ok(Vec::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node's demoter is woken by its own node's releases only; the shared one by every
+    /// release, with a node or without.
+    #[test]
+    fn a_nodes_demoter_takes_its_own_nodes_releases_only() {
+        let takes = |s: &Settings, subject: &str| {
+            s.requests_worker()
+                .filter_subjects
+                .iter()
+                .any(|f| subject::subject_matches(f, subject))
+        };
+        let release = |node: Option<&str>| match node {
+            Some(n) => subject::node_kind_subject(subject::REQ, "stage.released", n, "lab-a"),
+            None => subject::kind_subject(subject::REQ, "stage.released", "lab-a"),
+        };
+        let shared = Settings::new("p", "s");
+        let mut node = shared.clone();
+        node.node = Some("gpu-07".into());
+        assert!(takes(&node, &release(Some("gpu-07"))));
+        assert!(!takes(&node, &release(Some("gpu-08"))));
+        assert!(!takes(&node, &release(None)));
+        for n in [Some("gpu-07"), Some("gpu-08"), None] {
+            assert!(takes(&shared, &release(n)), "{n:?}");
+        }
     }
 }
