@@ -28,8 +28,10 @@
 #
 # Settings (environment): SETS (`large small`), NODES (`1 4 8`), PAIRS (3), LARGE_FILES (4),
 # LARGE_MIB (512), SMALL_FILES (100000), SMALL_BYTES (4096), PROFILE (release | dev), BENCH_DIR
-# (where the data and the home go; default a temp folder; deleted at the end),
-# STAGEHAND_NATS_SERVER. Needs root (network namespaces), iproute2, rclone, python3, curl, bc.
+# (where the data and the home go; default a temp folder; deleted at the end), VERIFY (how the
+# agents prove each copy, promotion.toml's `verify`: unset keeps the shipped `read-back`, which
+# reads every file back from the device uncached; `hashed-in-flight` checks the bytes as they
+# are written and reads nothing twice), STAGEHAND_NATS_SERVER. Needs root (network namespaces), iproute2, rclone, python3, curl, bc.
 # Disk: the source and hot copies of each version, plus N local copies during a run.
 set -euo pipefail
 
@@ -107,6 +109,13 @@ done
 # NATS on the bridge, the stack on it.
 start_stack "$HOST" "$HOME_DIR"
 POLICIES=$HOME_DIR/policies
+if [ -n "${VERIFY:-}" ]; then
+    # Every agent copies these policies as it starts (write_agent_config).
+    sed -i "s/^verify = .*/verify = \"$VERIFY\"/" "$POLICIES/promotion.toml"
+    grep -q "^verify = \"$VERIFY\"" "$POLICIES/promotion.toml" ||
+        { echo "bench.sh: promotion.toml has no verify line to set" >&2; exit 1; }
+fi
+echo "# agents verify: $(grep '^verify' "$POLICIES/promotion.toml")"
 SH=("$BIN/stagehand")
 export STAGEHAND_PROJECT=$PROJECT
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$WORK/fanout.token"
