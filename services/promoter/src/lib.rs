@@ -22,7 +22,7 @@
 //!
 //! | task | consumer | what |
 //! | --- | --- | --- |
-//! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` |
+//! | `requests` | `promoter` (shared by every instance; a node agent: `promoter-node-<node>`) | `stage.requested`, `stage.released` (a node agent: those addressed to its node) |
 //! | `facts` | `promoter-facts-<instance>` (one per instance) | `dataset.validated`, `dataset.prepared`, `dataset.rejected`, `replica.created`, `replica.removed`, `replica.repaired`: wake the requests this instance holds; `replica.damaged` of a copy it writes that a job holds: repaired now (`promoter/repair.rs`) |
 //! | `ingests` | `promoter-ingests-<instance>` | `ingest.requested`: an upload in progress makes a request for it wait instead of fail |
 //! | `offloads` | `promoter-offload-<node>` (a node agent only) | `checkpoint.part.committed` of its node: the part copied to the offload tier; `checkpoint.committed`: this node's parts of the step removed from its local tier (`promoter/leave_node.rs`) |
