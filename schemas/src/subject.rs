@@ -16,7 +16,10 @@
 
 use std::time::Duration;
 
-use crate::event::{Body, StageReleased, StageRequested};
+use crate::event::{
+    Body, CheckpointPartCommitted, CheckpointPartOffloaded, CheckpointPartRemoved, StageReleased,
+    StageRequested,
+};
 
 /// Prefix of every Stagehand subject.
 pub const ROOT: &str = "stagehand";
@@ -92,14 +95,10 @@ pub fn subject_for(body: &Body, project: &str) -> String {
     let class = match body {
         Body::DeadLetter(dead) => return dead_letter_subject(&dead.service),
         Body::DeadLetterReplayed(replay) => return replayed_subject(&replay.service),
-        Body::CheckpointPartCommitted(p) => {
-            return node_kind_subject(FACT, body.kind(), &p.node, project);
-        }
-        Body::CheckpointPartOffloaded(p) => {
-            return node_kind_subject(FACT, body.kind(), &p.node, project);
-        }
-        Body::CheckpointPartRemoved(p) => {
-            return node_kind_subject(FACT, body.kind(), &p.node, project);
+        Body::CheckpointPartCommitted(CheckpointPartCommitted { node, .. })
+        | Body::CheckpointPartOffloaded(CheckpointPartOffloaded { node, .. })
+        | Body::CheckpointPartRemoved(CheckpointPartRemoved { node, .. }) => {
+            return node_kind_subject(FACT, body.kind(), node, project);
         }
         Body::StageRequested(StageRequested {
             node: Some(node), ..
@@ -113,14 +112,14 @@ pub fn subject_for(body: &Body, project: &str) -> String {
     kind_subject(class, body.kind(), project)
 }
 
-/// The subject of one kind routed by node ([`NODE_ROUTED`]), one node and one project, e.g.
+/// The subject of one kind naming a node ([`may_name_node`]), one node and one project, e.g.
 /// `stagehand.fact.checkpoint.part.committed.gpu-07.lab-a`.
 pub fn node_kind_subject(class: &str, kind: &str, node: &str, project: &str) -> String {
     format!("{ROOT}.{class}.{kind}.{}.{project}", node_token(node))
 }
 
-/// The subject filter for one kind routed by node, of one node, across all projects: what
-/// that node's agent subscribes to, e.g. `stagehand.fact.checkpoint.part.committed.gpu-07.*`.
+/// The subject filter for one kind naming a node, of one node, across all projects: what that
+/// node's agent subscribes to, e.g. `stagehand.fact.checkpoint.part.committed.gpu-07.*`.
 pub fn node_kind_filter(class: &str, kind: &str, node: &str) -> String {
     format!("{ROOT}.{class}.{kind}.{}.*", node_token(node))
 }
