@@ -372,9 +372,14 @@ async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_
     )
     .await
     .unwrap();
-    // A second job on n1: ready from the replica there, which is served again.
+    // A second job on n1: ready from the replica there, which is then served again.
     stage_for(&stack, &version, &["n1"], "job-2").await;
-    assert_eq!(holdings(&board, &swarm).await.get("n1"), Some(&pieces));
+    wait_for(WAIT, "n1 serving its replica again", || {
+        let (board, swarm) = (board.clone(), swarm.clone());
+        async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
+    })
+    .await
+    .unwrap();
 
     let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
     let shared = || counter("stagehand_fanout_bytes_total", "source=\"shared\"");

@@ -158,11 +158,13 @@ impl Promoter {
             {
                 warn!(?refused, %prefix, "a replica already on the tier holds no reservation and does not fit one");
             }
-            self.serve_again(project, request, &plan, dst, &prefix)
-                .await;
-            return self
+            let answered = self
                 .ready(record, request, &plan.version, dst, &prefix, None)
                 .await;
+            // After the answer: the job's readiness never waits for the swarm.
+            self.serve_again(project, request, &plan, dst, &prefix)
+                .await;
+            return answered;
         }
         let Some((src_tier, src_prefix)) = plan.sources.first().cloned() else {
             return self
