@@ -342,12 +342,17 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
     stack.stop().await;
 }
 
-/// An agent restarted after it staged a version serves none of it (its restart took back
-/// its word on the board); once a job asks for the version there again, the replica is found
-/// intact and served to its swarm again, and a node joining later reads all of it from that
-/// agent, nothing from the hot tier.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_it() {
+/// A stack whose version (side data stored) n1's agent has staged from the hot tier.
+struct Staged {
+    stack: Stack,
+    token: PathBuf,
+    version: String,
+    files: Vec<(String, Vec<u8>)>,
+    refs: Vec<FileRef>,
+}
+
+async fn staged_on_n1() -> Staged {
+    // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
     let mut stack = Stack::start().await;
     stack.run_promoter(stack.promoter_config("shared"));
@@ -355,6 +360,28 @@ async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_
     let (version, files, refs) = on_hot(&mut stack, true).await;
     start_agent(&mut stack, "n1", &token);
     stage_on(&stack, &version, &["n1"]).await;
+    Staged {
+        stack,
+        token,
+        version,
+        files,
+        refs,
+    }
+}
+
+/// An agent restarted after it staged a version serves none of it (its restart took back
+/// its word on the board); once a job asks for the version there again, the replica is found
+/// intact and served to its swarm again, and a node joining later reads all of it from that
+/// agent, nothing from the hot tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_it() {
+    let Staged {
+        mut stack,
+        token,
+        version,
+        files,
+        refs,
+    } = staged_on_n1().await;
     let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
     let pieces = pieces.len();
     assert_eq!(holdings(&board, &swarm).await.get("n1"), Some(&pieces));
@@ -426,14 +453,13 @@ async fn holdings(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node_still_ends_exact()
 {
-    // The counters of every service in this process (one process per test).
-    stagehand_telemetry::metrics::install();
-    let mut stack = Stack::start().await;
-    stack.run_promoter(stack.promoter_config("shared"));
-    let token = token_file(stack.root());
-    let (version, files, refs) = on_hot(&mut stack, true).await;
-    start_agent(&mut stack, "n1", &token);
-    stage_on(&stack, &version, &["n1"]).await;
+    let Staged {
+        mut stack,
+        token,
+        version,
+        files,
+        refs,
+    } = staged_on_n1().await;
     // n1's copy rots on its disk after it was verified: one byte of every file flipped.
     let folder = local_root(&stack, "n1").join(format!("{PROJECT}/{DATASET}/{version}"));
     for (name, _) in &files {
