@@ -3,8 +3,8 @@
 //! folder and renamed into place only when its SHA-256 is the manifest's. A file that does not
 //! verify names the peer that served it; a body cut short, a refusal or silence only make
 //! this node ask elsewhere. A slice of a large file ([`fetch_slice`]) is written into its
-//! file's temp file as it arrives and hashed meanwhile; it counts only once its SHA-256 is the
-//! side data's.
+//! file's temp file as it arrives and hashed meanwhile; it counts only once its piece hash
+//! (BLAKE3) is the side data's.
 
 use std::time::Duration;
 

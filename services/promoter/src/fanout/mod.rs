@@ -8,8 +8,10 @@
 //! is through NATS, on the swarm's board (`board.rs`): an agent claims a piece before reading
 //! it from the shared tier (so two agents do not read the same piece), announces each piece
 //! it holds, and asks a holder for any piece another agent announced (`fetch.rs`, served by
-//! `serve.rs` over HTTP, each request signed with the agents' secret, `auth.rs`). Every file of every piece is verified against
-//! the manifest's SHA-256 before it is renamed into the staging folder, whoever served it; a
+//! `serve.rs` over HTTP, each request signed with the agents' secret, `auth.rs`). Every file of
+//! a run is verified against the manifest's SHA-256, and every slice of a large file against
+//! its piece hash from the side data, before it counts, whoever served it (the piece hashes
+//! were taken from the bytes whose SHA-256 the manifest names, and are stored under it); a
 //! peer whose bytes do not verify is dropped from the swarm for every member and reported
 //! (its `bad` key, a warning naming the file, `stagehand_fanout_peers_dropped_total`).
 //!

@@ -2,6 +2,8 @@
 //! slot held, the verified file list fetched, every file staged hidden and the set published
 //! by one rename, progress reported as it goes.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -12,6 +14,7 @@ use stagehand_mover::{CopyOptions, ErrorKind, FileRef, Progress, SetCopy, Tier, 
 use stagehand_policy::TierRole;
 use stagehand_schemas::Retryable;
 use stagehand_schemas::layout;
+use stagehand_schemas::pieces::PieceHashes;
 use stagehand_schemas::progress::{WorkProgress, progress_subject};
 use stagehand_schemas::subject::MANIFEST_BUCKET;
 use stagehand_schemas::{
@@ -555,10 +558,8 @@ impl Promoter {
                     CopyFailed::Retry(e) => e.to_string(),
                     CopyFailed::Fail { reason, .. } => reason,
                 })?;
-            let files = manifest_entries(&manifest)
-                .await
-                .map_err(|e| e.to_string())?;
-            let side = crate::fanout::side_data(self.p().bus.jetstream(), &files)
+            let (files, side) = self
+                .pieces_listing(&manifest)
                 .await
                 .map_err(|e| e.to_string())?;
             let Ok(Tier::Posix(folder)) = dst.beneath(prefix) else {
@@ -584,6 +585,18 @@ impl Promoter {
                 warn!(%error, %prefix, "fan-out: a replica staged here before is not served to peers; they read it from the shared tier")
             }
         }
+    }
+
+    /// What the fan-out cuts a version into pieces by: every entry of `manifest`, in order, and
+    /// the side data of those larger than a piece ([`crate::fanout::side_data`]).
+    async fn pieces_listing(
+        &self,
+        manifest: &Manifest,
+    ) -> Result<(Arc<[FileRef]>, HashMap<usize, PieceHashes>), stagehand_manifest::ManifestError>
+    {
+        let files = manifest_entries(manifest).await?;
+        let side = crate::fanout::side_data(self.p().bus.jetstream(), &files).await?;
+        Ok((files, side))
     }
 
     /// The version's verified file list: from the services' manifest bucket, or (a version
@@ -698,10 +711,8 @@ impl Promoter {
                 (Listing::Streamed(files), Some(listed))
             }
             Some((fanout, swarm)) => {
-                let files = manifest_entries(&manifest)
-                    .await
-                    .map_err(|e| manifest_failed(plan, e))?;
-                let side = crate::fanout::side_data(self.p().bus.jetstream(), &files)
+                let (files, side) = self
+                    .pieces_listing(&manifest)
                     .await
                     .map_err(|e| manifest_failed(plan, e))?;
                 (
@@ -969,15 +980,15 @@ enum Listing<'f, S> {
     Fanned {
         fanout: &'f Fanout,
         swarm: String,
-        files: std::sync::Arc<[FileRef]>,
-        side: std::collections::HashMap<usize, stagehand_schemas::pieces::PieceHashes>,
+        files: Arc<[FileRef]>,
+        side: HashMap<usize, PieceHashes>,
     },
 }
 
 /// Every entry of `manifest`, in order.
 async fn manifest_entries(
     manifest: &Manifest,
-) -> Result<std::sync::Arc<[FileRef]>, stagehand_manifest::ManifestError> {
+) -> Result<Arc<[FileRef]>, stagehand_manifest::ManifestError> {
     let manifest = manifest.clone();
     let digest = manifest.digest().to_owned();
     tokio::task::spawn_blocking(move || manifest.entries().collect::<Result<Vec<_>, _>>())
