@@ -342,31 +342,22 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
     stack.stop().await;
 }
 
-/// A stack whose version (side data stored) n1's agent has staged from the hot tier.
-struct Staged {
-    stack: Stack,
-    token: PathBuf,
-    version: String,
-    files: Vec<(String, Vec<u8>)>,
-    refs: Vec<FileRef>,
-}
-
-async fn staged_on_n1() -> Staged {
+/// A stack whose version (side data stored) n1's agent has staged from the hot tier: the stack,
+/// the agents' token, and the version as [`on_hot`] gives it.
+async fn staged_on_n1() -> (
+    Stack,
+    PathBuf,
+    (String, Vec<(String, Vec<u8>)>, Vec<FileRef>),
+) {
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
     let mut stack = Stack::start().await;
     stack.run_promoter(stack.promoter_config("shared"));
     let token = token_file(stack.root());
-    let (version, files, refs) = on_hot(&mut stack, true).await;
+    let put = on_hot(&mut stack, true).await;
     start_agent(&mut stack, "n1", &token);
-    stage_on(&stack, &version, &["n1"]).await;
-    Staged {
-        stack,
-        token,
-        version,
-        files,
-        refs,
-    }
+    stage_on(&stack, &put.0, &["n1"]).await;
+    (stack, token, put)
 }
 
 /// An agent restarted after it staged a version serves none of it (its restart took back
@@ -375,13 +366,7 @@ async fn staged_on_n1() -> Staged {
 /// agent, nothing from the hot tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_it() {
-    let Staged {
-        mut stack,
-        token,
-        version,
-        files,
-        refs,
-    } = staged_on_n1().await;
+    let (mut stack, token, (version, files, refs)) = staged_on_n1().await;
     let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
     let pieces = pieces.len();
     assert_eq!(holdings(&board, &swarm).await.get("n1"), Some(&pieces));
@@ -453,13 +438,7 @@ async fn holdings(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node_still_ends_exact()
 {
-    let Staged {
-        mut stack,
-        token,
-        version,
-        files,
-        refs,
-    } = staged_on_n1().await;
+    let (mut stack, token, (version, files, refs)) = staged_on_n1().await;
     // n1's copy rots on its disk after it was verified: one byte of every file flipped.
     let folder = local_root(&stack, "n1").join(format!("{PROJECT}/{DATASET}/{version}"));
     for (name, _) in &files {
