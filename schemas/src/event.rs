@@ -186,6 +186,29 @@ impl Body {
         REQUEST_KINDS.contains(&self.kind())
     }
 
+    /// The node whose local tier this event is about, when it names one: a stage request,
+    /// answer or release for a node's `local` tier, a replica there, a checkpoint part on it.
+    /// Such an event travels on its node's subject (`subject::subject_for`).
+    pub fn node(&self) -> Option<&str> {
+        match self {
+            Body::StageRequested(p) => p.node.as_deref(),
+            Body::StageReleased(p) => p.node.as_deref(),
+            Body::StagePending(p) => p.node.as_deref(),
+            Body::StageReady(p) => p.node.as_deref(),
+            Body::StageFailed(p) => p.node.as_deref(),
+            Body::ReplicaCreated(p) => p.node.as_deref(),
+            Body::ReplicaRemoved(p) => p.node.as_deref(),
+            Body::ReplicaDamaged(p) => p.node.as_deref(),
+            Body::ReplicaVerified(p) => p.node.as_deref(),
+            Body::ReplicaRepaired(p) => p.node.as_deref(),
+            Body::ReplicaUnreachable(p) => Some(&p.node),
+            Body::CheckpointPartCommitted(p) => Some(&p.node),
+            Body::CheckpointPartOffloaded(p) => Some(&p.node),
+            Body::CheckpointPartRemoved(p) => Some(&p.node),
+            _ => None,
+        }
+    }
+
     /// The dataset this event concerns, when it concerns one (for spans and subjects).
     pub fn dataset(&self) -> Option<&str> {
         match self {

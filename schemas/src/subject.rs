@@ -6,20 +6,19 @@
 //! permissions can confine an uploader to `stagehand.req.ingest.requested.<its project>`.
 //! Dead letters are the exception: `stagehand.dlq.dead.letter.<service>`.
 //!
-//! A checkpoint part's facts ([`NODE_ROUTED`]) also name the node whose local tier holds the
-//! part, before the project: `stagehand.fact.checkpoint.part.committed.<node>.<project>`. Each
-//! node's agent then subscribes to its own node's parts alone ([`node_kind_filter`]): a step of
-//! N parts committed on N nodes is N deliveries, not N² (every agent handed every node's
-//! part, to ack it unread). A stage request or release that names a node (a job's `local`
-//! tier, [`NODE_ADDRESSED`]) is published the same way, for that node's agent alone; one that
-//! names none keeps `<kind>.<project>`, for the shared promoter, which reads both.
+//! An event about a node's local tier names that node in its subject, before the project:
+//! `stagehand.fact.checkpoint.part.committed.<node>.<project>`. A checkpoint part's facts and a
+//! node marked unreachable always name one ([`NODE_ROUTED`]); a stage request, answer or
+//! release and a replica fact name one when the event does (a job's `local` tier,
+//! [`NODE_ADDRESSED`]), and keep `<kind>.<project>` otherwise. So each node's agent subscribes
+//! to its own node's events alone ([`node_kind_filter`]) beside the shared ones: a wave of N
+//! nodes' requests, answers and copies is N deliveries, not N² (every agent handed every
+//! node's events, to ack them unread); the shared services read both shapes ([`kind_filter`]).
+//! And a node's credentials can be confined to its own node's subjects.
 
 use std::time::Duration;
 
-use crate::event::{
-    Body, CheckpointPartCommitted, CheckpointPartOffloaded, CheckpointPartRemoved, StageReleased,
-    StageRequested,
-};
+use crate::event::Body;
 
 /// Prefix of every Stagehand subject.
 pub const ROOT: &str = "stagehand";
@@ -44,6 +43,7 @@ pub const NODE_ROUTED: &[&str] = &[
     "checkpoint.part.committed",
     "checkpoint.part.offloaded",
     "checkpoint.part.removed",
+    "replica.unreachable",
 ];
 
 /// Whether events of `kind` are published on subjects that name a node ([`NODE_ROUTED`]).
@@ -52,8 +52,19 @@ pub fn routed_by_node(kind: &str) -> bool {
 }
 
 /// The kinds whose subjects name a node before the project when the event names one (a stage
-/// request or release for a node's `local` tier), and only then.
-pub const NODE_ADDRESSED: &[&str] = &["stage.requested", "stage.released"];
+/// request, answer or release, or a replica, on a node's `local` tier), and only then.
+pub const NODE_ADDRESSED: &[&str] = &[
+    "stage.requested",
+    "stage.released",
+    "stage.pending",
+    "stage.ready",
+    "stage.failed",
+    "replica.created",
+    "replica.removed",
+    "replica.damaged",
+    "replica.verified",
+    "replica.repaired",
+];
 
 /// Whether events of `kind` may be published on subjects that name a node: always
 /// ([`NODE_ROUTED`]) or when they name one ([`NODE_ADDRESSED`]).
@@ -95,21 +106,21 @@ pub fn subject_for(body: &Body, project: &str) -> String {
     let class = match body {
         Body::DeadLetter(dead) => return dead_letter_subject(&dead.service),
         Body::DeadLetterReplayed(replay) => return replayed_subject(&replay.service),
-        Body::CheckpointPartCommitted(CheckpointPartCommitted { node, .. })
-        | Body::CheckpointPartOffloaded(CheckpointPartOffloaded { node, .. })
-        | Body::CheckpointPartRemoved(CheckpointPartRemoved { node, .. }) => {
-            return node_kind_subject(FACT, body.kind(), node, project);
-        }
-        Body::StageRequested(StageRequested {
-            node: Some(node), ..
-        })
-        | Body::StageReleased(StageReleased {
-            node: Some(node), ..
-        }) => return node_kind_subject(REQ, body.kind(), node, project),
         b if b.is_request() => REQ,
         _ => FACT,
     };
-    kind_subject(class, body.kind(), project)
+    let node = body.node().filter(|_| may_name_node(body.kind()));
+    event_subject(class, body.kind(), node, project)
+}
+
+/// The subject of one kind about `node`'s local tier ([`node_kind_subject`]), or about none
+/// ([`kind_subject`]): where an event of that kind, node and project travels, e.g. what a wait
+/// for a stage's answer subscribes to.
+pub fn event_subject(class: &str, kind: &str, node: Option<&str>, project: &str) -> String {
+    match node {
+        Some(node) => node_kind_subject(class, kind, node, project),
+        None => kind_subject(class, kind, project),
+    }
 }
 
 /// The subject of one kind naming a node ([`may_name_node`]), one node and one project, e.g.
@@ -122,6 +133,24 @@ pub fn node_kind_subject(class: &str, kind: &str, node: &str, project: &str) -> 
 /// node's agent subscribes to, e.g. `stagehand.fact.checkpoint.part.committed.gpu-07.*`.
 pub fn node_kind_filter(class: &str, kind: &str, node: &str) -> String {
     format!("{ROOT}.{class}.{kind}.{}.*", node_token(node))
+}
+
+/// The subject filters for one kind that one node's services take (its agent, its demoter):
+/// the events of that kind about `node`'s local tier, and those naming no node (about a shared
+/// tier: the copy a local stage waits for is made on the hot tier), never another node's. A
+/// kind that never names a node gives [`kind_filter`] alone. The filters never overlap, as a
+/// consumer's several filters must not.
+pub fn node_filters(class: &str, kind: &str, node: &str) -> Vec<String> {
+    if routed_by_node(kind) {
+        return vec![node_kind_filter(class, kind, node)];
+    }
+    if NODE_ADDRESSED.contains(&kind) {
+        return vec![
+            format!("{ROOT}.{class}.{kind}.*"),
+            node_kind_filter(class, kind, node),
+        ];
+    }
+    vec![kind_filter(class, kind)]
 }
 
 /// The subject of one kind in one project, e.g. `stagehand.fact.dataset.validated.lab-a`
@@ -465,6 +494,31 @@ mod tests {
             &node_kind_filter(REQ, "stage.requested", "gpu-07"),
             &kind_subject(REQ, "stage.requested", "lab-a")
         ));
+    }
+
+    #[test]
+    fn a_nodes_services_take_their_own_nodes_events_and_the_shared_ones_only() {
+        use crate::event::ALL_KINDS;
+        let mine = |kind: &str, subject: &str| {
+            node_filters(FACT, kind, "gpu-07")
+                .iter()
+                .filter(|f| subject_matches(f, subject))
+                .count()
+        };
+        for kind in ALL_KINDS.iter().filter(|k| may_name_node(k)) {
+            let own = node_kind_subject(FACT, kind, "gpu-07", "lab-a");
+            let other = node_kind_subject(FACT, kind, "gpu-08", "lab-a");
+            let shared = kind_subject(FACT, kind, "lab-a");
+            assert_eq!(mine(kind, &own), 1, "{kind}: its own node's, by one filter");
+            assert_eq!(mine(kind, &other), 0, "{kind}: never another node's");
+            let expected = usize::from(!routed_by_node(kind));
+            assert_eq!(mine(kind, &shared), expected, "{kind}: the shared ones");
+            assert!(subject_matches(&kind_filter(FACT, kind), &own), "{kind}");
+        }
+        assert_eq!(
+            node_filters(FACT, "dataset.validated", "gpu-07"),
+            vec![kind_filter(FACT, "dataset.validated")]
+        );
     }
 
     #[test]

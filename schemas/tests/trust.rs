@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 use stagehand_schemas::layout::{self, Outside};
-use stagehand_schemas::subject::subject_for;
+use stagehand_schemas::subject::{self, subject_for};
 use stagehand_schemas::trust::{Refusal, Role, check_published, rule};
 use stagehand_schemas::{ALL_KINDS, Body, Event, Location, REQUEST_KINDS, check_relative_path};
 
@@ -169,32 +169,42 @@ fn an_event_on_another_kinds_or_projects_subject_is_refused() {
     assert!(check_published(&commit("demo", "labb/x"), "test.stream.x").is_err());
 }
 
-/// A checkpoint part's fact travels on its own node's subject: a part stated for `gpu-07`
-/// on `gpu-08`'s subject (where `gpu-08`'s agent alone listens) is refused.
+/// An event about a node's local tier travels on its own node's subject: one stated for
+/// `gpu-07` on `gpu-08`'s subject (where `gpu-08`'s services alone listen, and which
+/// `gpu-08`'s credentials may publish) is refused, for every kind that names a node.
 #[test]
-fn a_checkpoint_part_on_another_nodes_subject_is_refused() {
-    for kind in stagehand_schemas::subject::NODE_ROUTED {
-        let event = common::example_event(kind);
-        let node = match &event.body {
-            Body::CheckpointPartCommitted(p) => p.node.clone(),
-            Body::CheckpointPartOffloaded(p) => p.node.clone(),
-            Body::CheckpointPartRemoved(p) => p.node.clone(),
-            _ => unreachable!("{kind} is routed by node"),
-        };
+fn an_event_on_another_nodes_subject_is_refused() {
+    let kinds = (ALL_KINDS.iter()).filter(|k| subject::may_name_node(k));
+    for kind in kinds {
+        let mut json = common::example_json(kind);
+        json["payload"]["node"] = "gpu-07".into();
+        let event: Event = serde_json::from_value(json).expect(kind);
+        assert_eq!(event.body.node(), Some("gpu-07"), "{kind}");
         let own = subject_for(&event.body, &event.project);
         assert!(
-            own.ends_with(&format!(".{node}.{}", event.project)),
+            own.ends_with(&format!(".gpu-07.{}", event.project)),
             "{own}"
         );
         assert_eq!(check_published(&event, &own), Ok(()), "{kind}");
-        let elsewhere = own.replace(&format!(".{node}."), ".some-other-node.");
+        let elsewhere = own.replace(".gpu-07.", ".gpu-08.");
         let refusal = check_published(&event, &elsewhere).unwrap_err();
         assert_eq!(refusal.rule(), rule::SUBJECT_KIND, "{kind}");
-        assert!(refusal.to_string().contains("some-other-node"), "{refusal}");
-        // Nor on the subject a part had before subjects named the node.
-        let unrouted = format!("stagehand.fact.{kind}.{}", event.project);
+        assert!(refusal.to_string().contains("gpu-08"), "{refusal}");
+        // Nor on the subject of an event about no node (a shared tier's).
+        let unrouted = subject::kind_subject(
+            subject::class_of_subject(&own).unwrap(),
+            kind,
+            &event.project,
+        );
         assert!(check_published(&event, &unrouted).is_err(), "{kind}");
     }
+    // Nor the other way: an event about a shared tier on a node's subject.
+    let shared = common::example_event("stage.ready");
+    assert_eq!(shared.body.node(), None);
+    let on_a_node =
+        subject::node_kind_subject(subject::FACT, "stage.ready", "gpu-07", &shared.project);
+    let refusal = check_published(&shared, &on_a_node).unwrap_err();
+    assert_eq!(refusal.rule(), rule::SUBJECT_KIND);
 }
 
 /// An ingest request outside its project reaches the validator, which rejects it naming the

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use futures::StreamExt;
 use stagehand_bus::{Bus, PublishAck};
-use stagehand_schemas::subject::ROOT;
+use stagehand_schemas::subject;
 use stagehand_schemas::{Body, Event, EventId, StageReleased, StageRequested};
 use time::OffsetDateTime;
 
@@ -302,8 +302,9 @@ pub const REREAD: Duration = Duration::from_secs(2);
 /// the wait reads again at once and then after 10 ms, doubling up to [`REREAD`].
 const CATCH_UP: Duration = Duration::from_millis(10);
 
-/// The facts that end a stage request (the promoter publishes them on its project's subjects):
-/// a wait reads its status again when one names its request.
+/// The facts that end a stage request (the promoter publishes them on its project's subjects,
+/// and its node's for a node's `local` tier): a wait reads its status again when one names its
+/// request.
 const ENDING_FACTS: [&str; 2] = ["stage.ready", "stage.failed"];
 
 /// Waits until the stage is ready or failed, or `timeout` passes (zero: look once).
@@ -400,7 +401,8 @@ impl Wake {
     async fn subscribe(bus: &Bus, stage: &Stage) -> anyhow::Result<Wake> {
         let mut subscribers = Vec::new();
         for kind in ENDING_FACTS {
-            let subject = format!("{ROOT}.fact.{kind}.{}", stage.project);
+            let subject =
+                subject::event_subject(subject::FACT, kind, stage.node.as_deref(), &stage.project);
             subscribers.push(
                 bus.client()
                     .subscribe(subject.clone())

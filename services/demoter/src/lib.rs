@@ -166,10 +166,16 @@ impl Settings {
         let mut cfg = WorkerConfig::new(
             self.consumer(),
             subject::FACTS.name,
-            (kinds.iter())
-                .filter(|k| self.node.is_none() || **k != "checkpoint.committed")
-                .map(|k| subject::kind_filter("fact", k))
-                .collect(),
+            // A node's demoter keeps its node's local tier: its own node's replicas alone.
+            match &self.node {
+                None => (kinds.iter())
+                    .map(|k| subject::kind_filter(subject::FACT, k))
+                    .collect(),
+                Some(node) => (kinds.iter())
+                    .filter(|k| **k != "checkpoint.committed")
+                    .map(|k| subject::node_kind_filter(subject::FACT, k, node))
+                    .collect(),
+            },
             self.state_dir.join("demoter-facts.redb"),
         );
         cfg.claims = false;
@@ -446,19 +452,18 @@ impl Handler for Wakes {
 mod tests {
     use super::*;
 
-    /// A node's demoter is woken by its own node's releases only; the shared one by every
-    /// release, with a node or without.
+    /// A node's demoter is woken by its own node's releases and replicas only; the shared one
+    /// by every one, with a node or without.
     #[test]
-    fn a_nodes_demoter_takes_its_own_nodes_releases_only() {
+    fn a_nodes_demoter_takes_its_own_nodes_releases_and_replicas_only() {
         let takes = |s: &Settings, subject: &str| {
             s.requests_worker()
                 .filter_subjects
                 .iter()
                 .any(|f| subject::subject_matches(f, subject))
         };
-        let release = |node: Option<&str>| match node {
-            Some(n) => subject::node_kind_subject(subject::REQ, "stage.released", n, "lab-a"),
-            None => subject::kind_subject(subject::REQ, "stage.released", "lab-a"),
+        let release = |node: Option<&str>| {
+            subject::event_subject(subject::REQ, "stage.released", node, "lab-a")
         };
         let shared = Settings::new("p", "s");
         let mut node = shared.clone();
@@ -468,6 +473,23 @@ mod tests {
         assert!(!takes(&node, &release(None)));
         for n in [Some("gpu-07"), Some("gpu-08"), None] {
             assert!(takes(&shared, &release(n)), "{n:?}");
+        }
+        // Its usage: its own node's replicas alone; the shared demoter's every replica.
+        let hears = |s: &Settings, subject: &str| {
+            s.facts_worker()
+                .filter_subjects
+                .iter()
+                .any(|f| subject::subject_matches(f, subject))
+        };
+        for kind in ["replica.created", "replica.removed"] {
+            let replica =
+                |node: Option<&str>| subject::event_subject(subject::FACT, kind, node, "lab-a");
+            assert!(hears(&node, &replica(Some("gpu-07"))), "{kind}");
+            assert!(!hears(&node, &replica(Some("gpu-08"))), "{kind}");
+            assert!(!hears(&node, &replica(None)), "{kind}");
+            for n in [Some("gpu-07"), Some("gpu-08"), None] {
+                assert!(hears(&shared, &replica(n)), "{kind} {n:?}");
+            }
         }
     }
 }

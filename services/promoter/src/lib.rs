@@ -227,6 +227,13 @@ impl Settings {
             "operator.action",
         ];
         let mut cfg = self.worker(&consumer, subject::FACTS.name, &kinds);
+        // A node agent takes its own node's facts and the shared tiers', not every other
+        // node's replicas: N agents staging at once are N deliveries each, not N².
+        if let Some(node) = &self.node {
+            cfg.filter_subjects = (kinds.iter())
+                .flat_map(|kind| subject::node_filters(subject::FACT, kind, node))
+                .collect();
+        }
         cfg.concurrency = 16;
         // A fact the catalogue has not folded yet is retried soon, and often enough to
         // outlast a slow recorder; the clock is the backstop after that.
@@ -599,10 +606,8 @@ mod tests {
         assert!(consumes(&offloads, "checkpoint.committed"));
         assert!(!consumes(&offloads, "checkpoint.part.offloaded"));
         // Its node's stage requests and releases only; the shared promoter every one.
-        let request = |node: Option<&str>| match node {
-            Some(node) => subject::node_kind_subject("req", "stage.requested", node, "lab-a"),
-            None => subject::kind_subject("req", "stage.requested", "lab-a"),
-        };
+        let request =
+            |node: Option<&str>| subject::event_subject("req", "stage.requested", node, "lab-a");
         let (mine, shared_requests) = (agent.requests_worker(), shared.requests_worker());
         let takes = |cfg: &WorkerConfig, subject: &str| {
             cfg.filter_subjects
@@ -627,6 +632,17 @@ mod tests {
         };
         assert!(hears(&part_of("gpu-17")));
         assert!(!hears(&part_of("gpu-18")));
+        // Its own node's replicas and the shared tiers', never another node's; the shared
+        // promoter every one.
+        let replica =
+            |node: Option<&str>| subject::event_subject("fact", "replica.created", node, "lab-a");
+        let (mine, every) = (agent.facts_worker(), shared.facts_worker());
+        assert!(takes(&mine, &replica(Some("gpu-17"))));
+        assert!(takes(&mine, &replica(None)));
+        assert!(!takes(&mine, &replica(Some("gpu-18"))));
+        for node in [Some("gpu-17"), Some("gpu-18"), None] {
+            assert!(takes(&every, &replica(node)), "{node:?}");
+        }
         // Both wait as long for the catalogue: every attempt the runtime keeps.
         assert_eq!(steps.max_attempts, OFFLOAD_ATTEMPTS);
         assert_eq!(offloads.max_attempts, OFFLOAD_ATTEMPTS);
