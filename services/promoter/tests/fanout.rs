@@ -360,33 +360,18 @@ async fn staged_on_n1() -> (
     (stack, token, put)
 }
 
-/// An agent restarted after it staged a version serves none of it (its restart took back
-/// its word on the board); once a job asks for the version there again, the replica is found
-/// intact and served to its swarm again, and a node joining later reads all of it from that
-/// agent, nothing from the hot tier.
+/// An agent restarted after it staged a version serves it again as it starts: its restart
+/// takes back every word it gave on the board, then each copy the catalogue holds present on
+/// its node that still matches its recorded fingerprint is announced again, before any job
+/// asks for it there. A node joining later reads all of it from that agent, nothing from the
+/// hot tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_it() {
+async fn a_restarted_agent_serves_what_it_holds_intact_again_as_it_starts() {
     let (mut stack, token, (version, files, refs)) = staged_on_n1().await;
     let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
     let pieces = pieces.len();
-    assert_eq!(holdings(&board, &swarm).await.get("n1"), Some(&pieces));
-
-    stack.stop_service(&agent("n1")).await;
-    start_agent(&mut stack, "n1", &token);
-    wait_for(
-        WAIT,
-        "n1's word taken back as its agent starts again",
-        || {
-            let board = board.clone();
-            let swarm = swarm.clone();
-            async move { (!holdings(&board, &swarm).await.contains_key("n1")).then_some(()) }
-        },
-    )
-    .await
-    .unwrap();
-    // A second job on n1: ready from the replica there, which is then served again.
-    stage_for(&stack, &version, &["n1"], "job-2").await;
-    wait_for(WAIT, "n1 serving its replica again", || {
+    restart_n1_unannounced(&mut stack, &token, &board, &swarm, pieces).await;
+    wait_for(WAIT, "n1 serving its replica again as it starts", || {
         let (board, swarm) = (board.clone(), swarm.clone());
         async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
     })
@@ -407,6 +392,70 @@ async fn a_restarted_agent_serves_a_version_it_staged_again_once_a_job_asks_for_
         "n2 fetched every byte from n1"
     );
     stack.stop().await;
+}
+
+/// A copy whose fingerprint record is gone is not served as its agent starts (nothing says it
+/// is intact without reading it); once a job asks for it there, the request's check verifies
+/// it by hash, records its fingerprint and answers ready, and the copy is served to its swarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_copy_with_no_fingerprint_is_served_once_a_job_has_it_verified() {
+    let (mut stack, token, (version, _files, refs)) = staged_on_n1().await;
+    let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
+    let pieces = pieces.len();
+    let prefix = stagehand_schemas::layout::version_folder(PROJECT, DATASET, &version);
+    let promoter_kv = (stack.bus.jetstream())
+        .get_key_value("stagehand_promoter")
+        .await
+        .unwrap();
+    let print = stagehand_bus::placement::fingerprint_key("local", Some("n1"), &prefix);
+    promoter_kv.delete(&print).await.unwrap();
+    restart_n1_unannounced(&mut stack, &token, &board, &swarm, pieces).await;
+    stage_for(&stack, &version, &["n1"], "job-2").await;
+    wait_for(
+        WAIT,
+        "n1 serving its replica once a job had it verified",
+        || {
+            let (board, swarm) = (board.clone(), swarm.clone());
+            async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
+        },
+    )
+    .await
+    .unwrap();
+    let recorded =
+        stagehand_bus::placement::fingerprint(&promoter_kv, "local", Some("n1"), &prefix)
+            .await
+            .unwrap();
+    assert!(
+        recorded.is_some(),
+        "the job's check recorded the copy's fingerprint"
+    );
+    stack.stop().await;
+}
+
+/// Stops n1's agent, takes back every piece of `swarm` it announced (as its restart would,
+/// so that what the board says afterwards is the restarted agent's own word), and starts it
+/// again.
+async fn restart_n1_unannounced(
+    stack: &mut Stack,
+    token: &Path,
+    board: &async_nats::jetstream::kv::Store,
+    swarm: &str,
+    pieces: usize,
+) {
+    use futures::StreamExt;
+    assert_eq!(holdings(board, swarm).await.get("n1"), Some(&pieces));
+    stack.stop_service(&agent("n1")).await;
+    let keys: Vec<String> = (board.keys().await.unwrap())
+        .filter_map(|k| async move { k.ok() })
+        .filter(|k| std::future::ready(k.ends_with(".n1")))
+        .collect()
+        .await;
+    assert_eq!(keys.len(), pieces, "{keys:?}");
+    for key in keys {
+        board.delete(&key).await.unwrap();
+    }
+    assert!(!holdings(board, swarm).await.contains_key("n1"));
+    start_agent(stack, "n1", token);
 }
 
 /// Per node, how many pieces of `swarm` the board says it holds.

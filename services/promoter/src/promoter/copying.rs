@@ -532,9 +532,8 @@ impl Promoter {
 
     /// A replica on this node's local tier, found intact and handed out again, is served to
     /// its swarm's peers unless this agent serves it already (a node agent with fan-out on; an
-    /// agent restarted since it staged the replica serves nothing it held before: see
-    /// [`Fanout::serve_published`]). Best effort: a failure is logged, and costs the peers
-    /// only reading those pieces from the shared tier instead.
+    /// agent restarted since it staged the replica serves nothing it held before until it has
+    /// checked it: see [`Fanout::serve_published`] and `serve_held`).
     async fn serve_again(
         &self,
         project: &str,
@@ -543,16 +542,47 @@ impl Promoter {
         dst: &Tier,
         prefix: &str,
     ) {
+        let replica = ReplicaAt {
+            project: project.to_owned(),
+            dataset: request.dataset.clone(),
+            version: plan.version.clone(),
+            tier: request.tier.clone(),
+            prefix: prefix.to_owned(),
+        };
+        let reference = ManifestRef {
+            digest: plan.version.clone(),
+            files: plan.files,
+            bytes: plan.bytes,
+        };
+        self.serve_replica(dst, replica, &reference).await;
+    }
+
+    /// Serves `replica`, found intact on this node's local tier `dst`, to its swarm's peers
+    /// unless this agent serves it already. Best effort: a failure (its manifest or side data
+    /// unreadable) is logged, and costs the peers only reading those pieces from the shared
+    /// tier instead.
+    pub(crate) async fn serve_replica(
+        &self,
+        dst: &Tier,
+        replica: ReplicaAt,
+        reference: &ManifestRef,
+    ) {
         let (Some(fanout), Tier::Posix(_)) = (&self.p().fanout, dst) else {
             return;
         };
-        let base = Fanout::swarm(&request.tier, project, &request.dataset, &plan.version);
+        let base = Fanout::swarm(
+            &replica.tier,
+            &replica.project,
+            &replica.dataset,
+            &replica.version,
+        );
         if fanout.serves(&base) {
             return;
         }
+        let prefix = replica.prefix.clone();
         let served = async {
             let manifest = self
-                .manifest(project, &request.dataset, plan)
+                .manifest_of(&replica.project, &replica.dataset, reference)
                 .await
                 .map_err(|e| match e {
                     CopyFailed::Retry(e) => e.to_string(),
@@ -562,15 +592,8 @@ impl Promoter {
                 .pieces_listing(&manifest)
                 .await
                 .map_err(|e| e.to_string())?;
-            let Ok(Tier::Posix(folder)) = dst.beneath(prefix) else {
+            let Ok(Tier::Posix(folder)) = dst.beneath(&prefix) else {
                 return Err(format!("{prefix} is no folder of a posix tier"));
-            };
-            let replica = ReplicaAt {
-                project: project.to_owned(),
-                dataset: request.dataset.clone(),
-                version: plan.version.clone(),
-                tier: request.tier.clone(),
-                prefix: prefix.to_owned(),
             };
             fanout
                 .serve_published(&base, files, &side, folder, replica)
@@ -612,9 +635,19 @@ impl Promoter {
             files: plan.files,
             bytes: plan.bytes,
         };
+        self.manifest_of(project, dataset, &reference).await
+    }
+
+    /// [`manifest`](Self::manifest) of the version `reference` names.
+    pub(crate) async fn manifest_of(
+        &self,
+        project: &str,
+        dataset: &str,
+        reference: &ManifestRef,
+    ) -> Result<Manifest, CopyFailed> {
         let js = self.p().bus.jetstream();
         let stored = match ManifestStore::open(js, MANIFEST_BUCKET).await {
-            Ok(store) => store.fetch(&reference, &self.p().spool).await,
+            Ok(store) => store.fetch(reference, &self.p().spool).await,
             Err(e) => Err(e),
         };
         match stored {
@@ -623,7 +656,10 @@ impl Promoter {
             Err(e) if e.is_retryable() => return Err(CopyFailed::Retry(retry(e))),
             Err(e) => {
                 return Err(CopyFailed::Fail {
-                    reason: format!("the manifest of version {} is damaged: {e}", plan.version),
+                    reason: format!(
+                        "the manifest of version {} is damaged: {e}",
+                        reference.digest
+                    ),
                     retryable: false,
                 });
             }
@@ -631,7 +667,7 @@ impl Promoter {
         let pages = self.p().catalogue.all_files(
             Some(project.to_owned()),
             dataset.to_owned(),
-            plan.version.clone(),
+            reference.digest.clone(),
             stagehand_catalogue::MAX_PAGE,
             None,
         );
@@ -644,14 +680,14 @@ impl Promoter {
                 .map_err(|e| CopyFailed::Retry(retry(e)))?;
         }
         let manifest = builder.finish().map_err(|e| CopyFailed::Retry(retry(e)))?;
-        if manifest.digest() != plan.version || manifest.files() != plan.files {
+        if manifest.digest() != reference.digest || manifest.files() != reference.files {
             return Err(CopyFailed::Fail {
                 reason: format!(
                     "the catalogue's file list of version {} hashes to {} ({} files, {} expected): the catalogue is damaged; rebuild it",
-                    plan.version,
+                    reference.digest,
                     manifest.digest(),
                     manifest.files(),
-                    plan.files
+                    reference.files
                 ),
                 retryable: false,
             });

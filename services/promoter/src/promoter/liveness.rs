@@ -1,4 +1,5 @@
-//! A node's agent says it is alive, and takes its copies back when it returns.
+//! A node's agent says it is alive, takes its copies back when it returns, and serves its
+//! peers again what it holds intact when it starts.
 //!
 //! Every `agent_beat_every` (a quarter of `promotion.toml`'s `agent_silent_after`) the agent
 //! rewrites its node's liveness record in the promoter's bucket
@@ -18,11 +19,12 @@ use stagehand_catalogue::{ReplicaRecord, ReplicaState};
 use stagehand_mover::{Change, Difference, Fingerprint, Tier};
 use stagehand_policy::TierRole;
 use stagehand_schemas::{
-    Body, Event, EventId, Location, ReplicaCreated, ReplicaDamaged, SCHEMA_VERSION,
+    Body, Event, EventId, Location, ManifestRef, ReplicaCreated, ReplicaDamaged, SCHEMA_VERSION,
 };
 use tracing::{debug, info, warn};
 
 use super::{Promoter, retry};
+use crate::fanout::ReplicaAt;
 use crate::reuse::damaged_files;
 
 /// The step of the fact a node's agent states for a copy it re-checked on its return.
@@ -64,26 +66,126 @@ impl Promoter {
                 }
             }
         };
-        tokio::join!(beats, take_backs);
+        // Once at start, until it has gone through every copy (the catalogue may not answer
+        // yet): what this node holds intact is served to its peers again.
+        let serve_held = async {
+            loop {
+                match self.serve_held(&node).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        debug!(%node, error = %e, "copies held here not served to peers yet; tried again next beat")
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = self.p().shutdown.cancelled() => return,
+                }
+            }
+        };
+        tokio::join!(beats, take_backs, serve_held);
         Ok(())
+    }
+
+    /// A node agent with fan-out, as it starts, serves its peers again every copy the
+    /// catalogue holds present on its node that still matches the fingerprint recorded when it
+    /// was staged (no byte read; peers verify every byte they fetch anyway). Its restart took
+    /// back every piece it had announced (`Fanout::bind`), so without this a node joining a
+    /// swarm later would read from the shared tier what this node holds. A copy that differs,
+    /// or has no fingerprint, is not served: the next request for it here verifies it and
+    /// repairs it (`reuse.rs`), and the scrub finds it on its schedule.
+    async fn serve_held(&self, node: &str) -> Result<(), HandlerError> {
+        if self.p().fanout.is_none() {
+            return Ok(());
+        }
+        for tier in self.local_tiers() {
+            let Some(dst) = self.p().tiers.get(&tier) else {
+                continue;
+            };
+            let present = self
+                .p()
+                .catalogue
+                .replicas_on(&tier, Some(node), Some(ReplicaState::Present))
+                .await
+                .map_err(retry)?;
+            for replica in present {
+                if self.p().shutdown.is_cancelled() {
+                    return Ok(());
+                }
+                let prefix = replica.prefix.as_str();
+                match self.differences_from_print(dst, node, &replica).await? {
+                    Some(differences) if differences.is_empty() => {}
+                    Some(differences) => {
+                        info!(%tier, %node, %prefix, differ = differences.len(), "a copy held here differs from its fingerprint: not served to peers; the next request for it verifies and repairs it");
+                        continue;
+                    }
+                    None => {
+                        debug!(%tier, %node, %prefix, "a copy held here has no fingerprint recorded: not served to peers until a request verifies it");
+                        continue;
+                    }
+                }
+                let at = ReplicaAt {
+                    project: replica.project.clone(),
+                    dataset: replica.dataset.clone(),
+                    version: replica.version.clone(),
+                    tier: replica.tier.clone(),
+                    prefix: replica.prefix.clone(),
+                };
+                let reference = ManifestRef {
+                    digest: replica.version.clone(),
+                    files: replica.files,
+                    bytes: replica.total_bytes,
+                };
+                self.serve_replica(dst, at, &reference).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// The names of the node-local tiers this agent keeps.
+    fn local_tiers(&self) -> Vec<String> {
+        (self.p().policies.tiers().values())
+            .filter(|t| t.role == TierRole::Local)
+            .map(|t| t.name.clone())
+            .collect()
+    }
+
+    /// How `replica` on `dst` differs from the fingerprint recorded when it was published
+    /// (a missing folder: everything); `None` when none was recorded.
+    async fn differences_from_print(
+        &self,
+        dst: &Tier,
+        node: &str,
+        replica: &ReplicaRecord,
+    ) -> Result<Option<Vec<Difference>>, HandlerError> {
+        let (tier, prefix) = (replica.tier.as_str(), replica.prefix.as_str());
+        let store = self.p().coordination.store();
+        let recorded = placement::fingerprint(store, tier, Some(node), prefix)
+            .await
+            .map_err(retry)?
+            .and_then(|bytes| Fingerprint::decode(&bytes).ok());
+        let Some(recorded) = recorded else {
+            return Ok(None);
+        };
+        Ok(Some(if dst.set_present(prefix).await.map_err(retry)? {
+            recorded.compare(&dst.fingerprint(prefix).await.map_err(retry)?)
+        } else {
+            vec![Difference {
+                path: String::new(),
+                change: Change::Missing,
+            }]
+        }))
     }
 
     /// Re-checks every copy of `node` the catalogue holds unreachable, on each local tier.
     async fn take_back(&self, node: &str) -> Result<(), HandlerError> {
-        let local = self
-            .p()
-            .policies
-            .tiers()
-            .values()
-            .filter(|t| t.role == TierRole::Local);
-        for tier in local {
-            let Some(dst) = self.p().tiers.get(&tier.name) else {
+        for tier in self.local_tiers() {
+            let Some(dst) = self.p().tiers.get(&tier) else {
                 continue;
             };
             let unreachable = self
                 .p()
                 .catalogue
-                .replicas_on(&tier.name, Some(node), Some(ReplicaState::Unreachable))
+                .replicas_on(&tier, Some(node), Some(ReplicaState::Unreachable))
                 .await
                 .map_err(retry)?;
             for replica in unreachable {
@@ -104,22 +206,9 @@ impl Promoter {
         replica: &ReplicaRecord,
     ) -> Result<(), HandlerError> {
         let (tier, prefix) = (replica.tier.as_str(), replica.prefix.as_str());
-        let store = self.p().coordination.store();
-        let recorded = placement::fingerprint(store, tier, Some(node), prefix)
-            .await
-            .map_err(retry)?
-            .and_then(|bytes| Fingerprint::decode(&bytes).ok());
-        let Some(recorded) = recorded else {
+        let Some(differences) = self.differences_from_print(dst, node, replica).await? else {
             info!(%tier, %node, %prefix, "a returned copy has no fingerprint recorded: left unreachable until a request verifies it by hash");
             return Ok(());
-        };
-        let differences = if dst.set_present(prefix).await.map_err(retry)? {
-            recorded.compare(&dst.fingerprint(prefix).await.map_err(retry)?)
-        } else {
-            vec![Difference {
-                path: String::new(),
-                change: Change::Missing,
-            }]
         };
         let fact = returned_fact(replica, node, &differences);
         match &fact.body {
