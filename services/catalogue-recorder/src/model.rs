@@ -71,13 +71,30 @@ pub struct StageRecord {
     pub rank: u8,
     pub stamp: Stamp,
     pub path_stamp: Option<Stamp>,
+    /// Whether an answer was folded before the request itself (the facts and requests streams
+    /// are folded apart, and a rebuild folds every fact before any request). Until the request
+    /// comes the record is shown pending, waiting for its request, never ready: the request
+    /// says where the data is to be staged, and an answer about another tier or node is
+    /// dropped when it comes (`stage::record_in`), so that no answer stated ahead of a job's
+    /// request (a node's user may state answers on its own node's subjects) is handed to it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub answered_first: bool,
 }
 
 impl StageRecord {
     /// The status as answered and mirrored: a pending request the promoter reports progress
-    /// for is `copying`.
+    /// for is `copying`; one answered before its request was folded is pending.
     pub fn shown(&self, progress: Option<StageProgress>) -> StageStatus {
         let mut status = self.status.clone();
+        if self.answered_first {
+            status.state = StageState::Pending;
+            status.waiting_for = Some("request".into());
+            status.reason =
+                Some("answered before its request was recorded: waiting for the request".into());
+            status.path = None;
+            status.progress = None;
+            return status;
+        }
         if status.state == StageState::Pending
             && let Some(progress) = progress
         {

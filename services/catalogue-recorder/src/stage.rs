@@ -316,11 +316,35 @@ fn record_in(
 ) -> Result<(), FoldError> {
     let id = change.request_id.as_str();
     let what = || format!("stage request {project}/{id}");
-    let old: Option<StageRecord> = txn
+    let mut old: Option<StageRecord> = txn
         .open_table(STAGE_REQUESTS)?
         .get((project, id))?
         .map(|v| decode(v.value(), what))
         .transpose()?;
+    // The request says where it is to be staged; an answer about another tier or node is
+    // no answer to it. A node's agent may state answers on its own node's subjects only, so
+    // without this it could answer another node's or a shared tier's request (ready, with a
+    // path of its choosing). The facts and requests streams are folded apart, so an answer
+    // may come first: the request, when it comes, drops what an answer for another place said.
+    if let Some(o) = &old
+        && (o.status.tier != change.tier || o.status.node.as_deref() != change.node)
+    {
+        let place = |tier: &str, node: Option<&str>| match node {
+            Some(node) => format!("tier {tier} on node {node}"),
+            None => format!("tier {tier}"),
+        };
+        let (recorded, stated) = (
+            place(&o.status.tier, o.status.node.as_deref()),
+            place(change.tier, change.node),
+        );
+        if change.rank != REQUESTED {
+            return Err(FoldError::malformed(format!(
+                "a fact about stage request {project}/{id} names {stated}, but the request is for {recorded}: not folded"
+            )));
+        }
+        tracing::warn!(request = %id, %project, answered = %recorded, asked = %stated, "a stage request's answer folded before it named another place: dropped");
+        old = None;
+    }
     let full = is_sha256_hex(change.version).then(|| change.version.to_owned());
     let mut record = old.clone().unwrap_or_else(|| StageRecord {
         status: StageStatus {
@@ -345,7 +369,12 @@ fn record_in(
         rank: change.rank,
         stamp: stamp.clone(),
         path_stamp: None,
+        answered_first: change.rank == ANSWERED,
     });
+    // The request (or its release, the scheduler's word too) confirms the place.
+    if change.rank != ANSWERED {
+        record.answered_first = false;
+    }
     // Every fact but `stage.ready` and a release (which may spell it otherwise) names the
     // version as the request gave it.
     if change.ready.is_none() && change.rank != RELEASED {
@@ -721,6 +750,91 @@ mod tests {
             tier: "local".into(),
             node: Some("gpu-07".into()),
         }
+    }
+
+    /// `event`, a stage answer of the chain, made about node `node` instead.
+    fn on_node(mut event: Event, node: &str) -> Event {
+        match &mut event.body {
+            Body::StagePending(p) => p.node = Some(node.into()),
+            Body::StageReady(p) => {
+                p.node = Some(node.into());
+                p.path = Some(format!("/elsewhere/{node}"));
+            }
+            _ => unreachable!("an answer of the chain"),
+        }
+        event
+    }
+
+    /// Guards a node's word against another node's request: a ready stated by node gpu-08 (on
+    /// its own subject, which its user may publish) for the request of a job on gpu-07 is not
+    /// folded, and the request stays pending with no path; gpu-07's own answer still is.
+    #[test]
+    fn an_answer_about_another_node_answers_no_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let store = store_with(dir.path(), "a.redb", &events[..3]);
+        let folded = fold_into(&store, &[on_node(events[3].clone(), "gpu-08")]);
+        let crate::store::Folded::Skipped { problem, retryable } = &folded[0] else {
+            panic!("another node's ready was folded: {folded:?}");
+        };
+        assert!(!retryable);
+        assert!(
+            problem.detail.contains("names tier local on node gpu-08")
+                && problem
+                    .detail
+                    .contains("the request is for tier local on node gpu-07"),
+            "{}",
+            problem.detail
+        );
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Pending);
+        assert_eq!(status.path, None);
+        fold_into(&store, &events[3..4]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Ready);
+    }
+
+    /// The same when the other node's answer is folded before the request (the two streams
+    /// are folded apart): the request, when it comes, drops it.
+    #[test]
+    fn an_answer_about_another_node_folded_first_is_dropped_by_the_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let forged = on_node(events[3].clone(), "gpu-08");
+        let store = store_with(dir.path(), "a.redb", &[events[0].clone(), forged]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(
+            status.state,
+            StageState::Pending,
+            "never ready before its request"
+        );
+        assert_eq!(status.waiting_for.as_deref(), Some("request"));
+        assert_eq!(status.path, None);
+        fold_into(&store, &events[1..3]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Pending);
+        assert_eq!(status.node.as_deref(), Some("gpu-07"));
+        assert_eq!(status.path, None);
+    }
+
+    /// A genuine answer folded before its request (the recorder's requests consumer behind
+    /// its facts consumer, or a rebuild, which folds every fact first) is shown once the
+    /// request comes.
+    #[test]
+    fn an_answer_folded_before_its_request_stands_once_the_request_comes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (id, events) = chain();
+        let store = store_with(
+            dir.path(),
+            "a.redb",
+            &[events[0].clone(), events[3].clone()],
+        );
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Pending);
+        fold_into(&store, &events[1..2]);
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Ready);
+        assert!(status.path.is_some());
     }
 
     #[test]
