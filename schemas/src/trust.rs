@@ -26,6 +26,9 @@ pub enum Role {
     Resharder,
     Promoter,
     Demoter,
+    /// One node's promoter agent: one user per node, whose facts are all about that node's
+    /// local tier and travel on its node's subjects.
+    Node,
     BackupCopier,
     CatalogueRecorder,
     /// On-call and the `stagehand` CLI's administrative commands: may state anything (a
@@ -43,6 +46,7 @@ impl Role {
         Role::Resharder,
         Role::Promoter,
         Role::Demoter,
+        Role::Node,
         Role::BackupCopier,
         Role::CatalogueRecorder,
         Role::Operator,
@@ -58,6 +62,7 @@ impl Role {
             Role::Resharder => "resharder",
             Role::Promoter => "promoter",
             Role::Demoter => "demoter",
+            Role::Node => "node",
             Role::BackupCopier => "backup-copier",
             Role::CatalogueRecorder => "catalogue-recorder",
             Role::Operator => "operator",
@@ -68,6 +73,12 @@ impl Role {
     /// in that project) rather than for every project (its subjects end in `*`).
     pub fn per_project(self) -> bool {
         matches!(self, Role::Uploader | Role::Trainer)
+    }
+
+    /// Whether the role acts for one node only (one user per node: its subjects name that
+    /// node before the project, `<kind>.<node>.*`).
+    pub fn per_node(self) -> bool {
+        self == Role::Node
     }
 
     /// Whether the role is one of Stagehand's services (each publishes its own dead letters).
@@ -110,20 +121,21 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         "dataset.validated" | "dataset.rejected" => &[IngestValidator],
         "dataset.prepared" => &[Resharder],
         "stage.requested" | "stage.released" => &[Scheduler],
-        "stage.pending" | "stage.ready" | "stage.failed" => &[Promoter],
-        "replica.created" => &[Promoter, Demoter],
-        "replica.removed" => &[Demoter],
-        "replica.damaged" => &[Promoter, Demoter],
+        // A node's agent states these about its local tier alone (on its node's subjects);
+        // the shared promoter and demoter about every tier.
+        "stage.pending" | "stage.ready" | "stage.failed" => &[Promoter, Node],
+        "replica.created" | "replica.damaged" => &[Promoter, Demoter, Node],
+        "replica.removed" | "replica.verified" => &[Demoter],
         // The scrub repairs capacity and backup copies; the promoter the hot and node-local
         // copies it wrote, when jobs hold them.
-        "replica.repaired" => &[Promoter, Demoter],
-        "replica.verified" | "replica.unreachable" => &[Demoter],
+        "replica.repaired" => &[Promoter, Demoter, Node],
+        "replica.unreachable" => &[Demoter],
         // A step committed in parts on node-local tiers is announced whole by a node's agent
         // once every part is offloaded (`services/promoter`, "Checkpoints offloaded").
         "checkpoint.committed" => &[Trainer, Promoter],
         "checkpoint.part.committed" => &[Trainer],
         // A node's agent removes its node's part once the step is committed whole.
-        "checkpoint.part.offloaded" | "checkpoint.part.removed" => &[Promoter],
+        "checkpoint.part.offloaded" | "checkpoint.part.removed" => &[Promoter, Node],
         "checkpoint.demoted" | "checkpoint.expired" | "checkpoint.held" => &[Demoter],
         "backup.completed" | "restore.verified" | "restore.failed" => &[BackupCopier],
         "dead.letter" => &[

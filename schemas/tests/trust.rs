@@ -272,9 +272,20 @@ fn users(text: &str) -> BTreeMap<String, Option<String>> {
         .collect()
 }
 
+/// The node the shipped accounts config declares a node user for (`NODE_GPU_01`).
+const SHIPPED_NODE: &str = "gpu-01";
+
 /// The request and fact subjects `role` may publish on, ending in `token`: one project, or
-/// `*` for a role acting for every project.
+/// `*` for a role acting for every project. A role acting for one node publishes on that
+/// node's subjects alone, of every project.
 fn subjects_of(role: Role, token: &str) -> BTreeSet<String> {
+    if role.per_node() {
+        return role
+            .kinds()
+            .into_iter()
+            .map(|kind| subject::node_kind_filter(subject::FACT, kind, token))
+            .collect();
+    }
     role.kinds()
         .into_iter()
         .filter(|kind| !kind.starts_with("dead.letter"))
@@ -327,7 +338,11 @@ fn each_shipped_user_publishes_exactly_what_its_role_may_state() {
             .find_map(|r| {
                 let name = r.as_str().to_ascii_uppercase().replace('-', "_");
                 let for_project = format!("{name}_{}", project.to_ascii_uppercase());
-                if &for_project == block {
+                let for_node =
+                    format!("{name}_{}", SHIPPED_NODE.to_ascii_uppercase()).replace('-', "_");
+                if r.per_node() {
+                    (&for_node == block).then_some((r, SHIPPED_NODE))
+                } else if &for_project == block {
                     Some((r, project))
                 } else if !r.per_project() && &name == block {
                     Some((r, "*"))

@@ -93,6 +93,8 @@ pub const DEFAULT_INBOX_PREFIXES: &[&str] = &[
     "_INBOX_demoter",
     "_INBOX_backup-copier",
     "_INBOX_operator",
+    // Every node's services: `_INBOX_node.<node>`, one user per node.
+    "_INBOX_node",
 ];
 
 /// The whole configuration: `[bus]`, `[worker]`, `[telemetry]` and [`Settings`] as

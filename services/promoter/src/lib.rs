@@ -82,7 +82,7 @@ pub struct Settings {
     #[serde(default)]
     pub node: Option<String>,
     /// This instance's name, unique among running promoters (its own facts consumer and copy
-    /// leases carry it). Default: the host name, and the node for a node agent.
+    /// leases carry it). Default: the host name; `node-<node>` for a node agent.
     #[serde(default)]
     pub instance: Option<String>,
     /// How often a copy publishes its progress (`"1s"`).
@@ -153,10 +153,12 @@ impl Settings {
 
     /// This instance's name: `instance`, else the host name (and the node).
     pub fn instance_name(&self) -> String {
-        let base = (self.instance.clone()).unwrap_or_else(stagehand_bus::host_name);
         let name = match (&self.instance, &self.node) {
-            (None, Some(node)) => format!("{base}-{node}"),
-            _ => base,
+            (Some(instance), _) => instance.clone(),
+            // One agent per node: named by its node, so that its consumers and heartbeat are
+            // the ones its node's NATS user is granted (`NODE_<N>` in accounts.conf).
+            (None, Some(node)) => format!("node-{}", subject::node_token(node)),
+            (None, None) => stagehand_bus::host_name(),
         };
         // A consumer name and a KV key token.
         name.chars()
@@ -173,7 +175,7 @@ impl Settings {
     /// The requests consumer: shared by every shared promoter; one per node agent.
     pub fn requests_consumer(&self) -> String {
         match &self.node {
-            Some(node) => format!("{SERVICE}-node-{}", runner::consumer_token(node)),
+            Some(node) => format!("{SERVICE}-node-{}", subject::node_token(node)),
             None => SERVICE.to_owned(),
         }
     }
@@ -255,7 +257,7 @@ impl Settings {
     /// node). `None` for the shared promoter.
     pub fn offloads_worker(&self) -> Option<WorkerConfig> {
         let node = self.node.as_ref()?;
-        let consumer = format!("{SERVICE}-offload-{}", runner::consumer_token(node));
+        let consumer = format!("{SERVICE}-offload-{}", subject::node_token(node));
         let mut cfg = self.worker(&consumer, subject::FACTS.name, &["checkpoint.committed"]);
         cfg.filter_subjects.push(subject::node_kind_filter(
             subject::FACT,

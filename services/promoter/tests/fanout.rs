@@ -92,8 +92,7 @@ fn start_agent_with(stack: &mut Stack, node: &str, token: &Path, tls: Option<&Te
         std::fs::write(policies.join(path.file_name().unwrap()), text).unwrap();
     }
     std::fs::create_dir_all(local_root(stack, node)).unwrap();
-    let mut config = stack.promoter_config(&format!("agent-{node}"));
-    config.service.node = Some(node.into());
+    let mut config = stack.node_agent_config(node);
     config.service.policies_dir = policies;
     let port = free_port();
     std::fs::write(
@@ -242,10 +241,11 @@ async fn three_nodes_stage_one_version_reading_the_hot_tier_once_between_them() 
 }
 
 /// The same as the shipped configurations run it: over mutual TLS, each agent connected as
-/// the promoter's user of `deploy/nats/accounts.conf` (which must grant it the board and the
-/// side data). No side data here: the large files move whole.
+/// its own node's user of `deploy/nats/accounts.conf` (`node-<node>`, which must grant it
+/// its consumers, its node's records, the board and the side data, and nothing of another
+/// node's). No side data here: the large files move whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn three_nodes_fan_out_over_mutual_tls_as_the_promoters_user() {
+async fn three_nodes_fan_out_over_mutual_tls_each_as_its_own_nodes_user() {
     let ca = TestCa::new("stagehand-agents");
     three_nodes_fan_out(Some(&ca), false).await;
 }
@@ -253,15 +253,16 @@ async fn three_nodes_fan_out_over_mutual_tls_as_the_promoters_user() {
 async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
     // The counters of every service in this process (one process per test).
     stagehand_telemetry::metrics::install();
+    let nodes = ["n1", "n2", "n3"];
     let mut stack = Stack::start_with(Options {
         accounts: tls.is_some(),
+        node_users: &["n1", "n2", "n3"],
         ..Options::default()
     })
     .await;
     stack.run_promoter(stack.promoter_config("shared"));
     let token = token_file(stack.root());
     let (version, files, refs) = on_hot(&mut stack, side_data).await;
-    let nodes = ["n1", "n2", "n3"];
     for n in nodes {
         start_agent_with(&mut stack, n, &token, tls);
     }
@@ -276,6 +277,14 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
         if side_data { 4 } else { 0 },
         "each 9 MiB file in two slices where it has side data"
     );
+    // Each agent stayed within its node's grants: the server refused it nothing.
+    if tls.is_some() {
+        let log = std::fs::read_to_string(stack.nats.log_path()).unwrap();
+        let refused: Vec<&str> = (log.lines())
+            .filter(|l| l.contains(" Violation - "))
+            .collect();
+        assert!(refused.is_empty(), "{refused:#?}");
+    }
     // A caller without the token is served nothing; over TLS, nothing without a handshake.
     let route = format!("/v1/swarms/{swarm}/pieces/0");
     let port = piece_port(&stack, "n1");

@@ -11,7 +11,7 @@ use stagehand_manifest::{BucketOptions, Manifest, ManifestStore};
 use stagehand_schemas::{Body, progress::WorkProgress, subject};
 use stagehand_testkit::{wait_for, wait_until};
 
-/// As the `promoter` user (and a node agent as the same user): a request waits visibly for
+/// As the `promoter` user (and a node agent as its node's user, `node-n1`): a request waits visibly for
 /// validation (`stage.pending`, its ingests consumer), is copied from a manifest read out of
 /// the services' Object Store bucket with progress on core NATS, answered with
 /// `replica.created` and `stage.ready`; a node's `local` request is filled from hot by its
@@ -21,6 +21,7 @@ use stagehand_testkit::{wait_for, wait_until};
 async fn the_promoter_stages_as_its_own_restricted_user() {
     let mut stack = Stack::start_with(Options {
         accounts: true,
+        node_users: &["n1"],
         ..Options::default()
     })
     .await;
@@ -29,9 +30,7 @@ async fn the_promoter_stages_as_its_own_restricted_user() {
     // takes about a second, several report periods.
     shared.service.mover.bytes_per_second = Some(512 << 10);
     stack.run_promoter(shared);
-    let mut agent = stack.promoter_config("agent-n1");
-    agent.service.node = Some("n1".into());
-    stack.run_promoter(agent);
+    stack.run_promoter(stack.node_agent_config("n1"));
     let js = stack.bus.jetstream().clone();
 
     let files: Vec<(String, Vec<u8>)> = (0..8u8)
@@ -89,7 +88,7 @@ async fn the_promoter_stages_as_its_own_restricted_user() {
 
     let local = stage_request("perm", &version, "local", "job-perm", Some("n1"), None);
     stack.publish(&local).await;
-    let ready = wait_for(WAIT, "local ready on n1 as the promoter user", || async {
+    let ready = wait_for(WAIT, "local ready on n1 as n1's user", || async {
         answers(&js, "stage.ready", &local.id).await.pop()
     })
     .await
@@ -127,5 +126,91 @@ async fn the_promoter_stages_as_its_own_restricted_user() {
     })
     .await
     .unwrap();
+    stack.stop().await;
+}
+
+/// What a node's user is refused, the server's word on each (a compromised node's credentials
+/// used by hand): no fact on another node's subject or a shared tier's, no record of another
+/// node in the promoter's bucket, no consumer but its own. What it may do, it can: its own
+/// node's fact is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
+    use stagehand_testkit::{node_inbox_prefix, node_role, node_user, role_password};
+    let stack = Stack::start_with(Options {
+        accounts: true,
+        node_users: &["n1", "n2"],
+        ..Options::default()
+    })
+    .await;
+    let n1 = async_nats::ConnectOptions::with_user_and_password(
+        node_user("n1"),
+        role_password(&node_role("n1")),
+    )
+    .custom_inbox_prefix(node_inbox_prefix("n1"))
+    .connect(stack.nats.url())
+    .await
+    .unwrap();
+    let refused = [
+        // Another node's answer and copy, and a shared tier's copy (what would let the last
+        // hot copy be removed) and answer.
+        "stagehand.fact.stage.ready.n2.demo".to_owned(),
+        "stagehand.fact.replica.created.n2.demo".to_owned(),
+        "stagehand.fact.replica.created.demo".to_owned(),
+        "stagehand.fact.stage.ready.demo".to_owned(),
+        // Kinds no node states, on its own node's subject too.
+        "stagehand.fact.replica.unreachable.n1.demo".to_owned(),
+        "stagehand.fact.replica.removed.n1.demo".to_owned(),
+        "stagehand.fact.checkpoint.committed.demo".to_owned(),
+        // Another node's records, and the shared tiers' use records.
+        "$KV.stagehand_promoter.node.n2".to_owned(),
+        "$KV.stagehand_promoter.quota.local.n2".to_owned(),
+        "$KV.stagehand_promoter.replica.hot.00".to_owned(),
+        // Another consumer's deliveries, acked or pulled.
+        "$JS.ACK.STAGEHAND_REQUESTS.promoter.1.1.1.1.1.1".to_owned(),
+        "$JS.API.CONSUMER.MSG.NEXT.STAGEHAND_REQUESTS.promoter-node-n2".to_owned(),
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_REQUESTS.promoter".to_owned(),
+    ];
+    for subject in &refused {
+        n1.publish(subject.clone(), "forged".into()).await.unwrap();
+    }
+    // Its own node's fact, after them on the same connection: once it is stored, the server
+    // has dealt with every publish before it.
+    let own = "stagehand.fact.stage.ready.n1.demo";
+    let ack = async_nats::jetstream::new(n1.clone())
+        .publish(own, "own".into())
+        .await
+        .unwrap();
+    ack.await.expect("its own node's subject is its to publish");
+    let log_path = stack.nats.log_path();
+    let violations = wait_for(WAIT, "the server's word on every refused publish", || {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let refused = refused.clone();
+        async move {
+            let lines: Vec<String> = (log.lines())
+                .filter(|l| l.contains("user:node-n1") && l.contains("Publish Violation"))
+                .map(str::to_owned)
+                .collect();
+            refused
+                .iter()
+                .all(|s| lines.iter().any(|l| l.contains(&format!("\"{s}\""))))
+                .then_some(lines)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(violations.len(), refused.len(), "{violations:#?}");
+    assert!(
+        !violations.iter().any(|l| l.contains(own)),
+        "{violations:#?}"
+    );
+    // Nothing forged was stored: the facts stream holds its own fact alone.
+    let js = stack.bus.jetstream().clone();
+    let stored: Vec<String> = stagehand_testkit::stored_messages(&js, subject::FACTS.name, "")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.subject)
+        .collect();
+    assert_eq!(stored, vec![own.to_owned()]);
     stack.stop().await;
 }

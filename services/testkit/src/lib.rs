@@ -54,10 +54,10 @@ mod users;
 mod wait;
 
 pub use accounts::{
-    Account, Crossing, SHIPPED_PROJECT, STAGEHAND_ACCOUNT, TEST_MAX_FILE, accounts_conf,
-    accounts_conf_with_projects, accounts_of, accounts_roles, covers, crossing_gaps,
-    project_account, publish_allowed, reaches_consumers, role_password, roles_of,
-    subscribe_allowed, user_url, with_test_host_limits,
+    Account, Crossing, SHIPPED_NODE, SHIPPED_PROJECT, STAGEHAND_ACCOUNT, TEST_MAX_FILE,
+    accounts_conf, accounts_conf_with_projects, accounts_of, accounts_roles, covers, crossing_gaps,
+    node_inbox_prefix, node_role, node_user, project_account, publish_allowed, reaches_consumers,
+    role_password, roles_of, subscribe_allowed, user_url, with_node_users, with_test_host_limits,
 };
 pub use drained::{Drained, consumer_state, drained, drained_through, wait_drained};
 pub use election::{ELECTION, stored_events_through_election, stream_leader};

@@ -23,6 +23,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct StackBuilder {
     /// `Some(projects)`: the server runs the shipped accounts, extended to `projects`.
     accounts: Option<Vec<String>>,
+    /// Nodes whose services get a user of their own under the shipped accounts.
+    node_users: Vec<String>,
     policies: PolicyFiles,
     tier_dirs: Vec<String>,
     /// Posix tiers whose root is `<root>/tiers/<folder>` rather than their name.
@@ -40,6 +42,14 @@ impl StackBuilder {
     /// [`shipped_accounts`](Self::shipped_accounts) extended to tenants of `projects`.
     pub fn shipped_accounts_with_projects(mut self, projects: &[&str]) -> StackBuilder {
         self.accounts = Some(projects.iter().map(|p| (*p).to_owned()).collect());
+        self
+    }
+
+    /// [`shipped_accounts`](Self::shipped_accounts) with a user for the services of each of
+    /// `nodes` (`node-<node>`: [`crate::with_node_users`]), as each node of a cluster has.
+    pub fn shipped_accounts_with_nodes(mut self, nodes: &[&str]) -> StackBuilder {
+        self.accounts.get_or_insert_with(Vec::new);
+        self.node_users = nodes.iter().map(|n| (*n).to_owned()).collect();
         self
     }
 
@@ -96,8 +106,9 @@ impl StackBuilder {
             None => NatsServer::start(),
             Some(projects) => {
                 let projects: Vec<&str> = projects.iter().map(String::as_str).collect();
+                let nodes: Vec<&str> = self.node_users.iter().map(String::as_str).collect();
                 NatsServer::builder()
-                    .shipped_accounts_with_projects(&projects)
+                    .shipped_accounts_with(&projects, &nodes)
                     .start()
             }
         };

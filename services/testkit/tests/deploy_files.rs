@@ -68,7 +68,7 @@ fn every_nats_config_is_valid() {
         );
     }
     let vars = password_vars();
-    assert_eq!(vars.len(), 12, "{vars:?}");
+    assert_eq!(vars.len(), 13, "{vars:?}");
     for conf in &confs {
         let out = check_config(conf, &vars);
         assert!(

@@ -50,6 +50,9 @@ pub struct Options {
     pub accounts: bool,
     /// promotion.toml's `max_concurrent`: copy slots per instance.
     pub max_concurrent: u32,
+    /// With `accounts`: the nodes whose agents connect as their own node's user
+    /// (`node-<node>`) rather than the promoter's.
+    pub node_users: &'static [&'static str],
 }
 
 impl Default for Options {
@@ -60,6 +63,7 @@ impl Default for Options {
             s3_capacity: None,
             accounts: false,
             max_concurrent: 4,
+            node_users: &[],
         }
     }
 }
@@ -72,7 +76,7 @@ impl Stack {
     pub async fn start_with(opts: Options) -> Stack {
         let mut builder = stagehand_testkit::Stack::builder();
         if opts.accounts {
-            builder = builder.shipped_accounts();
+            builder = builder.shipped_accounts_with_nodes(opts.node_users);
         }
         let capacity = match &opts.s3_capacity {
             None => TierSpec::posix("capacity", "cap"),
@@ -132,6 +136,22 @@ impl Stack {
             factor: 2.0,
             jitter: 0.0,
         });
+        config
+    }
+
+    /// The configuration of `node`'s agent (its own state, named by its node): connected as
+    /// its node's own user (`node-<node>`, its inbox `_INBOX_node.<node>`) when the server
+    /// runs the shipped accounts and [`Options::node_users`] named the node.
+    pub fn node_agent_config(&self, node: &str) -> stagehand_promoter::Config {
+        let mut config = self.promoter_config(&format!("agent-{node}"));
+        config.service.node = Some(node.into());
+        // Named by its node (`node-<node>`), as a node's user is granted.
+        config.service.instance = None;
+        if self.accounts() {
+            use stagehand_testkit::{node_inbox_prefix, node_role, node_user};
+            config.bus.servers = vec![self.url_of(&node_user(node), &node_role(node))];
+            config.bus.inbox_prefix = Some(node_inbox_prefix(node));
+        }
         config
     }
 
