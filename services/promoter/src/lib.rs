@@ -151,7 +151,7 @@ impl Settings {
         Self::new(policies_dir, home.join("state").join(SERVICE))
     }
 
-    /// This instance's name: `instance`, else the host name (and the node).
+    /// This instance's name: `instance`, else `node-<node>` for a node agent, else the host name.
     pub fn instance_name(&self) -> String {
         let name = match (&self.instance, &self.node) {
             (Some(instance), _) => instance.clone(),

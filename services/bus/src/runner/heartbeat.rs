@@ -14,7 +14,7 @@
 //! `stopped_at`; a service that failed writes `failed_at` and its error.
 //!
 //! The instance is `[worker] instance_id` when set, else the one the service's settings name
-//! (`ServiceSettings::instance`: a promoter node agent's is its host and node), else the host
+//! (`ServiceSettings::instance`: a promoter node agent's is `node-<node>`), else the host
 //! name: two instances of one service on one host must differ there, or they share a key (and
 //! look like one instance restarting). Who may read: only Stagehand's own account (the operator, `stagehand
 //! status`); each service's user may write and read its own keys only, and no tenant or

@@ -97,56 +97,59 @@ impl Promoter {
         if self.p().fanout.is_none() {
             return Ok(());
         }
-        for tier in self.local_tiers() {
-            let Some(dst) = self.p().tiers.get(&tier) else {
-                continue;
-            };
-            let present = self
-                .p()
-                .catalogue
-                .replicas_on(&tier, Some(node), Some(ReplicaState::Present))
-                .await
-                .map_err(retry)?;
-            for replica in present {
-                if self.p().shutdown.is_cancelled() {
-                    return Ok(());
-                }
-                let prefix = replica.prefix.as_str();
-                match self.differences_from_print(dst, node, &replica).await? {
-                    Some(differences) if differences.is_empty() => {}
-                    Some(differences) => {
-                        info!(%tier, %node, %prefix, differ = differences.len(), "a copy held here differs from its fingerprint: not served to peers; the next request for it verifies and repairs it");
-                        continue;
-                    }
-                    None => {
-                        debug!(%tier, %node, %prefix, "a copy held here has no fingerprint recorded: not served to peers until a request verifies it");
-                        continue;
-                    }
-                }
-                let at = ReplicaAt {
-                    project: replica.project.clone(),
-                    dataset: replica.dataset.clone(),
-                    version: replica.version.clone(),
-                    tier: replica.tier.clone(),
-                    prefix: replica.prefix.clone(),
-                };
-                let reference = ManifestRef {
-                    digest: replica.version.clone(),
-                    files: replica.files,
-                    bytes: replica.total_bytes,
-                };
-                self.serve_replica(dst, at, &reference).await;
+        for (dst, replica) in self.copies_here(node, ReplicaState::Present).await? {
+            if self.p().shutdown.is_cancelled() {
+                return Ok(());
             }
+            let (tier, prefix) = (replica.tier.as_str(), replica.prefix.as_str());
+            match self.differences_from_print(dst, node, &replica).await? {
+                Some(differences) if differences.is_empty() => {}
+                Some(differences) => {
+                    info!(%tier, %node, %prefix, differ = differences.len(), "a copy held here differs from its fingerprint: not served to peers; the next request for it verifies and repairs it");
+                    continue;
+                }
+                None => {
+                    debug!(%tier, %node, %prefix, "a copy held here has no fingerprint recorded: not served to peers until a request verifies it");
+                    continue;
+                }
+            }
+            let reference = ManifestRef {
+                digest: replica.version.clone(),
+                files: replica.files,
+                bytes: replica.total_bytes,
+            };
+            let at = ReplicaAt {
+                project: replica.project,
+                dataset: replica.dataset,
+                version: replica.version,
+                tier: replica.tier,
+                prefix: replica.prefix,
+            };
+            self.serve_replica(dst, at, &reference).await;
         }
         Ok(())
     }
 
-    /// The names of the node-local tiers this agent keeps.
-    fn local_tiers(&self) -> Vec<String> {
-        (self.p().policies.tiers().values())
-            .filter(|t| t.role == TierRole::Local)
-            .map(|t| t.name.clone())
-            .collect()
+    /// Every copy on `node`'s local tiers the catalogue holds in `state`, each with the open
+    /// tier it is on.
+    async fn copies_here(
+        &self,
+        node: &str,
+        state: ReplicaState,
+    ) -> Result<Vec<(&Tier, ReplicaRecord)>, HandlerError> {
+        let local = (self.p().policies.tiers().values()).filter(|t| t.role == TierRole::Local);
+        let mut copies = Vec::new();
+        for tier in local {
+            let Some(dst) = self.p().tiers.get(&tier.name) else {
+                continue;
+            };
+            let held = (self.p().catalogue)
+                .replicas_on(&tier.name, Some(node), Some(state))
+                .await
+                .map_err(retry)?;
+            copies.extend(held.into_iter().map(|replica| (dst, replica)));
+        }
+        Ok(copies)
     }
 
     /// How `replica` on `dst` differs from the fingerprint recorded when it was published
@@ -178,22 +181,11 @@ impl Promoter {
 
     /// Re-checks every copy of `node` the catalogue holds unreachable, on each local tier.
     async fn take_back(&self, node: &str) -> Result<(), HandlerError> {
-        for tier in self.local_tiers() {
-            let Some(dst) = self.p().tiers.get(&tier) else {
-                continue;
-            };
-            let unreachable = self
-                .p()
-                .catalogue
-                .replicas_on(&tier, Some(node), Some(ReplicaState::Unreachable))
-                .await
-                .map_err(retry)?;
-            for replica in unreachable {
-                if self.p().shutdown.is_cancelled() {
-                    return Ok(());
-                }
-                self.recheck(dst, node, &replica).await?;
+        for (dst, replica) in self.copies_here(node, ReplicaState::Unreachable).await? {
+            if self.p().shutdown.is_cancelled() {
+                return Ok(());
             }
+            self.recheck(dst, node, &replica).await?;
         }
         Ok(())
     }
