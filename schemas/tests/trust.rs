@@ -207,6 +207,30 @@ fn an_event_on_another_nodes_subject_is_refused() {
     assert_eq!(refusal.rule(), rule::SUBJECT_KIND);
 }
 
+/// Every kind whose body can name a node is routed by it: the list of such kinds
+/// (`subject::may_name_node`) and the bodies (`Body::node`) agree, so no body that names a node
+/// travels on a subject every node's services may be handed.
+#[test]
+fn every_kind_that_can_name_a_node_travels_on_its_nodes_subject() {
+    let mut routed = 0;
+    for kind in ALL_KINDS {
+        let mut json = common::example_json(kind);
+        json["payload"]["node"] = "gpu-07".into();
+        // A body with no `node` may refuse the field: it names no node either way.
+        let Ok(event) = serde_json::from_value::<Event>(json) else {
+            assert!(!subject::may_name_node(kind), "{kind}");
+            continue;
+        };
+        assert_eq!(
+            event.body.node().is_some(),
+            subject::may_name_node(kind),
+            "{kind}"
+        );
+        routed += usize::from(subject::may_name_node(kind));
+    }
+    assert_eq!(routed, 14, "the kinds that name a node, each checked");
+}
+
 /// An ingest request outside its project reaches the validator, which rejects it naming the
 /// same rule (a verdict for the uploader, not a dead letter); a fact never passes.
 #[test]
