@@ -40,7 +40,10 @@ pub struct Holds {
 
 /// Every replica the catalogue lists as present on `tier` (on a node-local tier: `node`'s
 /// replicas only; `None`: the shared tier's), with whether a verified copy of the same version
-/// is present on one of the `durable` tiers.
+/// is present on one of the `durable` tiers. A durable tier is shared: a copy there that names
+/// a node is no durable copy. It can only have been stated by a node's agent, whose user may
+/// state facts about its own node alone, and counting it would let the last copy above it be
+/// removed without a copy down.
 pub async fn placed_on(
     catalogue: &Catalogue,
     tier: &str,
@@ -70,7 +73,10 @@ pub async fn placed_on(
             files: here.files.max(v.file_count),
             bytes: here.total_bytes.max(v.total_bytes),
             made_at: here.copied.as_ref().or(here.stamp.as_ref()).map(|s| s.at),
-            durable_elsewhere: rs.iter().filter(present).any(|r| durable.contains(&r.tier)),
+            durable_elsewhere: rs
+                .iter()
+                .filter(present)
+                .any(|r| r.node.is_none() && durable.contains(&r.tier)),
             verified_by: here.verified_by.clone(),
             last_verified: here.last_verified.as_ref().map(|v| v.stamp.at),
         });

@@ -309,6 +309,65 @@ async fn the_demoter_works_with_its_own_nats_user_only() {
     stack.stop().await;
 }
 
+/// A node's word is no durable copy: a `replica.created` on capacity naming node n1 (all a
+/// node's user may state is on its own node's subjects, so a compromised node can publish this)
+/// does not spare the only verified copy, on hot, its copy down: it is copied to capacity and
+/// announced there before it is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_capacity_copy_stated_by_a_node_is_no_durable_copy() {
+    let mut stack = Stack::start(Options {
+        idle_after: "1h",
+        ..Options::default()
+    })
+    .await;
+    let js = stack.bus.jetstream().clone();
+    let p = stack.place("forged", 9, 3, 4096, false).await;
+    stack.stage(&p, "job", ago(120)).await;
+    stack.release(&p, "job", ago(90)).await;
+    stack.recorded(&p, 1, 1).await;
+    let forged = stagehand_schemas::Event::request(
+        stagehand_schemas::EventId::random(),
+        PROJECT,
+        Body::ReplicaCreated(stagehand_schemas::ReplicaCreated {
+            dataset: p.dataset.clone(),
+            version: p.version.clone(),
+            location: stagehand_schemas::Location {
+                tier: "capacity".into(),
+                prefix: p.prefix(),
+            },
+            files: 3,
+            total_bytes: 3 * 4096,
+            verified_by: "read-back".into(),
+            node: Some("n1".into()),
+        }),
+    );
+    stack.publish(&forged).await;
+    wait_until(WAIT, "the node's word folded", || async {
+        stack
+            .catalogue
+            .version(Some(PROJECT), &p.dataset, &p.version)
+            .await
+            .is_ok_and(|v| {
+                (v.replicas.iter()).any(|r| r.tier == "capacity" && r.node.as_deref() == Some("n1"))
+            })
+    })
+    .await
+    .unwrap();
+    stack.run_demoter();
+    wait_until(WAIT, "the replica removed from hot", || async {
+        removed_from_hot(&js).await.len() == 1 && !stack.tier("hot").join(p.prefix()).exists()
+    })
+    .await
+    .unwrap();
+    assert!(whole_on(&stack, "capacity", &p), "copied down first");
+    let facts = replica_facts(&js).await;
+    let created = (facts.iter())
+        .filter(|(k, t, v, _)| k == "created" && t == "capacity" && v == &p.version)
+        .count();
+    assert_eq!(created, 2, "the node's word, then the demoter's copy down");
+    stack.stop().await;
+}
+
 /// Guards issue 19's trusted copy-down: the capacity folder of a replica whose only verified
 /// copy is on hot is already there, and stale — two files with other bytes of the same size,
 /// one missing. It is not taken for the copy: every file is checked against the version's

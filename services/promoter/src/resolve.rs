@@ -119,10 +119,12 @@ pub async fn decide(cx: &Context<'_>) -> Result<Decision, Unanswered> {
     let mut sources = Vec::new();
     let mut refused = Vec::new();
     for tier in cx.sources {
+        // A source tier is shared: a copy there that names a node is only a node's word (its
+        // user states facts about its own node alone), never a source.
         if let Some(r) = detail
             .replicas
             .iter()
-            .find(|r| &r.tier == tier && r.state == ReplicaState::Present)
+            .find(|r| &r.tier == tier && r.node.is_none() && r.state == ReplicaState::Present)
         {
             // The location rule, again, on what the catalogue says: a catalogue folded before
             // the rule held may list another project's folder, and nothing is read from one.

@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use stagehand_catalogue::ReplicaState;
-use stagehand_schemas::{Body, Retryable, progress::WorkProgress};
+use stagehand_schemas::{Body, Event, EventId, Retryable, progress::WorkProgress};
 use stagehand_testkit::{wait_for, wait_until};
 
 /// A validated version on the capacity tier is copied to hot once, verified, published under
@@ -72,6 +72,61 @@ async fn a_validated_version_is_copied_once_and_ready_with_its_path() {
         1,
         "no second copy"
     );
+    stack.stop().await;
+}
+
+/// A copy on a shared source tier that names a node (a node's word, which its user may state
+/// on its own node's subject) is never a source: the version's only copy is on the source tier,
+/// a `replica.created` on capacity naming node n1 points elsewhere, and the stage is copied from
+/// the source tier, byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shared_copy_stated_by_a_node_is_no_source() {
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("a"));
+    let files = [("a.bin", bytes(3, 50_000)), ("b.bin", bytes(4, 70_000))];
+    let (prefix, refs) = stack.put_files("source", "forged", "v1", &files);
+    let version = stack.validated("forged", "source", &prefix, &refs).await;
+    let forged = Event::request(
+        EventId::random(),
+        PROJECT,
+        Body::ReplicaCreated(stagehand_schemas::ReplicaCreated {
+            dataset: "forged".into(),
+            version: version.clone(),
+            location: stagehand_schemas::Location {
+                tier: "capacity".into(),
+                prefix: format!("{PROJECT}/forged/elsewhere"),
+            },
+            files: 2,
+            total_bytes: 120_000,
+            verified_by: "read-back".into(),
+            node: Some("n1".into()),
+        }),
+    );
+    stack.publish(&forged).await;
+    let catalogue = stack.catalogue();
+    wait_until(WAIT, "the node's word folded", || async {
+        (catalogue.version(Some(PROJECT), "forged", &version).await).is_ok_and(|v| {
+            (v.replicas.iter()).any(|r| r.tier == "capacity" && r.node.as_deref() == Some("n1"))
+        })
+    })
+    .await
+    .unwrap();
+    let js = stack.bus.jetstream().clone();
+    let request = stage_request("forged", &version, "hot", "job-1", None, None);
+    stack.publish(&request).await;
+    let ready = wait_for(WAIT, "stage.ready from the source tier", || async {
+        answers(&js, "stage.ready", &request.id).await.pop()
+    })
+    .await
+    .unwrap();
+    let staged = std::path::PathBuf::from(ready_path(&ready));
+    for (path, content) in &files {
+        assert_eq!(
+            &std::fs::read(staged.join(path)).unwrap(),
+            content,
+            "{path}"
+        );
+    }
     stack.stop().await;
 }
 

@@ -96,10 +96,18 @@ pub async fn stored_events(
 }
 
 /// Every fact of `kind` (`stage.ready`, or a pattern such as `replica.*`) in the facts
-/// stream, in stream order. Panics when the stream cannot be read: a test's facts stream
-/// exists and holds events.
+/// stream, in stream order, those about a node's local tier included (their subjects name the
+/// node). Panics when the stream cannot be read: a test's facts stream exists and holds events.
 pub async fn stored_facts(js: &jetstream::Context, kind: &str) -> Vec<Event> {
-    stored_events(js, subject::FACTS.name, subject::kind_filter("fact", kind))
+    let filter = if kind.contains('*') {
+        format!(
+            "{}.{kind}.>",
+            subject::class_filter(subject::FACT).trim_end_matches(".>")
+        )
+    } else {
+        subject::kind_filter(subject::FACT, kind)
+    };
+    stored_events(js, subject::FACTS.name, filter)
         .await
         .unwrap_or_else(|e| panic!("reading the {kind} facts: {e}"))
 }
