@@ -123,8 +123,8 @@ pub const PROMOTER: KvSpec = KvSpec {
 /// The node agents' fan-out board: per version being staged onto a node-local tier by
 /// several nodes, who reads which piece from the shared tier (`swarm.<swarm>.claim.<piece>`),
 /// which node holds which piece verified (`swarm.<swarm>.have.<piece>.<node>`) and which node
-/// served bytes that did not verify (`swarm.<swarm>.bad.<node>`). Written by the promoter's node
-/// agents only (`services/promoter/src/fanout`).
+/// served bytes that did not verify, and to whom (`swarm.<swarm>.bad.<node>.<by>`). Written by
+/// the promoter's node agents only (`services/promoter/src/fanout`).
 pub const SWARMS_BUCKET: &str = "stagehand_swarms";
 
 /// The fan-out board's declaration. A swarm lives as long as its copies: a day outlasts any

@@ -1084,7 +1084,7 @@ async fn dropped_peers(
     now: OffsetDateTime,
     findings: &mut Vec<Finding>,
 ) -> anyhow::Result<()> {
-    use stagehand_promoter::fanout::Fanout;
+    use stagehand_promoter::fanout::{BadKey, Fanout};
     let store = match bus
         .jetstream()
         .get_key_value(stagehand_bus::SWARMS_BUCKET)
@@ -1103,14 +1103,12 @@ async fn dropped_peers(
         .map(|t| t.name.as_str())
         .collect();
     for key in keys {
-        let mut parts = key.split('.');
-        let (Some("swarm"), Some(swarm), Some("bad"), Some(node), None) = (
-            parts.next(),
-            parts.next(),
-            parts.next(),
-            parts.next(),
-            parts.next(),
-        ) else {
+        let Some(BadKey {
+            swarm,
+            node,
+            by: caught_by,
+        }) = BadKey::parse(&key)
+        else {
             continue;
         };
         let Some(entry) = store.entry(&key).await.context("a fan-out report")? else {
@@ -1173,7 +1171,7 @@ async fn dropped_peers(
                 "node {node} served bad bytes in swarm {swarm}{version}: {}: {} (caught by {}, {} ago)",
                 printable(&report.file),
                 printable(&report.why),
-                printable(&report.by),
+                printable(caught_by),
                 human_age(age(entry.created, now))
             ),
             run,

@@ -658,7 +658,7 @@ async fn the_oldest_waiting_message_is_of_the_consumers_own_subjects() {
 }
 
 /// A node another agent caught serving bytes that did not verify in a fan-out (its
-/// `swarm.<s>.bad.<node>` key, as the agents write it) needs a person, named with the version
+/// `swarm.<s>.bad.<node>.<by>` key, as the agents write it) needs a person, named with the version
 /// its swarm is of and the page, until that node's own copy is read whole again after the
 /// report. A report of a swarm the catalogue knows no copy of stays named with the page alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -712,18 +712,18 @@ async fn a_node_that_served_bad_bytes_needs_a_person_until_its_copy_is_read_agai
         .await
         .unwrap();
     let swarm = Fanout::swarm("local", PROJECT, "owls", &version);
-    let report = |by: &str| {
-        serde_json::json!({"by": by, "file": "data.bin", "why": "sha256 differs"})
+    let report = || {
+        serde_json::json!({"file": "data.bin", "why": "sha256 differs"})
             .to_string()
             .into()
     };
     board
-        .put(format!("swarm.{swarm}.bad.gpu-2"), report("gpu-1"))
+        .put(format!("swarm.{swarm}.bad.gpu-2.gpu-1"), report())
         .await
         .unwrap();
     let unknown = "0".repeat(32);
     board
-        .put(format!("swarm.{unknown}.bad.gpu-3"), report("gpu-1"))
+        .put(format!("swarm.{unknown}.bad.gpu-3.gpu-1"), report())
         .await
         .unwrap();
     let mut last = serde_json::Value::Null;

@@ -14,8 +14,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use common::*;
+use futures::StreamExt;
 use stagehand_promoter::fanout::pieces::Piece;
-use stagehand_promoter::fanout::{Fanout, FanoutSettings, FanoutTls};
+use stagehand_promoter::fanout::{BadKey, Fanout, FanoutSettings, FanoutTls};
 use stagehand_schemas::pieces::PieceHashes;
 use stagehand_schemas::{Body, FileRef};
 use stagehand_testkit::{TestCa, wait_for};
@@ -351,6 +352,54 @@ async fn three_nodes_fan_out(tls: Option<&TestCa>, side_data: bool) {
     stack.stop().await;
 }
 
+/// A node that claims every piece of a swarm and renews its claims without ever reading them
+/// (claims are anyone's to take over, so every node's user may write them) costs its peers
+/// time, never the copy: a claim one node has held past any read of its piece is read past,
+/// and both nodes end byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_renewed_and_never_read_are_read_past() {
+    stagehand_telemetry::metrics::install();
+    let mut stack = Stack::start().await;
+    stack.run_promoter(stack.promoter_config("shared"));
+    let token = token_file(stack.root());
+    let (version, files, refs) = on_hot(&mut stack, true).await;
+    let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
+    // "n9" claims every piece before anyone else and renews each claim at a steady cadence,
+    // faster than any patience, for as long as the test runs.
+    let keys: Vec<String> = (0..pieces.len())
+        .map(|p| format!("swarm.{swarm}.claim.{p}"))
+        .collect();
+    let hog = tokio::spawn({
+        let board = board.clone();
+        async move {
+            let mut cadence = tokio::time::interval(std::time::Duration::from_millis(200));
+            loop {
+                cadence.tick().await;
+                for key in &keys {
+                    let _ = board.put(key, br#"{"node":"n9"}"#.as_slice().into()).await;
+                }
+            }
+        }
+    });
+    for n in ["n1", "n2"] {
+        start_agent(&mut stack, n, &token);
+    }
+    stage_on(&stack, &version, &["n1", "n2"]).await;
+    hog.abort();
+    for n in ["n1", "n2"] {
+        assert_exact(&stack, n, &version, &files);
+    }
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let shared = counter("stagehand_fanout_bytes_total", "source=\"shared\"");
+    let peer = counter("stagehand_fanout_bytes_total", "source=\"peer\"");
+    assert_eq!(
+        shared + peer,
+        2.0 * total as f64,
+        "every node got every byte once"
+    );
+    stack.stop().await;
+}
+
 /// A stack whose version (side data stored) n1's agent has staged from the hot tier: the stack,
 /// the agents' token, and the version as [`on_hot`] gives it.
 async fn staged_on_n1() -> (
@@ -518,11 +567,16 @@ async fn a_node_serving_damaged_bytes_is_dropped_reports_its_copy_and_every_node
     assert!(counter("stagehand_fanout_peers_dropped_total", "") >= 1.0);
     let (board, swarm, _) = board_of(&stack, &version, &refs).await;
     let spoiled = wait_for(WAIT, "n1 reported", || async {
-        board
-            .get(format!("swarm.{swarm}.bad.n1"))
-            .await
-            .ok()
-            .flatten()
+        // Reported by whichever of n2 and n3 caught it, in its own name.
+        let mut keys = board.keys().await.ok()?;
+        while let Some(Ok(key)) = keys.next().await {
+            if BadKey::parse(&key)
+                .is_some_and(|k| k.swarm == swarm && k.node == "n1" && ["n2", "n3"].contains(&k.by))
+            {
+                return board.get(&key).await.ok().flatten();
+            }
+        }
+        None
     })
     .await
     .unwrap();

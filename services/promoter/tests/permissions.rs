@@ -54,8 +54,12 @@ async fn the_promoter_stages_as_its_own_restricted_user() {
     settled(&js, "a").await;
 
     let request = stage_request("perm", &version[..12], "hot", "job-perm", None, None);
-    let progress =
-        stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &request.id);
+    let progress = stagehand_schemas::progress::progress_subject(
+        "stage.requested",
+        None,
+        PROJECT,
+        &request.id,
+    );
     let mut reports = stack.bus.client().subscribe(progress).await.unwrap();
     stack.publish(&request).await;
     wait_until(WAIT, "the request to wait for validation", || async {
@@ -169,9 +173,20 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$JS.ACK.STAGEHAND_REQUESTS.promoter.1.1.1.1.1.1".to_owned(),
         "$JS.API.CONSUMER.MSG.NEXT.STAGEHAND_REQUESTS.promoter-node-n2".to_owned(),
         "$JS.API.CONSUMER.CREATE.STAGEHAND_REQUESTS.promoter".to_owned(),
+        // The fan-out board: pieces announced, or a peer reported, in another node's name.
+        "$KV.stagehand_swarms.swarm.s.have.0.n2".to_owned(),
+        "$KV.stagehand_swarms.swarm.s.bad.n2.n3".to_owned(),
     ];
     for subject in &refused {
         n1.publish(subject.clone(), "forged".into()).await.unwrap();
+    }
+    // … while its own word there, and a claim (anyone's to take over), are its to write.
+    for subject in [
+        "$KV.stagehand_swarms.swarm.s.have.0.n1",
+        "$KV.stagehand_swarms.swarm.s.bad.n2.n1",
+        "$KV.stagehand_swarms.swarm.s.claim.0",
+    ] {
+        n1.publish(subject, "its own".into()).await.unwrap();
     }
     // Its own node's fact, after them on the same connection: once it is stored, the server
     // has dealt with every publish before it.

@@ -353,10 +353,9 @@ pub fn is_have_of(key: &str, node: &str) -> bool {
     tokens.len() >= 5 && tokens[2] == "have" && tokens.last() == Some(&node)
 }
 
-/// `swarm.<swarm>.bad.<node>`: whether `key` marks `node` as having served bad bytes.
+/// `swarm.<swarm>.bad.<node>.<by>`: whether `key` marks `node` as having served bad bytes.
 pub fn is_bad_of(key: &str, node: &str) -> bool {
-    let tokens: Vec<&str> = key.split('.').collect();
-    tokens.len() == 4 && tokens[2] == "bad" && tokens[3] == node
+    stagehand_promoter::fanout::BadKey::parse(key).is_some_and(|k| k.node == node)
 }
 
 fn stage_of(dataset: &str, digest: &str, tier: &str, node: Option<&str>) -> Stage {

@@ -7,8 +7,15 @@
 //!   taken over with a compare-and-set on the revision seen.
 //! - `swarm.<swarm>.have.<piece>.<node>`: that node holds the piece, every file verified
 //!   against the manifest, and serves it at the address the value names.
-//! - `swarm.<swarm>.bad.<node>`: that node served bytes that did not verify; every member
-//!   stops asking it. Written by the member that caught it, naming the file.
+//! - `swarm.<swarm>.bad.<node>.<by>`: `node` served `by` bytes that did not verify; every
+//!   member stops asking it. Written by `by`, the member that caught it, naming the file.
+//!
+//! Every key a node writes but a claim ends in its own name, and a node's NATS user may write
+//! only those (`deploy/nats/accounts.conf`, `NODE_GPU_01`): a node cannot announce pieces for
+//! another, withdraw another's, or report in another's name. A claim is anyone's to take over,
+//! so a node could hold claims it never reads; a claim held by one node longer than its piece
+//! could take at [`SLOWEST_CLAIMED_READ`] is read past ([`ClaimSeen::overheld`]), so such a node
+//! costs its peers time, never a copy that does not finish.
 //!
 //! Patience is measured on this node's clock from when it saw a claim's revision, never from a
 //! time another node wrote: nodes' clocks need not agree.
@@ -50,13 +57,57 @@ struct HaveValue {
     addr: String,
 }
 
-/// Why a node was dropped from a swarm: the file it served and what was wrong with it.
+/// Why a node was dropped from a swarm: the file it served and what was wrong with it. Who
+/// caught it is the report's key ([`BadKey`]), which only that node may write.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Spoiled {
-    pub by: String,
     pub file: String,
     pub why: String,
 }
+
+/// A report's key, `swarm.<swarm>.bad.<node>.<by>`: `node` served `by` bytes that did not
+/// verify.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BadKey<'k> {
+    pub swarm: &'k str,
+    pub node: &'k str,
+    pub by: &'k str,
+}
+
+impl<'k> BadKey<'k> {
+    /// The report `key` names, or `None` for any other key of the board.
+    pub fn parse(key: &'k str) -> Option<BadKey<'k>> {
+        let mut parts = key.split('.');
+        match (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) {
+            (Some("swarm"), Some(swarm), Some("bad"), Some(node), Some(by), None) => {
+                Some(BadKey { swarm, node, by })
+            }
+            _ => None,
+        }
+    }
+
+    /// The key itself.
+    pub fn key(&self) -> String {
+        format!("swarm.{}.bad.{}.{}", self.swarm, self.node, self.by)
+    }
+
+    /// The pattern of every report naming node token `node`, on any swarm, by anyone.
+    pub fn naming(node: &str) -> String {
+        format!("swarm.*.bad.{node}.*")
+    }
+}
+
+/// The slowest rate a node reading a claimed piece from the shared tier is waited for
+/// (bytes/s), beyond the swarm's patience: a claim held longer than its piece takes at this
+/// rate is read past by its peers, renewed or not.
+pub const SLOWEST_CLAIMED_READ: u64 = 4 << 20;
 
 /// Takes back every `have` key naming `node`, on every swarm: run as the node's agent starts,
 /// when it serves nothing yet (what it held before it stopped is not registered again), so that
@@ -138,6 +189,17 @@ pub struct ClaimSeen {
     /// When this node saw this revision: the claim is stale once it is older than the
     /// swarm's patience.
     pub seen: Instant,
+    /// When this node first saw `node` holding it, across its renewals.
+    pub held_since: Instant,
+}
+
+impl ClaimSeen {
+    /// Whether its node has held it, renewed or not, longer than a read of `bytes` takes at
+    /// [`SLOWEST_CLAIMED_READ`] after `patience`: a node that claims and never reads.
+    pub fn overheld(&self, now: Instant, patience: Duration, bytes: u64) -> bool {
+        let reading = Duration::from_secs_f64(bytes as f64 / SLOWEST_CLAIMED_READ as f64);
+        now.duration_since(self.held_since) >= patience * 2 + reading
+    }
 }
 
 /// What this node knows of the swarm, kept current by the board's watch.
@@ -288,7 +350,12 @@ impl Board {
 
     /// Drops `node` from the swarm for every member.
     pub async fn spoiled(&self, node: &str, why: &Spoiled) -> Result<(), BoardError> {
-        let key = self.key(&format!("bad.{node}"));
+        let key = BadKey {
+            swarm: &self.swarm,
+            node,
+            by: &self.me,
+        }
+        .key();
         let value = serde_json::to_vec(why).expect("a report serializes");
         lock(&self.view).bad.insert(node.to_owned());
         self.store
@@ -355,12 +422,18 @@ fn apply(view: &mut View, rest: &str, entry: &kv::Entry) {
             let Ok(claim) = serde_json::from_slice::<ClaimValue>(&entry.value) else {
                 return;
             };
+            let now = Instant::now();
+            let held_since = match view.claims.get(&piece) {
+                Some(seen) if seen.node == claim.node => seen.held_since,
+                _ => now,
+            };
             view.claims.insert(
                 piece,
                 ClaimSeen {
                     node: claim.node,
                     revision: entry.revision,
-                    seen: Instant::now(),
+                    seen: now,
+                    held_since,
                 },
             );
         }
@@ -375,7 +448,7 @@ fn apply(view: &mut View, rest: &str, entry: &kv::Entry) {
                 holders.insert(node.to_owned(), have.addr);
             }
         }
-        (Some("bad"), Some(node), None) if !gone => {
+        (Some("bad"), Some(node), Some(_by)) if !gone => {
             view.bad.insert(node.to_owned());
         }
         _ => {}

@@ -62,7 +62,7 @@ use fetch::FetchError;
 use pieces::Piece;
 use serve::Registry;
 
-pub use board::{BoardError, Spoiled};
+pub use board::{BadKey, BoardError, Spoiled};
 pub use serve::ReplicaAt;
 pub use tls::FanoutTls;
 
@@ -558,17 +558,19 @@ impl<'r, 'a> Run<'r, 'a> {
     }
 
     /// The next piece to start and how: one a peer holds first, then one nobody claimed, then
-    /// one whose claim went stale; `None` when every piece left is being read by a live peer.
+    /// one whose claim went stale, then one whose claim was held past any read of it; `None`
+    /// when every piece left is being read by a live peer.
     async fn next(&mut self) -> Result<Option<(usize, Step)>, BoardError> {
         let now = Instant::now();
         self.cooling.retain(|_, until| *until > now);
         let me = self.board.me().to_owned();
         // Decided on a snapshot of the board; the claims are then made on the board itself.
-        let (peer, unclaimed, stale) = {
+        let (peer, unclaimed, stale, overheld) = {
             let view = self.board.view();
             let mut peer = None;
             let mut unclaimed = Vec::new();
             let mut stale = Vec::new();
+            let mut overheld = Vec::new();
             for (at, &piece) in self.todo.iter().enumerate() {
                 let holders = view.holders.get(&piece);
                 let usable = holders.into_iter().flatten().filter(|(node, _)| {
@@ -596,10 +598,15 @@ impl<'r, 'a> Run<'r, 'a> {
                     {
                         stale.push((at, Some(c.revision)))
                     }
+                    // Renewed all along but never announced: read past it, taking the claim
+                    // over if its holder lets it go, and read all the same if not.
+                    Some(c) if c.overheld(now, self.fanout.patience, self.pieces[piece].bytes) => {
+                        overheld.push((at, c.revision))
+                    }
                     Some(_) => {}
                 }
             }
-            (peer, unclaimed, stale)
+            (peer, unclaimed, stale, overheld)
         };
         if let Some((at, node, addr)) = peer {
             let piece = self.todo.remove(at).expect("an index of todo");
@@ -622,6 +629,18 @@ impl<'r, 'a> Run<'r, 'a> {
                     None => continue,
                 },
             };
+            self.todo.remove(at);
+            return Ok(Some((piece, Step::Shared { claim })));
+        }
+        if let Some(&(at, revision)) = overheld.first() {
+            let piece = self.todo[at];
+            let claim = self.board.take_over(piece, revision).await?;
+            if claim.is_none() {
+                warn!(
+                    piece,
+                    "fan-out: a claim held past any read of its piece was not let go; reading the piece from the shared tier all the same"
+                );
+            }
             self.todo.remove(at);
             return Ok(Some((piece, Step::Shared { claim })));
         }
@@ -841,11 +860,7 @@ impl<'r, 'a> Run<'r, 'a> {
                         warn!(peer = %node, piece, %file, %why, "fan-out: a peer served bytes that do not verify; dropped from the swarm");
                         fanout_peer_dropped();
                         self.filled.peers_dropped += 1;
-                        let report = Spoiled {
-                            by: self.board.me().to_owned(),
-                            file,
-                            why,
-                        };
+                        let report = Spoiled { file, why };
                         self.board
                             .spoiled(&node, &report)
                             .await

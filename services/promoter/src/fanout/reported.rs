@@ -1,5 +1,5 @@
 //! A node told it served bad bytes checks itself. Its peers drop it from the swarm at once
-//! (`swarm.<s>.bad.<node>`); the node's agent, watching for its own name, hashes the file the
+//! (`swarm.<s>.bad.<node>.<by>`); the node's agent, watching for its own name, hashes the file the
 //! report names where it served it from. Bytes that do not verify there mean its own copy is
 //! damaged — rot under unchanged metadata, which a fingerprint check before reuse cannot see:
 //! it stops serving the swarm and, when the copy is a published replica, withdraws it
@@ -17,7 +17,7 @@ use stagehand_bus::runner::consumer_token;
 use stagehand_schemas::{Body, DamagedFile, Event, EventId, Location, ReplicaDamaged};
 use tracing::{info, warn};
 
-use super::board::Spoiled;
+use super::board::{BadKey, Spoiled};
 use super::serve::{Holding, Registry};
 
 /// Watches for reports naming `node` until the watch ends; a watch that cannot start is
@@ -28,23 +28,22 @@ pub async fn watch(
     bus: Bus,
     node: String,
 ) -> Result<(), kv::WatchError> {
-    let filter = format!("swarm.*.bad.{}", consumer_token(&node));
-    let mut reports = store.watch(&filter).await?;
+    let mut reports = store.watch(BadKey::naming(&consumer_token(&node))).await?;
     while let Some(entry) = reports.next().await {
         let Ok(entry) = entry else { continue };
         if entry.operation != Operation::Put {
             continue;
         }
-        let Some(swarm) = entry.key.split('.').nth(1) else {
+        let Some(key) = BadKey::parse(&entry.key) else {
             continue;
         };
         let Ok(report) = serde_json::from_slice::<Spoiled>(&entry.value) else {
             continue;
         };
-        if let Some(holding) = registry.get(swarm) {
+        if let Some(holding) = registry.get(key.swarm) {
             check(
                 &registry,
-                swarm,
+                key,
                 &holding,
                 &report,
                 &bus,
@@ -59,20 +58,21 @@ pub async fn watch(
 
 async fn check(
     registry: &Registry,
-    swarm: &str,
+    key: BadKey<'_>,
     holding: &Holding,
     report: &Spoiled,
     bus: &Bus,
     node: &str,
     revision: u64,
 ) {
+    let (swarm, by) = (key.swarm, key.by);
     let Some(listed) = holding
         .files
         .iter()
         .find(|f| f.path == report.file)
         .cloned()
     else {
-        warn!(%swarm, reported_by = %report.by, file = %report.file, "reported for a file this swarm does not list; ignored");
+        warn!(%swarm, reported_by = %by, file = %report.file, "reported for a file this swarm does not list; ignored");
         return;
     };
     let folder = holding.folder();
@@ -80,7 +80,7 @@ async fn check(
     let found = tokio::task::spawn_blocking(move || folder.hash_file(&path)).await;
     let found = match found {
         Ok(Ok(digest)) if digest.sha256 == listed.sha256 && digest.size == listed.size => {
-            info!(%swarm, reported_by = %report.by, file = %listed.path, "reported serving bad bytes, but the file verifies here; its peers leave this node out of the swarm all the same");
+            info!(%swarm, reported_by = %by, file = %listed.path, "reported serving bad bytes, but the file verifies here; its peers leave this node out of the swarm all the same");
             return;
         }
         Ok(Ok(digest)) => format!(
@@ -90,7 +90,7 @@ async fn check(
         Ok(Err(e)) => format!("unreadable: {e}"),
         Err(e) => format!("not checked: {e}"),
     };
-    warn!(%swarm, reported_by = %report.by, file = %listed.path, %found, "this node served bad bytes and its copy does not verify: no longer serving it");
+    warn!(%swarm, reported_by = %by, file = %listed.path, %found, "this node served bad bytes and its copy does not verify: no longer serving it");
     registry.forget(swarm);
     let Some(replica) = holding.published_replica() else {
         // Still a staging folder: its copy fails or repairs itself when its own pieces are
@@ -124,7 +124,7 @@ async fn check(
             damaged_total: 1,
             reason: format!(
                 "node {} found {} served from this copy not to verify ({}); hashed again here: {found}; readiness withdrawn, the next request for it on this node verifies and repairs it",
-                report.by, listed.path, report.why
+                by, listed.path, report.why
             ),
         }),
     );
