@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::id::EventId;
-use crate::subject::ROOT;
+use crate::subject::{ROOT, node_token};
 
 /// How far a piece of work has got.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,14 +45,35 @@ impl WorkProgress {
 }
 
 /// The subject progress of the request `request_id` (of `kind`, in `project`) is published on:
-/// `stagehand.progress.<kind>.<project>.<request id>`, so that permissions can let a project's
-/// users watch their own requests only.
-pub fn progress_subject(kind: &str, project: &str, request_id: &EventId) -> String {
+/// `stagehand.progress.<kind>.<project>.<request id>`, or, for a request naming a node (a stage
+/// onto that node's own tier, which its agent copies), `stagehand.progress.<kind>.<node>.<project>.<request id>`,
+/// the node written as its subject token ([`node_token`]). So permissions can let a project's
+/// users watch their own requests only, and a node's user report on its own node's work only.
+pub fn progress_subject(
+    kind: &str,
+    node: Option<&str>,
+    project: &str,
+    request_id: &EventId,
+) -> String {
     // Request ids may hold '.', which separates subject tokens; hex keeps the id one token.
-    format!(
-        "{ROOT}.progress.{kind}.{project}.{}",
-        hex::encode(request_id.as_str())
-    )
+    let id = hex::encode(request_id.as_str());
+    match node {
+        Some(node) => format!("{ROOT}.progress.{kind}.{}.{project}.{id}", node_token(node)),
+        None => format!("{ROOT}.progress.{kind}.{project}.{id}"),
+    }
+}
+
+/// What a progress subject of `kind` names: the node's token (for a request naming a node)
+/// and the project, or `None` for any other subject. What it says of which request is for the
+/// caller to hold against the report's body ([`progress_subject`] of both).
+pub fn progress_place(kind: &str, subject: &str) -> Option<(Option<String>, String)> {
+    let rest = subject.strip_prefix(&format!("{ROOT}.progress.{kind}."))?;
+    let tokens: Vec<&str> = rest.split('.').collect();
+    match tokens[..] {
+        [project, _id] => Some((None, project.to_owned())),
+        [node, project, _id] => Some((Some(node.to_owned()), project.to_owned())),
+        _ => None,
+    }
 }
 
 /// The filter of every progress report of one request kind, across projects and requests:
@@ -79,11 +100,34 @@ mod tests {
             eta_seconds: Some(7),
         };
         assert_eq!(WorkProgress::decode(&p.encode()).unwrap(), p);
-        let subject = progress_subject("stage.requested", "vision-lab", &id);
+        let subject = progress_subject("stage.requested", None, "vision-lab", &id);
         assert!(subject.starts_with("stagehand.progress.stage.requested.vision-lab."));
         assert_eq!(subject.split('.').count(), 6);
         let filter = progress_filter("stage.requested");
         assert_eq!(filter, "stagehand.progress.stage.requested.>");
         assert!(subject.starts_with(filter.trim_end_matches('>')));
+        assert_eq!(
+            progress_place("stage.requested", &subject),
+            Some((None, "vision-lab".to_owned()))
+        );
+        // A node's stage: its node before the project, as its token.
+        let on_node = progress_subject("stage.requested", Some("gpu-07"), "vision-lab", &id);
+        assert!(on_node.starts_with("stagehand.progress.stage.requested.gpu-07.vision-lab."));
+        assert!(on_node.starts_with(filter.trim_end_matches('>')));
+        assert_eq!(
+            progress_place("stage.requested", &on_node),
+            Some((Some("gpu-07".to_owned()), "vision-lab".to_owned()))
+        );
+        let dns = progress_subject("stage.requested", Some("gpu-07.cluster"), "vision-lab", &id);
+        let (token, _) = progress_place("stage.requested", &dns).unwrap();
+        assert_eq!(token, Some(node_token("gpu-07.cluster")));
+        // Anything else is no progress subject of that kind.
+        for other in [
+            "stagehand.progress.stage.requested.vision-lab",
+            "stagehand.progress.stage.requested.a.b.c.d",
+            "stagehand.progress.ingest.requested.vision-lab.00",
+        ] {
+            assert_eq!(progress_place("stage.requested", other), None, "{other}");
+        }
     }
 }

@@ -189,7 +189,12 @@ impl Bench {
         let mut progress = self
             .bus
             .client()
-            .subscribe(progress_subject("stage.requested", PROJECT, &request.id))
+            .subscribe(progress_subject(
+                "stage.requested",
+                None,
+                PROJECT,
+                &request.id,
+            ))
             .await?;
         let started = Instant::now();
         let staged_at = std::sync::Arc::new(std::sync::Mutex::new(None));

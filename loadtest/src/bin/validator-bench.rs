@@ -186,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
     let mut facts = bus.client().subscribe(subject::FACTS.subjects[0]).await?;
     let mut progress = bus
         .client()
-        .subscribe(progress_subject("ingest.requested", PROJECT, &id))
+        .subscribe(progress_subject("ingest.requested", None, PROJECT, &id))
         .await?;
     let progress_seen = Arc::new(AtomicU64::new(0));
     let seen = progress_seen.clone();

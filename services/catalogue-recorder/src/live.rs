@@ -31,7 +31,9 @@ use async_nats::jetstream::kv;
 use futures::StreamExt;
 use stagehand_bus::{Handler, HandlerError, WorkContext};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageStatus, stage_kv_key};
-use stagehand_schemas::progress::{WorkProgress, progress_filter, progress_subject};
+use stagehand_schemas::progress::{
+    WorkProgress, progress_filter, progress_place, progress_subject,
+};
 use stagehand_schemas::{Body, Event, EventId, Refusal};
 use tokio_util::sync::CancellationToken;
 
@@ -261,10 +263,11 @@ pub(crate) async fn mirror_stage(
 pub const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 /// Follows the promoter's progress reports of stage requests
-/// (`stagehand.progress.stage.requested.<project>.<hex(id)>`) until `shutdown`: a pending
-/// request with progress is `copying`. Reports come about once a second per copy and are
-/// throttled to [`PROGRESS_EVERY`] per request; one whose subject does not name the request its
-/// body names (another project's, say) is ignored.
+/// (`stagehand.progress.stage.requested.[<node>.]<project>.<hex(id)>`) until `shutdown`: a
+/// pending request with progress is `copying`. Reports come about once a second per copy and
+/// are throttled to [`PROGRESS_EVERY`] per request; one whose subject does not name the request
+/// its body names (another project's, say), or names another node than the request's (a node's
+/// user may report on its own node's subjects only), is ignored.
 pub(crate) async fn follow_progress(
     client: async_nats::Client,
     store: Arc<Store>,
@@ -276,7 +279,7 @@ pub(crate) async fn follow_progress(
         .subscribe(filter)
         .await
         .map_err(|e| RecorderError::nats("subscribing to stage progress", e))?;
-    let mut last: HashMap<(String, EventId), Instant> = HashMap::new();
+    let mut last: HashMap<(Option<String>, String, EventId), Instant> = HashMap::new();
     loop {
         let message = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -289,20 +292,24 @@ pub(crate) async fn follow_progress(
             tracing::debug!(subject = %message.subject, "ignoring a progress message that does not decode");
             continue;
         };
-        let project = message
-            .subject
-            .split('.')
-            .nth(4)
-            .unwrap_or_default()
-            .to_owned();
-        if progress_subject("stage.requested", &project, &report.request_id)
-            != message.subject.as_str()
+        let Some((node, project)) = progress_place("stage.requested", &message.subject) else {
+            tracing::debug!(subject = %message.subject, "ignoring a progress message on no request's subject");
+            continue;
+        };
+        if progress_subject(
+            "stage.requested",
+            node.as_deref(),
+            &project,
+            &report.request_id,
+        ) != message.subject.as_str()
         {
             tracing::debug!(subject = %message.subject, "ignoring a progress message for another request than its subject's");
             continue;
         }
         let now = Instant::now();
-        let key = (project, report.request_id.clone());
+        // By place too: reports on another node's subject (which the request's place refuses
+        // below) do not hold back the real ones.
+        let key = (node, project, report.request_id.clone());
         if last
             .get(&key)
             .is_some_and(|t| now.duration_since(*t) < PROGRESS_EVERY)
@@ -321,18 +328,20 @@ pub(crate) async fn follow_progress(
             eta_seconds: report.eta_seconds,
         };
         let s = store.clone();
-        let (p, id) = (key.0.clone(), key.1.to_string());
-        let shown =
-            tokio::task::spawn_blocking(move || s.record_progress(&p, &id, &progress)).await;
+        let (node, p, id) = (key.0.clone(), key.1.clone(), key.2.to_string());
+        let shown = tokio::task::spawn_blocking(move || {
+            s.record_progress(&p, &id, node.as_deref(), &progress)
+        })
+        .await;
         match shown {
             Ok(Ok(Some(status))) => {
                 if let Err(e) = mirror_stage(&mirror.stages, &status).await {
-                    tracing::warn!(error = %e, request_id = %key.1, "could not mirror stage progress");
+                    tracing::warn!(error = %e, request_id = %key.2, "could not mirror stage progress");
                 }
             }
             Ok(Ok(None)) => {}
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, request_id = %key.1, "could not keep stage progress")
+                tracing::warn!(error = %e, request_id = %key.2, "could not keep stage progress")
             }
             Err(e) => tracing::warn!(error = %e, "progress task failed"),
         }

@@ -21,6 +21,7 @@
 use redb::{Durability, ReadTransaction, ReadableTable, WriteTransaction};
 use serde::{Deserialize, Serialize};
 use stagehand_catalogue::{ReadinessKey, StageProgress, StageState, StageStatus, Stamp};
+use stagehand_schemas::subject::node_token;
 use stagehand_schemas::{Event, EventId, ReadyEstimate, StageReleased, is_sha256_hex};
 use time::OffsetDateTime;
 
@@ -626,6 +627,7 @@ impl Store {
         &self,
         project: &str,
         request_id: &str,
+        node: Option<&str>,
         progress: &StageProgress,
     ) -> Result<Option<StageStatus>, StoreError> {
         let mut txn = self.writer_txn()?;
@@ -637,7 +639,12 @@ impl Store {
             .get((project, request_id))?
             .map(|v| decode(v.value(), what))
             .transpose()?;
-        let Some(record) = record.filter(|r| r.status.state == StageState::Pending) else {
+        // Reported on the subject of the request's own place (its node's, or none): a node's
+        // user reports on its own node's work only, and shows no other stage copying.
+        let Some(record) = record.filter(|r| {
+            r.status.state == StageState::Pending
+                && r.status.node.as_deref().map(node_token).as_deref() == node
+        }) else {
             txn.abort()?;
             return Ok(None);
         };
@@ -859,8 +866,21 @@ mod tests {
             bytes_total: 4,
             eta_seconds: Some(5),
         };
+        // Reported on the shared tiers' subject, or another node's: not this stage's copy
+        // (the request is for gpu-07's local tier).
+        for elsewhere in [None, Some("gpu-08")] {
+            assert!(
+                store
+                    .record_progress("lab-a", id.as_str(), elsewhere, &progress)
+                    .unwrap()
+                    .is_none(),
+                "{elsewhere:?}"
+            );
+        }
+        let (status, _) = store.stage_status("lab-a", id.as_str()).unwrap().unwrap();
+        assert_eq!(status.state, StageState::Pending);
         let shown = store
-            .record_progress("lab-a", id.as_str(), &progress)
+            .record_progress("lab-a", id.as_str(), Some("gpu-07"), &progress)
             .unwrap()
             .unwrap();
         assert_eq!(shown.state, StageState::Copying);
@@ -886,7 +906,7 @@ mod tests {
         assert_eq!(counted, Some(key()));
         assert!(
             store
-                .record_progress("lab-a", id.as_str(), &progress)
+                .record_progress("lab-a", id.as_str(), Some("gpu-07"), &progress)
                 .unwrap()
                 .is_none()
         );

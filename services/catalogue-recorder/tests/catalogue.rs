@@ -1152,13 +1152,32 @@ async fn a_stage_request_is_mirrored_for_schedulers_from_pending_to_released() -
         bytes_total: 3,
         eta_seconds: Some(2),
     };
-    let subject = stagehand_schemas::progress::progress_subject("stage.requested", "lab-a", &id);
-    // Progress is core NATS and may be sent before anyone listens: send until it shows.
+    use stagehand_schemas::progress::progress_subject;
+    let subject = progress_subject("stage.requested", node, "lab-a", &id);
+    // The same request reported on by another node's agent, or on the shared tiers' subject
+    // (a node's user may publish its own node's progress subjects): never this stage's copy.
+    let forged = stagehand_schemas::progress::WorkProgress {
+        files_done: 99,
+        ..report.clone()
+    };
+    let elsewhere = [
+        progress_subject("stage.requested", Some("gpu-08"), "lab-a", &id),
+        progress_subject("stage.requested", None, "lab-a", &id),
+    ];
+    // Progress is core NATS and may be sent before anyone listens: send until it shows, the
+    // forged reports right after the real one each time (the last report kept is shown).
     let copying = stagehand_testkit::wait_for(WAIT, "copying with progress", || async {
         bus.client()
             .publish(subject.clone(), report.encode().into())
             .await
             .ok()?;
+        for other in &elsewhere {
+            bus.client()
+                .publish(other.clone(), forged.encode().into())
+                .await
+                .ok()?;
+        }
+        bus.client().flush().await.ok()?;
         status(kv.clone(), key.clone())
             .await
             .filter(|s| s.state == StageState::Copying)

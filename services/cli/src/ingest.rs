@@ -106,7 +106,7 @@ impl Watch {
         // Progress is a nicety: a user who may not watch it still gets the verdict.
         let progress = bus
             .client()
-            .subscribe(progress_subject(KIND, project, id))
+            .subscribe(progress_subject(KIND, None, project, id))
             .await
             .ok();
         // The server has the subscriptions before the request goes out.

@@ -386,7 +386,7 @@ impl<S: SourceFiles + 'static> IngestValidator<S> {
 
 impl<S: SourceFiles + 'static> Handler for IngestValidator<S> {
     async fn handle(&self, event: &Event, ctx: &WorkContext) -> Result<Vec<Event>, HandlerError> {
-        let subject = progress_subject(KIND, &event.project, &event.id);
+        let subject = progress_subject(KIND, None, &event.project, &event.id);
         let client = self.js.client();
         let mut last_ack = tokio::time::Instant::now();
         // Boxed: the whole validation is one heap future, so the runtime's per-message future

@@ -40,7 +40,7 @@
 //!    entries in flight.
 //! 4. **Progress**: about once a second a `WorkProgress` (files and bytes done of the total,
 //!    phase `hashing`, an estimate of the time left) on core NATS at
-//!    `progress_subject("ingest.requested", project, request id)`, for `stagehand ingest
+//!    `progress_subject("ingest.requested", None, project, request id)`, for `stagehand ingest
 //!    --wait`; progress acks keep the message while it is worked on.
 //! 5. **The verdict.** Valid: the verified manifest is stored in the services' manifest
 //!    bucket (unless it fits inline in the event) and `dataset.validated` carries the

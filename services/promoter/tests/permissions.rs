@@ -173,6 +173,9 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$JS.ACK.STAGEHAND_REQUESTS.promoter.1.1.1.1.1.1".to_owned(),
         "$JS.API.CONSUMER.MSG.NEXT.STAGEHAND_REQUESTS.promoter-node-n2".to_owned(),
         "$JS.API.CONSUMER.CREATE.STAGEHAND_REQUESTS.promoter".to_owned(),
+        // Copying progress on another node's stage, or a shared tier's.
+        "stagehand.progress.stage.requested.n2.demo.00".to_owned(),
+        "stagehand.progress.stage.requested.demo.00".to_owned(),
         // The fan-out board: pieces announced, or a peer reported, in another node's name.
         "$KV.stagehand_swarms.swarm.s.have.0.n2".to_owned(),
         "$KV.stagehand_swarms.swarm.s.bad.n2.n3".to_owned(),
@@ -185,6 +188,7 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$KV.stagehand_swarms.swarm.s.have.0.n1",
         "$KV.stagehand_swarms.swarm.s.bad.n2.n1",
         "$KV.stagehand_swarms.swarm.s.claim.0",
+        "stagehand.progress.stage.requested.n1.demo.00",
     ] {
         n1.publish(subject, "its own".into()).await.unwrap();
     }

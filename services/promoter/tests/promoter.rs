@@ -430,8 +430,12 @@ async fn a_copy_the_tier_s_filesystem_cannot_take_fails_before_it_starts() {
     let (prefix, refs) = version_of("second", 5);
     let second = stack.validated("second", "capacity", &prefix, &refs).await;
     let running = stage_request("fits", &fits, "hot", "job-fits", None, None);
-    let subject =
-        stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &running.id);
+    let subject = stagehand_schemas::progress::progress_subject(
+        "stage.requested",
+        None,
+        PROJECT,
+        &running.id,
+    );
     let mut progress = stack.bus.client().subscribe(subject).await.unwrap();
     stack.publish(&running).await;
     tokio::time::timeout(WAIT, futures::StreamExt::next(&mut progress))
@@ -536,8 +540,12 @@ async fn a_long_copy_publishes_its_progress() {
     let (prefix, refs) = stack.put_files("capacity", "slow", "v1", &borrowed);
     let version = stack.validated("slow", "capacity", &prefix, &refs).await;
     let request = stage_request("slow", &version, "hot", "job-p", None, None);
-    let subject =
-        stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &request.id);
+    let subject = stagehand_schemas::progress::progress_subject(
+        "stage.requested",
+        None,
+        PROJECT,
+        &request.id,
+    );
     let mut sub = stack.bus.client().subscribe(subject).await.unwrap();
     stack.publish(&request).await;
     let mut seen = Vec::new();
@@ -619,8 +627,12 @@ async fn a_queued_copy_states_the_bytes_ahead_and_when_it_should_be_ready() {
             None,
             None,
         );
-        let subject =
-            stagehand_schemas::progress::progress_subject("stage.requested", PROJECT, &running.id);
+        let subject = stagehand_schemas::progress::progress_subject(
+            "stage.requested",
+            None,
+            PROJECT,
+            &running.id,
+        );
         let mut progress = stack.bus.client().subscribe(subject).await.unwrap();
         stack.publish(&running).await;
         // The long copy holds the only slot once it reports progress.

@@ -1183,6 +1183,10 @@ async fn schedulers_and_uploaders_follow_progress_of_their_own_requests() -> Res
     let mut stages = scheduler
         .subscribe("stagehand.progress.stage.requested.*.*")
         .await?;
+    // A stage on a node's local tier is reported on by its node's agent, on its node's subject.
+    let mut node_stages = scheduler
+        .subscribe("stagehand.progress.stage.requested.*.*.*")
+        .await?;
     let mut ingests = uploader
         .subscribe("stagehand.progress.ingest.requested.demo.*")
         .await?;
@@ -1197,6 +1201,14 @@ async fn schedulers_and_uploaders_follow_progress_of_their_own_requests() -> Res
         )
         .await?;
     promoter.flush().await?;
+    let (node, _) =
+        connect_with_inbox(&server, "node-gpu-01", "NODE_GPU_01", "_INBOX_node.gpu-01").await?;
+    node.publish(
+        "stagehand.progress.stage.requested.gpu-01.demo.6964",
+        "copying on gpu-01".into(),
+    )
+    .await?;
+    node.flush().await?;
     let (validator, _) = connect(&server, "ingest-validator", "INGEST_VALIDATOR").await?;
     validator
         .publish(
@@ -1208,6 +1220,10 @@ async fn schedulers_and_uploaders_follow_progress_of_their_own_requests() -> Res
     assert_eq!(
         next_message(&mut stages).await?.payload.as_ref(),
         b"copying"
+    );
+    assert_eq!(
+        next_message(&mut node_stages).await?.payload.as_ref(),
+        b"copying on gpu-01"
     );
     assert_eq!(
         next_message(&mut ingests).await?.payload.as_ref(),

@@ -172,7 +172,12 @@ impl Harness {
 
     /// Every progress message published for request `id` from now on.
     pub async fn watch_progress(&self, id: &str) -> Arc<Mutex<Vec<WorkProgress>>> {
-        let subject = progress_subject("ingest.requested", PROJECT, &EventId::new(id).unwrap());
+        let subject = progress_subject(
+            "ingest.requested",
+            None,
+            PROJECT,
+            &EventId::new(id).unwrap(),
+        );
         let mut sub = self.bus.client().subscribe(subject).await.unwrap();
         // The subscription is registered before anything is published on it.
         self.bus.client().flush().await.unwrap();

@@ -841,7 +841,12 @@ impl Promoter {
         let mut tick = tokio::time::interval(self.p().progress_every);
         tick.tick().await;
         let reported = job.request.map(|record| {
-            let subject = progress_subject("stage.requested", project, &record.event.id);
+            let subject = progress_subject(
+                "stage.requested",
+                record.event.body.node(),
+                project,
+                &record.event.id,
+            );
             (record, subject)
         });
         let staged = loop {
