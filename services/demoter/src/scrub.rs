@@ -289,7 +289,7 @@ where
             let rel = format!("{prefix}/{}", file.path);
             let _slot = scheduler.acquire(SCRUB_PRIORITY).await;
             let digest = tier
-                .hash_file_bounded_as(&rel, ReadLimit::declared(file.size, None), SCRUB_PRIORITY)
+                .hash_file_on_device(&rel, ReadLimit::declared(file.size, None), SCRUB_PRIORITY)
                 .await;
             Ok::<_, ScrubError>(Hashed {
                 index,

@@ -149,14 +149,27 @@ impl Tier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
-        self.hash_file_bounded_as(rel, limit, Priority::default())
-            .await
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let rel_owned = rel.to_owned();
+                self.blocking(rel, Side::Source, "hashing", move || {
+                    t.hash_file_bounded(&rel_owned, limit)
+                })
+                .await
+            }
+            Tier::S3(t) => t.hash_file_bounded(rel, limit).await,
+        }
     }
 
-    /// [`Tier::hash_file_bounded`] for a mover class: on posix, a read in the background class
-    /// (the scrub) is made in the kernel's idle I/O class, so it yields the disk to every other
-    /// process's reads and writes, not only to this process's classes.
-    pub async fn hash_file_bounded_as(
+    /// [`Tier::hash_file_bounded`] of what the storage holds, for a mover class: the scrub's
+    /// read. On posix the file is read from the device, never the page cache
+    /// ([`crate::posix::ReadFrom::Device`]: a cached copy would hide rot on the disk until it
+    /// is evicted, and a scrub's reads would push jobs' data out of the cache), and a read in
+    /// the background class is made in the kernel's idle I/O class, so it yields the disk to
+    /// every other process's reads and writes, not only to this process's classes. An S3 tier
+    /// is always read from the store.
+    pub async fn hash_file_on_device(
         &self,
         rel: &str,
         limit: ReadLimit,
@@ -168,7 +181,7 @@ impl Tier {
                 let rel_owned = rel.to_owned();
                 self.blocking(rel, Side::Source, "hashing", move || {
                     let _class = crate::posix::IoClass::enter(priority);
-                    t.hash_file_bounded(&rel_owned, limit)
+                    t.hash_file_on_device(&rel_owned, limit)
                 })
                 .await
             }

@@ -59,7 +59,21 @@ pub const DIRECT_ALIGN: usize = 4096;
 /// so costs one trip to the device per file, not a second one through the cache for its last
 /// block (`loadtest/scrub/README.md`).
 pub(super) fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<FileDigest> {
-    hash_uncached_file_pieces(file, cap, PieceHasher::whole_only()).map(|(digest, _)| digest)
+    hash_uncached_file_pieces(file, cap, PieceHasher::whole_only(), ReadFrom::CacheFirst)
+        .map(|(digest, _)| digest)
+}
+
+/// Where a hash of an open file takes its bytes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadFrom {
+    /// The page cache where it holds the file, the device (`O_DIRECT`) from the first block it
+    /// does not: what a copy's read-back and a validation want, the cheapest read of the bytes
+    /// the next reader gets.
+    CacheFirst,
+    /// The device alone (`O_DIRECT` from the first byte, where the filesystem takes it): what a
+    /// scrub wants. It verifies what the disk holds, not a cached copy of it that hides rot
+    /// until it is evicted, and it leaves the cache to jobs.
+    Device,
 }
 
 /// [`hash_uncached_file_capped`] through `hasher`: with [`PieceHasher::new`], the piece hashes
@@ -68,20 +82,47 @@ pub(super) fn hash_uncached_file_capped(file: &File, cap: u64) -> io::Result<Fil
 pub(super) fn hash_uncached_file_pieces(
     file: &File,
     cap: u64,
-    mut hasher: PieceHasher,
+    hasher: PieceHasher,
+    from: ReadFrom,
 ) -> io::Result<(FileDigest, PieceHashes)> {
-    use rustix::io::{Errno, ReadWriteFlags};
+    thread_local! {
+        /// This thread's hashing buffer, kept from one file to the next: a tier of small
+        /// files is hashed one file after another on the same few threads, and a fresh zeroed
+        /// buffer for each file cost a tenth of the scrub's rate (`loadtest/scrub/README.md`).
+        static BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
     let block = HASH_BLOCK.min(usize::try_from(cap).unwrap_or(usize::MAX).max(1));
     let room = block.next_multiple_of(DIRECT_ALIGN);
-    let mut raw = vec![0u8; room + DIRECT_ALIGN];
-    let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
-    let buf = &mut raw[start..start + room];
+    BUFFER.with_borrow_mut(|raw| {
+        if raw.len() < room + DIRECT_ALIGN {
+            *raw = vec![0u8; room + DIRECT_ALIGN];
+        }
+        let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
+        hash_through(file, cap, hasher, from, &mut raw[start..start + room])
+    })
+}
+
+/// [`hash_uncached_file_pieces`] through `buf`, aligned for direct reads: its length is the
+/// block read at once.
+fn hash_through(
+    file: &File,
+    cap: u64,
+    mut hasher: PieceHasher,
+    from: ReadFrom,
+    buf: &mut [u8],
+) -> io::Result<(FileDigest, PieceHashes)> {
+    use rustix::io::{Errno, ReadWriteFlags};
+    let block = buf.len();
     let mut offset = 0u64;
     // Whether blocks are probed in the cache first; off once the device is read directly, or
-    // when the kernel has no RWF_NOWAIT.
-    let mut probe = true;
+    // when the kernel has no RWF_NOWAIT. A probe of a block the cache does not hold starts the
+    // kernel's read-ahead of it before it answers EAGAIN, so the device would be read twice:
+    // for a file `cachestat` says is mostly out of the cache (or a read from the device), the
+    // device is read directly from the first block, with no probe.
+    let mut probe =
+        from == ReadFrom::CacheFirst && !mostly_uncached(file, cap.min(file.metadata()?.len()));
     // Whether the file is open `O_DIRECT` (only ever switched on, once).
-    let mut direct = false;
+    let mut direct = !probe && set_direct(file, true).is_ok();
     // Whether a direct read stopped inside a block: only the end of the file does that.
     let mut at_end = false;
     while offset < cap && !at_end {
@@ -284,6 +325,51 @@ mod tests {
             assert_eq!(d.size, hashed, "cap {cap}");
             assert_eq!(d.sha256, sha(&body[..hashed as usize]), "cap {cap}");
         }
+    }
+
+    /// A file out of the page cache is read from the device once, and stays out of the cache:
+    /// a probe of the cache (`RWF_NOWAIT`) would start the kernel's read-ahead of the file
+    /// before answering that it is not there, so a small file was read twice, once into the
+    /// cache and once directly (half a scrub's rate over small files, and the jobs' cache
+    /// filled with what the scrub read). Both ways of reading: cache first, and the scrub's
+    /// device alone.
+    #[test]
+    fn a_file_out_of_the_cache_is_read_from_the_device_once_and_left_out_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("small");
+        let body: Vec<u8> = (0..107_374u32).map(|i| (i * 31 + i / 4096) as u8).collect();
+        std::fs::write(&path, &body).unwrap();
+        let len = body.len() as u64;
+        let evicted = || {
+            let file = File::open(&path).unwrap();
+            file.sync_all().unwrap();
+            rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+            file
+        };
+        if !mostly_uncached(&evicted(), len) {
+            // No cachestat(2) (Linux < 6.5), or the filesystem keeps its pages: nothing here
+            // can tell where the bytes came from.
+            eprintln!("the page cache cannot be observed here; nothing to check");
+            return;
+        }
+        for from in [ReadFrom::CacheFirst, ReadFrom::Device] {
+            let file = evicted();
+            let (d, _) =
+                hash_uncached_file_pieces(&file, len + 1, PieceHasher::whole_only(), from).unwrap();
+            assert_eq!(d.size, len);
+            assert_eq!(d.sha256, stagehand_schemas::manifest::sha256_hex(&body));
+            assert!(
+                mostly_uncached(&file, len),
+                "{from:?}: hashing brought the file into the page cache"
+            );
+        }
+        // Read from the device while it is cached: the same bytes.
+        let file = File::open(&path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), body);
+        let (d, _) =
+            hash_uncached_file_pieces(&file, len + 1, PieceHasher::whole_only(), ReadFrom::Device)
+                .unwrap();
+        assert_eq!(d.sha256, stagehand_schemas::manifest::sha256_hex(&body));
     }
 
     /// Guards the io_uring engine's choice of direct reads: a file evicted from the page

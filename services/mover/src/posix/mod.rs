@@ -42,7 +42,7 @@ mod temporaries;
 
 pub(crate) use access::PRIVATE_DIR_MODE;
 pub use access::SetAccess;
-pub use hashing::DIRECT_ALIGN;
+pub use hashing::{DIRECT_ALIGN, ReadFrom};
 pub(crate) use hashing::{hash_open_file, mostly_uncached, set_direct};
 pub(crate) use io_class::IoClass;
 pub use landing::{AtomicFile, PendingRename};

@@ -11,7 +11,7 @@ use stagehand_schemas::pieces::{PieceHasher, PieceHashes};
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::transfer::{FileDigest, PiecedDigest, ReadLimit};
 
-use super::hashing::{hash_open_file, hash_uncached_file_pieces};
+use super::hashing::{ReadFrom, hash_open_file, hash_uncached_file_pieces};
 use super::{PosixTier, resolve};
 
 impl PosixTier {
@@ -212,7 +212,18 @@ impl PosixTier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
-        self.hash_bounded_with(rel, limit, PieceHasher::whole_only())
+        self.hash_bounded_with(rel, limit, PieceHasher::whole_only(), ReadFrom::CacheFirst)
+            .map(|(digest, _)| digest)
+    }
+
+    /// [`PosixTier::hash_file_bounded`] of what the device holds ([`ReadFrom::Device`]): the
+    /// scrub's read.
+    pub fn hash_file_on_device(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+    ) -> Result<FileDigest, TransferError> {
+        self.hash_bounded_with(rel, limit, PieceHasher::whole_only(), ReadFrom::Device)
             .map(|(digest, _)| digest)
     }
 
@@ -223,7 +234,8 @@ impl PosixTier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<PiecedDigest, TransferError> {
-        let (digest, pieces) = self.hash_bounded_with(rel, limit, limit.piece_hasher())?;
+        let (digest, pieces) =
+            self.hash_bounded_with(rel, limit, limit.piece_hasher(), ReadFrom::CacheFirst)?;
         Ok(PiecedDigest::new(digest, pieces))
     }
 
@@ -232,12 +244,13 @@ impl PosixTier {
         rel: &str,
         limit: ReadLimit,
         hasher: PieceHasher,
+        from: ReadFrom,
     ) -> Result<(FileDigest, PieceHashes), TransferError> {
         let (file, size) = self.open_read_stat(rel, Side::Source)?;
         limit
             .check_size(size)
             .map_err(|(kind, detail)| self.err(kind, Side::Source, rel, detail))?;
-        let (digest, pieces) = hash_uncached_file_pieces(&file, limit.read_cap(), hasher)
+        let (digest, pieces) = hash_uncached_file_pieces(&file, limit.read_cap(), hasher, from)
             .map_err(|e| TransferError::from_io(e, Side::Source, self.name(), rel, "read"))?;
         limit
             .check_read(digest.size)
