@@ -5,8 +5,9 @@
 # against the same manifest, over the same files, in interleaved rounds (scrub, sha256sum,
 # rclone, and the scrub one file at a time as before `parallel_files`), the page cache dropped
 # before every run. Beside them, in the same run: the all-core SHA-256 rate (the scrub's hasher
-# on in-memory data, and `openssl speed -multi`; the higher counts) and the disk's direct-read
-# rate (`dd iflag=direct` of a large file). Then a stage (`stagehand cp --manifest --atomic`,
+# on in-memory data, and `openssl speed -multi`; the higher counts) and, in every round right
+# before the scrub, the disk's direct-read rate (`dd iflag=direct` of a large file, and the
+# tier's own files read whole with O_DIRECT, PARALLEL at once, nothing hashed). Then a stage (`stagehand cp --manifest --atomic`,
 # the promoter's verified set copy) timed alone and under a scrub of the tier at the shipped
 # budget in another process, interleaved (target: within 1.2x of alone).
 #
@@ -16,7 +17,8 @@
 #
 # Settings (environment): FILES, BYTES (the tier: FILES files of BYTES/FILES bytes), PAIRS
 # (rounds, default 3), PARALLEL (the scrub's `parallel_files`, default 4 as policies/scrub.toml),
-# SKIP_SERIAL=1 (no one-file-at-a-time runs), BIG_MIB (the file `dd` reads, default 1024),
+# SKIP_SERIAL=1 (no one-file-at-a-time runs), CEILINGS_ONLY=1 (the scrub against the disk's
+# rates alone, no sha256sum or rclone: more rounds in the time), BIG_MIB (the file `dd` reads, default 1024),
 # STAGE_FILES, STAGE_BYTES (the staged version, default 256 files / 2 GiB), STAGE_UNDER_SCRUB=0
 # (no stage runs),
 # BENCH_DIR (default <cargo target dir>/scrub-bench; the tier is made once there and kept),
@@ -87,14 +89,6 @@ if command -v openssl >/dev/null; then
         awk '/^sha256/ { v = $2 } END { sub(/k$/, "", v); print v * 1000 }')
     record "{\"openssl_rate\":${ossl:-0}}"
 fi
-for i in 1 2 3; do
-    drop
-    t0=$(now)
-    dd if="$BIG" of=/dev/null bs=4M iflag=direct status=none
-    t1=$(now)
-    record "{\"dd_seconds\":$(secs "$t0" "$t1"),\"dd_bytes\":$((BIG_MIB << 20))}"
-done
-
 run() { # tool, command...
     local tool=$1
     shift
@@ -106,9 +100,20 @@ run() { # tool, command...
     record "{\"pair\":$pair,\"tool\":\"$tool\",\"wall\":$(secs "$t0" "$t1")}"
 }
 for pair in $(seq "$PAIRS"); do
+    # The disk's direct-read rate in the same round, right before the scrub (this disk's rate
+    # drifts between rounds): one large file (`dd`), and the tier's own files read whole with
+    # O_DIRECT, as many at once as the scrub reads, nothing hashed.
+    drop
+    t0=$(now)
+    dd if="$BIG" of=/dev/null bs=4M iflag=direct status=none
+    t1=$(now)
+    record "{\"pair\":$pair,\"dd_seconds\":$(secs "$t0" "$t1"),\"dd_bytes\":$((BIG_MIB << 20))}"
+    run read-direct "$BIN" read --dir "$TREE" --parallel "$PARALLEL"
     run stagehand "$BIN" scrub --dir "$TREE" --parallel "$PARALLEL"
-    run sha256sum sh -c 'cd "$1" && sha256sum --quiet -c "$2"' - "$TREE" "$TREE.sha256"
-    run rclone rclone check --checkfile sha256 --download "$TREE.sha256" "$TREE"
+    if [ -z "${CEILINGS_ONLY:-}" ]; then
+        run sha256sum sh -c 'cd "$1" && sha256sum --quiet -c "$2"' - "$TREE" "$TREE.sha256"
+        run rclone rclone check --checkfile sha256 --download "$TREE.sha256" "$TREE"
+    fi
     [ -n "${SKIP_SERIAL:-}" ] || run stagehand-serial "$BIN" scrub --dir "$TREE" --parallel 1
 done
 
@@ -172,7 +177,8 @@ sha = max([r["sha_rate"]["bytes_per_second"] for r in rows if "sha_rate" in r] +
           [r["openssl_rate"] for r in rows if "openssl_rate" in r]) / 1e6
 sha_own = next(r["sha_rate"]["bytes_per_second"] for r in rows if "sha_rate" in r) / 1e6
 ossl = [r["openssl_rate"] / 1e6 for r in rows if "openssl_rate" in r]
-disk = statistics.median(r["dd_bytes"] / r["dd_seconds"] for r in rows if "dd_seconds" in r) / 1e6
+dd = {r["pair"]: r["dd_bytes"] / r["dd_seconds"] / 1e6 for r in rows if "dd_seconds" in r}
+disk = statistics.median(dd.values())
 walls = {}
 for r in rows:
     if "tool" in r:
@@ -181,6 +187,7 @@ s = walls["stagehand"]
 def ratio(tool):
     return statistics.median(walls[tool][p] / s[p] for p in s)
 names = {
+    "read-direct": f"the tier's files read with O_DIRECT, {parallel} at once, no hash (a ceiling)",
     "stagehand": f"Stagehand scrub ({parallel} files at once)",
     "sha256sum": "sha256sum -c manifest",
     "rclone": "rclone check --checkfile sha256 --download",
@@ -192,7 +199,7 @@ print(f"all-core SHA-256 ({cores} cores): {sha:.0f} MB/s (the scrub's hasher {sh
 print()
 print("| tool | median time | MB/s | its time / the scrub's (median of rounds) |")
 print("| --- | ---: | ---: | ---: |")
-for tool in ["stagehand", "sha256sum", "rclone", "stagehand-serial"]:
+for tool in ["read-direct", "stagehand", "sha256sum", "rclone", "stagehand-serial"]:
     if tool not in walls:
         continue
     t = statistics.median(walls[tool].values())
@@ -201,11 +208,16 @@ for tool in ["stagehand", "sha256sum", "rclone", "stagehand-serial"]:
 print()
 rate = mb / statistics.median(s.values())
 ceiling = min(sha, disk)
-vs = ratio("sha256sum")
+vs = ratio("sha256sum") if "sha256sum" in walls else None
+# Each round's scrub against that round's ceilings (the disk's rate drifts between rounds).
+of_dd = statistics.median(mb / s[p] / min(sha, dd[p]) for p in s)
+of_files = statistics.median(mb / s[p] / min(sha, mb / walls["read-direct"][p]) for p in s)
 print("| target | measured | met |")
 print("| --- | ---: | --- |")
-print(f"| >= 2x sha256sum -c | {vs:.2f}x | {'yes' if vs >= 2 else 'no'} |")
-print(f"| >= 0.85 x min(SHA-256 {sha:.0f}, disk {disk:.0f} MB/s) = {0.85 * ceiling:.0f} MB/s | {rate:.0f} MB/s ({rate / ceiling:.2f}) | {'yes' if rate >= 0.85 * ceiling else 'no'} |")
+if vs is not None:
+    print(f"| >= 2x sha256sum -c | {vs:.2f}x | {'yes' if vs >= 2 else 'no'} |")
+print(f"| >= 0.85 x min(SHA-256 {sha:.0f}, disk {disk:.0f} MB/s (dd, one large file)) = {0.85 * ceiling:.0f} MB/s | {rate:.0f} MB/s; of each round's ceiling: {of_dd:.2f} | {'yes' if of_dd >= 0.85 else 'no'} |")
+print(f"| >= 0.85 x min(SHA-256, the tier's files read directly) | of each round's ceiling: {of_files:.2f} | {'yes' if of_files >= 0.85 else 'no'} |")
 if "stage-alone" in walls:
     alone, under = walls["stage-alone"], walls["stage-under-scrub"]
     pairs = sorted(set(alone) & set(under))

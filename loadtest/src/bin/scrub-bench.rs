@@ -15,6 +15,10 @@
 //!   object per pass: the background a stage is timed under (`STAGE_UNDER_SCRUB`).
 //! - `sha-rate [--threads T] [--seconds S]`: SHA-256 of in-memory data on T threads (default
 //!   every core) with the hasher the scrub uses; prints one JSON object (bytes per second).
+//! - `read --dir D [--parallel P]`: the disk's direct-read rate for the replica's own files:
+//!   every file of `D.list` read whole with `O_DIRECT` into an aligned buffer, P files at once
+//!   (default 16), nothing hashed; prints one JSON object (seconds, files, bytes). What the
+//!   scrub would reach were hashing free: the ceiling beside `dd`'s one large file.
 
 use std::io::{BufRead, BufWriter, Write};
 use std::num::NonZeroUsize;
@@ -61,6 +65,12 @@ enum What {
         /// Read the replica again and again until killed.
         #[arg(long)]
         forever: bool,
+    },
+    Read {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value_t = 16)]
+        parallel: usize,
     },
     ShaRate {
         #[arg(long)]
@@ -274,6 +284,57 @@ fn sha_rate(threads: Option<usize>, seconds: f64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Reads every file of the replica at `dir` whole with `O_DIRECT`, `parallel` at once,
+/// hashing nothing: the device's rate for these files.
+fn read_direct(dir: &Path, parallel: usize) -> anyhow::Result<()> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    const ALIGN: usize = 4096;
+    anyhow::ensure!(parallel > 0, "--parallel must be more than 0");
+    let files = read_list(dir)?;
+    let largest = files.iter().map(|f| f.size).max().unwrap_or(0);
+    let room = usize::try_from(largest)?.next_multiple_of(ALIGN).max(ALIGN);
+    let (next, bytes) = (AtomicUsize::new(0), AtomicU64::new(0));
+    let started = Instant::now();
+    std::thread::scope(|threads| {
+        let mut readers = Vec::new();
+        for _ in 0..parallel {
+            readers.push(threads.spawn(|| -> anyhow::Result<()> {
+                let mut raw = vec![0u8; room + ALIGN];
+                let start = raw.as_ptr().align_offset(ALIGN);
+                let buf = &mut raw[start..start + room];
+                while let Some(f) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let path = dir.join(&f.path);
+                    let file = std::fs::OpenOptions::new()
+                        .read(true)
+                        .custom_flags(libc::O_DIRECT)
+                        .open(&path)
+                        .with_context(|| format!("opening {}", path.display()))?;
+                    let n = file
+                        .read_at(buf, 0)
+                        .with_context(|| format!("reading {}", path.display()))?;
+                    anyhow::ensure!(n as u64 == f.size, "{}: read {n} bytes", path.display());
+                    bytes.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                Ok(())
+            }));
+        }
+        readers
+            .into_iter()
+            .try_for_each(|r| r.join().expect("a reader panicked"))
+    })?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "seconds": started.elapsed().as_secs_f64(),
+            "files": files.len(),
+            "bytes": bytes.load(Ordering::Relaxed),
+            "parallel": parallel,
+        })
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Args::parse().what {
@@ -285,6 +346,7 @@ async fn main() -> anyhow::Result<()> {
             policies,
             forever,
         } => scrub(&dir, parallel, policies.as_deref(), forever).await,
+        What::Read { dir, parallel } => read_direct(&dir, parallel),
         What::ShaRate { threads, seconds } => sha_rate(threads, seconds),
     }
 }
