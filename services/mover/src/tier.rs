@@ -1,7 +1,7 @@
 //! A storage tier: a posix root or an S3 bucket prefix, behind one small enum.
 
 use crate::error::{ErrorKind, Side, TransferError};
-use crate::posix::PosixTier;
+use crate::posix::{PosixTier, ReadFrom};
 use crate::s3::S3Tier;
 use crate::transfer::{FileDigest, PiecedDigest, Priority, ReadLimit};
 
@@ -149,30 +149,32 @@ impl Tier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
-        match self {
-            Tier::Posix(t) => {
-                let t = t.clone();
-                let rel_owned = rel.to_owned();
-                self.blocking(rel, Side::Source, "hashing", move || {
-                    t.hash_file_bounded(&rel_owned, limit)
-                })
-                .await
-            }
-            Tier::S3(t) => t.hash_file_bounded(rel, limit).await,
-        }
+        self.hash_file_from(rel, limit, ReadFrom::CacheFirst, Priority::default())
+            .await
     }
 
     /// [`Tier::hash_file_bounded`] of what the storage holds, for a mover class: the scrub's
     /// read. On posix the file is read from the device, never the page cache
-    /// ([`crate::posix::ReadFrom::Device`]: a cached copy would hide rot on the disk until it
-    /// is evicted, and a scrub's reads would push jobs' data out of the cache), and a read in
-    /// the background class is made in the kernel's idle I/O class, so it yields the disk to
-    /// every other process's reads and writes, not only to this process's classes. An S3 tier
-    /// is always read from the store.
+    /// ([`ReadFrom::Device`]: a cached copy would hide rot on the disk until it is evicted,
+    /// and a scrub's reads would push jobs' data out of the cache), and a read in the
+    /// background class is made in the kernel's idle I/O class, so it yields the disk to every
+    /// other process's reads and writes, not only to this process's classes. An S3 tier is
+    /// always read from the store.
     pub async fn hash_file_on_device(
         &self,
         rel: &str,
         limit: ReadLimit,
+        priority: Priority,
+    ) -> Result<FileDigest, TransferError> {
+        self.hash_file_from(rel, limit, ReadFrom::Device, priority)
+            .await
+    }
+
+    async fn hash_file_from(
+        &self,
+        rel: &str,
+        limit: ReadLimit,
+        from: ReadFrom,
         priority: Priority,
     ) -> Result<FileDigest, TransferError> {
         match self {
@@ -181,7 +183,7 @@ impl Tier {
                 let rel_owned = rel.to_owned();
                 self.blocking(rel, Side::Source, "hashing", move || {
                     let _class = crate::posix::IoClass::enter(priority);
-                    t.hash_file_on_device(&rel_owned, limit)
+                    t.hash_file_from(&rel_owned, limit, from)
                 })
                 .await
             }

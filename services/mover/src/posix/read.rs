@@ -212,18 +212,18 @@ impl PosixTier {
         rel: &str,
         limit: ReadLimit,
     ) -> Result<FileDigest, TransferError> {
-        self.hash_bounded_with(rel, limit, PieceHasher::whole_only(), ReadFrom::CacheFirst)
-            .map(|(digest, _)| digest)
+        self.hash_file_from(rel, limit, ReadFrom::CacheFirst)
     }
 
-    /// [`PosixTier::hash_file_bounded`] of what the device holds ([`ReadFrom::Device`]): the
-    /// scrub's read.
-    pub fn hash_file_on_device(
+    /// [`PosixTier::hash_file_bounded`] with its bytes taken `from` the page cache first, or
+    /// from the device alone (the scrub's read).
+    pub fn hash_file_from(
         &self,
         rel: &str,
         limit: ReadLimit,
+        from: ReadFrom,
     ) -> Result<FileDigest, TransferError> {
-        self.hash_bounded_with(rel, limit, PieceHasher::whole_only(), ReadFrom::Device)
+        self.hash_bounded_with(rel, limit, PieceHasher::whole_only(), from)
             .map(|(digest, _)| digest)
     }
 
