@@ -452,6 +452,44 @@ async fn a_restarted_agent_serves_what_it_holds_intact_again_as_it_starts() {
     stack.stop().await;
 }
 
+/// One node's report is not enough to drop a peer for the others: any node may write a report
+/// in its own name, so "n9" reporting n1 (which serves intact bytes) leaves n1 serving n2, which
+/// reads every byte from n1 and none from the hot tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_nodes_false_report_drops_nobody_for_the_others() {
+    let (mut stack, token, (version, files, refs)) = staged_on_n1().await;
+    let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
+    let pieces = pieces.len();
+    wait_for(WAIT, "n1 serving its copy", || {
+        let (board, swarm) = (board.clone(), swarm.clone());
+        async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
+    })
+    .await
+    .unwrap();
+    let lie = BadKey {
+        swarm: &swarm,
+        node: "n1",
+        by: "n9",
+    };
+    let report = serde_json::json!({"file": files[0].0, "why": "a lie"}).to_string();
+    board.put(lie.key(), report.into()).await.unwrap();
+
+    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
+    let shared = || counter("stagehand_fanout_bytes_total", "source=\"shared\"");
+    let peer = || counter("stagehand_fanout_bytes_total", "source=\"peer\"");
+    let (shared_before, peer_before) = (shared(), peer());
+    start_agent(&mut stack, "n2", &token);
+    stage_on(&stack, &version, &["n2"]).await;
+    assert_exact(&stack, "n2", &version, &files);
+    assert_eq!(shared() - shared_before, 0.0, "n2 read from the hot tier");
+    assert_eq!(
+        peer() - peer_before,
+        total as f64,
+        "n2 fetched every byte from n1"
+    );
+    stack.stop().await;
+}
+
 /// A copy whose fingerprint record is gone is not served as its agent starts (nothing says it
 /// is intact without reading it); once a job asks for it there, the request's check verifies
 /// it by hash, records its fingerprint and answers ready, and the copy is served to its swarm.

@@ -7,8 +7,9 @@
 //!   taken over with a compare-and-set on the revision seen.
 //! - `swarm.<swarm>.have.<piece>.<node>`: that node holds the piece, every file verified
 //!   against the manifest, and serves it at the address the value names.
-//! - `swarm.<swarm>.bad.<node>.<by>`: `node` served `by` bytes that did not verify; every
-//!   member stops asking it. Written by `by`, the member that caught it, naming the file.
+//! - `swarm.<swarm>.bad.<node>.<by>`: `node` served `by` bytes that did not verify. Written by
+//!   `by`, the member that caught it, naming the file; `by` stops asking it, and every member
+//!   does once [`REPORTS_TO_DROP`] members have caught it (one report could be a lie).
 //!
 //! Every key a node writes but a claim ends in its own name, and a node's NATS user may write
 //! only those (`deploy/nats/accounts.conf`, `NODE_GPU_01`): a node cannot announce pieces for
@@ -208,9 +209,28 @@ pub struct View {
     pub claims: HashMap<usize, ClaimSeen>,
     /// Per piece: holder node → the address it serves at.
     pub holders: HashMap<usize, BTreeMap<String, String>>,
-    pub bad: HashSet<String>,
+    /// Per node reported for serving bytes that did not verify: the nodes that caught it.
+    pub bad: HashMap<String, HashSet<String>>,
     /// The watch ended: what this node knows is no longer current.
     pub broken: Option<String>,
+}
+
+/// How many members must have caught a node serving bad bytes before a member that did not
+/// catch it itself stops asking it. One report could be a lie: any node may write a report in
+/// its own name, and a node's credentials taken could drop every honest peer from every swarm
+/// with one each. A member always stops asking a node it caught itself, and every member
+/// verifies every byte whoever serves it, so a node that really serves bad bytes costs each
+/// member at most one piece fetched again until two members have caught it.
+pub const REPORTS_TO_DROP: usize = 2;
+
+impl View {
+    /// Whether the member `me` leaves `node` out: it caught `node` itself, or
+    /// [`REPORTS_TO_DROP`] members did.
+    pub fn dropped(&self, node: &str, me: &str) -> bool {
+        self.bad
+            .get(node)
+            .is_some_and(|by| by.contains(me) || by.len() >= REPORTS_TO_DROP)
+    }
 }
 
 /// One node's seat on one swarm's board.
@@ -348,7 +368,7 @@ impl Board {
         }
     }
 
-    /// Drops `node` from the swarm for every member.
+    /// Drops `node` from the swarm for this member, and reports it to the others.
     pub async fn spoiled(&self, node: &str, why: &Spoiled) -> Result<(), BoardError> {
         let key = BadKey {
             swarm: &self.swarm,
@@ -357,7 +377,7 @@ impl Board {
         }
         .key();
         let value = serde_json::to_vec(why).expect("a report serializes");
-        lock(&self.view).bad.insert(node.to_owned());
+        (lock(&self.view).bad.entry(node.to_owned()).or_default()).insert(self.me.clone());
         self.store
             .put(&key, value.into())
             .await
@@ -448,9 +468,58 @@ fn apply(view: &mut View, rest: &str, entry: &kv::Entry) {
                 holders.insert(node.to_owned(), have.addr);
             }
         }
-        (Some("bad"), Some(node), Some(_by)) if !gone => {
-            view.bad.insert(node.to_owned());
+        (Some("bad"), Some(node), Some(by)) if !gone => {
+            (view.bad.entry(node.to_owned()).or_default()).insert(by.to_owned());
         }
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A member leaves out a node it caught itself at once, and a node another caught only
+    /// once a second member has caught it too: one node's word drops nobody for the others.
+    #[test]
+    fn one_report_drops_a_node_for_its_reporter_alone_and_two_for_everyone() {
+        let mut view = View::default();
+        let report = |view: &mut View, node: &str, by: &str| {
+            (view.bad.entry(node.to_owned()).or_default()).insert(by.to_owned());
+        };
+        assert!(!view.dropped("n1", "n2"));
+        report(&mut view, "n1", "n3");
+        assert!(view.dropped("n1", "n3"), "its reporter leaves it out");
+        assert!(
+            !view.dropped("n1", "n2"),
+            "one report is not enough for the others"
+        );
+        report(&mut view, "n1", "n3");
+        assert!(
+            !view.dropped("n1", "n2"),
+            "the same reporter twice is one report"
+        );
+        report(&mut view, "n1", "n4");
+        assert!(view.dropped("n1", "n2"), "two members caught it");
+        assert!(!view.dropped("n5", "n2"), "another node is untouched");
+    }
+
+    #[test]
+    fn a_report_key_names_its_swarm_node_and_reporter() {
+        let key = BadKey {
+            swarm: "s",
+            node: "n1",
+            by: "n2",
+        };
+        assert_eq!(key.key(), "swarm.s.bad.n1.n2");
+        assert_eq!(BadKey::parse(&key.key()), Some(key));
+        for other in [
+            "swarm.s.bad.n1",
+            "swarm.s.have.0.n1",
+            "swarm.s.bad.n1.n2.x",
+            "x.s.bad.n1.n2",
+        ] {
+            assert_eq!(BadKey::parse(other), None, "{other}");
+        }
     }
 }

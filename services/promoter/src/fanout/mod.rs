@@ -12,8 +12,10 @@
 //! a run is verified against the manifest's SHA-256, and every slice of a large file against
 //! its piece hash from the side data, before it counts, whoever served it (the piece hashes
 //! were taken from the bytes whose SHA-256 the manifest names, and are stored under it); a
-//! peer whose bytes do not verify is dropped from the swarm for every member and reported
-//! (its `bad` key, a warning naming the file, `stagehand_fanout_peers_dropped_total`).
+//! peer whose bytes do not verify is dropped from the swarm by the member that caught it and
+//! reported (its `bad` key, a warning naming the file, `stagehand_fanout_peers_dropped_total`);
+//! every member drops it once two have caught it (`board::REPORTS_TO_DROP`: one report could be
+//! a lie).
 //!
 //! What a dead node costs its peers: the pieces it was serving (asked of another holder or
 //! read from the shared tier) and the pieces it had claimed and not announced (taken over
@@ -575,7 +577,7 @@ impl<'r, 'a> Run<'r, 'a> {
                 let holders = view.holders.get(&piece);
                 let usable = holders.into_iter().flatten().filter(|(node, _)| {
                     **node != me
-                        && !view.bad.contains(*node)
+                        && !view.dropped(node, &me)
                         && !self.cooling.contains_key(&(piece, (*node).clone()))
                 });
                 // The least-asked holder, so that a piece's early holders are not all asked.
@@ -593,7 +595,7 @@ impl<'r, 'a> Run<'r, 'a> {
                     None => unclaimed.push(at),
                     Some(c)
                         if c.node == me
-                            || view.bad.contains(&c.node)
+                            || view.dropped(&c.node, &me)
                             || now.duration_since(c.seen) >= self.fanout.patience =>
                     {
                         stale.push((at, Some(c.revision)))
