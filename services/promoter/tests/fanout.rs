@@ -429,27 +429,14 @@ async fn a_restarted_agent_serves_what_it_holds_intact_again_as_it_starts() {
     let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
     let pieces = pieces.len();
     restart_n1_unannounced(&mut stack, &token, &board, &swarm, pieces).await;
-    wait_for(WAIT, "n1 serving its replica again as it starts", || {
-        let (board, swarm) = (board.clone(), swarm.clone());
-        async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
-    })
-    .await
-    .unwrap();
-
-    let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
-    let shared = || counter("stagehand_fanout_bytes_total", "source=\"shared\"");
-    let peer = || counter("stagehand_fanout_bytes_total", "source=\"peer\"");
-    let (shared_before, peer_before) = (shared(), peer());
-    start_agent(&mut stack, "n2", &token);
-    stage_on(&stack, &version, &["n2"]).await;
-    assert_exact(&stack, "n2", &version, &files);
-    assert_eq!(shared() - shared_before, 0.0, "n2 read from the hot tier");
-    assert_eq!(
-        peer() - peer_before,
-        total as f64,
-        "n2 fetched every byte from n1"
-    );
-    stack.stop().await;
+    n1_serving_every_piece(
+        &board,
+        &swarm,
+        pieces,
+        "n1 serving its replica again as it starts",
+    )
+    .await;
+    n2_reads_everything_from_n1(stack, &token, &version, &files).await;
 }
 
 /// One node's report is not enough to drop a peer for the others: any node may write a report
@@ -457,15 +444,10 @@ async fn a_restarted_agent_serves_what_it_holds_intact_again_as_it_starts() {
 /// reads every byte from n1 and none from the hot tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_nodes_false_report_drops_nobody_for_the_others() {
-    let (mut stack, token, (version, files, refs)) = staged_on_n1().await;
+    let (stack, token, (version, files, refs)) = staged_on_n1().await;
     let (board, swarm, pieces) = board_of(&stack, &version, &refs).await;
     let pieces = pieces.len();
-    wait_for(WAIT, "n1 serving its copy", || {
-        let (board, swarm) = (board.clone(), swarm.clone());
-        async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
-    })
-    .await
-    .unwrap();
+    n1_serving_every_piece(&board, &swarm, pieces, "n1 serving its copy").await;
     let lie = BadKey {
         swarm: &swarm,
         node: "n1",
@@ -473,14 +455,38 @@ async fn one_nodes_false_report_drops_nobody_for_the_others() {
     };
     let report = serde_json::json!({"file": files[0].0, "why": "a lie"}).to_string();
     board.put(lie.key(), report.into()).await.unwrap();
+    n2_reads_everything_from_n1(stack, &token, &version, &files).await;
+}
 
+/// Waits until the board says n1 holds every one of `pieces` pieces of `swarm`.
+async fn n1_serving_every_piece(
+    board: &async_nats::jetstream::kv::Store,
+    swarm: &str,
+    pieces: usize,
+    what: &str,
+) {
+    wait_for(WAIT, what, || async {
+        (holdings(board, swarm).await.get("n1") == Some(&pieces)).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// Starts n2's agent and stages the version there: byte-exact, every byte fetched from n1 and
+/// none read from the hot tier. Stops the stack.
+async fn n2_reads_everything_from_n1(
+    mut stack: Stack,
+    token: &Path,
+    version: &str,
+    files: &[(String, Vec<u8>)],
+) {
     let total: u64 = files.iter().map(|(_, b)| b.len() as u64).sum();
     let shared = || counter("stagehand_fanout_bytes_total", "source=\"shared\"");
     let peer = || counter("stagehand_fanout_bytes_total", "source=\"peer\"");
     let (shared_before, peer_before) = (shared(), peer());
-    start_agent(&mut stack, "n2", &token);
-    stage_on(&stack, &version, &["n2"]).await;
-    assert_exact(&stack, "n2", &version, &files);
+    start_agent(&mut stack, "n2", token);
+    stage_on(&stack, version, &["n2"]).await;
+    assert_exact(&stack, "n2", version, files);
     assert_eq!(shared() - shared_before, 0.0, "n2 read from the hot tier");
     assert_eq!(
         peer() - peer_before,
@@ -507,16 +513,13 @@ async fn a_copy_with_no_fingerprint_is_served_once_a_job_has_it_verified() {
     promoter_kv.delete(&print).await.unwrap();
     restart_n1_unannounced(&mut stack, &token, &board, &swarm, pieces).await;
     stage_for(&stack, &version, &["n1"], "job-2").await;
-    wait_for(
-        WAIT,
+    n1_serving_every_piece(
+        &board,
+        &swarm,
+        pieces,
         "n1 serving its replica once a job had it verified",
-        || {
-            let (board, swarm) = (board.clone(), swarm.clone());
-            async move { (holdings(&board, &swarm).await.get("n1") == Some(&pieces)).then_some(()) }
-        },
     )
-    .await
-    .unwrap();
+    .await;
     let recorded =
         stagehand_bus::placement::fingerprint(&promoter_kv, "local", Some("n1"), &prefix)
             .await
