@@ -103,14 +103,18 @@ impl TierSurvey {
     }
 }
 
-/// The durable tiers: where a verified copy lets a replica above it go.
-pub fn durable_tiers(policies: &Policies) -> HashSet<String> {
-    policies
-        .tiers()
-        .values()
-        .filter(|t| matches!(t.role, TierRole::Capacity | TierRole::Backup))
-        .map(|t| t.name.clone())
-        .collect()
+/// The tiers whose copies count elsewhere ([`view::CountedTiers`]), by their roles.
+pub fn counted_tiers(policies: &Policies) -> view::CountedTiers {
+    let with_role = |roles: &[TierRole]| -> HashSet<String> {
+        (policies.tiers().values())
+            .filter(|t| roles.contains(&t.role))
+            .map(|t| t.name.clone())
+            .collect()
+    };
+    view::CountedTiers {
+        durable: with_role(&[TierRole::Capacity, TierRole::Backup]),
+        kept: with_role(&[TierRole::Hot, TierRole::Capacity, TierRole::Backup]),
+    }
 }
 
 /// Surveys one bounded shared tier: the catalogue's replicas on it, their holds, and `statfs`
@@ -135,7 +139,7 @@ pub async fn survey_on_node(
     let Some(limits) = tier.limits.clone() else {
         return Ok(None);
     };
-    let placed = view::placed_on(catalogue, &tier.name, node, &durable_tiers(policies)).await?;
+    let placed = view::placed_on(catalogue, &tier.name, node, &counted_tiers(policies)).await?;
     let replicas: Vec<(Placed, Holds)> = futures::stream::iter(placed)
         .map(|p| async move {
             let h = view::holds(catalogue, &p, &tier.name, node).await?;

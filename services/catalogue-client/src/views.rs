@@ -23,10 +23,27 @@ pub struct Placed {
     pub made_at: Option<OffsetDateTime>,
     /// A verified copy is present on a durable tier (capacity or backup).
     pub durable_elsewhere: bool,
+    /// A verified copy is present on another shared tier the demoters keep (one of
+    /// [`CountedTiers::kept`], naming no node): what lets a node's demoter remove a node's copy
+    /// without stating anything about a shared tier (a node-local replica is never the last
+    /// copy).
+    pub shared_elsewhere: bool,
     /// How the replica was proven when it was made.
     pub verified_by: Option<String>,
     /// When a scrub last read it back whole and found it verified (`replica.verified`).
     pub last_verified: Option<OffsetDateTime>,
+}
+
+/// The tiers a copy elsewhere counts on, by role (`survey::counted_tiers`).
+#[derive(Debug, Clone, Default)]
+pub struct CountedTiers {
+    /// Capacity and backup: a verified copy there lets a replica above it go without a copy
+    /// down ([`Placed::durable_elsewhere`]).
+    pub durable: HashSet<String>,
+    /// The durable tiers and the hot ones, whose last copy the shared demoter copies down
+    /// before it removes it; not a source tier, whose copy its lab may delete
+    /// ([`Placed::shared_elsewhere`]).
+    pub kept: HashSet<String>,
 }
 
 /// What the stage requests of a version on the tier say.
@@ -40,15 +57,15 @@ pub struct Holds {
 
 /// Every replica the catalogue lists as present on `tier` (on a node-local tier: `node`'s
 /// replicas only; `None`: the shared tier's), with whether a verified copy of the same version
-/// is present on one of the `durable` tiers. A durable tier is shared: a copy there that names
-/// a node is no durable copy. It can only have been stated by a node's agent, whose user may
+/// is present on one of `counted`'s tiers. Those tiers are shared: a copy there that names
+/// a node is no copy of theirs. It can only have been stated by a node's agent, whose user may
 /// state facts about its own node alone, and counting it would let the last copy above it be
 /// removed without a copy down.
 pub async fn placed_on(
     catalogue: &Catalogue,
     tier: &str,
     node: Option<&str>,
-    durable: &HashSet<String>,
+    counted: &CountedTiers,
 ) -> Result<Vec<Placed>, CatalogueError> {
     let mut out = Vec::new();
     for (v, rs) in every_version(catalogue).await? {
@@ -76,7 +93,12 @@ pub async fn placed_on(
             durable_elsewhere: rs
                 .iter()
                 .filter(present)
-                .any(|r| r.node.is_none() && durable.contains(&r.tier)),
+                .any(|r| r.node.is_none() && counted.durable.contains(&r.tier)),
+            shared_elsewhere: rs.iter().filter(present).any(|r| {
+                r.node.is_none()
+                    && counted.kept.contains(&r.tier)
+                    && (node.is_some() || r.tier != tier)
+            }),
             verified_by: here.verified_by.clone(),
             last_verified: here.last_verified.as_ref().map(|v| v.stamp.at),
         });

@@ -34,7 +34,9 @@
 //! (`node = "<name>"` in `[service]`, beside that node's promoter agent) keeps the node's
 //! `local` tiers under their watermarks by the same rules: it sees only the replicas the
 //! catalogue keys by (tier, that node), withdraws their per-node readiness, publishes its facts
-//! with the node, and has consumers of its own (`demoter-node-<node>`). Steps run
+//! with the node, and has consumers of its own (`demoter-node-<node>`). It copies nothing down:
+//! it removes a node's copy only while a shared tier holds a verified one, so it runs as its
+//! node's own NATS user, which states nothing about a shared tier. Steps run
 //! `demotion.toml`'s `max_concurrent` at a time, each recorded on its own.
 
 pub mod audit;
@@ -133,8 +135,19 @@ impl Settings {
     /// demoter (`demoter-node-<node>`), since each must see every fact.
     pub fn consumer(&self) -> String {
         match &self.node {
-            Some(node) => format!("{SERVICE}-node-{}", runner::consumer_token(node)),
+            Some(node) => format!("{SERVICE}-node-{}", subject::node_token(node)),
             None => SERVICE.to_owned(),
+        }
+    }
+
+    /// The service name the scrub claims its reads under (`stagehand_bus::Claims`): the
+    /// shared demoter's [`scrub::SCRUB_CLAIMS_SERVICE`]; a node's demoter's beneath its own
+    /// consumer's name, the only claims its node's user may write (`NODE_<N>` in
+    /// accounts.conf).
+    pub fn scrub_claims_service(&self) -> String {
+        match &self.node {
+            Some(_) => format!("{}.scrub", self.consumer()),
+            None => scrub::SCRUB_CLAIMS_SERVICE.to_owned(),
         }
     }
 
@@ -184,6 +197,12 @@ impl Settings {
 }
 
 impl ServiceSettings for Settings {
+    /// A node's demoter is `node-<node>`, as its node's promoter agent is: the heartbeat key
+    /// its node's user is granted (`demoter.node-<node>`), beside the shared demoter's.
+    fn instance(&self) -> Option<String> {
+        (self.node.as_deref()).map(|node| format!("node-{}", subject::node_token(node)))
+    }
+
     fn validate(&self) -> Result<(), InvalidKey> {
         if self.policies_dir.as_os_str().is_empty() {
             return Err(InvalidKey::new(
@@ -366,7 +385,7 @@ async fn open(
             ctx.bus.provision_kv(&stagehand_bus::CLAIMS).await?;
             let claims = Claims::open(
                 &ctx.bus,
-                scrub::SCRUB_CLAIMS_SERVICE,
+                &s.scrub_claims_service(),
                 instance,
                 scrub::CLAIM_LIFETIME,
             )

@@ -432,7 +432,7 @@ impl Scrubber {
                 &self.p().catalogue,
                 tier,
                 self.p().node.as_deref(),
-                &HashSet::new(),
+                &views::CountedTiers::default(),
             )
             .await?;
             for placed in placed {
@@ -565,6 +565,7 @@ impl Scrubber {
                         bytes: r.total_bytes,
                         made_at: None,
                         durable_elsewhere: false,
+                        shared_elsewhere: false,
                         verified_by: r.verified_by.clone(),
                         last_verified: None,
                     },

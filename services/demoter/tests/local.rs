@@ -1,8 +1,9 @@
 //! A node's demoter (`node = "<name>"` in `[service]`) on the `local` tier, where two nodes'
-//! replicas are in the catalogue: it demotes its own node's replicas by the shared demoter's
-//! rules (copied down first when no durable copy exists, readiness withdrawn per node, facts
-//! carrying the node) and touches nothing of the other node's, although both nodes' folders
-//! lie under the one root here.
+//! replicas are in the catalogue, connected as its node's own NATS user: it removes its own
+//! node's replicas that a shared tier still holds (readiness withdrawn per node, facts carrying
+//! the node), keeps the one no shared tier holds (it copies nothing down: its user states
+//! nothing about a shared tier), and touches nothing of the other node's, although both
+//! nodes' folders lie under the one root here.
 
 mod common;
 
@@ -13,17 +14,24 @@ use stagehand_testkit::wait_until;
 const MINE: &str = "n1";
 const OTHER: &str = "n2";
 
-/// Places an idle version (staged and released long ago) on `node`'s local tier, its only
-/// verified copy there.
-async fn idle_on_local(stack: &Stack, dataset: &str, seed: u8, node: &str) -> Placed {
+/// Places an idle version on `node`'s local tier: staged, then released `released` minutes
+/// ago. `shared`: a verified copy is on the capacity tier too; else its only other copy (on the
+/// source tier, which its lab deleted) is gone, and the node's is the last one.
+async fn idle_on_local(
+    stack: &Stack,
+    (dataset, seed): (&str, u8),
+    node: &str,
+    shared: bool,
+    released: i64,
+) -> Placed {
     let p = stack
-        .place_on("local", Some(node), dataset, seed, 3, 128 * 1024, false)
+        .place_on("local", Some(node), dataset, seed, 3, 128 * 1024, shared)
         .await;
     stack
-        .stage_on(&p, "job", "local", Some(node), ago(300))
+        .stage_on(&p, "job", "local", Some(node), ago(released + 100))
         .await;
     stack
-        .release_on(&p, "job", "local", Some(node), ago(200))
+        .release_on(&p, "job", "local", Some(node), ago(released))
         .await;
     p
 }
@@ -40,86 +48,101 @@ async fn removed_from_local(stack: &Stack) -> Vec<(String, Option<String>)> {
         .collect()
 }
 
-/// Guards "per local tier": node n1's demoter removes n1's two idle replicas from the local
-/// tier (each copied down to capacity and verified first, `replica.removed` with node n1, n1's
-/// readiness withdrawn) and leaves n2's two idle replicas whole, ready and unannounced.
+/// Guards "per local tier" and "a node's user states nothing about a shared tier": node n1's
+/// demoter, connected as `node-n1`, removes n1's idle replica that capacity holds too
+/// (`replica.removed` with node n1, n1's readiness withdrawn), keeps n1's idle replica that no
+/// shared tier holds (nothing copied down, nothing stated on capacity), leaves n2's two idle
+/// replicas whole, ready and unannounced, and is refused nothing by the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_nodes_demoter_demotes_only_its_own_nodes_local_replicas() {
-    // Under deploy/nats/accounts.conf: the node's demoter connects as the `demoter` user and
-    // creates its own consumers (demoter-node-n1) with that user's rights.
+async fn a_nodes_demoter_demotes_only_its_own_nodes_replicas_that_a_shared_tier_holds() {
+    // One step at a time, the least recently used first: a demoter that took the last copy
+    // would carry it first, and its copy down (or the refusal of its fact about capacity)
+    // would stop the pass before the other replica's removal, which the test waits for.
     let stack = Stack::start(Options {
         idle_after: "1h",
-        accounts: true,
+        nodes: &[MINE, OTHER],
+        max_concurrent: 1,
         ..Options::default()
     })
     .await;
-    let mine = [
-        idle_on_local(&stack, "mine-a", 1, MINE).await,
-        idle_on_local(&stack, "mine-b", 2, MINE).await,
-    ];
+    let last = idle_on_local(&stack, ("mine-last", 2), MINE, false, 300).await;
+    let shared = idle_on_local(&stack, ("mine-shared", 1), MINE, true, 200).await;
     let other = [
-        idle_on_local(&stack, "other-a", 3, OTHER).await,
-        idle_on_local(&stack, "other-b", 4, OTHER).await,
+        idle_on_local(&stack, ("other-a", 3), OTHER, true, 400).await,
+        idle_on_local(&stack, ("other-b", 4), OTHER, false, 400).await,
     ];
     let bucket = stack.readiness().await;
+    let everything = [
+        (&shared, MINE),
+        (&last, MINE),
+        (&other[0], OTHER),
+        (&other[1], OTHER),
+    ];
     wait_until(WAIT, "every local replica recorded ready", || async {
         let mut all = true;
-        for (p, node) in mine
-            .iter()
-            .map(|p| (p, MINE))
-            .chain(other.iter().map(|p| (p, OTHER)))
-        {
+        for (p, node) in everything {
             all &= is_ready(&bucket, &key_on(p, "local", Some(node))).await;
         }
         all
     })
     .await
     .unwrap();
-    for p in mine.iter().chain(&other) {
+    for (p, _) in everything {
         stack.recorded_requests(p, 1, 1).await;
     }
 
-    let mut config = stack.demoter_config();
-    config.service.node = Some(MINE.into());
+    let config = stack.node_demoter_config(MINE);
     let token = stack.shutdown.child_token();
     let demoter = tokio::spawn(stagehand_demoter::run(config, token.clone()));
+    // What the server refused n1's user, which a wait below that times out names.
+    let refused = || {
+        let log = std::fs::read_to_string(stack.nats.log_path()).unwrap();
+        (log.lines())
+            .filter(|l| l.contains(&format!("user:{}", stagehand_testkit::node_user(MINE))))
+            .filter(|l| l.contains(" Violation - "))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
 
     wait_until(
         WAIT,
-        "n1's replicas removed from the local tier",
+        "n1's replica that capacity holds removed from the local tier",
         || async {
-            removed_from_local(&stack).await.len() == 2
-                && mine.iter().all(|p| {
-                    list(&stack.tier("local").join(format!("{PROJECT}/{}", p.dataset))).is_empty()
-                })
+            !removed_from_local(&stack).await.is_empty()
+                && list(
+                    &stack
+                        .tier("local")
+                        .join(format!("{PROJECT}/{}", shared.dataset)),
+                )
+                .is_empty()
         },
     )
     .await
-    .unwrap();
-    let mut removed = removed_from_local(&stack).await;
-    removed.sort();
-    let mut expected: Vec<(String, Option<String>)> = mine
-        .iter()
-        .map(|p| (p.version.clone(), Some(MINE.to_owned())))
-        .collect();
-    expected.sort();
-    assert_eq!(removed, expected);
-    for p in &mine {
-        assert!(whole_on(&stack, "capacity", p), "{}", p.dataset);
-        assert!(!is_ready(&bucket, &key_on(p, "local", Some(MINE))).await);
-    }
+    .unwrap_or_else(|e| panic!("{e}; refused to n1's user: {:#?}", refused()));
+    // The pass that removed it chose among all of n1's idle replicas at once (every one was
+    // recorded before the demoter started), and would have carried the last copy's step first.
+    assert_eq!(
+        removed_from_local(&stack).await,
+        vec![(shared.version.clone(), Some(MINE.to_owned()))]
+    );
+    assert!(!is_ready(&bucket, &key_on(&shared, "local", Some(MINE))).await);
+    // The last copy stays, ready, and was not copied down.
+    assert!(whole_on(&stack, "local", &last), "{}", last.dataset);
+    assert!(is_ready(&bucket, &key_on(&last, "local", Some(MINE))).await);
+    assert!(!whole_on(&stack, "capacity", &last), "{}", last.dataset);
     for p in &other {
         assert!(whole_on(&stack, "local", p), "{}", p.dataset);
-        assert!(!whole_on(&stack, "capacity", p), "{}", p.dataset);
         assert!(is_ready(&bucket, &key_on(p, "local", Some(OTHER))).await);
     }
-    // Nothing was copied to or removed from the shared tiers on n2's behalf either.
-    let created_on_capacity = replica_facts(stack.bus.jetstream())
+    // Nothing was stated about the shared tiers.
+    let created_on_shared = replica_facts(stack.bus.jetstream())
         .await
         .into_iter()
-        .filter(|(k, t, _, _)| k == "created" && t == "capacity")
+        .filter(|(k, t, _, _)| k == "created" && t != "local")
         .count();
-    assert_eq!(created_on_capacity, 2);
+    assert_eq!(created_on_shared, 0);
+    // The node's user was enough for all of it: the server refused its demoter nothing.
+    assert_eq!(refused(), Vec::<String>::new());
 
     token.cancel();
     demoter.await.unwrap().unwrap();

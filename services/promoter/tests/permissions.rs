@@ -163,8 +163,11 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "stagehand.fact.stage.ready.demo".to_owned(),
         // Kinds no node states, on its own node's subject too.
         "stagehand.fact.replica.unreachable.n1.demo".to_owned(),
-        "stagehand.fact.replica.removed.n1.demo".to_owned(),
         "stagehand.fact.checkpoint.committed.demo".to_owned(),
+        // Its demoter's kinds, on another node's subject or a shared tier's.
+        "stagehand.fact.replica.removed.n2.demo".to_owned(),
+        "stagehand.fact.replica.removed.demo".to_owned(),
+        "stagehand.fact.replica.verified.demo".to_owned(),
         // Another node's records, and the shared tiers' use records.
         "$KV.stagehand_promoter.node.n2".to_owned(),
         "$KV.stagehand_promoter.quota.local.n2".to_owned(),
@@ -173,6 +176,18 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$JS.ACK.STAGEHAND_REQUESTS.promoter.1.1.1.1.1.1".to_owned(),
         "$JS.API.CONSUMER.MSG.NEXT.STAGEHAND_REQUESTS.promoter-node-n2".to_owned(),
         "$JS.API.CONSUMER.CREATE.STAGEHAND_REQUESTS.promoter".to_owned(),
+        // … the shared demoter's or another node's demoter's, and their scrub claims and
+        // heartbeats.
+        "$JS.API.CONSUMER.CREATE.STAGEHAND_FACTS.demoter".to_owned(),
+        "$JS.API.CONSUMER.MSG.NEXT.STAGEHAND_REQUESTS.demoter-node-n2".to_owned(),
+        "$JS.ACK.STAGEHAND_FACTS.demoter.1.1.1.1.1.1".to_owned(),
+        "$KV.stagehand_claims.demoter.scrub.demo.scrub.00".to_owned(),
+        "$KV.stagehand_claims.demoter-node-n2.scrub.demo.scrub.00".to_owned(),
+        "$KV.stagehand_heartbeats.demoter.node-n2".to_owned(),
+        // Readiness: its node's keys are read, never written; another node's not even read.
+        "$KV.stagehand_readiness.demo.d.v.local.n1".to_owned(),
+        "$JS.API.DIRECT.GET.KV_stagehand_readiness.$KV.stagehand_readiness.demo.d.v.local.n2"
+            .to_owned(),
         // Copying progress on another node's stage, or a shared tier's.
         "stagehand.progress.stage.requested.n2.demo.00".to_owned(),
         "stagehand.progress.stage.requested.demo.00".to_owned(),
@@ -189,6 +204,9 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$KV.stagehand_swarms.swarm.s.bad.n2.n1",
         "$KV.stagehand_swarms.swarm.s.claim.0",
         "stagehand.progress.stage.requested.n1.demo.00",
+        // Its demoter's scrub claims and heartbeat.
+        "$KV.stagehand_claims.demoter-node-n1.scrub.demo.scrub.00",
+        "$KV.stagehand_heartbeats.demoter.node-n1",
     ] {
         n1.publish(subject, "its own".into()).await.unwrap();
     }

@@ -450,6 +450,7 @@ async fn a_damaged_copy_a_job_holds_is_repaired_at_once_and_one_nobody_holds_wai
         bytes: 0,
         made_at: None,
         durable_elsewhere: false,
+        shared_elsewhere: false,
         verified_by: None,
         last_verified: None,
     };

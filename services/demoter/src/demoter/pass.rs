@@ -28,6 +28,9 @@ pub struct PassReport {
     /// Steps left for a later pass (a job asked for the replica meanwhile, or the catalogue
     /// did not withdraw its readiness in time).
     pub deferred: usize,
+    /// A node's replicas kept although their tier is over its watermark or they are idle:
+    /// no shared tier holds a verified copy of them ([`Demoter::kept_as_last_copy`]).
+    pub kept_last_copies: usize,
 }
 
 /// The pauses before a pass that stopped on a passing failure is tried again: from half a
@@ -48,6 +51,7 @@ impl PassReport {
         self.removed.extend(other.removed);
         self.copied_down.extend(other.copied_down);
         self.deferred += other.deferred;
+        self.kept_last_copies += other.kept_last_copies;
     }
 }
 
@@ -71,6 +75,7 @@ impl Demoter {
                             removed = report.removed.len(),
                             copied_down = report.copied_down.len(),
                             deferred = report.deferred,
+                            kept_last_copies = report.kept_last_copies,
                             "demotion pass"
                         );
                     }
@@ -142,9 +147,17 @@ impl Demoter {
                         .last_staged
                         .or(p.made_at)
                         .unwrap_or(OffsetDateTime::UNIX_EPOCH),
-                    held: !h.live_jobs.is_empty(),
+                    held: !h.live_jobs.is_empty() || self.kept_as_last_copy(p),
                 })
                 .collect();
+            let last_copies: Vec<&str> = (survey.replicas.iter())
+                .filter(|(p, _)| self.kept_as_last_copy(p))
+                .map(|(p, _)| p.prefix.as_str())
+                .collect();
+            if !last_copies.is_empty() {
+                warn!(tier = %tier.name, node = self.p().node.as_deref().unwrap_or("-"), replicas = ?last_copies, "kept: no shared tier holds a verified copy of these, and a node's demoter copies nothing down (its user states nothing about a shared tier); repair or stage the version onto a shared tier to let them go");
+                report.kept_last_copies += last_copies.len();
+            }
             // A step left unfinished (its readiness not withdrawn in time) keeps its replica:
             // the next pass takes it up at its phase, never begins it afresh.
             let unfinished: HashSet<(String, String)> = self
@@ -166,6 +179,15 @@ impl Demoter {
         }
         self.checkpoints(&mut report).await?;
         Ok(report)
+    }
+
+    /// Whether `placed` stays whatever its tier's fill: on a node's demoter, a replica no
+    /// shared tier holds a verified copy of. A node-local replica is a copy of a shared one,
+    /// so this is a copy whose shared ones were all lost since; copying it down would be a
+    /// fact about a shared tier, which a node's user may not state (deploy/README.md, *Adding
+    /// a node*), and removing it would lose the version.
+    fn kept_as_last_copy(&self, placed: &Placed) -> bool {
+        self.p().node.is_some() && !placed.shared_elsewhere
     }
 
     /// The role of the tiers this demoter keeps under their watermarks: `local` for a node's
@@ -246,7 +268,9 @@ impl Demoter {
             files: placed.files,
             bytes: placed.bytes,
             reason: reason.describe(tier, limits, rules),
-            copy_to: (!placed.durable_elsewhere).then(|| self.p().demotion.target.clone()),
+            // A node's demoter removes only what a shared tier holds ([`kept_as_last_copy`]).
+            copy_to: (self.p().node.is_none() && !placed.durable_elsewhere)
+                .then(|| self.p().demotion.target.clone()),
             phase: Phase::Planned,
             begun_at,
             checkpoint: None,

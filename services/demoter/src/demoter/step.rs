@@ -65,6 +65,14 @@ impl Demoter {
             report.deferred += 1;
             return Ok(());
         }
+        if step.phase == Phase::Planned && step.node.is_some() && step.copy_to.is_some() {
+            // Recorded by an earlier demoter, which copied a node's last copy down itself: a
+            // node's demoter states nothing about a shared tier now, so the replica stays.
+            warn!(prefix = %step.prefix, node = step.node.as_deref().unwrap_or("-"), "a step that would copy a node's replica down is dropped; the replica stays");
+            self.p().state.forget(&step).await?;
+            report.kept_last_copies += 1;
+            return Ok(());
+        }
         if step.phase == Phase::Planned {
             if let Some(target) = step.copy_to.clone() {
                 match &step.checkpoint {
@@ -339,6 +347,7 @@ impl Demoter {
             bytes: step.bytes,
             made_at: None,
             durable_elsewhere: true,
+            shared_elsewhere: true,
             verified_by: None,
             last_verified: None,
         };
@@ -449,24 +458,23 @@ impl Demoter {
             tier: step.tier.clone(),
             node: step.node.clone(),
         });
-        let not_ready = |e: &kv::Entry| {
-            e.operation != kv::Operation::Put
-                || serde_json::from_slice::<serde_json::Value>(&e.value)
-                    .ok()
-                    .and_then(|v| v.get("ready").and_then(|r| r.as_bool()))
-                    != Some(true)
+        let not_ready = |put: bool, value: &[u8]| {
+            !put || serde_json::from_slice::<serde_json::Value>(value)
+                .ok()
+                .and_then(|v| v.get("ready").and_then(|r| r.as_bool()))
+                != Some(true)
         };
         let bucket = &self.p().readiness;
-        let mut watch = bucket.watch_with_history(&key).await.map_err(step_err)?;
+        let mut watch = watch_key(&self.p().bus, bucket, &key).await?;
         match bucket.entry(&key).await.map_err(step_err)? {
             None => return Ok(true),
-            Some(e) if not_ready(&e) => return Ok(true),
+            Some(e) if not_ready(e.operation == kv::Operation::Put, &e.value) => return Ok(true),
             Some(_) => {}
         }
         let waited = tokio::time::timeout(WITHDRAW_WAIT, async {
-            while let Some(e) = watch.next().await {
-                match e {
-                    Ok(e) if not_ready(&e) => return true,
+            while let Some(m) = watch.next().await {
+                match m {
+                    Ok(m) if not_ready(is_put(&m), &m.payload) => return true,
                     Ok(_) => {}
                     Err(e) => {
                         warn!(error = %e, "watching readiness");
@@ -489,4 +497,37 @@ async fn remove_tree(posix: &stagehand_mover::PosixTier, rel: &str) -> Result<()
         .map_err(step_err)?
         .map_err(step_err)?;
     Ok(())
+}
+
+/// The values of `key` in `bucket`, its latest first, on an ordered consumer named for this
+/// watch. Its create request's subject names the consumer and the key's subject
+/// (`$JS.API.CONSUMER.CREATE.<stream>.<name>.<subject>`), so a node's user can be granted the
+/// watch of its own node's readiness keys alone (`NODE_<N>` in accounts.conf); the kv watch
+/// asks on `….CREATE.<stream>`, which names no key.
+async fn watch_key(
+    bus: &stagehand_bus::Bus,
+    bucket: &kv::Store,
+    key: &str,
+) -> Result<async_nats::jetstream::consumer::push::Ordered, PassError> {
+    use async_nats::jetstream::consumer::{DeliverPolicy, push::OrderedConfig};
+    let started = OffsetDateTime::now_utc().unix_timestamp_nanos().to_string();
+    let name = EventId::for_content(&[b"withdrawn", key.as_bytes(), started.as_bytes()]);
+    let consumer = bucket
+        .stream
+        .create_consumer(OrderedConfig {
+            name: Some(format!("withdrawn-{}", &name.as_str()[..16])),
+            deliver_subject: bus.client().new_inbox(),
+            filter_subject: format!("{}{key}", bucket.prefix),
+            deliver_policy: DeliverPolicy::LastPerSubject,
+            ..Default::default()
+        })
+        .await
+        .map_err(step_err)?;
+    consumer.messages().await.map_err(step_err)
+}
+
+/// Whether a message of a KV bucket's stream is a put (not a delete or purge marker).
+fn is_put(m: &async_nats::jetstream::Message) -> bool {
+    let op = (m.headers.as_ref()).and_then(|h| h.get("KV-Operation"));
+    !op.is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"))
 }

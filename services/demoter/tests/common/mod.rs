@@ -44,6 +44,9 @@ pub struct Options {
     pub recorder: bool,
     /// demotion.toml's `max_concurrent`: steps carried at once.
     pub max_concurrent: u32,
+    /// Run NATS with accounts.conf extended to a user of each of these nodes (`node-<n>`,
+    /// whose demoter connects as it: [`Stack::node_demoter_config`]).
+    pub nodes: &'static [&'static str],
 }
 
 impl Default for Options {
@@ -59,6 +62,7 @@ impl Default for Options {
             recorder: true,
             // Several at once, as deployed: every test runs its steps concurrently.
             max_concurrent: 4,
+            nodes: &[],
             checkpoints: "keep_last = 5\nkeep_every = 0\nkeep_tagged = []\nhot_keep_last = 2\ndemote_to = \"capacity\"",
         }
     }
@@ -100,7 +104,9 @@ impl Placed {
 impl Stack {
     pub async fn start(opts: Options) -> Stack {
         let mut builder = stagehand_testkit::Stack::builder();
-        if opts.accounts {
+        if !opts.nodes.is_empty() {
+            builder = builder.shipped_accounts_with_nodes(opts.nodes);
+        } else if opts.accounts {
             builder = builder.shipped_accounts();
         }
         let capacity = match &opts.s3_capacity {
@@ -154,6 +160,23 @@ impl Stack {
             self.root().join("state/demoter"),
         );
         config.bus.provision = !self.accounts();
+        config
+    }
+
+    /// The demoter of `node` (`[service] node`), connected as its node's user with its inbox
+    /// prefix, as deploy/README.md (*Adding a node*) has every node's services run.
+    pub fn node_demoter_config(&self, node: &str) -> stagehand_demoter::Config {
+        let mut config = stagehand_demoter::config(
+            &self.url_of(
+                &stagehand_testkit::node_user(node),
+                &stagehand_testkit::node_role(node),
+            ),
+            &self.policies,
+            self.root().join(format!("state/demoter-{node}")),
+        );
+        config.bus.provision = !self.accounts();
+        config.bus.inbox_prefix = Some(stagehand_testkit::node_inbox_prefix(node));
+        config.service.node = Some(node.to_owned());
         config
     }
 

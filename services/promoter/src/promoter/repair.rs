@@ -70,6 +70,7 @@ impl Promoter {
             bytes: plan.bytes,
             made_at: None,
             durable_elsewhere: false,
+            shared_elsewhere: false,
             verified_by: None,
             last_verified: None,
         };
