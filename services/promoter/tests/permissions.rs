@@ -188,6 +188,12 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$KV.stagehand_readiness.demo.d.v.local.n1".to_owned(),
         "$JS.API.DIRECT.GET.KV_stagehand_readiness.$KV.stagehand_readiness.demo.d.v.local.n2"
             .to_owned(),
+        // … nor watched (a consumer over every key, or another node's), nor anyone's
+        // consumer on that bucket deleted.
+        "$JS.API.CONSUMER.CREATE.KV_stagehand_readiness".to_owned(),
+        "$JS.API.CONSUMER.CREATE.KV_stagehand_readiness.w.$KV.stagehand_readiness.demo.d.v.local.n2"
+            .to_owned(),
+        "$JS.API.CONSUMER.DELETE.KV_stagehand_readiness.w".to_owned(),
         // Copying progress on another node's stage, or a shared tier's.
         "stagehand.progress.stage.requested.n2.demo.00".to_owned(),
         "stagehand.progress.stage.requested.demo.00".to_owned(),
@@ -204,9 +210,10 @@ async fn a_nodes_user_states_nothing_about_another_node_or_a_shared_tier() {
         "$KV.stagehand_swarms.swarm.s.bad.n2.n1",
         "$KV.stagehand_swarms.swarm.s.claim.0",
         "stagehand.progress.stage.requested.n1.demo.00",
-        // Its demoter's scrub claims and heartbeat.
+        // Its demoter's scrub claims, heartbeat, and watch of its node's readiness.
         "$KV.stagehand_claims.demoter-node-n1.scrub.demo.scrub.00",
         "$KV.stagehand_heartbeats.demoter.node-n1",
+        "$JS.API.CONSUMER.CREATE.KV_stagehand_readiness.w.$KV.stagehand_readiness.demo.d.v.local.n1",
     ] {
         n1.publish(subject, "its own".into()).await.unwrap();
     }
