@@ -7,7 +7,8 @@
 # before every run. Beside them, in the same run: the all-core SHA-256 rate (the scrub's hasher
 # on in-memory data, and `openssl speed -multi`; the higher counts) and, in every round right
 # before the scrub, the disk's direct-read rate (`dd iflag=direct` of a large file, and the
-# tier's own files read whole with O_DIRECT, PARALLEL at once, nothing hashed). Then a stage (`stagehand cp --manifest --atomic`,
+# tier's own files read whole with O_DIRECT, PARALLEL at once, nothing hashed; and the same
+# reads hashed by plain threads, the scrub's work without its machinery). Then a stage (`stagehand cp --manifest --atomic`,
 # the promoter's verified set copy) timed alone and under a scrub of the tier at the shipped
 # budget in another process, interleaved (target: within 1.2x of alone).
 #
@@ -109,6 +110,9 @@ for pair in $(seq "$PAIRS"); do
     t1=$(now)
     record "{\"pair\":$pair,\"dd_seconds\":$(secs "$t0" "$t1"),\"dd_bytes\":$((BIG_MIB << 20))}"
     run read-direct "$BIN" read --dir "$TREE" --parallel "$PARALLEL"
+    # The scrub's work with none of its machinery: the same reads, each file hashed and checked
+    # by plain threads (no runtime, budget, slots or confinement).
+    run read-hash "$BIN" read --hash --dir "$TREE" --parallel "$PARALLEL"
     run stagehand "$BIN" scrub --dir "$TREE" --parallel "$PARALLEL"
     if [ -z "${CEILINGS_ONLY:-}" ]; then
         run sha256sum sh -c 'cd "$1" && sha256sum --quiet -c "$2"' - "$TREE" "$TREE.sha256"
@@ -188,6 +192,7 @@ def ratio(tool):
     return statistics.median(walls[tool][p] / s[p] for p in s)
 names = {
     "read-direct": f"the tier's files read with O_DIRECT, {parallel} at once, no hash (a ceiling)",
+    "read-hash": f"the same reads hashed and checked by {parallel} plain threads (the scrub's work, none of its machinery)",
     "stagehand": f"Stagehand scrub ({parallel} files at once)",
     "sha256sum": "sha256sum -c manifest",
     "rclone": "rclone check --checkfile sha256 --download",
@@ -199,7 +204,7 @@ print(f"all-core SHA-256 ({cores} cores): {sha:.0f} MB/s (the scrub's hasher {sh
 print()
 print("| tool | median time | MB/s | its time / the scrub's (median of rounds) |")
 print("| --- | ---: | ---: | ---: |")
-for tool in ["read-direct", "stagehand", "sha256sum", "rclone", "stagehand-serial"]:
+for tool in ["read-direct", "read-hash", "stagehand", "sha256sum", "rclone", "stagehand-serial"]:
     if tool not in walls:
         continue
     t = statistics.median(walls[tool].values())
@@ -218,6 +223,11 @@ if vs is not None:
     print(f"| >= 2x sha256sum -c | {vs:.2f}x | {'yes' if vs >= 2 else 'no'} |")
 print(f"| >= 0.85 x min(SHA-256 {sha:.0f}, disk {disk:.0f} MB/s (dd, one large file)) = {0.85 * ceiling:.0f} MB/s | {rate:.0f} MB/s; of each round's ceiling: {of_dd:.2f} | {'yes' if of_dd >= 0.85 else 'no'} |")
 print(f"| >= 0.85 x min(SHA-256, the tier's files read directly) | of each round's ceiling: {of_files:.2f} | {'yes' if of_files >= 0.85 else 'no'} |")
+if "read-hash" in walls:
+    of_plain = statistics.median(walls["read-hash"][p] / s[p] for p in s)
+    plain_of_files = statistics.median(walls["read-direct"][p] / walls["read-hash"][p] for p in s)
+    print(f"| (for reference) plain threads reading and hashing, of the files read directly | {plain_of_files:.2f} | |")
+    print(f"| (for reference) the scrub, of plain threads reading and hashing | {of_plain:.2f} | |")
 if "stage-alone" in walls:
     alone, under = walls["stage-alone"], walls["stage-under-scrub"]
     pairs = sorted(set(alone) & set(under))

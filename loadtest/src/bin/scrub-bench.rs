@@ -71,6 +71,10 @@ enum What {
         dir: PathBuf,
         #[arg(long, default_value_t = 16)]
         parallel: usize,
+        /// Hash each file as it is read and check it against the list: plain threads doing
+        /// the scrub's work with none of its machinery (no runtime, no budget, no confinement).
+        #[arg(long)]
+        hash: bool,
     },
     ShaRate {
         #[arg(long)]
@@ -285,8 +289,9 @@ fn sha_rate(threads: Option<usize>, seconds: f64) -> anyhow::Result<()> {
 }
 
 /// Reads every file of the replica at `dir` whole with `O_DIRECT`, `parallel` at once,
-/// hashing nothing: the device's rate for these files.
-fn read_direct(dir: &Path, parallel: usize) -> anyhow::Result<()> {
+/// hashing nothing (the device's rate for these files), or with `hash` each one hashed and
+/// checked as it is read.
+fn read_direct(dir: &Path, parallel: usize, hash: bool) -> anyhow::Result<()> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     const ALIGN: usize = 4096;
@@ -314,6 +319,10 @@ fn read_direct(dir: &Path, parallel: usize) -> anyhow::Result<()> {
                         .read_at(buf, 0)
                         .with_context(|| format!("reading {}", path.display()))?;
                     anyhow::ensure!(n as u64 == f.size, "{}: read {n} bytes", path.display());
+                    if hash {
+                        let got = stagehand_schemas::sha256_hex(&buf[..n]);
+                        anyhow::ensure!(got == f.sha256, "{}: hashes to {got}", path.display());
+                    }
                     bytes.fetch_add(n as u64, Ordering::Relaxed);
                 }
                 Ok(())
@@ -346,7 +355,11 @@ async fn main() -> anyhow::Result<()> {
             policies,
             forever,
         } => scrub(&dir, parallel, policies.as_deref(), forever).await,
-        What::Read { dir, parallel } => read_direct(&dir, parallel),
+        What::Read {
+            dir,
+            parallel,
+            hash,
+        } => read_direct(&dir, parallel, hash),
         What::ShaRate { threads, seconds } => sha_rate(threads, seconds),
     }
 }

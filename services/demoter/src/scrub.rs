@@ -260,11 +260,51 @@ struct Hashed {
     digest: Result<stagehand_mover::FileDigest, TransferError>,
 }
 
+/// On a posix tier, the most files read one after another on one reading thread, and their
+/// most bytes together (a larger file is read alone): a tier of small files costs one
+/// hand-off between the runtime and a reading thread per batch, not per file
+/// ([`Tier::hash_files_on_device`]).
+const BATCH_FILES: usize = 16;
+const BATCH_BYTES: u64 = 2 << 20;
+
+/// `files` (each with its place in the list) in batches of [`BATCH_FILES`] and at most
+/// [`BATCH_BYTES`] together, in order.
+fn batches(files: Vec<(usize, FileRef)>) -> Vec<Vec<(usize, FileRef)>> {
+    let mut out: Vec<Vec<(usize, FileRef)>> = Vec::new();
+    let mut bytes = 0u64;
+    for f in files {
+        match out.last_mut() {
+            Some(batch) if bytes.saturating_add(f.1.size) <= BATCH_BYTES => {
+                bytes += f.1.size;
+                batch.push(f);
+            }
+            _ => {
+                bytes = f.1.size;
+                out.push(vec![f]);
+            }
+        }
+    }
+    out
+}
+
+/// `listed` in [`batches`] of at most `batch_files` files, in order.
+fn batched(
+    listed: impl Stream<Item = Result<(usize, FileRef), ScrubError>>,
+    batch_files: usize,
+) -> impl Stream<Item = Result<Vec<(usize, FileRef)>, ScrubError>> {
+    listed
+        .try_chunks(batch_files)
+        .map_err(|e| e.1)
+        .map_ok(|chunk| futures::stream::iter(batches(chunk).into_iter().map(Ok)))
+        .try_flatten()
+}
+
 /// Reads every file of `files` (the replica's list, in the catalogue's order) beneath
 /// `prefix` on `tier` (named `tier_name`) and hashes it against the list's SHA-256: up to the
 /// budget's `parallel_files` at once, each taking its bytes and one file of the budget before
-/// it starts and holding one of `scheduler`'s slots in [`SCRUB_PRIORITY`] while it reads. The
-/// claim in `renewal` is renewed between files. A file missing, of another size, not a
+/// it starts and holding one of `scheduler`'s slots in [`SCRUB_PRIORITY`] while it reads (on
+/// posix, a few small files in a row under one slot: [`BATCH_FILES`]). The claim in
+/// `renewal` is renewed between batches. A file missing, of another size, not a
 /// regular file or hashing to something else is damage; any other error stops the read.
 /// The result does not depend on the order the reads finish in.
 pub async fn read_replica<S, E>(
@@ -280,25 +320,45 @@ where
     S: Stream<Item = Result<FileRef, E>>,
     ScrubError: From<E>,
 {
-    let hashed = files
+    // An S3 file is a request of its own: one at a time per slot, as many as the budget says.
+    let batch_files = match tier {
+        Tier::Posix(_) => BATCH_FILES,
+        Tier::S3(_) => 1,
+    };
+    let listed = files
         .enumerate()
-        .map(|(index, f)| f.map(|f| (index, f)).map_err(ScrubError::from))
-        .map_ok(|(index, file)| async move {
-            budget.files.take(1).await;
-            budget.bytes.take(file.size).await;
-            let rel = format!("{prefix}/{}", file.path);
-            let _slot = scheduler.acquire(SCRUB_PRIORITY).await;
-            let digest = tier
-                .hash_file_on_device(&rel, ReadLimit::declared(file.size, None), SCRUB_PRIORITY)
+        .map(|(index, f)| f.map(|f| (index, f)).map_err(ScrubError::from));
+    let hashed = batched(listed, batch_files)
+        .map_ok(|batch| async move {
+            budget.files.take(batch.len() as u64).await;
+            budget
+                .bytes
+                .take(batch.iter().map(|(_, f)| f.size).sum())
                 .await;
-            Ok::<_, ScrubError>(Hashed {
-                index,
-                file,
-                rel,
-                digest,
-            })
+            let rels: Vec<(String, ReadLimit)> = (batch.iter())
+                .map(|(_, f)| {
+                    let rel = format!("{prefix}/{}", f.path);
+                    (rel, ReadLimit::declared(f.size, None))
+                })
+                .collect();
+            let _slot = scheduler.acquire(SCRUB_PRIORITY).await;
+            let digests = tier
+                .hash_files_on_device(rels.clone(), SCRUB_PRIORITY)
+                .await;
+            Ok::<_, ScrubError>(
+                (batch.into_iter().zip(rels).zip(digests))
+                    .map(|(((index, file), (rel, _)), digest)| Hashed {
+                        index,
+                        file,
+                        rel,
+                        digest,
+                    })
+                    .collect::<Vec<_>>(),
+            )
         })
-        .try_buffer_unordered(budget.parallel_files.get());
+        .try_buffer_unordered(budget.parallel_files.get())
+        .map_ok(|batch| futures::stream::iter(batch.into_iter().map(Ok::<_, ScrubError>)))
+        .try_flatten();
     let mut hashed = std::pin::pin!(hashed);
     let (mut count, mut bytes, mut total) = (0u64, 0u64, 0u64);
     // The damaged files listed so far, by their place in the list; only the first

@@ -154,20 +154,52 @@ impl Tier {
     }
 
     /// [`Tier::hash_file_bounded`] of what the storage holds, for a mover class: the scrub's
-    /// read. On posix the file is read from the device, never the page cache
-    /// ([`ReadFrom::Device`]: a cached copy would hide rot on the disk until it is evicted,
-    /// and a scrub's reads would push jobs' data out of the cache), and a read in the
-    /// background class is made in the kernel's idle I/O class, so it yields the disk to every
-    /// other process's reads and writes, not only to this process's classes. An S3 tier is
+    /// read, of several files one after another, each file's result in its place. On posix
+    /// each file is read from the device, never the page cache ([`ReadFrom::Device`]: a
+    /// cached copy would hide rot on the disk until it is evicted, and a scrub's reads would
+    /// push jobs' data out of the cache), all of them on one reading thread, which a read in
+    /// the background class puts in the kernel's idle I/O class, so it yields the disk to
+    /// every other process's reads and writes, not only to this process's classes. One
+    /// hand-off to a reading thread per batch, not per file: over a tier of small files, the
+    /// hand-offs were a tenth of the scrub's time (loadtest/scrub/README.md). An S3 tier is
     /// always read from the store.
-    pub async fn hash_file_on_device(
+    pub async fn hash_files_on_device(
         &self,
-        rel: &str,
-        limit: ReadLimit,
+        files: Vec<(String, ReadLimit)>,
         priority: Priority,
-    ) -> Result<FileDigest, TransferError> {
-        self.hash_file_from(rel, limit, ReadFrom::Device, priority)
-            .await
+    ) -> Vec<Result<FileDigest, TransferError>> {
+        match self {
+            Tier::Posix(t) => {
+                let t = t.clone();
+                let first = files
+                    .first()
+                    .map_or_else(String::new, |(rel, _)| rel.clone());
+                let rels: Vec<String> = files.iter().map(|(rel, _)| rel.clone()).collect();
+                let hashed = self
+                    .blocking(&first, Side::Source, "hashing", move || {
+                        let _class = crate::posix::IoClass::enter(priority);
+                        Ok(files
+                            .iter()
+                            .map(|(rel, limit)| t.hash_file_from(rel, *limit, ReadFrom::Device))
+                            .collect::<Vec<_>>())
+                    })
+                    .await;
+                match hashed {
+                    Ok(each) => each,
+                    // The reading thread failed as a whole: every file of the batch says so.
+                    Err(e) => (rels.into_iter())
+                        .map(|rel| Err(TransferError::new(e.kind, e.side, &e.tier, rel, &e.detail)))
+                        .collect(),
+                }
+            }
+            Tier::S3(t) => {
+                let mut each = Vec::with_capacity(files.len());
+                for (rel, limit) in files {
+                    each.push(t.hash_file_bounded(&rel, limit).await);
+                }
+                each
+            }
+        }
     }
 
     async fn hash_file_from(
