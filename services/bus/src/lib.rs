@@ -55,6 +55,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod accounts;
 mod bus;
 mod claim;
 mod config;

@@ -179,6 +179,9 @@ pub enum Command {
     /// Policies: check a folder of policy files before the services are started with it.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// The NATS accounts config (`deploy/nats/accounts.conf`): users for new nodes.
+    #[command(subcommand)]
+    Accounts(AccountsCommand),
     /// Get a dataset version onto a tier for a job, wait for it, see why it waits, release it:
     /// what scheduler plugins call. Exit codes: 0 done (wait: ready), 1 failed, 2 timed out,
     /// 64 bad argument, 69 NATS unreachable, 70 other error.
@@ -763,6 +766,26 @@ pub enum PolicyCommand {
     },
 }
 
+#[derive(Debug, Subcommand)]
+pub enum AccountsCommand {
+    /// Print FILE (an accounts config of the shipped shape) with a NATS user of its own for
+    /// each NODE: the permissions block `NODE_GPU_01` and the user line of `node-gpu-01`
+    /// copied with the node's name (deploy/README.md, "Adding a node"), so that the node's
+    /// promoter agent and demoter state nothing about another node or a shared tier. Connects
+    /// to nothing; write the output over FILE, set `STAGEHAND_NATS_NODE_<N>_PASSWORD` in the
+    /// server's environment and reload it (`nats-server --signal reload`). A node name that is
+    /// no subject token (a Kubernetes node's DNS name) is written as its token. Exits 78 when
+    /// FILE is not of the shipped shape or already has a node's user.
+    AddNode {
+        /// The accounts config to extend.
+        #[arg(long, default_value = "deploy/nats/accounts.conf")]
+        file: PathBuf,
+        /// The nodes (`[service] node` of their promoter agent and demoter).
+        #[arg(required = true)]
+        nodes: Vec<String>,
+    },
+}
+
 #[derive(Debug, Args)]
 pub struct UpArgs {
     /// Where data, tiers, policies and state live.
@@ -1228,6 +1251,7 @@ fn command_name(command: &Command) -> &'static str {
         Command::Up(_) => "up",
         Command::Provision { .. } => "provision",
         Command::Policy(_) => "policy",
+        Command::Accounts(_) => "accounts",
         Command::Stage(StageCommand::Request(_)) => "stage request",
         Command::Stage(StageCommand::Wait(_)) => "stage wait",
         Command::Stage(StageCommand::Status(_)) => "stage status",
@@ -1260,6 +1284,21 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
                 eprint!("{text}");
             }
             Ok(code)
+        }
+        Command::Accounts(AccountsCommand::AddNode { file, nodes }) => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+            match stagehand_bus::accounts::with_node_users(&text, &nodes) {
+                Ok(extended) => {
+                    print!("{extended}");
+                    Ok(0)
+                }
+                Err(e) => {
+                    eprintln!("stagehand accounts add-node: {}: {e}", file.display());
+                    Ok(78)
+                }
+            }
         }
         Command::Up(args) => {
             let _telemetry = stagehand_telemetry::init(crate::up::UP_SERVICE)?;

@@ -742,3 +742,72 @@ fn a_password_file_connects_the_named_user_and_must_be_private() -> anyhow::Resu
     );
     Ok(())
 }
+
+/// `stagehand accounts add-node` is the recipe an operator runs for a new node: a server
+/// started with the config it prints knows the new node's user, which may publish its own
+/// node's facts and is refused another node's; a second run for the same node, and a file of
+/// another shape, are refused with 78 and print nothing.
+#[tokio::test]
+async fn accounts_add_node_gives_a_new_node_a_user_of_its_own() -> anyhow::Result<()> {
+    use stagehand_testkit::{node_inbox_prefix, node_role, node_user, with_test_host_limits};
+    let shipped = stagehand_testkit::accounts_conf();
+    let shipped = shipped.to_str().context("the accounts config's path")?;
+    let add = |file: &str, node: &str| {
+        stagehand(
+            "nats://127.0.0.1:1",
+            &["accounts", "add-node", "--file", file, node],
+        )
+    };
+    let out = add(shipped, "gpu-07")?;
+    ensure!(out.status.code() == Some(0), "{}", said(&out));
+    let text = String::from_utf8(out.stdout)?;
+    let server = NatsServer::builder()
+        .config_text(with_test_host_limits(&text))
+        .role_passwords(&text)
+        .start();
+    let node = async_nats::ConnectOptions::with_user_and_password(
+        node_user("gpu-07"),
+        role_password(&node_role("gpu-07")),
+    )
+    .custom_inbox_prefix(node_inbox_prefix("gpu-07"))
+    .connect(server.url())
+    .await?;
+    let (refused, own) = (
+        "stagehand.fact.stage.ready.gpu-01.demo",
+        "stagehand.fact.stage.ready.gpu-07.demo",
+    );
+    node.publish(refused, "forged".into()).await?;
+    node.publish(own, "own".into()).await?;
+    node.flush().await?;
+    let log_path = server.log_path();
+    let violations = stagehand_testkit::wait_for(
+        Duration::from_secs(10),
+        "the server's word on the other node's subject",
+        || {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            async move {
+                let lines: Vec<String> = (log.lines())
+                    .filter(|l| l.contains("user:node-gpu-07") && l.contains("Violation"))
+                    .map(str::to_owned)
+                    .collect();
+                lines.iter().any(|l| l.contains(refused)).then_some(lines)
+            }
+        },
+    )
+    .await?;
+    ensure!(violations.len() == 1, "{violations:#?}");
+
+    let dir = tempfile::tempdir()?;
+    let extended = dir.path().join("accounts.conf");
+    std::fs::write(&extended, &text)?;
+    let again = add(extended.to_str().context("a temporary path")?, "gpu-07")?;
+    ensure!(again.status.code() == Some(78), "{}", said(&again));
+    ensure!(again.stdout.is_empty(), "{}", said(&again));
+    ensure!(said(&again).contains("node-gpu-07"), "{}", said(&again));
+    let other = dir.path().join("other.conf");
+    std::fs::write(&other, "accounts: {}\n")?;
+    let shape = add(other.to_str().context("a temporary path")?, "gpu-08")?;
+    ensure!(shape.status.code() == Some(78), "{}", said(&shape));
+    ensure!(shape.stdout.is_empty(), "{}", said(&shape));
+    Ok(())
+}

@@ -65,75 +65,14 @@ pub fn user_url(server: &NatsServer, user: &str, role: &str) -> String {
     )
 }
 
-/// The node the shipped accounts config declares its node user for (`NODE_GPU_01`, user
-/// `node-gpu-01`): the services of one node, its promoter agent and its demoter.
-pub const SHIPPED_NODE: &str = "gpu-01";
-
-/// The role (and permissions block) of `node`'s user: `NODE_GPU_01`.
-pub fn node_role(node: &str) -> String {
-    format!("NODE_{}", node.to_ascii_uppercase().replace('-', "_"))
-}
-
-/// The user of `node`'s services: `node-gpu-01`.
-pub fn node_user(node: &str) -> String {
-    format!("node-{node}")
-}
-
-/// The inbox prefix `node`'s services use (`bus.inbox_prefix`): the one its user may
-/// subscribe to, and whose inboxes the recorder answers on.
-pub fn node_inbox_prefix(node: &str) -> String {
-    format!("_INBOX_node.{node}")
-}
+pub use stagehand_bus::accounts::{SHIPPED_NODE, node_inbox_prefix, node_role, node_user};
 
 /// An accounts config `text` of the shipped shape with a user for each of `nodes` besides
-/// [`SHIPPED_NODE`], by the recipe the file's comments give an operator (deploy/README.md,
-/// *Adding a node*): the permissions block `NODE_GPU_01 = { … }` and the user line of
-/// `node-gpu-01`, each copied with the node's name. Panics when `text` has neither, so a
-/// change to the file cannot silently leave a test's nodes without users.
+/// [`SHIPPED_NODE`], by the recipe an operator runs (`stagehand accounts add-node`,
+/// [`stagehand_bus::accounts::with_node_users`]). Panics when `text` is not of that shape, so
+/// a change to the file cannot silently leave a test's nodes without users.
 pub fn with_node_users(text: &str, nodes: &[&str]) -> String {
-    let shipped_block = format!("{} = {{", node_role(SHIPPED_NODE));
-    let shipped_user = format!("{{ user: {},", node_user(SHIPPED_NODE));
-    let for_node = |line: &str, node: &str| {
-        line.replace(&node_role(SHIPPED_NODE), &node_role(node))
-            .replace(SHIPPED_NODE, node)
-    };
-    let mut out = String::with_capacity(text.len() * 2);
-    let mut block: Option<Vec<&str>> = None;
-    let (mut blocks, mut users) = (0, 0);
-    for line in text.lines() {
-        out.push_str(line);
-        out.push('\n');
-        if let Some(lines) = block.as_mut() {
-            lines.push(line);
-            if line == "}" {
-                for node in nodes {
-                    out.push('\n');
-                    for l in lines.iter() {
-                        out.push_str(&for_node(l, node));
-                        out.push('\n');
-                    }
-                }
-                block = None;
-                blocks += 1;
-            }
-            continue;
-        }
-        if line.starts_with(&shipped_block) {
-            block = Some(vec![line]);
-        } else if line.trim_start().starts_with(&shipped_user) {
-            for node in nodes {
-                out.push_str(&for_node(line, node));
-                out.push('\n');
-            }
-            users += 1;
-        }
-    }
-    assert_eq!(
-        (blocks, users),
-        (1, 1),
-        "the accounts config no longer has one {shipped_block} … }} block and one user {shipped_user}"
-    );
-    out
+    stagehand_bus::accounts::with_node_users(text, nodes).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The account a project's tenant users (its uploader and training jobs) are in.
