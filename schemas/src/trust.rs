@@ -26,8 +26,8 @@ pub enum Role {
     Resharder,
     Promoter,
     Demoter,
-    /// One node's promoter agent: one user per node, whose facts are all about that node's
-    /// local tier and travel on its node's subjects.
+    /// One node's promoter agent and demoter: one user per node, whose facts are all about
+    /// that node's local tier and travel on its node's subjects.
     Node,
     BackupCopier,
     CatalogueRecorder,
@@ -81,6 +81,15 @@ impl Role {
         self == Role::Node
     }
 
+    /// Whether the role states the kinds that may name a node on a node's subject too
+    /// (`<kind>.<node>.<project>`: a copy on a node-local tier, a stage addressed to a node).
+    /// Every role but the shared demoter: a node's demoter runs as its node's user, so the
+    /// shared one speaks of shared tiers' copies alone, apart from the kinds every subject of
+    /// which names a node (`replica.unreachable`: it judges a node silent).
+    pub fn states_on_node_subjects(self) -> bool {
+        self != Role::Demoter
+    }
+
     /// Whether the role is one of Stagehand's services (each publishes its own dead letters).
     pub fn is_service(self) -> bool {
         matches!(
@@ -125,7 +134,8 @@ pub fn stated_by(kind: &str) -> &'static [Role] {
         // the shared promoter and demoter about every tier.
         "stage.pending" | "stage.ready" | "stage.failed" => &[Promoter, Node],
         "replica.created" | "replica.damaged" => &[Promoter, Demoter, Node],
-        "replica.removed" | "replica.verified" => &[Demoter],
+        // A node's demoter removes and scrubs its node's copies (on its node's subjects).
+        "replica.removed" | "replica.verified" => &[Demoter, Node],
         // The scrub repairs capacity and backup copies; the promoter the hot and node-local
         // copies it wrote, when jobs hold them.
         "replica.repaired" => &[Promoter, Demoter, Node],

@@ -325,7 +325,10 @@ fn subjects_of(role: Role, token: &str) -> BTreeSet<String> {
             if !stagehand_schemas::subject::routed_by_node(kind) {
                 subjects.push(format!("stagehand.{class}.{kind}.{token}"));
             }
-            if stagehand_schemas::subject::may_name_node(kind) {
+            let routed = stagehand_schemas::subject::routed_by_node(kind);
+            if stagehand_schemas::subject::may_name_node(kind)
+                && (routed || role.states_on_node_subjects())
+            {
                 subjects.push(format!("stagehand.{class}.{kind}.*.{token}"));
             }
             subjects
