@@ -784,6 +784,22 @@ pub enum AccountsCommand {
         #[arg(required = true)]
         nodes: Vec<String>,
     },
+    /// Print FILE (an accounts config of the shipped shape) with the tenants of each PROJECT:
+    /// its uploader's, training jobs' and Kubernetes init containers' users and permissions
+    /// and its account, copied from project `demo`'s, its upload bucket in the services'
+    /// grants, and its account in the exports every project shares (deploy/README.md, "Adding
+    /// a project", step 1). Connects to nothing; write the output over FILE, set the new
+    /// users' `STAGEHAND_NATS_<ROLE>_<P>_PASSWORD` in the server's environment, reload it,
+    /// then run `stagehand provision --project P`. Exits 64 for a name that is no project
+    /// name, 78 when FILE is not of the shipped shape or already has a project's users.
+    AddProject {
+        /// The accounts config to extend.
+        #[arg(long, default_value = "deploy/nats/accounts.conf")]
+        file: PathBuf,
+        /// The projects (lower case, as in their subjects).
+        #[arg(required = true)]
+        projects: Vec<String>,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -1263,6 +1279,29 @@ fn command_name(command: &Command) -> &'static str {
     }
 }
 
+/// `stagehand accounts <command>`: prints `file` extended by `recipe` for `names`; exit 78
+/// (nothing printed) when the file does not take it.
+fn extend_accounts(
+    command: &str,
+    file: &std::path::Path,
+    names: &[String],
+    recipe: fn(&str, &[&str]) -> Result<String, stagehand_bus::accounts::RecipeError>,
+) -> anyhow::Result<i32> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    match recipe(&text, &names) {
+        Ok(extended) => {
+            print!("{extended}");
+            Ok(0)
+        }
+        Err(e) => {
+            eprintln!("stagehand accounts {command}: {}: {e}", file.display());
+            Ok(78)
+        }
+    }
+}
+
 async fn run_command(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::GenerateDocs { out } => {
@@ -1285,20 +1324,23 @@ async fn run_command(cli: Cli) -> anyhow::Result<i32> {
             }
             Ok(code)
         }
-        Command::Accounts(AccountsCommand::AddNode { file, nodes }) => {
-            let text = std::fs::read_to_string(&file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
-            match stagehand_bus::accounts::with_node_users(&text, &nodes) {
-                Ok(extended) => {
-                    print!("{extended}");
-                    Ok(0)
-                }
-                Err(e) => {
-                    eprintln!("stagehand accounts add-node: {}: {e}", file.display());
-                    Ok(78)
-                }
+        Command::Accounts(AccountsCommand::AddNode { file, nodes }) => extend_accounts(
+            "add-node",
+            &file,
+            &nodes,
+            stagehand_bus::accounts::with_node_users,
+        ),
+        Command::Accounts(AccountsCommand::AddProject { file, projects }) => {
+            for p in &projects {
+                stagehand_schemas::layout::check_project(p)
+                    .map_err(|e| args::UsageError(format!("project {p:?}: {e}")))?;
             }
+            extend_accounts(
+                "add-project",
+                &file,
+                &projects,
+                stagehand_bus::accounts::with_project_users,
+            )
         }
         Command::Up(args) => {
             let _telemetry = stagehand_telemetry::init(crate::up::UP_SERVICE)?;

@@ -743,51 +743,63 @@ fn a_password_file_connects_the_named_user_and_must_be_private() -> anyhow::Resu
     Ok(())
 }
 
-/// `stagehand accounts add-node` is the recipe an operator runs for a new node: a server
-/// started with the config it prints knows the new node's user, which may publish its own
-/// node's facts and is refused another node's; a second run for the same node, and a file of
-/// another shape, are refused with 78 and print nothing.
-#[tokio::test]
-async fn accounts_add_node_gives_a_new_node_a_user_of_its_own() -> anyhow::Result<()> {
-    use stagehand_testkit::{node_inbox_prefix, node_role, node_user, with_test_host_limits};
-    let shipped = stagehand_testkit::accounts_conf();
-    let shipped = shipped.to_str().context("the accounts config's path")?;
-    let add = |file: &str, node: &str| {
-        stagehand(
-            "nats://127.0.0.1:1",
-            &["accounts", "add-node", "--file", file, node],
-        )
-    };
-    let out = add(shipped, "gpu-07")?;
+/// `stagehand accounts <command> --file FILE NAME`, connecting to nothing.
+fn accounts(command: &str, file: &Path, name: &str) -> anyhow::Result<Output> {
+    let file = file.to_str().context("the accounts config's path")?;
+    stagehand(
+        "nats://127.0.0.1:1",
+        &["accounts", command, "--file", file, name],
+    )
+}
+
+/// The shipped accounts config extended by `stagehand accounts <command> NAME`: the command
+/// exits 0, and a second run for the same name over its output exits 78, printing nothing.
+fn extended_once(command: &str, name: &str) -> anyhow::Result<String> {
+    let out = accounts(command, &stagehand_testkit::accounts_conf(), name)?;
     ensure!(out.status.code() == Some(0), "{}", said(&out));
     let text = String::from_utf8(out.stdout)?;
+    let dir = tempfile::tempdir()?;
+    let extended = dir.path().join("accounts.conf");
+    std::fs::write(&extended, &text)?;
+    let again = accounts(command, &extended, name)?;
+    ensure!(again.status.code() == Some(78), "{}", said(&again));
+    ensure!(again.stdout.is_empty(), "{}", said(&again));
+    Ok(text)
+}
+
+/// Against a server started with the accounts config `text`, `user` (of `role`, with its
+/// inbox prefix when it has one of its own) publishes on `own` and on `refused`: the server
+/// refuses it `refused` alone (its word read from its log).
+async fn refused_only(
+    text: &str,
+    (user, role, inbox): (&str, &str, Option<String>),
+    own: &str,
+    refused: &str,
+) -> anyhow::Result<()> {
     let server = NatsServer::builder()
-        .config_text(with_test_host_limits(&text))
-        .role_passwords(&text)
+        .config_text(stagehand_testkit::with_test_host_limits(text))
+        .role_passwords(text)
         .start();
-    let node = async_nats::ConnectOptions::with_user_and_password(
-        node_user("gpu-07"),
-        role_password(&node_role("gpu-07")),
-    )
-    .custom_inbox_prefix(node_inbox_prefix("gpu-07"))
-    .connect(server.url())
-    .await?;
-    let (refused, own) = (
-        "stagehand.fact.stage.ready.gpu-01.demo",
-        "stagehand.fact.stage.ready.gpu-07.demo",
-    );
-    node.publish(refused, "forged".into()).await?;
-    node.publish(own, "own".into()).await?;
-    node.flush().await?;
+    let mut options =
+        async_nats::ConnectOptions::with_user_and_password(user.into(), role_password(role));
+    if let Some(inbox) = inbox {
+        options = options.custom_inbox_prefix(inbox);
+    }
+    let client = options.connect(server.url()).await?;
+    client.publish(refused.to_owned(), "forged".into()).await?;
+    client.publish(own.to_owned(), "own".into()).await?;
+    client.flush().await?;
     let log_path = server.log_path();
+    let of_user = format!("user:{user}\"");
     let violations = stagehand_testkit::wait_for(
         Duration::from_secs(10),
-        "the server's word on the other node's subject",
+        "the server's word on the refused subject",
         || {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let of_user = of_user.clone();
             async move {
                 let lines: Vec<String> = (log.lines())
-                    .filter(|l| l.contains("user:node-gpu-07") && l.contains("Violation"))
+                    .filter(|l| l.contains(&of_user) && l.contains("Violation"))
                     .map(str::to_owned)
                     .collect();
                 lines.iter().any(|l| l.contains(refused)).then_some(lines)
@@ -796,18 +808,55 @@ async fn accounts_add_node_gives_a_new_node_a_user_of_its_own() -> anyhow::Resul
     )
     .await?;
     ensure!(violations.len() == 1, "{violations:#?}");
+    Ok(())
+}
 
+/// `stagehand accounts add-node` is the recipe an operator runs for a new node: a server
+/// started with the config it prints knows the new node's user, which may publish its own
+/// node's facts and is refused another node's; a second run for the same node, and a file of
+/// another shape, are refused with 78 and print nothing.
+#[tokio::test]
+async fn accounts_add_node_gives_a_new_node_a_user_of_its_own() -> anyhow::Result<()> {
+    use stagehand_testkit::{node_inbox_prefix, node_role, node_user};
+    let text = extended_once("add-node", "gpu-07")?;
+    let user = node_user("gpu-07");
+    let identity = (
+        user.as_str(),
+        &*node_role("gpu-07"),
+        Some(node_inbox_prefix("gpu-07")),
+    );
+    refused_only(
+        &text,
+        identity,
+        "stagehand.fact.stage.ready.gpu-07.demo",
+        "stagehand.fact.stage.ready.gpu-01.demo",
+    )
+    .await?;
     let dir = tempfile::tempdir()?;
-    let extended = dir.path().join("accounts.conf");
-    std::fs::write(&extended, &text)?;
-    let again = add(extended.to_str().context("a temporary path")?, "gpu-07")?;
-    ensure!(again.status.code() == Some(78), "{}", said(&again));
-    ensure!(again.stdout.is_empty(), "{}", said(&again));
-    ensure!(said(&again).contains("node-gpu-07"), "{}", said(&again));
     let other = dir.path().join("other.conf");
     std::fs::write(&other, "accounts: {}\n")?;
-    let shape = add(other.to_str().context("a temporary path")?, "gpu-08")?;
+    let shape = accounts("add-node", &other, "gpu-08")?;
     ensure!(shape.status.code() == Some(78), "{}", said(&shape));
     ensure!(shape.stdout.is_empty(), "{}", said(&shape));
+    Ok(())
+}
+
+/// `stagehand accounts add-project` is step 1 of adding a tenant: a server started with the
+/// config it prints knows the new project's uploader, which may ask for its own project's
+/// ingests and is refused another project's; a second run for the same project and a name
+/// that is no project name are refused, with nothing printed.
+#[tokio::test]
+async fn accounts_add_project_gives_a_new_tenant_its_users() -> anyhow::Result<()> {
+    let text = extended_once("add-project", "labc")?;
+    refused_only(
+        &text,
+        ("uploader-labc", "UPLOADER_LABC", None),
+        "stagehand.req.ingest.requested.labc",
+        "stagehand.req.ingest.requested.demo",
+    )
+    .await?;
+    let bad = accounts("add-project", &stagehand_testkit::accounts_conf(), "Lab.C")?;
+    ensure!(bad.status.code() == Some(64), "{}", said(&bad));
+    ensure!(bad.stdout.is_empty(), "{}", said(&bad));
     Ok(())
 }

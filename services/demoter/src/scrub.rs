@@ -303,7 +303,7 @@ fn batched(
 /// `prefix` on `tier` (named `tier_name`) and hashes it against the list's SHA-256: up to the
 /// budget's `parallel_files` at once, each taking its bytes and one file of the budget before
 /// it starts and holding one of `scheduler`'s slots in [`SCRUB_PRIORITY`] while it reads (on
-/// posix, a few small files in a row under one slot: [`BATCH_FILES`]). The claim in
+/// posix, a few small files in a row under one slot, `BATCH_FILES`). The claim in
 /// `renewal` is renewed between batches. A file missing, of another size, not a
 /// regular file or hashing to something else is damage; any other error stops the read.
 /// The result does not depend on the order the reads finish in.

@@ -26,9 +26,6 @@ pub fn accounts_conf() -> PathBuf {
     repo_root().join("deploy/nats/accounts.conf")
 }
 
-/// The project the shipped accounts config declares its tenant users for.
-pub const SHIPPED_PROJECT: &str = "demo";
-
 /// Every role whose password the shipped accounts config reads (`UPLOADER_DEMO`, `PROMOTER`,
 /// …), sorted, each once.
 pub fn accounts_roles() -> Vec<String> {
@@ -65,7 +62,9 @@ pub fn user_url(server: &NatsServer, user: &str, role: &str) -> String {
     )
 }
 
-pub use stagehand_bus::accounts::{SHIPPED_NODE, node_inbox_prefix, node_role, node_user};
+pub use stagehand_bus::accounts::{
+    SHIPPED_NODE, SHIPPED_PROJECT, node_inbox_prefix, node_role, node_user, project_account,
+};
 
 /// An accounts config `text` of the shipped shape with a user for each of `nodes` besides
 /// [`SHIPPED_NODE`], by the recipe an operator runs (`stagehand accounts add-node`,
@@ -75,97 +74,17 @@ pub fn with_node_users(text: &str, nodes: &[&str]) -> String {
     stagehand_bus::accounts::with_node_users(text, nodes).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// The account a project's tenant users (its uploader and training jobs) are in.
-pub fn project_account(project: &str) -> String {
-    format!("PROJECT_{}", project.to_ascii_uppercase())
-}
-
-/// The shipped accounts config with tenants of `projects` besides `demo`, by the recipe the
-/// file's own comments give an operator (deploy/README.md, *Adding a project*): every block
-/// whose name ends in `_DEMO` (the uploader's and training jobs' permissions, the account
-/// `PROJECT_DEMO` with their users and imports) is copied for each project; every other line
-/// naming the demo project's upload bucket (the services' grants on it) or exporting to
-/// `PROJECT_DEMO` alone is repeated for each; and an export shared by every project
-/// (`accounts: [SCHEDULERS, PROJECT_DEMO]`) lists each project's account too. Panics when the
-/// shipped file no longer has that shape, so a change to it cannot silently leave a test's
-/// second tenant without users, imports or exports.
+/// The shipped accounts config with tenants of `projects` besides `demo`, by the recipe an
+/// operator runs (`stagehand accounts add-project`,
+/// [`stagehand_bus::accounts::with_project_users`]). Panics when the shipped file no longer has
+/// that shape, so a change to it cannot silently leave a test's second tenant without users,
+/// imports or exports.
 pub fn accounts_conf_with_projects(projects: &[&str]) -> String {
     let path = accounts_conf();
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    let demo_upper = format!("_{}", SHIPPED_PROJECT.to_ascii_uppercase());
-    let demo_bucket = format!("stagehand_uploads_{SHIPPED_PROJECT}");
-    let demo_account = project_account(SHIPPED_PROJECT);
-    let for_project = |line: &str, project: &str| {
-        line.replace(&demo_upper, &format!("_{}", project.to_ascii_uppercase()))
-            .replace(&demo_bucket, &format!("stagehand_uploads_{project}"))
-            .replace(&format!("-{SHIPPED_PROJECT}"), &format!("-{project}"))
-            .replace(&format!(".{SHIPPED_PROJECT}"), &format!(".{project}"))
-    };
-    let mut out = String::with_capacity(text.len() * 2);
-    // A block being copied: its lines so far and the line that closes it.
-    let mut block: Option<(Vec<&str>, String)> = None;
-    let (mut blocks, mut grants, mut shared) = (0, 0, 0);
-    for line in text.lines() {
-        out.push_str(line);
-        out.push('\n');
-        if let Some((lines, close)) = block.as_mut() {
-            lines.push(line);
-            if line == close.as_str() {
-                for project in projects {
-                    out.push('\n');
-                    for l in lines.iter() {
-                        out.push_str(&for_project(l, project));
-                        out.push('\n');
-                    }
-                }
-                block = None;
-                blocks += 1;
-            }
-            continue;
-        }
-        let code = line.trim_start();
-        if code.starts_with('#') {
-            continue;
-        }
-        let head = code.split_whitespace().next().unwrap_or("");
-        // The accounts an export line names, and where that list is in the line.
-        let exports_to = line.find("accounts: [").and_then(|at| {
-            let open = at + "accounts: [".len();
-            let close = open + line[open..].find(']')?;
-            let to: Vec<&str> = line[open..close].split(',').map(str::trim).collect();
-            Some((open..close, to))
-        });
-        if head.ends_with(&demo_upper) && code.trim_end().ends_with('{') {
-            let indent = &line[..line.len() - code.len()];
-            block = Some((vec![line], format!("{indent}}}")));
-        } else if let Some((span, to)) = exports_to.filter(|(_, to)| to.len() > 1) {
-            if to.contains(&demo_account.as_str()) {
-                let mut with: Vec<String> = to.iter().map(|a| a.to_string()).collect();
-                with.extend(projects.iter().map(|p| project_account(p)));
-                out.truncate(out.len() - line.len() - 1);
-                out.push_str(&line[..span.start]);
-                out.push_str(&with.join(", "));
-                out.push_str(&line[span.end..]);
-                out.push('\n');
-                shared += 1;
-            }
-        } else if line.contains(&demo_bucket) || line.contains(&format!("[{demo_account}]")) {
-            for project in projects {
-                out.push_str(&for_project(line, project));
-                out.push('\n');
-            }
-            grants += 1;
-        }
-    }
-    assert!(
-        blocks >= 3 && grants > 0 && shared > 0,
-        "{}: expected per-project blocks (permissions, account), grants and exports of project \
-         {SHIPPED_PROJECT} to copy and exports shared with it (found {blocks} blocks, {grants} \
-         lines, {shared} shared exports)",
-        path.display()
-    );
-    out
+    stagehand_bus::accounts::with_project_users(&text, projects)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// The subjects `role`'s block of an accounts config `text` (such as

@@ -29,7 +29,7 @@ pub struct PassReport {
     /// did not withdraw its readiness in time).
     pub deferred: usize,
     /// A node's replicas kept although their tier is over its watermark or they are idle:
-    /// no shared tier holds a verified copy of them ([`Demoter::kept_as_last_copy`]).
+    /// no shared tier holds a verified copy of them (a node's demoter copies nothing down).
     pub kept_last_copies: usize,
 }
 
@@ -268,7 +268,7 @@ impl Demoter {
             files: placed.files,
             bytes: placed.bytes,
             reason: reason.describe(tier, limits, rules),
-            // A node's demoter removes only what a shared tier holds ([`kept_as_last_copy`]).
+            // A node's demoter removes only what a shared tier holds (`kept_as_last_copy`).
             copy_to: (self.p().node.is_none() && !placed.durable_elsewhere)
                 .then(|| self.p().demotion.target.clone()),
             phase: Phase::Planned,
