@@ -200,7 +200,7 @@ impl ServiceSettings for Settings {
     /// A node's demoter is `node-<node>`, as its node's promoter agent is: the heartbeat key
     /// its node's user is granted (`demoter.node-<node>`), beside the shared demoter's.
     fn instance(&self) -> Option<String> {
-        (self.node.as_deref()).map(|node| format!("node-{}", subject::node_token(node)))
+        (self.node.as_deref()).map(stagehand_bus::accounts::node_user)
     }
 
     fn validate(&self) -> Result<(), InvalidKey> {

@@ -256,8 +256,12 @@ struct Hashed {
     /// Where the file stands in the list: the damaged files are listed in this order.
     index: usize,
     file: FileRef,
-    rel: String,
     digest: Result<stagehand_mover::FileDigest, TransferError>,
+}
+
+/// Where a listed file of the replica at `prefix` is, beneath its tier's root.
+fn rel_of(prefix: &str, file: &FileRef) -> String {
+    format!("{prefix}/{}", file.path)
 }
 
 /// On a posix tier, the most files read one after another on one reading thread, and their
@@ -335,22 +339,16 @@ where
                 .bytes
                 .take(batch.iter().map(|(_, f)| f.size).sum())
                 .await;
-            let rels: Vec<(String, ReadLimit)> = (batch.iter())
-                .map(|(_, f)| {
-                    let rel = format!("{prefix}/{}", f.path);
-                    (rel, ReadLimit::declared(f.size, None))
-                })
+            let files: Arc<[(String, ReadLimit)]> = (batch.iter())
+                .map(|(_, f)| (rel_of(prefix, f), ReadLimit::declared(f.size, None)))
                 .collect();
             let _slot = scheduler.acquire(SCRUB_PRIORITY).await;
-            let digests = tier
-                .hash_files_on_device(rels.clone(), SCRUB_PRIORITY)
-                .await;
+            let digests = tier.hash_files_on_device(files, SCRUB_PRIORITY).await;
             Ok::<_, ScrubError>(
-                (batch.into_iter().zip(rels).zip(digests))
-                    .map(|(((index, file), (rel, _)), digest)| Hashed {
+                (batch.into_iter().zip(digests))
+                    .map(|((index, file), digest)| Hashed {
                         index,
                         file,
-                        rel,
                         digest,
                     })
                     .collect::<Vec<_>>(),
@@ -398,7 +396,7 @@ where
                 _ => {
                     return Err(ScrubError::Read {
                         tier: tier_name.to_owned(),
-                        path: h.rel,
+                        path: rel_of(prefix, &h.file),
                         source: Box::new(e),
                     });
                 }
@@ -408,7 +406,7 @@ where
         // What a size mismatch found, for the report (one more lookup, of a damaged file
         // only); a file gone meanwhile has none.
         let found_size = if how == "size" {
-            tier.size(&h.rel).await.ok().flatten()
+            tier.size(&rel_of(prefix, &h.file)).await.ok().flatten()
         } else {
             None
         };

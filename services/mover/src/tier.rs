@@ -1,5 +1,7 @@
 //! A storage tier: a posix root or an S3 bucket prefix, behind one small enum.
 
+use std::sync::Arc;
+
 use crate::error::{ErrorKind, Side, TransferError};
 use crate::posix::{PosixTier, ReadFrom};
 use crate::s3::S3Tier;
@@ -165,21 +167,17 @@ impl Tier {
     /// always read from the store.
     pub async fn hash_files_on_device(
         &self,
-        files: Vec<(String, ReadLimit)>,
+        files: Arc<[(String, ReadLimit)]>,
         priority: Priority,
     ) -> Vec<Result<FileDigest, TransferError>> {
         match self {
             Tier::Posix(t) => {
-                let t = t.clone();
-                let first = files
-                    .first()
-                    .map_or_else(String::new, |(rel, _)| rel.clone());
-                let rels: Vec<String> = files.iter().map(|(rel, _)| rel.clone()).collect();
+                let (t, listed) = (t.clone(), files.clone());
+                let first = files.first().map_or("", |(rel, _)| rel.as_str());
                 let hashed = self
-                    .blocking(&first, Side::Source, "hashing", move || {
+                    .blocking(first, Side::Source, "hashing", move || {
                         let _class = crate::posix::IoClass::enter(priority);
-                        Ok(files
-                            .iter()
+                        Ok((listed.iter())
                             .map(|(rel, limit)| t.hash_file_from(rel, *limit, ReadFrom::Device))
                             .collect::<Vec<_>>())
                     })
@@ -187,15 +185,17 @@ impl Tier {
                 match hashed {
                     Ok(each) => each,
                     // The reading thread failed as a whole: every file of the batch says so.
-                    Err(e) => (rels.into_iter())
-                        .map(|rel| Err(TransferError::new(e.kind, e.side, &e.tier, rel, &e.detail)))
+                    Err(e) => (files.iter())
+                        .map(|(rel, _)| {
+                            Err(TransferError::new(e.kind, e.side, &e.tier, rel, &e.detail))
+                        })
                         .collect(),
                 }
             }
             Tier::S3(t) => {
                 let mut each = Vec::with_capacity(files.len());
-                for (rel, limit) in files {
-                    each.push(t.hash_file_bounded(&rel, limit).await);
+                for (rel, limit) in files.iter() {
+                    each.push(t.hash_file_bounded(rel, *limit).await);
                 }
                 each
             }

@@ -157,7 +157,7 @@ impl Settings {
             (Some(instance), _) => instance.clone(),
             // One agent per node: named by its node, so that its consumers and heartbeat are
             // the ones its node's NATS user is granted (`NODE_<N>` in accounts.conf).
-            (None, Some(node)) => format!("node-{}", subject::node_token(node)),
+            (None, Some(node)) => stagehand_bus::accounts::node_user(node),
             (None, None) => stagehand_bus::host_name(),
         };
         // A consumer name and a KV key token.

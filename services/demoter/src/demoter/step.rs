@@ -465,12 +465,14 @@ impl Demoter {
                 != Some(true)
         };
         let bucket = &self.p().readiness;
-        let mut watch = watch_key(&self.p().bus, bucket, &key).await?;
         match bucket.entry(&key).await.map_err(step_err)? {
             None => return Ok(true),
             Some(e) if not_ready(e.operation == kv::Operation::Put, &e.value) => return Ok(true),
             Some(_) => {}
         }
+        // Still ready: watched from its latest value on, so a withdrawal made since the read
+        // above is the watch's first message, never missed.
+        let mut watch = watch_key(&self.p().bus, bucket, &key).await?;
         let waited = tokio::time::timeout(WITHDRAW_WAIT, async {
             while let Some(m) = watch.next().await {
                 match m {
